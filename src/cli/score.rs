@@ -1,0 +1,66 @@
+use std::path::PathBuf;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use crate::backend::BackendKind;
+use crate::io::{read_json, write_json_atomic};
+use crate::model::{scoring::next_token_logprobs, Decoder};
+use crate::rollout::rows;
+
+#[derive(Debug, clap::Args)]
+pub struct ScoreArgs {
+    /// Hugging Face model directory (config.json + model.safetensors or sharded index).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// JSON file `{"input_ids": [[id, ...], ...]}` (rows of equal length).
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Where to write `{"logits": [B][T][V], "logprobs": [B][T-1]}`.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
+    pub backend: BackendKind,
+    /// Leave the (large) logits out of the output.
+    #[arg(long)]
+    pub no_logits: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScoreInput {
+    input_ids: Vec<Vec<u32>>,
+}
+
+#[derive(Serialize)]
+struct ScoreOutput {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logits: Option<Vec<Vec<Vec<f32>>>>,
+    logprobs: Vec<Vec<f32>>,
+}
+
+pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
+    let input: ScoreInput = read_json(&args.input)?;
+    let device = args.backend.device()?;
+    let model = Decoder::load(&args.model, &device)?;
+    model
+        .check_ids(&input.input_ids)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", args.input.display()))?;
+    let ids = &input.input_ids;
+    let out = model.forward(ids, None, None, None);
+    let [b, t, v] = out.logits.dims();
+    let logprobs = if t > 1 {
+        rows(next_token_logprobs(out.logits.clone(), ids))
+    } else {
+        vec![Vec::new(); b]
+    };
+    let logits = (!args.no_logits).then(|| {
+        let flat = rows(out.logits.reshape([b * t, v]));
+        flat.chunks(t).map(<[Vec<f32>]>::to_vec).collect()
+    });
+    write_json_atomic(&args.output, &ScoreOutput { logits, logprobs })
+        .with_context(|| "writing the scores".to_string())?;
+    tracing::info!(rows = b, tokens = t, "scored");
+    Ok(())
+}

@@ -1,0 +1,38 @@
+//! File helpers shared by the commands: JSON in with errors that name the file, JSON out written atomically
+//! (a crash never leaves a half-written result where a good one was).
+
+use std::io::Write;
+use std::path::Path;
+
+use anyhow::Context;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+/// Reads and parses a JSON file; the error names the file and the problem.
+pub fn read_json<T: DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{}: invalid content", path.display()))
+}
+
+/// Writes `value` as JSON to `path` through a temporary file in the same directory, fsync and rename.
+pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("{}: cannot create directory", dir.display()))?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
+    {
+        let mut w = std::io::BufWriter::new(tmp.as_file_mut());
+        serde_json::to_writer(&mut w, value)
+            .with_context(|| format!("{}: cannot write", path.display()))?;
+        w.flush()?;
+    }
+    tmp.as_file().sync_all()?;
+    tmp.persist(path)
+        .with_context(|| format!("{}: cannot move the result into place", path.display()))?;
+    Ok(())
+}

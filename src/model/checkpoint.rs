@@ -1,0 +1,243 @@
+//! Reading Hugging Face safetensors checkpoints: one `model.safetensors`, or shards listed in
+//! `model.safetensors.index.json`. Tensors are converted to f32 on the way in (F32, BF16 and F16 on disk).
+//!
+//! The reader remembers which tensors were taken so that, once the model is built, anything left over is
+//! reported: an extra tensor usually means the config and the weights disagree (a wrong `num_hidden_layers`,
+//! a fused-expert layout), which should fail loudly rather than load a half-initialised model.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use safetensors::tensor::{Dtype, Metadata, SafeTensors};
+
+use super::error::LoadError;
+
+struct ShardFile {
+    path: PathBuf,
+    map: Mmap,
+    data_start: usize,
+    meta: Metadata,
+}
+
+/// An open checkpoint directory.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<ShardFile>,
+    /// tensor name -> index into `shards`
+    index: BTreeMap<String, usize>,
+    taken: RefCell<BTreeSet<String>>,
+}
+
+/// Single-file name HF uses.
+pub const SINGLE_FILE: &str = "model.safetensors";
+/// Index of a sharded checkpoint.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+
+fn open_shard(path: &Path) -> Result<ShardFile, LoadError> {
+    let file = std::fs::File::open(path).map_err(|io| LoadError::Io {
+        path: path.to_path_buf(),
+        io,
+    })?;
+    // SAFETY: the map is read-only; a checkpoint rewritten while we read it is a user error that at
+    // worst yields wrong numbers, never unsafety in safe code that only reads bytes.
+    let map = unsafe { Mmap::map(&file) }.map_err(|io| LoadError::Io {
+        path: path.to_path_buf(),
+        io,
+    })?;
+    let (header_len, meta) =
+        SafeTensors::read_metadata(&map).map_err(|e| LoadError::BadSafetensors {
+            path: path.to_path_buf(),
+            msg: e.to_string(),
+        })?;
+    Ok(ShardFile {
+        path: path.to_path_buf(),
+        data_start: 8 + header_len,
+        map,
+        meta,
+    })
+}
+
+impl Checkpoint {
+    /// Opens the weights of a model directory.
+    pub fn open(dir: impl AsRef<Path>) -> Result<Self, LoadError> {
+        let dir = dir.as_ref().to_path_buf();
+        let single = dir.join(SINGLE_FILE);
+        let index_path = dir.join(INDEX_FILE);
+        let mut shards = Vec::new();
+        let mut index = BTreeMap::new();
+        if single.is_file() {
+            let shard = open_shard(&single)?;
+            for name in shard.meta.tensors().keys() {
+                index.insert(name.clone(), 0);
+            }
+            shards.push(shard);
+        } else if index_path.is_file() {
+            let text = std::fs::read_to_string(&index_path).map_err(|io| LoadError::Io {
+                path: index_path.clone(),
+                io,
+            })?;
+            let bad = |msg: String| LoadError::InvalidConfig {
+                path: index_path.clone(),
+                msg,
+            };
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| bad("missing object `weight_map`".into()))?;
+            let mut file_ids: HashMap<String, usize> = HashMap::new();
+            for (name, file) in map {
+                let file = file
+                    .as_str()
+                    .ok_or_else(|| bad(format!("`weight_map.{name}` must be a file name")))?;
+                if file.contains('/') || file.contains('\\') || file == ".." {
+                    return Err(bad(format!(
+                        "`weight_map.{name}` = \"{file}\" must be a plain file name"
+                    )));
+                }
+                let id = match file_ids.get(file) {
+                    Some(&id) => id,
+                    None => {
+                        let shard = open_shard(&dir.join(file))?;
+                        shards.push(shard);
+                        file_ids.insert(file.to_string(), shards.len() - 1);
+                        shards.len() - 1
+                    }
+                };
+                if shards[id].meta.info(name).is_none() {
+                    return Err(LoadError::MissingTensor {
+                        path: shards[id].path.clone(),
+                        name: name.clone(),
+                        expected: vec![],
+                    });
+                }
+                index.insert(name.clone(), id);
+            }
+            // Tensors present in a shard but not in the index are extras as well.
+            for (id, shard) in shards.iter().enumerate() {
+                for name in shard.meta.tensors().keys() {
+                    index.entry(name.clone()).or_insert(id);
+                }
+            }
+        } else {
+            return Err(LoadError::NoWeights { dir });
+        }
+        Ok(Self {
+            dir,
+            shards,
+            index,
+            taken: RefCell::new(BTreeSet::new()),
+        })
+    }
+
+    /// The model directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Whether the checkpoint holds `name`.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// All tensor names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// The file a tensor lives in (or, for a tensor that is absent, the file it was looked for in).
+    fn path_of(&self, name: &str) -> PathBuf {
+        match self.index.get(name) {
+            Some(&id) => self.shards[id].path.clone(),
+            None if self.shards.len() == 1 => self.shards[0].path.clone(),
+            None => self.dir.join(INDEX_FILE),
+        }
+    }
+
+    /// Shape of a tensor, if present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        let id = *self.index.get(name)?;
+        self.shards[id].meta.info(name).map(|i| i.shape.clone())
+    }
+
+    /// Reads tensor `name` as f32, checking that its shape is `expected`, and marks it as used.
+    pub fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
+        let path = self.path_of(name);
+        let Some(&id) = self.index.get(name) else {
+            return Err(LoadError::MissingTensor {
+                path,
+                name: name.to_string(),
+                expected: expected.to_vec(),
+            });
+        };
+        let shard = &self.shards[id];
+        let info = shard.meta.info(name).expect("index built from metadata");
+        if info.shape != expected {
+            return Err(LoadError::ShapeMismatch {
+                path,
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                got: info.shape.clone(),
+            });
+        }
+        let (start, end) = info.data_offsets;
+        let bytes = &shard.map[shard.data_start + start..shard.data_start + end];
+        let out = match info.dtype {
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(LoadError::UnsupportedDtype {
+                    path,
+                    name: name.to_string(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        self.taken.borrow_mut().insert(name.to_string());
+        Ok(out)
+    }
+
+    /// Marks a tensor as deliberately ignored (e.g. a stored `lm_head.weight` of a tied model).
+    pub fn ignore(&self, name: &str) {
+        if self.contains(name) {
+            self.taken.borrow_mut().insert(name.to_string());
+        }
+    }
+
+    /// Fails if some tensor of the checkpoint was never read, naming them.
+    pub fn ensure_all_used(&self) -> Result<(), LoadError> {
+        let taken = self.taken.borrow();
+        let extra: Vec<&str> = self
+            .index
+            .keys()
+            .filter(|n| !taken.contains(*n) && !n.ends_with("rotary_emb.inv_freq"))
+            .map(String::as_str)
+            .collect();
+        if extra.is_empty() {
+            return Ok(());
+        }
+        let shown: Vec<String> = extra.iter().take(8).map(|n| format!("`{n}`")).collect();
+        let more = if extra.len() > 8 {
+            format!(" and {} more", extra.len() - 8)
+        } else {
+            String::new()
+        };
+        Err(LoadError::UnexpectedTensors {
+            path: self.path_of(extra[0]),
+            names: format!("{}{more}", shown.join(", ")),
+        })
+    }
+}

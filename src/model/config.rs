@@ -1,0 +1,364 @@
+//! `config.json` of a Hugging Face causal LM, parsed into one architecture-neutral description.
+//!
+//! One decoder serves Llama, Qwen2/2.5, Qwen3 and Qwen3-MoE: they differ only in a few switches (q/k/v bias,
+//! per-head q/k RMSNorm, routed experts). Both the classic key names (`num_experts`, `rope_theta`) and the
+//! transformers 5.x ones (`num_local_experts`, `rope_parameters.rope_theta`) are accepted.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::error::LoadError;
+
+/// Which Hugging Face architecture a checkpoint declares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Architecture {
+    Llama,
+    Qwen2,
+    Qwen3,
+    Qwen3Moe,
+}
+
+impl Architecture {
+    /// The `architectures[0]` names this decoder implements.
+    pub const SUPPORTED: [&'static str; 4] = [
+        "LlamaForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ];
+
+    fn from_hf_name(name: &str) -> Option<Self> {
+        match name {
+            "LlamaForCausalLM" => Some(Self::Llama),
+            "Qwen2ForCausalLM" => Some(Self::Qwen2),
+            "Qwen3ForCausalLM" => Some(Self::Qwen3),
+            "Qwen3MoeForCausalLM" => Some(Self::Qwen3Moe),
+            _ => None,
+        }
+    }
+
+    /// The HF name, as written back to config.json.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+            Self::Qwen3Moe => "Qwen3MoeForCausalLM",
+        }
+    }
+}
+
+/// Routed-expert settings of a Qwen3-MoE model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    /// Renormalise the top-k routing weights to sum to one.
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer (1-based: layer `i` when `(i + 1) % step == 0`) is sparse.
+    pub decoder_sparse_step: usize,
+    /// Layers forced to a dense MLP.
+    pub mlp_only_layers: Vec<usize>,
+}
+
+/// Everything the decoder needs to know about a checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q, k and v projections (Qwen2; `attention_bias` on Llama / Qwen3).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (`attention_bias` on Llama / Qwen3; never on Qwen2).
+    pub o_bias: bool,
+    /// Bias on the MLP projections (Llama's `mlp_bias`).
+    pub mlp_bias: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3 family).
+    pub qk_norm: bool,
+    pub moe: Option<MoeConfig>,
+    pub bos_token_id: Option<u32>,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// Reads keys out of a JSON object and reports problems against the file they came from.
+struct Keys<'a> {
+    path: &'a Path,
+    root: &'a Value,
+}
+
+impl<'a> Keys<'a> {
+    fn find(&self, names: &[&str]) -> Option<&'a Value> {
+        names.iter().find_map(|name| {
+            let mut v = self.root;
+            for part in name.split('.') {
+                v = v.get(part)?;
+            }
+            (!v.is_null()).then_some(v)
+        })
+    }
+
+    fn missing(&self, names: &[&str]) -> LoadError {
+        LoadError::MissingKey {
+            path: self.path.to_path_buf(),
+            key: names.join("` or `"),
+        }
+    }
+
+    fn bad(&self, name: &str, want: &str, got: &Value) -> LoadError {
+        LoadError::InvalidConfig {
+            path: self.path.to_path_buf(),
+            msg: format!("`{name}` must be {want}, found {got}"),
+        }
+    }
+
+    fn usize_opt(&self, names: &[&str]) -> Result<Option<usize>, LoadError> {
+        match self.find(names) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| self.bad(names[0], "a non-negative integer", v)),
+        }
+    }
+
+    fn usize(&self, names: &[&str]) -> Result<usize, LoadError> {
+        self.usize_opt(names)?.ok_or_else(|| self.missing(names))
+    }
+
+    fn positive(&self, names: &[&str]) -> Result<usize, LoadError> {
+        let v = self.usize(names)?;
+        if v == 0 {
+            return Err(self.bad(names[0], "positive", &Value::from(0)));
+        }
+        Ok(v)
+    }
+
+    fn f64_opt(&self, names: &[&str]) -> Result<Option<f64>, LoadError> {
+        match self.find(names) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.bad(names[0], "a number", v)),
+        }
+    }
+
+    fn bool_or(&self, names: &[&str], default: bool) -> Result<bool, LoadError> {
+        match self.find(names) {
+            None => Ok(default),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.bad(names[0], "true or false", v)),
+        }
+    }
+
+    /// A token id or a list of them (`eos_token_id` is either in HF configs).
+    fn ids(&self, name: &str) -> Result<Vec<u32>, LoadError> {
+        match self.find(&[name]) {
+            None => Ok(vec![]),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|x| x as u32)
+                        .ok_or_else(|| self.bad(name, "a token id or a list of ids", v))
+                })
+                .collect(),
+            Some(v) => v
+                .as_u64()
+                .map(|x| vec![x as u32])
+                .ok_or_else(|| self.bad(name, "a token id or a list of ids", v)),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Reads `config.json` (the file itself, or the model directory that holds it).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, LoadError> {
+        let mut path: PathBuf = path.as_ref().to_path_buf();
+        if path.is_dir() || path.extension().is_none_or(|e| e != "json") {
+            path = path.join("config.json");
+        }
+        let text = std::fs::read_to_string(&path).map_err(|io| LoadError::Io {
+            path: path.clone(),
+            io,
+        })?;
+        Self::from_json_str(&text, &path)
+    }
+
+    /// Parses the text of a `config.json`; `path` is only used in error messages.
+    pub fn from_json_str(text: &str, path: &Path) -> Result<Self, LoadError> {
+        let root: Value = serde_json::from_str(text).map_err(|e| LoadError::InvalidConfig {
+            path: path.to_path_buf(),
+            msg: format!("not valid JSON: {e}"),
+        })?;
+        if !root.is_object() {
+            return Err(LoadError::InvalidConfig {
+                path: path.to_path_buf(),
+                msg: "the top level must be a JSON object".into(),
+            });
+        }
+        let k = Keys { path, root: &root };
+
+        let arch_name = match k.find(&["architectures"]) {
+            Some(Value::Array(a)) if !a.is_empty() => a[0].as_str().unwrap_or_default().to_string(),
+            Some(v) => return Err(k.bad("architectures", "a non-empty list of names", v)),
+            None => return Err(k.missing(&["architectures"])),
+        };
+        let architecture = Architecture::from_hf_name(&arch_name).ok_or_else(|| {
+            LoadError::UnknownArchitecture {
+                path: path.to_path_buf(),
+                name: arch_name.clone(),
+            }
+        })?;
+
+        let hidden_size = k.positive(&["hidden_size"])?;
+        let num_attention_heads = k.positive(&["num_attention_heads"])?;
+        let num_key_value_heads = k
+            .usize_opt(&["num_key_value_heads"])?
+            .unwrap_or(num_attention_heads);
+        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+            return Err(LoadError::InvalidConfig {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "`num_attention_heads` ({num_attention_heads}) must be a multiple of `num_key_value_heads` ({num_key_value_heads})"
+                ),
+            });
+        }
+        let head_dim = match k.usize_opt(&["head_dim"])? {
+            Some(d) => d,
+            None => {
+                if hidden_size % num_attention_heads != 0 {
+                    return Err(k.missing(&["head_dim"]));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(k.bad(
+                "head_dim",
+                "a positive even number (RoPE rotates pairs)",
+                &Value::from(head_dim),
+            ));
+        }
+
+        let rope_theta = k
+            .f64_opt(&["rope_theta", "rope_parameters.rope_theta"])?
+            .ok_or_else(|| k.missing(&["rope_theta", "rope_parameters.rope_theta"]))?;
+        for key in ["rope_scaling", "rope_parameters"] {
+            if let Some(rope_type) = k
+                .find(&[&format!("{key}.rope_type"), &format!("{key}.type")])
+                .and_then(Value::as_str)
+            {
+                if rope_type != "default" {
+                    return Err(LoadError::InvalidConfig {
+                        path: path.to_path_buf(),
+                        msg: format!("`{key}.rope_type` = \"{rope_type}\" is not supported yet (only \"default\" RoPE)"),
+                    });
+                }
+            }
+        }
+
+        if k.bool_or(&["use_sliding_window"], false)? {
+            return Err(LoadError::InvalidConfig {
+                path: path.to_path_buf(),
+                msg: "`use_sliding_window` = true is not supported (sliding-window attention)"
+                    .into(),
+            });
+        }
+        let attention_bias = k.bool_or(&["attention_bias"], false)?;
+        let (qkv_bias, o_bias, qk_norm) = match architecture {
+            Architecture::Llama => (attention_bias, attention_bias, false),
+            Architecture::Qwen2 => (true, false, false),
+            Architecture::Qwen3 | Architecture::Qwen3Moe => (attention_bias, attention_bias, true),
+        };
+
+        let moe = if architecture == Architecture::Qwen3Moe {
+            let keys = ["num_experts", "num_local_experts"];
+            let num_experts = k.positive(&keys)?;
+            let num_experts_per_tok = k.positive(&["num_experts_per_tok"])?;
+            if num_experts_per_tok > num_experts {
+                return Err(LoadError::InvalidConfig {
+                    path: path.to_path_buf(),
+                    msg: format!("`num_experts_per_tok` ({num_experts_per_tok}) exceeds the number of experts ({num_experts})"),
+                });
+            }
+            let mlp_only_layers = match k.find(&["mlp_only_layers"]) {
+                None => vec![],
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|v| {
+                        v.as_u64()
+                            .map(|x| x as usize)
+                            .ok_or_else(|| k.bad("mlp_only_layers", "a list of layer indices", v))
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(v) => return Err(k.bad("mlp_only_layers", "a list of layer indices", v)),
+            };
+            Some(MoeConfig {
+                num_experts,
+                num_experts_per_tok,
+                moe_intermediate_size: k.positive(&["moe_intermediate_size"])?,
+                norm_topk_prob: k.bool_or(&["norm_topk_prob"], false)?,
+                decoder_sparse_step: k.usize_opt(&["decoder_sparse_step"])?.unwrap_or(1).max(1),
+                mlp_only_layers,
+            })
+        } else {
+            None
+        };
+
+        let intermediate_size = match (&moe, k.usize_opt(&["intermediate_size"])?) {
+            (_, Some(n)) => n,
+            // A MoE model whose layers are all sparse needs no dense width.
+            (Some(_), None) => 0,
+            (None, None) => return Err(k.missing(&["intermediate_size"])),
+        };
+
+        Ok(Self {
+            architecture,
+            vocab_size: k.positive(&["vocab_size"])?,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers: k.positive(&["num_hidden_layers"])?,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: k
+                .f64_opt(&["rms_norm_eps"])?
+                .ok_or_else(|| k.missing(&["rms_norm_eps"]))?,
+            rope_theta,
+            max_position_embeddings: k.usize_opt(&["max_position_embeddings"])?.unwrap_or(32768),
+            tie_word_embeddings: k.bool_or(&["tie_word_embeddings"], false)?,
+            qkv_bias,
+            o_bias,
+            mlp_bias: k.bool_or(&["mlp_bias"], false)?,
+            qk_norm,
+            moe,
+            bos_token_id: k.ids("bos_token_id")?.first().copied(),
+            eos_token_ids: k.ids("eos_token_id")?,
+        })
+    }
+
+    /// Whether decoder layer `layer` uses routed experts (Qwen3-MoE's rule).
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        match &self.moe {
+            None => false,
+            Some(m) => {
+                !m.mlp_only_layers.contains(&layer)
+                    && m.num_experts > 0
+                    && (layer + 1) % m.decoder_sparse_step == 0
+            }
+        }
+    }
+}

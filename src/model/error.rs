@@ -1,0 +1,44 @@
+//! Errors met while loading a model: each names the file and what is wrong with it.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{path}: {io}")]
+    Io { path: PathBuf, io: std::io::Error },
+    #[error("{path}: missing key `{key}`")]
+    MissingKey { path: PathBuf, key: String },
+    #[error("{path}: {msg}")]
+    InvalidConfig { path: PathBuf, msg: String },
+    #[error("{path}: unknown architecture `{name}` (supported: LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)")]
+    UnknownArchitecture { path: PathBuf, name: String },
+    #[error("{path}: not a valid safetensors file: {msg}")]
+    BadSafetensors { path: PathBuf, msg: String },
+    #[error(
+        "{dir}: no weights found (expected model.safetensors or model.safetensors.index.json)"
+    )]
+    NoWeights { dir: PathBuf },
+    #[error("{path}: missing tensor `{name}` (expected shape {expected:?})")]
+    MissingTensor {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+    },
+    #[error("{path}: tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    ShapeMismatch {
+        path: PathBuf,
+        name: String,
+        expected: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("{path}: tensor `{name}` has dtype {dtype}; supported: F32, BF16, F16")]
+    UnsupportedDtype {
+        path: PathBuf,
+        name: String,
+        dtype: String,
+    },
+    #[error("{path}: unexpected tensor(s) the model does not use: {names}")]
+    UnexpectedTensors { path: PathBuf, names: String },
+    #[error("{path}: tokenizer: {msg}")]
+    Tokenizer { path: PathBuf, msg: String },
+}

@@ -1,0 +1,179 @@
+//! The building blocks shared by every architecture: linear projections, RMSNorm and rotary embeddings.
+
+use burn::module::{Module, Param};
+use burn::tensor::{Device, Tensor, TensorData};
+
+use super::checkpoint::Checkpoint;
+use super::error::LoadError;
+
+/// Makes a float tensor of `shape` from host values.
+pub fn tensor_from_vec<const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &Device,
+) -> Tensor<D> {
+    Tensor::from_data(TensorData::new(values, shape), device)
+}
+
+/// A full-precision linear projection `y = x W^T + b` with HF's `[out, in]` weight stored transposed as
+/// `[in, out]`, so the forward is a plain row-major matmul.
+#[derive(Module, Debug)]
+pub struct Linear {
+    /// `[in, out]`
+    pub weight: Param<Tensor<2>>,
+    /// `[out]`
+    pub bias: Option<Param<Tensor<1>>>,
+}
+
+impl Linear {
+    /// Loads `{prefix}.weight` (`[out, in]` on disk) and, if `bias`, `{prefix}.bias`.
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        d_in: usize,
+        d_out: usize,
+        bias: bool,
+        device: &Device,
+    ) -> Result<Self, LoadError> {
+        let w = ckpt.read_f32(&format!("{prefix}.weight"), &[d_out, d_in])?;
+        let weight = tensor_from_vec(w, [d_out, d_in], device).transpose();
+        // Materialise the transposed layout once instead of on every matmul.
+        let weight = Tensor::from_data(weight.into_data(), device);
+        let bias = if bias {
+            let b = ckpt.read_f32(&format!("{prefix}.bias"), &[d_out])?;
+            Some(Param::from_tensor(tensor_from_vec(b, [d_out], device)))
+        } else {
+            None
+        };
+        Ok(Self {
+            weight: Param::from_tensor(weight),
+            bias,
+        })
+    }
+
+    pub fn d_in(&self) -> usize {
+        self.weight.shape().dims::<2>()[0]
+    }
+
+    pub fn d_out(&self) -> usize {
+        self.weight.shape().dims::<2>()[1]
+    }
+
+    /// `x: [n, in] -> [n, out]`
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let y = x.matmul(self.weight.val());
+        match &self.bias {
+            Some(b) => y + b.val().unsqueeze_dim(0),
+            None => y,
+        }
+    }
+}
+
+/// Root-mean-square normalisation over the last axis, as transformers computes it (in f32).
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    pub weight: Param<Tensor<1>>,
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    pub fn load(
+        ckpt: &Checkpoint,
+        name: &str,
+        dim: usize,
+        eps: f64,
+        device: &Device,
+    ) -> Result<Self, LoadError> {
+        let w = ckpt.read_f32(name, &[dim])?;
+        Ok(Self {
+            weight: Param::from_tensor(tensor_from_vec(w, [dim], device)),
+            eps,
+        })
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let var = x.clone().square().mean_dim(D - 1);
+        let x = x * (var + self.eps).sqrt().recip();
+        let mut shape = [1usize; D];
+        shape[D - 1] = self.weight.shape().dims::<1>()[0];
+        x * self.weight.val().reshape(shape)
+    }
+}
+
+/// Rotary position embedding with the half-split (NeoX / HF `rotate_half`) pairing.
+///
+/// The cos/sin tables are computed on the host for exactly the positions of a forward, in f32 and in the same
+/// order of operations as transformers (`inv_freq = 1 / theta^(2i/d)`, `angle = pos * inv_freq`), so the
+/// angles agree with the reference to the last bit in most cases.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    pub fn new(head_dim: usize, theta: f64) -> Self {
+        let base = theta as f32;
+        let inv_freq = (0..head_dim / 2)
+            .map(|i| 1.0f32 / base.powf((2 * i) as f32 / head_dim as f32))
+            .collect();
+        Self { inv_freq }
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.inv_freq.len() * 2
+    }
+
+    /// `(cos, sin)`, each `[B, T, 1, head_dim]`, for `positions[b][t]`.
+    pub fn tables(&self, positions: &[Vec<usize>], device: &Device) -> (Tensor<4>, Tensor<4>) {
+        let b = positions.len();
+        let t = positions.first().map_or(0, Vec::len);
+        let d = self.head_dim();
+        let half = d / 2;
+        let mut cos = Vec::with_capacity(b * t * d);
+        let mut sin = Vec::with_capacity(b * t * d);
+        for row in positions {
+            assert_eq!(
+                row.len(),
+                t,
+                "every row of a batch has the same number of positions"
+            );
+            for &p in row {
+                for k in 0..d {
+                    let angle = p as f32 * self.inv_freq[k % half];
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+        }
+        (
+            tensor_from_vec(cos, [b, t, 1, d], device),
+            tensor_from_vec(sin, [b, t, 1, d], device),
+        )
+    }
+
+    /// Applies the rotation to `x: [B, T, H, D]` with tables from [`Rope::tables`].
+    pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
+        let d = x.dims()[3];
+        let half = d / 2;
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.clone().narrow(3, half, half);
+        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+        x * cos.clone() + rotated * sin.clone()
+    }
+}
+
+/// Host copy of a float tensor's values (row-major).
+pub fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .expect("converted to f32")
+}
+
+/// Host copy of an int tensor's values (row-major).
+pub fn to_i64_vec<const D: usize>(t: Tensor<D, burn::tensor::Int>) -> Vec<i64> {
+    t.into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .expect("converted to i64")
+}

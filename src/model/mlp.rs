@@ -1,0 +1,216 @@
+//! Feed-forward blocks: the SwiGLU MLP and Qwen3-MoE's routed experts.
+
+use burn::module::Module;
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
+
+use super::checkpoint::Checkpoint;
+use super::config::{ModelConfig, MoeConfig};
+use super::error::LoadError;
+use super::layers::{to_i64_vec, Linear};
+
+/// `down(silu(gate(x)) * up(x))`
+#[derive(Module, Debug)]
+pub struct SwiGlu {
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+impl SwiGlu {
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        hidden: usize,
+        inter: usize,
+        bias: bool,
+        device: &Device,
+    ) -> Result<Self, LoadError> {
+        Ok(Self {
+            gate_proj: Linear::load(
+                ckpt,
+                &format!("{prefix}.gate_proj"),
+                hidden,
+                inter,
+                bias,
+                device,
+            )?,
+            up_proj: Linear::load(
+                ckpt,
+                &format!("{prefix}.up_proj"),
+                hidden,
+                inter,
+                bias,
+                device,
+            )?,
+            down_proj: Linear::load(
+                ckpt,
+                &format!("{prefix}.down_proj"),
+                inter,
+                hidden,
+                bias,
+                device,
+            )?,
+        })
+    }
+
+    /// `x: [n, hidden] -> [n, hidden]`
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let g = silu(self.gate_proj.forward(x.clone()));
+        self.down_proj.forward(g * self.up_proj.forward(x))
+    }
+}
+
+/// Routed experts: softmax over all experts, top-k, optional renormalisation of the k weights, weighted sum
+/// of the chosen experts' SwiGLU outputs (transformers' `Qwen3MoeSparseMoeBlock`).
+#[derive(Module, Debug)]
+pub struct MoeBlock {
+    /// Router, `[hidden, num_experts]` (kept full precision).
+    pub gate: Linear,
+    pub experts: Vec<SwiGlu>,
+    pub top_k: usize,
+    pub norm_topk_prob: bool,
+}
+
+/// Which experts each token went to in one MoE layer: `[n_tokens * top_k]`, token-major.
+pub type Routing = Vec<u32>;
+
+impl MoeBlock {
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        hidden: usize,
+        moe: &MoeConfig,
+        device: &Device,
+    ) -> Result<Self, LoadError> {
+        let experts = (0..moe.num_experts)
+            .map(|e| {
+                SwiGlu::load(
+                    ckpt,
+                    &format!("{prefix}.experts.{e}"),
+                    hidden,
+                    moe.moe_intermediate_size,
+                    false,
+                    device,
+                )
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            gate: Linear::load(
+                ckpt,
+                &format!("{prefix}.gate"),
+                hidden,
+                moe.num_experts,
+                false,
+                device,
+            )?,
+            experts,
+            top_k: moe.num_experts_per_tok,
+            norm_topk_prob: moe.norm_topk_prob,
+        })
+    }
+
+    /// `x: [n, hidden] -> ([n, hidden], routing)`. With `replay`, the given experts are used instead of the
+    /// router's own top-k (routing replay); their weights still come from this router's probabilities.
+    pub fn forward(&self, x: Tensor<2>, replay: Option<&[u32]>) -> (Tensor<2>, Routing) {
+        let [n, hidden] = x.dims();
+        let device = x.device();
+        let probs = softmax(self.gate.forward(x.clone()), 1);
+        let (weights, chosen): (Tensor<2>, Routing) = match replay {
+            Some(ids) => {
+                assert_eq!(
+                    ids.len(),
+                    n * self.top_k,
+                    "replayed routing has one entry per token and slot"
+                );
+                let idx = Tensor::<2, Int>::from_data(
+                    TensorData::new(
+                        ids.iter().map(|&e| e as i64).collect::<Vec<_>>(),
+                        [n, self.top_k],
+                    ),
+                    &device,
+                );
+                (probs.gather(1, idx), ids.to_vec())
+            }
+            None => {
+                let (w, idx) = probs.topk_with_indices(self.top_k, 1);
+                let ids = to_i64_vec(idx).into_iter().map(|e| e as u32).collect();
+                (w, ids)
+            }
+        };
+        let weights = if self.norm_topk_prob {
+            weights.clone() / weights.sum_dim(1)
+        } else {
+            weights
+        };
+        let flat_weights = weights.reshape([n * self.top_k]);
+
+        // Group (token, slot) pairs by expert on the host; each expert runs once on its tokens.
+        let mut tokens_of: Vec<Vec<i64>> = vec![Vec::new(); self.experts.len()];
+        let mut slots_of: Vec<Vec<i64>> = vec![Vec::new(); self.experts.len()];
+        for (pos, &e) in chosen.iter().enumerate() {
+            tokens_of[e as usize].push((pos / self.top_k) as i64);
+            slots_of[e as usize].push(pos as i64);
+        }
+        let mut out = Tensor::<2>::zeros([n, hidden], &device);
+        for (e, expert) in self.experts.iter().enumerate() {
+            if tokens_of[e].is_empty() {
+                continue;
+            }
+            let m = tokens_of[e].len();
+            let tok =
+                Tensor::<1, Int>::from_data(TensorData::new(tokens_of[e].clone(), [m]), &device);
+            let slot =
+                Tensor::<1, Int>::from_data(TensorData::new(slots_of[e].clone(), [m]), &device);
+            let y = expert.forward(x.clone().select(0, tok.clone()));
+            let w = flat_weights.clone().select(0, slot).reshape([m, 1]);
+            out = out.select_assign(0, tok, y * w, IndexingUpdateOp::Add);
+        }
+        (out, chosen)
+    }
+}
+
+/// The feed-forward block of one decoder layer.
+// One value per layer, so the size difference between the variants costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Module, Debug)]
+pub enum FeedForward {
+    Dense(SwiGlu),
+    Moe(MoeBlock),
+}
+
+impl FeedForward {
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        layer: usize,
+        cfg: &ModelConfig,
+        device: &Device,
+    ) -> Result<Self, LoadError> {
+        match &cfg.moe {
+            Some(moe) if cfg.is_sparse_layer(layer) => Ok(Self::Moe(MoeBlock::load(
+                ckpt,
+                prefix,
+                cfg.hidden_size,
+                moe,
+                device,
+            )?)),
+            _ => {
+                if cfg.intermediate_size == 0 {
+                    return Err(LoadError::MissingKey {
+                        path: ckpt.dir().join("config.json"),
+                        key: "intermediate_size".into(),
+                    });
+                }
+                Ok(Self::Dense(SwiGlu::load(
+                    ckpt,
+                    prefix,
+                    cfg.hidden_size,
+                    cfg.intermediate_size,
+                    cfg.mlp_bias,
+                    device,
+                )?))
+            }
+        }
+    }
+}

@@ -1,0 +1,47 @@
+//! The model's Hugging Face `tokenizer.json`, when it has one. A model directory without one still works
+//! on token ids.
+
+use std::path::Path;
+
+use super::error::LoadError;
+
+/// A loaded HF tokenizer.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+}
+
+impl Tokenizer {
+    /// `Ok(None)` when the directory has no `tokenizer.json`.
+    pub fn load_optional(dir: impl AsRef<Path>) -> Result<Option<Self>, LoadError> {
+        let path = dir.as_ref().join("tokenizer.json");
+        if !path.is_file() {
+            return Ok(None);
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| LoadError::Tokenizer {
+            path: path.clone(),
+            msg: e.to_string(),
+        })?;
+        Ok(Some(Self { inner }))
+    }
+
+    /// Token ids of `text`, without adding special tokens (prompts carry their own template).
+    pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow::anyhow!("tokenizer could not encode the text: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens kept.
+    pub fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| anyhow::anyhow!("tokenizer could not decode ids: {e}"))
+    }
+
+    /// The id of a token string such as `<|im_end|>`.
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+}

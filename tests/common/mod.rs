@@ -1,0 +1,89 @@
+//! Helpers shared by the integration tests: fixture discovery and writing small checkpoints.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Directory of the committed transformers fixtures.
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf")
+}
+
+/// Every fixture model directory (each has a `reference.json`).
+pub fn fixture_models() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+        .expect("tests/fixtures/hf exists")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.join("reference.json").is_file())
+        .collect();
+    dirs.sort();
+    assert!(!dirs.is_empty(), "no fixtures under tests/fixtures/hf");
+    dirs
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Greedy {
+    pub prompt_ids: Vec<Vec<u32>>,
+    pub max_new_tokens: usize,
+    pub ids: Vec<Vec<u32>>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct Reference {
+    pub input_ids: Vec<Vec<u32>>,
+    pub logits: Vec<Vec<Vec<f32>>>,
+    pub greedy: Greedy,
+}
+
+pub fn reference(dir: &Path) -> Reference {
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Copies a fixture directory (config + weights, not the reference) to `dst`.
+pub fn copy_model(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_file() {
+            std::fs::copy(&p, dst.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+}
+
+/// All tensors of a single-file checkpoint as `(dtype, shape, raw bytes)`.
+pub fn read_tensors(file: &Path) -> BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec())))
+        .collect()
+}
+
+/// Writes tensors to a safetensors file.
+pub fn write_tensors(
+    file: &Path,
+    tensors: &BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, (d, s, b))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, file).unwrap();
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
