@@ -10,4 +10,6 @@ pub mod backend;
 pub mod cli;
 pub mod io;
 pub mod model;
+pub mod quant;
+pub mod rl;
 pub mod rollout;
