@@ -5,29 +5,50 @@ use serde::{Deserialize, Serialize};
 use crate::backend::BackendKind;
 use crate::io::{read_json, write_json_atomic};
 use crate::model::{Decoder, Tokenizer};
-use crate::rollout::generate_greedy;
+use crate::rollout::{generate, FinishReason, SamplingParams};
 
 #[derive(Debug, clap::Args)]
 pub struct GenerateArgs {
     /// Hugging Face model directory.
     #[arg(long)]
     pub model: PathBuf,
-    /// JSON file `{"input_ids": [[id, ...], ...]}` (or `prompt_ids`), rows of equal length.
+    /// JSON file `{"input_ids": [[id, ...], ...]}` (or `prompt_ids`); rows may differ in length.
     #[arg(long, conflicts_with = "prompt", required_unless_present = "prompt")]
     pub prompt_ids: Option<PathBuf>,
     /// A text prompt (needs the model's tokenizer.json).
     #[arg(long)]
     pub prompt: Option<String>,
-    /// Number of tokens to generate per row.
+    /// Number of tokens to generate per row at most.
     #[arg(long, default_value_t = 32)]
     pub max_new_tokens: usize,
-    /// Greedy decoding (argmax). Sampling arrives with the rollout engine.
+    /// Samples per prompt (rows of the output are prompt-major: all samples of prompt 0 first).
+    #[arg(long, default_value_t = 1)]
+    pub samples: usize,
+    /// Greedy decoding (argmax); the same as `--temperature 0`.
     #[arg(long)]
     pub greedy: bool,
-    /// Stop a row at the model's end-of-sequence token(s).
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Nucleus sampling threshold (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// Seed: the same seed and inputs give the same tokens.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Stop a row at the model's end-of-sequence token(s) (from config.json).
     #[arg(long)]
     pub stop_at_eos: bool,
-    /// Where to write `{"ids": [[prompt + new ids], ...], "text": [...]}`.
+    /// Extra stop token ids (repeatable).
+    #[arg(long = "stop-id")]
+    pub stop_ids: Vec<u32>,
+    /// Stop strings (repeatable; need the tokenizer).
+    #[arg(long = "stop")]
+    pub stop_strings: Vec<String>,
+    /// Where to write `{"ids", "logprobs", "finish_reasons", "text"}`.
     #[arg(long)]
     pub output: PathBuf,
     /// Compute backend.
@@ -44,54 +65,64 @@ struct PromptFile {
 #[derive(Serialize)]
 struct GenerateOutput {
     ids: Vec<Vec<u32>>,
+    logprobs: Vec<Vec<f32>>,
+    finish_reasons: Vec<FinishReason>,
     #[serde(skip_serializing_if = "Option::is_none")]
     text: Option<Vec<String>>,
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    if !args.greedy {
-        anyhow::bail!("only greedy decoding is available yet: pass --greedy");
-    }
+    let mut stop_token_ids = args.stop_ids.clone();
     let device = args.backend.device()?;
     let model = Decoder::load(&args.model, &device)?;
+    if args.stop_at_eos {
+        stop_token_ids.extend(&model.config.eos_token_ids);
+    }
+    let params = SamplingParams {
+        temperature: if args.greedy { 0.0 } else { args.temperature },
+        top_p: args.top_p,
+        top_k: args.top_k,
+        max_new_tokens: args.max_new_tokens,
+        seed: args.seed,
+        stop_token_ids,
+        stop_strings: args.stop_strings.clone(),
+    };
+    params.validate().map_err(|e| anyhow::anyhow!("invalid sampling options: {e}"))?;
+    if args.samples == 0 {
+        anyhow::bail!("--samples must be at least 1");
+    }
     let tokenizer = Tokenizer::load_optional(&args.model)?;
+    if !params.stop_strings.is_empty() && tokenizer.is_none() {
+        anyhow::bail!("{}: no tokenizer.json, so --stop strings cannot be matched; use --stop-id", args.model.display());
+    }
     let prompts = match (&args.prompt_ids, &args.prompt) {
         (Some(path), _) => {
             let f: PromptFile = read_json(path)?;
-            model
-                .check_ids(&f.input_ids)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            model.check_prompts(&f.input_ids).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             f.input_ids
         }
         (None, Some(text)) => {
             let tok = tokenizer.as_ref().ok_or_else(|| {
-                anyhow::anyhow!(
-                    "{}: no tokenizer.json, so --prompt cannot be used; pass --prompt-ids",
-                    args.model.display()
-                )
+                anyhow::anyhow!("{}: no tokenizer.json, so --prompt cannot be used; pass --prompt-ids", args.model.display())
             })?;
             let ids = tok.encode(text)?;
-            model
-                .check_ids(std::slice::from_ref(&ids))
-                .map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
+            model.check_prompts(std::slice::from_ref(&ids)).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
             vec![ids]
         }
-        (None, None) => unreachable!("clap requires one of them"),
+        (None, None) => anyhow::bail!("pass --prompt-ids FILE or --prompt TEXT"),
     };
-    let stop: Vec<u32> = if args.stop_at_eos {
-        model.config.eos_token_ids.clone()
-    } else {
-        vec![]
-    };
-    let ids = generate_greedy(&model, &prompts, args.max_new_tokens, &stop);
+    let rollout = generate(&model, &prompts, args.samples, &params, tokenizer.as_ref());
     let text = match &tokenizer {
-        Some(t) => Some(
-            ids.iter()
-                .map(|r| t.decode(r))
-                .collect::<anyhow::Result<Vec<_>>>()?,
-        ),
+        Some(t) => Some(rollout.ids.iter().map(|r| t.decode(r)).collect::<anyhow::Result<Vec<_>>>()?),
         None => None,
     };
-    write_json_atomic(&args.output, &GenerateOutput { ids, text })?;
-    Ok(())
+    write_json_atomic(
+        &args.output,
+        &GenerateOutput {
+            ids: rollout.ids,
+            logprobs: rollout.logprobs,
+            finish_reasons: rollout.finish_reasons,
+            text,
+        },
+    )
 }

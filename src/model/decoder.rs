@@ -50,27 +50,24 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// Keeps only the rows in `keep` (finished sequences stop costing compute).
-    pub fn retain_rows(&mut self, keep: &[usize]) {
-        if keep.len() == self.valid.len() {
+    /// Re-arranges the batch: row `i` of the result is row `rows[i]` of the cache. Drops finished rows
+    /// (finished sequences stop costing compute) and fans a prompt out to several samples (repeated indices).
+    pub fn select_rows(&mut self, rows: &[usize]) {
+        if rows.iter().copied().eq(0..self.valid.len()) {
             return;
         }
+        self.valid = rows.iter().map(|&r| self.valid[r].clone()).collect();
         let Some(device) = self.layers.iter().flatten().next().map(|l| l.k.device()) else {
-            self.valid = keep.iter().map(|&r| self.valid[r].clone()).collect();
             return;
         };
         let idx = Tensor::<1, Int>::from_data(
-            TensorData::new(
-                keep.iter().map(|&r| r as i64).collect::<Vec<_>>(),
-                [keep.len()],
-            ),
+            TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),
             &device,
         );
         for kv in self.layers.iter_mut().flatten() {
             kv.k = kv.k.clone().select(0, idx.clone());
             kv.v = kv.v.clone().select(0, idx.clone());
         }
-        self.valid = keep.iter().map(|&r| self.valid[r].clone()).collect();
     }
 }
 
@@ -163,6 +160,17 @@ impl Decoder {
 
     /// Checks that token ids fit the vocabulary and rows have equal length; the message says what is wrong.
     pub fn check_ids(&self, ids: &[Vec<u32>]) -> Result<(), String> {
+        self.check_prompts(ids)?;
+        let first = ids[0].len();
+        match ids.iter().position(|r| r.len() != first) {
+            Some(b) => Err(format!("row {b} has {} ids, row 0 has {first}: rows must have equal lengths", ids[b].len())),
+            None => Ok(()),
+        }
+    }
+
+    /// Checks that there is at least one non-empty row and every id fits the vocabulary (rows may differ in
+    /// length, as prompts do).
+    pub fn check_prompts(&self, ids: &[Vec<u32>]) -> Result<(), String> {
         let Some(first) = ids.first() else {
             return Err("no sequences given".into());
         };

@@ -1,0 +1,175 @@
+//! Batched generation for RL: prompts of different lengths (left-padded prefill), `G` samples per prompt
+//! (one prefill per prompt, the cache then fanned out), batched KV-cache decoding, and a record of what the
+//! sampler saw: the log-prob of every sampled token and, for MoE models, the experts each token went to.
+
+use burn::tensor::activation::log_softmax;
+use burn::tensor::Tensor;
+use serde::{Deserialize, Serialize};
+
+use super::sampler::{sample, sequence_rng, SamplingParams};
+use crate::model::layers::to_f32_vec;
+use crate::model::{Decoder, Tokenizer};
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// It emitted a stop token or produced a stop string.
+    Stop,
+    /// It reached `max_new_tokens`.
+    Length,
+}
+
+/// The result of one rollout call. Rows are prompt-major: all samples of prompt 0 first.
+#[derive(Debug, Clone, Default)]
+pub struct Rollout {
+    /// Prompt followed by the generated tokens.
+    pub ids: Vec<Vec<u32>>,
+    /// Length of the prompt part of each row.
+    pub prompt_lens: Vec<usize>,
+    /// Log-prob of each generated token under the temperature-scaled distribution it was sampled from
+    /// (`log_softmax(logits / T)` over the whole vocabulary, before top-k/top-p, as verl records it).
+    pub logprobs: Vec<Vec<f32>>,
+    pub finish_reasons: Vec<FinishReason>,
+    /// `routing[row][layer]`: experts of every token that went through the model (`ids[row][..len - 1]`),
+    /// token-major, `top_k` per token; `None` for dense layers. Empty for dense models.
+    pub routing: Vec<Vec<Option<Vec<u32>>>>,
+}
+
+impl Rollout {
+    /// The generated part of row `r`.
+    pub fn response(&self, r: usize) -> &[u32] {
+        &self.ids[r][self.prompt_lens[r]..]
+    }
+
+    /// Number of generated tokens over all rows.
+    pub fn generated_tokens(&self) -> usize {
+        self.logprobs.iter().map(Vec::len).sum()
+    }
+}
+
+/// `log_softmax(logits[:, -1, :] / temperature)` as host rows.
+fn last_logprobs(logits: Tensor<3>, temperature: f32) -> Vec<Vec<f32>> {
+    let [b, t, v] = logits.dims();
+    let last = logits.narrow(1, t - 1, 1).reshape([b, v]);
+    let last = if temperature == 1.0 { last } else { last / temperature as f64 };
+    let flat = to_f32_vec(log_softmax(last, 1));
+    flat.chunks(v).map(<[f32]>::to_vec).collect()
+}
+
+/// Appends, for each row of `rows`, the routing of the tokens of one forward (`[rows * t * k]` per layer).
+fn append_routing(
+    record: &mut [Vec<Option<Vec<u32>>>],
+    rows: &[usize],
+    routing: &[Option<Vec<u32>>],
+    t: usize,
+    skip: &dyn Fn(usize) -> usize,
+) {
+    for (layer, r) in routing.iter().enumerate() {
+        let Some(r) = r else { continue };
+        let k = r.len() / (rows.len() * t);
+        for (slot, &row) in rows.iter().enumerate() {
+            let start = skip(slot);
+            let chunk = &r[(slot * t + start) * k..(slot + 1) * t * k];
+            record[row][layer].get_or_insert_with(Vec::new).extend_from_slice(chunk);
+        }
+    }
+}
+
+/// Generates `samples` continuations of each prompt.
+pub fn generate(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    samples: usize,
+    params: &SamplingParams,
+    tokenizer: Option<&Tokenizer>,
+) -> Rollout {
+    let p = prompts.len();
+    let rows = p * samples;
+    let temperature = params.logprob_temperature();
+    let n_layers = model.layers.len();
+    let mut out = Rollout {
+        ids: Vec::with_capacity(rows),
+        prompt_lens: Vec::with_capacity(rows),
+        logprobs: vec![Vec::new(); rows],
+        finish_reasons: vec![FinishReason::Length; rows],
+        routing: vec![vec![None; n_layers]; rows],
+    };
+    for prompt in prompts {
+        for _ in 0..samples {
+            out.ids.push(prompt.clone());
+            out.prompt_lens.push(prompt.len());
+        }
+    }
+    if rows == 0 || params.max_new_tokens == 0 {
+        return out;
+    }
+
+    // Prefill every prompt once, left-padded to the longest.
+    let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let padded: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|pr| std::iter::repeat_n(0, t - pr.len()).chain(pr.iter().copied()).collect())
+        .collect();
+    let valid: Vec<Vec<bool>> = prompts.iter().map(|pr| (0..t).map(|i| i >= t - pr.len()).collect()).collect();
+    let any_pad = prompts.iter().any(|pr| pr.len() != t);
+    let mut cache = model.new_cache(p);
+    let pre = model.forward(&padded, any_pad.then_some(valid.as_slice()), Some(&mut cache), None);
+    let prompt_lp = last_logprobs(pre.logits, temperature);
+    let record_routing = pre.routing.iter().any(Option::is_some);
+    if record_routing {
+        let fan: Vec<usize> = (0..rows).collect();
+        let by_prompt: Vec<usize> = (0..rows).map(|r| r / samples).collect();
+        // Each sample's record starts with its prompt's routing (padding slots left out).
+        let mut per_prompt: Vec<Vec<Option<Vec<u32>>>> = vec![vec![None; n_layers]; p];
+        let prompt_rows: Vec<usize> = (0..p).collect();
+        append_routing(&mut per_prompt, &prompt_rows, &pre.routing, t, &|slot| t - prompts[slot].len());
+        for r in fan {
+            out.routing[r] = per_prompt[by_prompt[r]].clone();
+        }
+    }
+
+    // Fan the cache out to `samples` rows per prompt.
+    let fan_out: Vec<usize> = (0..rows).map(|r| r / samples).collect();
+    cache.select_rows(&fan_out);
+    let mut lp_rows: Vec<Vec<f32>> = fan_out.iter().map(|&pi| prompt_lp[pi].clone()).collect();
+    let mut rngs: Vec<_> = (0..rows).map(|r| sequence_rng(params.seed, r)).collect();
+    let mut active: Vec<usize> = (0..rows).collect();
+    let max_stop_len = params.stop_strings.iter().map(String::len).max().unwrap_or(0);
+
+    for step in 0..params.max_new_tokens {
+        let mut keep = Vec::with_capacity(active.len());
+        let mut next = Vec::with_capacity(active.len());
+        for (slot, &row) in active.iter().enumerate() {
+            let tok = sample(&lp_rows[slot], params, &mut rngs[row]);
+            out.logprobs[row].push(lp_rows[slot][tok as usize]);
+            out.ids[row].push(tok);
+            let stopped = params.stop_token_ids.contains(&tok)
+                || (max_stop_len > 0
+                    && tokenizer.is_some_and(|tk| {
+                        let gen = &out.ids[row][out.prompt_lens[row]..];
+                        // A stop string spans at most its length in tokens, plus one partial token each side.
+                        let tail = &gen[gen.len().saturating_sub(max_stop_len + 2)..];
+                        tk.decode(tail).is_ok_and(|s| params.stop_strings.iter().any(|st| s.contains(st.as_str())))
+                    }));
+            if stopped {
+                out.finish_reasons[row] = FinishReason::Stop;
+            } else {
+                keep.push(slot);
+                next.push(vec![tok]);
+            }
+        }
+        if keep.is_empty() || step + 1 == params.max_new_tokens {
+            break;
+        }
+        // Finished rows leave the batch: they stop costing compute.
+        cache.select_rows(&keep);
+        active = keep.iter().map(|&s| active[s]).collect();
+        let step_out = model.forward(&next, None, Some(&mut cache), None);
+        if record_routing {
+            append_routing(&mut out.routing, &active, &step_out.routing, 1, &|_| 0);
+        }
+        lp_rows = last_logprobs(step_out.logits, temperature);
+    }
+    out
+}

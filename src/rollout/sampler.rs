@@ -1,0 +1,139 @@
+//! Token sampling: temperature, top-k, top-p, greedy, with a per-sequence deterministic random stream.
+
+use rand::Rng;
+use rand_chacha::rand_core::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+/// How to sample continuations. `temperature = 0` is greedy decoding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means argmax (greedy).
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = off).
+    pub top_p: f32,
+    /// Keep only the `top_k` most likely tokens (0 = off).
+    pub top_k: usize,
+    /// Tokens to generate at most per sequence.
+    pub max_new_tokens: usize,
+    /// Seed of the random streams; sequence `i` of a call uses its own stream derived from `(seed, i)`.
+    pub seed: u64,
+    /// A sequence finishes (reason `stop`) after emitting one of these ids; the id is kept.
+    pub stop_token_ids: Vec<u32>,
+    /// A sequence finishes (reason `stop`) once its decoded continuation contains one of these strings.
+    pub stop_strings: Vec<String>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 64,
+            seed: 0,
+            stop_token_ids: vec![],
+            stop_strings: vec![],
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Range checks; the message names the offending parameter.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.stop_strings.iter().any(String::is_empty) {
+            return Err("stop strings must not be empty".into());
+        }
+        Ok(())
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+
+    /// The temperature the recorded log-probs are computed at (1 for greedy decoding).
+    pub fn logprob_temperature(&self) -> f32 {
+        if self.is_greedy() {
+            1.0
+        } else {
+            self.temperature
+        }
+    }
+}
+
+/// The random stream of sequence `index` under `seed`: independent of batch composition, so a sequence's
+/// sample does not change when other sequences finish earlier or are added.
+pub fn sequence_rng(seed: u64, index: usize) -> ChaCha8Rng {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    rng.set_stream(index as u64);
+    rng
+}
+
+/// Index of the largest value, first on ties (as `torch.argmax`).
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Samples a token from `logprobs` (the log-softmax of the temperature-scaled logits) after top-k / top-p
+/// filtering and renormalisation.
+pub fn sample(logprobs: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> u32 {
+    if params.is_greedy() {
+        return argmax(logprobs);
+    }
+    let u: f64 = rng.random::<f64>();
+    if params.top_k == 0 && params.top_p >= 1.0 {
+        // Inverse CDF over the whole vocabulary in index order: no sort needed.
+        let total: f64 = logprobs.iter().map(|&l| (l as f64).exp()).sum();
+        let target = u * total;
+        let mut acc = 0.0;
+        for (i, &l) in logprobs.iter().enumerate() {
+            acc += (l as f64).exp();
+            if acc > target {
+                return i as u32;
+            }
+        }
+        return argmax(logprobs);
+    }
+    let mut order: Vec<u32> = (0..logprobs.len() as u32).collect();
+    // Most likely first; ties by smaller id, so the order is fully determined.
+    order.sort_unstable_by(|&a, &b| logprobs[b as usize].total_cmp(&logprobs[a as usize]).then(a.cmp(&b)));
+    if params.top_k > 0 {
+        order.truncate(params.top_k.min(order.len()));
+    }
+    let probs: Vec<f64> = order.iter().map(|&i| (logprobs[i as usize] as f64).exp()).collect();
+    let mut keep = probs.len();
+    if params.top_p < 1.0 {
+        let total: f64 = probs.iter().sum();
+        let mut acc = 0.0;
+        for (n, p) in probs.iter().enumerate() {
+            acc += p / total;
+            if acc >= params.top_p as f64 {
+                keep = n + 1;
+                break;
+            }
+        }
+    }
+    let total: f64 = probs[..keep].iter().sum();
+    let target = u * total;
+    let mut acc = 0.0;
+    for n in 0..keep {
+        acc += probs[n];
+        if acc > target {
+            return order[n];
+        }
+    }
+    order[0]
+}

@@ -1,0 +1,129 @@
+//! The rollout engine: recorded log-probs against the full forward, seeds, stops, routing records, and
+//! batching invariances (padding, fan-out of samples).
+
+mod common;
+
+use burn::tensor::Device;
+use common::{fixture_models, fixtures_dir};
+use qarl::model::scoring::{forward_ragged, response_logprobs};
+use qarl::model::Decoder;
+use qarl::rollout::{generate, generate_greedy, FinishReason, SamplingParams};
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![vec![3, 17, 99, 42, 7, 250, 11], vec![5, 6], vec![200, 1, 2, 3]]
+}
+
+fn sampling() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        top_k: 50,
+        max_new_tokens: 10,
+        seed: 1234,
+        ..SamplingParams::default()
+    }
+}
+
+/// Must-show: the log-prob the sampler recorded equals the learner's full-forward log-prob of the same
+/// token (same model, same precision, same temperature).
+#[test]
+fn recorded_logprobs_equal_full_forward() {
+    let device = Device::flex();
+    for dir in fixture_models() {
+        let model = Decoder::load(&dir, &device).unwrap();
+        let params = sampling();
+        let out = generate(&model, &prompts(), 3, &params, None);
+        assert_eq!(out.ids.len(), 9);
+        let full = response_logprobs(&model, &out.ids, &out.prompt_lens, params.temperature);
+        let (mut worst, mut bitwise, mut n) = (0.0f32, 0usize, 0usize);
+        for (rec, fwd) in out.logprobs.iter().zip(&full) {
+            assert_eq!(rec.len(), fwd.len());
+            for (a, b) in rec.iter().zip(fwd) {
+                worst = worst.max((a - b).abs());
+                bitwise += usize::from(a.to_bits() == b.to_bits());
+                n += 1;
+            }
+        }
+        println!("{}: max |recorded - full| = {worst:.3e}, bitwise equal {bitwise}/{n}", dir.display());
+        assert!(worst <= 1e-5, "{}: recorded log-probs differ by {worst}", dir.display());
+        assert!(n > 0);
+    }
+}
+
+#[test]
+fn same_seed_same_tokens_different_seed_different_tokens() {
+    let model = Decoder::load(fixtures_dir().join("qwen3_moe"), &Device::flex()).unwrap();
+    let p = sampling();
+    let a = generate(&model, &prompts(), 2, &p, None);
+    let b = generate(&model, &prompts(), 2, &p, None);
+    assert_eq!(a.ids, b.ids);
+    assert_eq!(a.logprobs, b.logprobs);
+    let c = generate(&model, &prompts(), 2, &SamplingParams { seed: 99, ..p.clone() }, None);
+    assert_ne!(a.ids, c.ids);
+    // Samples of one prompt differ from each other (independent streams).
+    assert_ne!(a.ids[0], a.ids[1]);
+}
+
+/// A sequence's tokens depend only on (seed, its row index), not on the other prompts of the batch.
+#[test]
+fn a_prompt_alone_samples_what_it_samples_in_a_batch() {
+    let model = Decoder::load(fixtures_dir().join("qwen3"), &Device::flex()).unwrap();
+    let p = sampling();
+    let batch = generate(&model, &prompts(), 1, &p, None);
+    let alone = generate(&model, &prompts()[..1], 1, &p, None);
+    assert_eq!(batch.ids[0], alone.ids[0]);
+}
+
+#[test]
+fn greedy_with_ragged_prompts_matches_each_prompt_alone() {
+    let model = Decoder::load(fixtures_dir().join("qwen3_moe"), &Device::flex()).unwrap();
+    let batch = generate_greedy(&model, &prompts(), 8, &[]);
+    for (i, pr) in prompts().iter().enumerate() {
+        let alone = generate_greedy(&model, std::slice::from_ref(pr), 8, &[]);
+        assert_eq!(batch[i], alone[0], "prompt {i}");
+    }
+}
+
+#[test]
+fn stop_tokens_and_lengths() {
+    let model = Decoder::load(fixtures_dir().join("qwen3"), &Device::flex()).unwrap();
+    let free = generate(&model, &prompts(), 2, &sampling(), None);
+    assert!(free.finish_reasons.iter().all(|&f| f == FinishReason::Length));
+    assert!(free.logprobs.iter().all(|l| l.len() == 10));
+    // Stop on the third token that row 0 produced: it finishes there with reason `stop`, token kept.
+    let stop = free.response(0)[2];
+    let p = SamplingParams { stop_token_ids: vec![stop], ..sampling() };
+    let out = generate(&model, &prompts(), 2, &p, None);
+    let first = out.response(0).iter().position(|&t| t == stop).unwrap();
+    assert_eq!(out.response(0).len(), first + 1);
+    assert_eq!(out.finish_reasons[0], FinishReason::Stop);
+    assert_eq!(out.logprobs[0].len(), out.response(0).len());
+    // Rows that did not meet the stop token are untouched by another row finishing early.
+    for r in 1..out.ids.len() {
+        if !free.response(r).contains(&stop) {
+            assert_eq!(out.ids[r], free.ids[r], "row {r}");
+            assert_eq!(out.finish_reasons[r], FinishReason::Length);
+        }
+    }
+}
+
+/// For MoE models the engine records the experts of every token that went through the model; they are
+/// the experts a full forward of the final sequence picks, and replaying them reproduces its logits.
+#[test]
+fn moe_routing_is_recorded() {
+    let model = Decoder::load(fixtures_dir().join("qwen3_moe"), &Device::flex()).unwrap();
+    let k = model.config.moe.as_ref().unwrap().num_experts_per_tok;
+    let out = generate(&model, &prompts(), 2, &sampling(), None);
+    for (r, seq) in out.ids.iter().enumerate() {
+        let (full, _) = forward_ragged(&model, std::slice::from_ref(seq), None);
+        for (layer, rec) in out.routing[r].iter().enumerate() {
+            let sparse = model.config.is_sparse_layer(layer);
+            assert_eq!(rec.is_some(), sparse, "layer {layer}");
+            if let Some(rec) = rec {
+                assert_eq!(rec.len(), (seq.len() - 1) * k);
+                let fwd = full.routing[layer].as_ref().unwrap();
+                assert_eq!(&fwd[..rec.len()], &rec[..], "row {r} layer {layer}");
+            }
+        }
+    }
+}
