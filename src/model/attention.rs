@@ -2,18 +2,33 @@
 
 use burn::module::Module;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor};
 
 use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
 use super::error::LoadError;
 use super::layers::{Linear, RmsNorm, Rope};
 
-/// Keys and values of one layer for the tokens seen so far: `[B, kv_heads, S, head_dim]` each.
+/// Keys and values of one layer for the tokens seen so far: `[B, kv_heads, S, head_dim]` each. Row `b`'s
+/// real keys are the first `len[b]` slots (see [`super::decoder::KvCache`]); what lies beyond is masked.
 #[derive(Debug, Clone)]
 pub struct LayerKv {
     pub k: Tensor<4>,
     pub v: Tensor<4>,
+}
+
+/// Where the new keys and values of a forward go in the cache.
+// One value per forward: the size difference between the variants is irrelevant.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum KvWrite {
+    /// Every row has the same length and the buffer is tight: append along the sequence axis.
+    Append,
+    /// Rows differ in length: grow the buffer to `len` slots and write token `t` of row `b` at slot
+    /// `index[b, :, t, :]` (its own next position), so each row's keys stay contiguous from slot 0. Keeping
+    /// every row's keys where an unpadded forward would have them makes the attention reductions run over the
+    /// same elements in the same order as the full-sequence forward.
+    Scatter { index: Tensor<4, Int>, len: usize },
 }
 
 #[derive(Module, Debug)]
@@ -103,7 +118,7 @@ impl Attention {
         x: Tensor<3>,
         rope: &(Tensor<4>, Tensor<4>),
         mask: Option<&Tensor<4>>,
-        cache: Option<&mut Option<LayerKv>>,
+        cache: Option<(&mut Option<LayerKv>, &KvWrite)>,
     ) -> Tensor<3> {
         let [b, t, hidden] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -120,15 +135,47 @@ impl Attention {
         let q = Rope::apply(q, &rope.0, &rope.1).swap_dims(1, 2);
         let mut k = Rope::apply(k, &rope.0, &rope.1).swap_dims(1, 2);
         let mut v = v.swap_dims(1, 2);
-        if let Some(slot) = cache {
-            if let Some(prev) = slot.take() {
-                k = Tensor::cat(vec![prev.k, k], 2);
-                v = Tensor::cat(vec![prev.v, v], 2);
-            }
+        if let Some((slot, write)) = cache {
+            let prev = slot.take();
+            (k, v) = match (write, prev) {
+                (KvWrite::Append, None) => (k, v),
+                (KvWrite::Append, Some(p)) => {
+                    (Tensor::cat(vec![p.k, k], 2), Tensor::cat(vec![p.v, v], 2))
+                }
+                (KvWrite::Scatter { index, len }, prev) => {
+                    let device = k.device();
+                    let grow = |old: Option<Tensor<4>>| -> Tensor<4> {
+                        let have = old.as_ref().map_or(0, |o| o.dims()[2]);
+                        let zeros = Tensor::<4>::zeros([b, kv, len - have, d], &device);
+                        match old {
+                            Some(o) if have > 0 => Tensor::cat(vec![o, zeros], 2),
+                            _ => zeros,
+                        }
+                    };
+                    let (pk, pv) = match prev {
+                        Some(p) => (Some(p.k), Some(p.v)),
+                        None => (None, None),
+                    };
+                    (
+                        grow(pk).scatter(2, index.clone(), k, IndexingUpdateOp::Assign),
+                        grow(pv).scatter(2, index.clone(), v, IndexingUpdateOp::Assign),
+                    )
+                }
+            };
             *slot = Some(LayerKv {
                 k: k.clone(),
                 v: v.clone(),
             });
+        }
+        // Pad the key axis with zeros to the mask's width (the decoder rounds it up to a block multiple).
+        if let Some(m) = mask {
+            let want = m.dims()[3];
+            let have = k.dims()[2];
+            if want > have {
+                let zeros = Tensor::<4>::zeros([b, kv, want - have, d], &k.device());
+                k = Tensor::cat(vec![k, zeros.clone()], 2);
+                v = Tensor::cat(vec![v, zeros], 2);
+            }
         }
         let s = k.dims()[2];
         let rep = h / kv;

@@ -5,7 +5,7 @@ use std::path::Path;
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
-use super::attention::{Attention, LayerKv};
+use super::attention::{Attention, KvWrite, LayerKv};
 use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
 use super::error::LoadError;
@@ -16,6 +16,9 @@ use super::mlp::{FeedForward, Routing};
 /// key at all gets a uniform, finite distribution instead of NaN, which would leak into later layers.
 const MASKED: f32 = -1.0e30;
 
+/// Granularity of the attention key axis (see [`Decoder::forward`]).
+pub const KEY_BLOCK: usize = 32;
+
 #[derive(Module, Debug)]
 pub struct DecoderLayer {
     pub input_layernorm: RmsNorm,
@@ -24,44 +27,47 @@ pub struct DecoderLayer {
     pub mlp: FeedForward,
 }
 
-/// Per-layer attention state for incremental decoding, plus per-row bookkeeping of which cached positions are
-/// real tokens (left padding) and the next RoPE position of each row.
+/// Per-layer attention state for incremental decoding. Each row's tokens occupy the first `lens[b]` slots
+/// of the buffers (no left padding), so a row attends over exactly the keys, at exactly the indices, that a
+/// full-sequence forward of that row alone would use.
 #[derive(Debug, Clone)]
 pub struct KvCache {
     pub layers: Vec<Option<LayerKv>>,
-    /// `valid[b][s]`: whether cached slot `s` of row `b` holds a real token.
-    pub valid: Vec<Vec<bool>>,
+    /// Real tokens cached per row.
+    pub lens: Vec<usize>,
+    /// Slots in the buffers (>= every row's length).
+    pub capacity: usize,
 }
 
 impl KvCache {
     pub fn new(num_layers: usize, batch: usize) -> Self {
         Self {
             layers: vec![None; num_layers],
-            valid: vec![Vec::new(); batch],
+            lens: vec![0; batch],
+            capacity: 0,
         }
     }
 
-    /// Number of cached slots (the same for every row).
-    pub fn len(&self) -> usize {
-        self.valid.first().map_or(0, Vec::len)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// Rows in the batch.
+    pub fn batch(&self) -> usize {
+        self.lens.len()
     }
 
     /// Re-arranges the batch: row `i` of the result is row `rows[i]` of the cache. Drops finished rows
     /// (finished sequences stop costing compute) and fans a prompt out to several samples (repeated indices).
     pub fn select_rows(&mut self, rows: &[usize]) {
-        if rows.iter().copied().eq(0..self.valid.len()) {
+        if rows.iter().copied().eq(0..self.lens.len()) {
             return;
         }
-        self.valid = rows.iter().map(|&r| self.valid[r].clone()).collect();
+        self.lens = rows.iter().map(|&r| self.lens[r]).collect();
         let Some(device) = self.layers.iter().flatten().next().map(|l| l.k.device()) else {
             return;
         };
         let idx = Tensor::<1, Int>::from_data(
-            TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),
+            TensorData::new(
+                rows.iter().map(|&r| r as i64).collect::<Vec<_>>(),
+                [rows.len()],
+            ),
             &device,
         );
         for kv in self.layers.iter_mut().flatten() {
@@ -163,7 +169,10 @@ impl Decoder {
         self.check_prompts(ids)?;
         let first = ids[0].len();
         match ids.iter().position(|r| r.len() != first) {
-            Some(b) => Err(format!("row {b} has {} ids, row 0 has {first}: rows must have equal lengths", ids[b].len())),
+            Some(b) => Err(format!(
+                "row {b} has {} ids, row 0 has {first}: rows must have equal lengths",
+                ids[b].len()
+            )),
             None => Ok(()),
         }
     }
@@ -171,19 +180,12 @@ impl Decoder {
     /// Checks that there is at least one non-empty row and every id fits the vocabulary (rows may differ in
     /// length, as prompts do).
     pub fn check_prompts(&self, ids: &[Vec<u32>]) -> Result<(), String> {
-        let Some(first) = ids.first() else {
+        if ids.is_empty() {
             return Err("no sequences given".into());
-        };
-        if first.is_empty() {
-            return Err("sequences must not be empty".into());
         }
         for (b, row) in ids.iter().enumerate() {
-            if row.len() != first.len() {
-                return Err(format!(
-                    "row {b} has {} ids, row 0 has {}: rows must have equal lengths",
-                    row.len(),
-                    first.len()
-                ));
+            if row.is_empty() {
+                return Err(format!("row {b} is empty: sequences must not be empty"));
             }
             if let Some(&bad) = row.iter().find(|&&t| t as usize >= self.config.vocab_size) {
                 return Err(format!(
@@ -195,16 +197,17 @@ impl Decoder {
         Ok(())
     }
 
-    /// Full forward over `ids` (`B` rows of `T` tokens each).
+    /// Forward over `ids` (`B` rows of `T` tokens each).
     ///
-    /// - `pad[b][t]`: whether token `t` of row `b` is real (`None`: all real). Padding tokens are neither
-    ///   attended to nor counted in RoPE positions, so a left-padded row computes exactly what it would alone.
-    /// - `cache`: when given, the new tokens are appended to it and attend to everything cached.
+    /// - `lens[b]`: how many leading tokens of row `b` are real (right padding; `None`: all `T`). Padding
+    ///   tokens are never attended to by real ones and never enter the cache as visible keys.
+    /// - `cache`: when given, the new tokens continue each row's cached sequence (RoPE positions and keys
+    ///   start at that row's cached length) and are added to the cache.
     /// - `replay`: per layer, expert choices to reuse instead of the router's (MoE routing replay).
     pub fn forward(
         &self,
         ids: &[Vec<u32>],
-        pad: Option<&[Vec<bool>]>,
+        lens: Option<&[usize]>,
         mut cache: Option<&mut KvCache>,
         replay: Option<&[Option<Routing>]>,
     ) -> ForwardOutput {
@@ -212,58 +215,56 @@ impl Decoder {
         let b = ids.len();
         let t = ids[0].len();
         let cfg = &self.config;
-
-        // Which keys are real, per row: the cached ones followed by the new ones.
-        let new_valid: Vec<Vec<bool>> = match pad {
-            Some(p) => p.to_vec(),
-            None => vec![vec![true; t]; b],
+        let new_lens: Vec<usize> = lens.map_or_else(|| vec![t; b], <[usize]>::to_vec);
+        let (past, capacity): (Vec<usize>, usize) = match &cache {
+            Some(c) if c.batch() == b => (c.lens.clone(), c.capacity),
+            Some(c) => panic!("cache holds {} rows, forward got {b}", c.batch()),
+            None => (vec![0; b], 0),
         };
-        let past_valid: Vec<Vec<bool>> = match &cache {
-            Some(c) if !c.valid.is_empty() && c.valid.len() == b => c.valid.clone(),
-            _ => vec![Vec::new(); b],
+        let uniform = past.iter().all(|&p| p == capacity) && new_lens.iter().all(|&n| n == t);
+        let total = if uniform {
+            capacity + t
+        } else {
+            capacity.max(past.iter().max().unwrap_or(&0) + t)
         };
-        let past = past_valid[0].len();
-        let s = past + t;
-        let positions: Vec<Vec<usize>> = (0..b)
-            .map(|r| {
-                let mut p = past_valid[r].iter().filter(|&&v| v).count();
-                new_valid[r]
-                    .iter()
-                    .map(|&v| {
-                        let here = p;
-                        if v {
-                            p += 1;
+        let write = match (&cache, uniform) {
+            (None, _) | (_, true) => KvWrite::Append,
+            (Some(_), false) => {
+                let (kv, d) = (cfg.num_key_value_heads, cfg.head_dim);
+                let mut index = Vec::with_capacity(b * kv * t * d);
+                for &p in &past {
+                    for _ in 0..kv {
+                        for q in 0..t {
+                            index.extend(std::iter::repeat_n((p + q) as i64, d));
                         }
-                        if v {
-                            here
-                        } else {
-                            0
-                        }
-                    })
-                    .collect()
-            })
-            .collect();
-        let any_pad = past_valid
-            .iter()
-            .chain(new_valid.iter())
-            .any(|row| row.iter().any(|&v| !v));
-        let mask = (t > 1 || any_pad).then(|| {
-            let mut m = Vec::with_capacity(b * t * s);
+                    }
+                }
+                KvWrite::Scatter {
+                    index: Tensor::from_data(TensorData::new(index, [b, kv, t, d]), &device),
+                    len: total,
+                }
+            }
+        };
+        // Keys: with a cache, its `total` slots; without, the `t` new tokens. Attention runs over a key axis
+        // rounded up to a multiple of KEY_BLOCK (masked zeros beyond): the backend's reductions over that
+        // axis then group the real keys the same way whatever the sequence length, so a token scored in a
+        // full forward and the same token decoded with the cache round alike.
+        let keys = (if cache.is_some() { total } else { t }).div_ceil(KEY_BLOCK) * KEY_BLOCK;
+        let needs_mask = t > 1 || (0..b).any(|r| past[r] + new_lens[r] < keys);
+        let mask = needs_mask.then(|| {
+            let mut m = Vec::with_capacity(b * t * keys);
             for r in 0..b {
+                let end = past[r] + new_lens[r];
                 for q in 0..t {
-                    for k in 0..s {
-                        let real = if k < past {
-                            past_valid[r][k]
-                        } else {
-                            new_valid[r][k - past]
-                        };
-                        let visible = real && k <= past + q;
+                    for s in 0..keys {
+                        let visible = s < end && s <= past[r] + q;
                         m.push(if visible { 0.0 } else { MASKED });
                     }
                 }
             }
-            tensor_from_vec(m, [b, 1, t, s], &device)
+            tensor_from_vec(m, [b, 1, t, keys], &device)
         });
+        let positions: Vec<Vec<usize>> = past.iter().map(|&p| (p..p + t).collect()).collect();
         let rope = self.rope.tables(&positions, &device);
 
         let flat: Vec<i64> = ids.iter().flatten().map(|&x| x as i64).collect();
@@ -276,7 +277,7 @@ impl Decoder {
 
         let mut routing = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
-            let slot = cache.as_deref_mut().map(|c| &mut c.layers[i]);
+            let slot = cache.as_deref_mut().map(|c| (&mut c.layers[i], &write));
             let h = layer.self_attn.forward(
                 layer.input_layernorm.forward(x.clone()),
                 &rope,
@@ -300,14 +301,8 @@ impl Decoder {
             x = x1 + ff.reshape([b, t, cfg.hidden_size]);
         }
         if let Some(c) = cache {
-            c.valid = past_valid
-                .into_iter()
-                .zip(new_valid)
-                .map(|(mut a, n)| {
-                    a.extend(n);
-                    a
-                })
-                .collect();
+            c.lens = past.iter().zip(&new_lens).map(|(p, n)| p + n).collect();
+            c.capacity = total;
         }
         let x = self.norm.forward(x).reshape([b * t, cfg.hidden_size]);
         let logits = match &self.lm_head {

@@ -3,7 +3,7 @@
 //! sampler saw: the log-prob of every sampled token and, for MoE models, the experts each token went to.
 
 use burn::tensor::activation::log_softmax;
-use burn::tensor::Tensor;
+use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use super::sampler::{sample, sequence_rng, SamplingParams};
@@ -48,30 +48,46 @@ impl Rollout {
     }
 }
 
-/// `log_softmax(logits[:, -1, :] / temperature)` as host rows.
-fn last_logprobs(logits: Tensor<3>, temperature: f32) -> Vec<Vec<f32>> {
+/// `log_softmax(logits[b, at[b], :] / temperature)` as host rows.
+fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32>> {
     let [b, t, v] = logits.dims();
-    let last = logits.narrow(1, t - 1, 1).reshape([b, v]);
-    let last = if temperature == 1.0 { last } else { last / temperature as f64 };
+    let last = if at.iter().all(|&i| i == t - 1) {
+        logits.narrow(1, t - 1, 1).reshape([b, v])
+    } else {
+        let rows: Vec<i64> = at
+            .iter()
+            .enumerate()
+            .map(|(r, &i)| (r * t + i) as i64)
+            .collect();
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(rows, [b]), &logits.device());
+        logits.reshape([b * t, v]).select(0, idx)
+    };
+    let last = if temperature == 1.0 {
+        last
+    } else {
+        last / temperature as f64
+    };
     let flat = to_f32_vec(log_softmax(last, 1));
     flat.chunks(v).map(<[f32]>::to_vec).collect()
 }
 
-/// Appends, for each row of `rows`, the routing of the tokens of one forward (`[rows * t * k]` per layer).
+/// Appends, for each row of `rows`, the routing of the first `take(slot)` tokens it fed through one forward
+/// (`[rows * t * k]` per layer, token-major).
 fn append_routing(
     record: &mut [Vec<Option<Vec<u32>>>],
     rows: &[usize],
     routing: &[Option<Vec<u32>>],
     t: usize,
-    skip: &dyn Fn(usize) -> usize,
+    take: &dyn Fn(usize) -> usize,
 ) {
     for (layer, r) in routing.iter().enumerate() {
         let Some(r) = r else { continue };
         let k = r.len() / (rows.len() * t);
         for (slot, &row) in rows.iter().enumerate() {
-            let start = skip(slot);
-            let chunk = &r[(slot * t + start) * k..(slot + 1) * t * k];
-            record[row][layer].get_or_insert_with(Vec::new).extend_from_slice(chunk);
+            let chunk = &r[slot * t * k..(slot * t + take(slot)) * k];
+            record[row][layer]
+                .get_or_insert_with(Vec::new)
+                .extend_from_slice(chunk);
         }
     }
 }
@@ -105,17 +121,22 @@ pub fn generate(
         return out;
     }
 
-    // Prefill every prompt once, left-padded to the longest.
+    // Prefill every prompt once, right-padded to the longest (each row's tokens start at slot 0).
     let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let padded: Vec<Vec<u32>> = prompts
         .iter()
-        .map(|pr| std::iter::repeat_n(0, t - pr.len()).chain(pr.iter().copied()).collect())
+        .map(|pr| {
+            pr.iter()
+                .copied()
+                .chain(std::iter::repeat_n(0, t - pr.len()))
+                .collect()
+        })
         .collect();
-    let valid: Vec<Vec<bool>> = prompts.iter().map(|pr| (0..t).map(|i| i >= t - pr.len()).collect()).collect();
-    let any_pad = prompts.iter().any(|pr| pr.len() != t);
+    let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let mut cache = model.new_cache(p);
-    let pre = model.forward(&padded, any_pad.then_some(valid.as_slice()), Some(&mut cache), None);
-    let prompt_lp = last_logprobs(pre.logits, temperature);
+    let pre = model.forward(&padded, Some(&lens), Some(&mut cache), None);
+    let last: Vec<usize> = lens.iter().map(|l| l - 1).collect();
+    let prompt_lp = logprobs_at(pre.logits, &last, temperature);
     let record_routing = pre.routing.iter().any(Option::is_some);
     if record_routing {
         let fan: Vec<usize> = (0..rows).collect();
@@ -123,7 +144,9 @@ pub fn generate(
         // Each sample's record starts with its prompt's routing (padding slots left out).
         let mut per_prompt: Vec<Vec<Option<Vec<u32>>>> = vec![vec![None; n_layers]; p];
         let prompt_rows: Vec<usize> = (0..p).collect();
-        append_routing(&mut per_prompt, &prompt_rows, &pre.routing, t, &|slot| t - prompts[slot].len());
+        append_routing(&mut per_prompt, &prompt_rows, &pre.routing, t, &|slot| {
+            lens[slot]
+        });
         for r in fan {
             out.routing[r] = per_prompt[by_prompt[r]].clone();
         }
@@ -135,7 +158,12 @@ pub fn generate(
     let mut lp_rows: Vec<Vec<f32>> = fan_out.iter().map(|&pi| prompt_lp[pi].clone()).collect();
     let mut rngs: Vec<_> = (0..rows).map(|r| sequence_rng(params.seed, r)).collect();
     let mut active: Vec<usize> = (0..rows).collect();
-    let max_stop_len = params.stop_strings.iter().map(String::len).max().unwrap_or(0);
+    let max_stop_len = params
+        .stop_strings
+        .iter()
+        .map(String::len)
+        .max()
+        .unwrap_or(0);
 
     for step in 0..params.max_new_tokens {
         let mut keep = Vec::with_capacity(active.len());
@@ -150,7 +178,9 @@ pub fn generate(
                         let gen = &out.ids[row][out.prompt_lens[row]..];
                         // A stop string spans at most its length in tokens, plus one partial token each side.
                         let tail = &gen[gen.len().saturating_sub(max_stop_len + 2)..];
-                        tk.decode(tail).is_ok_and(|s| params.stop_strings.iter().any(|st| s.contains(st.as_str())))
+                        tk.decode(tail).is_ok_and(|s| {
+                            params.stop_strings.iter().any(|st| s.contains(st.as_str()))
+                        })
                     }));
             if stopped {
                 out.finish_reasons[row] = FinishReason::Stop;
@@ -167,9 +197,9 @@ pub fn generate(
         active = keep.iter().map(|&s| active[s]).collect();
         let step_out = model.forward(&next, None, Some(&mut cache), None);
         if record_routing {
-            append_routing(&mut out.routing, &active, &step_out.routing, 1, &|_| 0);
+            append_routing(&mut out.routing, &active, &step_out.routing, 1, &|_| 1);
         }
-        lp_rows = last_logprobs(step_out.logits, temperature);
+        lp_rows = logprobs_at(step_out.logits, &vec![0; active.len()], temperature);
     }
     out
 }

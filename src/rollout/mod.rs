@@ -21,7 +21,12 @@ pub fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
 
 /// Greedy decoding of up to `max_new_tokens` tokens per prompt, stopping a row at any of `stop_ids`.
 /// Returns prompt + generated ids per row.
-pub fn generate_greedy(model: &Decoder, prompts: &[Vec<u32>], max_new_tokens: usize, stop_ids: &[u32]) -> Vec<Vec<u32>> {
+pub fn generate_greedy(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    max_new_tokens: usize,
+    stop_ids: &[u32],
+) -> Vec<Vec<u32>> {
     let params = SamplingParams {
         temperature: 0.0,
         max_new_tokens,

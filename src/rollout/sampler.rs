@@ -43,7 +43,10 @@ impl SamplingParams {
     /// Range checks; the message names the offending parameter.
     pub fn validate(&self) -> Result<(), String> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!("temperature must be a finite number >= 0, got {}", self.temperature));
+            return Err(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -109,11 +112,18 @@ pub fn sample(logprobs: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -
     }
     let mut order: Vec<u32> = (0..logprobs.len() as u32).collect();
     // Most likely first; ties by smaller id, so the order is fully determined.
-    order.sort_unstable_by(|&a, &b| logprobs[b as usize].total_cmp(&logprobs[a as usize]).then(a.cmp(&b)));
+    order.sort_unstable_by(|&a, &b| {
+        logprobs[b as usize]
+            .total_cmp(&logprobs[a as usize])
+            .then(a.cmp(&b))
+    });
     if params.top_k > 0 {
         order.truncate(params.top_k.min(order.len()));
     }
-    let probs: Vec<f64> = order.iter().map(|&i| (logprobs[i as usize] as f64).exp()).collect();
+    let probs: Vec<f64> = order
+        .iter()
+        .map(|&i| (logprobs[i as usize] as f64).exp())
+        .collect();
     let mut keep = probs.len();
     if params.top_p < 1.0 {
         let total: f64 = probs.iter().sum();
