@@ -11,6 +11,7 @@ use super::config::ModelConfig;
 use super::error::LoadError;
 use super::layers::{tensor_from_vec, Linear, RmsNorm, Rope};
 use super::mlp::{FeedForward, Routing};
+use crate::quant::{QuantConfig, QuantScheme};
 
 /// Additive mask value for keys a query must not see. Finite (not -inf) so that a padding query that sees no
 /// key at all gets a uniform, finite distribution instead of NaN, which would leak into later layers.
@@ -313,6 +314,83 @@ impl Decoder {
             logits: logits.reshape([b, t, cfg.vocab_size]),
             routing,
         }
+    }
+
+    /// Every linear layer with the HF name of its weight (`model.layers.0.self_attn.q_proj.weight`, ...).
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let p = format!("model.layers.{i}");
+            let a = &mut layer.self_attn;
+            out.push((format!("{p}.self_attn.q_proj.weight"), &mut a.q_proj));
+            out.push((format!("{p}.self_attn.k_proj.weight"), &mut a.k_proj));
+            out.push((format!("{p}.self_attn.v_proj.weight"), &mut a.v_proj));
+            out.push((format!("{p}.self_attn.o_proj.weight"), &mut a.o_proj));
+            match &mut layer.mlp {
+                FeedForward::Dense(m) => {
+                    out.push((format!("{p}.mlp.gate_proj.weight"), &mut m.gate_proj));
+                    out.push((format!("{p}.mlp.up_proj.weight"), &mut m.up_proj));
+                    out.push((format!("{p}.mlp.down_proj.weight"), &mut m.down_proj));
+                }
+                FeedForward::Moe(moe) => {
+                    out.push((format!("{p}.mlp.gate.weight"), &mut moe.gate));
+                    for (e, ex) in moe.experts.iter_mut().enumerate() {
+                        out.push((format!("{p}.mlp.experts.{e}.gate_proj.weight"), &mut ex.gate_proj));
+                        out.push((format!("{p}.mlp.experts.{e}.up_proj.weight"), &mut ex.up_proj));
+                        out.push((format!("{p}.mlp.experts.{e}.down_proj.weight"), &mut ex.down_proj));
+                    }
+                }
+            }
+        }
+        if let Some(head) = &mut self.lm_head {
+            out.push(("lm_head.weight".to_string(), head));
+        }
+        out
+    }
+
+    /// Quantizes the layers `cfg` selects (others go back to full precision); returns how many were
+    /// quantized. Call again after every optimizer step: one quantization per weight version, whose packed
+    /// weights then serve both the rollout and the aligned training forward.
+    pub fn quantize(&mut self, cfg: &QuantConfig) -> Result<usize, String> {
+        let sel = cfg.selector()?;
+        let mut n = 0;
+        for (name, lin) in self.linears_mut() {
+            if sel.selects(&name) {
+                lin.quantize(cfg.scheme).map_err(|e| format!("{name}: {e}"))?;
+                n += 1;
+            } else {
+                lin.dequantize();
+            }
+        }
+        if n == 0 {
+            return Err(format!("no layer matches the quantization patterns {:?}", cfg.include));
+        }
+        Ok(n)
+    }
+
+    /// Re-quantizes the layers that are quantized now from their current masters (same schemes); returns how
+    /// many. This is the once-per-weight-version step after an optimizer update.
+    pub fn requantize(&mut self) -> Result<usize, String> {
+        let mut n = 0;
+        for (name, lin) in self.linears_mut() {
+            if let Some(scheme) = lin.quant.as_ref().map(|q| q.scheme()) {
+                lin.quantize(scheme).map_err(|e| format!("{name}: {e}"))?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    /// Drops every quantized version (full-precision forward).
+    pub fn dequantize(&mut self) {
+        for (_, lin) in self.linears_mut() {
+            lin.dequantize();
+        }
+    }
+
+    /// The scheme of the quantized layers, if any.
+    pub fn quant_scheme(&self) -> Option<QuantScheme> {
+        self.layers.iter().find_map(|l| l.self_attn.q_proj.quant.as_ref().map(|q| q.scheme()))
     }
 
     /// A fresh cache for `batch` rows.

@@ -4,6 +4,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::checkpoint::Checkpoint;
+use crate::quant::{QuantError, QuantScheme, QuantizedWeight};
 use super::error::LoadError;
 
 /// Makes a float tensor of `shape` from host values.
@@ -15,14 +16,20 @@ pub fn tensor_from_vec<const D: usize>(
     Tensor::from_data(TensorData::new(values, shape), device)
 }
 
-/// A full-precision linear projection `y = x W^T + b` with HF's `[out, in]` weight stored transposed as
-/// `[in, out]`, so the forward is a plain row-major matmul.
+/// A linear projection `y = x W^T + b` with HF's `[out, in]` weight stored transposed as `[in, out]`.
+///
+/// `weight` is always the full-precision master. When `quant` holds a quantized version of it, the forward
+/// runs the low-bit matmul on those packed weights (rollout and training alike) and gradients reach the
+/// master through the straight-through estimator.
 #[derive(Module, Debug)]
 pub struct Linear {
     /// `[in, out]`
     pub weight: Param<Tensor<2>>,
     /// `[out]`
     pub bias: Option<Param<Tensor<1>>>,
+    /// The current quantized weight version, if this layer is quantized.
+    #[module(skip)]
+    pub quant: Option<QuantizedWeight>,
 }
 
 impl Linear {
@@ -48,7 +55,20 @@ impl Linear {
         Ok(Self {
             weight: Param::from_tensor(weight),
             bias,
+            quant: None,
         })
+    }
+
+    /// Quantizes the current master weights (one new weight version); the packed result serves every
+    /// forward until the next call.
+    pub fn quantize(&mut self, scheme: QuantScheme) -> Result<(), QuantError> {
+        self.quant = Some(QuantizedWeight::from_master(self.weight.val().detach(), scheme)?);
+        Ok(())
+    }
+
+    /// Drops the quantized version: the forward is full precision again.
+    pub fn dequantize(&mut self) {
+        self.quant = None;
     }
 
     pub fn d_in(&self) -> usize {
@@ -61,7 +81,10 @@ impl Linear {
 
     /// `x: [n, in] -> [n, out]`
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let y = x.matmul(self.weight.val());
+        let y = match &self.quant {
+            Some(q) => q.matmul(x, self.weight.val()),
+            None => x.matmul(self.weight.val()),
+        };
         match &self.bias {
             Some(b) => y + b.val().unsqueeze_dim(0),
             None => y,

@@ -17,3 +17,10 @@ pub use error::QuantError;
 pub use fp8::Fp8Activations;
 pub use scheme::{QuantScheme, SchemeKind};
 pub use tensor::QuantizedTensor;
+pub mod cpu_kernel;
+pub mod linear;
+
+pub use linear::QuantizedWeight;
+pub mod select;
+
+pub use select::QuantConfig;
