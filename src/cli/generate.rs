@@ -4,7 +4,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::BackendKind;
 use crate::io::{read_json, write_json_atomic};
-use crate::model::{Decoder, Tokenizer};
+use crate::cli::load_model;
+use crate::quant::QuantScheme;
+use crate::model::Tokenizer;
 use crate::rollout::{generate, FinishReason, SamplingParams};
 
 #[derive(Debug, clap::Args)]
@@ -54,6 +56,10 @@ pub struct GenerateArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
     pub backend: BackendKind,
+    /// Quantize the projections on load (int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128); the forward then
+    /// runs the low-bit matmul on the packed weights.
+    #[arg(long)]
+    pub quant: Option<QuantScheme>,
 }
 
 #[derive(Deserialize)]
@@ -74,7 +80,7 @@ struct GenerateOutput {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut stop_token_ids = args.stop_ids.clone();
     let device = args.backend.device()?;
-    let model = Decoder::load(&args.model, &device)?;
+    let model = load_model(&args.model, &device, args.quant)?;
     if args.stop_at_eos {
         stop_token_ids.extend(&model.config.eos_token_ids);
     }
@@ -87,33 +93,51 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_token_ids,
         stop_strings: args.stop_strings.clone(),
     };
-    params.validate().map_err(|e| anyhow::anyhow!("invalid sampling options: {e}"))?;
+    params
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid sampling options: {e}"))?;
     if args.samples == 0 {
         anyhow::bail!("--samples must be at least 1");
     }
     let tokenizer = Tokenizer::load_optional(&args.model)?;
     if !params.stop_strings.is_empty() && tokenizer.is_none() {
-        anyhow::bail!("{}: no tokenizer.json, so --stop strings cannot be matched; use --stop-id", args.model.display());
+        anyhow::bail!(
+            "{}: no tokenizer.json, so --stop strings cannot be matched; use --stop-id",
+            args.model.display()
+        );
     }
     let prompts = match (&args.prompt_ids, &args.prompt) {
         (Some(path), _) => {
             let f: PromptFile = read_json(path)?;
-            model.check_prompts(&f.input_ids).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+            model
+                .check_prompts(&f.input_ids)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
             f.input_ids
         }
         (None, Some(text)) => {
             let tok = tokenizer.as_ref().ok_or_else(|| {
-                anyhow::anyhow!("{}: no tokenizer.json, so --prompt cannot be used; pass --prompt-ids", args.model.display())
+                anyhow::anyhow!(
+                    "{}: no tokenizer.json, so --prompt cannot be used; pass --prompt-ids",
+                    args.model.display()
+                )
             })?;
             let ids = tok.encode(text)?;
-            model.check_prompts(std::slice::from_ref(&ids)).map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
+            model
+                .check_prompts(std::slice::from_ref(&ids))
+                .map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
             vec![ids]
         }
         (None, None) => anyhow::bail!("pass --prompt-ids FILE or --prompt TEXT"),
     };
     let rollout = generate(&model, &prompts, args.samples, &params, tokenizer.as_ref());
     let text = match &tokenizer {
-        Some(t) => Some(rollout.ids.iter().map(|r| t.decode(r)).collect::<anyhow::Result<Vec<_>>>()?),
+        Some(t) => Some(
+            rollout
+                .ids
+                .iter()
+                .map(|r| t.decode(r))
+                .collect::<anyhow::Result<Vec<_>>>()?,
+        ),
         None => None,
     };
     write_json_atomic(

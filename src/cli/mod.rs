@@ -1,6 +1,9 @@
 //! The `qarl` command line: argument parsing that calls into the library, no logic of its own.
 
+mod bench;
 mod generate;
+mod init_model;
+mod quantize;
 mod score;
 
 use clap::{Parser, Subcommand};
@@ -17,8 +20,36 @@ pub struct Cli {
 pub enum Command {
     /// Full-sequence forward: logits and next-token log-probs of given token ids.
     Score(score::ScoreArgs),
-    /// Generate continuations of prompts (greedy for now).
+    /// Generate continuations of prompts: sampling with recorded log-probs, or greedy.
     Generate(generate::GenerateArgs),
+    /// Write a model directory with random weights from a config.json.
+    InitModel(init_model::InitModelArgs),
+    /// Benchmarks (`bench rollout`: tokens/s of f32 and quantized rollouts side by side).
+    Bench(bench::BenchArgs),
+    /// Write a quantized checkpoint (packed codes + scales) that every command loads without re-quantizing.
+    Quantize(quantize::QuantizeArgs),
+}
+
+/// Loads a model directory and, with `quant`, quantizes its projections (default layer selection).
+pub fn load_model(
+    dir: &std::path::Path,
+    device: &burn::tensor::Device,
+    quant: Option<crate::quant::QuantScheme>,
+) -> anyhow::Result<crate::model::Decoder> {
+    let mut model = crate::model::Decoder::load(dir, device)?;
+    if let Some(scheme) = quant {
+        if let Some(have) = &model.config.quantization {
+            anyhow::bail!(
+                "{}: the checkpoint is already quantized ({}); drop --quant or start from the full-precision model",
+                dir.display(),
+                have.scheme
+            );
+        }
+        model
+            .quantize(&crate::quant::QuantConfig::new(scheme))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
+    }
+    Ok(model)
 }
 
 /// Parses the command line and runs the command.
@@ -27,5 +58,8 @@ pub fn run() -> anyhow::Result<()> {
     match cli.command {
         Command::Score(a) => score::run(a),
         Command::Generate(a) => generate::run(a),
+        Command::InitModel(a) => init_model::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Quantize(a) => quantize::run(a),
     }
 }

@@ -5,7 +5,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::backend::BackendKind;
 use crate::io::{read_json, write_json_atomic};
-use crate::model::{scoring::next_token_logprobs, Decoder};
+use crate::cli::load_model;
+use crate::quant::QuantScheme;
+use crate::model::scoring::next_token_logprobs;
 use crate::rollout::rows;
 
 #[derive(Debug, clap::Args)]
@@ -22,6 +24,10 @@ pub struct ScoreArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
     pub backend: BackendKind,
+    /// Quantize the projections on load (int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128); the forward then
+    /// runs the low-bit matmul on the packed weights.
+    #[arg(long)]
+    pub quant: Option<QuantScheme>,
     /// Leave the (large) logits out of the output.
     #[arg(long)]
     pub no_logits: bool,
@@ -43,7 +49,7 @@ struct ScoreOutput {
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let input: ScoreInput = read_json(&args.input)?;
     let device = args.backend.device()?;
-    let model = Decoder::load(&args.model, &device)?;
+    let model = load_model(&args.model, &device, args.quant)?;
     model
         .check_ids(&input.input_ids)
         .map_err(|e| anyhow::anyhow!("{}: {e}", args.input.display()))?;

@@ -13,6 +13,7 @@ use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, SafeTensors};
 
 use super::error::LoadError;
+use crate::quant::QuantScheme;
 
 struct ShardFile {
     path: PathBuf,
@@ -28,6 +29,8 @@ pub struct Checkpoint {
     /// tensor name -> index into `shards`
     index: BTreeMap<String, usize>,
     taken: RefCell<BTreeSet<String>>,
+    /// The scheme of packed `*.qweight` tensors (from config.json's `quantization_config`).
+    pub quant_scheme: Option<QuantScheme>,
 }
 
 /// Single-file name HF uses.
@@ -130,6 +133,7 @@ impl Checkpoint {
             shards,
             index,
             taken: RefCell::new(BTreeSet::new()),
+            quant_scheme: None,
         })
     }
 
@@ -208,6 +212,47 @@ impl Checkpoint {
         };
         self.taken.borrow_mut().insert(name.to_string());
         Ok(out)
+    }
+
+    /// A tensor exactly as stored: dtype, shape and bytes (for copying it unchanged).
+    pub fn stored(&self, name: &str) -> Option<(Dtype, Vec<usize>, &[u8])> {
+        let shard = &self.shards[*self.index.get(name)?];
+        let info = shard.meta.info(name)?;
+        let (start, end) = info.data_offsets;
+        Some((info.dtype, info.shape.clone(), &shard.map[shard.data_start + start..shard.data_start + end]))
+    }
+
+    /// Reads tensor `name` as raw bytes of dtype `dtype` and shape `expected` (packed quantized codes), and
+    /// marks it as used.
+    pub fn read_raw(&self, name: &str, expected: &[usize], dtype: Dtype) -> Result<Vec<u8>, LoadError> {
+        let path = self.path_of(name);
+        let Some(&id) = self.index.get(name) else {
+            return Err(LoadError::MissingTensor {
+                path,
+                name: name.to_string(),
+                expected: expected.to_vec(),
+            });
+        };
+        let shard = &self.shards[id];
+        let info = shard.meta.info(name).expect("index built from metadata");
+        if info.shape != expected {
+            return Err(LoadError::ShapeMismatch {
+                path,
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                got: info.shape.clone(),
+            });
+        }
+        if info.dtype != dtype {
+            return Err(LoadError::UnsupportedDtype {
+                path,
+                name: name.to_string(),
+                dtype: format!("{:?} (expected {dtype:?})", info.dtype),
+            });
+        }
+        let (start, end) = info.data_offsets;
+        self.taken.borrow_mut().insert(name.to_string());
+        Ok(shard.map[shard.data_start + start..shard.data_start + end].to_vec())
     }
 
     /// Marks a tensor as deliberately ignored (e.g. a stored `lm_head.weight` of a tied model).

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use super::error::LoadError;
+use crate::quant::QuantConfig;
 
 /// Which Hugging Face architecture a checkpoint declares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,6 +90,8 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// Set for checkpoints written by `qarl quantize` (`quantization_config` with `quant_method: "qarl"`).
+    pub quantization: Option<QuantConfig>,
 }
 
 /// Reads keys out of a JSON object and reports problems against the file they came from.
@@ -181,6 +184,30 @@ impl<'a> Keys<'a> {
                 .ok_or_else(|| self.bad(name, "a token id or a list of ids", v)),
         }
     }
+}
+
+/// `quantization_config` of a checkpoint: only qarl's own packed format is understood.
+fn parse_quantization(k: &Keys) -> Result<Option<QuantConfig>, LoadError> {
+    let Some(q) = k.find(&["quantization_config"]) else {
+        return Ok(None);
+    };
+    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+    if method != "qarl" {
+        return Err(LoadError::InvalidConfig {
+            path: k.path.to_path_buf(),
+            msg: format!(
+                "`quantization_config.quant_method` = \"{method}\" is not supported: only checkpoints written by `qarl quantize` (quant_method \"qarl\"); load the full-precision model and pass --quant instead"
+            ),
+        });
+    }
+    let mut q = q.clone();
+    if let Some(obj) = q.as_object_mut() {
+        obj.remove("quant_method");
+    }
+    serde_json::from_value(q).map(Some).map_err(|e| LoadError::InvalidConfig {
+        path: k.path.to_path_buf(),
+        msg: format!("`quantization_config`: {e}"),
+    })
 }
 
 impl ModelConfig {
@@ -345,6 +372,7 @@ impl ModelConfig {
             mlp_bias: k.bool_or(&["mlp_bias"], false)?,
             qk_norm,
             moe,
+            quantization: parse_quantization(&k)?,
             bos_token_id: k.ids("bos_token_id")?.first().copied(),
             eos_token_ids: k.ids("eos_token_id")?,
         })

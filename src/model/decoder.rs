@@ -106,7 +106,8 @@ impl Decoder {
     pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self, LoadError> {
         let dir = dir.as_ref();
         let config = ModelConfig::from_file(dir)?;
-        let ckpt = Checkpoint::open(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        ckpt.quant_scheme = config.quantization.as_ref().map(|q| q.scheme);
         Self::from_checkpoint(config, &ckpt, device)
     }
 

@@ -4,7 +4,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::checkpoint::Checkpoint;
-use crate::quant::{QuantError, QuantScheme, QuantizedWeight};
+use crate::quant::{QuantError, QuantScheme, QuantizedTensor, QuantizedWeight};
 use super::error::LoadError;
 
 /// Makes a float tensor of `shape` from host values.
@@ -42,10 +42,30 @@ impl Linear {
         bias: bool,
         device: &Device,
     ) -> Result<Self, LoadError> {
-        let w = ckpt.read_f32(&format!("{prefix}.weight"), &[d_out, d_in])?;
-        let weight = tensor_from_vec(w, [d_out, d_in], device).transpose();
-        // Materialise the transposed layout once instead of on every matmul.
-        let weight = Tensor::from_data(weight.into_data(), device);
+        let qname = format!("{prefix}.qweight");
+        let (weight, quant) = match ckpt.quant_scheme.filter(|_| ckpt.contains(&qname)) {
+            Some(scheme) => {
+                // A quantized checkpoint: the packed codes are the weights; the master starts as their
+                // dequantized values (exactly what the quantized forward computes with).
+                let data = ckpt.read_raw(&qname, &[d_out, scheme.row_bytes(d_in)], safetensors::Dtype::U8)?;
+                let sname = format!("{prefix}.scales");
+                let scales = ckpt.read_f32(&sname, &scheme.scale_shape(d_out, d_in))?;
+                let q = QuantizedTensor::from_parts(scheme, d_out, d_in, data, scales).map_err(|e| {
+                    LoadError::InvalidConfig {
+                        path: ckpt.dir().join(&qname),
+                        msg: e.to_string(),
+                    }
+                })?;
+                let qw = QuantizedWeight::from_packed(q, device);
+                (qw.dequantized.clone(), Some(qw))
+            }
+            None => {
+                let w = ckpt.read_f32(&format!("{prefix}.weight"), &[d_out, d_in])?;
+                let weight = tensor_from_vec(w, [d_out, d_in], device).transpose();
+                // Materialise the transposed layout once instead of on every matmul.
+                (Tensor::from_data(weight.into_data(), device), None)
+            }
+        };
         let bias = if bias {
             let b = ckpt.read_f32(&format!("{prefix}.bias"), &[d_out])?;
             Some(Param::from_tensor(tensor_from_vec(b, [d_out], device)))
@@ -55,7 +75,7 @@ impl Linear {
         Ok(Self {
             weight: Param::from_tensor(weight),
             bias,
-            quant: None,
+            quant,
         })
     }
 

@@ -24,3 +24,6 @@ pub use linear::QuantizedWeight;
 pub mod select;
 
 pub use select::QuantConfig;
+pub mod checkpoint;
+
+pub use checkpoint::{quantize_checkpoint, QuantizeSummary};

@@ -1,0 +1,103 @@
+//! Quantized checkpoints: the selected projections stored as packed codes (`X.qweight`, U8) and f32 scales
+//! (`X.scales`), everything else copied unchanged, and `quantization_config` in config.json. Loading one
+//! reads the packed weights as they are: no re-quantization.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use safetensors::Dtype;
+use serde_json::Value;
+
+use super::{QuantConfig, QuantizedTensor};
+use crate::model::{Checkpoint, ModelConfig};
+
+/// Files of a model directory copied alongside the weights when present.
+const SIDE_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+
+/// What [`quantize_checkpoint`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantizeSummary {
+    pub quantized_tensors: usize,
+    pub copied_tensors: usize,
+    pub bytes_before: usize,
+    pub bytes_after: usize,
+}
+
+/// Writes a quantized copy of the model in `src` to `dst` (created; must not be `src`).
+pub fn quantize_checkpoint(src: &Path, dst: &Path, cfg: &QuantConfig) -> anyhow::Result<QuantizeSummary> {
+    let config = ModelConfig::from_file(src)?;
+    if config.quantization.is_some() {
+        bail!("{}: the model is already quantized", src.join("config.json").display());
+    }
+    if dst.exists() && std::fs::canonicalize(dst)? == std::fs::canonicalize(src)? {
+        bail!("{}: the output directory must differ from the model directory", dst.display());
+    }
+    let sel = cfg.selector().map_err(anyhow::Error::msg)?;
+    let ckpt = Checkpoint::open(src)?;
+    let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut summary = QuantizeSummary {
+        quantized_tensors: 0,
+        copied_tensors: 0,
+        bytes_before: 0,
+        bytes_after: 0,
+    };
+    let names: Vec<String> = ckpt.names().map(str::to_string).collect();
+    for name in names {
+        let (dtype, shape, bytes) = ckpt.stored(&name).expect("listed tensor");
+        summary.bytes_before += bytes.len();
+        let prefix = name.strip_suffix(".weight");
+        match prefix {
+            Some(prefix) if shape.len() == 2 && sel.selects(&name) => {
+                let (out, inn) = (shape[0], shape[1]);
+                let w = ckpt.read_f32(&name, &shape)?;
+                let q = QuantizedTensor::quantize(&w, out, inn, cfg.scheme).with_context(|| format!("quantizing `{name}`"))?;
+                let scale_shape = q.scale_shape();
+                let (_, _, data, scales) = q.into_parts();
+                let row_bytes = data.len() / out.max(1);
+                let scale_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
+                summary.bytes_after += data.len() + scale_bytes.len();
+                tensors.push((format!("{prefix}.qweight"), Dtype::U8, vec![out, row_bytes], data));
+                tensors.push((format!("{prefix}.scales"), Dtype::F32, scale_shape, scale_bytes));
+                summary.quantized_tensors += 1;
+            }
+            _ => {
+                summary.bytes_after += bytes.len();
+                tensors.push((name.clone(), dtype, shape, bytes.to_vec()));
+                summary.copied_tensors += 1;
+            }
+        }
+    }
+    if summary.quantized_tensors == 0 {
+        bail!("no tensor of {} matches the quantization patterns {:?}", src.display(), cfg.include);
+    }
+
+    std::fs::create_dir_all(dst).with_context(|| format!("{}: cannot create", dst.display()))?;
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b)?)))
+        .collect::<Result<_, safetensors::SafeTensorError>>()?;
+    let tmp = tempfile::NamedTempFile::new_in(dst)?;
+    safetensors::serialize_to_file(views, None, tmp.path()).with_context(|| format!("{}: writing weights", dst.display()))?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(dst.join(crate::model::checkpoint::SINGLE_FILE))?;
+
+    let cfg_path = src.join("config.json");
+    let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)?;
+    let mut qc = serde_json::to_value(cfg)?;
+    qc["quant_method"] = Value::from("qarl");
+    json["quantization_config"] = qc;
+    crate::io::write_json_atomic(&dst.join("config.json"), &json)?;
+    for f in SIDE_FILES {
+        let p = src.join(f);
+        if p.is_file() {
+            std::fs::copy(&p, dst.join(f)).with_context(|| format!("{}: cannot copy", p.display()))?;
+        }
+    }
+    Ok(summary)
+}
