@@ -3,10 +3,10 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::BackendKind;
-use crate::io::{read_json, write_json_atomic};
 use crate::cli::load_model;
-use crate::quant::QuantScheme;
+use crate::io::{read_json, write_json_atomic};
 use crate::model::Tokenizer;
+use crate::quant::QuantScheme;
 use crate::rollout::{generate, FinishReason, SamplingParams};
 
 #[derive(Debug, clap::Args)]

@@ -4,10 +4,10 @@ use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::backend::BackendKind;
-use crate::io::{read_json, write_json_atomic};
 use crate::cli::load_model;
-use crate::quant::QuantScheme;
+use crate::io::{read_json, write_json_atomic};
 use crate::model::scoring::next_token_logprobs;
+use crate::quant::QuantScheme;
 use crate::rollout::rows;
 
 #[derive(Debug, clap::Args)]

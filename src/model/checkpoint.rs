@@ -219,12 +219,21 @@ impl Checkpoint {
         let shard = &self.shards[*self.index.get(name)?];
         let info = shard.meta.info(name)?;
         let (start, end) = info.data_offsets;
-        Some((info.dtype, info.shape.clone(), &shard.map[shard.data_start + start..shard.data_start + end]))
+        Some((
+            info.dtype,
+            info.shape.clone(),
+            &shard.map[shard.data_start + start..shard.data_start + end],
+        ))
     }
 
     /// Reads tensor `name` as raw bytes of dtype `dtype` and shape `expected` (packed quantized codes), and
     /// marks it as used.
-    pub fn read_raw(&self, name: &str, expected: &[usize], dtype: Dtype) -> Result<Vec<u8>, LoadError> {
+    pub fn read_raw(
+        &self,
+        name: &str,
+        expected: &[usize],
+        dtype: Dtype,
+    ) -> Result<Vec<u8>, LoadError> {
         let path = self.path_of(name);
         let Some(&id) = self.index.get(name) else {
             return Err(LoadError::MissingTensor {

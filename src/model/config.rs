@@ -191,7 +191,10 @@ fn parse_quantization(k: &Keys) -> Result<Option<QuantConfig>, LoadError> {
     let Some(q) = k.find(&["quantization_config"]) else {
         return Ok(None);
     };
-    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+    let method = q
+        .get("quant_method")
+        .and_then(Value::as_str)
+        .unwrap_or("(none)");
     if method != "qarl" {
         return Err(LoadError::InvalidConfig {
             path: k.path.to_path_buf(),
@@ -204,10 +207,12 @@ fn parse_quantization(k: &Keys) -> Result<Option<QuantConfig>, LoadError> {
     if let Some(obj) = q.as_object_mut() {
         obj.remove("quant_method");
     }
-    serde_json::from_value(q).map(Some).map_err(|e| LoadError::InvalidConfig {
-        path: k.path.to_path_buf(),
-        msg: format!("`quantization_config`: {e}"),
-    })
+    serde_json::from_value(q)
+        .map(Some)
+        .map_err(|e| LoadError::InvalidConfig {
+            path: k.path.to_path_buf(),
+            msg: format!("`quantization_config`: {e}"),
+        })
 }
 
 impl ModelConfig {

@@ -336,9 +336,18 @@ impl Decoder {
                 FeedForward::Moe(moe) => {
                     out.push((format!("{p}.mlp.gate.weight"), &mut moe.gate));
                     for (e, ex) in moe.experts.iter_mut().enumerate() {
-                        out.push((format!("{p}.mlp.experts.{e}.gate_proj.weight"), &mut ex.gate_proj));
-                        out.push((format!("{p}.mlp.experts.{e}.up_proj.weight"), &mut ex.up_proj));
-                        out.push((format!("{p}.mlp.experts.{e}.down_proj.weight"), &mut ex.down_proj));
+                        out.push((
+                            format!("{p}.mlp.experts.{e}.gate_proj.weight"),
+                            &mut ex.gate_proj,
+                        ));
+                        out.push((
+                            format!("{p}.mlp.experts.{e}.up_proj.weight"),
+                            &mut ex.up_proj,
+                        ));
+                        out.push((
+                            format!("{p}.mlp.experts.{e}.down_proj.weight"),
+                            &mut ex.down_proj,
+                        ));
                     }
                 }
             }
@@ -357,14 +366,18 @@ impl Decoder {
         let mut n = 0;
         for (name, lin) in self.linears_mut() {
             if sel.selects(&name) {
-                lin.quantize(cfg.scheme).map_err(|e| format!("{name}: {e}"))?;
+                lin.quantize(cfg.scheme)
+                    .map_err(|e| format!("{name}: {e}"))?;
                 n += 1;
             } else {
                 lin.dequantize();
             }
         }
         if n == 0 {
-            return Err(format!("no layer matches the quantization patterns {:?}", cfg.include));
+            return Err(format!(
+                "no layer matches the quantization patterns {:?}",
+                cfg.include
+            ));
         }
         Ok(n)
     }
@@ -391,7 +404,9 @@ impl Decoder {
 
     /// The scheme of the quantized layers, if any.
     pub fn quant_scheme(&self) -> Option<QuantScheme> {
-        self.layers.iter().find_map(|l| l.self_attn.q_proj.quant.as_ref().map(|q| q.scheme()))
+        self.layers
+            .iter()
+            .find_map(|l| l.self_attn.q_proj.quant.as_ref().map(|q| q.scheme()))
     }
 
     /// A fresh cache for `batch` rows.

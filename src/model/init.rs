@@ -45,9 +45,17 @@ impl InitKind {
 /// the order the decoder reads them.
 pub fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-    let (heads, kv, d) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let (heads, kv, d) = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
     let mut out: Vec<(String, Vec<usize>)> = vec![("model.embed_tokens.weight".into(), vec![v, h])];
-    let linear = |out: &mut Vec<(String, Vec<usize>)>, prefix: &str, d_in: usize, d_out: usize, bias: bool| {
+    let linear = |out: &mut Vec<(String, Vec<usize>)>,
+                  prefix: &str,
+                  d_in: usize,
+                  d_out: usize,
+                  bias: bool| {
         out.push((format!("{prefix}.weight"), vec![d_out, d_in]));
         if bias {
             out.push((format!("{prefix}.bias"), vec![d_out]));
@@ -83,7 +91,12 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 }
                 out.push((format!("{p}.mlp.gate.weight"), vec![moe.num_experts, h]));
             }
-            _ => swiglu(&mut out, &format!("{p}.mlp"), cfg.intermediate_size, cfg.mlp_bias),
+            _ => swiglu(
+                &mut out,
+                &format!("{p}.mlp"),
+                cfg.intermediate_size,
+                cfg.mlp_bias,
+            ),
         }
     }
     out.push(("model.norm.weight".into(), vec![h]));
@@ -254,8 +267,14 @@ mod tests {
         assert_eq!(a, tensor_values("x.weight", 3, 10, 1, 0.02));
         assert_ne!(a, tensor_values("x.weight", 4, 10, 1, 0.02));
         assert_ne!(a, tensor_values("x.weight", 3, 10, 2, 0.02));
-        assert_eq!(tensor_values("a.input_layernorm.weight", 0, 3, 1, 0.02), vec![1.0; 3]);
-        assert_eq!(tensor_values("a.q_norm.weight", 0, 3, 1, 0.02), vec![1.0; 3]);
+        assert_eq!(
+            tensor_values("a.input_layernorm.weight", 0, 3, 1, 0.02),
+            vec![1.0; 3]
+        );
+        assert_eq!(
+            tensor_values("a.q_norm.weight", 0, 3, 1, 0.02),
+            vec![1.0; 3]
+        );
         assert_eq!(tensor_values("a.q_proj.bias", 0, 3, 1, 0.02), vec![0.0; 3]);
     }
 }

@@ -4,8 +4,8 @@ use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::checkpoint::Checkpoint;
-use crate::quant::{QuantError, QuantScheme, QuantizedTensor, QuantizedWeight};
 use super::error::LoadError;
+use crate::quant::{QuantError, QuantScheme, QuantizedTensor, QuantizedWeight};
 
 /// Makes a float tensor of `shape` from host values.
 pub fn tensor_from_vec<const D: usize>(
@@ -47,15 +47,19 @@ impl Linear {
             Some(scheme) => {
                 // A quantized checkpoint: the packed codes are the weights; the master starts as their
                 // dequantized values (exactly what the quantized forward computes with).
-                let data = ckpt.read_raw(&qname, &[d_out, scheme.row_bytes(d_in)], safetensors::Dtype::U8)?;
+                let data = ckpt.read_raw(
+                    &qname,
+                    &[d_out, scheme.row_bytes(d_in)],
+                    safetensors::Dtype::U8,
+                )?;
                 let sname = format!("{prefix}.scales");
                 let scales = ckpt.read_f32(&sname, &scheme.scale_shape(d_out, d_in))?;
-                let q = QuantizedTensor::from_parts(scheme, d_out, d_in, data, scales).map_err(|e| {
-                    LoadError::InvalidConfig {
+                let q = QuantizedTensor::from_parts(scheme, d_out, d_in, data, scales).map_err(
+                    |e| LoadError::InvalidConfig {
                         path: ckpt.dir().join(&qname),
                         msg: e.to_string(),
-                    }
-                })?;
+                    },
+                )?;
                 let qw = QuantizedWeight::from_packed(q, device);
                 (qw.dequantized.clone(), Some(qw))
             }
@@ -82,7 +86,10 @@ impl Linear {
     /// Quantizes the current master weights (one new weight version); the packed result serves every
     /// forward until the next call.
     pub fn quantize(&mut self, scheme: QuantScheme) -> Result<(), QuantError> {
-        self.quant = Some(QuantizedWeight::from_master(self.weight.val().detach(), scheme)?);
+        self.quant = Some(QuantizedWeight::from_master(
+            self.weight.val().detach(),
+            scheme,
+        )?);
         Ok(())
     }
 

@@ -30,13 +30,23 @@ pub struct QuantizeSummary {
 }
 
 /// Writes a quantized copy of the model in `src` to `dst` (created; must not be `src`).
-pub fn quantize_checkpoint(src: &Path, dst: &Path, cfg: &QuantConfig) -> anyhow::Result<QuantizeSummary> {
+pub fn quantize_checkpoint(
+    src: &Path,
+    dst: &Path,
+    cfg: &QuantConfig,
+) -> anyhow::Result<QuantizeSummary> {
     let config = ModelConfig::from_file(src)?;
     if config.quantization.is_some() {
-        bail!("{}: the model is already quantized", src.join("config.json").display());
+        bail!(
+            "{}: the model is already quantized",
+            src.join("config.json").display()
+        );
     }
     if dst.exists() && std::fs::canonicalize(dst)? == std::fs::canonicalize(src)? {
-        bail!("{}: the output directory must differ from the model directory", dst.display());
+        bail!(
+            "{}: the output directory must differ from the model directory",
+            dst.display()
+        );
     }
     let sel = cfg.selector().map_err(anyhow::Error::msg)?;
     let ckpt = Checkpoint::open(src)?;
@@ -56,14 +66,25 @@ pub fn quantize_checkpoint(src: &Path, dst: &Path, cfg: &QuantConfig) -> anyhow:
             Some(prefix) if shape.len() == 2 && sel.selects(&name) => {
                 let (out, inn) = (shape[0], shape[1]);
                 let w = ckpt.read_f32(&name, &shape)?;
-                let q = QuantizedTensor::quantize(&w, out, inn, cfg.scheme).with_context(|| format!("quantizing `{name}`"))?;
+                let q = QuantizedTensor::quantize(&w, out, inn, cfg.scheme)
+                    .with_context(|| format!("quantizing `{name}`"))?;
                 let scale_shape = q.scale_shape();
                 let (_, _, data, scales) = q.into_parts();
                 let row_bytes = data.len() / out.max(1);
                 let scale_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
                 summary.bytes_after += data.len() + scale_bytes.len();
-                tensors.push((format!("{prefix}.qweight"), Dtype::U8, vec![out, row_bytes], data));
-                tensors.push((format!("{prefix}.scales"), Dtype::F32, scale_shape, scale_bytes));
+                tensors.push((
+                    format!("{prefix}.qweight"),
+                    Dtype::U8,
+                    vec![out, row_bytes],
+                    data,
+                ));
+                tensors.push((
+                    format!("{prefix}.scales"),
+                    Dtype::F32,
+                    scale_shape,
+                    scale_bytes,
+                ));
                 summary.quantized_tensors += 1;
             }
             _ => {
@@ -74,16 +95,26 @@ pub fn quantize_checkpoint(src: &Path, dst: &Path, cfg: &QuantConfig) -> anyhow:
         }
     }
     if summary.quantized_tensors == 0 {
-        bail!("no tensor of {} matches the quantization patterns {:?}", src.display(), cfg.include);
+        bail!(
+            "no tensor of {} matches the quantization patterns {:?}",
+            src.display(),
+            cfg.include
+        );
     }
 
     std::fs::create_dir_all(dst).with_context(|| format!("{}: cannot create", dst.display()))?;
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
-        .map(|(n, d, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b)?)))
+        .map(|(n, d, s, b)| {
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b)?,
+            ))
+        })
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
     let tmp = tempfile::NamedTempFile::new_in(dst)?;
-    safetensors::serialize_to_file(views, None, tmp.path()).with_context(|| format!("{}: writing weights", dst.display()))?;
+    safetensors::serialize_to_file(views, None, tmp.path())
+        .with_context(|| format!("{}: writing weights", dst.display()))?;
     tmp.as_file().sync_all()?;
     tmp.persist(dst.join(crate::model::checkpoint::SINGLE_FILE))?;
 
@@ -96,7 +127,8 @@ pub fn quantize_checkpoint(src: &Path, dst: &Path, cfg: &QuantConfig) -> anyhow:
     for f in SIDE_FILES {
         let p = src.join(f);
         if p.is_file() {
-            std::fs::copy(&p, dst.join(f)).with_context(|| format!("{}: cannot copy", p.display()))?;
+            std::fs::copy(&p, dst.join(f))
+                .with_context(|| format!("{}: cannot copy", p.display()))?;
         }
     }
     Ok(summary)

@@ -90,16 +90,18 @@ pub fn lowbit_matmul(w: &QuantizedTensor, x: &[f32], m: usize) -> Vec<f32> {
     let xa = effective_activations(w, x, m);
     // Computed transposed ([out, m]) so that each task owns a contiguous block of output rows.
     let mut yt = vec![0.0f32; out * m];
-    yt.par_chunks_mut(ROWS_PER_TASK * m.max(1)).enumerate().for_each(|(task, block)| {
-        let mut buf = vec![0.0f32; inn];
-        for (j, col) in block.chunks_mut(m.max(1)).enumerate() {
-            let o = task * ROWS_PER_TASK + j;
-            dequantize_row(w, o, &mut buf);
-            for (i, y) in col.iter_mut().enumerate().take(m) {
-                *y = dot_fixed(&xa[i * inn..(i + 1) * inn], &buf);
+    yt.par_chunks_mut(ROWS_PER_TASK * m.max(1))
+        .enumerate()
+        .for_each(|(task, block)| {
+            let mut buf = vec![0.0f32; inn];
+            for (j, col) in block.chunks_mut(m.max(1)).enumerate() {
+                let o = task * ROWS_PER_TASK + j;
+                dequantize_row(w, o, &mut buf);
+                for (i, y) in col.iter_mut().enumerate().take(m) {
+                    *y = dot_fixed(&xa[i * inn..(i + 1) * inn], &buf);
+                }
             }
-        }
-    });
+        });
     let mut y = vec![0.0f32; m * out];
     for o in 0..out {
         for i in 0..m {

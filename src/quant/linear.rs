@@ -98,7 +98,12 @@ impl QuantMatmulBackend for Flex {
         let dims = x.layout().shape().to_vec();
         let (m, inn) = (dims[0], dims[1]);
         let w = &packed.0;
-        assert_eq!(inn, w.in_features(), "quant_matmul: activations have {inn} columns, weight expects {}", w.in_features());
+        assert_eq!(
+            inn,
+            w.in_features(),
+            "quant_matmul: activations have {inn} columns, weight expects {}",
+            w.in_features()
+        );
         let xs: &[f32] = x.as_slice::<f32>().expect("contiguous f32 activations");
         let y = lowbit_matmul(w, xs, m);
         FlexTensor::from_data(TensorData::new(y, [m, w.out_features()]))
@@ -135,7 +140,11 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
         packed: PackedWeight,
     ) -> FloatTensor<Self> {
         let deq = dequantized.primitive().clone();
-        match SteBackward.prepare::<C>([x.node(), master.node()]).compute_bound().stateful() {
+        match SteBackward
+            .prepare::<C>([x.node(), master.node()])
+            .compute_bound()
+            .stateful()
+        {
             OpsKind::Tracked(prep) => {
                 let xp = x.primitive().clone();
                 let mp = master.primitive().clone();

@@ -1,0 +1,357 @@
+//! `qarl bench rollout`: rollout throughput of full-precision and quantized weights, side by side in one run.
+
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Instant;
+
+use burn::module::Module;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+
+use crate::backend::BackendKind;
+use crate::io::write_json_atomic;
+use crate::model::Decoder;
+use crate::quant::{QuantConfig, QuantScheme};
+use crate::rollout::{generate, SamplingParams};
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub what: BenchWhat,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchWhat {
+    /// Rollout tokens/s with f32 and quantized weights (prefill + batched KV-cache decode).
+    Rollout(RolloutBenchArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RolloutBenchArgs {
+    /// Hugging Face model directory (e.g. one made by `qarl init-model`).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Prompts per generate call (one sample each).
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Tokens per prompt (random ids from the seed).
+    #[arg(long, default_value_t = 64)]
+    pub prompt_len: usize,
+    /// Tokens generated per prompt (no stop tokens: every row generates all of them).
+    #[arg(long, default_value_t = 32)]
+    pub new_tokens: usize,
+    /// Comma-separated weight formats: `f32` (no quantization) and quantization scheme names.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "f32,int4-g32,int4-g64,int4-g128,int8-pc,fp8-b128"
+    )]
+    pub schemes: Vec<String>,
+    /// Timed runs per scheme (after one warm-up run); the table shows medians.
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Seed of the prompts and of the sampler.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also write the numbers to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Compute backend.
+    #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
+    pub backend: BackendKind,
+}
+
+/// A weight format to benchmark: full precision or one quantization scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    Quant(QuantScheme),
+}
+
+impl WeightFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Quant(s) => s.name(),
+        }
+    }
+
+    /// `f32` or an exact quantization scheme name; the error lists the valid names.
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        let s = s.trim();
+        if s == "f32" {
+            return Ok(Self::F32);
+        }
+        QuantScheme::from_str(s).map(Self::Quant).map_err(|_| {
+            let names: Vec<&str> = QuantScheme::ALL.iter().map(|q| q.name()).collect();
+            anyhow::anyhow!(
+                "unknown scheme `{s}` in --schemes: expected f32 or one of {}",
+                names.join(", ")
+            )
+        })
+    }
+
+    /// Puts `model` in this format; returns the seconds it took.
+    pub fn apply(self, model: &mut Decoder) -> anyhow::Result<f64> {
+        let start = Instant::now();
+        match self {
+            Self::F32 => model.dequantize(),
+            Self::Quant(s) => {
+                model
+                    .quantize(&QuantConfig::new(s))
+                    .map_err(|e| anyhow::anyhow!("quantizing to {s}: {e}"))?;
+            }
+        }
+        Ok(start.elapsed().as_secs_f64())
+    }
+}
+
+/// The measurements of one weight format.
+#[derive(Debug, Clone, Serialize)]
+pub struct SchemeResult {
+    pub scheme: String,
+    /// Seconds of `model.quantize` (0-ish for f32: dropping the quantized versions).
+    pub quantize_s: f64,
+    /// Tokens generated per call (batch x new tokens).
+    pub tokens: usize,
+    /// Median seconds of the whole generate call (prefill + decode).
+    pub generate_s: f64,
+    /// Median seconds of a generate call of one token (prefill and the first sample).
+    pub prefill_s: f64,
+    /// Generated tokens per second of the whole call.
+    pub tokens_per_s: f64,
+    /// `tokens_per_s` over f32's, when f32 was measured.
+    pub ratio_to_f32: Option<f64>,
+    /// `(generate_s - prefill_s) / (new_tokens - 1)`: one batched decode forward and sampling step.
+    pub decode_ms_per_step: Option<f64>,
+    /// Every timed generate call, seconds.
+    pub generate_runs_s: Vec<f64>,
+    pub prefill_runs_s: Vec<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct BenchReport {
+    model: String,
+    params: usize,
+    backend: String,
+    batch: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+    repeats: usize,
+    seed: u64,
+    results: Vec<SchemeResult>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// `batch` prompts of `len` random ids below `vocab`.
+pub fn random_prompts(batch: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..batch)
+        .map(|_| {
+            (0..len)
+                .map(|_| rng.random_range(0..vocab as u32))
+                .collect()
+        })
+        .collect()
+}
+
+/// Times `generate` on `model` as it is now: one warm-up, then `repeats` runs of the whole call and of a
+/// one-token call (prefill). Returns the result without the quantize time and ratio.
+pub fn time_rollout(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    new_tokens: usize,
+    repeats: usize,
+    seed: u64,
+    scheme: &str,
+) -> SchemeResult {
+    let params = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: new_tokens,
+        seed,
+        ..Default::default()
+    };
+    let prefill = SamplingParams {
+        max_new_tokens: 1,
+        ..params.clone()
+    };
+    let warm = generate(model, prompts, 1, &params, None);
+    let tokens = warm.generated_tokens();
+    let mut full_runs = Vec::with_capacity(repeats);
+    let mut prefill_runs = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let start = Instant::now();
+        let r = generate(model, prompts, 1, &params, None);
+        full_runs.push(start.elapsed().as_secs_f64());
+        debug_assert_eq!(r.generated_tokens(), tokens);
+        if new_tokens > 1 {
+            let start = Instant::now();
+            generate(model, prompts, 1, &prefill, None);
+            prefill_runs.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let generate_s = median(&full_runs);
+    let (prefill_s, decode_ms_per_step) = if new_tokens > 1 {
+        let p = median(&prefill_runs);
+        (
+            p,
+            Some((generate_s - p).max(0.0) * 1e3 / (new_tokens - 1) as f64),
+        )
+    } else {
+        (generate_s, None)
+    };
+    SchemeResult {
+        scheme: scheme.to_string(),
+        quantize_s: 0.0,
+        tokens,
+        generate_s,
+        prefill_s,
+        tokens_per_s: tokens as f64 / generate_s,
+        ratio_to_f32: None,
+        decode_ms_per_step,
+        generate_runs_s: full_runs,
+        prefill_runs_s: prefill_runs,
+    }
+}
+
+fn format_table(results: &[SchemeResult]) -> String {
+    let mut s = String::new();
+    s.push_str(&format!(
+        "{:<10} | {:>10} | {:>8} | {:>10} | {:>14} | {:>10}\n",
+        "scheme", "tokens/s", "x f32", "prefill ms", "ms/decode step", "quantize s"
+    ));
+    s.push_str(&format!(
+        "{:-<10}-+-{:->10}-+-{:->8}-+-{:->10}-+-{:->14}-+-{:->10}\n",
+        "", "", "", "", "", ""
+    ));
+    for r in results {
+        let ratio = r.ratio_to_f32.map_or("-".into(), |x| format!("{x:.2}"));
+        let decode = r
+            .decode_ms_per_step
+            .map_or("-".into(), |x| format!("{x:.1}"));
+        s.push_str(&format!(
+            "{:<10} | {:>10.1} | {:>8} | {:>10.1} | {:>14} | {:>10.2}\n",
+            r.scheme,
+            r.tokens_per_s,
+            ratio,
+            r.prefill_s * 1e3,
+            decode,
+            r.quantize_s
+        ));
+    }
+    s
+}
+
+fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
+    let formats = args
+        .schemes
+        .iter()
+        .map(|s| WeightFormat::parse(s))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if formats.is_empty() {
+        anyhow::bail!("--schemes is empty: name at least one of f32, int4-g128, ...");
+    }
+    for (name, v) in [
+        ("--batch", args.batch),
+        ("--prompt-len", args.prompt_len),
+        ("--new-tokens", args.new_tokens),
+        ("--repeats", args.repeats),
+    ] {
+        if v == 0 {
+            anyhow::bail!("{name} must be at least 1");
+        }
+    }
+    let device = args.backend.device()?;
+    let start = Instant::now();
+    let mut model = Decoder::load(&args.model, &device)?;
+    let params = model.num_params();
+    eprintln!(
+        "loaded {} ({:.1}M parameters) in {:.1} s",
+        args.model.display(),
+        params as f64 / 1e6,
+        start.elapsed().as_secs_f64()
+    );
+    let prompts = random_prompts(
+        args.batch,
+        args.prompt_len,
+        model.config.vocab_size,
+        args.seed,
+    );
+    let mut results = Vec::with_capacity(formats.len());
+    for f in &formats {
+        let quantize_s = f.apply(&mut model)?;
+        eprintln!(
+            "{}: weights ready in {quantize_s:.2} s, timing...",
+            f.name()
+        );
+        let mut r = time_rollout(
+            &model,
+            &prompts,
+            args.new_tokens,
+            args.repeats,
+            args.seed,
+            f.name(),
+        );
+        r.quantize_s = quantize_s;
+        results.push(r);
+    }
+    if let Some(base) = results
+        .iter()
+        .find(|r| r.scheme == "f32")
+        .map(|r| r.tokens_per_s)
+    {
+        for r in &mut results {
+            r.ratio_to_f32 = Some(r.tokens_per_s / base);
+        }
+    }
+    println!(
+        "rollout benchmark: {} ({:.1}M params, backend {}), batch {}, prompt {} tokens, {} new tokens, median of {} run(s)",
+        args.model.display(),
+        params as f64 / 1e6,
+        args.backend,
+        args.batch,
+        args.prompt_len,
+        args.new_tokens,
+        args.repeats
+    );
+    print!("{}", format_table(&results));
+    let quant_line: Vec<String> = results
+        .iter()
+        .map(|r| format!("{} {:.2} s", r.scheme, r.quantize_s))
+        .collect();
+    println!("quantize time: {}", quant_line.join(", "));
+    if let Some(path) = &args.json {
+        write_json_atomic(
+            path,
+            &BenchReport {
+                model: args.model.display().to_string(),
+                params,
+                backend: args.backend.to_string(),
+                batch: args.batch,
+                prompt_len: args.prompt_len,
+                new_tokens: args.new_tokens,
+                repeats: args.repeats,
+                seed: args.seed,
+                results,
+            },
+        )?;
+    }
+    Ok(())
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    match args.what {
+        BenchWhat::Rollout(a) => run_rollout(a),
+    }
+}

@@ -1,0 +1,39 @@
+use std::path::PathBuf;
+
+use crate::model::init::{param_count, write_random_checkpoint};
+use crate::model::ModelConfig;
+
+#[derive(Debug, clap::Args)]
+pub struct InitModelArgs {
+    /// The model's config.json (any architecture the loader supports).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Directory to write (config.json + model.safetensors); created if missing.
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Seed of the random weights: the same seed gives the same file.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Standard deviation of the matrices (normal(0, std)); norm weights are 1, biases 0.
+    #[arg(long, default_value_t = 0.02)]
+    pub std: f32,
+}
+
+pub fn run(args: InitModelArgs) -> anyhow::Result<()> {
+    let cfg = ModelConfig::from_file(&args.config)?;
+    let start = std::time::Instant::now();
+    write_random_checkpoint(&args.config, &args.output, args.seed, args.std)?;
+    let n = param_count(&cfg);
+    println!(
+        "{}: {} {} parameters ({:.1}M, {:.2} GB f32), seed {}, std {}, written in {:.1} s",
+        args.output.display(),
+        cfg.architecture.hf_name(),
+        n,
+        n as f64 / 1e6,
+        n as f64 * 4.0 / 1e9,
+        args.seed,
+        args.std,
+        start.elapsed().as_secs_f64()
+    );
+    Ok(())
+}

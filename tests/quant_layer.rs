@@ -1,0 +1,360 @@
+//! The quantized linear layer: the low-bit matmul against the spec's reference, batch invariance, the
+//! straight-through gradients (hand formulas and finite differences), one forward shared by rollout and
+//! training, quantized checkpoints, and re-quantization per weight version.
+
+mod common;
+
+use std::str::FromStr;
+
+use burn::tensor::{Device, Tensor};
+use common::{fixtures_dir, max_abs_diff};
+use qarl::model::layers::{tensor_from_vec, to_f32_vec, Linear};
+use qarl::model::scoring::response_logprobs;
+use qarl::model::Decoder;
+use qarl::quant::cpu_kernel::lowbit_matmul;
+use qarl::quant::{QuantConfig, QuantScheme, QuantizedTensor};
+use qarl::rollout::{generate, SamplingParams};
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// A linear layer with master `w` given in HF `[out, in]` layout.
+fn linear(w: &[f32], out: usize, inn: usize, device: &Device) -> Linear {
+    let w_in_out = tensor_from_vec(w.to_vec(), [out, inn], device).transpose();
+    Linear {
+        weight: burn::module::Param::from_tensor(Tensor::from_data(w_in_out.into_data(), device)),
+        bias: None,
+        quant: None,
+    }
+}
+
+#[test]
+fn lowbit_matmul_matches_dequantized_reference_for_every_scheme() {
+    let (m, out, inn) = (5, 40, 300); // 300: short last group for G = 64/128 and for fp8 blocks
+    let w = values(out * inn, 1);
+    let x = values(m * inn, 2);
+    for scheme in QuantScheme::ALL {
+        let q = QuantizedTensor::quantize(&w, out, inn, scheme).unwrap();
+        let y = lowbit_matmul(&q, &x, m);
+        // The spec's reference product (weight-only: f32 activations; fp8: W8A8), summed in f64.
+        let deq = q.dequantize();
+        let xa = if scheme.quantizes_activations() {
+            qarl::quant::Fp8Activations::quantize(&x, m, inn)
+                .unwrap()
+                .dequantize()
+        } else {
+            x.clone()
+        };
+        let mut want = vec![0.0f32; m * out];
+        for i in 0..m {
+            for o in 0..out {
+                let acc: f64 = (0..inn)
+                    .map(|k| xa[i * inn + k] as f64 * deq[o * inn + k] as f64)
+                    .sum();
+                want[i * out + o] = acc as f32;
+            }
+        }
+        let d = max_abs_diff(&y, &want);
+        assert!(d < 2e-4, "{scheme}: |lowbit - reference| = {d}");
+        // The low-bit product really differs from the full-precision one (the weights are quantized).
+        let mut full = vec![0.0f32; m * out];
+        for i in 0..m {
+            for o in 0..out {
+                full[i * out + o] = (0..inn).map(|k| x[i * inn + k] * w[o * inn + k]).sum();
+            }
+        }
+        assert!(
+            max_abs_diff(&y, &full) > 1e-3,
+            "{scheme}: quantization changed nothing"
+        );
+    }
+}
+
+/// Each output element is reduced in an order that does not depend on the batch: a row computed alone
+/// and inside a batch is bitwise equal.
+#[test]
+fn lowbit_matmul_is_batch_invariant() {
+    let (m, out, inn) = (7, 33, 200);
+    let w = values(out * inn, 3);
+    let x = values(m * inn, 4);
+    for scheme in QuantScheme::ALL {
+        let q = QuantizedTensor::quantize(&w, out, inn, scheme).unwrap();
+        let batch = lowbit_matmul(&q, &x, m);
+        for i in 0..m {
+            let alone = lowbit_matmul(&q, &x[i * inn..(i + 1) * inn], 1);
+            assert!(
+                alone
+                    .iter()
+                    .zip(&batch[i * out..(i + 1) * out])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{scheme}: row {i} differs alone vs batched"
+            );
+        }
+    }
+}
+
+#[test]
+fn quantized_layer_forward_is_the_lowbit_matmul() {
+    let device = Device::flex();
+    let (m, out, inn) = (3, 16, 64);
+    let w = values(out * inn, 5);
+    let x = values(m * inn, 6);
+    let mut lin = linear(&w, out, inn, &device);
+    lin.quantize(QuantScheme::Int4G32).unwrap();
+    let y = to_f32_vec(lin.forward(tensor_from_vec(x.clone(), [m, inn], &device)));
+    let q = QuantizedTensor::quantize(&w, out, inn, QuantScheme::Int4G32).unwrap();
+    assert_eq!(y, lowbit_matmul(&q, &x, m));
+    // On an autodiff device (the training forward) the values are the same bits.
+    let ad = device.clone().autodiff();
+    let mut lin_ad = linear(&w, out, inn, &ad);
+    lin_ad.quantize(QuantScheme::Int4G32).unwrap();
+    let y_ad = to_f32_vec(lin_ad.forward(tensor_from_vec(x, [m, inn], &ad)));
+    assert_eq!(y, y_ad);
+}
+
+/// STE: dW = x^T g (the quantizer as identity), dx = g · dequant(Q(W)); checked against the formulas and
+/// against central finite differences of the functions they should be the derivatives of.
+#[test]
+fn straight_through_gradients() {
+    let ad = Device::flex().autodiff();
+    let (m, out, inn) = (4, 8, 32);
+    let w = values(out * inn, 7);
+    let xv = values(m * inn, 8);
+    let r = values(m * out, 9); // loss = sum(y * r), so g = r
+    for scheme in [QuantScheme::Int4G32, QuantScheme::Int8PerChannel] {
+        let mut lin = linear(&w, out, inn, &ad);
+        lin.weight = lin.weight.clone().map(|t| t.require_grad());
+        lin.quantize(scheme).unwrap();
+        let x = tensor_from_vec(xv.clone(), [m, inn], &ad).require_grad();
+        let y = lin.forward(x.clone());
+        let loss = (y * tensor_from_vec(r.clone(), [m, out], &ad)).sum();
+        let grads = loss.backward();
+        let dx = to_f32_vec(x.grad(&grads).unwrap());
+        let dw = to_f32_vec(lin.weight.val().grad(&grads).unwrap()); // [in, out]
+        let deq = QuantizedTensor::quantize(&w, out, inn, scheme)
+            .unwrap()
+            .dequantize();
+        for i in 0..m {
+            for k in 0..inn {
+                let want: f64 = (0..out)
+                    .map(|o| r[i * out + o] as f64 * deq[o * inn + k] as f64)
+                    .sum();
+                assert!(
+                    (dx[i * inn + k] as f64 - want).abs() < 1e-4,
+                    "{scheme}: dx[{i},{k}]"
+                );
+            }
+        }
+        for k in 0..inn {
+            for o in 0..out {
+                let want: f64 = (0..m)
+                    .map(|i| xv[i * inn + k] as f64 * r[i * out + o] as f64)
+                    .sum();
+                assert!(
+                    (dw[k * out + o] as f64 - want).abs() < 1e-4,
+                    "{scheme}: dW[{k},{o}]"
+                );
+            }
+        }
+        // Finite differences: dx of the quantized forward (linear in x for weight-only schemes) ...
+        let f = |xs: &[f32]| -> f64 {
+            let q = QuantizedTensor::quantize(&w, out, inn, scheme).unwrap();
+            let y = lowbit_matmul(&q, xs, m);
+            y.iter().zip(&r).map(|(a, b)| *a as f64 * *b as f64).sum()
+        };
+        let h = 1e-2f32;
+        for &(i, k) in &[(0usize, 0usize), (1, 17), (3, 31)] {
+            let (mut xp, mut xm) = (xv.clone(), xv.clone());
+            xp[i * inn + k] += h;
+            xm[i * inn + k] -= h;
+            let fd = (f(&xp) - f(&xm)) / (2.0 * h as f64);
+            assert!(
+                (dx[i * inn + k] as f64 - fd).abs() < 2e-3,
+                "{scheme}: dx fd {fd} vs {}",
+                dx[i * inn + k]
+            );
+        }
+        // ... and dW of the unquantized product x W^T (what the straight-through estimator differentiates).
+        let g = |ws: &[f32]| -> f64 {
+            let mut acc = 0.0;
+            for i in 0..m {
+                for o in 0..out {
+                    let y: f64 = (0..inn)
+                        .map(|k| xv[i * inn + k] as f64 * ws[o * inn + k] as f64)
+                        .sum();
+                    acc += y * r[i * out + o] as f64;
+                }
+            }
+            acc
+        };
+        for &(o, k) in &[(0usize, 0usize), (5, 20), (7, 31)] {
+            let (mut wp, mut wm) = (w.clone(), w.clone());
+            wp[o * inn + k] += h;
+            wm[o * inn + k] -= h;
+            let fd = (g(&wp) - g(&wm)) / (2.0 * h as f64);
+            assert!(
+                (dw[k * out + o] as f64 - fd).abs() < 2e-3,
+                "{scheme}: dW fd {fd} vs {}",
+                dw[k * out + o]
+            );
+        }
+    }
+}
+
+/// One forward graph: the log-probs a quantized rollout records equal the quantized learner forward's.
+#[test]
+fn quantized_rollout_and_training_forward_agree() {
+    let device = Device::flex();
+    let mut model = Decoder::load(fixtures_dir().join("qwen3_moe"), &device).unwrap();
+    let f32_lp = {
+        let p = SamplingParams {
+            temperature: 1.0,
+            max_new_tokens: 6,
+            seed: 3,
+            ..Default::default()
+        };
+        let out = generate(&model, &[vec![1, 2, 3, 4]], 2, &p, None);
+        response_logprobs(&model, &out.ids, &out.prompt_lens, 1.0)
+    };
+    let n = model
+        .quantize(&QuantConfig::new(QuantScheme::Int4G32))
+        .unwrap();
+    // 3 layers x 4 attention projections + 2 sparse layers x 8 experts x 3 + 1 dense MLP x 3.
+    assert_eq!(n, 12 + 48 + 3);
+    let p = SamplingParams {
+        temperature: 1.0,
+        max_new_tokens: 6,
+        seed: 3,
+        ..Default::default()
+    };
+    let out = generate(&model, &[vec![1, 2, 3, 4]], 2, &p, None);
+    let full = response_logprobs(&model, &out.ids, &out.prompt_lens, 1.0);
+    for (a, b) in out.logprobs.iter().zip(&full) {
+        assert!(max_abs_diff(a, b) <= 1e-5, "{a:?} vs {b:?}");
+    }
+    // The quantized model is a different policy from the f32 one.
+    let full_f32 = {
+        model.dequantize();
+        response_logprobs(&model, &out.ids, &out.prompt_lens, 1.0)
+    };
+    assert!(full
+        .iter()
+        .zip(&full_f32)
+        .any(|(a, b)| max_abs_diff(a, b) > 1e-3));
+    let _ = f32_lp;
+}
+
+#[test]
+fn router_lm_head_and_embeddings_stay_full_precision_by_default() {
+    let mut model = Decoder::load(fixtures_dir().join("qwen3_moe"), &Device::flex()).unwrap();
+    model
+        .quantize(&QuantConfig::new(QuantScheme::Int8PerChannel))
+        .unwrap();
+    for (name, lin) in model.linears_mut() {
+        let quantized = lin.quant.is_some();
+        assert_eq!(quantized, name.ends_with("_proj.weight"), "{name}");
+    }
+    let mut cfg = QuantConfig::new(QuantScheme::Int8PerChannel);
+    cfg.exclude = vec!["model.layers.0.*".into()];
+    model.quantize(&cfg).unwrap();
+    for (name, lin) in model.linears_mut() {
+        if name.starts_with("model.layers.0.") {
+            assert!(lin.quant.is_none(), "{name}");
+        }
+    }
+    let bad = QuantConfig {
+        include: vec!["[".into()],
+        ..QuantConfig::new(QuantScheme::Int8PerChannel)
+    };
+    assert!(model
+        .quantize(&bad)
+        .unwrap_err()
+        .contains("invalid layer pattern"));
+}
+
+/// After a weight change, re-quantization produces the new version; the packed weights are shared (not
+/// copied) by clones of the model, e.g. a rollout worker.
+#[test]
+fn requantize_follows_the_master_weights() {
+    let device = Device::flex();
+    let mut model = Decoder::load(fixtures_dir().join("qwen3"), &device).unwrap();
+    model
+        .quantize(&QuantConfig::new(QuantScheme::Int4G128))
+        .unwrap();
+    let before = model.layers[0].self_attn.q_proj.quant.clone().unwrap();
+    let w = model.layers[0].self_attn.q_proj.weight.val();
+    model.layers[0].self_attn.q_proj.weight = burn::module::Param::from_tensor(w * 1.5);
+    assert_eq!(model.requantize().unwrap(), 2 * 7);
+    let after = model.layers[0].self_attn.q_proj.quant.clone().unwrap();
+    assert_ne!(before.packed.0.scales(), after.packed.0.scales());
+    let shared = model.layers[0].self_attn.q_proj.quant.clone().unwrap();
+    assert!(std::sync::Arc::ptr_eq(&shared.packed.0, &after.packed.0));
+}
+
+#[test]
+fn quantized_checkpoint_round_trip() {
+    let device = Device::flex();
+    let src = fixtures_dir().join("qwen3_moe");
+    let tmp = tempfile::tempdir().unwrap();
+    let dst = tmp.path().join("q");
+    for scheme in QuantScheme::ALL {
+        let cfg = QuantConfig::new(scheme);
+        let s = qarl::quant::quantize_checkpoint(&src, &dst, &cfg).unwrap();
+        assert_eq!(s.quantized_tensors, 63);
+        assert!(s.bytes_after < s.bytes_before);
+        let loaded = Decoder::load(&dst, &device).unwrap();
+        assert_eq!(loaded.config.quantization.as_ref().unwrap().scheme, scheme);
+        let mut onload = Decoder::load(&src, &device).unwrap();
+        onload.quantize(&cfg).unwrap();
+        let ids = vec![vec![5u32, 9, 200, 31, 7]];
+        let a = to_f32_vec(loaded.forward(&ids, None, None, None).logits);
+        let b = to_f32_vec(onload.forward(&ids, None, None, None).logits);
+        assert_eq!(
+            a, b,
+            "{scheme}: loaded-quantized and quantized-on-load differ"
+        );
+    }
+    // Re-quantizing a quantized checkpoint is refused; an unknown method in config.json is a clear error.
+    let err = qarl::quant::quantize_checkpoint(
+        &dst,
+        &tmp.path().join("qq"),
+        &QuantConfig::new(QuantScheme::Int8PerChannel),
+    );
+    assert!(err.unwrap_err().to_string().contains("already quantized"));
+    let cfg_path = dst.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path)
+        .unwrap()
+        .replace("\"qarl\"", "\"gptq\"");
+    std::fs::write(&cfg_path, text).unwrap();
+    let err = Decoder::load(&dst, &device).unwrap_err().to_string();
+    assert!(err.contains("gptq") && err.contains("config.json"), "{err}");
+}
+
+#[test]
+fn unknown_scheme_names_the_valid_ones() {
+    let err = QuantScheme::from_str("int3-g7").unwrap_err().to_string();
+    assert!(
+        err.contains("int3-g7") && err.contains("int4-g128") && err.contains("fp8-b128"),
+        "{err}"
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args([
+            "score", "--model", "x", "--input", "y", "--output", "z", "--quant", "int3",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("int4-g128"));
+}
