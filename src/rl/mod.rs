@@ -1,2 +1,19 @@
 //! RL objectives, advantages, mismatch corrections and metrics (QARL.md sections 4 and 5): pure functions over
 //! tensors, backend-agnostic and differentiable, selected by name from config.
+//!
+//! - [`advantages`]: group-relative advantages (GRPO, Dr.GRPO, RLOO) and DAPO's dynamic-sampling filter, on the
+//!   host (rewards are a handful of floats per prompt).
+//! - [`losses`]: the policy objectives (`ppo_clip`/`grpo`, `gspo`, `cispo`, `tbpo`), their aggregation and the
+//!   optional k3 KL to a reference, over burn tensors in the three-policy form (`lp_theta`, `lp_old`, `lp_roll`).
+//! - [`corrections`]: training/rollout mismatch corrections (TIS, MIS/IcePop, Geo-RS) as stop-gradient per-token
+//!   weights and keep-masks that compose with any objective.
+//! - [`metrics`]: the mismatch and stability metrics of section 5 under verl's names, computed on the host.
+
+pub mod advantages;
+pub mod corrections;
+pub mod error;
+pub mod losses;
+pub mod metrics;
+mod tensor_ops;
+
+pub use error::RlError;
