@@ -60,8 +60,8 @@ impl Linear {
                         msg: e.to_string(),
                     },
                 )?;
-                let qw = QuantizedWeight::from_packed(q, device);
-                (qw.dequantized.clone(), Some(qw))
+                let qw = QuantizedWeight::from_packed(q);
+                (qw.dequantized(device), Some(qw))
             }
             None => {
                 let w = ckpt.read_f32(&format!("{prefix}.weight"), &[d_out, d_in])?;

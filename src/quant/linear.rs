@@ -14,7 +14,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::Autodiff;
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{backend_extension, Backend, Dispatch, Flex};
+use burn::backend::{backend_extension, Backend, Dispatch, Flex, TensorMetadata};
 use burn::tensor::{Tensor, TensorData};
 
 use super::cpu_kernel::lowbit_matmul;
@@ -25,13 +25,11 @@ use crate::model::layers::{tensor_from_vec, to_f32_vec};
 #[derive(Debug, Clone)]
 pub struct PackedWeight(pub Arc<QuantizedTensor>);
 
-/// One quantized weight version: the packed codes the kernels read and, for the backward pass (and for
-/// backends without a low-bit kernel yet), the same values dequantized, laid out like the master `[in, out]`.
+/// One quantized weight version: only the packed codes and scales are kept (no float copy); the backward pass
+/// decodes them when it needs `dequant(Q(W))`.
 #[derive(Debug, Clone)]
 pub struct QuantizedWeight {
     pub packed: PackedWeight,
-    /// `dequant(Q(W))` as `[in, out]`.
-    pub dequantized: Tensor<2>,
 }
 
 impl QuantizedWeight {
@@ -40,19 +38,28 @@ impl QuantizedWeight {
         let device = master.device();
         let [inn, out] = master.dims();
         let w_out_in = to_f32_vec(master.transpose());
+        let _ = device;
         let q = QuantizedTensor::quantize(&w_out_in, out, inn, scheme)?;
-        Ok(Self::from_packed(q, &device))
+        Ok(Self::from_packed(q))
     }
 
     /// Wraps already quantized weights (e.g. read from a quantized checkpoint).
-    pub fn from_packed(q: QuantizedTensor, device: &burn::tensor::Device) -> Self {
-        let [out, inn] = q.shape();
-        let deq = tensor_from_vec(q.dequantize(), [out, inn], device).transpose();
-        let dequantized = Tensor::from_data(deq.into_data(), device);
+    pub fn from_packed(q: QuantizedTensor) -> Self {
         Self {
             packed: PackedWeight(Arc::new(q)),
-            dequantized,
         }
+    }
+
+    /// `dequant(Q(W))` laid out like the master, `[in, out]`, on `device`.
+    pub fn dequantized(&self, device: &burn::tensor::Device) -> Tensor<2> {
+        let [out, inn] = self.packed.0.shape();
+        let t = tensor_from_vec(self.packed.0.dequantize(), [out, inn], device).transpose();
+        Tensor::from_data(t.into_data(), device)
+    }
+
+    /// Bytes of the packed codes and scales.
+    pub fn storage_bytes(&self) -> usize {
+        self.packed.0.storage_bytes()
     }
 
     pub fn scheme(&self) -> QuantScheme {
@@ -64,26 +71,33 @@ impl QuantizedWeight {
         Tensor::from_dispatch(<Dispatch as QuantMatmulBackend>::quant_matmul(
             x.into_dispatch(),
             master.into_dispatch(),
-            self.dequantized.clone().into_dispatch(),
             self.packed.clone(),
         ))
     }
+}
+
+/// `dequant(Q(W))` in HF layout `[out, in]` as a tensor of backend `B` on `device`.
+fn dequantized_out_in<B: Backend>(packed: &PackedWeight, device: &B::Device) -> FloatTensor<B> {
+    B::float_from_data(
+        TensorData::new(packed.0.dequantize(), packed.0.shape()),
+        device,
+    )
 }
 
 /// The backend extension carrying the low-bit matmul. Backends without a dedicated kernel yet use the
 /// default body (a float matmul on the dequantized weights: the same values, another summation order).
 #[backend_extension(Autodiff, Flex)]
 pub trait QuantMatmulBackend: Backend {
-    /// `x [n, in] · W'` with `W' = dequant(Q(master))` given packed (`packed`) and dequantized `[in, out]`
-    /// (`dequantized`); `master` only receives the straight-through gradient.
+    /// `x [n, in] · dequant(Q(W))^T` from the packed weights; `master` (`[in, out]`) only receives the
+    /// straight-through gradient.
     fn quant_matmul(
         x: FloatTensor<Self>,
         master: FloatTensor<Self>,
-        dequantized: FloatTensor<Self>,
         packed: PackedWeight,
     ) -> FloatTensor<Self> {
-        let _ = (master, packed);
-        Self::float_matmul(x, dequantized)
+        let _ = master;
+        let w = dequantized_out_in::<Self>(&packed, &x.device());
+        Self::float_matmul(x, Self::float_transpose(w))
     }
 }
 
@@ -91,7 +105,6 @@ impl QuantMatmulBackend for Flex {
     fn quant_matmul(
         x: FloatTensor<Self>,
         _master: FloatTensor<Self>,
-        _dequantized: FloatTensor<Self>,
         packed: PackedWeight,
     ) -> FloatTensor<Self> {
         let x: FlexTensor = x.to_contiguous();
@@ -114,16 +127,17 @@ impl QuantMatmulBackend for Flex {
 struct SteBackward;
 
 impl<B: Backend> Backward<B, 2> for SteBackward {
-    /// `(x, dequantized)` saved by the forward.
-    type State = (FloatTensor<B>, FloatTensor<B>);
+    /// `(x, packed weights)` saved by the forward.
+    type State = (FloatTensor<B>, PackedWeight);
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [node_x, node_master] = ops.parents;
         let g = grads.consume::<B>(&ops.node);
-        let (x, deq) = ops.state;
+        let (x, packed) = ops.state;
         if let Some(node) = node_x {
-            // dx = g · W'^T, W' = dequant(Q(W)) as [in, out].
-            grads.register::<B>(node.id, B::float_matmul(g.clone(), B::float_transpose(deq)));
+            // dx = g · W' with W' = dequant(Q(W)) in [out, in]: the weights the forward really used.
+            let w = dequantized_out_in::<B>(&packed, &g.device());
+            grads.register::<B>(node.id, B::float_matmul(g.clone(), w));
         }
         if let Some(node) = node_master {
             // Straight-through: dW = x^T g, as if the quantizer were the identity.
@@ -136,10 +150,8 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
     fn quant_matmul(
         x: FloatTensor<Self>,
         master: FloatTensor<Self>,
-        dequantized: FloatTensor<Self>,
         packed: PackedWeight,
     ) -> FloatTensor<Self> {
-        let deq = dequantized.primitive().clone();
         match SteBackward
             .prepare::<C>([x.node(), master.node()])
             .compute_bound()
@@ -148,11 +160,11 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
             OpsKind::Tracked(prep) => {
                 let xp = x.primitive().clone();
                 let mp = master.primitive().clone();
-                let out = B::quant_matmul(xp.clone(), mp, deq.clone(), packed);
-                prep.finish((xp, deq), out)
+                let out = B::quant_matmul(xp.clone(), mp, packed.clone());
+                prep.finish((xp, packed), out)
             }
             OpsKind::UnTracked(prep) => {
-                let out = B::quant_matmul(x.into_primitive(), master.into_primitive(), deq, packed);
+                let out = B::quant_matmul(x.into_primitive(), master.into_primitive(), packed);
                 prep.finish(out)
             }
         }
