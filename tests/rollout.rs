@@ -163,12 +163,12 @@ fn full_forward_logprobs_do_not_depend_on_the_batch() {
     let model = Decoder::load(fixtures_dir().join("qwen3_moe"), &Device::flex()).unwrap();
     let out = generate(&model, &prompts(), 2, &sampling(), None);
     let batch = response_logprobs(&model, &out.ids, &out.prompt_lens, 0.8);
-    for r in 0..out.ids.len() {
+    for (r, row) in batch.iter().enumerate() {
         let alone = response_logprobs(&model, &out.ids[r..r + 1], &out.prompt_lens[r..r + 1], 0.8);
         let same = alone[0]
             .iter()
-            .zip(&batch[r])
+            .zip(row)
             .all(|(a, b)| a.to_bits() == b.to_bits());
-        assert!(same, "row {r}: {:?} vs {:?}", alone[0], batch[r]);
+        assert!(same, "row {r}: {:?} vs {row:?}", alone[0]);
     }
 }
