@@ -17,8 +17,9 @@ use crate::quant::{QuantConfig, QuantScheme};
 /// key at all gets a uniform, finite distribution instead of NaN, which would leak into later layers.
 const MASKED: f32 = -1.0e30;
 
-/// Granularity of the attention key axis (see [`Decoder::forward`]). 64 covers the widest unrolled reduction
-/// of the CPU backend, so the real keys are grouped identically in every forward of a row.
+/// Granularity of the attention key axis (see [`Decoder::forward`]). With 64 the rollout's recorded log-probs
+/// stay within 1e-5 of the full forward on every fixture (32 gave up to 1.4e-5 on the sharpest one); the
+/// full forward is bitwise batch-invariant with either.
 pub const KEY_BLOCK: usize = 64;
 
 #[derive(Module, Debug)]
