@@ -5,6 +5,7 @@ mod generate;
 mod init_model;
 mod quantize;
 mod score;
+mod train;
 
 use clap::{Parser, Subcommand};
 
@@ -26,6 +27,10 @@ pub enum Command {
     InitModel(init_model::InitModelArgs),
     /// Benchmarks (`bench rollout`: tokens/s of f32 and quantized rollouts side by side).
     Bench(bench::BenchArgs),
+    /// RL training (QaRL): without --config, a tiny MoE learns arithmetic (SFT first, then int4 QaRL + TBPO).
+    Train(train::TrainArgs),
+    /// Supervised warm start on worked solutions; writes a Hugging Face-format model directory.
+    Sft(train::SftArgs),
     /// Write a quantized checkpoint (packed codes + scales) that every command loads without re-quantizing.
     Quantize(quantize::QuantizeArgs),
 }
@@ -61,5 +66,7 @@ pub fn run() -> anyhow::Result<()> {
         Command::InitModel(a) => init_model::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Quantize(a) => quantize::run(a),
+        Command::Train(a) => train::run_train(a),
+        Command::Sft(a) => train::run_sft(a),
     }
 }

@@ -10,6 +10,7 @@ pub mod error;
 pub mod init;
 pub mod layers;
 pub mod mlp;
+pub mod save;
 pub mod scoring;
 pub mod tokenizer;
 

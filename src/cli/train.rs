@@ -1,0 +1,69 @@
+use std::path::PathBuf;
+
+use crate::train::{self, config, TrainConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// TOML config (see configs/); without it, the embedded default (configs/default.toml) runs.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Continue from the newest checkpoint in the run directory.
+    #[arg(long)]
+    pub resume: bool,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct SftArgs {
+    /// TOML config with `[model]` (`dir`, `init_config`) and `[sft]`; without it, the embedded default.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Loads the config; for the embedded default, materialises its model config where it expects it.
+fn load(path: Option<&std::path::Path>) -> anyhow::Result<TrainConfig> {
+    let cfg = train::load_config(path)?;
+    if path.is_none() {
+        if let Some(init) = &cfg.model.init_config {
+            if !init.is_file() {
+                if let Some(parent) = init.parent() {
+                    std::fs::create_dir_all(parent)?;
+                }
+                std::fs::write(init, config::DEFAULT_MODEL_CONFIG)?;
+            }
+        }
+    }
+    Ok(cfg)
+}
+
+pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
+    let cfg = load(args.config.as_deref())?;
+    let s = train::run(&cfg, args.resume, args.quiet)?;
+    println!("run directory: {}", s.run_dir.display());
+    println!("metrics:       {}", s.metrics_path.display());
+    if let (Some(b), Some(a)) = (s.accuracy_before, s.accuracy_after) {
+        println!("held-out greedy accuracy ({}): {b:.3} before RL -> {a:.3} after RL", cfg.rollout.precision);
+    }
+    Ok(())
+}
+
+pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
+    let cfg = load(args.config.as_deref())?;
+    if cfg.sft.is_none() {
+        anyhow::bail!("the config has no [sft] section");
+    }
+    if cfg.model.dir.join("config.json").is_file() {
+        anyhow::bail!("{}: a model is already there; remove it to warm-start again", cfg.model.dir.display());
+    }
+    let device = burn::tensor::Device::flex().autodiff();
+    std::fs::create_dir_all(&cfg.run_dir)?;
+    let mut log = train::metrics::MetricsLog::open(&cfg.run_dir.join("sft_metrics.jsonl"))?;
+    train::prepare_model(&cfg, &device, &mut log, args.quiet)?;
+    println!("model: {}", cfg.model.dir.display());
+    Ok(())
+}
