@@ -47,7 +47,10 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
     println!("run directory: {}", s.run_dir.display());
     println!("metrics:       {}", s.metrics_path.display());
     if let (Some(b), Some(a)) = (s.accuracy_before, s.accuracy_after) {
-        println!("held-out greedy accuracy ({}): {b:.3} before RL -> {a:.3} after RL", cfg.rollout.precision);
+        println!(
+            "held-out greedy accuracy ({}): {b:.3} before RL -> {a:.3} after RL",
+            cfg.rollout.precision
+        );
     }
     Ok(())
 }
@@ -58,7 +61,10 @@ pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
         anyhow::bail!("the config has no [sft] section");
     }
     if cfg.model.dir.join("config.json").is_file() {
-        anyhow::bail!("{}: a model is already there; remove it to warm-start again", cfg.model.dir.display());
+        anyhow::bail!(
+            "{}: a model is already there; remove it to warm-start again",
+            cfg.model.dir.display()
+        );
     }
     let device = burn::tensor::Device::flex().autodiff();
     std::fs::create_dir_all(&cfg.run_dir)?;

@@ -36,11 +36,23 @@ pub fn hf_tensors(model: &Decoder) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         linear(out, format!("{p}.up_proj"), &m.up_proj);
         linear(out, format!("{p}.down_proj"), &m.down_proj);
     };
-    push2(&mut out, "model.embed_tokens.weight".into(), model.embed_tokens.val());
+    push2(
+        &mut out,
+        "model.embed_tokens.weight".into(),
+        model.embed_tokens.val(),
+    );
     for (i, layer) in model.layers.iter().enumerate() {
         let p = format!("model.layers.{i}");
-        norm(&mut out, format!("{p}.input_layernorm.weight"), &layer.input_layernorm);
-        norm(&mut out, format!("{p}.post_attention_layernorm.weight"), &layer.post_attention_layernorm);
+        norm(
+            &mut out,
+            format!("{p}.input_layernorm.weight"),
+            &layer.input_layernorm,
+        );
+        norm(
+            &mut out,
+            format!("{p}.post_attention_layernorm.weight"),
+            &layer.post_attention_layernorm,
+        );
         let a = &layer.self_attn;
         linear(&mut out, format!("{p}.self_attn.q_proj"), &a.q_proj);
         linear(&mut out, format!("{p}.self_attn.k_proj"), &a.k_proj);
@@ -82,7 +94,10 @@ pub fn save_pretrained(model: &Decoder, config_json: &Value, dir: &Path) -> anyh
         .iter()
         .zip(&bytes)
         .map(|((n, s, _), b)| {
-            Ok((n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?))
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?,
+            ))
         })
         .collect::<Result<_, safetensors::SafeTensorError>>()?;
     let tmp = tempfile::NamedTempFile::new_in(dir)?;

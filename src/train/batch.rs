@@ -17,8 +17,18 @@ pub struct SeqBatch {
 
 impl SeqBatch {
     pub fn new(seqs: Vec<Vec<u32>>, prompt_lens: Vec<usize>) -> Self {
-        let width = seqs.iter().map(Vec::len).max().unwrap_or(1).saturating_sub(1).max(1);
-        Self { seqs, prompt_lens, width }
+        let width = seqs
+            .iter()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1)
+            .max(1);
+        Self {
+            seqs,
+            prompt_lens,
+            width,
+        }
     }
 
     /// `mask[b][t]` = 1 where position `t` predicts a response token (`t + 1 >= prompt_len`).
@@ -26,7 +36,11 @@ impl SeqBatch {
         let mut m = Vec::with_capacity(self.seqs.len() * self.width);
         for (s, &p) in self.seqs.iter().zip(&self.prompt_lens) {
             for t in 0..self.width {
-                m.push(if t + 1 >= p && t + 1 < s.len() { 1.0 } else { 0.0 });
+                m.push(if t + 1 >= p && t + 1 < s.len() {
+                    1.0
+                } else {
+                    0.0
+                });
             }
         }
         m
@@ -70,7 +84,11 @@ impl SeqBatch {
     ) -> (Tensor<2>, ForwardOutput) {
         let (out, padded) = forward_ragged(model, &self.seqs, replay);
         let lp = next_token_logprobs_at(out.logits.clone(), &padded, temperature);
-        let lp = if lp.dims()[1] == self.width { lp } else { lp.narrow(1, 0, self.width) };
+        let lp = if lp.dims()[1] == self.width {
+            lp
+        } else {
+            lp.narrow(1, 0, self.width)
+        };
         (lp, out)
     }
 }
@@ -78,7 +96,12 @@ impl SeqBatch {
 /// Routing replay for a right-padded batch: the recorded experts of every token that went through the
 /// rollout, and placeholder experts `0..k` for the last token and the padding (their outputs are never
 /// scored).
-pub fn replay_routing(records: &[&Vec<Option<Vec<u32>>>], seqs: &[Vec<u32>], top_k: usize, layers: usize) -> Vec<Option<Vec<u32>>> {
+pub fn replay_routing(
+    records: &[&Vec<Option<Vec<u32>>>],
+    seqs: &[Vec<u32>],
+    top_k: usize,
+    layers: usize,
+) -> Vec<Option<Vec<u32>>> {
     let t = seqs.iter().map(Vec::len).max().unwrap_or(0);
     (0..layers)
         .map(|l| {
@@ -87,7 +110,10 @@ pub fn replay_routing(records: &[&Vec<Option<Vec<u32>>>], seqs: &[Vec<u32>], top
             }
             let mut flat = Vec::with_capacity(seqs.len() * t * top_k);
             for (r, rec) in records.iter().enumerate() {
-                let known = rec.get(l).and_then(Option::as_ref).map_or(&[][..], Vec::as_slice);
+                let known = rec
+                    .get(l)
+                    .and_then(Option::as_ref)
+                    .map_or(&[][..], Vec::as_slice);
                 for pos in 0..t {
                     if (pos + 1) * top_k <= known.len() && pos + 1 < seqs[r].len() {
                         flat.extend_from_slice(&known[pos * top_k..(pos + 1) * top_k]);

@@ -22,24 +22,39 @@ pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
 }
 
 /// Writes checkpoint `step` (replacing one of the same step).
-pub fn save(run_dir: &Path, step: usize, model: &Decoder, config_json: &serde_json::Value, optim: &ModuleOptimizer, tok_dir: &Path) -> anyhow::Result<PathBuf> {
+pub fn save(
+    run_dir: &Path,
+    step: usize,
+    model: &Decoder,
+    config_json: &serde_json::Value,
+    optim: &ModuleOptimizer,
+    tok_dir: &Path,
+) -> anyhow::Result<PathBuf> {
     let root = checkpoints_dir(run_dir);
     std::fs::create_dir_all(&root)?;
-    let tmp = tempfile::Builder::new().prefix(".tmp-ckpt").tempdir_in(&root)?;
+    let tmp = tempfile::Builder::new()
+        .prefix(".tmp-ckpt")
+        .tempdir_in(&root)?;
     save_pretrained(model, config_json, tmp.path())?;
-    optim.save(tmp.path().join("optimizer.bpk")).map_err(|e| anyhow::anyhow!("saving the optimizer state: {e:?}"))?;
+    optim
+        .save(tmp.path().join("optimizer.bpk"))
+        .map_err(|e| anyhow::anyhow!("saving the optimizer state: {e:?}"))?;
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         if tok_dir.join(f).is_file() {
             std::fs::copy(tok_dir.join(f), tmp.path().join(f))?;
         }
     }
-    crate::io::write_json_atomic(&tmp.path().join("trainer_state.json"), &TrainerState { step })?;
+    crate::io::write_json_atomic(
+        &tmp.path().join("trainer_state.json"),
+        &TrainerState { step },
+    )?;
     let dst = root.join(format!("step_{step:06}"));
     if dst.exists() {
         std::fs::remove_dir_all(&dst)?;
     }
     let kept = tmp.keep();
-    std::fs::rename(&kept, &dst).with_context(|| format!("{}: cannot move the checkpoint into place", dst.display()))?;
+    std::fs::rename(&kept, &dst)
+        .with_context(|| format!("{}: cannot move the checkpoint into place", dst.display()))?;
     Ok(dst)
 }
 
@@ -52,7 +67,9 @@ pub fn latest(run_dir: &Path) -> Option<(PathBuf, TrainerState)> {
         if !name.starts_with("step_") {
             continue;
         }
-        let Ok(state) = crate::io::read_json::<TrainerState>(&p.join("trainer_state.json")) else { continue };
+        let Ok(state) = crate::io::read_json::<TrainerState>(&p.join("trainer_state.json")) else {
+            continue;
+        };
         if best.as_ref().is_none_or(|(_, s)| state.step > s.step) {
             best = Some((p, state));
         }

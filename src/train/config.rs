@@ -22,7 +22,9 @@ impl TryFrom<String> for Precision {
         if s == "f32" {
             return Ok(Self(None));
         }
-        s.parse::<QuantScheme>().map(|q| Self(Some(q))).map_err(|e| format!("{e} (or \"f32\")"))
+        s.parse::<QuantScheme>()
+            .map(|q| Self(Some(q)))
+            .map_err(|e| format!("{e} (or \"f32\")"))
     }
 }
 
@@ -207,12 +209,14 @@ impl TrainConfig {
     /// Parses TOML text; errors name `origin` and the offending key.
     pub fn from_toml(text: &str, origin: &str) -> anyhow::Result<Self> {
         let cfg: Self = toml::from_str(text).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
-        cfg.validate().map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+        cfg.validate()
+            .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         Ok(cfg)
     }
 
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("{}: cannot read", path.display()))?;
         Self::from_toml(&text, &path.display().to_string())
     }
 
@@ -238,8 +242,13 @@ impl TrainConfig {
         if t.grad_clip < 0.0 {
             bail!("train.grad_clip must be >= 0");
         }
-        t.loss.clone().resolve().map_err(|e| anyhow::anyhow!("train.loss: {e}"))?;
-        t.advantage.validate().map_err(|e| anyhow::anyhow!("train.advantage: {e}"))?;
+        t.loss
+            .clone()
+            .resolve()
+            .map_err(|e| anyhow::anyhow!("train.loss: {e}"))?;
+        t.advantage
+            .validate()
+            .map_err(|e| anyhow::anyhow!("train.advantage: {e}"))?;
         if let Some(s) = &self.sft {
             if s.batch_size == 0 || !(s.lr > 0.0) {
                 bail!("sft: batch_size must be >= 1 and lr > 0");

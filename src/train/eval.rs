@@ -24,11 +24,15 @@ pub fn evaluate(
     let mut m = model.clone();
     match precision.0 {
         Some(s) => {
-            m.quantize(&QuantConfig::new(s)).map_err(anyhow::Error::msg)?;
+            m.quantize(&QuantConfig::new(s))
+                .map_err(anyhow::Error::msg)?;
         }
         None => m.dequantize(),
     }
-    let prompts: Vec<Vec<u32>> = examples.iter().map(|e| tok.encode(&e.prompt)).collect::<anyhow::Result<_>>()?;
+    let prompts: Vec<Vec<u32>> = examples
+        .iter()
+        .map(|e| tok.encode(&e.prompt))
+        .collect::<anyhow::Result<_>>()?;
     let accuracy = |samples: usize, temperature: f32| -> anyhow::Result<(f64, f64)> {
         let p = SamplingParams {
             temperature,

@@ -22,12 +22,16 @@ impl MetricsLog {
             .append(true)
             .open(path)
             .with_context(|| format!("{}: cannot open", path.display()))?;
-        Ok(Self { path: path.to_path_buf(), file })
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
     }
 
     pub fn write(&mut self, value: &serde_json::Value) -> anyhow::Result<()> {
         let line = serde_json::to_string(value)?;
-        writeln!(self.file, "{line}").with_context(|| format!("{}: cannot write", self.path.display()))?;
+        writeln!(self.file, "{line}")
+            .with_context(|| format!("{}: cannot write", self.path.display()))?;
         self.file.flush()?;
         Ok(())
     }
@@ -40,12 +44,15 @@ impl MetricsLog {
 /// Keeps only the lines of a metrics file whose `step` is at most `last_step` (for a resumed run), written
 /// back atomically.
 pub fn truncate_after(path: &Path, phase: &str, last_step: usize) -> anyhow::Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else { return Ok(()) };
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(());
+    };
     let kept: Vec<&str> = text
         .lines()
         .filter(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
-            v["phase"].as_str() != Some(phase) || v["step"].as_u64().is_some_and(|s| s as usize <= last_step)
+            v["phase"].as_str() != Some(phase)
+                || v["step"].as_u64().is_some_and(|s| s as usize <= last_step)
         })
         .collect();
     let dir = path.parent().unwrap_or(Path::new("."));

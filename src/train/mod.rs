@@ -42,40 +42,53 @@ fn eos_id(tok: &Tokenizer, model: &Decoder) -> anyhow::Result<u32> {
 
 /// Makes sure `cfg.model.dir` holds a model: created from `init_config` with random weights and the task's
 /// character tokenizer, then warm-started with `[sft]`, when it does not exist yet.
-pub fn prepare_model(cfg: &TrainConfig, device: &Device, log: &mut MetricsLog, quiet: bool) -> anyhow::Result<()> {
+pub fn prepare_model(
+    cfg: &TrainConfig,
+    device: &Device,
+    log: &mut MetricsLog,
+    quiet: bool,
+) -> anyhow::Result<()> {
     let dir = &cfg.model.dir;
     if dir.join("config.json").is_file() {
         return Ok(());
     }
-    let init = cfg
-        .model
-        .init_config
-        .as_ref()
-        .with_context(|| format!("{}: no model there and no `model.init_config` to create one from", dir.display()))?;
+    let init = cfg.model.init_config.as_ref().with_context(|| {
+        format!(
+            "{}: no model there and no `model.init_config` to create one from",
+            dir.display()
+        )
+    })?;
     let staging = dir.with_extension("init");
     let _ = std::fs::remove_dir_all(&staging);
     crate::model::init::write_random_checkpoint(init, &staging, cfg.seed, cfg.model.init_std)?;
     crate::tasks::char_tokenizer::save(&staging)?;
     if let Some(sft) = &cfg.sft {
         let model = Decoder::load(&staging, device)?;
-        let tok = Tokenizer::load_optional(&staging)?.context("the staged model has no tokenizer")?;
+        let tok =
+            Tokenizer::load_optional(&staging)?.context("the staged model has no tokenizer")?;
         let eos = eos_id(&tok, &model)?;
         let (model, loss) = sft::run_sft(model, &tok, eos, cfg, sft, log, quiet)?;
         tracing::info!(loss, "sft finished");
         let json: serde_json::Value = crate::io::read_json(&staging.join("config.json"))?;
         crate::model::save::save_pretrained(&model, &json, &staging)?;
     }
-    std::fs::rename(&staging, dir).with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
+    std::fs::rename(&staging, dir)
+        .with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
     Ok(())
 }
 
 /// Runs (or, with `resume`, continues) the RL run of `cfg`.
 pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSummary> {
     let device = Device::flex().autodiff();
-    std::fs::create_dir_all(&cfg.run_dir).with_context(|| format!("{}: cannot create", cfg.run_dir.display()))?;
+    std::fs::create_dir_all(&cfg.run_dir)
+        .with_context(|| format!("{}: cannot create", cfg.run_dir.display()))?;
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
-    let resumed = if resume { checkpoint::latest(&cfg.run_dir) } else { None };
+    let resumed = if resume {
+        checkpoint::latest(&cfg.run_dir)
+    } else {
+        None
+    };
     if !resume && metrics_path.exists() {
         std::fs::remove_file(&metrics_path)?;
     }
@@ -85,7 +98,9 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     let mut log = MetricsLog::open(&metrics_path)?;
     prepare_model(cfg, &device, &mut log, quiet)?;
 
-    let model_dir = resumed.as_ref().map_or(cfg.model.dir.clone(), |(p, _)| p.clone());
+    let model_dir = resumed
+        .as_ref()
+        .map_or(cfg.model.dir.clone(), |(p, _)| p.clone());
     let mut model = Decoder::load(&model_dir, &device)?;
     let config_json: serde_json::Value = crate::io::read_json(&model_dir.join("config.json"))?;
     let tok = Tokenizer::load_optional(&cfg.model.dir)?
@@ -102,7 +117,9 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     let mut optim = optim_cfg.init();
     let start = match &resumed {
         Some((p, state)) => {
-            optim = optim.load(p.join("optimizer.bpk")).map_err(|e| anyhow::anyhow!("{}: optimizer state: {e:?}", p.display()))?;
+            optim = optim
+                .load(p.join("optimizer.bpk"))
+                .map_err(|e| anyhow::anyhow!("{}: optimizer state: {e:?}", p.display()))?;
             state.step + 1
         }
         None => 0,
@@ -118,7 +135,16 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
             precisions.push(config::Precision(None));
         }
         for p in precisions {
-            let m = eval::evaluate(&plain, p, &tok, &eval_set, eos, &cfg.eval, &cfg.verify, cfg.seed)?;
+            let m = eval::evaluate(
+                &plain,
+                p,
+                &tok,
+                &eval_set,
+                eos,
+                &cfg.eval,
+                &cfg.verify,
+                cfg.seed,
+            )?;
             if p == cfg.rollout.precision {
                 rollout_acc = m[&format!("eval/{p}/pass@1_greedy")];
             }
@@ -130,7 +156,11 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
         Ok(rollout_acc)
     };
 
-    let before = if start == 0 { Some(evaluate(&model, 0, &mut log)?) } else { None };
+    let before = if start == 0 {
+        Some(evaluate(&model, 0, &mut log)?)
+    } else {
+        None
+    };
     let bar = progress::progress_bar((tc.steps.saturating_sub(start)) as u64, "rl", quiet);
     for step in start..tc.steps {
         let out = rl::rl_step(&mut model, &mut optim, &task, &tok, eos, cfg, step)?;
@@ -141,22 +171,45 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
         log.write(&row)?;
         bar.set_message(format!(
             "reward {:.3} acc {:.2} k3 {:.1e}",
-            out.metrics.get("critic/rewards/mean").copied().unwrap_or(f64::NAN),
-            out.metrics.get("train/accuracy").copied().unwrap_or(f64::NAN),
-            out.metrics.get("rollout_corr/k3_kl").copied().unwrap_or(f64::NAN),
+            out.metrics
+                .get("critic/rewards/mean")
+                .copied()
+                .unwrap_or(f64::NAN),
+            out.metrics
+                .get("train/accuracy")
+                .copied()
+                .unwrap_or(f64::NAN),
+            out.metrics
+                .get("rollout_corr/k3_kl")
+                .copied()
+                .unwrap_or(f64::NAN),
         ));
         bar.inc(1);
         if (step + 1) % cfg.eval.every == 0 && step + 1 < tc.steps {
             evaluate(&model, step + 1, &mut log)?;
         }
         if cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 {
-            checkpoint::save(&cfg.run_dir, step, &model, &config_json, &optim, &cfg.model.dir)?;
+            checkpoint::save(
+                &cfg.run_dir,
+                step,
+                &model,
+                &config_json,
+                &optim,
+                &cfg.model.dir,
+            )?;
         }
     }
     bar.finish();
     let after = evaluate(&model, tc.steps, &mut log)?;
     if tc.steps > 0 {
-        checkpoint::save(&cfg.run_dir, tc.steps - 1, &model, &config_json, &optim, &cfg.model.dir)?;
+        checkpoint::save(
+            &cfg.run_dir,
+            tc.steps - 1,
+            &model,
+            &config_json,
+            &optim,
+            &cfg.model.dir,
+        )?;
     }
     Ok(RunSummary {
         run_dir: cfg.run_dir.clone(),
@@ -170,6 +223,9 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
 pub fn load_config(path: Option<&Path>) -> anyhow::Result<TrainConfig> {
     match path {
         Some(p) => TrainConfig::from_file(p),
-        None => TrainConfig::from_toml(config::DEFAULT_CONFIG, "the default config (configs/default.toml)"),
+        None => TrainConfig::from_toml(
+            config::DEFAULT_CONFIG,
+            "the default config (configs/default.toml)",
+        ),
     }
 }

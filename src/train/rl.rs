@@ -15,7 +15,10 @@ use crate::model::{Decoder, Tokenizer};
 use crate::quant::QuantConfig;
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
 use crate::rl::losses::{PolicyLoss, PolicyLossInputs};
-use crate::rl::metrics::{error_token_metrics, masked_mean, response_length_metrics, rollout_mismatch_metrics, routing_disagreement, token_entropy, LoopRule};
+use crate::rl::metrics::{
+    error_token_metrics, masked_mean, response_length_metrics, rollout_mismatch_metrics,
+    routing_disagreement, token_entropy, LoopRule,
+};
 use crate::rollout::{generate, FinishReason, SamplingParams};
 use crate::tasks::verify::score;
 use crate::tasks::Task;
@@ -25,7 +28,9 @@ use crate::tasks::Task;
 pub fn set_rollout_precision(model: &mut Decoder, cfg: &TrainConfig) -> anyhow::Result<()> {
     match cfg.rollout.precision.0 {
         Some(s) => {
-            model.quantize(&QuantConfig::new(s)).map_err(anyhow::Error::msg)?;
+            model
+                .quantize(&QuantConfig::new(s))
+                .map_err(anyhow::Error::msg)?;
         }
         None => model.dequantize(),
     }
@@ -51,8 +56,16 @@ pub fn rl_step(
     let t0 = Instant::now();
     let rc = &cfg.rollout;
     let g = rc.samples_per_prompt;
-    let examples = task.sample_prompts(rc.prompts_per_step, cfg.seed.wrapping_mul(1_000_003).wrapping_add(step as u64 + 1));
-    let prompts: Vec<Vec<u32>> = examples.iter().map(|e| tok.encode(&e.prompt)).collect::<anyhow::Result<_>>()?;
+    let examples = task.sample_prompts(
+        rc.prompts_per_step,
+        cfg.seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(step as u64 + 1),
+    );
+    let prompts: Vec<Vec<u32>> = examples
+        .iter()
+        .map(|e| tok.encode(&e.prompt))
+        .collect::<anyhow::Result<_>>()?;
 
     // Rollout on a plain-device view of the model: it shares the packed weights of this weight version.
     let policy = model.valid();
@@ -81,24 +94,38 @@ pub fn rl_step(
         rewards.push(v.reward);
     }
     let tc = &cfg.train;
-    let advantages = group_advantages(&rewards, g, &tc.advantage).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let advantages =
+        group_advantages(&rewards, g, &tc.advantage).map_err(|e| anyhow::anyhow!("{e}"))?;
     let rows: Vec<usize> = if tc.dynamic_sampling {
-        responses_of_groups(&groups_with_signal(&rewards, g).map_err(|e| anyhow::anyhow!("{e}"))?, g)
+        responses_of_groups(
+            &groups_with_signal(&rewards, g).map_err(|e| anyhow::anyhow!("{e}"))?,
+            g,
+        )
     } else {
         (0..out.ids.len()).collect()
     };
 
     let mut m = BTreeMap::new();
     let n = out.ids.len() as f64;
-    m.insert("critic/rewards/mean".into(), rewards.iter().map(|&r| r as f64).sum::<f64>() / n);
+    m.insert(
+        "critic/rewards/mean".into(),
+        rewards.iter().map(|&r| r as f64).sum::<f64>() / n,
+    );
     m.insert("train/accuracy".into(), correct as f64 / n);
     let lens: Vec<usize> = (0..out.ids.len()).map(|r| out.response(r).len()).collect();
     m.extend(response_length_metrics(&lens, rc.max_new_tokens));
     m.insert(
         "response/stop_frac".into(),
-        out.finish_reasons.iter().filter(|&&f| f == FinishReason::Stop).count() as f64 / n,
+        out.finish_reasons
+            .iter()
+            .filter(|&&f| f == FinishReason::Stop)
+            .count() as f64
+            / n,
     );
-    m.insert("perf/rollout_tokens_per_s".into(), gen_tokens as f64 / rollout_s.max(1e-9));
+    m.insert(
+        "perf/rollout_tokens_per_s".into(),
+        gen_tokens as f64 / rollout_s.max(1e-9),
+    );
     m.insert("perf/rollout_s".into(), rollout_s);
     m.insert("train/kept_sequences".into(), rows.len() as f64);
 
@@ -106,7 +133,11 @@ pub fn rl_step(
     if tc.forward == TrainForward::Full {
         model.dequantize();
     }
-    let top_k = model.config.moe.as_ref().map_or(0, |c| c.num_experts_per_tok);
+    let top_k = model
+        .config
+        .moe
+        .as_ref()
+        .map_or(0, |c| c.num_experts_per_tok);
     let layers = model.layers.len();
     let device = model.device();
     if !rows.is_empty() {
@@ -114,7 +145,8 @@ pub fn rl_step(
         let plens: Vec<usize> = rows.iter().map(|&r| out.prompt_lens[r]).collect();
         let batch = SeqBatch::new(seqs, plens);
         let records: Vec<&Vec<Option<Vec<u32>>>> = rows.iter().map(|&r| &out.routing[r]).collect();
-        let replay = (tc.routing_replay && top_k > 0).then(|| replay_routing(&records, &batch.seqs, top_k, layers));
+        let replay = (tc.routing_replay && top_k > 0)
+            .then(|| replay_routing(&records, &batch.seqs, top_k, layers));
 
         // lp_old: the learner forward at the start of the step (no gradient).
         let learner = model.valid();
@@ -132,14 +164,24 @@ pub fn rl_step(
             }
             gv
         };
-        m.extend(rollout_mismatch_metrics(&lp_old_grid, &roll_grid, &mask_bool, batch.width).map_err(|e| anyhow::anyhow!("{e}"))?);
+        m.extend(
+            rollout_mismatch_metrics(&lp_old_grid, &roll_grid, &mask_bool, batch.width)
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        );
         let ids_grid: Vec<u32> = batch
             .seqs
             .iter()
             .flat_map(|s| (0..batch.width).map(move |t| s.get(t + 1).copied().unwrap_or(0)))
             .collect();
-        let err = error_token_metrics(&ids_grid, &lp_old_grid, &roll_grid, &mask_bool, batch.width, LoopRule::default())
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let err = error_token_metrics(
+            &ids_grid,
+            &lp_old_grid,
+            &roll_grid,
+            &mask_bool,
+            batch.width,
+            LoopRule::default(),
+        )
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
         m.extend(err.to_map());
         let entropy = to_f32_vec(token_entropy(fwd.logits.clone().narrow(1, 0, batch.width)));
         m.insert("actor/entropy".into(), masked_mean(&entropy, &mask_bool));
@@ -151,9 +193,14 @@ pub fn rl_step(
                 let learner_row: Vec<Option<Vec<u32>>> = fwd
                     .routing
                     .iter()
-                    .map(|l| l.as_ref().map(|v| v[b * t * top_k..(b * t + batch.seqs[b].len() - 1) * top_k].to_vec()))
+                    .map(|l| {
+                        l.as_ref().map(|v| {
+                            v[b * t * top_k..(b * t + batch.seqs[b].len() - 1) * top_k].to_vec()
+                        })
+                    })
                     .collect();
-                let d = routing_disagreement(rec, &learner_row, top_k).map_err(|e| anyhow::anyhow!("{e}"))?;
+                let d = routing_disagreement(rec, &learner_row, top_k)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
                 agg = Some(match agg {
                     None => d,
                     Some(a) => a + d,
@@ -165,9 +212,17 @@ pub fn rl_step(
         }
 
         // Policy updates.
-        let loss_fn: PolicyLoss = tc.loss.clone().resolve().map_err(|e| anyhow::anyhow!("{e}"))?;
+        let loss_fn: PolicyLoss = tc
+            .loss
+            .clone()
+            .resolve()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let adv: Vec<f32> = rows.iter().map(|&r| advantages[r]).collect();
-        let mb = if tc.minibatch_size == 0 { rows.len() } else { tc.minibatch_size.min(rows.len()) };
+        let mb = if tc.minibatch_size == 0 {
+            rows.len()
+        } else {
+            tc.minibatch_size.min(rows.len())
+        };
         let lr = lr_at(tc.lr, tc.lr_schedule, tc.warmup_steps, step, tc.steps);
         let mut loss_metrics: BTreeMap<String, f64> = BTreeMap::new();
         let mut updates = 0usize;
@@ -179,7 +234,8 @@ pub fn rl_step(
                     chunk.iter().map(|&i| batch.prompt_lens[i]).collect(),
                 );
                 let sub_replay = replay.as_ref().map(|_| {
-                    let recs: Vec<&Vec<Option<Vec<u32>>>> = chunk.iter().map(|&i| records[i]).collect();
+                    let recs: Vec<&Vec<Option<Vec<u32>>>> =
+                        chunk.iter().map(|&i| records[i]).collect();
                     replay_routing(&recs, &sub.seqs, top_k, layers)
                 });
                 let (lp_theta, _) = sub.logprobs(model, rc.temperature, sub_replay.as_deref());
@@ -194,7 +250,9 @@ pub fn rl_step(
                     advantages: tensor_from_vec(advs, [chunk.len()], &device),
                     lp_ref: None,
                 };
-                let outp = loss_fn.compute(inputs).map_err(|e| anyhow::anyhow!("{e}"))?;
+                let outp = loss_fn
+                    .compute(inputs)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
                 for (k, v) in outp.metrics.to_map() {
                     *loss_metrics.entry(k).or_default() += v;
                 }

@@ -13,9 +13,16 @@ use crate::model::{Decoder, Tokenizer};
 use crate::tasks::Example;
 
 /// Prompt ids and prompt + solution + EOS ids of one example.
-pub fn encode_example(tok: &Tokenizer, ex: &Example, eos: u32) -> anyhow::Result<(Vec<u32>, usize)> {
+pub fn encode_example(
+    tok: &Tokenizer,
+    ex: &Example,
+    eos: u32,
+) -> anyhow::Result<(Vec<u32>, usize)> {
     let prompt = tok.encode(&ex.prompt)?;
-    let solution = ex.solution.as_deref().context("the task has no worked solutions for SFT")?;
+    let solution = ex
+        .solution
+        .as_deref()
+        .context("the task has no worked solutions for SFT")?;
     let mut ids = prompt.clone();
     ids.extend(tok.encode(solution)?);
     ids.push(eos);
@@ -34,13 +41,22 @@ pub fn run_sft(
 ) -> anyhow::Result<(Decoder, f32)> {
     let task = crate::tasks::Task::from_config(&train.task)?;
     let device: Device = model.device();
-    let mut optim = AdamWConfig::new().with_weight_decay(cfg.weight_decay).init();
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(cfg.weight_decay)
+        .init();
     let bar = progress_bar(cfg.steps as u64, "sft", quiet);
     let mut last = f32::NAN;
     for step in 0..cfg.steps {
-        let examples = task.sample_prompts(cfg.batch_size, train.seed.wrapping_mul(7919).wrapping_add(step as u64));
-        let (seqs, lens): (Vec<_>, Vec<_>) =
-            examples.iter().map(|ex| encode_example(tok, ex, eos)).collect::<anyhow::Result<Vec<_>>>()?.into_iter().unzip();
+        let examples = task.sample_prompts(
+            cfg.batch_size,
+            train.seed.wrapping_mul(7919).wrapping_add(step as u64),
+        );
+        let (seqs, lens): (Vec<_>, Vec<_>) = examples
+            .iter()
+            .map(|ex| encode_example(tok, ex, eos))
+            .collect::<anyhow::Result<Vec<_>>>()?
+            .into_iter()
+            .unzip();
         let batch = SeqBatch::new(seqs, lens);
         let mask = batch.mask(&device);
         let (lp, _) = batch.logprobs(&model, 1.0, None);
@@ -48,10 +64,18 @@ pub fn run_sft(
         last = to_f32_vec(loss.clone())[0];
         let grads = loss.backward();
         let grads = GradientsParams::from_grads(grads, &model);
-        let lr = lr_at(cfg.lr, LrSchedule::Cosine, cfg.warmup_steps, step, cfg.steps);
+        let lr = lr_at(
+            cfg.lr,
+            LrSchedule::Cosine,
+            cfg.warmup_steps,
+            step,
+            cfg.steps,
+        );
         model = optim.step(lr, model, grads);
         if step % cfg.log_every == 0 || step + 1 == cfg.steps {
-            log.write(&serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/lr": lr}))?;
+            log.write(
+                &serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/lr": lr}),
+            )?;
         }
         bar.set_message(format!("loss {last:.3}"));
         bar.inc(1);

@@ -1,0 +1,187 @@
+//! The trainer end to end on a tiny model: config validation, SFT + RL, metrics, checkpoints, resume, the
+//! QaRL alignment claim, and HF-format saving.
+
+mod common;
+
+use std::path::Path;
+
+use burn::tensor::Device;
+use common::fixtures_dir;
+use qarl::model::layers::to_f32_vec;
+use qarl::model::Decoder;
+use qarl::train::{self, TrainConfig};
+
+/// A small, fast variant of the default config rooted in `dir`.
+fn tiny_config(dir: &Path, forward: &str, rl_steps: usize) -> TrainConfig {
+    let model_cfg =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
+    let text = format!(
+        r#"
+run_dir = "{run}"
+seed = 3
+checkpoint_every = 1
+[model]
+dir = "{model}"
+init_config = "{init}"
+[task]
+kind = "arithmetic"
+max_digits = 1
+max_terms = 2
+[sft]
+steps = 8
+batch_size = 8
+lr = 3e-3
+[rollout]
+precision = "int4-g32"
+prompts_per_step = 3
+samples_per_prompt = 4
+max_new_tokens = 12
+[train]
+steps = {rl_steps}
+forward = "{forward}"
+lr = 1e-4
+[train.loss]
+objective = "tbpo"
+[eval]
+every = 100
+problems = 4
+max_new_tokens = 12
+"#,
+        run = dir.join("run").display(),
+        model = dir.join("model").display(),
+        init = model_cfg.display(),
+    );
+    TrainConfig::from_toml(&text, "tiny").unwrap()
+}
+
+fn metrics(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn default_config_parses_and_bad_configs_are_named() {
+    let cfg = train::load_config(None).unwrap();
+    assert_eq!(cfg.rollout.precision.to_string(), "int4-g32");
+    let good =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.toml"))
+            .unwrap();
+    let cases = [
+        (
+            good.replace(
+                "samples_per_prompt = 8",
+                "samples_per_prompt = 8\nsample_per_prompt = 3",
+            ),
+            "sample_per_prompt",
+        ),
+        (
+            good.replace("precision = \"int4-g32\"", "precision = \"int3\""),
+            "int4-g128",
+        ),
+        (
+            good.replace("forward = \"aligned\"", "forward = \"quantized\""),
+            "aligned",
+        ),
+        (
+            good.replace("objective = \"tbpo\"", "objective = \"tbpo2\""),
+            "tbpo2",
+        ),
+        (
+            good.replace("samples_per_prompt = 8", "samples_per_prompt = 1"),
+            "samples_per_prompt",
+        ),
+        (good.replace("lr = 3e-4", "lr = -1.0"), "lr"),
+    ];
+    for (text, want) in cases {
+        let err = TrainConfig::from_toml(&text, "my.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("my.toml") && err.contains(want),
+            "expected `{want}` in: {err}"
+        );
+    }
+}
+
+#[test]
+fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(tmp.path(), "aligned", 2);
+    let s = train::run(&cfg, false, true).unwrap();
+    let rows = metrics(&s.metrics_path);
+    let rl: Vec<_> = rows.iter().filter(|r| r["phase"] == "rl").collect();
+    assert_eq!(rl.len(), 2);
+    for key in [
+        "rollout_corr/k3_kl",
+        "critic/rewards/mean",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "response_length/mean",
+        "error_tokens/frac",
+    ] {
+        assert!(rl[0][key].is_number(), "missing {key}: {}", rl[0]);
+    }
+    assert!(rows.iter().any(|r| r["phase"] == "sft"));
+    assert!(rows.iter().filter(|r| r["phase"] == "eval").count() >= 2);
+    // The warm-started model is an HF directory every command loads, with its tokenizer.
+    assert!(cfg.model.dir.join("tokenizer.json").is_file());
+    Decoder::load(&cfg.model.dir, &Device::flex()).unwrap();
+    let (ckpt, state) = train::checkpoint::latest(&cfg.run_dir).unwrap();
+    assert_eq!(state.step, 1);
+    Decoder::load(&ckpt, &Device::flex()).unwrap();
+
+    // Resume with more steps: continues at step 2, earlier metrics kept.
+    let mut more = cfg.clone();
+    more.train.steps = 3;
+    train::run(&more, true, true).unwrap();
+    let rows = metrics(&s.metrics_path);
+    let steps: Vec<u64> = rows
+        .iter()
+        .filter(|r| r["phase"] == "rl")
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, vec![0, 1, 2]);
+}
+
+/// Must-show: with the aligned training forward, step-1 `rollout_corr/k3_kl` is at least 1000x smaller than
+/// with the full-precision forward, for the same int4 rollout.
+#[test]
+fn aligned_forward_removes_the_rollout_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let aligned = tiny_config(&tmp.path().join("a"), "aligned", 1);
+    train::run(&aligned, false, true).unwrap();
+    let mut full = tiny_config(&tmp.path().join("a"), "full", 1);
+    full.run_dir = tmp.path().join("full-run");
+    train::run(&full, false, true).unwrap();
+    let k3 = |dir: &Path| -> f64 {
+        let rows = metrics(&dir.join("metrics.jsonl"));
+        rows.iter().find(|r| r["phase"] == "rl").unwrap()["rollout_corr/k3_kl"]
+            .as_f64()
+            .unwrap()
+    };
+    let (a, f) = (k3(&aligned.run_dir), k3(&full.run_dir));
+    println!(
+        "step-1 k3_kl: aligned {a:e}, full {f:e}, ratio {:e}",
+        f / a.max(f64::MIN_POSITIVE)
+    );
+    assert!(f > 0.0 && f >= 1000.0 * a.abs(), "aligned {a} vs full {f}");
+}
+
+#[test]
+fn save_pretrained_round_trips() {
+    let device = Device::flex();
+    let src = fixtures_dir().join("qwen3_moe");
+    let model = Decoder::load(&src, &device).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    qarl::model::save::save_pretrained(&model, &json, tmp.path()).unwrap();
+    let back = Decoder::load(tmp.path(), &device).unwrap();
+    let ids = vec![vec![1u32, 5, 9, 200]];
+    let a = to_f32_vec(model.forward(&ids, None, None, None).logits);
+    let b = to_f32_vec(back.forward(&ids, None, None, None).logits);
+    assert_eq!(a, b);
+}
