@@ -185,3 +185,53 @@ fn save_pretrained_round_trips() {
     let b = to_f32_vec(back.forward(&ids, None, None, None).logits);
     assert_eq!(a, b);
 }
+
+/// An experiment runs each (variant, seed) once, skips finished runs when run again, and reports them.
+#[test]
+fn experiment_runs_variants_and_reports() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = toml::to_string(&tiny_config(&tmp.path().join("shared"), "full", 1)).unwrap();
+    std::fs::write(tmp.path().join("base.toml"), base).unwrap();
+    let exp = format!(
+        r#"
+name = "mini"
+base = "base.toml"
+seeds = [5]
+results_dir = "{}"
+[[variant]]
+name = "full"
+set = {{ "train.forward" = "full" }}
+[[variant]]
+name = "aligned-tbpo"
+set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
+"#,
+        tmp.path().join("results").display()
+    );
+    let path = tmp.path().join("exp.toml");
+    std::fs::write(&path, exp).unwrap();
+    let report = train::experiment::run_experiment(&path, true).unwrap();
+    let text = std::fs::read_to_string(&report).unwrap();
+    assert!(
+        text.contains("| full | 1/1 |") && text.contains("| aligned-tbpo | 1/1 |"),
+        "{text}"
+    );
+    let metrics = tmp.path().join("results/full/seed5/metrics.jsonl");
+    let before = std::fs::metadata(&metrics).unwrap().modified().unwrap();
+    train::experiment::run_experiment(&path, true).unwrap();
+    assert_eq!(
+        std::fs::metadata(&metrics).unwrap().modified().unwrap(),
+        before,
+        "a finished run was redone"
+    );
+    // A typo in an override is an error naming it.
+    let bad = std::fs::read_to_string(&path).unwrap().replace(
+        "\"train.forward\" = \"full\"",
+        "\"trian.forward\" = \"full\"",
+    );
+    std::fs::write(&path, bad).unwrap();
+    std::fs::remove_file(tmp.path().join("results/full/seed5/finished.json")).unwrap();
+    let err = train::experiment::run_experiment(&path, true)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("trian"), "{err}");
+}

@@ -29,6 +29,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// RL training (QaRL): without --config, a tiny MoE learns arithmetic (SFT first, then int4 QaRL + TBPO).
     Train(train::TrainArgs),
+    /// Run a comparison of training variants over seeds (resumable) and write its report.
+    Experiment(train::ExperimentArgs),
     /// Supervised warm start on worked solutions; writes a Hugging Face-format model directory.
     Sft(train::SftArgs),
     /// Write a quantized checkpoint (packed codes + scales) that every command loads without re-quantizing.
@@ -68,5 +70,6 @@ pub fn run() -> anyhow::Result<()> {
         Command::Quantize(a) => quantize::run(a),
         Command::Train(a) => train::run_train(a),
         Command::Sft(a) => train::run_sft(a),
+        Command::Experiment(a) => train::run_experiment(a),
     }
 }

@@ -73,3 +73,32 @@ pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
     println!("model: {}", cfg.model.dir.display());
     Ok(())
 }
+
+#[derive(Debug, clap::Args)]
+pub struct ExperimentArgs {
+    /// Experiment file (e.g. experiments/paper_mini.toml): a base config, variants and seeds.
+    pub file: PathBuf,
+    /// Only rebuild the report from the finished runs.
+    #[arg(long)]
+    pub report_only: bool,
+    /// No progress bars.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
+    let report = if args.report_only {
+        let text = std::fs::read_to_string(&args.file)?;
+        let exp: train::experiment::ExperimentConfig =
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", args.file.display()))?;
+        let results = exp
+            .results_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("experiments/results").join(&exp.name));
+        train::experiment::write_report(&exp, &results)?
+    } else {
+        train::experiment::run_experiment(&args.file, args.quiet)?
+    };
+    println!("report: {}", report.display());
+    Ok(())
+}

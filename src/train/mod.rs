@@ -4,6 +4,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod eval;
+pub mod experiment;
 pub mod metrics;
 pub mod progress;
 pub mod rl;

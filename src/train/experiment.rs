@@ -1,0 +1,224 @@
+//! Comparisons of training variants over seeds, resumable: each (variant, seed) run lives in its own
+//! directory, finished runs are skipped, unfinished ones resume from their newest checkpoint, and the report
+//! is rebuilt from whatever has finished.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use super::config::TrainConfig;
+
+/// One variant: overrides (dotted keys) applied to the base config.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    pub name: String,
+    /// Short description for the report.
+    #[serde(default)]
+    pub about: String,
+    #[serde(default)]
+    pub set: BTreeMap<String, toml::Value>,
+}
+
+/// An experiment file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentConfig {
+    pub name: String,
+    /// The base training config (relative to the experiment file).
+    pub base: PathBuf,
+    pub seeds: Vec<u64>,
+    /// Where results go (default `experiments/results/<name>`).
+    #[serde(default)]
+    pub results_dir: Option<PathBuf>,
+    #[serde(rename = "variant")]
+    pub variants: Vec<Variant>,
+}
+
+/// Sets `key` (dotted path such as `rollout.precision`) in a TOML document; the path must exist unless the
+/// parent table does (so a typo fails instead of silently adding a key the config then rejects).
+pub fn set_dotted(doc: &mut toml::Value, key: &str, value: toml::Value) -> anyhow::Result<()> {
+    let parts: Vec<&str> = key.split('.').collect();
+    let mut cur = doc;
+    for p in &parts[..parts.len() - 1] {
+        cur = cur
+            .get_mut(*p)
+            .with_context(|| format!("override `{key}`: no table `{p}` in the base config"))?;
+    }
+    let table = cur
+        .as_table_mut()
+        .with_context(|| format!("override `{key}`: parent is not a table"))?;
+    table.insert(parts[parts.len() - 1].to_string(), value);
+    Ok(())
+}
+
+fn marker(run_dir: &Path) -> PathBuf {
+    run_dir.join("finished.json")
+}
+
+/// Runs every (variant, seed) not finished yet, then writes `report.md`.
+pub fn run_experiment(path: &Path, quiet: bool) -> anyhow::Result<PathBuf> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let exp: ExperimentConfig =
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    if exp.seeds.is_empty() || exp.variants.is_empty() {
+        bail!(
+            "{}: needs at least one seed and one variant",
+            path.display()
+        );
+    }
+    let base_dir = path.parent().unwrap_or(Path::new("."));
+    let base_path = base_dir.join(&exp.base);
+    let base_text = std::fs::read_to_string(&base_path)
+        .with_context(|| format!("{}: cannot read", base_path.display()))?;
+    let base: toml::Value =
+        toml::from_str(&base_text).map_err(|e| anyhow::anyhow!("{}: {e}", base_path.display()))?;
+    let results = exp
+        .results_dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from("experiments/results").join(&exp.name));
+    std::fs::create_dir_all(&results)?;
+    for v in &exp.variants {
+        for &seed in &exp.seeds {
+            let run_dir = results.join(&v.name).join(format!("seed{seed}"));
+            if marker(&run_dir).is_file() {
+                continue;
+            }
+            let mut doc = base.clone();
+            for (k, val) in &v.set {
+                set_dotted(&mut doc, k, val.clone())?;
+            }
+            set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
+            set_dotted(
+                &mut doc,
+                "run_dir",
+                toml::Value::String(run_dir.display().to_string()),
+            )?;
+            let origin = format!("{} (variant {}, seed {seed})", path.display(), v.name);
+            let cfg = TrainConfig::from_toml(&toml::to_string(&doc)?, &origin)?;
+            if !quiet {
+                eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());
+            }
+            let resume = run_dir.join("checkpoints").is_dir();
+            let s = super::run(&cfg, resume, quiet)?;
+            crate::io::write_json_atomic(
+                &marker(&run_dir),
+                &serde_json::json!({"accuracy_after": s.accuracy_after, "accuracy_before": s.accuracy_before}),
+            )?;
+        }
+    }
+    let report = write_report(&exp, &results)?;
+    Ok(report)
+}
+
+fn mean_std(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len().max(1) as f64;
+    let m = xs.iter().sum::<f64>() / n;
+    let v = if xs.len() > 1 {
+        xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
+    (m, v.sqrt())
+}
+
+fn read_rows(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .map(|t| {
+            t.lines()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The report table from the finished runs.
+pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<PathBuf> {
+    let mut md = String::new();
+    writeln!(md, "# {}\n", exp.name)?;
+    writeln!(md, "Seeds: {:?}. Mean ± sample std over finished seeds. Accuracy: held-out greedy pass@1 at the end of RL, in the rollout precision and in f32; the mismatch and stability columns average the RL steps.\n", exp.seeds)?;
+    writeln!(md, "| variant | seeds done | acc (rollout prec.) | acc (f32) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|")?;
+    for v in &exp.variants {
+        let mut cols: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        let mut done = 0;
+        for &seed in &exp.seeds {
+            let run_dir = results.join(&v.name).join(format!("seed{seed}"));
+            if !marker(&run_dir).is_file() {
+                continue;
+            }
+            done += 1;
+            let rows = read_rows(&run_dir.join("metrics.jsonl"));
+            let last_eval = rows.iter().rev().find(|r| r["phase"] == "eval");
+            if let Some(e) = last_eval.and_then(|e| e.as_object()) {
+                // `eval/<precision>/pass@1_greedy`: the rollout precision's, and f32's (the same for f32 runs).
+                let acc = |quantized: bool| {
+                    e.iter()
+                        .find(|(k, _)| {
+                            k.ends_with("/pass@1_greedy") && k.starts_with("eval/f32/") != quantized
+                        })
+                        .and_then(|(_, v)| v.as_f64())
+                };
+                if let Some(f) = acc(false) {
+                    cols.entry("acc_f32").or_default().push(f);
+                    cols.entry("acc_roll")
+                        .or_default()
+                        .push(acc(true).unwrap_or(f));
+                }
+            }
+            let rl: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "rl").collect();
+            let avg = |key: &str| -> f64 {
+                let xs: Vec<f64> = rl.iter().filter_map(|r| r[key].as_f64()).collect();
+                xs.iter().sum::<f64>() / xs.len().max(1) as f64
+            };
+            cols.entry("k3")
+                .or_default()
+                .push(avg("rollout_corr/k3_kl"));
+            cols.entry("err")
+                .or_default()
+                .push(avg("error_tokens/frac"));
+            cols.entry("ent").or_default().push(avg("actor/entropy"));
+            cols.entry("tps")
+                .or_default()
+                .push(avg("perf/rollout_tokens_per_s"));
+            cols.entry("step").or_default().push(avg("perf/step_s"));
+        }
+        let f = |k: &str, prec: usize| -> String {
+            match cols.get(k) {
+                Some(xs) if !xs.is_empty() => {
+                    let (m, s) = mean_std(xs);
+                    if prec == 99 {
+                        format!("{m:.2e} ± {s:.1e}")
+                    } else {
+                        format!("{m:.prec$} ± {s:.prec$}")
+                    }
+                }
+                _ => "-".into(),
+            }
+        };
+        writeln!(
+            md,
+            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} |",
+            v.name,
+            exp.seeds.len(),
+            f("acc_roll", 3),
+            f("acc_f32", 3),
+            f("k3", 99),
+            f("err", 3),
+            f("ent", 3),
+            f("tps", 0),
+            f("step", 2)
+        )?;
+    }
+    writeln!(md, "\nVariants:\n")?;
+    for v in &exp.variants {
+        writeln!(md, "- `{}`: {} {:?}", v.name, v.about, v.set)?;
+    }
+    let path = results.join("report.md");
+    std::fs::write(&path, md)?;
+    Ok(path)
+}
