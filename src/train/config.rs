@@ -250,7 +250,7 @@ impl TrainConfig {
             .validate()
             .map_err(|e| anyhow::anyhow!("train.advantage: {e}"))?;
         if let Some(s) = &self.sft {
-            if s.batch_size == 0 || !(s.lr > 0.0) {
+            if s.batch_size == 0 || s.lr.is_nan() || s.lr <= 0.0 {
                 bail!("sft: batch_size must be >= 1 and lr > 0");
             }
         }
