@@ -13,3 +13,4 @@ pub mod model;
 pub mod quant;
 pub mod rl;
 pub mod rollout;
+pub mod tasks;

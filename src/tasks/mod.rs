@@ -1,0 +1,358 @@
+//! Tasks for RL and SFT: the synthetic arithmetic generator, GSM8K / MATH loaders, prompt templates, the
+//! verifier, and the character tokenizer of the synthetic task. Host-side only (no tensors).
+//!
+//! A [`Task`] is built from a [`TaskConfig`] (serde, tagged by `kind`):
+//!
+//! ```toml
+//! [task]
+//! kind = "arithmetic"          # every ArithmeticConfig knob, all optional
+//! max_digits = 3
+//! ops = ["add", "mul"]
+//!
+//! # or
+//! kind = "gsm8k"               # or "math"
+//! path = "../shared/data/gsm8k/train.jsonl"
+//! eval_path = "../shared/data/gsm8k/test.jsonl"   # optional; else a hashed eval_fraction of `path`
+//! template = { kind = "chat" } # default: plain "Question: {q}\nAnswer:"
+//! ```
+//!
+//! [`Task::sample_prompts`] draws training examples from a seed, [`Task::eval_set`] returns the held-out set,
+//! disjoint from anything `sample_prompts` can return. [`verify::score`] (or [`Task::score`]) judges a
+//! response.
+
+pub mod arithmetic;
+pub mod char_tokenizer;
+pub mod datasets;
+pub mod template;
+pub mod verify;
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+
+pub use arithmetic::{ArithmeticConfig, Op, Problem};
+pub use datasets::{DatasetError, OnBadLine, Record};
+pub use template::{Template, TemplateConfig, TemplateError};
+pub use verify::{score, Verdict, VerifyConfig};
+
+/// One prompt with its gold answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Example {
+    /// The rendered prompt (template applied).
+    pub prompt: String,
+    /// The gold final answer (compare with [`verify::score`]).
+    pub answer: String,
+    /// The completion that follows `prompt` for supervised training (worked solution; no EOS token).
+    pub solution: Option<String>,
+}
+
+/// Errors of task construction.
+#[derive(Debug, thiserror::Error)]
+pub enum TaskError {
+    #[error("task config: {0}")]
+    Config(String),
+    #[error(transparent)]
+    Dataset(#[from] DatasetError),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+}
+
+/// Which task, and its knobs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum TaskConfig {
+    /// The synthetic arithmetic task.
+    Arithmetic(ArithmeticConfig),
+    /// GSM8K-format JSONL.
+    Gsm8k(DatasetConfig),
+    /// MATH-style JSONL.
+    Math(DatasetConfig),
+}
+
+impl Default for TaskConfig {
+    fn default() -> Self {
+        TaskConfig::Arithmetic(ArithmeticConfig::default())
+    }
+}
+
+impl TaskConfig {
+    /// Resolves relative dataset and model paths against `base` (e.g. the directory of the config file).
+    pub fn with_base_dir(mut self, base: &Path) -> Self {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        if let TaskConfig::Gsm8k(d) | TaskConfig::Math(d) = &mut self {
+            fix(&mut d.path);
+            if let Some(e) = &mut d.eval_path {
+                fix(e);
+            }
+            if let TemplateConfig::Chat {
+                model_dir: Some(m), ..
+            } = &mut d.template
+            {
+                fix(m);
+            }
+        }
+        self
+    }
+}
+
+/// A JSONL data set task.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatasetConfig {
+    /// Training file.
+    pub path: PathBuf,
+    /// Held-out file; when absent, `eval_fraction` of `path` (chosen by a hash of the question) is held out.
+    #[serde(default)]
+    pub eval_path: Option<PathBuf>,
+    /// Fraction of `path` held out when there is no `eval_path` (default 0.1).
+    #[serde(default = "default_eval_fraction")]
+    pub eval_fraction: f64,
+    /// Prompt template (default plain `Question: {q}\nAnswer:`).
+    #[serde(default)]
+    pub template: TemplateConfig,
+    /// What to do with malformed lines (default `error`).
+    #[serde(default)]
+    pub on_bad_line: OnBadLine,
+    /// Remove GSM8K calculator annotations `<<a*b=c>>` from the solutions (default true).
+    #[serde(default = "default_true")]
+    pub strip_calculator_annotations: bool,
+}
+
+fn default_eval_fraction() -> f64 {
+    0.1
+}
+
+fn default_true() -> bool {
+    true
+}
+
+/// A task ready to serve prompts.
+#[derive(Clone, Debug)]
+pub enum Task {
+    Arithmetic(ArithmeticConfig),
+    Dataset(DatasetTask),
+}
+
+/// A loaded data set split into training and held-out records.
+#[derive(Clone, Debug)]
+pub struct DatasetTask {
+    name: &'static str,
+    train: Vec<Record>,
+    eval: Vec<Record>,
+    template: Template,
+    strip_annotations: bool,
+}
+
+impl DatasetTask {
+    /// Training records.
+    pub fn train(&self) -> &[Record] {
+        &self.train
+    }
+
+    /// Held-out records (deduplicated, file order).
+    pub fn eval(&self) -> &[Record] {
+        &self.eval
+    }
+
+    /// The prompt template.
+    pub fn template(&self) -> &Template {
+        &self.template
+    }
+
+    fn example(&self, r: &Record) -> Example {
+        let sol = if self.strip_annotations {
+            datasets::strip_calculator_annotations(&r.solution)
+        } else {
+            r.solution.clone()
+        };
+        Example {
+            prompt: self.template.render_prompt(&r.question),
+            answer: r.answer.clone(),
+            solution: Some(self.template.render_completion(&sol)),
+        }
+    }
+}
+
+/// Seed of the arithmetic held-out stream.
+pub const ARITHMETIC_EVAL_SEED: u64 = 0x5EED_E7A1_0000_0001;
+/// One in this many arithmetic prompts (by a stable hash of the prompt) is held out for evaluation.
+pub const ARITHMETIC_EVAL_MODULUS: u64 = 10;
+
+/// FNV-1a 64 of `s` (stable across platforms and Rust versions).
+pub fn stable_hash(s: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in s.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn arithmetic_is_eval(prompt: &str) -> bool {
+    stable_hash(prompt) % ARITHMETIC_EVAL_MODULUS == 0
+}
+
+fn problem_example(p: Problem) -> Example {
+    Example {
+        prompt: p.prompt,
+        answer: p.answer,
+        solution: Some(p.solution),
+    }
+}
+
+impl Task {
+    /// Builds the task (loads and splits data sets, checks the template). Errors name the file or the knob.
+    pub fn from_config(cfg: &TaskConfig) -> Result<Self, TaskError> {
+        match cfg {
+            TaskConfig::Arithmetic(a) => {
+                a.validate().map_err(TaskError::Config)?;
+                Ok(Task::Arithmetic(a.clone()))
+            }
+            TaskConfig::Gsm8k(d) => Self::dataset("gsm8k", d, |p, o| datasets::load_gsm8k(p, o)),
+            TaskConfig::Math(d) => Self::dataset("math", d, |p, o| datasets::load_math(p, o)),
+        }
+    }
+
+    fn dataset(
+        name: &'static str,
+        d: &DatasetConfig,
+        load: fn(&Path, OnBadLine) -> Result<Vec<Record>, DatasetError>,
+    ) -> Result<Self, TaskError> {
+        let template = Template::from_config(&d.template)?;
+        let all = load(&d.path, d.on_bad_line)?;
+        let (train, eval_all) = match &d.eval_path {
+            Some(ep) => {
+                let eval = load(ep, d.on_bad_line)?;
+                let held: HashSet<&str> = eval.iter().map(|r| r.question.as_str()).collect();
+                let train: Vec<Record> = all
+                    .iter()
+                    .filter(|r| !held.contains(r.question.as_str()))
+                    .cloned()
+                    .collect();
+                (train, eval)
+            }
+            None => {
+                if !(d.eval_fraction > 0.0 && d.eval_fraction < 1.0) {
+                    return Err(TaskError::Config(format!(
+                        "{name}: eval_fraction must be in (0, 1) when there is no eval_path, got {}",
+                        d.eval_fraction
+                    )));
+                }
+                let cut = (d.eval_fraction * 1_000_000.0) as u64;
+                let (eval, train): (Vec<Record>, Vec<Record>) = all
+                    .into_iter()
+                    .partition(|r| stable_hash(&r.question) % 1_000_000 < cut);
+                (train, eval)
+            }
+        };
+        let mut seen = HashSet::new();
+        let eval: Vec<Record> = eval_all
+            .into_iter()
+            .filter(|r| seen.insert(r.question.clone()))
+            .collect();
+        if train.is_empty() {
+            return Err(TaskError::Config(format!(
+                "{name}: no training records left in {} after holding out the eval set",
+                d.path.display()
+            )));
+        }
+        if eval.is_empty() {
+            return Err(TaskError::Config(format!(
+                "{name}: the held-out set is empty ({} has {} records, eval_fraction {}); set eval_path or a \
+                 larger eval_fraction",
+                d.path.display(),
+                train.len(),
+                d.eval_fraction
+            )));
+        }
+        Ok(Task::Dataset(DatasetTask {
+            name,
+            train,
+            eval,
+            template,
+            strip_annotations: d.strip_calculator_annotations,
+        }))
+    }
+
+    /// `arithmetic`, `gsm8k` or `math`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Task::Arithmetic(_) => "arithmetic",
+            Task::Dataset(d) => d.name,
+        }
+    }
+
+    /// `n` training examples drawn deterministically from `seed`, never from the held-out set. Arithmetic:
+    /// fresh problems (repeats possible). Data sets: successive seeded permutations of the training records
+    /// (no repeat until every record was served once).
+    pub fn sample_prompts(&self, n: usize, seed: u64) -> Vec<Example> {
+        match self {
+            Task::Arithmetic(cfg) => {
+                let cap = n.saturating_mul(100).saturating_add(10_000);
+                cfg.stream(seed)
+                    .enumerate()
+                    // A problem space too small to hold anything out falls back to unfiltered draws.
+                    .filter(|(drawn, p)| *drawn >= cap || !arithmetic_is_eval(&p.prompt))
+                    .map(|(_, p)| problem_example(p))
+                    .take(n)
+                    .collect()
+            }
+            Task::Dataset(d) => {
+                let mut rng = ChaCha8Rng::seed_from_u64(seed);
+                let mut idx: Vec<usize> = (0..d.train.len()).collect();
+                let mut out = Vec::with_capacity(n);
+                while out.len() < n {
+                    idx.shuffle(&mut rng);
+                    for &i in idx.iter().take(n - out.len()) {
+                        out.push(d.example(&d.train[i]));
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// The first `n` held-out examples (deduplicated; fewer when the held-out set is smaller). The same for
+    /// every call.
+    pub fn eval_set(&self, n: usize) -> Vec<Example> {
+        match self {
+            Task::Arithmetic(cfg) => {
+                let mut out = Vec::with_capacity(n);
+                let mut seen = HashSet::new();
+                let cap = n.saturating_mul(200).saturating_add(20_000);
+                for p in cfg.stream(ARITHMETIC_EVAL_SEED).take(cap) {
+                    if out.len() >= n {
+                        break;
+                    }
+                    if arithmetic_is_eval(&p.prompt) && seen.insert(p.prompt.clone()) {
+                        out.push(problem_example(p));
+                    }
+                }
+                out
+            }
+            Task::Dataset(d) => d.eval.iter().take(n).map(|r| d.example(r)).collect(),
+        }
+    }
+
+    /// Strings that end a generated answer: `"\n"` for arithmetic (its answer line ends the solution), the
+    /// template's otherwise.
+    pub fn stop_strings(&self) -> Vec<String> {
+        match self {
+            Task::Arithmetic(_) => vec!["\n".into()],
+            Task::Dataset(d) => d.template.stop_strings(),
+        }
+    }
+
+    /// Scores `response` (the completion only) against `example`'s gold answer.
+    pub fn score(&self, response: &str, example: &Example, cfg: &VerifyConfig) -> Verdict {
+        verify::score(response, &example.answer, cfg)
+    }
+}

@@ -1,0 +1,599 @@
+//! The verifier: extract the final answer of a response, normalise it, compare it with the gold answer exactly
+//! as a rational number, and turn the result into a reward.
+//!
+//! **Extraction** (first source that yields a non-empty candidate wins):
+//! 1. the content of the last well-formed `\boxed{...}` (or `\fbox{...}`), nested braces handled;
+//! 2. the rest of the line after the *first* `####` (GSM8K's terminal marker: what follows the first one, e.g. a
+//!    run-on generation of a new question, is not part of the answer);
+//! 3. the rest of the line after the last `Answer:` / `answer is` (ASCII case-insensitive; when that line is
+//!    empty, the next non-empty line);
+//! 4. the last number in the response (`-12`, `1,234.5`, `3/4`).
+//!
+//! **Normalisation** ([`parse_answer`]): LaTeX wrappers are dropped (`$`, `\(`, `\[`, `\text{..}`/`\mathrm{..}`
+//! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac` -> `\frac`); only what follows
+//! the last `=` is kept (`x = 5`); leading words (`The total is`) and trailing words/units/punctuation
+//! (`dollars`, `cm`, `.`) are ignored, but anything else with a digit, a backslash or a brace beside the number
+//! makes the candidate unparseable (so `2\sqrt{2}` is not read as 2). Numbers: an optional sign (`-`, `+`,
+//! U+2212), digits with optional thousands separators in groups of three (`1,000`), an optional decimal part
+//! (`0.750` = 3/4), optionally `/ denominator`, or `\frac{a}{b}` / `\frac ab`. More than [`MAX_DIGITS`] digits
+//! in one number, or a zero denominator, is unparseable.
+//!
+//! **Comparison**: when the gold answer parses as a number the candidate must parse to the same rational
+//! ([`BigRational`], exact); a candidate that does not parse counts as "no answer" (`extracted: None`). When the
+//! gold answer is not a number (MATH's `(1,2)`, `\sqrt{2}`), the normalised strings (whitespace removed) must be
+//! equal.
+//!
+//! Everything here is linear in the input (no recursion, no backtracking) and never panics.
+
+use std::str::FromStr;
+
+use num_rational::BigRational;
+use serde::{Deserialize, Serialize};
+
+/// Numbers with more digits than this (integer + fractional part, or either side of a fraction) do not parse.
+pub const MAX_DIGITS: usize = 1000;
+
+/// At most this many characters of the extracted answer are kept in [`Verdict::extracted`].
+pub const MAX_EXTRACTED_CHARS: usize = 256;
+
+/// Rewards of the verifier.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct VerifyConfig {
+    /// Reward of a correct answer (default 1.0).
+    pub correct_reward: f32,
+    /// Reward of a wrong or missing answer (default 0.0; -1.0 for the +1/-1 scheme).
+    pub wrong_reward: f32,
+    /// Added to the reward when no answer can be extracted (or parsed); negative for a format penalty.
+    pub format_reward: Option<f32>,
+}
+
+impl Default for VerifyConfig {
+    fn default() -> Self {
+        Self {
+            correct_reward: 1.0,
+            wrong_reward: 0.0,
+            format_reward: None,
+        }
+    }
+}
+
+impl VerifyConfig {
+    /// Reward +1 for a correct answer and -1 otherwise.
+    pub fn plus_minus_one() -> Self {
+        Self {
+            correct_reward: 1.0,
+            wrong_reward: -1.0,
+            format_reward: None,
+        }
+    }
+
+    /// Checks that every reward is finite.
+    pub fn validate(&self) -> Result<(), String> {
+        let mut all = vec![
+            ("correct_reward", self.correct_reward),
+            ("wrong_reward", self.wrong_reward),
+        ];
+        if let Some(f) = self.format_reward {
+            all.push(("format_reward", f));
+        }
+        for (name, v) in all {
+            if !v.is_finite() {
+                return Err(format!("verifier: {name} must be a finite number, got {v}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The verifier's judgement of one response.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Verdict {
+    /// The extracted answer equals the gold answer.
+    pub correct: bool,
+    /// The reward under the [`VerifyConfig`].
+    pub reward: f32,
+    /// The extracted answer text (trimmed, at most [`MAX_EXTRACTED_CHARS`] characters), `None` when no answer
+    /// could be extracted or it did not parse.
+    pub extracted: Option<String>,
+}
+
+/// Where an extracted answer came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AnswerSource {
+    /// The last `\boxed{...}`.
+    Boxed,
+    /// After the first `####`.
+    Hashes,
+    /// After the last `Answer:` / `answer is`.
+    AnswerMarker,
+    /// The last number of the response.
+    LastNumber,
+}
+
+/// Scores `response` against `gold` (see the module documentation). Never panics.
+pub fn score(response: &str, gold: &str, cfg: &VerifyConfig) -> Verdict {
+    let (correct, extracted) = judge(response, gold);
+    let mut reward = if correct {
+        cfg.correct_reward
+    } else {
+        cfg.wrong_reward
+    };
+    if extracted.is_none() {
+        if let Some(f) = cfg.format_reward {
+            reward += f;
+        }
+    }
+    Verdict {
+        correct,
+        reward,
+        extracted: extracted.map(|s| s.chars().take(MAX_EXTRACTED_CHARS).collect()),
+    }
+}
+
+/// Whether two answers are equal: as rationals when both parse, else as normalised strings.
+pub fn answers_equal(a: &str, b: &str) -> bool {
+    match (parse_answer(a), parse_answer(b)) {
+        (Some(x), Some(y)) => x == y,
+        (None, None) => {
+            let (x, y) = (normalize_symbolic(a), normalize_symbolic(b));
+            !x.is_empty() && x == y
+        }
+        _ => false,
+    }
+}
+
+fn judge<'a>(response: &'a str, gold: &str) -> (bool, Option<&'a str>) {
+    let Some((_, candidate)) = extract_candidate(response) else {
+        return (false, None);
+    };
+    match parse_answer(gold) {
+        Some(g) => match parse_answer(candidate) {
+            Some(v) => (v == g, Some(candidate)),
+            None => (false, None),
+        },
+        None => {
+            let c = normalize_symbolic(candidate);
+            if c.is_empty() {
+                (false, None)
+            } else {
+                (c == normalize_symbolic(gold), Some(candidate))
+            }
+        }
+    }
+}
+
+/// The extracted final answer of `response` (trimmed), without judging it.
+pub fn extract_answer(response: &str) -> Option<&str> {
+    extract_candidate(response).map(|(_, s)| s)
+}
+
+/// The final-answer candidate of `response` and where it came from (see the module documentation).
+pub fn extract_candidate(response: &str) -> Option<(AnswerSource, &str)> {
+    if let Some(b) = last_boxed(response) {
+        let b = b.trim();
+        if !b.is_empty() {
+            return Some((AnswerSource::Boxed, b));
+        }
+    }
+    if let Some(pos) = response.find("####") {
+        let rest = response[pos + 4..].trim_start_matches('#');
+        let line = rest.split('\n').next().unwrap_or("").trim();
+        if !line.is_empty() {
+            return Some((AnswerSource::Hashes, line));
+        }
+    }
+    if let Some(s) = after_answer_marker(response) {
+        return Some((AnswerSource::AnswerMarker, s));
+    }
+    last_number(response).map(|s| (AnswerSource::LastNumber, s))
+}
+
+fn after_answer_marker(response: &str) -> Option<&str> {
+    let lower = response.to_ascii_lowercase();
+    let a = lower.rfind("answer:").map(|p| p + "answer:".len());
+    let b = lower.rfind("answer is").map(|p| p + "answer is".len());
+    let start = match (a, b) {
+        (Some(x), Some(y)) => x.max(y),
+        (x, y) => x.or(y)?,
+    };
+    // `start` follows an ASCII match in a byte-for-byte lowercase copy, so it is a char boundary here.
+    let rest = response.get(start..)?;
+    let rest = rest.trim_start_matches([' ', '\t', ':', '*']);
+    rest.split('\n')
+        .map(|l| l.trim())
+        .find(|l| !l.is_empty() && !l.chars().all(|c| c == '*' || c == ':'))
+}
+
+/// The content of the last well-formed `\boxed{...}` or `\fbox{...}` of `text` (nested braces handled, escaped
+/// braces `\{`/`\}` ignored). One pass, no recursion.
+pub fn last_boxed(text: &str) -> Option<&str> {
+    let b = text.as_bytes();
+    let mut stack: Vec<(usize, bool)> = Vec::new();
+    let mut best: Option<(usize, usize)> = None;
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'\\' => {
+                if i + 1 < b.len() && (b[i + 1] == b'{' || b[i + 1] == b'}') {
+                    i += 2;
+                    continue;
+                }
+                if let Some(len) = boxed_command_len(&b[i..]) {
+                    let mut j = i + len;
+                    while j < b.len() && b[j] == b' ' {
+                        j += 1;
+                    }
+                    if j < b.len() && b[j] == b'{' {
+                        stack.push((j, true));
+                        i = j + 1;
+                        continue;
+                    }
+                    i = j;
+                    continue;
+                }
+                i += 1;
+            }
+            b'{' => {
+                stack.push((i, false));
+                i += 1;
+            }
+            b'}' => {
+                if let Some((open, true)) = stack.pop() {
+                    if best.is_none_or(|(s, _)| open + 1 > s) {
+                        best = Some((open + 1, i));
+                    }
+                }
+                i += 1;
+            }
+            _ => i += 1,
+        }
+    }
+    // Both ends sit next to ASCII braces, so they are char boundaries.
+    best.and_then(|(s, e)| text.get(s..e))
+}
+
+fn boxed_command_len(b: &[u8]) -> Option<usize> {
+    for cmd in [&b"\\boxed"[..], &b"\\fbox"[..]] {
+        if b.starts_with(cmd) && b.get(cmd.len()).is_none_or(|c| !c.is_ascii_alphabetic()) {
+            return Some(cmd.len());
+        }
+    }
+    None
+}
+
+/// The last number of `text`: optional `-` sign (when it does not follow a digit, letter or `)`), digits with
+/// optional `,ddd` groups, optional `.digits`, optional `/digits`.
+fn last_number(text: &str) -> Option<&str> {
+    let b = text.as_bytes();
+    let mut last = None;
+    let mut i = 0;
+    while i < b.len() {
+        let starts = b[i].is_ascii_digit()
+            || (b[i] == b'.' && b.get(i + 1).is_some_and(|c| c.is_ascii_digit()));
+        if !starts {
+            i += 1;
+            continue;
+        }
+        let mut start = i;
+        if i > 0 && b[i - 1] == b'-' {
+            let before = if i >= 2 { Some(b[i - 2]) } else { None };
+            if before.is_none_or(|c| !(c.is_ascii_alphanumeric() || c == b')' || c == b'_')) {
+                start = i - 1;
+            }
+        }
+        let mut j = scan_digits_grouped(b, i);
+        if j + 1 < b.len() && b[j] == b'.' && b[j + 1].is_ascii_digit() {
+            j = scan_digits(b, j + 1);
+        }
+        if j + 1 < b.len() && b[j] == b'/' && b[j + 1].is_ascii_digit() {
+            j = scan_digits(b, j + 1);
+        }
+        last = Some((start, j));
+        i = j.max(i + 1);
+    }
+    last.and_then(|(s, e)| text.get(s..e))
+}
+
+fn scan_digits(b: &[u8], mut i: usize) -> usize {
+    while i < b.len() && b[i].is_ascii_digit() {
+        i += 1;
+    }
+    i
+}
+
+/// Digits, then `,ddd` groups when the first run has 1..=3 digits and each group is exactly three digits.
+fn scan_digits_grouped(b: &[u8], i: usize) -> usize {
+    let mut j = scan_digits(b, i);
+    if j - i <= 3 {
+        while j + 3 < b.len()
+            && b[j] == b','
+            && b[j + 1..j + 4].iter().all(|c| c.is_ascii_digit())
+            && b.get(j + 4).is_none_or(|c| !c.is_ascii_digit())
+        {
+            j += 4;
+        }
+    }
+    j
+}
+
+/// Parses a final answer into an exact rational after normalisation (see the module documentation); `None` when
+/// it is not a number.
+pub fn parse_answer(text: &str) -> Option<BigRational> {
+    let t = normalize_latex(text);
+    let t = match t.rfind('=') {
+        Some(p) => &t[p + 1..],
+        None => &t[..],
+    };
+    parse_value(t.trim())
+}
+
+const UNWRAP_COMMANDS: &[&str] = &[
+    "text", "textbf", "textit", "textrm", "mathrm", "mathbf", "mathit", "mbox", "boxed", "fbox",
+];
+
+const DROP_SEQUENCES: &[&str] = &[
+    "\\displaystyle",
+    "\\left",
+    "\\right",
+    "^{\\circ}",
+    "^\\circ",
+    "\\circ",
+    "\\degree",
+    "\u{00b0}",
+    "\\!",
+    "\\,",
+    "\\;",
+    "\\:",
+    "\\%",
+    "%",
+    "\\$",
+    "$",
+    "\\(",
+    "\\)",
+    "\\[",
+    "\\]",
+    "{,}",
+];
+
+/// LaTeX cleanup shared by numeric and symbolic comparison.
+fn normalize_latex(text: &str) -> String {
+    let mut s = unwrap_commands(text);
+    for (from, to) in [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac")] {
+        if s.contains(from) {
+            s = s.replace(from, to);
+        }
+    }
+    for d in DROP_SEQUENCES {
+        if s.contains(d) {
+            s = s.replace(d, "");
+        }
+    }
+    if s.contains("\\ ") {
+        s = s.replace("\\ ", " ");
+    }
+    if s.contains('~') {
+        s = s.replace('~', " ");
+    }
+    s
+}
+
+/// Replaces `\text{X}` (and the other [`UNWRAP_COMMANDS`]) by `X`, in one pass with an explicit stack.
+fn unwrap_commands(s: &str) -> String {
+    let cs: Vec<char> = s.chars().collect();
+    let mut out = String::with_capacity(s.len());
+    let mut stack: Vec<bool> = Vec::new();
+    let mut i = 0;
+    while i < cs.len() {
+        let c = cs[i];
+        if c == '\\' {
+            let mut j = i + 1;
+            while j < cs.len() && cs[j].is_ascii_alphabetic() {
+                j += 1;
+            }
+            if j == i + 1 {
+                // `\{`, `\}`, `\,` ...: keep both characters.
+                out.push('\\');
+                if let Some(&n) = cs.get(i + 1) {
+                    out.push(n);
+                }
+                i += 2;
+                continue;
+            }
+            let name: String = cs[i + 1..j].iter().collect();
+            if UNWRAP_COMMANDS.contains(&name.as_str()) {
+                let mut k = j;
+                while k < cs.len() && cs[k] == ' ' {
+                    k += 1;
+                }
+                if k < cs.len() && cs[k] == '{' {
+                    stack.push(true);
+                    i = k + 1;
+                } else {
+                    i = j;
+                }
+                continue;
+            }
+            out.extend(&cs[i..j]);
+            i = j;
+            continue;
+        }
+        match c {
+            '{' => {
+                stack.push(false);
+                out.push(c);
+            }
+            '}' => {
+                if stack.pop() != Some(true) {
+                    out.push(c);
+                }
+            }
+            _ => out.push(c),
+        }
+        i += 1;
+    }
+    out
+}
+
+/// Normalised text for comparing non-numeric answers: LaTeX cleanup, whitespace removed, trailing `.` removed.
+fn normalize_symbolic(text: &str) -> String {
+    let s = normalize_latex(text);
+    let s: String = s.chars().filter(|c| !c.is_whitespace()).collect();
+    s.trim_end_matches('.').to_string()
+}
+
+fn is_leading_junk(c: char) -> bool {
+    c.is_alphabetic() || c.is_whitespace() || matches!(c, ':' | '*' | '_' | '"' | '\'')
+}
+
+fn is_trailing_junk(c: char) -> bool {
+    c.is_alphabetic()
+        || c.is_whitespace()
+        || matches!(
+            c,
+            '.' | ',' | '!' | '?' | ';' | ':' | '*' | '_' | '"' | '\'' | '(' | ')'
+        )
+}
+
+fn is_minus(c: char) -> bool {
+    c == '-' || c == '\u{2212}'
+}
+
+fn skip_spaces(cs: &[char], mut p: usize) -> usize {
+    while p < cs.len() && cs[p].is_whitespace() {
+        p += 1;
+    }
+    p
+}
+
+/// `[words] [sign] magnitude [words]` -> rational.
+fn parse_value(s: &str) -> Option<BigRational> {
+    let mut s = s;
+    // `{5}` -> `5`
+    while s.len() >= 2 && s.starts_with('{') && s.ends_with('}') {
+        s = s[1..s.len() - 1].trim();
+    }
+    let cs: Vec<char> = s.chars().collect();
+    let mut p = 0;
+    while p < cs.len() && is_leading_junk(cs[p]) {
+        p += 1;
+    }
+    let mut negative = false;
+    if p < cs.len() && (is_minus(cs[p]) || cs[p] == '+') {
+        negative = is_minus(cs[p]);
+        p = skip_spaces(&cs, p + 1);
+    }
+    let (mut value, mut p) = if starts_with(&cs, p, "\\frac") {
+        parse_frac(&cs, p + 5)?
+    } else {
+        let (num, q) = parse_decimal(&cs, p)?;
+        let r = skip_spaces(&cs, q);
+        if r < cs.len() && cs[r] == '/' {
+            let r = skip_spaces(&cs, r + 1);
+            let (den, r) = parse_decimal(&cs, r)?;
+            (divide(num, den)?, r)
+        } else {
+            (num, q)
+        }
+    };
+    while p < cs.len() {
+        if !is_trailing_junk(cs[p]) {
+            return None;
+        }
+        p += 1;
+    }
+    if negative {
+        value = -value;
+    }
+    Some(value)
+}
+
+fn starts_with(cs: &[char], p: usize, pat: &str) -> bool {
+    let pat: Vec<char> = pat.chars().collect();
+    cs.get(p..p.saturating_add(pat.len())) == Some(&pat[..])
+}
+
+fn divide(num: BigRational, den: BigRational) -> Option<BigRational> {
+    if den == BigRational::default() {
+        None
+    } else {
+        Some(num / den)
+    }
+}
+
+/// After `\frac`: `{a}{b}` (each a signed decimal) or `ab` (two single digits).
+fn parse_frac(cs: &[char], p: usize) -> Option<(BigRational, usize)> {
+    let (num, p) = parse_frac_arg(cs, skip_spaces(cs, p))?;
+    let (den, p) = parse_frac_arg(cs, skip_spaces(cs, p))?;
+    Some((divide(num, den)?, p))
+}
+
+fn parse_frac_arg(cs: &[char], p: usize) -> Option<(BigRational, usize)> {
+    let c = *cs.get(p)?;
+    if c.is_ascii_digit() {
+        let v = BigRational::from_str(&c.to_string()).ok()?;
+        return Some((v, p + 1));
+    }
+    if c != '{' {
+        return None;
+    }
+    let mut q = skip_spaces(cs, p + 1);
+    let mut negative = false;
+    if q < cs.len() && (is_minus(cs[q]) || cs[q] == '+') {
+        negative = is_minus(cs[q]);
+        q = skip_spaces(cs, q + 1);
+    }
+    let (mut v, q) = parse_decimal(cs, q)?;
+    let q = skip_spaces(cs, q);
+    if cs.get(q) != Some(&'}') {
+        return None;
+    }
+    if negative {
+        v = -v;
+    }
+    Some((v, q + 1))
+}
+
+/// Digits (thousands groups allowed), optional `.digits`; at most [`MAX_DIGITS`] digits.
+fn parse_decimal(cs: &[char], p: usize) -> Option<(BigRational, usize)> {
+    let mut int = String::new();
+    let mut q = p;
+    while q < cs.len() && cs[q].is_ascii_digit() {
+        int.push(cs[q]);
+        q += 1;
+        if int.len() > MAX_DIGITS {
+            return None;
+        }
+    }
+    if !int.is_empty() && int.len() <= 3 {
+        while q + 3 < cs.len()
+            && cs[q] == ','
+            && cs[q + 1..q + 4].iter().all(|c| c.is_ascii_digit())
+            && cs.get(q + 4).is_none_or(|c| !c.is_ascii_digit())
+        {
+            int.extend(&cs[q + 1..q + 4]);
+            q += 4;
+            if int.len() > MAX_DIGITS {
+                return None;
+            }
+        }
+    }
+    let mut frac = String::new();
+    if q + 1 < cs.len() && cs[q] == '.' && cs[q + 1].is_ascii_digit() {
+        q += 1;
+        while q < cs.len() && cs[q].is_ascii_digit() {
+            frac.push(cs[q]);
+            q += 1;
+            if int.len() + frac.len() > MAX_DIGITS {
+                return None;
+            }
+        }
+    }
+    if int.is_empty() && frac.is_empty() {
+        return None;
+    }
+    let numer = format!("{int}{frac}");
+    let denom = format!("1{}", "0".repeat(frac.len()));
+    let v = BigRational::from_str(&format!("{numer}/{denom}")).ok()?;
+    Some((v, q))
+}
