@@ -235,3 +235,32 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
         .to_string();
     assert!(err.contains("trian"), "{err}");
 }
+
+/// Gradient descent on every objective's loss raises the log-probs of a positive-advantage response and
+/// lowers those of a negative one (on-policy, ratios 1).
+#[test]
+fn policy_gradient_points_the_right_way() {
+    use qarl::model::layers::tensor_from_vec;
+    use qarl::rl::losses::{LossConfig, ObjectiveName, PolicyLossInputs};
+    let ad = Device::flex().autodiff();
+    for name in ["grpo", "gspo", "cispo", "tbpo", "ppo_clip"] {
+        let objective: ObjectiveName = serde_json::from_value(serde_json::json!(name)).unwrap();
+        let loss = LossConfig::new(objective).resolve().unwrap();
+        let lp = vec![-1.0f32, -2.0, -0.5, -1.5, -0.7, -0.2];
+        let lp_theta = tensor_from_vec(lp.clone(), [2, 3], &ad).require_grad();
+        let old = tensor_from_vec(lp.clone(), [2, 3], &ad);
+        let out = loss
+            .compute(PolicyLossInputs {
+                lp_theta: lp_theta.clone(),
+                lp_old: old.clone(),
+                lp_roll: old,
+                mask: tensor_from_vec(vec![1.0; 6], [2, 3], &ad),
+                advantages: tensor_from_vec(vec![1.0, -1.0], [2], &ad),
+                lp_ref: None,
+            })
+            .unwrap();
+        let g = to_f32_vec(lp_theta.grad(&out.loss.backward()).unwrap());
+        assert!(g[..3].iter().all(|&x| x < 0.0), "{name}: positive row grads {g:?}");
+        assert!(g[3..].iter().all(|&x| x > 0.0), "{name}: negative row grads {g:?}");
+    }
+}
