@@ -93,7 +93,7 @@ fn default_config_parses_and_bad_configs_are_named() {
             good.replace("samples_per_prompt = 8", "samples_per_prompt = 1"),
             "samples_per_prompt",
         ),
-        (good.replace("lr = 3e-4", "lr = -1.0"), "lr"),
+        (good.replace("lr = 1e-4", "lr = -1.0"), "lr"),
     ];
     for (text, want) in cases {
         let err = TrainConfig::from_toml(&text, "my.toml")
