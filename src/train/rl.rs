@@ -271,6 +271,29 @@ pub fn rl_step(
         for (k, v) in loss_metrics {
             m.insert(k, v / updates.max(1) as f64);
         }
+        // Did the update move the right way? Mean per-token log-prob change of the step's responses under the
+        // updated weights, for positive and for negative advantages (same forward as lp_old).
+        let after = to_f32_vec(
+            batch
+                .logprobs(&model.valid(), rc.temperature, replay.as_deref())
+                .0,
+        );
+        let after = batch.responses_of(&after);
+        for (sign, key) in [
+            (1.0f32, "actor/update_lp_delta_pos"),
+            (-1.0, "actor/update_lp_delta_neg"),
+        ] {
+            let (mut sum, mut n) = (0.0f64, 0usize);
+            for (i, (a, o)) in after.iter().zip(&lp_old).enumerate() {
+                if adv[i] * sign > 0.0 {
+                    sum += a.iter().zip(o).map(|(x, y)| (x - y) as f64).sum::<f64>();
+                    n += a.len();
+                }
+            }
+            if n > 0 {
+                m.insert(key.into(), sum / n as f64);
+            }
+        }
         m.insert("perf/update_s".into(), t_train.elapsed().as_secs_f64());
         m.insert("actor/lr".into(), lr);
     }
