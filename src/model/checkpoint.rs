@@ -167,8 +167,8 @@ impl Checkpoint {
         self.shards[id].meta.info(name).map(|i| i.shape.clone())
     }
 
-    /// Reads tensor `name` as f32, checking that its shape is `expected`, and marks it as used.
-    pub fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
+    /// Finds tensor `name`, checks that its shape is `expected`, and returns its file, dtype and bytes.
+    fn locate(&self, name: &str, expected: &[usize]) -> Result<(PathBuf, Dtype, &[u8]), LoadError> {
         let path = self.path_of(name);
         let Some(&id) = self.index.get(name) else {
             return Err(LoadError::MissingTensor {
@@ -188,8 +188,17 @@ impl Checkpoint {
             });
         }
         let (start, end) = info.data_offsets;
-        let bytes = &shard.map[shard.data_start + start..shard.data_start + end];
-        let out = match info.dtype {
+        Ok((
+            path,
+            info.dtype,
+            &shard.map[shard.data_start + start..shard.data_start + end],
+        ))
+    }
+
+    /// Reads tensor `name` as f32, checking that its shape is `expected`, and marks it as used.
+    pub fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
+        let (path, dtype, bytes) = self.locate(name, expected)?;
+        let out = match dtype {
             Dtype::F32 => bytes
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -234,34 +243,16 @@ impl Checkpoint {
         expected: &[usize],
         dtype: Dtype,
     ) -> Result<Vec<u8>, LoadError> {
-        let path = self.path_of(name);
-        let Some(&id) = self.index.get(name) else {
-            return Err(LoadError::MissingTensor {
-                path,
-                name: name.to_string(),
-                expected: expected.to_vec(),
-            });
-        };
-        let shard = &self.shards[id];
-        let info = shard.meta.info(name).expect("index built from metadata");
-        if info.shape != expected {
-            return Err(LoadError::ShapeMismatch {
-                path,
-                name: name.to_string(),
-                expected: expected.to_vec(),
-                got: info.shape.clone(),
-            });
-        }
-        if info.dtype != dtype {
+        let (path, stored, bytes) = self.locate(name, expected)?;
+        if stored != dtype {
             return Err(LoadError::UnsupportedDtype {
                 path,
                 name: name.to_string(),
-                dtype: format!("{:?} (expected {dtype:?})", info.dtype),
+                dtype: format!("{stored:?} (expected {dtype:?})"),
             });
         }
-        let (start, end) = info.data_offsets;
         self.taken.borrow_mut().insert(name.to_string());
-        Ok(shard.map[shard.data_start + start..shard.data_start + end].to_vec())
+        Ok(bytes.to_vec())
     }
 
     /// Marks a tensor as deliberately ignored (e.g. a stored `lm_head.weight` of a tied model).
