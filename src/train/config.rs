@@ -135,6 +135,10 @@ pub struct RlConfig {
     pub warmup_steps: usize,
     #[serde(default = "default_weight_decay")]
     pub weight_decay: f32,
+    /// AdamW's epsilon. Larger values damp the sign-like steps Adam takes on parameters whose gradients are
+    /// tiny and noisy, which on small models otherwise random-walk the policy.
+    #[serde(default = "default_adam_eps")]
+    pub adam_eps: f32,
     /// Clip the gradient norm (0 = off).
     #[serde(default)]
     pub grad_clip: f32,
@@ -153,6 +157,10 @@ pub struct RlConfig {
     #[serde(default = "AdvantageConfig::grpo")]
     pub advantage: AdvantageConfig,
     pub loss: LossConfig,
+}
+
+fn default_adam_eps() -> f32 {
+    1e-5
 }
 
 fn default_schedule() -> LrSchedule {
