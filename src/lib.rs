@@ -13,5 +13,5 @@ pub mod model;
 pub mod quant;
 pub mod rl;
 pub mod rollout;
-pub mod train;
 pub mod tasks;
+pub mod train;

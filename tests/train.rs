@@ -260,7 +260,13 @@ fn policy_gradient_points_the_right_way() {
             })
             .unwrap();
         let g = to_f32_vec(lp_theta.grad(&out.loss.backward()).unwrap());
-        assert!(g[..3].iter().all(|&x| x < 0.0), "{name}: positive row grads {g:?}");
-        assert!(g[3..].iter().all(|&x| x > 0.0), "{name}: negative row grads {g:?}");
+        assert!(
+            g[..3].iter().all(|&x| x < 0.0),
+            "{name}: positive row grads {g:?}"
+        );
+        assert!(
+            g[3..].iter().all(|&x| x > 0.0),
+            "{name}: negative row grads {g:?}"
+        );
     }
 }

@@ -111,7 +111,9 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     let eval_set = task.eval_set(cfg.eval.problems);
 
     let tc = &cfg.train;
-    let mut optim_cfg = AdamWConfig::new().with_weight_decay(tc.weight_decay).with_epsilon(tc.adam_eps);
+    let mut optim_cfg = AdamWConfig::new()
+        .with_weight_decay(tc.weight_decay)
+        .with_epsilon(tc.adam_eps);
     if tc.grad_clip > 0.0 {
         optim_cfg = optim_cfg.with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)));
     }
