@@ -36,3 +36,33 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
         .with_context(|| format!("{}: cannot move the result into place", path.display()))?;
     Ok(())
 }
+
+/// Writes safetensors `(name, dtype, shape, bytes)` to `path` through a temporary file in the same
+/// directory, fsync and rename: a crash leaves either the previous file or the complete new one.
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, safetensors::Dtype, Vec<usize>, &[u8])],
+) -> anyhow::Result<()> {
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            Ok((
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b)?,
+            ))
+        })
+        .collect::<Result<_, safetensors::SafeTensorError>>()
+        .with_context(|| format!("{}: inconsistent tensor", path.display()))?;
+    let tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
+    safetensors::serialize_to_file(views, None, tmp.path())
+        .with_context(|| format!("{}: cannot write", path.display()))?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path)
+        .with_context(|| format!("{}: cannot move into place", path.display()))?;
+    Ok(())
+}

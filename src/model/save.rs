@@ -90,21 +90,12 @@ pub fn save_pretrained(model: &Decoder, config_json: &Value, dir: &Path) -> anyh
         .iter()
         .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
         .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+    let entries: Vec<(String, safetensors::Dtype, Vec<usize>, &[u8])> = tensors
         .iter()
         .zip(&bytes)
-        .map(|((n, s, _), b)| {
-            Ok((
-                n.clone(),
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)?,
-            ))
-        })
-        .collect::<Result<_, safetensors::SafeTensorError>>()?;
-    let tmp = tempfile::NamedTempFile::new_in(dir)?;
-    safetensors::serialize_to_file(views, None, tmp.path())
-        .with_context(|| format!("{}: writing weights", dir.display()))?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(dir.join(super::checkpoint::SINGLE_FILE))?;
+        .map(|((n, s, _), b)| (n.clone(), safetensors::Dtype::F32, s.clone(), b.as_slice()))
+        .collect();
+    crate::io::write_safetensors(&dir.join(super::checkpoint::SINGLE_FILE), &entries)?;
     let mut cfg = config_json.clone();
     if let Some(obj) = cfg.as_object_mut() {
         obj.remove("quantization_config");

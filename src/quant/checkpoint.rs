@@ -103,20 +103,11 @@ pub fn quantize_checkpoint(
     }
 
     std::fs::create_dir_all(dst).with_context(|| format!("{}: cannot create", dst.display()))?;
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+    let entries: Vec<(String, Dtype, Vec<usize>, &[u8])> = tensors
         .iter()
-        .map(|(n, d, s, b)| {
-            Ok((
-                n.clone(),
-                safetensors::tensor::TensorView::new(*d, s.clone(), b)?,
-            ))
-        })
-        .collect::<Result<_, safetensors::SafeTensorError>>()?;
-    let tmp = tempfile::NamedTempFile::new_in(dst)?;
-    safetensors::serialize_to_file(views, None, tmp.path())
-        .with_context(|| format!("{}: writing weights", dst.display()))?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(dst.join(crate::model::checkpoint::SINGLE_FILE))?;
+        .map(|(n, d, s, b)| (n.clone(), *d, s.clone(), b.as_slice()))
+        .collect();
+    crate::io::write_safetensors(&dst.join(crate::model::checkpoint::SINGLE_FILE), &entries)?;
 
     let cfg_path = src.join("config.json");
     let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)?;
