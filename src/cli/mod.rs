@@ -29,6 +29,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// RL training (QaRL): without --config, a tiny MoE learns arithmetic (SFT first, then int4 QaRL + TBPO).
     Train(train::TrainArgs),
+    /// Render a run's metrics (reward, accuracy, mismatch KL, entropy, error tokens, step time) to PNG.
+    Plot(train::PlotArgs),
     /// Run a comparison of training variants over seeds (resumable) and write its report.
     Experiment(train::ExperimentArgs),
     /// Supervised warm start on worked solutions; writes a Hugging Face-format model directory.
@@ -71,5 +73,6 @@ pub fn run() -> anyhow::Result<()> {
         Command::Train(a) => train::run_train(a),
         Command::Sft(a) => train::run_sft(a),
         Command::Experiment(a) => train::run_experiment(a),
+        Command::Plot(a) => train::run_plot(a),
     }
 }

@@ -46,6 +46,10 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
     let s = train::run(&cfg, args.resume, args.quiet)?;
     println!("run directory: {}", s.run_dir.display());
     println!("metrics:       {}", s.metrics_path.display());
+    match train::plot::plot_run(&s.run_dir) {
+        Ok(png) => println!("plots:         {}", png.display()),
+        Err(e) => println!("plots:         not drawn ({e:#})"),
+    }
     if let (Some(b), Some(a)) = (s.accuracy_before, s.accuracy_after) {
         println!(
             "held-out greedy accuracy ({}): {b:.3} before RL -> {a:.3} after RL",
@@ -100,5 +104,17 @@ pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
         train::experiment::run_experiment(&args.file, args.quiet)?
     };
     println!("report: {}", report.display());
+    Ok(())
+}
+
+#[derive(Debug, clap::Args)]
+pub struct PlotArgs {
+    /// A run directory (with metrics.jsonl), e.g. runs/default.
+    pub run_dir: PathBuf,
+}
+
+pub fn run_plot(args: PlotArgs) -> anyhow::Result<()> {
+    let png = train::plot::plot_run(&args.run_dir)?;
+    println!("plots: {}", png.display());
     Ok(())
 }

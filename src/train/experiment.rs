@@ -214,6 +214,22 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
             f("step", 2)
         )?;
     }
+    writeln!(
+        md,
+        "\nPer-run plots (reward, held-out accuracy, k3 KL, entropy, error tokens, step time):\n"
+    )?;
+    for v in &exp.variants {
+        for &seed in &exp.seeds {
+            let run_dir = results.join(&v.name).join(format!("seed{seed}"));
+            if marker(&run_dir).is_file() && super::plot::plot_run(&run_dir).is_ok() {
+                writeln!(
+                    md,
+                    "- `{}` seed {seed}: ![]({}/seed{seed}/plots.png)",
+                    v.name, v.name
+                )?;
+            }
+        }
+    }
     writeln!(md, "\nVariants:\n")?;
     for v in &exp.variants {
         writeln!(md, "- `{}`: {} {:?}", v.name, v.about, v.set)?;

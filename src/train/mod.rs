@@ -6,6 +6,7 @@ pub mod config;
 pub mod eval;
 pub mod experiment;
 pub mod metrics;
+pub mod plot;
 pub mod progress;
 pub mod rl;
 pub mod sft;

@@ -1,0 +1,162 @@
+//! `qarl plot RUN_DIR`: the run's metrics as one PNG (reward, held-out accuracy, mismatch KL, entropy,
+//! error tokens, step time against the RL step), so a run can be judged at a glance.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use plotters::prelude::*;
+
+/// Fonts looked for, in order (`QARL_FONT` first). Text needs a TrueType font; none is embedded.
+const FONT_CANDIDATES: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/Library/Fonts/Arial.ttf",
+    "C:\\Windows\\Fonts\\arial.ttf",
+];
+
+/// Registers a TrueType font for chart text; the error says how to provide one.
+pub fn register_font() -> anyhow::Result<()> {
+    let env = std::env::var("QARL_FONT").ok();
+    let path = env
+        .iter()
+        .map(String::as_str)
+        .chain(FONT_CANDIDATES.iter().copied())
+        .find(|p| Path::new(p).is_file())
+        .context("no TrueType font found for plot text: install fonts-dejavu-core or set QARL_FONT=/path/to/font.ttf")?;
+    let bytes: &'static [u8] = Box::leak(std::fs::read(path)?.into_boxed_slice());
+    plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
+        .map_err(|_| anyhow::anyhow!("{path}: not a usable TrueType font"))?;
+    Ok(())
+}
+
+/// `(step, value)` points.
+type Series = Vec<(f64, f64)>;
+/// A panel: its title and its named lines.
+type Panel<'a> = (&'a str, Vec<(String, Series)>);
+
+/// `(step, value)` series of `key` among the rows of `phase`.
+fn series(rows: &[serde_json::Value], phase: &str, key: &str) -> Series {
+    rows.iter()
+        .filter(|r| r["phase"] == phase)
+        .filter_map(|r| Some((r["step"].as_f64()?, r[key].as_f64()?)))
+        .filter(|(_, v)| v.is_finite())
+        .collect()
+}
+
+/// Renders `run_dir/metrics.jsonl` to `run_dir/plots.png`; returns the path.
+pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
+    let metrics = run_dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&metrics)
+        .with_context(|| format!("{}: cannot read", metrics.display()))?;
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    if !rows.iter().any(|r| r["phase"] == "rl") {
+        bail!("{}: no RL steps logged yet", metrics.display());
+    }
+    register_font()?;
+    let eval_keys: Vec<String> = rows
+        .iter()
+        .filter(|r| r["phase"] == "eval")
+        .flat_map(|r| r.as_object().into_iter().flatten().map(|(k, _)| k.clone()))
+        .filter(|k| k.contains("pass@1") || k.contains("mean@"))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let panels: Vec<Panel> = vec![
+        (
+            "reward (mean)",
+            vec![("rl".into(), series(&rows, "rl", "critic/rewards/mean"))],
+        ),
+        (
+            "held-out accuracy",
+            eval_keys
+                .iter()
+                .map(|k| {
+                    (
+                        k.trim_start_matches("eval/").to_string(),
+                        series(&rows, "eval", k),
+                    )
+                })
+                .collect(),
+        ),
+        (
+            "rollout_corr/k3_kl (log10)",
+            vec![(
+                "k3".into(),
+                series(&rows, "rl", "rollout_corr/k3_kl")
+                    .into_iter()
+                    .map(|(s, v)| (s, v.abs().max(1e-30).log10()))
+                    .collect(),
+            )],
+        ),
+        (
+            "actor/entropy",
+            vec![("entropy".into(), series(&rows, "rl", "actor/entropy"))],
+        ),
+        (
+            "error_tokens/frac",
+            vec![(
+                "error tokens".into(),
+                series(&rows, "rl", "error_tokens/frac"),
+            )],
+        ),
+        (
+            "perf/step_s",
+            vec![("step s".into(), series(&rows, "rl", "perf/step_s"))],
+        ),
+    ];
+    let out = run_dir.join("plots.png");
+    {
+        let root = BitMapBackend::new(&out, (1200, 900)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let areas = root.split_evenly((3, 2));
+        for (area, (title, lines)) in areas.iter().zip(&panels) {
+            let pts: Vec<&(f64, f64)> = lines.iter().flat_map(|(_, s)| s.iter()).collect();
+            if pts.is_empty() {
+                continue;
+            }
+            let (x0, x1) = pts
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+            let (y0, y1) = pts
+                .iter()
+                .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
+            let pad = ((y1 - y0).abs() * 0.05).max(1e-9);
+            let mut chart = ChartBuilder::on(area)
+                .caption(*title, ("sans-serif", 20))
+                .margin(10)
+                .x_label_area_size(30)
+                .y_label_area_size(60)
+                .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..(y1 + pad))
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            chart
+                .configure_mesh()
+                .x_desc("step")
+                .draw()
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            for (i, (name, s)) in lines.iter().enumerate() {
+                let color = Palette99::pick(i).to_rgba();
+                chart
+                    .draw_series(LineSeries::new(s.iter().copied(), color.stroke_width(2)))
+                    .map_err(|e| anyhow::anyhow!("{e}"))?
+                    .label(name.clone())
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+            }
+            if lines.len() > 1 {
+                chart
+                    .configure_series_labels()
+                    .background_style(WHITE.mix(0.8))
+                    .border_style(BLACK)
+                    .draw()
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+            }
+        }
+        root.present()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+    }
+    Ok(out)
+}
