@@ -9,49 +9,11 @@
 
 use rayon::prelude::*;
 
-use super::e4m3::e4m3_to_f32;
 use super::fp8::Fp8Activations;
-use super::scheme::{SchemeKind, FP8_BLOCK};
 use super::tensor::QuantizedTensor;
 
 /// Output rows handled by one task.
 const ROWS_PER_TASK: usize = 16;
-
-/// Decodes row `o` of the weight into `buf` (`in` values): `q as f32 * scale`.
-pub fn dequantize_row(w: &QuantizedTensor, o: usize, buf: &mut [f32]) {
-    let inn = w.in_features();
-    let data = w.data();
-    let scales = w.scales();
-    match w.scheme().kind() {
-        SchemeKind::Int4 { group } => {
-            let row_bytes = inn.div_ceil(2);
-            let groups = inn.div_ceil(group);
-            let row = &data[o * row_bytes..(o + 1) * row_bytes];
-            let s = &scales[o * groups..(o + 1) * groups];
-            for (k, out) in buf.iter_mut().enumerate() {
-                let byte = row[k / 2];
-                let nib = if k % 2 == 0 { byte & 0x0F } else { byte >> 4 };
-                let q = ((nib << 4) as i8) >> 4;
-                *out = q as f32 * s[k / group];
-            }
-        }
-        SchemeKind::Int8PerRow => {
-            let row = &data[o * inn..(o + 1) * inn];
-            let s = scales[o];
-            for (out, &b) in buf.iter_mut().zip(row) {
-                *out = (b as i8) as f32 * s;
-            }
-        }
-        SchemeKind::Fp8Block => {
-            let row = &data[o * inn..(o + 1) * inn];
-            let col_blocks = inn.div_ceil(FP8_BLOCK);
-            let s = &scales[(o / FP8_BLOCK) * col_blocks..(o / FP8_BLOCK + 1) * col_blocks];
-            for (k, (out, &c)) in buf.iter_mut().zip(row).enumerate() {
-                *out = e4m3_to_f32(c) * s[k / FP8_BLOCK];
-            }
-        }
-    }
-}
 
 /// The fixed-order dot product: lane `k % 8` accumulates `a[k] * b[k]` (a multiply then an add, never fused),
 /// then the lanes are combined as `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`.
@@ -96,7 +58,7 @@ pub fn lowbit_matmul(w: &QuantizedTensor, x: &[f32], m: usize) -> Vec<f32> {
             let mut buf = vec![0.0f32; inn];
             for (j, col) in block.chunks_mut(m.max(1)).enumerate() {
                 let o = task * ROWS_PER_TASK + j;
-                dequantize_row(w, o, &mut buf);
+                w.dequantize_row(o, &mut buf);
                 for (i, y) in col.iter_mut().enumerate().take(m) {
                     *y = dot_fixed(&xa[i * inn..(i + 1) * inn], &buf);
                 }

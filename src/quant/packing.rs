@@ -69,14 +69,7 @@ pub fn pack_int4(codes: &[i8], out: usize, inn: usize) -> Result<Vec<u8>, QuantE
 /// Unpacks the byte storage of an `[out, inn]` int4 tensor into row-major codes. A non-zero padding nibble
 /// is an error: the storage is canonical, so equal tensors have equal bytes.
 pub fn unpack_int4(bytes: &[u8], out: usize, inn: usize) -> Result<Vec<i8>, QuantError> {
-    let row_bytes = int4_row_bytes(inn);
-    check_len(
-        "int4 packed bytes",
-        &[out, row_bytes],
-        element_count("int4 packed bytes", out, row_bytes)?,
-        bytes.len(),
-    )?;
-    check_int4_padding(bytes, inn)?;
+    let row_bytes = check_int4_storage(bytes, out, inn)?;
     let mut codes = Vec::with_capacity(out * inn);
     if inn == 0 {
         return Ok(codes);
@@ -87,6 +80,20 @@ pub fn unpack_int4(bytes: &[u8], out: usize, inn: usize) -> Result<Vec<i8>, Quan
         }
     }
     Ok(codes)
+}
+
+/// Checks the length and the padding nibbles of the byte storage of an `[out, inn]` int4 tensor; returns the
+/// bytes per row.
+fn check_int4_storage(bytes: &[u8], out: usize, inn: usize) -> Result<usize, QuantError> {
+    let row_bytes = int4_row_bytes(inn);
+    check_len(
+        "int4 packed bytes",
+        &[out, row_bytes],
+        element_count("int4 packed bytes", out, row_bytes)?,
+        bytes.len(),
+    )?;
+    check_int4_padding(bytes, inn)?;
+    Ok(row_bytes)
 }
 
 /// Checks that the padding nibbles of odd-length rows are zero.
@@ -110,14 +117,7 @@ pub(crate) fn check_int4_padding(bytes: &[u8], inn: usize) -> Result<(), QuantEr
 
 /// Converts the byte storage of an `[out, inn]` int4 tensor to the u32-word view.
 pub fn int4_bytes_to_words(bytes: &[u8], out: usize, inn: usize) -> Result<Vec<u32>, QuantError> {
-    let row_bytes = int4_row_bytes(inn);
-    check_len(
-        "int4 packed bytes",
-        &[out, row_bytes],
-        element_count("int4 packed bytes", out, row_bytes)?,
-        bytes.len(),
-    )?;
-    check_int4_padding(bytes, inn)?;
+    let row_bytes = check_int4_storage(bytes, out, inn)?;
     let row_words = int4_row_words(inn);
     let mut words = vec![0u32; out * row_words];
     if inn == 0 {

@@ -238,8 +238,9 @@ impl QuantizedTensor {
         Ok(())
     }
 
-    /// Dequantizes output row `row` into `dst` (length `in`); the fast path of [`Self::dequantize`].
-    fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
+    /// Dequantizes output row `row` into `dst` (length `in`): the one decoder of the packed layout, used by
+    /// [`Self::dequantize`] and by the CPU low-bit kernel.
+    pub fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
         match self.scheme.kind() {
             SchemeKind::Int4 { group } => {
                 let bytes =
