@@ -30,6 +30,14 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
         .collect()
 }
 
+/// `(f(v + h e_i) - f(v - h e_i)) / 2h`.
+fn central_difference(f: &dyn Fn(&[f32]) -> f64, v: &[f32], i: usize, h: f32) -> f64 {
+    let (mut plus, mut minus) = (v.to_vec(), v.to_vec());
+    plus[i] += h;
+    minus[i] -= h;
+    (f(&plus) - f(&minus)) / (2.0 * h as f64)
+}
+
 /// A linear layer with master `w` given in HF `[out, in]` layout.
 fn linear(w: &[f32], out: usize, inn: usize, device: &Device) -> Linear {
     let w_in_out = tensor_from_vec(w.to_vec(), [out, inn], device).transpose();
@@ -176,10 +184,7 @@ fn straight_through_gradients() {
         };
         let h = 1e-2f32;
         for &(i, k) in &[(0usize, 0usize), (1, 17), (3, 31)] {
-            let (mut xp, mut xm) = (xv.clone(), xv.clone());
-            xp[i * inn + k] += h;
-            xm[i * inn + k] -= h;
-            let fd = (f(&xp) - f(&xm)) / (2.0 * h as f64);
+            let fd = central_difference(&f, &xv, i * inn + k, h);
             assert!(
                 (dx[i * inn + k] as f64 - fd).abs() < 2e-3,
                 "{scheme}: dx fd {fd} vs {}",
@@ -200,10 +205,7 @@ fn straight_through_gradients() {
             acc
         };
         for &(o, k) in &[(0usize, 0usize), (5, 20), (7, 31)] {
-            let (mut wp, mut wm) = (w.clone(), w.clone());
-            wp[o * inn + k] += h;
-            wm[o * inn + k] -= h;
-            let fd = (g(&wp) - g(&wm)) / (2.0 * h as f64);
+            let fd = central_difference(&g, &w, o * inn + k, h);
             assert!(
                 (dw[k * out + o] as f64 - fd).abs() < 2e-3,
                 "{scheme}: dW fd {fd} vs {}",
