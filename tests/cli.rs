@@ -85,24 +85,18 @@ fn generate_greedy_matches_reference() {
     )
     .unwrap();
     let output = tmp.path().join("gen.json");
-    let out = qarl()
-        .args(["generate", "--greedy", "--max-new-tokens"])
-        .arg(r.greedy.max_new_tokens.to_string())
-        .arg("--model")
-        .arg(&dir)
-        .arg("--prompt-ids")
-        .arg(&prompts)
-        .arg("--output")
-        .arg(&output)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let v = common::run_qarl_json(
+        qarl()
+            .args(["generate", "--greedy", "--max-new-tokens"])
+            .arg(r.greedy.max_new_tokens.to_string())
+            .arg("--model")
+            .arg(&dir)
+            .arg("--prompt-ids")
+            .arg(&prompts)
+            .arg("--output")
+            .arg(&output),
+        &output,
     );
-    let v: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
     let ids: Vec<Vec<u32>> = serde_json::from_value(v["ids"].clone()).unwrap();
     assert_eq!(ids, r.greedy.ids);
 }

@@ -456,22 +456,16 @@ fn quantized_score_matches_transformers_on_dequantized_weights() {
     for (name, entry) in schemes {
         let want: Vec<Vec<Vec<f32>>> = serde_json::from_value(entry["logits"].clone()).unwrap();
         let output = tmp.path().join(format!("{name}.json"));
-        let st = std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
-            .args(["score", "--quant", name, "--model"])
-            .arg(&dir)
-            .arg("--input")
-            .arg(&input)
-            .arg("--output")
-            .arg(&output)
-            .output()
-            .unwrap();
-        assert!(
-            st.status.success(),
-            "{}",
-            String::from_utf8_lossy(&st.stderr)
+        let v = common::run_qarl_json(
+            std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+                .args(["score", "--quant", name, "--model"])
+                .arg(&dir)
+                .arg("--input")
+                .arg(&input)
+                .arg("--output")
+                .arg(&output),
+            &output,
         );
-        let v: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
         let got: Vec<Vec<Vec<f32>>> = serde_json::from_value(v["logits"].clone()).unwrap();
         let got: Vec<f32> = got.into_iter().flatten().flatten().collect();
         let want: Vec<f32> = want.into_iter().flatten().flatten().collect();

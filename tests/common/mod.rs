@@ -87,3 +87,15 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// Runs a `qarl` command, fails the test with its stderr if it fails, and returns the JSON it wrote to
+/// `output`.
+pub fn run_qarl_json(cmd: &mut std::process::Command, output: &Path) -> serde_json::Value {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(&std::fs::read_to_string(output).unwrap()).unwrap()
+}
