@@ -11,7 +11,7 @@ use super::config::ModelConfig;
 use super::error::LoadError;
 use super::layers::{tensor_from_vec, Linear, RmsNorm, Rope};
 use super::mlp::{FeedForward, Routing};
-use crate::quant::{QuantConfig, QuantScheme};
+use crate::quant::QuantConfig;
 
 /// Additive mask value for keys a query must not see. Finite (not -inf) so that a padding query that sees no
 /// key at all gets a uniform, finite distribution instead of NaN, which would leak into later layers.
@@ -402,13 +402,6 @@ impl Decoder {
         for (_, lin) in self.linears_mut() {
             lin.dequantize();
         }
-    }
-
-    /// The scheme of the quantized layers, if any.
-    pub fn quant_scheme(&self) -> Option<QuantScheme> {
-        self.layers
-            .iter()
-            .find_map(|l| l.self_attn.q_proj.quant.as_ref().map(|q| q.scheme()))
     }
 
     /// A fresh cache for `batch` rows.

@@ -7,7 +7,6 @@ use burn::tensor::{Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use super::sampler::{sample, sequence_rng, SamplingParams};
-use crate::model::layers::to_f32_vec;
 use crate::model::{Decoder, Tokenizer};
 
 /// Why a sequence stopped.
@@ -67,8 +66,7 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32
     } else {
         last / temperature as f64
     };
-    let flat = to_f32_vec(log_softmax(last, 1));
-    flat.chunks(v).map(<[f32]>::to_vec).collect()
+    super::rows(log_softmax(last, 1))
 }
 
 /// Appends, for each row of `rows`, the routing of the first `take(slot)` tokens it fed through one forward

@@ -51,7 +51,7 @@ impl SeqBatch {
     }
 
     /// Per-response values (one per response token) laid out on the `[B, T - 1]` grid, zeros elsewhere.
-    pub fn grid(&self, per_response: &[Vec<f32>], device: &Device) -> Tensor<2> {
+    pub fn grid_values(&self, per_response: &[Vec<f32>]) -> Vec<f32> {
         let mut g = vec![0.0f32; self.seqs.len() * self.width];
         for (b, vals) in per_response.iter().enumerate() {
             let start = self.prompt_lens[b] - 1;
@@ -61,7 +61,16 @@ impl SeqBatch {
                 }
             }
         }
-        tensor_from_vec(g, [self.seqs.len(), self.width], device)
+        g
+    }
+
+    /// [`Self::grid_values`] as a tensor.
+    pub fn grid(&self, per_response: &[Vec<f32>], device: &Device) -> Tensor<2> {
+        tensor_from_vec(
+            self.grid_values(per_response),
+            [self.seqs.len(), self.width],
+            device,
+        )
     }
 
     /// Host rows of a `[B, T - 1]` grid restricted to the response positions.

@@ -156,14 +156,7 @@ pub fn rl_step(
         let lp_roll: Vec<Vec<f32>> = rows.iter().map(|&r| out.logprobs[r].clone()).collect();
         let mask_vals = batch.mask_values();
         let mask_bool: Vec<bool> = mask_vals.iter().map(|&v| v > 0.0).collect();
-        let roll_grid = {
-            let mut gv = vec![0.0f32; lp_old_grid.len()];
-            for (b, vals) in lp_roll.iter().enumerate() {
-                let s = batch.prompt_lens[b] - 1;
-                gv[b * batch.width + s..b * batch.width + s + vals.len()].copy_from_slice(vals);
-            }
-            gv
-        };
+        let roll_grid = batch.grid_values(&lp_roll);
         m.extend(
             rollout_mismatch_metrics(&lp_old_grid, &roll_grid, &mask_bool, batch.width)
                 .map_err(|e| anyhow::anyhow!("{e}"))?,
