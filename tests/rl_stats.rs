@@ -329,12 +329,30 @@ fn repetition_loops_match_hand_cases() {
     let wide = LoopRule {
         max_pattern: 5,
         min_repeats: 3,
+        min_span: 0,
     };
     assert!(repetition_loop_mask(&five, wide).iter().all(|&m| m));
+    // a span floor for character tokenizers: "####" is text, 12 characters of "ab" are a loop
+    let chars = LoopRule {
+        min_span: 12,
+        ..LoopRule::default()
+    };
+    let hashes: Vec<u32> = " #### 13".bytes().map(u32::from).collect();
+    assert!(marked(&hashes).len() == 4, "the default rule flags `####`");
+    assert!(repetition_loop_mask(&hashes, chars).iter().all(|&m| !m));
+    let looping: Vec<u32> = "=5. "
+        .bytes()
+        .chain("ab".repeat(6).bytes())
+        .map(u32::from)
+        .collect();
+    let m = repetition_loop_mask(&looping, chars);
+    assert_eq!(m.iter().filter(|&&x| x).count(), 12);
+    assert!(m[4..].iter().all(|&x| x));
 }
 
 /// The definition, by brute force: token j is in a loop if some pattern of n <= max_pattern tokens starting at
-/// some i <= j repeats k >= min_repeats times back to back and i <= j < i + k n.
+/// some i <= j repeats k >= min_repeats times back to back, and the n-periodic stretch from i (the k repeats
+/// and a partial one after them) covers j and spans at least min_span tokens.
 fn brute_force_loops(tokens: &[u32], rule: LoopRule) -> Vec<bool> {
     let mut out = vec![false; tokens.len()];
     for n in 1..=rule.max_pattern {
@@ -345,8 +363,12 @@ fn brute_force_loops(tokens: &[u32], rule: LoopRule) -> Vec<bool> {
             {
                 k += 1;
             }
-            if i + n <= tokens.len() && k >= rule.min_repeats {
-                out[i..i + k * n].iter_mut().for_each(|m| *m = true);
+            let mut end = i + k * n;
+            while end < tokens.len() && tokens[end] == tokens[end - n] {
+                end += 1;
+            }
+            if i + n <= tokens.len() && k >= rule.min_repeats && end - i >= rule.min_span {
+                out[i..end].iter_mut().for_each(|m| *m = true);
             }
         }
     }
@@ -359,8 +381,9 @@ proptest! {
         tokens in prop::collection::vec(0u32..3, 0..40),
         max_pattern in 1usize..6,
         min_repeats in 2usize..5,
+        min_span in 0usize..12,
     ) {
-        let rule = LoopRule { max_pattern, min_repeats };
+        let rule = LoopRule { max_pattern, min_repeats, min_span };
         prop_assert_eq!(repetition_loop_mask(&tokens, rule), brute_force_loops(&tokens, rule));
     }
 }

@@ -63,8 +63,41 @@ fn metrics(path: &Path) -> Vec<serde_json::Value> {
 }
 
 #[test]
+fn set_overrides_change_the_config_and_bad_ones_are_named() {
+    let sets: Vec<String> = [
+        "train.lr=1e-4",
+        "rollout.precision=fp8-b128",
+        "task.ops=[\"add\"]",
+        "train.loss.objective = \"gspo\"",
+        "train.error_tokens.min_span=7",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let cfg = train::load_config(None, &sets).unwrap();
+    assert_eq!(cfg.train.lr, 1e-4);
+    assert_eq!(cfg.rollout.precision.to_string(), "fp8-b128");
+    assert_eq!(cfg.train.error_tokens.min_span, 7);
+    let base = train::load_config(None, &[]).unwrap();
+    assert_ne!(cfg.train.loss, base.train.loss);
+    for (bad, want) in [
+        ("train.lrr=1e-4", "lrr"),
+        ("train.lr", "key.path=value"),
+        ("train..lr=1", "dotted path"),
+        ("rollout.precision=int3", "int3"),
+        ("seed.x=1", "not a table"),
+    ] {
+        let err = format!(
+            "{:#}",
+            train::load_config(None, &[bad.to_string()]).unwrap_err()
+        );
+        assert!(err.contains(want), "`{bad}`: expected `{want}` in: {err}");
+    }
+}
+
+#[test]
 fn default_config_parses_and_bad_configs_are_named() {
-    let cfg = train::load_config(None).unwrap();
+    let cfg = train::load_config(None, &[]).unwrap();
     assert_eq!(cfg.rollout.precision.to_string(), "int4-g32");
     let good =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.toml"))
@@ -93,7 +126,7 @@ fn default_config_parses_and_bad_configs_are_named() {
             good.replace("samples_per_prompt = 8", "samples_per_prompt = 1"),
             "samples_per_prompt",
         ),
-        (good.replace("lr = 1e-4", "lr = -1.0"), "lr"),
+        (good.replace("lr = 3e-5", "lr = -1.0"), "lr"),
     ];
     for (text, want) in cases {
         let err = TrainConfig::from_toml(&text, "my.toml")
@@ -230,6 +263,14 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
         text.contains("| full | 1/1 |") && text.contains("| aligned-tbpo | 1/1 |"),
         "{text}"
     );
+    assert!(text.contains("acc before RL"), "{text}");
+    if train::plot::register_font().is_ok() {
+        let png = std::fs::read(tmp.path().join("results/comparison.png")).unwrap();
+        assert_eq!(&png[1..4], b"PNG");
+        assert!(text.contains("](comparison.png)"), "{text}");
+    } else {
+        assert!(text.contains("comparison plot not drawn"), "{text}");
+    }
     let metrics = tmp.path().join("results/full/seed5/metrics.jsonl");
     let before = std::fs::metadata(&metrics).unwrap().modified().unwrap();
     train::experiment::run_experiment(&path, true).unwrap();

@@ -10,6 +10,9 @@ pub struct TrainArgs {
     /// Continue from the newest checkpoint in the run directory.
     #[arg(long)]
     pub resume: bool,
+    /// Override one config value, e.g. `--set train.lr=3e-5 --set rollout.precision=fp8-b128`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
@@ -20,14 +23,17 @@ pub struct SftArgs {
     /// TOML config with `[model]` (`dir`, `init_config`) and `[sft]`; without it, the embedded default.
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Override one config value, e.g. `--set sft.steps=500`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
 }
 
 /// Loads the config; for the embedded default, materialises its model config where it expects it.
-fn load(path: Option<&std::path::Path>) -> anyhow::Result<TrainConfig> {
-    let cfg = train::load_config(path)?;
+fn load(path: Option<&std::path::Path>, overrides: &[String]) -> anyhow::Result<TrainConfig> {
+    let cfg = train::load_config(path, overrides)?;
     if path.is_none() {
         if let Some(init) = &cfg.model.init_config {
             if !init.is_file() {
@@ -42,7 +48,7 @@ fn load(path: Option<&std::path::Path>) -> anyhow::Result<TrainConfig> {
 }
 
 pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
-    let cfg = load(args.config.as_deref())?;
+    let cfg = load(args.config.as_deref(), &args.set)?;
     let s = train::run(&cfg, args.resume, args.quiet)?;
     println!("run directory: {}", s.run_dir.display());
     println!("metrics:       {}", s.metrics_path.display());
@@ -60,7 +66,7 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
-    let cfg = load(args.config.as_deref())?;
+    let cfg = load(args.config.as_deref(), &args.set)?;
     if cfg.sft.is_none() {
         anyhow::bail!("the config has no [sft] section");
     }

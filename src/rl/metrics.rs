@@ -229,19 +229,26 @@ pub fn response_length_metrics(lengths: &[usize], max_len: usize) -> BTreeMap<St
 }
 
 /// What counts as a repetition loop: a pattern of 1..=`max_pattern` tokens repeated at least `min_repeats` times
-/// back to back ("to to to", "engine to engine to engine to").
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// back to back ("to to to", "engine to engine to engine to"), over a stretch of at least `min_span` tokens.
+///
+/// `min_span` exists for fine-grained tokenizers: with one token per character, `####` or `111` are ordinary
+/// text, not a loop, while 1-4 BPE tokens repeated 3 times already are. Set it near the number of tokens a
+/// BPE tokenizer would need for 3 words (12 for characters).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LoopRule {
     pub max_pattern: usize,
     pub min_repeats: usize,
+    pub min_span: usize,
 }
 
 impl Default for LoopRule {
-    /// 1-4 token patterns repeated 3 or more times (QARL.md section 5).
+    /// 1-4 token patterns repeated 3 or more times (QARL.md section 5), no span floor.
     fn default() -> Self {
         Self {
             max_pattern: 4,
             min_repeats: 3,
+            min_span: 0,
         }
     }
 }
@@ -252,12 +259,12 @@ impl Default for LoopRule {
 /// over start offsets covers the stretch), so the whole stretch is marked. Linear in `len * max_pattern`.
 pub fn repetition_loop_mask(tokens: &[u32], rule: LoopRule) -> Vec<bool> {
     let len = tokens.len();
-    if rule.min_repeats <= 1 && rule.max_pattern >= 1 {
+    if rule.min_repeats <= 1 && rule.max_pattern >= 1 && rule.min_span <= 1 {
         return vec![true; len]; // every token is a pattern "repeated" once
     }
     let mut marked = vec![false; len];
     for n in 1..=rule.max_pattern {
-        let need = n * rule.min_repeats;
+        let need = (n * rule.min_repeats).max(rule.min_span);
         let mut start = 0;
         while start + n < len {
             if tokens[start] != tokens[start + n] {

@@ -157,6 +157,9 @@ pub struct RlConfig {
     #[serde(default = "AdvantageConfig::grpo")]
     pub advantage: AdvantageConfig,
     pub loss: LossConfig,
+    /// What `error_tokens/*` counts as a repetition loop (raise `min_span` for character tokenizers).
+    #[serde(default)]
+    pub error_tokens: crate::rl::metrics::LoopRule,
 }
 
 fn default_adam_eps() -> f32 {

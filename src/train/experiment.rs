@@ -38,21 +38,43 @@ pub struct ExperimentConfig {
     pub variants: Vec<Variant>,
 }
 
-/// Sets `key` (dotted path such as `rollout.precision`) in a TOML document; the path must exist unless the
-/// parent table does (so a typo fails instead of silently adding a key the config then rejects).
+/// Sets `key` (dotted path such as `rollout.precision`) in a TOML document, creating missing tables on the
+/// way (`sft.steps` on a config without `[sft]`); a misspelt key is then rejected by the config's own parse,
+/// which names the unknown field.
 pub fn set_dotted(doc: &mut toml::Value, key: &str, value: toml::Value) -> anyhow::Result<()> {
     let parts: Vec<&str> = key.split('.').collect();
     let mut cur = doc;
     for p in &parts[..parts.len() - 1] {
-        cur = cur
-            .get_mut(*p)
-            .with_context(|| format!("override `{key}`: no table `{p}` in the base config"))?;
+        let table = cur.as_table_mut().with_context(|| {
+            format!("override `{key}`: `{p}` is inside a value that is not a table")
+        })?;
+        cur = table
+            .entry(p.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
     }
     let table = cur
         .as_table_mut()
         .with_context(|| format!("override `{key}`: parent is not a table"))?;
     table.insert(parts[parts.len() - 1].to_string(), value);
     Ok(())
+}
+
+/// Parses one `--set key.path=value` override. The value is read as a TOML value (`3e-4`, `true`,
+/// `["add","mul"]`, `"int4-g32"`); anything that is not valid TOML is taken as a bare string (`int4-g32`).
+pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
+    let (key, raw) = text
+        .split_once('=')
+        .with_context(|| format!("--set `{text}`: expected key.path=value"))?;
+    let key = key.trim();
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        bail!("--set `{text}`: the key `{key}` is not a dotted path like `train.lr`");
+    }
+    let raw = raw.trim();
+    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
+    Ok((key.to_string(), value))
 }
 
 fn marker(run_dir: &Path) -> PathBuf {
@@ -140,9 +162,9 @@ fn read_rows(path: &Path) -> Vec<serde_json::Value> {
 pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<PathBuf> {
     let mut md = String::new();
     writeln!(md, "# {}\n", exp.name)?;
-    writeln!(md, "Seeds: {:?}. Mean ± sample std over finished seeds. Accuracy: held-out greedy pass@1 at the end of RL, in the rollout precision and in f32; the mismatch and stability columns average the RL steps.\n", exp.seeds)?;
-    writeln!(md, "| variant | seeds done | acc (rollout prec.) | acc (f32) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
-    writeln!(md, "|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(md, "Seeds: {:?}. Mean ± sample std over finished seeds. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right, at the end of RL, in the rollout precision; the mismatch and stability columns average the RL steps.\n", exp.seeds)?;
+    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | mean@k (rollout prec.) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|")?;
     for v in &exp.variants {
         let mut cols: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
         let mut done = 0;
@@ -153,21 +175,36 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
             }
             done += 1;
             let rows = read_rows(&run_dir.join("metrics.jsonl"));
-            let last_eval = rows.iter().rev().find(|r| r["phase"] == "eval");
-            if let Some(e) = last_eval.and_then(|e| e.as_object()) {
-                // `eval/<precision>/pass@1_greedy`: the rollout precision's, and f32's (the same for f32 runs).
-                let acc = |quantized: bool| {
+            // `eval/<precision>/<metric>`: the rollout precision's, else f32's (the same for f32 runs).
+            let eval_value = |e: &serde_json::Value, suffix: &str, quantized: bool| {
+                let e = e.as_object()?;
+                let find = |q: bool| {
                     e.iter()
-                        .find(|(k, _)| {
-                            k.ends_with("/pass@1_greedy") && k.starts_with("eval/f32/") != quantized
-                        })
+                        .find(|(k, _)| k.ends_with(suffix) && k.starts_with("eval/f32/") != q)
                         .and_then(|(_, v)| v.as_f64())
                 };
-                if let Some(f) = acc(false) {
-                    cols.entry("acc_f32").or_default().push(f);
-                    cols.entry("acc_roll")
-                        .or_default()
-                        .push(acc(true).unwrap_or(f));
+                find(quantized).or_else(|| find(false))
+            };
+            let evals: Vec<&serde_json::Value> =
+                rows.iter().filter(|r| r["phase"] == "eval").collect();
+            if let (Some(first), Some(last)) = (evals.first(), evals.last()) {
+                for (col, e, suffix, quantized) in [
+                    ("acc0_roll", first, "/pass@1_greedy", true),
+                    ("acc_roll", last, "/pass@1_greedy", true),
+                    ("acc_f32", last, "/pass@1_greedy", false),
+                ] {
+                    if let Some(v) = eval_value(e, suffix, quantized) {
+                        cols.entry(col).or_default().push(v);
+                    }
+                }
+                if let Some((_, v)) = last.as_object().and_then(|o| {
+                    o.iter()
+                        .filter(|(k, _)| k.contains("/mean@"))
+                        .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
+                }) {
+                    if let Some(v) = v.as_f64() {
+                        cols.entry("meank_roll").or_default().push(v);
+                    }
                 }
             }
             let rl: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "rl").collect();
@@ -202,17 +239,40 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         };
         writeln!(
             md,
-            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             v.name,
             exp.seeds.len(),
+            f("acc0_roll", 3),
             f("acc_roll", 3),
             f("acc_f32", 3),
+            f("meank_roll", 3),
             f("k3", 99),
             f("err", 3),
             f("ent", 3),
             f("tps", 0),
             f("step", 2)
         )?;
+    }
+    let finished: Vec<(String, Vec<Vec<serde_json::Value>>)> = exp
+        .variants
+        .iter()
+        .map(|v| {
+            let runs = exp
+                .seeds
+                .iter()
+                .map(|seed| results.join(&v.name).join(format!("seed{seed}")))
+                .filter(|d| marker(d).is_file())
+                .map(|d| read_rows(&d.join("metrics.jsonl")))
+                .collect();
+            (v.name.clone(), runs)
+        })
+        .collect();
+    match super::plot::plot_comparison(&results.join("comparison.png"), &finished) {
+        Ok(()) => writeln!(
+            md,
+            "\n![reward, accuracy, k3 KL, entropy and error tokens per RL step, mean over seeds](comparison.png)\n"
+        )?,
+        Err(e) => writeln!(md, "\n(comparison plot not drawn: {e:#})\n")?,
     }
     writeln!(
         md,

@@ -223,13 +223,28 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     })
 }
 
-/// Reads a config file, or the embedded default when `path` is `None`.
-pub fn load_config(path: Option<&Path>) -> anyhow::Result<TrainConfig> {
-    match path {
-        Some(p) => TrainConfig::from_file(p),
-        None => TrainConfig::from_toml(
-            config::DEFAULT_CONFIG,
-            "the default config (configs/default.toml)",
+/// Reads a config file, or the embedded default when `path` is `None`, then applies `overrides`
+/// (`key.path=value`, the value in TOML syntax, bare words taken as strings).
+pub fn load_config(path: Option<&Path>, overrides: &[String]) -> anyhow::Result<TrainConfig> {
+    let (text, origin) = match path {
+        Some(p) => (
+            std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?,
+            p.display().to_string(),
         ),
+        None => (
+            config::DEFAULT_CONFIG.to_string(),
+            "the default config (configs/default.toml)".to_string(),
+        ),
+    };
+    if overrides.is_empty() {
+        return TrainConfig::from_toml(&text, &origin);
     }
+    let mut doc: toml::Value =
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+    for o in overrides {
+        let (key, value) = experiment::parse_override(o)?;
+        experiment::set_dotted(&mut doc, &key, value)?;
+    }
+    let text = toml::to_string(&doc)?;
+    TrainConfig::from_toml(&text, &format!("{origin} with --set overrides"))
 }

@@ -110,11 +110,17 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
         ),
     ];
     let out = run_dir.join("plots.png");
+    draw_panels(&out, &panels)?;
+    Ok(out)
+}
+
+/// Draws up to six panels in a 3x2 grid to `out` (PNG).
+fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
     {
-        let root = BitMapBackend::new(&out, (1200, 900)).into_drawing_area();
+        let root = BitMapBackend::new(out, (1200, 900)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
         let areas = root.split_evenly((3, 2));
-        for (area, (title, lines)) in areas.iter().zip(&panels) {
+        for (area, (title, lines)) in areas.iter().zip(panels) {
             let pts: Vec<&(f64, f64)> = lines.iter().flat_map(|(_, s)| s.iter()).collect();
             if pts.is_empty() {
                 continue;
@@ -158,5 +164,96 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
         root.present()
             .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
     }
-    Ok(out)
+    Ok(())
+}
+
+/// Mean over runs of `key` at each step all runs logged (seeds of one variant).
+fn mean_series(runs: &[Vec<serde_json::Value>], phase: &str, key: &str) -> Series {
+    let all: Vec<Series> = runs.iter().map(|r| series(r, phase, key)).collect();
+    let Some(first) = all.first() else {
+        return Vec::new();
+    };
+    first
+        .iter()
+        .filter_map(|&(step, _)| {
+            let vals: Vec<f64> = all
+                .iter()
+                .filter_map(|s| s.iter().find(|p| p.0 == step).map(|p| p.1))
+                .collect();
+            (vals.len() == all.len()).then(|| (step, vals.iter().sum::<f64>() / vals.len() as f64))
+        })
+        .collect()
+}
+
+/// One PNG comparing variants (each line the mean over that variant's seeds): reward, held-out accuracy in
+/// the rollout precision and in f32, k3 KL, entropy, error tokens. `variants` pairs a name with the metric
+/// rows of each of its runs.
+pub fn plot_comparison(
+    out: &Path,
+    variants: &[(String, Vec<Vec<serde_json::Value>>)],
+) -> anyhow::Result<()> {
+    if variants.iter().all(|(_, runs)| runs.is_empty()) {
+        bail!("no finished runs to plot");
+    }
+    register_font()?;
+    // The rollout precision's greedy accuracy key of a run: `eval/<precision>/pass@1_greedy`, f32 last.
+    let acc_key = |runs: &[Vec<serde_json::Value>], f32_view: bool| -> Option<String> {
+        let eval = runs.first()?.iter().find(|r| r["phase"] == "eval")?;
+        let keys: Vec<&String> = eval
+            .as_object()?
+            .keys()
+            .filter(|k| k.ends_with("/pass@1_greedy"))
+            .collect();
+        keys.iter()
+            .find(|k| k.starts_with("eval/f32/") == f32_view)
+            .or(keys.first())
+            .map(|k| k.to_string())
+    };
+    let per_variant =
+        |phase: &str, key: &dyn Fn(&[Vec<serde_json::Value>]) -> Option<String>, log10: bool| {
+            variants
+                .iter()
+                .filter(|(_, runs)| !runs.is_empty())
+                .filter_map(|(name, runs)| {
+                    let k = key(runs)?;
+                    let s = mean_series(runs, phase, &k);
+                    let s = if log10 {
+                        s.into_iter()
+                            .map(|(x, v)| (x, v.abs().max(1e-30).log10()))
+                            .collect()
+                    } else {
+                        s
+                    };
+                    Some((name.clone(), s))
+                })
+                .collect::<Vec<_>>()
+        };
+    let fixed = |k: &'static str| move |_: &[Vec<serde_json::Value>]| Some(k.to_string());
+    let panels: Vec<Panel> = vec![
+        (
+            "reward (mean)",
+            per_variant("rl", &fixed("critic/rewards/mean"), false),
+        ),
+        (
+            "held-out greedy accuracy, rollout precision",
+            per_variant("eval", &|r| acc_key(r, false), false),
+        ),
+        (
+            "held-out greedy accuracy, f32",
+            per_variant("eval", &|r| acc_key(r, true), false),
+        ),
+        (
+            "rollout_corr/k3_kl (log10)",
+            per_variant("rl", &fixed("rollout_corr/k3_kl"), true),
+        ),
+        (
+            "actor/entropy",
+            per_variant("rl", &fixed("actor/entropy"), false),
+        ),
+        (
+            "error_tokens/frac",
+            per_variant("rl", &fixed("error_tokens/frac"), false),
+        ),
+    ];
+    draw_panels(out, &panels)
 }

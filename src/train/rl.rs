@@ -17,7 +17,7 @@ use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_g
 use crate::rl::losses::{PolicyLoss, PolicyLossInputs};
 use crate::rl::metrics::{
     error_token_metrics, masked_mean, response_length_metrics, rollout_mismatch_metrics,
-    routing_disagreement, token_entropy, LoopRule,
+    routing_disagreement, token_entropy,
 };
 use crate::rollout::{generate, FinishReason, SamplingParams};
 use crate::tasks::verify::score;
@@ -172,7 +172,7 @@ pub fn rl_step(
             &roll_grid,
             &mask_bool,
             batch.width,
-            LoopRule::default(),
+            tc.error_tokens,
         )
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         m.extend(err.to_map());
