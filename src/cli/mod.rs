@@ -2,6 +2,7 @@
 
 mod bench;
 mod generate;
+mod import_gguf;
 mod init_model;
 mod quantize;
 mod score;
@@ -37,6 +38,8 @@ pub enum Command {
     Sft(train::SftArgs),
     /// Write a quantized checkpoint (packed codes + scales) that every command loads without re-quantizing.
     Quantize(quantize::QuantizeArgs),
+    /// Import a llama.cpp GGUF file (Llama architecture) as a Hugging Face model directory.
+    ImportGguf(import_gguf::ImportGgufArgs),
 }
 
 /// Loads a model directory and, with `quant`, quantizes its projections (default layer selection).
@@ -70,6 +73,7 @@ pub fn run() -> anyhow::Result<()> {
         Command::InitModel(a) => init_model::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Quantize(a) => quantize::run(a),
+        Command::ImportGguf(a) => import_gguf::run(a),
         Command::Train(a) => train::run_train(a),
         Command::Sft(a) => train::run_sft(a),
         Command::Experiment(a) => train::run_experiment(a),

@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod decoder;
 pub mod error;
+pub mod gguf;
 pub mod init;
 pub mod layers;
 pub mod mlp;

@@ -1,0 +1,33 @@
+use std::path::PathBuf;
+
+use crate::model::gguf::{import_gguf, OutputDtype};
+
+#[derive(Debug, clap::Args)]
+pub struct ImportGgufArgs {
+    /// A llama.cpp GGUF file (Llama architecture; F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K tensors).
+    pub file: PathBuf,
+    /// Output model directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json).
+    #[arg(long)]
+    pub output: PathBuf,
+    /// Storage of the dequantized weights: f32 (exact) or bf16 (half the size, rounded).
+    #[arg(long, default_value = "f32")]
+    pub dtype: OutputDtype,
+}
+
+pub fn run(args: ImportGgufArgs) -> anyhow::Result<()> {
+    let s = import_gguf(&args.file, &args.output, args.dtype)?;
+    let types: Vec<String> = s
+        .source_types
+        .iter()
+        .map(|(t, n)| format!("{n} {t}"))
+        .collect();
+    println!(
+        "imported {} ({} tensors: {}; {:.1}M parameters) -> {}",
+        s.architecture,
+        s.tensors,
+        types.join(", "),
+        s.parameters as f64 / 1e6,
+        args.output.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,237 @@
+//! GGUF (llama.cpp) -> Hugging Face directory: config.json, model.safetensors (dequantized), tokenizer.json
+//! and tokenizer_config.json (with the chat template), so every qarl command loads the result.
+//!
+//! Llama-architecture files store Q and K with llama.cpp's row permutation (its rotary embedding pairs
+//! adjacent features; transformers' pairs the two halves of a head): the importer undoes it.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value as Json};
+
+use super::dequant::dequantize;
+use super::reader::{GgufFile, TensorInfo, Value};
+
+/// How the imported weights are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutputDtype {
+    F32,
+    Bf16,
+}
+
+impl std::str::FromStr for OutputDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f32" => Ok(Self::F32),
+            "bf16" => Ok(Self::Bf16),
+            _ => Err(format!("unknown dtype `{s}` (f32 or bf16)")),
+        }
+    }
+}
+
+/// What an import wrote.
+#[derive(Debug, Clone)]
+pub struct ImportSummary {
+    pub architecture: String,
+    pub tensors: usize,
+    pub parameters: u64,
+    /// GGML type name -> tensor count in the source file.
+    pub source_types: std::collections::BTreeMap<String, usize>,
+}
+
+/// Imports `gguf_path` into the directory `out` (created; files written atomically).
+pub fn import_gguf(gguf_path: &Path, out: &Path, dtype: OutputDtype) -> anyhow::Result<ImportSummary> {
+    let f = GgufFile::open(gguf_path)?;
+    let arch = f.get_str("general.architecture")?.to_string();
+    if arch != "llama" {
+        bail!(
+            "{}: architecture `{arch}` is not supported by the importer (llama)",
+            gguf_path.display()
+        );
+    }
+    let (config, heads, kv_heads) = llama_config(&f)?;
+    let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+
+    let mut source_types = std::collections::BTreeMap::new();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    for t in &f.tensors {
+        *source_types.entry(t.ty.name().to_string()).or_insert(0) += 1;
+        let hf = hf_name(&t.name, layers).ok_or_else(|| {
+            f.error(format!(
+                "tensor `{}` has no Hugging Face Llama counterpart (unsupported feature of this file)",
+                t.name
+            ))
+        })?;
+        let mut values = dequantize(t.ty, f.data(t))
+            .map_err(|m| f.error(format!("tensor `{}`: {m}", t.name)))?;
+        let shape = t.shape();
+        if t.name.ends_with("attn_q.weight") {
+            values = unpermute_rows(&f, t, values, heads)?;
+        } else if t.name.ends_with("attn_k.weight") {
+            values = unpermute_rows(&f, t, values, kv_heads)?;
+        }
+        tensors.push((hf, shape, values));
+    }
+    for required in ["model.embed_tokens.weight", "model.norm.weight"] {
+        if !tensors.iter().any(|(n, _, _)| n == required) {
+            bail!("{}: no tensor for `{required}`", gguf_path.display());
+        }
+    }
+    let mut config = config;
+    config["tie_word_embeddings"] = json!(!tensors.iter().any(|(n, _, _)| n == "lm_head.weight"));
+    config["torch_dtype"] = json!(match dtype {
+        OutputDtype::F32 => "float32",
+        OutputDtype::Bf16 => "bfloat16",
+    });
+
+    std::fs::create_dir_all(out).with_context(|| format!("{}: cannot create", out.display()))?;
+    let bytes: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, _, v)| match dtype {
+            OutputDtype::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            OutputDtype::Bf16 => v
+                .iter()
+                .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                .collect(),
+        })
+        .collect();
+    let st_dtype = match dtype {
+        OutputDtype::F32 => safetensors::Dtype::F32,
+        OutputDtype::Bf16 => safetensors::Dtype::BF16,
+    };
+    let entries: Vec<(String, safetensors::Dtype, Vec<usize>, &[u8])> = tensors
+        .iter()
+        .zip(&bytes)
+        .map(|((n, s, _), b)| (n.clone(), st_dtype, s.clone(), b.as_slice()))
+        .collect();
+    crate::io::write_safetensors(&out.join("model.safetensors"), &entries)?;
+    let (tokenizer, tokenizer_config) = super::tokenizer::hf_tokenizer(&f)?;
+    crate::io::write_json_atomic(&out.join("tokenizer.json"), &tokenizer)?;
+    crate::io::write_json_atomic(&out.join("tokenizer_config.json"), &tokenizer_config)?;
+    crate::io::write_json_atomic(&out.join("config.json"), &config)?;
+    Ok(ImportSummary {
+        architecture: arch,
+        tensors: tensors.len(),
+        parameters: tensors.iter().map(|(_, _, v)| v.len() as u64).sum(),
+        source_types,
+    })
+}
+
+/// config.json of a Llama GGUF; also returns (heads, kv heads) for the Q/K un-permutation.
+fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
+    let hidden = f.get_u64("llama.embedding_length")?;
+    let heads = f.get_u64("llama.attention.head_count")?;
+    let kv_heads = match f.metadata.get("llama.attention.head_count_kv") {
+        Some(v) => v
+            .as_u64()
+            .ok_or_else(|| f.error("`llama.attention.head_count_kv` is not an integer"))?,
+        None => heads,
+    };
+    if heads == 0 || kv_heads == 0 || hidden % heads != 0 || heads % kv_heads != 0 {
+        bail!(f.error(format!(
+            "embedding_length {hidden}, head_count {heads}, head_count_kv {kv_heads}: inconsistent"
+        )));
+    }
+    if let Some(v) = f.metadata.get("llama.rope.scaling.type") {
+        if v.as_str() != Some("none") {
+            bail!(f.error(format!("rope scaling {v:?} is not supported")));
+        }
+    }
+    let vocab = match f.metadata.get("tokenizer.ggml.tokens").and_then(Value::as_array) {
+        Some(t) => t.len() as u64,
+        None => f.get_u64("llama.vocab_size")?,
+    };
+    let head_dim = hidden / heads;
+    let opt_u64 = |k: &str| f.metadata.get(k).and_then(Value::as_u64);
+    if let Some(k) = opt_u64("llama.attention.key_length") {
+        if k != head_dim {
+            bail!(f.error(format!(
+                "attention.key_length {k} != embedding_length / head_count = {head_dim} (not supported)"
+            )));
+        }
+    }
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": f.get_u64("llama.feed_forward_length")?,
+        "num_hidden_layers": f.get_u64("llama.block_count")?,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": f.get_f64("llama.attention.layer_norm_rms_epsilon")?,
+        "rope_theta": f.metadata.get("llama.rope.freq_base").and_then(Value::as_f64).unwrap_or(10000.0),
+        "max_position_embeddings": opt_u64("llama.context_length").unwrap_or(2048),
+        "vocab_size": vocab,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "bos_token_id": opt_u64("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": opt_u64("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": opt_u64("tokenizer.ggml.padding_token_id"),
+    });
+    Ok((config, heads as usize, kv_heads as usize))
+}
+
+/// The Hugging Face name of a llama.cpp tensor name.
+fn hf_name(name: &str, layers: usize) -> Option<String> {
+    match name {
+        "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
+        "output_norm.weight" => return Some("model.norm.weight".into()),
+        "output.weight" => return Some("lm_head.weight".into()),
+        _ => {}
+    }
+    let rest = name.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    if layer >= layers {
+        return None;
+    }
+    let hf = match part {
+        "attn_norm.weight" => "input_layernorm.weight",
+        "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "attn_q.weight" => "self_attn.q_proj.weight",
+        "attn_k.weight" => "self_attn.k_proj.weight",
+        "attn_v.weight" => "self_attn.v_proj.weight",
+        "attn_output.weight" => "self_attn.o_proj.weight",
+        "ffn_gate.weight" => "mlp.gate_proj.weight",
+        "ffn_up.weight" => "mlp.up_proj.weight",
+        "ffn_down.weight" => "mlp.down_proj.weight",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}"))
+}
+
+/// Undoes llama.cpp's `permute(w, n_head)`: within each head, GGUF row `2 j + s` is Hugging Face row
+/// `s * head_dim / 2 + j`.
+fn unpermute_rows(
+    f: &GgufFile,
+    t: &TensorInfo,
+    values: Vec<f32>,
+    heads: usize,
+) -> anyhow::Result<Vec<f32>> {
+    let shape = t.shape();
+    let (rows, cols) = match shape.as_slice() {
+        [r, c] => (*r, *c),
+        _ => bail!(f.error(format!("tensor `{}` is not 2-D: {shape:?}", t.name))),
+    };
+    if rows % heads != 0 || (rows / heads) % 2 != 0 {
+        bail!(f.error(format!(
+            "tensor `{}`: {rows} rows do not split into {heads} heads of even size",
+            t.name
+        )));
+    }
+    let hd = rows / heads;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for j in 0..hd / 2 {
+            for s in 0..2 {
+                let src = (h * hd + 2 * j + s) * cols;
+                let dst = (h * hd + s * (hd / 2) + j) * cols;
+                out[dst..dst + cols].copy_from_slice(&values[src..src + cols]);
+            }
+        }
+    }
+    Ok(out)
+}
