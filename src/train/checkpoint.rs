@@ -1,78 +1,233 @@
-//! RL checkpoints: model (HF format), optimizer state and trainer state, written into a temporary directory
-//! that is renamed into place, so a crash never leaves a half-written checkpoint where a good one was.
+//! RL checkpoints: model (HF format), optimizer state and trainer state (step, seed, data cursor and the
+//! counters the loop carries), written into a temporary directory whose files are fsynced before it is
+//! renamed into place (and the parent directory fsynced), so a crash or a SIGKILL never leaves a
+//! half-written checkpoint where a good one was: `latest` only ever sees complete `step_*` directories.
+//!
+//! A resumed run is exact: the prompts and the rollout sampler of step `s` are derived from `(seed, s)`
+//! (see `rl::rl_step`), so the data cursor is the step itself, and everything else the loop carries from
+//! one step to the next is in [`TrainerState`].
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::ModuleOptimizer;
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::model::save::save_pretrained;
 use crate::model::Decoder;
 
+/// Test-only hook: milliseconds to sleep between the files of a checkpoint, so a test can SIGKILL the
+/// process in the middle of a write (`tests/reliability.rs`). Not meant for users.
+pub const TEST_PAUSE_ENV: &str = "QARL_TEST_PAUSE_IN_CHECKPOINT_MS";
+
 /// What is needed to continue a run besides weights and optimizer moments.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
     /// The last completed RL step.
     pub step: usize,
+    /// The run's seed (a resume with another seed would not continue the same run).
+    #[serde(default)]
+    pub seed: Option<u64>,
+    /// The next step to run. Prompts and sampling seeds are a function of `(seed, step)`, so this is the
+    /// whole data cursor and RNG state.
+    #[serde(default)]
+    pub next_step: usize,
+    /// Steps in a row, up to `step`, whose update was skipped for a non-finite loss or gradient.
+    #[serde(default)]
+    pub consecutive_nonfinite: usize,
+    /// Exponential moving average of the gradient norm (f64 bits, exact through JSON), for spike detection.
+    #[serde(default)]
+    pub grad_norm_ema_bits: Option<u64>,
+}
+
+impl TrainerState {
+    /// The state after step `step` of a run with `seed`.
+    pub fn after_step(step: usize, seed: u64) -> Self {
+        Self {
+            step,
+            seed: Some(seed),
+            next_step: step + 1,
+            consecutive_nonfinite: 0,
+            grad_norm_ema_bits: None,
+        }
+    }
+}
+
+/// The optimizer state is keyed by parameter id, and a model loaded from disk gets fresh ids: the
+/// checkpoint keeps the ids of its float parameters in visiting order so a resumed model takes them back
+/// and finds its Adam moments (without this, a resume silently restarts the optimizer).
+pub const PARAM_IDS_FILE: &str = "param_ids.json";
+
+/// The ids of `model`'s float parameters, in visiting order.
+pub fn param_ids(model: &Decoder) -> Vec<u64> {
+    struct Ids(Vec<u64>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id.val());
+        }
+    }
+    let mut v = Ids(vec![]);
+    model.visit(&mut v);
+    v.0
+}
+
+/// Gives `model`'s float parameters the ids `ids` (from [`param_ids`] of the model that was saved).
+pub fn restore_param_ids(model: Decoder, ids: &[u64]) -> anyhow::Result<Decoder> {
+    let have = param_ids(&model).len();
+    if have != ids.len() {
+        anyhow::bail!(
+            "the checkpoint lists {} parameters but the model has {have}",
+            ids.len()
+        );
+    }
+    struct Ids<'a>(std::slice::Iter<'a, u64>);
+    impl ModuleMapper for Ids<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, value, mapper) = param.consume();
+            let id = self.0.next().map_or(id, |&v| ParamId::from(v));
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    Ok(model.map(&mut Ids(ids.iter())))
+}
+
+/// Loads the model of checkpoint `dir` on `device` with the parameter ids its optimizer state refers to.
+pub fn load_model(dir: &Path, device: &burn::tensor::Device) -> anyhow::Result<Decoder> {
+    let model = Decoder::load(dir, device)?;
+    let ids_path = dir.join(PARAM_IDS_FILE);
+    if !ids_path.is_file() {
+        tracing::warn!(
+            checkpoint = %dir.display(),
+            "no {PARAM_IDS_FILE}: the optimizer state cannot be matched and restarts"
+        );
+        return Ok(model);
+    }
+    let ids: Vec<u64> = crate::io::read_json(&ids_path)?;
+    restore_param_ids(model, &ids).with_context(|| format!("{}", ids_path.display()))
 }
 
 pub fn checkpoints_dir(run_dir: &Path) -> PathBuf {
     run_dir.join("checkpoints")
 }
 
-/// Writes checkpoint `step` (replacing one of the same step).
+fn test_pause() {
+    if let Some(ms) = std::env::var(TEST_PAUSE_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// fsyncs a file or a directory.
+fn sync_path(p: &Path) -> anyhow::Result<()> {
+    std::fs::File::open(p)
+        .and_then(|f| f.sync_all())
+        .with_context(|| format!("{}: cannot fsync", p.display()))
+}
+
+/// Writes the checkpoint of `state.step` (replacing one of the same step), then keeps only the newest
+/// `keep` checkpoints (0: all).
+#[allow(clippy::too_many_arguments)]
 pub fn save(
     run_dir: &Path,
-    step: usize,
+    state: &TrainerState,
     model: &Decoder,
     config_json: &serde_json::Value,
     optim: &ModuleOptimizer,
     tok_dir: &Path,
+    keep: usize,
 ) -> anyhow::Result<PathBuf> {
     let root = checkpoints_dir(run_dir);
-    std::fs::create_dir_all(&root)?;
+    std::fs::create_dir_all(&root).with_context(|| format!("{}: cannot create", root.display()))?;
+    remove_leftovers(&root);
     let tmp = tempfile::Builder::new()
         .prefix(".tmp-ckpt")
-        .tempdir_in(&root)?;
+        .tempdir_in(&root)
+        .with_context(|| format!("{}: cannot create a temporary directory", root.display()))?;
     save_pretrained(model, config_json, tmp.path())?;
+    test_pause();
     optim
         .save(tmp.path().join("optimizer.bpk"))
         .map_err(|e| anyhow::anyhow!("saving the optimizer state: {e:?}"))?;
+    test_pause();
     for f in ["tokenizer.json", "tokenizer_config.json"] {
         if tok_dir.join(f).is_file() {
             std::fs::copy(tok_dir.join(f), tmp.path().join(f))?;
         }
     }
-    crate::io::write_json_atomic(
-        &tmp.path().join("trainer_state.json"),
-        &TrainerState { step },
-    )?;
-    let dst = root.join(format!("step_{step:06}"));
-    if dst.exists() {
-        std::fs::remove_dir_all(&dst)?;
+    crate::io::write_json_atomic(&tmp.path().join(PARAM_IDS_FILE), &param_ids(model))?;
+    crate::io::write_json_atomic(&tmp.path().join("trainer_state.json"), state)?;
+    // Every file on disk before the directory becomes visible under its final name.
+    for e in std::fs::read_dir(tmp.path())?.flatten() {
+        if e.path().is_file() {
+            sync_path(&e.path())?;
+        }
     }
+    sync_path(tmp.path())?;
+    let dst = root.join(format!("step_{:06}", state.step));
     let kept = tmp.keep();
+    // Replacing a checkpoint of the same step: move the old one aside first, so there is always one.
+    let old = root.join(format!(".old-step_{:06}", state.step));
+    if dst.exists() {
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(&dst, &old)
+            .with_context(|| format!("{}: cannot move the old checkpoint aside", dst.display()))?;
+    }
     std::fs::rename(&kept, &dst)
         .with_context(|| format!("{}: cannot move the checkpoint into place", dst.display()))?;
+    sync_path(&root)?;
+    let _ = std::fs::remove_dir_all(&old);
+    if keep > 0 {
+        prune(run_dir, keep)?;
+    }
     Ok(dst)
+}
+
+/// Removes what a killed writer left behind (temporary and set-aside directories).
+fn remove_leftovers(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with(".tmp-ckpt") || name.starts_with(".old-step_") {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// Every complete checkpoint of a run, oldest first.
+pub fn list(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
+    let Ok(entries) = std::fs::read_dir(checkpoints_dir(run_dir)) else {
+        return vec![];
+    };
+    let mut all: Vec<(PathBuf, TrainerState)> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("step_"))
+        .filter_map(|e| {
+            let p = e.path();
+            let state = crate::io::read_json::<TrainerState>(&p.join("trainer_state.json")).ok()?;
+            Some((p, state))
+        })
+        .collect();
+    all.sort_by_key(|(_, s)| s.step);
+    all
+}
+
+/// Keeps the newest `keep` checkpoints of a run.
+pub fn prune(run_dir: &Path, keep: usize) -> anyhow::Result<()> {
+    let all = list(run_dir);
+    let n = all.len().saturating_sub(keep);
+    for (p, _) in &all[..n] {
+        std::fs::remove_dir_all(p).with_context(|| format!("{}: cannot remove", p.display()))?;
+    }
+    Ok(())
 }
 
 /// The newest complete checkpoint of a run, if any.
 pub fn latest(run_dir: &Path) -> Option<(PathBuf, TrainerState)> {
-    let mut best: Option<(PathBuf, TrainerState)> = None;
-    for e in std::fs::read_dir(checkpoints_dir(run_dir)).ok()?.flatten() {
-        let p = e.path();
-        let name = p.file_name()?.to_string_lossy().to_string();
-        if !name.starts_with("step_") {
-            continue;
-        }
-        let Ok(state) = crate::io::read_json::<TrainerState>(&p.join("trainer_state.json")) else {
-            continue;
-        };
-        if best.as_ref().is_none_or(|(_, s)| state.step > s.step) {
-            best = Some((p, state));
-        }
-    }
-    best
+    list(run_dir).pop()
 }

@@ -160,6 +160,14 @@ pub struct RlConfig {
     /// What `error_tokens/*` counts as a repetition loop (raise `min_span` for character tokenizers).
     #[serde(default)]
     pub error_tokens: crate::rl::metrics::LoopRule,
+    /// Stop the run after this many consecutive steps whose update was skipped for a non-finite (NaN or
+    /// infinite) loss or gradient (0: never stop; such updates are always skipped).
+    #[serde(default = "default_max_nonfinite_steps")]
+    pub max_nonfinite_steps: usize,
+}
+
+fn default_max_nonfinite_steps() -> usize {
+    5
 }
 
 fn default_adam_eps() -> f32 {
@@ -209,6 +217,13 @@ pub struct TrainConfig {
     /// Write a checkpoint every this many RL steps (0: only at the end).
     #[serde(default)]
     pub checkpoint_every: usize,
+    /// Keep only the newest this many checkpoints (0: keep all).
+    #[serde(default = "default_keep_checkpoints")]
+    pub keep_checkpoints: usize,
+}
+
+fn default_keep_checkpoints() -> usize {
+    3
 }
 
 /// The configuration `qarl train` runs without arguments: a tiny MoE on synthetic arithmetic.
@@ -217,9 +232,10 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");
 pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/models/qwen3-moe-arith.json");
 
 impl TrainConfig {
-    /// Parses TOML text; errors name `origin` and the offending key.
+    /// Parses TOML text; errors name `origin`, the full key path and the reason, and suggest the closest
+    /// valid key for a misspelt one.
     pub fn from_toml(text: &str, origin: &str) -> anyhow::Result<Self> {
-        let cfg: Self = toml::from_str(text).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+        let cfg: Self = toml::from_str(text).map_err(|e| explain_toml_error(&e, text, origin))?;
         cfg.validate()
             .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         Ok(cfg)
@@ -231,45 +247,263 @@ impl TrainConfig {
         Self::from_toml(&text, &path.display().to_string())
     }
 
-    /// Range checks the type system cannot express.
+    /// Range checks the type system cannot express; errors name the key path, its value and the rule.
     pub fn validate(&self) -> anyhow::Result<()> {
+        fn check(
+            ok: bool,
+            key: &str,
+            value: impl std::fmt::Display,
+            rule: &str,
+        ) -> anyhow::Result<()> {
+            if !ok {
+                bail!("`{key}` = {value}: must be {rule}");
+            }
+            Ok(())
+        }
+        let pos_f32 = |v: f32| v > 0.0 && v.is_finite();
+        let nonneg_f32 = |v: f32| v >= 0.0 && v.is_finite();
+        check(
+            pos_f32(self.model.init_std),
+            "model.init_std",
+            self.model.init_std,
+            "a finite number > 0",
+        )?;
         let r = &self.rollout;
-        if r.prompts_per_step == 0 || r.samples_per_prompt < 2 {
-            bail!("rollout: prompts_per_step must be >= 1 and samples_per_prompt >= 2 (group baselines)");
-        }
-        if r.max_new_tokens == 0 {
-            bail!("rollout.max_new_tokens must be >= 1");
-        }
-        if !(r.temperature > 0.0 && r.temperature.is_finite()) {
-            bail!("rollout.temperature must be > 0");
-        }
-        if !(r.top_p > 0.0 && r.top_p <= 1.0) {
-            bail!("rollout.top_p must be in (0, 1]");
-        }
+        check(
+            r.prompts_per_step >= 1,
+            "rollout.prompts_per_step",
+            r.prompts_per_step,
+            ">= 1",
+        )?;
+        check(
+            r.samples_per_prompt >= 2,
+            "rollout.samples_per_prompt",
+            r.samples_per_prompt,
+            ">= 2 (advantages need a group baseline)",
+        )?;
+        check(
+            r.max_new_tokens >= 1,
+            "rollout.max_new_tokens",
+            r.max_new_tokens,
+            ">= 1",
+        )?;
+        check(
+            pos_f32(r.temperature),
+            "rollout.temperature",
+            r.temperature,
+            "a finite number > 0",
+        )?;
+        check(
+            r.top_p > 0.0 && r.top_p <= 1.0,
+            "rollout.top_p",
+            r.top_p,
+            "in (0, 1]",
+        )?;
         let t = &self.train;
-        if !(t.lr > 0.0 && t.lr.is_finite()) || t.epochs == 0 {
-            bail!("train: lr must be > 0 and epochs >= 1");
-        }
-        if t.grad_clip < 0.0 {
-            bail!("train.grad_clip must be >= 0");
-        }
+        check(
+            t.lr > 0.0 && t.lr.is_finite(),
+            "train.lr",
+            t.lr,
+            "a finite number > 0",
+        )?;
+        check(t.epochs >= 1, "train.epochs", t.epochs, ">= 1")?;
+        check(
+            nonneg_f32(t.weight_decay),
+            "train.weight_decay",
+            t.weight_decay,
+            "a finite number >= 0",
+        )?;
+        check(
+            pos_f32(t.adam_eps),
+            "train.adam_eps",
+            t.adam_eps,
+            "a finite number > 0",
+        )?;
+        check(
+            nonneg_f32(t.grad_clip),
+            "train.grad_clip",
+            t.grad_clip,
+            "a finite number >= 0 (0 = off)",
+        )?;
         t.loss
             .clone()
             .resolve()
-            .map_err(|e| anyhow::anyhow!("train.loss: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("`train.loss`: {e}"))?;
         t.advantage
             .validate()
-            .map_err(|e| anyhow::anyhow!("train.advantage: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("`train.advantage`: {e}"))?;
+        self.verify
+            .validate()
+            .map_err(|e| anyhow::anyhow!("`verify`: {e}"))?;
+        if let crate::tasks::TaskConfig::Arithmetic(a) = &self.task {
+            a.validate().map_err(|e| anyhow::anyhow!("`task`: {e}"))?;
+        }
         if let Some(s) = &self.sft {
-            if s.batch_size == 0 || s.lr.is_nan() || s.lr <= 0.0 {
-                bail!("sft: batch_size must be >= 1 and lr > 0");
-            }
+            check(s.steps >= 1, "sft.steps", s.steps, ">= 1")?;
+            check(s.batch_size >= 1, "sft.batch_size", s.batch_size, ">= 1")?;
+            check(
+                s.lr > 0.0 && s.lr.is_finite(),
+                "sft.lr",
+                s.lr,
+                "a finite number > 0",
+            )?;
+            check(
+                nonneg_f32(s.weight_decay),
+                "sft.weight_decay",
+                s.weight_decay,
+                "a finite number >= 0",
+            )?;
+            check(s.log_every >= 1, "sft.log_every", s.log_every, ">= 1")?;
         }
-        if self.eval.every == 0 || self.eval.max_new_tokens == 0 {
-            bail!("eval: every and max_new_tokens must be >= 1");
-        }
+        let e = &self.eval;
+        check(e.every >= 1, "eval.every", e.every, ">= 1")?;
+        check(e.problems >= 1, "eval.problems", e.problems, ">= 1")?;
+        check(
+            e.max_new_tokens >= 1,
+            "eval.max_new_tokens",
+            e.max_new_tokens,
+            ">= 1",
+        )?;
+        check(
+            pos_f32(e.temperature),
+            "eval.temperature",
+            e.temperature,
+            "a finite number > 0",
+        )?;
         Ok(())
     }
+}
+
+/// Turns a TOML/serde error into one that names the file, the line, the full key path and the reason, and
+/// suggests the closest valid key or value for a misspelt one.
+fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str) -> anyhow::Error {
+    let msg = e.message().trim();
+    let pos = e.span().map(|s| s.start.min(text.len()));
+    let line = pos.map(|p| text[..p].matches('\n').count() + 1);
+    let (table, key) = pos.map(|p| key_path_at(text, p)).unwrap_or_default();
+    let join = |k: &str| {
+        if table.is_empty() {
+            k.to_string()
+        } else if k.is_empty() {
+            table.clone()
+        } else {
+            format!("{table}.{k}")
+        }
+    };
+    let mut out = origin.to_string();
+    if let Some(l) = line {
+        out.push_str(&format!(", line {l}"));
+    }
+    if let Some((bad, expected)) = unknown_name(msg, "unknown field") {
+        out.push_str(&format!(": unknown key `{}`", join(&bad)));
+        match closest(&bad, &expected) {
+            Some(best) => out.push_str(&format!("; did you mean `{}`?", join(best))),
+            None => out.push_str(&format!("; valid keys here: {}", list(&expected))),
+        }
+    } else if let Some((bad, expected)) = unknown_name(msg, "unknown variant") {
+        out.push_str(&format!(
+            ": `{}` = \"{bad}\" is not a valid value",
+            join(&key)
+        ));
+        match closest(&bad, &expected) {
+            Some(best) => out.push_str(&format!("; did you mean \"{best}\"?")),
+            None => out.push_str(&format!("; expected one of {}", list(&expected))),
+        }
+    } else if let Some(field) = msg
+        .strip_prefix("missing field `")
+        .and_then(|r| r.split('`').next())
+    {
+        out.push_str(&format!(": missing key `{}`", join(field)));
+    } else if !key.is_empty() || !table.is_empty() {
+        out.push_str(&format!(": `{}`: {msg}", join(&key)));
+    } else {
+        out.push_str(&format!(": {msg}"));
+    }
+    anyhow::anyhow!("{out}\n{e}")
+}
+
+fn list(names: &[String]) -> String {
+    names
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `(name, expected names)` from serde's "unknown field `x`, expected one of `a`, `b`" (or variant).
+fn unknown_name(msg: &str, what: &str) -> Option<(String, Vec<String>)> {
+    let rest = msg.split_once(&format!("{what} `"))?.1;
+    let (bad, tail) = rest.split_once('`')?;
+    let expected = tail
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_string)
+        .collect();
+    Some((bad.to_string(), expected))
+}
+
+/// The table path and key of the TOML line around byte `pos`: the nearest `[header]` above and the key
+/// before `=` (empty when the line has none).
+fn key_path_at(text: &str, pos: usize) -> (String, String) {
+    let line_start = text[..pos].rfind('\n').map_or(0, |i| i + 1);
+    let line_end = text[pos..].find('\n').map_or(text.len(), |i| pos + i);
+    let clean = |s: &str| {
+        s.split('.')
+            .map(|p| p.trim().trim_matches('"').trim_matches('\''))
+            .collect::<Vec<_>>()
+            .join(".")
+    };
+    let header = |l: &str| -> Option<String> {
+        let l = l.trim();
+        if !l.starts_with('[') {
+            return None;
+        }
+        let inner = l.trim_start_matches('[');
+        let inner = inner.split(']').next().unwrap_or("");
+        Some(clean(inner))
+    };
+    let line = &text[line_start..line_end];
+    if let Some(h) = header(line) {
+        return (h, String::new());
+    }
+    let table = text[..line_start]
+        .lines()
+        .rev()
+        .find_map(header)
+        .unwrap_or_default();
+    let key = line
+        .split_once('=')
+        .map(|(k, _)| clean(k))
+        .unwrap_or_default();
+    (table, key)
+}
+
+/// Edit distance between two strings (Levenshtein, by characters).
+pub fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, &cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
+/// The candidate closest to `name`, when it is close enough to be a likely typo.
+pub fn closest<'a>(name: &str, candidates: &'a [String]) -> Option<&'a str> {
+    let lower = name.to_lowercase();
+    candidates
+        .iter()
+        .map(|c| (edit_distance(&lower, &c.to_lowercase()), c))
+        .filter(|(d, c)| *d <= (c.chars().count().max(name.chars().count()) / 3).max(2))
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, c)| c.as_str())
 }
 
 /// Learning rate at `step` (0-based) of `total` with linear warm-up.

@@ -79,23 +79,71 @@ pub fn prepare_model(
     Ok(())
 }
 
+/// How to run the RL loop.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Continue from the newest checkpoint of the run directory.
+    pub resume: bool,
+    /// No progress bars.
+    pub quiet: bool,
+    /// Stop right after this step (and its checkpoint, when one is due) as if the process had been
+    /// killed: no final evaluation or checkpoint (for tests of `resume`).
+    pub stop_after_step: Option<usize>,
+    /// Steps whose loss is made NaN (fault injection for tests of the non-finite guard).
+    pub inject_nonfinite_steps: Vec<usize>,
+}
+
+/// A step whose gradient norm exceeds this multiple of the moving average is logged as a spike.
+pub const GRAD_NORM_SPIKE_FACTOR: f64 = 10.0;
+
 /// Runs (or, with `resume`, continues) the RL run of `cfg`.
 pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSummary> {
+    run_with(
+        cfg,
+        &RunOptions {
+            resume,
+            quiet,
+            ..RunOptions::default()
+        },
+    )
+}
+
+/// Runs the RL loop of `cfg` with `opts`.
+pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
+    let (resume, quiet) = (opts.resume, opts.quiet);
     let device = Device::flex().autodiff();
     std::fs::create_dir_all(&cfg.run_dir)
         .with_context(|| format!("{}: cannot create", cfg.run_dir.display()))?;
-    crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = if resume {
         checkpoint::latest(&cfg.run_dir)
     } else {
         None
     };
+    if let Some((p, state)) = &resumed {
+        if let Some(seed) = state.seed.filter(|&s| s != cfg.seed) {
+            anyhow::bail!(
+                "{}: written by a run with seed {seed}, but the config has seed {}; resuming would not \
+                 continue the same run (set `seed = {seed}`, or choose another `run_dir` for a new run)",
+                p.display(),
+                cfg.seed
+            );
+        }
+    }
+    crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     if !resume && metrics_path.exists() {
         std::fs::remove_file(&metrics_path)?;
     }
     if let Some((_, state)) = &resumed {
         metrics::truncate_after(&metrics_path, "rl", state.step)?;
+        // The evaluation after the checkpoint's step is logged before the checkpoint is written; the final
+        // one of a finished run is redone.
+        let last_eval = if state.step + 1 < cfg.train.steps {
+            state.step + 1
+        } else {
+            state.step
+        };
+        metrics::truncate_after(&metrics_path, "eval", last_eval)?;
     }
     let mut log = MetricsLog::open(&metrics_path)?;
     prepare_model(cfg, &device, &mut log, quiet)?;
@@ -103,7 +151,10 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     let model_dir = resumed
         .as_ref()
         .map_or(cfg.model.dir.clone(), |(p, _)| p.clone());
-    let mut model = Decoder::load(&model_dir, &device)?;
+    let mut model = match &resumed {
+        Some((p, _)) => checkpoint::load_model(p, &device)?,
+        None => Decoder::load(&model_dir, &device)?,
+    };
     let config_json: serde_json::Value = crate::io::read_json(&model_dir.join("config.json"))?;
     let tok = Tokenizer::load_optional(&cfg.model.dir)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
@@ -119,18 +170,27 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
         optim_cfg = optim_cfg.with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)));
     }
     let mut optim = optim_cfg.init();
-    let start = match &resumed {
-        Some((p, state)) => {
-            optim = optim
-                .load(p.join("optimizer.bpk"))
-                .map_err(|e| anyhow::anyhow!("{}: optimizer state: {e:?}", p.display()))?;
-            state.step + 1
-        }
-        None => 0,
+    let mut state = checkpoint::TrainerState {
+        step: 0,
+        seed: Some(cfg.seed),
+        next_step: 0,
+        consecutive_nonfinite: 0,
+        grad_norm_ema_bits: None,
     };
+    if let Some((p, saved)) = &resumed {
+        optim = optim
+            .load(p.join("optimizer.bpk"))
+            .map_err(|e| anyhow::anyhow!("{}: optimizer state: {e:?}", p.display()))?;
+        state = saved.clone();
+        state.seed = Some(cfg.seed);
+        state.next_step = saved.step + 1;
+        tracing::info!(checkpoint = %p.display(), next_step = state.next_step, "resuming");
+    }
+    let start = state.next_step;
     rl::set_rollout_precision(&mut model, cfg)?;
 
     let evaluate = |model: &Decoder, step: usize, log: &mut MetricsLog| -> anyhow::Result<f64> {
+        let spinner = progress::spinner(&format!("eval at step {step}"), quiet);
         let plain = model.valid();
         let mut row = serde_json::json!({"phase": "eval", "step": step});
         let mut rollout_acc = 0.0;
@@ -139,6 +199,7 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
             precisions.push(config::Precision(None));
         }
         for p in precisions {
+            spinner.set_message(format!("{p}"));
             let m = eval::evaluate(
                 &plain,
                 p,
@@ -156,8 +217,23 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
                 row[k] = serde_json::json!(v);
             }
         }
+        spinner.finish_and_clear();
         log.write(&row)?;
         Ok(rollout_acc)
+    };
+    let save = |model: &Decoder,
+                optim: &burn::optim::ModuleOptimizer,
+                state: &checkpoint::TrainerState|
+     -> anyhow::Result<PathBuf> {
+        checkpoint::save(
+            &cfg.run_dir,
+            state,
+            model,
+            &config_json,
+            optim,
+            &cfg.model.dir,
+            cfg.keep_checkpoints,
+        )
     };
 
     let before = if start == 0 {
@@ -167,10 +243,34 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     };
     let bar = progress::progress_bar((tc.steps.saturating_sub(start)) as u64, "rl", quiet);
     for step in start..tc.steps {
-        let out = rl::rl_step(&mut model, &mut optim, &task, &tok, eos, cfg, step)?;
+        let inject = opts.inject_nonfinite_steps.contains(&step);
+        let out = rl::rl_step(&mut model, &mut optim, &task, &tok, eos, cfg, step, inject)?;
+        state.step = step;
+        state.next_step = step + 1;
+        if out.nonfinite_updates > 0 {
+            state.consecutive_nonfinite += 1;
+        } else {
+            state.consecutive_nonfinite = 0;
+        }
         let mut row = serde_json::json!({"phase": "rl", "step": step});
         for (k, v) in &out.metrics {
             row[k.as_str()] = serde_json::json!(v);
+        }
+        row["train/consecutive_nonfinite"] = serde_json::json!(state.consecutive_nonfinite);
+        if let Some(g) = out.grad_norm {
+            let ema = state.grad_norm_ema_bits.map(f64::from_bits);
+            let spike = ema.is_some_and(|e| g > GRAD_NORM_SPIKE_FACTOR * e);
+            if spike {
+                tracing::warn!(
+                    step,
+                    grad_norm = g,
+                    average = ema.unwrap_or_default(),
+                    "gradient-norm spike"
+                );
+            }
+            row["train/grad_norm_spike"] = serde_json::json!(u8::from(spike));
+            let next = ema.map_or(g, |e| 0.9 * e + 0.1 * g);
+            state.grad_norm_ema_bits = Some(next.to_bits());
         }
         log.write(&row)?;
         bar.set_message(format!(
@@ -189,31 +289,40 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
                 .unwrap_or(f64::NAN),
         ));
         bar.inc(1);
+        if tc.max_nonfinite_steps > 0 && state.consecutive_nonfinite >= tc.max_nonfinite_steps {
+            bar.abandon();
+            let ckpt = save(&model, &optim, &state)?;
+            anyhow::bail!(
+                "stopping the run: {} consecutive RL steps (steps {}..={step}) had a NaN or infinite loss \
+                 or gradient, so their updates were skipped (`train.max_nonfinite_steps` = {}). The last \
+                 good weights are in {}; lower `train.lr`, set `train.grad_clip`, or check the data, then \
+                 `--resume`.",
+                state.consecutive_nonfinite,
+                step + 1 - state.consecutive_nonfinite,
+                tc.max_nonfinite_steps,
+                ckpt.display()
+            );
+        }
         if (step + 1) % cfg.eval.every == 0 && step + 1 < tc.steps {
             evaluate(&model, step + 1, &mut log)?;
         }
         if cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 {
-            checkpoint::save(
-                &cfg.run_dir,
-                step,
-                &model,
-                &config_json,
-                &optim,
-                &cfg.model.dir,
-            )?;
+            save(&model, &optim, &state)?;
+        }
+        if opts.stop_after_step == Some(step) {
+            bar.abandon();
+            return Ok(RunSummary {
+                run_dir: cfg.run_dir.clone(),
+                metrics_path,
+                accuracy_before: before,
+                accuracy_after: None,
+            });
         }
     }
     bar.finish();
     let after = evaluate(&model, tc.steps, &mut log)?;
-    if tc.steps > 0 {
-        checkpoint::save(
-            &cfg.run_dir,
-            tc.steps - 1,
-            &model,
-            &config_json,
-            &optim,
-            &cfg.model.dir,
-        )?;
+    if tc.steps > 0 && start < tc.steps {
+        save(&model, &optim, &state)?;
     }
     Ok(RunSummary {
         run_dir: cfg.run_dir.clone(),

@@ -15,3 +15,16 @@ pub fn progress_bar(len: u64, phase: &str, quiet: bool) -> ProgressBar {
     bar.set_style(style);
     bar
 }
+
+/// A spinner with elapsed time for work of unknown length (evaluation); hidden with `--quiet`.
+pub fn spinner(phase: &str, quiet: bool) -> ProgressBar {
+    if quiet {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new_spinner();
+    let style = ProgressStyle::with_template(&format!("{{spinner}} {phase} {{msg}} {{elapsed}}"))
+        .unwrap_or_else(|_| ProgressStyle::default_spinner());
+    bar.set_style(style);
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 
@@ -40,9 +40,34 @@ pub fn set_rollout_precision(model: &mut Decoder, cfg: &TrainConfig) -> anyhow::
 /// Everything one step produced for the log.
 pub struct StepOutcome {
     pub metrics: BTreeMap<String, f64>,
+    /// Updates of this step skipped because the loss or the gradient was NaN or infinite.
+    pub nonfinite_updates: usize,
+    /// Global L2 norm of the gradient, averaged over the step's applied updates (before clipping).
+    pub grad_norm: Option<f64>,
+}
+
+/// The global L2 norm of the gradients of `model`'s float parameters (NaN/inf when any entry is).
+pub fn grad_norm(model: &Decoder, grads: &GradientsParams) -> f64 {
+    struct Norm<'a> {
+        grads: &'a GradientsParams,
+        sq: f64,
+    }
+    impl ModuleVisitor for Norm<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                let sq = to_f32_vec((g.clone() * g).sum());
+                self.sq += sq.first().copied().unwrap_or(f32::NAN) as f64;
+            }
+        }
+    }
+    let mut v = Norm { grads, sq: 0.0 };
+    model.visit(&mut v);
+    v.sq.sqrt()
 }
 
 /// Runs RL step `step` on `model` (autodiff device; its quantized state is the rollout's weight version).
+/// An update whose loss or gradient is not finite is skipped (the weights and optimizer state stay);
+/// `inject_nonfinite` makes every loss NaN (fault injection for tests).
 #[allow(clippy::too_many_arguments)]
 pub fn rl_step(
     model: &mut Decoder,
@@ -52,8 +77,11 @@ pub fn rl_step(
     eos: u32,
     cfg: &TrainConfig,
     step: usize,
+    inject_nonfinite: bool,
 ) -> anyhow::Result<StepOutcome> {
     let t0 = Instant::now();
+    let mut nonfinite_updates = 0usize;
+    let mut grad_norms: Vec<f64> = Vec::new();
     let rc = &cfg.rollout;
     let g = rc.samples_per_prompt;
     let examples = task.sample_prompts(
@@ -246,12 +274,28 @@ pub fn rl_step(
                 let outp = loss_fn
                     .compute(inputs)
                     .map_err(|e| anyhow::anyhow!("{e}"))?;
+                let mut loss: Tensor<1> = outp.loss;
+                if inject_nonfinite {
+                    loss = loss * f32::NAN;
+                }
+                let loss_value = to_f32_vec(loss.clone())[0];
+                let grads = loss.backward();
+                let grads = GradientsParams::from_grads(grads, &*model);
+                let norm = grad_norm(model, &grads);
+                if !loss_value.is_finite() || !norm.is_finite() {
+                    tracing::warn!(
+                        step,
+                        loss = loss_value,
+                        grad_norm = norm,
+                        "non-finite loss or gradient: update skipped (weights unchanged)"
+                    );
+                    nonfinite_updates += 1;
+                    continue;
+                }
+                grad_norms.push(norm);
                 for (k, v) in outp.metrics.to_map() {
                     *loss_metrics.entry(k).or_default() += v;
                 }
-                let loss: Tensor<1> = outp.loss;
-                let grads = loss.backward();
-                let grads = GradientsParams::from_grads(grads, &*model);
                 let stepped = optim.step(lr, model.clone(), grads);
                 *model = stepped;
                 updates += 1;
@@ -290,8 +334,22 @@ pub fn rl_step(
         m.insert("perf/update_s".into(), t_train.elapsed().as_secs_f64());
         m.insert("actor/lr".into(), lr);
     }
+    m.insert("train/nonfinite_updates".into(), nonfinite_updates as f64);
+    let grad_norm =
+        (!grad_norms.is_empty()).then(|| grad_norms.iter().sum::<f64>() / grad_norms.len() as f64);
+    if let Some(g) = grad_norm {
+        m.insert("actor/grad_norm".into(), g);
+        m.insert(
+            "actor/grad_norm_max".into(),
+            grad_norms.iter().copied().fold(0.0, f64::max),
+        );
+    }
     // The next rollout's weight version.
     set_rollout_precision(model, cfg)?;
     m.insert("perf/step_s".into(), t0.elapsed().as_secs_f64());
-    Ok(StepOutcome { metrics: m })
+    Ok(StepOutcome {
+        metrics: m,
+        nonfinite_updates,
+        grad_norm,
+    })
 }

@@ -99,3 +99,62 @@ pub fn run_qarl_json(cmd: &mut std::process::Command, output: &Path) -> serde_js
     );
     serde_json::from_str(&std::fs::read_to_string(output).unwrap()).unwrap()
 }
+
+/// The TOML of a small, fast training run rooted in `dir` (run in `dir/run`, model in `dir/model`):
+/// 1-digit arithmetic, 8 SFT steps, int4 rollouts, TBPO, a checkpoint every step, all kept.
+pub fn tiny_train_toml(dir: &Path, forward: &str, rl_steps: usize) -> String {
+    let model_cfg =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
+    format!(
+        r#"
+run_dir = "{run}"
+seed = 3
+checkpoint_every = 1
+keep_checkpoints = 0
+[model]
+dir = "{model}"
+init_config = "{init}"
+[task]
+kind = "arithmetic"
+max_digits = 1
+max_terms = 2
+[sft]
+steps = 8
+batch_size = 8
+lr = 3e-3
+[rollout]
+precision = "int4-g32"
+prompts_per_step = 3
+samples_per_prompt = 4
+max_new_tokens = 12
+[train]
+steps = {rl_steps}
+forward = "{forward}"
+lr = 1e-4
+[train.loss]
+objective = "tbpo"
+[eval]
+every = 100
+problems = 4
+max_new_tokens = 12
+"#,
+        run = dir.join("run").display(),
+        model = dir.join("model").display(),
+        init = model_cfg.display(),
+    )
+}
+
+/// The rows of a metrics.jsonl file with the timing keys (`perf/*`) removed.
+pub fn metrics_without_timing(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let mut v: serde_json::Value = serde_json::from_str(l).unwrap();
+            if let Some(o) = v.as_object_mut() {
+                o.retain(|k, _| !k.starts_with("perf/"));
+            }
+            v
+        })
+        .collect()
+}
