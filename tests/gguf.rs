@@ -1,0 +1,238 @@
+//! GGUF import against its oracles (tests/fixtures/gguf/make_gguf_fixtures.py): gguf-py's dequantization
+//! (bit-exact) and transformers' own loading of the same GGUF file (token ids, logits, greedy ids); hostile
+//! files are errors naming the file; the real SmolLM2-135M-Instruct when it has been fetched.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use common::max_abs_diff;
+use qarl::model::gguf::{dequantize, import_gguf, GgmlType, GgufFile, OutputDtype};
+use qarl::model::layers::to_f32_vec;
+use qarl::model::{Decoder, Tokenizer};
+use qarl::rollout::generate_greedy;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf")
+}
+
+fn read_json(p: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+#[test]
+fn dequantization_is_bit_exact_with_gguf_py() {
+    let r = read_json(&fixtures().join("dequant_reference.json"));
+    let mut seen = Vec::new();
+    for case in r["cases"].as_array().unwrap() {
+        let ty = GgmlType::from_id(case["id"].as_u64().unwrap() as u32).unwrap();
+        assert_eq!(ty.name(), case["type"].as_str().unwrap());
+        let bytes: Vec<u8> = case["bytes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u8)
+            .collect();
+        let want: Vec<u32> = case["f32_bits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let got: Vec<u32> = dequantize(ty, &bytes)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(got, want, "{}", ty.name());
+        seen.push(ty.name());
+    }
+    assert_eq!(
+        seen,
+        ["F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+    );
+    // Types GGUF knows but the importer does not read are named in the error.
+    let err = dequantize(GgmlType::Q5K, &[0u8; 176]).unwrap_err();
+    assert!(err.contains("Q5_K") && err.contains("not supported"), "{err}");
+}
+
+fn imported_tiny_llama(dir: &Path) -> PathBuf {
+    let out = dir.join("tiny_llama");
+    let s = import_gguf(&fixtures().join("tiny_llama.gguf"), &out, OutputDtype::F32).unwrap();
+    assert_eq!(s.architecture, "llama");
+    for t in ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "F16", "F32"] {
+        assert!(s.source_types.contains_key(t), "fixture lacks {t}");
+    }
+    out
+}
+
+/// The imported model and tokenizer do what transformers does with the same GGUF file.
+#[test]
+fn imported_llama_matches_transformers_reading_the_same_gguf() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = imported_tiny_llama(tmp.path());
+    let r = read_json(&fixtures().join("tiny_llama_reference.json"));
+    let cfg = read_json(&dir.join("config.json"));
+    for (k, v) in r["config"].as_object().unwrap() {
+        assert_eq!(&cfg[k], v, "config.json `{k}`");
+    }
+    let tok = Tokenizer::load_optional(&dir).unwrap().unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    for (text, want) in r["texts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(r["ids"].as_array().unwrap())
+    {
+        let text = text.as_str().unwrap();
+        assert_eq!(tok.encode(text).unwrap(), ids(want), "token ids of {text:?}");
+        assert_eq!(tok.decode(&ids(want)).unwrap(), text);
+    }
+    let chat = r["chat_prompt"].as_str().unwrap();
+    let tc = read_json(&dir.join("tokenizer_config.json"));
+    assert!(tc["chat_template"].as_str().unwrap().contains("<|im_start|>"));
+    assert_eq!(tc["eos_token"], "<|im_end|>");
+    assert!(chat.starts_with("<|im_start|>user\n"));
+
+    let device = Device::flex();
+    let model = Decoder::load(&dir, &device).unwrap();
+    let mut worst = 0.0f32;
+    for (seq, want) in r["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(r["logits"].as_array().unwrap())
+    {
+        let got = to_f32_vec(model.forward(&[ids(seq)], None, None, None).logits);
+        let want: Vec<f32> = want
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+            .collect();
+        worst = worst.max(max_abs_diff(&got, &want));
+    }
+    println!("tiny llama from GGUF: max |logit diff| vs transformers = {worst:.3e}");
+    assert!(worst < 1e-4, "max |logit diff| {worst}");
+    let prompt = ids(&r["greedy_prompt"]);
+    let greedy = generate_greedy(&model, std::slice::from_ref(&prompt), 12, &[]);
+    assert_eq!(greedy[0][prompt.len()..], ids(&r["greedy_ids"]));
+}
+
+/// A copy of the fixture with `edit` applied to its bytes.
+fn edited(dir: &Path, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
+    let mut bytes = std::fs::read(fixtures().join("tiny_llama.gguf")).unwrap();
+    edit(&mut bytes);
+    let p = dir.join(name);
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// Byte offset of the first tensor info (the name of `token_embd.weight`, preceded by its length).
+fn first_tensor_info(bytes: &[u8]) -> usize {
+    let needle = b"token_embd.weight";
+    bytes.windows(needle.len()).position(|w| w == needle).unwrap() - 8
+}
+
+#[test]
+fn hostile_gguf_files_are_errors_naming_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let cases: Vec<(PathBuf, &str)> = vec![
+        (edited(d, "magic.gguf", |b| b[0] = b'X'), "magic"),
+        (edited(d, "version.gguf", |b| b[4] = 9), "version 9"),
+        (
+            edited(d, "truncated.gguf", |b| b.truncate(b.len() / 2)),
+            "past the end",
+        ),
+        (edited(d, "header_only.gguf", |b| b.truncate(100)), "truncated"),
+        (
+            edited(d, "huge_count.gguf", |b| b[8..16].copy_from_slice(&u64::MAX.to_le_bytes())),
+            "beyond any real model",
+        ),
+        (
+            edited(d, "bad_type.gguf", |b| {
+                // the type id follows name, rank (u32) and two dims (u64) of the first tensor info
+                let at = first_tensor_info(b) + 8 + 17 + 4 + 16;
+                b[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
+            }),
+            "unknown GGML type id 99",
+        ),
+        (
+            edited(d, "offset.gguf", |b| {
+                let at = first_tensor_info(b) + 8 + 17 + 4 + 16 + 4;
+                b[at..at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+            }),
+            "past the end",
+        ),
+        (
+            edited(d, "overlap.gguf", |b| {
+                // the second tensor info's offset set to the first tensor's (0): overlapping data
+                let first = first_tensor_info(b);
+                let name_len = u64::from_le_bytes(b[first + 8 + 17 + 4 + 16 + 4 + 8..][..8].try_into().unwrap()) as usize;
+                let second = first + 8 + 17 + 4 + 16 + 4 + 8;
+                let rank = u32::from_le_bytes(b[second + 8 + name_len..][..4].try_into().unwrap()) as usize;
+                let at = second + 8 + name_len + 4 + 8 * rank + 4;
+                b[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
+            }),
+            "overlap",
+        ),
+    ];
+    for (path, want) in cases {
+        let err = match GgufFile::open(&path) {
+            Err(e) => e.to_string(),
+            Ok(_) => import_gguf(&path, &d.join("out"), OutputDtype::F32)
+                .unwrap_err()
+                .to_string(),
+        };
+        assert!(
+            err.contains(path.file_name().unwrap().to_str().unwrap()) && err.contains(want),
+            "{}: expected `{want}` in: {err}",
+            path.display()
+        );
+    }
+}
+
+/// The real SmolLM2-135M-Instruct (Q4_1 GGUF, fetched by scripts/fetch_smollm2.sh): it answers coherently —
+/// the greedy continuation transformers produces from the same GGUF file.
+#[test]
+fn smollm2_greedy_continuation_matches_transformers() {
+    let dir = std::env::var("QARL_SMOLLM2_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("models/smollm2-135m-instruct"));
+    if !dir.join("config.json").is_file() {
+        println!(
+            "SKIPPED smollm2_greedy_continuation_matches_transformers: no model at {} (run scripts/fetch_smollm2.sh)",
+            dir.display()
+        );
+        return;
+    }
+    let r = read_json(&fixtures().join("smollm2_reference.json"));
+    let tok = Tokenizer::load_optional(&dir).unwrap().unwrap();
+    let prompt = tok.encode(r["prompt"].as_str().unwrap()).unwrap();
+    let want_prompt: Vec<u32> = r["prompt_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(prompt, want_prompt);
+    let model = Decoder::load(&dir, &Device::flex()).unwrap();
+    let want: Vec<u32> = r["greedy_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    let got = generate_greedy(&model, std::slice::from_ref(&prompt), want.len(), &[]);
+    let new = &got[0][prompt.len()..];
+    println!("SmolLM2 greedy: {:?}", tok.decode(new).unwrap());
+    assert_eq!(new, want, "transformers: {}", r["greedy_text"]);
+}
