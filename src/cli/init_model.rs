@@ -17,10 +17,21 @@ pub struct InitModelArgs {
     /// Standard deviation of the matrices (normal(0, std)); norm weights are 1, biases 0.
     #[arg(long, default_value_t = 0.02)]
     pub std: f32,
+    /// Refuse models whose f32 weights would take more than this many GB (the weights are built in memory).
+    #[arg(long, default_value_t = 32.0)]
+    pub max_gb: f64,
 }
 
 pub fn run(args: InitModelArgs) -> anyhow::Result<()> {
     let cfg = ModelConfig::from_file(&args.config)?;
+    let gb = param_count(&cfg) as f64 * 4.0 / 1e9;
+    if gb > args.max_gb {
+        anyhow::bail!(
+            "{}: this model's f32 weights would take {gb:.1} GB, more than --max-gb {}; raise --max-gb if that is intended",
+            args.config.display(),
+            args.max_gb
+        );
+    }
     let start = std::time::Instant::now();
     write_random_checkpoint(&args.config, &args.output, args.seed, args.std)?;
     let n = param_count(&cfg);

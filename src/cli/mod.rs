@@ -1,10 +1,13 @@
 //! The `qarl` command line: argument parsing that calls into the library, no logic of its own.
 
 mod bench;
+mod config;
+mod eval;
 mod generate;
 mod import_gguf;
 mod init_model;
 mod quantize;
+mod runs;
 mod score;
 mod train;
 
@@ -30,6 +33,10 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// RL training (QaRL): without --config, a tiny MoE learns arithmetic (SFT first, then int4 QaRL + TBPO).
     Train(train::TrainArgs),
+    /// Show the resolved training config (`qarl config show default --set train.lr=1e-4`).
+    Config(config::ConfigArgs),
+    /// List the runs under runs/ and experiments/results/ with their last step, accuracy and status.
+    Runs(runs::RunsArgs),
     /// Render a run's metrics (reward, accuracy, mismatch KL, entropy, error tokens, step time) to PNG.
     Plot(train::PlotArgs),
     /// Run a comparison of training variants over seeds (resumable) and write its report.
@@ -38,6 +45,8 @@ pub enum Command {
     Sft(train::SftArgs),
     /// Write a quantized checkpoint (packed codes + scales) that every command loads without re-quantizing.
     Quantize(quantize::QuantizeArgs),
+    /// Greedy accuracy on a GSM8K-format JSONL file (chat or plain template), in any precision.
+    Eval(eval::EvalArgs),
     /// Import a llama.cpp GGUF file (Llama architecture) as a Hugging Face model directory.
     ImportGguf(import_gguf::ImportGgufArgs),
 }
@@ -74,9 +83,12 @@ pub fn run() -> anyhow::Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Quantize(a) => quantize::run(a),
         Command::ImportGguf(a) => import_gguf::run(a),
+        Command::Eval(a) => eval::run(a),
         Command::Train(a) => train::run_train(a),
         Command::Sft(a) => train::run_sft(a),
         Command::Experiment(a) => train::run_experiment(a),
         Command::Plot(a) => train::run_plot(a),
+        Command::Config(a) => config::run(a),
+        Command::Runs(a) => runs::run(a),
     }
 }

@@ -94,6 +94,12 @@ pub struct ModelConfig {
     pub quantization: Option<QuantConfig>,
 }
 
+/// The largest size or count accepted in a config.json (hostile values are rejected before anything is
+/// allocated from them).
+pub const MAX_DIM: u64 = 1 << 31;
+/// The most parameters a config may describe (about 1.1e12).
+pub const MAX_PARAMS: u128 = 1 << 40;
+
 /// Reads keys out of a JSON object and reports problems against the file they came from.
 struct Keys<'a> {
     path: &'a Path,
@@ -130,8 +136,15 @@ impl<'a> Keys<'a> {
             None => Ok(None),
             Some(v) => v
                 .as_u64()
+                .filter(|&x| x <= MAX_DIM)
                 .map(|x| Some(x as usize))
-                .ok_or_else(|| self.bad(names[0], "a non-negative integer", v)),
+                .ok_or_else(|| {
+                    self.bad(
+                        names[0],
+                        &format!("a non-negative integer of at most {MAX_DIM}"),
+                        v,
+                    )
+                }),
         }
     }
 
@@ -174,13 +187,14 @@ impl<'a> Keys<'a> {
                 .iter()
                 .map(|v| {
                     v.as_u64()
-                        .map(|x| x as u32)
+                        .and_then(|x| u32::try_from(x).ok())
                         .ok_or_else(|| self.bad(name, "a token id or a list of ids", v))
                 })
                 .collect(),
             Some(v) => v
                 .as_u64()
-                .map(|x| vec![x as u32])
+                .and_then(|x| u32::try_from(x).ok())
+                .map(|x| vec![x])
                 .ok_or_else(|| self.bad(name, "a token id or a list of ids", v)),
         }
     }
@@ -357,12 +371,35 @@ impl ModelConfig {
             (None, None) => return Err(k.missing(&["intermediate_size"])),
         };
 
+        let vocab_size = k.positive(&["vocab_size"])?;
+        let num_hidden_layers = k.positive(&["num_hidden_layers"])?;
+        // An upper bound of the parameter count, in u128 so hostile sizes cannot overflow it.
+        let (h, l) = (hidden_size as u128, num_hidden_layers as u128);
+        let attn = h
+            * head_dim as u128
+            * (2 * num_attention_heads as u128 + 2 * num_key_value_heads as u128);
+        let mlp = 3 * h * intermediate_size as u128
+            + moe.as_ref().map_or(0, |m| {
+                m.num_experts as u128 * (3 * h * m.moe_intermediate_size as u128 + h)
+            });
+        let params = 2 * vocab_size as u128 * h + l * (attn + mlp);
+        if params > MAX_PARAMS {
+            return Err(LoadError::InvalidConfig {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "the sizes describe about {params:.3e} parameters, more than the {MAX_PARAMS:.1e} this loader accepts (a corrupt or hostile config.json?)",
+                    params = params as f64,
+                    MAX_PARAMS = MAX_PARAMS as f64
+                ),
+            });
+        }
+
         Ok(Self {
             architecture,
-            vocab_size: k.positive(&["vocab_size"])?,
+            vocab_size,
             hidden_size,
             intermediate_size,
-            num_hidden_layers: k.positive(&["num_hidden_layers"])?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads,
             head_dim,

@@ -235,7 +235,18 @@ impl TrainConfig {
     /// Parses TOML text; errors name `origin`, the full key path and the reason, and suggest the closest
     /// valid key for a misspelt one.
     pub fn from_toml(text: &str, origin: &str) -> anyhow::Result<Self> {
-        let cfg: Self = toml::from_str(text).map_err(|e| explain_toml_error(&e, text, origin))?;
+        Self::parse(text, origin, true)
+    }
+
+    /// `from_toml` for text the user did not write line by line (a file with `--set` overrides applied):
+    /// errors name the key path but no line.
+    pub fn from_generated_toml(text: &str, origin: &str) -> anyhow::Result<Self> {
+        Self::parse(text, origin, false)
+    }
+
+    fn parse(text: &str, origin: &str, lines: bool) -> anyhow::Result<Self> {
+        let cfg: Self =
+            toml::from_str(text).map_err(|e| explain_toml_error(&e, text, origin, lines))?;
         cfg.validate()
             .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         Ok(cfg)
@@ -376,10 +387,12 @@ impl TrainConfig {
 
 /// Turns a TOML/serde error into one that names the file, the line, the full key path and the reason, and
 /// suggests the closest valid key or value for a misspelt one.
-fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str) -> anyhow::Error {
+fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str, lines: bool) -> anyhow::Error {
     let msg = e.message().trim();
     let pos = e.span().map(|s| s.start.min(text.len()));
-    let line = pos.map(|p| text[..p].matches('\n').count() + 1);
+    let line = pos
+        .filter(|_| lines)
+        .map(|p| text[..p].matches('\n').count() + 1);
     let (table, key) = pos.map(|p| key_path_at(text, p)).unwrap_or_default();
     let join = |k: &str| {
         if table.is_empty() {
@@ -419,7 +432,11 @@ fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str) -> anyhow::
     } else {
         out.push_str(&format!(": {msg}"));
     }
-    anyhow::anyhow!("{out}\n{e}")
+    if lines {
+        anyhow::anyhow!("{out}\n{e}")
+    } else {
+        anyhow::anyhow!("{out}")
+    }
 }
 
 fn list(names: &[String]) -> String {

@@ -355,5 +355,5 @@ pub fn load_config(path: Option<&Path>, overrides: &[String]) -> anyhow::Result<
         experiment::set_dotted(&mut doc, &key, value)?;
     }
     let text = toml::to_string(&doc)?;
-    TrainConfig::from_toml(&text, &format!("{origin} with --set overrides"))
+    TrainConfig::from_generated_toml(&text, &format!("{origin} with --set overrides"))
 }

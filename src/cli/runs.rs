@@ -1,0 +1,159 @@
+//! `qarl runs`: the run directories under runs/ and experiments/results/ with their last step, final
+//! held-out accuracy and status (finished, resumable, or neither).
+
+use std::path::{Path, PathBuf};
+
+use crate::train::{checkpoint, TrainConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct RunsArgs {
+    /// Directories to search (default: runs and experiments/results).
+    pub dirs: Vec<PathBuf>,
+}
+
+/// What `qarl runs` shows of one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunInfo {
+    pub dir: PathBuf,
+    /// Last RL step logged, if any.
+    pub last_step: Option<u64>,
+    /// Steps the config asks for.
+    pub steps: Option<usize>,
+    /// Greedy held-out accuracy of the newest evaluation (rollout precision), and its step.
+    pub accuracy: Option<(f64, u64)>,
+    pub status: String,
+}
+
+/// Finds run directories (those with a metrics.jsonl) under `root`, at most `depth` levels down.
+fn find(root: &Path, depth: usize, out: &mut Vec<PathBuf>) {
+    if root.join("metrics.jsonl").is_file() {
+        out.push(root.to_path_buf());
+        return;
+    }
+    if depth == 0 {
+        return;
+    }
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    let mut dirs: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n != "checkpoints"))
+        .collect();
+    dirs.sort();
+    for d in dirs {
+        find(&d, depth - 1, out);
+    }
+}
+
+/// Reads what a run directory says about itself; unreadable lines and files are skipped, not fatal.
+pub fn inspect(dir: &Path) -> RunInfo {
+    let cfg: Option<TrainConfig> = crate::io::read_json(&dir.join("config.json")).ok();
+    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+    let (mut last_step, mut accuracy) = (None, None);
+    let want = cfg
+        .as_ref()
+        .map(|c| format!("eval/{}/pass@1_greedy", c.rollout.precision));
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let step = v["step"].as_u64();
+        match v["phase"].as_str() {
+            Some("rl") => last_step = step.or(last_step),
+            Some("eval") => {
+                let acc = want
+                    .as_ref()
+                    .and_then(|k| v[k.as_str()].as_f64())
+                    .or_else(|| {
+                        v.as_object()?
+                            .iter()
+                            .find(|(k, _)| k.ends_with("pass@1_greedy"))
+                            .and_then(|(_, x)| x.as_f64())
+                    });
+                if let (Some(a), Some(s)) = (acc, step) {
+                    accuracy = Some((a, s));
+                }
+            }
+            _ => {}
+        }
+    }
+    let steps = cfg.as_ref().map(|c| c.train.steps);
+    let ckpt = checkpoint::latest(dir);
+    let finished = dir.join("finished.json").is_file()
+        || matches!((accuracy, steps, last_step), (Some((_, s)), Some(n), Some(l)) if s as usize == n && l + 1 == n as u64);
+    let status = if finished {
+        "finished".to_string()
+    } else if let Some((_, st)) = &ckpt {
+        format!("resumable from step {}", st.step + 1)
+    } else {
+        "incomplete (no checkpoint)".to_string()
+    };
+    RunInfo {
+        dir: dir.to_path_buf(),
+        last_step,
+        steps,
+        accuracy,
+        status,
+    }
+}
+
+/// All runs under `roots`.
+pub fn list(roots: &[PathBuf]) -> Vec<RunInfo> {
+    let mut dirs = vec![];
+    for r in roots {
+        find(r, 3, &mut dirs);
+    }
+    dirs.iter().map(|d| inspect(d)).collect()
+}
+
+pub fn run(args: RunsArgs) -> anyhow::Result<()> {
+    let roots = if args.dirs.is_empty() {
+        vec![PathBuf::from("runs"), PathBuf::from("experiments/results")]
+    } else {
+        args.dirs
+    };
+    for r in &roots {
+        if !r.exists() && !args_default(r) {
+            anyhow::bail!("{}: no such directory", r.display());
+        }
+    }
+    let runs = list(&roots);
+    if runs.is_empty() {
+        println!("no runs (directories with a metrics.jsonl) under {roots:?}");
+        return Ok(());
+    }
+    let w = runs
+        .iter()
+        .map(|r| r.dir.display().to_string().len())
+        .max()
+        .unwrap_or(3)
+        .max(3);
+    println!(
+        "{:<w$}  {:>9}  {:>14}  status",
+        "run", "step", "held-out acc"
+    );
+    for r in runs {
+        let step = match (r.last_step, r.steps) {
+            (Some(l), Some(n)) => format!("{}/{n}", l + 1),
+            (Some(l), None) => format!("{}", l + 1),
+            (None, Some(n)) => format!("0/{n}"),
+            (None, None) => "-".into(),
+        };
+        let acc = r
+            .accuracy
+            .map_or("-".into(), |(a, s)| format!("{a:.3} @{s}"));
+        println!(
+            "{:<w$}  {step:>9}  {acc:>14}  {}",
+            r.dir.display(),
+            r.status
+        );
+    }
+    Ok(())
+}
+
+/// The default roots may be absent.
+fn args_default(p: &Path) -> bool {
+    p == Path::new("runs") || p == Path::new("experiments/results")
+}
