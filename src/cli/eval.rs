@@ -1,0 +1,148 @@
+//! `qarl eval`: greedy accuracy of a model on a GSM8K-format JSONL file (questions through the chat or plain
+//! template, answers checked by the exact verifier), in full precision or a quantized scheme, with the mean
+//! response length and decode throughput.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+
+use crate::model::Tokenizer;
+use crate::quant::QuantScheme;
+use crate::rollout::{generate, SamplingParams};
+use crate::tasks::datasets::{load_gsm8k, OnBadLine};
+use crate::tasks::template::Template;
+use crate::tasks::verify::{score, VerifyConfig};
+
+#[derive(Debug, clap::Args)]
+pub struct EvalArgs {
+    /// Model directory (config.json, safetensors, tokenizer.json).
+    #[arg(long)]
+    pub model: PathBuf,
+    /// GSM8K-format JSONL (`question`, `answer` ending in `#### N`); `gsm8k-test` / `gsm8k-train` name the
+    /// files under ../shared/data/gsm8k/ (or $QARL_GSM8K_DIR).
+    #[arg(long)]
+    pub data: String,
+    /// Evaluate the first N problems.
+    #[arg(long, default_value_t = 100)]
+    pub limit: usize,
+    /// Quantize the projections first (int4-g32/64/128, int8-pc, fp8-b128).
+    #[arg(long)]
+    pub quant: Option<QuantScheme>,
+    /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`).
+    #[arg(long, default_value = "chat")]
+    pub template: String,
+    /// System turn of the chat template (SmolLM2's own default: "You are a helpful AI assistant named
+    /// SmolLM, trained by Hugging Face").
+    #[arg(long)]
+    pub system: Option<String>,
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// Prompts decoded together.
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Write per-problem results (question, gold, response, correct) and the summary here as JSON.
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+fn data_path(name: &str) -> PathBuf {
+    let dir = std::env::var("QARL_GSM8K_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from("../shared/data/gsm8k"));
+    match name {
+        "gsm8k-test" => dir.join("test.jsonl"),
+        "gsm8k-train" => dir.join("train.jsonl"),
+        other => PathBuf::from(other),
+    }
+}
+
+pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    let path = data_path(&args.data);
+    let mut records = load_gsm8k(&path, OnBadLine::Error)?;
+    records.truncate(args.limit);
+    anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
+    let template = match args.template.as_str() {
+        "chat" => {
+            Template::chat_from_model_dir(&args.model)?;
+            Template::Chat {
+                system: args.system.clone(),
+            }
+        }
+        "plain" => Template::default(),
+        other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
+    };
+    let device = burn::tensor::Device::flex();
+    let model = super::load_model(&args.model, &device, args.quant)?;
+    let tok = Tokenizer::load_optional(&args.model)?
+        .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
+    let mut stop_ids: Vec<u32> = model.config.eos_token_ids.clone();
+    for s in ["<|im_end|>", "<|endoftext|>"] {
+        if let Some(id) = tok.token_to_id(s) {
+            stop_ids.push(id);
+        }
+    }
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_new_tokens: args.max_new_tokens,
+        stop_token_ids: stop_ids.clone(),
+        stop_strings: template.stop_strings(),
+        ..SamplingParams::default()
+    };
+    let verify = VerifyConfig::default();
+    let bar = crate::train::progress::progress_bar(records.len() as u64, "eval", args.quiet);
+    let (mut correct, mut tokens, mut decode_s) = (0usize, 0usize, 0.0f64);
+    let mut rows = Vec::new();
+    for chunk in records.chunks(args.batch.max(1)) {
+        let prompts: Vec<Vec<u32>> = chunk
+            .iter()
+            .map(|r| tok.encode(&template.render_prompt(&r.question)))
+            .collect::<anyhow::Result<_>>()?;
+        let t = Instant::now();
+        let out = generate(&model, &prompts, 1, &params, Some(&tok));
+        decode_s += t.elapsed().as_secs_f64();
+        for (i, r) in chunk.iter().enumerate() {
+            let resp = out.response(i);
+            tokens += resp.len();
+            let body: Vec<u32> = resp
+                .iter()
+                .copied()
+                .filter(|id| !stop_ids.contains(id))
+                .collect();
+            let text = tok.decode(&body)?;
+            let v = score(&text, &r.answer, &verify);
+            correct += usize::from(v.correct);
+            rows.push(
+                serde_json::json!({"line": r.line, "question": r.question, "gold": r.answer,
+                "response": text, "extracted": v.extracted, "correct": v.correct}),
+            );
+        }
+        bar.inc(chunk.len() as u64);
+    }
+    bar.finish_and_clear();
+    let n = records.len() as f64;
+    let precision = args.quant.map_or("f32".to_string(), |s| s.to_string());
+    let summary = serde_json::json!({
+        "model": args.model, "data": path, "problems": records.len(), "precision": precision,
+        "accuracy": correct as f64 / n, "mean_response_tokens": tokens as f64 / n,
+        "decode_tokens_per_s": tokens as f64 / decode_s.max(1e-9),
+    });
+    println!(
+        "{}: {} problems, {precision}: greedy accuracy {:.3}, mean length {:.1} tokens, {:.1} tokens/s",
+        path.display(),
+        records.len(),
+        correct as f64 / n,
+        tokens as f64 / n,
+        tokens as f64 / decode_s.max(1e-9)
+    );
+    if let Some(out) = &args.output {
+        crate::io::write_json_atomic(
+            out,
+            &serde_json::json!({"summary": summary, "problems": rows}),
+        )?;
+    }
+    Ok(())
+}
