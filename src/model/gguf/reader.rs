@@ -186,7 +186,9 @@ impl<'a> Cursor<'a> {
             8 => Value::String(self.string(what)?),
             9 => {
                 if depth >= MAX_NESTING {
-                    return Err(self.err(format!("{what}: arrays nested deeper than {MAX_NESTING}")));
+                    return Err(
+                        self.err(format!("{what}: arrays nested deeper than {MAX_NESTING}"))
+                    );
                 }
                 let elem = self.u32(what)?;
                 let n = self.u64(what)?;
@@ -221,7 +223,8 @@ impl GgufFile {
         let file = std::fs::File::open(path).map_err(|e| err(format!("cannot open: {e}")))?;
         // SAFETY: the map is read-only; the file is not expected to change while it is open (same contract
         // as every mmap-based model loader, safetensors included).
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
+        let map =
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
         let mut c = Cursor {
             bytes: &map,
             pos: 0,
@@ -232,7 +235,9 @@ impl GgufFile {
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(err(format!("GGUF version {version} (2 and 3 are supported)")));
+            return Err(err(format!(
+                "GGUF version {version} (2 and 3 are supported)"
+            )));
         }
         let n_tensors = c.u64("tensor count")?;
         let n_kv = c.u64("metadata count")?;
@@ -267,7 +272,11 @@ impl GgufFile {
             None => 32,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 16 => a,
-                _ => return Err(err(format!("general.alignment = {v:?}: not a power of two"))),
+                _ => {
+                    return Err(err(format!(
+                        "general.alignment = {v:?}: not a power of two"
+                    )))
+                }
             },
         };
         let data_start = (c.pos as u64).div_ceil(align) * align;
@@ -280,9 +289,9 @@ impl GgufFile {
                 .iter()
                 .try_fold(1u64, |a, &d| a.checked_mul(d))
                 .ok_or_else(|| err(format!("tensor `{name}`: dims {dims:?} overflow")))?;
-            let len = ty.bytes_for(dims[0], elements).map_err(|m| {
-                err(format!("tensor `{name}` ({} {dims:?}): {m}", ty.name()))
-            })?;
+            let len = ty
+                .bytes_for(dims[0], elements)
+                .map_err(|m| err(format!("tensor `{name}` ({} {dims:?}): {m}", ty.name())))?;
             let start = data_start
                 .checked_add(offset)
                 .filter(|s| s.checked_add(len).is_some_and(|e| e <= file_len))
@@ -348,8 +357,11 @@ impl GgufFile {
 
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self.get(key)?;
-        v.as_u64()
-            .ok_or_else(|| self.error(format!("metadata `{key}` = {v:?} is not an unsigned integer")))
+        v.as_u64().ok_or_else(|| {
+            self.error(format!(
+                "metadata `{key}` = {v:?} is not an unsigned integer"
+            ))
+        })
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
