@@ -1,36 +1,541 @@
-//! The low-bit matmul on the CPU: `y[m, out] = x[m, in] · W'^T` reading the packed codes of a
-//! [`QuantizedTensor`] (W' = dequant(Q(W)), decoded one output row at a time, never materialised whole).
+//! The low-bit matmul on the CPU: `y[m, out] = x[m, in] · W'^T` with `W' = dequant(Q(W))`, reading the
+//! packed codes (never a float copy of the weight), multithreaded (rayon over output rows) and SIMD with
+//! run-time feature detection (AVX-512, AVX2 + FMA, and a portable reference; see [`SimdPath`]).
 //!
-//! Every output element is reduced in one fixed order (eight interleaved partial sums over the input axis,
-//! combined as a fixed tree), independent of `m`, of which other rows share the call and of the thread
-//! count: the same token gets the same bits whether it is decoded alone, in a batch, or scored in a full
-//! sequence. This is the arithmetic shared by rollout and the aligned training forward. The speed work
-//! (SIMD, repacking) is the CPU-kernels issue; this version is multithreaded and exact.
+//! # The arithmetic (fixed, the same on every path)
+//! Every weight is decoded exactly as [`QuantizedTensor::dequantize_row`] does (`q as f32 * s`, fp8:
+//! `e4m3_to_f32(code) * s`, one rounding), the activations are the scheme's effective ones
+//! ([`effective_activations`]: `x` itself, or `dequant(Q8(x))` for fp8 W8A8), and each output element is
+//!
+//! ```text
+//! acc[l] = +0.0 for the 32 lanes l = 0..32
+//! for each chunk c of 32 input columns, in order:   acc[l] = fma(x[32c + l], w'[32c + l], acc[l])
+//! (the input axis is zero-padded to a multiple of 32; a padded column adds nothing)
+//! y = tree(acc): t16[j] = acc[j] + acc[j+16]; t8[j] = t16[j] + t16[j+8]; t4[j] = t8[j] + t8[j+4];
+//!                t2[j] = t4[j] + t4[j+2]; y = t2[0] + t2[1]
+//! ```
+//!
+//! One fused multiply-add per weight (IEEE fma on every path: `f32::mul_add` in the portable code), so the
+//! AVX-512, AVX2 and portable paths give the same bits, and the result of a row depends neither on `m`,
+//! nor on the other rows of the call, nor on the thread count, nor on whether the row is decoded alone (KV
+//! cache) or scored within a full sequence. This is the arithmetic shared by rollout and the aligned
+//! training forward.
+//!
+//! # The kernel layout
+//! [`KernelWeights`] is made once per weight version (shared by rollout and training through
+//! [`super::linear::PackedWeight`]): rows zero-padded to a multiple of 32 columns; int4 repacked so that the
+//! 16 bytes of a 32-column chunk hold columns `0..16` in their low nibbles and `16..32` in their high nibbles
+//! (one 16-byte load and two table lookups decode a chunk); fp8 block scales premultiplied by 2^120 so that
+//! an E4M3 code becomes its f32 value with shifts only (`raw * (s * 2^120) == e4m3_to_f32(code) * s`
+//! exactly: both are the one rounding of the same real product).
+//!
+//! Small `m` (decode, GEMV) runs a fused decode-and-multiply tile over 4 output rows; larger `m` (prefill,
+//! scoring) decodes a panel of output rows to f32 once and runs a 4x3 register tile over it.
+
+use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use super::e4m3::e4m3_to_f32;
 use super::fp8::Fp8Activations;
+use super::packing::nibble_to_int4;
+use super::scheme::{SchemeKind, FP8_BLOCK};
 use super::tensor::QuantizedTensor;
 
-/// Output rows handled by one task.
-const ROWS_PER_TASK: usize = 16;
+mod portable;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
-/// The fixed-order dot product: lane `k % 8` accumulates `a[k] * b[k]` (a multiply then an add, never fused),
-/// then the lanes are combined as `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))`.
-#[inline]
-pub fn dot_fixed(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        let (x, w) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
-        for l in 0..8 {
-            acc[l] += x[l] * w[l];
+/// Columns per chunk, and the number of partial sums of every output element.
+pub const LANES: usize = 32;
+
+/// `m` up to which the fused decode-and-multiply tile runs (above it: decoded panels).
+const FUSED_MAX_M: usize = 4;
+/// Output rows per rayon task on the fused path.
+const FUSED_TASK_ROWS: usize = 64;
+/// Output rows per panel (decoded once, then multiplied by every activation row).
+const PANEL_ROWS: usize = 24;
+/// Below this many multiply-adds a call runs on the calling thread (a rayon dispatch costs more).
+const PARALLEL_MIN_WORK: usize = 1 << 20;
+
+/// 2^120: an E4M3 code's bits placed in an f32 (exponent field shifted into place) are its value / 2^120.
+const FP8_FOLD: f32 = 1.329_228e36;
+
+/// The SIMD implementation a matmul runs on. All paths compute the same bits (see the module docs); the
+/// choice only changes the speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SimdPath {
+    /// AVX-512F/BW + FMA (x86_64).
+    Avx512,
+    /// AVX2 + FMA (x86_64).
+    Avx2,
+    /// Plain Rust (`f32::mul_add`); the reference the SIMD paths are tested against.
+    Portable,
+}
+
+impl SimdPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Avx512 => "avx512",
+            Self::Avx2 => "avx2",
+            Self::Portable => "portable",
         }
     }
-    for k in chunks * 8..a.len() {
-        acc[k % 8] += a[k] * b[k];
+
+    /// Every path this machine can run, fastest first (the portable one always).
+    pub fn available() -> Vec<SimdPath> {
+        let mut paths = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("avx2")
+            {
+                paths.push(SimdPath::Avx512);
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                paths.push(SimdPath::Avx2);
+            }
+        }
+        paths.push(SimdPath::Portable);
+        paths
     }
-    ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))
+
+    /// The fastest available path (detected once). `QARL_SIMD=avx512|avx2|portable` picks a slower one.
+    pub fn detect() -> SimdPath {
+        static PATH: OnceLock<SimdPath> = OnceLock::new();
+        *PATH.get_or_init(|| {
+            let available = Self::available();
+            let wanted = std::env::var("QARL_SIMD").ok();
+            wanted
+                .and_then(|w| available.iter().copied().find(|p| p.name() == w))
+                .unwrap_or(available[0])
+        })
+    }
+}
+
+/// Which decoder a tile runs (a const generic of the tiles).
+pub(crate) const INT4: u8 = 0;
+pub(crate) const INT8: u8 = 1;
+pub(crate) const FP8: u8 = 2;
+/// Already decoded f32 rows (a panel).
+pub(crate) const PANEL: u8 = 3;
+
+/// One weight version in the kernel layout (module docs), made by [`KernelWeights::new`].
+#[derive(Debug, Clone)]
+pub struct KernelWeights {
+    scheme: u8,
+    out: usize,
+    inn: usize,
+    /// `inn` rounded up to a multiple of [`LANES`].
+    kp: usize,
+    /// Codes, `row_bytes` per output row.
+    codes: Vec<u8>,
+    row_bytes: usize,
+    /// int4: `[out, ceil(in/G)]`; int8: `[out]`; fp8: `[ceil(out/128), ceil(in/128)]` times 2^120.
+    scales: Vec<f32>,
+    /// Chunks of 32 columns sharing one scale (int4: G/32; fp8: 4; int8: the whole row).
+    seg_chunks: usize,
+    /// Output rows sharing one scale row (fp8: 128, else 1) and the stride of a scale row.
+    scale_row_div: usize,
+    scale_row_stride: usize,
+    /// fp8 only: a block scale too large to premultiply by 2^120 (|w| > ~1e5); such weights use the
+    /// portable path (same bits, slower).
+    portable_only: bool,
+    fp8_activations: bool,
+}
+
+/// What a tile reads: the codes (or a decoded panel) and scales of consecutive output rows.
+#[derive(Clone, Copy)]
+pub(crate) struct TileSrc<'a> {
+    pub codes: &'a [u8],
+    pub row_bytes: usize,
+    pub panel: &'a [f32],
+    pub scales: &'a [f32],
+    pub seg_chunks: usize,
+    pub scale_row_div: usize,
+    pub scale_row_stride: usize,
+    /// Chunks per row.
+    pub chunks: usize,
+    /// fp8 scales not premultiplied by 2^120 (portable path only).
+    pub unfolded: bool,
+}
+
+impl<'a> TileSrc<'a> {
+    /// The scale of output row `o`, segment `seg`.
+    #[inline(always)]
+    pub fn scale(&self, o: usize, seg: usize) -> f32 {
+        self.scales[(o / self.scale_row_div) * self.scale_row_stride + seg]
+    }
+}
+
+impl KernelWeights {
+    /// Builds the kernel layout of `w` (once per weight version).
+    pub fn new(w: &QuantizedTensor) -> Self {
+        let [out, inn] = w.shape();
+        let kp = inn.div_ceil(LANES) * LANES;
+        let chunks = kp / LANES;
+        let data = w.data();
+        match w.scheme().kind() {
+            SchemeKind::Int4 { group } => {
+                assert!(
+                    group % LANES == 0,
+                    "int4 group {group} is not a multiple of {LANES}"
+                );
+                let src_row = inn.div_ceil(2);
+                let row_bytes = kp / 2;
+                let mut codes = vec![0u8; out * row_bytes];
+                for (o, dst) in codes.chunks_mut(row_bytes.max(1)).enumerate().take(out) {
+                    let src = &data[o * src_row..(o + 1) * src_row];
+                    let nib = |k: usize| -> u8 {
+                        if k < inn {
+                            (src[k / 2] >> (4 * (k & 1))) & 0xF
+                        } else {
+                            0
+                        }
+                    };
+                    for c in 0..chunks {
+                        for j in 0..16 {
+                            let k = c * LANES + j;
+                            dst[c * 16 + j] = nib(k) | (nib(k + 16) << 4);
+                        }
+                    }
+                }
+                let ng = inn.div_ceil(group);
+                Self {
+                    scheme: INT4,
+                    out,
+                    inn,
+                    kp,
+                    codes,
+                    row_bytes,
+                    scales: w.scales().to_vec(),
+                    seg_chunks: group / LANES,
+                    scale_row_div: 1,
+                    scale_row_stride: ng,
+                    portable_only: false,
+                    fp8_activations: false,
+                }
+            }
+            SchemeKind::Int8PerRow | SchemeKind::Fp8Block => {
+                let fp8 = matches!(w.scheme().kind(), SchemeKind::Fp8Block);
+                let codes = if kp == inn {
+                    data.to_vec()
+                } else {
+                    let mut codes = vec![0u8; out * kp];
+                    for (dst, src) in codes.chunks_mut(kp).zip(data.chunks(inn.max(1))) {
+                        dst[..inn].copy_from_slice(src);
+                    }
+                    codes
+                };
+                let (scales, seg_chunks, scale_row_div, scale_row_stride, portable_only) = if fp8 {
+                    let folded: Vec<f32> = w.scales().iter().map(|s| s * FP8_FOLD).collect();
+                    let bad = folded.iter().any(|s| !s.is_finite());
+                    let scales = if bad { w.scales().to_vec() } else { folded };
+                    (
+                        scales,
+                        FP8_BLOCK / LANES,
+                        FP8_BLOCK,
+                        inn.div_ceil(FP8_BLOCK),
+                        bad,
+                    )
+                } else {
+                    (w.scales().to_vec(), chunks.max(1), 1, 1, false)
+                };
+                Self {
+                    scheme: if fp8 { FP8 } else { INT8 },
+                    out,
+                    inn,
+                    kp,
+                    codes,
+                    row_bytes: kp,
+                    scales,
+                    seg_chunks,
+                    scale_row_div,
+                    scale_row_stride,
+                    portable_only,
+                    fp8_activations: fp8,
+                }
+            }
+        }
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.out
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.inn
+    }
+
+    /// Bytes of the kernel layout (codes and scales).
+    pub fn storage_bytes(&self) -> usize {
+        self.codes.len() + 4 * self.scales.len()
+    }
+
+    fn src(&self) -> TileSrc<'_> {
+        TileSrc {
+            codes: &self.codes,
+            row_bytes: self.row_bytes,
+            panel: &[],
+            scales: &self.scales,
+            seg_chunks: self.seg_chunks,
+            scale_row_div: self.scale_row_div,
+            scale_row_stride: self.scale_row_stride,
+            chunks: self.kp / LANES,
+            unfolded: self.portable_only,
+        }
+    }
+
+    /// The path [`Self::matmul`] runs on.
+    pub fn path(&self) -> SimdPath {
+        if self.portable_only {
+            SimdPath::Portable
+        } else {
+            SimdPath::detect()
+        }
+    }
+
+    /// Decoded row `o` (padded to a multiple of 32 columns), the portable decoder: the test oracle of the
+    /// layout (it must equal [`QuantizedTensor::dequantize_row`]).
+    pub fn decode_row(&self, o: usize) -> Vec<f32> {
+        let mut row = vec![0.0f32; self.kp];
+        portable::decode_rows(self.scheme, &self.src(), o, 1, &mut row);
+        row
+    }
+
+    /// `y[m, out] = x[m, in] · W'^T` on the detected path.
+    pub fn matmul(&self, x: &[f32], m: usize) -> Vec<f32> {
+        self.matmul_on(self.path(), x, m)
+    }
+
+    /// [`Self::matmul`] on a given path (tests compare them; a path this machine lacks panics).
+    pub fn matmul_on(&self, path: SimdPath, x: &[f32], m: usize) -> Vec<f32> {
+        assert!(
+            SimdPath::available().contains(&path),
+            "SIMD path {} is not available on this machine",
+            path.name()
+        );
+        let path = if self.portable_only {
+            SimdPath::Portable
+        } else {
+            path
+        };
+        let (out, inn, kp) = (self.out, self.inn, self.kp);
+        assert_eq!(x.len(), m * inn, "activations must be [m, in]");
+        if m == 0 || out == 0 {
+            return vec![0.0; m * out];
+        }
+        let xa = if self.fp8_activations {
+            match Fp8Activations::quantize(x, m, inn) {
+                Ok(a) => a.dequantize(),
+                Err(_) => vec![f32::NAN; x.len()],
+            }
+        } else {
+            x.to_vec()
+        };
+        let xp: Vec<f32> = if kp == inn {
+            xa
+        } else {
+            let mut xp = vec![0.0f32; m * kp];
+            for (dst, src) in xp.chunks_mut(kp).zip(xa.chunks(inn.max(1))) {
+                dst[..inn].copy_from_slice(src);
+            }
+            xp
+        };
+        // Computed transposed ([out, m]) so that each task owns a contiguous block of output rows.
+        let mut yt = vec![0.0f32; out * m];
+        let src = self.src();
+        let parallel = m * out * kp >= PARALLEL_MIN_WORK;
+        if m <= FUSED_MAX_M {
+            let task = |(t, block): (usize, &mut [f32])| {
+                let o0 = t * FUSED_TASK_ROWS;
+                self.fused_block(path, &src, &xp, m, o0, block);
+            };
+            if parallel {
+                yt.par_chunks_mut(FUSED_TASK_ROWS * m)
+                    .enumerate()
+                    .for_each(task);
+            } else {
+                yt.chunks_mut(FUSED_TASK_ROWS * m)
+                    .enumerate()
+                    .for_each(task);
+            }
+        } else {
+            let task = |(t, block): (usize, &mut [f32])| {
+                let o0 = t * PANEL_ROWS;
+                self.panel_block(path, &src, &xp, m, o0, block);
+            };
+            if parallel {
+                yt.par_chunks_mut(PANEL_ROWS * m).enumerate().for_each(task);
+            } else {
+                yt.chunks_mut(PANEL_ROWS * m).enumerate().for_each(task);
+            }
+        }
+        let mut y = vec![0.0f32; m * out];
+        for (o, col) in yt.chunks(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                y[i * out + o] = *v;
+            }
+        }
+        y
+    }
+
+    /// Rows `o0..` of `yt` (`block` is `[rows, m]`) with the fused tiles, `m <= 4`.
+    fn fused_block(
+        &self,
+        path: SimdPath,
+        src: &TileSrc<'_>,
+        xp: &[f32],
+        m: usize,
+        o0: usize,
+        block: &mut [f32],
+    ) {
+        let rows = block.len() / m;
+        let kp = self.kp;
+        let xs: Vec<&[f32]> = (0..m).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
+        let mut r = 0;
+        // Four output rows per tile for one or two activation rows, two for three or four (registers).
+        let full = if m <= 2 { 4 } else { 2 };
+        while r < rows {
+            let ob = if rows - r >= full { full } else { 1 };
+            let mut res = [[0.0f32; 4]; 4];
+            run_tile(path, self.scheme, src, o0 + r, &xs, ob, &mut res);
+            for j in 0..ob {
+                for i in 0..m {
+                    block[(r + j) * m + i] = res[i][j];
+                }
+            }
+            r += ob;
+        }
+    }
+
+    /// Rows `o0..` of `yt` (`block` is `[rows, m]`): decode them to an f32 panel, then 4x3 tiles.
+    fn panel_block(
+        &self,
+        path: SimdPath,
+        src: &TileSrc<'_>,
+        xp: &[f32],
+        m: usize,
+        o0: usize,
+        block: &mut [f32],
+    ) {
+        let rows = block.len() / m;
+        let kp = self.kp;
+        let mut panel = vec![0.0f32; rows * kp];
+        decode_rows(path, self.scheme, src, o0, rows, &mut panel);
+        let psrc = TileSrc {
+            codes: &[],
+            row_bytes: 0,
+            panel: &panel,
+            scales: &[],
+            seg_chunks: src.chunks.max(1),
+            scale_row_div: 1,
+            scale_row_stride: 0,
+            chunks: src.chunks,
+            unfolded: false,
+        };
+        let mut i = 0;
+        while i < m {
+            let mb = (m - i).min(4);
+            let xs: Vec<&[f32]> = (i..i + mb).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
+            let mut r = 0;
+            while r < rows {
+                let ob = (rows - r).min(3);
+                let mut res = [[0.0f32; 4]; 4];
+                run_tile(path, PANEL, &psrc, r, &xs, ob, &mut res);
+                for j in 0..ob {
+                    for (ii, row) in res.iter().enumerate().take(mb) {
+                        block[(r + j) * m + i + ii] = row[j];
+                    }
+                }
+                r += ob;
+            }
+            i += mb;
+        }
+    }
+}
+
+/// Decodes `n` rows from `o0` into `dst` (`[n, kp]`) on `path`.
+fn decode_rows(
+    path: SimdPath,
+    scheme: u8,
+    src: &TileSrc<'_>,
+    o0: usize,
+    n: usize,
+    dst: &mut [f32],
+) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            // SAFETY: Avx512 is only chosen when the CPU has avx512f/bw/vl, avx2 and fma
+            // (`SimdPath::available`), and `src`/`dst` hold `n` rows of `chunks` chunks.
+            unsafe { x86::decode_rows_avx512(scheme, src, o0, n, dst) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => {
+            // SAFETY: as above, with avx2 + fma detected.
+            unsafe { x86::decode_rows_avx2(scheme, src, o0, n, dst) }
+        }
+        _ => portable::decode_rows(scheme, src, o0, n, dst),
+    }
+}
+
+/// One tile: rows `o0..o0+ob` of `src` against the activation rows `xs` (at most 4), into `res[i][r]`.
+fn run_tile(
+    path: SimdPath,
+    scheme: u8,
+    src: &TileSrc<'_>,
+    o0: usize,
+    xs: &[&[f32]],
+    ob: usize,
+    res: &mut [[f32; 4]; 4],
+) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => {
+            // SAFETY: Avx512 is only run when `SimdPath::available` lists it (asserted in `matmul_on`);
+            // rows `o0..o0+ob` exist and every activation row holds `chunks * 32` floats.
+            unsafe { x86::tile_avx512(scheme, src, o0, xs, ob, res) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => {
+            // SAFETY: as above, for avx2 + fma.
+            unsafe { x86::tile_avx2(scheme, src, o0, xs, ob, res) }
+        }
+        _ => portable::tile(scheme, src, o0, xs, ob, res),
+    }
+}
+
+/// The fixed lane tree of the module docs.
+#[inline]
+pub fn reduce_lanes(acc: &[f32; LANES]) -> f32 {
+    let mut t = [0.0f32; 16];
+    for j in 0..16 {
+        t[j] = acc[j] + acc[j + 16];
+    }
+    let mut n = 8;
+    while n >= 1 {
+        for j in 0..n {
+            t[j] += t[j + n];
+        }
+        n /= 2;
+    }
+    t[0]
+}
+
+/// The fixed-order dot product of the module docs (`a` and `b` of equal length, zero-padded to 32).
+pub fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut acc = [0.0f32; LANES];
+    for (ca, cb) in a.chunks(LANES).zip(b.chunks(LANES)) {
+        for l in 0..ca.len() {
+            acc[l] = ca[l].mul_add(cb[l], acc[l]);
+        }
+    }
+    reduce_lanes(&acc)
 }
 
 /// The activations the product sees: `x` itself for weight-only schemes, `dequant(Q8(x))` for fp8 W8A8
@@ -45,30 +550,40 @@ pub fn effective_activations(w: &QuantizedTensor, x: &[f32], m: usize) -> Vec<f3
     }
 }
 
-/// `y[m, out] = x[m, in] · dequant(Q(W))^T` with the fixed reduction order of [`dot_fixed`].
+/// `y[m, out] = x[m, in] · dequant(Q(W))^T` (builds the kernel layout on every call: for tests and one-off
+/// products; layers keep a [`KernelWeights`] per weight version).
 pub fn lowbit_matmul(w: &QuantizedTensor, x: &[f32], m: usize) -> Vec<f32> {
+    KernelWeights::new(w).matmul(x, m)
+}
+
+/// The definition, written out plainly: [`dot_lanes`] of the effective activations and
+/// [`QuantizedTensor::dequantize_row`]. The kernels must give these bits.
+pub fn lowbit_matmul_reference(w: &QuantizedTensor, x: &[f32], m: usize) -> Vec<f32> {
     let (out, inn) = (w.out_features(), w.in_features());
-    assert_eq!(x.len(), m * inn, "activations must be [m, in]");
     let xa = effective_activations(w, x, m);
-    // Computed transposed ([out, m]) so that each task owns a contiguous block of output rows.
-    let mut yt = vec![0.0f32; out * m];
-    yt.par_chunks_mut(ROWS_PER_TASK * m.max(1))
-        .enumerate()
-        .for_each(|(task, block)| {
-            let mut buf = vec![0.0f32; inn];
-            for (j, col) in block.chunks_mut(m.max(1)).enumerate() {
-                let o = task * ROWS_PER_TASK + j;
-                w.dequantize_row(o, &mut buf);
-                for (i, y) in col.iter_mut().enumerate().take(m) {
-                    *y = dot_fixed(&xa[i * inn..(i + 1) * inn], &buf);
-                }
-            }
-        });
+    let mut row = vec![0.0f32; inn];
     let mut y = vec![0.0f32; m * out];
     for o in 0..out {
+        w.dequantize_row(o, &mut row);
         for i in 0..m {
-            y[i * out + o] = yt[o * m + i];
+            y[i * out + o] = dot_lanes(&xa[i * inn..(i + 1) * inn], &row);
         }
     }
     y
+}
+
+/// Scalar decoders shared by the portable path (exactly `dequantize_row`'s arithmetic).
+#[inline(always)]
+pub(crate) fn decode_int4_nibble(n: u8, s: f32) -> f32 {
+    nibble_to_int4(n & 0xF) as f32 * s
+}
+
+#[inline(always)]
+pub(crate) fn decode_fp8(code: u8, s: f32, folded: bool) -> f32 {
+    if folded {
+        let bits = ((code as u32 & 0x80) << 24) | ((code as u32 & 0x7F) << 20);
+        f32::from_bits(bits) * s
+    } else {
+        e4m3_to_f32(code) * s
+    }
 }

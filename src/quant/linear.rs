@@ -17,13 +17,22 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Backend, Dispatch, Flex, TensorMetadata};
 use burn::tensor::{Tensor, TensorData};
 
-use super::cpu_kernel::lowbit_matmul;
+use super::cpu_kernel::KernelWeights;
 use super::{QuantError, QuantScheme, QuantizedTensor};
 use crate::model::layers::{tensor_from_vec, to_f32_vec};
 
-/// Packed weights of one weight version, shared between the rollout and the training forward.
+/// Packed weights of one weight version, shared between the rollout and the training forward: the packed
+/// format (checkpoints, the backward's `dequant(Q(W))`) and its CPU kernel layout, both made once per
+/// weight version.
 #[derive(Debug, Clone)]
-pub struct PackedWeight(pub Arc<QuantizedTensor>);
+pub struct PackedWeight(pub Arc<QuantizedTensor>, pub Arc<KernelWeights>);
+
+impl PackedWeight {
+    pub fn new(q: QuantizedTensor) -> Self {
+        let kernel = KernelWeights::new(&q);
+        PackedWeight(Arc::new(q), Arc::new(kernel))
+    }
+}
 
 /// One quantized weight version: only the packed codes and scales are kept (no float copy); the backward pass
 /// decodes them when it needs `dequant(Q(W))`.
@@ -46,7 +55,7 @@ impl QuantizedWeight {
     /// Wraps already quantized weights (e.g. read from a quantized checkpoint).
     pub fn from_packed(q: QuantizedTensor) -> Self {
         Self {
-            packed: PackedWeight(Arc::new(q)),
+            packed: PackedWeight::new(q),
         }
     }
 
@@ -99,6 +108,13 @@ pub trait QuantMatmulBackend: Backend {
         let w = dequantized_out_in::<Self>(&packed, &x.device());
         Self::float_matmul(x, Self::float_transpose(w))
     }
+
+    /// Softmax along `dim` whose forward is the backend's own (fused) softmax on every backend, autodiff
+    /// included (burn's autodiff would decompose it into elementary ops and round differently): the
+    /// inference and the training forwards get the same bits (deterministic mode).
+    fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        Self::softmax(x, dim)
+    }
 }
 
 impl QuantMatmulBackend for Flex {
@@ -118,7 +134,7 @@ impl QuantMatmulBackend for Flex {
             w.in_features()
         );
         let xs: &[f32] = x.as_slice::<f32>().expect("contiguous f32 activations");
-        let y = lowbit_matmul(w, xs, m);
+        let y = packed.1.matmul(xs, m);
         FlexTensor::from_data(TensorData::new(y, [m, w.out_features()]))
     }
 }
@@ -146,7 +162,40 @@ impl<B: Backend> Backward<B, 2> for SteBackward {
     }
 }
 
+#[derive(Debug)]
+struct SoftmaxBackward;
+
+impl<B: Backend> Backward<B, 1> for SoftmaxBackward {
+    /// `(y = softmax(x), dim)`.
+    type State = (FloatTensor<B>, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (y, dim) = ops.state;
+        if let Some(node) = node_x {
+            // dx = y * (g - sum(g * y, dim))
+            let gy = B::float_sum_dim(B::float_mul(g.clone(), y.clone()), dim);
+            grads.register::<B>(node.id, B::float_mul(y, B::float_sub(g, gy)));
+        }
+    }
+}
+
 impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend for Autodiff<B, C> {
+    fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        match SoftmaxBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::aligned_softmax(x.primitive().clone(), dim);
+                prep.finish((y.clone(), dim), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::aligned_softmax(x.into_primitive(), dim)),
+        }
+    }
+
     fn quant_matmul(
         x: FloatTensor<Self>,
         master: FloatTensor<Self>,
@@ -169,4 +218,12 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
             }
         }
     }
+}
+
+/// [`QuantMatmulBackend::aligned_softmax`] on a tensor.
+pub fn aligned_softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as QuantMatmulBackend>::aligned_softmax(
+        x.into_dispatch(),
+        dim,
+    ))
 }

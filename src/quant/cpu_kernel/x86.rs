@@ -1,0 +1,505 @@
+//! The x86_64 paths: AVX-512 (16-lane registers, two per 32-lane accumulator) and AVX2 (8 lanes, four per
+//! accumulator). Both compute exactly the arithmetic of the module docs: lane `l` of a chunk is column
+//! `32c + l`, one fused multiply-add per weight, and the lane tree `t16[j] = acc[j] + acc[j+16]`, ...
+//!
+//! Every function here is `unsafe` because it is compiled for CPU features the caller must have checked
+//! (`SimdPath::available`); the memory accesses stay inside the slices of [`TileSrc`] and the activation
+//! rows (each `chunks * 32` long), which the callers guarantee and the debug assertions check.
+
+// The AVX-512 intrinsics are stable since Rust 1.89; the crate's declared rust-version (1.85) is below what
+// its dependencies need anyway (burn 0.22.1 requires 1.95).
+#![allow(clippy::incompatible_msrv)]
+
+use std::arch::x86_64::*;
+
+use super::{TileSrc, FP8, INT4, INT8, LANES, PANEL};
+
+/// `nibble_to_int4(n) as f32` for n = 0..16: the int4 decoding table before the group scale.
+const INT4_TABLE: [f32; 16] = [
+    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
+];
+
+fn check(src: &TileSrc<'_>, scheme: u8, o_end: usize, xs: &[&[f32]]) {
+    let kp = src.chunks * LANES;
+    debug_assert!(xs.iter().all(|x| x.len() >= kp));
+    match scheme {
+        PANEL => debug_assert!(src.panel.len() >= o_end * kp),
+        _ => debug_assert!(src.codes.len() >= o_end * src.row_bytes),
+    }
+    let _ = (kp, o_end);
+}
+
+// ------------------------------------------------------------------------------------------------
+// AVX-512
+// ------------------------------------------------------------------------------------------------
+
+/// Per-row state of a scale segment: the int4 table times the scale, or the broadcast scale.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn prep512<const S: u8>(src: &TileSrc<'_>, o: usize, seg: usize) -> __m512 {
+    if S == PANEL {
+        return _mm512_setzero_ps();
+    }
+    let s = _mm512_set1_ps(src.scale(o, seg));
+    if S == INT4 {
+        // SAFETY: INT4_TABLE has 16 f32.
+        _mm512_mul_ps(unsafe { _mm512_loadu_ps(INT4_TABLE.as_ptr()) }, s)
+    } else {
+        s
+    }
+}
+
+/// The 32 decoded weights of chunk `c` of row `o`, lanes 0..16 and 16..32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn decode512<const S: u8>(
+    src: &TileSrc<'_>,
+    o: usize,
+    c: usize,
+    prep: __m512,
+) -> [__m512; 2] {
+    // SAFETY (all arms): the caller guarantees row `o` exists and `c < chunks`, so the 16 (int4), 32
+    // (int8/fp8) bytes or 32 floats (panel) read here lie inside `codes` / `panel`.
+    unsafe {
+        match S {
+            PANEL => {
+                let p = src.panel.as_ptr().add(o * src.chunks * LANES + c * LANES);
+                [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
+            }
+            INT4 => {
+                let p = src.codes.as_ptr().add(o * src.row_bytes + c * 16);
+                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                [
+                    _mm512_permutexvar_ps(v, prep),
+                    _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), prep),
+                ]
+            }
+            INT8 => {
+                let p = src.codes.as_ptr().add(o * src.row_bytes + c * LANES);
+                let a = _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i));
+                let b = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16) as *const __m128i));
+                [
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(a), prep),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(b), prep),
+                ]
+            }
+            _ => {
+                debug_assert_eq!(S, FP8);
+                let p = src.codes.as_ptr().add(o * src.row_bytes + c * LANES);
+                let sign = _mm512_set1_epi32(i32::MIN);
+                let f = |v: __m512i| {
+                    // sign bit from code << 24, magnitude bits from (code << 25) >> 5: (a & c) | b.
+                    let a = _mm512_slli_epi32::<24>(v);
+                    let b = _mm512_srli_epi32::<5>(_mm512_slli_epi32::<25>(v));
+                    _mm512_mul_ps(
+                        _mm512_castsi512_ps(_mm512_ternarylogic_epi32::<0xEC>(a, b, sign)),
+                        prep,
+                    )
+                };
+                [
+                    f(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))),
+                    f(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        p.add(16) as *const __m128i
+                    ))),
+                ]
+            }
+        }
+    }
+}
+
+/// The lane tree of the module docs on a 32-lane accumulator held as two registers.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn reduce512(a: [__m512; 2]) -> f32 {
+    let t16 = _mm512_add_ps(a[0], a[1]);
+    let t8 = _mm256_add_ps(
+        _mm512_castps512_ps256(t16),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(t16))),
+    );
+    let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+    let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps::<1>(t2, t2)))
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
+    src: &TileSrc<'_>,
+    o0: usize,
+    xs: &[&[f32]],
+    res: &mut [[f32; 4]; 4],
+) {
+    let zero = _mm512_setzero_ps();
+    let mut acc = [[[zero; 2]; OB]; MB];
+    let mut prep = [zero; OB];
+    let xp: [*const f32; MB] = std::array::from_fn(|i| xs[i].as_ptr());
+    let mut c = 0;
+    while c < src.chunks {
+        let seg = c / src.seg_chunks;
+        for (r, p) in prep.iter_mut().enumerate() {
+            // SAFETY: same features as this function.
+            *p = unsafe { prep512::<S>(src, o0 + r, seg) };
+        }
+        let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+        while c < end {
+            let mut w = [[zero; 2]; OB];
+            for r in 0..OB {
+                // SAFETY: row o0 + r < out and c < chunks (the caller's contract).
+                w[r] = unsafe { decode512::<S>(src, o0 + r, c, prep[r]) };
+            }
+            for i in 0..MB {
+                // SAFETY: each activation row has chunks * 32 floats.
+                let (x0, x1) = unsafe {
+                    let p = xp[i].add(c * LANES);
+                    (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
+                };
+                for r in 0..OB {
+                    acc[i][r][0] = _mm512_fmadd_ps(x0, w[r][0], acc[i][r][0]);
+                    acc[i][r][1] = _mm512_fmadd_ps(x1, w[r][1], acc[i][r][1]);
+                }
+            }
+            c += 1;
+        }
+    }
+    for i in 0..MB {
+        for r in 0..OB {
+            // SAFETY: same features as this function.
+            res[i][r] = unsafe { reduce512(acc[i][r]) };
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn decode_rows512<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, dst: &mut [f32]) {
+    let kp = src.chunks * LANES;
+    assert!(dst.len() >= n * kp);
+    for r in 0..n {
+        let mut c = 0;
+        while c < src.chunks {
+            let seg = c / src.seg_chunks;
+            // SAFETY: same features as this function.
+            let prep = unsafe { prep512::<S>(src, o0 + r, seg) };
+            let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+            while c < end {
+                // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
+                unsafe {
+                    let w = decode512::<S>(src, o0 + r, c, prep);
+                    let p = dst.as_mut_ptr().add(r * kp + c * LANES);
+                    _mm512_storeu_ps(p, w[0]);
+                    _mm512_storeu_ps(p.add(16), w[1]);
+                }
+                c += 1;
+            }
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has avx512f/bw/vl, avx2 and fma; rows `o0..o0+n` exist in `src`.
+pub(super) unsafe fn decode_rows_avx512(
+    scheme: u8,
+    src: &TileSrc<'_>,
+    o0: usize,
+    n: usize,
+    dst: &mut [f32],
+) {
+    check(src, scheme, o0 + n, &[]);
+    // SAFETY: forwarded contract.
+    unsafe {
+        match scheme {
+            INT4 => decode_rows512::<INT4>(src, o0, n, dst),
+            INT8 => decode_rows512::<INT8>(src, o0, n, dst),
+            FP8 => decode_rows512::<FP8>(src, o0, n, dst),
+            _ => decode_rows512::<PANEL>(src, o0, n, dst),
+        }
+    }
+}
+
+/// Tile shapes with a dedicated AVX-512 kernel: `MB * OB <= 12` accumulators (24 registers).
+macro_rules! tile_shapes {
+    ($f:ident, $s:ident, $mb:expr, $ob:expr, $args:tt) => {
+        match ($mb, $ob) {
+            (1, 1) => tile_shapes!(@call $f, $s, 1, 1, $args),
+            (1, 2) => tile_shapes!(@call $f, $s, 1, 2, $args),
+            (1, 3) => tile_shapes!(@call $f, $s, 1, 3, $args),
+            (1, 4) => tile_shapes!(@call $f, $s, 1, 4, $args),
+            (2, 1) => tile_shapes!(@call $f, $s, 2, 1, $args),
+            (2, 2) => tile_shapes!(@call $f, $s, 2, 2, $args),
+            (2, 3) => tile_shapes!(@call $f, $s, 2, 3, $args),
+            (2, 4) => tile_shapes!(@call $f, $s, 2, 4, $args),
+            (3, 1) => tile_shapes!(@call $f, $s, 3, 1, $args),
+            (3, 2) => tile_shapes!(@call $f, $s, 3, 2, $args),
+            (3, 3) => tile_shapes!(@call $f, $s, 3, 3, $args),
+            (4, 1) => tile_shapes!(@call $f, $s, 4, 1, $args),
+            (4, 2) => tile_shapes!(@call $f, $s, 4, 2, $args),
+            (4, 3) => tile_shapes!(@call $f, $s, 4, 3, $args),
+            _ => unreachable!("tile shape"),
+        }
+    };
+    (@call $f:ident, $s:ident, $mb:literal, $ob:literal, ($($a:expr),*)) => {
+        $f::<$s, $mb, $ob>($($a),*)
+    };
+}
+
+/// # Safety
+/// The CPU has avx512f/bw/vl, avx2 and fma (checked by the caller through `SimdPath::available`).
+pub(super) unsafe fn tile_avx512(
+    scheme: u8,
+    src: &TileSrc<'_>,
+    o0: usize,
+    xs: &[&[f32]],
+    ob: usize,
+    res: &mut [[f32; 4]; 4],
+) {
+    check(src, scheme, o0 + ob, xs);
+    let mb = xs.len();
+    assert!((1..=4).contains(&mb) && (1..=4).contains(&ob));
+    if mb * ob > 12 {
+        // 4x4: two 4x2 halves.
+        let mut half = [[0.0f32; 4]; 4];
+        // SAFETY: forwarded contract.
+        unsafe {
+            tile_avx512(scheme, src, o0, xs, 2, res);
+            tile_avx512(scheme, src, o0 + 2, xs, 2, &mut half);
+        }
+        for i in 0..mb {
+            res[i][2] = half[i][0];
+            res[i][3] = half[i][1];
+        }
+        return;
+    }
+    // SAFETY: forwarded contract.
+    unsafe {
+        match scheme {
+            INT4 => tile_shapes!(tile512, INT4, mb, ob, (src, o0, xs, res)),
+            INT8 => tile_shapes!(tile512, INT8, mb, ob, (src, o0, xs, res)),
+            FP8 => tile_shapes!(tile512, FP8, mb, ob, (src, o0, xs, res)),
+            _ => tile_shapes!(tile512, PANEL, mb, ob, (src, o0, xs, res)),
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------------
+// AVX2
+// ------------------------------------------------------------------------------------------------
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int4_lanes256(v: __m256i, s: __m256) -> (__m256, __m256) {
+    // Low nibble: (v << 28) >> 28 arithmetic; high nibble: (v << 24) >> 28.
+    let lo = _mm256_srai_epi32::<28>(_mm256_slli_epi32::<28>(v));
+    let hi = _mm256_srai_epi32::<28>(_mm256_slli_epi32::<24>(v));
+    (
+        _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s),
+        _mm256_mul_ps(_mm256_cvtepi32_ps(hi), s),
+    )
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fp8_lanes256(v: __m256i, s: __m256) -> __m256 {
+    let a = _mm256_and_si256(_mm256_slli_epi32::<24>(v), _mm256_set1_epi32(i32::MIN));
+    let b = _mm256_srli_epi32::<5>(_mm256_slli_epi32::<25>(v));
+    _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(a, b)), s)
+}
+
+/// The 32 decoded weights of chunk `c` of row `o` as four registers (lanes 0..8, 8..16, 16..24, 24..32).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode256<const S: u8>(src: &TileSrc<'_>, o: usize, c: usize, s: __m256) -> [__m256; 4] {
+    // SAFETY (all arms): row `o` exists and `c < chunks` (the caller's contract), so the bytes / floats
+    // read lie inside `codes` / `panel`.
+    unsafe {
+        match S {
+            PANEL => {
+                let p = src.panel.as_ptr().add(o * src.chunks * LANES + c * LANES);
+                [
+                    _mm256_loadu_ps(p),
+                    _mm256_loadu_ps(p.add(8)),
+                    _mm256_loadu_ps(p.add(16)),
+                    _mm256_loadu_ps(p.add(24)),
+                ]
+            }
+            INT4 => {
+                let p = src.codes.as_ptr().add(o * src.row_bytes + c * 16);
+                let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+                let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
+                let (lo0, hi0) = int4_lanes256(v0, s);
+                let (lo1, hi1) = int4_lanes256(v1, s);
+                [lo0, lo1, hi0, hi1]
+            }
+            INT8 => {
+                let p = src.codes.as_ptr().add(o * src.row_bytes + c * LANES);
+                std::array::from_fn(|q| {
+                    let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.add(8 * q) as *const __m128i));
+                    _mm256_mul_ps(_mm256_cvtepi32_ps(v), s)
+                })
+            }
+            _ => {
+                debug_assert_eq!(S, FP8);
+                let p = src.codes.as_ptr().add(o * src.row_bytes + c * LANES);
+                std::array::from_fn(|q| {
+                    fp8_lanes256(
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8 * q) as *const __m128i)),
+                        s,
+                    )
+                })
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn reduce256(a: [__m256; 4]) -> f32 {
+    // t16 = (a0 + a2, a1 + a3); t8 = t16[0..8] + t16[8..16]; then 8 -> 4 -> 2 -> 1.
+    let t8 = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+    let t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps::<1>(t8));
+    let t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps::<1>(t2, t2)))
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile256<const S: u8, const MB: usize, const OB: usize>(
+    src: &TileSrc<'_>,
+    o0: usize,
+    xs: &[&[f32]],
+    res: &mut [[f32; 4]; 4],
+) {
+    let zero = _mm256_setzero_ps();
+    let mut acc = [[[zero; 4]; OB]; MB];
+    let mut sc = [zero; OB];
+    let xp: [*const f32; MB] = std::array::from_fn(|i| xs[i].as_ptr());
+    let mut c = 0;
+    while c < src.chunks {
+        let seg = c / src.seg_chunks;
+        if S != PANEL {
+            for (r, s) in sc.iter_mut().enumerate() {
+                *s = _mm256_set1_ps(src.scale(o0 + r, seg));
+            }
+        }
+        let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+        while c < end {
+            let mut w = [[zero; 4]; OB];
+            for r in 0..OB {
+                // SAFETY: row o0 + r < out and c < chunks (the caller's contract).
+                w[r] = unsafe { decode256::<S>(src, o0 + r, c, sc[r]) };
+            }
+            for i in 0..MB {
+                for q in 0..4 {
+                    // SAFETY: each activation row has chunks * 32 floats.
+                    let x = unsafe { _mm256_loadu_ps(xp[i].add(c * LANES + 8 * q)) };
+                    for r in 0..OB {
+                        acc[i][r][q] = _mm256_fmadd_ps(x, w[r][q], acc[i][r][q]);
+                    }
+                }
+            }
+            c += 1;
+        }
+    }
+    for i in 0..MB {
+        for r in 0..OB {
+            // SAFETY: same features as this function.
+            res[i][r] = unsafe { reduce256(acc[i][r]) };
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+unsafe fn decode_rows256<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, dst: &mut [f32]) {
+    let kp = src.chunks * LANES;
+    assert!(dst.len() >= n * kp);
+    for r in 0..n {
+        let mut c = 0;
+        while c < src.chunks {
+            let seg = c / src.seg_chunks;
+            let s = _mm256_set1_ps(if S == PANEL {
+                0.0
+            } else {
+                src.scale(o0 + r, seg)
+            });
+            let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+            while c < end {
+                // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
+                unsafe {
+                    let w = decode256::<S>(src, o0 + r, c, s);
+                    let p = dst.as_mut_ptr().add(r * kp + c * LANES);
+                    for (q, v) in w.iter().enumerate() {
+                        _mm256_storeu_ps(p.add(8 * q), *v);
+                    }
+                }
+                c += 1;
+            }
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has avx2 and fma; rows `o0..o0+n` exist in `src`.
+pub(super) unsafe fn decode_rows_avx2(
+    scheme: u8,
+    src: &TileSrc<'_>,
+    o0: usize,
+    n: usize,
+    dst: &mut [f32],
+) {
+    check(src, scheme, o0 + n, &[]);
+    // SAFETY: forwarded contract.
+    unsafe {
+        match scheme {
+            INT4 => decode_rows256::<INT4>(src, o0, n, dst),
+            INT8 => decode_rows256::<INT8>(src, o0, n, dst),
+            FP8 => decode_rows256::<FP8>(src, o0, n, dst),
+            _ => decode_rows256::<PANEL>(src, o0, n, dst),
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has avx2 and fma (checked by the caller through `SimdPath::available`).
+pub(super) unsafe fn tile_avx2(
+    scheme: u8,
+    src: &TileSrc<'_>,
+    o0: usize,
+    xs: &[&[f32]],
+    ob: usize,
+    res: &mut [[f32; 4]; 4],
+) {
+    check(src, scheme, o0 + ob, xs);
+    let mb = xs.len();
+    assert!((1..=4).contains(&mb) && (1..=4).contains(&ob));
+    // 16 registers: at most two 4-register accumulators per kernel (1x2 or 2x1); larger tiles are split.
+    let mut r = 0;
+    while r < ob {
+        let obs = if mb == 1 { (ob - r).min(2) } else { 1 };
+        let mut i = 0;
+        while i < mb {
+            let mbs = (mb - i).min(2).min(3 - obs);
+            let mut part = [[0.0f32; 4]; 4];
+            let sub = &xs[i..i + mbs];
+            // SAFETY: forwarded contract.
+            unsafe {
+                match (scheme, mbs, obs) {
+                    (INT4, 2, _) => tile256::<INT4, 2, 1>(src, o0 + r, sub, &mut part),
+                    (INT4, _, 2) => tile256::<INT4, 1, 2>(src, o0 + r, sub, &mut part),
+                    (INT4, _, _) => tile256::<INT4, 1, 1>(src, o0 + r, sub, &mut part),
+                    (INT8, 2, _) => tile256::<INT8, 2, 1>(src, o0 + r, sub, &mut part),
+                    (INT8, _, 2) => tile256::<INT8, 1, 2>(src, o0 + r, sub, &mut part),
+                    (INT8, _, _) => tile256::<INT8, 1, 1>(src, o0 + r, sub, &mut part),
+                    (FP8, 2, _) => tile256::<FP8, 2, 1>(src, o0 + r, sub, &mut part),
+                    (FP8, _, 2) => tile256::<FP8, 1, 2>(src, o0 + r, sub, &mut part),
+                    (FP8, _, _) => tile256::<FP8, 1, 1>(src, o0 + r, sub, &mut part),
+                    (_, 2, _) => tile256::<PANEL, 2, 1>(src, o0 + r, sub, &mut part),
+                    (_, _, 2) => tile256::<PANEL, 1, 2>(src, o0 + r, sub, &mut part),
+                    (_, _, _) => tile256::<PANEL, 1, 1>(src, o0 + r, sub, &mut part),
+                }
+            }
+            for ii in 0..mbs {
+                for rr in 0..obs {
+                    res[i + ii][r + rr] = part[ii][rr];
+                }
+            }
+            i += mbs;
+        }
+        r += obs;
+    }
+}
