@@ -362,9 +362,7 @@ fn unknown_scheme_names_the_valid_ones() {
 }
 
 /// Must-show: for the same weights and sequences, the training forward (autodiff device, parameters tracked)
-/// and the inference forward give the same log-probs, per scheme, within 1e-6. The quantized matmuls are
-/// bitwise equal (one kernel); the remaining last-bit differences come from burn's fused softmax /
-/// log-softmax / SiLU, which flex runs fused and autodiff decomposes into elementary ops.
+/// and the inference forward give bitwise the same log-probs, per scheme (deterministic mode).
 #[test]
 fn training_and_inference_forwards_are_bitwise_aligned() {
     let dir = fixtures_dir().join("qwen3_moe");
@@ -394,8 +392,10 @@ fn training_and_inference_forwards_are_bitwise_aligned() {
             n += x.len();
         }
         println!("{scheme}: training vs inference log-probs max |diff| = {worst:e}, bitwise equal {same}/{n}");
-        assert!(
-            worst <= 1e-6,
+        // Deterministic mode (the default): one kernel for the quantized matmuls, elementary-op softmax and
+        // the fixed-order log-softmax make the two forwards bitwise equal.
+        assert_eq!(
+            same, n,
             "{scheme}: training and inference forwards differ by {worst}"
         );
     }
@@ -472,5 +472,69 @@ fn quantized_score_matches_transformers_on_dequantized_weights() {
         let d = max_abs_diff(&got, &want);
         println!("{name}: max |qarl --quant - transformers(dequantized)| = {d:e}");
         assert!(d <= 1e-4, "{name}: {d}");
+    }
+}
+
+/// Deterministic mode (the default): the log-probs the rollout recorded while sampling (KV-cache decode,
+/// batched, temperature-scaled) and the training forward's log-probs of the same sequences (autodiff
+/// device, one full forward, parameters tracked), for f32 and every scheme on the MoE fixture. The goal is
+/// bitwise equality (k3 = 0); today the count of bitwise-equal tokens is printed and the bound is 1e-5.
+#[test]
+fn deterministic_mode_rollout_and_training_logprobs() {
+    assert!(
+        qarl::model::scoring::deterministic(),
+        "deterministic mode is the default"
+    );
+    let dir = fixtures_dir().join("qwen3_moe");
+    let params = SamplingParams {
+        temperature: 0.8,
+        max_new_tokens: 8,
+        seed: 7,
+        ..SamplingParams::default()
+    };
+    let prompts = vec![
+        vec![5u32, 9, 200, 31],
+        vec![1, 2, 3],
+        vec![7u32, 8, 100, 4, 2, 9],
+    ];
+    let schemes: Vec<Option<QuantScheme>> = std::iter::once(None)
+        .chain(QuantScheme::ALL.into_iter().map(Some))
+        .collect();
+    for scheme in schemes {
+        let mut infer = Decoder::load(&dir, &Device::flex()).unwrap();
+        let mut train = Decoder::load(&dir, &Device::flex().autodiff()).unwrap();
+        for (_, lin) in train.linears_mut() {
+            lin.weight = lin.weight.clone().map(|t| t.require_grad());
+        }
+        if let Some(s) = scheme {
+            infer.quantize(&QuantConfig::new(s)).unwrap();
+            train.quantize(&QuantConfig::new(s)).unwrap();
+        }
+        let out = generate(&infer, &prompts, 2, &params, None);
+        let fwd = response_logprobs(&train, &out.ids, &out.prompt_lens, params.temperature);
+        let name = scheme.map_or("f32", QuantScheme::name);
+        let (mut same, mut n, mut k3) = (0usize, 0usize, 0.0f64);
+        for (rec, f) in out.logprobs.iter().zip(&fwd) {
+            assert_eq!(rec.len(), f.len());
+            for (a, b) in rec.iter().zip(f) {
+                same += usize::from(a.to_bits() == b.to_bits());
+                n += 1;
+                let r = (*b as f64 - *a as f64).exp();
+                k3 += r - 1.0 - (r).ln();
+            }
+        }
+        let worst = out
+            .logprobs
+            .iter()
+            .zip(&fwd)
+            .map(|(a, b)| max_abs_diff(a, b))
+            .fold(0.0f32, f32::max);
+        println!("{name}: bitwise equal {same}/{n}, max |diff| = {worst:e}, k3 = {k3:e}");
+        // Not yet bitwise: the full-precision matmuls (lm_head, router, attention) still run burn's GEMM,
+        // whose rounding depends on the number of rows (KV-cache decode vs full forward of ragged rows).
+        assert!(
+            worst <= 1e-5,
+            "{name}: recorded vs training log-probs differ by {worst}"
+        );
     }
 }

@@ -1,7 +1,6 @@
 //! Grouped-query self-attention with optional per-head q/k RMSNorm (Qwen3), RoPE and a KV cache.
 
 use burn::module::Module;
-use burn::tensor::activation::softmax;
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor};
 
 use super::checkpoint::Checkpoint;
@@ -195,7 +194,7 @@ impl Attention {
         if let Some(m) = mask {
             scores = scores + m.clone();
         }
-        let probs = softmax(scores, 3);
+        let probs = crate::model::layers::softmax_exact(scores, 3);
         let out = probs.matmul(v).swap_dims(1, 2).reshape([b * t, h * d]);
         self.o_proj.forward(out).reshape([b, t, hidden])
     }

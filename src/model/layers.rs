@@ -227,3 +227,9 @@ pub fn to_i64_vec<const D: usize>(t: Tensor<D, burn::tensor::Int>) -> Vec<i64> {
         .try_to_vec::<i64>()
         .expect("converted to i64")
 }
+
+/// Softmax along `dim`, the same bits in the inference and the training forward (deterministic mode): the
+/// backend's fused softmax on both (see [`crate::quant::linear::aligned_softmax`]).
+pub fn softmax_exact<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
+    crate::quant::linear::aligned_softmax(x, dim)
+}

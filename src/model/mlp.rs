@@ -1,7 +1,7 @@
 //! Feed-forward blocks: the SwiGLU MLP and Qwen3-MoE's routed experts.
 
 use burn::module::Module;
-use burn::tensor::activation::{silu, softmax};
+use burn::tensor::activation::silu;
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::checkpoint::Checkpoint;
@@ -115,7 +115,7 @@ impl MoeBlock {
     pub fn forward(&self, x: Tensor<2>, replay: Option<&[u32]>) -> (Tensor<2>, Routing) {
         let [n, hidden] = x.dims();
         let device = x.device();
-        let probs = softmax(self.gate.forward(x.clone()), 1);
+        let probs = crate::model::layers::softmax_exact(self.gate.forward(x.clone()), 1);
         let (weights, chosen): (Tensor<2>, Routing) = match replay {
             Some(ids) => {
                 assert_eq!(

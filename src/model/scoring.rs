@@ -1,16 +1,88 @@
 //! Per-token log-probabilities of given sequences, the quantity every RL objective is built on.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
+use rayon::prelude::*;
 
 use super::decoder::{Decoder, ForwardOutput};
 use super::mlp::Routing;
 use crate::rollout::rows;
 
+static DETERMINISTIC: AtomicBool = AtomicBool::new(true);
+
+/// Deterministic mode (the default): log-probs are computed by [`log_softmax_row`], one fixed-order host
+/// routine shared by the rollout's sampler and the training forward, so that (with the batch-invariant
+/// forward) the recorded and the re-scored log-probs of a token are bitwise equal. Off: burn's
+/// `log_softmax` on whole tensors (rounds differently for a `[B, T, V]` and a `[B, V]` tensor).
+pub fn set_deterministic(on: bool) {
+    DETERMINISTIC.store(on, Ordering::Relaxed);
+}
+
+pub fn deterministic() -> bool {
+    DETERMINISTIC.load(Ordering::Relaxed)
+}
+
+/// `ln(sum(exp(z - max z)))` plus `max z` of `z = row / temperature`: f32 division, the maximum, then
+/// the sum of `exp` in f64 in index order. The one normaliser of deterministic mode.
+fn log_normaliser(row: &[f32], temperature: f32) -> f64 {
+    let z = |x: f32| {
+        if temperature == 1.0 {
+            x
+        } else {
+            x / temperature
+        }
+    };
+    let max = row.iter().map(|&x| z(x)).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = row.iter().map(|&x| (z(x) as f64 - max).exp()).sum();
+    max + sum.ln()
+}
+
+/// The fixed-order log-softmax of one row at `temperature` (deterministic mode): element `i` is
+/// `(z_i as f64 - log_normaliser) as f32` with `z = row / temperature` in f32.
+pub fn log_softmax_row(row: &[f32], temperature: f32) -> Vec<f32> {
+    let lse = log_normaliser(row, temperature);
+    let z = |x: f32| {
+        if temperature == 1.0 {
+            x
+        } else {
+            x / temperature
+        }
+    };
+    row.iter().map(|&x| (z(x) as f64 - lse) as f32).collect()
+}
+
+/// `log_softmax_row(row, temperature)[target]` without the rest of the row.
+pub fn log_softmax_at(row: &[f32], temperature: f32, target: usize) -> f32 {
+    let lse = log_normaliser(row, temperature);
+    let x = row[target];
+    let z = if temperature == 1.0 {
+        x
+    } else {
+        x / temperature
+    };
+    (z as f64 - lse) as f32
+}
+
 /// `logprobs[b][t] = log_softmax(logits[b][t] / temperature)[ids[b][t + 1]]`, as a `[B, T - 1]` tensor
 /// (differentiable). `ids` rows must be at least as long as the logits' `T` (extra ids are ignored).
+/// In deterministic mode the values are [`log_softmax_at`]'s (bitwise what the rollout records) and the
+/// gradient is that of burn's log-softmax (`exact + (lp - lp.detach())`).
 pub fn next_token_logprobs_at(logits: Tensor<3>, ids: &[Vec<u32>], temperature: f32) -> Tensor<2> {
-    let [b, t, _v] = logits.dims();
+    let [b, t, v] = logits.dims();
+    let exact = deterministic().then(|| {
+        let host = crate::model::layers::to_f32_vec(logits.clone().detach());
+        let vals: Vec<f32> = (0..b * (t - 1))
+            .into_par_iter()
+            .map(|r| {
+                let (row, pos) = (r / (t - 1), r % (t - 1));
+                let off = (row * t + pos) * v;
+                log_softmax_at(&host[off..off + v], temperature, ids[row][pos + 1] as usize)
+            })
+            .collect();
+        vals
+    });
     let logits = if temperature == 1.0 {
         logits
     } else {
@@ -23,8 +95,16 @@ pub fn next_token_logprobs_at(logits: Tensor<3>, ids: &[Vec<u32>], temperature: 
         .iter()
         .flat_map(|row| row[1..t].iter().map(|&x| x as i64))
         .collect();
-    let idx = Tensor::<3, Int>::from_data(TensorData::new(targets, [b, t - 1, 1]), &lp.device());
-    lp.gather(2, idx).reshape([b, t - 1])
+    let device = lp.device();
+    let idx = Tensor::<3, Int>::from_data(TensorData::new(targets, [b, t - 1, 1]), &device);
+    let lp: Tensor<2> = lp.gather(2, idx).reshape([b, t - 1]);
+    match exact {
+        Some(vals) => {
+            let exact = Tensor::<2>::from_data(TensorData::new(vals, [b, t - 1]), &device);
+            exact + (lp.clone() - lp.detach())
+        }
+        None => lp,
+    }
 }
 
 /// [`next_token_logprobs_at`] at temperature 1.

@@ -61,6 +61,13 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32
         let idx = Tensor::<1, Int>::from_data(TensorData::new(rows, [b]), &logits.device());
         logits.reshape([b * t, v]).select(0, idx)
     };
+    if crate::model::scoring::deterministic() {
+        // The fixed-order host log-softmax the training forward's log-probs are computed with.
+        return super::rows(last)
+            .iter()
+            .map(|r| crate::model::scoring::log_softmax_row(r, temperature))
+            .collect();
+    }
     let last = if temperature == 1.0 {
         last
     } else {
