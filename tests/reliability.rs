@@ -260,3 +260,122 @@ fn retention_keeps_the_newest_checkpoints() {
     let err = format!("{:#}", train::run(&other, true, true).unwrap_err());
     assert!(err.contains("seed 3") && err.contains("seed 4"), "{err}");
 }
+
+/// A run directory with checkpoints is never started over by accident; `--resume` without a checkpoint
+/// starts from step 0.
+#[test]
+fn a_fresh_run_refuses_to_overwrite_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny(tmp.path(), 1);
+    train::run(&cfg, false, true).unwrap();
+    let err = format!("{:#}", train::run(&cfg, false, true).unwrap_err());
+    assert!(
+        err.contains("--resume") && err.contains("--overwrite"),
+        "{err}"
+    );
+    assert!(
+        checkpoint::latest(&cfg.run_dir).is_some(),
+        "the refusal lost a checkpoint"
+    );
+    train::run_with(
+        &cfg,
+        &RunOptions {
+            quiet: true,
+            overwrite: true,
+            ..RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
+    let mut other = cfg.clone();
+    other.run_dir = tmp.path().join("new");
+    train::run(&other, true, true).unwrap();
+    assert_eq!(rows(&other.run_dir, &["rl"]).len(), 1);
+}
+
+/// Bad configs: every error names the file, the key path and the reason (printed as the table of the
+/// closing note with `--nocapture`).
+#[test]
+fn bad_configs_are_named_with_their_key_path() {
+    let good = train::config::DEFAULT_CONFIG;
+    let edit = |from: &str, to: &str| {
+        assert!(good.contains(from), "{from}");
+        good.replacen(from, to, 1)
+    };
+    let cases: Vec<(&str, String, &[&str])> = vec![
+        (
+            "misspelt key",
+            edit("samples_per_prompt = 8", "sample_per_prompt = 8"),
+            &[
+                "line",
+                "`rollout.sample_per_prompt`",
+                "did you mean `rollout.samples_per_prompt`",
+            ],
+        ),
+        (
+            "misspelt section",
+            edit("[rollout]", "[rolout]"),
+            &["unknown key `rolout`", "did you mean `rollout`"],
+        ),
+        (
+            "misspelt value",
+            edit("forward = \"aligned\"", "forward = \"alinged\""),
+            &["`train.forward` = \"alinged\"", "did you mean \"aligned\""],
+        ),
+        (
+            "unknown precision",
+            edit("precision = \"int4-g32\"", "precision = \"int3\""),
+            &["`rollout.precision`", "int3"],
+        ),
+        (
+            "wrong type",
+            edit("steps = 80", "steps = \"eighty\""),
+            &["`train.steps`", "invalid type"],
+        ),
+        (
+            "negative count",
+            edit("steps = 80", "steps = -1"),
+            &["`train.steps`"],
+        ),
+        (
+            "missing key",
+            edit("max_new_tokens = 40\n\n[train]", "\n[train]"),
+            &["missing key `rollout.max_new_tokens`"],
+        ),
+        (
+            "out of range",
+            edit("temperature = 1.0", "temperature = 1.0\ntop_p = 1.5"),
+            &["`rollout.top_p` = 1.5", "(0, 1]"],
+        ),
+        (
+            "zero that used to panic (division)",
+            edit("warmup_steps = 20", "warmup_steps = 20\nlog_every = 0"),
+            &["`sft.log_every` = 0", ">= 1"],
+        ),
+        (
+            "NaN learning rate",
+            edit("lr = 3e-5", "lr = nan"),
+            &["`train.lr` = NaN"],
+        ),
+        ("TOML syntax", edit("[eval]", "[eval"), &["line"]),
+    ];
+    println!("| bad input | error the user sees |");
+    for (what, text, want) in cases {
+        let err = format!(
+            "{:#}",
+            TrainConfig::from_toml(&text, "my.toml").unwrap_err()
+        );
+        let first = err.lines().next().unwrap();
+        println!("| {what} | {first} |");
+        assert!(err.starts_with("my.toml"), "{err}");
+        for w in want {
+            assert!(err.contains(w), "{what}: expected `{w}` in: {err}");
+        }
+    }
+    let err = format!(
+        "{:#}",
+        train::load_config(None, &["train.lrr=1e-4".into()]).unwrap_err()
+    );
+    println!("| --set train.lrr=1e-4 | {err} |");
+    assert!(err.contains("did you mean `train.lr`"), "{err}");
+}

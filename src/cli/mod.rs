@@ -7,7 +7,7 @@ mod generate;
 mod import_gguf;
 mod init_model;
 mod quantize;
-mod runs;
+pub mod runs;
 mod score;
 mod train;
 

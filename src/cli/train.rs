@@ -10,6 +10,9 @@ pub struct TrainArgs {
     /// Continue from the newest checkpoint in the run directory.
     #[arg(long)]
     pub resume: bool,
+    /// Start over in a run directory that already has checkpoints (they and its metrics are deleted).
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
     /// Override one config value, e.g. `--set train.lr=3e-5 --set rollout.precision=fp8-b128`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -49,7 +52,15 @@ fn load(path: Option<&std::path::Path>, overrides: &[String]) -> anyhow::Result<
 
 pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
     let cfg = load(args.config.as_deref(), &args.set)?;
-    let s = train::run(&cfg, args.resume, args.quiet)?;
+    let s = train::run_with(
+        &cfg,
+        &train::RunOptions {
+            resume: args.resume,
+            quiet: args.quiet,
+            overwrite: args.overwrite,
+            ..train::RunOptions::default()
+        },
+    )?;
     println!("run directory: {}", s.run_dir.display());
     println!("metrics:       {}", s.metrics_path.display());
     match train::plot::plot_run(&s.run_dir) {

@@ -393,30 +393,34 @@ fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str, lines: bool
     let line = pos
         .filter(|_| lines)
         .map(|p| text[..p].matches('\n').count() + 1);
-    let (table, key) = pos.map(|p| key_path_at(text, p)).unwrap_or_default();
-    let join = |k: &str| {
-        if table.is_empty() {
-            k.to_string()
-        } else if k.is_empty() {
-            table.clone()
-        } else {
-            format!("{table}.{k}")
-        }
+    // The key path of the line the error points at: the enclosing table and the key on the line.
+    let path = pos.map(|p| key_path_at(text, p)).unwrap_or_default();
+    let dotted = |parts: &[String]| parts.join(".");
+    let with = |parts: &[String], last: &str| {
+        let mut v = parts.to_vec();
+        v.push(last.to_string());
+        dotted(&v)
     };
     let mut out = origin.to_string();
     if let Some(l) = line {
         out.push_str(&format!(", line {l}"));
     }
     if let Some((bad, expected)) = unknown_name(msg, "unknown field") {
-        out.push_str(&format!(": unknown key `{}`", join(&bad)));
+        // The line names the unknown key itself (`bad = ...` or a `[table.bad]` header) or its table.
+        let parent: Vec<String> = if path.last() == Some(&bad) {
+            path[..path.len() - 1].to_vec()
+        } else {
+            path.clone()
+        };
+        out.push_str(&format!(": unknown key `{}`", with(&parent, &bad)));
         match closest(&bad, &expected) {
-            Some(best) => out.push_str(&format!("; did you mean `{}`?", join(best))),
+            Some(best) => out.push_str(&format!("; did you mean `{}`?", with(&parent, best))),
             None => out.push_str(&format!("; valid keys here: {}", list(&expected))),
         }
     } else if let Some((bad, expected)) = unknown_name(msg, "unknown variant") {
         out.push_str(&format!(
             ": `{}` = \"{bad}\" is not a valid value",
-            join(&key)
+            dotted(&path)
         ));
         match closest(&bad, &expected) {
             Some(best) => out.push_str(&format!("; did you mean \"{best}\"?")),
@@ -426,9 +430,9 @@ fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str, lines: bool
         .strip_prefix("missing field `")
         .and_then(|r| r.split('`').next())
     {
-        out.push_str(&format!(": missing key `{}`", join(field)));
-    } else if !key.is_empty() || !table.is_empty() {
-        out.push_str(&format!(": `{}`: {msg}", join(&key)));
+        out.push_str(&format!(": missing key `{}`", with(&path, field)));
+    } else if !path.is_empty() {
+        out.push_str(&format!(": `{}`: {msg}", dotted(&path)));
     } else {
         out.push_str(&format!(": {msg}"));
     }
@@ -460,40 +464,38 @@ fn unknown_name(msg: &str, what: &str) -> Option<(String, Vec<String>)> {
     Some((bad.to_string(), expected))
 }
 
-/// The table path and key of the TOML line around byte `pos`: the nearest `[header]` above and the key
-/// before `=` (empty when the line has none).
-fn key_path_at(text: &str, pos: usize) -> (String, String) {
+/// The key path of the TOML line around byte `pos`: a `[header]` line's table, or the nearest header
+/// above followed by the key before `=`.
+fn key_path_at(text: &str, pos: usize) -> Vec<String> {
     let line_start = text[..pos].rfind('\n').map_or(0, |i| i + 1);
     let line_end = text[pos..].find('\n').map_or(text.len(), |i| pos + i);
-    let clean = |s: &str| {
+    let split = |s: &str| -> Vec<String> {
         s.split('.')
-            .map(|p| p.trim().trim_matches('"').trim_matches('\''))
-            .collect::<Vec<_>>()
-            .join(".")
+            .map(|p| p.trim().trim_matches('"').trim_matches('\'').to_string())
+            .filter(|p| !p.is_empty())
+            .collect()
     };
-    let header = |l: &str| -> Option<String> {
+    let header = |l: &str| -> Option<Vec<String>> {
         let l = l.trim();
         if !l.starts_with('[') {
             return None;
         }
         let inner = l.trim_start_matches('[');
-        let inner = inner.split(']').next().unwrap_or("");
-        Some(clean(inner))
+        Some(split(inner.split(']').next().unwrap_or("")))
     };
     let line = &text[line_start..line_end];
     if let Some(h) = header(line) {
-        return (h, String::new());
+        return h;
     }
-    let table = text[..line_start]
+    let mut path = text[..line_start]
         .lines()
         .rev()
         .find_map(header)
         .unwrap_or_default();
-    let key = line
-        .split_once('=')
-        .map(|(k, _)| clean(k))
-        .unwrap_or_default();
-    (table, key)
+    if let Some((k, _)) = line.split_once('=') {
+        path.extend(split(k));
+    }
+    path
 }
 
 /// Edit distance between two strings (Levenshtein, by characters).

@@ -91,6 +91,9 @@ pub struct RunOptions {
     pub stop_after_step: Option<usize>,
     /// Steps whose loss is made NaN (fault injection for tests of the non-finite guard).
     pub inject_nonfinite_steps: Vec<usize>,
+    /// Without `resume`, start over in a run directory that has checkpoints (deleting them); otherwise
+    /// such a run is refused, so a typo'd command never destroys a run.
+    pub overwrite: bool,
 }
 
 /// A step whose gradient norm exceeds this multiple of the moving average is logged as a spike.
@@ -116,8 +119,27 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         .with_context(|| format!("{}: cannot create", cfg.run_dir.display()))?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = if resume {
-        checkpoint::latest(&cfg.run_dir)
+        let found = checkpoint::latest(&cfg.run_dir);
+        if found.is_none() {
+            tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no checkpoint yet, starting from step 0");
+        }
+        found
     } else {
+        if let Some((p, st)) = checkpoint::latest(&cfg.run_dir) {
+            if !opts.overwrite {
+                anyhow::bail!(
+                    "{}: this run directory already has checkpoints (newest: step {}, {}); pass --resume to \
+                     continue it, --overwrite to start over (deleting its checkpoints and metrics), or choose \
+                     another `run_dir`",
+                    cfg.run_dir.display(),
+                    st.step,
+                    p.display()
+                );
+            }
+            let dir = checkpoint::checkpoints_dir(&cfg.run_dir);
+            std::fs::remove_dir_all(&dir)
+                .with_context(|| format!("{}: cannot remove", dir.display()))?;
+        }
         None
     };
     if let Some((p, state)) = &resumed {
@@ -131,7 +153,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
     }
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
-    if !resume && metrics_path.exists() {
+    if resumed.is_none() && metrics_path.exists() {
         std::fs::remove_file(&metrics_path)?;
     }
     if let Some((_, state)) = &resumed {
