@@ -159,3 +159,91 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
     assert_eq!(out.status.code(), Some(1));
     assert!(err.contains("/nonexistent/model/config.json"), "{err}");
 }
+
+#[test]
+fn config_show_prints_the_resolved_config_and_names_bad_keys() {
+    let out = qarl()
+        .args(["config", "show", "default", "--set", "train.lr=1e-4"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let cfg = qarl::train::TrainConfig::from_toml(&text, "shown").unwrap();
+    assert_eq!(cfg.train.lr, 1e-4);
+    assert!(
+        text.contains("keep_checkpoints"),
+        "defaults are filled in: {text}"
+    );
+    let out = qarl()
+        .args(["config", "show", "--set", "rollout.sample_per_prompt=4"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("did you mean `rollout.samples_per_prompt`"),
+        "{err}"
+    );
+    let out = qarl()
+        .args(["config", "show", "no/such.toml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8(out.stderr)
+        .unwrap()
+        .contains("no/such.toml"));
+}
+
+#[test]
+fn runs_lists_run_directories_with_their_status() {
+    let tmp = tempfile::tempdir().unwrap();
+    let runs = tmp.path().join("runs");
+    // A finished run and one with a checkpoint, written by hand.
+    let cfg = qarl::train::load_config(None, &["train.steps=2".into()]).unwrap();
+    for (name, rows) in [
+        (
+            "done",
+            "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
+        ),
+        ("half", "{\"phase\":\"rl\",\"step\":0}\nnot json\n"),
+    ] {
+        let dir = runs.join(name);
+        std::fs::create_dir_all(dir.join("checkpoints/step_000000")).unwrap();
+        std::fs::write(dir.join("metrics.jsonl"), rows).unwrap();
+        qarl::io::write_json_atomic(&dir.join("config.json"), &cfg).unwrap();
+        qarl::io::write_json_atomic(
+            &dir.join("checkpoints/step_000000/trainer_state.json"),
+            &qarl::train::checkpoint::TrainerState::after_step(0, 1),
+        )
+        .unwrap();
+    }
+    let out = qarl().arg("runs").arg(&runs).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    let line = |n: &str| {
+        text.lines()
+            .find(|l| l.contains(&format!("runs/{n}")))
+            .unwrap_or_else(|| panic!("{n} missing: {text}"))
+            .to_string()
+    };
+    assert!(
+        line("done").contains("2/2")
+            && line("done").contains("0.500")
+            && line("done").contains("finished"),
+        "{text}"
+    );
+    assert!(
+        line("half").contains("1/2") && line("half").contains("resumable from step 1"),
+        "{text}"
+    );
+    let out = qarl().args(["runs", "/no/such/dir"]).output().unwrap();
+    assert!(!out.status.success());
+}

@@ -259,6 +259,14 @@ fn retention_keeps_the_newest_checkpoints() {
     other.seed = 4;
     let err = format!("{:#}", train::run(&other, true, true).unwrap_err());
     assert!(err.contains("seed 3") && err.contains("seed 4"), "{err}");
+    // A damaged newest checkpoint: the error names it and the previous one to resume from.
+    std::fs::write(ckpt(&cfg.run_dir, 3).join("model.safetensors"), b"garbage").unwrap();
+    let err = format!("{:#}", train::run(&cfg, true, true).unwrap_err());
+    assert!(
+        err.contains("step_000003") && err.contains("resume from step 2"),
+        "{err}"
+    );
+    println!("damaged newest checkpoint: {err}");
 }
 
 /// A run directory with checkpoints is never started over by accident; `--resume` without a checkpoint

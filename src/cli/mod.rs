@@ -6,6 +6,7 @@ mod eval;
 mod generate;
 mod import_gguf;
 mod init_model;
+mod mismatch;
 mod quantize;
 pub mod runs;
 mod score;
@@ -47,6 +48,8 @@ pub enum Command {
     Quantize(quantize::QuantizeArgs),
     /// Greedy accuracy on a GSM8K-format JSONL file (chat or plain template), in any precision.
     Eval(eval::EvalArgs),
+    /// Rollout/learner mismatch of quantized rollouts on GSM8K prompts (full vs aligned training forward).
+    Mismatch(mismatch::MismatchArgs),
     /// Import a llama.cpp GGUF file (Llama architecture) as a Hugging Face model directory.
     ImportGguf(import_gguf::ImportGgufArgs),
 }
@@ -84,6 +87,7 @@ pub fn run() -> anyhow::Result<()> {
         Command::Quantize(a) => quantize::run(a),
         Command::ImportGguf(a) => import_gguf::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Mismatch(a) => mismatch::run(a),
         Command::Train(a) => train::run_train(a),
         Command::Sft(a) => train::run_sft(a),
         Command::Experiment(a) => train::run_experiment(a),

@@ -174,7 +174,19 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         .as_ref()
         .map_or(cfg.model.dir.clone(), |(p, _)| p.clone());
     let mut model = match &resumed {
-        Some((p, _)) => checkpoint::load_model(p, &device)?,
+        Some((p, st)) => checkpoint::load_model(p, &device).with_context(|| {
+            let previous = checkpoint::list(&cfg.run_dir)
+                .iter()
+                .rev()
+                .find(|(_, s)| s.step < st.step)
+                .map_or("start over with --overwrite".to_string(), |(q, s)| {
+                    format!("resume from step {} ({})", s.step, q.display())
+                });
+            format!(
+                "{}: the newest checkpoint cannot be loaded; move it away to {previous}",
+                p.display()
+            )
+        })?,
         None => Decoder::load(&model_dir, &device)?,
     };
     let config_json: serde_json::Value = crate::io::read_json(&model_dir.join("config.json"))?;
