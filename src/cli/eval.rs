@@ -49,7 +49,7 @@ pub struct EvalArgs {
     pub quiet: bool,
 }
 
-fn data_path(name: &str) -> PathBuf {
+pub(crate) fn data_path(name: &str) -> PathBuf {
     let dir = std::env::var("QARL_GSM8K_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| PathBuf::from("../shared/data/gsm8k"));
