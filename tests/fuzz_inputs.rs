@@ -499,11 +499,9 @@ fn fuzz_metrics_jsonl() {
 
 /// Found by `fuzz_tokenizer` (QARL_FUZZ_CASES=30000): a tokenizer.json cut off inside `"decoder":` makes
 /// the `tokenizers` crate panic (`expect("Helper")` in its decoder deserializer) instead of returning an
-/// error, so `qarl generate --model DIR` with such a file panics. The fix belongs in
-/// `src/model/tokenizer.rs` (parse the text as JSON first and catch the library's panic); enable this
-/// test with it.
+/// error, so `qarl generate --model DIR` with such a file panicked. Fixed in `src/model/tokenizer.rs`
+/// (the text is parsed as JSON first and the library's panic is caught).
 #[test]
-#[ignore = "needs the guard in src/model/tokenizer.rs (owned elsewhere); see the comment"]
 fn truncated_tokenizer_json_is_an_error_not_a_panic() {
     let tmp = tempfile::tempdir().unwrap();
     qarl::tasks::char_tokenizer::save(tmp.path()).unwrap();

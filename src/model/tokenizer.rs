@@ -17,10 +17,18 @@ impl Tokenizer {
         if !path.is_file() {
             return Ok(None);
         }
-        let inner = tokenizers::Tokenizer::from_file(&path).map_err(|e| LoadError::Tokenizer {
+        let err = |msg: String| LoadError::Tokenizer {
             path: path.clone(),
-            msg: e.to_string(),
-        })?;
+            msg,
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| err(e.to_string()))?;
+        // Check the JSON first: the tokenizers crate panics on some malformed files (a truncated one, for
+        // example) instead of returning an error, and a panic is caught below as a last resort.
+        serde_json::from_str::<serde_json::Value>(&text)
+            .map_err(|e| err(format!("not valid JSON: {e}")))?;
+        let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+            .map_err(|_| err("the tokenizers library could not read this file".into()))?;
+        let inner = parsed.map_err(|e| err(e.to_string()))?;
         Ok(Some(Self { inner }))
     }
 
