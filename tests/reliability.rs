@@ -387,3 +387,27 @@ fn bad_configs_are_named_with_their_key_path() {
     println!("| --set train.lrr=1e-4 | {err} |");
     assert!(err.contains("did you mean `train.lr`"), "{err}");
 }
+
+/// SFT with an absurd learning rate: the non-finite steps are skipped and the run stops with a message.
+#[test]
+fn sft_stops_on_repeated_nonfinite_losses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(tmp.path(), 1);
+    let sft = cfg.sft.as_mut().unwrap();
+    sft.lr = 1e30;
+    sft.steps = 12;
+    sft.log_every = 1;
+    cfg.train.max_nonfinite_steps = 2;
+    let err = format!("{:#}", train::run(&cfg, false, true).unwrap_err());
+    println!("{err}");
+    assert!(
+        err.contains("stopping SFT") && err.contains("sft.lr"),
+        "{err}"
+    );
+    assert!(
+        !cfg.model.dir.exists(),
+        "a broken model was moved into place"
+    );
+    let rows = rows(&cfg.run_dir, &["sft"]);
+    assert!(rows.iter().any(|r| r["sft/nonfinite"] == 1), "{rows:?}");
+}

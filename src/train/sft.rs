@@ -46,6 +46,7 @@ pub fn run_sft(
         .init();
     let bar = progress_bar(cfg.steps as u64, "sft", quiet);
     let mut last = f32::NAN;
+    let mut nonfinite = 0usize;
     for step in 0..cfg.steps {
         let examples = task.sample_prompts(
             cfg.batch_size,
@@ -64,6 +65,28 @@ pub fn run_sft(
         last = to_f32_vec(loss.clone())[0];
         let grads = loss.backward();
         let grads = GradientsParams::from_grads(grads, &model);
+        let norm = super::rl::grad_norm(&model, &grads);
+        if !last.is_finite() || !norm.is_finite() {
+            // Skip the update (the weights stay) and stop after too many in a row.
+            nonfinite += 1;
+            tracing::warn!(
+                step,
+                loss = last,
+                grad_norm = norm,
+                "sft: non-finite loss or gradient, update skipped"
+            );
+            log.write(&serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/nonfinite": 1}))?;
+            let max = train.train.max_nonfinite_steps;
+            if max > 0 && nonfinite >= max {
+                anyhow::bail!(
+                    "stopping SFT: {nonfinite} consecutive steps (up to step {step}) had a NaN or infinite loss or \
+                     gradient (`train.max_nonfinite_steps` = {max}); lower `sft.lr` or check the data"
+                );
+            }
+            bar.inc(1);
+            continue;
+        }
+        nonfinite = 0;
         let lr = lr_at(
             cfg.lr,
             LrSchedule::Cosine,
@@ -74,7 +97,7 @@ pub fn run_sft(
         model = optim.step(lr, model, grads);
         if step % cfg.log_every == 0 || step + 1 == cfg.steps {
             log.write(
-                &serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/lr": lr}),
+                &serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/lr": lr, "sft/grad_norm": norm}),
             )?;
         }
         bar.set_message(format!("loss {last:.3}"));
