@@ -355,7 +355,9 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     }
     bar.finish();
     let after = evaluate(&model, tc.steps, &mut log)?;
-    if tc.steps > 0 && start < tc.steps {
+    // The last step's checkpoint, unless the loop just wrote it.
+    let just_saved = cfg.checkpoint_every > 0 && tc.steps % cfg.checkpoint_every == 0;
+    if tc.steps > 0 && start < tc.steps && !just_saved {
         save(&model, &optim, &state)?;
     }
     Ok(RunSummary {
