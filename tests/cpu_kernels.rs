@@ -130,3 +130,32 @@ fn thread_count_and_batch_do_not_change_bits() {
         }
     }
 }
+
+/// The quantized layer through burn (flex): a token decoded alone gives the bits it gets inside a longer
+/// batch, for every scheme, with an input width that is not a multiple of 128 (SmolLM2's 576).
+#[test]
+fn quantized_layer_rows_are_batch_invariant_at_real_widths() {
+    use burn::tensor::Device;
+    use qarl::model::layers::{tensor_from_vec, to_f32_vec};
+    use qarl::quant::QuantizedWeight;
+    let device = Device::flex();
+    let (inn, out, m) = (576, 96, 13);
+    let master = tensor_from_vec(values(inn * out, 21), [inn, out], &device);
+    let x = values(m * inn, 22);
+    for scheme in QuantScheme::ALL {
+        let q = QuantizedWeight::from_master(master.clone(), scheme).unwrap();
+        let all = to_f32_vec(q.matmul(
+            tensor_from_vec(x.clone(), [m, inn], &device),
+            master.clone(),
+        ));
+        for i in [0, 5, 12] {
+            let row = tensor_from_vec(x[i * inn..(i + 1) * inn].to_vec(), [1, inn], &device);
+            let alone = to_f32_vec(q.matmul(row, master.clone()));
+            assert_eq!(
+                bits(&alone),
+                bits(&all[i * out..(i + 1) * out]),
+                "{scheme}: row {i}"
+            );
+        }
+    }
+}
