@@ -159,3 +159,58 @@ fn quantized_layer_rows_are_batch_invariant_at_real_widths() {
         }
     }
 }
+
+/// Deterministic mode's f32 products (`x · w` with `w [k, n]`: one fma chain per element in `k` order; `x · w^T`
+/// with `w [n, k]`: the 32-lane order) give the reference's bits on every SIMD path, for odd shapes and
+/// batches, and a row's result does not depend on how many other rows the call has.
+#[test]
+fn f32_products_match_their_reference_and_are_row_batch_invariant() {
+    use qarl::quant::cpu_kernel::{
+        f32_matmul_nt_on, f32_matmul_nt_reference, f32_matmul_on, f32_matmul_reference,
+    };
+    for &(batch, m, k, n) in &[
+        (1usize, 1usize, 7usize, 5usize),
+        (1, 5, 160, 300),
+        (3, 6, 40, 70),
+        (1, 9, 576, 1000),
+        (2, 1, 64, 129),
+    ] {
+        let x = values(batch * m * k, (m * k) as u64);
+        let w = values(batch * k * n, (k * n + 1) as u64);
+        let want = f32_matmul_reference(&x, &w, batch, m, k, n);
+        let want_nt = f32_matmul_nt_reference(&x, &w, batch, m, k, n);
+        for path in SimdPath::available() {
+            let got = f32_matmul_on(path, &x, &w, batch, m, k, n);
+            assert_eq!(bits(&got), bits(&want), "nn {path:?} {batch}x{m}x{k}x{n}");
+            let got = f32_matmul_nt_on(path, &x, &w, batch, m, k, n);
+            assert_eq!(
+                bits(&got),
+                bits(&want_nt),
+                "nt {path:?} {batch}x{m}x{k}x{n}"
+            );
+            // Row 0 alone gives the same bits as within the batch.
+            if batch == 1 && m > 1 {
+                let one = f32_matmul_on(path, &x[..k], &w, 1, 1, k, n);
+                assert_eq!(bits(&one), bits(&want[..n]), "nn row 0 alone {path:?}");
+                let one = f32_matmul_nt_on(path, &x[..k], &w, 1, 1, k, n);
+                assert_eq!(bits(&one), bits(&want_nt[..n]), "nt row 0 alone {path:?}");
+            }
+        }
+    }
+}
+
+/// Deterministic mode's softmax: a row's bits do not depend on the other rows nor on masked (`-1e30`) entries
+/// appended to it.
+#[test]
+fn fixed_order_softmax_ignores_other_rows_and_masked_tail() {
+    use qarl::quant::cpu_kernel::softmax_rows;
+    let x = values(3 * 50, 9);
+    let all = softmax_rows(&x, 50);
+    let alone = softmax_rows(&x[50..100], 50);
+    assert_eq!(bits(&all[50..100]), bits(&alone));
+    let mut padded = x[50..100].to_vec();
+    padded.extend(std::iter::repeat_n(-1.0e30f32, 78));
+    let p = softmax_rows(&padded, 128);
+    assert_eq!(bits(&p[..50]), bits(&alone));
+    assert!(p[50..].iter().all(|&v| v == 0.0));
+}

@@ -7,6 +7,7 @@ use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
 use super::error::LoadError;
 use super::layers::{Linear, RmsNorm, Rope};
+use crate::quant::linear::det_matmul;
 
 /// Keys and values of one layer for the tokens seen so far: `[B, kv_heads, S, head_dim]` each. Row `b`'s
 /// real keys are the first `len[b]` slots (see [`super::decoder::KvCache`]); what lies beyond is masked.
@@ -190,12 +191,14 @@ impl Attention {
         } else {
             (k, v)
         };
-        let mut scores = q.matmul(k.swap_dims(2, 3)) * (1.0 / (d as f64).sqrt());
+        let mut scores = det_matmul(q, k, true) * (1.0 / (d as f64).sqrt());
         if let Some(m) = mask {
             scores = scores + m.clone();
         }
         let probs = crate::model::layers::softmax_exact(scores, 3);
-        let out = probs.matmul(v).swap_dims(1, 2).reshape([b * t, h * d]);
+        let out = det_matmul(probs, v, false)
+            .swap_dims(1, 2)
+            .reshape([b * t, h * d]);
         self.o_proj.forward(out).reshape([b, t, hidden])
     }
 }

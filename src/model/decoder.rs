@@ -311,7 +311,7 @@ impl Decoder {
         let x = self.norm.forward(x).reshape([b * t, cfg.hidden_size]);
         let logits = match &self.lm_head {
             Some(head) => head.forward(x),
-            None => x.matmul(self.embed_tokens.val().transpose()),
+            None => crate::quant::linear::det_matmul(x, self.embed_tokens.val(), true),
         };
         ForwardOutput {
             logits: logits.reshape([b, t, cfg.vocab_size]),

@@ -110,7 +110,7 @@ impl Linear {
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.quant {
             Some(q) => q.matmul(x, self.weight.val()),
-            None => x.matmul(self.weight.val()),
+            None => crate::quant::linear::det_matmul(x, self.weight.val(), false),
         };
         match &self.bias {
             Some(b) => y + b.val().unsqueeze_dim(0),

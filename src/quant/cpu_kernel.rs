@@ -42,9 +42,12 @@ use super::packing::nibble_to_int4;
 use super::scheme::{SchemeKind, FP8_BLOCK};
 use super::tensor::QuantizedTensor;
 
+mod f32mm;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+
+pub use f32mm::{f32_matmul, f32_matmul_on, f32_matmul_reference, softmax_rows};
 
 /// Columns per chunk, and the number of partial sums of every output element.
 pub const LANES: usize = 32;
@@ -586,4 +589,132 @@ pub(crate) fn decode_fp8(code: u8, s: f32, folded: bool) -> f32 {
     } else {
         e4m3_to_f32(code) * s
     }
+}
+
+/// `y[b] = x[b] · w[b]^T` for `batch` products of `x: [m, k]` and `w: [n, k]` (row-major, contiguous), each
+/// element the fixed 32-lane order of the module docs ([`dot_lanes`] of the two rows), on the panel tiles of
+/// the low-bit kernel: the f32 product of deterministic mode when the weight is stored `[out, in]` (a tied
+/// lm_head, attention's `Q K^T`). Batch-invariant like every product here.
+pub fn f32_matmul_nt(x: &[f32], w: &[f32], batch: usize, m: usize, k: usize, n: usize) -> Vec<f32> {
+    f32_matmul_nt_on(SimdPath::detect(), x, w, batch, m, k, n)
+}
+
+/// [`f32_matmul_nt`] on a given path.
+pub fn f32_matmul_nt_on(
+    path: SimdPath,
+    x: &[f32],
+    w: &[f32],
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    assert!(
+        SimdPath::available().contains(&path),
+        "SIMD path {} is not available on this machine",
+        path.name()
+    );
+    assert_eq!(x.len(), batch * m * k, "x must be [batch, m, k]");
+    assert_eq!(w.len(), batch * n * k, "w must be [batch, n, k]");
+    let mut y = vec![0.0f32; batch * m * n];
+    if m == 0 || n == 0 {
+        return y;
+    }
+    let kp = k.div_ceil(LANES) * LANES;
+    fn pad(src: &[f32], rows: usize, k: usize, kp: usize) -> std::borrow::Cow<'_, [f32]> {
+        if kp == k {
+            std::borrow::Cow::Borrowed(src)
+        } else {
+            let mut p = vec![0.0f32; rows * kp];
+            for (d, s) in p.chunks_mut(kp).zip(src.chunks(k.max(1))) {
+                d[..k].copy_from_slice(s);
+            }
+            std::borrow::Cow::Owned(p)
+        }
+    }
+    // Output rows `o0..o0+rows` of product `b`, transposed (`[rows, m]`).
+    let block = |xp: &[f32], wp: &[f32], o0: usize, yt: &mut [f32]| {
+        let rows = yt.len() / m;
+        let psrc = TileSrc {
+            codes: &[],
+            row_bytes: 0,
+            panel: &wp[o0 * kp..(o0 + rows) * kp],
+            scales: &[],
+            seg_chunks: (kp / LANES).max(1),
+            scale_row_div: 1,
+            scale_row_stride: 0,
+            chunks: kp / LANES,
+            unfolded: false,
+        };
+        let mut i = 0;
+        while i < m {
+            let mb = (m - i).min(4);
+            let xs: Vec<&[f32]> = (i..i + mb).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
+            let mut r = 0;
+            while r < rows {
+                let ob = (rows - r).min(3);
+                let mut res = [[0.0f32; 4]; 4];
+                run_tile(path, PANEL, &psrc, r, &xs, ob, &mut res);
+                for j in 0..ob {
+                    for (ii, row) in res.iter().enumerate().take(mb) {
+                        yt[(r + j) * m + i + ii] = row[j];
+                    }
+                }
+                r += ob;
+            }
+            i += mb;
+        }
+    };
+    let parallel = batch * m * n * kp >= PARALLEL_MIN_WORK / 4;
+    // One product: rows of `w` split over tasks when it is alone and large.
+    let one = |b: usize, yb: &mut [f32]| {
+        let xp = pad(&x[b * m * k..(b + 1) * m * k], m, k, kp);
+        let wp = pad(&w[b * n * k..(b + 1) * n * k], n, k, kp);
+        let mut yt = vec![0.0f32; n * m];
+        if parallel && batch == 1 {
+            yt.par_chunks_mut(FUSED_TASK_ROWS * m)
+                .enumerate()
+                .for_each(|(t, blk)| block(&xp, &wp, t * FUSED_TASK_ROWS, blk));
+        } else {
+            block(&xp, &wp, 0, &mut yt);
+        }
+        for (o, col) in yt.chunks(m).enumerate() {
+            for (i, v) in col.iter().enumerate() {
+                yb[i * n + o] = *v;
+            }
+        }
+    };
+    if parallel && batch > 1 {
+        y.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(b, yb)| one(b, yb));
+    } else {
+        y.chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(b, yb)| one(b, yb));
+    }
+    y
+}
+
+/// The definition of [`f32_matmul_nt`]: [`dot_lanes`] of every pair of rows.
+pub fn f32_matmul_nt_reference(
+    x: &[f32],
+    w: &[f32],
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    let mut y = vec![0.0f32; batch * m * n];
+    for b in 0..batch {
+        for i in 0..m {
+            for o in 0..n {
+                y[b * m * n + i * n + o] = dot_lanes(
+                    &x[b * m * k + i * k..b * m * k + (i + 1) * k],
+                    &w[b * n * k + o * k..b * n * k + (o + 1) * k],
+                );
+            }
+        }
+    }
+    y
 }

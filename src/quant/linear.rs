@@ -115,6 +115,38 @@ pub trait QuantMatmulBackend: Backend {
     fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         Self::softmax(x, dim)
     }
+
+    /// `x [.., m, k] · w [.., k, n]` (or `· w^T` with `w [.., n, k]` when `w_transposed`), same leading
+    /// dims. In deterministic mode the CPU backend computes it in a fixed, batch-invariant order
+    /// ([`super::cpu_kernel::f32_matmul`], [`super::cpu_kernel::f32_matmul_nt`]); elsewhere it is the
+    /// backend's matmul. The backward is the usual one (`dx = g w^T`, `dw = x^T g`).
+    fn det_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+    ) -> FloatTensor<Self> {
+        plain_matmul::<Self>(x, w, w_transposed)
+    }
+}
+
+/// The backend's own (fused) softmax.
+fn backend_softmax<B: Backend>(x: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    B::softmax(x, dim)
+}
+
+/// The backend's own matmul of [`QuantMatmulBackend::det_matmul`]'s operands.
+fn plain_matmul<B: Backend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    w_transposed: bool,
+) -> FloatTensor<B> {
+    let w = if w_transposed {
+        let r = w.shape().num_dims();
+        B::float_swap_dims(w, r - 2, r - 1)
+    } else {
+        w
+    };
+    B::float_matmul(x, w)
 }
 
 impl QuantMatmulBackend for Flex {
@@ -136,6 +168,89 @@ impl QuantMatmulBackend for Flex {
         let xs: &[f32] = x.as_slice::<f32>().expect("contiguous f32 activations");
         let y = packed.1.matmul(xs, m);
         FlexTensor::from_data(TensorData::new(y, [m, w.out_features()]))
+    }
+
+    fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        let rank = x.shape().num_dims();
+        if !crate::model::scoring::deterministic() || dim + 1 != rank {
+            return backend_softmax::<Self>(x, dim);
+        }
+        let x: FlexTensor = x.to_contiguous();
+        let dims = x.layout().shape().to_vec();
+        let xs: &[f32] = x.as_slice::<f32>().expect("contiguous f32 tensor");
+        let y = super::cpu_kernel::softmax_rows(xs, dims[rank - 1]);
+        FlexTensor::from_data(TensorData::new(y, dims))
+    }
+
+    fn det_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+    ) -> FloatTensor<Self> {
+        if !crate::model::scoring::deterministic() {
+            return plain_matmul::<Self>(x, w, w_transposed);
+        }
+        let x: FlexTensor = x.to_contiguous();
+        let w: FlexTensor = w.to_contiguous();
+        let xd = x.layout().shape().to_vec();
+        let wd = w.layout().shape().to_vec();
+        let r = xd.len();
+        assert!(
+            r >= 2 && wd.len() == r && xd[..r - 2] == wd[..r - 2],
+            "det_matmul: shapes {xd:?} and {wd:?} do not match"
+        );
+        let (m, k) = (xd[r - 2], xd[r - 1]);
+        let (wk, n) = if w_transposed {
+            (wd[r - 1], wd[r - 2])
+        } else {
+            (wd[r - 2], wd[r - 1])
+        };
+        assert_eq!(k, wk, "det_matmul: inner dimensions {k} and {wk} differ");
+        let batch: usize = xd[..r - 2].iter().product();
+        let xs: &[f32] = x.as_slice::<f32>().expect("contiguous f32 activations");
+        let ws: &[f32] = w.as_slice::<f32>().expect("contiguous f32 weights");
+        let y = if w_transposed {
+            super::cpu_kernel::f32_matmul_nt(xs, ws, batch, m, k, n)
+        } else {
+            super::cpu_kernel::f32_matmul(xs, ws, batch, m, k, n)
+        };
+        let mut shape = xd;
+        shape[r - 1] = n;
+        FlexTensor::from_data(TensorData::new(y, shape))
+    }
+}
+
+#[derive(Debug)]
+struct DetMatmulBackward;
+
+impl<B: Backend> Backward<B, 2> for DetMatmulBackward {
+    /// `(x, w, w_transposed)`.
+    type State = (FloatTensor<B>, FloatTensor<B>, bool);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (x, w, nt) = ops.state;
+        let r = g.shape().num_dims();
+        let t = |a: FloatTensor<B>| B::float_swap_dims(a, r - 2, r - 1);
+        if let Some(node) = node_x {
+            // y = x w: dx = g w^T; y = x w^T: dx = g w.
+            let dx = if nt {
+                B::float_matmul(g.clone(), w)
+            } else {
+                B::float_matmul(g.clone(), t(w))
+            };
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_w {
+            // y = x w: dw = x^T g; y = x w^T: dw = g^T x.
+            let dw = if nt {
+                B::float_matmul(t(g), x)
+            } else {
+                B::float_matmul(t(x), g)
+            };
+            grads.register::<B>(node.id, dw);
+        }
     }
 }
 
@@ -182,6 +297,29 @@ impl<B: Backend> Backward<B, 1> for SoftmaxBackward {
 }
 
 impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend for Autodiff<B, C> {
+    fn det_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+    ) -> FloatTensor<Self> {
+        match DetMatmulBackward
+            .prepare::<C>([x.node(), w.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (xp, wp) = (x.primitive().clone(), w.primitive().clone());
+                let out = B::det_matmul(xp.clone(), wp.clone(), w_transposed);
+                prep.finish((xp, wp, w_transposed), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::det_matmul(
+                x.into_primitive(),
+                w.into_primitive(),
+                w_transposed,
+            )),
+        }
+    }
+
     fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         match SoftmaxBackward
             .prepare::<C>([x.node()])
@@ -225,5 +363,15 @@ pub fn aligned_softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as QuantMatmulBackend>::aligned_softmax(
         x.into_dispatch(),
         dim,
+    ))
+}
+
+/// [`QuantMatmulBackend::det_matmul`] on tensors: `x · w` (`w [.., k, n]`), or `x · w^T` (`w [.., n, k]`) when
+/// `w_transposed`.
+pub fn det_matmul<const D: usize>(x: Tensor<D>, w: Tensor<D>, w_transposed: bool) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as QuantMatmulBackend>::det_matmul(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        w_transposed,
     ))
 }

@@ -1,0 +1,289 @@
+//! The batch-invariant f32 matmul of deterministic mode (lm_head, router, unquantized projections, the
+//! attention products): `y[i, o] = sum_k x[i, k] * w[k, o]` with `w` row-major `[k, n]`, each output element
+//! one chain of fused multiply-adds in `k` order from `+0.0`:
+//!
+//! ```text
+//! acc = +0.0;  for k in 0..K: acc = fma(x[i, k], w[k, o], acc);  y[i, o] = acc
+//! ```
+//!
+//! Every element is computed the same way whatever the number of rows, the other rows, the column block it
+//! falls in, the thread count or the SIMD path (IEEE fma everywhere, `f32::mul_add` in the portable code),
+//! so a token decoded alone with the KV cache and the same token scored in a full-sequence forward get the
+//! same bits. Vectorised across output columns (the chains are independent), so no lane tree is needed.
+//! Trailing `x[i, k] * w[k, o] = 0` terms (masked keys) leave a chain's value unchanged.
+
+use rayon::prelude::*;
+
+use super::SimdPath;
+
+/// Below this many multiply-adds a call runs on the calling thread.
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+/// Output columns per rayon task (single matrix).
+const TASK_COLS: usize = 256;
+
+/// `R` rows of `x` (`[R, k]` at `x`, row stride `k`) times columns `o0..o0+NB` of `w` (`[k, n]`) into
+/// `acc[r][j]`. The generic body every path instantiates (inlined into the target-feature wrappers so that
+/// `mul_add` becomes a vector fma there).
+#[inline(always)]
+fn block<const R: usize, const NB: usize>(
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    n: usize,
+    o0: usize,
+    acc: &mut [[f32; NB]; R],
+) {
+    for kk in 0..k {
+        let wr: &[f32; NB] = w[kk * n + o0..kk * n + o0 + NB].try_into().unwrap();
+        for r in 0..R {
+            let xv = x[r * k + kk];
+            for j in 0..NB {
+                acc[r][j] = xv.mul_add(wr[j], acc[r][j]);
+            }
+        }
+    }
+}
+
+/// One output element's chain (tails).
+#[inline(always)]
+fn chain(x: &[f32], w: &[f32], k: usize, n: usize, o: usize) -> f32 {
+    let mut acc = 0.0f32;
+    for kk in 0..k {
+        acc = x[kk].mul_add(w[kk * n + o], acc);
+    }
+    acc
+}
+
+/// Columns `c0..c1` of `y = x · w` for all `m` rows, into `out` (`[m, c1 - c0]`).
+#[inline(always)]
+fn cols<const R: usize, const NB: usize>(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    c0: usize,
+    c1: usize,
+    out: &mut [f32],
+) {
+    let width = c1 - c0;
+    let mut i = 0;
+    while i < m {
+        let rows = (m - i).min(R);
+        let mut o = c0;
+        while o < c1 {
+            if c1 - o >= NB {
+                if rows == R {
+                    let mut acc = [[0.0f32; NB]; R];
+                    block::<R, NB>(&x[i * k..], w, k, n, o, &mut acc);
+                    for (r, a) in acc.iter().enumerate() {
+                        out[(i + r) * width + o - c0..(i + r) * width + o - c0 + NB]
+                            .copy_from_slice(a);
+                    }
+                } else {
+                    for r in 0..rows {
+                        let mut acc = [[0.0f32; NB]; 1];
+                        block::<1, NB>(&x[(i + r) * k..], w, k, n, o, &mut acc);
+                        out[(i + r) * width + o - c0..(i + r) * width + o - c0 + NB]
+                            .copy_from_slice(&acc[0]);
+                    }
+                }
+                o += NB;
+            } else {
+                for r in 0..rows {
+                    out[(i + r) * width + o - c0] = chain(&x[(i + r) * k..], w, k, n, o);
+                }
+                o += 1;
+            }
+        }
+        i += rows;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn cols_avx512(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    c0: usize,
+    c1: usize,
+    out: &mut [f32],
+) {
+    cols::<4, 64>(x, w, m, k, n, c0, c1, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn cols_avx2(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    c0: usize,
+    c1: usize,
+    out: &mut [f32],
+) {
+    cols::<4, 16>(x, w, m, k, n, c0, c1, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cols_on(
+    path: SimdPath,
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    c0: usize,
+    c1: usize,
+    out: &mut [f32],
+) {
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx512 is only chosen when the CPU has avx512f, avx2 and fma (`SimdPath::available`).
+        SimdPath::Avx512 => unsafe { cols_avx512(x, w, m, k, n, c0, c1, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Avx2 is only chosen when the CPU has avx2 and fma.
+        SimdPath::Avx2 => unsafe { cols_avx2(x, w, m, k, n, c0, c1, out) },
+        _ => cols::<1, 8>(x, w, m, k, n, c0, c1, out),
+    }
+}
+
+/// One `[m, k] · [k, n]` product on `path`.
+fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
+    let mut y = vec![0.0f32; m * n];
+    if m * n * k < PARALLEL_MIN_WORK || n <= TASK_COLS {
+        cols_on(path, x, w, m, k, n, 0, n, &mut y);
+        return y;
+    }
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TASK_COLS))
+        .into_par_iter()
+        .map(|t| {
+            let (c0, c1) = (t * TASK_COLS, ((t + 1) * TASK_COLS).min(n));
+            let mut out = vec![0.0f32; m * (c1 - c0)];
+            cols_on(path, x, w, m, k, n, c0, c1, &mut out);
+            (c0, out)
+        })
+        .collect();
+    for (c0, out) in parts {
+        let width = out.len() / m;
+        for i in 0..m {
+            y[i * n + c0..i * n + c0 + width].copy_from_slice(&out[i * width..(i + 1) * width]);
+        }
+    }
+    y
+}
+
+/// `y[b] = x[b] · w[b]` for `batch` products of `[m, k] · [k, n]` (row-major, contiguous) on the detected
+/// path: the fixed order of the module docs.
+pub fn f32_matmul(x: &[f32], w: &[f32], batch: usize, m: usize, k: usize, n: usize) -> Vec<f32> {
+    f32_matmul_on(SimdPath::detect(), x, w, batch, m, k, n)
+}
+
+/// [`f32_matmul`] on a given path (tests compare the paths; a path this machine lacks panics).
+pub fn f32_matmul_on(
+    path: SimdPath,
+    x: &[f32],
+    w: &[f32],
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    assert!(
+        SimdPath::available().contains(&path),
+        "SIMD path {} is not available on this machine",
+        path.name()
+    );
+    assert_eq!(x.len(), batch * m * k, "x must be [batch, m, k]");
+    assert_eq!(w.len(), batch * k * n, "w must be [batch, k, n]");
+    if batch == 1 {
+        return single(path, x, w, m, k, n);
+    }
+    let mut y = vec![0.0f32; batch * m * n];
+    let task = |(b, yb): (usize, &mut [f32])| {
+        cols_on(
+            path,
+            &x[b * m * k..(b + 1) * m * k],
+            &w[b * k * n..(b + 1) * k * n],
+            m,
+            k,
+            n,
+            0,
+            n,
+            yb,
+        );
+    };
+    if batch * m * n * k >= PARALLEL_MIN_WORK && m * n > 0 {
+        y.par_chunks_mut(m * n).enumerate().for_each(task);
+    } else if m * n > 0 {
+        y.chunks_mut(m * n).enumerate().for_each(task);
+    }
+    y
+}
+
+/// The definition, one scalar chain per element (the oracle of the tests).
+pub fn f32_matmul_reference(
+    x: &[f32],
+    w: &[f32],
+    batch: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    let mut y = vec![0.0f32; batch * m * n];
+    for b in 0..batch {
+        for i in 0..m {
+            for o in 0..n {
+                let mut acc = 0.0f32;
+                for kk in 0..k {
+                    acc = x[b * m * k + i * k + kk].mul_add(w[b * k * n + kk * n + o], acc);
+                }
+                y[b * m * n + i * n + o] = acc;
+            }
+        }
+    }
+    y
+}
+
+/// Softmax of each row of `row_len` values (deterministic mode): the maximum, `exp(x - max)` per element
+/// (`f32::exp`), their sum in index order, then one division per element. A row's result does not depend on
+/// the other rows, and masked trailing entries (`exp` = 0) leave the sum unchanged.
+pub fn softmax_rows(x: &[f32], row_len: usize) -> Vec<f32> {
+    let mut y = vec![0.0f32; x.len()];
+    if row_len == 0 {
+        return y;
+    }
+    let row = |(src, dst): (&[f32], &mut [f32])| {
+        let max = src.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = (s - max).exp();
+            sum += *d;
+        }
+        for d in dst.iter_mut() {
+            *d /= sum;
+        }
+    };
+    if x.len() >= 1 << 16 {
+        let rows_per_task = (4096 / row_len).max(1) * row_len;
+        y.par_chunks_mut(rows_per_task)
+            .zip(x.par_chunks(rows_per_task))
+            .for_each(|(d, s)| {
+                d.chunks_mut(row_len)
+                    .zip(s.chunks(row_len))
+                    .for_each(|(d, s)| row((s, d)))
+            });
+    } else {
+        y.chunks_mut(row_len)
+            .zip(x.chunks(row_len))
+            .for_each(|(d, s)| row((s, d)));
+    }
+    y
+}
