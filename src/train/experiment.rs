@@ -162,9 +162,9 @@ fn read_rows(path: &Path) -> Vec<serde_json::Value> {
 pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<PathBuf> {
     let mut md = String::new();
     writeln!(md, "# {}\n", exp.name)?;
-    writeln!(md, "Seeds: {:?}. Mean ± sample std over finished seeds. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right, at the end of RL, in the rollout precision; the mismatch and stability columns average the RL steps.\n", exp.seeds)?;
-    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | mean@k (rollout prec.) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
-    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(md, "Seeds: {:?}. Mean ± sample std over finished seeds. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (T = 1), before and at the end of RL, in the rollout precision; the mismatch and stability columns average the RL steps.\n", exp.seeds)?;
+    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | mean@k before RL | mean@k (rollout prec.) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     for v in &exp.variants {
         let mut cols: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
         let mut done = 0;
@@ -197,13 +197,15 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
                         cols.entry(col).or_default().push(v);
                     }
                 }
-                if let Some((_, v)) = last.as_object().and_then(|o| {
-                    o.iter()
-                        .filter(|(k, _)| k.contains("/mean@"))
-                        .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
-                }) {
-                    if let Some(v) = v.as_f64() {
-                        cols.entry("meank_roll").or_default().push(v);
+                for (col, e) in [("meank0_roll", first), ("meank_roll", last)] {
+                    if let Some((_, v)) = e.as_object().and_then(|o| {
+                        o.iter()
+                            .filter(|(k, _)| k.contains("/mean@"))
+                            .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
+                    }) {
+                        if let Some(v) = v.as_f64() {
+                            cols.entry(col).or_default().push(v);
+                        }
                     }
                 }
             }
@@ -239,12 +241,13 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         };
         writeln!(
             md,
-            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             v.name,
             exp.seeds.len(),
             f("acc0_roll", 3),
             f("acc_roll", 3),
             f("acc_f32", 3),
+            f("meank0_roll", 3),
             f("meank_roll", 3),
             f("k3", 99),
             f("err", 3),
