@@ -620,3 +620,55 @@ fn deterministic_mode_is_bitwise_at_widths_not_multiple_of_128() {
         assert_eq!(same, n, "{name}: differ by up to {worst}");
     }
 }
+
+/// Deterministic mode's f32 product (`det_matmul`, both weight layouts, rank 2 and 4) is differentiable: its
+/// values are the fixed-order kernel's (within f32 rounding of burn's matmul) and its gradients are exactly
+/// those of burn's matmul.
+#[test]
+fn det_matmul_has_burn_matmul_gradients() {
+    use qarl::quant::linear::det_matmul;
+    let device = Device::flex().autodiff();
+    let grads_of = |det: bool, nt: bool, shape_x: [usize; 4], shape_w: [usize; 4]| {
+        let nx: usize = shape_x.iter().product();
+        let nw: usize = shape_w.iter().product();
+        let x = Tensor::<4>::from_data(
+            burn::tensor::TensorData::new(values(nx, 5), shape_x),
+            &device,
+        )
+        .require_grad();
+        let w = Tensor::<4>::from_data(
+            burn::tensor::TensorData::new(values(nw, 6), shape_w),
+            &device,
+        )
+        .require_grad();
+        let y = if det {
+            det_matmul(x.clone(), w.clone(), nt)
+        } else if nt {
+            x.clone().matmul(w.clone().swap_dims(2, 3))
+        } else {
+            x.clone().matmul(w.clone())
+        };
+        let c = Tensor::<4>::from_data(
+            burn::tensor::TensorData::new(values(y.shape().num_elements(), 7), y.dims()),
+            &device,
+        );
+        let grads = (y.clone() * c).sum().backward();
+        (
+            to_f32_vec(y),
+            to_f32_vec(x.grad(&grads).unwrap()),
+            to_f32_vec(w.grad(&grads).unwrap()),
+        )
+    };
+    for (nt, sx, sw) in [
+        (false, [1, 1, 5, 70], [1, 1, 70, 9]),
+        (true, [1, 1, 5, 70], [1, 1, 9, 70]),
+        (false, [2, 3, 4, 6], [2, 3, 6, 8]),
+        (true, [2, 3, 4, 40], [2, 3, 7, 40]),
+    ] {
+        let (y0, dx0, dw0) = grads_of(false, nt, sx, sw);
+        let (y1, dx1, dw1) = grads_of(true, nt, sx, sw);
+        assert!(max_abs_diff(&y0, &y1) < 1e-5, "values, nt {nt}");
+        assert_eq!(dx0, dx1, "dx, nt {nt}");
+        assert_eq!(dw0, dw1, "dw, nt {nt}");
+    }
+}

@@ -60,6 +60,19 @@ pub struct RolloutBenchArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
     pub backend: BackendKind,
+    /// Deterministic mode (batch-invariant kernels; the default) `on`, `off`, or `on,off` to time both side
+    /// by side (every scheme in each mode, interleaved per scheme).
+    #[arg(long, value_delimiter = ',', default_value = "on")]
+    pub deterministic: Vec<String>,
+}
+
+/// `on` / `off` (also `true`/`false`, `1`/`0`).
+fn parse_on_off(s: &str) -> anyhow::Result<bool> {
+    match s.trim() {
+        "on" | "true" | "1" => Ok(true),
+        "off" | "false" | "0" => Ok(false),
+        other => anyhow::bail!("--deterministic takes on, off or on,off; got `{other}`"),
+    }
 }
 
 /// A weight format to benchmark: full precision or one quantization scheme.
@@ -111,6 +124,8 @@ impl WeightFormat {
 #[derive(Debug, Clone, Serialize)]
 pub struct SchemeResult {
     pub scheme: String,
+    /// Whether deterministic mode was on.
+    pub deterministic: bool,
     /// Seconds of `model.quantize` (0-ish for f32: dropping the quantized versions).
     pub quantize_s: f64,
     /// Tokens generated per call (batch x new tokens).
@@ -213,6 +228,7 @@ pub fn time_rollout(
     };
     SchemeResult {
         scheme: scheme.to_string(),
+        deterministic: crate::model::scoring::deterministic(),
         quantize_s: 0.0,
         tokens,
         generate_s,
@@ -228,12 +244,18 @@ pub fn time_rollout(
 fn format_table(results: &[SchemeResult]) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "{:<10} | {:>10} | {:>8} | {:>10} | {:>14} | {:>10}\n",
-        "scheme", "tokens/s", "x f32", "prefill ms", "ms/decode step", "quantize s"
+        "{:<10} | {:>13} | {:>10} | {:>8} | {:>10} | {:>14} | {:>10}\n",
+        "scheme",
+        "deterministic",
+        "tokens/s",
+        "x f32",
+        "prefill ms",
+        "ms/decode step",
+        "quantize s"
     ));
     s.push_str(&format!(
-        "{:-<10}-+-{:->10}-+-{:->8}-+-{:->10}-+-{:->14}-+-{:->10}\n",
-        "", "", "", "", "", ""
+        "{:-<10}-+-{:->13}-+-{:->10}-+-{:->8}-+-{:->10}-+-{:->14}-+-{:->10}\n",
+        "", "", "", "", "", "", ""
     ));
     for r in results {
         let ratio = r.ratio_to_f32.map_or("-".into(), |x| format!("{x:.2}"));
@@ -241,8 +263,9 @@ fn format_table(results: &[SchemeResult]) -> String {
             .decode_ms_per_step
             .map_or("-".into(), |x| format!("{x:.1}"));
         s.push_str(&format!(
-            "{:<10} | {:>10.1} | {:>8} | {:>10.1} | {:>14} | {:>10.2}\n",
+            "{:<10} | {:>13} | {:>10.1} | {:>8} | {:>10.1} | {:>14} | {:>10.2}\n",
             r.scheme,
+            if r.deterministic { "on" } else { "off" },
             r.tokens_per_s,
             ratio,
             r.prefill_s * 1e3,
@@ -272,6 +295,14 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
             anyhow::bail!("{name} must be at least 1");
         }
     }
+    let modes = args
+        .deterministic
+        .iter()
+        .map(|s| parse_on_off(s))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if modes.is_empty() {
+        anyhow::bail!("--deterministic is empty: give on, off or on,off");
+    }
     let device = args.backend.device()?;
     let start = Instant::now();
     let mut model = Decoder::load(&args.model, &device)?;
@@ -295,24 +326,30 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
             "{}: weights ready in {quantize_s:.2} s, timing...",
             f.name()
         );
-        let mut r = time_rollout(
-            &model,
-            &prompts,
-            args.new_tokens,
-            args.repeats,
-            args.seed,
-            f.name(),
-        );
-        r.quantize_s = quantize_s;
-        results.push(r);
+        for &on in &modes {
+            crate::model::scoring::set_deterministic(on);
+            let mut r = time_rollout(
+                &model,
+                &prompts,
+                args.new_tokens,
+                args.repeats,
+                args.seed,
+                f.name(),
+            );
+            r.quantize_s = quantize_s;
+            results.push(r);
+        }
     }
-    if let Some(base) = results
-        .iter()
-        .find(|r| r.scheme == "f32")
-        .map(|r| r.tokens_per_s)
-    {
-        for r in &mut results {
-            r.ratio_to_f32 = Some(r.tokens_per_s / base);
+    crate::model::scoring::set_deterministic(true);
+    for &on in &modes {
+        if let Some(base) = results
+            .iter()
+            .find(|r| r.scheme == "f32" && r.deterministic == on)
+            .map(|r| r.tokens_per_s)
+        {
+            for r in results.iter_mut().filter(|r| r.deterministic == on) {
+                r.ratio_to_f32 = Some(r.tokens_per_s / base);
+            }
         }
     }
     println!(
@@ -328,9 +365,25 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     print!("{}", format_table(&results));
     let quant_line: Vec<String> = results
         .iter()
+        .filter(|r| r.deterministic == modes[0])
         .map(|r| format!("{} {:.2} s", r.scheme, r.quantize_s))
         .collect();
     println!("quantize time: {}", quant_line.join(", "));
+    if modes.contains(&true) && modes.contains(&false) {
+        let cost: Vec<String> = formats
+            .iter()
+            .filter_map(|f| {
+                let tps = |on: bool| {
+                    results
+                        .iter()
+                        .find(|r| r.scheme == f.name() && r.deterministic == on)
+                        .map(|r| r.tokens_per_s)
+                };
+                Some(format!("{} {:.2}", f.name(), tps(true)? / tps(false)?))
+            })
+            .collect();
+        println!("deterministic on / off tokens/s: {}", cost.join(", "));
+    }
     if let Some(path) = &args.json {
         write_json_atomic(
             path,

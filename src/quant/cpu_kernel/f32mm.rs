@@ -56,6 +56,7 @@ fn chain(x: &[f32], w: &[f32], k: usize, n: usize, o: usize) -> f32 {
 
 /// Columns `c0..c1` of `y = x · w` for all `m` rows, into `out` (`[m, c1 - c0]`).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn cols<const R: usize, const NB: usize>(
     x: &[f32],
     w: &[f32],
@@ -67,36 +68,62 @@ fn cols<const R: usize, const NB: usize>(
     out: &mut [f32],
 ) {
     let width = c1 - c0;
-    let mut i = 0;
-    while i < m {
-        let rows = (m - i).min(R);
-        let mut o = c0;
-        while o < c1 {
-            if c1 - o >= NB {
-                if rows == R {
-                    let mut acc = [[0.0f32; NB]; R];
-                    block::<R, NB>(&x[i * k..], w, k, n, o, &mut acc);
-                    for (r, a) in acc.iter().enumerate() {
-                        out[(i + r) * width + o - c0..(i + r) * width + o - c0 + NB]
-                            .copy_from_slice(a);
-                    }
-                } else {
-                    for r in 0..rows {
-                        let mut acc = [[0.0f32; NB]; 1];
-                        block::<1, NB>(&x[(i + r) * k..], w, k, n, o, &mut acc);
-                        out[(i + r) * width + o - c0..(i + r) * width + o - c0 + NB]
-                            .copy_from_slice(&acc[0]);
-                    }
+    // Full blocks of NB columns: with several row blocks, the block of `w` is first copied to a contiguous
+    // `[k, NB]` buffer (rows of `w` are `n` apart: a power-of-two stride would make every row of the block
+    // fall in the same cache set), then reused by every row block. Copying changes no arithmetic.
+    let pack = m > R;
+    let mut packed = if pack {
+        vec![0.0f32; k * NB]
+    } else {
+        Vec::new()
+    };
+    let mut o = c0;
+    while o + NB <= c1 {
+        let (wb, nb, ob) = if pack {
+            for kk in 0..k {
+                packed[kk * NB..(kk + 1) * NB].copy_from_slice(&w[kk * n + o..kk * n + o + NB]);
+            }
+            (&packed[..], NB, 0)
+        } else {
+            (w, n, o)
+        };
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(R);
+            if rows == R {
+                let mut acc = [[0.0f32; NB]; R];
+                block::<R, NB>(&x[i * k..], wb, k, nb, ob, &mut acc);
+                for (r, a) in acc.iter().enumerate() {
+                    let at = (i + r) * width + o - c0;
+                    out[at..at + NB].copy_from_slice(a);
                 }
-                o += NB;
             } else {
                 for r in 0..rows {
-                    out[(i + r) * width + o - c0] = chain(&x[(i + r) * k..], w, k, n, o);
+                    let mut acc = [[0.0f32; NB]; 1];
+                    block::<1, NB>(&x[(i + r) * k..], wb, k, nb, ob, &mut acc);
+                    let at = (i + r) * width + o - c0;
+                    out[at..at + NB].copy_from_slice(&acc[0]);
                 }
-                o += 1;
             }
+            i += rows;
         }
-        i += rows;
+        o += NB;
+    }
+    // Remaining columns in blocks of 8, unpacked (fewer than NB of them).
+    while o + 8 <= c1 {
+        for i in 0..m {
+            let mut acc = [[0.0f32; 8]; 1];
+            block::<1, 8>(&x[i * k..], w, k, n, o, &mut acc);
+            let at = i * width + o - c0;
+            out[at..at + 8].copy_from_slice(&acc[0]);
+        }
+        o += 8;
+    }
+    // Tail columns: one scalar chain each (the same arithmetic).
+    for oo in o..c1 {
+        for i in 0..m {
+            out[i * width + oo - c0] = chain(&x[i * k..], w, k, n, oo);
+        }
     }
 }
 
