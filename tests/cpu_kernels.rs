@@ -174,6 +174,7 @@ fn f32_products_match_their_reference_and_are_row_batch_invariant() {
         (3, 6, 40, 70),
         (1, 9, 576, 1000),
         (2, 1, 64, 129),
+        (1, 300, 64, 130), // split in row chunks and 64-column blocks over threads
     ] {
         let x = values(batch * m * k, (m * k) as u64);
         let w = values(batch * k * n, (k * n + 1) as u64);

@@ -20,6 +20,8 @@ use super::SimdPath;
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 /// Output columns per rayon task (single matrix).
 const TASK_COLS: usize = 256;
+/// Rows per rayon task (at least; large `m` is split in at most 8 row chunks).
+const TASK_ROWS: usize = 128;
 
 /// `R` rows of `x` (`[R, k]` at `x`, row stride `k`) times columns `o0..o0+NB` of `w` (`[k, n]`) into
 /// `acc[r][j]`. The generic body every path instantiates (inlined into the target-feature wrappers so that
@@ -182,26 +184,30 @@ fn cols_on(
     }
 }
 
-/// One `[m, k] · [k, n]` product on `path`.
+/// One `[m, k] · [k, n]` product on `path`, split into tasks of column blocks (and row chunks when `m` is
+/// large); each element's chain is the same whatever the split.
 fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f32> {
     let mut y = vec![0.0f32; m * n];
-    if m * n * k < PARALLEL_MIN_WORK || n <= TASK_COLS {
+    if m * n * k < PARALLEL_MIN_WORK {
         cols_on(path, x, w, m, k, n, 0, n, &mut y);
         return y;
     }
-    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(TASK_COLS))
+    let task_cols = if m >= 16 { 64 } else { TASK_COLS };
+    let task_rows = TASK_ROWS.max(m.div_ceil(8));
+    let (ct, rt) = (n.div_ceil(task_cols), m.div_ceil(task_rows));
+    let parts: Vec<(usize, usize, usize, Vec<f32>)> = (0..ct * rt)
         .into_par_iter()
         .map(|t| {
-            let (c0, c1) = (t * TASK_COLS, ((t + 1) * TASK_COLS).min(n));
-            let mut out = vec![0.0f32; m * (c1 - c0)];
-            cols_on(path, x, w, m, k, n, c0, c1, &mut out);
-            (c0, out)
+            let (c0, r0) = ((t % ct) * task_cols, (t / ct) * task_rows);
+            let (c1, r1) = ((c0 + task_cols).min(n), (r0 + task_rows).min(m));
+            let mut out = vec![0.0f32; (r1 - r0) * (c1 - c0)];
+            cols_on(path, &x[r0 * k..r1 * k], w, r1 - r0, k, n, c0, c1, &mut out);
+            (r0, c0, c1 - c0, out)
         })
         .collect();
-    for (c0, out) in parts {
-        let width = out.len() / m;
-        for i in 0..m {
-            y[i * n + c0..i * n + c0 + width].copy_from_slice(&out[i * width..(i + 1) * width]);
+    for (r0, c0, width, out) in parts {
+        for (i, row) in out.chunks(width).enumerate() {
+            y[(r0 + i) * n + c0..(r0 + i) * n + c0 + width].copy_from_slice(row);
         }
     }
     y
