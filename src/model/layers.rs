@@ -228,8 +228,10 @@ pub fn to_i64_vec<const D: usize>(t: Tensor<D, burn::tensor::Int>) -> Vec<i64> {
         .expect("converted to i64")
 }
 
-/// Softmax along `dim`, the same bits in the inference and the training forward (deterministic mode): the
-/// backend's fused softmax on both (see [`crate::quant::linear::aligned_softmax`]).
+/// Softmax along `dim`, the same bits in the inference and the training forward: in deterministic mode the
+/// fixed-order row softmax on the CPU ([`crate::quant::cpu_kernel::softmax_rows`]: a row's bits depend
+/// neither on the other rows nor on masked entries after it), else the backend's fused softmax, on both
+/// (see [`crate::quant::linear::aligned_softmax`]).
 pub fn softmax_exact<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
     crate::quant::linear::aligned_softmax(x, dim)
 }

@@ -109,9 +109,10 @@ pub trait QuantMatmulBackend: Backend {
         Self::float_matmul(x, Self::float_transpose(w))
     }
 
-    /// Softmax along `dim` whose forward is the backend's own (fused) softmax on every backend, autodiff
-    /// included (burn's autodiff would decompose it into elementary ops and round differently): the
-    /// inference and the training forwards get the same bits (deterministic mode).
+    /// Softmax along `dim` whose forward is the same op on the inference and the autodiff backend (burn's
+    /// autodiff would decompose it into elementary ops and round differently): the backend's fused softmax,
+    /// or on the CPU in deterministic mode the fixed-order row softmax
+    /// ([`super::cpu_kernel::softmax_rows`], batch-invariant and blind to masked trailing keys).
     fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
         Self::softmax(x, dim)
     }

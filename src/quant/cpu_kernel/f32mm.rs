@@ -19,7 +19,7 @@ use super::SimdPath;
 /// Below this many multiply-adds a call runs on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 /// Output columns per rayon task (single matrix).
-const TASK_COLS: usize = 256;
+const TASK_COLS: usize = 64;
 /// Rows per rayon task (at least; large `m` is split in at most 8 row chunks).
 const TASK_ROWS: usize = 128;
 
@@ -70,10 +70,11 @@ fn cols<const R: usize, const NB: usize>(
     out: &mut [f32],
 ) {
     let width = c1 - c0;
-    // Full blocks of NB columns: with several row blocks, the block of `w` is first copied to a contiguous
+    // Full blocks of NB columns: with many row blocks, the block of `w` is first copied to a contiguous
     // `[k, NB]` buffer (rows of `w` are `n` apart: a power-of-two stride would make every row of the block
     // fall in the same cache set), then reused by every row block. Copying changes no arithmetic.
-    let pack = m > R;
+    // (Decode-sized calls read `w` in place: copying it would double their memory traffic.)
+    let pack = m > 4 * R;
     let mut packed = if pack {
         vec![0.0f32; k * NB]
     } else {
@@ -192,7 +193,7 @@ fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) ->
         cols_on(path, x, w, m, k, n, 0, n, &mut y);
         return y;
     }
-    let task_cols = if m >= 16 { 64 } else { TASK_COLS };
+    let task_cols = TASK_COLS;
     let task_rows = TASK_ROWS.max(m.div_ceil(8));
     let (ct, rt) = (n.div_ceil(task_cols), m.div_ceil(task_rows));
     let parts: Vec<(usize, usize, usize, Vec<f32>)> = (0..ct * rt)
