@@ -46,6 +46,11 @@ fn block<const R: usize, const NB: usize>(
     }
 }
 
+#[inline(always)]
+fn put_row<const NB: usize>(out: &mut [f32], at: usize, a: &[f32; NB]) {
+    out[at..at + NB].copy_from_slice(a);
+}
+
 /// One output element's chain (tails).
 #[inline(always)]
 fn chain(x: &[f32], w: &[f32], k: usize, n: usize, o: usize) -> f32 {
@@ -101,11 +106,32 @@ fn cols<const R: usize, const NB: usize>(
                     out[at..at + NB].copy_from_slice(a);
                 }
             } else {
-                for r in 0..rows {
-                    let mut acc = [[0.0f32; NB]; 1];
-                    block::<1, NB>(&x[(i + r) * k..], wb, k, nb, ob, &mut acc);
-                    let at = (i + r) * width + o - c0;
-                    out[at..at + NB].copy_from_slice(&acc[0]);
+                // The last rows together (one pass over the block of `w`).
+                let xs = &x[i * k..];
+                let mut put = |acc: &[[f32; NB]]| {
+                    for (r, a) in acc.iter().enumerate() {
+                        let at = (i + r) * width + o - c0;
+                        out[at..at + NB].copy_from_slice(a);
+                    }
+                };
+                match rows {
+                    1 => {
+                        let mut acc = [[0.0f32; NB]; 1];
+                        block::<1, NB>(xs, wb, k, nb, ob, &mut acc);
+                        put(&acc);
+                    }
+                    2 => {
+                        let mut acc = [[0.0f32; NB]; 2];
+                        block::<2, NB>(xs, wb, k, nb, ob, &mut acc);
+                        put(&acc);
+                    }
+                    _ => {
+                        for r in 0..rows {
+                            let mut acc = [[0.0f32; NB]; 1];
+                            block::<1, NB>(&xs[r * k..], wb, k, nb, ob, &mut acc);
+                            put_row(out, (i + r) * width + o - c0, &acc[0]);
+                        }
+                    }
                 }
             }
             i += rows;
