@@ -144,7 +144,9 @@ fn bench_rollout_prints_a_row_per_scheme() {
             .lines()
             .find(|l| l.split('|').next().map(str::trim) == Some(name))
             .unwrap_or_else(|| panic!("no row for {name} in\n{stdout}"));
-        assert_eq!(row.split('|').count(), 6, "{row}");
+        let cols: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert_eq!(cols.len(), 7, "{row}");
+        assert_eq!(cols[1], "on", "deterministic mode is the default: {row}");
     }
     assert!(stdout.contains("quantize time:"), "{stdout}");
 
