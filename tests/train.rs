@@ -11,47 +11,9 @@ use qarl::model::layers::to_f32_vec;
 use qarl::model::Decoder;
 use qarl::train::{self, TrainConfig};
 
-/// A small, fast variant of the default config rooted in `dir`.
+/// A small, fast variant of the default config rooted in `dir` (the same one the reliability tests use).
 fn tiny_config(dir: &Path, forward: &str, rl_steps: usize) -> TrainConfig {
-    let model_cfg =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
-    let text = format!(
-        r#"
-run_dir = "{run}"
-seed = 3
-checkpoint_every = 1
-[model]
-dir = "{model}"
-init_config = "{init}"
-[task]
-kind = "arithmetic"
-max_digits = 1
-max_terms = 2
-[sft]
-steps = 8
-batch_size = 8
-lr = 3e-3
-[rollout]
-precision = "int4-g32"
-prompts_per_step = 3
-samples_per_prompt = 4
-max_new_tokens = 12
-[train]
-steps = {rl_steps}
-forward = "{forward}"
-lr = 1e-4
-[train.loss]
-objective = "tbpo"
-[eval]
-every = 100
-problems = 4
-max_new_tokens = 12
-"#,
-        run = dir.join("run").display(),
-        model = dir.join("model").display(),
-        init = model_cfg.display(),
-    );
-    TrainConfig::from_toml(&text, "tiny").unwrap()
+    TrainConfig::from_toml(&common::tiny_train_toml(dir, forward, rl_steps), "tiny").unwrap()
 }
 
 fn metrics(path: &Path) -> Vec<serde_json::Value> {
