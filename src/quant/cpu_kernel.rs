@@ -440,24 +440,7 @@ impl KernelWeights {
             chunks: src.chunks,
             unfolded: false,
         };
-        let mut i = 0;
-        while i < m {
-            let mb = (m - i).min(4);
-            let xs: Vec<&[f32]> = (i..i + mb).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
-            let mut r = 0;
-            while r < rows {
-                let ob = (rows - r).min(3);
-                let mut res = [[0.0f32; 4]; 4];
-                run_tile(path, PANEL, &psrc, r, &xs, ob, &mut res);
-                for j in 0..ob {
-                    for (ii, row) in res.iter().enumerate().take(mb) {
-                        block[(r + j) * m + i + ii] = row[j];
-                    }
-                }
-                r += ob;
-            }
-            i += mb;
-        }
+        panel_tiles(path, &psrc, xp, kp, m, block);
     }
 }
 
@@ -487,6 +470,38 @@ fn decode_rows(
 }
 
 /// One tile: rows `o0..o0+ob` of `src` against the activation rows `xs` (at most 4), into `res[i][r]`.
+/// 4x3 tiles of an f32 panel (`psrc.panel`, rows of `kp` values) against the `m` activation rows of `xp`,
+/// written transposed into `out` (`[rows, m]`): the one tiling both the low-bit panel GEMM and the
+/// deterministic f32 `x · w^T` use, so both reduce every output in the same fixed order.
+fn panel_tiles(
+    path: SimdPath,
+    psrc: &TileSrc<'_>,
+    xp: &[f32],
+    kp: usize,
+    m: usize,
+    out: &mut [f32],
+) {
+    let rows = out.len() / m;
+    let mut i = 0;
+    while i < m {
+        let mb = (m - i).min(4);
+        let xs: Vec<&[f32]> = (i..i + mb).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
+        let mut r = 0;
+        while r < rows {
+            let ob = (rows - r).min(3);
+            let mut res = [[0.0f32; 4]; 4];
+            run_tile(path, PANEL, psrc, r, &xs, ob, &mut res);
+            for j in 0..ob {
+                for (ii, row) in res.iter().enumerate().take(mb) {
+                    out[(r + j) * m + i + ii] = row[j];
+                }
+            }
+            r += ob;
+        }
+        i += mb;
+    }
+}
+
 fn run_tile(
     path: SimdPath,
     scheme: u8,
@@ -646,24 +661,7 @@ pub fn f32_matmul_nt_on(
             chunks: kp / LANES,
             unfolded: false,
         };
-        let mut i = 0;
-        while i < m {
-            let mb = (m - i).min(4);
-            let xs: Vec<&[f32]> = (i..i + mb).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
-            let mut r = 0;
-            while r < rows {
-                let ob = (rows - r).min(3);
-                let mut res = [[0.0f32; 4]; 4];
-                run_tile(path, PANEL, &psrc, r, &xs, ob, &mut res);
-                for j in 0..ob {
-                    for (ii, row) in res.iter().enumerate().take(mb) {
-                        yt[(r + j) * m + i + ii] = row[j];
-                    }
-                }
-                r += ob;
-            }
-            i += mb;
-        }
+        panel_tiles(path, &psrc, xp, kp, m, yt);
     };
     let parallel = batch * m * n * kp >= PARALLEL_MIN_WORK / 4;
     // One product: rows of `w` split over tasks when it is alone and large.
