@@ -3,22 +3,11 @@
 //! (fused and panel paths), whatever the thread count; the kernel layout decodes exactly like
 //! `QuantizedTensor::dequantize_row`.
 
+mod common;
+
+use common::values;
 use qarl::quant::cpu_kernel::{lowbit_matmul_reference, KernelWeights, SimdPath};
 use qarl::quant::{QuantScheme, QuantizedTensor};
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()

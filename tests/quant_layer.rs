@@ -7,28 +7,13 @@ mod common;
 use std::str::FromStr;
 
 use burn::tensor::{Device, Tensor};
-use common::{fixtures_dir, max_abs_diff};
+use common::{fixtures_dir, max_abs_diff, values};
 use qarl::model::layers::{tensor_from_vec, to_f32_vec, Linear};
 use qarl::model::scoring::response_logprobs;
 use qarl::model::Decoder;
 use qarl::quant::cpu_kernel::lowbit_matmul;
 use qarl::quant::{QuantConfig, QuantScheme, QuantizedTensor};
 use qarl::rollout::{generate, SamplingParams};
-
-/// Deterministic pseudo-random values in [-1, 1).
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
 
 /// `(f(v + h e_i) - f(v - h e_i)) / 2h`.
 fn central_difference(f: &dyn Fn(&[f32]) -> f64, v: &[f32], i: usize, h: f32) -> f64 {
