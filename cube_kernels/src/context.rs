@@ -1,0 +1,502 @@
+//! Host-side launchers: a [`Kernels`] value holds a runtime client and the E4M3 table, uploads weights
+//! once ([`DeviceWeights`]) and launches the kernels on device buffers ([`DeviceBuffer`]).
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+use crate::error::KernelError;
+use crate::format::{e4m3_table, PackedWeights, WeightFormat, FP8_BLOCK};
+use crate::kernels::{dense, fp8, moe as moe_kernels, CHUNK, TILE};
+use crate::moe::MoeRouting;
+
+/// f32 or u32 values on the device, with their element count.
+#[derive(Clone)]
+pub struct DeviceBuffer {
+    handle: Handle,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The runtime handle, for callers that hand it to other kernels.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+    fn arg(&self) -> BufferArg {
+        // SAFETY: `len` is the element count the buffer was created with.
+        unsafe { BufferArg::from_raw_parts(self.handle.clone(), self.len.max(1)) }
+    }
+}
+
+/// Packed weights (one matrix or a stack of experts) uploaded to the device.
+#[derive(Clone)]
+pub struct DeviceWeights {
+    format: WeightFormat,
+    experts: usize,
+    out: usize,
+    inn: usize,
+    words: DeviceBuffer,
+    scales: DeviceBuffer,
+    bytes: usize,
+}
+
+impl DeviceWeights {
+    /// The format.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+    /// Output rows (per expert).
+    pub fn out_features(&self) -> usize {
+        self.out
+    }
+    /// Inputs per row.
+    pub fn in_features(&self) -> usize {
+        self.inn
+    }
+    /// Stacked experts.
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+    /// Bytes of codes and scales (what one pass streams).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    fn wpr(&self) -> usize {
+        self.format.row_words(self.inn)
+    }
+    fn spr(&self) -> usize {
+        self.format.scales_per_row(self.inn)
+    }
+}
+
+/// Which dense matmul kernel serves a call; both give the same bits (canonical order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatmulPath {
+    /// GEMV up to [`Kernels::GEMV_MAX_TOKENS`] tokens, tiled GEMM above.
+    Auto,
+    /// One cube row per token and output row (decode).
+    Gemv,
+    /// 16x16 tiles (prefill, training).
+    Gemm,
+}
+
+/// A runtime client with the kernels' shared tables.
+pub struct Kernels {
+    client: Client,
+    lut: DeviceBuffer,
+}
+
+impl Kernels {
+    /// Token counts up to this use the GEMV.
+    pub const GEMV_MAX_TOKENS: usize = 4;
+
+    /// Kernels on `device` (panics only if the build does not link its runtime; use the named
+    /// constructors to get an error instead).
+    pub fn new(device: &cubecl::Device) -> Self {
+        let client = device.client();
+        let table = e4m3_table();
+        let lut = DeviceBuffer {
+            handle: client.create_from_slice(f32::as_bytes(&table)),
+            len: table.len(),
+        };
+        Kernels { client, lut }
+    }
+
+    /// The wgpu runtime's default adapter (a GPU, or lavapipe on a CPU-only machine).
+    #[cfg(feature = "wgpu")]
+    pub fn wgpu() -> Result<Self, KernelError> {
+        let device = cubecl::Device::wgpu(cubecl::device::WgpuDeviceKind::DefaultDevice)
+            .map_err(|e| KernelError::NoDevice(e.to_string()))?;
+        Ok(Self::new(&device))
+    }
+
+    /// The CUDA device `index`.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(index: usize) -> Result<Self, KernelError> {
+        let device =
+            cubecl::Device::cuda(index).map_err(|e| KernelError::NoDevice(e.to_string()))?;
+        Ok(Self::new(&device))
+    }
+
+    /// The runtime's name for its adapter.
+    pub fn device_name(&self) -> String {
+        self.client.name().to_owned()
+    }
+
+    /// The client, for callers that launch their own kernels on the same device.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Uploads f32 values.
+    pub fn upload_f32(&self, values: &[f32]) -> DeviceBuffer {
+        DeviceBuffer {
+            handle: self
+                .client
+                .create_from_slice(f32::as_bytes(nonempty_f32(values))),
+            len: values.len(),
+        }
+    }
+
+    /// Uploads u32 values.
+    pub fn upload_u32(&self, values: &[u32]) -> DeviceBuffer {
+        let values: &[u32] = if values.is_empty() { &[0] } else { values };
+        DeviceBuffer {
+            handle: self.client.create_from_slice(u32::as_bytes(values)),
+            len: values.len(),
+        }
+    }
+
+    /// Reads f32 values back (waits for the kernels that write them).
+    pub fn read_f32(&self, buffer: &DeviceBuffer) -> Result<Vec<f32>, KernelError> {
+        if buffer.len == 0 {
+            return Ok(Vec::new());
+        }
+        let bytes = self
+            .client
+            .read_one(buffer.handle.clone())
+            .map_err(|e| KernelError::Device(format!("{e:?}")))?;
+        Ok(f32::from_bytes(&bytes)[..buffer.len].to_vec())
+    }
+
+    /// Waits until every launched kernel has finished (for timing).
+    pub fn sync(&self) -> Result<(), KernelError> {
+        cubecl::future::block_on(self.client.sync())
+            .map_err(|e| KernelError::Device(format!("{e:?}")))
+    }
+
+    /// Uploads packed weights once; every later matmul reads them in place.
+    pub fn upload_weights(&self, w: &PackedWeights) -> DeviceWeights {
+        DeviceWeights {
+            format: w.format(),
+            experts: w.experts(),
+            out: w.out_features(),
+            inn: w.in_features(),
+            words: self.upload_u32(w.words()),
+            scales: self.upload_f32(w.scales()),
+            bytes: w.bytes(),
+        }
+    }
+
+    fn empty_f32(&self, len: usize) -> DeviceBuffer {
+        DeviceBuffer {
+            handle: self.client.empty(4 * len.max(1)),
+            len,
+        }
+    }
+
+    /// The dequantized `[out, inn]` matrix of a dense weight.
+    pub fn dequantize(&self, w: &DeviceWeights) -> Result<DeviceBuffer, KernelError> {
+        dense_only(w)?;
+        let n = w.out * w.inn;
+        let out = self.empty_f32(n);
+        if n > 0 {
+            dense::dequantize::launch(
+                &self.client,
+                CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                w.words.arg(),
+                w.scales.arg(),
+                self.lut.arg(),
+                out.arg(),
+                w.out,
+                w.inn,
+                w.wpr(),
+                w.spr(),
+                w.format.kernel_code(),
+                w.format.kernel_group(),
+            );
+        }
+        Ok(out)
+    }
+
+    /// fp8 activations `[rows, cols]`: (dequantized values, scales `[rows, ceil(cols/128)]`).
+    pub fn fp8_activations(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        cols: usize,
+    ) -> Result<(DeviceBuffer, DeviceBuffer), KernelError> {
+        expect_len("activations", x, rows * cols)?;
+        let blocks = cols.div_ceil(FP8_BLOCK);
+        let values = self.empty_f32(rows * cols);
+        let scales = self.empty_f32(rows * blocks);
+        if rows * blocks > 0 {
+            fp8::quantize_activations::launch(
+                &self.client,
+                CubeCount::Static((rows * blocks).div_ceil(64) as u32, 1, 1),
+                CubeDim::new_1d(64),
+                x.arg(),
+                self.lut.arg(),
+                values.arg(),
+                scales.arg(),
+                rows,
+                cols,
+                blocks,
+            );
+        }
+        Ok((values, scales))
+    }
+
+    fn prepare(
+        &self,
+        x: &DeviceBuffer,
+        rows: usize,
+        w: &DeviceWeights,
+    ) -> Result<DeviceBuffer, KernelError> {
+        if w.format.quantizes_activations() {
+            Ok(self.fp8_activations(x, rows, w.inn)?.0)
+        } else {
+            Ok(x.clone())
+        }
+    }
+
+    /// `y[n, out] = x[n, inn] · dequant(W)^T` (fp8: activations quantized first), kernel chosen by `n`.
+    pub fn linear(
+        &self,
+        x: &DeviceBuffer,
+        n: usize,
+        w: &DeviceWeights,
+    ) -> Result<DeviceBuffer, KernelError> {
+        self.linear_with(x, n, w, MatmulPath::Auto)
+    }
+
+    /// [`Kernels::linear`] with the kernel named (tests and benchmarks compare the two).
+    pub fn linear_with(
+        &self,
+        x: &DeviceBuffer,
+        n: usize,
+        w: &DeviceWeights,
+        path: MatmulPath,
+    ) -> Result<DeviceBuffer, KernelError> {
+        dense_only(w)?;
+        expect_len("activations", x, n * w.inn)?;
+        let y = self.empty_f32(n * w.out);
+        if n == 0 || w.out == 0 {
+            return Ok(y);
+        }
+        let x = self.prepare(x, n, w)?;
+        let chunks = w.inn.div_ceil(CHUNK);
+        let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
+        let gemv = match path {
+            MatmulPath::Auto => n <= Self::GEMV_MAX_TOKENS,
+            MatmulPath::Gemv => true,
+            MatmulPath::Gemm => false,
+        };
+        if gemv {
+            let lanes = chunks.clamp(1, 32);
+            let rows_per_cube = (256 / lanes).min(w.out).max(1);
+            dense::gemv::launch(
+                &self.client,
+                CubeCount::Static(w.out.div_ceil(rows_per_cube) as u32, n as u32, 1),
+                CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
+                x.arg(),
+                w.words.arg(),
+                w.scales.arg(),
+                self.lut.arg(),
+                y.arg(),
+                w.out,
+                w.inn,
+                w.wpr(),
+                w.spr(),
+                fmt,
+                group,
+                lanes,
+                rows_per_cube,
+                chunks.max(1),
+            );
+        } else {
+            dense::gemm::launch(
+                &self.client,
+                CubeCount::Static(w.out.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
+                CubeDim::new_2d(TILE as u32, TILE as u32),
+                x.arg(),
+                w.words.arg(),
+                w.scales.arg(),
+                self.lut.arg(),
+                y.arg(),
+                n,
+                w.out,
+                w.inn,
+                w.wpr(),
+                w.spr(),
+                fmt,
+                group,
+                chunks,
+            );
+        }
+        Ok(y)
+    }
+
+    /// The straight-through input gradient `dx[n, inn] = g[n, out] · dequant(W)`.
+    pub fn linear_transposed(
+        &self,
+        g: &DeviceBuffer,
+        n: usize,
+        w: &DeviceWeights,
+    ) -> Result<DeviceBuffer, KernelError> {
+        dense_only(w)?;
+        expect_len("output gradient", g, n * w.out)?;
+        let dx = self.empty_f32(n * w.inn);
+        if n == 0 || w.inn == 0 {
+            return Ok(dx);
+        }
+        dense::gemm_transposed::launch(
+            &self.client,
+            CubeCount::Static(w.inn.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
+            CubeDim::new_2d(TILE as u32, TILE as u32),
+            g.arg(),
+            w.words.arg(),
+            w.scales.arg(),
+            self.lut.arg(),
+            dx.arg(),
+            n,
+            w.out,
+            w.inn,
+            w.wpr(),
+            w.spr(),
+            w.format.kernel_code(),
+            w.format.kernel_group(),
+            w.out.div_ceil(CHUNK),
+        );
+        Ok(dx)
+    }
+
+    /// The MoE block on `x [tokens, hidden]`: grouped gate+up with SwiGLU, grouped down projection, then
+    /// un-permute and combine with `route_w [tokens, top_k]` (slot order). `gate`/`up` are stacks
+    /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format.
+    pub fn moe(
+        &self,
+        x: &DeviceBuffer,
+        routing: &MoeRouting,
+        route_w: &DeviceBuffer,
+        gate: &DeviceWeights,
+        up: &DeviceWeights,
+        down: &DeviceWeights,
+    ) -> Result<DeviceBuffer, KernelError> {
+        let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
+        let (hidden, inter) = (gate.inn, gate.out);
+        for (name, w, shape) in [
+            ("gate", gate, [inter, hidden]),
+            ("up", up, [inter, hidden]),
+            ("down", down, [hidden, inter]),
+        ] {
+            if w.experts != experts || [w.out, w.inn] != shape || w.format != gate.format {
+                return Err(KernelError::Shape(format!(
+                    "{name}: {} experts of [{}, {}] {}, expected {experts} of {shape:?} {}",
+                    w.experts,
+                    w.out,
+                    w.inn,
+                    w.format.name(),
+                    gate.format.name()
+                )));
+            }
+        }
+        expect_len("moe input", x, tokens * hidden)?;
+        expect_len("routing weights", route_w, tokens * top_k)?;
+        let out = self.empty_f32(tokens * hidden);
+        if routing.tiles() == 0 || hidden == 0 {
+            return Ok(out);
+        }
+        let assignments = routing.assignments();
+        let row_index = self.upload_u32(&routing.row_index);
+        let identity: Vec<u32> = (0..assignments as u32).collect();
+        let identity = self.upload_u32(&identity);
+        let tile_expert = self.upload_u32(&routing.tile_expert);
+        let tile_start = self.upload_u32(&routing.tile_start);
+        let tile_end = self.upload_u32(&routing.tile_end);
+        let xq = self.prepare(x, tokens, gate)?;
+        let h = self.empty_f32(assignments * inter);
+        let grouped = |input: &DeviceBuffer,
+                       rows: &DeviceBuffer,
+                       a: &DeviceWeights,
+                       b: &DeviceWeights,
+                       y: &DeviceBuffer,
+                       swiglu: bool| {
+            moe_kernels::grouped_matmul::launch(
+                &self.client,
+                CubeCount::Static(a.out.div_ceil(TILE) as u32, routing.tiles() as u32, 1),
+                CubeDim::new_2d(TILE as u32, TILE as u32),
+                input.arg(),
+                rows.arg(),
+                tile_expert.arg(),
+                tile_start.arg(),
+                tile_end.arg(),
+                a.words.arg(),
+                a.scales.arg(),
+                b.words.arg(),
+                b.scales.arg(),
+                self.lut.arg(),
+                y.arg(),
+                a.out,
+                a.inn,
+                a.wpr(),
+                a.spr(),
+                a.format.row_words(a.inn) * a.out,
+                {
+                    let [r, c] = a.format.scale_shape(a.out, a.inn);
+                    r * c
+                },
+                a.format.kernel_code(),
+                a.format.kernel_group(),
+                a.inn.div_ceil(CHUNK),
+                swiglu,
+            );
+        };
+        if inter > 0 {
+            grouped(&xq, &row_index, gate, up, &h, true);
+        }
+        let hq = self.prepare(&h, assignments, down)?;
+        let y = self.empty_f32(assignments * hidden);
+        grouped(&hq, &identity, down, down, &y, false);
+        let position = self.upload_u32(&routing.position);
+        moe_kernels::combine::launch(
+            &self.client,
+            CubeCount::Static((tokens * hidden).div_ceil(256) as u32, 1, 1),
+            CubeDim::new_1d(256),
+            y.arg(),
+            position.arg(),
+            route_w.arg(),
+            out.arg(),
+            tokens,
+            hidden,
+            top_k,
+        );
+        Ok(out)
+    }
+}
+
+fn nonempty_f32(values: &[f32]) -> &[f32] {
+    if values.is_empty() {
+        &[0.0]
+    } else {
+        values
+    }
+}
+
+fn dense_only(w: &DeviceWeights) -> Result<(), KernelError> {
+    if w.experts != 1 {
+        return Err(KernelError::Shape(format!(
+            "a dense matmul got a stack of {} experts (use the MoE launcher)",
+            w.experts
+        )));
+    }
+    Ok(())
+}
+
+fn expect_len(what: &str, b: &DeviceBuffer, len: usize) -> Result<(), KernelError> {
+    if b.len != len {
+        return Err(KernelError::Shape(format!(
+            "{what}: {} values, expected {len}",
+            b.len
+        )));
+    }
+    Ok(())
+}

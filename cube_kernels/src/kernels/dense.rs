@@ -1,0 +1,208 @@
+//! Dense quantized matmuls: dequantize, GEMV (few tokens), tiled GEMM (many tokens) and the transposed
+//! product of the straight-through backward, all from the same packed weights.
+
+use cubecl::prelude::*;
+
+use super::weight_at;
+
+/// `out[row * inn + k] = weight(row, k)` for the whole matrix (one unit per weight).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn dequantize(
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+) {
+    let id = ABSOLUTE_POS;
+    if id < rows * inn {
+        let row = id / inn;
+        let k = id % inn;
+        out[id] = weight_at(words, scales, lut, 0, 0, row, k, wpr, spr, fmt, group);
+    }
+}
+
+/// `y[t, row] = sum_k x[t, k] w[row, k]` for few tokens: a cube holds `rows_per_cube` rows of one token
+/// (`CUBE_POS_Y`); the `lanes` units of a row sum chunks in parallel into shared memory, then lane 0 adds
+/// the chunk sums left to right (the canonical order).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(
+    x: &[f32],
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    y: &mut [f32],
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] lanes: usize,
+    #[comptime] rows_per_cube: usize,
+    #[comptime] chunks: usize,
+) {
+    let mut partials = Shared::<[f32]>::new_slice(rows_per_cube * chunks);
+    let lane = UNIT_POS_X as usize;
+    let local_row = UNIT_POS_Y as usize;
+    let row = CUBE_POS_X as usize * rows_per_cube + local_row;
+    let token = CUBE_POS_Y as usize;
+    let per_lane = comptime!(chunks.div_ceil(lanes));
+    if row < out {
+        for i in 0..per_lane {
+            let c = lane + i * lanes;
+            if c < chunks {
+                let start = c * 32;
+                let mut end = start + 32;
+                if end > inn {
+                    end = inn;
+                }
+                let mut part = 0.0f32;
+                for k in start..end {
+                    let w = weight_at(words, scales, lut, 0, 0, row, k, wpr, spr, fmt, group);
+                    part = fma(x[token * inn + k], w, part);
+                }
+                partials[local_row * chunks + c] = part;
+            }
+        }
+    }
+    sync_cube();
+    if lane == 0 && row < out {
+        let mut total = 0.0f32;
+        for c in 0..chunks {
+            total += partials[local_row * chunks + c];
+        }
+        y[token * out + row] = total;
+    }
+}
+
+/// `y[t, row] = sum_k x[t, k] w[row, k]` tiled: a cube computes a 16x16 (tokens x rows) tile, staging one
+/// 32-deep chunk of activations and dequantized weights in shared memory at a time.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemm(
+    x: &[f32],
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    y: &mut [f32],
+    n: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] chunks: usize,
+) {
+    let mut xs = Shared::<[f32]>::new_slice(512usize);
+    let mut ws = Shared::<[f32]>::new_slice(512usize);
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let unit = ty * 16 + tx;
+    let row0 = CUBE_POS_X as usize * 16;
+    let tok0 = CUBE_POS_Y as usize * 16;
+    let mut total = 0.0f32;
+    for c in 0..chunks {
+        let k0 = c * 32;
+        for h in 0..2usize {
+            let e = unit + h * 256;
+            let r = e / 32;
+            let k = k0 + e % 32;
+            let mut xv = 0.0f32;
+            if tok0 + r < n && k < inn {
+                xv = x[(tok0 + r) * inn + k];
+            }
+            xs[e] = xv;
+            let mut wv = 0.0f32;
+            if row0 + r < out && k < inn {
+                wv = weight_at(words, scales, lut, 0, 0, row0 + r, k, wpr, spr, fmt, group);
+            }
+            ws[e] = wv;
+        }
+        sync_cube();
+        let mut depth = 32usize;
+        if k0 + 32 > inn {
+            depth = inn - k0;
+        }
+        let mut part = 0.0f32;
+        for kk in 0..depth {
+            part = fma(xs[ty * 32 + kk], ws[tx * 32 + kk], part);
+        }
+        total += part;
+        sync_cube();
+    }
+    if row0 + tx < out && tok0 + ty < n {
+        y[(tok0 + ty) * out + row0 + tx] = total;
+    }
+}
+
+/// The straight-through backward's input gradient `dx[t, k] = sum_row g[t, row] w[row, k]`, tiled 16x16
+/// (tokens x inputs), reducing over rows in 32-deep chunks (the canonical order over the row axis).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_transposed(
+    g: &[f32],
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    dx: &mut [f32],
+    n: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] chunks: usize,
+) {
+    let mut gs = Shared::<[f32]>::new_slice(512usize);
+    let mut ws = Shared::<[f32]>::new_slice(512usize);
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    let unit = ty * 16 + tx;
+    let col0 = CUBE_POS_X as usize * 16;
+    let tok0 = CUBE_POS_Y as usize * 16;
+    let mut total = 0.0f32;
+    for c in 0..chunks {
+        let o0 = c * 32;
+        for h in 0..2usize {
+            let e = unit + h * 256;
+            let r = e / 32;
+            let o = o0 + e % 32;
+            let mut gv = 0.0f32;
+            if tok0 + r < n && o < out {
+                gv = g[(tok0 + r) * out + o];
+            }
+            gs[e] = gv;
+            let wo = o0 + e / 16;
+            let wk = col0 + e % 16;
+            let mut wv = 0.0f32;
+            if wo < out && wk < inn {
+                wv = weight_at(words, scales, lut, 0, 0, wo, wk, wpr, spr, fmt, group);
+            }
+            ws[e] = wv;
+        }
+        sync_cube();
+        let mut depth = 32usize;
+        if o0 + 32 > out {
+            depth = out - o0;
+        }
+        let mut part = 0.0f32;
+        for oo in 0..depth {
+            part = fma(gs[ty * 32 + oo], ws[oo * 16 + tx], part);
+        }
+        total += part;
+        sync_cube();
+    }
+    if col0 + tx < inn && tok0 + ty < n {
+        dx[(tok0 + ty) * inn + col0 + tx] = total;
+    }
+}

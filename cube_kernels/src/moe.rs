@@ -1,0 +1,111 @@
+//! Routing bookkeeping for the grouped MoE matmul, done once per batch on the host (`tokens * top_k` ids):
+//! a stable counting sort of the (token, slot) assignments by expert, the inverse permutation for the
+//! combine, and the tiles of 16 assignments that never straddle two experts.
+
+use crate::error::KernelError;
+use crate::kernels::TILE;
+
+/// Assignments sorted by expert, their tiles, and the way back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeRouting {
+    tokens: usize,
+    top_k: usize,
+    experts: usize,
+    /// For sorted assignment `a`: the token it reads.
+    pub row_index: Vec<u32>,
+    /// For token `t`, slot `j` (index `t * top_k + j`): its position in the sorted order.
+    pub position: Vec<u32>,
+    /// `offsets[e]..offsets[e + 1]` are expert `e`'s sorted assignments.
+    pub offsets: Vec<u32>,
+    /// Per tile: its expert, first assignment, and one past its last.
+    pub tile_expert: Vec<u32>,
+    /// See `tile_expert`.
+    pub tile_start: Vec<u32>,
+    /// See `tile_expert`.
+    pub tile_end: Vec<u32>,
+}
+
+impl MoeRouting {
+    /// Builds the routing from `ids[t * top_k + j]`, the expert of token `t`'s `j`-th slot. An id outside
+    /// `0..experts` or a length that is not `tokens * top_k` is an error.
+    pub fn new(
+        ids: &[u32],
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+    ) -> Result<Self, KernelError> {
+        if ids.len() != tokens * top_k {
+            return Err(KernelError::Shape(format!(
+                "{} expert ids for {tokens} tokens x top-{top_k}",
+                ids.len()
+            )));
+        }
+        if let Some(i) = ids.iter().position(|&e| e as usize >= experts) {
+            return Err(KernelError::Shape(format!(
+                "expert id {} at token {} slot {} is out of range (0..{experts})",
+                ids[i],
+                i / top_k.max(1),
+                i % top_k.max(1)
+            )));
+        }
+        let mut offsets = vec![0u32; experts + 1];
+        for &e in ids {
+            offsets[e as usize + 1] += 1;
+        }
+        for e in 0..experts {
+            offsets[e + 1] += offsets[e];
+        }
+        let mut next = offsets.clone();
+        let mut row_index = vec![0u32; ids.len()];
+        let mut position = vec![0u32; ids.len()];
+        for (i, &e) in ids.iter().enumerate() {
+            let a = next[e as usize];
+            next[e as usize] += 1;
+            row_index[a as usize] = (i / top_k) as u32;
+            position[i] = a;
+        }
+        let (mut tile_expert, mut tile_start, mut tile_end) = (vec![], vec![], vec![]);
+        for e in 0..experts {
+            let mut start = offsets[e];
+            while start < offsets[e + 1] {
+                let end = (start + TILE as u32).min(offsets[e + 1]);
+                tile_expert.push(e as u32);
+                tile_start.push(start);
+                tile_end.push(end);
+                start = end;
+            }
+        }
+        Ok(MoeRouting {
+            tokens,
+            top_k,
+            experts,
+            row_index,
+            position,
+            offsets,
+            tile_expert,
+            tile_start,
+            tile_end,
+        })
+    }
+
+    /// Tokens routed.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// Experts per token.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+    /// Number of experts.
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+    /// Number of assignments (`tokens * top_k`).
+    pub fn assignments(&self) -> usize {
+        self.row_index.len()
+    }
+    /// Number of 16-assignment tiles.
+    pub fn tiles(&self) -> usize {
+        self.tile_expert.len()
+    }
+}

@@ -1,0 +1,371 @@
+//! The kernels on the wgpu runtime (Mesa's lavapipe in CI, a GPU where there is one), each against the
+//! host reference: dequantized weights and fp8 activations bit-exact, matmul sums within 1e-5 relative of
+//! the host's canonical order, GEMV and GEMM bitwise equal (batch invariance), MoE with ragged groups.
+//!
+//! Without a Vulkan driver the tests skip with a message, unless `QARL_REQUIRE_WGPU=1` (CI sets it after
+//! installing lavapipe), where a missing adapter fails them.
+#![cfg(feature = "wgpu")]
+
+use cube_kernels::reference;
+use cube_kernels::{Kernels, MatmulPath, MoeRouting, PackedWeights, WeightFormat};
+use std::sync::OnceLock;
+
+fn kernels() -> Option<&'static Kernels> {
+    static K: OnceLock<Option<Kernels>> = OnceLock::new();
+    K.get_or_init(|| {
+        let made = std::panic::catch_unwind(Kernels::wgpu);
+        match made {
+            Ok(Ok(k)) => {
+                eprintln!("wgpu adapter: {}", k.device_name());
+                Some(k)
+            }
+            other => {
+                let why = match other {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "the wgpu runtime panicked while starting".to_owned(),
+                };
+                if std::env::var("QARL_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
+                    panic!("QARL_REQUIRE_WGPU=1 but no wgpu device: {why}");
+                }
+                eprintln!(
+                    "SKIPPED: no wgpu device ({why}); install mesa-vulkan-drivers for lavapipe"
+                );
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+const FORMATS: [WeightFormat; 5] = [
+    WeightFormat::Int4 { group: 32 },
+    WeightFormat::Int4 { group: 64 },
+    WeightFormat::Int4 { group: 128 },
+    WeightFormat::Int8PerRow,
+    WeightFormat::Fp8Block128,
+];
+
+/// A small deterministic generator (xorshift), so failures reproduce.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn values(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+/// Random valid storage for `experts` weights `[out, inn]`: every code the quantizer can produce, scales
+/// in (0, 0.1].
+fn random_weights(
+    format: WeightFormat,
+    experts: usize,
+    out: usize,
+    inn: usize,
+    seed: u64,
+) -> PackedWeights {
+    let mut rng = Rng(seed | 1);
+    let row_bytes = format.row_bytes(inn);
+    let [sr, sc] = format.scale_shape(out, inn);
+    let parts: Vec<(Vec<u8>, Vec<f32>)> = (0..experts)
+        .map(|_| {
+            let mut data = vec![0u8; out * row_bytes];
+            for row in 0..out {
+                for b in 0..row_bytes {
+                    let mut byte = (rng.next() >> 32) as u8;
+                    match format {
+                        WeightFormat::Int4 { .. } if inn % 2 == 1 && b == row_bytes - 1 => {
+                            byte &= 0x0F
+                        }
+                        WeightFormat::Int8PerRow if byte == 0x80 => byte = 0x81,
+                        WeightFormat::Fp8Block128 if byte & 0x7F == 0x7F => byte ^= 1,
+                        _ => {}
+                    }
+                    data[row * row_bytes + b] = byte;
+                }
+            }
+            let scales = (0..sr * sc)
+                .map(|_| (rng.uniform().abs() + 0.01) * 0.1)
+                .collect();
+            (data, scales)
+        })
+        .collect();
+    let refs: Vec<(&[u8], &[f32])> = parts.iter().map(|(d, s)| (&d[..], &s[..])).collect();
+    PackedWeights::stack(format, out, inn, &refs).unwrap()
+}
+
+/// `|a - b| <= 1e-5 * (sum of |terms| bound)`: relative to the magnitude the sum went through.
+fn assert_close(got: &[f32], want: &[f32], scale: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, ((g, w), s)) in got.iter().zip(want).zip(scale).enumerate() {
+        let tol = 1e-5 * s.max(1e-6);
+        assert!(
+            (g - w).abs() <= tol,
+            "{what}[{i}]: kernel {g} vs reference {w} (tolerance {tol})"
+        );
+    }
+}
+
+/// `sum_k |x_k w_k|` per output, the scale the tolerance is relative to.
+fn abs_linear(x: &[f32], n: usize, w: &PackedWeights) -> Vec<f32> {
+    let inn = w.in_features();
+    let xq = reference::prepare_activations(x, n, w);
+    let wd = w.dequantize(0);
+    let mut out = vec![];
+    for t in 0..n {
+        for row in 0..w.out_features() {
+            out.push(
+                (0..inn)
+                    .map(|k| (xq[t * inn + k] * wd[row * inn + k]).abs())
+                    .sum(),
+            );
+        }
+    }
+    out
+}
+
+#[test]
+fn dequantize_is_bit_exact_for_every_format() {
+    let Some(k) = kernels() else { return };
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        for (out, inn) in [(3, 40), (130, 200), (17, 75)] {
+            let w = random_weights(format, 1, out, inn, 11 + i as u64);
+            let got = k
+                .read_f32(&k.dequantize(&k.upload_weights(&w)).unwrap())
+                .unwrap();
+            let want = w.dequantize(0);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{} [{out}, {inn}]", format.name());
+        }
+    }
+}
+
+#[test]
+fn fp8_activation_quantization_is_bit_exact() {
+    let Some(k) = kernels() else { return };
+    let mut rng = Rng(7);
+    let (rows, cols) = (5, 300);
+    let mut x: Vec<f32> = rng.values(rows * cols).iter().map(|v| v * 30.0).collect();
+    // Edge cases: an all-zero block, tiny values in the subnormal range, ties, negative zero.
+    for v in &mut x[128..256] {
+        *v = 0.0;
+    }
+    x[300] = 1e-30;
+    x[301] = -0.0;
+    x[302] = 448.0;
+    x[303] = -29.0; // exactly between E4M3 28 and 30: ties to the even code (28)
+    let (want_v, want_s) = reference::fp8_activations(&x, rows, cols);
+    let (v, s) = k.fp8_activations(&k.upload_f32(&x), rows, cols).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&k.read_f32(&s).unwrap()), bits(&want_s), "scales");
+    assert_eq!(bits(&k.read_f32(&v).unwrap()), bits(&want_v), "values");
+}
+
+#[test]
+fn e4m3_encoding_matches_the_host_on_a_sweep() {
+    let Some(k) = kernels() else { return };
+    // One row per 128-block: each block's absmax is 448 (scale 1), so codes are e4m3(x) exactly.
+    let mut rng = Rng(99);
+    let mut x = vec![];
+    for block in 0..64 {
+        let mut b: Vec<f32> = (0..127)
+            .map(|_| {
+                let e = (rng.next() % 24) as i32 - 14;
+                rng.uniform() * 2f32.powi(e)
+            })
+            .collect();
+        b.push(if block % 2 == 0 { 448.0 } else { -448.0 });
+        x.extend(b);
+    }
+    let (want, _) = reference::fp8_activations(&x, 1, x.len());
+    let (got, _) = k.fp8_activations(&k.upload_f32(&x), 1, x.len()).unwrap();
+    let got = k.read_f32(&got).unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "x = {} ({i}): kernel {g} vs host {w}",
+            x[i]
+        );
+    }
+}
+
+#[test]
+fn gemv_and_gemm_match_the_reference_and_each_other_bitwise() {
+    let Some(k) = kernels() else { return };
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        for (out, inn, n) in [(40, 256, 3), (33, 200, 20), (16, 75, 5)] {
+            let w = random_weights(format, 1, out, inn, 100 + i as u64);
+            let dw = k.upload_weights(&w);
+            let x = Rng(5 + n as u64).values(n * inn);
+            let dx = k.upload_f32(&x);
+            let gemv = k
+                .read_f32(&k.linear_with(&dx, n, &dw, MatmulPath::Gemv).unwrap())
+                .unwrap();
+            let gemm = k
+                .read_f32(&k.linear_with(&dx, n, &dw, MatmulPath::Gemm).unwrap())
+                .unwrap();
+            let want = reference::linear(&x, n, &w, 0);
+            let what = format!("{} [{out}, {inn}] n={n}", format.name());
+            assert_close(&gemm, &want, &abs_linear(&x, n, &w), &what);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&gemv), bits(&gemm), "{what}: GEMV and GEMM differ");
+            // Batch invariance: the last token alone gives the same bits as inside the batch.
+            let last = k.upload_f32(&x[(n - 1) * inn..]);
+            let alone = k.read_f32(&k.linear(&last, 1, &dw).unwrap()).unwrap();
+            assert_eq!(
+                bits(&alone),
+                bits(&gemm[(n - 1) * out..]),
+                "{what}: batch dependence"
+            );
+        }
+    }
+}
+
+#[test]
+fn transposed_product_matches_the_reference() {
+    let Some(k) = kernels() else { return };
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        for (out, inn, n) in [(40, 256, 3), (70, 96, 18)] {
+            let w = random_weights(format, 1, out, inn, 300 + i as u64);
+            let g = Rng(77).values(n * out);
+            let got = k
+                .read_f32(
+                    &k.linear_transposed(&k.upload_f32(&g), n, &k.upload_weights(&w))
+                        .unwrap(),
+                )
+                .unwrap();
+            let want = reference::linear_transposed(&g, n, &w, 0);
+            let wd = w.dequantize(0);
+            let scale: Vec<f32> = (0..n * inn)
+                .map(|i| {
+                    (0..out)
+                        .map(|o| (g[i / inn * out + o] * wd[o * inn + i % inn]).abs())
+                        .sum()
+                })
+                .collect();
+            assert_close(
+                &got,
+                &want,
+                &scale,
+                &format!("{} dx [{out}, {inn}] n={n}", format.name()),
+            );
+        }
+    }
+}
+
+fn check_moe(
+    k: &Kernels,
+    format: WeightFormat,
+    ids: &[u32],
+    tokens: usize,
+    top_k: usize,
+    seed: u64,
+) {
+    let (experts, hidden, inter) = (6, 64, 48);
+    let gate = random_weights(format, experts, inter, hidden, seed);
+    let up = random_weights(format, experts, inter, hidden, seed + 1);
+    let down = random_weights(format, experts, hidden, inter, seed + 2);
+    let mut rng = Rng(seed + 3);
+    let x = rng.values(tokens * hidden);
+    let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+    let routing = MoeRouting::new(ids, tokens, top_k, experts).unwrap();
+    let got = k
+        .moe(
+            &k.upload_f32(&x),
+            &routing,
+            &k.upload_f32(&route_w),
+            &k.upload_weights(&gate),
+            &k.upload_weights(&up),
+            &k.upload_weights(&down),
+        )
+        .unwrap();
+    let got = k.read_f32(&got).unwrap();
+    let want = reference::moe(&x, &routing, ids, &route_w, &gate, &up, &down);
+    // exp() may differ by an ulp between runtimes, so the tolerance is relative to the output's scale.
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            (g - w).abs() <= 2e-5 * scale,
+            "{} moe out[{i}]: kernel {g} vs reference {w} (ids {ids:?})",
+            format.name()
+        );
+    }
+}
+
+#[test]
+fn moe_handles_ragged_expert_groups() {
+    let Some(k) = kernels() else { return };
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        let seed = 500 + 10 * i as u64;
+        // One token, top-2.
+        check_moe(k, format, &[3, 1], 1, 2, seed);
+        // All tokens to one expert (more than one tile), the other experts empty.
+        check_moe(k, format, &[2; 40], 20, 2, seed);
+        // Ragged: uneven groups, experts 0 and 5 empty.
+        let ids: Vec<u32> = (0..34u32).map(|i| 1 + (i * i + i / 3) % 4).collect();
+        check_moe(k, format, &ids, 17, 2, seed);
+    }
+}
+
+#[test]
+fn routing_rejects_bad_ids_and_counts() {
+    assert!(MoeRouting::new(&[0, 7], 1, 2, 6)
+        .unwrap_err()
+        .to_string()
+        .contains("out of range"));
+    assert!(MoeRouting::new(&[0, 1, 2], 2, 2, 6).is_err());
+    let r = MoeRouting::new(&[2, 0, 2, 2], 2, 2, 3).unwrap();
+    assert_eq!(r.offsets, vec![0, 1, 1, 4]);
+    assert_eq!(r.row_index, vec![0, 0, 1, 1]);
+    assert_eq!(r.position, vec![1, 0, 2, 3]);
+    assert_eq!(
+        (
+            r.tile_expert.clone(),
+            r.tile_start.clone(),
+            r.tile_end.clone()
+        ),
+        (vec![0, 2], vec![0, 1], vec![1, 4])
+    );
+}
+
+#[test]
+fn storage_repacking_checks_shapes_and_codes() {
+    let f = WeightFormat::Int8PerRow;
+    assert!(PackedWeights::from_storage(f, 2, 3, &[1; 5], &[1.0; 2]).is_err());
+    assert!(PackedWeights::from_storage(f, 2, 3, &[1, 2, 0x80, 1, 1, 1], &[1.0; 2]).is_err());
+    assert!(PackedWeights::from_storage(f, 2, 3, &[1; 6], &[f32::NAN, 1.0]).is_err());
+    let i4 = WeightFormat::Int4 { group: 32 };
+    assert!(
+        PackedWeights::from_storage(i4, 1, 3, &[0x21, 0x13], &[1.0]).is_err(),
+        "padding nibble"
+    );
+    assert!(WeightFormat::parse("int3").is_err());
+    assert!(
+        PackedWeights::from_storage(WeightFormat::Int4 { group: 48 }, 1, 2, &[0], &[1.0]).is_err()
+    );
+    // Word layout: bytes read little-endian, rows padded to whole words.
+    let w =
+        PackedWeights::from_storage(f, 2, 5, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], &[1.0; 2]).unwrap();
+    assert_eq!(w.words(), &[0x0403_0201, 5, 0x0908_0706, 10]);
+    assert_eq!(w.weight_at(0, 1, 4), 10.0);
+}
+
+#[test]
+fn e4m3_host_encoder_round_trips_every_code() {
+    for code in (0u8..=255).filter(|c| c & 0x7F != 0x7F) {
+        let v = cube_kernels::format::e4m3_to_f32(code);
+        assert_eq!(
+            cube_kernels::format::f32_to_e4m3(v),
+            code,
+            "code {code:#04x} = {v}"
+        );
+    }
+}
