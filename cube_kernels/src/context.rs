@@ -25,6 +25,11 @@ impl DeviceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Wraps `len` values already on the device (a burn tensor's buffer, say); the caller vouches that
+    /// the handle holds at least `len` contiguous 32-bit values.
+    pub fn from_handle(handle: Handle, len: usize) -> Self {
+        DeviceBuffer { handle, len }
+    }
     /// The runtime handle, for callers that hand it to other kernels.
     pub fn handle(&self) -> &Handle {
         &self.handle
@@ -100,7 +105,11 @@ impl Kernels {
     /// Kernels on `device` (panics only if the build does not link its runtime; use the named
     /// constructors to get an error instead).
     pub fn new(device: &cubecl::Device) -> Self {
-        let client = device.client();
+        Self::from_client(device.client())
+    }
+
+    /// Kernels on the device of an existing client (burn's CubeCL tensors carry one).
+    pub fn from_client(client: Client) -> Self {
         let table = e4m3_table();
         let lut = DeviceBuffer {
             handle: client.create_from_slice(f32::as_bytes(&table)),
@@ -190,6 +199,26 @@ impl Kernels {
             handle: self.client.empty(4 * len.max(1)),
             len,
         }
+    }
+
+    /// A device-to-device copy of `src` (what the benchmarks time as the bandwidth roofline).
+    pub fn copy(&self, src: &DeviceBuffer) -> DeviceBuffer {
+        let dst = self.empty_f32(src.len);
+        if src.len > 0 {
+            let cubes = src.len.div_ceil(256).min(8192);
+            let stride = cubes * 256;
+            dense::copy::launch(
+                &self.client,
+                CubeCount::Static(cubes as u32, 1, 1),
+                CubeDim::new_1d(256),
+                src.arg(),
+                dst.arg(),
+                src.len,
+                stride,
+                src.len.div_ceil(stride),
+            );
+        }
+        dst
     }
 
     /// The dequantized `[out, inn]` matrix of a dense weight.

@@ -204,6 +204,52 @@ impl PackedWeights {
         })
     }
 
+    /// Random valid weights for tests and benchmarks: `experts` stacked `[out, inn]` matrices whose codes
+    /// cover every value the quantizer can produce (int4 padding nibbles 0, no int8 -128, no E4M3 NaN) and
+    /// scales in (0.001, 0.011]. Deterministic in `seed` (xorshift64).
+    pub fn random(
+        format: WeightFormat,
+        experts: usize,
+        out: usize,
+        inn: usize,
+        seed: u64,
+    ) -> Result<Self, KernelError> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let row_bytes = format.row_bytes(inn);
+        let [sr, sc] = format.scale_shape(out, inn);
+        let parts: Vec<(Vec<u8>, Vec<f32>)> = (0..experts)
+            .map(|_| {
+                let mut data = Vec::with_capacity(out * row_bytes);
+                for _ in 0..out {
+                    for b in 0..row_bytes {
+                        let mut byte = (next() >> 32) as u8;
+                        match format {
+                            WeightFormat::Int4 { .. } if inn % 2 == 1 && b == row_bytes - 1 => {
+                                byte &= 0x0F
+                            }
+                            WeightFormat::Int8PerRow if byte == 0x80 => byte = 0x81,
+                            WeightFormat::Fp8Block128 if byte & 0x7F == 0x7F => byte ^= 1,
+                            _ => {}
+                        }
+                        data.push(byte);
+                    }
+                }
+                let scales = (0..sr * sc)
+                    .map(|_| 0.001 + 0.01 * ((next() >> 40) as f32 / (1u64 << 24) as f32))
+                    .collect();
+                (data, scales)
+            })
+            .collect();
+        let refs: Vec<(&[u8], &[f32])> = parts.iter().map(|(d, s)| (&d[..], &s[..])).collect();
+        Self::stack(format, out, inn, &refs)
+    }
+
     /// The format.
     pub fn format(&self) -> WeightFormat {
         self.format

@@ -62,8 +62,6 @@ impl Rng {
     }
 }
 
-/// Random valid storage for `experts` weights `[out, inn]`: every code the quantizer can produce, scales
-/// in (0, 0.1].
 fn random_weights(
     format: WeightFormat,
     experts: usize,
@@ -71,34 +69,7 @@ fn random_weights(
     inn: usize,
     seed: u64,
 ) -> PackedWeights {
-    let mut rng = Rng(seed | 1);
-    let row_bytes = format.row_bytes(inn);
-    let [sr, sc] = format.scale_shape(out, inn);
-    let parts: Vec<(Vec<u8>, Vec<f32>)> = (0..experts)
-        .map(|_| {
-            let mut data = vec![0u8; out * row_bytes];
-            for row in 0..out {
-                for b in 0..row_bytes {
-                    let mut byte = (rng.next() >> 32) as u8;
-                    match format {
-                        WeightFormat::Int4 { .. } if inn % 2 == 1 && b == row_bytes - 1 => {
-                            byte &= 0x0F
-                        }
-                        WeightFormat::Int8PerRow if byte == 0x80 => byte = 0x81,
-                        WeightFormat::Fp8Block128 if byte & 0x7F == 0x7F => byte ^= 1,
-                        _ => {}
-                    }
-                    data[row * row_bytes + b] = byte;
-                }
-            }
-            let scales = (0..sr * sc)
-                .map(|_| (rng.uniform().abs() + 0.01) * 0.1)
-                .collect();
-            (data, scales)
-        })
-        .collect();
-    let refs: Vec<(&[u8], &[f32])> = parts.iter().map(|(d, s)| (&d[..], &s[..])).collect();
-    PackedWeights::stack(format, out, inn, &refs).unwrap()
+    PackedWeights::random(format, experts, out, inn, seed).unwrap()
 }
 
 /// `|a - b| <= 1e-5 * (sum of |terms| bound)`: relative to the magnitude the sum went through.
@@ -366,6 +337,19 @@ fn e4m3_host_encoder_round_trips_every_code() {
             cube_kernels::format::f32_to_e4m3(v),
             code,
             "code {code:#04x} = {v}"
+        );
+    }
+}
+
+#[test]
+fn copy_moves_every_value() {
+    let Some(k) = kernels() else { return };
+    for len in [1usize, 255, 2_100_000] {
+        let x = Rng(len as u64).values(len);
+        assert_eq!(
+            k.read_f32(&k.copy(&k.upload_f32(&x))).unwrap(),
+            x,
+            "len {len}"
         );
     }
 }

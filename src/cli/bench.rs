@@ -25,6 +25,8 @@ pub struct BenchArgs {
 pub enum BenchWhat {
     /// Rollout tokens/s with f32 and quantized weights (prefill + batched KV-cache decode).
     Rollout(RolloutBenchArgs),
+    /// The CubeCL low-bit kernels on Qwen3-30B-A3B expert shapes vs burn's bf16 matmul (`--features wgpu`/`cuda`).
+    Kernels(super::kernel_bench::KernelBenchArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -406,5 +408,6 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         BenchWhat::Rollout(a) => run_rollout(a),
+        BenchWhat::Kernels(a) => super::kernel_bench::run(a),
     }
 }

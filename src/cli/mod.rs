@@ -6,6 +6,7 @@ mod eval;
 mod generate;
 mod import_gguf;
 mod init_model;
+mod kernel_bench;
 mod mismatch;
 mod quantize;
 pub mod runs;

@@ -95,7 +95,7 @@ fn dequantized_out_in<B: Backend>(packed: &PackedWeight, device: &B::Device) -> 
 
 /// The backend extension carrying the low-bit matmul. Backends without a dedicated kernel yet use the
 /// default body (a float matmul on the dequantized weights: the same values, another summation order).
-#[backend_extension(Autodiff, Flex)]
+#[backend_extension(Autodiff, Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
 pub trait QuantMatmulBackend: Backend {
     /// `x [n, in] · dequant(Q(W))^T` from the packed weights; `master` (`[in, out]`) only receives the
     /// straight-through gradient.
@@ -107,6 +107,13 @@ pub trait QuantMatmulBackend: Backend {
         let _ = master;
         let w = dequantized_out_in::<Self>(&packed, &x.device());
         Self::float_matmul(x, Self::float_transpose(w))
+    }
+
+    /// `g [n, out] · dequant(Q(W))` -> `[n, in]`: the straight-through backward's input gradient, from the
+    /// same packed weights the forward read (the CubeCL backends run the transposed kernel).
+    fn quant_matmul_transposed(g: FloatTensor<Self>, packed: PackedWeight) -> FloatTensor<Self> {
+        let w = dequantized_out_in::<Self>(&packed, &g.device());
+        Self::float_matmul(g, w)
     }
 
     /// Softmax along `dim` whose forward is the same op on the inference and the autodiff backend (burn's
@@ -258,7 +265,7 @@ impl<B: Backend> Backward<B, 2> for DetMatmulBackward {
 #[derive(Debug)]
 struct SteBackward;
 
-impl<B: Backend> Backward<B, 2> for SteBackward {
+impl<B: Backend + QuantMatmulBackend> Backward<B, 2> for SteBackward {
     /// `(x, packed weights)` saved by the forward.
     type State = (FloatTensor<B>, PackedWeight);
 
@@ -268,8 +275,7 @@ impl<B: Backend> Backward<B, 2> for SteBackward {
         let (x, packed) = ops.state;
         if let Some(node) = node_x {
             // dx = g · W' with W' = dequant(Q(W)) in [out, in]: the weights the forward really used.
-            let w = dequantized_out_in::<B>(&packed, &g.device());
-            grads.register::<B>(node.id, B::float_matmul(g.clone(), w));
+            grads.register::<B>(node.id, B::quant_matmul_transposed(g.clone(), packed));
         }
         if let Some(node) = node_master {
             // Straight-through: dW = x^T g, as if the quantizer were the identity.
@@ -294,6 +300,32 @@ impl<B: Backend> Backward<B, 1> for SoftmaxBackward {
             let gy = B::float_sum_dim(B::float_mul(g.clone(), y.clone()), dim);
             grads.register::<B>(node.id, B::float_mul(y, B::float_sub(g, gy)));
         }
+    }
+}
+
+/// The CubeCL backends (wgpu, CUDA): the `cube_kernels` low-bit kernels on the tensors' device buffers
+/// ([`super::cube`]); other dtypes than f32 take the default (dequantize, then the backend's matmul).
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+impl QuantMatmulBackend for burn_cubecl::CubeBackend {
+    fn quant_matmul(
+        x: FloatTensor<Self>,
+        master: FloatTensor<Self>,
+        packed: PackedWeight,
+    ) -> FloatTensor<Self> {
+        let _ = master;
+        if x.dtype != burn::tensor::DType::F32 {
+            let w = dequantized_out_in::<Self>(&packed, &x.device());
+            return plain_matmul::<Self>(x, w, true);
+        }
+        super::cube::quant_matmul(x, &packed).expect("an f32 matrix")
+    }
+
+    fn quant_matmul_transposed(g: FloatTensor<Self>, packed: PackedWeight) -> FloatTensor<Self> {
+        if g.dtype != burn::tensor::DType::F32 {
+            let w = dequantized_out_in::<Self>(&packed, &g.device());
+            return plain_matmul::<Self>(g, w, false);
+        }
+        super::cube::quant_matmul_transposed(g, &packed).expect("an f32 matrix")
     }
 }
 

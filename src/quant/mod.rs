@@ -18,6 +18,8 @@ pub use fp8::Fp8Activations;
 pub use scheme::{QuantScheme, SchemeKind};
 pub use tensor::QuantizedTensor;
 pub mod cpu_kernel;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube;
 pub mod linear;
 
 pub use linear::QuantizedWeight;

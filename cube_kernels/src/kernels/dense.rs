@@ -206,3 +206,15 @@ pub fn gemm_transposed(
         dx[(tok0 + ty) * inn + col0 + tx] = total;
     }
 }
+
+/// `dst[i] = src[i]`, grid-stride (`stride` = units launched), the copy whose bandwidth the benchmarks
+/// report as the roofline.
+#[cube(launch)]
+pub fn copy(src: &[f32], dst: &mut [f32], len: usize, stride: usize, #[comptime] steps: usize) {
+    for s in 0..steps {
+        let id = ABSOLUTE_POS + s * stride;
+        if id < len {
+            dst[id] = src[id];
+        }
+    }
+}

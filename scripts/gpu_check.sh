@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (H200): the CubeCL kernels checked against the host reference, then timed
+# on Qwen3-30B-A3B expert shapes against burn's bf16 matmul, next to the measured copy bandwidth.
+#
+# Here first: scripts/build_gpu_bundle.sh. Then, with the device tool:
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=540)
+# Results come back under $OUT: gpu.txt, kernels_<runtime>.txt and .json.
+set -uo pipefail
+out="${OUT:-/tmp/gpu_check}"
+mkdir -p "$out"
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+[ -f "$icd" ] && export VK_DRIVER_FILES="$icd"
+export XDG_RUNTIME_DIR=/tmp/xdg && mkdir -p /tmp/xdg && chmod 700 /tmp/xdg
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
+status=0
+for rt in cuda wgpu; do
+  bin=".gpu/qarl-$rt"
+  [ -x "$bin" ] || { echo "no $bin: skipping the $rt runtime"; continue; }
+  echo "== $rt =="
+  timeout 240 "$bin" bench kernels --runtime "$rt" --check --iters 50 \
+    --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
+done
+exit $status

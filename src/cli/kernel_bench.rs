@@ -1,0 +1,352 @@
+//! `qarl bench kernels`: the CubeCL low-bit kernels on Qwen3-30B-A3B expert shapes (hidden 2048, expert
+//! intermediate 768, 128 experts, top-8), timed against burn's bf16 matmul on the same device, with the
+//! achieved GB/s and TFLOP/s next to the measured copy bandwidth and bf16 matmul rate. `--check` first
+//! compares every kernel with the host reference on these shapes (fails the command on a mismatch).
+
+use std::path::PathBuf;
+
+/// Arguments of `qarl bench kernels`.
+#[derive(Debug, clap::Args)]
+pub struct KernelBenchArgs {
+    /// CubeCL runtime: `wgpu` (Vulkan/Metal/DX12, lavapipe on a CPU) or `cuda`; each needs its cargo feature.
+    #[arg(long, default_value = "wgpu")]
+    pub runtime: String,
+    /// Weight formats.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "int4-g128,int8-pc,fp8-b128"
+    )]
+    pub formats: Vec<String>,
+    /// Token counts (decode batch sizes and prefill chunks).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256")]
+    pub tokens: Vec<usize>,
+    /// Model width.
+    #[arg(long, default_value_t = 2048)]
+    pub hidden: usize,
+    /// Expert intermediate width.
+    #[arg(long, default_value_t = 768)]
+    pub inter: usize,
+    /// Number of experts.
+    #[arg(long, default_value_t = 128)]
+    pub experts: usize,
+    /// Experts per token.
+    #[arg(long, default_value_t = 8)]
+    pub top_k: usize,
+    /// Timed iterations per row (after two warm-up runs); the table shows the mean.
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Side of the square bf16 matmul timed as the compute roofline.
+    #[arg(long, default_value_t = 4096)]
+    pub matmul_size: usize,
+    /// MiB copied to measure the bandwidth roofline.
+    #[arg(long, default_value_t = 256)]
+    pub copy_mib: usize,
+    /// Check each kernel against the host reference before timing.
+    #[arg(long)]
+    pub check: bool,
+    /// Also write the rows as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// Runs the benchmark (an error naming the cargo feature when no CubeCL runtime is compiled in).
+pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
+    #[cfg(any(feature = "wgpu", feature = "cuda"))]
+    {
+        imp::run(args)
+    }
+    #[cfg(not(any(feature = "wgpu", feature = "cuda")))]
+    {
+        anyhow::bail!(
+            "`bench kernels --runtime {}` needs a CubeCL runtime: rebuild with `cargo build --release --features wgpu` (or `cuda`)",
+            args.runtime
+        )
+    }
+}
+
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod imp {
+    use std::time::Instant;
+
+    use anyhow::{bail, Context};
+    use burn::tensor::{DType, Device, Distribution, Tensor};
+    use cube_kernels::{reference, Kernels, MatmulPath, MoeRouting, PackedWeights, WeightFormat};
+    use serde::Serialize;
+
+    use super::KernelBenchArgs;
+    use crate::io::write_json_atomic;
+
+    #[derive(Debug, Serialize)]
+    struct Row {
+        kernel: String,
+        format: String,
+        tokens: usize,
+        micros: f64,
+        gb_per_s: f64,
+        bandwidth_fraction: f64,
+        tflops: f64,
+        bf16_micros: f64,
+        speedup_over_bf16: f64,
+    }
+
+    fn devices(runtime: &str) -> anyhow::Result<(Kernels, Device)> {
+        match runtime {
+            #[cfg(feature = "wgpu")]
+            "wgpu" => Ok((
+                Kernels::wgpu()?,
+                Device::wgpu(burn::tensor::DeviceKind::DefaultDevice),
+            )),
+            #[cfg(feature = "cuda")]
+            "cuda" => Ok((Kernels::cuda(0)?, Device::cuda(0))),
+            other => bail!("runtime `{other}` is not compiled in (features: wgpu, cuda)"),
+        }
+    }
+
+    /// Mean seconds of `f` over `iters` runs after two warm-ups, `sync` closing each measurement.
+    fn time(iters: usize, mut f: impl FnMut(), sync: &dyn Fn()) -> f64 {
+        for _ in 0..2 {
+            f();
+        }
+        sync();
+        let start = Instant::now();
+        for _ in 0..iters {
+            f();
+        }
+        sync();
+        start.elapsed().as_secs_f64() / iters.max(1) as f64
+    }
+
+    /// BF16 where burn's matmul supports it on this device, else F32.
+    fn baseline_dtype(device: &Device) -> DType {
+        let probe = std::panic::catch_unwind(|| {
+            let a = Tensor::<2>::ones([16, 16], device).cast(DType::BF16);
+            let _ = a.clone().matmul(a).into_data();
+        });
+        if probe.is_ok() {
+            DType::BF16
+        } else {
+            eprintln!("burn's bf16 matmul is unavailable on this device: the baseline is f32");
+            DType::F32
+        }
+    }
+
+    fn random_routing(tokens: usize, top_k: usize, experts: usize, seed: u64) -> Vec<u32> {
+        let mut state = seed | 1;
+        let mut ids = Vec::with_capacity(tokens * top_k);
+        for _ in 0..tokens {
+            let mut chosen: Vec<u32> = Vec::with_capacity(top_k);
+            while chosen.len() < top_k.min(experts) {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let e = (state % experts as u64) as u32;
+                if !chosen.contains(&e) {
+                    chosen.push(e);
+                }
+            }
+            ids.extend(chosen);
+        }
+        ids
+    }
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        got.iter()
+            .zip(want)
+            .fold(0.0f32, |m, (g, w)| m.max((g - w).abs() / scale))
+    }
+
+    pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
+        let (k, device) = devices(&args.runtime)?;
+        let sync_k = || k.sync().expect("device sync");
+        let sync_b = || device.sync().expect("device sync");
+        let (hidden, inter) = (args.hidden, args.inter);
+        println!("device: {} ({})", k.device_name(), args.runtime);
+
+        // Rooflines: copy bandwidth (read + write) and burn's bf16 matmul rate, measured here.
+        let n_copy = args.copy_mib << 18; // f32 values
+        let src = k.upload_f32(&vec![1.0f32; n_copy]);
+        let t_copy = time(args.iters, || drop(k.copy(&src)), &sync_k);
+        let copy_gbs = 2.0 * 4.0 * n_copy as f64 / t_copy / 1e9;
+        // burn's bf16 matmul is the baseline; runtimes without bf16 (lavapipe) fall back to f32, and say so.
+        let base = baseline_dtype(&device);
+        let m = args.matmul_size;
+        let a = Tensor::<2>::random([m, m], Distribution::Default, &device).cast(base);
+        let b = Tensor::<2>::random([m, m], Distribution::Default, &device).cast(base);
+        let t_mm = time(args.iters, || drop(a.clone().matmul(b.clone())), &sync_b);
+        let bf16_tflops = 2.0 * (m as f64).powi(3) / t_mm / 1e12;
+        println!("copy bandwidth {copy_gbs:.0} GB/s; burn {base:?} matmul {m}^3 {bf16_tflops:.1} TFLOP/s");
+
+        let mut rows = Vec::new();
+        let mut failures = Vec::new();
+        for name in &args.formats {
+            let format = WeightFormat::parse(name)?;
+            // Dense: one expert's gate projection [inter, hidden], the unit a decode step streams per expert.
+            let w = PackedWeights::random(format, 1, inter, hidden, 1)?;
+            let dw = k.upload_weights(&w);
+            let wb =
+                Tensor::<2>::random([hidden, inter], Distribution::Default, &device).cast(base);
+            for &n in &args.tokens {
+                let x = values(n * hidden, n as u64);
+                let dx = k.upload_f32(&x);
+                if args.check {
+                    for path in [MatmulPath::Gemv, MatmulPath::Gemm] {
+                        let got = k.read_f32(&k.linear_with(&dx, n, &dw, path)?)?;
+                        let err = max_rel_err(&got, &reference::linear(&x, n, &w, 0));
+                        if err > 1e-5 {
+                            failures.push(format!(
+                                "{name} linear {path:?} n={n}: max rel err {err:.2e}"
+                            ));
+                        }
+                    }
+                }
+                let t = time(
+                    args.iters,
+                    || drop(k.linear(&dx, n, &dw).expect("linear")),
+                    &sync_k,
+                );
+                let xb =
+                    Tensor::<2>::random([n, hidden], Distribution::Default, &device).cast(base);
+                let tb = time(args.iters, || drop(xb.clone().matmul(wb.clone())), &sync_b);
+                let bytes = (w.bytes() + 4 * n * (hidden + inter)) as f64;
+                let flops = 2.0 * (n * hidden * inter) as f64;
+                rows.push(row("linear", name, n, t, bytes, flops, tb, copy_gbs));
+            }
+
+            // MoE layer: gate+up (SwiGLU) and down for every expert, random top-k routing.
+            let gate = PackedWeights::random(format, args.experts, inter, hidden, 2)?;
+            let up = PackedWeights::random(format, args.experts, inter, hidden, 3)?;
+            let down = PackedWeights::random(format, args.experts, hidden, inter, 4)?;
+            let (dg, du, dd) = (
+                k.upload_weights(&gate),
+                k.upload_weights(&up),
+                k.upload_weights(&down),
+            );
+            let per_expert = (gate.bytes() + up.bytes() + down.bytes()) / args.experts;
+            for &n in &args.tokens {
+                let ids = random_routing(n, args.top_k, args.experts, 7 + n as u64);
+                let routing = MoeRouting::new(&ids, n, args.top_k, args.experts)?;
+                let x = values(n * hidden, 100 + n as u64);
+                let rw: Vec<f32> = values(n * args.top_k, 200 + n as u64)
+                    .iter()
+                    .map(|v| v.abs() / 4.0)
+                    .collect();
+                let (dx, drw) = (k.upload_f32(&x), k.upload_f32(&rw));
+                if args.check && n <= 16 {
+                    let got = k.read_f32(&k.moe(&dx, &routing, &drw, &dg, &du, &dd)?)?;
+                    let want = reference::moe(&x, &routing, &ids, &rw, &gate, &up, &down);
+                    let err = max_rel_err(&got, &want);
+                    if err > 2e-5 {
+                        failures.push(format!("{name} moe n={n}: max rel err {err:.2e}"));
+                    }
+                }
+                let t = time(
+                    args.iters,
+                    || drop(k.moe(&dx, &routing, &drw, &dg, &du, &dd).expect("moe")),
+                    &sync_k,
+                );
+                let touched = routing.offsets.windows(2).filter(|w| w[1] > w[0]).count();
+                let bytes = (touched * per_expert + 4 * n * hidden * 2) as f64;
+                let a = n * args.top_k;
+                let flops = 2.0 * (a * hidden * inter * 3) as f64;
+                // bf16 baseline: the same FLOPs as two dense matmuls over all assignments (as if one expert).
+                let xa =
+                    Tensor::<2>::random([a, hidden], Distribution::Default, &device).cast(base);
+                let wgu = Tensor::<2>::random([hidden, 2 * inter], Distribution::Default, &device)
+                    .cast(base);
+                let ha = Tensor::<2>::random([a, inter], Distribution::Default, &device).cast(base);
+                let wd =
+                    Tensor::<2>::random([inter, hidden], Distribution::Default, &device).cast(base);
+                let tb = time(
+                    args.iters,
+                    || {
+                        drop(xa.clone().matmul(wgu.clone()));
+                        drop(ha.clone().matmul(wd.clone()));
+                    },
+                    &sync_b,
+                );
+                rows.push(row("moe", name, n, t, bytes, flops, tb, copy_gbs));
+            }
+        }
+        println!(
+            "{:<7} {:<10} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+            "kernel",
+            "format",
+            "tokens",
+            "time (us)",
+            "GB/s",
+            "% copy",
+            "TFLOP/s",
+            format!("{base:?} (us)"),
+            "speedup"
+        );
+        for r in &rows {
+            println!(
+                "{:<7} {:<10} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
+                r.kernel,
+                r.format,
+                r.tokens,
+                r.micros,
+                r.gb_per_s,
+                100.0 * r.bandwidth_fraction,
+                r.tflops,
+                r.bf16_micros,
+                r.speedup_over_bf16
+            );
+        }
+        println!("moe {base:?} baseline: the same FLOPs as dense matmuls over all assignments (a lower bound on a {base:?} MoE)");
+        if let Some(path) = &args.json {
+            let doc = serde_json::json!({
+                "device": k.device_name(), "runtime": args.runtime,
+                "copy_gb_per_s": copy_gbs, "baseline_dtype": format!("{base:?}"), "baseline_tflops": bf16_tflops, "rows": rows,
+                "check_failures": failures,
+            });
+            write_json_atomic(path, &doc).with_context(|| format!("writing {}", path.display()))?;
+        }
+        if !failures.is_empty() {
+            bail!("kernel check failed:\n{}", failures.join("\n"));
+        }
+        if args.check {
+            println!("check: every kernel matched the host reference");
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn row(
+        kernel: &str,
+        format: &str,
+        tokens: usize,
+        t: f64,
+        bytes: f64,
+        flops: f64,
+        tb: f64,
+        copy_gbs: f64,
+    ) -> Row {
+        let gbs = bytes / t / 1e9;
+        Row {
+            kernel: kernel.into(),
+            format: format.into(),
+            tokens,
+            micros: t * 1e6,
+            gb_per_s: gbs,
+            bandwidth_fraction: gbs / copy_gbs,
+            tflops: flops / t / 1e12,
+            bf16_micros: tb * 1e6,
+            speedup_over_bf16: tb / t,
+        }
+    }
+}

@@ -1,0 +1,120 @@
+//! The low-bit matmul on burn's CubeCL backend (wgpu, CUDA): a tensor's device buffer goes straight to
+//! [`cube_kernels`], so rollout and the training forward run the same kernel, with the same bits, on the
+//! GPU (the kernels sum in one batch-invariant order). The packed weights are uploaded once per weight
+//! version and device and cached here; the backward's `dx = g · dequant(Q(W))` uses the transposed kernel
+//! on the same upload.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::TensorMetadata;
+use burn::tensor::{DType, Shape};
+use burn_cubecl::tensor::CubeTensor;
+use burn_cubecl::CubeBackend;
+use cube_kernels::{DeviceBuffer, DeviceWeights, Kernels, PackedWeights, WeightFormat};
+
+use super::linear::PackedWeight;
+use super::QuantizedTensor;
+
+/// Kernels (client + E4M3 table) per device.
+fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<Kernels>>>> = OnceLock::new();
+    let key = format!("{:?}", t.device);
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .expect("kernel cache");
+    cache
+        .entry(key)
+        .or_insert_with(|| Arc::new(Kernels::from_client(t.client.clone())))
+        .clone()
+}
+
+type WeightCache = HashMap<(usize, String), (Weak<QuantizedTensor>, DeviceWeights)>;
+
+/// The packed weights of this version on the tensor's device, uploaded on first use. Entries whose weight
+/// version is gone are dropped on the next upload.
+fn device_weights(kernels: &Kernels, t: &CubeTensor, packed: &PackedWeight) -> DeviceWeights {
+    static CACHE: OnceLock<Mutex<WeightCache>> = OnceLock::new();
+    let key = (Arc::as_ptr(&packed.0) as usize, format!("{:?}", t.device));
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .expect("weight cache");
+    if let Some((weak, w)) = cache.get(&key) {
+        if weak.upgrade().is_some_and(|q| Arc::ptr_eq(&q, &packed.0)) {
+            return w.clone();
+        }
+    }
+    cache.retain(|_, (weak, _)| weak.strong_count() > 0);
+    let q = &packed.0;
+    let format =
+        WeightFormat::parse(q.scheme().name()).expect("every qarl scheme has a kernel format");
+    let [out, inn] = q.shape();
+    let host = PackedWeights::from_storage(format, out, inn, q.data(), q.scales())
+        .expect("a validated QuantizedTensor repacks");
+    let w = kernels.upload_weights(&host);
+    cache.insert(key, (Arc::downgrade(q), w.clone()));
+    w
+}
+
+/// A contiguous f32 view of a 2-D tensor, or `None` for another dtype (the caller falls back).
+fn contiguous_f32(t: CubeTensor) -> Option<(CubeTensor, usize, usize)> {
+    if t.dtype != DType::F32 || t.shape().num_dims() != 2 {
+        return None;
+    }
+    let t = burn_cubecl::kernel::into_contiguous(t);
+    let dims = t.shape().to_vec();
+    Some((t, dims[0], dims[1]))
+}
+
+fn wrap(like: &CubeTensor, y: DeviceBuffer, rows: usize, cols: usize) -> CubeTensor {
+    CubeTensor::new_contiguous(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::new([rows, cols]),
+        y.handle().clone(),
+        DType::F32,
+    )
+}
+
+/// `x [n, in] · dequant(Q(W))^T` on the device, or `None` when `x` is not an f32 matrix.
+pub(crate) fn quant_matmul(
+    x: FloatTensor<CubeBackend>,
+    packed: &PackedWeight,
+) -> Option<CubeTensor> {
+    let (x, n, inn) = contiguous_f32(x)?;
+    let kernels = kernels_for(&x);
+    let w = device_weights(&kernels, &x, packed);
+    assert_eq!(
+        inn,
+        w.in_features(),
+        "quant_matmul: activations have {inn} columns, weight expects {}",
+        w.in_features()
+    );
+    let xb = DeviceBuffer::from_handle(x.handle.clone(), n * inn);
+    let y = kernels.linear(&xb, n, &w).expect("shapes checked above");
+    Some(wrap(&x, y, n, w.out_features()))
+}
+
+/// `g [n, out] · dequant(Q(W))` on the device, or `None` when `g` is not an f32 matrix.
+pub(crate) fn quant_matmul_transposed(
+    g: FloatTensor<CubeBackend>,
+    packed: &PackedWeight,
+) -> Option<CubeTensor> {
+    let (g, n, out) = contiguous_f32(g)?;
+    let kernels = kernels_for(&g);
+    let w = device_weights(&kernels, &g, packed);
+    assert_eq!(
+        out,
+        w.out_features(),
+        "quant_matmul backward: gradient has {out} columns, weight has {} rows",
+        w.out_features()
+    );
+    let gb = DeviceBuffer::from_handle(g.handle.clone(), n * out);
+    let dx = kernels
+        .linear_transposed(&gb, n, &w)
+        .expect("shapes checked above");
+    Some(wrap(&g, dx, n, w.in_features()))
+}
