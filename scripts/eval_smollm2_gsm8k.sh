@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Greedy GSM8K accuracy of SmolLM2-135M-Instruct on the first N test problems, once per precision.
+# Resumable: a precision whose JSON already exists is skipped. Usage: scripts/eval_smollm2_gsm8k.sh [N] [QARL_BIN]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+n="${1:-100}"
+bin="${2:-target/release/qarl}"
+model=models/smollm2-135m-instruct
+out=experiments/results/smollm2
+[ -d "$model" ] || { echo "no $model: run scripts/fetch_smollm2.sh first"; exit 1; }
+mkdir -p "$out"
+for s in f32 int4-g128 int8-pc fp8-b128; do
+  f="$out/gsm8k_test${n}_${s}.json"
+  if [ -f "$f" ]; then echo "skip $s ($f exists)"; continue; fi
+  q=(); [ "$s" = f32 ] || q=(--quant "$s")
+  "$bin" eval --model "$model" --data gsm8k-test --limit "$n" --batch 20 "${q[@]}" --output "$f.partial" --quiet
+  mv "$f.partial" "$f"
+done
