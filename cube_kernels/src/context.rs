@@ -229,7 +229,7 @@ impl Kernels {
         if n > 0 {
             dense::dequantize::launch(
                 &self.client,
-                CubeCount::Static(n.div_ceil(256) as u32, 1, 1),
+                grid(n.div_ceil(256)),
                 CubeDim::new_1d(256),
                 w.words.arg(),
                 w.scales.arg(),
@@ -260,7 +260,7 @@ impl Kernels {
         if rows * blocks > 0 {
             fp8::quantize_activations::launch(
                 &self.client,
-                CubeCount::Static((rows * blocks).div_ceil(64) as u32, 1, 1),
+                grid((rows * blocks).div_ceil(64)),
                 CubeDim::new_1d(64),
                 x.arg(),
                 self.lut.arg(),
@@ -321,7 +321,15 @@ impl Kernels {
         };
         if gemv {
             let lanes = chunks.clamp(1, 32);
-            let rows_per_cube = (256 / lanes).min(w.out).max(1);
+            // Chunk sums of a cube's rows live in shared memory: keep them within WebGPU's 16 KiB floor.
+            if chunks > SHARED_FLOATS {
+                return Err(KernelError::Unsupported(format!(
+                    "GEMV over {} inputs (at most {})",
+                    w.inn,
+                    SHARED_FLOATS * CHUNK
+                )));
+            }
+            let rows_per_cube = (256 / lanes).min(SHARED_FLOATS / chunks).min(w.out).max(1);
             dense::gemv::launch(
                 &self.client,
                 CubeCount::Static(w.out.div_ceil(rows_per_cube) as u32, n as u32, 1),
@@ -488,7 +496,7 @@ impl Kernels {
         let position = self.upload_u32(&routing.position);
         moe_kernels::combine::launch(
             &self.client,
-            CubeCount::Static((tokens * hidden).div_ceil(256) as u32, 1, 1),
+            grid((tokens * hidden).div_ceil(256)),
             CubeDim::new_1d(256),
             y.arg(),
             position.arg(),
@@ -500,6 +508,19 @@ impl Kernels {
         );
         Ok(out)
     }
+}
+
+/// f32 values of shared memory a kernel may use: 16 KiB, the least WebGPU guarantees.
+const SHARED_FLOATS: usize = 4096;
+
+/// Most cubes along one grid axis on every runtime (WebGPU's limit).
+const MAX_GRID: usize = 65_535;
+
+/// A grid of `cubes` cubes for kernels indexed by `ABSOLUTE_POS` (linear over the whole grid), spilling into
+/// the y axis past [`MAX_GRID`].
+fn grid(cubes: usize) -> CubeCount {
+    let x = cubes.clamp(1, MAX_GRID);
+    CubeCount::Static(x as u32, cubes.div_ceil(x).max(1) as u32, 1)
 }
 
 fn nonempty_f32(values: &[f32]) -> &[f32] {

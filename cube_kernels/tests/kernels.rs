@@ -172,7 +172,7 @@ fn e4m3_encoding_matches_the_host_on_a_sweep() {
 fn gemv_and_gemm_match_the_reference_and_each_other_bitwise() {
     let Some(k) = kernels() else { return };
     for (i, format) in FORMATS.into_iter().enumerate() {
-        for (out, inn, n) in [(40, 256, 3), (33, 200, 20), (16, 75, 5)] {
+        for (out, inn, n) in [(40, 256, 3), (33, 200, 20), (16, 75, 5), (13, 20_000, 2)] {
             let w = random_weights(format, 1, out, inn, 100 + i as u64);
             let dw = k.upload_weights(&w);
             let x = Rng(5 + n as u64).values(n * inn);
@@ -352,4 +352,20 @@ fn copy_moves_every_value() {
             "len {len}"
         );
     }
+}
+
+#[test]
+fn grids_past_65535_cubes_cover_every_element() {
+    let Some(k) = kernels() else { return };
+    // 4096 x 4200 int8 weights: 67200 cubes of 256 for the dequantize kernel, so the grid spills into y.
+    let w = random_weights(WeightFormat::Int8PerRow, 1, 4096, 4200, 3);
+    let got = k
+        .read_f32(&k.dequantize(&k.upload_weights(&w)).unwrap())
+        .unwrap();
+    let want = w.dequantize(0);
+    let first_bad = got
+        .iter()
+        .zip(&want)
+        .position(|(g, w)| g.to_bits() != w.to_bits());
+    assert_eq!(first_bad, None, "dequantize mismatch");
 }
