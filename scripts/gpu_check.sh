@@ -4,22 +4,28 @@
 #
 # Here first: scripts/build_gpu_bundle.sh. Then, with the device tool:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=540)
-# Results come back under $OUT: gpu.txt, kernels_<runtime>.txt and .json.
+# Results come back under $OUT: gpu.txt, kernels_<runtime>.txt and .json. QARL_GPU_CHECK_ARGS adds
+# arguments to `qarl bench kernels` and QARL_GPU_CHECK_ITERS sets the timed iterations (a smoke test on a
+# CPU: QARL_GPU_CHECK_ITERS=2 QARL_GPU_CHECK_ARGS="--experts 8 --tokens 1,16 --matmul-size 256 --copy-mib 16").
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
+for f in .gl/*.deb; do [ -f "$f" ] && dpkg -x "$f" /; done
+command -v ldconfig >/dev/null && ldconfig
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 [ -f "$icd" ] && export VK_DRIVER_FILES="$icd"
 export XDG_RUNTIME_DIR=/tmp/xdg && mkdir -p /tmp/xdg && chmod 700 /tmp/xdg
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
+fi
+# shellcheck disable=SC2206
+extra=(${QARL_GPU_CHECK_ARGS:-})
 status=0
 for rt in cuda wgpu; do
   bin=".gpu/qarl-$rt"
   [ -x "$bin" ] || { echo "no $bin: skipping the $rt runtime"; continue; }
   echo "== $rt =="
-  timeout 240 "$bin" bench kernels --runtime "$rt" --check --iters 50 \
+  timeout 240 "$bin" bench kernels --runtime "$rt" --check --iters "${QARL_GPU_CHECK_ITERS:-50}" "${extra[@]}" \
     --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
 done
 exit $status
