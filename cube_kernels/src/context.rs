@@ -79,6 +79,13 @@ impl DeviceWeights {
     fn spr(&self) -> usize {
         self.format.scales_per_row(self.inn)
     }
+    fn expert_words(&self) -> usize {
+        self.out * self.wpr()
+    }
+    fn expert_scales(&self) -> usize {
+        let [r, c] = self.format.scale_shape(self.out, self.inn);
+        r * c
+    }
 }
 
 /// Which dense matmul kernel serves a call; both give the same bits (canonical order).
@@ -476,11 +483,8 @@ impl Kernels {
                 a.inn,
                 a.wpr(),
                 a.spr(),
-                a.format.row_words(a.inn) * a.out,
-                {
-                    let [r, c] = a.format.scale_shape(a.out, a.inn);
-                    r * c
-                },
+                a.expert_words(),
+                a.expert_scales(),
                 a.format.kernel_code(),
                 a.format.kernel_group(),
                 a.inn.div_ceil(CHUNK),
