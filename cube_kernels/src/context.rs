@@ -415,7 +415,10 @@ impl Kernels {
 
     /// The MoE block on `x [tokens, hidden]`: grouped gate+up with SwiGLU, grouped down projection, then
     /// un-permute and combine with `route_w [tokens, top_k]` (slot order). `gate`/`up` are stacks
-    /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format.
+    /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format. Three launches
+    /// (five with fp8-b128, which quantizes `x` and the SwiGLU output first) and one upload (the routing
+    /// table); the arithmetic is the contract in [`crate::kernels::moe`], which [`crate::reference::moe`]
+    /// computes on the host.
     pub fn moe(
         &self,
         x: &DeviceBuffer,
@@ -450,29 +453,24 @@ impl Kernels {
             return Ok(out);
         }
         let assignments = routing.assignments();
-        let row_index = self.upload_u32(&routing.row_index);
-        let identity: Vec<u32> = (0..assignments as u32).collect();
-        let identity = self.upload_u32(&identity);
-        let tile_expert = self.upload_u32(&routing.tile_expert);
-        let tile_start = self.upload_u32(&routing.tile_start);
-        let tile_end = self.upload_u32(&routing.tile_end);
+        // One upload of the routing table per call (tiles, gather rows, combine positions).
+        let table = self.upload_u32(&routing.table());
         let xq = self.prepare(x, tokens, gate)?;
         let h = self.empty_f32(assignments * inter);
         let grouped = |input: &DeviceBuffer,
-                       rows: &DeviceBuffer,
                        a: &DeviceWeights,
                        b: &DeviceWeights,
                        y: &DeviceBuffer,
                        swiglu: bool| {
+            // gate+up gathers token rows; down reads h in sorted order.
+            let gather = swiglu;
             moe_kernels::grouped_matmul::launch(
                 &self.client,
                 CubeCount::Static(a.out.div_ceil(TILE) as u32, routing.tiles() as u32, 1),
                 CubeDim::new_2d(TILE as u32, TILE as u32),
                 input.arg(),
-                rows.arg(),
-                tile_expert.arg(),
-                tile_start.arg(),
-                tile_end.arg(),
+                table.arg(),
+                routing.rows_at(),
                 a.words.arg(),
                 a.scales.arg(),
                 b.words.arg(),
@@ -489,21 +487,22 @@ impl Kernels {
                 a.format.kernel_group(),
                 a.inn.div_ceil(CHUNK),
                 swiglu,
+                gather,
             );
         };
         if inter > 0 {
-            grouped(&xq, &row_index, gate, up, &h, true);
+            grouped(&xq, gate, up, &h, true);
         }
         let hq = self.prepare(&h, assignments, down)?;
         let y = self.empty_f32(assignments * hidden);
-        grouped(&hq, &identity, down, down, &y, false);
-        let position = self.upload_u32(&routing.position);
+        grouped(&hq, down, down, &y, false);
         moe_kernels::combine::launch(
             &self.client,
             grid((tokens * hidden).div_ceil(256)),
             CubeDim::new_1d(256),
             y.arg(),
-            position.arg(),
+            table.arg(),
+            routing.positions_at(),
             route_w.arg(),
             out.arg(),
             tokens,

@@ -108,4 +108,27 @@ impl MoeRouting {
     pub fn tiles(&self) -> usize {
         self.tile_expert.len()
     }
+
+    /// Everything the kernels read, as one `u32` table (one upload per call): `(tile_expert, tile_start,
+    /// tile_end)` interleaved per tile from 0, then `row_index` from [`Self::rows_at`], then `position`
+    /// from [`Self::positions_at`].
+    pub fn table(&self) -> Vec<u32> {
+        let mut t = Vec::with_capacity(3 * self.tiles() + 2 * self.assignments());
+        for i in 0..self.tiles() {
+            t.extend([self.tile_expert[i], self.tile_start[i], self.tile_end[i]]);
+        }
+        t.extend_from_slice(&self.row_index);
+        t.extend_from_slice(&self.position);
+        t
+    }
+
+    /// Where `row_index` starts in [`Self::table`].
+    pub fn rows_at(&self) -> usize {
+        3 * self.tiles()
+    }
+
+    /// Where `position` starts in [`Self::table`].
+    pub fn positions_at(&self) -> usize {
+        3 * self.tiles() + self.assignments()
+    }
 }

@@ -305,6 +305,9 @@ fn routing_rejects_bad_ids_and_counts() {
         ),
         (vec![0, 2], vec![0, 1], vec![1, 4])
     );
+    // The one table the kernels read: tiles interleaved, then row_index, then position.
+    assert_eq!(r.table(), vec![0, 0, 1, 2, 1, 4, 0, 0, 1, 1, 1, 0, 2, 3]);
+    assert_eq!((r.rows_at(), r.positions_at()), (6, 10));
 }
 
 #[test]

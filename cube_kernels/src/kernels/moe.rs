@@ -4,22 +4,36 @@
 //! cube `(x, y)` computes output rows `16x..16x+16` for tile `y`, reading that tile's expert's weights at
 //! its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the staged
 //! activations and the result is `silu(gate) * up`. Empty experts have no tiles; nothing is padded.
+//!
+//! The routing bookkeeping reaches the device as one `u32` table ([`crate::moe::MoeRouting::table`]):
+//! per tile `(expert, first assignment, one past the last)` at `3 * tile`, then the token of every sorted
+//! assignment from `rows_at`, then the sorted position of every (token, slot) from `pos_at`.
+//!
+//! # Arithmetic contract (what [`crate::reference::moe`] computes, and what the model's MoE block relies on)
+//! For assignment `a` (token `t`, slot `j`, expert `e`), with `x'` = the activations as the format asks
+//! (fp8-b128: each row quantized per 128 columns, as [`crate::reference::fp8_activations`]; else `x`):
+//! 1. `g = canonical_dot(x'[t], gate_e[r])`, `u = canonical_dot(x'[t], up_e[r])` for each row `r`, in the
+//!    canonical order of [`super`] (chunks of 32, fused multiply-adds from 0.0, chunk sums left to right);
+//! 2. `h[r] = g / (1 + exp(-g)) * u` in f32, in that order of operations (`exp` is the runtime's);
+//! 3. `h' = h` fp8-quantized per 128 columns for fp8-b128, then `y_a[c] = canonical_dot(h', down_e[c])`;
+//! 4. combine: `out[t, c] = fma(w[t, k-1], y[t, k-1][c], ... fma(w[t, 0], y[t, 0][c], 0.0))`, slots in
+//!    slot order `0..top_k` (the order of the ids, not of the experts), one fused multiply-add each, no
+//!    atomics; a token's output depends only on its own row, ids and weights, never on the batch.
 
 use cubecl::prelude::*;
 
 use super::weight_at;
 
-/// `y[a, row] = sum_k x[row_index[a], k] w_e[row, k]` for every assignment `a` of tile `CUBE_POS_Y`
-/// (expert `e = tile_expert[tile]`), or `silu(gate) * up` when `swiglu` (then `words_b`/`scales_b` are
-/// the up projection).
+/// `y[a, row] = sum_k x[src(a), k] w_e[row, k]` for every assignment `a` of tile `CUBE_POS_Y` (expert
+/// `e = table[3 * tile]`), or `silu(gate) * up` when `swiglu` (then `words_b`/`scales_b` are the up
+/// projection). `src(a)` is the token `table[rows_at + a]` when `gather`, else `a` itself (the down
+/// projection reads the rows the first launch wrote, already in sorted order).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_matmul(
     x: &[f32],
-    row_index: &[u32],
-    tile_expert: &[u32],
-    tile_start: &[u32],
-    tile_end: &[u32],
+    table: &[u32],
+    rows_at: usize,
     words_a: &[u32],
     scales_a: &[f32],
     words_b: &[u32],
@@ -36,6 +50,7 @@ pub fn grouped_matmul(
     #[comptime] group: usize,
     #[comptime] chunks: usize,
     #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
 ) {
     let mut xs = Shared::<[f32]>::new_slice(512usize);
     let mut wa = Shared::<[f32]>::new_slice(512usize);
@@ -44,9 +59,9 @@ pub fn grouped_matmul(
     let ty = UNIT_POS_Y as usize;
     let unit = ty * 16 + tx;
     let tile = CUBE_POS_Y as usize;
-    let expert = tile_expert[tile] as usize;
-    let a0 = tile_start[tile] as usize;
-    let a_end = tile_end[tile] as usize;
+    let expert = table[3 * tile] as usize;
+    let a0 = table[3 * tile + 1] as usize;
+    let a_end = table[3 * tile + 2] as usize;
     let row0 = CUBE_POS_X as usize * 16;
     let woff = expert * expert_words;
     let soff = expert * expert_scales;
@@ -60,7 +75,11 @@ pub fn grouped_matmul(
             let k = k0 + e % 32;
             let mut xv = 0.0f32;
             if a0 + r < a_end && k < inn {
-                xv = x[row_index[a0 + r] as usize * inn + k];
+                let mut src = a0 + r;
+                if comptime!(gather) {
+                    src = table[rows_at + a0 + r] as usize;
+                }
+                xv = x[src * inn + k];
             }
             xs[e] = xv;
             let mut va = 0.0f32;
@@ -125,12 +144,15 @@ pub fn grouped_matmul(
     }
 }
 
-/// Un-permute and combine: `out[t, c] = sum_j route_w[t, j] * y[pos[t, j], c]` for `j = 0..top_k` in order
-/// (fused multiply-adds, no atomics, so the result does not depend on scheduling).
+/// Un-permute and combine: `out[t, c] = sum_j route_w[t, j] * y[pos(t, j), c]` for `j = 0..top_k` in slot
+/// order, `acc = fma(route_w[t, j], y[..], acc)` from `acc = 0.0` (no atomics, so the result does not
+/// depend on scheduling); `pos(t, j) = table[pos_at + t * top_k + j]`.
 #[cube(launch)]
+#[allow(clippy::too_many_arguments)]
 pub fn combine(
     y: &[f32],
-    pos: &[u32],
+    table: &[u32],
+    pos_at: usize,
     route_w: &[f32],
     out: &mut [f32],
     tokens: usize,
@@ -143,7 +165,7 @@ pub fn combine(
         let c = id % hidden;
         let mut acc = 0.0f32;
         for j in 0..top_k {
-            let a = pos[t * top_k + j] as usize;
+            let a = table[pos_at + t * top_k + j] as usize;
             acc = fma(route_w[t * top_k + j], y[a * hidden + c], acc);
         }
         out[id] = acc;
