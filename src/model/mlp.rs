@@ -8,6 +8,7 @@ use super::checkpoint::Checkpoint;
 use super::config::{ModelConfig, MoeConfig};
 use super::error::LoadError;
 use super::layers::{to_i64_vec, Linear};
+use crate::quant::moe::{forward_value_of, grouped_moe, tracks_gradients, ExpertWeights};
 
 /// `down(silu(gate(x)) * up(x))`
 #[derive(Module, Debug)]
@@ -112,8 +113,24 @@ impl MoeBlock {
 
     /// `x: [n, hidden] -> ([n, hidden], routing)`. With `replay`, the given experts are used instead of the
     /// router's own top-k (routing replay); their weights still come from this router's probabilities.
+    ///
+    /// When every expert projection is quantized (one scheme, no bias) and the backend has the grouped MoE
+    /// kernel (wgpu, CUDA), the experts run as one grouped launch chain ([`crate::quant::moe`]); under
+    /// autodiff its output is the value (the rollout's bits) and the per-expert graph gives the gradient,
+    /// which costs a second computation of the layer in the training forward. Elsewhere (the CPU,
+    /// full-precision experts) the experts run one by one ([`MoeBlock::forward_with`]).
     pub fn forward(&self, x: Tensor<2>, replay: Option<&[u32]>) -> (Tensor<2>, Routing) {
-        let [n, hidden] = x.dims();
+        self.forward_with(x, replay, ExpertPath::Auto)
+    }
+
+    /// [`MoeBlock::forward`] with the experts' path named (tests compare the grouped kernel with the loop).
+    pub fn forward_with(
+        &self,
+        x: Tensor<2>,
+        replay: Option<&[u32]>,
+        path: ExpertPath,
+    ) -> (Tensor<2>, Routing) {
+        let [n, _] = x.dims();
         let device = x.device();
         let probs = crate::model::layers::softmax_exact(self.gate.forward(x.clone()), 1);
         let (weights, chosen): (Tensor<2>, Routing) = match replay {
@@ -143,6 +160,28 @@ impl MoeBlock {
         } else {
             weights
         };
+        let grouped = match path {
+            ExpertPath::Auto => self
+                .quantized_experts()
+                .and_then(|ew| grouped_moe(x.clone(), weights.clone(), &chosen, ew)),
+            ExpertPath::PerExpert => None,
+        };
+        let out = match grouped {
+            Some(fast) if self.tracks_gradients(&x, &weights) => {
+                // Training: the grouped kernel's bits, the per-expert graph's gradient.
+                forward_value_of(self.per_expert(x, &chosen, weights), fast)
+            }
+            Some(fast) => fast,
+            None => self.per_expert(x, &chosen, weights),
+        };
+        (out, chosen)
+    }
+
+    /// The experts one by one: `out[t] += w[t, j] * expert_e(x[t])` for each expert `e` in order and its
+    /// (token, slot) pairs, through [`SwiGlu::forward`] (so through the per-linear quantized op).
+    fn per_expert(&self, x: Tensor<2>, chosen: &[u32], weights: Tensor<2>) -> Tensor<2> {
+        let [n, hidden] = x.dims();
+        let device = x.device();
         let flat_weights = weights.reshape([n * self.top_k]);
 
         // Group (token, slot) pairs by expert on the host; each expert runs once on its tokens.
@@ -166,8 +205,46 @@ impl MoeBlock {
             let w = flat_weights.clone().select(0, slot).reshape([m, 1]);
             out = out.select_assign(0, tok, y * w, IndexingUpdateOp::Add);
         }
-        (out, chosen)
+        out
     }
+
+    /// Every expert's packed gate/up/down weights, when all are quantized with one scheme and none has a
+    /// bias (what the grouped kernel computes); `None` otherwise.
+    fn quantized_experts(&self) -> Option<ExpertWeights> {
+        let packed = |l: &Linear| match (&l.quant, &l.bias) {
+            (Some(q), None) => Some(q.packed.clone()),
+            _ => None,
+        };
+        let collect = |f: fn(&SwiGlu) -> &Linear| -> Option<Vec<_>> {
+            self.experts.iter().map(|e| packed(f(e))).collect()
+        };
+        ExpertWeights::new(
+            collect(|e| &e.gate_proj)?,
+            collect(|e| &e.up_proj)?,
+            collect(|e| &e.down_proj)?,
+        )
+    }
+
+    /// Whether a gradient will flow through this layer's experts: the input, the routing weights or any
+    /// expert's master weight is tracked.
+    fn tracks_gradients(&self, x: &Tensor<2>, weights: &Tensor<2>) -> bool {
+        tracks_gradients(x)
+            || tracks_gradients(weights)
+            || self.experts.iter().any(|e| {
+                [&e.gate_proj, &e.up_proj, &e.down_proj]
+                    .iter()
+                    .any(|l| tracks_gradients(&l.weight.val()))
+            })
+    }
+}
+
+/// Which path [`MoeBlock::forward_with`] runs the routed experts on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertPath {
+    /// The grouped MoE kernel when the backend has one and every expert is quantized, else the loop.
+    Auto,
+    /// One expert at a time (the CPU path; the reference the grouped kernel is tested against).
+    PerExpert,
 }
 
 /// The feed-forward block of one decoder layer.

@@ -2,7 +2,8 @@
 //! [`cube_kernels`], so rollout and the training forward run the same kernel, with the same bits, on the
 //! GPU (the kernels sum in one batch-invariant order). The packed weights are uploaded once per weight
 //! version and device and cached here; the backward's `dx = g · dequant(Q(W))` uses the transposed kernel
-//! on the same upload.
+//! on the same upload. The MoE layer's experts are uploaded once more, stacked per projection, for the grouped
+//! MoE kernel ([`grouped_moe`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -12,9 +13,10 @@ use burn::backend::TensorMetadata;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
-use cube_kernels::{DeviceBuffer, DeviceWeights, Kernels, PackedWeights, WeightFormat};
+use cube_kernels::{DeviceBuffer, DeviceWeights, Kernels, MoeRouting, PackedWeights, WeightFormat};
 
 use super::linear::PackedWeight;
+use super::moe::ExpertWeights;
 use super::QuantizedTensor;
 
 /// Kernels (client + E4M3 table) per device.
@@ -56,6 +58,66 @@ fn device_weights(kernels: &Kernels, t: &CubeTensor, packed: &PackedWeight) -> D
         .expect("a validated QuantizedTensor repacks");
     let w = kernels.upload_weights(&host);
     cache.insert(key, (Arc::downgrade(q), w.clone()));
+    w
+}
+
+type ExpertCache = HashMap<(Vec<usize>, String), (Vec<Weak<QuantizedTensor>>, [DeviceWeights; 3])>;
+
+/// The experts' gate, up and down weights stacked (expert-major, one buffer per projection) on the tensor's
+/// device, uploaded on first use for this set of weight versions; entries with a dead version are dropped
+/// on the next upload.
+fn device_experts(
+    kernels: &Kernels,
+    t: &CubeTensor,
+    experts: &ExpertWeights,
+) -> [DeviceWeights; 3] {
+    static CACHE: OnceLock<Mutex<ExpertCache>> = OnceLock::new();
+    let all: Vec<&Arc<QuantizedTensor>> = experts
+        .gate
+        .iter()
+        .chain(&experts.up)
+        .chain(&experts.down)
+        .map(|p| &p.0)
+        .collect();
+    let key = (
+        all.iter()
+            .map(|q| Arc::as_ptr(q) as usize)
+            .collect::<Vec<_>>(),
+        format!("{:?}", t.device),
+    );
+    let mut cache = CACHE
+        .get_or_init(Default::default)
+        .lock()
+        .expect("expert weight cache");
+    if let Some((weak, w)) = cache.get(&key) {
+        let same = weak
+            .iter()
+            .zip(&all)
+            .all(|(w, q)| w.upgrade().is_some_and(|u| Arc::ptr_eq(&u, q)));
+        if same {
+            return w.clone();
+        }
+    }
+    cache.retain(|_, (weak, _)| weak.iter().all(|w| w.strong_count() > 0));
+    let stack = |ws: &[PackedWeight]| {
+        let q = &ws[0].0;
+        let format =
+            WeightFormat::parse(q.scheme().name()).expect("every qarl scheme has a kernel format");
+        let [out, inn] = q.shape();
+        let parts: Vec<(&[u8], &[f32])> = ws.iter().map(|p| (p.0.data(), p.0.scales())).collect();
+        let host = PackedWeights::stack(format, out, inn, &parts)
+            .expect("validated experts of one scheme and shape stack");
+        kernels.upload_weights(&host)
+    };
+    let w = [
+        stack(&experts.gate),
+        stack(&experts.up),
+        stack(&experts.down),
+    ];
+    cache.insert(
+        key,
+        (all.iter().map(|q| Arc::downgrade(q)).collect(), w.clone()),
+    );
     w
 }
 
@@ -117,4 +179,35 @@ pub(crate) fn quant_matmul_transposed(
         .linear_transposed(&gb, n, &w)
         .expect("shapes checked above");
     Some(wrap(&g, dx, n, w.in_features()))
+}
+
+/// The grouped MoE kernel on `x [n, hidden]` with `route_w [n, top_k]` and `ids[t * top_k + j]`, or `None`
+/// when `x` or `route_w` is not an f32 matrix (the caller runs the per-expert loop).
+pub(crate) fn grouped_moe(
+    x: FloatTensor<CubeBackend>,
+    route_w: FloatTensor<CubeBackend>,
+    ids: &[u32],
+    experts: &ExpertWeights,
+) -> Option<CubeTensor> {
+    let (x, n, hidden) = contiguous_f32(x)?;
+    let (route_w, rows, top_k) = contiguous_f32(route_w)?;
+    assert_eq!(
+        rows, n,
+        "grouped_moe: {rows} rows of routing weights for {n} tokens"
+    );
+    assert_eq!(
+        hidden,
+        experts.dims()[0],
+        "grouped_moe: activations have {hidden} columns, experts expect {}",
+        experts.dims()[0]
+    );
+    let routing = MoeRouting::new(ids, n, top_k, experts.len()).expect("valid expert ids");
+    let kernels = kernels_for(&x);
+    let [gate, up, down] = device_experts(&kernels, &x, experts);
+    let xb = DeviceBuffer::from_handle(x.handle.clone(), n * hidden);
+    let wb = DeviceBuffer::from_handle(route_w.handle.clone(), n * top_k);
+    let y = kernels
+        .moe(&xb, &routing, &wb, &gate, &up, &down)
+        .expect("shapes checked above");
+    Some(wrap(&x, y, n, hidden))
 }

@@ -14,10 +14,11 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::Autodiff;
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{backend_extension, Backend, Dispatch, Flex, TensorMetadata};
+use burn::backend::{backend_extension, AutodiffBackend, Backend, Dispatch, Flex, TensorMetadata};
 use burn::tensor::{Tensor, TensorData};
 
 use super::cpu_kernel::KernelWeights;
+use super::moe::ExpertWeights;
 use super::{QuantError, QuantScheme, QuantizedTensor};
 use crate::model::layers::{tensor_from_vec, to_f32_vec};
 
@@ -134,6 +135,34 @@ pub trait QuantMatmulBackend: Backend {
         w_transposed: bool,
     ) -> FloatTensor<Self> {
         plain_matmul::<Self>(x, w, w_transposed)
+    }
+
+    /// The routed experts of one MoE layer in one grouped launch chain ([`super::moe`]): `x [n, hidden]`,
+    /// `route_w [n, top_k]` (the chosen experts' weights, slot order), `ids[t * top_k + j]` the expert of
+    /// token `t`'s slot `j` -> `[n, hidden]`, with the arithmetic of the `cube_kernels` MoE contract (fp8
+    /// activations for fp8-b128, canonical sums, SwiGLU, combine in slot order with fused multiply-adds).
+    /// `None` (the default: the CPU and any backend without the kernel) means "run the per-expert loop";
+    /// the autodiff backend returns its inner backend's result without a gradient.
+    fn grouped_moe(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: Vec<u32>,
+        experts: ExpertWeights,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (x, route_w, ids, experts);
+        None
+    }
+
+    /// `value` unchanged (same bits), with the gradient routed to `graph` as is (none to `value`).
+    fn forward_value_of(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        let _ = graph;
+        value
+    }
+
+    /// Whether `x` is part of a recorded autodiff graph; `false` on inference backends.
+    fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
+        let _ = x;
+        false
     }
 }
 
@@ -327,6 +356,31 @@ impl QuantMatmulBackend for burn_cubecl::CubeBackend {
         }
         super::cube::quant_matmul_transposed(g, &packed).expect("an f32 matrix")
     }
+
+    fn grouped_moe(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: Vec<u32>,
+        experts: ExpertWeights,
+    ) -> Option<FloatTensor<Self>> {
+        super::cube::grouped_moe(x, route_w, &ids, &experts)
+    }
+}
+
+/// The backward of [`QuantMatmulBackend::forward_value_of`]: the gradient goes to `graph` unchanged.
+#[derive(Debug)]
+struct ForwardValueOfBackward;
+
+impl<B: Backend> Backward<B, 1> for ForwardValueOfBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_graph] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_graph {
+            grads.register::<B>(node.id, g);
+        }
+    }
 }
 
 impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend for Autodiff<B, C> {
@@ -365,6 +419,42 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
             }
             OpsKind::UnTracked(prep) => prep.finish(B::aligned_softmax(x.into_primitive(), dim)),
         }
+    }
+
+    fn grouped_moe(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: Vec<u32>,
+        experts: ExpertWeights,
+    ) -> Option<FloatTensor<Self>> {
+        // A constant of the graph: the caller pairs it with the per-expert graph (`forward_value_of`).
+        B::grouped_moe(x.into_primitive(), route_w.into_primitive(), ids, experts)
+            .map(<Self as AutodiffBackend>::from_inner)
+    }
+
+    fn forward_value_of(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        let value = value.into_primitive();
+        match ForwardValueOfBackward
+            .prepare::<C>([graph.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
+
+    fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
+        // Preparing an op registers nothing until it is finished; it only reads the parents' requirement.
+        matches!(
+            <ForwardValueOfBackward as Backward<B, 1>>::prepare::<C>(
+                ForwardValueOfBackward,
+                [x.node()]
+            )
+            .compute_bound()
+            .stateful(),
+            OpsKind::Tracked(_)
+        )
     }
 
     fn quant_matmul(

@@ -21,6 +21,7 @@ pub mod cpu_kernel;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
 pub mod linear;
+pub mod moe;
 
 pub use linear::QuantizedWeight;
 pub mod select;
