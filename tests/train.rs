@@ -121,6 +121,24 @@ fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
     }
     assert!(rows.iter().any(|r| r["phase"] == "sft"));
     assert!(rows.iter().filter(|r| r["phase"] == "eval").count() >= 2);
+    // The before/after comparison is paired over the same held-out problems, and agrees with the
+    // accuracies it pairs and with the per-problem outcomes in the log.
+    let p = s
+        .paired
+        .as_ref()
+        .expect("a finished run pairs its evaluations");
+    assert_eq!(p.problems, cfg.eval.problems);
+    assert_eq!(Some(p.before), s.accuracy_before);
+    assert_eq!(Some(p.after), s.accuracy_after);
+    assert!((p.diff() - (p.fixed as f64 - p.broken as f64) / p.problems as f64).abs() < 1e-12);
+    let last_eval = rows.iter().rfind(|r| r["phase"] == "eval").unwrap();
+    let key = format!("eval/{}/greedy_correct", cfg.rollout.precision);
+    let outcomes = qarl::train::paired::decode(last_eval[&key].as_str().unwrap()).unwrap();
+    assert_eq!(outcomes.len(), cfg.eval.problems);
+    assert_eq!(
+        outcomes.iter().filter(|&&c| c).count() as f64 / p.problems as f64,
+        p.after
+    );
     // The warm-started model is an HF directory every command loads, with its tokenizer.
     assert!(cfg.model.dir.join("tokenizer.json").is_file());
     Decoder::load(&cfg.model.dir, &Device::flex()).unwrap();
@@ -146,7 +164,13 @@ fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
     // Resume with more steps: continues at step 2, earlier metrics kept.
     let mut more = cfg.clone();
     more.train.steps = 3;
-    train::run(&more, true, true).unwrap();
+    let resumed = train::run(&more, true, true).unwrap();
+    // The resumed run did not re-evaluate before RL; it pairs with the evaluation recorded in the log.
+    assert_eq!(resumed.accuracy_before, s.accuracy_before);
+    let rp = resumed
+        .paired
+        .expect("a resumed run still pairs with the step-0 evaluation");
+    assert_eq!(rp.before, p.before);
     let rows = metrics(&s.metrics_path);
     let steps: Vec<u64> = rows
         .iter()

@@ -67,11 +67,13 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
         Ok(png) => println!("plots:         {}", png.display()),
         Err(e) => println!("plots:         not drawn ({e:#})"),
     }
-    if let (Some(b), Some(a)) = (s.accuracy_before, s.accuracy_after) {
-        println!(
+    match (&s.paired, s.accuracy_before, s.accuracy_after) {
+        (Some(p), _, _) => println!("held-out greedy accuracy ({}): {p}", cfg.rollout.precision),
+        (None, Some(b), Some(a)) => println!(
             "held-out greedy accuracy ({}): {b:.3} before RL -> {a:.3} after RL",
             cfg.rollout.precision
-        );
+        ),
+        _ => {}
     }
     Ok(())
 }

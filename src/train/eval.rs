@@ -9,6 +9,14 @@ use crate::rollout::{generate, SamplingParams};
 use crate::tasks::verify::{score, VerifyConfig};
 use crate::tasks::Example;
 
+/// One evaluation: the metrics and which problems the greedy answer got right (for paired comparisons).
+#[derive(Debug, Clone)]
+pub struct Evaluation {
+    pub metrics: BTreeMap<String, f64>,
+    /// Greedy outcome per example, in `examples` order.
+    pub greedy_correct: Vec<bool>,
+}
+
 /// Accuracy of `model` (plain device) on `examples` with its weights in `precision`.
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate(
@@ -20,7 +28,7 @@ pub fn evaluate(
     cfg: &EvalConfig,
     verify: &VerifyConfig,
     seed: u64,
-) -> anyhow::Result<BTreeMap<String, f64>> {
+) -> anyhow::Result<Evaluation> {
     let mut m = model.clone();
     match precision.0 {
         Some(s) => {
@@ -33,7 +41,8 @@ pub fn evaluate(
         .iter()
         .map(|e| tok.encode(&e.prompt))
         .collect::<anyhow::Result<_>>()?;
-    let accuracy = |samples: usize, temperature: f32| -> anyhow::Result<(f64, f64)> {
+    // Per sample: correct or not; and the mean response length.
+    let accuracy = |samples: usize, temperature: f32| -> anyhow::Result<(Vec<bool>, f64)> {
         let p = SamplingParams {
             temperature,
             max_new_tokens: cfg.max_new_tokens,
@@ -42,24 +51,28 @@ pub fn evaluate(
             ..SamplingParams::default()
         };
         let out = generate(&m, &prompts, samples, &p, Some(tok));
-        let (mut correct, mut len) = (0usize, 0usize);
+        let mut correct = Vec::with_capacity(out.ids.len());
+        let mut len = 0usize;
         for r in 0..out.ids.len() {
             let resp = out.response(r);
             len += resp.len();
             let text = tok.decode(resp.strip_suffix(&[eos]).unwrap_or(resp))?;
-            correct += usize::from(score(&text, &examples[r / samples].answer, verify).correct);
+            correct.push(score(&text, &examples[r / samples].answer, verify).correct);
         }
-        let n = out.ids.len().max(1) as f64;
-        Ok((correct as f64 / n, len as f64 / n))
+        Ok((correct, len as f64 / out.ids.len().max(1) as f64))
     };
+    let mean = |v: &[bool]| v.iter().filter(|&&c| c).count() as f64 / v.len().max(1) as f64;
     let tag = precision.to_string();
     let mut metrics = BTreeMap::new();
-    let (greedy, len) = accuracy(1, 0.0)?;
-    metrics.insert(format!("eval/{tag}/pass@1_greedy"), greedy);
+    let (greedy_correct, len) = accuracy(1, 0.0)?;
+    metrics.insert(format!("eval/{tag}/pass@1_greedy"), mean(&greedy_correct));
     metrics.insert(format!("eval/{tag}/response_length"), len);
     if cfg.k > 0 {
-        let (mean, _) = accuracy(cfg.k, cfg.temperature)?;
-        metrics.insert(format!("eval/{tag}/mean@{}", cfg.k), mean);
+        let (sampled, _) = accuracy(cfg.k, cfg.temperature)?;
+        metrics.insert(format!("eval/{tag}/mean@{}", cfg.k), mean(&sampled));
     }
-    Ok(metrics)
+    Ok(Evaluation {
+        metrics,
+        greedy_correct,
+    })
 }

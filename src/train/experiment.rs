@@ -129,7 +129,18 @@ pub fn run_experiment(path: &Path, quiet: bool) -> anyhow::Result<PathBuf> {
             let s = super::run(&cfg, resume, quiet)?;
             crate::io::write_json_atomic(
                 &marker(&run_dir),
-                &serde_json::json!({"accuracy_after": s.accuracy_after, "accuracy_before": s.accuracy_before}),
+                &serde_json::json!({
+                    "accuracy_after": s.accuracy_after,
+                    "accuracy_before": s.accuracy_before,
+                    "paired": s.paired.as_ref().map(|p| serde_json::json!({
+                        "problems": p.problems,
+                        "fixed": p.fixed,
+                        "broken": p.broken,
+                        "diff": p.diff(),
+                        "diff_se": p.diff_se,
+                        "p_value": p.p_value,
+                    })),
+                }),
             )?;
         }
     }
@@ -163,10 +174,12 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
     let mut md = String::new();
     writeln!(md, "# {}\n", exp.name)?;
     writeln!(md, "Seeds: {:?}. Mean ± sample std over finished seeds. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (T = 1), before and at the end of RL, in the rollout precision; the mismatch and stability columns average the RL steps.\n", exp.seeds)?;
-    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | mean@k before RL | mean@k (rollout prec.) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
-    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|")?;
+    writeln!(md, "RL gain: greedy accuracy after minus before RL in the rollout precision, paired problem by problem and pooled over seeds, ± its standard error, with McNemar's exact p-value (see `train::paired`).\n")?;
+    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | RL gain, paired (p) | acc (f32) | mean@k before RL | mean@k (rollout prec.) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
     for v in &exp.variants {
         let mut cols: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+        let (mut pooled_before, mut pooled_after) = (Vec::new(), Vec::new());
         let mut done = 0;
         for &seed in &exp.seeds {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
@@ -188,6 +201,19 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
             let evals: Vec<&serde_json::Value> =
                 rows.iter().filter(|r| r["phase"] == "eval").collect();
             if let (Some(first), Some(last)) = (evals.first(), evals.last()) {
+                let outcomes = |e: &serde_json::Value| {
+                    let o = e.as_object()?;
+                    o.iter()
+                        .filter(|(k, _)| k.ends_with("/greedy_correct"))
+                        .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
+                        .and_then(|(_, v)| super::paired::decode(v.as_str()?))
+                };
+                if let (Some(b), Some(a)) = (outcomes(first), outcomes(last)) {
+                    if b.len() == a.len() && evals.len() > 1 {
+                        pooled_before.extend(b);
+                        pooled_after.extend(a);
+                    }
+                }
                 for (col, e, suffix, quantized) in [
                     ("acc0_roll", first, "/pass@1_greedy", true),
                     ("acc_roll", last, "/pass@1_greedy", true),
@@ -239,13 +265,18 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
                 _ => "-".into(),
             }
         };
+        let gain = super::paired::PairedComparison::new(&pooled_before, &pooled_after)
+            .map_or("-".into(), |p| {
+                format!("{:+.3} ± {:.3} (p {:.1e})", p.diff(), p.diff_se, p.p_value)
+            });
         writeln!(
             md,
-            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             v.name,
             exp.seeds.len(),
             f("acc0_roll", 3),
             f("acc_roll", 3),
+            gain,
             f("acc_f32", 3),
             f("meank0_roll", 3),
             f("meank_roll", 3),

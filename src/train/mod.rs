@@ -6,6 +6,7 @@ pub mod config;
 pub mod eval;
 pub mod experiment;
 pub mod metrics;
+pub mod paired;
 pub mod plot;
 pub mod progress;
 pub mod rl;
@@ -32,6 +33,9 @@ pub struct RunSummary {
     pub metrics_path: PathBuf,
     pub accuracy_before: Option<f64>,
     pub accuracy_after: Option<f64>,
+    /// Greedy accuracy before vs after RL in the rollout precision, problem by problem (`None` when the
+    /// run stopped early or the evaluation before RL is not in the metrics log).
+    pub paired: Option<paired::PairedComparison>,
 }
 
 fn eos_id(tok: &Tokenizer, model: &Decoder) -> anyhow::Result<u32> {
@@ -223,38 +227,45 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let start = state.next_step;
     rl::set_rollout_precision(&mut model, cfg)?;
 
-    let evaluate = |model: &Decoder, step: usize, log: &mut MetricsLog| -> anyhow::Result<f64> {
-        let spinner = progress::spinner(&format!("eval at step {step}"), quiet);
-        let plain = model.valid();
-        let mut row = serde_json::json!({"phase": "eval", "step": step});
-        let mut rollout_acc = 0.0;
-        let mut precisions = vec![cfg.rollout.precision];
-        if cfg.rollout.precision.0.is_some() {
-            precisions.push(config::Precision(None));
-        }
-        for p in precisions {
-            spinner.set_message(format!("{p}"));
-            let m = eval::evaluate(
-                &plain,
-                p,
-                &tok,
-                &eval_set,
-                eos,
-                &cfg.eval,
-                &cfg.verify,
-                cfg.seed,
-            )?;
-            if p == cfg.rollout.precision {
-                rollout_acc = m[&format!("eval/{p}/pass@1_greedy")];
+    // Returns the greedy accuracy in the rollout precision and its per-problem outcomes.
+    let evaluate =
+        |model: &Decoder, step: usize, log: &mut MetricsLog| -> anyhow::Result<(f64, Vec<bool>)> {
+            let spinner = progress::spinner(&format!("eval at step {step}"), quiet);
+            let plain = model.valid();
+            let mut row = serde_json::json!({"phase": "eval", "step": step});
+            let mut rollout_acc = (0.0, Vec::new());
+            let mut precisions = vec![cfg.rollout.precision];
+            if cfg.rollout.precision.0.is_some() {
+                precisions.push(config::Precision(None));
             }
-            for (k, v) in m {
-                row[k] = serde_json::json!(v);
+            for p in precisions {
+                spinner.set_message(format!("{p}"));
+                let m = eval::evaluate(
+                    &plain,
+                    p,
+                    &tok,
+                    &eval_set,
+                    eos,
+                    &cfg.eval,
+                    &cfg.verify,
+                    cfg.seed,
+                )?;
+                row[format!("eval/{p}/greedy_correct")] =
+                    serde_json::json!(paired::encode(&m.greedy_correct));
+                if p == cfg.rollout.precision {
+                    rollout_acc = (
+                        m.metrics[&format!("eval/{p}/pass@1_greedy")],
+                        m.greedy_correct,
+                    );
+                }
+                for (k, v) in m.metrics {
+                    row[k] = serde_json::json!(v);
+                }
             }
-        }
-        spinner.finish_and_clear();
-        log.write(&row)?;
-        Ok(rollout_acc)
-    };
+            spinner.finish_and_clear();
+            log.write(&row)?;
+            Ok(rollout_acc)
+        };
     let save = |model: &Decoder,
                 optim: &burn::optim::ModuleOptimizer,
                 state: &checkpoint::TrainerState|
@@ -273,7 +284,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let before = if start == 0 {
         Some(evaluate(&model, 0, &mut log)?)
     } else {
-        None
+        before_rl_outcomes(log.path(), cfg.rollout.precision)
     };
     let bar = progress::progress_bar((tc.steps.saturating_sub(start)) as u64, "rl", quiet);
     for step in start..tc.steps {
@@ -348,8 +359,9 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             return Ok(RunSummary {
                 run_dir: cfg.run_dir.clone(),
                 metrics_path,
-                accuracy_before: before,
+                accuracy_before: before.map(|b| b.0),
                 accuracy_after: None,
+                paired: None,
             });
         }
     }
@@ -360,12 +372,29 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     if tc.steps > 0 && start < tc.steps && !just_saved {
         save(&model, &optim, &state)?;
     }
+    let paired = before
+        .as_ref()
+        .and_then(|b| paired::PairedComparison::new(&b.1, &after.1));
     Ok(RunSummary {
         run_dir: cfg.run_dir.clone(),
         metrics_path,
-        accuracy_before: before,
-        accuracy_after: Some(after),
+        accuracy_before: before.map(|b| b.0),
+        accuracy_after: Some(after.0),
+        paired,
     })
+}
+
+/// The evaluation before RL as the metrics log recorded it (a resumed run did not redo it): greedy
+/// accuracy in `precision` and the per-problem outcomes.
+fn before_rl_outcomes(metrics: &Path, precision: config::Precision) -> Option<(f64, Vec<bool>)> {
+    let text = std::fs::read_to_string(metrics).ok()?;
+    let row = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|r| r["phase"] == "eval" && r["step"].as_u64() == Some(0))?;
+    let acc = row[format!("eval/{precision}/pass@1_greedy")].as_f64()?;
+    let outcomes = paired::decode(row[format!("eval/{precision}/greedy_correct")].as_str()?)?;
+    Some((acc, outcomes))
 }
 
 /// Reads a config file, or the embedded default when `path` is `None`, then applies `overrides`
