@@ -1,19 +1,37 @@
 //! Host-side launchers: a [`Kernels`] value holds a runtime client and the E4M3 table, uploads weights
 //! once ([`DeviceWeights`]) and launches the kernels on device buffers ([`DeviceBuffer`]).
+//!
+//! A buffer of activations carries its element type ([`ActDType`]: f32, f16, bf16); the matmuls read
+//! activations of that type and write their result in the same type, under the precision contract of
+//! [`crate::kernels`] (f32 sums, one rounding on store). [`Kernels::supports`] says which types the
+//! device has; a launch on another is [`KernelError::Unsupported`].
 
+use cubecl::features::TypeUsage;
 use cubecl::prelude::*;
 use cubecl::server::Handle;
 
+use crate::dtype::ActDType;
 use crate::error::KernelError;
 use crate::format::{e4m3_table, PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::{dense, fp8, moe as moe_kernels, CHUNK, TILE};
 use crate::moe::MoeRouting;
 
-/// f32 or u32 values on the device, with their element count.
+/// Values on the device with their element count and type: activations (f32, f16, bf16) or 32-bit words
+/// (u32 buffers report [`ActDType::F32`], their element size).
 #[derive(Clone)]
 pub struct DeviceBuffer {
     handle: Handle,
     len: usize,
+    dtype: ActDType,
+}
+
+impl std::fmt::Debug for DeviceBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceBuffer")
+            .field("len", &self.len)
+            .field("dtype", &self.dtype)
+            .finish_non_exhaustive()
+    }
 }
 
 impl DeviceBuffer {
@@ -25,10 +43,19 @@ impl DeviceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// The element type.
+    pub fn dtype(&self) -> ActDType {
+        self.dtype
+    }
     /// Wraps `len` values already on the device (a burn tensor's buffer, say); the caller vouches that
     /// the handle holds at least `len` contiguous 32-bit values.
     pub fn from_handle(handle: Handle, len: usize) -> Self {
-        DeviceBuffer { handle, len }
+        Self::from_handle_typed(handle, len, ActDType::F32)
+    }
+    /// Wraps `len` values of type `dtype` already on the device; the caller vouches that the handle holds
+    /// at least `len` contiguous values of that type.
+    pub fn from_handle_typed(handle: Handle, len: usize, dtype: ActDType) -> Self {
+        DeviceBuffer { handle, len, dtype }
     }
     /// The runtime handle, for callers that hand it to other kernels.
     pub fn handle(&self) -> &Handle {
@@ -121,6 +148,7 @@ impl Kernels {
         let lut = DeviceBuffer {
             handle: client.create_from_slice(f32::as_bytes(&table)),
             len: table.len(),
+            dtype: ActDType::F32,
         };
         Kernels { client, lut }
     }
@@ -151,6 +179,28 @@ impl Kernels {
         &self.client
     }
 
+    /// Whether the device can hold and convert activations of `dtype` (f32 always; f16 and bf16 as the
+    /// runtime reports them: buffers of the type and conversions to and from f32 are all the kernels need).
+    pub fn supports(&self, dtype: ActDType) -> bool {
+        dtype == ActDType::F32
+            || self
+                .client
+                .properties()
+                .type_usage(dtype.elem())
+                .is_superset(TypeUsage::Buffer | TypeUsage::Conversion)
+    }
+
+    fn check_dtype(&self, dtype: ActDType) -> Result<(), KernelError> {
+        if self.supports(dtype) {
+            Ok(())
+        } else {
+            Err(KernelError::Unsupported(format!(
+                "{dtype} activations on {} (the runtime reports no {dtype} buffers or conversions)",
+                self.device_name()
+            )))
+        }
+    }
+
     /// Uploads f32 values.
     pub fn upload_f32(&self, values: &[f32]) -> DeviceBuffer {
         DeviceBuffer {
@@ -158,7 +208,21 @@ impl Kernels {
                 .client
                 .create_from_slice(f32::as_bytes(nonempty_f32(values))),
             len: values.len(),
+            dtype: ActDType::F32,
         }
+    }
+
+    /// Uploads `values` as activations of `dtype`, each rounded to it on the host ([`ActDType::round`]).
+    pub fn upload(&self, values: &[f32], dtype: ActDType) -> Result<DeviceBuffer, KernelError> {
+        self.check_dtype(dtype)?;
+        let mut bytes = dtype.encode(values);
+        // Whole 32-bit words, at least one: a 16-bit buffer of odd length is padded.
+        bytes.resize(bytes.len().next_multiple_of(4).max(4), 0);
+        Ok(DeviceBuffer {
+            handle: self.client.create_from_slice(&bytes),
+            len: values.len(),
+            dtype,
+        })
     }
 
     /// Uploads u32 values.
@@ -167,10 +231,12 @@ impl Kernels {
         DeviceBuffer {
             handle: self.client.create_from_slice(u32::as_bytes(values)),
             len: values.len(),
+            dtype: ActDType::F32,
         }
     }
 
-    /// Reads f32 values back (waits for the kernels that write them).
+    /// Reads values back as f32 (waits for the kernels that write them); f16 and bf16 buffers are widened
+    /// exactly.
     pub fn read_f32(&self, buffer: &DeviceBuffer) -> Result<Vec<f32>, KernelError> {
         if buffer.len == 0 {
             return Ok(Vec::new());
@@ -179,7 +245,7 @@ impl Kernels {
             .client
             .read_one(buffer.handle.clone())
             .map_err(|e| KernelError::Device(format!("{e:?}")))?;
-        Ok(f32::from_bytes(&bytes)[..buffer.len].to_vec())
+        Ok(buffer.dtype.decode(&bytes, buffer.len))
     }
 
     /// Waits until every launched kernel has finished (for timing).
@@ -202,14 +268,22 @@ impl Kernels {
     }
 
     fn empty_f32(&self, len: usize) -> DeviceBuffer {
+        self.empty(len, ActDType::F32)
+    }
+
+    fn empty(&self, len: usize, dtype: ActDType) -> DeviceBuffer {
+        let bytes = (dtype.size() * len).next_multiple_of(4).max(4);
         DeviceBuffer {
-            handle: self.client.empty(4 * len.max(1)),
+            handle: self.client.empty(bytes),
             len,
+            dtype,
         }
     }
 
-    /// A device-to-device copy of `src` (what the benchmarks time as the bandwidth roofline).
+    /// A device-to-device copy of the f32 buffer `src` (what the benchmarks time as the bandwidth
+    /// roofline).
     pub fn copy(&self, src: &DeviceBuffer) -> DeviceBuffer {
+        assert_eq!(src.dtype, ActDType::F32, "copy moves f32 buffers");
         let dst = self.empty_f32(src.len);
         if src.len > 0 {
             let cubes = src.len.div_ceil(256).min(8192);
@@ -253,7 +327,8 @@ impl Kernels {
         Ok(out)
     }
 
-    /// fp8 activations `[rows, cols]`: (dequantized values, scales `[rows, ceil(cols/128)]`).
+    /// fp8 activations `[rows, cols]` (of any supported type): (dequantized values, scales
+    /// `[rows, ceil(cols/128)]`), both f32.
     pub fn fp8_activations(
         &self,
         x: &DeviceBuffer,
@@ -261,6 +336,7 @@ impl Kernels {
         cols: usize,
     ) -> Result<(DeviceBuffer, DeviceBuffer), KernelError> {
         expect_len("activations", x, rows * cols)?;
+        self.check_dtype(x.dtype)?;
         let blocks = cols.div_ceil(FP8_BLOCK);
         let values = self.empty_f32(rows * cols);
         let scales = self.empty_f32(rows * blocks);
@@ -276,6 +352,7 @@ impl Kernels {
                 rows,
                 cols,
                 blocks,
+                x.dtype.elem(),
             );
         }
         Ok((values, scales))
@@ -294,7 +371,8 @@ impl Kernels {
         }
     }
 
-    /// `y[n, out] = x[n, inn] · dequant(W)^T` (fp8: activations quantized first), kernel chosen by `n`.
+    /// `y[n, out] = x[n, inn] · dequant(W)^T` (fp8: activations quantized first), kernel chosen by `n`;
+    /// `y` has `x`'s element type.
     pub fn linear(
         &self,
         x: &DeviceBuffer,
@@ -314,11 +392,13 @@ impl Kernels {
     ) -> Result<DeviceBuffer, KernelError> {
         dense_only(w)?;
         expect_len("activations", x, n * w.inn)?;
-        let y = self.empty_f32(n * w.out);
+        self.check_dtype(x.dtype)?;
+        let y = self.empty(n * w.out, x.dtype);
         if n == 0 || w.out == 0 {
             return Ok(y);
         }
         let x = self.prepare(x, n, w)?;
+        let dtypes = [x.dtype.elem(), y.dtype.elem()];
         let chunks = w.inn.div_ceil(CHUNK);
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
         let gemv = match path {
@@ -355,6 +435,7 @@ impl Kernels {
                 lanes,
                 rows_per_cube,
                 chunks.max(1),
+                dtypes,
             );
         } else {
             dense::gemm::launch(
@@ -374,12 +455,13 @@ impl Kernels {
                 fmt,
                 group,
                 chunks,
+                dtypes,
             );
         }
         Ok(y)
     }
 
-    /// The straight-through input gradient `dx[n, inn] = g[n, out] · dequant(W)`.
+    /// The straight-through input gradient `dx[n, inn] = g[n, out] · dequant(W)`, in `g`'s element type.
     pub fn linear_transposed(
         &self,
         g: &DeviceBuffer,
@@ -388,7 +470,8 @@ impl Kernels {
     ) -> Result<DeviceBuffer, KernelError> {
         dense_only(w)?;
         expect_len("output gradient", g, n * w.out)?;
-        let dx = self.empty_f32(n * w.inn);
+        self.check_dtype(g.dtype)?;
+        let dx = self.empty(n * w.inn, g.dtype);
         if n == 0 || w.inn == 0 {
             return Ok(dx);
         }
@@ -409,6 +492,7 @@ impl Kernels {
             w.format.kernel_code(),
             w.format.kernel_group(),
             w.out.div_ceil(CHUNK),
+            [g.dtype.elem(), dx.dtype.elem()],
         );
         Ok(dx)
     }
@@ -418,7 +502,8 @@ impl Kernels {
     /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format. Three launches
     /// (five with fp8-b128, which quantizes `x` and the SwiGLU output first) and one upload (the routing
     /// table); the arithmetic is the contract in [`crate::kernels::moe`], which [`crate::reference::moe`]
-    /// computes on the host.
+    /// computes on the host. `x` and `route_w` are of one element type, the output's; `h` and the
+    /// per-assignment outputs stay f32 (one rounding, on the combine's store).
     pub fn moe(
         &self,
         x: &DeviceBuffer,
@@ -448,7 +533,14 @@ impl Kernels {
         }
         expect_len("moe input", x, tokens * hidden)?;
         expect_len("routing weights", route_w, tokens * top_k)?;
-        let out = self.empty_f32(tokens * hidden);
+        self.check_dtype(x.dtype)?;
+        if route_w.dtype != x.dtype {
+            return Err(KernelError::Shape(format!(
+                "routing weights are {}, activations {}: expected one type",
+                route_w.dtype, x.dtype
+            )));
+        }
+        let out = self.empty(tokens * hidden, x.dtype);
         if routing.tiles() == 0 || hidden == 0 {
             return Ok(out);
         }
@@ -488,6 +580,7 @@ impl Kernels {
                 a.inn.div_ceil(CHUNK),
                 swiglu,
                 gather,
+                input.dtype.elem(),
             );
         };
         if inter > 0 {
@@ -508,6 +601,7 @@ impl Kernels {
             tokens,
             hidden,
             top_k,
+            out.dtype.elem(),
         );
         Ok(out)
     }

@@ -1,5 +1,6 @@
 //! CubeCL low-bit matmul kernels for qarl: int4 (`int4-g32/64/128`), int8 (`int8-pc`) and fp8
-//! (`fp8-b128`, W8A8) weights with f32 activations, written once with CubeCL and launched on whatever
+//! (`fp8-b128`, W8A8) weights with f32, f16 or bf16 activations ([`ActDType`]; sums in f32, results
+//! rounded once), written once with CubeCL and launched on whatever
 //! runtime the device gives (CUDA, wgpu, the CPU runtime).
 //!
 //! - [`format`]: the formats and the kernel layout ([`PackedWeights`], repacked once per weight version
@@ -13,6 +14,7 @@
 //! batch it is in: rollout (decode) and the training forward (many tokens) agree bitwise on one device.
 
 pub mod context;
+pub mod dtype;
 pub mod error;
 pub mod format;
 pub mod kernels;
@@ -20,6 +22,7 @@ pub mod moe;
 pub mod reference;
 
 pub use context::{DeviceBuffer, DeviceWeights, Kernels, MatmulPath};
+pub use dtype::ActDType;
 pub use error::KernelError;
 pub use format::{PackedWeights, WeightFormat};
 pub use moe::MoeRouting;

@@ -1,5 +1,9 @@
 //! Dense quantized matmuls: dequantize, GEMV (few tokens), tiled GEMM (many tokens) and the transposed
 //! product of the straight-through backward, all from the same packed weights.
+//!
+//! The matmuls are generic over the activations' element types (see [`super`]'s precision contract): `X`
+//! is what they read (the activations, or f32 values prepared from them), `Y` what they write; both are
+//! chosen at launch (`#[define(X, Y)]`). Sums are f32 whatever `X` and `Y` are.
 
 use cubecl::prelude::*;
 
@@ -33,12 +37,12 @@ pub fn dequantize(
 /// the chunk sums left to right (the canonical order).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn gemv(
-    x: &[f32],
+pub fn gemv<X: Float, Y: Float>(
+    x: &[X],
     words: &[u32],
     scales: &[f32],
     lut: &[f32],
-    y: &mut [f32],
+    y: &mut [Y],
     out: usize,
     inn: usize,
     wpr: usize,
@@ -48,6 +52,7 @@ pub fn gemv(
     #[comptime] lanes: usize,
     #[comptime] rows_per_cube: usize,
     #[comptime] chunks: usize,
+    #[define(X, Y)] _dtypes: [ElemType; 2],
 ) {
     let mut partials = Shared::<[f32]>::new_slice(rows_per_cube * chunks);
     let lane = UNIT_POS_X as usize;
@@ -67,7 +72,7 @@ pub fn gemv(
                 let mut part = 0.0f32;
                 for k in start..end {
                     let w = weight_at(words, scales, lut, 0, 0, row, k, wpr, spr, fmt, group);
-                    part = fma(x[token * inn + k], w, part);
+                    part = fma(f32::cast_from(x[token * inn + k]), w, part);
                 }
                 partials[local_row * chunks + c] = part;
             }
@@ -79,7 +84,7 @@ pub fn gemv(
         for c in 0..chunks {
             total += partials[local_row * chunks + c];
         }
-        y[token * out + row] = total;
+        y[token * out + row] = Y::cast_from(total);
     }
 }
 
@@ -87,12 +92,12 @@ pub fn gemv(
 /// 32-deep chunk of activations and dequantized weights in shared memory at a time.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn gemm(
-    x: &[f32],
+pub fn gemm<X: Float, Y: Float>(
+    x: &[X],
     words: &[u32],
     scales: &[f32],
     lut: &[f32],
-    y: &mut [f32],
+    y: &mut [Y],
     n: usize,
     out: usize,
     inn: usize,
@@ -101,6 +106,7 @@ pub fn gemm(
     #[comptime] fmt: u32,
     #[comptime] group: usize,
     #[comptime] chunks: usize,
+    #[define(X, Y)] _dtypes: [ElemType; 2],
 ) {
     let mut xs = Shared::<[f32]>::new_slice(512usize);
     let mut ws = Shared::<[f32]>::new_slice(512usize);
@@ -118,7 +124,7 @@ pub fn gemm(
             let k = k0 + e % 32;
             let mut xv = 0.0f32;
             if tok0 + r < n && k < inn {
-                xv = x[(tok0 + r) * inn + k];
+                xv = f32::cast_from(x[(tok0 + r) * inn + k]);
             }
             xs[e] = xv;
             let mut wv = 0.0f32;
@@ -140,7 +146,7 @@ pub fn gemm(
         sync_cube();
     }
     if row0 + tx < out && tok0 + ty < n {
-        y[(tok0 + ty) * out + row0 + tx] = total;
+        y[(tok0 + ty) * out + row0 + tx] = Y::cast_from(total);
     }
 }
 
@@ -148,12 +154,12 @@ pub fn gemm(
 /// (tokens x inputs), reducing over rows in 32-deep chunks (the canonical order over the row axis).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_transposed(
-    g: &[f32],
+pub fn gemm_transposed<X: Float, Y: Float>(
+    g: &[X],
     words: &[u32],
     scales: &[f32],
     lut: &[f32],
-    dx: &mut [f32],
+    dx: &mut [Y],
     n: usize,
     out: usize,
     inn: usize,
@@ -162,6 +168,7 @@ pub fn gemm_transposed(
     #[comptime] fmt: u32,
     #[comptime] group: usize,
     #[comptime] chunks: usize,
+    #[define(X, Y)] _dtypes: [ElemType; 2],
 ) {
     let mut gs = Shared::<[f32]>::new_slice(512usize);
     let mut ws = Shared::<[f32]>::new_slice(512usize);
@@ -179,7 +186,7 @@ pub fn gemm_transposed(
             let o = o0 + e % 32;
             let mut gv = 0.0f32;
             if tok0 + r < n && o < out {
-                gv = g[(tok0 + r) * out + o];
+                gv = f32::cast_from(g[(tok0 + r) * out + o]);
             }
             gs[e] = gv;
             let wo = o0 + e / 16;
@@ -203,7 +210,7 @@ pub fn gemm_transposed(
         sync_cube();
     }
     if col0 + tx < inn && tok0 + ty < n {
-        dx[(tok0 + ty) * inn + col0 + tx] = total;
+        dx[(tok0 + ty) * inn + col0 + tx] = Y::cast_from(total);
     }
 }
 

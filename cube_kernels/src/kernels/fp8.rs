@@ -29,16 +29,18 @@ pub fn e4m3_code(v: f32) -> u32 {
 }
 
 /// One unit per (token, 128-column block): writes the block scale to `xs` and the dequantized values to
-/// `xq`.
+/// `xq`, both f32; `x` is read in its own type `F` and widened to f32 first.
 #[cube(launch)]
-pub fn quantize_activations(
-    x: &[f32],
+#[allow(clippy::too_many_arguments)]
+pub fn quantize_activations<F: Float>(
+    x: &[F],
     lut: &[f32],
     xq: &mut [f32],
     xs: &mut [f32],
     rows: usize,
     cols: usize,
     blocks: usize,
+    #[define(F)] _dtype: ElemType,
 ) {
     let id = ABSOLUTE_POS;
     if id < rows * blocks {
@@ -50,7 +52,7 @@ pub fn quantize_activations(
         }
         let mut m = 0.0f32;
         for k in start..end {
-            let a = x[r * cols + k].abs();
+            let a = f32::cast_from(x[r * cols + k]).abs();
             if a > m {
                 m = a;
             }
@@ -60,7 +62,7 @@ pub fn quantize_activations(
         for k in start..end {
             let mut code = 0u32;
             if s != 0.0f32 {
-                code = e4m3_code(x[r * cols + k] / s);
+                code = e4m3_code(f32::cast_from(x[r * cols + k]) / s);
             }
             xq[r * cols + k] = lut[code as usize] * s;
         }

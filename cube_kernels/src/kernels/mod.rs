@@ -7,6 +7,16 @@
 //! depend on the batch it is in or on which kernel served it: rollout (decode, GEMV) and the training
 //! forward (many tokens, GEMM) compute the same bits.
 //!
+//! # Precision contract (f32, f16 and bf16 activations)
+//! The activations' element type is a launch parameter (`F` in f32, f16, bf16; `#[define(..)]`). Inputs
+//! are read in `F` and widened to f32 exactly; weights are decoded in f32; every product and sum is
+//! accumulated in f32 in the canonical order above; the result is rounded **once**, to `F`, when it is
+//! stored. Intermediates that never leave a launch chain (the fp8-quantized activations, the MoE's SwiGLU
+//! output and per-assignment down projections) stay f32. So an `F` result is the f32 result on the same
+//! inputs widened to f32, rounded to `F`: `y_F = round_F(y_f32(widen(x_F)))`, bit for bit on one device,
+//! with the runtime's f32 -> `F` conversion (round to nearest even on CUDA; on Vulkan/SPIR-V the driver's
+//! `OpFConvert`, which the tests check against round-to-nearest-even on lavapipe).
+//!
 //! Weight formats are compile-time parameters (`fmt`: 0 = int4, 1 = int8, 2 = fp8; `group`: the int4 group
 //! or the fp8 block), so each launched kernel is specialised and the decode is branch-free.
 

@@ -19,6 +19,11 @@
 //! 4. combine: `out[t, c] = fma(w[t, k-1], y[t, k-1][c], ... fma(w[t, 0], y[t, 0][c], 0.0))`, slots in
 //!    slot order `0..top_k` (the order of the ids, not of the experts), one fused multiply-add each, no
 //!    atomics; a token's output depends only on its own row, ids and weights, never on the batch.
+//!
+//! With activations in `F` (f16, bf16; [`super`]'s precision contract) `x` and `route_w` are read in `F`
+//! and widened to f32, steps 1-4 run in f32 exactly as above (`h` and the per-assignment `y_a` are f32
+//! buffers), and only `out` is rounded to `F`: the result is the f32 result on the widened inputs, rounded
+//! once.
 
 use cubecl::prelude::*;
 
@@ -27,11 +32,12 @@ use super::weight_at;
 /// `y[a, row] = sum_k x[src(a), k] w_e[row, k]` for every assignment `a` of tile `CUBE_POS_Y` (expert
 /// `e = table[3 * tile]`), or `silu(gate) * up` when `swiglu` (then `words_b`/`scales_b` are the up
 /// projection). `src(a)` is the token `table[rows_at + a]` when `gather`, else `a` itself (the down
-/// projection reads the rows the first launch wrote, already in sorted order).
+/// projection reads the rows the first launch wrote, already in sorted order). `X` is the input's type
+/// (the activations', or f32 for the fp8-quantized activations and the down projection); `y` is f32.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn grouped_matmul(
-    x: &[f32],
+pub fn grouped_matmul<X: Float>(
+    x: &[X],
     table: &[u32],
     rows_at: usize,
     words_a: &[u32],
@@ -51,6 +57,7 @@ pub fn grouped_matmul(
     #[comptime] chunks: usize,
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
+    #[define(X)] _dtype: ElemType,
 ) {
     let mut xs = Shared::<[f32]>::new_slice(512usize);
     let mut wa = Shared::<[f32]>::new_slice(512usize);
@@ -79,7 +86,7 @@ pub fn grouped_matmul(
                 if comptime!(gather) {
                     src = table[rows_at + a0 + r] as usize;
                 }
-                xv = x[src * inn + k];
+                xv = f32::cast_from(x[src * inn + k]);
             }
             xs[e] = xv;
             let mut va = 0.0f32;
@@ -149,15 +156,16 @@ pub fn grouped_matmul(
 /// depend on scheduling); `pos(t, j) = table[pos_at + t * top_k + j]`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn combine(
+pub fn combine<F: Float>(
     y: &[f32],
     table: &[u32],
     pos_at: usize,
-    route_w: &[f32],
-    out: &mut [f32],
+    route_w: &[F],
+    out: &mut [F],
     tokens: usize,
     hidden: usize,
     top_k: usize,
+    #[define(F)] _dtype: ElemType,
 ) {
     let id = ABSOLUTE_POS;
     if id < tokens * hidden {
@@ -166,8 +174,12 @@ pub fn combine(
         let mut acc = 0.0f32;
         for j in 0..top_k {
             let a = table[pos_at + t * top_k + j] as usize;
-            acc = fma(route_w[t * top_k + j], y[a * hidden + c], acc);
+            acc = fma(
+                f32::cast_from(route_w[t * top_k + j]),
+                y[a * hidden + c],
+                acc,
+            );
         }
-        out[id] = acc;
+        out[id] = F::cast_from(acc);
     }
 }
