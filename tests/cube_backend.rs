@@ -1,7 +1,8 @@
 //! The quantized linear layer on burn's CubeCL backend (`--features wgpu`): the `cube_kernels` low-bit
 //! matmul behind the backend extension, against the CPU kernel on the same weights, its batch invariance,
 //! and the straight-through gradients (the transposed kernel for dx) against the CPU autodiff. The MoE
-//! block's grouped kernel against its per-expert loop: values, autodiff forward bits, gradients.
+//! block's grouped kernel against its per-expert loop: values, autodiff forward bits, gradients. f16
+//! activations (where the adapter has them; lavapipe does) go to the kernels too: the f32 result, rounded.
 //!
 //! Runs on whatever adapter wgpu finds (lavapipe on a CPU-only machine); skips with a message when there is
 //! none, unless `QARL_REQUIRE_WGPU=1`.
@@ -367,5 +368,100 @@ fn cube_moe_model_training_and_rollout_log_probs_are_bitwise_equal() {
                 "{scheme}: training {y:?} vs rollout {x:?} log-probs"
             );
         }
+    }
+}
+
+/// f16 activations reach the kernels (no dequantize-and-matmul fallback) and come back as the f32 result on
+/// the same inputs widened, rounded once to f16: the quantized linear layer, the straight-through
+/// backward's transposed product, and the grouped MoE op.
+#[test]
+fn cube_kernels_take_f16_activations_and_round_the_f32_result_once() {
+    use burn::backend::Dispatch;
+    use burn::tensor::DType;
+    use cube_kernels::ActDType;
+    use qarl::quant::linear::{PackedWeight, QuantMatmulBackend};
+    use qarl::quant::moe::{grouped_moe, ExpertWeights};
+
+    let Some(device) = wgpu_device() else { return };
+    match cube_kernels::Kernels::wgpu() {
+        Ok(k) if k.supports(ActDType::F16) => {
+            eprintln!("adapter `{}` has f16", k.device_name())
+        }
+        Ok(k) => {
+            eprintln!("SKIPPED: adapter `{}` has no f16 buffers", k.device_name());
+            return;
+        }
+        Err(e) => panic!("burn found a wgpu adapter but cube_kernels did not: {e}"),
+    }
+    let half =
+        |v: &[f32], shape: [usize; 2]| tensor_from_vec(v.to_vec(), shape, &device).cast(DType::F16);
+    // Exact widening on the device, then the host copy.
+    let widened = |t: Tensor<2>| {
+        assert_eq!(
+            t.dtype(),
+            DType::F16,
+            "the result keeps the activations' dtype"
+        );
+        to_f32_vec(t.cast(DType::F32))
+    };
+    let rounded = |t: Tensor<2>| -> Vec<f32> {
+        to_f32_vec(t)
+            .iter()
+            .map(|v| ActDType::F16.round(*v))
+            .collect()
+    };
+
+    let (m, out, inn) = (5, 24, 96);
+    for scheme in QuantScheme::ALL {
+        let mut lin = linear(&values(out * inn, 21), out, inn, &device);
+        lin.quantize(scheme).unwrap();
+        let x = half(&values(m * inn, 22), [m, inn]);
+        assert_eq!(
+            bits(&widened(lin.forward(x.clone()))),
+            bits(&rounded(lin.forward(x.cast(DType::F32)))),
+            "{scheme}: f16 forward is not round(f32 forward)"
+        );
+        let packed = lin.quant.as_ref().unwrap().packed.clone();
+        let transposed = |g: Tensor<2>| {
+            Tensor::<2>::from_dispatch(<Dispatch as QuantMatmulBackend>::quant_matmul_transposed(
+                g.into_dispatch(),
+                packed.clone(),
+            ))
+        };
+        let g = half(&values(m * out, 23), [m, out]);
+        assert_eq!(
+            bits(&widened(transposed(g.clone()))),
+            bits(&rounded(transposed(g.cast(DType::F32)))),
+            "{scheme}: f16 dx is not round(f32 dx)"
+        );
+    }
+
+    for scheme in MOE_SCHEMES {
+        let proj = |out: usize, inn: usize, seed: u64| {
+            let w: Vec<f32> = values(out * inn, seed).iter().map(|v| 0.4 * v).collect();
+            PackedWeight::new(QuantizedTensor::quantize(&w, out, inn, scheme).unwrap())
+        };
+        let e = 0..EXPERTS as u64;
+        let experts = ExpertWeights::new(
+            e.clone()
+                .map(|e| proj(INTER, HIDDEN, 200 + 3 * e))
+                .collect(),
+            e.clone()
+                .map(|e| proj(INTER, HIDDEN, 201 + 3 * e))
+                .collect(),
+            e.map(|e| proj(HIDDEN, INTER, 202 + 3 * e)).collect(),
+        )
+        .unwrap();
+        let ids = moe_routings()[0].1.clone().unwrap();
+        let x = half(&values(TOKENS * HIDDEN, 24), [TOKENS, HIDDEN]);
+        let rw: Vec<f32> = values(TOKENS * TOP_K, 25).iter().map(|v| v.abs()).collect();
+        let rw = half(&rw, [TOKENS, TOP_K]);
+        let y16 = grouped_moe(x.clone(), rw.clone(), &ids, experts.clone()).expect("f16 kernel");
+        let y32 = grouped_moe(x.cast(DType::F32), rw.cast(DType::F32), &ids, experts).unwrap();
+        assert_eq!(
+            bits(&widened(y16)),
+            bits(&rounded(y32)),
+            "{scheme}: f16 grouped MoE is not round(f32)"
+        );
     }
 }

@@ -4,6 +4,11 @@
 //! version and device and cached here; the backward's `dx = g · dequant(Q(W))` uses the transposed kernel
 //! on the same upload. The MoE layer's experts are uploaded once more, stacked per projection, for the grouped
 //! MoE kernel ([`grouped_moe`]).
+//!
+//! Activations in f32, f16 or bf16 go to the kernels as they are (f16/bf16 where the device has them:
+//! [`Kernels::supports`]); the kernels sum in f32 and round once to the activations' type, so a half
+//! result is the f32 result on the same (widened) inputs, rounded. Other dtypes, or a type the device
+//! lacks, get `None` and the caller falls back to dequantize-and-matmul.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -13,7 +18,9 @@ use burn::backend::TensorMetadata;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
-use cube_kernels::{DeviceBuffer, DeviceWeights, Kernels, MoeRouting, PackedWeights, WeightFormat};
+use cube_kernels::{
+    ActDType, DeviceBuffer, DeviceWeights, Kernels, MoeRouting, PackedWeights, WeightFormat,
+};
 
 use super::linear::PackedWeight;
 use super::moe::ExpertWeights;
@@ -121,14 +128,41 @@ fn device_experts(
     w
 }
 
-/// A contiguous f32 view of a 2-D tensor, or `None` for another dtype (the caller falls back).
-fn contiguous_f32(t: CubeTensor) -> Option<(CubeTensor, usize, usize)> {
-    if t.dtype != DType::F32 || t.shape().num_dims() != 2 {
+/// The kernels' activation type for a burn dtype (f32, f16, bf16), or `None`.
+fn act_dtype(dtype: DType) -> Option<ActDType> {
+    match dtype {
+        DType::F32 => Some(ActDType::F32),
+        DType::F16 => Some(ActDType::F16),
+        DType::BF16 => Some(ActDType::BF16),
+        _ => None,
+    }
+}
+
+fn burn_dtype(dtype: ActDType) -> DType {
+    match dtype {
+        ActDType::F32 => DType::F32,
+        ActDType::F16 => DType::F16,
+        ActDType::BF16 => DType::BF16,
+    }
+}
+
+/// A contiguous view of a 2-D tensor whose dtype the kernels take on this device, with its rows, columns
+/// and type, or `None` (the caller falls back).
+fn contiguous_act(
+    kernels: &Kernels,
+    t: CubeTensor,
+) -> Option<(CubeTensor, usize, usize, ActDType)> {
+    let dtype = act_dtype(t.dtype)?;
+    if t.shape().num_dims() != 2 || !kernels.supports(dtype) {
         return None;
     }
     let t = burn_cubecl::kernel::into_contiguous(t);
     let dims = t.shape().to_vec();
-    Some((t, dims[0], dims[1]))
+    Some((t, dims[0], dims[1], dtype))
+}
+
+fn buffer(t: &CubeTensor, len: usize, dtype: ActDType) -> DeviceBuffer {
+    DeviceBuffer::from_handle_typed(t.handle.clone(), len, dtype)
 }
 
 fn wrap(like: &CubeTensor, y: DeviceBuffer, rows: usize, cols: usize) -> CubeTensor {
@@ -137,17 +171,18 @@ fn wrap(like: &CubeTensor, y: DeviceBuffer, rows: usize, cols: usize) -> CubeTen
         like.device.clone(),
         Shape::new([rows, cols]),
         y.handle().clone(),
-        DType::F32,
+        burn_dtype(y.dtype()),
     )
 }
 
-/// `x [n, in] · dequant(Q(W))^T` on the device, or `None` when `x` is not an f32 matrix.
+/// `x [n, in] · dequant(Q(W))^T` on the device, in `x`'s dtype, or `None` when `x` is not a matrix of a
+/// dtype the kernels take on this device (f32 always; f16, bf16 where supported).
 pub(crate) fn quant_matmul(
     x: FloatTensor<CubeBackend>,
     packed: &PackedWeight,
 ) -> Option<CubeTensor> {
-    let (x, n, inn) = contiguous_f32(x)?;
     let kernels = kernels_for(&x);
+    let (x, n, inn, dtype) = contiguous_act(&kernels, x)?;
     let w = device_weights(&kernels, &x, packed);
     assert_eq!(
         inn,
@@ -155,18 +190,19 @@ pub(crate) fn quant_matmul(
         "quant_matmul: activations have {inn} columns, weight expects {}",
         w.in_features()
     );
-    let xb = DeviceBuffer::from_handle(x.handle.clone(), n * inn);
+    let xb = buffer(&x, n * inn, dtype);
     let y = kernels.linear(&xb, n, &w).expect("shapes checked above");
     Some(wrap(&x, y, n, w.out_features()))
 }
 
-/// `g [n, out] · dequant(Q(W))` on the device, or `None` when `g` is not an f32 matrix.
+/// `g [n, out] · dequant(Q(W))` on the device, in `g`'s dtype, or `None` when `g` is not a matrix of a
+/// dtype the kernels take on this device.
 pub(crate) fn quant_matmul_transposed(
     g: FloatTensor<CubeBackend>,
     packed: &PackedWeight,
 ) -> Option<CubeTensor> {
-    let (g, n, out) = contiguous_f32(g)?;
     let kernels = kernels_for(&g);
+    let (g, n, out, dtype) = contiguous_act(&kernels, g)?;
     let w = device_weights(&kernels, &g, packed);
     assert_eq!(
         out,
@@ -174,23 +210,28 @@ pub(crate) fn quant_matmul_transposed(
         "quant_matmul backward: gradient has {out} columns, weight has {} rows",
         w.out_features()
     );
-    let gb = DeviceBuffer::from_handle(g.handle.clone(), n * out);
+    let gb = buffer(&g, n * out, dtype);
     let dx = kernels
         .linear_transposed(&gb, n, &w)
         .expect("shapes checked above");
     Some(wrap(&g, dx, n, w.in_features()))
 }
 
-/// The grouped MoE kernel on `x [n, hidden]` with `route_w [n, top_k]` and `ids[t * top_k + j]`, or `None`
-/// when `x` or `route_w` is not an f32 matrix (the caller runs the per-expert loop).
+/// The grouped MoE kernel on `x [n, hidden]` with `route_w [n, top_k]` and `ids[t * top_k + j]`, in `x`'s
+/// dtype, or `None` when `x` and `route_w` are not matrices of one dtype the kernels take on this device
+/// (the caller runs the per-expert loop).
 pub(crate) fn grouped_moe(
     x: FloatTensor<CubeBackend>,
     route_w: FloatTensor<CubeBackend>,
     ids: &[u32],
     experts: &ExpertWeights,
 ) -> Option<CubeTensor> {
-    let (x, n, hidden) = contiguous_f32(x)?;
-    let (route_w, rows, top_k) = contiguous_f32(route_w)?;
+    if x.dtype != route_w.dtype {
+        return None;
+    }
+    let kernels = kernels_for(&x);
+    let (x, n, hidden, dtype) = contiguous_act(&kernels, x)?;
+    let (route_w, rows, top_k, _) = contiguous_act(&kernels, route_w)?;
     assert_eq!(
         rows, n,
         "grouped_moe: {rows} rows of routing weights for {n} tokens"
@@ -202,10 +243,9 @@ pub(crate) fn grouped_moe(
         experts.dims()[0]
     );
     let routing = MoeRouting::new(ids, n, top_k, experts.len()).expect("valid expert ids");
-    let kernels = kernels_for(&x);
     let [gate, up, down] = device_experts(&kernels, &x, experts);
-    let xb = DeviceBuffer::from_handle(x.handle.clone(), n * hidden);
-    let wb = DeviceBuffer::from_handle(route_w.handle.clone(), n * top_k);
+    let xb = buffer(&x, n * hidden, dtype);
+    let wb = buffer(&route_w, n * top_k, dtype);
     let y = kernels
         .moe(&xb, &routing, &wb, &gate, &up, &down)
         .expect("shapes checked above");

@@ -333,7 +333,8 @@ impl<B: Backend> Backward<B, 1> for SoftmaxBackward {
 }
 
 /// The CubeCL backends (wgpu, CUDA): the `cube_kernels` low-bit kernels on the tensors' device buffers
-/// ([`super::cube`]); other dtypes than f32 take the default (dequantize, then the backend's matmul).
+/// ([`super::cube`]) for f32 activations, and f16/bf16 where the device has them (f32 sums, one rounding
+/// to the activations' dtype); other dtypes take the default (dequantize, then the backend's matmul).
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 impl QuantMatmulBackend for burn_cubecl::CubeBackend {
     fn quant_matmul(
@@ -342,19 +343,17 @@ impl QuantMatmulBackend for burn_cubecl::CubeBackend {
         packed: PackedWeight,
     ) -> FloatTensor<Self> {
         let _ = master;
-        if x.dtype != burn::tensor::DType::F32 {
+        super::cube::quant_matmul(x.clone(), &packed).unwrap_or_else(|| {
             let w = dequantized_out_in::<Self>(&packed, &x.device());
-            return plain_matmul::<Self>(x, w, true);
-        }
-        super::cube::quant_matmul(x, &packed).expect("an f32 matrix")
+            plain_matmul::<Self>(x, w, true)
+        })
     }
 
     fn quant_matmul_transposed(g: FloatTensor<Self>, packed: PackedWeight) -> FloatTensor<Self> {
-        if g.dtype != burn::tensor::DType::F32 {
+        super::cube::quant_matmul_transposed(g.clone(), &packed).unwrap_or_else(|| {
             let w = dequantized_out_in::<Self>(&packed, &g.device());
-            return plain_matmul::<Self>(g, w, false);
-        }
-        super::cube::quant_matmul_transposed(g, &packed).expect("an f32 matrix")
+            plain_matmul::<Self>(g, w, false)
+        })
     }
 
     fn grouped_moe(
