@@ -657,3 +657,88 @@ fn det_matmul_has_burn_matmul_gradients() {
         assert_eq!(dw0, dw1, "dw, nt {nt}");
     }
 }
+
+/// The CPU's grouped MoE op (the experts in parallel on the kernel layout) gives the per-expert loop's bits
+/// for every scheme and routing (an expert with no token, one with one token, all tokens to two experts),
+/// and an autodiff forward (which runs the loop alone on the CPU) gives the same bits and a gradient.
+#[test]
+fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
+    use common::moe::{bits, moe_block, moe_routings, HIDDEN, MOE_SCHEMES, TOKENS};
+    use qarl::model::mlp::ExpertPath;
+    let device = Device::flex();
+    let ad = device.clone().autodiff();
+    let x = values(TOKENS * HIDDEN, 11);
+    for scheme in MOE_SCHEMES {
+        let block = moe_block(&device, scheme, false);
+        let trained = moe_block(&ad, scheme, true);
+        for (name, ids) in moe_routings() {
+            let run = |b: &qarl::model::mlp::MoeBlock, d: &Device, path| {
+                let (y, chosen) = b.forward_with(
+                    tensor_from_vec(x.clone(), [TOKENS, HIDDEN], d),
+                    ids.as_deref(),
+                    path,
+                );
+                (y, chosen)
+            };
+            let (grouped, chosen) = run(&block, &device, ExpertPath::Auto);
+            let (looped, chosen_loop) = run(&block, &device, ExpertPath::PerExpert);
+            assert_eq!(chosen, chosen_loop, "{scheme} {name}: routing");
+            let (grouped, looped) = (to_f32_vec(grouped), to_f32_vec(looped));
+            assert!(
+                looped.iter().any(|v| v.abs() > 1e-2),
+                "{scheme} {name}: a degenerate output"
+            );
+            assert_eq!(
+                bits(&grouped),
+                bits(&looped),
+                "{scheme} {name}: grouped differs from the per-expert loop"
+            );
+            // The grouped op itself (not a fallback to the loop) gives these bits on the CPU.
+            let xt = tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device);
+            let probs = qarl::model::layers::softmax_exact(block.gate.forward(xt.clone()), 1);
+            let idx = Tensor::<2, burn::tensor::Int>::from_data(
+                burn::tensor::TensorData::new(
+                    chosen.iter().map(|&e| e as i64).collect::<Vec<_>>(),
+                    [TOKENS, block.top_k],
+                ),
+                &device,
+            );
+            let w = probs.gather(1, idx);
+            let w = w.clone() / w.sum_dim(1);
+            let packed = |f: fn(&qarl::model::mlp::SwiGlu) -> &Linear| {
+                block
+                    .experts
+                    .iter()
+                    .map(|e| f(e).quant.as_ref().unwrap().packed.clone())
+                    .collect()
+            };
+            let experts = qarl::quant::moe::ExpertWeights::new(
+                packed(|e| &e.gate_proj),
+                packed(|e| &e.up_proj),
+                packed(|e| &e.down_proj),
+            )
+            .unwrap();
+            let direct = qarl::quant::moe::grouped_moe(xt, w, &chosen, experts)
+                .expect("the CPU has a grouped MoE op");
+            assert_eq!(
+                bits(&to_f32_vec(direct)),
+                bits(&looped),
+                "{scheme} {name}: direct op"
+            );
+            let (y, _) = run(&trained, &ad, ExpertPath::Auto);
+            let grads = y.clone().sum().backward();
+            assert_eq!(
+                bits(&to_f32_vec(y)),
+                bits(&grouped),
+                "{scheme} {name}: training forward differs from the rollout forward"
+            );
+            let g = trained.experts[chosen[0] as usize]
+                .down_proj
+                .weight
+                .val()
+                .grad(&grads)
+                .expect("a gradient to the expert's master weight");
+            assert!(to_f32_vec(g).iter().any(|v| v.abs() > 1e-6));
+        }
+    }
+}

@@ -66,6 +66,19 @@ pub struct RolloutBenchArgs {
     /// by side (every scheme in each mode, interleaved per scheme).
     #[arg(long, value_delimiter = ',', default_value = "on")]
     pub deterministic: Vec<String>,
+    /// MoE experts: `grouped` (one op per layer where the backend has it; the default), `loop` (one expert
+    /// at a time), or `grouped,loop` to time both side by side.
+    #[arg(long, value_delimiter = ',', default_value = "grouped")]
+    pub moe_experts: Vec<String>,
+}
+
+/// `grouped` -> true, `loop` -> false.
+fn parse_moe_experts(s: &str) -> anyhow::Result<bool> {
+    match s.trim() {
+        "grouped" => Ok(true),
+        "loop" => Ok(false),
+        other => anyhow::bail!("--moe-experts takes grouped, loop or grouped,loop; got `{other}`"),
+    }
 }
 
 /// `on` / `off` (also `true`/`false`, `1`/`0`).
@@ -128,6 +141,8 @@ pub struct SchemeResult {
     pub scheme: String,
     /// Whether deterministic mode was on.
     pub deterministic: bool,
+    /// Whether MoE layers ran the grouped op (else the per-expert loop).
+    pub grouped_experts: bool,
     /// Seconds of `model.quantize` (0-ish for f32: dropping the quantized versions).
     pub quantize_s: f64,
     /// Tokens generated per call (batch x new tokens).
@@ -231,6 +246,7 @@ pub fn time_rollout(
     SchemeResult {
         scheme: scheme.to_string(),
         deterministic: crate::model::scoring::deterministic(),
+        grouped_experts: crate::quant::moe::grouped_experts(),
         quantize_s: 0.0,
         tokens,
         generate_s,
@@ -246,9 +262,10 @@ pub fn time_rollout(
 fn format_table(results: &[SchemeResult]) -> String {
     let mut s = String::new();
     s.push_str(&format!(
-        "{:<10} | {:>13} | {:>10} | {:>8} | {:>10} | {:>14} | {:>10}\n",
+        "{:<10} | {:>13} | {:>11} | {:>10} | {:>8} | {:>10} | {:>14} | {:>10}\n",
         "scheme",
         "deterministic",
+        "moe experts",
         "tokens/s",
         "x f32",
         "prefill ms",
@@ -256,8 +273,8 @@ fn format_table(results: &[SchemeResult]) -> String {
         "quantize s"
     ));
     s.push_str(&format!(
-        "{:-<10}-+-{:->13}-+-{:->10}-+-{:->8}-+-{:->10}-+-{:->14}-+-{:->10}\n",
-        "", "", "", "", "", "", ""
+        "{:-<10}-+-{:->13}-+-{:->11}-+-{:->10}-+-{:->8}-+-{:->10}-+-{:->14}-+-{:->10}\n",
+        "", "", "", "", "", "", "", ""
     ));
     for r in results {
         let ratio = r.ratio_to_f32.map_or("-".into(), |x| format!("{x:.2}"));
@@ -265,9 +282,10 @@ fn format_table(results: &[SchemeResult]) -> String {
             .decode_ms_per_step
             .map_or("-".into(), |x| format!("{x:.1}"));
         s.push_str(&format!(
-            "{:<10} | {:>13} | {:>10.1} | {:>8} | {:>10.1} | {:>14} | {:>10.2}\n",
+            "{:<10} | {:>13} | {:>11} | {:>10.1} | {:>8} | {:>10.1} | {:>14} | {:>10.2}\n",
             r.scheme,
             if r.deterministic { "on" } else { "off" },
+            if r.grouped_experts { "grouped" } else { "loop" },
             r.tokens_per_s,
             ratio,
             r.prefill_s * 1e3,
@@ -305,6 +323,14 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     if modes.is_empty() {
         anyhow::bail!("--deterministic is empty: give on, off or on,off");
     }
+    let expert_paths = args
+        .moe_experts
+        .iter()
+        .map(|s| parse_moe_experts(s))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if expert_paths.is_empty() {
+        anyhow::bail!("--moe-experts is empty: give grouped, loop or grouped,loop");
+    }
     let device = args.backend.device()?;
     let start = Instant::now();
     let mut model = Decoder::load(&args.model, &device)?;
@@ -330,27 +356,34 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
         );
         for &on in &modes {
             crate::model::scoring::set_deterministic(on);
-            let mut r = time_rollout(
-                &model,
-                &prompts,
-                args.new_tokens,
-                args.repeats,
-                args.seed,
-                f.name(),
-            );
-            r.quantize_s = quantize_s;
-            results.push(r);
+            for &grouped in &expert_paths {
+                crate::quant::moe::set_grouped_experts(grouped);
+                let mut r = time_rollout(
+                    &model,
+                    &prompts,
+                    args.new_tokens,
+                    args.repeats,
+                    args.seed,
+                    f.name(),
+                );
+                r.quantize_s = quantize_s;
+                results.push(r);
+            }
         }
     }
     crate::model::scoring::set_deterministic(true);
+    crate::quant::moe::set_grouped_experts(true);
     for &on in &modes {
-        if let Some(base) = results
-            .iter()
-            .find(|r| r.scheme == "f32" && r.deterministic == on)
-            .map(|r| r.tokens_per_s)
-        {
-            for r in results.iter_mut().filter(|r| r.deterministic == on) {
-                r.ratio_to_f32 = Some(r.tokens_per_s / base);
+        for &grouped in &expert_paths {
+            let same = |r: &SchemeResult| r.deterministic == on && r.grouped_experts == grouped;
+            if let Some(base) = results
+                .iter()
+                .find(|r| r.scheme == "f32" && same(r))
+                .map(|r| r.tokens_per_s)
+            {
+                for r in results.iter_mut().filter(|r| same(r)) {
+                    r.ratio_to_f32 = Some(r.tokens_per_s / base);
+                }
             }
         }
     }
@@ -378,13 +411,36 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
                 let tps = |on: bool| {
                     results
                         .iter()
-                        .find(|r| r.scheme == f.name() && r.deterministic == on)
+                        .find(|r| {
+                            r.scheme == f.name()
+                                && r.deterministic == on
+                                && r.grouped_experts == expert_paths[0]
+                        })
                         .map(|r| r.tokens_per_s)
                 };
                 Some(format!("{} {:.2}", f.name(), tps(true)? / tps(false)?))
             })
             .collect();
         println!("deterministic on / off tokens/s: {}", cost.join(", "));
+    }
+    if expert_paths.contains(&true) && expert_paths.contains(&false) {
+        let gain: Vec<String> = formats
+            .iter()
+            .filter_map(|f| {
+                let tps = |grouped: bool| {
+                    results
+                        .iter()
+                        .find(|r| {
+                            r.scheme == f.name()
+                                && r.deterministic == modes[0]
+                                && r.grouped_experts == grouped
+                        })
+                        .map(|r| r.tokens_per_s)
+                };
+                Some(format!("{} {:.2}", f.name(), tps(true)? / tps(false)?))
+            })
+            .collect();
+        println!("moe experts grouped / loop tokens/s: {}", gain.join(", "));
     }
     if let Some(path) = &args.json {
         write_json_atomic(

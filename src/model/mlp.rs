@@ -8,7 +8,10 @@ use super::checkpoint::Checkpoint;
 use super::config::{ModelConfig, MoeConfig};
 use super::error::LoadError;
 use super::layers::{to_i64_vec, Linear};
-use crate::quant::moe::{forward_value_of, grouped_moe, tracks_gradients, ExpertWeights};
+use crate::quant::moe::{
+    forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop, tracks_gradients,
+    ExpertWeights,
+};
 
 /// `down(silu(gate(x)) * up(x))`
 #[derive(Module, Debug)]
@@ -114,11 +117,15 @@ impl MoeBlock {
     /// `x: [n, hidden] -> ([n, hidden], routing)`. With `replay`, the given experts are used instead of the
     /// router's own top-k (routing replay); their weights still come from this router's probabilities.
     ///
-    /// When every expert projection is quantized (one scheme, no bias) and the backend has the grouped MoE
-    /// kernel (wgpu, CUDA), the experts run as one grouped launch chain ([`crate::quant::moe`]); under
-    /// autodiff its output is the value (the rollout's bits) and the per-expert graph gives the gradient,
-    /// which costs a second computation of the layer in the training forward. Elsewhere (the CPU,
-    /// full-precision experts) the experts run one by one ([`MoeBlock::forward_with`]).
+    /// When every expert projection is quantized (one scheme, no bias), the experts run as one grouped op
+    /// ([`crate::quant::moe`]):
+    /// - on wgpu/CUDA, the grouped MoE kernel's launch chain; under autodiff its output is the value (the
+    ///   rollout's bits) and the per-expert graph gives the gradient, which costs a second computation of
+    ///   the layer in the training forward;
+    /// - on the CPU, the experts in parallel on the packed kernel layout ([`crate::quant::cpu_moe`]), the
+    ///   per-expert loop's exact bits, so a training forward runs the loop alone.
+    ///
+    /// Full-precision experts run one by one ([`MoeBlock::forward_with`]).
     pub fn forward(&self, x: Tensor<2>, replay: Option<&[u32]>) -> (Tensor<2>, Routing) {
         self.forward_with(x, replay, ExpertPath::Auto)
     }
@@ -160,14 +167,17 @@ impl MoeBlock {
         } else {
             weights
         };
+        let tracked = self.tracks_gradients(&x, &weights);
+        // On the CPU the grouped op is the loop's bits: a training forward needs the loop alone.
         let grouped = match path {
-            ExpertPath::Auto => self
-                .quantized_experts()
-                .and_then(|ew| grouped_moe(x.clone(), weights.clone(), &chosen, ew)),
-            ExpertPath::PerExpert => None,
+            ExpertPath::Auto if grouped_experts() && !(tracked && grouped_moe_matches_loop(&x)) => {
+                self.quantized_experts()
+                    .and_then(|ew| grouped_moe(x.clone(), weights.clone(), &chosen, ew))
+            }
+            _ => None,
         };
         let out = match grouped {
-            Some(fast) if self.tracks_gradients(&x, &weights) => {
+            Some(fast) if tracked => {
                 // Training: the grouped kernel's bits, the per-expert graph's gradient.
                 forward_value_of(self.per_expert(x, &chosen, weights), fast)
             }

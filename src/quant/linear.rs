@@ -153,6 +153,14 @@ pub trait QuantMatmulBackend: Backend {
         None
     }
 
+    /// Whether [`Self::grouped_moe`] returns the per-expert loop's exact bits (the CPU: then a training
+    /// forward runs the loop alone, with the rollout's values, instead of both paths). `x`: a tensor on the
+    /// device in question.
+    fn grouped_moe_matches_loop(x: &FloatTensor<Self>) -> bool {
+        let _ = x;
+        false
+    }
+
     /// `value` unchanged (same bits), with the gradient routed to `graph` as is (none to `value`).
     fn forward_value_of(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
         let _ = graph;
@@ -187,6 +195,29 @@ fn plain_matmul<B: Backend>(
 }
 
 impl QuantMatmulBackend for Flex {
+    /// The experts in parallel straight on the kernel layout ([`super::cpu_moe`]), bitwise the loop.
+    fn grouped_moe(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: Vec<u32>,
+        experts: ExpertWeights,
+    ) -> Option<FloatTensor<Self>> {
+        let x: FlexTensor = x.to_contiguous();
+        let route_w: FlexTensor = route_w.to_contiguous();
+        let dims = x.layout().shape().to_vec();
+        let wdims = route_w.layout().shape().to_vec();
+        let (xs, ws) = (x.as_slice::<f32>()?, route_w.as_slice::<f32>()?);
+        if dims.len() != 2 || wdims.len() != 2 || wdims[0] != dims[0] {
+            return None;
+        }
+        let y = super::cpu_moe::grouped_moe(xs, ws, &ids, wdims[1], &experts);
+        Some(FlexTensor::from_data(TensorData::new(y, dims)))
+    }
+
+    fn grouped_moe_matches_loop(_x: &FloatTensor<Self>) -> bool {
+        true
+    }
+
     fn quant_matmul(
         x: FloatTensor<Self>,
         _master: FloatTensor<Self>,
@@ -429,6 +460,10 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
         // A constant of the graph: the caller pairs it with the per-expert graph (`forward_value_of`).
         B::grouped_moe(x.into_primitive(), route_w.into_primitive(), ids, experts)
             .map(<Self as AutodiffBackend>::from_inner)
+    }
+
+    fn grouped_moe_matches_loop(x: &FloatTensor<Self>) -> bool {
+        B::grouped_moe_matches_loop(&x.clone().into_primitive())
     }
 
     fn forward_value_of(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -18,6 +18,7 @@ pub use fp8::Fp8Activations;
 pub use scheme::{QuantScheme, SchemeKind};
 pub use tensor::QuantizedTensor;
 pub mod cpu_kernel;
+pub mod cpu_moe;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
 pub mod linear;

@@ -17,6 +17,8 @@
 //! and its backward, stacked for the grouped kernel). Untracked forwards (rollout, evaluation, an autodiff
 //! forward where nothing needs a gradient) run the grouped kernel alone.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use burn::tensor::Tensor;
 
 use super::linear::{PackedWeight, QuantMatmulBackend};
@@ -100,8 +102,26 @@ pub fn forward_value_of<const D: usize>(graph: Tensor<D>, value: Tensor<D>) -> T
     ))
 }
 
+/// Whether the backend's grouped op reproduces the per-expert loop bit for bit (the CPU): a training forward
+/// then runs the loop alone, with the rollout's values. `t`: a tensor on the device in question.
+pub fn grouped_moe_matches_loop<const D: usize>(t: &Tensor<D>) -> bool {
+    <Dispatch as QuantMatmulBackend>::grouped_moe_matches_loop(&t.clone().into_dispatch())
+}
+
 /// Whether `t` is part of a recorded autodiff graph (a gradient will flow through it). Always `false` on
 /// an inference backend.
 pub fn tracks_gradients<const D: usize>(t: &Tensor<D>) -> bool {
     <Dispatch as QuantMatmulBackend>::tracks_gradients(&t.clone().into_dispatch())
+}
+
+static GROUPED_EXPERTS: AtomicBool = AtomicBool::new(true);
+
+/// Whether MoE layers use the grouped op where the backend has one (the default), or always the per-expert
+/// loop (`qarl bench rollout --moe-experts loop` times the two side by side).
+pub fn set_grouped_experts(on: bool) {
+    GROUPED_EXPERTS.store(on, Ordering::Relaxed);
+}
+
+pub fn grouped_experts() -> bool {
+    GROUPED_EXPERTS.load(Ordering::Relaxed)
 }
