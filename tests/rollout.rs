@@ -172,3 +172,45 @@ fn full_forward_logprobs_do_not_depend_on_the_batch() {
         assert!(same, "row {r}: {:?} vs {row:?}", alone[0]);
     }
 }
+
+/// The prefill's logits at chosen positions are the full forward's rows at those positions, bit for bit
+/// (deterministic mode's LM head is row-invariant), for every fixture model.
+#[test]
+fn logits_at_positions_are_the_full_forwards_rows() {
+    let device = Device::flex();
+    for dir in fixture_models() {
+        let model = Decoder::load(&dir, &device).unwrap();
+        let ids = prompts();
+        let t = ids.iter().map(Vec::len).max().unwrap();
+        let padded: Vec<Vec<u32>> = ids
+            .iter()
+            .map(|p| {
+                p.iter()
+                    .copied()
+                    .chain(std::iter::repeat_n(0, t - p.len()))
+                    .collect()
+            })
+            .collect();
+        let lens: Vec<usize> = ids.iter().map(Vec::len).collect();
+        let at: Vec<usize> = lens.iter().map(|l| l - 1).collect();
+        let full = model.forward(&padded, Some(&lens), None, None).logits;
+        let some = model
+            .forward_logits_at(&padded, Some(&lens), None, None, Some(&at))
+            .logits;
+        let [b, _, v] = full.dims();
+        assert_eq!(some.dims(), [b, 1, v]);
+        let full = qarl::model::layers::to_f32_vec(full);
+        let some = qarl::model::layers::to_f32_vec(some);
+        for (r, &p) in at.iter().enumerate() {
+            let want = &full[(r * t + p) * v..(r * t + p + 1) * v];
+            let got = &some[r * v..(r + 1) * v];
+            assert!(
+                want.iter()
+                    .zip(got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{}: row {r} position {p}",
+                dir.display()
+            );
+        }
+    }
+}

@@ -177,26 +177,20 @@ impl Attention {
                 v = Tensor::cat(vec![v, zeros], 2);
             }
         }
+        // Grouped-query attention without copying K and V per query head: the `rep = h / kv` query heads
+        // that share a key head are stacked along the query axis, `[b, kv, rep * t, d]`, against that key
+        // head's `[b, kv, s, d]`. Every score and output element is the same dot product as with expanded
+        // K/V (det_matmul sums each one in a fixed order), so the bits do not change, only the copies go.
         let s = k.dims()[2];
         let rep = h / kv;
-        let (k, v) = if rep > 1 {
-            (
-                k.unsqueeze_dim::<5>(2)
-                    .expand([b, kv, rep, s, d])
-                    .reshape([b, h, s, d]),
-                v.unsqueeze_dim::<5>(2)
-                    .expand([b, kv, rep, s, d])
-                    .reshape([b, h, s, d]),
-            )
-        } else {
-            (k, v)
-        };
-        let mut scores = det_matmul(q, k, true) * (1.0 / (d as f64).sqrt());
+        let q = q.reshape([b, kv, rep * t, d]);
+        let mut scores = (det_matmul(q, k, true) * (1.0 / (d as f64).sqrt())).reshape([b, h, t, s]);
         if let Some(m) = mask {
             scores = scores + m.clone();
         }
-        let probs = crate::model::layers::softmax_exact(scores, 3);
+        let probs = crate::model::layers::softmax_exact(scores, 3).reshape([b, kv, rep * t, s]);
         let out = det_matmul(probs, v, false)
+            .reshape([b, h, t, d])
             .swap_dims(1, 2)
             .reshape([b * t, h * d]);
         self.o_proj.forward(out).reshape([b, t, hidden])

@@ -213,8 +213,23 @@ impl Decoder {
         &self,
         ids: &[Vec<u32>],
         lens: Option<&[usize]>,
+        cache: Option<&mut KvCache>,
+        replay: Option<&[Option<Routing>]>,
+    ) -> ForwardOutput {
+        self.forward_logits_at(ids, lens, cache, replay, None)
+    }
+
+    /// [`Decoder::forward`], with the logits computed only at position `at[b]` of each row when `at` is
+    /// given (`logits: [B, 1, vocab]`): a prefill needs only each prompt's last position, and the LM head
+    /// over every prompt token is a large share of its cost. The LM head is row-invariant in deterministic
+    /// mode, so those logits are the bits a full forward computes at the same positions.
+    pub fn forward_logits_at(
+        &self,
+        ids: &[Vec<u32>],
+        lens: Option<&[usize]>,
         mut cache: Option<&mut KvCache>,
         replay: Option<&[Option<Routing>]>,
+        at: Option<&[usize]>,
     ) -> ForwardOutput {
         let device = self.device();
         let b = ids.len();
@@ -310,6 +325,22 @@ impl Decoder {
             c.capacity = total;
         }
         let x = self.norm.forward(x).reshape([b * t, cfg.hidden_size]);
+        let (x, t) = match at {
+            Some(at) => {
+                assert_eq!(at.len(), b, "one logits position per row");
+                let rows: Vec<i64> = at
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &p)| {
+                        assert!(p < t, "logits position {p} is past the row's {t} tokens");
+                        (r * t + p) as i64
+                    })
+                    .collect();
+                let idx = Tensor::<1, Int>::from_data(TensorData::new(rows, [b]), &device);
+                (x.select(0, idx), 1)
+            }
+            None => (x, t),
+        };
         let logits = match &self.lm_head {
             Some(head) => head.forward(x),
             None => crate::quant::linear::det_matmul(x, self.embed_tokens.val(), true),

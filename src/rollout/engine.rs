@@ -139,9 +139,10 @@ pub fn generate(
         .collect();
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let mut cache = model.new_cache(p);
-    let pre = model.forward(&padded, Some(&lens), Some(&mut cache), None);
     let last: Vec<usize> = lens.iter().map(|l| l - 1).collect();
-    let prompt_lp = logprobs_at(pre.logits, &last, temperature);
+    // Logits only at each prompt's last token: the LM head over the whole prompt would be wasted.
+    let pre = model.forward_logits_at(&padded, Some(&lens), Some(&mut cache), None, Some(&last));
+    let prompt_lp = logprobs_at(pre.logits, &vec![0; p], temperature);
     let record_routing = pre.routing.iter().any(Option::is_some);
     if record_routing {
         let fan: Vec<usize> = (0..rows).collect();
