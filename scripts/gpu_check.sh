@@ -4,7 +4,9 @@
 #
 # Here first: scripts/build_gpu_bundle.sh. Then, with the device tool:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=540)
-# Results come back under $OUT: gpu.txt, kernels_<runtime>.txt and .json. QARL_GPU_CHECK_ARGS adds
+# Results come back under $OUT: gpu.txt, kernels_<runtime>.txt and .json. Activations run in f32 and bf16
+# (QARL_GPU_CHECK_DTYPES, default "f32,bf16"; a type the runtime lacks, bf16 on wgpu, is skipped with a
+# message), each checked against the host reference under the kernels' rounding contract. QARL_GPU_CHECK_ARGS adds
 # arguments to `qarl bench kernels` and QARL_GPU_CHECK_ITERS sets the timed iterations (a smoke test on a
 # CPU: QARL_GPU_CHECK_ITERS=2 QARL_GPU_CHECK_ARGS="--experts 8 --tokens 1,16 --matmul-size 256 --copy-mib 16").
 set -uo pipefail
@@ -25,7 +27,8 @@ for rt in cuda wgpu; do
   bin=".gpu/qarl-$rt"
   [ -x "$bin" ] || { echo "no $bin: skipping the $rt runtime"; continue; }
   echo "== $rt =="
-  timeout 240 "$bin" bench kernels --runtime "$rt" --check --iters "${QARL_GPU_CHECK_ITERS:-50}" "${extra[@]}" \
+  timeout 240 "$bin" bench kernels --runtime "$rt" --check --iters "${QARL_GPU_CHECK_ITERS:-50}" \
+    --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" \
     --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
 done
 exit $status

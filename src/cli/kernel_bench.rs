@@ -2,6 +2,11 @@
 //! intermediate 768, 128 experts, top-8), timed against burn's bf16 matmul on the same device, with the
 //! achieved GB/s and TFLOP/s next to the measured copy bandwidth and bf16 matmul rate. `--check` first
 //! compares every kernel with the host reference on these shapes (fails the command on a mismatch).
+//!
+//! `--act-dtype f32,f16,bf16` runs the kernels with activations of each type the device has (others are
+//! skipped with a message). For f16/bf16 the check is the kernels' precision contract: the result equals
+//! the kernel's f32 result on the same inputs, rounded to the type (bitwise), and lies within that rounding
+//! (`u |ref|`, `u` the type's unit roundoff) plus the f32 tolerance of the host reference.
 
 use std::path::PathBuf;
 
@@ -42,6 +47,9 @@ pub struct KernelBenchArgs {
     /// MiB copied to measure the bandwidth roofline.
     #[arg(long, default_value_t = 256)]
     pub copy_mib: usize,
+    /// Activation types (`f32`, `f16`, `bf16`); a type the device lacks is skipped with a message.
+    #[arg(long, value_delimiter = ',', default_value = "f32")]
+    pub act_dtype: Vec<String>,
     /// Check each kernel against the host reference before timing.
     #[arg(long)]
     pub check: bool,
@@ -71,7 +79,9 @@ mod imp {
 
     use anyhow::{bail, Context};
     use burn::tensor::{DType, Device, Distribution, Tensor};
-    use cube_kernels::{reference, Kernels, MatmulPath, MoeRouting, PackedWeights, WeightFormat};
+    use cube_kernels::{
+        reference, ActDType, Kernels, MatmulPath, MoeRouting, PackedWeights, WeightFormat,
+    };
     use serde::Serialize;
 
     use super::KernelBenchArgs;
@@ -81,6 +91,7 @@ mod imp {
     struct Row {
         kernel: String,
         format: String,
+        act_dtype: String,
         tokens: usize,
         micros: f64,
         gb_per_s: f64,
@@ -162,18 +173,49 @@ mod imp {
             .collect()
     }
 
-    fn max_rel_err(got: &[f32], want: &[f32]) -> f32 {
+    /// The largest `max(0, |got - want| - u |want|) / max |want|`: the error beyond rounding `want` (the
+    /// f32 reference) to `dtype`, whose unit roundoff is `u` (0 for f32).
+    fn max_rounded_err(got: &[f32], want: &[f32], dtype: ActDType) -> f32 {
+        let u = match dtype {
+            ActDType::F32 => 0.0,
+            ActDType::F16 => 2f32.powi(-11),
+            ActDType::BF16 => 2f32.powi(-8),
+        };
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
+        got.iter().zip(want).fold(0.0f32, |m, (g, w)| {
+            m.max(((g - w).abs() - u * w.abs()).max(0.0) / scale)
+        })
+    }
+
+    /// How many values of `got` (in `dtype`) differ in bits from `f32_run` rounded to `dtype`.
+    fn contract_mismatches(got: &[f32], f32_run: &[f32], dtype: ActDType) -> usize {
         got.iter()
-            .zip(want)
-            .fold(0.0f32, |m, (g, w)| m.max((g - w).abs() / scale))
+            .zip(f32_run)
+            .filter(|(g, f)| g.to_bits() != dtype.round(**f).to_bits())
+            .count()
+    }
+
+    /// The activation types asked for that the device has (each missing one is reported).
+    fn act_dtypes(k: &Kernels, names: &[String]) -> anyhow::Result<Vec<ActDType>> {
+        let mut out = Vec::new();
+        for name in names {
+            let d = ActDType::parse(name)?;
+            if k.supports(d) {
+                out.push(d);
+            } else {
+                println!(
+                    "{d} activations: skipped, the device `{}` reports no {d} buffers/conversions",
+                    k.device_name()
+                );
+            }
+        }
+        Ok(out)
     }
 
     pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
         let (k, device) = devices(&args.runtime)?;
         let sync_k = || k.sync().expect("device sync");
         let sync_b = || device.sync().expect("device sync");
-        let (hidden, inter) = (args.hidden, args.inter);
         println!("device: {} ({})", k.device_name(), args.runtime);
 
         // Rooflines: copy bandwidth (read + write) and burn's bf16 matmul rate, measured here.
@@ -190,25 +232,102 @@ mod imp {
         let bf16_tflops = 2.0 * (m as f64).powi(3) / t_mm / 1e12;
         println!("copy bandwidth {copy_gbs:.0} GB/s; burn {base:?} matmul {m}^3 {bf16_tflops:.1} TFLOP/s");
 
+        let dtypes = act_dtypes(&k, &args.act_dtype)?;
         let mut rows = Vec::new();
         let mut failures = Vec::new();
         for name in &args.formats {
+            for &dtype in &dtypes {
+                bench_format(
+                    &args,
+                    &k,
+                    &device,
+                    (base, copy_gbs),
+                    name,
+                    dtype,
+                    &mut rows,
+                    &mut failures,
+                )?;
+            }
+        }
+        print_table(&rows, base);
+        if let Some(path) = &args.json {
+            let doc = serde_json::json!({
+                "device": k.device_name(), "runtime": args.runtime,
+                "copy_gb_per_s": copy_gbs, "baseline_dtype": format!("{base:?}"), "baseline_tflops": bf16_tflops, "rows": rows,
+                "act_dtypes": dtypes.iter().map(|d| d.name()).collect::<Vec<_>>(),
+                "check_failures": failures,
+            });
+            write_json_atomic(path, &doc).with_context(|| format!("writing {}", path.display()))?;
+        }
+        if !failures.is_empty() {
+            bail!("kernel check failed:\n{}", failures.join("\n"));
+        }
+        if args.check {
+            println!("check: every kernel matched the host reference");
+        }
+        Ok(())
+    }
+
+    /// Checks (with `--check`) and times the dense and MoE kernels of one format with `dtype` activations.
+    #[allow(clippy::too_many_arguments)]
+    fn bench_format(
+        args: &KernelBenchArgs,
+        k: &Kernels,
+        device: &Device,
+        (base, copy_gbs): (DType, f64),
+        name: &str,
+        dtype: ActDType,
+        rows: &mut Vec<Row>,
+        failures: &mut Vec<String>,
+    ) -> anyhow::Result<()> {
+        let sync_k = || k.sync().expect("device sync");
+        let sync_b = || device.sync().expect("device sync");
+        let (hidden, inter) = (args.hidden, args.inter);
+        let size = dtype.size();
+        // Inputs already in the type, so the host reference and the f32 run see what the kernel widens.
+        let act_values = |n: usize, seed: u64| -> Vec<f32> {
+            values(n, seed).iter().map(|v| dtype.round(*v)).collect()
+        };
+        {
             let format = WeightFormat::parse(name)?;
             // Dense: one expert's gate projection [inter, hidden], the unit a decode step streams per expert.
             let w = PackedWeights::random(format, 1, inter, hidden, 1)?;
             let dw = k.upload_weights(&w);
-            let wb =
-                Tensor::<2>::random([hidden, inter], Distribution::Default, &device).cast(base);
+            let wb = Tensor::<2>::random([hidden, inter], Distribution::Default, device).cast(base);
             for &n in &args.tokens {
-                let x = values(n * hidden, n as u64);
-                let dx = k.upload_f32(&x);
+                let x = act_values(n * hidden, n as u64);
+                let dx = k.upload(&x, dtype)?;
                 if args.check {
+                    let want = reference::linear(&x, n, &w, 0);
+                    let f32_run = k.read_f32(&k.linear(&k.upload_f32(&x), n, &dw)?)?;
                     for path in [MatmulPath::Gemv, MatmulPath::Gemm] {
                         let got = k.read_f32(&k.linear_with(&dx, n, &dw, path)?)?;
-                        let err = max_rel_err(&got, &reference::linear(&x, n, &w, 0));
+                        let err = max_rounded_err(&got, &want, dtype);
                         if err > 1e-5 {
                             failures.push(format!(
-                                "{name} linear {path:?} n={n}: max rel err {err:.2e}"
+                                "{name} {dtype} linear {path:?} n={n}: max rel err beyond rounding {err:.2e}"
+                            ));
+                        }
+                        let bad = contract_mismatches(&got, &f32_run, dtype);
+                        if bad > 0 {
+                            failures.push(format!(
+                                "{name} {dtype} linear {path:?} n={n}: {bad} values are not round(f32 result)"
+                            ));
+                        }
+                    }
+                    if n <= 16 {
+                        // The straight-through backward's product, g [n, inter] -> dx [n, hidden].
+                        let g = act_values(n * inter, 300 + n as u64);
+                        let got =
+                            k.read_f32(&k.linear_transposed(&k.upload(&g, dtype)?, n, &dw)?)?;
+                        let f32_run =
+                            k.read_f32(&k.linear_transposed(&k.upload_f32(&g), n, &dw)?)?;
+                        let want = reference::linear_transposed(&g, n, &w, 0);
+                        let err = max_rounded_err(&got, &want, dtype);
+                        let bad = contract_mismatches(&got, &f32_run, dtype);
+                        if err > 1e-5 || bad > 0 {
+                            failures.push(format!(
+                                "{name} {dtype} transposed n={n}: max rel err beyond rounding {err:.2e}, {bad} values not round(f32)"
                             ));
                         }
                     }
@@ -218,12 +337,11 @@ mod imp {
                     || drop(k.linear(&dx, n, &dw).expect("linear")),
                     &sync_k,
                 );
-                let xb =
-                    Tensor::<2>::random([n, hidden], Distribution::Default, &device).cast(base);
+                let xb = Tensor::<2>::random([n, hidden], Distribution::Default, device).cast(base);
                 let tb = time(args.iters, || drop(xb.clone().matmul(wb.clone())), &sync_b);
-                let bytes = (w.bytes() + 4 * n * (hidden + inter)) as f64;
+                let bytes = (w.bytes() + size * n * (hidden + inter)) as f64;
                 let flops = 2.0 * (n * hidden * inter) as f64;
-                rows.push(row("linear", name, n, t, bytes, flops, tb, copy_gbs));
+                rows.push(row("linear", name, dtype, n, t, bytes, flops, tb, copy_gbs));
             }
 
             // MoE layer: gate+up (SwiGLU) and down for every expert, random top-k routing.
@@ -239,18 +357,36 @@ mod imp {
             for &n in &args.tokens {
                 let ids = random_routing(n, args.top_k, args.experts, 7 + n as u64);
                 let routing = MoeRouting::new(&ids, n, args.top_k, args.experts)?;
-                let x = values(n * hidden, 100 + n as u64);
+                let x = act_values(n * hidden, 100 + n as u64);
                 let rw: Vec<f32> = values(n * args.top_k, 200 + n as u64)
                     .iter()
-                    .map(|v| v.abs() / 4.0)
+                    .map(|v| dtype.round(v.abs() / 4.0))
                     .collect();
-                let (dx, drw) = (k.upload_f32(&x), k.upload_f32(&rw));
+                let (dx, drw) = (k.upload(&x, dtype)?, k.upload(&rw, dtype)?);
                 if args.check && n <= 16 {
                     let got = k.read_f32(&k.moe(&dx, &routing, &drw, &dg, &du, &dd)?)?;
                     let want = reference::moe(&x, &routing, &ids, &rw, &gate, &up, &down);
-                    let err = max_rel_err(&got, &want);
+                    let err = max_rounded_err(&got, &want, dtype);
                     if err > 2e-5 {
-                        failures.push(format!("{name} moe n={n}: max rel err {err:.2e}"));
+                        failures.push(format!(
+                            "{name} {dtype} moe n={n}: max rel err beyond rounding {err:.2e}"
+                        ));
+                    }
+                    if dtype != ActDType::F32 {
+                        let f32_run = k.read_f32(&k.moe(
+                            &k.upload_f32(&x),
+                            &routing,
+                            &k.upload_f32(&rw),
+                            &dg,
+                            &du,
+                            &dd,
+                        )?)?;
+                        let bad = contract_mismatches(&got, &f32_run, dtype);
+                        if bad > 0 {
+                            failures.push(format!(
+                                "{name} {dtype} moe n={n}: {bad} values are not round(f32 result)"
+                            ));
+                        }
                     }
                 }
                 let t = time(
@@ -259,17 +395,16 @@ mod imp {
                     &sync_k,
                 );
                 let touched = routing.offsets.windows(2).filter(|w| w[1] > w[0]).count();
-                let bytes = (touched * per_expert + 4 * n * hidden * 2) as f64;
+                let bytes = (touched * per_expert + size * n * hidden * 2) as f64;
                 let a = n * args.top_k;
                 let flops = 2.0 * (a * hidden * inter * 3) as f64;
                 // bf16 baseline: the same FLOPs as two dense matmuls over all assignments (as if one expert).
-                let xa =
-                    Tensor::<2>::random([a, hidden], Distribution::Default, &device).cast(base);
-                let wgu = Tensor::<2>::random([hidden, 2 * inter], Distribution::Default, &device)
+                let xa = Tensor::<2>::random([a, hidden], Distribution::Default, device).cast(base);
+                let wgu = Tensor::<2>::random([hidden, 2 * inter], Distribution::Default, device)
                     .cast(base);
-                let ha = Tensor::<2>::random([a, inter], Distribution::Default, &device).cast(base);
+                let ha = Tensor::<2>::random([a, inter], Distribution::Default, device).cast(base);
                 let wd =
-                    Tensor::<2>::random([inter, hidden], Distribution::Default, &device).cast(base);
+                    Tensor::<2>::random([inter, hidden], Distribution::Default, device).cast(base);
                 let tb = time(
                     args.iters,
                     || {
@@ -278,13 +413,18 @@ mod imp {
                     },
                     &sync_b,
                 );
-                rows.push(row("moe", name, n, t, bytes, flops, tb, copy_gbs));
+                rows.push(row("moe", name, dtype, n, t, bytes, flops, tb, copy_gbs));
             }
         }
+        Ok(())
+    }
+
+    fn print_table(rows: &[Row], base: DType) {
         println!(
-            "{:<7} {:<10} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+            "{:<7} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
             "kernel",
             "format",
+            "act",
             "tokens",
             "time (us)",
             "GB/s",
@@ -293,11 +433,12 @@ mod imp {
             format!("{base:?} (us)"),
             "speedup"
         );
-        for r in &rows {
+        for r in rows {
             println!(
-                "{:<7} {:<10} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
+                "{:<7} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
                 r.kernel,
                 r.format,
+                r.act_dtype,
                 r.tokens,
                 r.micros,
                 r.gb_per_s,
@@ -308,27 +449,13 @@ mod imp {
             );
         }
         println!("moe {base:?} baseline: the same FLOPs as dense matmuls over all assignments (a lower bound on a {base:?} MoE)");
-        if let Some(path) = &args.json {
-            let doc = serde_json::json!({
-                "device": k.device_name(), "runtime": args.runtime,
-                "copy_gb_per_s": copy_gbs, "baseline_dtype": format!("{base:?}"), "baseline_tflops": bf16_tflops, "rows": rows,
-                "check_failures": failures,
-            });
-            write_json_atomic(path, &doc).with_context(|| format!("writing {}", path.display()))?;
-        }
-        if !failures.is_empty() {
-            bail!("kernel check failed:\n{}", failures.join("\n"));
-        }
-        if args.check {
-            println!("check: every kernel matched the host reference");
-        }
-        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
     fn row(
         kernel: &str,
         format: &str,
+        act_dtype: ActDType,
         tokens: usize,
         t: f64,
         bytes: f64,
@@ -340,6 +467,7 @@ mod imp {
         Row {
             kernel: kernel.into(),
             format: format.into(),
+            act_dtype: act_dtype.name().into(),
             tokens,
             micros: t * 1e6,
             gb_per_s: gbs,

@@ -14,8 +14,11 @@
 //! stored. Intermediates that never leave a launch chain (the fp8-quantized activations, the MoE's SwiGLU
 //! output and per-assignment down projections) stay f32. So an `F` result is the f32 result on the same
 //! inputs widened to f32, rounded to `F`: `y_F = round_F(y_f32(widen(x_F)))`, bit for bit on one device,
-//! with the runtime's f32 -> `F` conversion (round to nearest even on CUDA; on Vulkan/SPIR-V the driver's
-//! `OpFConvert`, which the tests check against round-to-nearest-even on lavapipe).
+//! with the runtime's f32 -> `F` conversion, expected to round to nearest even (CUDA's `__half` and
+//! `__nv_bfloat16` conversions from float do). The tests check it bitwise against the host's
+//! round-to-nearest-even ([`crate::ActDType::round`]) for f16 on lavapipe, and `qarl bench kernels --check
+//! --act-dtype ..` does on a GPU for every type the device has. Against the host reference the
+//! result is `round_F` of a value within the f32 tolerance, so it is bit-exact wherever the f32 result is.
 //!
 //! Weight formats are compile-time parameters (`fmt`: 0 = int4, 1 = int8, 2 = fp8; `group`: the int4 group
 //! or the fp8 block), so each launched kernel is specialised and the decode is branch-free.
