@@ -22,8 +22,11 @@ pub struct LayerKv {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum KvWrite {
-    /// Every row has the same length and the buffer is tight: append along the sequence axis.
-    Append,
+    /// Every row has the same length `at`: write the new tokens at slots `at..at + t`, in place, into a
+    /// buffer kept `width` slots wide (zeros beyond; `width` is the attention's key width, a multiple of the
+    /// key block), so a decode step copies neither the cache nor a zero padding: the buffer grows once per
+    /// key block.
+    Append { at: usize, width: usize },
     /// Rows differ in length: grow the buffer to `len` slots and write token `t` of row `b` at slot
     /// `index[b, :, t, :]` (its own next position), so each row's keys stay contiguous from slot 0. Keeping
     /// every row's keys where an unpadded forward would have them makes the attention reductions run over the
@@ -137,21 +140,41 @@ impl Attention {
         let mut v = v.swap_dims(1, 2);
         if let Some((slot, write)) = cache {
             let prev = slot.take();
-            (k, v) = match (write, prev) {
-                (KvWrite::Append, None) => (k, v),
-                (KvWrite::Append, Some(p)) => {
-                    (Tensor::cat(vec![p.k, k], 2), Tensor::cat(vec![p.v, v], 2))
+            let device = k.device();
+            // `old` widened with zero slots to at least `len` (never narrowed).
+            let grow = |old: Option<Tensor<4>>, len: usize| -> Tensor<4> {
+                let have = old.as_ref().map_or(0, |o| o.dims()[2]);
+                if have >= len {
+                    return old.expect("a buffer at least `len` wide");
                 }
-                (KvWrite::Scatter { index, len }, prev) => {
-                    let device = k.device();
-                    let grow = |old: Option<Tensor<4>>| -> Tensor<4> {
-                        let have = old.as_ref().map_or(0, |o| o.dims()[2]);
-                        let zeros = Tensor::<4>::zeros([b, kv, len - have, d], &device);
-                        match old {
-                            Some(o) if have > 0 => Tensor::cat(vec![o, zeros], 2),
-                            _ => zeros,
+                let zeros = Tensor::<4>::zeros([b, kv, len - have, d], &device);
+                match old {
+                    Some(o) if have > 0 => Tensor::cat(vec![o, zeros], 2),
+                    _ => zeros,
+                }
+            };
+            (k, v) = match (write, prev) {
+                (&KvWrite::Append { width, .. }, None) => {
+                    let pad = |x: Tensor<4>| {
+                        if width > t {
+                            grow(Some(x), width)
+                        } else {
+                            x
                         }
                     };
+                    (pad(k), pad(v))
+                }
+                (&KvWrite::Append { at, width }, Some(p)) => {
+                    // In place when the buffer is uniquely owned (the cache's own copy, as here).
+                    let put = |buf: Tensor<4>, x: Tensor<4>| {
+                        grow(Some(buf), width.max(at + t))
+                            .slice_assign([0..b, 0..kv, at..at + t, 0..d], x)
+                    };
+                    (put(p.k, k), put(p.v, v))
+                }
+                (KvWrite::Scatter { index, len }, prev) => {
+                    let len = *len;
+                    let grow = |old: Option<Tensor<4>>| grow(old, len);
                     let (pk, pv) = match prev {
                         Some(p) => (Some(p.k), Some(p.v)),
                         None => (None, None),
@@ -167,7 +190,8 @@ impl Attention {
                 v: v.clone(),
             });
         }
-        // Pad the key axis with zeros to the mask's width (the decoder rounds it up to a block multiple).
+        // Pad the key axis with zeros to the mask's width (the decoder rounds it up to a block multiple), or
+        // leave out buffer slots beyond it.
         if let Some(m) = mask {
             let want = m.dims()[3];
             let have = k.dims()[2];
@@ -175,6 +199,9 @@ impl Attention {
                 let zeros = Tensor::<4>::zeros([b, kv, want - have, d], &k.device());
                 k = Tensor::cat(vec![k, zeros.clone()], 2);
                 v = Tensor::cat(vec![v, zeros], 2);
+            } else if want < have {
+                k = k.narrow(2, 0, want);
+                v = v.narrow(2, 0, want);
             }
         }
         // Grouped-query attention without copying K and V per query head: the `rep = h / kv` query heads

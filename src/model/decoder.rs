@@ -247,8 +247,16 @@ impl Decoder {
         } else {
             capacity.max(past.iter().max().unwrap_or(&0) + t)
         };
+        // Keys: with a cache, its `total` slots; without, the `t` new tokens. Attention runs over a key axis
+        // rounded up to a multiple of KEY_BLOCK (masked zeros beyond): the backend's reductions over that
+        // axis then group the real keys the same way whatever the sequence length, so a token scored in a
+        // full forward and the same token decoded with the cache round alike.
+        let keys = (if cache.is_some() { total } else { t }).div_ceil(KEY_BLOCK) * KEY_BLOCK;
         let write = match (&cache, uniform) {
-            (None, _) | (_, true) => KvWrite::Append,
+            (None, _) | (_, true) => KvWrite::Append {
+                at: capacity,
+                width: keys,
+            },
             (Some(_), false) => {
                 let (kv, d) = (cfg.num_key_value_heads, cfg.head_dim);
                 let mut index = Vec::with_capacity(b * kv * t * d);
@@ -265,11 +273,6 @@ impl Decoder {
                 }
             }
         };
-        // Keys: with a cache, its `total` slots; without, the `t` new tokens. Attention runs over a key axis
-        // rounded up to a multiple of KEY_BLOCK (masked zeros beyond): the backend's reductions over that
-        // axis then group the real keys the same way whatever the sequence length, so a token scored in a
-        // full forward and the same token decoded with the cache round alike.
-        let keys = (if cache.is_some() { total } else { t }).div_ceil(KEY_BLOCK) * KEY_BLOCK;
         let needs_mask = t > 1 || (0..b).any(|r| past[r] + new_lens[r] < keys);
         let mask = needs_mask.then(|| {
             let mut m = Vec::with_capacity(b * t * keys);
