@@ -145,8 +145,12 @@ fn bench_rollout_prints_a_row_per_scheme() {
             .find(|l| l.split('|').next().map(str::trim) == Some(name))
             .unwrap_or_else(|| panic!("no row for {name} in\n{stdout}"));
         let cols: Vec<&str> = row.split('|').map(str::trim).collect();
-        assert_eq!(cols.len(), 7, "{row}");
+        assert_eq!(cols.len(), 8, "{row}");
         assert_eq!(cols[1], "on", "deterministic mode is the default: {row}");
+        assert_eq!(
+            cols[2], "grouped",
+            "grouped MoE experts are the default: {row}"
+        );
     }
     assert!(stdout.contains("quantize time:"), "{stdout}");
 
@@ -159,6 +163,7 @@ fn bench_rollout_prints_a_row_per_scheme() {
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
         assert!(r["ratio_to_f32"].as_f64().unwrap() > 0.0);
         assert!(r["decode_ms_per_step"].as_f64().is_some());
+        assert_eq!(r["grouped_experts"], true);
     }
     assert_eq!(results[0]["ratio_to_f32"], 1.0);
 }

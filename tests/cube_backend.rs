@@ -11,9 +11,12 @@
 mod common;
 
 use burn::tensor::{Device, Tensor};
+use common::moe::{
+    bits, linear, moe_block, moe_routings, EXPERTS, HIDDEN, INTER, MOE_SCHEMES, TOKENS, TOP_K,
+};
 use common::{fixtures_dir, values};
-use qarl::model::layers::{tensor_from_vec, to_f32_vec, Linear};
-use qarl::model::mlp::{ExpertPath, MoeBlock, SwiGlu};
+use qarl::model::layers::{tensor_from_vec, to_f32_vec};
+use qarl::model::mlp::ExpertPath;
 use qarl::model::scoring::response_logprobs;
 use qarl::model::Decoder;
 
@@ -36,15 +39,6 @@ fn wgpu_device() -> Option<Device> {
             eprintln!("SKIPPED: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
             None
         }
-    }
-}
-
-fn linear(w: &[f32], out: usize, inn: usize, device: &Device) -> Linear {
-    let w_in_out = tensor_from_vec(w.to_vec(), [out, inn], device).transpose();
-    Linear {
-        weight: burn::module::Param::from_tensor(Tensor::from_data(w_in_out.into_data(), device)),
-        bias: None,
-        quant: None,
     }
 }
 
@@ -140,72 +134,6 @@ fn cube_straight_through_gradients_match_the_cpu() {
             }
         }
     }
-}
-
-const MOE_SCHEMES: [QuantScheme; 3] = [
-    QuantScheme::Int4G32,
-    QuantScheme::Int8PerChannel,
-    QuantScheme::Fp8Block128,
-];
-const HIDDEN: usize = 64;
-const INTER: usize = 32;
-const EXPERTS: usize = 8;
-const TOP_K: usize = 2;
-const TOKENS: usize = 21;
-
-/// A quantized MoE block (hidden 64, inter 32, 8 experts, top-2) from fixed values; on an autodiff device
-/// every master and the router require gradients.
-fn moe_block(device: &Device, scheme: QuantScheme, autodiff: bool) -> MoeBlock {
-    let lin = |out: usize, inn: usize, seed: u64, quantize: bool| {
-        let w: Vec<f32> = values(out * inn, seed).iter().map(|v| 0.4 * v).collect();
-        let mut l = linear(&w, out, inn, device);
-        if autodiff {
-            l.weight = l.weight.clone().map(|t| t.require_grad());
-        }
-        if quantize {
-            l.quantize(scheme).unwrap();
-        }
-        l
-    };
-    let experts = (0..EXPERTS as u64)
-        .map(|e| SwiGlu {
-            gate_proj: lin(INTER, HIDDEN, 100 + 3 * e, true),
-            up_proj: lin(INTER, HIDDEN, 101 + 3 * e, true),
-            down_proj: lin(HIDDEN, INTER, 102 + 3 * e, true),
-        })
-        .collect();
-    MoeBlock {
-        gate: lin(EXPERTS, HIDDEN, 99, false),
-        experts,
-        top_k: TOP_K,
-        norm_topk_prob: true,
-    }
-}
-
-/// The routings the MoE tests replay (`None`: the router's own top-2).
-fn moe_routings() -> Vec<(&'static str, Option<Vec<u32>>)> {
-    // Ragged: expert 7 gets no token, expert 6 exactly one (token 4, slot 1), the others uneven groups.
-    let mut ragged: Vec<u32> = (0..TOKENS as u32 * 2)
-        .map(|i| {
-            let t = i / 2;
-            if i % 2 == 0 {
-                t % 3
-            } else {
-                3 + (t * t) % 3
-            }
-        })
-        .collect();
-    ragged[4 * 2 + 1] = 6;
-    let all_to_one: Vec<u32> = (0..TOKENS).flat_map(|_| [2, 5]).collect();
-    vec![
-        ("ragged", Some(ragged)),
-        ("all tokens to experts 2 and 5", Some(all_to_one)),
-        ("router top-2", None),
-    ]
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|f| f.to_bits()).collect()
 }
 
 #[test]
