@@ -17,11 +17,9 @@ use common::moe::{
 use common::{fixtures_dir, values};
 use qarl::model::layers::{tensor_from_vec, to_f32_vec};
 use qarl::model::mlp::ExpertPath;
-use qarl::model::scoring::response_logprobs;
-use qarl::model::Decoder;
 
 use qarl::quant::cpu_kernel::lowbit_matmul;
-use qarl::quant::{QuantConfig, QuantScheme, QuantizedTensor};
+use qarl::quant::{QuantScheme, QuantizedTensor};
 
 fn wgpu_device() -> Option<Device> {
     let made = std::panic::catch_unwind(|| {
@@ -277,16 +275,14 @@ fn cube_moe_model_training_and_rollout_log_probs_are_bitwise_equal() {
     let seqs = vec![vec![5u32, 9, 200, 31, 7, 8, 100], vec![1, 2, 3, 4]];
     let prompt_lens = [2usize, 1];
     for scheme in MOE_SCHEMES {
-        let cfg = QuantConfig::new(scheme);
-        let mut infer = Decoder::load(&dir, &device).unwrap();
-        infer.quantize(&cfg).unwrap();
-        let mut train = Decoder::load(&dir, &train_dev).unwrap();
-        for (_, lin) in train.linears_mut() {
-            lin.weight = lin.weight.clone().map(|t| t.require_grad());
-        }
-        train.quantize(&cfg).unwrap();
-        let a = response_logprobs(&infer, &seqs, &prompt_lens, 1.0);
-        let b = response_logprobs(&train, &seqs, &prompt_lens, 1.0);
+        let (a, b) = common::moe::infer_and_train_logprobs(
+            &dir,
+            &device,
+            &train_dev,
+            scheme,
+            &seqs,
+            &prompt_lens,
+        );
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
             assert!(!x.is_empty());

@@ -356,16 +356,14 @@ fn training_and_inference_forwards_are_bitwise_aligned() {
     let seqs = vec![vec![5u32, 9, 200, 31, 7, 8, 100], vec![1, 2, 3, 4]];
     let prompt_lens = [2usize, 1];
     for scheme in QuantScheme::ALL {
-        let cfg = QuantConfig::new(scheme);
-        let mut infer = Decoder::load(&dir, &infer_dev).unwrap();
-        infer.quantize(&cfg).unwrap();
-        let mut train = Decoder::load(&dir, &train_dev).unwrap();
-        for (_, lin) in train.linears_mut() {
-            lin.weight = lin.weight.clone().map(|t| t.require_grad());
-        }
-        train.quantize(&cfg).unwrap();
-        let a = response_logprobs(&infer, &seqs, &prompt_lens, 1.0);
-        let b = response_logprobs(&train, &seqs, &prompt_lens, 1.0);
+        let (a, b) = common::moe::infer_and_train_logprobs(
+            &dir,
+            &infer_dev,
+            &train_dev,
+            scheme,
+            &seqs,
+            &prompt_lens,
+        );
         let (mut worst, mut same, mut n) = (0.0f32, 0, 0);
         for (x, y) in a.iter().zip(&b) {
             worst = worst.max(max_abs_diff(x, y));

@@ -404,43 +404,30 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
         .map(|r| format!("{} {:.2} s", r.scheme, r.quantize_s))
         .collect();
     println!("quantize time: {}", quant_line.join(", "));
-    if modes.contains(&true) && modes.contains(&false) {
-        let cost: Vec<String> = formats
+    // tokens/s of variant `a` over variant `b` per scheme, the other setting held at its first value.
+    let ratios = |pick: &dyn Fn(&SchemeResult, bool) -> bool| -> String {
+        formats
             .iter()
             .filter_map(|f| {
-                let tps = |on: bool| {
+                let tps = |v: bool| {
                     results
                         .iter()
-                        .find(|r| {
-                            r.scheme == f.name()
-                                && r.deterministic == on
-                                && r.grouped_experts == expert_paths[0]
-                        })
+                        .find(|r| r.scheme == f.name() && pick(r, v))
                         .map(|r| r.tokens_per_s)
                 };
                 Some(format!("{} {:.2}", f.name(), tps(true)? / tps(false)?))
             })
-            .collect();
-        println!("deterministic on / off tokens/s: {}", cost.join(", "));
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if modes.contains(&true) && modes.contains(&false) {
+        let line = ratios(&|r, on| r.deterministic == on && r.grouped_experts == expert_paths[0]);
+        println!("deterministic on / off tokens/s: {line}");
     }
     if expert_paths.contains(&true) && expert_paths.contains(&false) {
-        let gain: Vec<String> = formats
-            .iter()
-            .filter_map(|f| {
-                let tps = |grouped: bool| {
-                    results
-                        .iter()
-                        .find(|r| {
-                            r.scheme == f.name()
-                                && r.deterministic == modes[0]
-                                && r.grouped_experts == grouped
-                        })
-                        .map(|r| r.tokens_per_s)
-                };
-                Some(format!("{} {:.2}", f.name(), tps(true)? / tps(false)?))
-            })
-            .collect();
-        println!("moe experts grouped / loop tokens/s: {}", gain.join(", "));
+        let line =
+            ratios(&|r, grouped| r.deterministic == modes[0] && r.grouped_experts == grouped);
+        println!("moe experts grouped / loop tokens/s: {line}");
     }
     if let Some(path) = &args.json {
         write_json_atomic(

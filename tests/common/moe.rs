@@ -1,9 +1,13 @@
 //! A small quantized MoE block and the routings the MoE tests replay (shared by the CPU and wgpu tests).
 
+use std::path::Path;
+
 use burn::tensor::{Device, Tensor};
 use qarl::model::layers::{tensor_from_vec, Linear};
 use qarl::model::mlp::{MoeBlock, SwiGlu};
-use qarl::quant::QuantScheme;
+use qarl::model::scoring::response_logprobs;
+use qarl::model::Decoder;
+use qarl::quant::{QuantConfig, QuantScheme};
 
 use super::values;
 
@@ -81,4 +85,29 @@ pub fn moe_routings() -> Vec<(&'static str, Option<Vec<u32>>)> {
 
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|f| f.to_bits()).collect()
+}
+
+/// The response log-probs of `seqs` from the model in `dir` quantized with `scheme`, by the inference
+/// (rollout) forward on `infer_dev` and by the training forward on `train_dev` (an autodiff device, every
+/// master weight tracked): `(inference, training)`.
+pub fn infer_and_train_logprobs(
+    dir: &Path,
+    infer_dev: &Device,
+    train_dev: &Device,
+    scheme: QuantScheme,
+    seqs: &[Vec<u32>],
+    prompt_lens: &[usize],
+) -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    let cfg = QuantConfig::new(scheme);
+    let mut infer = Decoder::load(dir, infer_dev).unwrap();
+    infer.quantize(&cfg).unwrap();
+    let mut train = Decoder::load(dir, train_dev).unwrap();
+    for (_, lin) in train.linears_mut() {
+        lin.weight = lin.weight.clone().map(|t| t.require_grad());
+    }
+    train.quantize(&cfg).unwrap();
+    (
+        response_logprobs(&infer, seqs, prompt_lens, 1.0),
+        response_logprobs(&train, seqs, prompt_lens, 1.0),
+    )
 }
