@@ -131,7 +131,13 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
             let (y0, y1) = pts
                 .iter()
                 .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
-            let pad = ((y1 - y0).abs() * 0.05).max(1e-9);
+            // A flat series (k3 KL exactly 0 every step, drawn as log10 = -30) still gets a readable axis.
+            let span = y1 - y0;
+            let pad = if span > 1e-9 * (1.0 + y0.abs().max(y1.abs())) {
+                span * 0.05
+            } else {
+                (y0.abs() * 0.05).max(0.5)
+            };
             let mut chart = ChartBuilder::on(area)
                 .caption(*title, ("sans-serif", 20))
                 .margin(10)
