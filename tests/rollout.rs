@@ -181,16 +181,8 @@ fn logits_at_positions_are_the_full_forwards_rows() {
     for dir in fixture_models() {
         let model = Decoder::load(&dir, &device).unwrap();
         let ids = prompts();
-        let t = ids.iter().map(Vec::len).max().unwrap();
-        let padded: Vec<Vec<u32>> = ids
-            .iter()
-            .map(|p| {
-                p.iter()
-                    .copied()
-                    .chain(std::iter::repeat_n(0, t - p.len()))
-                    .collect()
-            })
-            .collect();
+        let padded = qarl::model::scoring::right_pad(&ids);
+        let t = padded[0].len();
         let lens: Vec<usize> = ids.iter().map(Vec::len).collect();
         let at: Vec<usize> = lens.iter().map(|l| l - 1).collect();
         let full = model.forward(&padded, Some(&lens), None, None).logits;

@@ -72,6 +72,23 @@ pub struct RolloutBenchArgs {
     pub moe_experts: Vec<String>,
 }
 
+/// A comma list of a two-way switch (`--deterministic on,off`), parsed by `parse`; empty is an error.
+fn parse_switch_list(
+    values: &[String],
+    flag: &str,
+    choices: &str,
+    parse: fn(&str) -> anyhow::Result<bool>,
+) -> anyhow::Result<Vec<bool>> {
+    let parsed = values
+        .iter()
+        .map(|s| parse(s))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if parsed.is_empty() {
+        anyhow::bail!("{flag} is empty: give {choices}");
+    }
+    Ok(parsed)
+}
+
 /// `grouped` -> true, `loop` -> false.
 fn parse_moe_experts(s: &str) -> anyhow::Result<bool> {
     match s.trim() {
@@ -315,22 +332,18 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
             anyhow::bail!("{name} must be at least 1");
         }
     }
-    let modes = args
-        .deterministic
-        .iter()
-        .map(|s| parse_on_off(s))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    if modes.is_empty() {
-        anyhow::bail!("--deterministic is empty: give on, off or on,off");
-    }
-    let expert_paths = args
-        .moe_experts
-        .iter()
-        .map(|s| parse_moe_experts(s))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    if expert_paths.is_empty() {
-        anyhow::bail!("--moe-experts is empty: give grouped, loop or grouped,loop");
-    }
+    let modes = parse_switch_list(
+        &args.deterministic,
+        "--deterministic",
+        "on, off or on,off",
+        parse_on_off,
+    )?;
+    let expert_paths = parse_switch_list(
+        &args.moe_experts,
+        "--moe-experts",
+        "grouped, loop or grouped,loop",
+        parse_moe_experts,
+    )?;
     let device = args.backend.device()?;
     let start = Instant::now();
     let mut model = Decoder::load(&args.model, &device)?;

@@ -112,23 +112,28 @@ pub fn next_token_logprobs(logits: Tensor<3>, ids: &[Vec<u32>]) -> Tensor<2> {
     next_token_logprobs_at(logits, ids, 1.0)
 }
 
-/// Right-pads rows of different lengths to one batch (padding after the real tokens never influences them
-/// in a causal model) and runs the full forward. Returns the output and the padded ids.
-pub fn forward_ragged(
-    model: &Decoder,
-    seqs: &[Vec<u32>],
-    replay: Option<&[Option<Routing>]>,
-) -> (ForwardOutput, Vec<Vec<u32>>) {
+/// Rows of different lengths right-padded with id 0 to the longest (each row's tokens start at slot 0;
+/// padding after the real tokens never influences them in a causal model).
+pub fn right_pad(seqs: &[Vec<u32>]) -> Vec<Vec<u32>> {
     let t = seqs.iter().map(Vec::len).max().unwrap_or(0);
-    let padded: Vec<Vec<u32>> = seqs
-        .iter()
+    seqs.iter()
         .map(|s| {
             s.iter()
                 .copied()
                 .chain(std::iter::repeat_n(0, t - s.len()))
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+/// Right-pads rows of different lengths to one batch ([`right_pad`]) and runs the full forward. Returns the
+/// output and the padded ids.
+pub fn forward_ragged(
+    model: &Decoder,
+    seqs: &[Vec<u32>],
+    replay: Option<&[Option<Routing>]>,
+) -> (ForwardOutput, Vec<Vec<u32>>) {
+    let padded = right_pad(seqs);
     (model.forward(&padded, None, None, replay), padded)
 }
 

@@ -4,7 +4,7 @@
 //!
 //! **The same bits as the per-expert loop** ([`crate::model::mlp::MoeBlock`]'s `per_expert`). Every step
 //! repeats that path's arithmetic exactly:
-//! - each projection is [`KernelWeights::matmul`], which is row-invariant (a token's output does not depend
+//! - each projection is [`super::cpu_kernel::KernelWeights::matmul`], which is row-invariant (a token's output does not depend
 //!   on which other tokens share the call), so computing an expert's tokens together or apart is the same;
 //! - SwiGLU is `(g * sigmoid(g)) * u` with burn flex's `sigmoid` (`1 / (1 + exp(-g))` for `g >= 0`, else
 //!   `e / (1 + e)` with `e = exp(g)`), as `silu(g) * u` computes it there;
@@ -16,7 +16,6 @@
 
 use rayon::prelude::*;
 
-use super::cpu_kernel::KernelWeights;
 use super::moe::ExpertWeights;
 
 /// burn flex's `sigmoid` on f32, the branch-for-branch formula `silu` uses there.
@@ -62,7 +61,6 @@ pub fn grouped_moe(
         );
         pairs[e as usize].push((pos / top_k.max(1), pos));
     }
-    let kernel = |w: &super::linear::PackedWeight| -> std::sync::Arc<KernelWeights> { w.1.clone() };
     let outputs: Vec<(usize, Vec<f32>)> = pairs
         .par_iter()
         .enumerate()
@@ -73,15 +71,15 @@ pub fn grouped_moe(
             for &(t, _) in p {
                 xs.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
             }
-            let g = kernel(&experts.gate[e]).matmul(&xs, m);
-            let u = kernel(&experts.up[e]).matmul(&xs, m);
+            let g = experts.gate[e].1.matmul(&xs, m);
+            let u = experts.up[e].1.matmul(&xs, m);
             debug_assert_eq!(g.len(), m * inter);
             let h: Vec<f32> = g
                 .iter()
                 .zip(&u)
                 .map(|(&g, &u)| (g * flex_sigmoid(g)) * u)
                 .collect();
-            (e, kernel(&experts.down[e]).matmul(&h, m))
+            (e, experts.down[e].1.matmul(&h, m))
         })
         .collect();
     let mut out = vec![0.0f32; n * hidden];

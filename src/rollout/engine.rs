@@ -128,15 +128,7 @@ pub fn generate(
 
     // Prefill every prompt once, right-padded to the longest (each row's tokens start at slot 0).
     let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let padded: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|pr| {
-            pr.iter()
-                .copied()
-                .chain(std::iter::repeat_n(0, t - pr.len()))
-                .collect()
-        })
-        .collect();
+    let padded = crate::model::scoring::right_pad(prompts);
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
     let mut cache = model.new_cache(p);
     let last: Vec<usize> = lens.iter().map(|l| l - 1).collect();
