@@ -1045,3 +1045,66 @@ fn char_tokenizer_round_trips_through_tokenizers() {
     let b = char_tokenizer::build();
     assert_eq!(b.encode(t.as_str(), false).unwrap().get_ids(), &ids[..]);
 }
+
+/// `sft.answer_only_frac`: the answer-only targets verify on every task, the share is what was asked for, the
+/// draw is deterministic, and the other examples keep their worked solutions.
+#[test]
+fn answer_only_solutions_verify_and_mix_in_at_the_asked_rate() {
+    use qarl::train::sft::with_answer_only;
+    let arith = Task::from_config(&TaskConfig::Arithmetic(ArithmeticConfig::default())).unwrap();
+    let gsm = Task::from_config(
+        &serde_json::from_value(serde_json::json!({
+            "kind": "gsm8k", "path": fixture("gsm8k_slice.jsonl"), "eval_fraction": 0.3
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    let math = Task::from_config(
+        &serde_json::from_value(serde_json::json!({
+            "kind": "math", "path": fixture("math_slice.jsonl"), "eval_fraction": 0.3
+        }))
+        .unwrap(),
+    )
+    .unwrap();
+    // the plain template puts a space after `Answer:`, as for worked solutions
+    for (task, want) in [(&arith, " #### "), (&gsm, " #### "), (&math, " \\boxed{")] {
+        for ex in task.sample_prompts(10, 3) {
+            let sol = task.answer_only_solution(&ex);
+            assert!(sol.starts_with(want), "{}: {sol:?}", task.name());
+            assert!(
+                score(&sol, &ex.answer, &VerifyConfig::default()).correct,
+                "{}: {sol:?} for {:?}",
+                task.name(),
+                ex.answer
+            );
+        }
+    }
+    assert_eq!(
+        arith
+            .answer_only_solution(&arith.sample_prompts(1, 3)[0])
+            .chars()
+            .filter(|&c| c == '.')
+            .count(),
+        0
+    );
+
+    let worked = arith.sample_prompts(4000, 11);
+    let mixed = with_answer_only(&arith, worked.clone(), 0.6, 5, 17);
+    assert_eq!(mixed, with_answer_only(&arith, worked.clone(), 0.6, 5, 17));
+    assert_ne!(mixed, with_answer_only(&arith, worked.clone(), 0.6, 5, 18));
+    let mut n_short = 0;
+    for (m, w) in mixed.iter().zip(&worked) {
+        assert_eq!((&m.prompt, &m.answer), (&w.prompt, &w.answer));
+        if m.solution != w.solution {
+            assert_eq!(
+                m.solution.as_deref(),
+                Some(arith.answer_only_solution(w).as_str())
+            );
+            n_short += 1;
+        }
+    }
+    let share = n_short as f64 / worked.len() as f64;
+    // the binomial SE of 4000 draws at 0.6 is 0.008; single-term problems are already answer-only
+    assert!((share - 0.6).abs() < 0.04, "answer-only share {share}");
+    assert_eq!(with_answer_only(&arith, worked.clone(), 0.0, 5, 17), worked);
+}

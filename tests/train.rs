@@ -89,6 +89,10 @@ fn default_config_parses_and_bad_configs_are_named() {
             "samples_per_prompt",
         ),
         (good.replace("lr = 3e-5", "lr = -1.0"), "lr"),
+        (
+            good.replace("answer_only_frac = 0.5", "answer_only_frac = 1.5"),
+            "sft.answer_only_frac",
+        ),
     ];
     for (text, want) in cases {
         let err = TrainConfig::from_toml(&text, "my.toml")

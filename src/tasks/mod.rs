@@ -351,6 +351,23 @@ impl Task {
         }
     }
 
+    /// The answer-only completion of `example`: its final-answer line with no working (` #### 7` for
+    /// arithmetic and GSM8K, `\boxed{7}` for MATH), rendered like a worked solution. A warm start that mixes
+    /// these in (`sft.answer_only_frac`) learns two ways of answering, as models pretrained on real text do.
+    pub fn answer_only_solution(&self, example: &Example) -> String {
+        match self {
+            Task::Arithmetic(_) => format!(" #### {}\n", example.answer),
+            Task::Dataset(d) => {
+                let line = if d.name == "math" {
+                    format!("\\boxed{{{}}}", example.answer)
+                } else {
+                    format!("#### {}", example.answer)
+                };
+                d.template.render_completion(&line)
+            }
+        }
+    }
+
     /// Scores `response` (the completion only) against `example`'s gold answer.
     pub fn score(&self, response: &str, example: &Example, cfg: &VerifyConfig) -> Verdict {
         verify::score(response, &example.answer, cfg)

@@ -85,6 +85,12 @@ pub struct SftConfig {
     pub weight_decay: f32,
     #[serde(default = "default_log_every")]
     pub log_every: usize,
+    /// Fraction of the warm start's examples whose target is the answer alone, without working
+    /// (`Task::answer_only_solution`), drawn per example from the seed. Real pretraining text is like this: most
+    /// answers come without their working. The warm-started model then has two ways to answer, and RL with a
+    /// verifiable reward has to find out which one pays (0 = worked solutions only).
+    #[serde(default)]
+    pub answer_only_frac: f64,
 }
 
 fn default_weight_decay() -> f32 {
@@ -365,6 +371,12 @@ impl TrainConfig {
                 "a finite number >= 0",
             )?;
             check(s.log_every >= 1, "sft.log_every", s.log_every, ">= 1")?;
+            check(
+                (0.0..1.0).contains(&s.answer_only_frac),
+                "sft.answer_only_frac",
+                s.answer_only_frac,
+                "in [0, 1)",
+            )?;
         }
         let e = &self.eval;
         check(e.every >= 1, "eval.every", e.every, ">= 1")?;

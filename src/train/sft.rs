@@ -10,7 +10,9 @@ use super::metrics::MetricsLog;
 use super::progress::progress_bar;
 use crate::model::layers::to_f32_vec;
 use crate::model::{Decoder, Tokenizer};
-use crate::tasks::Example;
+use crate::tasks::{Example, Task};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 /// Prompt ids and prompt + solution + EOS ids of one example.
 pub fn encode_example(
@@ -29,6 +31,28 @@ pub fn encode_example(
     Ok((ids, prompt.len()))
 }
 
+/// Replaces the target of a `frac` share of `examples` (drawn per example from `seed` and `step`) by the
+/// answer alone (`sft.answer_only_frac`).
+pub fn with_answer_only(
+    task: &Task,
+    mut examples: Vec<Example>,
+    frac: f64,
+    seed: u64,
+    step: usize,
+) -> Vec<Example> {
+    if frac <= 0.0 {
+        return examples;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_mul(7919).wrapping_add(step as u64));
+    rng.set_stream(1);
+    for ex in &mut examples {
+        if rng.random::<f64>() < frac {
+            ex.solution = Some(task.answer_only_solution(ex));
+        }
+    }
+    examples
+}
+
 /// Trains `model` (on an autodiff device) for `cfg.steps` steps; returns it and the last loss.
 pub fn run_sft(
     mut model: Decoder,
@@ -39,7 +63,7 @@ pub fn run_sft(
     log: &mut MetricsLog,
     quiet: bool,
 ) -> anyhow::Result<(Decoder, f32)> {
-    let task = crate::tasks::Task::from_config(&train.task)?;
+    let task = Task::from_config(&train.task)?;
     let device: Device = model.device();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(cfg.weight_decay)
@@ -52,6 +76,7 @@ pub fn run_sft(
             cfg.batch_size,
             train.seed.wrapping_mul(7919).wrapping_add(step as u64),
         );
+        let examples = with_answer_only(&task, examples, cfg.answer_only_frac, train.seed, step);
         let (seqs, lens): (Vec<_>, Vec<_>) = examples
             .iter()
             .map(|ex| encode_example(tok, ex, eos))
