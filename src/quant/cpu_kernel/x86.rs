@@ -36,11 +36,11 @@ fn check(src: &TileSrc<'_>, scheme: u8, o_end: usize, xs: &[&[f32]]) {
 /// Per-row state of a scale segment: the int4 table times the scale, or the broadcast scale.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn prep512<const S: u8>(src: &TileSrc<'_>, o: usize, seg: usize) -> __m512 {
+unsafe fn prep512<const S: u8>(row_scales: &[f32], seg: usize) -> __m512 {
     if S == PANEL {
         return _mm512_setzero_ps();
     }
-    let s = _mm512_set1_ps(src.scale(o, seg));
+    let s = _mm512_set1_ps(row_scales[seg]);
     if S == INT4 {
         // SAFETY: INT4_TABLE has 16 f32.
         _mm512_mul_ps(unsafe { _mm512_loadu_ps(INT4_TABLE.as_ptr()) }, s)
@@ -132,14 +132,15 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     let mut acc = [[[zero; 2]; OB]; MB];
     let mut prep = [zero; OB];
     let xp: [*const f32; MB] = std::array::from_fn(|i| xs[i].as_ptr());
-    let mut c = 0;
+    let rows: [&[f32]; OB] = std::array::from_fn(|r| src.scale_row(o0 + r));
+    let (mut c, mut seg) = (0, 0);
     while c < src.chunks {
-        let seg = c / src.seg_chunks;
         for (r, p) in prep.iter_mut().enumerate() {
             // SAFETY: same features as this function.
-            *p = unsafe { prep512::<S>(src, o0 + r, seg) };
+            *p = unsafe { prep512::<S>(rows[r], seg) };
         }
-        let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+        seg += 1;
+        let end = (c + src.seg_chunks).min(src.chunks);
         while c < end {
             let mut w = [[zero; 2]; OB];
             for r in 0..OB {
@@ -173,12 +174,13 @@ unsafe fn decode_rows512<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
     let kp = src.chunks * LANES;
     assert!(dst.len() >= n * kp);
     for r in 0..n {
-        let mut c = 0;
+        let row = src.scale_row(o0 + r);
+        let (mut c, mut seg) = (0, 0);
         while c < src.chunks {
-            let seg = c / src.seg_chunks;
             // SAFETY: same features as this function.
-            let prep = unsafe { prep512::<S>(src, o0 + r, seg) };
-            let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+            let prep = unsafe { prep512::<S>(row, seg) };
+            seg += 1;
+            let end = (c + src.seg_chunks).min(src.chunks);
             while c < end {
                 // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
                 unsafe {
@@ -369,15 +371,16 @@ unsafe fn tile256<const S: u8, const MB: usize, const OB: usize>(
     let mut acc = [[[zero; 4]; OB]; MB];
     let mut sc = [zero; OB];
     let xp: [*const f32; MB] = std::array::from_fn(|i| xs[i].as_ptr());
-    let mut c = 0;
+    let rows: [&[f32]; OB] = std::array::from_fn(|r| src.scale_row(o0 + r));
+    let (mut c, mut seg) = (0, 0);
     while c < src.chunks {
-        let seg = c / src.seg_chunks;
         if S != PANEL {
             for (r, s) in sc.iter_mut().enumerate() {
-                *s = _mm256_set1_ps(src.scale(o0 + r, seg));
+                *s = _mm256_set1_ps(rows[r][seg]);
             }
         }
-        let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+        seg += 1;
+        let end = (c + src.seg_chunks).min(src.chunks);
         while c < end {
             let mut w = [[zero; 4]; OB];
             for r in 0..OB {
@@ -409,15 +412,12 @@ unsafe fn decode_rows256<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
     let kp = src.chunks * LANES;
     assert!(dst.len() >= n * kp);
     for r in 0..n {
-        let mut c = 0;
+        let row = src.scale_row(o0 + r);
+        let (mut c, mut seg) = (0, 0);
         while c < src.chunks {
-            let seg = c / src.seg_chunks;
-            let s = _mm256_set1_ps(if S == PANEL {
-                0.0
-            } else {
-                src.scale(o0 + r, seg)
-            });
-            let end = ((seg + 1) * src.seg_chunks).min(src.chunks);
+            let s = _mm256_set1_ps(if S == PANEL { 0.0 } else { row[seg] });
+            seg += 1;
+            let end = (c + src.seg_chunks).min(src.chunks);
             while c < end {
                 // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
                 unsafe {
