@@ -75,11 +75,12 @@ fn cols<const R: usize, const NB: usize>(
     out: &mut [f32],
 ) {
     let width = c1 - c0;
-    // Full blocks of NB columns: with many row blocks, the block of `w` is first copied to a contiguous
-    // `[k, NB]` buffer (rows of `w` are `n` apart: a power-of-two stride would make every row of the block
-    // fall in the same cache set), then reused by every row block. Copying changes no arithmetic.
-    // (Decode-sized calls read `w` in place: copying it would double their memory traffic.)
-    let pack = m > 4 * R;
+    // Full blocks of NB columns: with more than one row block, the block of `w` is first copied to a
+    // contiguous `[k, NB]` buffer (rows of `w` are `n` apart: a power-of-two stride puts every row of the
+    // block in the same few cache sets, so a second pass in place reads it from DRAM again), then reused by
+    // every row block. Copying changes no arithmetic. With one row block (m <= R) `w` is read in place, once.
+    // The lm_head of the 195M MoE at decode (m = 8, [768, 8192]): 3.6 -> 2.4 ms with the copy.
+    let pack = m > R;
     let mut packed = if pack {
         vec![0.0f32; k * NB]
     } else {
