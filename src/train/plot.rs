@@ -105,6 +105,10 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
             )],
         ),
         (
+            "response_length/mean",
+            vec![("tokens".into(), series(&rows, "rl", "response_length/mean"))],
+        ),
+        (
             "perf/step_s",
             vec![("step s".into(), series(&rows, "rl", "perf/step_s"))],
         ),
@@ -114,12 +118,13 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(out)
 }
 
-/// Draws up to six panels in a 3x2 grid to `out` (PNG).
+/// Draws the panels two per row, 300 pixels high each, to `out` (PNG).
 fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
     {
-        let root = BitMapBackend::new(out, (1200, 900)).into_drawing_area();
+        let rows = panels.len().div_ceil(2).max(1);
+        let root = BitMapBackend::new(out, (1200, 300 * rows as u32)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let areas = root.split_evenly((3, 2));
+        let areas = root.split_evenly((rows, 2));
         for (area, (title, lines)) in areas.iter().zip(panels) {
             let pts: Vec<&(f64, f64)> = lines.iter().flat_map(|(_, s)| s.iter()).collect();
             if pts.is_empty() {
@@ -259,6 +264,10 @@ pub fn plot_comparison(
         (
             "error_tokens/frac",
             per_variant("rl", &fixed("error_tokens/frac"), false),
+        ),
+        (
+            "response_length/mean",
+            per_variant("rl", &fixed("response_length/mean"), false),
         ),
     ];
     draw_panels(out, &panels)
