@@ -124,6 +124,7 @@ max_terms = 2
 steps = 8
 batch_size = 8
 lr = 3e-3
+answer_only_frac = 0.5
 [rollout]
 precision = "int4-g32"
 prompts_per_step = 3
