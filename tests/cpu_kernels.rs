@@ -162,6 +162,8 @@ fn f32_products_match_their_reference_and_are_row_batch_invariant() {
         (1, 5, 160, 300),
         (3, 6, 40, 70),
         (1, 9, 576, 1000),
+        (1, 3, 96, 200), // three rows in one pass over w
+        (1, 7, 33, 130), // four, then three, from the packed block
         (2, 1, 64, 129),
         (1, 300, 64, 130), // split in row chunks and 64-column blocks over threads
     ] {

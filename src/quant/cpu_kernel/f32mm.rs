@@ -107,7 +107,7 @@ fn cols<const R: usize, const NB: usize>(
                     out[at..at + NB].copy_from_slice(a);
                 }
             } else {
-                // The last rows together (one pass over the block of `w`).
+                // The last rows together (one pass over the block of `w`; R is at most 4 on every path).
                 let xs = &x[i * k..];
                 let mut put = |acc: &[[f32; NB]]| {
                     for (r, a) in acc.iter().enumerate() {
@@ -124,6 +124,11 @@ fn cols<const R: usize, const NB: usize>(
                     2 => {
                         let mut acc = [[0.0f32; NB]; 2];
                         block::<2, NB>(xs, wb, k, nb, ob, &mut acc);
+                        put(&acc);
+                    }
+                    3 => {
+                        let mut acc = [[0.0f32; NB]; 3];
+                        block::<3, NB>(xs, wb, k, nb, ob, &mut acc);
                         put(&acc);
                     }
                     _ => {
