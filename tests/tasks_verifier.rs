@@ -1089,9 +1089,9 @@ fn answer_only_solutions_verify_and_mix_in_at_the_asked_rate() {
     );
 
     let worked = arith.sample_prompts(4000, 11);
-    let mixed = with_answer_only(&arith, worked.clone(), 0.6, 5, 17);
-    assert_eq!(mixed, with_answer_only(&arith, worked.clone(), 0.6, 5, 17));
-    assert_ne!(mixed, with_answer_only(&arith, worked.clone(), 0.6, 5, 18));
+    let mixed = with_answer_only(&arith, worked.clone(), 0.6, 17);
+    assert_eq!(mixed, with_answer_only(&arith, worked.clone(), 0.6, 17));
+    assert_ne!(mixed, with_answer_only(&arith, worked.clone(), 0.6, 18));
     let mut n_short = 0;
     for (m, w) in mixed.iter().zip(&worked) {
         assert_eq!((&m.prompt, &m.answer), (&w.prompt, &w.answer));
@@ -1106,5 +1106,5 @@ fn answer_only_solutions_verify_and_mix_in_at_the_asked_rate() {
     let share = n_short as f64 / worked.len() as f64;
     // the binomial SE of 4000 draws at 0.6 is 0.008; single-term problems are already answer-only
     assert!((share - 0.6).abs() < 0.04, "answer-only share {share}");
-    assert_eq!(with_answer_only(&arith, worked.clone(), 0.0, 5, 17), worked);
+    assert_eq!(with_answer_only(&arith, worked.clone(), 0.0, 17), worked);
 }

@@ -170,7 +170,7 @@ impl<'a> TileSrc<'a> {
     /// The scale of output row `o`, segment `seg`.
     #[inline(always)]
     pub fn scale(&self, o: usize, seg: usize) -> f32 {
-        self.scales[(o / self.scale_row_div) * self.scale_row_stride + seg]
+        self.scale_row(o)[seg]
     }
 
     /// The scales of output row `o`, one per segment (empty for a float panel). The SIMD loops take this

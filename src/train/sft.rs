@@ -31,19 +31,18 @@ pub fn encode_example(
     Ok((ids, prompt.len()))
 }
 
-/// Replaces the target of a `frac` share of `examples` (drawn per example from `seed` and `step`) by the
-/// answer alone (`sft.answer_only_frac`).
+/// Replaces the target of a `frac` share of `examples` by the answer alone (`sft.answer_only_frac`), drawn
+/// per example from `seed` (the step's sampling seed; the draws use their own ChaCha stream).
 pub fn with_answer_only(
     task: &Task,
     mut examples: Vec<Example>,
     frac: f64,
     seed: u64,
-    step: usize,
 ) -> Vec<Example> {
     if frac <= 0.0 {
         return examples;
     }
-    let mut rng = ChaCha8Rng::seed_from_u64(seed.wrapping_mul(7919).wrapping_add(step as u64));
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(1);
     for ex in &mut examples {
         if rng.random::<f64>() < frac {
@@ -72,11 +71,9 @@ pub fn run_sft(
     let mut last = f32::NAN;
     let mut nonfinite = 0usize;
     for step in 0..cfg.steps {
-        let examples = task.sample_prompts(
-            cfg.batch_size,
-            train.seed.wrapping_mul(7919).wrapping_add(step as u64),
-        );
-        let examples = with_answer_only(&task, examples, cfg.answer_only_frac, train.seed, step);
+        let step_seed = train.seed.wrapping_mul(7919).wrapping_add(step as u64);
+        let examples = task.sample_prompts(cfg.batch_size, step_seed);
+        let examples = with_answer_only(&task, examples, cfg.answer_only_frac, step_seed);
         let (seqs, lens): (Vec<_>, Vec<_>) = examples
             .iter()
             .map(|ex| encode_example(tok, ex, eos))
