@@ -166,6 +166,8 @@ fn f32_products_match_their_reference_and_are_row_batch_invariant() {
         (1, 7, 33, 130), // four, then three, from the packed block
         (2, 1, 64, 129),
         (1, 300, 64, 130), // split in row chunks and 64-column blocks over threads
+        (1, 8, 131, 1100), // streamed rows of w (m <= 8), a partial step of rows, tail columns
+        (1, 2, 515, 600),
     ] {
         let x = values(batch * m * k, (m * k) as u64);
         let w = values(batch * k * n, (k * n + 1) as u64);

@@ -740,3 +740,72 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
         }
     }
 }
+
+/// The fused attention core of the CPU (deterministic mode) gives the op-by-op path's bits: several rows, a
+/// key head shared by three query heads, two queries each, masked keys (causal and padding) and a key axis
+/// that is not a multiple of 32; and under autodiff with a gradient to carry, the fused op steps aside.
+#[test]
+fn fused_attention_core_matches_the_op_by_op_path() {
+    use qarl::model::attention::attention_core_ops;
+    use qarl::quant::linear::attention_core;
+    let device = Device::flex();
+    let (b, kv, rep, t, s, d) = (3usize, 2usize, 3usize, 2usize, 70usize, 64usize);
+    let q = values(b * kv * rep * t * d, 11);
+    let k = values(b * kv * s * d, 12);
+    let v = values(b * kv * s * d, 13);
+    let mut mask = vec![0.0f32; b * t * s];
+    for r in 0..b {
+        let len = s - 7 * r;
+        for qi in 0..t {
+            for j in 0..s {
+                if j > len - t + qi {
+                    mask[(r * t + qi) * s + j] = -1.0e30;
+                }
+            }
+        }
+    }
+    let tq = |v: &[f32], dims: [usize; 4], dev: &Device| tensor_from_vec(v.to_vec(), dims, dev);
+    let shape_q = [b, kv, rep * t, d];
+    let shape_kv = [b, kv, s, d];
+    let shape_m = [b, 1, t, s];
+    let scale = 0.3f32; // not a power of two: a fused multiply-add would round differently
+    let fused = attention_core(
+        tq(&q, shape_q, &device),
+        tq(&k, shape_kv, &device),
+        tq(&v, shape_kv, &device),
+        tq(&mask, shape_m, &device),
+        scale,
+    )
+    .expect("the CPU fuses the attention core in deterministic mode");
+    let ops = attention_core_ops(
+        tq(&q, shape_q, &device),
+        tq(&k, shape_kv, &device),
+        tq(&v, shape_kv, &device),
+        Some(&tq(&mask, shape_m, &device)),
+        scale,
+        t,
+    );
+    let (f, o) = (to_f32_vec(fused), to_f32_vec(ops));
+    assert_eq!(f.len(), b * kv * rep * t * d);
+    assert!(f.iter().all(|x| x.is_finite()));
+    let same = f
+        .iter()
+        .zip(&o)
+        .filter(|(x, y)| x.to_bits() == y.to_bits())
+        .count();
+    assert_eq!(same, f.len(), "fused and op-by-op attention differ");
+    // A query that carries a gradient: the fused op (which has no backward) is not used.
+    let ad = Device::flex().autodiff();
+    let tracked = tq(&q, shape_q, &ad).require_grad();
+    let none = attention_core(
+        tracked,
+        tq(&k, shape_kv, &ad),
+        tq(&v, shape_kv, &ad),
+        tq(&mask, shape_m, &ad),
+        scale,
+    );
+    assert!(
+        none.is_none(),
+        "a tracked input must take the op-by-op path"
+    );
+}

@@ -208,18 +208,42 @@ impl Attention {
         // that share a key head are stacked along the query axis, `[b, kv, rep * t, d]`, against that key
         // head's `[b, kv, s, d]`. Every score and output element is the same dot product as with expanded
         // K/V (det_matmul sums each one in a fixed order), so the bits do not change, only the copies go.
-        let s = k.dims()[2];
         let rep = h / kv;
         let q = q.reshape([b, kv, rep * t, d]);
-        let mut scores = (det_matmul(q, k, true) * (1.0 / (d as f64).sqrt())).reshape([b, h, t, s]);
-        if let Some(m) = mask {
-            scores = scores + m.clone();
-        }
-        let probs = crate::model::layers::softmax_exact(scores, 3).reshape([b, kv, rep * t, s]);
-        let out = det_matmul(probs, v, false)
+        // The scale as the tensor ops apply it (the f64 scalar rounded to f32 once).
+        let scale = (1.0 / (d as f64).sqrt()) as f32;
+        let fused = mask.and_then(|m| {
+            crate::quant::linear::attention_core(q.clone(), k.clone(), v.clone(), m.clone(), scale)
+        });
+        let out = fused.unwrap_or_else(|| attention_core_ops(q, k, v, mask, scale, t));
+        let out = out
             .reshape([b, h, t, d])
             .swap_dims(1, 2)
             .reshape([b * t, h * d]);
         self.o_proj.forward(out).reshape([b, t, hidden])
     }
+}
+
+/// The core of grouped-query attention op by op: `q [b, kv, rep * t, d]` (the `rep` query heads of a key
+/// head stacked along the rows), `k`/`v` `[b, kv, s, d]`, additive `mask` `[b, 1, t, s]` ->
+/// `softmax(q k^T * scale + mask) v`, `[b, kv, rep * t, d]`. The path autodiff differentiates, and the
+/// definition that [`crate::quant::linear::attention_core`] (one fused op where the backend has it) matches
+/// bit for bit.
+pub fn attention_core_ops(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Option<&Tensor<4>>,
+    scale: f32,
+    t: usize,
+) -> Tensor<4> {
+    let [b, kv, rows, _] = q.dims();
+    let s = k.dims()[2];
+    let h = kv * rows / t.max(1);
+    let mut scores = (det_matmul(q, k, true) * scale).reshape([b, h, t, s]);
+    if let Some(m) = mask {
+        scores = scores + m.clone();
+    }
+    let probs = crate::model::layers::softmax_exact(scores, 3).reshape([b, kv, rows, s]);
+    det_matmul(probs, v, false)
 }

@@ -32,6 +32,7 @@
 //! Small `m` (decode, GEMV) runs a fused decode-and-multiply tile over 4 output rows; larger `m` (prefill,
 //! scoring) decodes a panel of output rows to f32 once and runs a 4x3 register tile over it.
 
+use std::borrow::Cow;
 use std::sync::OnceLock;
 
 use rayon::prelude::*;
@@ -104,6 +105,12 @@ impl SimdPath {
         }
         paths.push(SimdPath::Portable);
         paths
+    }
+
+    /// Whether this machine can run the path (detected once; the kernels check it on every call).
+    pub fn is_available(self) -> bool {
+        static AVAILABLE: OnceLock<Vec<SimdPath>> = OnceLock::new();
+        AVAILABLE.get_or_init(Self::available).contains(&self)
     }
 
     /// The fastest available path (detected once). `QARL_SIMD=avx512|avx2|portable` picks a slower one.
@@ -326,7 +333,7 @@ impl KernelWeights {
     /// [`Self::matmul`] on a given path (tests compare them; a path this machine lacks panics).
     pub fn matmul_on(&self, path: SimdPath, x: &[f32], m: usize) -> Vec<f32> {
         assert!(
-            SimdPath::available().contains(&path),
+            path.is_available(),
             "SIMD path {} is not available on this machine",
             path.name()
         );
@@ -340,57 +347,58 @@ impl KernelWeights {
         if m == 0 || out == 0 {
             return vec![0.0; m * out];
         }
-        let xa = if self.fp8_activations {
+        let xa: Cow<'_, [f32]> = if self.fp8_activations {
             match Fp8Activations::quantize(x, m, inn) {
-                Ok(a) => a.dequantize(),
-                Err(_) => vec![f32::NAN; x.len()],
+                Ok(a) => Cow::Owned(a.dequantize()),
+                Err(_) => Cow::Owned(vec![f32::NAN; x.len()]),
             }
         } else {
-            x.to_vec()
+            Cow::Borrowed(x)
         };
-        let xp: Vec<f32> = if kp == inn {
+        let xp: Cow<'_, [f32]> = if kp == inn {
             xa
         } else {
             let mut xp = vec![0.0f32; m * kp];
             for (dst, src) in xp.chunks_mut(kp).zip(xa.chunks(inn.max(1))) {
                 dst[..inn].copy_from_slice(src);
             }
-            xp
+            Cow::Owned(xp)
         };
-        // Computed transposed ([out, m]) so that each task owns a contiguous block of output rows.
-        let mut yt = vec![0.0f32; out * m];
-        let src = self.src();
-        let parallel = m * out * kp >= PARALLEL_MIN_WORK;
-        if m <= FUSED_MAX_M {
-            let task = |(t, block): (usize, &mut [f32])| {
-                let o0 = t * FUSED_TASK_ROWS;
-                self.fused_block(path, &src, &xp, m, o0, block);
-            };
-            if parallel {
-                yt.par_chunks_mut(FUSED_TASK_ROWS * m)
-                    .enumerate()
-                    .for_each(task);
-            } else {
-                yt.chunks_mut(FUSED_TASK_ROWS * m)
-                    .enumerate()
-                    .for_each(task);
-            }
-        } else {
-            let task = |(t, block): (usize, &mut [f32])| {
-                let o0 = t * PANEL_ROWS;
-                self.panel_block(path, &src, &xp, m, o0, block);
-            };
-            if parallel {
-                yt.par_chunks_mut(PANEL_ROWS * m).enumerate().for_each(task);
-            } else {
-                yt.chunks_mut(PANEL_ROWS * m).enumerate().for_each(task);
-            }
-        }
         let mut y = vec![0.0f32; m * out];
-        for (o, col) in yt.chunks(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                y[i * out + o] = *v;
-            }
+        let yp = OutPtr(y.as_mut_ptr());
+        let src = self.src();
+        let (task_rows, fused) = if m <= FUSED_MAX_M {
+            (FUSED_TASK_ROWS, true)
+        } else {
+            (PANEL_ROWS, false)
+        };
+        // Each task computes output rows `o0..o0 + rows` transposed (`[rows, m]`, a per-thread scratch) and
+        // writes them to their own columns of `y`.
+        let task = |t: usize| {
+            let o0 = t * task_rows;
+            let rows = task_rows.min(out - o0);
+            SCRATCH.with(|scratch| {
+                let mut scratch = scratch.borrow_mut();
+                let (block, panel) = scratch.split(rows * m, if fused { 0 } else { rows * kp });
+                if fused {
+                    self.fused_block(path, &src, &xp, m, o0, block);
+                } else {
+                    self.panel_block(path, &src, &xp, m, o0, block, panel);
+                }
+                for (r, col) in block.chunks(m).enumerate() {
+                    for (i, v) in col.iter().enumerate() {
+                        // SAFETY: `y` has m * out elements and outlives the tasks; row o0 + r < out belongs to
+                        // this task alone, so no two tasks write the same element.
+                        unsafe { yp.write(i * out + o0 + r, *v) };
+                    }
+                }
+            });
+        };
+        let tasks = out.div_ceil(task_rows);
+        if m * out * kp >= PARALLEL_MIN_WORK {
+            (0..tasks).into_par_iter().for_each(task);
+        } else {
+            (0..tasks).for_each(task);
         }
         y
     }
@@ -431,7 +439,9 @@ impl KernelWeights {
         }
     }
 
-    /// Rows `o0..` of `yt` (`block` is `[rows, m]`): decode them to an f32 panel, then 4x3 tiles.
+    /// Rows `o0..` of `yt` (`block` is `[rows, m]`): decode them to an f32 panel (`panel`, `rows * kp`
+    /// floats of scratch), then 4x3 tiles.
+    #[allow(clippy::too_many_arguments)]
     fn panel_block(
         &self,
         path: SimdPath,
@@ -440,15 +450,15 @@ impl KernelWeights {
         m: usize,
         o0: usize,
         block: &mut [f32],
+        panel: &mut [f32],
     ) {
         let rows = block.len() / m;
         let kp = self.kp;
-        let mut panel = vec![0.0f32; rows * kp];
-        decode_rows(path, self.scheme, src, o0, rows, &mut panel);
+        decode_rows(path, self.scheme, src, o0, rows, panel);
         let psrc = TileSrc {
             codes: &[],
             row_bytes: 0,
-            panel: &panel,
+            panel,
             scales: &[],
             seg_chunks: src.chunks.max(1),
             scale_row_div: 1,
@@ -457,6 +467,42 @@ impl KernelWeights {
             unfolded: false,
         };
         panel_tiles(path, &psrc, xp, kp, m, block);
+    }
+}
+
+/// A per-thread scratch buffer (reused across calls: a fresh allocation per task costs page faults and
+/// zeroing at prefill sizes).
+struct Scratch(Vec<f32>);
+
+impl Scratch {
+    /// Two disjoint slices of `a` and `b` floats (contents unspecified: every caller overwrites them).
+    fn split(&mut self, a: usize, b: usize) -> (&mut [f32], &mut [f32]) {
+        if self.0.len() < a + b {
+            self.0.resize(a + b, 0.0);
+        }
+        let (x, y) = self.0.split_at_mut(a);
+        (x, &mut y[..b])
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = const { std::cell::RefCell::new(Scratch(Vec::new())) };
+}
+
+/// The output of a matmul shared by its tasks, each of which writes its own elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// SAFETY: the tasks sharing an `OutPtr` write disjoint elements (see the callers), and the buffer outlives them.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// # Safety
+    /// `at` is inside the buffer and no other thread accesses that element concurrently.
+    unsafe fn write(self, at: usize, v: f32) {
+        // SAFETY: the caller's contract.
+        unsafe { *self.0.add(at) = v };
     }
 }
 
@@ -501,12 +547,13 @@ fn panel_tiles(
     let mut i = 0;
     while i < m {
         let mb = (m - i).min(4);
-        let xs: Vec<&[f32]> = (i..i + mb).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
+        let xs: [&[f32]; 4] = std::array::from_fn(|j| &xp[(i + j.min(mb - 1)) * kp..][..kp]);
+        let xs = &xs[..mb];
         let mut r = 0;
         while r < rows {
             let ob = (rows - r).min(3);
             let mut res = [[0.0f32; 4]; 4];
-            run_tile(path, PANEL, psrc, r, &xs, ob, &mut res);
+            run_tile(path, PANEL, psrc, r, xs, ob, &mut res);
             for j in 0..ob {
                 for (ii, row) in res.iter().enumerate().take(mb) {
                     out[(r + j) * m + i + ii] = row[j];
@@ -641,7 +688,7 @@ pub fn f32_matmul_nt_on(
     n: usize,
 ) -> Vec<f32> {
     assert!(
-        SimdPath::available().contains(&path),
+        path.is_available(),
         "SIMD path {} is not available on this machine",
         path.name()
     );

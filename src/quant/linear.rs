@@ -153,6 +153,23 @@ pub trait QuantMatmulBackend: Backend {
         None
     }
 
+    /// The core of grouped-query attention in one op: `q [b, kv, rows, d]` (the query heads sharing a key
+    /// head stacked along the rows, `rows = rep * t`), `k`/`v` `[b, kv, s, d]`, the additive `mask`
+    /// `[b, 1, t, s]` -> `softmax(q k^T * scale + mask) v`, `[b, kv, rows, d]`, with exactly the bits of
+    /// the op-by-op path (`det_matmul`, scale, mask, `aligned_softmax`, `det_matmul`). `None` (the default,
+    /// and under autodiff when an input carries a gradient) means "run the op-by-op path"; the CPU in
+    /// deterministic mode runs [`super::cpu_attention`].
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f32,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (q, k, v, mask, scale);
+        None
+    }
+
     /// Whether [`Self::grouped_moe`] returns the per-expert loop's exact bits (the CPU: then a training
     /// forward runs the loop alone, with the rollout's values, instead of both paths). `x`: a tensor on the
     /// device in question.
@@ -216,6 +233,49 @@ impl QuantMatmulBackend for Flex {
 
     fn grouped_moe_matches_loop(_x: &FloatTensor<Self>) -> bool {
         true
+    }
+
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f32,
+    ) -> Option<FloatTensor<Self>> {
+        if !crate::model::scoring::deterministic() {
+            return None;
+        }
+        let (q, k, v, mask): (FlexTensor, FlexTensor, FlexTensor, FlexTensor) = (
+            q.to_contiguous(),
+            k.to_contiguous(),
+            v.to_contiguous(),
+            mask.to_contiguous(),
+        );
+        let (qd, kd) = (q.layout().shape().to_vec(), k.layout().shape().to_vec());
+        let md = mask.layout().shape().to_vec();
+        if qd.len() != 4 || kd.len() != 4 || md.len() != 4 || v.layout().shape().to_vec() != kd {
+            return None;
+        }
+        let sh = super::cpu_attention::AttentionShape {
+            b: qd[0],
+            kv: qd[1],
+            rows: qd[2],
+            t: md[2],
+            s: kd[2],
+            d: qd[3],
+        };
+        if kd[..2] != qd[..2] || kd[3] != sh.d || md != [sh.b, 1, sh.t, sh.s] || sh.t == 0 {
+            return None;
+        }
+        let y = super::cpu_attention::attention_core(
+            q.as_slice::<f32>()?,
+            k.as_slice::<f32>()?,
+            v.as_slice::<f32>()?,
+            Some(mask.as_slice::<f32>()?),
+            scale,
+            sh,
+        );
+        Some(FlexTensor::from_data(TensorData::new(y, qd)))
     }
 
     fn quant_matmul(
@@ -478,6 +538,27 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
         }
     }
 
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f32,
+    ) -> Option<FloatTensor<Self>> {
+        // With a gradient to carry, the op-by-op path (whose ops have backwards) computes the same bits.
+        if [&q, &k, &v].into_iter().any(Self::tracks_gradients) {
+            return None;
+        }
+        B::attention_core(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            mask.into_primitive(),
+            scale,
+        )
+        .map(<Self as AutodiffBackend>::from_inner)
+    }
+
     fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
         // Preparing an op registers nothing until it is finished; it only reads the parents' requirement.
         matches!(
@@ -513,6 +594,24 @@ impl<B: Backend + QuantMatmulBackend, C: CheckpointStrategy> QuantMatmulBackend 
             }
         }
     }
+}
+
+/// [`QuantMatmulBackend::attention_core`] on tensors (`None`: run the op-by-op path).
+pub fn attention_core(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<4>,
+    scale: f32,
+) -> Option<Tensor<4>> {
+    <Dispatch as QuantMatmulBackend>::attention_core(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        mask.into_dispatch(),
+        scale,
+    )
+    .map(Tensor::from_dispatch)
 }
 
 /// [`QuantMatmulBackend::aligned_softmax`] on a tensor.

@@ -17,6 +17,7 @@ pub use error::QuantError;
 pub use fp8::Fp8Activations;
 pub use scheme::{QuantScheme, SchemeKind};
 pub use tensor::QuantizedTensor;
+pub mod cpu_attention;
 pub mod cpu_kernel;
 pub mod cpu_moe;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]

@@ -36,6 +36,7 @@ fn block<const R: usize, const NB: usize>(
     acc: &mut [[f32; NB]; R],
 ) {
     for kk in 0..k {
+        prefetch_row::<NB>(w, (kk + PREFETCH_ROWS) * n + o0);
         let wr: &[f32; NB] = w[kk * n + o0..kk * n + o0 + NB].try_into().unwrap();
         for r in 0..R {
             let xv = x[r * k + kk];
@@ -46,9 +47,27 @@ fn block<const R: usize, const NB: usize>(
     }
 }
 
+/// Rows of `w` ahead of the one being multiplied whose block is prefetched.
+const PREFETCH_ROWS: usize = 32;
+
+/// Software prefetch of the `NB` floats of `w` at `at` (a no-op past the end or off x86).
 #[inline(always)]
-fn put_row<const NB: usize>(out: &mut [f32], at: usize, a: &[f32; NB]) {
-    out[at..at + NB].copy_from_slice(a);
+fn prefetch_row<const NB: usize>(w: &[f32], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let p = w.as_ptr().wrapping_add(at) as *const i8;
+        let mut off = 0;
+        while off < NB * 4 {
+            // SAFETY: a prefetch never faults, whatever the address.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    p.wrapping_add(off),
+                )
+            };
+            off += 64;
+        }
+    }
+    let _ = (w, at);
 }
 
 /// One output element's chain (tails).
@@ -107,7 +126,7 @@ fn cols<const R: usize, const NB: usize>(
                     out[at..at + NB].copy_from_slice(a);
                 }
             } else {
-                // The last rows together (one pass over the block of `w`; R is at most 4 on every path).
+                // The last rows together (one pass over the block of `w`; R is at most 8 on every path).
                 let xs = &x[i * k..];
                 let mut put = |acc: &[[f32; NB]]| {
                     for (r, a) in acc.iter().enumerate() {
@@ -115,30 +134,19 @@ fn cols<const R: usize, const NB: usize>(
                         out[at..at + NB].copy_from_slice(a);
                     }
                 };
-                match rows {
-                    1 => {
-                        let mut acc = [[0.0f32; NB]; 1];
-                        block::<1, NB>(xs, wb, k, nb, ob, &mut acc);
-                        put(&acc);
-                    }
-                    2 => {
-                        let mut acc = [[0.0f32; NB]; 2];
-                        block::<2, NB>(xs, wb, k, nb, ob, &mut acc);
-                        put(&acc);
-                    }
-                    3 => {
-                        let mut acc = [[0.0f32; NB]; 3];
-                        block::<3, NB>(xs, wb, k, nb, ob, &mut acc);
-                        put(&acc);
-                    }
-                    _ => {
-                        for r in 0..rows {
-                            let mut acc = [[0.0f32; NB]; 1];
-                            block::<1, NB>(&xs[r * k..], wb, k, nb, ob, &mut acc);
-                            put_row(out, (i + r) * width + o - c0, &acc[0]);
+                macro_rules! last_rows {
+                    ($($r:literal),*) => {
+                        match rows {
+                            $($r => {
+                                let mut acc = [[0.0f32; NB]; $r];
+                                block::<$r, NB>(xs, wb, k, nb, ob, &mut acc);
+                                put(&acc);
+                            })*
+                            _ => unreachable!("fewer than R <= 8 rows"),
                         }
-                    }
+                    };
                 }
+                last_rows!(1, 2, 3, 4, 5, 6, 7);
             }
             i += rows;
         }
@@ -176,6 +184,101 @@ unsafe fn cols_avx512(
     out: &mut [f32],
 ) {
     cols::<4, 64>(x, w, m, k, n, c0, c1, out)
+}
+
+/// Rows of `w` per step of [`stream_avx512`] (each accumulator is loaded and stored once per step).
+#[cfg(target_arch = "x86_64")]
+const STREAM_KB: usize = 4;
+/// Most columns per task of [`stream_avx512`] (2 KB of every row of `w`); narrower ones so that every
+/// thread gets at least two tasks.
+#[cfg(target_arch = "x86_64")]
+const STREAM_COLS: usize = 512;
+/// Narrowest task for which [`stream_avx512`] is used (see [`single`]).
+#[cfg(target_arch = "x86_64")]
+const STREAM_MIN_COLS: usize = 256;
+/// Most activation rows [`stream_avx512`] takes (its accumulators, `[m, 256]`, stay in L1).
+#[cfg(target_arch = "x86_64")]
+const STREAM_MAX_M: usize = 8;
+
+/// Columns `c0..c1` of `y = x · w` for `m <= 8` rows, reading `w` row by row: the accumulators
+/// (`out`, `[m, c1 - c0]`, in L1) are updated by `STREAM_KB` rows of `w` at a time, in `k` order, so each
+/// element is still the one chain of the module docs. Why: the column blocks of [`cols`] read `w` as
+/// hundreds of 256-byte pieces `n` floats apart, which the hardware prefetchers do not follow (the lm_head
+/// at decode, `[768, 8192]`, ran at about half the DRAM bandwidth); here each row is one contiguous run.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::incompatible_msrv)] // AVX-512 intrinsics: see the note in `x86.rs`.
+unsafe fn stream_avx512(
+    x: &[f32],
+    w: &[f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    c0: usize,
+    c1: usize,
+    out: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let width = c1 - c0;
+    let vecs = width / 16;
+    assert!(m <= STREAM_MAX_M && out.len() == m * width && x.len() >= m * k && w.len() >= k * n);
+    assert!(c1 <= n);
+    out.fill(0.0);
+    let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), out.as_mut_ptr());
+    let mut kk = 0;
+    while kk < k {
+        let kb = (k - kk).min(STREAM_KB);
+        // The rows two steps ahead (a prefetch never faults; past the end it is a no-op).
+        for r in 0..STREAM_KB {
+            let row = wp.wrapping_add((kk + 2 * STREAM_KB + r) * n + c0) as *const i8;
+            let mut off = 0;
+            while off < vecs * 64 {
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(off));
+                off += 64;
+            }
+        }
+        for v in 0..vecs {
+            // SAFETY: rows kk..kk+kb < k and columns c0 + 16v + 16 <= c1 <= n lie inside `w`; the
+            // accumulator of row i lies inside `out` ([m, width]); x[i, kk + r] inside `x` (asserted).
+            unsafe {
+                let col = c0 + v * 16;
+                if kb == STREAM_KB {
+                    let w0 = _mm512_loadu_ps(wp.add(kk * n + col));
+                    let w1 = _mm512_loadu_ps(wp.add((kk + 1) * n + col));
+                    let w2 = _mm512_loadu_ps(wp.add((kk + 2) * n + col));
+                    let w3 = _mm512_loadu_ps(wp.add((kk + 3) * n + col));
+                    for i in 0..m {
+                        let a = op.add(i * width + v * 16);
+                        let xi = xp.add(i * k + kk);
+                        let mut acc = _mm512_loadu_ps(a);
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi), w0, acc);
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi.add(1)), w1, acc);
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi.add(2)), w2, acc);
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi.add(3)), w3, acc);
+                        _mm512_storeu_ps(a, acc);
+                    }
+                } else {
+                    for r in 0..kb {
+                        let wr = _mm512_loadu_ps(wp.add((kk + r) * n + col));
+                        for i in 0..m {
+                            let a = op.add(i * width + v * 16);
+                            let acc = _mm512_loadu_ps(a);
+                            let xv = _mm512_set1_ps(*xp.add(i * k + kk + r));
+                            _mm512_storeu_ps(a, _mm512_fmadd_ps(xv, wr, acc));
+                        }
+                    }
+                }
+            }
+        }
+        kk += kb;
+    }
+    // Tail columns: one scalar chain each (the same arithmetic).
+    for o in c0 + vecs * 16..c1 {
+        for i in 0..m {
+            out[i * width + o - c0] = chain(&x[i * k..], w, k, n, o);
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -225,6 +328,22 @@ fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) ->
         cols_on(path, x, w, m, k, n, 0, n, &mut y);
         return y;
     }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let width = n
+            .div_ceil(2 * rayon::current_num_threads())
+            .next_multiple_of(16)
+            .min(STREAM_COLS);
+        // Only wide products stream: with tasks under 256 columns (the MoE experts, n = 384 or 768) the
+        // column blocks were faster (f32 decode step of the 195M MoE 50 vs 55 ms).
+        if path == SimdPath::Avx512 && m <= STREAM_MAX_M && width >= STREAM_MIN_COLS {
+            y_streamed(&mut y, width, m, n, |c0, c1, out| {
+                // SAFETY: the Avx512 path is only chosen when the CPU has avx512f, avx2 and fma.
+                unsafe { stream_avx512(x, w, m, k, n, c0, c1, out) }
+            });
+            return y;
+        }
+    }
     let task_cols = TASK_COLS;
     let task_rows = TASK_ROWS.max(m.div_ceil(8));
     let (ct, rt) = (n.div_ceil(task_cols), m.div_ceil(task_rows));
@@ -246,6 +365,32 @@ fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) ->
     y
 }
 
+/// Runs `f(c0, c1, out)` on column tasks `width` wide in parallel and copies each `[m, c1 - c0]` result
+/// into `y` (`[m, n]`).
+#[cfg(target_arch = "x86_64")]
+fn y_streamed(
+    y: &mut [f32],
+    width: usize,
+    m: usize,
+    n: usize,
+    f: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
+    let parts: Vec<(usize, usize, Vec<f32>)> = (0..n.div_ceil(width))
+        .into_par_iter()
+        .map(|t| {
+            let (c0, c1) = (t * width, ((t + 1) * width).min(n));
+            let mut out = vec![0.0f32; m * (c1 - c0)];
+            f(c0, c1, &mut out);
+            (c0, c1 - c0, out)
+        })
+        .collect();
+    for (c0, width, out) in parts {
+        for (i, row) in out.chunks(width).enumerate() {
+            y[i * n + c0..i * n + c0 + width].copy_from_slice(row);
+        }
+    }
+}
+
 /// `y[b] = x[b] · w[b]` for `batch` products of `[m, k] · [k, n]` (row-major, contiguous) on the detected
 /// path: the fixed order of the module docs.
 pub fn f32_matmul(x: &[f32], w: &[f32], batch: usize, m: usize, k: usize, n: usize) -> Vec<f32> {
@@ -263,7 +408,7 @@ pub fn f32_matmul_on(
     n: usize,
 ) -> Vec<f32> {
     assert!(
-        SimdPath::available().contains(&path),
+        path.is_available(),
         "SIMD path {} is not available on this machine",
         path.name()
     );
