@@ -426,6 +426,13 @@ impl KernelWeights {
             (1 | 2, _) => 4,
             _ => 2,
         };
+        #[cfg(target_arch = "x86_64")]
+        if path == SimdPath::Avx512 {
+            // SAFETY: the Avx512 path is only run when the CPU has it (asserted in `matmul_on`); rows
+            // o0..o0+rows exist and every activation row holds `chunks * 32` floats.
+            unsafe { x86::rows_avx512(self.scheme, src, o0, rows, &xs, full, block) };
+            return;
+        }
         while r < rows {
             let ob = if rows - r >= full { full } else { 1 };
             let mut res = [[0.0f32; 4]; 4];

@@ -4,6 +4,7 @@
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::sampler::{sample, sequence_rng, SamplingParams};
@@ -64,7 +65,7 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32
     if crate::model::scoring::deterministic() {
         // The fixed-order host log-softmax the training forward's log-probs are computed with.
         return super::rows(last)
-            .iter()
+            .par_iter()
             .map(|r| crate::model::scoring::log_softmax_row(r, temperature))
             .collect();
     }
@@ -99,6 +100,19 @@ fn append_routing(
 
 /// Generates `samples` continuations of each prompt.
 pub fn generate(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    samples: usize,
+    params: &SamplingParams,
+    tokenizer: Option<&Tokenizer>,
+) -> Rollout {
+    // On a thread of rayon's pool: every parallel kernel of the forward is then forked from a worker
+    // (work-stealing between awake workers) instead of injected from outside the pool, which parks the
+    // caller and wakes a worker per call (a decode step makes dozens of such calls).
+    rayon::scope(|_| generate_in_pool(model, prompts, samples, params, tokenizer))
+}
+
+fn generate_in_pool(
     model: &Decoder,
     prompts: &[Vec<u32>],
     samples: usize,
@@ -166,8 +180,22 @@ pub fn generate(
     for step in 0..params.max_new_tokens {
         let mut keep = Vec::with_capacity(active.len());
         let mut next = Vec::with_capacity(active.len());
+        // Each row's draw uses its own generator, so the rows are sampled in parallel. `active` is
+        // ascending, so the active rows' generators come out of `rngs` in slot order.
+        debug_assert!(active.windows(2).all(|w| w[0] < w[1]));
+        let active_rngs: Vec<_> = rngs
+            .iter_mut()
+            .enumerate()
+            .filter(|(row, _)| active.binary_search(row).is_ok())
+            .map(|(_, rng)| rng)
+            .collect();
+        let toks: Vec<u32> = active_rngs
+            .into_par_iter()
+            .enumerate()
+            .map(|(slot, rng)| sample(&lp_rows[slot], params, rng))
+            .collect();
         for (slot, &row) in active.iter().enumerate() {
-            let tok = sample(&lp_rows[slot], params, &mut rngs[row]);
+            let tok = toks[slot];
             out.logprobs[row].push(lp_rows[slot][tok as usize]);
             out.ids[row].push(tok);
             let stopped = params.stop_token_ids.contains(&tok)

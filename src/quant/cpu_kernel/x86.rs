@@ -147,8 +147,10 @@ unsafe fn reduce16_512(a: &[[__m512; 2]]) -> [f32; 16] {
         v[k] = _mm512_add_ps(a[k][0], a[k][1]);
     }
     // t8 of accumulators 2p (lanes 0..8) and 2p+1 (lanes 8..16).
+    // Each level only over the pairs that hold accumulators (the rest stay zero).
+    let k = a.len();
     let mut w = [_mm512_setzero_ps(); 8];
-    for p in 0..8 {
+    for p in 0..k.div_ceil(2) {
         let (x, y) = (v[2 * p], v[2 * p + 1]);
         w[p] = _mm512_add_ps(
             _mm512_shuffle_f32x4::<0b01_00_01_00>(x, y),
@@ -157,7 +159,7 @@ unsafe fn reduce16_512(a: &[[__m512; 2]]) -> [f32; 16] {
     }
     // t4 of four accumulators, one per 128-bit quarter.
     let mut u = [_mm512_setzero_ps(); 4];
-    for p in 0..4 {
+    for p in 0..k.div_ceil(4) {
         let (x, y) = (w[2 * p], w[2 * p + 1]);
         u[p] = _mm512_add_ps(
             _mm512_shuffle_f32x4::<0b10_00_10_00>(x, y),
@@ -166,7 +168,7 @@ unsafe fn reduce16_512(a: &[[__m512; 2]]) -> [f32; 16] {
     }
     // t2 of eight accumulators, two lanes each.
     let mut t = [_mm512_setzero_ps(); 2];
-    for p in 0..2 {
+    for p in 0..k.div_ceil(8) {
         let (x, y) = (u[2 * p], u[2 * p + 1]);
         t[p] = _mm512_add_ps(
             _mm512_shuffle_ps::<0b01_00_01_00>(x, y),
@@ -215,45 +217,71 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     } else {
         0
     };
-    let (mut c, mut seg) = (0, 0);
-    while c < src.chunks {
-        if S == INT4 && seg % 16 == 0 {
-            for row in &rows {
-                _mm_prefetch::<_MM_HINT_T0>(
-                    row.as_ptr().wrapping_add(next_scales + seg) as *const i8
-                );
-            }
-        }
-        for (r, p) in prep.iter_mut().enumerate() {
-            // SAFETY: same features as this function.
-            *p = unsafe { prep512::<S>(rows[r], seg) };
-        }
-        seg += 1;
-        let end = (c + src.seg_chunks).min(src.chunks);
-        while c < end {
+    // One chunk: prefetch, activations, then one row's weights at a time into every activation row's sums
+    // (only two decoded registers live at once; decoding every row first spilled at 2x4 tiles).
+    macro_rules! chunk {
+        ($c:expr) => {{
+            let c = $c;
             if (S == INT4 || S == FP8) && c % (64 / code_bytes::<S>()) == 0 {
                 for r in 0..OB {
                     let at = (o0 + r) * src.row_bytes + c * code_bytes::<S>() + next_codes;
                     _mm_prefetch::<_MM_HINT_T0>(src.codes.as_ptr().wrapping_add(at) as *const i8);
                 }
             }
-            let mut w = [[zero; 2]; OB];
+            let mut xv = [[zero; 2]; MB];
+            for (i, v) in xv.iter_mut().enumerate() {
+                // SAFETY: each activation row has chunks * 32 floats.
+                *v = unsafe {
+                    let p = xp[i].add(c * LANES);
+                    [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
+                };
+            }
             for r in 0..OB {
                 // SAFETY: row o0 + r < out and c < chunks (the caller's contract).
-                w[r] = unsafe { decode512::<S>(src, o0 + r, c, prep[r]) };
-            }
-            for i in 0..MB {
-                // SAFETY: each activation row has chunks * 32 floats.
-                let (x0, x1) = unsafe {
-                    let p = xp[i].add(c * LANES);
-                    (_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16)))
-                };
-                for r in 0..OB {
-                    acc[i][r][0] = _mm512_fmadd_ps(x0, w[r][0], acc[i][r][0]);
-                    acc[i][r][1] = _mm512_fmadd_ps(x1, w[r][1], acc[i][r][1]);
+                let w = unsafe { decode512::<S>(src, o0 + r, c, prep[r]) };
+                for i in 0..MB {
+                    acc[i][r][0] = _mm512_fmadd_ps(xv[i][0], w[0], acc[i][r][0]);
+                    acc[i][r][1] = _mm512_fmadd_ps(xv[i][1], w[1], acc[i][r][1]);
                 }
             }
-            c += 1;
+        }};
+    }
+    if S != PANEL && src.seg_chunks == 1 {
+        // One scale per chunk (int4-g32): one loop, the scale step inlined.
+        for c in 0..src.chunks {
+            if S == INT4 && c % 16 == 0 {
+                for row in &rows {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        row.as_ptr().wrapping_add(next_scales + c) as *const i8
+                    );
+                }
+            }
+            for (r, p) in prep.iter_mut().enumerate() {
+                // SAFETY: same features as this function.
+                *p = unsafe { prep512::<S>(rows[r], c) };
+            }
+            chunk!(c);
+        }
+    } else {
+        let (mut c, mut seg) = (0, 0);
+        while c < src.chunks {
+            if S == INT4 && seg % 16 == 0 {
+                for row in &rows {
+                    _mm_prefetch::<_MM_HINT_T0>(
+                        row.as_ptr().wrapping_add(next_scales + seg) as *const i8
+                    );
+                }
+            }
+            for (r, p) in prep.iter_mut().enumerate() {
+                // SAFETY: same features as this function.
+                *p = unsafe { prep512::<S>(rows[r], seg) };
+            }
+            seg += 1;
+            let end = (c + src.seg_chunks).min(src.chunks);
+            while c < end {
+                chunk!(c);
+                c += 1;
+            }
         }
     }
     if MB * OB >= 4 {
@@ -349,6 +377,67 @@ macro_rules! tile_shapes {
     (@call $f:ident, $s:ident, $mb:literal, $ob:literal, ($($a:expr),*)) => {
         $f::<$s, $mb, $ob>($($a),*)
     };
+}
+
+/// Rows `o0..o0 + n` against the activation rows `xs` (`MB` of them) in tiles of `OB` rows (the last
+/// `n % OB` rows one at a time), into `block[r * MB + i]`: the whole row range in one call, so the tiles
+/// skip the per-tile dispatch (an expert's projection is only 12 or 24 chunks deep, and the dispatch cost
+/// a fair share of each tile).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn rows512<const S: u8, const MB: usize, const OB: usize>(
+    src: &TileSrc<'_>,
+    o0: usize,
+    n: usize,
+    xs: &[&[f32]],
+    block: &mut [f32],
+) {
+    assert!(block.len() >= n * MB && xs.len() == MB);
+    let mut r = 0;
+    let mut res = [[0.0f32; 4]; 4];
+    while r < n {
+        // SAFETY: rows o0 + r .. o0 + r + ob exist (the caller's contract), same features.
+        let ob = if n - r >= OB {
+            unsafe { tile512::<S, MB, OB>(src, o0 + r, xs, &mut res) };
+            OB
+        } else {
+            unsafe { tile512::<S, MB, 1>(src, o0 + r, xs, &mut res) };
+            1
+        };
+        for j in 0..ob {
+            for (i, row) in res.iter().enumerate().take(MB) {
+                block[(r + j) * MB + i] = row[j];
+            }
+        }
+        r += ob;
+    }
+}
+
+/// [`rows512`] for a run-time scheme and tile shape (`mb * ob <= 12`).
+///
+/// # Safety
+/// The CPU has avx512f/bw/vl, avx2 and fma; rows `o0..o0+n` exist in `src`; every activation row holds
+/// `chunks * 32` floats.
+pub(super) unsafe fn rows_avx512(
+    scheme: u8,
+    src: &TileSrc<'_>,
+    o0: usize,
+    n: usize,
+    xs: &[&[f32]],
+    ob: usize,
+    block: &mut [f32],
+) {
+    check(src, scheme, o0 + n, xs);
+    let mb = xs.len();
+    assert!((1..=4).contains(&mb) && (1..=4).contains(&ob) && mb * ob <= 12);
+    // SAFETY: forwarded contract.
+    unsafe {
+        match scheme {
+            INT4 => tile_shapes!(rows512, INT4, mb, ob, (src, o0, n, xs, block)),
+            INT8 => tile_shapes!(rows512, INT8, mb, ob, (src, o0, n, xs, block)),
+            FP8 => tile_shapes!(rows512, FP8, mb, ob, (src, o0, n, xs, block)),
+            _ => tile_shapes!(rows512, PANEL, mb, ob, (src, o0, n, xs, block)),
+        }
+    }
 }
 
 /// # Safety
