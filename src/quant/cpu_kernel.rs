@@ -430,7 +430,7 @@ impl KernelWeights {
         if path == SimdPath::Avx512 {
             // SAFETY: the Avx512 path is only run when the CPU has it (asserted in `matmul_on`); rows
             // o0..o0+rows exist and every activation row holds `chunks * 32` floats.
-            unsafe { x86::rows_avx512(self.scheme, src, o0, rows, &xs, full, block) };
+            unsafe { x86::rows_avx512(self.scheme, src, o0, rows, &xs, full, block, m) };
             return;
         }
         while r < rows {
@@ -556,6 +556,14 @@ fn panel_tiles(
         let mb = (m - i).min(4);
         let xs: [&[f32]; 4] = std::array::from_fn(|j| &xp[(i + j.min(mb - 1)) * kp..][..kp]);
         let xs = &xs[..mb];
+        #[cfg(target_arch = "x86_64")]
+        if path == SimdPath::Avx512 {
+            // SAFETY: the Avx512 path is only run when the CPU has it; the panel holds `rows` rows of
+            // `chunks * 32` floats and every activation row `kp` floats.
+            unsafe { x86::rows_avx512(PANEL, psrc, 0, rows, xs, 3, &mut out[i..], m) };
+            i += mb;
+            continue;
+        }
         let mut r = 0;
         while r < rows {
             let ob = (rows - r).min(3);

@@ -380,9 +380,9 @@ macro_rules! tile_shapes {
 }
 
 /// Rows `o0..o0 + n` against the activation rows `xs` (`MB` of them) in tiles of `OB` rows (the last
-/// `n % OB` rows one at a time), into `block[r * MB + i]`: the whole row range in one call, so the tiles
-/// skip the per-tile dispatch (an expert's projection is only 12 or 24 chunks deep, and the dispatch cost
-/// a fair share of each tile).
+/// `n % OB` rows one at a time), into `block[r * stride + i]`: the whole row range in one call, so the
+/// tiles skip the per-tile dispatch (an expert's projection is only 12 or 24 chunks deep, and the dispatch
+/// cost a fair share of each tile).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn rows512<const S: u8, const MB: usize, const OB: usize>(
     src: &TileSrc<'_>,
@@ -390,8 +390,9 @@ unsafe fn rows512<const S: u8, const MB: usize, const OB: usize>(
     n: usize,
     xs: &[&[f32]],
     block: &mut [f32],
+    stride: usize,
 ) {
-    assert!(block.len() >= n * MB && xs.len() == MB);
+    assert!(xs.len() == MB && stride >= MB && (n == 0 || block.len() >= (n - 1) * stride + MB));
     let mut r = 0;
     let mut res = [[0.0f32; 4]; 4];
     while r < n {
@@ -405,14 +406,14 @@ unsafe fn rows512<const S: u8, const MB: usize, const OB: usize>(
         };
         for j in 0..ob {
             for (i, row) in res.iter().enumerate().take(MB) {
-                block[(r + j) * MB + i] = row[j];
+                block[(r + j) * stride + i] = row[j];
             }
         }
         r += ob;
     }
 }
 
-/// [`rows512`] for a run-time scheme and tile shape (`mb * ob <= 12`).
+/// [`rows512`] for a run-time scheme and tile shape (`mb * ob <= 12`), into `block[r * stride + i]`.
 ///
 /// # Safety
 /// The CPU has avx512f/bw/vl, avx2 and fma; rows `o0..o0+n` exist in `src`; every activation row holds
@@ -425,6 +426,7 @@ pub(super) unsafe fn rows_avx512(
     xs: &[&[f32]],
     ob: usize,
     block: &mut [f32],
+    stride: usize,
 ) {
     check(src, scheme, o0 + n, xs);
     let mb = xs.len();
@@ -432,10 +434,10 @@ pub(super) unsafe fn rows_avx512(
     // SAFETY: forwarded contract.
     unsafe {
         match scheme {
-            INT4 => tile_shapes!(rows512, INT4, mb, ob, (src, o0, n, xs, block)),
-            INT8 => tile_shapes!(rows512, INT8, mb, ob, (src, o0, n, xs, block)),
-            FP8 => tile_shapes!(rows512, FP8, mb, ob, (src, o0, n, xs, block)),
-            _ => tile_shapes!(rows512, PANEL, mb, ob, (src, o0, n, xs, block)),
+            INT4 => tile_shapes!(rows512, INT4, mb, ob, (src, o0, n, xs, block, stride)),
+            INT8 => tile_shapes!(rows512, INT8, mb, ob, (src, o0, n, xs, block, stride)),
+            FP8 => tile_shapes!(rows512, FP8, mb, ob, (src, o0, n, xs, block, stride)),
+            _ => tile_shapes!(rows512, PANEL, mb, ob, (src, o0, n, xs, block, stride)),
         }
     }
 }
