@@ -418,6 +418,7 @@ unsafe fn rows512<const S: u8, const MB: usize, const OB: usize>(
 /// # Safety
 /// The CPU has avx512f/bw/vl, avx2 and fma; rows `o0..o0+n` exist in `src`; every activation row holds
 /// `chunks * 32` floats.
+#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn rows_avx512(
     scheme: u8,
     src: &TileSrc<'_>,
