@@ -385,11 +385,12 @@ impl KernelWeights {
                 } else {
                     self.panel_block(path, &src, &xp, m, o0, block, panel);
                 }
-                for (r, col) in block.chunks(m).enumerate() {
-                    for (i, v) in col.iter().enumerate() {
+                // Activation row by activation row: each writes `rows` consecutive floats of `y`.
+                for i in 0..m {
+                    for r in 0..rows {
                         // SAFETY: `y` has m * out elements and outlives the tasks; row o0 + r < out belongs to
                         // this task alone, so no two tasks write the same element.
-                        unsafe { yp.write(i * out + o0 + r, *v) };
+                        unsafe { yp.write(i * out + o0 + r, block[r * m + i]) };
                     }
                 }
             });
