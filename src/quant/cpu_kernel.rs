@@ -30,7 +30,9 @@
 //! exactly: both are the one rounding of the same real product).
 //!
 //! Small `m` (decode, GEMV) runs a fused decode-and-multiply tile over 4 output rows; larger `m` (prefill,
-//! scoring) decodes a panel of output rows to f32 once and runs a 4x3 register tile over it.
+//! scoring) decodes a panel of output rows to f32 once (in a per-thread scratch) and runs a 4x3 register
+//! tile over it. On AVX-512 a task's whole row range goes through one call (no per-tile dispatch) and the
+//! lane trees of a tile's sums run side by side ([`x86`]'s `reduce16_512`).
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
@@ -404,7 +406,7 @@ impl KernelWeights {
         y
     }
 
-    /// Rows `o0..` of `yt` (`block` is `[rows, m]`) with the fused tiles, `m <= 4`.
+    /// Output rows `o0..` into `block` (`[rows, m]`, transposed) with the fused tiles, `m <= 4`.
     fn fused_block(
         &self,
         path: SimdPath,
@@ -447,8 +449,8 @@ impl KernelWeights {
         }
     }
 
-    /// Rows `o0..` of `yt` (`block` is `[rows, m]`): decode them to an f32 panel (`panel`, `rows * kp`
-    /// floats of scratch), then 4x3 tiles.
+    /// Output rows `o0..` into `block` (`[rows, m]`, transposed): decode them to an f32 panel (`panel`,
+    /// `rows * kp` floats of scratch), then 4x3 tiles.
     #[allow(clippy::too_many_arguments)]
     fn panel_block(
         &self,
