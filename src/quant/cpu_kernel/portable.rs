@@ -12,10 +12,12 @@ fn decode_chunk(scheme: u8, src: &TileSrc<'_>, o: usize, c: usize, w: &mut [f32;
         }
         INT4 => {
             let s = src.scale(o, c / src.seg_chunks);
-            let bytes = &src.codes[o * src.row_bytes + c * 16..o * src.row_bytes + c * 16 + 16];
-            for j in 0..16 {
-                w[j] = decode_int4_nibble(bytes[j], s);
-                w[j + 16] = decode_int4_nibble(bytes[j] >> 4, s);
+            let (at, shift) = src.int4_line(o, c);
+            for l in 0..16 {
+                let word =
+                    u32::from_le_bytes(src.codes[at + 4 * l..at + 4 * l + 4].try_into().unwrap());
+                w[l] = decode_int4_nibble((word >> shift) as u8, s);
+                w[l + 16] = decode_int4_nibble((word >> (shift + 4)) as u8, s);
             }
         }
         INT8 => {

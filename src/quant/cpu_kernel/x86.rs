@@ -67,11 +67,19 @@ unsafe fn decode512<const S: u8>(
                 [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
             }
             INT4 => {
-                let p = src.codes.as_ptr().add(o * src.row_bytes + c * 16);
-                let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                // The row's nibbles sit at bits 8r.. of each word of the group's line; the table lookup
+                // reads the low four bits of each index.
+                let (at, _) = src.int4_line(o, c);
+                let v = _mm512_load_si512(src.codes.as_ptr().add(at) as *const _);
+                let (lo, hi) = match o % super::INT4_ROWS {
+                    0 => (v, _mm512_srli_epi32::<4>(v)),
+                    1 => (_mm512_srli_epi32::<8>(v), _mm512_srli_epi32::<12>(v)),
+                    2 => (_mm512_srli_epi32::<16>(v), _mm512_srli_epi32::<20>(v)),
+                    _ => (_mm512_srli_epi32::<24>(v), _mm512_srli_epi32::<28>(v)),
+                };
                 [
-                    _mm512_permutexvar_ps(v, prep),
-                    _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(v), prep),
+                    _mm512_permutexvar_ps(lo, prep),
+                    _mm512_permutexvar_ps(hi, prep),
                 ]
             }
             INT8 => {
@@ -219,10 +227,16 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     };
     // One chunk: prefetch, activations, then one row's weights at a time into every activation row's sums
     // (only two decoded registers live at once; decoding every row first spilled at 2x4 tiles).
+    // A four-row int4 tile that starts a group reads one line per chunk for all its rows.
+    let group_tile = S == INT4 && o0 % super::INT4_ROWS == 0;
     macro_rules! chunk {
         ($c:expr) => {{
             let c = $c;
-            if (S == INT4 || S == FP8) && c % (64 / code_bytes::<S>()) == 0 {
+            if S == INT4 {
+                // The next tile's line of this chunk (rows o0 + OB.., a group of four).
+                let (at, _) = src.int4_line(o0 + OB, c);
+                _mm_prefetch::<_MM_HINT_T0>(src.codes.as_ptr().wrapping_add(at) as *const i8);
+            } else if S == FP8 && c % (64 / code_bytes::<S>()) == 0 {
                 for r in 0..OB {
                     let at = (o0 + r) * src.row_bytes + c * code_bytes::<S>() + next_codes;
                     _mm_prefetch::<_MM_HINT_T0>(src.codes.as_ptr().wrapping_add(at) as *const i8);
@@ -236,12 +250,36 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
                     [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
                 };
             }
-            for r in 0..OB {
-                // SAFETY: row o0 + r < out and c < chunks (the caller's contract).
-                let w = unsafe { decode512::<S>(src, o0 + r, c, prep[r]) };
-                for i in 0..MB {
-                    acc[i][r][0] = _mm512_fmadd_ps(xv[i][0], w[0], acc[i][r][0]);
-                    acc[i][r][1] = _mm512_fmadd_ps(xv[i][1], w[1], acc[i][r][1]);
+            if S == INT4 && OB == super::INT4_ROWS && group_tile {
+                // The tile is one int4 group: one aligned line holds the chunk of all four rows, each row's
+                // nibbles at a fixed bit offset (immediate shifts).
+                let (at, _) = src.int4_line(o0, c);
+                // SAFETY: the group's line of chunk c lies inside `codes` (rows o0..o0+4 exist, padded).
+                let v = unsafe { _mm512_load_si512(src.codes.as_ptr().add(at) as *const _) };
+                macro_rules! row {
+                    ($r:literal, $lo:expr, $hi:expr) => {{
+                        let w = [
+                            _mm512_permutexvar_ps($lo, prep[$r]),
+                            _mm512_permutexvar_ps($hi, prep[$r]),
+                        ];
+                        for i in 0..MB {
+                            acc[i][$r][0] = _mm512_fmadd_ps(xv[i][0], w[0], acc[i][$r][0]);
+                            acc[i][$r][1] = _mm512_fmadd_ps(xv[i][1], w[1], acc[i][$r][1]);
+                        }
+                    }};
+                }
+                row!(0, v, _mm512_srli_epi32::<4>(v));
+                row!(1, _mm512_srli_epi32::<8>(v), _mm512_srli_epi32::<12>(v));
+                row!(2, _mm512_srli_epi32::<16>(v), _mm512_srli_epi32::<20>(v));
+                row!(3, _mm512_srli_epi32::<24>(v), _mm512_srli_epi32::<28>(v));
+            } else {
+                for r in 0..OB {
+                    // SAFETY: row o0 + r < out and c < chunks (the caller's contract).
+                    let w = unsafe { decode512::<S>(src, o0 + r, c, prep[r]) };
+                    for i in 0..MB {
+                        acc[i][r][0] = _mm512_fmadd_ps(xv[i][0], w[0], acc[i][r][0]);
+                        acc[i][r][1] = _mm512_fmadd_ps(xv[i][1], w[1], acc[i][r][1]);
+                    }
                 }
             }
         }};
@@ -487,10 +525,11 @@ pub(super) unsafe fn tile_avx512(
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn int4_lanes256(v: __m256i, s: __m256) -> (__m256, __m256) {
-    // Low nibble: (v << 28) >> 28 arithmetic; high nibble: (v << 24) >> 28.
-    let lo = _mm256_srai_epi32::<28>(_mm256_slli_epi32::<28>(v));
-    let hi = _mm256_srai_epi32::<28>(_mm256_slli_epi32::<24>(v));
+unsafe fn int4_lanes256(v: __m256i, shift: u32, s: __m256) -> (__m256, __m256) {
+    // The row's nibbles at bits `shift..shift + 4` (low) and `shift + 4..shift + 8` (high) of each word,
+    // sign-extended: (v << (28 - shift)) >> 28 arithmetic, and (v << (24 - shift)) >> 28.
+    let lo = _mm256_srai_epi32::<28>(_mm256_sllv_epi32(v, _mm256_set1_epi32(28 - shift as i32)));
+    let hi = _mm256_srai_epi32::<28>(_mm256_sllv_epi32(v, _mm256_set1_epi32(24 - shift as i32)));
     (
         _mm256_mul_ps(_mm256_cvtepi32_ps(lo), s),
         _mm256_mul_ps(_mm256_cvtepi32_ps(hi), s),
@@ -523,11 +562,12 @@ unsafe fn decode256<const S: u8>(src: &TileSrc<'_>, o: usize, c: usize, s: __m25
                 ]
             }
             INT4 => {
-                let p = src.codes.as_ptr().add(o * src.row_bytes + c * 16);
-                let v0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-                let v1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
-                let (lo0, hi0) = int4_lanes256(v0, s);
-                let (lo1, hi1) = int4_lanes256(v1, s);
+                let (at, shift) = src.int4_line(o, c);
+                let p = src.codes.as_ptr().add(at);
+                let v0 = _mm256_loadu_si256(p as *const __m256i);
+                let v1 = _mm256_loadu_si256(p.add(32) as *const __m256i);
+                let (lo0, hi0) = int4_lanes256(v0, shift, s);
+                let (lo1, hi1) = int4_lanes256(v1, shift, s);
                 [lo0, lo1, hi0, hi1]
             }
             INT8 => {
