@@ -71,12 +71,10 @@ unsafe fn decode512<const S: u8>(
                 // reads the low four bits of each index.
                 let (at, _) = src.int4_line(o, c);
                 let v = _mm512_load_si512(src.codes.as_ptr().add(at) as *const _);
-                let (lo, hi) = match o % super::INT4_ROWS {
-                    0 => (v, _mm512_srli_epi32::<4>(v)),
-                    1 => (_mm512_srli_epi32::<8>(v), _mm512_srli_epi32::<12>(v)),
-                    2 => (_mm512_srli_epi32::<16>(v), _mm512_srli_epi32::<20>(v)),
-                    _ => (_mm512_srli_epi32::<24>(v), _mm512_srli_epi32::<28>(v)),
-                };
+                // Shift counts from the row's place in its group (no branch; loop-invariant per row).
+                let sh = (8 * (o % super::INT4_ROWS)) as i32;
+                let lo = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh));
+                let hi = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh + 4));
                 [
                     _mm512_permutexvar_ps(lo, prep),
                     _mm512_permutexvar_ps(hi, prep),
