@@ -35,7 +35,7 @@ fn check(src: &TileSrc<'_>, scheme: u8, o_end: usize, xs: &[&[f32]]) {
 
 /// 2^-112: the fp8 scales of the kernel layout are premultiplied by 2^120 (module docs); the half-float
 /// decoding of [`decode512`] wants them times 2^8. Both scalings by powers of two are exact.
-const FP8_HALF_UNFOLD: f32 = 1.925_929_9e-34;
+const FP8_HALF_UNFOLD: f32 = 1.925_93e-34;
 
 /// Per-row state of a scale segment: the int4 table times the scale, or the broadcast scale (fp8: times
 /// 2^8, for the half-float decoding).
