@@ -33,20 +33,12 @@ fn check(src: &TileSrc<'_>, scheme: u8, o_end: usize, xs: &[&[f32]]) {
 // AVX-512
 // ------------------------------------------------------------------------------------------------
 
-/// 2^-112: the fp8 scales of the kernel layout are premultiplied by 2^120 (module docs); the half-float
-/// decoding of [`decode512`] wants them times 2^8. Both scalings by powers of two are exact.
-const FP8_HALF_UNFOLD: f32 = 1.925_93e-34;
-
-/// Per-row state of a scale segment: the int4 table times the scale, or the broadcast scale (fp8: times
-/// 2^8, for the half-float decoding).
+/// Per-row state of a scale segment: the int4 table times the scale, or the broadcast scale.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn prep512<const S: u8>(row_scales: &[f32], seg: usize) -> __m512 {
     if S == PANEL {
         return _mm512_setzero_ps();
-    }
-    if S == FP8 {
-        return _mm512_set1_ps(row_scales[seg] * FP8_HALF_UNFOLD);
     }
     let s = _mm512_set1_ps(row_scales[seg]);
     if S == INT4 {
@@ -99,18 +91,22 @@ unsafe fn decode512<const S: u8>(
             }
             _ => {
                 debug_assert_eq!(S, FP8);
-                // The 32 codes as half floats: E4M3 `s eeee mmm` placed as FP16 `s 0eeee mmm0000000` is the
-                // code's value times 2^-8 exactly (normal and subnormal codes alike), so with the scale
-                // times 2^8 (`prep`, see `prep512`) the product is the one rounding of code value times
-                // scale, as the reference computes it. Bits: x = code << 7 puts the magnitude at 7..14 and
-                // the sign at 14; x + (x & 0x4000) moves the sign to 15.
                 let p = src.codes.as_ptr().add(o * src.row_bytes + c * LANES);
-                let b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p as *const __m256i));
-                let x = _mm512_slli_epi16::<7>(b);
-                let h = _mm512_add_epi16(x, _mm512_and_si512(x, _mm512_set1_epi16(0x4000)));
+                let sign = _mm512_set1_epi32(i32::MIN);
+                let f = |v: __m512i| {
+                    // sign bit from code << 24, magnitude bits from (code << 25) >> 5: (a & c) | b.
+                    let a = _mm512_slli_epi32::<24>(v);
+                    let b = _mm512_srli_epi32::<5>(_mm512_slli_epi32::<25>(v));
+                    _mm512_mul_ps(
+                        _mm512_castsi512_ps(_mm512_ternarylogic_epi32::<0xEC>(a, b, sign)),
+                        prep,
+                    )
+                };
                 [
-                    _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), prep),
-                    _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64::<1>(h)), prep),
+                    f(_mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))),
+                    f(_mm512_cvtepu8_epi32(_mm_loadu_si128(
+                        p.add(16) as *const __m128i
+                    ))),
                 ]
             }
         }
