@@ -435,7 +435,6 @@ impl KernelWeights {
         let rows = block.len() / m;
         let kp = self.kp;
         let xs: Vec<&[f32]> = (0..m).map(|i| &xp[i * kp..(i + 1) * kp]).collect();
-        let mut r = 0;
         // Four output rows per tile for one or two activation rows, two for three or four (registers). A
         // GEMV of 8-bit codes streams one row at a time instead: measured on a 2-core Zen 4 (4096 x 4096, cold
         // weights), int8 0.59 vs 0.72 ms and fp8 0.83 vs 1.00 ms, while int4 (half the bytes per column,
@@ -445,24 +444,7 @@ impl KernelWeights {
             (1 | 2, _) => 4,
             _ => 2,
         };
-        #[cfg(target_arch = "x86_64")]
-        if path == SimdPath::Avx512 {
-            // SAFETY: the Avx512 path is only run when the CPU has it (asserted in `matmul_on`); rows
-            // o0..o0+rows exist and every activation row holds `chunks * 32` floats.
-            unsafe { x86::rows_avx512(self.scheme, src, o0, rows, &xs, full, block, m) };
-            return;
-        }
-        while r < rows {
-            let ob = if rows - r >= full { full } else { 1 };
-            let mut res = [[0.0f32; 4]; 4];
-            run_tile(path, self.scheme, src, o0 + r, &xs, ob, &mut res);
-            for j in 0..ob {
-                for i in 0..m {
-                    block[(r + j) * m + i] = res[i][j];
-                }
-            }
-            r += ob;
-        }
+        run_rows(path, self.scheme, src, o0, rows, &xs, full, block, m);
     }
 
     /// Output rows `o0..` into `block` (`[rows, m]`, transposed): decode them to an f32 panel (`panel`,
@@ -602,7 +584,6 @@ fn decode_rows(
     }
 }
 
-/// One tile: rows `o0..o0+ob` of `src` against the activation rows `xs` (at most 4), into `res[i][r]`.
 /// 4x3 tiles of an f32 panel (`psrc.panel`, rows of `kp` values) against the `m` activation rows of `xp`,
 /// written transposed into `out` (`[rows, m]`): the one tiling both the low-bit panel GEMM and the
 /// deterministic f32 `x · w^T` use, so both reduce every output in the same fixed order.
@@ -620,52 +601,51 @@ fn panel_tiles(
         let mb = (m - i).min(4);
         let xs: [&[f32]; 4] = std::array::from_fn(|j| &xp[(i + j.min(mb - 1)) * kp..][..kp]);
         let xs = &xs[..mb];
-        #[cfg(target_arch = "x86_64")]
-        if path == SimdPath::Avx512 {
-            // SAFETY: the Avx512 path is only run when the CPU has it; the panel holds `rows` rows of
-            // `chunks * 32` floats and every activation row `kp` floats.
-            unsafe { x86::rows_avx512(PANEL, psrc, 0, rows, xs, 3, &mut out[i..], m) };
-            i += mb;
-            continue;
-        }
-        let mut r = 0;
-        while r < rows {
-            let ob = (rows - r).min(3);
-            let mut res = [[0.0f32; 4]; 4];
-            run_tile(path, PANEL, psrc, r, xs, ob, &mut res);
-            for j in 0..ob {
-                for (ii, row) in res.iter().enumerate().take(mb) {
-                    out[(r + j) * m + i + ii] = row[j];
-                }
-            }
-            r += ob;
-        }
+        run_rows(path, PANEL, psrc, 0, rows, xs, 3, &mut out[i..], m);
         i += mb;
     }
 }
 
-fn run_tile(
+/// Rows `o0..o0 + n` of `src` against the activation rows `xs` (at most 4) in tiles of `ob` rows (the last
+/// `n % ob` rows one at a time, `xs.len() * ob <= 12`), into `block[r * stride + i]`. The tile shape only
+/// changes the speed: every output is the same fixed-order sum.
+#[allow(clippy::too_many_arguments)]
+fn run_rows(
     path: SimdPath,
     scheme: u8,
     src: &TileSrc<'_>,
     o0: usize,
+    n: usize,
     xs: &[&[f32]],
     ob: usize,
-    res: &mut [[f32; 4]; 4],
+    block: &mut [f32],
+    stride: usize,
 ) {
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => {
-            // SAFETY: Avx512 is only run when `SimdPath::available` lists it (asserted in `matmul_on`);
-            // rows `o0..o0+ob` exist and every activation row holds `chunks * 32` floats.
-            unsafe { x86::tile_avx512(scheme, src, o0, xs, ob, res) }
+    #[cfg(target_arch = "x86_64")]
+    if path == SimdPath::Avx512 {
+        // SAFETY: Avx512 is only run when the CPU has it (asserted by the public entry points); rows
+        // `o0..o0+n` exist and every activation row holds `chunks * 32` floats.
+        unsafe { x86::rows_avx512(scheme, src, o0, n, xs, ob, block, stride) };
+        return;
+    }
+    let mut r = 0;
+    while r < n {
+        let t = if n - r >= ob { ob } else { 1 };
+        let mut res = [[0.0f32; 4]; 4];
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            SimdPath::Avx2 => {
+                // SAFETY: as above, for avx2 + fma.
+                unsafe { x86::tile_avx2(scheme, src, o0 + r, xs, t, &mut res) }
+            }
+            _ => portable::tile(scheme, src, o0 + r, xs, t, &mut res),
         }
-        #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => {
-            // SAFETY: as above, for avx2 + fma.
-            unsafe { x86::tile_avx2(scheme, src, o0, xs, ob, res) }
+        for j in 0..t {
+            for (i, row) in res.iter().enumerate().take(xs.len()) {
+                block[(r + j) * stride + i] = row[j];
+            }
         }
-        _ => portable::tile(scheme, src, o0, xs, ob, res),
+        r += t;
     }
 }
 

@@ -480,44 +480,6 @@ pub(super) unsafe fn rows_avx512(
     }
 }
 
-/// # Safety
-/// The CPU has avx512f/bw/vl, avx2 and fma (checked by the caller through `SimdPath::available`).
-pub(super) unsafe fn tile_avx512(
-    scheme: u8,
-    src: &TileSrc<'_>,
-    o0: usize,
-    xs: &[&[f32]],
-    ob: usize,
-    res: &mut [[f32; 4]; 4],
-) {
-    check(src, scheme, o0 + ob, xs);
-    let mb = xs.len();
-    assert!((1..=4).contains(&mb) && (1..=4).contains(&ob));
-    if mb * ob > 12 {
-        // 4x4: two 4x2 halves.
-        let mut half = [[0.0f32; 4]; 4];
-        // SAFETY: forwarded contract.
-        unsafe {
-            tile_avx512(scheme, src, o0, xs, 2, res);
-            tile_avx512(scheme, src, o0 + 2, xs, 2, &mut half);
-        }
-        for i in 0..mb {
-            res[i][2] = half[i][0];
-            res[i][3] = half[i][1];
-        }
-        return;
-    }
-    // SAFETY: forwarded contract.
-    unsafe {
-        match scheme {
-            INT4 => tile_shapes!(tile512, INT4, mb, ob, (src, o0, xs, res)),
-            INT8 => tile_shapes!(tile512, INT8, mb, ob, (src, o0, xs, res)),
-            FP8 => tile_shapes!(tile512, FP8, mb, ob, (src, o0, xs, res)),
-            _ => tile_shapes!(tile512, PANEL, mb, ob, (src, o0, xs, res)),
-        }
-    }
-}
-
 // ------------------------------------------------------------------------------------------------
 // AVX2
 // ------------------------------------------------------------------------------------------------
