@@ -12,6 +12,8 @@
 //! same bits. Vectorised across output columns (the chains are independent), so no lane tree is needed.
 //! Trailing `x[i, k] * w[k, o] = 0` terms (masked keys) leave a chain's value unchanged.
 
+use std::ops::Range;
+
 use rayon::prelude::*;
 
 use super::SimdPath;
@@ -337,15 +339,31 @@ fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) ->
         // Only wide products stream: with tasks under 256 columns (the MoE experts, n = 384 or 768) the
         // column blocks were faster (f32 decode step of the 195M MoE 50 vs 55 ms).
         if path == SimdPath::Avx512 && m <= STREAM_MAX_M && width >= STREAM_MIN_COLS {
-            y_streamed(&mut y, width, m, n, |c0, c1, out| {
+            by_blocks(&mut y, m, n, m, width, |_, cols, out| {
                 // SAFETY: the Avx512 path is only chosen when the CPU has avx512f, avx2 and fma.
-                unsafe { stream_avx512(x, w, m, k, n, c0, c1, out) }
+                unsafe { stream_avx512(x, w, m, k, n, cols.start, cols.end, out) }
             });
             return y;
         }
     }
-    let task_cols = TASK_COLS;
     let task_rows = TASK_ROWS.max(m.div_ceil(8));
+    by_blocks(&mut y, m, n, task_rows, TASK_COLS, |rows, cols, out| {
+        let xs = &x[rows.start * k..rows.end * k];
+        cols_on(path, xs, w, rows.len(), k, n, cols.start, cols.end, out);
+    });
+    y
+}
+
+/// Runs `f(rows, cols, out)` in parallel on the blocks of `task_rows x task_cols` of `y` (`[m, n]`), each
+/// into its own `[rows, cols]` buffer, then copies the blocks into `y`.
+fn by_blocks(
+    y: &mut [f32],
+    m: usize,
+    n: usize,
+    task_rows: usize,
+    task_cols: usize,
+    f: impl Fn(Range<usize>, Range<usize>, &mut [f32]) + Sync,
+) {
     let (ct, rt) = (n.div_ceil(task_cols), m.div_ceil(task_rows));
     let parts: Vec<(usize, usize, usize, Vec<f32>)> = (0..ct * rt)
         .into_par_iter()
@@ -353,40 +371,13 @@ fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) ->
             let (c0, r0) = ((t % ct) * task_cols, (t / ct) * task_rows);
             let (c1, r1) = ((c0 + task_cols).min(n), (r0 + task_rows).min(m));
             let mut out = vec![0.0f32; (r1 - r0) * (c1 - c0)];
-            cols_on(path, &x[r0 * k..r1 * k], w, r1 - r0, k, n, c0, c1, &mut out);
+            f(r0..r1, c0..c1, &mut out);
             (r0, c0, c1 - c0, out)
         })
         .collect();
     for (r0, c0, width, out) in parts {
         for (i, row) in out.chunks(width).enumerate() {
             y[(r0 + i) * n + c0..(r0 + i) * n + c0 + width].copy_from_slice(row);
-        }
-    }
-    y
-}
-
-/// Runs `f(c0, c1, out)` on column tasks `width` wide in parallel and copies each `[m, c1 - c0]` result
-/// into `y` (`[m, n]`).
-#[cfg(target_arch = "x86_64")]
-fn y_streamed(
-    y: &mut [f32],
-    width: usize,
-    m: usize,
-    n: usize,
-    f: impl Fn(usize, usize, &mut [f32]) + Sync,
-) {
-    let parts: Vec<(usize, usize, Vec<f32>)> = (0..n.div_ceil(width))
-        .into_par_iter()
-        .map(|t| {
-            let (c0, c1) = (t * width, ((t + 1) * width).min(n));
-            let mut out = vec![0.0f32; m * (c1 - c0)];
-            f(c0, c1, &mut out);
-            (c0, c1 - c0, out)
-        })
-        .collect();
-    for (c0, width, out) in parts {
-        for (i, row) in out.chunks(width).enumerate() {
-            y[i * n + c0..i * n + c0 + width].copy_from_slice(row);
         }
     }
 }
