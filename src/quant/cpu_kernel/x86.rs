@@ -228,6 +228,16 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     // (only two decoded registers live at once; decoding every row first spilled at 2x4 tiles).
     // A four-row int4 tile that starts a group reads one line per chunk for all its rows.
     let group_tile = S == INT4 && o0 % super::INT4_ROWS == 0;
+    // One row's 32 decoded weights `w` into every activation row's sums (`xv`: the chunk's activations).
+    macro_rules! accumulate {
+        ($xv:ident, $r:expr, $w:expr) => {{
+            let (r, w) = ($r, $w);
+            for i in 0..MB {
+                acc[i][r][0] = _mm512_fmadd_ps($xv[i][0], w[0], acc[i][r][0]);
+                acc[i][r][1] = _mm512_fmadd_ps($xv[i][1], w[1], acc[i][r][1]);
+            }
+        }};
+    }
     macro_rules! chunk {
         ($c:expr) => {{
             let c = $c;
@@ -256,16 +266,16 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
                 // SAFETY: the group's line of chunk c lies inside `codes` (rows o0..o0+4 exist, padded).
                 let v = unsafe { _mm512_load_si512(src.codes.as_ptr().add(at) as *const _) };
                 macro_rules! row {
-                    ($r:literal, $lo:expr, $hi:expr) => {{
-                        let w = [
-                            _mm512_permutexvar_ps($lo, prep[$r]),
-                            _mm512_permutexvar_ps($hi, prep[$r]),
-                        ];
-                        for i in 0..MB {
-                            acc[i][$r][0] = _mm512_fmadd_ps(xv[i][0], w[0], acc[i][$r][0]);
-                            acc[i][$r][1] = _mm512_fmadd_ps(xv[i][1], w[1], acc[i][$r][1]);
-                        }
-                    }};
+                    ($r:literal, $lo:expr, $hi:expr) => {
+                        accumulate!(
+                            xv,
+                            $r,
+                            [
+                                _mm512_permutexvar_ps($lo, prep[$r]),
+                                _mm512_permutexvar_ps($hi, prep[$r]),
+                            ]
+                        )
+                    };
                 }
                 row!(0, v, _mm512_srli_epi32::<4>(v));
                 row!(1, _mm512_srli_epi32::<8>(v), _mm512_srli_epi32::<12>(v));
@@ -275,10 +285,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
                 for r in 0..OB {
                     // SAFETY: row o0 + r < out and c < chunks (the caller's contract).
                     let w = unsafe { decode512::<S>(src, o0 + r, c, prep[r]) };
-                    for i in 0..MB {
-                        acc[i][r][0] = _mm512_fmadd_ps(xv[i][0], w[0], acc[i][r][0]);
-                        acc[i][r][1] = _mm512_fmadd_ps(xv[i][1], w[1], acc[i][r][1]);
-                    }
+                    accumulate!(xv, r, w);
                 }
             }
         }};
