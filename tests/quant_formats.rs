@@ -717,3 +717,64 @@ fn int4_word_view_of_a_tensor() {
             .is_none()
     );
 }
+
+/// The one-pass W8A8 activation rounding the kernels use equals quantize-then-dequantize bitwise: on blocks
+/// whose scale is exactly 1 (absmax 448) holding the dense encode sweep, every rounding midpoint and the f32
+/// values either side of it (both signs), and on random, all-zero, subnormal-scale and ragged blocks, on
+/// both the serial (small) and parallel (large) paths.
+#[test]
+fn fp8_fake_quantize_equals_quantize_then_dequantize() {
+    let mut probes = Vec::new();
+    let mut bits = 0u32;
+    while bits <= 0x4480_0000 {
+        probes.push(f32::from_bits(bits));
+        bits += 4099;
+    }
+    for code in 0..126u8 {
+        let mid = (e4m3_to_f32(code) + e4m3_to_f32(code + 1)) / 2.0;
+        probes.extend([
+            mid,
+            f32::from_bits(mid.to_bits() + 1),
+            f32::from_bits(mid.to_bits() - 1),
+        ]);
+    }
+    let negatives: Vec<f32> = probes.iter().map(|v| -v).collect();
+    probes.extend(negatives);
+    probes.retain(|v| v.abs() <= E4M3_MAX);
+    // 127 probes and 448 per 128-block, so that s = 448 / 448 = 1 and v / s = v.
+    let mut x = Vec::new();
+    for chunk in probes.chunks(127) {
+        x.push(E4M3_MAX);
+        x.extend_from_slice(chunk);
+        x.resize(x.len().next_multiple_of(128), 0.5);
+    }
+    let cols = 128 * 5;
+    x.resize(x.len().next_multiple_of(cols), -0.25);
+    let mut state = 7u64;
+    let mut rand = || {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    for scale in [1.0f32, 3e3, 1e-3, 1e-38, 1e-41, 0.0] {
+        x.extend((0..cols).map(|_| rand() * scale));
+    }
+    let rows = x.len() / cols;
+    assert!(x.len() >= 1 << 16, "large enough for the parallel path");
+    let want = Fp8Activations::quantize(&x, rows, cols)
+        .unwrap()
+        .dequantize();
+    let got = Fp8Activations::fake_quantize(&x, rows, cols).unwrap();
+    assert_same_bits("fake_quantize (parallel)", &got, &want);
+    // Small and ragged (cols not a multiple of 128): the serial path and short edge blocks.
+    for (r, c) in [(3, 200), (1, 1), (2, 129)] {
+        let x: Vec<f32> = (0..r * c).map(|_| rand() * 7.0).collect();
+        let want = Fp8Activations::quantize(&x, r, c).unwrap().dequantize();
+        let got = Fp8Activations::fake_quantize(&x, r, c).unwrap();
+        assert_same_bits("fake_quantize (serial)", &got, &want);
+    }
+    // Non-finite input is the same error.
+    let err = Fp8Activations::fake_quantize(&[1.0, f32::NAN], 1, 2).unwrap_err();
+    assert!(err.to_string().contains("activations"), "{err}");
+}

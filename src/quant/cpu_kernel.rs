@@ -366,8 +366,8 @@ impl KernelWeights {
             return vec![0.0; m * out];
         }
         let xa: Cow<'_, [f32]> = if self.fp8_activations {
-            match Fp8Activations::quantize(x, m, inn) {
-                Ok(a) => Cow::Owned(a.dequantize()),
+            match Fp8Activations::fake_quantize(x, m, inn) {
+                Ok(a) => Cow::Owned(a),
                 Err(_) => Cow::Owned(vec![f32::NAN; x.len()]),
             }
         } else {
