@@ -778,3 +778,41 @@ fn fp8_fake_quantize_equals_quantize_then_dequantize() {
     let err = Fp8Activations::fake_quantize(&[1.0, f32::NAN], 1, 2).unwrap_err();
     assert!(err.to_string().contains("activations"), "{err}");
 }
+
+/// The inline rounding the quantizers use equals `f32::round_ties_even` bitwise on every
+/// tie and its neighbours in the code ranges, a dense sweep of magnitudes up to 2^24, and infinities.
+#[test]
+fn inline_round_ties_even_equals_std() {
+    use qarl::quant::int::round_ties_even;
+    let mut values = vec![
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        0.0,
+        8_388_607.5,
+        8_388_608.0,
+    ];
+    for k in -300i32..=300 {
+        let tie = k as f32 + 0.5;
+        values.extend([
+            tie,
+            f32::from_bits(tie.to_bits() + 1),
+            f32::from_bits(tie.to_bits() - 1),
+        ]);
+    }
+    let mut bits = 0u32;
+    while bits <= 0x4B80_0000 {
+        values.push(f32::from_bits(bits));
+        bits += 1009;
+    }
+    for v in values {
+        for v in [v, -v] {
+            assert_eq!(
+                round_ties_even(v).to_bits(),
+                v.round_ties_even().to_bits(),
+                "round({v:e})"
+            );
+        }
+    }
+}

@@ -33,7 +33,7 @@ pub fn f32_to_e4m3(value: f32) -> u8 {
     } else if magnitude < E4M3_MIN_NORMAL {
         // Subnormal range: the grid is m * 2^-9, m = 0..=8 (m = 8 is code 0x08 = 2^-6, the smallest normal,
         // so the code is m itself). Multiplying by 512 is exact, so this is a single rounding.
-        (magnitude * 512.0).round_ties_even() as u8
+        super::int::round_ties_even(magnitude * 512.0) as u8
     } else {
         // Normal range: re-bias the f32 exponent (127 -> 7) in place, then round the 23-bit mantissa to 3
         // bits, ties to even; a carry out of the mantissa correctly bumps the exponent.

@@ -11,6 +11,7 @@
 use super::e4m3::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
 use super::error::{check_finite, check_len, element_count, QuantError};
 use super::scheme::FP8_BLOCK;
+use rayon::prelude::*;
 
 /// E4M3 codes of a row-major `[rows, cols]` matrix with block scales `[ceil(rows/block_rows), ceil(cols/128)]`.
 pub(crate) fn quantize_blocks(
@@ -26,28 +27,35 @@ pub(crate) fn quantize_blocks(
     if cols == 0 {
         return (codes, scales);
     }
-    for row_block in 0..row_blocks {
-        let row_range = row_block * block_rows..((row_block + 1) * block_rows).min(rows);
-        let block_scales = &mut scales[row_block * col_blocks..(row_block + 1) * col_blocks];
+    // Row blocks are independent: in parallel (weights: 128-row blocks; activations: one row per block).
+    let block = |((values, codes), block_scales): ((&[f32], &mut [u8]), &mut [f32])| {
         let mut absmax = vec![0.0f32; col_blocks];
-        for row in row_range.clone() {
-            for (col, v) in values[row * cols..(row + 1) * cols].iter().enumerate() {
-                let m = &mut absmax[col / FP8_BLOCK];
-                *m = m.max(v.abs());
+        for row in values.chunks(cols) {
+            for (m, v) in absmax.iter_mut().zip(row.chunks(FP8_BLOCK)) {
+                *m = v.iter().fold(*m, |m, x| m.max(x.abs()));
             }
         }
         for (s, m) in block_scales.iter_mut().zip(&absmax) {
             *s = m / E4M3_MAX;
         }
-        for row in row_range {
-            let src = &values[row * cols..(row + 1) * cols];
-            let dst = &mut codes[row * cols..(row + 1) * cols];
-            for (col, (v, code)) in src.iter().zip(dst.iter_mut()).enumerate() {
-                let s = block_scales[col / FP8_BLOCK];
-                *code = if s == 0.0 { 0 } else { f32_to_e4m3(v / s) };
+        for (src, dst) in values.chunks(cols).zip(codes.chunks_mut(cols)) {
+            for ((v, code), &s) in src
+                .chunks(FP8_BLOCK)
+                .zip(dst.chunks_mut(FP8_BLOCK))
+                .zip(block_scales.iter())
+            {
+                for (v, code) in v.iter().zip(code) {
+                    *code = if s == 0.0 { 0 } else { f32_to_e4m3(v / s) };
+                }
             }
         }
-    }
+    };
+    values
+        .par_chunks(block_rows * cols)
+        .zip(codes.par_chunks_mut(block_rows * cols))
+        .zip(scales.par_chunks_mut(col_blocks))
+        .with_min_len((1 << 16) / (block_rows * cols) + 1)
+        .for_each(block);
     (codes, scales)
 }
 

@@ -29,6 +29,21 @@ pub fn quantize_to_int(w: f32, s: f32, lo: i8, hi: i8) -> i8 {
     if s == 0.0 {
         0
     } else {
-        (w / s).round_ties_even().clamp(lo as f32, hi as f32) as i8
+        round_ties_even(w / s).clamp(lo as f32, hi as f32) as i8
+    }
+}
+
+/// `v.round_ties_even()`, computed inline: `(|v| + 2^23) - 2^23` rounds to an integer, ties to even,
+/// exactly for `|v| < 2^23` (from 2^23 on every f32 is an integer), with `v`'s sign put back.
+/// `f32::round_ties_even` is a call to libm's `rintf` on baseline x86-64 (no SSE4.1 `roundps`), which took
+/// 40% of quantizing a model; this form inlines and vectorizes.
+#[inline(always)]
+pub fn round_ties_even(v: f32) -> f32 {
+    const TWO_23: f32 = 8_388_608.0;
+    let a = v.abs();
+    if a < TWO_23 {
+        ((a + TWO_23) - TWO_23).copysign(v)
+    } else {
+        v
     }
 }

@@ -9,6 +9,8 @@
 //!
 //! The dequantized weight is `q as f32 * s` (fp8: `e4m3_to_f32(code) * s`), one f32 multiply.
 
+use rayon::prelude::*;
+
 use super::e4m3::{e4m3_is_nan, e4m3_to_f32};
 use super::error::{check_finite, check_len, element_count, QuantError};
 use super::fp8::{quantize_blocks, Fp8Activations};
@@ -373,19 +375,24 @@ fn quantize_int4(weights: &[f32], out: usize, inn: usize, group: usize) -> (Vec<
     if inn == 0 {
         return (data, scales);
     }
-    for row in 0..out {
-        let src = &weights[row * inn..(row + 1) * inn];
-        let dst = &mut data[row * row_bytes..(row + 1) * row_bytes];
-        for (g, chunk) in src.chunks(group).enumerate() {
+    let row = |((src, dst), row_scales): ((&[f32], &mut [u8]), &mut [f32])| {
+        for ((g, chunk), scale) in src.chunks(group).enumerate().zip(row_scales) {
             let s = symmetric_scale(absmax(chunk), INT4_QMAX);
-            scales[row * groups_per_row + g] = s;
+            *scale = s;
             for (offset, &w) in chunk.iter().enumerate() {
                 let col = g * group + offset;
                 let nibble = int4_to_nibble(quantize_to_int(w, s, INT4_MIN, INT4_MAX));
                 dst[col / 2] |= nibble << (4 * (col % 2));
             }
         }
-    }
+    };
+    // Rows are independent: in parallel (a weight sync re-quantizes the whole model every RL step).
+    weights
+        .par_chunks(inn)
+        .zip(data.par_chunks_mut(row_bytes))
+        .zip(scales.par_chunks_mut(groups_per_row))
+        .with_min_len(64)
+        .for_each(row);
     (data, scales)
 }
 
@@ -396,16 +403,17 @@ fn quantize_int8(weights: &[f32], out: usize, inn: usize) -> (Vec<u8>, Vec<f32>)
     if inn == 0 {
         return (data, scales);
     }
-    for ((src, dst), scale) in weights
-        .chunks(inn)
-        .zip(data.chunks_mut(inn))
-        .zip(scales.iter_mut())
-    {
-        let s = symmetric_scale(absmax(src), INT8_QMAX);
-        *scale = s;
-        for (code, &w) in dst.iter_mut().zip(src) {
-            *code = quantize_to_int(w, s, -127, 127) as u8;
-        }
-    }
+    weights
+        .par_chunks(inn)
+        .zip(data.par_chunks_mut(inn))
+        .zip(scales.par_iter_mut())
+        .with_min_len(64)
+        .for_each(|((src, dst), scale)| {
+            let s = symmetric_scale(absmax(src), INT8_QMAX);
+            *scale = s;
+            for (code, &w) in dst.iter_mut().zip(src) {
+                *code = quantize_to_int(w, s, -127, 127) as u8;
+            }
+        });
     (data, scales)
 }
