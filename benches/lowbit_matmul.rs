@@ -10,6 +10,11 @@
 //! and one that runs after another one's gigabyte of copies was freed can come out slower than alone (int8-pc
 //! measured 0.85 ms after the int4 kernels, 0.51 ms alone, on a 2-core Zen 4 VM); time each kernel in its own
 //! process (`QARL_BENCH_ONLY`) for the best-case numbers.
+//!
+//! `QARL_BENCH_VERSUS=int4-g128:Q4_K` (with `candle-bench`) runs a head-to-head instead: both kernels' copies
+//! (1 GiB each) live at once and blocks of calls alternate, ours then candle's, at m = 1 and 8, so both
+//! see the same machine state. On a VM whose DRAM speed changes from process to process (a 2-core Zen 4
+//! VM: 2x between runs of the same binary) only such a paired run compares two kernels fairly.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -159,6 +164,11 @@ fn main() {
     }
 
     #[cfg(feature = "candle-bench")]
+    if let Ok(versus) = std::env::var("QARL_BENCH_VERSUS") {
+        candle::versus(&w, &versus);
+        return;
+    }
+    #[cfg(feature = "candle-bench")]
     candle::run(&w, ms, &iters, &mut rows);
 
     println!("| kernel | m | time/call | weight GB/s | % of probe |");
@@ -191,12 +201,7 @@ mod candle {
         if !selected(&format!("candle {name}")) {
             return;
         }
-        let mut blocks = vec![T::zeros(); N * N / T::BLCK_SIZE];
-        T::from_float(w, &mut blocks);
-        let bytes = blocks.len() * std::mem::size_of::<T>();
-        let copies: Vec<Vec<T>> = (0..ROTATE_BYTES.div_ceil(bytes))
-            .map(|_| blocks.clone())
-            .collect();
+        let (copies, bytes) = candle_copies::<T>(w);
         for &m in ms {
             let x = values(m * N, 4);
             let mut y = vec![0.0f32; m * N];
@@ -210,6 +215,113 @@ mod candle {
                 secs,
                 bytes,
             });
+        }
+    }
+
+    /// Copies of `w` in candle's `T` blocks over >= 1 GiB and their bytes each.
+    fn candle_copies<T: GgmlType>(w: &[f32]) -> (Vec<Vec<T>>, usize) {
+        let mut blocks = vec![T::zeros(); N * N / T::BLCK_SIZE];
+        T::from_float(w, &mut blocks);
+        let bytes = blocks.len() * std::mem::size_of::<T>();
+        let copies = (0..ROTATE_BYTES.div_ceil(bytes))
+            .map(|_| blocks.clone())
+            .collect();
+        (copies, bytes)
+    }
+
+    /// `QARL_BENCH_VERSUS=<our scheme>:<Q4_0|Q4_K|Q8_0>`: alternating calls, medians side by side.
+    pub fn versus(w: &[f32], spec: &str) {
+        // On a thread of rayon's pool, as `generate` calls the kernels: a call from outside the pool parks
+        // the caller and wakes it again, a dispatch cost a rollout does not pay.
+        rayon::scope(|_| versus_in_pool(w, spec))
+    }
+
+    fn versus_in_pool(w: &[f32], spec: &str) {
+        let Some((ours, theirs)) = spec.split_once(':') else {
+            eprintln!(
+                "QARL_BENCH_VERSUS wants <scheme>:<candle type>, e.g. int4-g128:Q4_K; got {spec:?}"
+            );
+            std::process::exit(2);
+        };
+        let scheme: QuantScheme = match ours.parse() {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("QARL_BENCH_VERSUS: {e}");
+                std::process::exit(2);
+            }
+        };
+        match theirs {
+            "Q4_0" => versus_with::<BlockQ4_0>(w, scheme, theirs),
+            "Q4_K" => versus_with::<BlockQ4K>(w, scheme, theirs),
+            "Q8_0" => versus_with::<BlockQ8_0>(w, scheme, theirs),
+            other => {
+                eprintln!("QARL_BENCH_VERSUS: unknown candle type {other:?} (Q4_0, Q4_K, Q8_0)");
+                std::process::exit(2);
+            }
+        }
+    }
+
+    fn versus_with<T: GgmlType>(w: &[f32], scheme: QuantScheme, name: &str) {
+        let q = QuantizedTensor::quantize(w, N, N, scheme).expect("quantize");
+        let k = KernelWeights::new(&q);
+        let ours_bytes = k.storage_bytes();
+        let ours: Vec<KernelWeights> = (0..ROTATE_BYTES.div_ceil(ours_bytes))
+            .map(|_| k.clone())
+            .collect();
+        let (theirs, theirs_bytes) = candle_copies::<T>(w);
+        println!(
+            "# head-to-head, alternating calls, {N}x{N}: qarl {} ({} copies of {:.1} MB) vs candle {name} ({} copies of {:.1} MB)\n",
+            scheme.name(),
+            ours.len(),
+            ours_bytes as f64 / 1e6,
+            theirs.len(),
+            theirs_bytes as f64 / 1e6
+        );
+        println!("| m | qarl median | candle median | candle / qarl | pairs qarl faster |");
+        println!("|---:|---:|---:|---:|---:|");
+        for m in [1usize, 8] {
+            let x = values(m * N, 5 + m as u64);
+            let mut y = vec![0.0f32; m * N];
+            // Blocks of calls, ours then candle's: each kernel runs back to back within its block (candle's
+            // pool spins for about a millisecond after its last call and would take a core from the
+            // first calls of ours, so the first calls of each block are not counted), and the blocks of
+            // both sample the same stretch of the machine's state.
+            let (blocks, per_block, skip) = if m == 1 { (16, 30, 6) } else { (8, 14, 3) };
+            let calls = blocks * (per_block - skip);
+            let (mut a, mut b) = (Vec::with_capacity(calls), Vec::with_capacity(calls));
+            let mut copy = 0usize;
+            for _ in 0..blocks {
+                for i in 0..per_block {
+                    let start = Instant::now();
+                    black_box(ours[(copy + i) % ours.len()].matmul(&x, m));
+                    if i >= skip {
+                        a.push(start.elapsed().as_secs_f64());
+                    }
+                }
+                for i in 0..per_block {
+                    let start = Instant::now();
+                    k_quants::matmul((m, N, N), &x, &theirs[(copy + i) % theirs.len()], &mut y)
+                        .expect("candle matmul");
+                    black_box(&y);
+                    if i >= skip {
+                        b.push(start.elapsed().as_secs_f64());
+                    }
+                }
+                copy += per_block;
+            }
+            let faster = a.iter().zip(&b).filter(|(x, y)| x < y).count();
+            // (Pairs: the i-th counted call of ours against the i-th of candle's, same block.)
+            let median = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (ma, mb) = (median(&mut a), median(&mut b));
+            println!(
+                "| {m} | {:.3} ms | {:.3} ms | {:.2} | {faster}/{calls} |",
+                ma * 1e3,
+                mb * 1e3,
+                mb / ma
+            );
         }
     }
 
