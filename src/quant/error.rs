@@ -59,6 +59,16 @@ pub(crate) fn element_count(
     })
 }
 
+/// Checks that a `[rows, cols]` buffer has `rows * cols` elements (and that the product does not overflow).
+pub(crate) fn check_matrix_len(
+    what: &'static str,
+    rows: usize,
+    cols: usize,
+    got: usize,
+) -> Result<(), QuantError> {
+    check_len(what, &[rows, cols], element_count(what, rows, cols)?, got)
+}
+
 /// Checks that a buffer has the length its shape implies.
 pub(crate) fn check_len(
     what: &'static str,

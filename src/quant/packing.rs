@@ -11,7 +11,7 @@
 //! `8w .. 8w + 8`, column `8w + k` in bits `4k .. 4k + 4` (little nibble first); padding nibbles past `inn`
 //! are 0. When `inn` is a multiple of 8 this is exactly the byte storage read as little-endian u32s.
 
-use super::error::{check_len, element_count, QuantError};
+use super::error::{check_matrix_len, QuantError};
 use super::int::{INT4_MAX, INT4_MIN};
 
 /// Bytes per packed int4 row of `inn` codes.
@@ -36,12 +36,7 @@ pub fn nibble_to_int4(nibble: u8) -> i8 {
 
 /// Packs row-major int4 codes `[out, inn]` (each in [-8, 7]) into the byte storage.
 pub fn pack_int4(codes: &[i8], out: usize, inn: usize) -> Result<Vec<u8>, QuantError> {
-    check_len(
-        "int4 codes",
-        &[out, inn],
-        element_count("int4 codes", out, inn)?,
-        codes.len(),
-    )?;
+    check_matrix_len("int4 codes", out, inn, codes.len())?;
     if let Some(index) = codes
         .iter()
         .position(|q| !(INT4_MIN..=INT4_MAX).contains(q))
@@ -86,12 +81,7 @@ pub fn unpack_int4(bytes: &[u8], out: usize, inn: usize) -> Result<Vec<i8>, Quan
 /// bytes per row.
 fn check_int4_storage(bytes: &[u8], out: usize, inn: usize) -> Result<usize, QuantError> {
     let row_bytes = int4_row_bytes(inn);
-    check_len(
-        "int4 packed bytes",
-        &[out, row_bytes],
-        element_count("int4 packed bytes", out, row_bytes)?,
-        bytes.len(),
-    )?;
+    check_matrix_len("int4 packed bytes", out, row_bytes, bytes.len())?;
     check_int4_padding(bytes, inn)?;
     Ok(row_bytes)
 }
@@ -137,12 +127,7 @@ pub fn int4_bytes_to_words(bytes: &[u8], out: usize, inn: usize) -> Result<Vec<u
 /// nibbles are an error.
 pub fn int4_words_to_bytes(words: &[u32], out: usize, inn: usize) -> Result<Vec<u8>, QuantError> {
     let row_words = int4_row_words(inn);
-    check_len(
-        "int4 packed words",
-        &[out, row_words],
-        element_count("int4 packed words", out, row_words)?,
-        words.len(),
-    )?;
+    check_matrix_len("int4 packed words", out, row_words, words.len())?;
     let row_bytes = int4_row_bytes(inn);
     let mut bytes = vec![0u8; out * row_bytes];
     if inn == 0 {

@@ -12,7 +12,7 @@
 use rayon::prelude::*;
 
 use super::e4m3::{e4m3_is_nan, e4m3_to_f32};
-use super::error::{check_finite, check_len, element_count, QuantError};
+use super::error::{check_finite, check_len, check_matrix_len, element_count, QuantError};
 use super::fp8::{quantize_blocks, Fp8Activations};
 use super::int::{
     absmax, quantize_to_int, symmetric_scale, INT4_MAX, INT4_MIN, INT4_QMAX, INT8_QMAX,
@@ -45,12 +45,7 @@ impl QuantizedTensor {
         inn: usize,
         scheme: QuantScheme,
     ) -> Result<Self, QuantError> {
-        check_len(
-            "weights",
-            &[out, inn],
-            element_count("weights", out, inn)?,
-            weights.len(),
-        )?;
+        check_matrix_len("weights", out, inn, weights.len())?;
         check_finite("weights", weights, inn)?;
         let (data, scales) = match scheme.kind() {
             SchemeKind::Int4 { group } => quantize_int4(weights, out, inn, group),
@@ -76,12 +71,7 @@ impl QuantizedTensor {
         scales: Vec<f32>,
     ) -> Result<Self, QuantError> {
         let row_bytes = scheme.row_bytes(inn);
-        check_len(
-            "packed codes",
-            &[out, row_bytes],
-            element_count("packed codes", out, row_bytes)?,
-            data.len(),
-        )?;
+        check_matrix_len("packed codes", out, row_bytes, data.len())?;
         let scale_shape = scheme.scale_shape(out, inn);
         let scale_count = scale_shape
             .iter()
@@ -279,12 +269,7 @@ impl QuantizedTensor {
     /// [`Self::matmul_reference`] (so the same bits), but it dequantizes the weight (and, for fp8, the
     /// activations) once instead of per product.
     pub fn matmul(&self, x: &[f32], m: usize) -> Result<Vec<f32>, QuantError> {
-        check_len(
-            "activations",
-            &[m, self.inn],
-            element_count("activations", m, self.inn)?,
-            x.len(),
-        )?;
+        check_matrix_len("activations", m, self.inn, x.len())?;
         let mut y = vec![0.0f32; element_count("matmul output", m, self.out)?];
         let quantized_x;
         let x = if self.scheme.quantizes_activations() {
@@ -316,12 +301,7 @@ impl QuantizedTensor {
         x: &[f32],
         m: usize,
     ) -> Result<Vec<f32>, QuantError> {
-        check_len(
-            "activations",
-            &[m, self.inn],
-            element_count("activations", m, self.inn)?,
-            x.len(),
-        )?;
+        check_matrix_len("activations", m, self.inn, x.len())?;
         let mut y = vec![0.0f32; element_count("matmul output", m, self.out)?];
         for i in 0..m {
             for o in 0..self.out {
@@ -344,12 +324,7 @@ impl QuantizedTensor {
         if !self.scheme.quantizes_activations() {
             return self.weight_only_matmul_reference(x, m);
         }
-        check_len(
-            "activations",
-            &[m, self.inn],
-            element_count("activations", m, self.inn)?,
-            x.len(),
-        )?;
+        check_matrix_len("activations", m, self.inn, x.len())?;
         let activations = Fp8Activations::quantize(x, m, self.inn)?;
         let mut y = vec![0.0f32; element_count("matmul output", m, self.out)?];
         for i in 0..m {
