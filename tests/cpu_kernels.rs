@@ -62,6 +62,41 @@ fn kernel_layout_decodes_like_dequantize_row() {
     }
 }
 
+/// A weight whose codes pass 2 MiB lives in a huge-page mapping instead of a vector: the same decoding, the
+/// same products, and a clone that is an independent copy.
+#[test]
+fn weights_in_a_huge_page_mapping_decode_and_multiply_alike() {
+    // int8: 1600 x 1344 bytes of codes = 2.05 MiB; int4 in groups of four rows: 1.03 MiB (the vector path).
+    let (out, inn) = (1600, 1344);
+    let w = values(out * inn, 11);
+    for scheme in [QuantScheme::Int8PerChannel, QuantScheme::Int4G32] {
+        let q = QuantizedTensor::quantize(&w, out, inn, scheme).unwrap();
+        let k = KernelWeights::new(&q);
+        let copy = k.clone();
+        drop(k);
+        assert_eq!(
+            copy.codes_in_huge_page_mapping(),
+            scheme == QuantScheme::Int8PerChannel,
+            "{scheme}"
+        );
+        let mut row = vec![0.0f32; inn];
+        for o in [0, 1, 799, out - 1] {
+            q.dequantize_row(o, &mut row);
+            assert_eq!(
+                bits(&copy.decode_row(o)[..inn]),
+                bits(&row),
+                "{scheme} row {o}"
+            );
+        }
+        let x = values(2 * inn, 12);
+        assert_eq!(
+            bits(&copy.matmul(&x, 2)),
+            bits(&lowbit_matmul_reference(&q, &x, 2)),
+            "{scheme}"
+        );
+    }
+}
+
 /// Every finite E4M3 code under scales from subnormal to large: the shift-and-fold decoding of the kernels
 /// equals `e4m3_to_f32(code) * s`, also through the SIMD paths; a scale too large to fold falls back.
 #[test]
