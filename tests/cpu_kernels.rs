@@ -62,6 +62,30 @@ fn kernel_layout_decodes_like_dequantize_row() {
     }
 }
 
+/// The activations' address does not matter: rows starting anywhere (the kernels copy them to a 64-byte
+/// boundary when they are not on one, padding ragged rows) give the bits of the reference.
+#[test]
+fn activations_at_any_address_give_the_same_bits() {
+    for &(out, inn) in &[(40, 256), (33, 200)] {
+        let w = values(out * inn, 21);
+        for scheme in QuantScheme::ALL {
+            let q = QuantizedTensor::quantize(&w, out, inn, scheme).unwrap();
+            let k = KernelWeights::new(&q);
+            for m in [1, 3, 6] {
+                let x = values(m * inn + 16, 22 + m as u64);
+                for offset in 0..16 {
+                    let xs = &x[offset..offset + m * inn];
+                    assert_eq!(
+                        bits(&k.matmul(xs, m)),
+                        bits(&lowbit_matmul_reference(&q, xs, m)),
+                        "{scheme} {out}x{inn} m={m} offset {offset}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// A weight whose codes pass 2 MiB lives in a huge-page mapping instead of a vector: the same decoding, the
 /// same products, and a clone that is an independent copy.
 #[test]
