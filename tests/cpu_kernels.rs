@@ -26,7 +26,7 @@ fn every_path_matches_the_reference_bitwise() {
         for scheme in QuantScheme::ALL {
             let q = QuantizedTensor::quantize(&w, out, inn, scheme).unwrap();
             let k = KernelWeights::new(&q);
-            for m in [1, 2, 3, 4, 5, 9] {
+            for m in [1, 2, 3, 4, 5, 6, 8, 9] {
                 let x = values(m * inn, 100 + m as u64);
                 let want = bits(&lowbit_matmul_reference(&q, &x, m));
                 for &path in &paths {

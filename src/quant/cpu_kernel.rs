@@ -58,8 +58,15 @@ pub use f32mm::{f32_matmul, f32_matmul_on, f32_matmul_reference, softmax_rows};
 /// Columns per chunk, and the number of partial sums of every output element.
 pub const LANES: usize = 32;
 
-/// `m` up to which the fused decode-and-multiply tile runs (above it: decoded panels).
-const FUSED_MAX_M: usize = 4;
+/// `m` up to which the fused decode-and-multiply tiles run, in passes of at most [`FUSED_PASS_M`] activation
+/// rows over each task's output rows (above it: decoded panels). A second pass decodes the task's codes again,
+/// from L2, which still beats writing and reading an f32 panel at these `m`. Paired probe (cold weights, 2
+/// cores, Zen 4), panels vs passes: 4096x4096 int4-g128 m=5 1.84 vs 1.21 ms, m=8 2.14 vs 1.60 ms; int8-pc m=8
+/// 2.45 vs 1.94 ms; fp8-b128 m=8 2.49 vs 1.79 ms; 768x768 int4 m=5 53 vs 42 us, m=8 65 vs 60 us (int8 m=8: a
+/// tie). From m = 16 on, panels win on small matrices (768x768 int8 m=16: 116 vs 132 us).
+const FUSED_MAX_M: usize = 8;
+/// Activation rows per fused pass (the register tiles' largest `m`).
+const FUSED_PASS_M: usize = 4;
 /// Output rows per rayon task on the fused path.
 const FUSED_TASK_ROWS: usize = 64;
 /// Output rows per panel (decoded once, then multiplied by every activation row).
@@ -421,7 +428,8 @@ impl KernelWeights {
         y
     }
 
-    /// Output rows `o0..` into `block` (`[rows, m]`, transposed) with the fused tiles, `m <= 4`.
+    /// Output rows `o0..` into `block` (`[rows, m]`, transposed) with the fused tiles, `m <= FUSED_MAX_M`, in
+    /// passes of up to [`FUSED_PASS_M`] activation rows.
     fn fused_block(
         &self,
         path: SimdPath,
@@ -438,12 +446,16 @@ impl KernelWeights {
         // GEMV of 8-bit codes streams one row at a time instead: measured on a 2-core Zen 4 (4096 x 4096, cold
         // weights), int8 0.59 vs 0.72 ms and fp8 0.83 vs 1.00 ms, while int4 (half the bytes per column,
         // more decoding) is faster four rows at a time (0.65 vs 0.72 ms at g32). The sums are the same either way.
-        let full = match (m, self.scheme) {
-            (1, INT8 | FP8) => 1,
-            (1 | 2, _) => 4,
-            _ => 2,
-        };
-        run_rows(path, self.scheme, src, o0, rows, &xs, full, block, m);
+        for (p, part) in xs.chunks(FUSED_PASS_M).enumerate() {
+            let full = match (part.len(), self.scheme) {
+                (1, INT8 | FP8) => 1,
+                (1 | 2, _) => 4,
+                _ => 2,
+            };
+            // Pass `p` writes columns `FUSED_PASS_M * p..` of the `[rows, m]` block.
+            let cols = &mut block[FUSED_PASS_M * p..];
+            run_rows(path, self.scheme, src, o0, rows, part, full, cols, m);
+        }
     }
 
     /// Output rows `o0..` into `block` (`[rows, m]`, transposed): decode them to an f32 panel (`panel`,
