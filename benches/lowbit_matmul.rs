@@ -40,18 +40,24 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// Median seconds per call of `f(copy index)` over `iters` calls cycling through `copies`.
-fn time(copies: usize, iters: usize, mut f: impl FnMut(usize)) -> f64 {
-    for i in 0..copies.min(4) {
-        f(i);
-    }
-    let mut t = Vec::with_capacity(iters);
-    for i in 0..iters {
-        let start = Instant::now();
-        f(i % copies);
-        t.push(start.elapsed().as_secs_f64());
-    }
-    t.sort_by(f64::total_cmp);
-    t[t.len() / 2]
+fn time(copies: usize, iters: usize, mut f: impl FnMut(usize) + Send) -> f64 {
+    // On a thread of rayon's pool, as `generate` calls the kernels: a call from outside the pool parks the
+    // caller and wakes the workers again every time, a dispatch a rollout does not pay and whose cost on a
+    // VM varies from process to process (int8-pc alone, called from the main thread: 0.51-0.83 ms over
+    // three processes; from a worker: 0.49-0.50 ms over four).
+    rayon::scope(|_| {
+        for i in 0..copies.min(4) {
+            f(i);
+        }
+        let mut t = Vec::with_capacity(iters);
+        for i in 0..iters {
+            let start = Instant::now();
+            f(i % copies);
+            t.push(start.elapsed().as_secs_f64());
+        }
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    })
 }
 
 /// Streaming read of a 1 GiB buffer on every thread of the pool, best of 5: GB/s.
