@@ -586,8 +586,9 @@ impl std::fmt::Debug for AlignedBytes {
 /// Activation rows as the kernels read them: each row zero-padded to `kp` floats and the first starting on a
 /// 64-byte boundary (so every row does, `kp` being a multiple of 32), borrowed when the caller's already are.
 /// A 64-byte load of activations that straddles two cache lines splits in two on Zen 4: with the rows at 16
-/// bytes past a line (as the expert-gathered rows of a MoE often are), a cold 4096x4096 int8 GEMV took 0.74-0.78
-/// ms instead of 0.51-0.54 (paired, same weights). The copy costs one pass over `m * kp` floats.
+/// bytes past a line (as the expert-gathered rows of a MoE often are), a cold 4096x4096 int8 GEMV took 0.75-0.82
+/// ms, and 0.43-0.50 ms with the rows copied to a boundary (paired probe, same weights). The copy costs one pass
+/// over `m * kp` floats.
 enum AlignedRows<'a> {
     Borrowed(&'a [f32]),
     Copied(Vec<Block16>, usize),
