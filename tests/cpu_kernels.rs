@@ -226,6 +226,9 @@ fn f32_products_match_their_reference_and_are_row_batch_invariant() {
         (2, 1, 64, 129),
         (1, 300, 64, 130), // split in row chunks and 64-column blocks over threads
         (1, 8, 131, 1100), // streamed rows of w (m <= 8), a partial step of rows, tail columns
+        (1, 6, 35, 1100),  // streamed, activation rows in groups of four and two
+        (1, 3, 9, 1040),   // streamed, one group of three
+        (1, 1, 12, 1030),  // streamed GEMV
         (1, 2, 515, 600),
     ] {
         let x = values(batch * m * k, (m * k) as u64);

@@ -241,28 +241,30 @@ unsafe fn stream_avx512(
                 off += 64;
             }
         }
-        for v in 0..vecs {
-            // SAFETY: rows kk..kk+kb < k and columns c0 + 16v + 16 <= c1 <= n lie inside `w`; the
-            // accumulator of row i lies inside `out` ([m, width]); x[i, kk + r] inside `x` (asserted).
-            unsafe {
-                let col = c0 + v * 16;
-                if kb == STREAM_KB {
-                    let w0 = _mm512_loadu_ps(wp.add(kk * n + col));
-                    let w1 = _mm512_loadu_ps(wp.add((kk + 1) * n + col));
-                    let w2 = _mm512_loadu_ps(wp.add((kk + 2) * n + col));
-                    let w3 = _mm512_loadu_ps(wp.add((kk + 3) * n + col));
-                    for i in 0..m {
-                        let a = op.add(i * width + v * 16);
-                        let xi = xp.add(i * k + kk);
-                        let mut acc = _mm512_loadu_ps(a);
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi), w0, acc);
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi.add(1)), w1, acc);
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi.add(2)), w2, acc);
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(*xi.add(3)), w3, acc);
-                        _mm512_storeu_ps(a, acc);
+        if kb == STREAM_KB {
+            // Activation rows four at a time, their broadcasts held in registers across the vectors.
+            let mut i0 = 0;
+            while i0 < m {
+                // SAFETY: rows kk..kk+4 <= k, columns c0..c0 + 16 vecs <= c1 <= n and activation rows
+                // i0.. < m lie inside `w`, `x` and `out` (asserted above); same features.
+                unsafe {
+                    match m - i0 {
+                        1 => stream_step::<1>(xp, wp, op, k, n, width, kk, c0, vecs, i0),
+                        2 => stream_step::<2>(xp, wp, op, k, n, width, kk, c0, vecs, i0),
+                        3 => stream_step::<3>(xp, wp, op, k, n, width, kk, c0, vecs, i0),
+                        _ => stream_step::<4>(xp, wp, op, k, n, width, kk, c0, vecs, i0),
                     }
-                } else {
-                    for r in 0..kb {
+                }
+                i0 += 4;
+            }
+        } else {
+            // The last rows of `w` (k not a multiple of STREAM_KB), one at a time.
+            for v in 0..vecs {
+                let col = c0 + v * 16;
+                for r in 0..kb {
+                    // SAFETY: row kk + r < k and columns col..col + 16 <= c1 <= n lie inside `w`; the
+                    // accumulator of row i inside `out` ([m, width]); x[i, kk + r] inside `x` (asserted).
+                    unsafe {
                         let wr = _mm512_loadu_ps(wp.add((kk + r) * n + col));
                         for i in 0..m {
                             let a = op.add(i * width + v * 16);
@@ -280,6 +282,57 @@ unsafe fn stream_avx512(
     for o in c0 + vecs * 16..c1 {
         for i in 0..m {
             out[i * width + o - c0] = chain(&x[i * k..], w, k, n, o);
+        }
+    }
+}
+
+/// One step of four rows of `w` for activation rows `i0..i0 + R` (at most four): their `4 R` broadcast
+/// activations stay in registers across every 16-column vector of the task, instead of one broadcast load
+/// per multiply-add. Paired probe, `[m, 768] · [768, 8192]` cold: m = 8 1.39-1.40 vs 1.25-1.29 ms, m = 4
+/// 1.15 vs 1.06 ms, m = 1 0.94 vs 0.89 ms. Each element's chain is unchanged (rows kk..kk+4 in order).
+///
+/// # Safety
+/// The CPU has avx512f and fma; rows `kk..kk + 4` of `w` (`[k, n]`), columns `c0..c0 + 16 vecs` and
+/// activation rows `i0..i0 + R` of `x` (`[m, k]`) and of `out` (`[m, width]`) exist.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::incompatible_msrv)]
+unsafe fn stream_step<const R: usize>(
+    xp: *const f32,
+    wp: *const f32,
+    op: *mut f32,
+    k: usize,
+    n: usize,
+    width: usize,
+    kk: usize,
+    c0: usize,
+    vecs: usize,
+    i0: usize,
+) {
+    use std::arch::x86_64::*;
+    unsafe {
+        let mut xb = [[_mm512_setzero_ps(); STREAM_KB]; R];
+        for (i, row) in xb.iter_mut().enumerate() {
+            for (r, b) in row.iter_mut().enumerate() {
+                *b = _mm512_set1_ps(*xp.add((i0 + i) * k + kk + r));
+            }
+        }
+        for v in 0..vecs {
+            let col = c0 + v * 16;
+            let w0 = _mm512_loadu_ps(wp.add(kk * n + col));
+            let w1 = _mm512_loadu_ps(wp.add((kk + 1) * n + col));
+            let w2 = _mm512_loadu_ps(wp.add((kk + 2) * n + col));
+            let w3 = _mm512_loadu_ps(wp.add((kk + 3) * n + col));
+            for (i, b) in xb.iter().enumerate() {
+                let a = op.add((i0 + i) * width + v * 16);
+                let mut acc = _mm512_loadu_ps(a);
+                acc = _mm512_fmadd_ps(b[0], w0, acc);
+                acc = _mm512_fmadd_ps(b[1], w1, acc);
+                acc = _mm512_fmadd_ps(b[2], w2, acc);
+                acc = _mm512_fmadd_ps(b[3], w3, acc);
+                _mm512_storeu_ps(a, acc);
+            }
         }
     }
 }
