@@ -503,7 +503,8 @@ struct Line([u8; 64]);
 /// `MADV_HUGEPAGE` on Linux: a decode step streams every weight once, and with 4 KiB pages that is one TLB
 /// miss (a page walk) per 4 KiB of codes, e.g. ~2200 per 4096x4096 int4 matrix, on the critical path of a
 /// memory-bound GEMV. Where the kernel ignores the advice (THP `never`) or the mapping fails, the bytes are
-/// the same, only the pages are small.
+/// the same, only the pages are small. The price: the last huge page of a buffer may be mostly unused (at
+/// most 2 MiB per buffer, which is why smaller buffers stay in ordinary pages).
 struct AlignedBytes {
     storage: Storage,
     len: usize,
