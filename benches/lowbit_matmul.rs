@@ -112,6 +112,13 @@ fn main() {
         SimdPath::detect().name()
     );
     let w = values(N * N, 1);
+    // The head-to-head replaces the table (timing the table's kernels first would only leave their freed
+    // gigabytes of copies behind, which can slow the kernels timed after them).
+    #[cfg(feature = "candle-bench")]
+    if let Ok(versus) = std::env::var("QARL_BENCH_VERSUS") {
+        candle::versus(&w, &versus);
+        return;
+    }
     let mut rows: Vec<Row> = Vec::new();
 
     for scheme in [
@@ -169,11 +176,6 @@ fn main() {
         }
     }
 
-    #[cfg(feature = "candle-bench")]
-    if let Ok(versus) = std::env::var("QARL_BENCH_VERSUS") {
-        candle::versus(&w, &versus);
-        return;
-    }
     #[cfg(feature = "candle-bench")]
     candle::run(&w, ms, &iters, &mut rows);
 
