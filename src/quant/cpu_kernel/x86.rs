@@ -14,11 +14,11 @@ use std::arch::x86_64::*;
 
 use super::{TileSrc, FP8, INT4, INT8, LANES, PANEL};
 
-/// `nibble_to_int4(n) as f32` for n = 0..16: the int4 decoding table before the group scale.
 /// The bits of `(code as i8 as i32) << 20` that make the folded fp8 value: the sign (bit 31) and the seven
 /// magnitude bits (exponent and mantissa at bits 20..26).
 const FP8_BITS: i32 = 0x87F0_0000_u32 as i32;
 
+/// `nibble_to_int4(n) as f32` for n = 0..16: the int4 decoding table before the group scale.
 const INT4_TABLE: [f32; 16] = [
     0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
 ];
@@ -73,12 +73,11 @@ unsafe fn decode512<const S: u8>(
             INT4 => {
                 // The row's nibbles sit at bits 8r.. of each word of the group's line; the table lookup
                 // reads the low four bits of each index.
-                let (at, _) = src.int4_line(o, c);
-                let v = _mm512_load_si512(src.codes.as_ptr().add(at) as *const _);
                 // Shift counts from the row's place in its group (no branch; loop-invariant per row).
-                let sh = (8 * (o % super::INT4_ROWS)) as i32;
-                let lo = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh));
-                let hi = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh + 4));
+                let (at, sh) = src.int4_line(o, c);
+                let v = _mm512_load_si512(src.codes.as_ptr().add(at) as *const _);
+                let lo = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh as i32));
+                let hi = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh as i32 + 4));
                 [
                     _mm512_permutexvar_ps(lo, prep),
                     _mm512_permutexvar_ps(hi, prep),
