@@ -86,6 +86,23 @@ fn activations_at_any_address_give_the_same_bits() {
     }
 }
 
+/// A weight with no input features multiplies to zeros on every path (nothing to pad or align).
+#[test]
+fn zero_input_features_give_zeros() {
+    for scheme in QuantScheme::ALL {
+        let q = QuantizedTensor::quantize(&[], 3, 0, scheme).unwrap();
+        let k = KernelWeights::new(&q);
+        for &path in &SimdPath::available() {
+            assert_eq!(
+                k.matmul_on(path, &[], 2),
+                vec![0.0; 6],
+                "{scheme} {}",
+                path.name()
+            );
+        }
+    }
+}
+
 /// A weight whose codes pass 2 MiB lives in a huge-page mapping instead of a vector: the same decoding, the
 /// same products, and a clone that is an independent copy.
 #[test]

@@ -271,9 +271,7 @@ impl KernelWeights {
             SchemeKind::Int8PerRow | SchemeKind::Fp8Block => {
                 let fp8 = matches!(w.scheme().kind(), SchemeKind::Fp8Block);
                 let mut codes = AlignedBytes::zeroed(out * kp);
-                for (dst, src) in codes.chunks_mut(kp.max(1)).zip(data.chunks(inn.max(1))) {
-                    dst[..inn].copy_from_slice(src);
-                }
+                pad_rows_into(&mut codes, data, inn, kp);
                 let (scales, seg_chunks, scale_row_div, scale_row_stride, portable_only) = if fp8 {
                     let folded: Vec<f32> = w.scales().iter().map(|s| s * FP8_FOLD).collect();
                     let bad = folded.iter().any(|s| !s.is_finite());
@@ -492,7 +490,15 @@ impl KernelWeights {
 /// Rows per int4 group of the kernel layout (module docs).
 pub(crate) const INT4_ROWS: usize = 4;
 
-/// One 64-byte line (the unit of [`AlignedBytes`]'s small buffers).
+/// Copies the rows of `src` (`[rows, k]`) into the first `k` elements of each `kp`-long row of `dst`; the
+/// rest of `dst` (the padding, zero in every caller) is left as it is.
+fn pad_rows_into<T: Copy>(dst: &mut [T], src: &[T], k: usize, kp: usize) {
+    for (d, s) in dst.chunks_mut(kp.max(1)).zip(src.chunks(k.max(1))) {
+        d[..k].copy_from_slice(s);
+    }
+}
+
+/// One 64-byte line (the unit of [`AlignedBytes`]'s small buffers and of [`AlignedRows`]' copies).
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Line([u8; 64]);
@@ -592,13 +598,9 @@ impl std::fmt::Debug for AlignedBytes {
 /// over `m * kp` floats.
 enum AlignedRows<'a> {
     Borrowed(&'a [f32]),
-    Copied(Vec<Block16>, usize),
+    /// Zeroed lines (16 floats each) holding `len` floats.
+    Copied(Vec<Line>, usize),
 }
-
-/// Sixteen floats on a 64-byte boundary (the unit of [`AlignedRows`]' copies).
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Block16([f32; 16]);
 
 impl<'a> AlignedRows<'a> {
     /// `src` is `[rows, k]`; `kp >= k`.
@@ -607,13 +609,12 @@ impl<'a> AlignedRows<'a> {
             return Self::Borrowed(src);
         }
         let len = rows * kp;
-        let mut blocks = vec![Block16([0.0; 16]); len.div_ceil(16)];
-        // SAFETY: `Block16` is 16 f32 without padding, so the blocks are `len` (and more) initialised floats.
-        let dst = unsafe { std::slice::from_raw_parts_mut(blocks.as_mut_ptr() as *mut f32, len) };
-        for (d, s) in dst.chunks_mut(kp).zip(src.chunks(k.max(1))) {
-            d[..k].copy_from_slice(s);
-        }
-        Self::Copied(blocks, len)
+        let mut lines = vec![Line([0; 64]); len.div_ceil(16)];
+        // SAFETY: a `Line` is 64 initialised bytes without padding, aligned for f32, and all-zero bytes are
+        // 0.0f32, so the lines are `len` (and more) initialised floats.
+        let dst = unsafe { std::slice::from_raw_parts_mut(lines.as_mut_ptr() as *mut f32, len) };
+        pad_rows_into(dst, src, k, kp);
+        Self::Copied(lines, len)
     }
 }
 
@@ -622,9 +623,9 @@ impl std::ops::Deref for AlignedRows<'_> {
     fn deref(&self) -> &[f32] {
         match self {
             Self::Borrowed(s) => s,
-            // SAFETY: as in `of`: the blocks hold at least `len` initialised floats.
-            Self::Copied(blocks, len) => unsafe {
-                std::slice::from_raw_parts(blocks.as_ptr() as *const f32, *len)
+            // SAFETY: as in `of`: the lines hold at least `len` initialised floats.
+            Self::Copied(lines, len) => unsafe {
+                std::slice::from_raw_parts(lines.as_ptr() as *const f32, *len)
             },
         }
     }
@@ -870,9 +871,7 @@ pub fn f32_matmul_nt_on(
             std::borrow::Cow::Borrowed(src)
         } else {
             let mut p = vec![0.0f32; rows * kp];
-            for (d, s) in p.chunks_mut(kp).zip(src.chunks(k.max(1))) {
-                d[..k].copy_from_slice(s);
-            }
+            pad_rows_into(&mut p, src, k, kp);
             std::borrow::Cow::Owned(p)
         }
     }
