@@ -166,10 +166,8 @@ fn fake_quantize_block(v: &[f32], out: &mut [f32]) {
 #[inline(always)]
 fn round_to_e4m3(q: f32) -> f32 {
     let a = q.abs();
-    // Subnormal grid (m * 2^-9): round a * 512 to an integer, ties to even, by adding and removing 2^23
-    // (exact for a * 512 < 2^22, which holds below 2^-6), then scale back (exact).
-    const MAGIC: f32 = 8_388_608.0;
-    let sub = ((a * 512.0 + MAGIC) - MAGIC) / 512.0;
+    // Subnormal grid (m * 2^-9): round a * 512 to an integer, ties to even, then scale back (exact).
+    let sub = super::int::round_ties_even(a * 512.0) / 512.0;
     // Normal grid: round the f32 mantissa to 3 bits, ties to even, in place (a carry bumps the exponent,
     // as it does for the code); at or above 448 (infinity included) saturate.
     let bits = a.to_bits();
