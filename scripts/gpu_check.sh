@@ -2,33 +2,72 @@
 # One call on a lent GPU machine (H200): the CubeCL kernels checked against the host reference, then timed
 # on Qwen3-30B-A3B expert shapes against burn's bf16 matmul, next to the measured copy bandwidth.
 #
-# Here first: scripts/build_gpu_bundle.sh. Then, with the device tool:
-#   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=540)
-# Results come back under $OUT: gpu.txt, kernels_<runtime>.txt and .json. Activations run in f32 and bf16
-# (QARL_GPU_CHECK_DTYPES, default "f32,bf16"; a type the runtime lacks, bf16 on wgpu, is skipped with a
-# message), each checked against the host reference under the kernels' rounding contract. QARL_GPU_CHECK_ARGS adds
-# arguments to `qarl bench kernels` and QARL_GPU_CHECK_ITERS sets the timed iterations (a smoke test on a
-# CPU: QARL_GPU_CHECK_ITERS=2 QARL_GPU_CHECK_ARGS="--experts 8 --tokens 1,16 --matmul-size 256 --copy-mib 16").
+# Here first: scripts/build_gpu_bundle.sh (it leaves .gpu/qarl-{cuda,wgpu}.xz, .gpu/libs and .gl/). The
+# device tool sends at most 64 MiB: check `git ls-files | xargs du -ch` plus .gpu and .gl, and move large
+# tracked results (experiments/results) out of the working tree for the call (`git checkout -- .` after).
+# Then, with the device tool:
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=480)
+# Results come back under $OUT: gpu.txt (machine, libraries), kernels_<runtime>.txt and .json, and
+# rollout_cuda.txt and .json (`qarl bench rollout --backend cuda` on a 195M Qwen3-MoE, f32 against each
+# quantized format; QARL_GPU_CHECK_ROLLOUT=0 skips it). Activations run in f32
+# and bf16 (QARL_GPU_CHECK_DTYPES, default "f32,bf16"; a type the runtime lacks, bf16 on wgpu, is skipped
+# with a message), each checked against the host reference under the kernels' rounding contract.
+# QARL_GPU_CHECK_ARGS adds arguments to `qarl bench kernels`, QARL_GPU_CHECK_ITERS sets the timed
+# iterations and QARL_GPU_CHECK_RUNTIMES the runtimes (default "cuda wgpu"). A smoke test on a CPU:
+#   QARL_GPU_CHECK_ITERS=2 QARL_GPU_CHECK_ARGS="--experts 8 --tokens 1,16 --matmul-size 256 --copy-mib 16"
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
+bins=/tmp/qarl-gpu-bins
+mkdir -p "$bins"
+for f in .gpu/qarl-*; do
+  name=$(basename "$f" .xz)
+  if [[ "$f" == *.xz ]]; then xz -dc "$f" > "$bins/$name"; else cp "$f" "$bins/$name"; fi
+  chmod +x "$bins/$name"
+done
 for f in .gl/*.deb; do [ -f "$f" ] && dpkg -x "$f" /; done
 command -v ldconfig >/dev/null && ldconfig
 icd=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
 [ -f "$icd" ] && export VK_DRIVER_FILES="$icd"
 export XDG_RUNTIME_DIR=/tmp/xdg && mkdir -p /tmp/xdg && chmod 700 /tmp/xdg
-if command -v nvidia-smi >/dev/null; then
-  nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$out/gpu.txt"
-fi
+# The CUDA driver and NVRTC (cubecl-cuda loads both at run time): the driver's folder, the toolkit, and
+# wherever the image keeps a libnvrtc (the CUDA toolkit or a Python wheel).
+libdirs=(/usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib)
+while read -r lib; do libdirs+=("$(dirname "$lib")"); done < <(find /usr/local /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -5)
+for d in "${libdirs[@]}"; do [ -d "$d" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"; done
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+{
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  ldd --version | head -1
+  find /usr/local /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -5
+  for b in "$bins"/*; do echo "== ldd $b"; ldd "$b" 2>&1 | grep -E "not found|GLIBC|libc.so|stdc" ; done
+  command -v nvidia-smi >/dev/null &&
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv
+} > "$out/gpu.txt" 2>&1
+cat "$out/gpu.txt"
 # shellcheck disable=SC2206
 extra=(${QARL_GPU_CHECK_ARGS:-})
 status=0
-for rt in cuda wgpu; do
-  bin=".gpu/qarl-$rt"
+for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
+  bin="$bins/qarl-$rt"
   [ -x "$bin" ] || { echo "no $bin: skipping the $rt runtime"; continue; }
+  launch=("$bin")
+  # A binary built against a newer glibc than this machine's runs under the loader it was built with.
+  if ! "$bin" --version >/dev/null 2>&1 && [ -x .gpu/libs/ld-linux-x86-64.so.2 ]; then
+    echo "$rt: running under .gpu/libs' loader"
+    launch=(.gpu/libs/ld-linux-x86-64.so.2 --library-path ".gpu/libs:$LD_LIBRARY_PATH" "$bin")
+  fi
   echo "== $rt =="
-  timeout 240 "$bin" bench kernels --runtime "$rt" --check --iters "${QARL_GPU_CHECK_ITERS:-50}" \
-    --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" \
+  timeout "${QARL_GPU_CHECK_TIMEOUT:-200}" "${launch[@]}" bench kernels --runtime "$rt" --check \
+    --iters "${QARL_GPU_CHECK_ITERS:-50}" --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" \
     --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
+  if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_ROLLOUT:-1}" = 1 ]; then
+    echo "== rollout on cuda =="
+    { "${launch[@]}" init-model --config configs/models/qwen3-moe-200m.json --output /tmp/moe200m &&
+      timeout "${QARL_GPU_CHECK_ROLLOUT_TIMEOUT:-100}" "${launch[@]}" bench rollout --backend cuda \
+        --model /tmp/moe200m --batch 8 --prompt-len 64 --new-tokens 32 --repeats 1 \
+        --schemes f32,int4-g128,int8-pc,fp8-b128 --json "$out/rollout_cuda.json"; } 2>&1 |
+      tee "$out/rollout_cuda.txt" || status=1
+  fi
 done
 exit $status

@@ -115,10 +115,12 @@ impl DeviceWeights {
     }
 }
 
-/// Which dense matmul kernel serves a call; both give the same bits (canonical order).
+/// Which matmul kernel serves a call; both give the same bits (canonical order). For the MoE block
+/// `Gemv` is the per-assignment grouped GEMV and `Gemm` the 16-assignment tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulPath {
-    /// GEMV up to [`Kernels::GEMV_MAX_TOKENS`] tokens, tiled GEMM above.
+    /// GEMV up to [`Kernels::GEMV_MAX_TOKENS`] tokens ([`Kernels::MOE_GEMV_MAX_TOKENS`] for the MoE block),
+    /// tiled GEMM above.
     Auto,
     /// One cube row per token and output row (decode).
     Gemv,
@@ -135,6 +137,8 @@ pub struct Kernels {
 impl Kernels {
     /// Token counts up to this use the GEMV.
     pub const GEMV_MAX_TOKENS: usize = 4;
+    /// Token counts up to this run the MoE block's grouped GEMV instead of its 16-assignment tiles.
+    pub const MOE_GEMV_MAX_TOKENS: usize = 16;
 
     /// Kernels on `device` (panics only if the build does not link its runtime; use the named
     /// constructors to get an error instead).
@@ -416,7 +420,11 @@ impl Kernels {
                     SHARED_FLOATS * CHUNK
                 )));
             }
-            let rows_per_cube = (256 / lanes).min(SHARED_FLOATS / chunks).min(w.out).max(1);
+            let chunks = chunks.max(1);
+            // The token's activations staged in shared memory when they fit beside a row of chunk sums.
+            let stage_x = 32 * (chunks + 1) + chunks <= SHARED_FLOATS;
+            let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
+            let rows_per_cube = (256 / lanes).min(budget / chunks).min(w.out).max(1);
             dense::gemv::launch(
                 &self.client,
                 CubeCount::Static(w.out.div_ceil(rows_per_cube) as u32, n as u32, 1),
@@ -434,7 +442,8 @@ impl Kernels {
                 group,
                 lanes,
                 rows_per_cube,
-                chunks.max(1),
+                chunks,
+                stage_x,
                 dtypes,
             );
         } else {
@@ -513,6 +522,18 @@ impl Kernels {
         up: &DeviceWeights,
         down: &DeviceWeights,
     ) -> Result<DeviceBuffer, KernelError> {
+        self.moe_with(x, routing, route_w, [gate, up, down], MatmulPath::Auto)
+    }
+
+    /// [`Self::moe`] with the grouped products on the kernel `path` picks (the same bits either way).
+    pub fn moe_with(
+        &self,
+        x: &DeviceBuffer,
+        routing: &MoeRouting,
+        route_w: &DeviceBuffer,
+        [gate, up, down]: [&DeviceWeights; 3],
+        path: MatmulPath,
+    ) -> Result<DeviceBuffer, KernelError> {
         let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
         let (hidden, inter) = (gate.inn, gate.out);
         for (name, w, shape) in [
@@ -549,6 +570,11 @@ impl Kernels {
         let table = self.upload_u32(&routing.table());
         let xq = self.prepare(x, tokens, gate)?;
         let h = self.empty_f32(assignments * inter);
+        let gemv = match path {
+            MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
+            MatmulPath::Gemv => true,
+            MatmulPath::Gemm => false,
+        };
         let grouped = |input: &DeviceBuffer,
                        a: &DeviceWeights,
                        b: &DeviceWeights,
@@ -556,6 +582,51 @@ impl Kernels {
                        swiglu: bool| {
             // gate+up gathers token rows; down reads h in sorted order.
             let gather = swiglu;
+            let chunks = a.inn.div_ceil(CHUNK);
+            // Chunk sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory.
+            let sets = if swiglu { 2 } else { 1 };
+            if gemv && chunks * sets <= SHARED_FLOATS && assignments <= MAX_GRID {
+                let lanes = chunks.clamp(1, 32);
+                let chunks = chunks.max(1);
+                // The input row staged in shared memory when it fits beside a row of chunk sums.
+                let stage_x = 32 * (chunks + 1) + chunks * sets <= SHARED_FLOATS;
+                let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
+                let rows_per_cube = (256 / lanes)
+                    .min(budget / (chunks * sets))
+                    .min(a.out)
+                    .max(1);
+                moe_kernels::grouped_gemv::launch(
+                    &self.client,
+                    CubeCount::Static(a.out.div_ceil(rows_per_cube) as u32, assignments as u32, 1),
+                    CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
+                    input.arg(),
+                    table.arg(),
+                    routing.rows_at(),
+                    routing.experts_at(),
+                    a.words.arg(),
+                    a.scales.arg(),
+                    b.words.arg(),
+                    b.scales.arg(),
+                    self.lut.arg(),
+                    y.arg(),
+                    a.out,
+                    a.inn,
+                    a.wpr(),
+                    a.spr(),
+                    a.expert_words(),
+                    a.expert_scales(),
+                    a.format.kernel_code(),
+                    a.format.kernel_group(),
+                    lanes,
+                    rows_per_cube,
+                    chunks,
+                    swiglu,
+                    gather,
+                    stage_x,
+                    input.dtype.elem(),
+                );
+                return;
+            }
             moe_kernels::grouped_matmul::launch(
                 &self.client,
                 CubeCount::Static(a.out.div_ceil(TILE) as u32, routing.tiles() as u32, 1),

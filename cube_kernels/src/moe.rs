@@ -111,14 +111,18 @@ impl MoeRouting {
 
     /// Everything the kernels read, as one `u32` table (one upload per call): `(tile_expert, tile_start,
     /// tile_end)` interleaved per tile from 0, then `row_index` from [`Self::rows_at`], then `position`
-    /// from [`Self::positions_at`].
+    /// from [`Self::positions_at`], then the expert of every sorted assignment from [`Self::experts_at`].
     pub fn table(&self) -> Vec<u32> {
-        let mut t = Vec::with_capacity(3 * self.tiles() + 2 * self.assignments());
+        let mut t = Vec::with_capacity(3 * self.tiles() + 3 * self.assignments());
         for i in 0..self.tiles() {
             t.extend([self.tile_expert[i], self.tile_start[i], self.tile_end[i]]);
         }
         t.extend_from_slice(&self.row_index);
         t.extend_from_slice(&self.position);
+        for e in 0..self.experts {
+            let run = (self.offsets[e + 1] - self.offsets[e]) as usize;
+            t.extend(std::iter::repeat_n(e as u32, run));
+        }
         t
     }
 
@@ -130,5 +134,10 @@ impl MoeRouting {
     /// Where `position` starts in [`Self::table`].
     pub fn positions_at(&self) -> usize {
         3 * self.tiles() + self.assignments()
+    }
+
+    /// Where the experts of the sorted assignments start in [`Self::table`].
+    pub fn experts_at(&self) -> usize {
+        3 * self.tiles() + 2 * self.assignments()
     }
 }

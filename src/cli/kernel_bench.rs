@@ -332,16 +332,21 @@ mod imp {
                         }
                     }
                 }
-                let t = time(
-                    args.iters,
-                    || drop(k.linear(&dx, n, &dw).expect("linear")),
-                    &sync_k,
-                );
                 let xb = Tensor::<2>::random([n, hidden], Distribution::Default, device).cast(base);
                 let tb = time(args.iters, || drop(xb.clone().matmul(wb.clone())), &sync_b);
                 let bytes = (w.bytes() + size * n * (hidden + inter)) as f64;
                 let flops = 2.0 * (n * hidden * inter) as f64;
-                rows.push(row("linear", name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                for (path, kernel) in [
+                    (MatmulPath::Gemv, "linear/gemv"),
+                    (MatmulPath::Gemm, "linear/gemm"),
+                ] {
+                    let t = time(
+                        args.iters,
+                        || drop(k.linear_with(&dx, n, &dw, path).expect("linear")),
+                        &sync_k,
+                    );
+                    rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                }
             }
 
             // MoE layer: gate+up (SwiGLU) and down for every expert, random top-k routing.
@@ -363,37 +368,53 @@ mod imp {
                     .map(|v| dtype.round(v.abs() / 4.0))
                     .collect();
                 let (dx, drw) = (k.upload(&x, dtype)?, k.upload(&rw, dtype)?);
+                let paths = [
+                    (MatmulPath::Gemv, "moe/gemv"),
+                    (MatmulPath::Gemm, "moe/tiled"),
+                ];
                 if args.check && n <= 16 {
-                    let got = k.read_f32(&k.moe(&dx, &routing, &drw, &dg, &du, &dd)?)?;
                     let want = reference::moe(&x, &routing, &ids, &rw, &gate, &up, &down);
-                    let err = max_rounded_err(&got, &want, dtype);
-                    if err > 2e-5 {
-                        failures.push(format!(
-                            "{name} {dtype} moe n={n}: max rel err beyond rounding {err:.2e}"
-                        ));
-                    }
-                    if dtype != ActDType::F32 {
-                        let f32_run = k.read_f32(&k.moe(
-                            &k.upload_f32(&x),
-                            &routing,
-                            &k.upload_f32(&rw),
-                            &dg,
-                            &du,
-                            &dd,
-                        )?)?;
-                        let bad = contract_mismatches(&got, &f32_run, dtype);
-                        if bad > 0 {
+                    let mut first: Option<Vec<f32>> = None;
+                    for (path, kernel) in paths {
+                        let got =
+                            k.read_f32(&k.moe_with(&dx, &routing, &drw, [&dg, &du, &dd], path)?)?;
+                        let err = max_rounded_err(&got, &want, dtype);
+                        if err > 2e-5 {
                             failures.push(format!(
-                                "{name} {dtype} moe n={n}: {bad} values are not round(f32 result)"
+                                "{name} {dtype} {kernel} n={n}: max rel err beyond rounding {err:.2e}"
                             ));
                         }
+                        // Both paths sum in the canonical order: the same bits.
+                        if let Some(prev) = &first {
+                            let differ = prev
+                                .iter()
+                                .zip(&got)
+                                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                                .count();
+                            if differ > 0 {
+                                failures.push(format!(
+                                    "{name} {dtype} moe n={n}: gemv and tiled differ in {differ} values"
+                                ));
+                            }
+                        }
+                        if dtype != ActDType::F32 {
+                            let f32_run = k.read_f32(&k.moe_with(
+                                &k.upload_f32(&x),
+                                &routing,
+                                &k.upload_f32(&rw),
+                                [&dg, &du, &dd],
+                                path,
+                            )?)?;
+                            let bad = contract_mismatches(&got, &f32_run, dtype);
+                            if bad > 0 {
+                                failures.push(format!(
+                                    "{name} {dtype} {kernel} n={n}: {bad} values are not round(f32 result)"
+                                ));
+                            }
+                        }
+                        first.get_or_insert(got);
                     }
                 }
-                let t = time(
-                    args.iters,
-                    || drop(k.moe(&dx, &routing, &drw, &dg, &du, &dd).expect("moe")),
-                    &sync_k,
-                );
                 let touched = routing.offsets.windows(2).filter(|w| w[1] > w[0]).count();
                 let bytes = (touched * per_expert + size * n * hidden * 2) as f64;
                 let a = n * args.top_k;
@@ -413,7 +434,17 @@ mod imp {
                     },
                     &sync_b,
                 );
-                rows.push(row("moe", name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                for (path, kernel) in paths {
+                    let t = time(
+                        args.iters,
+                        || {
+                            let y = k.moe_with(&dx, &routing, &drw, [&dg, &du, &dd], path);
+                            drop(y.expect("moe"))
+                        },
+                        &sync_k,
+                    );
+                    rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                }
             }
         }
         Ok(())
@@ -421,7 +452,7 @@ mod imp {
 
     fn print_table(rows: &[Row], base: DType) {
         println!(
-            "{:<7} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+            "{:<12} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
             "kernel",
             "format",
             "act",
@@ -435,7 +466,7 @@ mod imp {
         );
         for r in rows {
             println!(
-                "{:<7} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
+                "{:<12} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
                 r.kernel,
                 r.format,
                 r.act_dtype,

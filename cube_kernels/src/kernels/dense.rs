@@ -7,7 +7,7 @@
 
 use cubecl::prelude::*;
 
-use super::weight_at;
+use super::{chunk_dot, chunk_dot_shared, stage_transposed, weight_at, TILE_FLOATS, TILE_STRIDE};
 
 /// `out[row * inn + k] = weight(row, k)` for the whole matrix (one unit per weight).
 #[cube(launch)]
@@ -34,7 +34,8 @@ pub fn dequantize(
 
 /// `y[t, row] = sum_k x[t, k] w[row, k]` for few tokens: a cube holds `rows_per_cube` rows of one token
 /// (`CUBE_POS_Y`); the `lanes` units of a row sum chunks in parallel into shared memory, then lane 0 adds
-/// the chunk sums left to right (the canonical order).
+/// the chunk sums left to right (the canonical order). With `stage_x` the token's activations are first
+/// staged in shared memory ([`stage_transposed`]), where the lanes read them without bank conflicts.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn gemv<X: Float, Y: Float>(
@@ -52,13 +53,27 @@ pub fn gemv<X: Float, Y: Float>(
     #[comptime] lanes: usize,
     #[comptime] rows_per_cube: usize,
     #[comptime] chunks: usize,
+    #[comptime] stage_x: bool,
     #[define(X, Y)] _dtypes: [ElemType; 2],
 ) {
     let mut partials = Shared::<[f32]>::new_slice(rows_per_cube * chunks);
+    let mut xs = Shared::<[f32]>::new_slice(comptime!(if stage_x { 32 * (chunks + 1) } else { 1 }));
     let lane = UNIT_POS_X as usize;
     let local_row = UNIT_POS_Y as usize;
     let row = CUBE_POS_X as usize * rows_per_cube + local_row;
     let token = CUBE_POS_Y as usize;
+    if comptime!(stage_x) {
+        stage_transposed(
+            x,
+            token * inn,
+            inn,
+            &mut xs,
+            local_row * lanes + lane,
+            lanes * rows_per_cube,
+            chunks,
+        );
+        sync_cube();
+    }
     let per_lane = comptime!(chunks.div_ceil(lanes));
     if row < out {
         for i in 0..per_lane {
@@ -69,11 +84,41 @@ pub fn gemv<X: Float, Y: Float>(
                 if end > inn {
                     end = inn;
                 }
-                let mut part = 0.0f32;
-                for k in start..end {
-                    let w = weight_at(words, scales, lut, 0, 0, row, k, wpr, spr, fmt, group);
-                    part = fma(f32::cast_from(x[token * inn + k]), w, part);
-                }
+                let part = if comptime!(stage_x) {
+                    chunk_dot_shared(
+                        &xs,
+                        c,
+                        words,
+                        scales,
+                        lut,
+                        0,
+                        0,
+                        row,
+                        end - start,
+                        wpr,
+                        spr,
+                        fmt,
+                        group,
+                        chunks,
+                    )
+                } else {
+                    chunk_dot(
+                        x,
+                        token * inn,
+                        words,
+                        scales,
+                        lut,
+                        0,
+                        0,
+                        row,
+                        start,
+                        end - start,
+                        wpr,
+                        spr,
+                        fmt,
+                        group,
+                    )
+                };
                 partials[local_row * chunks + c] = part;
             }
         }
@@ -108,8 +153,8 @@ pub fn gemm<X: Float, Y: Float>(
     #[comptime] chunks: usize,
     #[define(X, Y)] _dtypes: [ElemType; 2],
 ) {
-    let mut xs = Shared::<[f32]>::new_slice(512usize);
-    let mut ws = Shared::<[f32]>::new_slice(512usize);
+    let mut xs = Shared::<[f32]>::new_slice(TILE_FLOATS);
+    let mut ws = Shared::<[f32]>::new_slice(TILE_FLOATS);
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     let unit = ty * 16 + tx;
@@ -122,16 +167,17 @@ pub fn gemm<X: Float, Y: Float>(
             let e = unit + h * 256;
             let r = e / 32;
             let k = k0 + e % 32;
+            let at = r * TILE_STRIDE + e % 32;
             let mut xv = 0.0f32;
             if tok0 + r < n && k < inn {
                 xv = f32::cast_from(x[(tok0 + r) * inn + k]);
             }
-            xs[e] = xv;
+            xs[at] = xv;
             let mut wv = 0.0f32;
             if row0 + r < out && k < inn {
                 wv = weight_at(words, scales, lut, 0, 0, row0 + r, k, wpr, spr, fmt, group);
             }
-            ws[e] = wv;
+            ws[at] = wv;
         }
         sync_cube();
         let mut depth = 32usize;
@@ -140,7 +186,7 @@ pub fn gemm<X: Float, Y: Float>(
         }
         let mut part = 0.0f32;
         for kk in 0..depth {
-            part = fma(xs[ty * 32 + kk], ws[tx * 32 + kk], part);
+            part = fma(xs[ty * TILE_STRIDE + kk], ws[tx * TILE_STRIDE + kk], part);
         }
         total += part;
         sync_cube();
@@ -170,7 +216,7 @@ pub fn gemm_transposed<X: Float, Y: Float>(
     #[comptime] chunks: usize,
     #[define(X, Y)] _dtypes: [ElemType; 2],
 ) {
-    let mut gs = Shared::<[f32]>::new_slice(512usize);
+    let mut gs = Shared::<[f32]>::new_slice(TILE_FLOATS);
     let mut ws = Shared::<[f32]>::new_slice(512usize);
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
@@ -188,7 +234,7 @@ pub fn gemm_transposed<X: Float, Y: Float>(
             if tok0 + r < n && o < out {
                 gv = f32::cast_from(g[(tok0 + r) * out + o]);
             }
-            gs[e] = gv;
+            gs[r * TILE_STRIDE + e % 32] = gv;
             let wo = o0 + e / 16;
             let wk = col0 + e % 16;
             let mut wv = 0.0f32;
@@ -204,7 +250,7 @@ pub fn gemm_transposed<X: Float, Y: Float>(
         }
         let mut part = 0.0f32;
         for oo in 0..depth {
-            part = fma(gs[ty * 32 + oo], ws[oo * 16 + tx], part);
+            part = fma(gs[ty * TILE_STRIDE + oo], ws[oo * 16 + tx], part);
         }
         total += part;
         sync_cube();

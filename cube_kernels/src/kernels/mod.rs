@@ -33,6 +33,11 @@ use cubecl::prelude::*;
 pub const CHUNK: usize = 32;
 /// Rows and tokens per GEMM tile (the cube is `TILE x TILE` units, one output each).
 pub const TILE: usize = 16;
+/// Row stride of a tile staged in shared memory: 33, not 32, so the 16 rows a warp reads at one depth fall
+/// in 16 different banks instead of one (a 32-float stride maps every row to the same bank).
+pub const TILE_STRIDE: usize = CHUNK + 1;
+/// Floats of one staged 16 x 32 tile at [`TILE_STRIDE`].
+pub const TILE_FLOATS: usize = TILE * TILE_STRIDE;
 
 /// The dequantized weight of row `row`, input `k` of the matrix starting at word `woff` / scale `soff`:
 /// `q as f32 * s` (fp8: `e4m3(code) * s` through the decode table `lut`), one f32 multiply, as the host
@@ -67,4 +72,197 @@ pub fn weight_at(
         let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
         lut[byte as usize] * scales[soff + (row / group) * spr + k / group]
     }
+}
+
+/// One chunk of the canonical order: `sum_k x[xoff + k] * weight(row, k)` for `k` in `k0..k0 + depth`,
+/// fused multiply-adds from 0.0 in `k` order, bit for bit what [`weight_at`] one input at a time gives.
+/// A full chunk (`depth == 32`, `k0` a multiple of 32) of a format whose scale is constant over it (int8;
+/// int4 and fp8 groups that are multiples of 32) loads its scale once and each packed word once, and
+/// decodes the word's 8 (int4) or 4 (int8, fp8) codes from registers: the GEMV's loads are then the
+/// packed bytes themselves instead of one 32-bit load per weight.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_dot<X: Float>(
+    x: &[X],
+    xoff: usize,
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    woff: usize,
+    soff: usize,
+    row: usize,
+    k0: usize,
+    depth: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+) -> f32 {
+    let mut part = 0.0f32;
+    let mut whole = false;
+    if comptime!(fmt == 1 || group % 32 == 0) {
+        whole = depth == 32;
+    }
+    if whole {
+        if comptime!(fmt == 0) {
+            let base = woff + row * wpr + k0 / 8;
+            let s = scales[soff + row * spr + k0 / group];
+            #[unroll]
+            for w in 0..4u32 {
+                let word = words[base + w as usize];
+                #[unroll]
+                for j in 0..8u32 {
+                    let nib = (word >> (j * 4u32)) & 15u32;
+                    let q = i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32);
+                    let xv = f32::cast_from(x[xoff + k0 + (w * 8u32 + j) as usize]);
+                    part = fma(xv, f32::cast_from(q) * s, part);
+                }
+            }
+        } else {
+            let base = woff + row * wpr + k0 / 4;
+            let s = if comptime!(fmt == 1) {
+                scales[soff + row]
+            } else {
+                scales[soff + (row / group) * spr + k0 / group]
+            };
+            #[unroll]
+            for w in 0..8u32 {
+                let word = words[base + w as usize];
+                #[unroll]
+                for j in 0..4u32 {
+                    let byte = (word >> (j * 8u32)) & 255u32;
+                    let v = if comptime!(fmt == 1) {
+                        let q = i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32);
+                        f32::cast_from(q) * s
+                    } else {
+                        lut[byte as usize] * s
+                    };
+                    let xv = f32::cast_from(x[xoff + k0 + (w * 4u32 + j) as usize]);
+                    part = fma(xv, v, part);
+                }
+            }
+        }
+    } else {
+        for k in k0..k0 + depth {
+            let w = weight_at(words, scales, lut, woff, soff, row, k, wpr, spr, fmt, group);
+            part = fma(f32::cast_from(x[xoff + k]), w, part);
+        }
+    }
+    part
+}
+
+/// Copies `x[xoff..xoff + inn]` into shared memory transposed by chunk: input `32 c + j` goes to
+/// `xs[j * (chunks + 1) + c]` (zeros past `inn`). The GEMVs' lanes each walk one chunk, so at a given depth
+/// `j` they read `chunks` neighbouring floats (no bank conflicts) instead of floats 128 bytes apart in
+/// global memory (one cache line per lane per load). `unit` of `units` threads of the cube take part; the
+/// caller syncs the cube before reading.
+#[cube]
+pub fn stage_transposed<X: Float>(
+    x: &[X],
+    xoff: usize,
+    inn: usize,
+    xs: &mut Shared<[f32]>,
+    unit: usize,
+    units: usize,
+    #[comptime] chunks: usize,
+) {
+    let total = chunks * 32;
+    let steps = (total + units - 1) / units;
+    for i in 0..steps {
+        let k = unit + i * units;
+        if k < total {
+            let mut v = 0.0f32;
+            if k < inn {
+                v = f32::cast_from(x[xoff + k]);
+            }
+            xs[(k % 32) * (chunks + 1) + k / 32] = v;
+        }
+    }
+}
+
+/// [`chunk_dot`] of chunk `c` (inputs `32 c..32 c + depth`) with the activations staged by
+/// [`stage_transposed`]: the same products in the same order, so the same bits.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_dot_shared(
+    xs: &Shared<[f32]>,
+    c: usize,
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    woff: usize,
+    soff: usize,
+    row: usize,
+    depth: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] chunks: usize,
+) -> f32 {
+    let stride = chunks + 1;
+    let k0 = c * 32;
+    let mut part = 0.0f32;
+    let mut whole = false;
+    if comptime!(fmt == 1 || group % 32 == 0) {
+        whole = depth == 32;
+    }
+    if whole {
+        if comptime!(fmt == 0) {
+            let base = woff + row * wpr + k0 / 8;
+            let s = scales[soff + row * spr + k0 / group];
+            #[unroll]
+            for w in 0..4u32 {
+                let word = words[base + w as usize];
+                #[unroll]
+                for j in 0..8u32 {
+                    let nib = (word >> (j * 4u32)) & 15u32;
+                    let q = i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32);
+                    let xv = xs[(w * 8u32 + j) as usize * stride + c];
+                    part = fma(xv, f32::cast_from(q) * s, part);
+                }
+            }
+        } else {
+            let base = woff + row * wpr + k0 / 4;
+            let s = if comptime!(fmt == 1) {
+                scales[soff + row]
+            } else {
+                scales[soff + (row / group) * spr + k0 / group]
+            };
+            #[unroll]
+            for w in 0..8u32 {
+                let word = words[base + w as usize];
+                #[unroll]
+                for j in 0..4u32 {
+                    let byte = (word >> (j * 8u32)) & 255u32;
+                    let v = if comptime!(fmt == 1) {
+                        let q = i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32);
+                        f32::cast_from(q) * s
+                    } else {
+                        lut[byte as usize] * s
+                    };
+                    let xv = xs[(w * 4u32 + j) as usize * stride + c];
+                    part = fma(xv, v, part);
+                }
+            }
+        }
+    } else {
+        for j in 0..depth {
+            let w = weight_at(
+                words,
+                scales,
+                lut,
+                woff,
+                soff,
+                row,
+                k0 + j,
+                wpr,
+                spr,
+                fmt,
+                group,
+            );
+            part = fma(xs[j * stride + c], w, part);
+        }
+    }
+    part
 }

@@ -27,7 +27,7 @@
 
 use cubecl::prelude::*;
 
-use super::weight_at;
+use super::{chunk_dot, chunk_dot_shared, stage_transposed, weight_at, TILE_FLOATS, TILE_STRIDE};
 
 /// `y[a, row] = sum_k x[src(a), k] w_e[row, k]` for every assignment `a` of tile `CUBE_POS_Y` (expert
 /// `e = table[3 * tile]`), or `silu(gate) * up` when `swiglu` (then `words_b`/`scales_b` are the up
@@ -59,9 +59,9 @@ pub fn grouped_matmul<X: Float>(
     #[comptime] gather: bool,
     #[define(X)] _dtype: ElemType,
 ) {
-    let mut xs = Shared::<[f32]>::new_slice(512usize);
-    let mut wa = Shared::<[f32]>::new_slice(512usize);
-    let mut wb = Shared::<[f32]>::new_slice(512usize);
+    let mut xs = Shared::<[f32]>::new_slice(TILE_FLOATS);
+    let mut wa = Shared::<[f32]>::new_slice(TILE_FLOATS);
+    let mut wb = Shared::<[f32]>::new_slice(TILE_FLOATS);
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     let unit = ty * 16 + tx;
@@ -80,6 +80,7 @@ pub fn grouped_matmul<X: Float>(
             let e = unit + h * 256;
             let r = e / 32;
             let k = k0 + e % 32;
+            let at = r * TILE_STRIDE + e % 32;
             let mut xv = 0.0f32;
             if a0 + r < a_end && k < inn {
                 let mut src = a0 + r;
@@ -88,7 +89,7 @@ pub fn grouped_matmul<X: Float>(
                 }
                 xv = f32::cast_from(x[src * inn + k]);
             }
-            xs[e] = xv;
+            xs[at] = xv;
             let mut va = 0.0f32;
             let mut vb = 0.0f32;
             if row0 + r < n_out && k < inn {
@@ -121,8 +122,8 @@ pub fn grouped_matmul<X: Float>(
                     );
                 }
             }
-            wa[e] = va;
-            wb[e] = vb;
+            wa[at] = va;
+            wb[at] = vb;
         }
         sync_cube();
         let mut depth = 32usize;
@@ -132,10 +133,10 @@ pub fn grouped_matmul<X: Float>(
         let mut part_a = 0.0f32;
         let mut part_b = 0.0f32;
         for kk in 0..depth {
-            let xv = xs[ty * 32 + kk];
-            part_a = fma(xv, wa[tx * 32 + kk], part_a);
+            let xv = xs[ty * TILE_STRIDE + kk];
+            part_a = fma(xv, wa[tx * TILE_STRIDE + kk], part_a);
             if comptime!(swiglu) {
-                part_b = fma(xv, wb[tx * 32 + kk], part_b);
+                part_b = fma(xv, wb[tx * TILE_STRIDE + kk], part_b);
             }
         }
         total_a += part_a;
@@ -148,6 +149,148 @@ pub fn grouped_matmul<X: Float>(
             v = total_a / (1.0f32 + (-total_a).exp()) * total_b;
         }
         y[(a0 + ty) * n_out + row0 + tx] = v;
+    }
+}
+
+/// The decode-sized form of [`grouped_matmul`], the same values bit for bit: cube `(x, y)` computes rows
+/// `rows_per_cube * x..` of sorted assignment `y` (its expert at `table[experts_at + y]`), each row summed
+/// by `lanes` units in parallel chunks as the dense GEMV does (chunk sums in shared memory, added left to
+/// right by lane 0; with `stage_x` the input row is staged in shared memory first). A tile of
+/// [`grouped_matmul`] streams its expert's rows once for up to 16 assignments but keeps 256 units on at
+/// most 16 rows x 16 assignments; with one or two assignments per expert (decode) most of that tile is
+/// idle, while here every unit reads weights.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemv<X: Float>(
+    x: &[X],
+    table: &[u32],
+    rows_at: usize,
+    experts_at: usize,
+    words_a: &[u32],
+    scales_a: &[f32],
+    words_b: &[u32],
+    scales_b: &[f32],
+    lut: &[f32],
+    y: &mut [f32],
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    expert_words: usize,
+    expert_scales: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] lanes: usize,
+    #[comptime] rows_per_cube: usize,
+    #[comptime] chunks: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
+    #[comptime] stage_x: bool,
+    #[define(X)] _dtype: ElemType,
+) {
+    let mut part_a = Shared::<[f32]>::new_slice(rows_per_cube * chunks);
+    let mut part_b =
+        Shared::<[f32]>::new_slice(comptime!(if swiglu { rows_per_cube * chunks } else { 1 }));
+    let mut xs = Shared::<[f32]>::new_slice(comptime!(if stage_x { 32 * (chunks + 1) } else { 1 }));
+    let lane = UNIT_POS_X as usize;
+    let local_row = UNIT_POS_Y as usize;
+    let row = CUBE_POS_X as usize * rows_per_cube + local_row;
+    let a = CUBE_POS_Y as usize;
+    let expert = table[experts_at + a] as usize;
+    let mut src = a;
+    if comptime!(gather) {
+        src = table[rows_at + a] as usize;
+    }
+    let woff = expert * expert_words;
+    let soff = expert * expert_scales;
+    if comptime!(stage_x) {
+        stage_transposed(
+            x,
+            src * inn,
+            inn,
+            &mut xs,
+            local_row * lanes + lane,
+            lanes * rows_per_cube,
+            chunks,
+        );
+        sync_cube();
+    }
+    let per_lane = comptime!(chunks.div_ceil(lanes));
+    if row < n_out {
+        for i in 0..per_lane {
+            let c = lane + i * lanes;
+            if c < chunks {
+                let start = c * 32;
+                let mut end = start + 32;
+                if end > inn {
+                    end = inn;
+                }
+                let depth = end - start;
+                if comptime!(stage_x) {
+                    part_a[local_row * chunks + c] = chunk_dot_shared(
+                        &xs, c, words_a, scales_a, lut, woff, soff, row, depth, wpr, spr, fmt,
+                        group, chunks,
+                    );
+                    if comptime!(swiglu) {
+                        part_b[local_row * chunks + c] = chunk_dot_shared(
+                            &xs, c, words_b, scales_b, lut, woff, soff, row, depth, wpr, spr, fmt,
+                            group, chunks,
+                        );
+                    }
+                } else {
+                    part_a[local_row * chunks + c] = chunk_dot(
+                        x,
+                        src * inn,
+                        words_a,
+                        scales_a,
+                        lut,
+                        woff,
+                        soff,
+                        row,
+                        start,
+                        depth,
+                        wpr,
+                        spr,
+                        fmt,
+                        group,
+                    );
+                    if comptime!(swiglu) {
+                        part_b[local_row * chunks + c] = chunk_dot(
+                            x,
+                            src * inn,
+                            words_b,
+                            scales_b,
+                            lut,
+                            woff,
+                            soff,
+                            row,
+                            start,
+                            depth,
+                            wpr,
+                            spr,
+                            fmt,
+                            group,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    sync_cube();
+    if lane == 0 && row < n_out {
+        let mut total_a = 0.0f32;
+        let mut total_b = 0.0f32;
+        for c in 0..chunks {
+            total_a += part_a[local_row * chunks + c];
+            if comptime!(swiglu) {
+                total_b += part_b[local_row * chunks + c];
+            }
+        }
+        let mut v = total_a;
+        if comptime!(swiglu) {
+            v = total_a / (1.0f32 + (-total_a).exp()) * total_b;
+        }
+        y[a * n_out + row] = v;
     }
 }
 
