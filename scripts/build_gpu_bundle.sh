@@ -32,7 +32,7 @@ if [[ ",$only," == *,cuda,* ]]; then
     root="${QARL_CHROOT:-/work/trixie}"
     rm -rf .gpu/libs && mkdir -p .gpu/libs
     cp "$target/release/qarl" "$root/tmp/qarl-cuda"
-    chroot "$root" /usr/bin/ldd /tmp/qarl-cuda | awk '/=> \// {print $3} /^\s*\/.*ld-linux/ {print $1}' |
+    chroot "$root" /usr/bin/ldd /tmp/qarl-cuda | awk '/=> \// {print $3} /^[ \t]*\/.*ld-linux/ {print $1}' |
       while read -r lib; do cp -L "$root$lib" .gpu/libs/; done
   else
     echo "no offline LLVM bundle (scripts/offline_llvm.sh) and not root for the chroot: wgpu only"

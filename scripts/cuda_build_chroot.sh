@@ -21,7 +21,7 @@ mkdir -p "$target"
 if [ ! -x "$root/usr/lib/llvm-22/bin/llvm-config" ]; then
   command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y debootstrap
   debootstrap --variant=minbase \
-    --include=build-essential,pkg-config,llvm-22-dev,libpolly-22-dev,ca-certificates \
+    --include=build-essential,pkg-config,llvm-22-dev,libpolly-22-dev,zlib1g-dev,libzstd-dev,libxml2-dev,libz3-dev,ca-certificates \
     trixie "$root" http://deb.debian.org/debian
 fi
 cp /etc/resolv.conf "$root/etc/resolv.conf"
