@@ -13,7 +13,7 @@ use cubecl::server::Handle;
 use crate::dtype::ActDType;
 use crate::error::KernelError;
 use crate::format::{e4m3_table, PackedWeights, WeightFormat, FP8_BLOCK};
-use crate::kernels::{dense, fp8, moe as moe_kernels, CHUNK, TILE};
+use crate::kernels::{dense, fp8, moe as moe_kernels, BLOCK, CHUNK, TILE};
 use crate::moe::MoeRouting;
 
 /// Values on the device with their element count and type: activations (f32, f16, bf16) or 32-bit words
@@ -451,7 +451,7 @@ impl Kernels {
         } else {
             dense::gemm::launch(
                 &self.client,
-                CubeCount::Static(w.out.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
+                CubeCount::Static(w.out.div_ceil(BLOCK) as u32, n.div_ceil(BLOCK) as u32, 1),
                 CubeDim::new_2d(TILE as u32, TILE as u32),
                 x.arg(),
                 w.words.arg(),
@@ -631,8 +631,8 @@ impl Kernels {
             }
             moe_kernels::grouped_matmul::launch(
                 &self.client,
-                CubeCount::Static(a.out.div_ceil(TILE) as u32, routing.tiles() as u32, 1),
-                CubeDim::new_2d(TILE as u32, TILE as u32),
+                CubeCount::Static(a.out.div_ceil(BLOCK) as u32, routing.tiles() as u32, 1),
+                CubeDim::new_2d(BLOCK as u32, (TILE / 4) as u32),
                 input.arg(),
                 table.arg(),
                 routing.rows_at(),

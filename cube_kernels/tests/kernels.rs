@@ -177,7 +177,14 @@ fn e4m3_encoding_matches_the_host_on_a_sweep() {
 fn gemv_and_gemm_match_the_reference_and_each_other_bitwise() {
     let Some(k) = kernels() else { return };
     for (i, format) in FORMATS.into_iter().enumerate() {
-        for (out, inn, n) in [(40, 256, 3), (33, 200, 20), (16, 75, 5), (13, 20_000, 2)] {
+        for (out, inn, n) in [
+            (40, 256, 3),
+            (33, 200, 20),
+            (16, 75, 5),
+            (13, 20_000, 2),
+            // Several 64 x 64 blocks of the GEMM, ragged in both directions.
+            (130, 100, 70),
+        ] {
             let w = random_weights(format, 1, out, inn, 100 + i as u64);
             let dw = k.upload_weights(&w);
             let x = Rng(5 + n as u64).values(n * inn);

@@ -7,7 +7,10 @@
 
 use cubecl::prelude::*;
 
-use super::{chunk_dot, chunk_dot_shared, stage_transposed, weight_at, TILE_FLOATS, TILE_STRIDE};
+use super::{
+    chunk_dot, chunk_dot_shared, stage_transposed, weight_at, BLOCK, STAGE_FLOATS, STAGE_STRIDE,
+    TILE_FLOATS, TILE_STRIDE,
+};
 
 /// `out[row * inn + k] = weight(row, k)` for the whole matrix (one unit per weight).
 #[cube(launch)]
@@ -133,8 +136,14 @@ pub fn gemv<X: Float, Y: Float>(
     }
 }
 
-/// `y[t, row] = sum_k x[t, k] w[row, k]` tiled: a cube computes a 16x16 (tokens x rows) tile, staging one
-/// 32-deep chunk of activations and dequantized weights in shared memory at a time.
+/// `y[t, row] = sum_k x[t, k] w[row, k]` tiled: a cube of 16 x 16 units computes a 64 x 64 (tokens x rows)
+/// tile, each unit a 4 x 4 block of it (tokens `ty + 16 i`, rows `tx + 16 j`) in registers. Activations and
+/// dequantized weights are staged 16 inputs deep at a time (two stages per 32-input chunk), k-major at a
+/// stride of 65 floats so both the staging writes and the block reads stay clear of bank conflicts. Each
+/// output keeps its chunk's sum and the running total apart, so the order is the canonical one (fused
+/// multiply-adds over the chunk from 0.0, chunk sums added left to right) and the bits are the GEMV's.
+/// Per input step a unit reads 8 staged floats for 16 multiply-adds, where a 16 x 16 tile of single
+/// outputs read 2 for 1.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn gemm<X: Float, Y: Float>(
@@ -153,46 +162,84 @@ pub fn gemm<X: Float, Y: Float>(
     #[comptime] chunks: usize,
     #[define(X, Y)] _dtypes: [ElemType; 2],
 ) {
-    let mut xs = Shared::<[f32]>::new_slice(TILE_FLOATS);
-    let mut ws = Shared::<[f32]>::new_slice(TILE_FLOATS);
+    let mut xs = Shared::<[f32]>::new_slice(STAGE_FLOATS);
+    let mut ws = Shared::<[f32]>::new_slice(STAGE_FLOATS);
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     let unit = ty * 16 + tx;
-    let row0 = CUBE_POS_X as usize * 16;
-    let tok0 = CUBE_POS_Y as usize * 16;
-    let mut total = 0.0f32;
+    let row0 = CUBE_POS_X as usize * BLOCK;
+    let tok0 = CUBE_POS_Y as usize * BLOCK;
+    let mut part = Array::<f32>::new(16usize);
+    let mut total = Array::<f32>::new(16usize);
+    #[unroll]
+    for o in 0..16usize {
+        total[o] = 0.0f32;
+    }
     for c in 0..chunks {
         let k0 = c * 32;
-        for h in 0..2usize {
-            let e = unit + h * 256;
-            let r = e / 32;
-            let k = k0 + e % 32;
-            let at = r * TILE_STRIDE + e % 32;
-            let mut xv = 0.0f32;
-            if tok0 + r < n && k < inn {
-                xv = f32::cast_from(x[(tok0 + r) * inn + k]);
-            }
-            xs[at] = xv;
-            let mut wv = 0.0f32;
-            if row0 + r < out && k < inn {
-                wv = weight_at(words, scales, lut, 0, 0, row0 + r, k, wpr, spr, fmt, group);
-            }
-            ws[at] = wv;
-        }
-        sync_cube();
         let mut depth = 32usize;
         if k0 + 32 > inn {
             depth = inn - k0;
         }
-        let mut part = 0.0f32;
-        for kk in 0..depth {
-            part = fma(xs[ty * TILE_STRIDE + kk], ws[tx * TILE_STRIDE + kk], part);
+        #[unroll]
+        for o in 0..16usize {
+            part[o] = 0.0f32;
         }
-        total += part;
-        sync_cube();
+        for st in 0..2usize {
+            let ks = k0 + st * 16;
+            #[unroll]
+            for h in 0..4usize {
+                let e = unit + h * 256;
+                let r = e / 16;
+                let kk = e % 16;
+                let k = ks + kk;
+                let mut xv = 0.0f32;
+                if tok0 + r < n && k < inn {
+                    xv = f32::cast_from(x[(tok0 + r) * inn + k]);
+                }
+                xs[kk * STAGE_STRIDE + r] = xv;
+                let mut wv = 0.0f32;
+                if row0 + r < out && k < inn {
+                    wv = weight_at(words, scales, lut, 0, 0, row0 + r, k, wpr, spr, fmt, group);
+                }
+                ws[kk * STAGE_STRIDE + r] = wv;
+            }
+            sync_cube();
+            let mut kd = 0usize;
+            if depth > st * 16 {
+                kd = depth - st * 16;
+                if kd > 16 {
+                    kd = 16;
+                }
+            }
+            for kk in 0..kd {
+                let base = kk * STAGE_STRIDE;
+                #[unroll]
+                for i in 0..4usize {
+                    let a = xs[base + ty + 16 * i];
+                    #[unroll]
+                    for j in 0..4usize {
+                        part[i * 4 + j] = fma(a, ws[base + tx + 16 * j], part[i * 4 + j]);
+                    }
+                }
+            }
+            sync_cube();
+        }
+        #[unroll]
+        for o in 0..16usize {
+            total[o] += part[o];
+        }
     }
-    if row0 + tx < out && tok0 + ty < n {
-        y[(tok0 + ty) * out + row0 + tx] = Y::cast_from(total);
+    #[unroll]
+    for i in 0..4usize {
+        #[unroll]
+        for j in 0..4usize {
+            let t = tok0 + ty + 16 * i;
+            let r = row0 + tx + 16 * j;
+            if t < n && r < out {
+                y[t * out + r] = Y::cast_from(total[i * 4 + j]);
+            }
+        }
     }
 }
 

@@ -38,6 +38,13 @@ pub const TILE: usize = 16;
 pub const TILE_STRIDE: usize = CHUNK + 1;
 /// Floats of one staged 16 x 32 tile at [`TILE_STRIDE`].
 pub const TILE_FLOATS: usize = TILE * TILE_STRIDE;
+/// Tokens and rows per cube of the register-blocked GEMM (16 x 16 units, 4 x 4 outputs each).
+pub const BLOCK: usize = 64;
+/// K-major stride of the register-blocked GEMM's staging: 65, so a unit's writes (16 neighbouring inputs
+/// of one row) and a warp's reads (neighbouring rows at one input) fall in different banks.
+pub const STAGE_STRIDE: usize = BLOCK + 1;
+/// Floats of one 16-input stage of 64 rows at [`STAGE_STRIDE`].
+pub const STAGE_FLOATS: usize = 16 * STAGE_STRIDE;
 
 /// The dequantized weight of row `row`, input `k` of the matrix starting at word `woff` / scale `soff`:
 /// `q as f32 * s` (fp8: `e4m3(code) * s` through the decode table `lut`), one f32 multiply, as the host

@@ -27,13 +27,21 @@
 
 use cubecl::prelude::*;
 
-use super::{chunk_dot, chunk_dot_shared, stage_transposed, weight_at, TILE_FLOATS, TILE_STRIDE};
+use super::{
+    chunk_dot, chunk_dot_shared, stage_transposed, weight_at, BLOCK, STAGE_FLOATS, STAGE_STRIDE,
+};
 
 /// `y[a, row] = sum_k x[src(a), k] w_e[row, k]` for every assignment `a` of tile `CUBE_POS_Y` (expert
 /// `e = table[3 * tile]`), or `silu(gate) * up` when `swiglu` (then `words_b`/`scales_b` are the up
 /// projection). `src(a)` is the token `table[rows_at + a]` when `gather`, else `a` itself (the down
 /// projection reads the rows the first launch wrote, already in sorted order). `X` is the input's type
 /// (the activations', or f32 for the fp8-quantized activations and the down projection); `y` is f32.
+///
+/// A cube of 64 x 4 units covers 64 rows (`CUBE_POS_X`) of the tile's up to 16 assignments: unit
+/// `(tx, ty)` keeps row `tx` of assignments `ty + 4 i` in registers (and the up projection's beside them),
+/// so per input step it reads four staged activations (the same for the whole warp) and one weight of each
+/// projection for eight multiply-adds. Inputs are staged 16 deep (two stages per chunk), k-major; each
+/// output keeps its chunk sum and total apart: the canonical order, the grouped GEMV's bits.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_matmul<X: Float>(
@@ -59,96 +67,139 @@ pub fn grouped_matmul<X: Float>(
     #[comptime] gather: bool,
     #[define(X)] _dtype: ElemType,
 ) {
-    let mut xs = Shared::<[f32]>::new_slice(TILE_FLOATS);
-    let mut wa = Shared::<[f32]>::new_slice(TILE_FLOATS);
-    let mut wb = Shared::<[f32]>::new_slice(TILE_FLOATS);
+    // Activations k-major at a stride of 17 (16 assignments), weights at 65 (64 rows).
+    let mut xs = Shared::<[f32]>::new_slice(16usize * 17usize);
+    let mut wa = Shared::<[f32]>::new_slice(STAGE_FLOATS);
+    let mut wb = Shared::<[f32]>::new_slice(comptime!(if swiglu { STAGE_FLOATS } else { 1 }));
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
-    let unit = ty * 16 + tx;
+    let unit = ty * 64 + tx;
     let tile = CUBE_POS_Y as usize;
     let expert = table[3 * tile] as usize;
     let a0 = table[3 * tile + 1] as usize;
     let a_end = table[3 * tile + 2] as usize;
-    let row0 = CUBE_POS_X as usize * 16;
+    let row0 = CUBE_POS_X as usize * BLOCK;
     let woff = expert * expert_words;
     let soff = expert * expert_scales;
-    let mut total_a = 0.0f32;
-    let mut total_b = 0.0f32;
+    let mut part_a = Array::<f32>::new(4usize);
+    let mut part_b = Array::<f32>::new(4usize);
+    let mut total_a = Array::<f32>::new(4usize);
+    let mut total_b = Array::<f32>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        total_a[i] = 0.0f32;
+        total_b[i] = 0.0f32;
+    }
     for c in 0..chunks {
         let k0 = c * 32;
-        for h in 0..2usize {
-            let e = unit + h * 256;
-            let r = e / 32;
-            let k = k0 + e % 32;
-            let at = r * TILE_STRIDE + e % 32;
+        let mut depth = 32usize;
+        if k0 + 32 > inn {
+            depth = inn - k0;
+        }
+        #[unroll]
+        for i in 0..4usize {
+            part_a[i] = 0.0f32;
+            part_b[i] = 0.0f32;
+        }
+        for st in 0..2usize {
+            let ks = k0 + st * 16;
+            // 16 assignments x 16 inputs: one value per unit.
+            let r = unit / 16;
+            let kk = unit % 16;
             let mut xv = 0.0f32;
-            if a0 + r < a_end && k < inn {
+            if a0 + r < a_end && ks + kk < inn {
                 let mut src = a0 + r;
                 if comptime!(gather) {
                     src = table[rows_at + a0 + r] as usize;
                 }
-                xv = f32::cast_from(x[src * inn + k]);
+                xv = f32::cast_from(x[src * inn + ks + kk]);
             }
-            xs[at] = xv;
-            let mut va = 0.0f32;
-            let mut vb = 0.0f32;
-            if row0 + r < n_out && k < inn {
-                va = weight_at(
-                    words_a,
-                    scales_a,
-                    lut,
-                    woff,
-                    soff,
-                    row0 + r,
-                    k,
-                    wpr,
-                    spr,
-                    fmt,
-                    group,
-                );
-                if comptime!(swiglu) {
-                    vb = weight_at(
-                        words_b,
-                        scales_b,
+            xs[kk * 17 + r] = xv;
+            // 64 rows x 16 inputs of each projection: four values per unit.
+            #[unroll]
+            for h in 0..4usize {
+                let e = unit + h * 256;
+                let wr = e / 16;
+                let wk = e % 16;
+                let k = ks + wk;
+                let mut va = 0.0f32;
+                let mut vb = 0.0f32;
+                if row0 + wr < n_out && k < inn {
+                    va = weight_at(
+                        words_a,
+                        scales_a,
                         lut,
                         woff,
                         soff,
-                        row0 + r,
+                        row0 + wr,
                         k,
                         wpr,
                         spr,
                         fmt,
                         group,
                     );
+                    if comptime!(swiglu) {
+                        vb = weight_at(
+                            words_b,
+                            scales_b,
+                            lut,
+                            woff,
+                            soff,
+                            row0 + wr,
+                            k,
+                            wpr,
+                            spr,
+                            fmt,
+                            group,
+                        );
+                    }
+                }
+                wa[wk * STAGE_STRIDE + wr] = va;
+                if comptime!(swiglu) {
+                    wb[wk * STAGE_STRIDE + wr] = vb;
                 }
             }
-            wa[at] = va;
-            wb[at] = vb;
-        }
-        sync_cube();
-        let mut depth = 32usize;
-        if k0 + 32 > inn {
-            depth = inn - k0;
-        }
-        let mut part_a = 0.0f32;
-        let mut part_b = 0.0f32;
-        for kk in 0..depth {
-            let xv = xs[ty * TILE_STRIDE + kk];
-            part_a = fma(xv, wa[tx * TILE_STRIDE + kk], part_a);
-            if comptime!(swiglu) {
-                part_b = fma(xv, wb[tx * TILE_STRIDE + kk], part_b);
+            sync_cube();
+            let mut kd = 0usize;
+            if depth > st * 16 {
+                kd = depth - st * 16;
+                if kd > 16 {
+                    kd = 16;
+                }
             }
+            for kk in 0..kd {
+                let wva = wa[kk * STAGE_STRIDE + tx];
+                let mut wvb = 0.0f32;
+                if comptime!(swiglu) {
+                    wvb = wb[kk * STAGE_STRIDE + tx];
+                }
+                #[unroll]
+                for i in 0..4usize {
+                    let xv = xs[kk * 17 + ty + 4 * i];
+                    part_a[i] = fma(xv, wva, part_a[i]);
+                    if comptime!(swiglu) {
+                        part_b[i] = fma(xv, wvb, part_b[i]);
+                    }
+                }
+            }
+            sync_cube();
         }
-        total_a += part_a;
-        total_b += part_b;
-        sync_cube();
+        #[unroll]
+        for i in 0..4usize {
+            total_a[i] += part_a[i];
+            total_b[i] += part_b[i];
+        }
     }
-    if row0 + tx < n_out && a0 + ty < a_end {
-        let mut v = total_a;
-        if comptime!(swiglu) {
-            v = total_a / (1.0f32 + (-total_a).exp()) * total_b;
+    #[unroll]
+    for i in 0..4usize {
+        let a = a0 + ty + 4 * i;
+        if row0 + tx < n_out && a < a_end {
+            let mut v = total_a[i];
+            if comptime!(swiglu) {
+                v = total_a[i] / (1.0f32 + (-total_a[i]).exp()) * total_b[i];
+            }
+            y[a * n_out + row0 + tx] = v;
         }
-        y[(a0 + ty) * n_out + row0 + tx] = v;
     }
 }
 
