@@ -58,8 +58,12 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
     launch=(.gpu/libs/ld-linux-x86-64.so.2 --library-path ".gpu/libs:$LD_LIBRARY_PATH" "$bin")
   fi
   echo "== $rt =="
+  # QARL_GPU_CHECK_ARGS_CUDA / _WGPU: arguments for one runtime only (e.g. a shorter second run).
+  per_rt="QARL_GPU_CHECK_ARGS_${rt^^}"
+  # shellcheck disable=SC2206
+  extra_rt=(${!per_rt:-})
   timeout "${QARL_GPU_CHECK_TIMEOUT:-200}" "${launch[@]}" bench kernels --runtime "$rt" --check \
-    --iters "${QARL_GPU_CHECK_ITERS:-50}" --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" \
+    --iters "${QARL_GPU_CHECK_ITERS:-50}" --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" "${extra_rt[@]}" \
     --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_ROLLOUT:-1}" = 1 ]; then
     echo "== rollout on cuda =="

@@ -115,17 +115,19 @@ impl DeviceWeights {
     }
 }
 
-/// Which matmul kernel serves a call; both give the same bits (canonical order). For the MoE block
-/// `Gemv` is the per-assignment grouped GEMV and `Gemm` the 16-assignment tiles.
+/// Which matmul kernel serves a call; all give the same bits (canonical order). For the MoE block
+/// `Gemv` is the per-assignment grouped GEMV, and `Gemm` and `Blocked` the 16-assignment tiles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulPath {
-    /// GEMV up to [`Kernels::GEMV_MAX_TOKENS`] tokens ([`Kernels::MOE_GEMV_MAX_TOKENS`] for the MoE block),
-    /// tiled GEMM above.
+    /// GEMV up to [`Kernels::GEMV_MAX_TOKENS`] tokens ([`Kernels::MOE_GEMV_MAX_TOKENS`] for the MoE block);
+    /// above, 64 x 64 blocks when they make at least [`Kernels::BLOCKED_MIN_CUBES`] cubes, else 16 x 16 tiles.
     Auto,
     /// One cube row per token and output row (decode).
     Gemv,
-    /// 16x16 tiles (prefill, training).
+    /// 16 x 16 tiles, one output per unit.
     Gemm,
+    /// 64 x 64 blocks, 4 x 4 outputs per unit (prefill, training).
+    Blocked,
 }
 
 /// A runtime client with the kernels' shared tables.
@@ -141,6 +143,10 @@ impl Kernels {
     /// Token counts up to this run the MoE block's grouped GEMV instead of its 16-assignment tiles (on the
     /// H200, Qwen3-30B-A3B expert shapes: ahead 2.4x at 64 tokens, 10% behind at 256).
     pub const MOE_GEMV_MAX_TOKENS: usize = 64;
+    /// Cubes below which the dense GEMM runs 16 x 16 tiles rather than 64 x 64 blocks: the blocks move a
+    /// fourth of the staged bytes per multiply-add, but a grid of fewer cubes than about twice the
+    /// multiprocessors leaves most of the device idle (an H200 has 132).
+    pub const BLOCKED_MIN_CUBES: usize = 256;
 
     /// Kernels on `device` (panics only if the build does not link its runtime; use the named
     /// constructors to get an error instead).
@@ -349,8 +355,8 @@ impl Kernels {
         if rows * blocks > 0 {
             fp8::quantize_activations::launch(
                 &self.client,
-                grid((rows * blocks).div_ceil(64)),
-                CubeDim::new_1d(64),
+                grid(rows * blocks),
+                CubeDim::new_1d(FP8_BLOCK as u32),
                 x.arg(),
                 self.lut.arg(),
                 values.arg(),
@@ -407,12 +413,14 @@ impl Kernels {
         let dtypes = [x.dtype.elem(), y.dtype.elem()];
         let chunks = w.inn.div_ceil(CHUNK);
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
-        let gemv = match path {
-            MatmulPath::Auto => n <= Self::GEMV_MAX_TOKENS,
-            MatmulPath::Gemv => true,
-            MatmulPath::Gemm => false,
+        let blocks = w.out.div_ceil(BLOCK) * n.div_ceil(BLOCK);
+        let path = match path {
+            MatmulPath::Auto if n <= Self::GEMV_MAX_TOKENS => MatmulPath::Gemv,
+            MatmulPath::Auto if blocks >= Self::BLOCKED_MIN_CUBES => MatmulPath::Blocked,
+            MatmulPath::Auto => MatmulPath::Gemm,
+            chosen => chosen,
         };
-        if gemv {
+        if path == MatmulPath::Gemv {
             let lanes = chunks.clamp(1, 32);
             // Chunk sums of a cube's rows live in shared memory: keep them within WebGPU's 16 KiB floor.
             if chunks > SHARED_FLOATS {
@@ -448,8 +456,28 @@ impl Kernels {
                 stage_x,
                 dtypes,
             );
+        } else if path == MatmulPath::Gemm {
+            dense::gemm_tile::launch(
+                &self.client,
+                CubeCount::Static(w.out.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
+                CubeDim::new_2d(TILE as u32, TILE as u32),
+                x.arg(),
+                w.words.arg(),
+                w.scales.arg(),
+                self.lut.arg(),
+                y.arg(),
+                n,
+                w.out,
+                w.inn,
+                w.wpr(),
+                w.spr(),
+                fmt,
+                group,
+                chunks,
+                dtypes,
+            );
         } else {
-            dense::gemm::launch(
+            dense::gemm_blocked::launch(
                 &self.client,
                 CubeCount::Static(w.out.div_ceil(BLOCK) as u32, n.div_ceil(BLOCK) as u32, 1),
                 CubeDim::new_2d(TILE as u32, TILE as u32),
@@ -575,7 +603,7 @@ impl Kernels {
         let gemv = match path {
             MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
             MatmulPath::Gemv => true,
-            MatmulPath::Gemm => false,
+            MatmulPath::Gemm | MatmulPath::Blocked => false,
         };
         let grouped = |input: &DeviceBuffer,
                        a: &DeviceWeights,

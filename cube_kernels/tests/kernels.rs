@@ -195,11 +195,19 @@ fn gemv_and_gemm_match_the_reference_and_each_other_bitwise() {
             let gemm = k
                 .read_f32(&k.linear_with(&dx, n, &dw, MatmulPath::Gemm).unwrap())
                 .unwrap();
+            let blocked = k
+                .read_f32(&k.linear_with(&dx, n, &dw, MatmulPath::Blocked).unwrap())
+                .unwrap();
             let want = reference::linear(&x, n, &w, 0);
             let what = format!("{} [{out}, {inn}] n={n}", format.name());
             assert_close(&gemm, &want, &abs_linear(&x, n, &w), &what);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&gemv), bits(&gemm), "{what}: GEMV and GEMM differ");
+            assert_eq!(
+                bits(&blocked),
+                bits(&gemm),
+                "{what}: 64 x 64 blocks and 16 x 16 tiles differ"
+            );
             // Batch invariance: the last token alone gives the same bits as inside the batch.
             let last = k.upload_f32(&x[(n - 1) * inn..]);
             let alone = k.read_f32(&k.linear(&last, 1, &dw).unwrap()).unwrap();

@@ -300,7 +300,7 @@ mod imp {
                 if args.check {
                     let want = reference::linear(&x, n, &w, 0);
                     let f32_run = k.read_f32(&k.linear(&k.upload_f32(&x), n, &dw)?)?;
-                    for path in [MatmulPath::Gemv, MatmulPath::Gemm] {
+                    for path in [MatmulPath::Gemv, MatmulPath::Gemm, MatmulPath::Blocked] {
                         let got = k.read_f32(&k.linear_with(&dx, n, &dw, path)?)?;
                         let err = max_rounded_err(&got, &want, dtype);
                         if err > 1e-5 {
@@ -338,7 +338,8 @@ mod imp {
                 let flops = 2.0 * (n * hidden * inter) as f64;
                 for (path, kernel) in [
                     (MatmulPath::Gemv, "linear/gemv"),
-                    (MatmulPath::Gemm, "linear/gemm"),
+                    (MatmulPath::Gemm, "linear/tile16"),
+                    (MatmulPath::Blocked, "linear/block64"),
                 ] {
                     let t = time(
                         args.iters,
@@ -452,7 +453,7 @@ mod imp {
 
     fn print_table(rows: &[Row], base: DType) {
         println!(
-            "{:<12} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+            "{:<14} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
             "kernel",
             "format",
             "act",
@@ -466,7 +467,7 @@ mod imp {
         );
         for r in rows {
             println!(
-                "{:<12} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
+                "{:<14} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
                 r.kernel,
                 r.format,
                 r.act_dtype,

@@ -115,8 +115,12 @@ pub fn div_rn(a: f32, b: f32) -> f32 {
     f32::reinterpret(out)
 }
 
-/// One unit per (token, 128-column block): writes the block scale to `xs` and the dequantized values to
-/// `xq`, both f32; `x` is read in its own type `F` and widened to f32 first.
+/// One cube of 128 units per (token, 128-column block), `CUBE_POS` the block's linear index: each unit
+/// reads one input (in its own type `F`, widened to f32), the block's absmax comes from a tree of pairwise
+/// maxima in shared memory (exact in any order; a NaN counts as 0, as the host's `f32::max` fold has it),
+/// then every unit writes its dequantized value to `xq` and unit 0 the block scale to `xs`. A unit per
+/// block, as this kernel first was, left a decode step's 16 blocks to 16 threads running 128 sequential
+/// integer divisions each.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn quantize_activations<F: Float>(
@@ -129,27 +133,43 @@ pub fn quantize_activations<F: Float>(
     blocks: usize,
     #[define(F)] _dtype: ElemType,
 ) {
-    let id = ABSOLUTE_POS;
-    if id < rows * blocks {
-        let r = id / blocks;
-        let start = (id % blocks) * 128;
-        let mut end = start + 128;
-        if end > cols {
-            end = cols;
-        }
-        let mut m = 0.0f32;
-        for k in start..end {
-            let a = f32::cast_from(x[r * cols + k]).abs();
-            if a > m {
-                m = a;
+    let mut amax = Shared::<[f32]>::new_slice(128usize);
+    let id = CUBE_POS as usize;
+    let u = UNIT_POS as usize;
+    let live = id < rows * blocks;
+    let r = id / blocks;
+    let k = (id % blocks) * 128 + u;
+    let mut v = 0.0f32;
+    if live && k < cols {
+        v = f32::cast_from(x[r * cols + k]);
+    }
+    let a = v.abs();
+    let mut m = 0.0f32;
+    if a > 0.0f32 {
+        m = a;
+    }
+    amax[u] = m;
+    sync_cube();
+    #[unroll]
+    for step in 0..7u32 {
+        let half = 64usize >> step as usize;
+        if u < half {
+            let other = amax[u + half];
+            if other > amax[u] {
+                amax[u] = other;
             }
         }
-        let s = div_rn(m, 448.0f32);
-        xs[id] = s;
-        for k in start..end {
+        sync_cube();
+    }
+    let s = div_rn(amax[0], 448.0f32);
+    if live {
+        if u == 0 {
+            xs[id] = s;
+        }
+        if k < cols {
             let mut code = 0u32;
             if s != 0.0f32 {
-                code = e4m3_code(div_rn(f32::cast_from(x[r * cols + k]), s));
+                code = e4m3_code(div_rn(v, s));
             }
             xq[r * cols + k] = lut[code as usize] * s;
         }
