@@ -138,7 +138,8 @@ pub struct Kernels {
 
 impl Kernels {
     /// Token counts up to this use the GEMV. On an H200 (`qarl bench kernels`, [768, 2048] weights) the
-    /// GEMV was ahead of the 16x16 tiles up to 64 tokens on CUDA and Vulkan alike, and behind at 256.
+    /// GEMV was ahead of the 16 x 16 tiles up to 64 tokens for int4 and int8 on CUDA and Vulkan (fp8 on
+    /// CUDA: 96 against 79 us at 64 tokens), and behind for every format at 256.
     pub const GEMV_MAX_TOKENS: usize = 64;
     /// Token counts up to this run the MoE block's grouped GEMV instead of its 16-assignment tiles (on the
     /// H200, Qwen3-30B-A3B expert shapes: ahead 2.4x at 64 tokens, 10% behind at 256).

@@ -128,8 +128,13 @@ mod imp {
         start.elapsed().as_secs_f64() / iters.max(1) as f64
     }
 
-    /// BF16 where burn's matmul supports it on this device, else F32.
-    fn baseline_dtype(device: &Device) -> DType {
+    /// BF16 where burn's matmul supports it on this device, else F32. A runtime without bf16 buffers
+    /// (wgpu) is not probed: burn's matmul would panic on its device thread, printing a backtrace.
+    fn baseline_dtype(k: &Kernels, device: &Device) -> DType {
+        if !k.supports(ActDType::BF16) {
+            eprintln!("{} has no bf16: the baseline is f32", k.device_name());
+            return DType::F32;
+        }
         let probe = std::panic::catch_unwind(|| {
             let a = Tensor::<2>::ones([16, 16], device).cast(DType::BF16);
             let _ = a.clone().matmul(a).into_data();
@@ -224,7 +229,7 @@ mod imp {
         let t_copy = time(args.iters, || drop(k.copy(&src)), &sync_k);
         let copy_gbs = 2.0 * 4.0 * n_copy as f64 / t_copy / 1e9;
         // burn's bf16 matmul is the baseline; runtimes without bf16 (lavapipe) fall back to f32, and say so.
-        let base = baseline_dtype(&device);
+        let base = baseline_dtype(&k, &device);
         let m = args.matmul_size;
         let a = Tensor::<2>::random([m, m], Distribution::Default, &device).cast(base);
         let b = Tensor::<2>::random([m, m], Distribution::Default, &device).cast(base);

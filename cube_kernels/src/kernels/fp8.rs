@@ -53,39 +53,39 @@ pub fn div_rn(a: f32, b: f32) -> f32 {
         if ea == 0i32 {
             ea = 1i32;
             while ma < 0x80_0000u32 {
-                ma = ma << 1u32;
+                ma <<= 1u32;
                 ea -= 1i32;
             }
         } else {
-            ma = ma | 0x80_0000u32;
+            ma |= 0x80_0000u32;
         }
         let mut mb = by & 0x7F_FFFFu32;
         let mut eb = i32::cast_from(by >> 23u32);
         if eb == 0i32 {
             eb = 1i32;
             while mb < 0x80_0000u32 {
-                mb = mb << 1u32;
+                mb <<= 1u32;
                 eb -= 1i32;
             }
         } else {
-            mb = mb | 0x80_0000u32;
+            mb |= 0x80_0000u32;
         }
         // The result's biased exponent, with ma / mb brought into [1, 2).
         let mut e = ea - eb + 127i32;
         if ma < mb {
-            ma = ma << 1u32;
+            ma <<= 1u32;
             e -= 1i32;
         }
         // 26 quotient bits: 1.(25 fraction bits); the remainder stays below 2 mb < 2^25.
         let mut q = 0u32;
         let mut rem = ma;
         for _ in 0..26u32 {
-            q = q << 1u32;
+            q <<= 1u32;
             if rem >= mb {
                 rem -= mb;
-                q = q | 1u32;
+                q |= 1u32;
             }
-            rem = rem << 1u32;
+            rem <<= 1u32;
         }
         // Round to nearest even at the 24th bit (further right for a subnormal result).
         let mut shift = 2i32;
@@ -134,7 +134,7 @@ pub fn quantize_activations<F: Float>(
     #[define(F)] _dtype: ElemType,
 ) {
     let mut amax = Shared::<[f32]>::new_slice(128usize);
-    let id = CUBE_POS as usize;
+    let id = CUBE_POS;
     let u = UNIT_POS as usize;
     let live = id < rows * blocks;
     let r = id / blocks;
@@ -151,8 +151,8 @@ pub fn quantize_activations<F: Float>(
     amax[u] = m;
     sync_cube();
     #[unroll]
-    for step in 0..7u32 {
-        let half = 64usize >> step as usize;
+    for step in 0..7usize {
+        let half = 64usize >> step;
         if u < half {
             let other = amax[u + half];
             if other > amax[u] {

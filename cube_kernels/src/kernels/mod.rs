@@ -174,6 +174,8 @@ pub fn stage_transposed<X: Float>(
     #[comptime] chunks: usize,
 ) {
     let total = chunks * 32;
+    // `div_ceil` has no CubeCL expansion for runtime values.
+    #[allow(clippy::manual_div_ceil)]
     let steps = (total + units - 1) / units;
     for i in 0..steps {
         let k = unit + i * units;
