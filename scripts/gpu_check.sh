@@ -4,16 +4,18 @@
 #
 # Here first: scripts/build_gpu_bundle.sh (it leaves .gpu/qarl-{cuda,wgpu}.xz, .gpu/libs and .gl/). The
 # device tool sends at most 64 MiB: check `git ls-files | xargs du -ch` plus .gpu and .gl, and move large
-# tracked results (experiments/results) out of the working tree for the call (`git checkout -- .` after).
-# Then, with the device tool:
+# tracked results out of the working tree for the call (`git ls-files experiments/results | xargs rm`, then
+# `git checkout -- experiments/results` after). Then, with the device tool:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=480)
+# On an H200 (2026-11-30) a whole call took 160-230 s of command time plus about 40 s to start the machine.
 # Results come back under $OUT: gpu.txt (machine, libraries), kernels_<runtime>.txt and .json, and
 # rollout_cuda.txt and .json (`qarl bench rollout --backend cuda` on a 195M Qwen3-MoE, f32 against each
 # quantized format; QARL_GPU_CHECK_ROLLOUT=0 skips it). Activations run in f32
 # and bf16 (QARL_GPU_CHECK_DTYPES, default "f32,bf16"; a type the runtime lacks, bf16 on wgpu, is skipped
 # with a message), each checked against the host reference under the kernels' rounding contract.
-# QARL_GPU_CHECK_ARGS adds arguments to `qarl bench kernels`, QARL_GPU_CHECK_ITERS sets the timed
-# iterations and QARL_GPU_CHECK_RUNTIMES the runtimes (default "cuda wgpu"). A smoke test on a CPU:
+# QARL_GPU_CHECK_ARGS adds arguments to `qarl bench kernels` (QARL_GPU_CHECK_ARGS_CUDA / _WGPU for one
+# runtime), QARL_GPU_CHECK_ITERS sets the timed iterations, QARL_GPU_CHECK_TIMEOUT (_CUDA / _WGPU) the
+# seconds per runtime and QARL_GPU_CHECK_RUNTIMES the runtimes (default "cuda wgpu"). A smoke test on a CPU:
 #   QARL_GPU_CHECK_ITERS=2 QARL_GPU_CHECK_ARGS="--experts 8 --tokens 1,16 --matmul-size 256 --copy-mib 16"
 set -uo pipefail
 out="${OUT:-/tmp/gpu_check}"
@@ -62,7 +64,9 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   per_rt="QARL_GPU_CHECK_ARGS_${rt^^}"
   # shellcheck disable=SC2206
   extra_rt=(${!per_rt:-})
-  timeout "${QARL_GPU_CHECK_TIMEOUT:-200}" "${launch[@]}" bench kernels --runtime "$rt" --check \
+  # QARL_GPU_CHECK_TIMEOUT_CUDA / _WGPU: seconds for one runtime (else QARL_GPU_CHECK_TIMEOUT, 200).
+  per_rt_timeout="QARL_GPU_CHECK_TIMEOUT_${rt^^}"
+  timeout "${!per_rt_timeout:-${QARL_GPU_CHECK_TIMEOUT:-200}}" "${launch[@]}" bench kernels --runtime "$rt" --check \
     --iters "${QARL_GPU_CHECK_ITERS:-50}" --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" "${extra_rt[@]}" \
     --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_ROLLOUT:-1}" = 1 ]; then
