@@ -32,9 +32,9 @@ pub fn e4m3_code(v: f32) -> u32 {
 /// `a / b` correctly rounded, as IEEE division gives it (finite `a`, nonzero finite `b`; subnormals too),
 /// by integer long division of the significands.
 ///
-/// WGSL's and SPIR-V's `/` may be off by 2.5 ulp, and NVIDIA's Vulkan driver's is: on an H200 the fp8
-/// activations of 256 tokens came out with codes one step off the host's, since a code at an E4M3
-/// rounding boundary depends on the quotient's last bit. Refining the runtime's quotient with fused
+/// WGSL's and SPIR-V's `/` may be off by 2.5 ulp: with it, the fp8 activations of 256 tokens came out of
+/// NVIDIA's Vulkan driver on an H200 with codes one step off the host's (CUDA's IEEE division matched),
+/// since a code at an E4M3 rounding boundary depends on the quotient's last bit. Refining the runtime's quotient with fused
 /// multiply-adds is no cure: Vulkan lets `fma` be a multiply and an add, and such a refinement (exact
 /// with a fused `fma` on the host, from reciprocals up to 64 ulps off) missed the host's bits on lavapipe.
 /// Integer arithmetic is exact everywhere: 26 quotient bits (the 24 kept, a guard bit and one more) and
