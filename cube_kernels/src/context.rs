@@ -457,46 +457,40 @@ impl Kernels {
                 stage_x,
                 dtypes,
             );
-        } else if path == MatmulPath::Gemm {
-            dense::gemm_tile::launch(
-                &self.client,
-                CubeCount::Static(w.out.div_ceil(TILE) as u32, n.div_ceil(TILE) as u32, 1),
-                CubeDim::new_2d(TILE as u32, TILE as u32),
-                x.arg(),
-                w.words.arg(),
-                w.scales.arg(),
-                self.lut.arg(),
-                y.arg(),
-                n,
-                w.out,
-                w.inn,
-                w.wpr(),
-                w.spr(),
-                fmt,
-                group,
-                chunks,
-                dtypes,
-            );
         } else {
-            dense::gemm_blocked::launch(
-                &self.client,
-                CubeCount::Static(w.out.div_ceil(BLOCK) as u32, n.div_ceil(BLOCK) as u32, 1),
-                CubeDim::new_2d(TILE as u32, TILE as u32),
-                x.arg(),
-                w.words.arg(),
-                w.scales.arg(),
-                self.lut.arg(),
-                y.arg(),
-                n,
-                w.out,
-                w.inn,
-                w.wpr(),
-                w.spr(),
-                fmt,
-                group,
-                chunks,
-                dtypes,
-            );
+            // Both GEMMs take the same arguments; the kernel and its tile side differ.
+            macro_rules! gemm {
+                ($kernel:ident, $side:expr) => {
+                    dense::$kernel::launch(
+                        &self.client,
+                        CubeCount::Static(
+                            w.out.div_ceil($side) as u32,
+                            n.div_ceil($side) as u32,
+                            1,
+                        ),
+                        CubeDim::new_2d(TILE as u32, TILE as u32),
+                        x.arg(),
+                        w.words.arg(),
+                        w.scales.arg(),
+                        self.lut.arg(),
+                        y.arg(),
+                        n,
+                        w.out,
+                        w.inn,
+                        w.wpr(),
+                        w.spr(),
+                        fmt,
+                        group,
+                        chunks,
+                        dtypes,
+                    )
+                };
+            }
+            if path == MatmulPath::Gemm {
+                gemm!(gemm_tile, TILE);
+            } else {
+                gemm!(gemm_blocked, BLOCK);
+            }
         }
         Ok(y)
     }

@@ -8,8 +8,8 @@
 use cubecl::prelude::*;
 
 use super::{
-    chunk_dot, chunk_dot_shared, stage_transposed, weight_at, BLOCK, STAGE_FLOATS, STAGE_STRIDE,
-    TILE_FLOATS, TILE_STRIDE,
+    chunk_depth, chunk_dot, stage_depth, stage_transposed, sum_chunks, weight_at, BLOCK,
+    STAGE_FLOATS, STAGE_STRIDE, TILE_FLOATS, TILE_STRIDE,
 };
 
 /// `out[row * inn + k] = weight(row, k)` for the whole matrix (one unit per weight).
@@ -82,57 +82,31 @@ pub fn gemv<X: Float, Y: Float>(
         for i in 0..per_lane {
             let c = lane + i * lanes;
             if c < chunks {
-                let start = c * 32;
-                let mut end = start + 32;
-                if end > inn {
-                    end = inn;
-                }
-                let part = if comptime!(stage_x) {
-                    chunk_dot_shared(
-                        &xs,
-                        c,
-                        words,
-                        scales,
-                        lut,
-                        0,
-                        0,
-                        row,
-                        end - start,
-                        wpr,
-                        spr,
-                        fmt,
-                        group,
-                        chunks,
-                    )
-                } else {
-                    chunk_dot(
-                        x,
-                        token * inn,
-                        words,
-                        scales,
-                        lut,
-                        0,
-                        0,
-                        row,
-                        start,
-                        end - start,
-                        wpr,
-                        spr,
-                        fmt,
-                        group,
-                    )
-                };
-                partials[local_row * chunks + c] = part;
+                partials[local_row * chunks + c] = chunk_dot(
+                    x,
+                    token * inn,
+                    &xs,
+                    words,
+                    scales,
+                    lut,
+                    0,
+                    0,
+                    row,
+                    c * 32,
+                    chunk_depth(c, inn),
+                    wpr,
+                    spr,
+                    fmt,
+                    group,
+                    chunks,
+                    stage_x,
+                );
             }
         }
     }
     sync_cube();
     if lane == 0 && row < out {
-        let mut total = 0.0f32;
-        for c in 0..chunks {
-            total += partials[local_row * chunks + c];
-        }
-        y[token * out + row] = Y::cast_from(total);
+        y[token * out + row] = Y::cast_from(sum_chunks(&partials, local_row * chunks, chunks));
     }
 }
 
@@ -177,10 +151,7 @@ pub fn gemm_blocked<X: Float, Y: Float>(
     }
     for c in 0..chunks {
         let k0 = c * 32;
-        let mut depth = 32usize;
-        if k0 + 32 > inn {
-            depth = inn - k0;
-        }
+        let depth = chunk_depth(c, inn);
         #[unroll]
         for o in 0..16usize {
             part[o] = 0.0f32;
@@ -205,14 +176,7 @@ pub fn gemm_blocked<X: Float, Y: Float>(
                 ws[kk * STAGE_STRIDE + r] = wv;
             }
             sync_cube();
-            let mut kd = 0usize;
-            if depth > st * 16 {
-                kd = depth - st * 16;
-                if kd > 16 {
-                    kd = 16;
-                }
-            }
-            for kk in 0..kd {
+            for kk in 0..stage_depth(depth, st) {
                 let base = kk * STAGE_STRIDE;
                 #[unroll]
                 for i in 0..4usize {
@@ -292,10 +256,7 @@ pub fn gemm_tile<X: Float, Y: Float>(
             ws[at] = wv;
         }
         sync_cube();
-        let mut depth = 32usize;
-        if k0 + 32 > inn {
-            depth = inn - k0;
-        }
+        let depth = chunk_depth(c, inn);
         let mut part = 0.0f32;
         for kk in 0..depth {
             part = fma(xs[ty * TILE_STRIDE + kk], ws[tx * TILE_STRIDE + kk], part);
@@ -356,10 +317,7 @@ pub fn gemm_transposed<X: Float, Y: Float>(
             ws[e] = wv;
         }
         sync_cube();
-        let mut depth = 32usize;
-        if o0 + 32 > out {
-            depth = out - o0;
-        }
+        let depth = chunk_depth(c, out);
         let mut part = 0.0f32;
         for oo in 0..depth {
             part = fma(gs[ty * TILE_STRIDE + oo], ws[oo * 16 + tx], part);

@@ -29,6 +29,25 @@ pub fn e4m3_code(v: f32) -> u32 {
     sign | code
 }
 
+/// The significand of a positive finite nonzero f32 (bits `mag`) with its implicit bit, in `[2^23, 2^24)`,
+/// and its biased exponent; a subnormal's significand is shifted up into that range and its exponent goes
+/// below 1 to match.
+#[cube]
+pub fn significand_exponent(mag: u32) -> (u32, i32) {
+    let mut m = mag & 0x7F_FFFFu32;
+    let mut e = i32::cast_from(mag >> 23u32);
+    if e == 0i32 {
+        e = 1i32;
+        while m < 0x80_0000u32 {
+            m <<= 1u32;
+            e -= 1i32;
+        }
+    } else {
+        m |= 0x80_0000u32;
+    }
+    (m, e)
+}
+
 /// `a / b` correctly rounded, as IEEE division gives it (finite `a`, nonzero finite `b`; subnormals too),
 /// by integer long division of the significands.
 ///
@@ -47,29 +66,9 @@ pub fn div_rn(a: f32, b: f32) -> f32 {
     let by = u32::reinterpret(b) & 0x7FFF_FFFFu32;
     let mut out = sign;
     if ax != 0u32 {
-        // Significands with the implicit bit, subnormals normalized, and unbiased exponents.
-        let mut ma = ax & 0x7F_FFFFu32;
-        let mut ea = i32::cast_from(ax >> 23u32);
-        if ea == 0i32 {
-            ea = 1i32;
-            while ma < 0x80_0000u32 {
-                ma <<= 1u32;
-                ea -= 1i32;
-            }
-        } else {
-            ma |= 0x80_0000u32;
-        }
-        let mut mb = by & 0x7F_FFFFu32;
-        let mut eb = i32::cast_from(by >> 23u32);
-        if eb == 0i32 {
-            eb = 1i32;
-            while mb < 0x80_0000u32 {
-                mb <<= 1u32;
-                eb -= 1i32;
-            }
-        } else {
-            mb |= 0x80_0000u32;
-        }
+        let (ma0, ea) = significand_exponent(ax);
+        let (mb, eb) = significand_exponent(by);
+        let mut ma = ma0;
         // The result's biased exponent, with ma / mb brought into [1, 2).
         let mut e = ea - eb + 127i32;
         if ma < mb {

@@ -81,17 +81,39 @@ pub fn weight_at(
     }
 }
 
-/// One chunk of the canonical order: `sum_k x[xoff + k] * weight(row, k)` for `k` in `k0..k0 + depth`,
-/// fused multiply-adds from 0.0 in `k` order, bit for bit what [`weight_at`] one input at a time gives.
-/// A full chunk (`depth == 32`, `k0` a multiple of 32) of a format whose scale is constant over it (int8;
-/// int4 and fp8 groups that are multiples of 32) loads its scale once and each packed word once, and
-/// decodes the word's 8 (int4) or 4 (int8, fp8) codes from registers: the GEMV's loads are then the
+/// Input `k0 + j` of a product: `x[xoff + k0 + j]` widened to f32, or with `staged` its copy in `xs`, laid
+/// out by [`stage_transposed`] for a row of `chunks` chunks (`k0` a multiple of 32).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn input_at<X: Float>(
+    x: &[X],
+    xoff: usize,
+    xs: &Shared<[f32]>,
+    k0: usize,
+    j: usize,
+    #[comptime] chunks: usize,
+    #[comptime] staged: bool,
+) -> f32 {
+    if comptime!(staged) {
+        xs[j * (chunks + 1) + k0 / 32]
+    } else {
+        f32::cast_from(x[xoff + k0 + j])
+    }
+}
+
+/// One chunk of the canonical order: `sum_k input(k) * weight(row, k)` for `k` in `k0..k0 + depth`, fused
+/// multiply-adds from 0.0 in `k` order, bit for bit what [`weight_at`] one input at a time gives. The
+/// inputs are `x` from `xoff`, or with `staged` their copy in `xs` ([`input_at`]): the same values, so the
+/// same bits. A full chunk (`depth == 32`, `k0` a multiple of 32) of a format whose scale is constant over
+/// it (int8; int4 and fp8 groups that are multiples of 32) loads its scale once and each packed word once,
+/// and decodes the word's 8 (int4) or 4 (int8, fp8) codes from registers: the GEMV's loads are then the
 /// packed bytes themselves instead of one 32-bit load per weight.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_dot<X: Float>(
     x: &[X],
     xoff: usize,
+    xs: &Shared<[f32]>,
     words: &[u32],
     scales: &[f32],
     lut: &[f32],
@@ -104,6 +126,8 @@ pub fn chunk_dot<X: Float>(
     spr: usize,
     #[comptime] fmt: u32,
     #[comptime] group: usize,
+    #[comptime] chunks: usize,
+    #[comptime] staged: bool,
 ) -> f32 {
     let mut part = 0.0f32;
     let mut whole = false;
@@ -121,7 +145,7 @@ pub fn chunk_dot<X: Float>(
                 for j in 0..8u32 {
                     let nib = (word >> (j * 4u32)) & 15u32;
                     let q = i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32);
-                    let xv = f32::cast_from(x[xoff + k0 + (w * 8u32 + j) as usize]);
+                    let xv = input_at(x, xoff, xs, k0, (w * 8u32 + j) as usize, chunks, staged);
                     part = fma(xv, f32::cast_from(q) * s, part);
                 }
             }
@@ -144,18 +168,63 @@ pub fn chunk_dot<X: Float>(
                     } else {
                         lut[byte as usize] * s
                     };
-                    let xv = f32::cast_from(x[xoff + k0 + (w * 4u32 + j) as usize]);
+                    let xv = input_at(x, xoff, xs, k0, (w * 4u32 + j) as usize, chunks, staged);
                     part = fma(xv, v, part);
                 }
             }
         }
     } else {
-        for k in k0..k0 + depth {
-            let w = weight_at(words, scales, lut, woff, soff, row, k, wpr, spr, fmt, group);
-            part = fma(f32::cast_from(x[xoff + k]), w, part);
+        for j in 0..depth {
+            let w = weight_at(
+                words,
+                scales,
+                lut,
+                woff,
+                soff,
+                row,
+                k0 + j,
+                wpr,
+                spr,
+                fmt,
+                group,
+            );
+            part = fma(input_at(x, xoff, xs, k0, j, chunks, staged), w, part);
         }
     }
     part
+}
+
+/// Inputs in chunk `c` of a sum over `len` inputs: 32, or what the last chunk has left.
+#[cube]
+pub fn chunk_depth(c: usize, len: usize) -> usize {
+    let mut depth = 32usize;
+    if c * 32 + 32 > len {
+        depth = len - c * 32;
+    }
+    depth
+}
+
+/// Inputs of 16-deep stage `st` (0 or 1) of a chunk of `depth` inputs.
+#[cube]
+pub fn stage_depth(depth: usize, st: usize) -> usize {
+    let mut kd = 0usize;
+    if depth > st * 16 {
+        kd = depth - st * 16;
+        if kd > 16 {
+            kd = 16;
+        }
+    }
+    kd
+}
+
+/// The canonical total of a row's chunk sums `sums[at..at + chunks]`: added left to right from 0.0.
+#[cube]
+pub fn sum_chunks(sums: &Shared<[f32]>, at: usize, #[comptime] chunks: usize) -> f32 {
+    let mut total = 0.0f32;
+    for c in 0..chunks {
+        total += sums[at + c];
+    }
+    total
 }
 
 /// Copies `x[xoff..xoff + inn]` into shared memory transposed by chunk: input `32 c + j` goes to
@@ -187,91 +256,4 @@ pub fn stage_transposed<X: Float>(
             xs[(k % 32) * (chunks + 1) + k / 32] = v;
         }
     }
-}
-
-/// [`chunk_dot`] of chunk `c` (inputs `32 c..32 c + depth`) with the activations staged by
-/// [`stage_transposed`]: the same products in the same order, so the same bits.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub fn chunk_dot_shared(
-    xs: &Shared<[f32]>,
-    c: usize,
-    words: &[u32],
-    scales: &[f32],
-    lut: &[f32],
-    woff: usize,
-    soff: usize,
-    row: usize,
-    depth: usize,
-    wpr: usize,
-    spr: usize,
-    #[comptime] fmt: u32,
-    #[comptime] group: usize,
-    #[comptime] chunks: usize,
-) -> f32 {
-    let stride = chunks + 1;
-    let k0 = c * 32;
-    let mut part = 0.0f32;
-    let mut whole = false;
-    if comptime!(fmt == 1 || group % 32 == 0) {
-        whole = depth == 32;
-    }
-    if whole {
-        if comptime!(fmt == 0) {
-            let base = woff + row * wpr + k0 / 8;
-            let s = scales[soff + row * spr + k0 / group];
-            #[unroll]
-            for w in 0..4u32 {
-                let word = words[base + w as usize];
-                #[unroll]
-                for j in 0..8u32 {
-                    let nib = (word >> (j * 4u32)) & 15u32;
-                    let q = i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32);
-                    let xv = xs[(w * 8u32 + j) as usize * stride + c];
-                    part = fma(xv, f32::cast_from(q) * s, part);
-                }
-            }
-        } else {
-            let base = woff + row * wpr + k0 / 4;
-            let s = if comptime!(fmt == 1) {
-                scales[soff + row]
-            } else {
-                scales[soff + (row / group) * spr + k0 / group]
-            };
-            #[unroll]
-            for w in 0..8u32 {
-                let word = words[base + w as usize];
-                #[unroll]
-                for j in 0..4u32 {
-                    let byte = (word >> (j * 8u32)) & 255u32;
-                    let v = if comptime!(fmt == 1) {
-                        let q = i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32);
-                        f32::cast_from(q) * s
-                    } else {
-                        lut[byte as usize] * s
-                    };
-                    let xv = xs[(w * 4u32 + j) as usize * stride + c];
-                    part = fma(xv, v, part);
-                }
-            }
-        }
-    } else {
-        for j in 0..depth {
-            let w = weight_at(
-                words,
-                scales,
-                lut,
-                woff,
-                soff,
-                row,
-                k0 + j,
-                wpr,
-                spr,
-                fmt,
-                group,
-            );
-            part = fma(xs[j * stride + c], w, part);
-        }
-    }
-    part
 }

@@ -28,8 +28,16 @@
 use cubecl::prelude::*;
 
 use super::{
-    chunk_dot, chunk_dot_shared, stage_transposed, weight_at, BLOCK, STAGE_FLOATS, STAGE_STRIDE,
+    chunk_depth, chunk_dot, stage_depth, stage_transposed, sum_chunks, weight_at, BLOCK,
+    STAGE_FLOATS, STAGE_STRIDE,
 };
+
+/// SwiGLU's `silu(g) * u = g / (1 + exp(-g)) * u` in f32, in that order of operations (the contract's step
+/// 2); both grouped kernels call it, so they round alike.
+#[cube]
+pub fn silu_times(g: f32, u: f32) -> f32 {
+    g / (1.0f32 + (-g).exp()) * u
+}
 
 /// `y[a, row] = sum_k x[src(a), k] w_e[row, k]` for every assignment `a` of tile `CUBE_POS_Y` (expert
 /// `e = table[3 * tile]`), or `silu(gate) * up` when `swiglu` (then `words_b`/`scales_b` are the up
@@ -92,10 +100,7 @@ pub fn grouped_matmul<X: Float>(
     }
     for c in 0..chunks {
         let k0 = c * 32;
-        let mut depth = 32usize;
-        if k0 + 32 > inn {
-            depth = inn - k0;
-        }
+        let depth = chunk_depth(c, inn);
         #[unroll]
         for i in 0..4usize {
             part_a[i] = 0.0f32;
@@ -160,14 +165,7 @@ pub fn grouped_matmul<X: Float>(
                 }
             }
             sync_cube();
-            let mut kd = 0usize;
-            if depth > st * 16 {
-                kd = depth - st * 16;
-                if kd > 16 {
-                    kd = 16;
-                }
-            }
-            for kk in 0..kd {
+            for kk in 0..stage_depth(depth, st) {
                 let wva = wa[kk * STAGE_STRIDE + tx];
                 let mut wvb = 0.0f32;
                 if comptime!(swiglu) {
@@ -196,7 +194,7 @@ pub fn grouped_matmul<X: Float>(
         if row0 + tx < n_out && a < a_end {
             let mut v = total_a[i];
             if comptime!(swiglu) {
-                v = total_a[i] / (1.0f32 + (-total_a[i]).exp()) * total_b[i];
+                v = silu_times(total_a[i], total_b[i]);
             }
             y[a * n_out + row0 + tx] = v;
         }
@@ -271,75 +269,56 @@ pub fn grouped_gemv<X: Float>(
         for i in 0..per_lane {
             let c = lane + i * lanes;
             if c < chunks {
-                let start = c * 32;
-                let mut end = start + 32;
-                if end > inn {
-                    end = inn;
-                }
-                let depth = end - start;
-                if comptime!(stage_x) {
-                    part_a[local_row * chunks + c] = chunk_dot_shared(
-                        &xs, c, words_a, scales_a, lut, woff, soff, row, depth, wpr, spr, fmt,
-                        group, chunks,
-                    );
-                    if comptime!(swiglu) {
-                        part_b[local_row * chunks + c] = chunk_dot_shared(
-                            &xs, c, words_b, scales_b, lut, woff, soff, row, depth, wpr, spr, fmt,
-                            group, chunks,
-                        );
-                    }
-                } else {
-                    part_a[local_row * chunks + c] = chunk_dot(
+                let k0 = c * 32;
+                let depth = chunk_depth(c, inn);
+                part_a[local_row * chunks + c] = chunk_dot(
+                    x,
+                    src * inn,
+                    &xs,
+                    words_a,
+                    scales_a,
+                    lut,
+                    woff,
+                    soff,
+                    row,
+                    k0,
+                    depth,
+                    wpr,
+                    spr,
+                    fmt,
+                    group,
+                    chunks,
+                    stage_x,
+                );
+                if comptime!(swiglu) {
+                    part_b[local_row * chunks + c] = chunk_dot(
                         x,
                         src * inn,
-                        words_a,
-                        scales_a,
+                        &xs,
+                        words_b,
+                        scales_b,
                         lut,
                         woff,
                         soff,
                         row,
-                        start,
+                        k0,
                         depth,
                         wpr,
                         spr,
                         fmt,
                         group,
+                        chunks,
+                        stage_x,
                     );
-                    if comptime!(swiglu) {
-                        part_b[local_row * chunks + c] = chunk_dot(
-                            x,
-                            src * inn,
-                            words_b,
-                            scales_b,
-                            lut,
-                            woff,
-                            soff,
-                            row,
-                            start,
-                            depth,
-                            wpr,
-                            spr,
-                            fmt,
-                            group,
-                        );
-                    }
                 }
             }
         }
     }
     sync_cube();
     if lane == 0 && row < n_out {
-        let mut total_a = 0.0f32;
-        let mut total_b = 0.0f32;
-        for c in 0..chunks {
-            total_a += part_a[local_row * chunks + c];
-            if comptime!(swiglu) {
-                total_b += part_b[local_row * chunks + c];
-            }
-        }
-        let mut v = total_a;
+        let mut v = sum_chunks(&part_a, local_row * chunks, chunks);
         if comptime!(swiglu) {
-            v = total_a / (1.0f32 + (-total_a).exp()) * total_b;
+            v = silu_times(v, sum_chunks(&part_b, local_row * chunks, chunks));
         }
         y[a * n_out + row] = v;
     }
