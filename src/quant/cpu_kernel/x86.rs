@@ -14,6 +14,17 @@ use std::arch::x86_64::*;
 
 use super::{TileSrc, FP8, INT4, INT8, LANES, PANEL};
 
+/// Where the tiles' software prefetches put the codes to come: in L2 (`T1`), not L1 (`T0`). A cold GEMV
+/// streams about 17 GB/s per core, which at ~100 ns of DRAM latency is some 30 lines in flight per core;
+/// a prefetch into L1 likely holds one of the core's few L1 miss buffers until its line arrives, and with
+/// `T0` the int4 GEMV ran well short of the bandwidth probe while its warm (L3) time was lower. Measured
+/// on a 2-core Zen 4, alternating binaries, cold 4096 x 4096, m = 1, medians of 400 calls: int4-g128
+/// 0.315-0.317 -> 0.275-0.281 ms (`T2` the same as `T1`), fp8-b128 0.553-0.557 -> 0.511-0.517 ms. (int8,
+/// read one row at a time, already streams at the probe's bandwidth and gained nothing from a prefetch.)
+const CODE_PREFETCH: i32 = _MM_HINT_T1;
+/// How many tiles ahead the int4 tiles prefetch their codes (1 to 4 measured alike with [`CODE_PREFETCH`]).
+const INT4_PREFETCH_TILES: usize = 2;
+
 /// The bits of `(code as i8 as i32) << 20` that make the folded fp8 value: the sign (bit 31) and the seven
 /// magnitude bits (exponent and mantissa at bits 20..26).
 const FP8_BITS: i32 = 0x87F0_0000_u32 as i32;
@@ -223,7 +234,8 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     // learns a new stream only after its first misses, so without this every tile starts with demand misses
     // and the decoding waits for DRAM. Prefetching the same chunk of the next tile keeps those lines on their
     // way. (4096 x 4096 int4 GEMV, cold, 2 cores, row-major int4 layout of the time: g32 0.68 -> 0.58 ms, g128
-    // 0.58 -> 0.45 ms.) A prefetch never faults; past the end it is a no-op.
+    // 0.58 -> 0.45 ms.) The int4 tiles prefetch a tile further ahead, and all code prefetches go to L2
+    // ([`CODE_PREFETCH`]). A prefetch never faults; past the end it is a no-op.
     let next_codes = OB * src.row_bytes;
     let next_scales = if S == INT4 {
         OB * src.scale_row_stride
@@ -248,13 +260,13 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
         ($c:expr) => {{
             let c = $c;
             if S == INT4 {
-                // The next tile's line of this chunk (rows o0 + OB.., a group of four).
-                let (at, _) = src.int4_line(o0 + OB, c);
-                _mm_prefetch::<_MM_HINT_T0>(src.codes.as_ptr().wrapping_add(at) as *const i8);
+                // A later tile's line of this chunk (a group of four rows).
+                let (at, _) = src.int4_line(o0 + INT4_PREFETCH_TILES * OB, c);
+                _mm_prefetch::<CODE_PREFETCH>(src.codes.as_ptr().wrapping_add(at) as *const i8);
             } else if S == FP8 && c % (64 / code_bytes::<S>()) == 0 {
                 for r in 0..OB {
                     let at = (o0 + r) * src.row_bytes + c * code_bytes::<S>() + next_codes;
-                    _mm_prefetch::<_MM_HINT_T0>(src.codes.as_ptr().wrapping_add(at) as *const i8);
+                    _mm_prefetch::<CODE_PREFETCH>(src.codes.as_ptr().wrapping_add(at) as *const i8);
                 }
             }
             let mut xv = [[zero; 2]; MB];
