@@ -49,6 +49,8 @@ use super::scheme::{SchemeKind, FP8_BLOCK};
 use super::tensor::QuantizedTensor;
 
 mod f32mm;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod portable;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -85,6 +87,8 @@ pub enum SimdPath {
     Avx512,
     /// AVX2 + FMA (x86_64).
     Avx2,
+    /// NEON (aarch64, part of its base ISA).
+    Neon,
     /// Plain Rust (`f32::mul_add`); the reference the SIMD paths are tested against.
     Portable,
 }
@@ -94,6 +98,7 @@ impl SimdPath {
         match self {
             Self::Avx512 => "avx512",
             Self::Avx2 => "avx2",
+            Self::Neon => "neon",
             Self::Portable => "portable",
         }
     }
@@ -115,6 +120,10 @@ impl SimdPath {
                 paths.push(SimdPath::Avx2);
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            paths.push(SimdPath::Neon);
+        }
         paths.push(SimdPath::Portable);
         paths
     }
@@ -125,7 +134,7 @@ impl SimdPath {
         AVAILABLE.get_or_init(Self::available).contains(&self)
     }
 
-    /// The fastest available path (detected once). `QARL_SIMD=avx512|avx2|portable` picks a slower one.
+    /// The fastest available path (detected once). `QARL_SIMD=avx512|avx2|neon|portable` picks a slower one.
     pub fn detect() -> SimdPath {
         static PATH: OnceLock<SimdPath> = OnceLock::new();
         *PATH.get_or_init(|| {
@@ -688,6 +697,11 @@ fn decode_rows(
             // SAFETY: as above, with avx2 + fma detected.
             unsafe { x86::decode_rows_avx2(scheme, src, o0, n, dst) }
         }
+        #[cfg(target_arch = "aarch64")]
+        SimdPath::Neon => {
+            // SAFETY: `src`/`dst` hold `n` rows of `chunks` chunks.
+            unsafe { neon::decode_rows_neon(scheme, src, o0, n, dst) }
+        }
         _ => portable::decode_rows(scheme, src, o0, n, dst),
     }
 }
@@ -746,6 +760,11 @@ fn run_rows(
                 // SAFETY: as above, for avx2 + fma.
                 unsafe { x86::tile_avx2(scheme, src, o0 + r, xs, t, &mut res) }
             }
+            #[cfg(target_arch = "aarch64")]
+            SimdPath::Neon => {
+                // SAFETY: rows `o0 + r..` exist and every activation row holds `chunks * 32` floats.
+                unsafe { neon::tile_neon(scheme, src, o0 + r, xs, t, &mut res) }
+            }
             _ => portable::tile(scheme, src, o0 + r, xs, t, &mut res),
         }
         for j in 0..t {
@@ -754,6 +773,39 @@ fn run_rows(
             }
         }
         r += t;
+    }
+}
+
+/// Runs an `xs.len() x ob` tile as sub-tiles of at most two accumulators (1 x 2 when there is one activation
+/// row, else 2 x 1 or 1 x 1), for the paths with room for two accumulators in registers (AVX2, NEON):
+/// `run(r, sub, obs, part)` computes output rows `r..r + obs` against the activation rows `sub` into
+/// `part[i][j]`, which lands in `res[..][r..]`. The split changes only the speed: every output is the same
+/// fixed-order sum.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn in_pair_tiles(
+    xs: &[&[f32]],
+    ob: usize,
+    res: &mut [[f32; 4]; 4],
+    mut run: impl FnMut(usize, &[&[f32]], usize, &mut [[f32; 4]; 4]),
+) {
+    let mb = xs.len();
+    assert!((1..=4).contains(&mb) && (1..=4).contains(&ob));
+    let mut r = 0;
+    while r < ob {
+        let obs = if mb == 1 { (ob - r).min(2) } else { 1 };
+        let mut i = 0;
+        while i < mb {
+            let mbs = (mb - i).min(2).min(3 - obs);
+            let mut part = [[0.0f32; 4]; 4];
+            run(r, &xs[i..i + mbs], obs, &mut part);
+            for ii in 0..mbs {
+                for rr in 0..obs {
+                    res[i + ii][r + rr] = part[ii][rr];
+                }
+            }
+            i += mbs;
+        }
+        r += obs;
     }
 }
 

@@ -707,41 +707,24 @@ pub(super) unsafe fn tile_avx2(
     res: &mut [[f32; 4]; 4],
 ) {
     check(src, scheme, o0 + ob, xs);
-    let mb = xs.len();
-    assert!((1..=4).contains(&mb) && (1..=4).contains(&ob));
     // 16 registers: at most two 4-register accumulators per kernel (1x2 or 2x1); larger tiles are split.
-    let mut r = 0;
-    while r < ob {
-        let obs = if mb == 1 { (ob - r).min(2) } else { 1 };
-        let mut i = 0;
-        while i < mb {
-            let mbs = (mb - i).min(2).min(3 - obs);
-            let mut part = [[0.0f32; 4]; 4];
-            let sub = &xs[i..i + mbs];
-            // SAFETY: forwarded contract.
-            unsafe {
-                match (scheme, mbs, obs) {
-                    (INT4, 2, _) => tile256::<INT4, 2, 1>(src, o0 + r, sub, &mut part),
-                    (INT4, _, 2) => tile256::<INT4, 1, 2>(src, o0 + r, sub, &mut part),
-                    (INT4, _, _) => tile256::<INT4, 1, 1>(src, o0 + r, sub, &mut part),
-                    (INT8, 2, _) => tile256::<INT8, 2, 1>(src, o0 + r, sub, &mut part),
-                    (INT8, _, 2) => tile256::<INT8, 1, 2>(src, o0 + r, sub, &mut part),
-                    (INT8, _, _) => tile256::<INT8, 1, 1>(src, o0 + r, sub, &mut part),
-                    (FP8, 2, _) => tile256::<FP8, 2, 1>(src, o0 + r, sub, &mut part),
-                    (FP8, _, 2) => tile256::<FP8, 1, 2>(src, o0 + r, sub, &mut part),
-                    (FP8, _, _) => tile256::<FP8, 1, 1>(src, o0 + r, sub, &mut part),
-                    (_, 2, _) => tile256::<PANEL, 2, 1>(src, o0 + r, sub, &mut part),
-                    (_, _, 2) => tile256::<PANEL, 1, 2>(src, o0 + r, sub, &mut part),
-                    (_, _, _) => tile256::<PANEL, 1, 1>(src, o0 + r, sub, &mut part),
-                }
+    super::in_pair_tiles(xs, ob, res, |o, sub, obs, part| {
+        // SAFETY: forwarded contract (rows o..o + obs of the tile, `sub` a part of `xs`).
+        unsafe {
+            match (scheme, sub.len(), obs) {
+                (INT4, 2, _) => tile256::<INT4, 2, 1>(src, o0 + o, sub, part),
+                (INT4, _, 2) => tile256::<INT4, 1, 2>(src, o0 + o, sub, part),
+                (INT4, _, _) => tile256::<INT4, 1, 1>(src, o0 + o, sub, part),
+                (INT8, 2, _) => tile256::<INT8, 2, 1>(src, o0 + o, sub, part),
+                (INT8, _, 2) => tile256::<INT8, 1, 2>(src, o0 + o, sub, part),
+                (INT8, _, _) => tile256::<INT8, 1, 1>(src, o0 + o, sub, part),
+                (FP8, 2, _) => tile256::<FP8, 2, 1>(src, o0 + o, sub, part),
+                (FP8, _, 2) => tile256::<FP8, 1, 2>(src, o0 + o, sub, part),
+                (FP8, _, _) => tile256::<FP8, 1, 1>(src, o0 + o, sub, part),
+                (_, 2, _) => tile256::<PANEL, 2, 1>(src, o0 + o, sub, part),
+                (_, _, 2) => tile256::<PANEL, 1, 2>(src, o0 + o, sub, part),
+                (_, _, _) => tile256::<PANEL, 1, 1>(src, o0 + o, sub, part),
             }
-            for ii in 0..mbs {
-                for rr in 0..obs {
-                    res[i + ii][r + rr] = part[ii][rr];
-                }
-            }
-            i += mbs;
         }
-        r += obs;
-    }
+    });
 }
