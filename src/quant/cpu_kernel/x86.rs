@@ -624,6 +624,18 @@ unsafe fn tile256<const S: u8, const MB: usize, const OB: usize>(
         seg += 1;
         let end = (c + src.seg_chunks).min(src.chunks);
         while c < end {
+            // The codes to come, into L2 (as `tile512` does): int4 the line of this chunk
+            // `INT4_PREFETCH_TILES` groups of four rows ahead, fp8 the rows after the tile.
+            if S == INT4 {
+                let ahead = o0 + INT4_PREFETCH_TILES * super::INT4_ROWS;
+                let (at, _) = src.int4_line(ahead, c);
+                _mm_prefetch::<CODE_PREFETCH>(src.codes.as_ptr().wrapping_add(at) as *const i8);
+            } else if S == FP8 && c % 2 == 0 {
+                for r in 0..OB {
+                    let at = (o0 + OB + r) * src.row_bytes + c * LANES;
+                    _mm_prefetch::<CODE_PREFETCH>(src.codes.as_ptr().wrapping_add(at) as *const i8);
+                }
+            }
             let mut w = [[zero; 4]; OB];
             for r in 0..OB {
                 // SAFETY: row o0 + r < out and c < chunks (the caller's contract).
