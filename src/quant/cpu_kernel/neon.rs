@@ -6,7 +6,7 @@
 //!
 //! The weights decode as the AVX2 path decodes them: an int4 nibble sign-extended by two shifts and
 //! converted (`q as f32 * s`, the product the decoding table holds), int8 widened and converted, fp8 by the
-//! folding shift of `x86.rs` (`FP8_BITS`).
+//! folding shift of `x86.rs` (`super::FP8_BITS`).
 //!
 //! NEON is part of the aarch64 base ISA, so the path is always available there; the functions are `unsafe`
 //! only for their raw loads, which stay inside the slices of [`TileSrc`] and the activation rows (each
@@ -14,20 +14,7 @@
 
 use std::arch::aarch64::*;
 
-use super::{TileSrc, FP8, INT4, INT8, LANES, PANEL};
-
-/// The bits of `(code as i8 as i32) << 20` that make the folded fp8 value (see `x86.rs`).
-const FP8_BITS: i32 = 0x87F0_0000_u32 as i32;
-
-fn check(src: &TileSrc<'_>, scheme: u8, o_end: usize, xs: &[&[f32]]) {
-    let kp = src.chunks * LANES;
-    debug_assert!(xs.iter().all(|x| x.len() >= kp));
-    match scheme {
-        PANEL => debug_assert!(src.panel.len() >= o_end * kp),
-        _ => debug_assert!(src.codes.len() >= o_end * src.row_bytes),
-    }
-    let _ = (kp, o_end);
-}
+use super::{TileSrc, FP8, FP8_BITS, INT4, INT8, LANES, PANEL};
 
 /// Eight sign-extended int8 codes per register pair, times the scale: 16 codes from `p` into lanes
 /// `4q..4q + 4` of `out[q]`, q = 0..4.
@@ -172,13 +159,10 @@ unsafe fn decode_rows128<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
     assert!(dst.len() >= n * kp);
     for r in 0..n {
         let row = src.scale_row(o0 + r);
-        let (mut c, mut seg) = (0, 0);
-        while c < src.chunks {
+        for (seg, chunks) in src.segments() {
             // SAFETY: NEON is always there.
             let s = unsafe { vdupq_n_f32(if S == PANEL { 0.0 } else { row[seg] }) };
-            seg += 1;
-            let end = (c + src.seg_chunks).min(src.chunks);
-            while c < end {
+            for c in chunks {
                 // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
                 unsafe {
                     let w = decode128::<S>(src, o0 + r, c, s);
@@ -187,7 +171,6 @@ unsafe fn decode_rows128<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
                         vst1q_f32(p.add(4 * q), *v);
                     }
                 }
-                c += 1;
             }
         }
     }
@@ -202,16 +185,9 @@ pub(super) unsafe fn decode_rows_neon(
     n: usize,
     dst: &mut [f32],
 ) {
-    check(src, scheme, o0 + n, &[]);
+    src.debug_check(scheme, o0 + n, &[]);
     // SAFETY: forwarded contract.
-    unsafe {
-        match scheme {
-            INT4 => decode_rows128::<INT4>(src, o0, n, dst),
-            INT8 => decode_rows128::<INT8>(src, o0, n, dst),
-            FP8 => decode_rows128::<FP8>(src, o0, n, dst),
-            _ => decode_rows128::<PANEL>(src, o0, n, dst),
-        }
-    }
+    unsafe { by_scheme!(decode_rows128, scheme, (src, o0, n, dst)) }
 }
 
 /// # Safety
@@ -224,24 +200,9 @@ pub(super) unsafe fn tile_neon(
     ob: usize,
     res: &mut [[f32; 4]; 4],
 ) {
-    check(src, scheme, o0 + ob, xs);
+    src.debug_check(scheme, o0 + ob, xs);
     super::in_pair_tiles(xs, ob, res, |o, sub, obs, part| {
         // SAFETY: forwarded contract (rows o..o + obs of the tile, `sub` a part of `xs`).
-        unsafe {
-            match (scheme, sub.len(), obs) {
-                (INT4, 2, _) => tile128::<INT4, 2, 1>(src, o0 + o, sub, part),
-                (INT4, _, 2) => tile128::<INT4, 1, 2>(src, o0 + o, sub, part),
-                (INT4, _, _) => tile128::<INT4, 1, 1>(src, o0 + o, sub, part),
-                (INT8, 2, _) => tile128::<INT8, 2, 1>(src, o0 + o, sub, part),
-                (INT8, _, 2) => tile128::<INT8, 1, 2>(src, o0 + o, sub, part),
-                (INT8, _, _) => tile128::<INT8, 1, 1>(src, o0 + o, sub, part),
-                (FP8, 2, _) => tile128::<FP8, 2, 1>(src, o0 + o, sub, part),
-                (FP8, _, 2) => tile128::<FP8, 1, 2>(src, o0 + o, sub, part),
-                (FP8, _, _) => tile128::<FP8, 1, 1>(src, o0 + o, sub, part),
-                (_, 2, _) => tile128::<PANEL, 2, 1>(src, o0 + o, sub, part),
-                (_, _, 2) => tile128::<PANEL, 1, 2>(src, o0 + o, sub, part),
-                (_, _, _) => tile128::<PANEL, 1, 1>(src, o0 + o, sub, part),
-            }
-        }
+        unsafe { pair_tile!(tile128, scheme, sub.len(), obs, (src, o0 + o, sub, part)) }
     });
 }

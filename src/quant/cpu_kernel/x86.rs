@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{TileSrc, FP8, INT4, INT8, LANES, PANEL};
+use super::{TileSrc, FP8, FP8_BITS, INT4, INT8, LANES, PANEL};
 
 /// Where the tiles' software prefetches put the codes to come: in L2 (`T1`), not L1 (`T0`). A cold GEMV
 /// streams about 17 GB/s per core, which at ~100 ns of DRAM latency is some 30 lines in flight per core;
@@ -25,24 +25,10 @@ const CODE_PREFETCH: i32 = _MM_HINT_T1;
 /// How many tiles ahead the int4 tiles prefetch their codes (1 to 4 measured alike with [`CODE_PREFETCH`]).
 const INT4_PREFETCH_TILES: usize = 2;
 
-/// The bits of `(code as i8 as i32) << 20` that make the folded fp8 value: the sign (bit 31) and the seven
-/// magnitude bits (exponent and mantissa at bits 20..26).
-const FP8_BITS: i32 = 0x87F0_0000_u32 as i32;
-
 /// `nibble_to_int4(n) as f32` for n = 0..16: the int4 decoding table before the group scale.
 const INT4_TABLE: [f32; 16] = [
     0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
 ];
-
-fn check(src: &TileSrc<'_>, scheme: u8, o_end: usize, xs: &[&[f32]]) {
-    let kp = src.chunks * LANES;
-    debug_assert!(xs.iter().all(|x| x.len() >= kp));
-    match scheme {
-        PANEL => debug_assert!(src.panel.len() >= o_end * kp),
-        _ => debug_assert!(src.codes.len() >= o_end * src.row_bytes),
-    }
-    let _ = (kp, o_end);
-}
 
 // ------------------------------------------------------------------------------------------------
 // AVX-512
@@ -374,13 +360,10 @@ unsafe fn decode_rows512<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
     assert!(dst.len() >= n * kp);
     for r in 0..n {
         let row = src.scale_row(o0 + r);
-        let (mut c, mut seg) = (0, 0);
-        while c < src.chunks {
+        for (seg, chunks) in src.segments() {
             // SAFETY: same features as this function.
             let prep = unsafe { prep512::<S>(row, seg) };
-            seg += 1;
-            let end = (c + src.seg_chunks).min(src.chunks);
-            while c < end {
+            for c in chunks {
                 // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
                 unsafe {
                     let w = decode512::<S>(src, o0 + r, c, prep);
@@ -388,7 +371,6 @@ unsafe fn decode_rows512<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
                     _mm512_storeu_ps(p, w[0]);
                     _mm512_storeu_ps(p.add(16), w[1]);
                 }
-                c += 1;
             }
         }
     }
@@ -403,16 +385,9 @@ pub(super) unsafe fn decode_rows_avx512(
     n: usize,
     dst: &mut [f32],
 ) {
-    check(src, scheme, o0 + n, &[]);
+    src.debug_check(scheme, o0 + n, &[]);
     // SAFETY: forwarded contract.
-    unsafe {
-        match scheme {
-            INT4 => decode_rows512::<INT4>(src, o0, n, dst),
-            INT8 => decode_rows512::<INT8>(src, o0, n, dst),
-            FP8 => decode_rows512::<FP8>(src, o0, n, dst),
-            _ => decode_rows512::<PANEL>(src, o0, n, dst),
-        }
-    }
+    unsafe { by_scheme!(decode_rows512, scheme, (src, o0, n, dst)) }
 }
 
 /// Tile shapes with a dedicated AVX-512 kernel: `MB * OB <= 12` accumulators (24 registers).
@@ -491,7 +466,7 @@ pub(super) unsafe fn rows_avx512(
     block: &mut [f32],
     stride: usize,
 ) {
-    check(src, scheme, o0 + n, xs);
+    src.debug_check(scheme, o0 + n, xs);
     let mb = xs.len();
     assert!((1..=4).contains(&mb) && (1..=4).contains(&ob) && mb * ob <= 12);
     // SAFETY: forwarded contract.
@@ -667,12 +642,9 @@ unsafe fn decode_rows256<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
     assert!(dst.len() >= n * kp);
     for r in 0..n {
         let row = src.scale_row(o0 + r);
-        let (mut c, mut seg) = (0, 0);
-        while c < src.chunks {
+        for (seg, chunks) in src.segments() {
             let s = _mm256_set1_ps(if S == PANEL { 0.0 } else { row[seg] });
-            seg += 1;
-            let end = (c + src.seg_chunks).min(src.chunks);
-            while c < end {
+            for c in chunks {
                 // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
                 unsafe {
                     let w = decode256::<S>(src, o0 + r, c, s);
@@ -681,7 +653,6 @@ unsafe fn decode_rows256<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
                         _mm256_storeu_ps(p.add(8 * q), *v);
                     }
                 }
-                c += 1;
             }
         }
     }
@@ -696,16 +667,9 @@ pub(super) unsafe fn decode_rows_avx2(
     n: usize,
     dst: &mut [f32],
 ) {
-    check(src, scheme, o0 + n, &[]);
+    src.debug_check(scheme, o0 + n, &[]);
     // SAFETY: forwarded contract.
-    unsafe {
-        match scheme {
-            INT4 => decode_rows256::<INT4>(src, o0, n, dst),
-            INT8 => decode_rows256::<INT8>(src, o0, n, dst),
-            FP8 => decode_rows256::<FP8>(src, o0, n, dst),
-            _ => decode_rows256::<PANEL>(src, o0, n, dst),
-        }
-    }
+    unsafe { by_scheme!(decode_rows256, scheme, (src, o0, n, dst)) }
 }
 
 /// # Safety
@@ -718,25 +682,10 @@ pub(super) unsafe fn tile_avx2(
     ob: usize,
     res: &mut [[f32; 4]; 4],
 ) {
-    check(src, scheme, o0 + ob, xs);
+    src.debug_check(scheme, o0 + ob, xs);
     // 16 registers: at most two 4-register accumulators per kernel (1x2 or 2x1); larger tiles are split.
     super::in_pair_tiles(xs, ob, res, |o, sub, obs, part| {
         // SAFETY: forwarded contract (rows o..o + obs of the tile, `sub` a part of `xs`).
-        unsafe {
-            match (scheme, sub.len(), obs) {
-                (INT4, 2, _) => tile256::<INT4, 2, 1>(src, o0 + o, sub, part),
-                (INT4, _, 2) => tile256::<INT4, 1, 2>(src, o0 + o, sub, part),
-                (INT4, _, _) => tile256::<INT4, 1, 1>(src, o0 + o, sub, part),
-                (INT8, 2, _) => tile256::<INT8, 2, 1>(src, o0 + o, sub, part),
-                (INT8, _, 2) => tile256::<INT8, 1, 2>(src, o0 + o, sub, part),
-                (INT8, _, _) => tile256::<INT8, 1, 1>(src, o0 + o, sub, part),
-                (FP8, 2, _) => tile256::<FP8, 2, 1>(src, o0 + o, sub, part),
-                (FP8, _, 2) => tile256::<FP8, 1, 2>(src, o0 + o, sub, part),
-                (FP8, _, _) => tile256::<FP8, 1, 1>(src, o0 + o, sub, part),
-                (_, 2, _) => tile256::<PANEL, 2, 1>(src, o0 + o, sub, part),
-                (_, _, 2) => tile256::<PANEL, 1, 2>(src, o0 + o, sub, part),
-                (_, _, _) => tile256::<PANEL, 1, 1>(src, o0 + o, sub, part),
-            }
-        }
+        unsafe { pair_tile!(tile256, scheme, sub.len(), obs, (src, o0 + o, sub, part)) }
     });
 }
