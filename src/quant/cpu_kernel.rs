@@ -265,6 +265,7 @@ impl<'a> TileSrc<'a> {
     /// one scale (the last run may be shorter): the SIMD decodes set up a segment's scale once, then walk
     /// its chunks. The tile kernels keep a hand-written loop: in the GEMV's inner loop this iterator
     /// measured 1.2% (AVX-512) and 3% (AVX2) slower, warm int4-g128 4096 x 4096 on one core.
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     #[inline(always)]
     pub fn segments(&self) -> impl Iterator<Item = (usize, std::ops::Range<usize>)> {
         let (chunks, step) = (self.chunks, self.seg_chunks);

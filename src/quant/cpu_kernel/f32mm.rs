@@ -196,10 +196,14 @@ const STREAM_KB: usize = 4;
 /// the same. Narrower tasks keep the `[m, cols]` accumulators and the rows in flight well inside L1.
 #[cfg(target_arch = "x86_64")]
 const STREAM_COLS: usize = 128;
-/// [`STREAM_COLS`] for one or two activation rows, which prefetch into L2: there the per-task accumulators
-/// are small and longer runs of each row stream better. Alternating binaries, cold `[1, 768] · [768, 8192]`,
-/// six pairs: 0.84-1.09 ms with 128 columns, 0.74-0.86 ms with 2048; m = 2 1.01 vs 0.90 ms; m = 4 the
-/// same (1.14-1.16 vs 1.13-1.14 ms), so three rows and more keep 128.
+/// Most activation rows for which [`stream_avx512`] is a plain streaming read (little arithmetic per line):
+/// those prefetch into L2 and take tasks of [`STREAM_COLS_FEW_ROWS`] columns.
+#[cfg(target_arch = "x86_64")]
+const STREAM_FEW_ROWS: usize = 2;
+/// [`STREAM_COLS`] for up to [`STREAM_FEW_ROWS`] activation rows: their per-task accumulators are small
+/// and longer runs of each row stream better. Alternating binaries, cold `[1, 768] · [768, 8192]`, six
+/// pairs: 0.84-1.09 ms with 128 columns, 0.74-0.86 ms with 2048; m = 2 1.01 vs 0.90 ms; m = 4 the same
+/// (1.14-1.16 vs 1.13-1.14 ms), so three rows and more keep 128.
 #[cfg(target_arch = "x86_64")]
 const STREAM_COLS_FEW_ROWS: usize = 2048;
 /// Narrowest product, in columns per thread, for which [`stream_avx512`] is used (see [`single`]).
@@ -234,12 +238,12 @@ unsafe fn stream_avx512(
     assert!(m <= STREAM_MAX_M && out.len() == m * width && x.len() >= m * k && w.len() >= k * n);
     assert!(c1 <= n);
     out.fill(0.0);
-    // One or two activation rows make this a streaming read with little arithmetic per line: prefetch
-    // into L2, as the low-bit tiles do (`x86::CODE_PREFETCH`), so the prefetches do not hold L1's few miss
-    // buffers. Alternating binaries, cold [1, 768] x [768, 8192]: 2.02-2.36 -> 1.63-1.70 ms; m = 2
-    // 1.99-2.05 -> 1.85-1.90 ms. From four rows on the loop is compute-heavier and its demand loads want
-    // the lines in L1 (m = 8: 2.8-3.2 ms with T0, 3.5 ms with T1, on a noisy machine).
-    let prefetch_to_l2 = m <= 2;
+    // Up to STREAM_FEW_ROWS activation rows this is a streaming read with little arithmetic per line:
+    // prefetch into L2, as the low-bit tiles do (`x86::CODE_PREFETCH`), so the prefetches do not hold L1's
+    // few miss buffers. Alternating binaries, cold [1, 768] x [768, 8192]: 2.02-2.36 -> 1.63-1.70 ms; m = 2
+    // 1.99-2.05 -> 1.85-1.90 ms. With more rows the loop is compute-heavier and its demand loads want the
+    // lines in L1 (m = 8: 2.8-3.2 ms with T0, 3.5 ms with T1; m = 4 no better with T1; a noisy machine).
+    let prefetch_to_l2 = m <= STREAM_FEW_ROWS;
     let (xp, wp, op) = (x.as_ptr(), w.as_ptr(), out.as_mut_ptr());
     let mut kk = 0;
     while kk < k {
@@ -405,7 +409,7 @@ fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) ->
         let per_thread = n
             .div_ceil(2 * rayon::current_num_threads())
             .next_multiple_of(16);
-        let width = per_thread.min(if m <= 2 {
+        let width = per_thread.min(if m <= STREAM_FEW_ROWS {
             STREAM_COLS_FEW_ROWS
         } else {
             STREAM_COLS
