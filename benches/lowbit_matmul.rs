@@ -20,7 +20,7 @@ use std::hint::black_box;
 use std::time::Instant;
 
 use burn::tensor::{Device, Tensor, TensorData};
-use qarl::quant::cpu_kernel::{KernelWeights, SimdPath};
+use qarl::ops::cpu::kernel::{KernelWeights, SimdPath};
 use qarl::quant::{QuantScheme, QuantizedTensor};
 use rayon::prelude::*;
 

@@ -5,8 +5,8 @@ use std::process::{Command, Output};
 
 use burn::module::Module;
 use burn::tensor::Device;
+use qarl::host::to_f32_vec;
 use qarl::model::init::{param_count, tensor_specs};
-use qarl::model::layers::to_f32_vec;
 use qarl::model::{Decoder, ModelConfig};
 use qarl::quant::QuantScheme;
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::values;
-use qarl::quant::cpu_kernel::{lowbit_matmul_reference, KernelWeights, SimdPath};
+use qarl::ops::cpu::kernel::{lowbit_matmul_reference, KernelWeights, SimdPath};
 use qarl::quant::{QuantScheme, QuantizedTensor};
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -204,8 +204,8 @@ fn thread_count_and_batch_do_not_change_bits() {
 #[test]
 fn quantized_layer_rows_are_batch_invariant_at_real_widths() {
     use burn::tensor::Device;
-    use qarl::model::layers::{tensor_from_vec, to_f32_vec};
-    use qarl::quant::QuantizedWeight;
+    use qarl::host::{tensor_from_vec, to_f32_vec};
+    use qarl::ops::QuantizedWeight;
     let device = Device::flex();
     let (inn, out, m) = (576, 96, 13);
     let master = tensor_from_vec(values(inn * out, 21), [inn, out], &device);
@@ -233,7 +233,7 @@ fn quantized_layer_rows_are_batch_invariant_at_real_widths() {
 /// batches, and a row's result does not depend on how many other rows the call has.
 #[test]
 fn f32_products_match_their_reference_and_are_row_batch_invariant() {
-    use qarl::quant::cpu_kernel::{
+    use qarl::ops::cpu::kernel::{
         f32_matmul_nt_on, f32_matmul_nt_reference, f32_matmul_on, f32_matmul_reference,
     };
     for &(batch, m, k, n) in &[
@@ -279,7 +279,7 @@ fn f32_products_match_their_reference_and_are_row_batch_invariant() {
 /// appended to it.
 #[test]
 fn fixed_order_softmax_ignores_other_rows_and_masked_tail() {
-    use qarl::quant::cpu_kernel::softmax_rows;
+    use qarl::ops::cpu::kernel::softmax_rows;
     let x = values(3 * 50, 9);
     let all = softmax_rows(&x, 50);
     let alone = softmax_rows(&x[50..100], 50);

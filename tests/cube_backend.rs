@@ -15,10 +15,11 @@ use common::moe::{
     bits, linear, moe_block, moe_routings, EXPERTS, HIDDEN, INTER, MOE_SCHEMES, TOKENS, TOP_K,
 };
 use common::{fixtures_dir, values};
-use qarl::model::layers::{tensor_from_vec, to_f32_vec};
+use qarl::host::{tensor_from_vec, to_f32_vec};
 use qarl::model::mlp::ExpertPath;
+use qarl::model::Weights;
 
-use qarl::quant::cpu_kernel::lowbit_matmul;
+use qarl::ops::cpu::kernel::lowbit_matmul;
 use qarl::quant::{QuantScheme, QuantizedTensor};
 
 fn wgpu_device() -> Option<Device> {
@@ -145,7 +146,7 @@ fn cube_grouped_moe_matches_the_per_expert_loop() {
         for (name, ids) in moe_routings() {
             let run = |path| {
                 let xt = tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device);
-                let (y, chosen) = block.forward_with(xt, ids.as_deref(), path);
+                let (y, chosen) = block.forward_with(xt, ids.as_deref(), path, Weights::Packed);
                 (to_f32_vec(y), chosen)
             };
             let (grouped, chosen) = run(ExpertPath::Auto);
@@ -189,7 +190,7 @@ fn moe_grads(
     let block = moe_block(device, scheme, true);
     let x = tensor_from_vec(values(TOKENS * HIDDEN, 11), [TOKENS, HIDDEN], device).require_grad();
     let r = tensor_from_vec(values(TOKENS * HIDDEN, 12), [TOKENS, HIDDEN], device);
-    let (y, chosen) = block.forward_with(x.clone(), ids, path);
+    let (y, chosen) = block.forward_with(x.clone(), ids, path, Weights::Packed);
     let e = chosen[0] as usize;
     let grads = (y.clone() * r).sum().backward();
     let g = |t: Tensor<2>| to_f32_vec(t.grad(&grads).expect("a gradient"));
@@ -213,7 +214,11 @@ fn cube_grouped_moe_autodiff_forward_is_the_rollout_forward_and_gradients_are_th
             let ids = ids.as_deref();
             let rollout = to_f32_vec(
                 block
-                    .forward(tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device), ids)
+                    .forward(
+                        tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device),
+                        ids,
+                        Weights::Packed,
+                    )
                     .0,
             );
             let [out, dx, dgate, dg1, dd1] = moe_grads(&ad, scheme, ids, ExpertPath::Auto);
@@ -303,8 +308,8 @@ fn cube_kernels_take_f16_activations_and_round_the_f32_result_once() {
     use burn::backend::Dispatch;
     use burn::tensor::DType;
     use cube_kernels::ActDType;
-    use qarl::quant::linear::{PackedWeight, QuantMatmulBackend};
-    use qarl::quant::moe::{grouped_moe, ExpertWeights};
+    use qarl::ops::{grouped_moe, ExpertWeights};
+    use qarl::ops::{KernelOps, PackedWeight};
 
     let Some(device) = wgpu_device() else { return };
     match cube_kernels::Kernels::wgpu() {
@@ -347,7 +352,7 @@ fn cube_kernels_take_f16_activations_and_round_the_f32_result_once() {
         );
         let packed = lin.quant.as_ref().unwrap().packed.clone();
         let transposed = |g: Tensor<2>| {
-            Tensor::<2>::from_dispatch(<Dispatch as QuantMatmulBackend>::quant_matmul_transposed(
+            Tensor::<2>::from_dispatch(<Dispatch as KernelOps>::quant_matmul_transposed(
                 g.into_dispatch(),
                 packed.clone(),
             ))

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 use common::max_abs_diff;
+use qarl::host::to_f32_vec;
 use qarl::model::gguf::{dequantize, import_gguf, GgmlType, GgufFile, OutputDtype};
-use qarl::model::layers::to_f32_vec;
 use qarl::model::{Decoder, Tokenizer};
 use qarl::rollout::generate_greedy;
 

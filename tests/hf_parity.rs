@@ -5,7 +5,7 @@ mod common;
 
 use burn::tensor::Device;
 use common::{fixture_models, max_abs_diff, reference};
-use qarl::model::layers::to_f32_vec;
+use qarl::host::to_f32_vec;
 use qarl::model::Decoder;
 use qarl::rollout::{generate_greedy, rows};
 

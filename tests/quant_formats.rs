@@ -1,4 +1,4 @@
-//! The host-side quantization formats (QARL.md section 3) against the committed Python reference
+//! The host-side quantization formats (docs/formats.md) against the committed Python reference
 //! (`tests/fixtures/quant/make_quant_reference.py`), bit for bit, plus property tests of packing, the
 //! reference matmuls, edge values, and the errors user input can cause.
 

@@ -8,11 +8,12 @@ use std::str::FromStr;
 
 use burn::tensor::{Device, Tensor};
 use common::{fixtures_dir, max_abs_diff, values};
-use qarl::model::layers::{tensor_from_vec, to_f32_vec, Linear};
+use qarl::host::{tensor_from_vec, to_f32_vec};
+use qarl::model::layers::Linear;
 use qarl::model::scoring::response_logprobs;
-use qarl::model::Decoder;
-use qarl::quant::cpu_kernel::lowbit_matmul;
-use qarl::quant::{QuantConfig, QuantScheme, QuantizedTensor};
+use qarl::model::{Decoder, Weights};
+use qarl::ops::cpu::kernel::lowbit_matmul;
+use qarl::quant::{Precision, QuantConfig, QuantScheme, QuantizedTensor};
 use qarl::rollout::{generate, SamplingParams};
 
 /// `(f(v + h e_i) - f(v - h e_i)) / 2h`.
@@ -233,7 +234,7 @@ fn quantized_rollout_and_training_forward_agree() {
     }
     // The quantized model is a different policy from the f32 one.
     let full_f32 = {
-        model.dequantize();
+        model.set_precision(Precision::F32).unwrap();
         response_logprobs(&model, &out.ids, &out.prompt_lens, 1.0)
     };
     assert!(full
@@ -298,7 +299,7 @@ fn quantized_checkpoint_round_trip() {
     let dst = tmp.path().join("q");
     for scheme in QuantScheme::ALL {
         let cfg = QuantConfig::new(scheme);
-        let s = qarl::quant::quantize_checkpoint(&src, &dst, &cfg).unwrap();
+        let s = qarl::model::quantize_checkpoint(&src, &dst, &cfg).unwrap();
         assert_eq!(s.quantized_tensors, 63);
         assert!(s.bytes_after < s.bytes_before);
         let loaded = Decoder::load(&dst, &device).unwrap();
@@ -314,7 +315,7 @@ fn quantized_checkpoint_round_trip() {
         );
     }
     // Re-quantizing a quantized checkpoint is refused; an unknown method in config.json is a clear error.
-    let err = qarl::quant::quantize_checkpoint(
+    let err = qarl::model::quantize_checkpoint(
         &dst,
         &tmp.path().join("qq"),
         &QuantConfig::new(QuantScheme::Int8PerChannel),
@@ -411,7 +412,7 @@ fn bytes_per_parameter() {
         println!("{scheme}: {per:.4} bytes/param in memory ({params} params)");
         assert!(per >= expected && per < expected + 0.15, "{scheme}: {per}");
         let dst = tmp.path().join(scheme.to_string());
-        let s = qarl::quant::quantize_checkpoint(&src, &dst, &QuantConfig::new(scheme)).unwrap();
+        let s = qarl::model::quantize_checkpoint(&src, &dst, &QuantConfig::new(scheme)).unwrap();
         let disk = std::fs::metadata(dst.join("model.safetensors"))
             .unwrap()
             .len() as usize;
@@ -466,7 +467,7 @@ fn quantized_score_matches_transformers_on_dequantized_weights() {
 #[test]
 fn deterministic_mode_rollout_and_training_logprobs() {
     assert!(
-        qarl::model::scoring::deterministic(),
+        qarl::ops::deterministic(),
         "deterministic mode is the default"
     );
     let dir = fixtures_dir().join("qwen3_moe");
@@ -609,7 +610,7 @@ fn deterministic_mode_is_bitwise_at_widths_not_multiple_of_128() {
 /// those of burn's matmul.
 #[test]
 fn det_matmul_has_burn_matmul_gradients() {
-    use qarl::quant::linear::det_matmul;
+    use qarl::ops::det_matmul;
     let device = Device::flex().autodiff();
     let grads_of = |det: bool, nt: bool, shape_x: [usize; 4], shape_w: [usize; 4]| {
         let nx: usize = shape_x.iter().product();
@@ -675,6 +676,7 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
                     tensor_from_vec(x.clone(), [TOKENS, HIDDEN], d),
                     ids.as_deref(),
                     path,
+                    Weights::Packed,
                 );
                 (y, chosen)
             };
@@ -710,13 +712,13 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
                     .map(|e| f(e).quant.as_ref().unwrap().packed.clone())
                     .collect()
             };
-            let experts = qarl::quant::moe::ExpertWeights::new(
+            let experts = qarl::ops::ExpertWeights::new(
                 packed(|e| &e.gate_proj),
                 packed(|e| &e.up_proj),
                 packed(|e| &e.down_proj),
             )
             .unwrap();
-            let direct = qarl::quant::moe::grouped_moe(xt, w, &chosen, experts)
+            let direct = qarl::ops::grouped_moe(xt, w, &chosen, experts)
                 .expect("the CPU has a grouped MoE op");
             assert_eq!(
                 bits(&to_f32_vec(direct)),
@@ -747,7 +749,7 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
 #[test]
 fn fused_attention_core_matches_the_op_by_op_path() {
     use qarl::model::attention::attention_core_ops;
-    use qarl::quant::linear::attention_core;
+    use qarl::ops::attention_core;
     let device = Device::flex();
     let (b, kv, rep, t, s, d) = (3usize, 2usize, 3usize, 2usize, 70usize, 64usize);
     let q = values(b * kv * rep * t * d, 11);

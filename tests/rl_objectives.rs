@@ -1,12 +1,12 @@
 //! The policy objectives, corrections, aggregations and KL of `qarl::rl::losses` against (a) numbers worked out
-//! by hand from QARL.md section 4 and (b) an independent f64 re-implementation of the same formulas, written
+//! by hand from docs/objectives.md and (b) an independent f64 re-implementation of the same formulas, written
 //! here from the paper's notation, whose central finite differences check the autodiff gradients.
 //!
 //! Every batch uses ratios on both sides of every band and both signs of advantage; band edges are kept well
 //! away from the inputs so that finite differences never straddle a kink.
 
 use burn::tensor::{Device, Tensor};
-use qarl::model::layers::{tensor_from_vec, to_f32_vec};
+use qarl::host::{tensor_from_vec, to_f32_vec};
 use qarl::rl::corrections::{mismatch_correction, CorrectionConfig};
 use qarl::rl::losses::{
     LossAggMode, LossConfig, Objective, ObjectiveName, PolicyLoss, PolicyLossInputs,
@@ -126,7 +126,7 @@ fn token_clip(eps_low: f32, eps_high: f32, dual_clip_c: Option<f32>) -> TokenCli
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Independent f64 reference (QARL.md section 4)
+// Independent f64 reference (docs/objectives.md)
 
 #[derive(Debug, Clone, Copy)]
 enum RefObjective {

@@ -3,7 +3,7 @@
 
 use burn::tensor::Device;
 use proptest::prelude::*;
-use qarl::model::layers::{tensor_from_vec, to_f32_vec};
+use qarl::host::{tensor_from_vec, to_f32_vec};
 use qarl::rl::advantages::{
     group_advantages, groups_with_signal, responses_of_groups, AdvantageConfig, AdvantageEstimator,
     StdKind,

@@ -6,7 +6,7 @@ mod common;
 use burn::tensor::Device;
 use common::{fixture_models, fixtures_dir};
 use qarl::model::scoring::{forward_ragged, response_logprobs};
-use qarl::model::Decoder;
+use qarl::model::{Decoder, Weights};
 use qarl::rollout::{generate, generate_greedy, FinishReason, SamplingParams};
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -145,7 +145,7 @@ fn moe_routing_is_recorded() {
     let k = model.config.moe.as_ref().unwrap().num_experts_per_tok;
     let out = generate(&model, &prompts(), 2, &sampling(), None);
     for (r, seq) in out.ids.iter().enumerate() {
-        let (full, _) = forward_ragged(&model, std::slice::from_ref(seq), None);
+        let (full, _) = forward_ragged(&model, Weights::Packed, std::slice::from_ref(seq), None);
         for (layer, rec) in out.routing[r].iter().enumerate() {
             let sparse = model.config.is_sparse_layer(layer);
             assert_eq!(rec.is_some(), sparse, "layer {layer}");
@@ -193,8 +193,8 @@ fn logits_at_positions_are_the_full_forwards_rows() {
             .logits;
         let [b, _, v] = full.dims();
         assert_eq!(some.dims(), [b, 1, v]);
-        let full = qarl::model::layers::to_f32_vec(full);
-        let some = qarl::model::layers::to_f32_vec(some);
+        let full = qarl::host::to_f32_vec(full);
+        let some = qarl::host::to_f32_vec(some);
         for (r, &p) in at.iter().enumerate() {
             let want = &full[(r * t + p) * v..(r * t + p + 1) * v];
             let got = &some[r * v..(r + 1) * v];

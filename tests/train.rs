@@ -7,7 +7,7 @@ use std::path::Path;
 
 use burn::tensor::Device;
 use common::fixtures_dir;
-use qarl::model::layers::to_f32_vec;
+use qarl::host::to_f32_vec;
 use qarl::model::Decoder;
 use qarl::train::{self, TrainConfig};
 
@@ -286,7 +286,7 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
 /// lowers those of a negative one (on-policy, ratios 1).
 #[test]
 fn policy_gradient_points_the_right_way() {
-    use qarl::model::layers::tensor_from_vec;
+    use qarl::host::tensor_from_vec;
     use qarl::rl::losses::{LossConfig, ObjectiveName, PolicyLossInputs};
     let ad = Device::flex().autodiff();
     for name in ["grpo", "gspo", "cispo", "tbpo", "ppo_clip"] {

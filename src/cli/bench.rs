@@ -9,10 +9,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 
-use crate::backend::BackendKind;
 use crate::io::write_json_atomic;
 use crate::model::Decoder;
-use crate::quant::{QuantConfig, QuantScheme};
+use crate::ops::BackendKind;
+use crate::quant::Precision;
 use crate::rollout::{generate, SamplingParams};
 
 #[derive(Debug, clap::Args)]
@@ -107,49 +107,13 @@ fn parse_on_off(s: &str) -> anyhow::Result<bool> {
     }
 }
 
-/// A weight format to benchmark: full precision or one quantization scheme.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WeightFormat {
-    F32,
-    Quant(QuantScheme),
-}
-
-impl WeightFormat {
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::F32 => "f32",
-            Self::Quant(s) => s.name(),
-        }
-    }
-
-    /// `f32` or an exact quantization scheme name; the error lists the valid names.
-    pub fn parse(s: &str) -> anyhow::Result<Self> {
-        let s = s.trim();
-        if s == "f32" {
-            return Ok(Self::F32);
-        }
-        QuantScheme::from_str(s).map(Self::Quant).map_err(|_| {
-            let names: Vec<&str> = QuantScheme::ALL.iter().map(|q| q.name()).collect();
-            anyhow::anyhow!(
-                "unknown scheme `{s}` in --schemes: expected f32 or one of {}",
-                names.join(", ")
-            )
-        })
-    }
-
-    /// Puts `model` in this format; returns the seconds it took.
-    pub fn apply(self, model: &mut Decoder) -> anyhow::Result<f64> {
-        let start = Instant::now();
-        match self {
-            Self::F32 => model.dequantize(),
-            Self::Quant(s) => {
-                model
-                    .quantize(&QuantConfig::new(s))
-                    .map_err(|e| anyhow::anyhow!("quantizing to {s}: {e}"))?;
-            }
-        }
-        Ok(start.elapsed().as_secs_f64())
-    }
+/// Puts `model` in `precision`; returns the seconds it took.
+fn timed_set_precision(model: &mut Decoder, precision: Precision) -> anyhow::Result<f64> {
+    let start = Instant::now();
+    model
+        .set_precision(precision)
+        .map_err(|e| anyhow::anyhow!("quantizing to {precision}: {e}"))?;
+    Ok(start.elapsed().as_secs_f64())
 }
 
 /// The measurements of one weight format.
@@ -262,8 +226,8 @@ pub fn time_rollout(
     };
     SchemeResult {
         scheme: scheme.to_string(),
-        deterministic: crate::model::scoring::deterministic(),
-        grouped_experts: crate::quant::moe::grouped_experts(),
+        deterministic: crate::ops::deterministic(),
+        grouped_experts: crate::ops::grouped_experts(),
         quantize_s: 0.0,
         tokens,
         generate_s,
@@ -317,7 +281,7 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     let formats = args
         .schemes
         .iter()
-        .map(|s| WeightFormat::parse(s))
+        .map(|s| Precision::from_str(s).map_err(|e| anyhow::anyhow!("--schemes: {e}")))
         .collect::<anyhow::Result<Vec<_>>>()?;
     if formats.is_empty() {
         anyhow::bail!("--schemes is empty: name at least one of f32, int4-g128, ...");
@@ -362,15 +326,15 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     );
     let mut results = Vec::with_capacity(formats.len());
     for f in &formats {
-        let quantize_s = f.apply(&mut model)?;
+        let quantize_s = timed_set_precision(&mut model, *f)?;
         eprintln!(
             "{}: weights ready in {quantize_s:.2} s, timing...",
             f.name()
         );
         for &on in &modes {
-            crate::model::scoring::set_deterministic(on);
+            crate::ops::set_deterministic(on);
             for &grouped in &expert_paths {
-                crate::quant::moe::set_grouped_experts(grouped);
+                crate::ops::set_grouped_experts(grouped);
                 let mut r = time_rollout(
                     &model,
                     &prompts,
@@ -384,8 +348,8 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
             }
         }
     }
-    crate::model::scoring::set_deterministic(true);
-    crate::quant::moe::set_grouped_experts(true);
+    crate::ops::set_deterministic(true);
+    crate::ops::set_grouped_experts(true);
     for &on in &modes {
         for &grouped in &expert_paths {
             let same = |r: &SchemeResult| r.deterministic == on && r.grouped_experts == grouped;

@@ -2,10 +2,10 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::BackendKind;
 use crate::cli::load_model;
 use crate::io::{read_json, write_json_atomic};
 use crate::model::Tokenizer;
+use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
 use crate::rollout::{generate, FinishReason, SamplingParams};
 

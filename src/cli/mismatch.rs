@@ -7,8 +7,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::model::Tokenizer;
-use crate::quant::{QuantConfig, QuantScheme};
+use crate::model::{Tokenizer, Weights};
+use crate::quant::{Precision, QuantScheme};
 use crate::rl::metrics::{error_token_metrics, rollout_mismatch_metrics, LoopRule};
 use crate::rollout::{generate, SamplingParams};
 use crate::tasks::datasets::{load_gsm8k, OnBadLine};
@@ -86,7 +86,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     for &scheme in &args.schemes {
         let mut quantized = full.clone();
         quantized
-            .quantize(&QuantConfig::new(scheme))
+            .set_precision(Precision::Quantized(scheme))
             .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
         let t = std::time::Instant::now();
         let out = generate(&quantized, &prompts, args.samples, &params, Some(&tok));
@@ -99,9 +99,12 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
             .iter()
             .flat_map(|s| (0..batch.width).map(move |t| s.get(t + 1).copied().unwrap_or(0)))
             .collect();
-        for (forward, learner) in [("full", &full), ("aligned", &quantized)] {
-            let lp =
-                crate::model::layers::to_f32_vec(batch.logprobs(learner, args.temperature, None).0);
+        for (forward, weights) in [("full", Weights::Master), ("aligned", Weights::Packed)] {
+            let lp = crate::host::to_f32_vec(
+                batch
+                    .logprobs(&quantized, weights, args.temperature, None)
+                    .0,
+            );
             let mut m = rollout_mismatch_metrics(&lp, &roll, &mask, batch.width)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             let err = error_token_metrics(

@@ -71,7 +71,7 @@ pub fn load_model(
             );
         }
         model
-            .quantize(&crate::quant::QuantConfig::new(scheme))
+            .set_precision(crate::quant::Precision::Quantized(scheme))
             .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
     }
     Ok(model)

@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
-use crate::quant::{quantize_checkpoint, QuantConfig, QuantScheme};
+use crate::model::quantize_checkpoint;
+use crate::quant::{QuantConfig, QuantScheme};
 
 #[derive(Debug, clap::Args)]
 pub struct QuantizeArgs {

@@ -3,12 +3,12 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
-use crate::backend::BackendKind;
 use crate::cli::load_model;
+use crate::host::rows;
 use crate::io::{read_json, write_json_atomic};
 use crate::model::scoring::next_token_logprobs;
+use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
-use crate::rollout::rows;
 
 #[derive(Debug, clap::Args)]
 pub struct ScoreArgs {

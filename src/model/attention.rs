@@ -6,8 +6,8 @@ use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor};
 use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
 use super::error::LoadError;
-use super::layers::{Linear, RmsNorm, Rope};
-use crate::quant::linear::det_matmul;
+use super::layers::{Linear, RmsNorm, Rope, Weights};
+use crate::ops::det_matmul;
 
 /// Keys and values of one layer for the tokens seen so far: `[B, kv_heads, S, head_dim]` each. Row `b`'s
 /// real keys are the first `len[b]` slots (see [`super::decoder::KvCache`]); what lies beyond is masked.
@@ -122,13 +122,20 @@ impl Attention {
         rope: &(Tensor<4>, Tensor<4>),
         mask: Option<&Tensor<4>>,
         cache: Option<(&mut Option<LayerKv>, &KvWrite)>,
+        weights: Weights,
     ) -> Tensor<3> {
         let [b, t, hidden] = x.dims();
         let (h, kv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let x2 = x.reshape([b * t, hidden]);
-        let mut q = self.q_proj.forward(x2.clone()).reshape([b, t, h, d]);
-        let mut k = self.k_proj.forward(x2.clone()).reshape([b, t, kv, d]);
-        let v = self.v_proj.forward(x2).reshape([b, t, kv, d]);
+        let mut q = self
+            .q_proj
+            .forward_with(x2.clone(), weights)
+            .reshape([b, t, h, d]);
+        let mut k = self
+            .k_proj
+            .forward_with(x2.clone(), weights)
+            .reshape([b, t, kv, d]);
+        let v = self.v_proj.forward_with(x2, weights).reshape([b, t, kv, d]);
         if let Some(n) = &self.q_norm {
             q = n.forward(q);
         }
@@ -213,21 +220,23 @@ impl Attention {
         // The scale as the tensor ops apply it (the f64 scalar rounded to f32 once).
         let scale = (1.0 / (d as f64).sqrt()) as f32;
         let fused = mask.and_then(|m| {
-            crate::quant::linear::attention_core(q.clone(), k.clone(), v.clone(), m.clone(), scale)
+            crate::ops::attention_core(q.clone(), k.clone(), v.clone(), m.clone(), scale)
         });
         let out = fused.unwrap_or_else(|| attention_core_ops(q, k, v, mask, scale, t));
         let out = out
             .reshape([b, h, t, d])
             .swap_dims(1, 2)
             .reshape([b * t, h * d]);
-        self.o_proj.forward(out).reshape([b, t, hidden])
+        self.o_proj
+            .forward_with(out, weights)
+            .reshape([b, t, hidden])
     }
 }
 
 /// The core of grouped-query attention op by op: `q [b, kv, rep * t, d]` (the `rep` query heads of a key
 /// head stacked along the rows), `k`/`v` `[b, kv, s, d]`, additive `mask` `[b, 1, t, s]` ->
 /// `softmax(q k^T * scale + mask) v`, `[b, kv, rep * t, d]`. The path autodiff differentiates, and the
-/// definition that [`crate::quant::linear::attention_core`] (one fused op where the backend has it) matches
+/// definition that [`crate::ops::attention_core`] (one fused op where the backend has it) matches
 /// bit for bit.
 pub fn attention_core_ops(
     q: Tensor<4>,

@@ -9,9 +9,11 @@ use super::attention::{Attention, KvWrite, LayerKv};
 use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
 use super::error::LoadError;
-use super::layers::{tensor_from_vec, Linear, RmsNorm, Rope};
+use super::error::QuantizeError;
+use super::layers::{Linear, RmsNorm, Rope, Weights};
 use super::mlp::{FeedForward, Routing};
-use crate::quant::QuantConfig;
+use crate::host::tensor_from_vec;
+use crate::quant::{Precision, QuantConfig};
 
 /// Additive mask value for keys a query must not see. Finite (not -inf) so that a padding query that sees no
 /// key at all gets a uniform, finite distribution instead of NaN, which would leak into later layers.
@@ -219,6 +221,17 @@ impl Decoder {
         self.forward_logits_at(ids, lens, cache, replay, None)
     }
 
+    /// A full forward of `ids` (equal-length rows, no cache) with the chosen weights: the learner's forward
+    /// (`Weights::Packed` is the aligned QaRL forward, `Weights::Master` the full-precision one).
+    pub fn forward_as(
+        &self,
+        weights: Weights,
+        ids: &[Vec<u32>],
+        replay: Option<&[Option<Routing>]>,
+    ) -> ForwardOutput {
+        self.run(ids, None, None, replay, None, weights)
+    }
+
     /// [`Decoder::forward`], with the logits computed only at position `at[b]` of each row when `at` is
     /// given (`logits: [B, 1, vocab]`): a prefill needs only each prompt's last position, and the LM head
     /// over every prompt token is a large share of its cost. The LM head is row-invariant in deterministic
@@ -227,9 +240,22 @@ impl Decoder {
         &self,
         ids: &[Vec<u32>],
         lens: Option<&[usize]>,
+        cache: Option<&mut KvCache>,
+        replay: Option<&[Option<Routing>]>,
+        at: Option<&[usize]>,
+    ) -> ForwardOutput {
+        self.run(ids, lens, cache, replay, at, Weights::Packed)
+    }
+
+    /// The forward behind [`Decoder::forward_logits_at`] and [`Decoder::forward_as`].
+    fn run(
+        &self,
+        ids: &[Vec<u32>],
+        lens: Option<&[usize]>,
         mut cache: Option<&mut KvCache>,
         replay: Option<&[Option<Routing>]>,
         at: Option<&[usize]>,
+        weights: Weights,
     ) -> ForwardOutput {
         let device = self.device();
         let b = ids.len();
@@ -306,6 +332,7 @@ impl Decoder {
                 &rope,
                 mask.as_ref(),
                 slot,
+                weights,
             );
             let x1 = x + h;
             let normed = layer
@@ -313,10 +340,10 @@ impl Decoder {
                 .forward(x1.clone())
                 .reshape([b * t, cfg.hidden_size]);
             let (ff, r) = match &layer.mlp {
-                FeedForward::Dense(mlp) => (mlp.forward(normed), None),
+                FeedForward::Dense(mlp) => (mlp.forward(normed, weights), None),
                 FeedForward::Moe(moe) => {
                     let forced = replay.and_then(|rp| rp.get(i)).and_then(|r| r.as_deref());
-                    let (y, r) = moe.forward(normed, forced);
+                    let (y, r) = moe.forward(normed, forced, weights);
                     (y, Some(r))
                 }
             };
@@ -345,13 +372,35 @@ impl Decoder {
             None => (x, t),
         };
         let logits = match &self.lm_head {
-            Some(head) => head.forward(x),
-            None => crate::quant::linear::det_matmul(x, self.embed_tokens.val(), true),
+            Some(head) => head.forward_with(x, weights),
+            None => crate::ops::det_matmul(x, self.embed_tokens.val(), true),
         };
         ForwardOutput {
             logits: logits.reshape([b, t, cfg.vocab_size]),
             routing,
         }
+    }
+
+    /// Every linear layer (the order of [`Decoder::linears_mut`], without the names).
+    pub fn linears(&self) -> impl Iterator<Item = &Linear> {
+        self.layers
+            .iter()
+            .flat_map(|layer| {
+                let a = &layer.self_attn;
+                let attn = [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj];
+                let mlp: Vec<&Linear> = match &layer.mlp {
+                    FeedForward::Dense(m) => vec![&m.gate_proj, &m.up_proj, &m.down_proj],
+                    FeedForward::Moe(moe) => std::iter::once(&moe.gate)
+                        .chain(
+                            moe.experts
+                                .iter()
+                                .flat_map(|ex| [&ex.gate_proj, &ex.up_proj, &ex.down_proj]),
+                        )
+                        .collect(),
+                };
+                attn.into_iter().chain(mlp)
+            })
+            .chain(self.lm_head.as_ref())
     }
 
     /// Every linear layer with the HF name of its weight (`model.layers.0.self_attn.q_proj.weight`, ...).
@@ -395,48 +444,70 @@ impl Decoder {
         out
     }
 
+    /// Puts the weights in `precision`: f32 drops every quantized version; a scheme quantizes the default
+    /// layer selection ([`QuantConfig::new`]) from the current masters (one new weight version, whose packed
+    /// weights then serve the rollout and the aligned training forward). Returns how many layers are
+    /// quantized. The one way every command puts a model in a precision.
+    pub fn set_precision(&mut self, precision: Precision) -> Result<usize, QuantizeError> {
+        match precision.scheme() {
+            Some(scheme) => self.quantize(&QuantConfig::new(scheme)),
+            None => {
+                for (_, lin) in self.linears_mut() {
+                    lin.dequantize();
+                }
+                Ok(0)
+            }
+        }
+    }
+
+    /// The precision of the weights' current version: the scheme of the quantized layers, or f32.
+    pub fn precision(&self) -> Precision {
+        let scheme = self
+            .linears()
+            .find_map(|lin| lin.quant.as_ref().map(|q| q.scheme()));
+        Precision::from(scheme)
+    }
+
     /// Quantizes the layers `cfg` selects (others go back to full precision); returns how many were
-    /// quantized. Call again after every optimizer step: one quantization per weight version, whose packed
-    /// weights then serve both the rollout and the aligned training forward.
-    pub fn quantize(&mut self, cfg: &QuantConfig) -> Result<usize, String> {
+    /// quantized.
+    pub fn quantize(&mut self, cfg: &QuantConfig) -> Result<usize, QuantizeError> {
         let sel = cfg.selector()?;
         let mut n = 0;
         for (name, lin) in self.linears_mut() {
             if sel.selects(&name) {
                 lin.quantize(cfg.scheme)
-                    .map_err(|e| format!("{name}: {e}"))?;
+                    .map_err(|source| QuantizeError::Layer {
+                        layer: name,
+                        source,
+                    })?;
                 n += 1;
             } else {
                 lin.dequantize();
             }
         }
         if n == 0 {
-            return Err(format!(
-                "no layer matches the quantization patterns {:?}",
-                cfg.include
-            ));
+            return Err(QuantizeError::NoLayerSelected {
+                patterns: cfg.include.clone(),
+            });
         }
         Ok(n)
     }
 
     /// Re-quantizes the layers that are quantized now from their current masters (same schemes); returns how
     /// many. This is the once-per-weight-version step after an optimizer update.
-    pub fn requantize(&mut self) -> Result<usize, String> {
+    pub fn requantize(&mut self) -> Result<usize, QuantizeError> {
         let mut n = 0;
         for (name, lin) in self.linears_mut() {
             if let Some(scheme) = lin.quant.as_ref().map(|q| q.scheme()) {
-                lin.quantize(scheme).map_err(|e| format!("{name}: {e}"))?;
+                lin.quantize(scheme)
+                    .map_err(|source| QuantizeError::Layer {
+                        layer: name,
+                        source,
+                    })?;
                 n += 1;
             }
         }
         Ok(n)
-    }
-
-    /// Drops every quantized version (full-precision forward).
-    pub fn dequantize(&mut self) {
-        for (_, lin) in self.linears_mut() {
-            lin.dequantize();
-        }
     }
 
     /// A fresh cache for `batch` rows.

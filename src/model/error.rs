@@ -42,3 +42,18 @@ pub enum LoadError {
     #[error("{path}: tokenizer: {msg}")]
     Tokenizer { path: PathBuf, msg: String },
 }
+
+/// Errors of putting a model's weights in a precision: one weight that cannot be quantized (named), or a
+/// selection that matches no layer.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantizeError {
+    #[error("{layer}: {source}")]
+    Layer {
+        layer: String,
+        source: crate::quant::QuantError,
+    },
+    #[error("no layer matches the quantization patterns {patterns:?}")]
+    NoLayerSelected { patterns: Vec<String> },
+    #[error(transparent)]
+    Selection(#[from] crate::quant::QuantError),
+}

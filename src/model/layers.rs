@@ -1,19 +1,25 @@
 //! The building blocks shared by every architecture: linear projections, RMSNorm and rotary embeddings.
 
 use burn::module::{Module, Param};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
 
 use super::checkpoint::Checkpoint;
 use super::error::LoadError;
-use crate::quant::{QuantError, QuantScheme, QuantizedTensor, QuantizedWeight};
+use crate::host::tensor_from_vec;
+use crate::ops::{aligned_softmax, det_matmul, QuantizedWeight};
+use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
 
-/// Makes a float tensor of `shape` from host values.
-pub fn tensor_from_vec<const D: usize>(
-    values: Vec<f32>,
-    shape: [usize; D],
-    device: &Device,
-) -> Tensor<D> {
-    Tensor::from_data(TensorData::new(values, shape), device)
+/// Which weights a forward multiplies with. A model holds the f32 masters and, in a quantized precision,
+/// the current packed version of each quantized layer; the choice between them is a value every forward
+/// receives, not a state of the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Weights {
+    /// Each layer's packed version where it has one, else its master: the rollout, and the QaRL (aligned)
+    /// training forward, which thereby computes the rollout's bits.
+    #[default]
+    Packed,
+    /// The f32 masters everywhere: the full-precision training forward.
+    Master,
 }
 
 /// A linear projection `y = x W^T + b` with HF's `[out, in]` weight stored transposed as `[in, out]`.
@@ -106,11 +112,16 @@ impl Linear {
         self.weight.shape().dims::<2>()[1]
     }
 
-    /// `x: [n, in] -> [n, out]`
+    /// `x: [n, in] -> [n, out]` with the packed weights when the layer has them ([`Weights::Packed`]).
     pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let y = match &self.quant {
-            Some(q) => q.matmul(x, self.weight.val()),
-            None => crate::quant::linear::det_matmul(x, self.weight.val(), false),
+        self.forward_with(x, Weights::Packed)
+    }
+
+    /// `x: [n, in] -> [n, out]` with the chosen weights.
+    pub fn forward_with(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
+        let y = match (&self.quant, weights) {
+            (Some(q), Weights::Packed) => q.matmul(x, self.weight.val()),
+            _ => det_matmul(x, self.weight.val(), false),
         };
         match &self.bias {
             Some(b) => y + b.val().unsqueeze_dim(0),
@@ -212,26 +223,10 @@ impl Rope {
     }
 }
 
-/// Host copy of a float tensor's values (row-major).
-pub fn to_f32_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .try_to_vec::<f32>()
-        .expect("converted to f32")
-}
-
-/// Host copy of an int tensor's values (row-major).
-pub fn to_i64_vec<const D: usize>(t: Tensor<D, burn::tensor::Int>) -> Vec<i64> {
-    t.into_data()
-        .convert::<i64>()
-        .try_to_vec::<i64>()
-        .expect("converted to i64")
-}
-
 /// Softmax along `dim`, the same bits in the inference and the training forward: in deterministic mode the
-/// fixed-order row softmax on the CPU ([`crate::quant::cpu_kernel::softmax_rows`]: a row's bits depend
+/// fixed-order row softmax on the CPU ([`crate::ops::cpu::kernel::softmax_rows`]: a row's bits depend
 /// neither on the other rows nor on masked entries after it), else the backend's fused softmax, on both
-/// (see [`crate::quant::linear::aligned_softmax`]).
+/// (see [`crate::ops::aligned_softmax`]).
 pub fn softmax_exact<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
-    crate::quant::linear::aligned_softmax(x, dim)
+    aligned_softmax(x, dim)
 }

@@ -7,8 +7,9 @@ use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 use super::checkpoint::Checkpoint;
 use super::config::{ModelConfig, MoeConfig};
 use super::error::LoadError;
-use super::layers::{to_i64_vec, Linear};
-use crate::quant::moe::{
+use super::layers::{Linear, Weights};
+use crate::host::to_i64_vec;
+use crate::ops::{
     forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop, tracks_gradients,
     ExpertWeights,
 };
@@ -59,9 +60,10 @@ impl SwiGlu {
     }
 
     /// `x: [n, hidden] -> [n, hidden]`
-    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
-        let g = silu(self.gate_proj.forward(x.clone()));
-        self.down_proj.forward(g * self.up_proj.forward(x))
+    pub fn forward(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
+        let g = silu(self.gate_proj.forward_with(x.clone(), weights));
+        self.down_proj
+            .forward_with(g * self.up_proj.forward_with(x, weights), weights)
     }
 }
 
@@ -118,16 +120,21 @@ impl MoeBlock {
     /// router's own top-k (routing replay); their weights still come from this router's probabilities.
     ///
     /// When every expert projection is quantized (one scheme, no bias), the experts run as one grouped op
-    /// ([`crate::quant::moe`]):
+    /// ([`crate::ops`]):
     /// - on wgpu/CUDA, the grouped MoE kernel's launch chain; under autodiff its output is the value (the
     ///   rollout's bits) and the per-expert graph gives the gradient, which costs a second computation of
     ///   the layer in the training forward;
-    /// - on the CPU, the experts in parallel on the packed kernel layout ([`crate::quant::cpu_moe`]), the
+    /// - on the CPU, the experts in parallel on the packed kernel layout ([`crate::ops::cpu::moe`]), the
     ///   per-expert loop's exact bits, so a training forward runs the loop alone.
     ///
     /// Full-precision experts run one by one ([`MoeBlock::forward_with`]).
-    pub fn forward(&self, x: Tensor<2>, replay: Option<&[u32]>) -> (Tensor<2>, Routing) {
-        self.forward_with(x, replay, ExpertPath::Auto)
+    pub fn forward(
+        &self,
+        x: Tensor<2>,
+        replay: Option<&[u32]>,
+        weights: Weights,
+    ) -> (Tensor<2>, Routing) {
+        self.forward_with(x, replay, ExpertPath::Auto, weights)
     }
 
     /// [`MoeBlock::forward`] with the experts' path named (tests compare the grouped kernel with the loop).
@@ -136,11 +143,12 @@ impl MoeBlock {
         x: Tensor<2>,
         replay: Option<&[u32]>,
         path: ExpertPath,
+        weights: Weights,
     ) -> (Tensor<2>, Routing) {
         let [n, _] = x.dims();
         let device = x.device();
-        let probs = crate::model::layers::softmax_exact(self.gate.forward(x.clone()), 1);
-        let (weights, chosen): (Tensor<2>, Routing) = match replay {
+        let probs = super::layers::softmax_exact(self.gate.forward_with(x.clone(), weights), 1);
+        let (route_w, chosen): (Tensor<2>, Routing) = match replay {
             Some(ids) => {
                 assert_eq!(
                     ids.len(),
@@ -162,37 +170,47 @@ impl MoeBlock {
                 (w, ids)
             }
         };
-        let weights = if self.norm_topk_prob {
-            weights.clone() / weights.sum_dim(1)
+        let route_w = if self.norm_topk_prob {
+            route_w.clone() / route_w.sum_dim(1)
         } else {
-            weights
+            route_w
         };
-        let tracked = self.tracks_gradients(&x, &weights);
+        let tracked = self.tracks_gradients(&x, &route_w);
         // On the CPU the grouped op is the loop's bits: a training forward needs the loop alone.
         let grouped = match path {
-            ExpertPath::Auto if grouped_experts() && !(tracked && grouped_moe_matches_loop(&x)) => {
+            ExpertPath::Auto
+                if weights == Weights::Packed
+                    && grouped_experts()
+                    && !(tracked && grouped_moe_matches_loop(&x)) =>
+            {
                 self.quantized_experts()
-                    .and_then(|ew| grouped_moe(x.clone(), weights.clone(), &chosen, ew))
+                    .and_then(|ew| grouped_moe(x.clone(), route_w.clone(), &chosen, ew))
             }
             _ => None,
         };
         let out = match grouped {
             Some(fast) if tracked => {
                 // Training: the grouped kernel's bits, the per-expert graph's gradient.
-                forward_value_of(self.per_expert(x, &chosen, weights), fast)
+                forward_value_of(self.per_expert(x, &chosen, route_w, weights), fast)
             }
             Some(fast) => fast,
-            None => self.per_expert(x, &chosen, weights),
+            None => self.per_expert(x, &chosen, route_w, weights),
         };
         (out, chosen)
     }
 
     /// The experts one by one: `out[t] += w[t, j] * expert_e(x[t])` for each expert `e` in order and its
     /// (token, slot) pairs, through [`SwiGlu::forward`] (so through the per-linear quantized op).
-    fn per_expert(&self, x: Tensor<2>, chosen: &[u32], weights: Tensor<2>) -> Tensor<2> {
+    fn per_expert(
+        &self,
+        x: Tensor<2>,
+        chosen: &[u32],
+        route_w: Tensor<2>,
+        weights: Weights,
+    ) -> Tensor<2> {
         let [n, hidden] = x.dims();
         let device = x.device();
-        let flat_weights = weights.reshape([n * self.top_k]);
+        let flat_weights = route_w.reshape([n * self.top_k]);
 
         // Group (token, slot) pairs by expert on the host; each expert runs once on its tokens.
         let mut tokens_of: Vec<Vec<i64>> = vec![Vec::new(); self.experts.len()];
@@ -211,7 +229,7 @@ impl MoeBlock {
                 Tensor::<1, Int>::from_data(TensorData::new(tokens_of[e].clone(), [m]), &device);
             let slot =
                 Tensor::<1, Int>::from_data(TensorData::new(slots_of[e].clone(), [m]), &device);
-            let y = expert.forward(x.clone().select(0, tok.clone()));
+            let y = expert.forward(x.clone().select(0, tok.clone()), weights);
             let w = flat_weights.clone().select(0, slot).reshape([m, 1]);
             out = out.select_assign(0, tok, y * w, IndexingUpdateOp::Add);
         }

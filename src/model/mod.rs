@@ -1,6 +1,7 @@
 //! The decoder-only transformer (Llama / Qwen2 / Qwen3 / Qwen3-MoE), its Hugging Face checkpoint loading and
-//! KV cache. The model does not know whether it is rolling out or training: its linear layers decide the
-//! arithmetic.
+//! KV cache, log-prob scoring and quantizing a model. The model does not know whether it is rolling out or
+//! training: each forward receives which weights to multiply with ([`Weights`]: the packed quantized version
+//! or the f32 masters), and its linear layers do the quantized or full-precision matmul.
 
 pub mod attention;
 pub mod checkpoint;
@@ -11,6 +12,7 @@ pub mod gguf;
 pub mod init;
 pub mod layers;
 pub mod mlp;
+pub mod quantize;
 pub mod save;
 pub mod scoring;
 pub mod tokenizer;
@@ -18,5 +20,7 @@ pub mod tokenizer;
 pub use checkpoint::Checkpoint;
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use decoder::{Decoder, ForwardOutput, KvCache};
-pub use error::LoadError;
+pub use error::{LoadError, QuantizeError};
+pub use layers::Weights;
+pub use quantize::{quantize_checkpoint, QuantizeSummary};
 pub use tokenizer::Tokenizer;

@@ -8,8 +8,9 @@ use burn::tensor::Tensor;
 use serde_json::Value;
 
 use super::decoder::Decoder;
-use super::layers::{to_f32_vec, Linear, RmsNorm};
+use super::layers::{Linear, RmsNorm};
 use super::mlp::{FeedForward, SwiGlu};
+use crate::host::to_f32_vec;
 
 /// Every parameter with its HF name, in HF layout (`[out, in]` for linear weights).
 pub fn hf_tensors(model: &Decoder) -> Vec<(String, Vec<usize>, Vec<f32>)> {

@@ -1,29 +1,20 @@
 //! Per-token log-probabilities of given sequences, the quantity every RL objective is built on.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::decoder::{Decoder, ForwardOutput};
+use super::layers::Weights;
 use super::mlp::Routing;
-use crate::rollout::rows;
+use crate::host::{rows, to_f32_vec};
+use crate::ops::deterministic;
 
-static DETERMINISTIC: AtomicBool = AtomicBool::new(true);
-
-/// Deterministic mode (the default): log-probs are computed by [`log_softmax_row`], one fixed-order host
-/// routine shared by the rollout's sampler and the training forward, so that (with the batch-invariant
-/// forward) the recorded and the re-scored log-probs of a token are bitwise equal. Off: burn's
+/// In deterministic mode ([`crate::ops::deterministic`]) log-probs are computed by [`log_softmax_row`], one
+/// fixed-order host routine shared by the rollout's sampler and the training forward, so that (with the
+/// batch-invariant forward) the recorded and the re-scored log-probs of a token are bitwise equal; off, burn's
 /// `log_softmax` on whole tensors (rounds differently for a `[B, T, V]` and a `[B, V]` tensor).
-pub fn set_deterministic(on: bool) {
-    DETERMINISTIC.store(on, Ordering::Relaxed);
-}
-
-pub fn deterministic() -> bool {
-    DETERMINISTIC.load(Ordering::Relaxed)
-}
-
+///
 /// `ln(sum(exp(z - max z)))` plus `max z` of `z = row / temperature`: f32 division, the maximum, then
 /// the sum of `exp` in f64 in index order. The one normaliser of deterministic mode.
 fn log_normaliser(row: &[f32], temperature: f32) -> f64 {
@@ -72,7 +63,7 @@ pub fn log_softmax_at(row: &[f32], temperature: f32, target: usize) -> f32 {
 pub fn next_token_logprobs_at(logits: Tensor<3>, ids: &[Vec<u32>], temperature: f32) -> Tensor<2> {
     let [b, t, v] = logits.dims();
     let exact = deterministic().then(|| {
-        let host = crate::model::layers::to_f32_vec(logits.clone().detach());
+        let host = to_f32_vec(logits.clone().detach());
         let vals: Vec<f32> = (0..b * (t - 1))
             .into_par_iter()
             .map(|r| {
@@ -126,15 +117,16 @@ pub fn right_pad(seqs: &[Vec<u32>]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-/// Right-pads rows of different lengths to one batch ([`right_pad`]) and runs the full forward. Returns the
-/// output and the padded ids.
+/// Right-pads rows of different lengths to one batch ([`right_pad`]) and runs the full forward with the
+/// chosen weights. Returns the output and the padded ids.
 pub fn forward_ragged(
     model: &Decoder,
+    weights: Weights,
     seqs: &[Vec<u32>],
     replay: Option<&[Option<Routing>]>,
 ) -> (ForwardOutput, Vec<Vec<u32>>) {
     let padded = right_pad(seqs);
-    (model.forward(&padded, None, None, replay), padded)
+    (model.forward_as(weights, &padded, replay), padded)
 }
 
 /// Log-probs of the response tokens (`seqs[b][prompt_lens[b]..]`) under one full forward of each whole
@@ -145,7 +137,7 @@ pub fn response_logprobs(
     prompt_lens: &[usize],
     temperature: f32,
 ) -> Vec<Vec<f32>> {
-    let (out, padded) = forward_ragged(model, seqs, None);
+    let (out, padded) = forward_ragged(model, Weights::Packed, seqs, None);
     let lp = rows(next_token_logprobs_at(out.logits, &padded, temperature));
     seqs.iter()
         .zip(prompt_lens)

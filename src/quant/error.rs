@@ -8,6 +8,16 @@ pub enum QuantError {
     #[error("unknown quantization scheme `{name}` (valid: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128)")]
     UnknownScheme { name: String },
 
+    /// A layer-selection glob that does not compile.
+    #[error("invalid layer pattern `{pattern}`: {msg}")]
+    InvalidPattern { pattern: String, msg: String },
+
+    /// A precision name that is neither `f32` nor a scheme.
+    #[error(
+        "unknown scheme `{name}` (valid: f32, int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128)"
+    )]
+    UnknownPrecision { name: String },
+
     /// A buffer whose length does not match the shape it is declared with.
     #[error("{what}: expected {expected} values for shape {shape:?}, got {got}")]
     ShapeMismatch {

@@ -1,4 +1,4 @@
-//! The symmetric integer grids (int4 per group, int8 per row), exactly as QARL.md section 3 states them.
+//! The symmetric integer grids (int4 per group, int8 per row), exactly as docs/formats.md states them.
 //!
 //! Every step is one IEEE f32 operation so that any implementation (this host code, a burn graph, a GPU
 //! kernel, the numpy reference) gets the same bits: `s = absmax / qmax` is an f32 division, the code is

@@ -1,4 +1,4 @@
-//! The quantization schemes of QARL.md section 3, by their exact names.
+//! The quantization schemes of docs/formats.md, by their exact names.
 //!
 //! The names are the user-facing identifiers (CLI `--quant`, `quantization_config` in a checkpoint), so
 //! parsing is exact and case-sensitive: two spellings of one scheme would make checkpoints ambiguous.

@@ -1,12 +1,12 @@
 //! Which linear layers are quantized: glob patterns on Hugging Face weight names.
 //!
-//! Default (QARL.md section 2): every attention and MLP / routed-expert projection (`*_proj.weight`);
+//! Default (docs/formats.md, "Which layers are quantized"): every attention and MLP / routed-expert projection (`*_proj.weight`);
 //! embeddings, norms, the MoE router (`mlp.gate.weight`) and `lm_head` stay full precision.
 
 use globset::{Glob, GlobSet, GlobSetBuilder};
 use serde::{Deserialize, Serialize};
 
-use super::QuantScheme;
+use super::{QuantError, QuantScheme};
 
 /// Patterns matching the projections quantized by default.
 pub const DEFAULT_INCLUDE: &[&str] = &["*_proj.weight"];
@@ -39,13 +39,17 @@ impl QuantConfig {
     }
 
     /// Compiles the patterns; an invalid glob is an error naming it.
-    pub fn selector(&self) -> Result<LayerSelector, String> {
-        let build = |pats: &[String]| -> Result<GlobSet, String> {
+    pub fn selector(&self) -> Result<LayerSelector, QuantError> {
+        let build = |pats: &[String]| -> Result<GlobSet, QuantError> {
+            let invalid = |pattern: &str, e: globset::Error| QuantError::InvalidPattern {
+                pattern: pattern.to_owned(),
+                msg: e.kind().to_string(),
+            };
             let mut b = GlobSetBuilder::new();
             for p in pats {
-                b.add(Glob::new(p).map_err(|e| format!("invalid layer pattern `{p}`: {e}"))?);
+                b.add(Glob::new(p).map_err(|e| invalid(p, e))?);
             }
-            b.build().map_err(|e| e.to_string())
+            b.build().map_err(|e| invalid(&pats.join(", "), e))
         };
         Ok(LayerSelector {
             include: build(&self.include)?,

@@ -37,7 +37,7 @@ pub struct QuantizedTensor {
 }
 
 impl QuantizedTensor {
-    /// Quantizes row-major f32 weights `[out, inn]` with `scheme` (QARL.md section 3). NaN or infinity is an
+    /// Quantizes row-major f32 weights `[out, inn]` with `scheme` (docs/formats.md). NaN or infinity is an
     /// error, as is a length that does not match the shape.
     pub fn quantize(
         weights: &[f32],

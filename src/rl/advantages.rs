@@ -1,4 +1,4 @@
-//! Group-relative advantages (QARL.md section 4) and DAPO's dynamic-sampling filter.
+//! Group-relative advantages (docs/objectives.md, "Advantages") and DAPO's dynamic-sampling filter.
 //!
 //! Rewards arrive flat, `G` consecutive responses per prompt (`rewards[g * G + i]` is response `i` of prompt `g`),
 //! which is how the rollout engine lays out a batch of `n` samples per prompt. They are a few floats per prompt,

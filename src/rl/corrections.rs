@@ -1,4 +1,4 @@
-//! Training/rollout mismatch corrections (QARL.md section 4), composable with any objective.
+//! Training/rollout mismatch corrections (docs/objectives.md, "Mismatch corrections"), composable with any objective.
 //!
 //! All of them look at `rho_t = pi_old / pi_roll = exp(lp_old - lp_roll)`, the ratio between the learner's
 //! policy at the start of the step and the sampler that produced the tokens, and produce two stop-gradient

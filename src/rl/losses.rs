@@ -1,6 +1,6 @@
 //! The policy loss: one objective chosen by name (`ppo_clip`/`grpo`, `gspo`, `cispo`, `tbpo`), optional mismatch
 //! corrections, an aggregation (`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`) and an optional k3 KL
-//! to a reference policy, in the three-policy form of QARL.md section 4:
+//! to a reference policy, in the three-policy form of docs/objectives.md:
 //!
 //! - `lp_theta`: the current policy's token log-probs, with gradient;
 //! - `lp_old`: the learner's forward at the start of the step (the proximal policy of the trust region);
@@ -36,7 +36,7 @@ use super::tensor_ops::{
     zero_outside, LOG_RATIO_BOUND,
 };
 use super::RlError;
-use crate::model::layers::to_f32_vec;
+use crate::host::to_f32_vec;
 
 /// Everything the loss reads, all on the same device (the autodiff one when a gradient is wanted). Only
 /// `lp_theta` should carry gradient; the others are detached here anyway.

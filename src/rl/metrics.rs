@@ -1,4 +1,4 @@
-//! The mismatch and stability metrics of QARL.md section 5, under verl's names so that curves compare with
+//! The mismatch and stability metrics of docs/metrics.md, under verl's names so that curves compare with
 //! published runs. They are diagnostics, computed on the host in f64 from flat row-major `[B, T]` copies of
 //! the batch (`values[b * row_len + t]`) and a response mask of the same layout.
 //!
@@ -110,7 +110,7 @@ pub fn masked_mean(values: &[f32], mask: &[bool]) -> f64 {
 }
 
 /// Per-token entropy `-sum_v p log p` of the next-token distribution, `[B, T, V]` logits -> `[B, T]`. Its
-/// masked mean is `actor/entropy`; under quantized rollout it rises late in training (QARL.md section 1).
+/// masked mean is `actor/entropy`; under quantized rollout it rises late in training (docs/method.md).
 pub fn token_entropy(logits: Tensor<3>) -> Tensor<2> {
     let log_p = log_softmax(logits, 2);
     (log_p.clone().exp() * log_p)
@@ -243,7 +243,7 @@ pub struct LoopRule {
 }
 
 impl Default for LoopRule {
-    /// 1-4 token patterns repeated 3 or more times (QARL.md section 5), no span floor.
+    /// 1-4 token patterns repeated 3 or more times (docs/metrics.md, "Error tokens"), no span floor.
     fn default() -> Self {
         Self {
             max_pattern: 4,
@@ -284,7 +284,7 @@ pub fn repetition_loop_mask(tokens: &[u32], rule: LoopRule) -> Vec<bool> {
     marked
 }
 
-/// Very-low-probability token test (QARL.md section 5): `lp_old < ln(1e-4)` (the learner finds the token
+/// Very-low-probability token test (docs/metrics.md, "Error tokens"): `lp_old < ln(1e-4)` (the learner finds the token
 /// nearly impossible) or `lp_old - lp_roll < -ln(20)` (the sampler was over 20x more confident than the
 /// learner): the error tokens whose extreme ratios dominate a gradient.
 pub fn is_low_probability(lp_old: f32, lp_roll: f32) -> bool {

@@ -1,4 +1,4 @@
-//! RL objectives, advantages, mismatch corrections and metrics (QARL.md sections 4 and 5): pure functions over
+//! RL objectives, advantages, mismatch corrections and metrics (docs/objectives.md, docs/metrics.md): pure functions over
 //! tensors, backend-agnostic and differentiable, selected by name from config.
 //!
 //! - [`advantages`]: group-relative advantages (GRPO, Dr.GRPO, RLOO) and DAPO's dynamic-sampling filter, on the

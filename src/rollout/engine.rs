@@ -1,4 +1,4 @@
-//! Batched generation for RL: prompts of different lengths (left-padded prefill), `G` samples per prompt
+//! Batched generation for RL: prompts of different lengths (right-padded prefill), `G` samples per prompt
 //! (one prefill per prompt, the cache then fanned out), batched KV-cache decoding, and a record of what the
 //! sampler saw: the log-prob of every sampled token and, for MoE models, the experts each token went to.
 
@@ -62,9 +62,9 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32
         let idx = Tensor::<1, Int>::from_data(TensorData::new(rows, [b]), &logits.device());
         logits.reshape([b * t, v]).select(0, idx)
     };
-    if crate::model::scoring::deterministic() {
+    if crate::ops::deterministic() {
         // The fixed-order host log-softmax the training forward's log-probs are computed with.
-        return super::rows(last)
+        return crate::host::rows(last)
             .par_iter()
             .map(|r| crate::model::scoring::log_softmax_row(r, temperature))
             .collect();
@@ -74,7 +74,7 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32
     } else {
         last / temperature as f64
     };
-    super::rows(log_softmax(last, 1))
+    crate::host::rows(log_softmax(last, 1))
 }
 
 /// Appends, for each row of `rows`, the routing of the first `take(slot)` tokens it fed through one forward

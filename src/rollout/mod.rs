@@ -7,17 +7,7 @@ pub mod sampler;
 pub use engine::{generate, FinishReason, Rollout};
 pub use sampler::SamplingParams;
 
-use burn::tensor::Tensor;
-
-use crate::model::layers::to_f32_vec;
 use crate::model::Decoder;
-
-/// Host copy of a `[B, V]` tensor, row by row.
-pub fn rows(t: Tensor<2>) -> Vec<Vec<f32>> {
-    let [_, v] = t.dims();
-    let flat = to_f32_vec(t);
-    flat.chunks(v.max(1)).map(<[f32]>::to_vec).collect()
-}
 
 /// Greedy decoding of up to `max_new_tokens` tokens per prompt, stopping a row at any of `stop_ids`.
 /// Returns prompt + generated ids per row.

@@ -2,9 +2,9 @@
 
 use burn::tensor::{Device, Tensor};
 
-use crate::model::layers::tensor_from_vec;
+use crate::host::tensor_from_vec;
 use crate::model::scoring::{forward_ragged, next_token_logprobs_at};
-use crate::model::{Decoder, ForwardOutput};
+use crate::model::{Decoder, ForwardOutput, Weights};
 
 /// Sequences (prompt + response) with the positions whose next-token log-probs are trained.
 #[derive(Debug, Clone)]
@@ -83,15 +83,16 @@ impl SeqBatch {
             .collect()
     }
 
-    /// Full forward and `[B, T - 1]` next-token log-probs at `temperature` (differentiable on an autodiff
-    /// model).
+    /// Full forward with the chosen weights and `[B, T - 1]` next-token log-probs at `temperature`
+    /// (differentiable on an autodiff model).
     pub fn logprobs(
         &self,
         model: &Decoder,
+        weights: Weights,
         temperature: f32,
         replay: Option<&[Option<Vec<u32>>]>,
     ) -> (Tensor<2>, ForwardOutput) {
-        let (out, padded) = forward_ragged(model, &self.seqs, replay);
+        let (out, padded) = forward_ragged(model, weights, &self.seqs, replay);
         let lp = next_token_logprobs_at(out.logits.clone(), &padded, temperature);
         let lp = if lp.dims()[1] == self.width {
             lp

@@ -5,43 +5,12 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 
-use crate::quant::QuantScheme;
+use crate::model::Weights;
+pub use crate::quant::Precision;
 use crate::rl::advantages::AdvantageConfig;
 use crate::rl::losses::LossConfig;
 use crate::tasks::verify::VerifyConfig;
 use crate::tasks::TaskConfig;
-
-/// Weights for the forward: full precision (`"f32"`) or a quantization scheme (`"int4-g128"`, ...).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(try_from = "String", into = "String")]
-pub struct Precision(pub Option<QuantScheme>);
-
-impl TryFrom<String> for Precision {
-    type Error = String;
-    fn try_from(s: String) -> Result<Self, String> {
-        if s == "f32" {
-            return Ok(Self(None));
-        }
-        s.parse::<QuantScheme>()
-            .map(|q| Self(Some(q)))
-            .map_err(|e| format!("{e} (or \"f32\")"))
-    }
-}
-
-impl From<Precision> for String {
-    fn from(p: Precision) -> String {
-        p.to_string()
-    }
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.0 {
-            None => f.write_str("f32"),
-            Some(q) => write!(f, "{q}"),
-        }
-    }
-}
 
 /// Which weights the learner's forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,6 +20,16 @@ pub enum TrainForward {
     Full,
     /// QaRL: the rollout's quantized weights through the same low-bit matmul, STE to the masters.
     Aligned,
+}
+
+impl TrainForward {
+    /// The weights this training forward multiplies with.
+    pub fn weights(self) -> Weights {
+        match self {
+            Self::Full => Weights::Master,
+            Self::Aligned => Weights::Packed,
+        }
+    }
 }
 
 /// Where the starting weights come from.

@@ -4,7 +4,6 @@ use std::collections::BTreeMap;
 
 use super::config::{EvalConfig, Precision};
 use crate::model::{Decoder, Tokenizer};
-use crate::quant::QuantConfig;
 use crate::rollout::{generate, SamplingParams};
 use crate::tasks::verify::{score, VerifyConfig};
 use crate::tasks::Example;
@@ -30,12 +29,9 @@ pub fn evaluate(
     seed: u64,
 ) -> anyhow::Result<Evaluation> {
     let mut m = model.clone();
-    match precision.0 {
-        Some(s) => {
-            m.quantize(&QuantConfig::new(s))
-                .map_err(anyhow::Error::msg)?;
-        }
-        None => m.dequantize(),
+    if m.precision() != precision {
+        // The model's own packed version is the current weight version: only another precision quantizes.
+        m.set_precision(precision)?;
     }
     let prompts: Vec<Vec<u32>> = examples
         .iter()

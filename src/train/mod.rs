@@ -225,7 +225,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         tracing::info!(checkpoint = %p.display(), next_step = state.next_step, "resuming");
     }
     let start = state.next_step;
-    rl::set_rollout_precision(&mut model, cfg)?;
+    model.set_precision(cfg.rollout.precision)?;
 
     // Returns the greedy accuracy in the rollout precision and its per-problem outcomes.
     let evaluate =
@@ -235,8 +235,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             let mut row = serde_json::json!({"phase": "eval", "step": step});
             let mut rollout_acc = (0.0, Vec::new());
             let mut precisions = vec![cfg.rollout.precision];
-            if cfg.rollout.precision.0.is_some() {
-                precisions.push(config::Precision(None));
+            if cfg.rollout.precision != config::Precision::F32 {
+                precisions.push(config::Precision::F32);
             }
             for p in precisions {
                 spinner.set_message(format!("{p}"));

@@ -10,9 +10,8 @@ use burn::tensor::Tensor;
 
 use super::batch::{replay_routing, SeqBatch};
 use super::config::{lr_at, TrainConfig, TrainForward};
-use crate::model::layers::{tensor_from_vec, to_f32_vec};
+use crate::host::{tensor_from_vec, to_f32_vec};
 use crate::model::{Decoder, Tokenizer};
-use crate::quant::QuantConfig;
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
 use crate::rl::losses::{PolicyLoss, PolicyLossInputs};
 use crate::rl::metrics::{
@@ -22,20 +21,6 @@ use crate::rl::metrics::{
 use crate::rollout::{generate, FinishReason, SamplingParams};
 use crate::tasks::verify::score;
 use crate::tasks::Task;
-
-/// Puts the model's linear layers in the precision the rollout samples with (one quantization of the
-/// current masters), or back to full precision.
-pub fn set_rollout_precision(model: &mut Decoder, cfg: &TrainConfig) -> anyhow::Result<()> {
-    match cfg.rollout.precision.0 {
-        Some(s) => {
-            model
-                .quantize(&QuantConfig::new(s))
-                .map_err(anyhow::Error::msg)?;
-        }
-        None => model.dequantize(),
-    }
-    Ok(())
-}
 
 /// Everything one step produced for the log.
 pub struct StepOutcome {
@@ -157,10 +142,10 @@ pub fn rl_step(
     m.insert("perf/rollout_s".into(), rollout_s);
     m.insert("train/kept_sequences".into(), rows.len() as f64);
 
-    // The training forward: quantized (aligned) or full precision.
-    if tc.forward == TrainForward::Full {
-        model.dequantize();
-    }
+    // The training forward's weights: the rollout's packed version (aligned) or the f32 masters (full).
+    let weights = tc.forward.weights();
+    // Whether the packed version lags the masters (after an update with the full-precision forward).
+    let mut packed_stale = false;
     let top_k = model
         .config
         .moe
@@ -178,7 +163,7 @@ pub fn rl_step(
 
         // lp_old: the learner forward at the start of the step (no gradient).
         let learner = model.valid();
-        let (lp_old_t, fwd) = batch.logprobs(&learner, rc.temperature, replay.as_deref());
+        let (lp_old_t, fwd) = batch.logprobs(&learner, weights, rc.temperature, replay.as_deref());
         let lp_old_grid = to_f32_vec(lp_old_t);
         let lp_old = batch.responses_of(&lp_old_grid);
         let lp_roll: Vec<Vec<f32>> = rows.iter().map(|&r| out.logprobs[r].clone()).collect();
@@ -259,7 +244,8 @@ pub fn rl_step(
                         chunk.iter().map(|&i| records[i]).collect();
                     replay_routing(&recs, &sub.seqs, top_k, layers)
                 });
-                let (lp_theta, _) = sub.logprobs(model, rc.temperature, sub_replay.as_deref());
+                let (lp_theta, _) =
+                    sub.logprobs(model, weights, rc.temperature, sub_replay.as_deref());
                 let old: Vec<Vec<f32>> = chunk.iter().map(|&i| lp_old[i].clone()).collect();
                 let roll: Vec<Vec<f32>> = chunk.iter().map(|&i| lp_roll[i].clone()).collect();
                 let advs: Vec<f32> = chunk.iter().map(|&i| adv[i]).collect();
@@ -301,7 +287,9 @@ pub fn rl_step(
                 updates += 1;
                 if tc.forward == TrainForward::Aligned {
                     // A new weight version: quantize it once; the next forward (update or rollout) uses it.
-                    model.requantize().map_err(anyhow::Error::msg)?;
+                    model.requantize()?;
+                } else {
+                    packed_stale = true;
                 }
             }
         }
@@ -312,7 +300,7 @@ pub fn rl_step(
         // updated weights, for positive and for negative advantages (same forward as lp_old).
         let after = to_f32_vec(
             batch
-                .logprobs(&model.valid(), rc.temperature, replay.as_deref())
+                .logprobs(&model.valid(), weights, rc.temperature, replay.as_deref())
                 .0,
         );
         let after = batch.responses_of(&after);
@@ -344,8 +332,10 @@ pub fn rl_step(
             grad_norms.iter().copied().fold(0.0, f64::max),
         );
     }
-    // The next rollout's weight version.
-    set_rollout_precision(model, cfg)?;
+    if packed_stale {
+        // The next rollout's weight version, quantized once from the final masters.
+        model.requantize()?;
+    }
     m.insert("perf/step_s".into(), t0.elapsed().as_secs_f64());
     Ok(StepOutcome {
         metrics: m,

@@ -126,7 +126,7 @@ pub struct SeqClip {
     pub eps_high: f32,
 }
 
-/// TBPO's parameters (QARL.md section 4).
+/// TBPO's parameters (docs/objectives.md, "TBPO").
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrustBand {
     /// Clip of positive sequences, `[1 - eps_low, 1 + eps_high]`.

@@ -1,4 +1,4 @@
-//! The policy objectives of QARL.md section 4, each a pure function from log-probs and advantages to a per-token
+//! The policy objectives of docs/objectives.md, each a pure function from log-probs and advantages to a per-token
 //! loss (`-objective`) plus the clip indicators the metrics need. They do not aggregate: the caller applies the
 //! mismatch weights and the chosen aggregation, so every objective composes with every correction.
 //!
@@ -135,7 +135,7 @@ pub fn cispo(
     }
 }
 
-/// TBPO (QARL.md section 4): GSPO's sequence ratio `s_i`, clipped as GSPO for `A_i >= 0`; for `A_i < 0` the
+/// TBPO (docs/objectives.md): GSPO's sequence ratio `s_i`, clipped as GSPO for `A_i >= 0`; for `A_i < 0` the
 /// whole term is `clip(s_i, 1 - eps_low_neg, 1 + eps_high_neg) A_i`, a trust band on both sides, so a negative
 /// sequence whose ratio has left the band contributes no gradient at all (the dual clip that keeps error-token
 /// sequences from dominating). Each sequence is weighted by `w_i = sg(min(exp(mean_t(lp_old - lp_roll)), C))`

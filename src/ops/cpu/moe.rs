@@ -1,10 +1,10 @@
 //! The routed experts of one MoE layer on the CPU in one pass: the experts run in parallel (rayon) straight
-//! on the packed weights' kernel layout ([`super::cpu_kernel::KernelWeights`]), with no per-expert tensor
+//! on the packed weights' kernel layout ([`super::kernel::KernelWeights`]), with no per-expert tensor
 //! ops (gathers, scatters, broadcasts, allocations through the backend).
 //!
 //! **The same bits as the per-expert loop** ([`crate::model::mlp::MoeBlock`]'s `per_expert`). Every step
 //! repeats that path's arithmetic exactly:
-//! - each projection is [`super::cpu_kernel::KernelWeights::matmul`], which is row-invariant (a token's output does not depend
+//! - each projection is [`super::kernel::KernelWeights::matmul`], which is row-invariant (a token's output does not depend
 //!   on which other tokens share the call), so computing an expert's tokens together or apart is the same;
 //! - SwiGLU is `(g * sigmoid(g)) * u` with burn flex's `sigmoid` (`1 / (1 + exp(-g))` for `g >= 0`, else
 //!   `e / (1 + e)` with `e = exp(g)`), as `silu(g) * u` computes it there;
@@ -16,7 +16,7 @@
 
 use rayon::prelude::*;
 
-use super::moe::ExpertWeights;
+use crate::ops::ExpertWeights;
 
 /// burn flex's `sigmoid` on f32, the branch-for-branch formula `silu` uses there.
 #[inline]

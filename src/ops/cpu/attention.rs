@@ -4,12 +4,12 @@
 //! each, on a few thousand floats).
 //!
 //! **The same bits as the op-by-op path** of [`crate::model::attention::Attention`], element by element:
-//! - scores: [`super::cpu_kernel::f32_matmul_nt`] (`q · k^T`, the 32-lane order), which is what
+//! - scores: [`super::kernel::f32_matmul_nt`] (`q · k^T`, the 32-lane order), which is what
 //!   `det_matmul(q, k, true)` computes on the CPU; it is row- and batch-invariant, so one (row, key head)
 //!   at a time gives the batched call's bits;
 //! - `score * scale` (one f32 product), then `+ mask` (one f32 sum), as the tensor ops round them;
-//! - [`super::cpu_kernel::softmax_rows`], as `aligned_softmax` runs it;
-//! - [`super::cpu_kernel::f32_matmul`] of the probabilities and the values (one fma chain over the keys), as
+//! - [`super::kernel::softmax_rows`], as `aligned_softmax` runs it;
+//! - [`super::kernel::f32_matmul`] of the probabilities and the values (one fma chain over the keys), as
 //!   `det_matmul(probs, v, false)`.
 //!
 //! So the training forward (the op-by-op path, whose ops carry the gradients) reproduces the rollout's values
@@ -17,7 +17,7 @@
 
 use rayon::prelude::*;
 
-use super::cpu_kernel::{f32_matmul, f32_matmul_nt, softmax_rows};
+use super::kernel::{f32_matmul, f32_matmul_nt, softmax_rows};
 
 /// The shapes of one attention core: `b` rows, `kv` key heads, `rows = rep * t` query rows per key head
 /// (the `rep` query heads sharing it, head-major, `t` queries each), `s` keys, `d` dims per head.

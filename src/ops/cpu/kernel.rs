@@ -42,11 +42,11 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-use super::e4m3::e4m3_to_f32;
-use super::fp8::Fp8Activations;
-use super::packing::nibble_to_int4;
-use super::scheme::{SchemeKind, FP8_BLOCK};
-use super::tensor::QuantizedTensor;
+use crate::quant::e4m3::e4m3_to_f32;
+use crate::quant::fp8::Fp8Activations;
+use crate::quant::packing::nibble_to_int4;
+use crate::quant::scheme::{SchemeKind, FP8_BLOCK};
+use crate::quant::tensor::QuantizedTensor;
 
 /// `f::<S>(args)` for the run-time scheme code `scheme` (the float panel for any other code): the one
 /// place the SIMD paths turn a scheme into their const-generic kernels.

@@ -22,9 +22,8 @@ use cube_kernels::{
     ActDType, DeviceBuffer, DeviceWeights, Kernels, MoeRouting, PackedWeights, WeightFormat,
 };
 
-use super::linear::PackedWeight;
-use super::moe::ExpertWeights;
-use super::QuantizedTensor;
+use crate::ops::{ExpertWeights, PackedWeight};
+use crate::quant::QuantizedTensor;
 
 /// Kernels (client + E4M3 table) per device.
 fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {

@@ -8,8 +8,8 @@ use anyhow::{bail, Context};
 use safetensors::Dtype;
 use serde_json::Value;
 
-use super::{QuantConfig, QuantizedTensor};
-use crate::model::{Checkpoint, ModelConfig};
+use super::{Checkpoint, ModelConfig};
+use crate::quant::{QuantConfig, QuantizedTensor};
 
 /// Files of a model directory copied alongside the weights when present.
 const SIDE_FILES: &[&str] = &[
@@ -107,7 +107,7 @@ pub fn quantize_checkpoint(
         .iter()
         .map(|(n, d, s, b)| (n.clone(), *d, s.clone(), b.as_slice()))
         .collect();
-    crate::io::write_safetensors(&dst.join(crate::model::checkpoint::SINGLE_FILE), &entries)?;
+    crate::io::write_safetensors(&dst.join(super::checkpoint::SINGLE_FILE), &entries)?;
 
     let cfg_path = src.join("config.json");
     let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)?;

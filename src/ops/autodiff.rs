@@ -1,0 +1,232 @@
+//! The training (autodiff) backend of the custom ops: each op's forward is the inner backend's, so the
+//! training forward computes the rollout's bits; the backwards are written here.
+//!
+//! - the low-bit matmul: the straight-through estimator to the f32 master (`dW = x^T g`, the quantizer
+//!   treated as the identity) and `dx = g · dequant(Q(W))` from the same packed weights;
+//! - the fixed-order matmul and softmax: the usual gradients (`dx = g w^T`, `dw = x^T g`;
+//!   `dx = y * (g - sum(g * y))`);
+//! - [`KernelOps::forward_value_of`]: the gradient passes to the graph operand unchanged.
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::Autodiff;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{AutodiffBackend, Backend, TensorMetadata};
+
+use super::{ExpertWeights, KernelOps, PackedWeight};
+
+#[derive(Debug)]
+struct DetMatmulBackward;
+
+impl<B: Backend> Backward<B, 2> for DetMatmulBackward {
+    /// `(x, w, w_transposed)`.
+    type State = (FloatTensor<B>, FloatTensor<B>, bool);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (x, w, nt) = ops.state;
+        let r = g.shape().num_dims();
+        let t = |a: FloatTensor<B>| B::float_swap_dims(a, r - 2, r - 1);
+        if let Some(node) = node_x {
+            // y = x w: dx = g w^T; y = x w^T: dx = g w.
+            let dx = if nt {
+                B::float_matmul(g.clone(), w)
+            } else {
+                B::float_matmul(g.clone(), t(w))
+            };
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_w {
+            // y = x w: dw = x^T g; y = x w^T: dw = g^T x.
+            let dw = if nt {
+                B::float_matmul(t(g), x)
+            } else {
+                B::float_matmul(t(x), g)
+            };
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SteBackward;
+
+impl<B: Backend + KernelOps> Backward<B, 2> for SteBackward {
+    /// `(x, packed weights)` saved by the forward.
+    type State = (FloatTensor<B>, PackedWeight);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_master] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (x, packed) = ops.state;
+        if let Some(node) = node_x {
+            // dx = g · W' with W' = dequant(Q(W)) in [out, in]: the weights the forward really used.
+            grads.register::<B>(node.id, B::quant_matmul_transposed(g.clone(), packed));
+        }
+        if let Some(node) = node_master {
+            // Straight-through: dW = x^T g, as if the quantizer were the identity.
+            grads.register::<B>(node.id, B::float_matmul(B::float_transpose(x), g));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SoftmaxBackward;
+
+impl<B: Backend> Backward<B, 1> for SoftmaxBackward {
+    /// `(y = softmax(x), dim)`.
+    type State = (FloatTensor<B>, usize);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (y, dim) = ops.state;
+        if let Some(node) = node_x {
+            // dx = y * (g - sum(g * y, dim))
+            let gy = B::float_sum_dim(B::float_mul(g.clone(), y.clone()), dim);
+            grads.register::<B>(node.id, B::float_mul(y, B::float_sub(g, gy)));
+        }
+    }
+}
+
+/// The backward of [`KernelOps::forward_value_of`]: the gradient goes to `graph` unchanged.
+#[derive(Debug)]
+struct ForwardValueOfBackward;
+
+impl<B: Backend> Backward<B, 1> for ForwardValueOfBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_graph] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        if let Some(node) = node_graph {
+            grads.register::<B>(node.id, g);
+        }
+    }
+}
+
+impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C> {
+    fn det_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+    ) -> FloatTensor<Self> {
+        match DetMatmulBackward
+            .prepare::<C>([x.node(), w.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (xp, wp) = (x.primitive().clone(), w.primitive().clone());
+                let out = B::det_matmul(xp.clone(), wp.clone(), w_transposed);
+                prep.finish((xp, wp, w_transposed), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::det_matmul(
+                x.into_primitive(),
+                w.into_primitive(),
+                w_transposed,
+            )),
+        }
+    }
+
+    fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        match SoftmaxBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::aligned_softmax(x.primitive().clone(), dim);
+                prep.finish((y.clone(), dim), y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::aligned_softmax(x.into_primitive(), dim)),
+        }
+    }
+
+    fn grouped_moe(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: Vec<u32>,
+        experts: ExpertWeights,
+    ) -> Option<FloatTensor<Self>> {
+        // A constant of the graph: the caller pairs it with the per-expert graph (`forward_value_of`).
+        B::grouped_moe(x.into_primitive(), route_w.into_primitive(), ids, experts)
+            .map(<Self as AutodiffBackend>::from_inner)
+    }
+
+    fn grouped_moe_matches_loop(x: &FloatTensor<Self>) -> bool {
+        B::grouped_moe_matches_loop(&x.clone().into_primitive())
+    }
+
+    fn forward_value_of(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        let value = value.into_primitive();
+        match ForwardValueOfBackward
+            .prepare::<C>([graph.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((), value),
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
+
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f32,
+    ) -> Option<FloatTensor<Self>> {
+        // With a gradient to carry, the op-by-op path (whose ops have backwards) computes the same bits.
+        if [&q, &k, &v].into_iter().any(Self::tracks_gradients) {
+            return None;
+        }
+        B::attention_core(
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            mask.into_primitive(),
+            scale,
+        )
+        .map(<Self as AutodiffBackend>::from_inner)
+    }
+
+    fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
+        // Preparing an op registers nothing until it is finished; it only reads the parents' requirement.
+        matches!(
+            <ForwardValueOfBackward as Backward<B, 1>>::prepare::<C>(
+                ForwardValueOfBackward,
+                [x.node()]
+            )
+            .compute_bound()
+            .stateful(),
+            OpsKind::Tracked(_)
+        )
+    }
+
+    fn quant_matmul(
+        x: FloatTensor<Self>,
+        master: FloatTensor<Self>,
+        packed: PackedWeight,
+    ) -> FloatTensor<Self> {
+        match SteBackward
+            .prepare::<C>([x.node(), master.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let xp = x.primitive().clone();
+                let mp = master.primitive().clone();
+                let out = B::quant_matmul(xp.clone(), mp, packed.clone());
+                prep.finish((xp, packed), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                let out = B::quant_matmul(x.into_primitive(), master.into_primitive(), packed);
+                prep.finish(out)
+            }
+        }
+    }
+}

@@ -1,0 +1,249 @@
+//! The custom backend ops of qarl: every computation whose arithmetic the bitwise rollout/training contract
+//! fixes, as one burn backend extension ([`KernelOps`]) with an implementation per backend.
+//!
+//! - [`cpu`]: the CPU (burn flex) implementation and its SIMD kernels: the low-bit matmul
+//!   ([`cpu::kernel`]), the fixed-order f32 matmul and softmax, the fused attention core
+//!   ([`cpu::attention`]) and the grouped MoE experts ([`cpu::moe`]).
+//! - `cube` (features `wgpu` / `cuda`): the CubeCL backends, through the `cube_kernels` crate.
+//! - `autodiff`: the training backend: the straight-through backward of the low-bit matmul (`dW = x^T g`
+//!   to the f32 master, `dx = g · dequant(Q(W))`), and the backwards of the fixed-order matmul and softmax.
+//! - [`packed`]: the packed weights these ops read ([`QuantizedWeight`], [`ExpertWeights`]), made once per
+//!   weight version.
+//! - [`switches`]: the process-wide deterministic and grouped-experts switches.
+//! - [`backend`]: which backend a command runs on ([`BackendKind`]).
+//!
+//! The model ([`crate::model`]) calls the tensor-level functions below; it never sees a backend type.
+//!
+//! # Grouped MoE experts
+//! [`grouped_moe`] runs the routed experts of one MoE layer as one op: on the CubeCL backends the grouped
+//! kernel of `cube_kernels` (gate+up with SwiGLU, down, un-permute and combine in one launch chain), on the
+//! CPU [`cpu::moe`]; a backend without it answers `None` and the model runs its per-expert loop.
+//!
+//! **Rollout and training agree bitwise.** The training (autodiff) forward returns the grouped op's output as
+//! its value, the very bits the rollout computes, and takes its gradient from the per-expert graph through
+//! [`forward_value_of`]: `forward_value_of(y_graph, y_fast)` has the value of `y_fast` and passes the
+//! incoming gradient to `y_graph` unchanged (a straight-through estimator between two computations of the
+//! same function that differ only by rounding). The gradients are exactly those of the per-expert path,
+//! itself straight-through to the full-precision masters. On the CPU the grouped op equals the loop bit for
+//! bit ([`grouped_moe_matches_loop`]), so a training forward runs the loop alone.
+//!
+//! **Cost** (CubeCL): when gradients are tracked, the training forward computes the MoE layer twice (the
+//! per-expert graph for the gradients, the grouped kernel for the value) and the packed expert weights sit on
+//! the device twice. Untracked forwards (rollout, evaluation) run the grouped kernel alone.
+
+mod autodiff;
+pub mod backend;
+pub mod cpu;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod cube;
+pub mod packed;
+pub mod switches;
+
+pub use backend::BackendKind;
+pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
+pub use switches::{deterministic, grouped_experts, set_deterministic, set_grouped_experts};
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
+use burn::tensor::{Tensor, TensorData};
+
+/// `dequant(Q(W))` in HF layout `[out, in]` as a tensor of backend `B` on `device`.
+fn dequantized_out_in<B: Backend>(packed: &PackedWeight, device: &B::Device) -> FloatTensor<B> {
+    B::float_from_data(
+        TensorData::new(packed.0.dequantize(), packed.0.shape()),
+        device,
+    )
+}
+
+/// The backend extension carrying the low-bit matmul. Backends without a dedicated kernel yet use the
+/// default body (a float matmul on the dequantized weights: the same values, another summation order).
+#[backend_extension(Autodiff, Flex, Cube: cfg(any(feature = "wgpu", feature = "cuda")))]
+pub trait KernelOps: Backend {
+    /// `x [n, in] · dequant(Q(W))^T` from the packed weights; `master` (`[in, out]`) only receives the
+    /// straight-through gradient.
+    fn quant_matmul(
+        x: FloatTensor<Self>,
+        master: FloatTensor<Self>,
+        packed: PackedWeight,
+    ) -> FloatTensor<Self> {
+        let _ = master;
+        let w = dequantized_out_in::<Self>(&packed, &x.device());
+        Self::float_matmul(x, Self::float_transpose(w))
+    }
+
+    /// `g [n, out] · dequant(Q(W))` -> `[n, in]`: the straight-through backward's input gradient, from the
+    /// same packed weights the forward read (the CubeCL backends run the transposed kernel).
+    fn quant_matmul_transposed(g: FloatTensor<Self>, packed: PackedWeight) -> FloatTensor<Self> {
+        let w = dequantized_out_in::<Self>(&packed, &g.device());
+        Self::float_matmul(g, w)
+    }
+
+    /// Softmax along `dim` whose forward is the same op on the inference and the autodiff backend (burn's
+    /// autodiff would decompose it into elementary ops and round differently): the backend's fused softmax,
+    /// or on the CPU in deterministic mode the fixed-order row softmax
+    /// ([`cpu::kernel::softmax_rows`], batch-invariant and blind to masked trailing keys).
+    fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        Self::softmax(x, dim)
+    }
+
+    /// `x [.., m, k] · w [.., k, n]` (or `· w^T` with `w [.., n, k]` when `w_transposed`), same leading
+    /// dims. In deterministic mode the CPU backend computes it in a fixed, batch-invariant order
+    /// ([`cpu::kernel::f32_matmul`], [`cpu::kernel::f32_matmul_nt`]); elsewhere it is the
+    /// backend's matmul. The backward is the usual one (`dx = g w^T`, `dw = x^T g`).
+    fn det_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+    ) -> FloatTensor<Self> {
+        plain_matmul::<Self>(x, w, w_transposed)
+    }
+
+    /// The routed experts of one MoE layer in one grouped launch chain ([`super::moe`]): `x [n, hidden]`,
+    /// `route_w [n, top_k]` (the chosen experts' weights, slot order), `ids[t * top_k + j]` the expert of
+    /// token `t`'s slot `j` -> `[n, hidden]`, with the arithmetic of the `cube_kernels` MoE contract (fp8
+    /// activations for fp8-b128, canonical sums, SwiGLU, combine in slot order with fused multiply-adds).
+    /// `None` (the default: the CPU and any backend without the kernel) means "run the per-expert loop";
+    /// the autodiff backend returns its inner backend's result without a gradient.
+    fn grouped_moe(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: Vec<u32>,
+        experts: ExpertWeights,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (x, route_w, ids, experts);
+        None
+    }
+
+    /// The core of grouped-query attention in one op: `q [b, kv, rows, d]` (the query heads sharing a key
+    /// head stacked along the rows, `rows = rep * t`), `k`/`v` `[b, kv, s, d]`, the additive `mask`
+    /// `[b, 1, t, s]` -> `softmax(q k^T * scale + mask) v`, `[b, kv, rows, d]`, with exactly the bits of
+    /// the op-by-op path (`det_matmul`, scale, mask, `aligned_softmax`, `det_matmul`). `None` (the default,
+    /// and under autodiff when an input carries a gradient) means "run the op-by-op path"; the CPU in
+    /// deterministic mode runs [`super::cpu_attention`].
+    fn attention_core(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        mask: FloatTensor<Self>,
+        scale: f32,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (q, k, v, mask, scale);
+        None
+    }
+
+    /// Whether [`Self::grouped_moe`] returns the per-expert loop's exact bits (the CPU: then a training
+    /// forward runs the loop alone, with the rollout's values, instead of both paths). `x`: a tensor on the
+    /// device in question.
+    fn grouped_moe_matches_loop(x: &FloatTensor<Self>) -> bool {
+        let _ = x;
+        false
+    }
+
+    /// `value` unchanged (same bits), with the gradient routed to `graph` as is (none to `value`).
+    fn forward_value_of(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        let _ = graph;
+        value
+    }
+
+    /// Whether `x` is part of a recorded autodiff graph; `false` on inference backends.
+    fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
+        let _ = x;
+        false
+    }
+}
+
+/// The backend's own (fused) softmax.
+fn backend_softmax<B: Backend>(x: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
+    B::softmax(x, dim)
+}
+
+/// The backend's own matmul of [`KernelOps::det_matmul`]'s operands.
+fn plain_matmul<B: Backend>(
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    w_transposed: bool,
+) -> FloatTensor<B> {
+    let w = if w_transposed {
+        let r = w.shape().num_dims();
+        B::float_swap_dims(w, r - 2, r - 1)
+    } else {
+        w
+    };
+    B::float_matmul(x, w)
+}
+
+/// [`KernelOps::attention_core`] on tensors (`None`: run the op-by-op path).
+pub fn attention_core(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: Tensor<4>,
+    scale: f32,
+) -> Option<Tensor<4>> {
+    <Dispatch as KernelOps>::attention_core(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        mask.into_dispatch(),
+        scale,
+    )
+    .map(Tensor::from_dispatch)
+}
+
+/// [`KernelOps::aligned_softmax`] on a tensor.
+pub fn aligned_softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_softmax(
+        x.into_dispatch(),
+        dim,
+    ))
+}
+
+/// [`KernelOps::det_matmul`] on tensors: `x · w` (`w [.., k, n]`), or `x · w^T` (`w [.., n, k]`) when
+/// `w_transposed`.
+pub fn det_matmul<const D: usize>(x: Tensor<D>, w: Tensor<D>, w_transposed: bool) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as KernelOps>::det_matmul(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        w_transposed,
+    ))
+}
+
+/// The grouped MoE op ([`KernelOps::grouped_moe`]) on tensors: `x [n, hidden]`, the chosen experts
+/// `ids[t * top_k + j]`, their routing weights `route_w [n, top_k]` -> `[n, hidden]`, or `None` when the
+/// backend has no grouped kernel (then run the per-expert loop). The result carries no gradient: under
+/// autodiff, pair it with the per-expert graph through [`forward_value_of`].
+pub fn grouped_moe(
+    x: Tensor<2>,
+    route_w: Tensor<2>,
+    ids: &[u32],
+    experts: ExpertWeights,
+) -> Option<Tensor<2>> {
+    <Dispatch as KernelOps>::grouped_moe(
+        x.into_dispatch(),
+        route_w.into_dispatch(),
+        ids.to_vec(),
+        experts,
+    )
+    .map(Tensor::from_dispatch)
+}
+
+/// The value of `value` (the same bits) with the gradient of `graph`: the backward passes the incoming
+/// gradient to `graph` unchanged and none to `value`.
+pub fn forward_value_of<const D: usize>(graph: Tensor<D>, value: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as KernelOps>::forward_value_of(
+        graph.into_dispatch(),
+        value.into_dispatch(),
+    ))
+}
+
+/// Whether the backend's grouped op reproduces the per-expert loop bit for bit (the CPU): a training forward
+/// then runs the loop alone, with the rollout's values. `t`: a tensor on the device in question.
+pub fn grouped_moe_matches_loop<const D: usize>(t: &Tensor<D>) -> bool {
+    <Dispatch as KernelOps>::grouped_moe_matches_loop(&t.clone().into_dispatch())
+}
+
+/// Whether `t` is part of a recorded autodiff graph (a gradient will flow through it). Always `false` on
+/// an inference backend.
+pub fn tracks_gradients<const D: usize>(t: &Tensor<D>) -> bool {
+    <Dispatch as KernelOps>::tracks_gradients(&t.clone().into_dispatch())
+}

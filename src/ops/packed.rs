@@ -1,0 +1,152 @@
+//! The packed weights the custom ops read: one quantized weight version of a linear layer
+//! ([`QuantizedWeight`]: the packed codes and scales plus their CPU kernel layout) and the experts of one MoE
+//! layer ([`ExpertWeights`]). Made once per weight version from the f32 masters and shared by the rollout and
+//! the training forward, never re-quantized per call.
+
+use std::sync::Arc;
+
+use burn::backend::Dispatch;
+use burn::tensor::Tensor;
+
+use super::cpu::kernel::KernelWeights;
+use super::KernelOps;
+use crate::host::{tensor_from_vec, to_f32_vec};
+use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
+
+/// Packed weights of one weight version, shared between the rollout and the training forward: the packed
+/// format (checkpoints, the backward's `dequant(Q(W))`) and its CPU kernel layout, both made once per
+/// weight version.
+#[derive(Debug, Clone)]
+pub struct PackedWeight(pub Arc<QuantizedTensor>, pub Arc<KernelWeights>);
+
+impl PackedWeight {
+    pub fn new(q: QuantizedTensor) -> Self {
+        let kernel = KernelWeights::new(&q);
+        PackedWeight(Arc::new(q), Arc::new(kernel))
+    }
+}
+
+/// One quantized weight version: only the packed codes and scales are kept (no float copy); the backward pass
+/// decodes them when it needs `dequant(Q(W))`.
+#[derive(Debug, Clone)]
+pub struct QuantizedWeight {
+    pub packed: PackedWeight,
+}
+
+/// `[rows, cols]` -> `[cols, rows]` on the host, in 32x32 tiles, output row blocks in parallel. Reading
+/// the master contiguous and transposing here instead of `into_data()` of a transposed view: burn-flex
+/// copies a strided view on one thread, which was a third of re-quantizing a model (every RL weight sync).
+fn transpose_host(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    const TILE: usize = 32;
+    let mut dst = vec![0.0f32; rows * cols];
+    if rows == 0 || cols == 0 {
+        return dst;
+    }
+    dst.par_chunks_mut(TILE * rows)
+        .enumerate()
+        .for_each(|(block, out)| {
+            let c0 = block * TILE;
+            let width = out.len() / rows;
+            for r0 in (0..rows).step_by(TILE) {
+                for r in r0..(r0 + TILE).min(rows) {
+                    let row = &src[r * cols + c0..r * cols + c0 + width];
+                    for (c, &v) in row.iter().enumerate() {
+                        out[c * rows + r] = v;
+                    }
+                }
+            }
+        });
+    dst
+}
+
+impl QuantizedWeight {
+    /// Quantizes a master weight stored `[in, out]` (the spec's groups run along `in` of each output row).
+    pub fn from_master(master: Tensor<2>, scheme: QuantScheme) -> Result<Self, QuantError> {
+        let [inn, out] = master.dims();
+        let w_out_in = transpose_host(&to_f32_vec(master), inn, out);
+        let q = QuantizedTensor::quantize(&w_out_in, out, inn, scheme)?;
+        Ok(Self::from_packed(q))
+    }
+
+    /// Wraps already quantized weights (e.g. read from a quantized checkpoint).
+    pub fn from_packed(q: QuantizedTensor) -> Self {
+        Self {
+            packed: PackedWeight::new(q),
+        }
+    }
+
+    /// `dequant(Q(W))` laid out like the master, `[in, out]`, on `device`.
+    pub fn dequantized(&self, device: &burn::tensor::Device) -> Tensor<2> {
+        let [out, inn] = self.packed.0.shape();
+        let t = tensor_from_vec(self.packed.0.dequantize(), [out, inn], device).transpose();
+        Tensor::from_data(t.into_data(), device)
+    }
+
+    /// Bytes of the packed codes and scales.
+    pub fn storage_bytes(&self) -> usize {
+        self.packed.0.storage_bytes()
+    }
+
+    pub fn scheme(&self) -> QuantScheme {
+        self.packed.0.scheme()
+    }
+
+    /// `x: [n, in] -> [n, out]` through the low-bit matmul; gradients flow to `master` (STE) and to `x`.
+    pub fn matmul(&self, x: Tensor<2>, master: Tensor<2>) -> Tensor<2> {
+        Tensor::from_dispatch(<Dispatch as KernelOps>::quant_matmul(
+            x.into_dispatch(),
+            master.into_dispatch(),
+            self.packed.clone(),
+        ))
+    }
+}
+
+/// The packed weights of one MoE layer's experts, in expert order: `gate[e]`, `up[e]` (`[inter, hidden]`)
+/// and `down[e]` (`[hidden, inter]`), one weight version each, all of one scheme.
+#[derive(Debug, Clone)]
+pub struct ExpertWeights {
+    pub gate: Vec<PackedWeight>,
+    pub up: Vec<PackedWeight>,
+    pub down: Vec<PackedWeight>,
+}
+
+impl ExpertWeights {
+    /// Gathers the experts' packed weights; `None` unless there is at least one expert and every projection
+    /// is of one scheme with one shape per kind (gate and up `[inter, hidden]`, down `[hidden, inter]`).
+    pub fn new(
+        gate: Vec<PackedWeight>,
+        up: Vec<PackedWeight>,
+        down: Vec<PackedWeight>,
+    ) -> Option<Self> {
+        let first = gate.first()?;
+        let scheme: QuantScheme = first.0.scheme();
+        let [inter, hidden] = first.0.shape();
+        let ok = gate.len() == up.len()
+            && gate.len() == down.len()
+            && gate
+                .iter()
+                .chain(&up)
+                .all(|p| p.0.scheme() == scheme && p.0.shape() == [inter, hidden])
+            && down
+                .iter()
+                .all(|p| p.0.scheme() == scheme && p.0.shape() == [hidden, inter]);
+        ok.then_some(Self { gate, up, down })
+    }
+
+    /// Number of experts.
+    pub fn len(&self) -> usize {
+        self.gate.len()
+    }
+
+    /// Whether there are no experts (never, for a value made by [`Self::new`]).
+    pub fn is_empty(&self) -> bool {
+        self.gate.is_empty()
+    }
+
+    /// `[hidden, inter]`.
+    pub fn dims(&self) -> [usize; 2] {
+        let [inter, hidden] = self.gate[0].0.shape();
+        [hidden, inter]
+    }
+}
