@@ -7,7 +7,8 @@ use burn::tensor::Device;
 use common::{fixture_models, max_abs_diff, reference};
 use qarl::host::to_f32_vec;
 use qarl::model::Decoder;
-use qarl::rollout::{generate_greedy, rows};
+use qarl::host::rows;
+use qarl::rollout::generate_greedy;
 
 #[test]
 fn logits_match_transformers() {

@@ -269,6 +269,7 @@ fn router_lm_head_and_embeddings_stay_full_precision_by_default() {
     assert!(model
         .quantize(&bad)
         .unwrap_err()
+        .to_string()
         .contains("invalid layer pattern"));
 }
 

@@ -3,7 +3,8 @@
 use std::path::Path;
 
 use burn::tensor::{Device, Tensor};
-use qarl::model::layers::{tensor_from_vec, Linear};
+use qarl::host::tensor_from_vec;
+use qarl::model::layers::Linear;
 use qarl::model::mlp::{MoeBlock, SwiGlu};
 use qarl::model::scoring::response_logprobs;
 use qarl::model::Decoder;
