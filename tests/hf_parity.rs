@@ -5,9 +5,9 @@ mod common;
 
 use burn::tensor::Device;
 use common::{fixture_models, max_abs_diff, reference};
+use qarl::host::rows;
 use qarl::host::to_f32_vec;
 use qarl::model::Decoder;
-use qarl::host::rows;
 use qarl::rollout::generate_greedy;
 
 #[test]

@@ -189,7 +189,10 @@ fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
 #[test]
 fn aligned_forward_removes_the_rollout_mismatch() {
     let tmp = tempfile::tempdir().unwrap();
-    let aligned = tiny_config(&tmp.path().join("a"), "aligned", 1);
+    // Two steps, with lp_old taken from the rollout's record *and* recomputed by the learner forward, which
+    // must give the same bits for every token (the run stops with an error otherwise).
+    let mut aligned = tiny_config(&tmp.path().join("a"), "aligned", 2);
+    aligned.train.lp_old_check = true;
     train::run(&aligned, false, true).unwrap();
     let mut full = tiny_config(&tmp.path().join("a"), "full", 1);
     full.run_dir = tmp.path().join("full-run");
@@ -200,6 +203,15 @@ fn aligned_forward_removes_the_rollout_mismatch() {
             .as_f64()
             .unwrap()
     };
+    let rl_rows: Vec<_> = metrics(&aligned.run_dir.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|r| r["phase"] == "rl")
+        .collect();
+    assert_eq!(rl_rows.len(), 2);
+    for row in &rl_rows {
+        assert_eq!(row["train/lp_old_reused"], 1.0, "{row}");
+        assert_eq!(row["rollout_corr/k3_kl"], 0.0, "{row}");
+    }
     let (a, f) = (k3(&aligned.run_dir), k3(&full.run_dir));
     println!(
         "step-1 k3_kl: aligned {a:e}, full {f:e}, ratio {:e}",

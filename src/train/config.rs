@@ -136,6 +136,10 @@ pub struct RlConfig {
     /// Reuse the rollout's expert choices in the training forward (MoE routing replay, R3).
     #[serde(default)]
     pub routing_replay: bool,
+    /// Where `lp_old` is taken from the rollout's record (deterministic mode, aligned forward, one update per
+    /// step: the same bits), recompute it with a forward anyway and stop with an error if any token differs.
+    #[serde(default)]
+    pub lp_old_check: bool,
     /// DAPO dynamic sampling: drop groups whose rewards are all equal.
     #[serde(default)]
     pub dynamic_sampling: bool,
