@@ -11,7 +11,7 @@ use burn::tensor::Device;
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 use qarl::model::init::write_random_checkpoint;
 use qarl::model::Decoder;
-use qarl::quant::{QuantConfig, QuantScheme};
+use qarl::quant::{Precision, QuantScheme};
 use qarl::rollout::{generate, SamplingParams};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -47,18 +47,13 @@ fn rollout(c: &mut Criterion) {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(4))
         .throughput(Throughput::Elements((BATCH * NEW_TOKENS) as u64));
-    for scheme in [
-        None,
-        Some(QuantScheme::Int4G128),
-        Some(QuantScheme::Int8PerChannel),
+    for precision in [
+        Precision::F32,
+        Precision::Quantized(QuantScheme::Int4G128),
+        Precision::Quantized(QuantScheme::Int8PerChannel),
     ] {
-        match scheme {
-            None => model.dequantize(),
-            Some(s) => {
-                model.quantize(&QuantConfig::new(s)).expect("quantize");
-            }
-        }
-        let name = scheme.map_or("f32", QuantScheme::name);
+        model.set_precision(precision).expect("quantize");
+        let name = precision.name();
         group.bench_function(name, |b| {
             b.iter(|| generate(&model, &prompts, 1, &params, None));
         });

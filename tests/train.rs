@@ -328,3 +328,67 @@ fn policy_gradient_points_the_right_way() {
         );
     }
 }
+
+/// The learner's log-probs computed only at the loss positions (hidden rows gathered before the LM head, no
+/// `[B, T, vocab]` logits) equal the full forward's at those positions bit for bit; their gradient differs
+/// from the full forward's only by the summation order of the LM head's and the embeddings' weight gradients
+/// (fewer zero rows in the products), bounded here at 1e-5 relative.
+#[test]
+fn loss_position_logprobs_equal_the_full_forward() {
+    use qarl::host::tensor_from_vec;
+    use qarl::model::scoring::{forward_ragged, next_token_logprobs_at};
+    use qarl::model::Weights;
+    use qarl::train::batch::SeqBatch;
+    let seqs = vec![
+        vec![3u32, 17, 99, 42, 7, 250, 11, 5],
+        vec![5, 6, 8],
+        vec![200, 1, 2, 3, 9, 9],
+    ];
+    let batch = SeqBatch::new(seqs.clone(), vec![4, 1, 5]);
+    let ad = Device::flex().autodiff();
+    for dir in common::fixture_models() {
+        let model = Decoder::load(&dir, &ad).unwrap();
+        let weights: Vec<f32> = (0..seqs.len() * batch.width)
+            .map(|i| 0.25 + (i % 7) as f32 * 0.1)
+            .collect();
+        let w = tensor_from_vec(weights, [seqs.len(), batch.width], &ad) * batch.mask(&ad);
+        let (fused, _) = batch.logprobs(&model, Weights::Packed, 0.8, None);
+        let (out, padded) = forward_ragged(&model, Weights::Packed, &seqs, None);
+        let full = next_token_logprobs_at(out.logits, &padded, 0.8).narrow(1, 0, batch.width);
+        let mask = batch.mask_values();
+        let (a, b) = (to_f32_vec(fused.clone()), to_f32_vec(full.clone()));
+        for i in (0..mask.len()).filter(|&i| mask[i] > 0.0) {
+            assert_eq!(
+                a[i].to_bits(),
+                b[i].to_bits(),
+                "{}: position {i}",
+                dir.display()
+            );
+        }
+        let grads_fused = (fused * w.clone()).sum().backward();
+        let grads_full = (full * w).sum().backward();
+        let mut params = vec![
+            ("embed_tokens", model.embed_tokens.val()),
+            ("q_proj", model.layers[0].self_attn.q_proj.weight.val()),
+        ];
+        if let Some(head) = &model.lm_head {
+            params.push(("lm_head", head.weight.val()));
+        }
+        for (name, p) in params {
+            let g1 = to_f32_vec(p.grad(&grads_fused).unwrap());
+            let g2 = to_f32_vec(p.grad(&grads_full).unwrap());
+            let diff: f64 = g1
+                .iter()
+                .zip(&g2)
+                .map(|(x, y)| ((x - y) as f64).powi(2))
+                .sum();
+            let norm: f64 = g2.iter().map(|&y| (y as f64).powi(2)).sum();
+            let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+            assert!(
+                rel <= 1e-5,
+                "{}: {name} gradient differs by {rel:e} relative",
+                dir.display()
+            );
+        }
+    }
+}

@@ -229,7 +229,46 @@ impl Decoder {
         ids: &[Vec<u32>],
         replay: Option<&[Option<Routing>]>,
     ) -> ForwardOutput {
+        let (hidden, routing) = self.run(ids, None, None, replay, None, weights);
+        self.logits(hidden, ids.len(), weights, routing)
+    }
+
+    /// The final hidden states `[B * T, hidden]` (after the last norm) of a full forward of `ids` with the
+    /// chosen weights, and the routing: for a caller that needs logits at a few positions only
+    /// ([`Decoder::head`] on the rows it selects; the LM head is row-invariant in deterministic mode, so those
+    /// logits are the bits a full forward computes there).
+    pub fn hidden_as(
+        &self,
+        weights: Weights,
+        ids: &[Vec<u32>],
+        replay: Option<&[Option<Routing>]>,
+    ) -> (Tensor<2>, Vec<Option<Routing>>) {
         self.run(ids, None, None, replay, None, weights)
+    }
+
+    /// The LM head (or the tied embeddings) on hidden rows `[n, hidden]` -> logits `[n, vocab]`.
+    pub fn head(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
+        match &self.lm_head {
+            Some(head) => head.forward_with(x, weights),
+            None => crate::ops::det_matmul(x, self.embed_tokens.val(), true),
+        }
+    }
+
+    /// `[B, T, vocab]` logits of `b` rows of hidden states.
+    fn logits(
+        &self,
+        hidden: Tensor<2>,
+        b: usize,
+        weights: Weights,
+        routing: Vec<Option<Routing>>,
+    ) -> ForwardOutput {
+        let t = hidden.dims()[0] / b.max(1);
+        ForwardOutput {
+            logits: self
+                .head(hidden, weights)
+                .reshape([b, t, self.config.vocab_size]),
+            routing,
+        }
     }
 
     /// [`Decoder::forward`], with the logits computed only at position `at[b]` of each row when `at` is
@@ -244,10 +283,13 @@ impl Decoder {
         replay: Option<&[Option<Routing>]>,
         at: Option<&[usize]>,
     ) -> ForwardOutput {
-        self.run(ids, lens, cache, replay, at, Weights::Packed)
+        let (hidden, routing) = self.run(ids, lens, cache, replay, at, Weights::Packed);
+        self.logits(hidden, ids.len(), Weights::Packed, routing)
     }
 
-    /// The forward behind [`Decoder::forward_logits_at`] and [`Decoder::forward_as`].
+    /// The forward behind [`Decoder::forward_logits_at`], [`Decoder::forward_as`] and
+    /// [`Decoder::hidden_as`], up to the LM head: the final hidden states (`B * T` rows, or `B` with `at`) and
+    /// the routing.
     fn run(
         &self,
         ids: &[Vec<u32>],
@@ -256,7 +298,7 @@ impl Decoder {
         replay: Option<&[Option<Routing>]>,
         at: Option<&[usize]>,
         weights: Weights,
-    ) -> ForwardOutput {
+    ) -> (Tensor<2>, Vec<Option<Routing>>) {
         let device = self.device();
         let b = ids.len();
         let t = ids[0].len();
@@ -355,7 +397,7 @@ impl Decoder {
             c.capacity = total;
         }
         let x = self.norm.forward(x).reshape([b * t, cfg.hidden_size]);
-        let (x, t) = match at {
+        match at {
             Some(at) => {
                 assert_eq!(at.len(), b, "one logits position per row");
                 let rows: Vec<i64> = at
@@ -367,17 +409,9 @@ impl Decoder {
                     })
                     .collect();
                 let idx = Tensor::<1, Int>::from_data(TensorData::new(rows, [b]), &device);
-                (x.select(0, idx), 1)
+                (x.select(0, idx), routing)
             }
-            None => (x, t),
-        };
-        let logits = match &self.lm_head {
-            Some(head) => head.forward_with(x, weights),
-            None => crate::ops::det_matmul(x, self.embed_tokens.val(), true),
-        };
-        ForwardOutput {
-            logits: logits.reshape([b, t, cfg.vocab_size]),
-            routing,
+            None => (x, routing),
         }
     }
 

@@ -98,6 +98,56 @@ pub fn next_token_logprobs_at(logits: Tensor<3>, ids: &[Vec<u32>], temperature: 
     }
 }
 
+/// `lp[i] = log_softmax(logits[i] / temperature)[targets[i]]` for logits rows `[N, V]` (the positions that
+/// carry a loss, gathered before the LM head), as an `[N]` tensor (differentiable). In deterministic mode the
+/// values are [`log_softmax_at`]'s, bitwise what the rollout records and what [`next_token_logprobs_at`]
+/// gives at the same positions; the gradient is that of burn's log-softmax on the `[N, V]` rows.
+pub fn target_logprobs(logits: Tensor<2>, targets: &[u32], temperature: f32) -> Tensor<1> {
+    let [n, v] = logits.dims();
+    assert_eq!(n, targets.len(), "one target per logits row");
+    let device = logits.device();
+    let exact = deterministic().then(|| {
+        let host = to_f32_vec(logits.clone().detach());
+        (0..n)
+            .into_par_iter()
+            .map(|r| log_softmax_at(&host[r * v..(r + 1) * v], temperature, targets[r] as usize))
+            .collect::<Vec<f32>>()
+    });
+    let logits = if temperature == 1.0 {
+        logits
+    } else {
+        logits / temperature as f64
+    };
+    let idx: Vec<i64> = targets.iter().map(|&x| x as i64).collect();
+    let idx = Tensor::<2, Int>::from_data(TensorData::new(idx, [n, 1]), &device);
+    let lp: Tensor<1> = log_softmax(logits, 1).gather(1, idx).reshape([n]);
+    match exact {
+        Some(vals) => {
+            Tensor::<1>::from_data(TensorData::new(vals, [n]), &device) + (lp.clone() - lp.detach())
+        }
+        None => lp,
+    }
+}
+
+/// The entropy `-sum_v p_v ln p_v` (at temperature 1) of each row of host logits `[rows, v]`, in one fixed
+/// order: the normaliser of [`log_softmax_row`], then the sum in f64 in index order.
+pub fn entropy_rows(logits: &[f32], v: usize) -> Vec<f32> {
+    logits
+        .par_chunks(v.max(1))
+        .map(|row| {
+            let lse = log_normaliser(row, 1.0);
+            let h: f64 = row
+                .iter()
+                .map(|&x| {
+                    let lp = x as f64 - lse;
+                    -lp.exp() * lp
+                })
+                .sum();
+            h as f32
+        })
+        .collect()
+}
+
 /// [`next_token_logprobs_at`] at temperature 1.
 pub fn next_token_logprobs(logits: Tensor<3>, ids: &[Vec<u32>]) -> Tensor<2> {
     next_token_logprobs_at(logits, ids, 1.0)

@@ -60,7 +60,8 @@ fn check_batch(lens: &[(&str, usize)], mask: &[bool], row_len: usize) -> Result<
     Ok(mask.len() / row_len)
 }
 
-fn mean(values: impl IntoIterator<Item = f64>) -> f64 {
+/// The mean of `values`, summed in order in f64 (NaN when there are none).
+pub fn mean(values: impl IntoIterator<Item = f64>) -> f64 {
     let (sum, n) = values
         .into_iter()
         .fold((0.0, 0usize), |(s, n), v| (s + v, n + 1));

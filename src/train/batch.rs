@@ -1,10 +1,11 @@
 //! Turning token sequences into the padded tensors the losses take.
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::host::tensor_from_vec;
-use crate::model::scoring::{forward_ragged, next_token_logprobs_at};
-use crate::model::{Decoder, ForwardOutput, Weights};
+use crate::model::mlp::Routing;
+use crate::model::scoring::{right_pad, target_logprobs};
+use crate::model::{Decoder, Weights};
 
 /// Sequences (prompt + response) with the positions whose next-token log-probs are trained.
 #[derive(Debug, Clone)]
@@ -83,24 +84,70 @@ impl SeqBatch {
             .collect()
     }
 
-    /// Full forward with the chosen weights and `[B, T - 1]` next-token log-probs at `temperature`
-    /// (differentiable on an autodiff model).
+    /// The positions that carry a loss, row-major: `(row of the padded forward's [B * T] hidden states, index
+    /// on the [B, T - 1] grid, target token)` for every response token.
+    fn loss_positions(&self, padded_len: usize) -> Vec<(i64, i64, u32)> {
+        let mut out = Vec::new();
+        for (b, (s, &p)) in self.seqs.iter().zip(&self.prompt_lens).enumerate() {
+            for t in p.saturating_sub(1)..s.len().saturating_sub(1) {
+                out.push((
+                    (b * padded_len + t) as i64,
+                    (b * self.width + t) as i64,
+                    s[t + 1],
+                ));
+            }
+        }
+        out
+    }
+
+    /// Forward with the chosen weights and the `[B, T - 1]` grid of next-token log-probs at `temperature`
+    /// (differentiable on an autodiff model; zeros where the mask is 0). Logits and log-softmax are computed
+    /// only at the positions that carry a loss (the response tokens): the hidden states of those positions
+    /// are gathered before the LM head, so no `[B, T, vocab]` tensor exists. In deterministic mode the values
+    /// are bitwise those of the full forward at the same positions (the LM head is row-invariant).
     pub fn logprobs(
         &self,
         model: &Decoder,
         weights: Weights,
         temperature: f32,
         replay: Option<&[Option<Vec<u32>>]>,
-    ) -> (Tensor<2>, ForwardOutput) {
-        let (out, padded) = forward_ragged(model, weights, &self.seqs, replay);
-        let lp = next_token_logprobs_at(out.logits.clone(), &padded, temperature);
-        let lp = if lp.dims()[1] == self.width {
-            lp
-        } else {
-            lp.narrow(1, 0, self.width)
+    ) -> (Tensor<2>, ResponseForward) {
+        let padded = right_pad(&self.seqs);
+        let padded_len = padded.first().map_or(0, Vec::len);
+        let (hidden, routing) = model.hidden_as(weights, &padded, replay);
+        let device = hidden.device();
+        let positions = self.loss_positions(padded_len);
+        let n = positions.len();
+        let index = |f: fn(&(i64, i64, u32)) -> i64| {
+            let v: Vec<i64> = positions.iter().map(f).collect();
+            Tensor::<1, Int>::from_data(TensorData::new(v, [n]), &device)
         };
-        (lp, out)
+        let logits = model.head(hidden.select(0, index(|p| p.0)), weights);
+        let targets: Vec<u32> = positions.iter().map(|p| p.2).collect();
+        let lp = target_logprobs(logits.clone(), &targets, temperature);
+        let grid = Tensor::<1>::zeros([self.seqs.len() * self.width], &device)
+            .select_assign(0, index(|p| p.1), lp, IndexingUpdateOp::Add)
+            .reshape([self.seqs.len(), self.width]);
+        (
+            grid,
+            ResponseForward {
+                logits,
+                routing,
+                padded_len,
+            },
+        )
     }
+}
+
+/// What the learner forward of [`SeqBatch::logprobs`] leaves besides the log-probs.
+pub struct ResponseForward {
+    /// Logits `[N, vocab]` at the positions that carry a loss, sequence by sequence, position by position.
+    pub logits: Tensor<2>,
+    /// For each layer, the experts of every token of the padded batch (`[B * T * top_k]`), `None` for dense
+    /// layers.
+    pub routing: Vec<Option<Routing>>,
+    /// `T`, the tokens per row of the padded batch.
+    pub padded_len: usize,
 }
 
 /// Routing replay for a right-padded batch: the recorded experts of every token that went through the

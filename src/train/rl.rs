@@ -10,15 +10,16 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 
-use super::batch::{replay_routing, SeqBatch};
+use super::batch::{replay_routing, ResponseForward, SeqBatch};
 use super::config::{lr_at, TrainConfig, TrainForward};
 use crate::host::{tensor_from_vec, to_f32_vec};
-use crate::model::{Decoder, ForwardOutput, Tokenizer};
+use crate::model::scoring::entropy_rows;
+use crate::model::{Decoder, Tokenizer};
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
 use crate::rl::losses::{PolicyLoss, PolicyLossInputs};
 use crate::rl::metrics::{
-    error_token_metrics, masked_mean, response_length_metrics, rollout_mismatch_metrics,
-    routing_disagreement, token_entropy,
+    error_token_metrics, mean, response_length_metrics, rollout_mismatch_metrics,
+    routing_disagreement,
 };
 use crate::rollout::{generate, FinishReason, Rollout, SamplingParams};
 use crate::tasks::verify::score as score_answer;
@@ -325,22 +326,24 @@ fn check_lp_old_reuse(lp_old: &[Vec<f32>], lp_roll: &[Vec<f32>]) -> anyhow::Resu
 /// The metrics of the learner's forward at the step's start: the token entropy over the responses and, for
 /// MoE without routing replay, how often the learner routes a token differently from the rollout.
 fn learner_forward_metrics(
-    fwd: &ForwardOutput,
+    fwd: &ResponseForward,
     batch: &SeqBatch,
     records: &[&Vec<Option<Vec<u32>>>],
     replayed: bool,
     top_k: usize,
     m: &mut BTreeMap<String, f64>,
 ) -> anyhow::Result<()> {
-    let mask_bool: Vec<bool> = batch.mask_values().iter().map(|&v| v > 0.0).collect();
-    let logits = fwd.logits.clone().detach().narrow(1, 0, batch.width);
-    let entropy = to_f32_vec(token_entropy(logits));
-    m.insert("actor/entropy".into(), masked_mean(&entropy, &mask_bool));
+    let [_, vocab] = fwd.logits.dims();
+    let entropy = entropy_rows(&to_f32_vec(fwd.logits.clone().detach()), vocab);
+    m.insert(
+        "actor/entropy".into(),
+        mean(entropy.iter().map(|&h| f64::from(h))),
+    );
     if top_k == 0 || replayed {
         return Ok(());
     }
     // Routing of the learner forward vs the rollout, over the tokens the rollout routed.
-    let t = batch.seqs.iter().map(Vec::len).max().unwrap_or(0);
+    let t = fwd.padded_len;
     let mut agg = None;
     for (b, rec) in records.iter().enumerate() {
         let learner_row: Vec<Option<Vec<u32>>> = fwd
