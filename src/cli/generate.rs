@@ -1,5 +1,6 @@
 use std::path::PathBuf;
 
+use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
 use crate::cli::load_model;
@@ -93,9 +94,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_token_ids,
         stop_strings: args.stop_strings.clone(),
     };
-    params
-        .validate()
-        .map_err(|e| anyhow::anyhow!("invalid sampling options: {e}"))?;
+    params.validate().context("invalid sampling options")?;
     if args.samples == 0 {
         anyhow::bail!("--samples must be at least 1");
     }
@@ -111,7 +110,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let f: PromptFile = read_json(path)?;
             model
                 .check_prompts(&f.input_ids)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+                .with_context(|| path.display().to_string())?;
             f.input_ids
         }
         (None, Some(text)) => {
@@ -124,7 +123,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let ids = tok.encode(text)?;
             model
                 .check_prompts(std::slice::from_ref(&ids))
-                .map_err(|e| anyhow::anyhow!("--prompt: {e}"))?;
+                .context("--prompt")?;
             vec![ids]
         }
         (None, None) => anyhow::bail!("pass --prompt-ids FILE or --prompt TEXT"),

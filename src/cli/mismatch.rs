@@ -105,8 +105,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
                     .logprobs(&quantized, weights, args.temperature, None)
                     .0,
             );
-            let mut m = rollout_mismatch_metrics(&lp, &roll, &mask, batch.width)
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut m = rollout_mismatch_metrics(&lp, &roll, &mask, batch.width)?;
             let err = error_token_metrics(
                 &ids_grid,
                 &lp,
@@ -114,8 +113,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
                 &mask,
                 batch.width,
                 LoopRule::default(),
-            )
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+            )?;
             m.extend(err.to_map());
             let mut row = serde_json::json!({
                 "scheme": scheme.to_string(), "forward": forward,

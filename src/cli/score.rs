@@ -52,7 +52,7 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let model = load_model(&args.model, &device, args.quant)?;
     model
         .check_ids(&input.input_ids)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", args.input.display()))?;
+        .with_context(|| args.input.display().to_string())?;
     let ids = &input.input_ids;
     let out = model.forward(ids, None, None, None);
     let [b, t, v] = out.logits.dims();

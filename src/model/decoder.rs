@@ -172,33 +172,38 @@ impl Decoder {
     }
 
     /// Checks that token ids fit the vocabulary and rows have equal length; the message says what is wrong.
-    pub fn check_ids(&self, ids: &[Vec<u32>]) -> Result<(), String> {
+    pub fn check_ids(&self, ids: &[Vec<u32>]) -> Result<(), super::error::InputError> {
+        use super::error::InputError;
         self.check_prompts(ids)?;
         let first = ids[0].len();
         match ids.iter().position(|r| r.len() != first) {
-            Some(b) => Err(format!(
-                "row {b} has {} ids, row 0 has {first}: rows must have equal lengths",
-                ids[b].len()
-            )),
+            Some(row) => Err(InputError::RaggedRows {
+                row,
+                len: ids[row].len(),
+                first,
+            }),
             None => Ok(()),
         }
     }
 
     /// Checks that there is at least one non-empty row and every id fits the vocabulary (rows may differ in
     /// length, as prompts do).
-    pub fn check_prompts(&self, ids: &[Vec<u32>]) -> Result<(), String> {
+    pub fn check_prompts(&self, ids: &[Vec<u32>]) -> Result<(), super::error::InputError> {
+        use super::error::InputError;
         if ids.is_empty() {
-            return Err("no sequences given".into());
+            return Err(InputError::NoSequences);
         }
-        for (b, row) in ids.iter().enumerate() {
-            if row.is_empty() {
-                return Err(format!("row {b} is empty: sequences must not be empty"));
+        let vocab_size = self.config.vocab_size;
+        for (row, r) in ids.iter().enumerate() {
+            if r.is_empty() {
+                return Err(InputError::EmptyRow { row });
             }
-            if let Some(&bad) = row.iter().find(|&&t| t as usize >= self.config.vocab_size) {
-                return Err(format!(
-                    "row {b}: token id {bad} is outside the vocabulary (size {})",
-                    self.config.vocab_size
-                ));
+            if let Some(&id) = r.iter().find(|&&t| t as usize >= vocab_size) {
+                return Err(InputError::OutOfVocabulary {
+                    row,
+                    id,
+                    vocab_size,
+                });
             }
         }
         Ok(())
@@ -211,6 +216,13 @@ impl Decoder {
     /// - `cache`: when given, the new tokens continue each row's cached sequence (RoPE positions and keys
     ///   start at that row's cached length) and are added to the cache.
     /// - `replay`: per layer, expert choices to reuse instead of the router's (MoE routing replay).
+    ///
+    /// # Panics
+    ///
+    /// The forward is the hot path and takes its inputs as given: ids from outside (a file, a flag) go
+    /// through [`Decoder::check_ids`] or [`Decoder::check_prompts`] first, which say what is wrong instead.
+    /// Unchecked, no rows, ragged rows or an id outside the vocabulary panic here, as do a `cache` of
+    /// another batch size and `lens` / `at` whose lengths differ from the number of rows (caller bugs).
     pub fn forward(
         &self,
         ids: &[Vec<u32>],
@@ -222,7 +234,8 @@ impl Decoder {
     }
 
     /// A full forward of `ids` (equal-length rows, no cache) with the chosen weights: the learner's forward
-    /// (`Weights::Packed` is the aligned QaRL forward, `Weights::Master` the full-precision one).
+    /// (`Weights::Packed` is the aligned QaRL forward, `Weights::Master` the full-precision one). Panics
+    /// as [`Decoder::forward`] does.
     pub fn forward_as(
         &self,
         weights: Weights,
@@ -274,7 +287,8 @@ impl Decoder {
     /// [`Decoder::forward`], with the logits computed only at position `at[b]` of each row when `at` is
     /// given (`logits: [B, 1, vocab]`): a prefill needs only each prompt's last position, and the LM head
     /// over every prompt token is a large share of its cost. The LM head is row-invariant in deterministic
-    /// mode, so those logits are the bits a full forward computes at the same positions.
+    /// mode, so those logits are the bits a full forward computes at the same positions. Panics as
+    /// [`Decoder::forward`] does, and on a position `at[b]` past the row.
     pub fn forward_logits_at(
         &self,
         ids: &[Vec<u32>],

@@ -1,4 +1,5 @@
-//! Errors met while loading a model: each names the file and what is wrong with it.
+//! The model's errors: loading (each names the file and what is wrong with it), quantizing (the layer), and
+//! token ids that a forward cannot take (the row and the id; the caller names where the ids came from).
 
 use std::path::PathBuf;
 
@@ -56,4 +57,27 @@ pub enum QuantizeError {
     NoLayerSelected { patterns: Vec<String> },
     #[error(transparent)]
     Selection(#[from] crate::quant::QuantError),
+}
+
+/// Token ids a forward cannot take, found by [`crate::model::Decoder::check_ids`] and
+/// [`crate::model::Decoder::check_prompts`] before they reach the forward (which indexes by them and would
+/// panic). The messages name the row; the caller prefixes the file or flag the ids came from.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    #[error("no sequences given")]
+    NoSequences,
+    #[error("row {row} is empty: sequences must not be empty")]
+    EmptyRow { row: usize },
+    #[error("row {row}: token id {id} is outside the vocabulary (size {vocab_size})")]
+    OutOfVocabulary {
+        row: usize,
+        id: u32,
+        vocab_size: usize,
+    },
+    #[error("row {row} has {len} ids, row 0 has {first}: rows must have equal lengths")]
+    RaggedRows {
+        row: usize,
+        len: usize,
+        first: usize,
+    },
 }

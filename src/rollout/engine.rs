@@ -99,6 +99,12 @@ fn append_routing(
 }
 
 /// Generates `samples` continuations of each prompt.
+///
+/// # Panics
+///
+/// On prompts the model cannot take (an empty prompt, an id outside the vocabulary), as
+/// [`Decoder::forward`] does: prompts from outside go through [`Decoder::check_prompts`] first, and
+/// `params` through [`SamplingParams::validate`].
 pub fn generate(
     model: &Decoder,
     prompts: &[Vec<u32>],

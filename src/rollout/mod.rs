@@ -5,7 +5,7 @@ pub mod engine;
 pub mod sampler;
 
 pub use engine::{generate, FinishReason, Rollout};
-pub use sampler::SamplingParams;
+pub use sampler::{RolloutError, SamplingParams};
 
 use crate::model::Decoder;
 

@@ -5,6 +5,18 @@ use rand_chacha::rand_core::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+/// Sampling parameters out of range, found by [`SamplingParams::validate`] (the sampler itself takes them as
+/// given); each message names the parameter, the caller the place it was set (config key or flag).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RolloutError {
+    #[error("temperature must be a finite number >= 0, got {0}")]
+    Temperature(f32),
+    #[error("top_p must be in (0, 1], got {0}")]
+    TopP(f32),
+    #[error("stop strings must not be empty")]
+    EmptyStopString,
+}
+
 /// How to sample continuations. `temperature = 0` is greedy decoding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -40,19 +52,16 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Range checks; the message names the offending parameter.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Range checks; the error names the offending parameter.
+    pub fn validate(&self) -> Result<(), RolloutError> {
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!(
-                "temperature must be a finite number >= 0, got {}",
-                self.temperature
-            ));
+            return Err(RolloutError::Temperature(self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
+            return Err(RolloutError::TopP(self.top_p));
         }
         if self.stop_strings.iter().any(String::is_empty) {
-            return Err("stop strings must not be empty".into());
+            return Err(RolloutError::EmptyStopString);
         }
         Ok(())
     }

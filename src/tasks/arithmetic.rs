@@ -54,6 +54,34 @@ pub const MAX_TERMS: u32 = 16;
 /// Bound on `max_digits * max_terms`, which keeps every value inside `i128`.
 pub const MAX_TOTAL_DIGITS: u32 = 36;
 
+/// A knob of [`ArithmeticConfig`] out of range, found by [`ArithmeticConfig::validate`] (the generator clamps
+/// instead); each message names the knob and its value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ArithmeticError {
+    #[error(
+        "arithmetic: need 1 <= min_digits <= max_digits, got min_digits = {min_digits}, max_digits = {max_digits}"
+    )]
+    DigitRange { min_digits: u32, max_digits: u32 },
+    #[error(
+        "arithmetic: max_digits = {max_digits} is above the limit {}",
+        MAX_OPERAND_DIGITS
+    )]
+    TooManyDigits { max_digits: u32 },
+    #[error(
+        "arithmetic: need 1 <= min_terms <= max_terms, got min_terms = {min_terms}, max_terms = {max_terms}"
+    )]
+    TermRange { min_terms: u32, max_terms: u32 },
+    #[error("arithmetic: max_terms = {max_terms} is above the limit {}", MAX_TERMS)]
+    TooManyTerms { max_terms: u32 },
+    #[error(
+        "arithmetic: max_digits * max_terms = {product} is above {} (values must fit in i128)",
+        MAX_TOTAL_DIGITS
+    )]
+    TooManyTotalDigits { product: u32 },
+    #[error("arithmetic: `ops` is empty (use some of \"add\", \"sub\", \"mul\")")]
+    NoOps,
+}
+
 /// Knobs of the generator. More digits and more terms make harder problems (longer solutions).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -133,42 +161,35 @@ impl ArithmeticConfig {
         }
     }
 
-    /// Checks the knobs; the message says which one is wrong.
-    pub fn validate(&self) -> Result<(), String> {
-        if self.min_digits < 1 || self.min_digits > self.max_digits {
-            return Err(format!(
-                "arithmetic: need 1 <= min_digits <= max_digits, got min_digits = {}, max_digits = {}",
-                self.min_digits, self.max_digits
-            ));
+    /// Checks the knobs; the error says which one is wrong.
+    pub fn validate(&self) -> Result<(), ArithmeticError> {
+        let (min_digits, max_digits) = (self.min_digits, self.max_digits);
+        let (min_terms, max_terms) = (self.min_terms, self.max_terms);
+        if min_digits < 1 || min_digits > max_digits {
+            return Err(ArithmeticError::DigitRange {
+                min_digits,
+                max_digits,
+            });
         }
-        if self.max_digits > MAX_OPERAND_DIGITS {
-            return Err(format!(
-                "arithmetic: max_digits = {} is above the limit {MAX_OPERAND_DIGITS}",
-                self.max_digits
-            ));
+        if max_digits > MAX_OPERAND_DIGITS {
+            return Err(ArithmeticError::TooManyDigits { max_digits });
         }
-        if self.min_terms < 1 || self.min_terms > self.max_terms {
-            return Err(format!(
-                "arithmetic: need 1 <= min_terms <= max_terms, got min_terms = {}, max_terms = {}",
-                self.min_terms, self.max_terms
-            ));
+        if min_terms < 1 || min_terms > max_terms {
+            return Err(ArithmeticError::TermRange {
+                min_terms,
+                max_terms,
+            });
         }
-        if self.max_terms > MAX_TERMS {
-            return Err(format!(
-                "arithmetic: max_terms = {} is above the limit {MAX_TERMS}",
-                self.max_terms
-            ));
+        if max_terms > MAX_TERMS {
+            return Err(ArithmeticError::TooManyTerms { max_terms });
         }
-        if self.max_digits * self.max_terms > MAX_TOTAL_DIGITS {
-            return Err(format!(
-                "arithmetic: max_digits * max_terms = {} is above {MAX_TOTAL_DIGITS} (values must fit in i128)",
-                self.max_digits * self.max_terms
-            ));
+        if max_digits * max_terms > MAX_TOTAL_DIGITS {
+            return Err(ArithmeticError::TooManyTotalDigits {
+                product: max_digits * max_terms,
+            });
         }
-        if self.ops.is_empty() && self.max_terms > 1 {
-            return Err(
-                "arithmetic: `ops` is empty (use some of \"add\", \"sub\", \"mul\")".into(),
-            );
+        if self.ops.is_empty() && max_terms > 1 {
+            return Err(ArithmeticError::NoOps);
         }
         Ok(())
     }

@@ -9,9 +9,7 @@
 //! The model is `WordLevel` behind a `Split` pre-tokenizer that isolates every character, with the `Fuse`
 //! decoder, so decoding concatenates the characters exactly (no spaces added): `decode(encode(t)) == t`.
 
-use std::path::Path;
-
-use anyhow::Context;
+use std::path::{Path, PathBuf};
 
 /// Id of `<pad>`.
 pub const PAD_ID: u32 = 0;
@@ -99,17 +97,38 @@ pub fn tokenizer_config_json() -> serde_json::Value {
     })
 }
 
+/// Writing the tokenizer files failed; the message names the file. The underlying error is part of the
+/// message, not a `source` (anyhow's `{:#}` would print it twice).
+#[derive(Debug, thiserror::Error)]
+pub enum SaveError {
+    #[error("cannot create {path}: {io}")]
+    CreateDir { path: PathBuf, io: std::io::Error },
+    #[error("cannot write {path}: {io}")]
+    Write { path: PathBuf, io: std::io::Error },
+    #[error("cannot write {path}: {error}")]
+    Tokenizer {
+        path: PathBuf,
+        error: tokenizers::Error,
+    },
+}
+
 /// Writes `tokenizer.json` and `tokenizer_config.json` into `dir` (created if needed).
-pub fn save(dir: impl AsRef<Path>) -> anyhow::Result<()> {
+pub fn save(dir: impl AsRef<Path>) -> Result<(), SaveError> {
     let dir = dir.as_ref();
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|io| SaveError::CreateDir {
+        path: dir.to_path_buf(),
+        io,
+    })?;
     let tok_path = dir.join("tokenizer.json");
     build()
         .save(&tok_path, true)
-        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", tok_path.display()))?;
+        .map_err(|error| SaveError::Tokenizer {
+            path: tok_path,
+            error,
+        })?;
     let cfg_path = dir.join("tokenizer_config.json");
-    let text = serde_json::to_string_pretty(&tokenizer_config_json())?;
-    std::fs::write(&cfg_path, text + "\n")
-        .with_context(|| format!("cannot write {}", cfg_path.display()))?;
-    Ok(())
+    // A `serde_json::Value` always serializes (its map keys are strings).
+    let text =
+        serde_json::to_string_pretty(&tokenizer_config_json()).expect("a JSON value serializes");
+    std::fs::write(&cfg_path, text + "\n").map_err(|io| SaveError::Write { path: cfg_path, io })
 }

@@ -35,22 +35,39 @@ pub struct Record {
     pub line: usize,
 }
 
-/// Errors of the loaders; each names the file.
+/// Errors of the loaders; each names the file. The underlying error is part of the message and not a
+/// `source`, so that `{:#}` (anyhow's chain) does not print it twice.
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("{path}:{line}: {msg}")]
+    #[error("{path}: {io}")]
+    Io { path: PathBuf, io: std::io::Error },
+    #[error("{path}:{line}: {error}")]
     BadLine {
         path: PathBuf,
         line: usize,
-        msg: String,
+        error: LineError,
     },
     #[error("{path}: no usable records")]
     Empty { path: PathBuf },
+}
+
+/// What is wrong with one line of a data set file; [`DatasetError::BadLine`] adds the file and line number.
+#[derive(Debug, thiserror::Error)]
+pub enum LineError {
+    #[error("not valid UTF-8: {0}")]
+    NotUtf8(std::str::Utf8Error),
+    #[error("not valid JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("not a JSON object")]
+    NotObject,
+    #[error("missing field `{0}`")]
+    MissingField(&'static str),
+    #[error("field `{0}` is not a string")]
+    NotString(&'static str),
+    #[error("field `answer` has no final answer after `####`")]
+    NoFinalAnswer,
+    #[error("field `solution` has no well-formed `\\boxed{{...}}` (and no `answer` field)")]
+    NoBoxed,
 }
 
 /// The final answer of a GSM8K `answer` field: the rest of the line after the last `####`, trimmed.
@@ -78,30 +95,29 @@ pub fn strip_calculator_annotations(text: &str) -> String {
     out
 }
 
-fn string_field(obj: &serde_json::Value, key: &str) -> Result<String, String> {
+fn string_field(obj: &serde_json::Value, key: &'static str) -> Result<String, LineError> {
     match obj.get(key) {
         Some(serde_json::Value::String(s)) => Ok(s.clone()),
-        Some(_) => Err(format!("field `{key}` is not a string")),
-        None => Err(format!("missing field `{key}`")),
+        Some(_) => Err(LineError::NotString(key)),
+        None => Err(LineError::MissingField(key)),
     }
 }
 
-fn parse_object(line: &str) -> Result<serde_json::Value, String> {
-    let v: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
+fn parse_object(line: &str) -> Result<serde_json::Value, LineError> {
+    let v: serde_json::Value = serde_json::from_str(line).map_err(LineError::NotJson)?;
     if !v.is_object() {
-        return Err("not a JSON object".into());
+        return Err(LineError::NotObject);
     }
     Ok(v)
 }
 
 /// Parses one GSM8K line (`{"question": ..., "answer": "... #### 18"}`).
-pub fn parse_gsm8k_line(line: &str) -> Result<Record, String> {
+pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
     let question = string_field(&v, "question")?;
     let solution = string_field(&v, "answer")?;
     let answer = gsm8k_final_answer(&solution)
-        .ok_or("field `answer` has no final answer after `####`")?
+        .ok_or(LineError::NoFinalAnswer)?
         .to_string();
     Ok(Record {
         question,
@@ -113,24 +129,20 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, String> {
 
 /// Parses one MATH-style line (`{"problem": ..., "solution": "... \boxed{42} ..."}`). When the solution has no
 /// `\boxed{}`, a string `answer` field is used if present.
-pub fn parse_math_line(line: &str) -> Result<Record, String> {
+pub fn parse_math_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
     let question = string_field(&v, "problem")?;
     let solution = string_field(&v, "solution")?;
-    let answer =
-        match last_boxed(&solution)
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-        {
-            Some(a) => a.to_string(),
-            None => match v.get("answer") {
-                Some(serde_json::Value::String(a)) if !a.trim().is_empty() => a.trim().to_string(),
-                _ => return Err(
-                    "field `solution` has no well-formed `\\boxed{...}` (and no `answer` field)"
-                        .into(),
-                ),
-            },
-        };
+    let answer = match last_boxed(&solution)
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        Some(a) => a.to_string(),
+        None => match v.get("answer") {
+            Some(serde_json::Value::String(a)) if !a.trim().is_empty() => a.trim().to_string(),
+            _ => return Err(LineError::NoBoxed),
+        },
+    };
     Ok(Record {
         question,
         solution,
@@ -152,17 +164,17 @@ pub fn load_math(path: impl AsRef<Path>, on_bad: OnBadLine) -> Result<Vec<Record
 fn load_jsonl(
     path: &Path,
     on_bad: OnBadLine,
-    parse: fn(&str) -> Result<Record, String>,
+    parse: fn(&str) -> Result<Record, LineError>,
 ) -> Result<Vec<Record>, DatasetError> {
-    let bytes = std::fs::read(path).map_err(|source| DatasetError::Io {
+    let bytes = std::fs::read(path).map_err(|io| DatasetError::Io {
         path: path.to_path_buf(),
-        source,
+        io,
     })?;
     let mut out = Vec::new();
     for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;
         let parsed = match std::str::from_utf8(raw) {
-            Err(e) => Err(format!("not valid UTF-8: {e}")),
+            Err(e) => Err(LineError::NotUtf8(e)),
             Ok(s) if s.trim().is_empty() => continue,
             Ok(s) => parse(s.trim_end_matches('\r')),
         };
@@ -171,16 +183,16 @@ fn load_jsonl(
                 r.line = line_no;
                 out.push(r);
             }
-            Err(msg) => match on_bad {
+            Err(error) => match on_bad {
                 OnBadLine::Error => {
                     return Err(DatasetError::BadLine {
                         path: path.to_path_buf(),
                         line: line_no,
-                        msg,
+                        error,
                     })
                 }
                 OnBadLine::Skip => {
-                    tracing::warn!("{}:{line_no}: skipped: {msg}", path.display());
+                    tracing::warn!("{}:{line_no}: skipped: {error}", path.display());
                 }
             },
         }

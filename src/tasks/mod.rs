@@ -34,10 +34,10 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-pub use arithmetic::{ArithmeticConfig, Op, Problem};
-pub use datasets::{DatasetError, OnBadLine, Record};
+pub use arithmetic::{ArithmeticConfig, ArithmeticError, Op, Problem};
+pub use datasets::{DatasetError, LineError, OnBadLine, Record};
 pub use template::{Template, TemplateConfig, TemplateError};
-pub use verify::{score, Verdict, VerifyConfig};
+pub use verify::{score, Verdict, VerifyConfig, VerifyError};
 
 /// One prompt with its gold answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,11 +50,34 @@ pub struct Example {
     pub solution: Option<String>,
 }
 
-/// Errors of task construction.
+/// Errors of task construction: a knob out of range, a data set that does not load or split, a template
+/// that does not build. Each names the task and the knob or the file.
 #[derive(Debug, thiserror::Error)]
 pub enum TaskError {
+    /// Not `#[from]`: a source would be printed twice by anyhow's `{:#}`, the message holds it already.
     #[error("task config: {0}")]
-    Config(String),
+    Arithmetic(ArithmeticError),
+    #[error(
+        "task config: {task}: eval_fraction must be in (0, 1) when there is no eval_path, got {eval_fraction}"
+    )]
+    EvalFraction {
+        task: &'static str,
+        eval_fraction: f64,
+    },
+    #[error(
+        "task config: {task}: no training records left in {path} after holding out the eval set"
+    )]
+    NoTrainingRecords { task: &'static str, path: PathBuf },
+    #[error(
+        "task config: {task}: the held-out set is empty ({path} has {records} records, eval_fraction \
+         {eval_fraction}); set eval_path or a larger eval_fraction"
+    )]
+    EmptyEvalSet {
+        task: &'static str,
+        path: PathBuf,
+        records: usize,
+        eval_fraction: f64,
+    },
     #[error(transparent)]
     Dataset(#[from] DatasetError),
     #[error(transparent)]
@@ -213,7 +236,7 @@ impl Task {
     pub fn from_config(cfg: &TaskConfig) -> Result<Self, TaskError> {
         match cfg {
             TaskConfig::Arithmetic(a) => {
-                a.validate().map_err(TaskError::Config)?;
+                a.validate().map_err(TaskError::Arithmetic)?;
                 Ok(Task::Arithmetic(a.clone()))
             }
             TaskConfig::Gsm8k(d) => Self::dataset("gsm8k", d, |p, o| datasets::load_gsm8k(p, o)),
@@ -241,10 +264,10 @@ impl Task {
             }
             None => {
                 if !(d.eval_fraction > 0.0 && d.eval_fraction < 1.0) {
-                    return Err(TaskError::Config(format!(
-                        "{name}: eval_fraction must be in (0, 1) when there is no eval_path, got {}",
-                        d.eval_fraction
-                    )));
+                    return Err(TaskError::EvalFraction {
+                        task: name,
+                        eval_fraction: d.eval_fraction,
+                    });
                 }
                 let cut = (d.eval_fraction * 1_000_000.0) as u64;
                 let (eval, train): (Vec<Record>, Vec<Record>) = all
@@ -259,19 +282,18 @@ impl Task {
             .filter(|r| seen.insert(r.question.clone()))
             .collect();
         if train.is_empty() {
-            return Err(TaskError::Config(format!(
-                "{name}: no training records left in {} after holding out the eval set",
-                d.path.display()
-            )));
+            return Err(TaskError::NoTrainingRecords {
+                task: name,
+                path: d.path.clone(),
+            });
         }
         if eval.is_empty() {
-            return Err(TaskError::Config(format!(
-                "{name}: the held-out set is empty ({} has {} records, eval_fraction {}); set eval_path or a \
-                 larger eval_fraction",
-                d.path.display(),
-                train.len(),
-                d.eval_fraction
-            )));
+            return Err(TaskError::EmptyEvalSet {
+                task: name,
+                path: d.path.clone(),
+                records: train.len(),
+                eval_fraction: d.eval_fraction,
+            });
         }
         Ok(Task::Dataset(DatasetTask {
             name,

@@ -18,11 +18,9 @@ pub const IM_END: &str = "<|im_end|>";
 /// Errors of the templates; each names the file.
 #[derive(Debug, thiserror::Error)]
 pub enum TemplateError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    /// The I/O error is in the message, not a `source`: anyhow's `{:#}` would print it twice.
+    #[error("{path}: {io}")]
+    Io { path: PathBuf, io: std::io::Error },
     #[error("{path}: {msg}")]
     Invalid { path: PathBuf, msg: String },
     #[error(
@@ -182,9 +180,9 @@ pub fn chat_template_of_model(dir: &Path) -> Result<Option<String>, TemplateErro
     let cfg_path = dir.join("tokenizer_config.json");
     let mut found: Option<(PathBuf, String)> = None;
     if cfg_path.is_file() {
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| TemplateError::Io {
+        let text = std::fs::read_to_string(&cfg_path).map_err(|io| TemplateError::Io {
             path: cfg_path.clone(),
-            source,
+            io,
         })?;
         let v: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| TemplateError::Invalid {
@@ -223,9 +221,9 @@ pub fn chat_template_of_model(dir: &Path) -> Result<Option<String>, TemplateErro
     if found.is_none() {
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
-            let s = std::fs::read_to_string(&jinja).map_err(|source| TemplateError::Io {
+            let s = std::fs::read_to_string(&jinja).map_err(|io| TemplateError::Io {
                 path: jinja.clone(),
-                source,
+                io,
             })?;
             found = Some((jinja, s));
         }

@@ -69,7 +69,7 @@ impl VerifyConfig {
     }
 
     /// Checks that every reward is finite.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), VerifyError> {
         let mut all = vec![
             ("correct_reward", self.correct_reward),
             ("wrong_reward", self.wrong_reward),
@@ -77,13 +77,19 @@ impl VerifyConfig {
         if let Some(f) = self.format_reward {
             all.push(("format_reward", f));
         }
-        for (name, v) in all {
-            if !v.is_finite() {
-                return Err(format!("verifier: {name} must be a finite number, got {v}"));
-            }
+        match all.into_iter().find(|(_, v)| !v.is_finite()) {
+            Some((name, value)) => Err(VerifyError::NonFinite { name, value }),
+            None => Ok(()),
         }
-        Ok(())
     }
+}
+
+/// A reward of [`VerifyConfig`] that is not a number, found by [`VerifyConfig::validate`]; the message
+/// names the reward.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum VerifyError {
+    #[error("verifier: {name} must be a finite number, got {value}")]
+    NonFinite { name: &'static str, value: f32 },
 }
 
 /// The verifier's judgement of one response.

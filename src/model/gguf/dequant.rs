@@ -4,6 +4,26 @@
 
 use half::{bf16, f16};
 
+/// What keeps a tensor's bytes from being sized or decoded. The reader and the importer prefix the file
+/// and the tensor; the messages say what is wrong with the data.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DequantError {
+    #[error("rows of {row} values are not whole {block}-value blocks")]
+    PartialRow { row: u64, block: u64 },
+    #[error("byte size overflows")]
+    SizeOverflow,
+    #[error("{ty} data of {len} bytes is not whole {block_bytes}-byte blocks")]
+    PartialBlock {
+        ty: &'static str,
+        len: usize,
+        block_bytes: usize,
+    },
+    #[error(
+        "GGML type {ty} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)"
+    )]
+    Unsupported { ty: &'static str },
+}
+
 /// The GGML types a GGUF tensor may have (ids as in ggml.h).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {
@@ -87,16 +107,14 @@ impl GgmlType {
     }
 
     /// Bytes of a tensor of `elements` values whose rows have `row` values (rows hold whole blocks).
-    pub fn bytes_for(self, row: u64, elements: u64) -> Result<u64, String> {
+    pub fn bytes_for(self, row: u64, elements: u64) -> Result<u64, DequantError> {
         let (be, bb) = self.block();
         if row % be != 0 {
-            return Err(format!(
-                "rows of {row} values are not whole {be}-value blocks"
-            ));
+            return Err(DequantError::PartialRow { row, block: be });
         }
         (elements / be)
             .checked_mul(bb)
-            .ok_or_else(|| "byte size overflows".to_string())
+            .ok_or(DequantError::SizeOverflow)
     }
 
     /// Whether [`dequantize`] reads this type.
@@ -120,15 +138,15 @@ fn h(b: &[u8]) -> f32 {
 }
 
 /// Dequantizes `data` (whole blocks of `ty`) to f32; `Err` names an unsupported type.
-pub fn dequantize(ty: GgmlType, data: &[u8]) -> Result<Vec<f32>, String> {
+pub fn dequantize(ty: GgmlType, data: &[u8]) -> Result<Vec<f32>, DequantError> {
     let (be, bb) = ty.block();
     let (be, bb) = (be as usize, bb as usize);
     if data.len() % bb != 0 {
-        return Err(format!(
-            "{} data of {} bytes is not whole {bb}-byte blocks",
-            ty.name(),
-            data.len()
-        ));
+        return Err(DequantError::PartialBlock {
+            ty: ty.name(),
+            len: data.len(),
+            block_bytes: bb,
+        });
     }
     let mut out = Vec::with_capacity(data.len() / bb * be);
     match ty {
@@ -210,12 +228,7 @@ pub fn dequantize(ty: GgmlType, data: &[u8]) -> Result<Vec<f32>, String> {
                 }
             }
         }
-        other => {
-            return Err(format!(
-                "GGML type {} is not supported (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)",
-                other.name()
-            ))
-        }
+        other => return Err(DequantError::Unsupported { ty: other.name() }),
     }
     Ok(out)
 }

@@ -19,13 +19,18 @@ pub enum OutputDtype {
     Bf16,
 }
 
+/// A `--dtype` that is neither `f32` nor `bf16` (clap shows the message next to the flag).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown dtype `{0}` (f32 or bf16)")]
+pub struct UnknownDtype(pub String);
+
 impl std::str::FromStr for OutputDtype {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownDtype;
+    fn from_str(s: &str) -> Result<Self, UnknownDtype> {
         match s {
             "f32" => Ok(Self::F32),
             "bf16" => Ok(Self::Bf16),
-            _ => Err(format!("unknown dtype `{s}` (f32 or bf16)")),
+            _ => Err(UnknownDtype(s.to_string())),
         }
     }
 }

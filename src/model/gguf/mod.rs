@@ -6,6 +6,6 @@ pub mod import;
 pub mod reader;
 pub mod tokenizer;
 
-pub use dequant::{dequantize, GgmlType};
-pub use import::{import_gguf, ImportSummary, OutputDtype};
+pub use dequant::{dequantize, DequantError, GgmlType};
+pub use import::{import_gguf, ImportSummary, OutputDtype, UnknownDtype};
 pub use reader::{GgufError, GgufFile, TensorInfo, Value};
