@@ -7,7 +7,7 @@ use std::path::Path;
 
 use burn::tensor::Device;
 use common::{copy_model, fixtures_dir, read_tensors, write_tensors};
-use qarl::model::{Architecture, Decoder, LoadError, ModelConfig};
+use qarl::model::{Architecture, Checkpoint, Decoder, LoadError, ModelConfig};
 
 fn load_err(dir: &Path) -> String {
     match Decoder::load(dir, &Device::flex()) {
@@ -282,4 +282,90 @@ fn load_error_is_a_typed_value() {
         }
         other => panic!("expected MissingTensor, got {:?}", other.err()),
     }
+}
+
+/// Saving writes back exactly the tensors loading read: same names, shapes and (f32) values. Both take the
+/// names from the one walk over the model's parameters (`qarl::model::params`).
+#[test]
+fn saving_writes_back_the_tensors_loading_read() {
+    let device = Device::flex();
+    for dir in common::fixture_models() {
+        let model = Decoder::load(&dir, &device).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        qarl::model::save::save_pretrained(&model, &json, tmp.path()).unwrap();
+        let saved = read_tensors(&tmp.path().join("model.safetensors"));
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        // A tied model's stored head and transformers' rotary buffers are read by nobody.
+        let read: Vec<&str> = ckpt
+            .names()
+            .filter(|n| !n.ends_with("rotary_emb.inv_freq"))
+            .filter(|n| model.lm_head.is_some() || *n != "lm_head.weight")
+            .collect();
+        let written: Vec<&str> = saved.keys().map(String::as_str).collect();
+        assert_eq!(written, read, "{}", dir.display());
+        for (name, (dtype, shape, bytes)) in &saved {
+            assert_eq!(*dtype, safetensors::Dtype::F32, "{name}");
+            let want = ckpt.read_f32(name, shape).unwrap();
+            let got: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            assert!(
+                got.iter()
+                    .map(|x| x.to_bits())
+                    .eq(want.iter().map(|x| x.to_bits())),
+                "{}: {name}",
+                dir.display()
+            );
+        }
+    }
+}
+
+/// A random checkpoint gives tensor number `i` (in load order) random stream `i`, so that order is part of
+/// what a seed means: this pins it (embeddings; per layer the input norm, q/k/v/o each with its bias, the
+/// q/k norms, the post-attention norm, then the experts before the router, or the dense MLP; final norm;
+/// head).
+#[test]
+fn random_checkpoint_tensors_keep_their_numbering() {
+    let mut cfg = ModelConfig::from_json_str(CLASSIC_MOE, Path::new("config.json")).unwrap();
+    (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) = (true, true, true);
+    let mut want: Vec<(String, Vec<usize>)> =
+        vec![("model.embed_tokens.weight".into(), vec![256, 64])];
+    let linear =
+        |want: &mut Vec<(String, Vec<usize>)>, name: String, out: usize, inn: usize, bias: bool| {
+            want.push((format!("{name}.weight"), vec![out, inn]));
+            if bias {
+                want.push((format!("{name}.bias"), vec![out]));
+            }
+        };
+    for i in 0..2 {
+        let p = format!("model.layers.{i}");
+        want.push((format!("{p}.input_layernorm.weight"), vec![64]));
+        linear(&mut want, format!("{p}.self_attn.q_proj"), 128, 64, true);
+        linear(&mut want, format!("{p}.self_attn.k_proj"), 64, 64, true);
+        linear(&mut want, format!("{p}.self_attn.v_proj"), 64, 64, true);
+        linear(&mut want, format!("{p}.self_attn.o_proj"), 64, 128, true);
+        want.push((format!("{p}.self_attn.q_norm.weight"), vec![32]));
+        want.push((format!("{p}.self_attn.k_norm.weight"), vec![32]));
+        want.push((format!("{p}.post_attention_layernorm.weight"), vec![64]));
+        if i == 0 {
+            for e in 0..8 {
+                let x = format!("{p}.mlp.experts.{e}");
+                linear(&mut want, format!("{x}.gate_proj"), 32, 64, false);
+                linear(&mut want, format!("{x}.up_proj"), 32, 64, false);
+                linear(&mut want, format!("{x}.down_proj"), 64, 32, false);
+            }
+            linear(&mut want, format!("{p}.mlp.gate"), 8, 64, false);
+        } else {
+            linear(&mut want, format!("{p}.mlp.gate_proj"), 96, 64, true);
+            linear(&mut want, format!("{p}.mlp.up_proj"), 96, 64, true);
+            linear(&mut want, format!("{p}.mlp.down_proj"), 64, 96, true);
+        }
+    }
+    want.push(("model.norm.weight".into(), vec![64]));
+    want.push(("lm_head.weight".into(), vec![256, 64]));
+    assert_eq!(qarl::model::init::tensor_specs(&cfg), want);
 }

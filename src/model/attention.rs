@@ -3,9 +3,7 @@
 use burn::module::Module;
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor};
 
-use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
-use super::error::LoadError;
 use super::layers::{Linear, RmsNorm, Rope, Weights};
 use crate::ops::det_matmul;
 
@@ -48,70 +46,30 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        cfg: &ModelConfig,
-        device: &Device,
-    ) -> Result<Self, LoadError> {
+    /// The attention of `cfg` with parameters not allocated yet (a lazy model's part, see
+    /// [`super::params`]).
+    pub fn lazy(cfg: &ModelConfig, device: &Device) -> Self {
         let (h, kv, d, hid) = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
             cfg.hidden_size,
         );
-        let norm = |name: &str| -> Result<Option<RmsNorm>, LoadError> {
-            if cfg.qk_norm {
-                Ok(Some(RmsNorm::load(
-                    ckpt,
-                    &format!("{prefix}.{name}.weight"),
-                    d,
-                    cfg.rms_norm_eps,
-                    device,
-                )?))
-            } else {
-                Ok(None)
-            }
+        let norm = || {
+            cfg.qk_norm
+                .then(|| RmsNorm::lazy(d, cfg.rms_norm_eps, device))
         };
-        Ok(Self {
-            q_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.q_proj"),
-                hid,
-                h * d,
-                cfg.qkv_bias,
-                device,
-            )?,
-            k_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.k_proj"),
-                hid,
-                kv * d,
-                cfg.qkv_bias,
-                device,
-            )?,
-            v_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.v_proj"),
-                hid,
-                kv * d,
-                cfg.qkv_bias,
-                device,
-            )?,
-            o_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.o_proj"),
-                h * d,
-                hid,
-                cfg.o_bias,
-                device,
-            )?,
-            q_norm: norm("q_norm")?,
-            k_norm: norm("k_norm")?,
+        Self {
+            q_proj: Linear::lazy(hid, h * d, cfg.qkv_bias, device),
+            k_proj: Linear::lazy(hid, kv * d, cfg.qkv_bias, device),
+            v_proj: Linear::lazy(hid, kv * d, cfg.qkv_bias, device),
+            o_proj: Linear::lazy(h * d, hid, cfg.o_bias, device),
+            q_norm: norm(),
+            k_norm: norm(),
             num_heads: h,
             num_kv_heads: kv,
             head_dim: d,
-        })
+        }
     }
 
     /// `x: [B, T, hidden]`; `mask: [B, 1, T, S]` additive (0 or a large negative number), `S` = cached + `T`;

@@ -12,6 +12,7 @@ use super::error::LoadError;
 use super::error::QuantizeError;
 use super::layers::{Linear, RmsNorm, Rope, Weights};
 use super::mlp::{FeedForward, Routing};
+use super::params::{lazy_param, tensor_name, Part, PartMut, LM_HEAD, WEIGHT};
 use crate::host::tensor_from_vec;
 use crate::quant::{Precision, QuantConfig};
 
@@ -31,6 +32,19 @@ pub struct DecoderLayer {
     pub self_attn: Attention,
     pub post_attention_layernorm: RmsNorm,
     pub mlp: FeedForward,
+}
+
+impl DecoderLayer {
+    /// Layer `layer` of `cfg` with parameters not allocated yet (a lazy model's part, see
+    /// [`super::params`]).
+    pub fn lazy(layer: usize, cfg: &ModelConfig, device: &Device) -> Self {
+        Self {
+            input_layernorm: RmsNorm::lazy(cfg.hidden_size, cfg.rms_norm_eps, device),
+            self_attn: Attention::lazy(cfg, device),
+            post_attention_layernorm: RmsNorm::lazy(cfg.hidden_size, cfg.rms_norm_eps, device),
+            mlp: FeedForward::lazy(layer, cfg, device),
+        }
+    }
 }
 
 /// Per-layer attention state for incremental decoding. Each row's tokens occupy the first `lens[b]` slots
@@ -116,54 +130,48 @@ impl Decoder {
         Self::from_checkpoint(config, &ckpt, device)
     }
 
-    /// Builds the model from an open checkpoint, failing on any missing, mis-shaped or extra tensor.
+    /// Builds the model from an open checkpoint, failing on any missing, mis-shaped or extra tensor: a
+    /// [`Decoder::lazy`] model of `config`, each part then read under its name ([`super::params`]).
     pub fn from_checkpoint(
         config: ModelConfig,
         ckpt: &Checkpoint,
         device: &Device,
     ) -> Result<Self, LoadError> {
-        let (v, h) = (config.vocab_size, config.hidden_size);
-        let embed = ckpt.read_f32("model.embed_tokens.weight", &[v, h])?;
-        let layers = (0..config.num_hidden_layers)
-            .map(|i| {
-                let p = format!("model.layers.{i}");
-                Ok(DecoderLayer {
-                    input_layernorm: RmsNorm::load(
-                        ckpt,
-                        &format!("{p}.input_layernorm.weight"),
-                        h,
-                        config.rms_norm_eps,
-                        device,
-                    )?,
-                    self_attn: Attention::load(ckpt, &format!("{p}.self_attn"), &config, device)?,
-                    post_attention_layernorm: RmsNorm::load(
-                        ckpt,
-                        &format!("{p}.post_attention_layernorm.weight"),
-                        h,
-                        config.rms_norm_eps,
-                        device,
-                    )?,
-                    mlp: FeedForward::load(ckpt, &format!("{p}.mlp"), i, &config, device)?,
-                })
-            })
-            .collect::<Result<Vec<_>, LoadError>>()?;
-        let norm = RmsNorm::load(ckpt, "model.norm.weight", h, config.rms_norm_eps, device)?;
-        let lm_head = if config.tie_word_embeddings {
+        let mut model = Self::lazy(config, device);
+        let dense = model
+            .layers
+            .iter()
+            .any(|l| matches!(l.mlp, FeedForward::Dense(_)));
+        if dense && model.config.intermediate_size == 0 {
+            return Err(LoadError::MissingKey {
+                path: ckpt.dir().join("config.json"),
+                key: "intermediate_size".into(),
+            });
+        }
+        model.try_visit_mut(|path, part| part.load(ckpt, path, device))?;
+        if model.lm_head.is_none() {
             // Some exports store the tied head anyway; it is the embedding matrix, so it is not an extra.
-            ckpt.ignore("lm_head.weight");
-            None
-        } else {
-            Some(Linear::load(ckpt, "lm_head", h, v, false, device)?)
-        };
+            ckpt.ignore(&tensor_name(LM_HEAD, WEIGHT));
+        }
         ckpt.ensure_all_used()?;
-        Ok(Self {
-            embed_tokens: Param::from_tensor(tensor_from_vec(embed, [v, h], device)),
-            layers,
-            norm,
-            lm_head,
+        Ok(model)
+    }
+
+    /// The model of `config` with every parameter in place but not allocated (lazy, zeros if read): its
+    /// shapes and names without its weights. Loading fills one in; the random checkpoint writer lists one's
+    /// tensors.
+    pub fn lazy(config: ModelConfig, device: &Device) -> Self {
+        let (v, h, eps) = (config.vocab_size, config.hidden_size, config.rms_norm_eps);
+        Self {
+            embed_tokens: lazy_param([v, h], device),
+            layers: (0..config.num_hidden_layers)
+                .map(|i| DecoderLayer::lazy(i, &config, device))
+                .collect(),
+            norm: RmsNorm::lazy(h, eps, device),
+            lm_head: (!config.tie_word_embeddings).then(|| Linear::lazy(h, v, false, device)),
             rope: Rope::new(config.head_dim, config.rope_theta),
             config,
-        })
+        }
     }
 
     /// The device the weights live on.
@@ -431,64 +439,24 @@ impl Decoder {
 
     /// Every linear layer (the order of [`Decoder::linears_mut`], without the names).
     pub fn linears(&self) -> impl Iterator<Item = &Linear> {
-        self.layers
-            .iter()
-            .flat_map(|layer| {
-                let a = &layer.self_attn;
-                let attn = [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj];
-                let mlp: Vec<&Linear> = match &layer.mlp {
-                    FeedForward::Dense(m) => vec![&m.gate_proj, &m.up_proj, &m.down_proj],
-                    FeedForward::Moe(moe) => std::iter::once(&moe.gate)
-                        .chain(
-                            moe.experts
-                                .iter()
-                                .flat_map(|ex| [&ex.gate_proj, &ex.up_proj, &ex.down_proj]),
-                        )
-                        .collect(),
-                };
-                attn.into_iter().chain(mlp)
-            })
-            .chain(self.lm_head.as_ref())
+        let mut out = Vec::new();
+        self.visit(|_, part| {
+            if let Part::Linear(lin) = part {
+                out.push(lin);
+            }
+        });
+        out.into_iter()
     }
 
-    /// Every linear layer with the HF name of its weight (`model.layers.0.self_attn.q_proj.weight`, ...).
+    /// Every linear layer with the HF name of its weight (`model.layers.0.self_attn.q_proj.weight`, ...),
+    /// in the order of [`Decoder::visit`]: the names quantization patterns select layers by.
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         let mut out = Vec::new();
-        for (i, layer) in self.layers.iter_mut().enumerate() {
-            let p = format!("model.layers.{i}");
-            let a = &mut layer.self_attn;
-            out.push((format!("{p}.self_attn.q_proj.weight"), &mut a.q_proj));
-            out.push((format!("{p}.self_attn.k_proj.weight"), &mut a.k_proj));
-            out.push((format!("{p}.self_attn.v_proj.weight"), &mut a.v_proj));
-            out.push((format!("{p}.self_attn.o_proj.weight"), &mut a.o_proj));
-            match &mut layer.mlp {
-                FeedForward::Dense(m) => {
-                    out.push((format!("{p}.mlp.gate_proj.weight"), &mut m.gate_proj));
-                    out.push((format!("{p}.mlp.up_proj.weight"), &mut m.up_proj));
-                    out.push((format!("{p}.mlp.down_proj.weight"), &mut m.down_proj));
-                }
-                FeedForward::Moe(moe) => {
-                    out.push((format!("{p}.mlp.gate.weight"), &mut moe.gate));
-                    for (e, ex) in moe.experts.iter_mut().enumerate() {
-                        out.push((
-                            format!("{p}.mlp.experts.{e}.gate_proj.weight"),
-                            &mut ex.gate_proj,
-                        ));
-                        out.push((
-                            format!("{p}.mlp.experts.{e}.up_proj.weight"),
-                            &mut ex.up_proj,
-                        ));
-                        out.push((
-                            format!("{p}.mlp.experts.{e}.down_proj.weight"),
-                            &mut ex.down_proj,
-                        ));
-                    }
-                }
+        self.visit_mut(|path, part| {
+            if let PartMut::Linear(lin) = part {
+                out.push((tensor_name(path, WEIGHT), lin));
             }
-        }
-        if let Some(head) = &mut self.lm_head {
-            out.push(("lm_head.weight".to_string(), head));
-        }
+        });
         out
     }
 

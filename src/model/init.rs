@@ -10,12 +10,15 @@ use std::borrow::Cow;
 use std::path::Path;
 
 use anyhow::Context;
+use burn::tensor::Device;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use safetensors::tensor::{Dtype, View};
 
 use super::checkpoint::SINGLE_FILE;
 use super::config::ModelConfig;
+use super::decoder::Decoder;
+use super::params::tensor_name;
 
 /// How a tensor is initialised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,67 +45,17 @@ impl InitKind {
 }
 
 /// Every tensor the loader reads for `cfg`, by HF name, with its on-disk shape (`[out, in]` for linears), in
-/// the order the decoder reads them.
+/// the order the decoder reads them: the tensors of a [`Decoder::lazy`] model of `cfg`, which allocates no
+/// weights. That order numbers the random streams, so it is part of what a seed means.
 pub fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
-    let (heads, kv, d) = (
-        cfg.num_attention_heads,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-    );
-    let mut out: Vec<(String, Vec<usize>)> = vec![("model.embed_tokens.weight".into(), vec![v, h])];
-    let linear = |out: &mut Vec<(String, Vec<usize>)>,
-                  prefix: &str,
-                  d_in: usize,
-                  d_out: usize,
-                  bias: bool| {
-        out.push((format!("{prefix}.weight"), vec![d_out, d_in]));
-        if bias {
-            out.push((format!("{prefix}.bias"), vec![d_out]));
+    // Nothing is allocated, so the device is only a label.
+    let model = Decoder::lazy(cfg.clone(), &Device::flex());
+    let mut out = Vec::new();
+    model.visit(|path, part| {
+        for (suffix, shape) in part.hf_shapes() {
+            out.push((tensor_name(path, suffix), shape));
         }
-    };
-    let swiglu = |out: &mut Vec<(String, Vec<usize>)>, prefix: &str, inter: usize, bias: bool| {
-        linear(out, &format!("{prefix}.gate_proj"), h, inter, bias);
-        linear(out, &format!("{prefix}.up_proj"), h, inter, bias);
-        linear(out, &format!("{prefix}.down_proj"), inter, h, bias);
-    };
-    for i in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{i}");
-        out.push((format!("{p}.input_layernorm.weight"), vec![h]));
-        let a = format!("{p}.self_attn");
-        linear(&mut out, &format!("{a}.q_proj"), h, heads * d, cfg.qkv_bias);
-        linear(&mut out, &format!("{a}.k_proj"), h, kv * d, cfg.qkv_bias);
-        linear(&mut out, &format!("{a}.v_proj"), h, kv * d, cfg.qkv_bias);
-        linear(&mut out, &format!("{a}.o_proj"), heads * d, h, cfg.o_bias);
-        if cfg.qk_norm {
-            out.push((format!("{a}.q_norm.weight"), vec![d]));
-            out.push((format!("{a}.k_norm.weight"), vec![d]));
-        }
-        out.push((format!("{p}.post_attention_layernorm.weight"), vec![h]));
-        match &cfg.moe {
-            Some(moe) if cfg.is_sparse_layer(i) => {
-                for e in 0..moe.num_experts {
-                    swiglu(
-                        &mut out,
-                        &format!("{p}.mlp.experts.{e}"),
-                        moe.moe_intermediate_size,
-                        false,
-                    );
-                }
-                out.push((format!("{p}.mlp.gate.weight"), vec![moe.num_experts, h]));
-            }
-            _ => swiglu(
-                &mut out,
-                &format!("{p}.mlp"),
-                cfg.intermediate_size,
-                cfg.mlp_bias,
-            ),
-        }
-    }
-    out.push(("model.norm.weight".into(), vec![h]));
-    if !cfg.tie_word_embeddings {
-        out.push(("lm_head.weight".into(), vec![v, h]));
-    }
+    });
     out
 }
 

@@ -5,6 +5,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::checkpoint::Checkpoint;
 use super::error::LoadError;
+use super::params::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
 use crate::host::tensor_from_vec;
 use crate::ops::{aligned_softmax, det_matmul, QuantizedWeight};
 use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
@@ -39,7 +40,18 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Loads `{prefix}.weight` (`[out, in]` on disk) and, if `bias`, `{prefix}.bias`.
+    /// A full-precision layer of these shapes whose parameters are not allocated yet (a lazy model's part,
+    /// see [`super::params`]).
+    pub fn lazy(d_in: usize, d_out: usize, bias: bool, device: &Device) -> Self {
+        Self {
+            weight: lazy_param([d_in, d_out], device),
+            bias: bias.then(|| lazy_param([d_out], device)),
+            quant: None,
+        }
+    }
+
+    /// Loads `{prefix}.weight` (`[out, in]` on disk) and, if `bias`, `{prefix}.bias`; in a quantized
+    /// checkpoint, `{prefix}.qweight` and `{prefix}.scales` where present instead of the weight.
     pub fn load(
         ckpt: &Checkpoint,
         prefix: &str,
@@ -48,7 +60,7 @@ impl Linear {
         bias: bool,
         device: &Device,
     ) -> Result<Self, LoadError> {
-        let qname = format!("{prefix}.qweight");
+        let qname = tensor_name(prefix, QWEIGHT);
         let (weight, quant) = match ckpt.quant_scheme.filter(|_| ckpt.contains(&qname)) {
             Some(scheme) => {
                 // A quantized checkpoint: the packed codes are the weights; the master starts as their
@@ -58,7 +70,7 @@ impl Linear {
                     &[d_out, scheme.row_bytes(d_in)],
                     safetensors::Dtype::U8,
                 )?;
-                let sname = format!("{prefix}.scales");
+                let sname = tensor_name(prefix, SCALES);
                 let scales = ckpt.read_f32(&sname, &scheme.scale_shape(d_out, d_in))?;
                 let q = QuantizedTensor::from_parts(scheme, d_out, d_in, data, scales).map_err(
                     |e| LoadError::InvalidConfig {
@@ -70,14 +82,14 @@ impl Linear {
                 (qw.dequantized(device), Some(qw))
             }
             None => {
-                let w = ckpt.read_f32(&format!("{prefix}.weight"), &[d_out, d_in])?;
+                let w = ckpt.read_f32(&tensor_name(prefix, WEIGHT), &[d_out, d_in])?;
                 let weight = tensor_from_vec(w, [d_out, d_in], device).transpose();
                 // Materialise the transposed layout once instead of on every matmul.
                 (Tensor::from_data(weight.into_data(), device), None)
             }
         };
         let bias = if bias {
-            let b = ckpt.read_f32(&format!("{prefix}.bias"), &[d_out])?;
+            let b = ckpt.read_f32(&tensor_name(prefix, BIAS), &[d_out])?;
             Some(Param::from_tensor(tensor_from_vec(b, [d_out], device)))
         } else {
             None
@@ -104,12 +116,14 @@ impl Linear {
         self.quant = None;
     }
 
+    /// Input features (read without allocating a lazy weight).
     pub fn d_in(&self) -> usize {
-        self.weight.shape().dims::<2>()[0]
+        self.weight.lazy_shape().dims::<2>()[0]
     }
 
+    /// Output features (read without allocating a lazy weight).
     pub fn d_out(&self) -> usize {
-        self.weight.shape().dims::<2>()[1]
+        self.weight.lazy_shape().dims::<2>()[1]
     }
 
     /// `x: [n, in] -> [n, out]` with the packed weights when the layer has them ([`Weights::Packed`]).
@@ -138,25 +152,25 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(
-        ckpt: &Checkpoint,
-        name: &str,
-        dim: usize,
-        eps: f64,
-        device: &Device,
-    ) -> Result<Self, LoadError> {
-        let w = ckpt.read_f32(name, &[dim])?;
-        Ok(Self {
-            weight: Param::from_tensor(tensor_from_vec(w, [dim], device)),
+    /// A norm over `dim` features whose weight is not allocated yet (a lazy model's part, see
+    /// [`super::params`]).
+    pub fn lazy(dim: usize, eps: f64, device: &Device) -> Self {
+        Self {
+            weight: lazy_param([dim], device),
             eps,
-        })
+        }
+    }
+
+    /// Features normalised (read without allocating a lazy weight).
+    pub fn dim(&self) -> usize {
+        self.weight.lazy_shape().dims::<1>()[0]
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
         let var = x.clone().square().mean_dim(D - 1);
         let x = x * (var + self.eps).sqrt().recip();
         let mut shape = [1usize; D];
-        shape[D - 1] = self.weight.shape().dims::<1>()[0];
+        shape[D - 1] = self.dim();
         x * self.weight.val().reshape(shape)
     }
 }

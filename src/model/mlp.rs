@@ -4,9 +4,7 @@ use burn::module::Module;
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::checkpoint::Checkpoint;
 use super::config::{ModelConfig, MoeConfig};
-use super::error::LoadError;
 use super::layers::{Linear, Weights};
 use crate::host::to_i64_vec;
 use crate::ops::{
@@ -23,40 +21,14 @@ pub struct SwiGlu {
 }
 
 impl SwiGlu {
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        hidden: usize,
-        inter: usize,
-        bias: bool,
-        device: &Device,
-    ) -> Result<Self, LoadError> {
-        Ok(Self {
-            gate_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.gate_proj"),
-                hidden,
-                inter,
-                bias,
-                device,
-            )?,
-            up_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.up_proj"),
-                hidden,
-                inter,
-                bias,
-                device,
-            )?,
-            down_proj: Linear::load(
-                ckpt,
-                &format!("{prefix}.down_proj"),
-                inter,
-                hidden,
-                bias,
-                device,
-            )?,
-        })
+    /// A SwiGLU of these sizes with parameters not allocated yet (a lazy model's part, see
+    /// [`super::params`]).
+    pub fn lazy(hidden: usize, inter: usize, bias: bool, device: &Device) -> Self {
+        Self {
+            gate_proj: Linear::lazy(hidden, inter, bias, device),
+            up_proj: Linear::lazy(hidden, inter, bias, device),
+            down_proj: Linear::lazy(inter, hidden, bias, device),
+        }
     }
 
     /// `x: [n, hidden] -> [n, hidden]`
@@ -82,38 +54,17 @@ pub struct MoeBlock {
 pub type Routing = Vec<u32>;
 
 impl MoeBlock {
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        hidden: usize,
-        moe: &MoeConfig,
-        device: &Device,
-    ) -> Result<Self, LoadError> {
-        let experts = (0..moe.num_experts)
-            .map(|e| {
-                SwiGlu::load(
-                    ckpt,
-                    &format!("{prefix}.experts.{e}"),
-                    hidden,
-                    moe.moe_intermediate_size,
-                    false,
-                    device,
-                )
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(Self {
-            gate: Linear::load(
-                ckpt,
-                &format!("{prefix}.gate"),
-                hidden,
-                moe.num_experts,
-                false,
-                device,
-            )?,
-            experts,
+    /// The routed experts of `moe` with parameters not allocated yet (a lazy model's part, see
+    /// [`super::params`]).
+    pub fn lazy(hidden: usize, moe: &MoeConfig, device: &Device) -> Self {
+        Self {
+            gate: Linear::lazy(hidden, moe.num_experts, false, device),
+            experts: (0..moe.num_experts)
+                .map(|_| SwiGlu::lazy(hidden, moe.moe_intermediate_size, false, device))
+                .collect(),
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
-        })
+        }
     }
 
     /// `x: [n, hidden] -> ([n, hidden], routing)`. With `replay`, the given experts are used instead of the
@@ -285,37 +236,19 @@ pub enum FeedForward {
 }
 
 impl FeedForward {
-    pub fn load(
-        ckpt: &Checkpoint,
-        prefix: &str,
-        layer: usize,
-        cfg: &ModelConfig,
-        device: &Device,
-    ) -> Result<Self, LoadError> {
+    /// The feed-forward block of layer `layer` of `cfg` (routed experts in a sparse layer of an MoE model,
+    /// else a dense SwiGLU) with parameters not allocated yet (a lazy model's part, see [`super::params`]).
+    pub fn lazy(layer: usize, cfg: &ModelConfig, device: &Device) -> Self {
         match &cfg.moe {
-            Some(moe) if cfg.is_sparse_layer(layer) => Ok(Self::Moe(MoeBlock::load(
-                ckpt,
-                prefix,
-                cfg.hidden_size,
-                moe,
-                device,
-            )?)),
-            _ => {
-                if cfg.intermediate_size == 0 {
-                    return Err(LoadError::MissingKey {
-                        path: ckpt.dir().join("config.json"),
-                        key: "intermediate_size".into(),
-                    });
-                }
-                Ok(Self::Dense(SwiGlu::load(
-                    ckpt,
-                    prefix,
-                    cfg.hidden_size,
-                    cfg.intermediate_size,
-                    cfg.mlp_bias,
-                    device,
-                )?))
+            Some(moe) if cfg.is_sparse_layer(layer) => {
+                Self::Moe(MoeBlock::lazy(cfg.hidden_size, moe, device))
             }
+            _ => Self::Dense(SwiGlu::lazy(
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.mlp_bias,
+                device,
+            )),
         }
     }
 }

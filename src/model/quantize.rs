@@ -8,6 +8,7 @@ use anyhow::{bail, Context};
 use safetensors::Dtype;
 use serde_json::Value;
 
+use super::params::{tensor_name, QWEIGHT, SCALES, WEIGHT};
 use super::{Checkpoint, ModelConfig};
 use crate::quant::{QuantConfig, QuantizedTensor};
 
@@ -61,7 +62,7 @@ pub fn quantize_checkpoint(
     for name in names {
         let (dtype, shape, bytes) = ckpt.stored(&name).expect("listed tensor");
         summary.bytes_before += bytes.len();
-        let prefix = name.strip_suffix(".weight");
+        let prefix = name.strip_suffix(WEIGHT).and_then(|p| p.strip_suffix('.'));
         match prefix {
             Some(prefix) if shape.len() == 2 && sel.selects(&name) => {
                 let (out, inn) = (shape[0], shape[1]);
@@ -74,13 +75,13 @@ pub fn quantize_checkpoint(
                 let scale_bytes: Vec<u8> = scales.iter().flat_map(|s| s.to_le_bytes()).collect();
                 summary.bytes_after += data.len() + scale_bytes.len();
                 tensors.push((
-                    format!("{prefix}.qweight"),
+                    tensor_name(prefix, QWEIGHT),
                     Dtype::U8,
                     vec![out, row_bytes],
                     data,
                 ));
                 tensors.push((
-                    format!("{prefix}.scales"),
+                    tensor_name(prefix, SCALES),
                     Dtype::F32,
                     scale_shape,
                     scale_bytes,

@@ -8,77 +8,28 @@ use burn::tensor::Tensor;
 use serde_json::Value;
 
 use super::decoder::Decoder;
-use super::layers::{Linear, RmsNorm};
-use super::mlp::{FeedForward, SwiGlu};
+use super::params::{tensor_name, Part, BIAS, WEIGHT};
 use crate::host::to_f32_vec;
 
-/// Every parameter with its HF name, in HF layout (`[out, in]` for linear weights).
+/// Every parameter with its HF name, in HF layout (`[out, in]` for linear weights), in the order of
+/// [`Decoder::visit`] (the file's order is safetensors' own: by name).
 pub fn hf_tensors(model: &Decoder) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+    fn host<const D: usize>(name: String, t: Tensor<D>) -> (String, Vec<usize>, Vec<f32>) {
+        let dims = t.dims().to_vec();
+        (name, dims, to_f32_vec(t))
+    }
     let mut out = Vec::new();
-    let push2 = |out: &mut Vec<(String, Vec<usize>, Vec<f32>)>, name: String, t: Tensor<2>| {
-        let dims = t.dims();
-        out.push((name, dims.to_vec(), to_f32_vec(t)));
-    };
-    let linear = |out: &mut Vec<(String, Vec<usize>, Vec<f32>)>, prefix: String, l: &Linear| {
-        let w = l.weight.val().transpose(); // [in, out] -> HF [out, in]
-        let dims = w.dims();
-        out.push((format!("{prefix}.weight"), dims.to_vec(), to_f32_vec(w)));
-        if let Some(b) = &l.bias {
-            let v = to_f32_vec(b.val());
-            out.push((format!("{prefix}.bias"), vec![v.len()], v));
-        }
-    };
-    let norm = |out: &mut Vec<(String, Vec<usize>, Vec<f32>)>, name: String, n: &RmsNorm| {
-        let v = to_f32_vec(n.weight.val());
-        out.push((name, vec![v.len()], v));
-    };
-    let swiglu = |out: &mut Vec<(String, Vec<usize>, Vec<f32>)>, p: String, m: &SwiGlu| {
-        linear(out, format!("{p}.gate_proj"), &m.gate_proj);
-        linear(out, format!("{p}.up_proj"), &m.up_proj);
-        linear(out, format!("{p}.down_proj"), &m.down_proj);
-    };
-    push2(
-        &mut out,
-        "model.embed_tokens.weight".into(),
-        model.embed_tokens.val(),
-    );
-    for (i, layer) in model.layers.iter().enumerate() {
-        let p = format!("model.layers.{i}");
-        norm(
-            &mut out,
-            format!("{p}.input_layernorm.weight"),
-            &layer.input_layernorm,
-        );
-        norm(
-            &mut out,
-            format!("{p}.post_attention_layernorm.weight"),
-            &layer.post_attention_layernorm,
-        );
-        let a = &layer.self_attn;
-        linear(&mut out, format!("{p}.self_attn.q_proj"), &a.q_proj);
-        linear(&mut out, format!("{p}.self_attn.k_proj"), &a.k_proj);
-        linear(&mut out, format!("{p}.self_attn.v_proj"), &a.v_proj);
-        linear(&mut out, format!("{p}.self_attn.o_proj"), &a.o_proj);
-        if let Some(n) = &a.q_norm {
-            norm(&mut out, format!("{p}.self_attn.q_norm.weight"), n);
-        }
-        if let Some(n) = &a.k_norm {
-            norm(&mut out, format!("{p}.self_attn.k_norm.weight"), n);
-        }
-        match &layer.mlp {
-            FeedForward::Dense(m) => swiglu(&mut out, format!("{p}.mlp"), m),
-            FeedForward::Moe(moe) => {
-                linear(&mut out, format!("{p}.mlp.gate"), &moe.gate);
-                for (e, ex) in moe.experts.iter().enumerate() {
-                    swiglu(&mut out, format!("{p}.mlp.experts.{e}"), ex);
-                }
+    model.visit(|path, part| match part {
+        Part::Embedding(p) => out.push(host(tensor_name(path, WEIGHT), p.val())),
+        Part::Norm(n) => out.push(host(tensor_name(path, WEIGHT), n.weight.val())),
+        Part::Linear(l) => {
+            // [in, out] -> HF [out, in]
+            out.push(host(tensor_name(path, WEIGHT), l.weight.val().transpose()));
+            if let Some(b) = &l.bias {
+                out.push(host(tensor_name(path, BIAS), b.val()));
             }
         }
-    }
-    norm(&mut out, "model.norm.weight".into(), &model.norm);
-    if let Some(head) = &model.lm_head {
-        linear(&mut out, "lm_head".into(), head);
-    }
+    });
     out
 }
 

@@ -1,0 +1,210 @@
+//! The Hugging Face names of a model's parameters, spelled once.
+//!
+//! [`Decoder::visit`] and [`Decoder::visit_mut`] walk the parameters of a [`Decoder`] and hand each one to a
+//! visitor with its HF module path (`model.layers.0.self_attn.q_proj`; its tensors are `{path}.weight` and
+//! `{path}.bias`). Every user of the names goes through that walk:
+//! - loading fills a [`Decoder::lazy`] model (shapes, no weights) part by part from the checkpoint;
+//! - saving writes each part back under its name;
+//! - the random checkpoint writer lists the tensors of a lazy model of the config ([`super::init`]);
+//! - the quantization layer list is the walk's linear layers ([`Decoder::linears_mut`]).
+//!
+//! So a new model family spells its names once, in the `walk!` macro below. The walk's order is the order the loader
+//! reads the tensors in, and the random init numbers its tensors in it (each tensor's random stream is its
+//! index), so that order is part of the on-disk format of random checkpoints and must not change.
+
+use std::convert::Infallible;
+
+use burn::module::{Param, ParamId};
+use burn::tensor::{Device, Shape, Tensor};
+
+use super::checkpoint::Checkpoint;
+use super::decoder::Decoder;
+use super::error::LoadError;
+use super::layers::{Linear, RmsNorm};
+use super::mlp::FeedForward;
+use crate::host::tensor_from_vec;
+
+/// The module path of the output projection; a tied model has none, but its checkpoint may still hold
+/// `lm_head.weight` (see [`Decoder::from_checkpoint`]).
+pub const LM_HEAD: &str = "lm_head";
+
+/// Suffix of a module's (full-precision) weight tensor.
+pub const WEIGHT: &str = "weight";
+/// Suffix of a linear layer's bias.
+pub const BIAS: &str = "bias";
+/// Suffix of a quantized checkpoint's packed codes (U8, `[out, row bytes]`), which replace `weight`.
+pub const QWEIGHT: &str = "qweight";
+/// Suffix of a quantized checkpoint's f32 scales, beside `qweight`.
+pub const SCALES: &str = "scales";
+
+/// The HF name of the tensor `suffix` (one of [`WEIGHT`], [`BIAS`], [`QWEIGHT`], [`SCALES`]) of the module
+/// at `path`.
+pub fn tensor_name(path: &str, suffix: &str) -> String {
+    format!("{path}.{suffix}")
+}
+
+/// One parameter-holding part of a model, shared.
+#[derive(Debug, Clone, Copy)]
+pub enum Part<'a> {
+    /// The token embeddings, `[vocab, hidden]`.
+    Embedding(&'a Param<Tensor<2>>),
+    Norm(&'a RmsNorm),
+    Linear(&'a Linear),
+}
+
+/// One parameter-holding part of a model, exclusive (to load it or change its precision).
+#[derive(Debug)]
+pub enum PartMut<'a> {
+    /// The token embeddings, `[vocab, hidden]`.
+    Embedding(&'a mut Param<Tensor<2>>),
+    Norm(&'a mut RmsNorm),
+    Linear(&'a mut Linear),
+}
+
+/// The walk over a decoder's parts, written once and expanded for shared (`visit`) and exclusive
+/// (`visit_mut`) references, since Rust cannot abstract over mutability: `$m` is nothing or `mut`.
+/// `$visit(path, part)` returns a `Result`; the first error ends the walk.
+macro_rules! walk {
+    ($model:expr, $visit:ident, $Part:ident $(, $m:tt)?) => {{
+        let model = $model;
+        $visit("model.embed_tokens", $Part::Embedding(&$($m)? model.embed_tokens))?;
+        for (i, layer) in (&$($m)? model.layers).into_iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            $visit(
+                &format!("{p}.input_layernorm"),
+                $Part::Norm(&$($m)? layer.input_layernorm),
+            )?;
+            let a = &$($m)? layer.self_attn;
+            $visit(&format!("{p}.self_attn.q_proj"), $Part::Linear(&$($m)? a.q_proj))?;
+            $visit(&format!("{p}.self_attn.k_proj"), $Part::Linear(&$($m)? a.k_proj))?;
+            $visit(&format!("{p}.self_attn.v_proj"), $Part::Linear(&$($m)? a.v_proj))?;
+            $visit(&format!("{p}.self_attn.o_proj"), $Part::Linear(&$($m)? a.o_proj))?;
+            if let Some(n) = &$($m)? a.q_norm {
+                $visit(&format!("{p}.self_attn.q_norm"), $Part::Norm(n))?;
+            }
+            if let Some(n) = &$($m)? a.k_norm {
+                $visit(&format!("{p}.self_attn.k_norm"), $Part::Norm(n))?;
+            }
+            $visit(
+                &format!("{p}.post_attention_layernorm"),
+                $Part::Norm(&$($m)? layer.post_attention_layernorm),
+            )?;
+            match &$($m)? layer.mlp {
+                FeedForward::Dense(mlp) => {
+                    $visit(&format!("{p}.mlp.gate_proj"), $Part::Linear(&$($m)? mlp.gate_proj))?;
+                    $visit(&format!("{p}.mlp.up_proj"), $Part::Linear(&$($m)? mlp.up_proj))?;
+                    $visit(&format!("{p}.mlp.down_proj"), $Part::Linear(&$($m)? mlp.down_proj))?;
+                }
+                FeedForward::Moe(moe) => {
+                    for (e, ex) in (&$($m)? moe.experts).into_iter().enumerate() {
+                        let x = format!("{p}.mlp.experts.{e}");
+                        $visit(&format!("{x}.gate_proj"), $Part::Linear(&$($m)? ex.gate_proj))?;
+                        $visit(&format!("{x}.up_proj"), $Part::Linear(&$($m)? ex.up_proj))?;
+                        $visit(&format!("{x}.down_proj"), $Part::Linear(&$($m)? ex.down_proj))?;
+                    }
+                    // The router, after the experts: the order random checkpoints number tensors in.
+                    $visit(&format!("{p}.mlp.gate"), $Part::Linear(&$($m)? moe.gate))?;
+                }
+            }
+        }
+        $visit("model.norm", $Part::Norm(&$($m)? model.norm))?;
+        if let Some(head) = &$($m)? model.lm_head {
+            $visit(LM_HEAD, $Part::Linear(head))?;
+        }
+        Ok(())
+    }};
+}
+
+impl Decoder {
+    /// Hands every part to `visit` with its HF module path, in load order; stops at `visit`'s first error.
+    pub fn try_visit<'a, E>(
+        &'a self,
+        mut visit: impl FnMut(&str, Part<'a>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        walk!(self, visit, Part)
+    }
+
+    /// [`Decoder::try_visit`] with exclusive references.
+    pub fn try_visit_mut<'a, E>(
+        &'a mut self,
+        mut visit: impl FnMut(&str, PartMut<'a>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        walk!(self, visit, PartMut, mut)
+    }
+
+    /// Hands every part to `visit` with its HF module path, in load order.
+    pub fn visit<'a>(&'a self, mut visit: impl FnMut(&str, Part<'a>)) {
+        let Ok(()) = self.try_visit(|path, part| {
+            visit(path, part);
+            Ok::<(), Infallible>(())
+        });
+    }
+
+    /// [`Decoder::visit`] with exclusive references.
+    pub fn visit_mut<'a>(&'a mut self, mut visit: impl FnMut(&str, PartMut<'a>)) {
+        let Ok(()) = self.try_visit_mut(|path, part| {
+            visit(path, part);
+            Ok::<(), Infallible>(())
+        });
+    }
+}
+
+impl Part<'_> {
+    /// The part's tensors as a Hugging Face checkpoint stores them: suffix and shape (`[out, in]` for a
+    /// linear weight), weight before bias.
+    pub fn hf_shapes(&self) -> Vec<(&'static str, Vec<usize>)> {
+        match self {
+            Part::Embedding(p) => vec![(WEIGHT, p.lazy_shape().to_vec())],
+            Part::Norm(n) => vec![(WEIGHT, vec![n.dim()])],
+            Part::Linear(l) => {
+                let mut out = vec![(WEIGHT, vec![l.d_out(), l.d_in()])];
+                if l.bias.is_some() {
+                    out.push((BIAS, vec![l.d_out()]));
+                }
+                out
+            }
+        }
+    }
+}
+
+impl PartMut<'_> {
+    /// Replaces the part's parameters with the checkpoint's tensors of the module at `path`, checking
+    /// their shapes against the part's.
+    pub fn load(self, ckpt: &Checkpoint, path: &str, device: &Device) -> Result<(), LoadError> {
+        match self {
+            PartMut::Embedding(p) => {
+                let [v, h] = p.lazy_shape().dims::<2>();
+                let w = ckpt.read_f32(&tensor_name(path, WEIGHT), &[v, h])?;
+                *p = Param::from_tensor(tensor_from_vec(w, [v, h], device));
+            }
+            PartMut::Norm(n) => {
+                let d = n.dim();
+                let w = ckpt.read_f32(&tensor_name(path, WEIGHT), &[d])?;
+                n.weight = Param::from_tensor(tensor_from_vec(w, [d], device));
+            }
+            PartMut::Linear(l) => {
+                *l = Linear::load(ckpt, path, l.d_in(), l.d_out(), l.bias.is_some(), device)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A parameter of `shape` that allocates nothing until read (zeros then): a lazy model's placeholder,
+/// which loading replaces and which describes a checkpoint by its shape alone.
+pub fn lazy_param<const D: usize>(shape: [usize; D], device: &Device) -> Param<Tensor<D>> {
+    Param::uninitialized(
+        ParamId::new(),
+        move |device, require_grad| {
+            let t = Tensor::zeros(shape, device);
+            if require_grad {
+                t.require_grad()
+            } else {
+                t
+            }
+        },
+        device.clone(),
+        true,
+        Shape::from(shape),
+    )
+}
