@@ -153,6 +153,10 @@ enum RefObjective {
         two_sided: bool,
         drop: bool,
     },
+    PositiveOnly {
+        lo: f64,
+        hi: f64,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -291,6 +295,10 @@ fn ref_loss(
                     }
                     -w * l
                 }
+                RefObjective::PositiveOnly { lo, hi } if a > 0.0 => {
+                    -(s * a).min(clip(s, lo, hi) * a)
+                }
+                RefObjective::PositiveOnly { .. } => 0.0,
             } * corr_weight[i];
         }
     }
@@ -1549,4 +1557,119 @@ fn every_registered_objective_ignores_padding() {
         assert_eq!(grad_dirty, grad_clean, "{name}: gradient");
         assert_eq!(out_dirty.metrics, out_clean.metrics, "{name}: metrics");
     }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// positive_only: the paper's positive-only ablation
+
+/// Four 2-token sequences and a sampler that disagrees (positive-only has no mismatch weight of its own):
+/// a: A = +1, s = e^1e-4 (inside the band)  -> -s_a, gradient -s_a / 2 / 4 per token (seq-mean over 4)
+/// b: A = +2, s = e^1e-3 (above 1 + 4e-4)   -> -2 (1 + 4e-4), no gradient
+/// c: A = -1, s = e^5e-4 (GSPO: s_c)        -> 0, exactly no gradient
+/// d: A = -0.5, s = e^-1e-3                 -> 0, exactly no gradient
+fn hand_positive_only_batch() -> Batch {
+    let mut batch = Batch::new(4, 2);
+    batch.adv = vec![1.0, 2.0, -1.0, -0.5];
+    let seq_log_ratio = [1e-4, 1e-3, 5e-4, -1e-3];
+    let split = [3e-5, -2e-4, 1e-4, 5e-5];
+    for row in 0..4 {
+        for j in 0..2 {
+            let i = row * 2 + j;
+            let sign = if j == 0 { 1.0 } else { -1.0 };
+            batch.lp_old[i] = -0.25 - 0.5 * i as f64;
+            batch.lp_theta[i] = batch.lp_old[i] + seq_log_ratio[row] + sign * split[row];
+            batch.lp_roll[i] = batch.lp_old[i] - 0.3;
+        }
+    }
+    batch.rounded()
+}
+
+#[test]
+fn positive_only_matches_hand_values_and_negatives_get_exactly_no_gradient() {
+    let batch = hand_positive_only_batch();
+    let loss = LossConfig::new(ObjectiveName::new("positive_only").unwrap())
+        .resolve()
+        .unwrap();
+    assert_eq!(
+        loss.objective,
+        Objective::positive_only(SeqClip {
+            eps_low: 3e-4,
+            eps_high: 4e-4
+        })
+    );
+    assert_eq!(loss.agg, LossAggMode::SeqMeanTokenMean);
+    let (out, grad) = run(&loss, &batch);
+    let sa = f64::exp(1e-4);
+    let want = (-sa - 2.0 * (1.0 + 4e-4)) / 4.0;
+    assert_close(loss_value(&out), want, 2e-6, "positive_only loss");
+    let want_grad = [-sa / 8.0, -sa / 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+    assert_all_close(&grad, &want_grad, 1e-5, "positive_only grad");
+    for g in &grad[2..] {
+        assert_eq!(*g, 0.0, "clipped or negative sequence: gradient {g}");
+    }
+    let m = &out.metrics;
+    assert_close(m.pg_clipfrac, 1.0 / 4.0, 1e-6, "only b is clipped");
+    assert_eq!(m.pg_clipfrac_lower, 0.0);
+    assert_eq!(m.mismatch_weight_mean, 1.0, "no weight of its own");
+    assert_close(
+        m.loss_sequences,
+        4.0,
+        0.0,
+        "negatives stay in the denominator",
+    );
+
+    // A positive sequence gets GSPO's gradient on the same batch.
+    let gspo = LossConfig::new(ObjectiveName::new("gspo").unwrap())
+        .resolve()
+        .unwrap();
+    let (_, grad_gspo) = run(&gspo, &batch);
+    assert_all_close(&grad[..4], &grad_gspo[..4], 1e-6, "positive rows as GSPO");
+    assert!(
+        grad_gspo[4] > 0.05,
+        "GSPO does push the negative sequence c"
+    );
+
+    let err = serde_json::from_str::<LossConfig>(
+        r#"{"objective": "positive_only", "seq_eps_low_neg": 1e-3}"#,
+    )
+    .unwrap()
+    .resolve()
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("`seq_eps_low_neg` does not apply to objective `positive_only`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn positive_only_matches_reference_and_finite_differences() {
+    let batch = sequence_level_batch(4);
+    let clip = SeqClip {
+        eps_low: 3e-4,
+        eps_high: 4e-4,
+    };
+    let reference = RefObjective::PositiveOnly {
+        lo: 1.0 - 3e-4,
+        hi: 1.0 + 4e-4,
+    };
+    for (agg, ref_agg, divisor) in all_aggs() {
+        let mut loss = PolicyLoss::new(Objective::positive_only(clip), agg);
+        loss.agg_divisor = divisor;
+        let what = format!("positive_only {agg:?}");
+        check_against_reference(&loss, &batch, reference, ref_agg, &[], &what);
+    }
+    let mut loss = PolicyLoss::new(
+        Objective::positive_only(clip),
+        LossAggMode::SeqMeanTokenMean,
+    );
+    loss.corrections = vec![CorrectionConfig::SeqTis { cap: 2.0 }];
+    check_against_reference(
+        &loss,
+        &batch,
+        reference,
+        RefAgg::SeqMeanTokenMean,
+        &[RefCorrection::SeqTis(2.0)],
+        "positive_only with seq_tis",
+    );
 }

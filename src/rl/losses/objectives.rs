@@ -17,6 +17,7 @@ use crate::rl::tensor_ops::{bounded_exp, masked_row_mean, select};
 
 pub mod cispo;
 pub mod gspo;
+pub mod positive_only;
 pub mod ppo_clip;
 pub mod tbpo;
 
@@ -28,6 +29,7 @@ pub static REGISTRY: &[&ObjectiveSpec] = &[
     &gspo::GSPO,
     &cispo::CISPO,
     &tbpo::TBPO,
+    &positive_only::POSITIVE_ONLY,
 ];
 
 /// GSPO's and TBPO's sequence ratio `s_i = exp(mean_t(lp_theta - lp_old))`, `[B, 1]`: the geometric mean of the
