@@ -9,8 +9,9 @@ use burn::tensor::{Device, Tensor};
 use qarl::host::{tensor_from_vec, to_f32_vec};
 use qarl::rl::corrections::{mismatch_correction, CorrectionConfig};
 use qarl::rl::losses::{
-    LossAggMode, LossConfig, Objective, ObjectiveName, PolicyLoss, PolicyLossInputs,
-    PolicyLossOutput, SeqClip, TokenClip, TrustBand,
+    registered_names, LossAggMode, LossConfig, Objective, ObjectiveName, ParamKind, ParamSpec,
+    ParamValue, PolicyLoss, PolicyLossInputs, PolicyLossOutput, Range, SeqClip, TokenClip,
+    TrustBand, COMMON_FIELDS, REGISTRY,
 };
 use qarl::rl::RlError;
 
@@ -152,6 +153,10 @@ enum RefObjective {
         two_sided: bool,
         drop: bool,
     },
+    PositiveOnly {
+        lo: f64,
+        hi: f64,
+    },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -290,6 +295,10 @@ fn ref_loss(
                     }
                     -w * l
                 }
+                RefObjective::PositiveOnly { lo, hi } if a > 0.0 => {
+                    -(s * a).min(clip(s, lo, hi) * a)
+                }
+                RefObjective::PositiveOnly { .. } => 0.0,
             } * corr_weight[i];
         }
     }
@@ -495,7 +504,7 @@ fn ppo_clip_matches_hand_values() {
         ),
     ];
     for (agg, divisor, want) in cases {
-        let mut loss = PolicyLoss::new(Objective::PpoClip(clip), agg);
+        let mut loss = PolicyLoss::new(Objective::ppo_clip(clip), agg);
         loss.agg_divisor = divisor;
         let (out, grad) = run(&loss, &batch);
         assert_close(loss_value(&out), want, 1e-5, &format!("{agg:?} loss"));
@@ -529,7 +538,7 @@ fn ppo_clip_matches_hand_values() {
     }
     // Without the dual clip the r = 4 token is unbounded: loss 4, gradient 4 / 7.
     let loss = PolicyLoss::new(
-        Objective::PpoClip(token_clip(0.2, 0.28, None)),
+        Objective::ppo_clip(token_clip(0.2, 0.28, None)),
         LossAggMode::TokenMean,
     );
     let (out, grad) = run(&loss, &batch);
@@ -556,7 +565,7 @@ fn gspo_matches_hand_values() {
     let batch = batch.rounded();
     let s2 = f64::exp(1e-4);
     let loss = PolicyLoss::new(
-        Objective::Gspo(SeqClip {
+        Objective::gspo(SeqClip {
             eps_low: 3e-4,
             eps_high: 4e-4,
         }),
@@ -595,7 +604,7 @@ fn cispo_matches_hand_values() {
     batch.lp_roll = batch.lp_old.clone();
     let batch = batch.rounded();
     let loss = PolicyLoss::new(
-        Objective::Cispo(token_clip(0.2, 0.2, None)),
+        Objective::cispo(token_clip(0.2, 0.2, None)),
         LossAggMode::TokenMean,
     );
     let (out, grad) = run(&loss, &batch);
@@ -632,7 +641,7 @@ fn hand_tbpo_batch() -> Batch {
 fn tbpo_matches_hand_values_and_negative_sequences_outside_the_band_get_exactly_no_gradient() {
     let batch = hand_tbpo_batch();
     let loss = PolicyLoss::new(
-        Objective::Tbpo(TrustBand::PAPER),
+        Objective::tbpo(TrustBand::PAPER),
         LossAggMode::SeqMeanTokenMean,
     );
     let (out, grad) = run(&loss, &batch);
@@ -693,7 +702,7 @@ fn tbpo_mismatch_weight_options() {
         ..TrustBand::PAPER
     };
     let (out, _) = run(
-        &PolicyLoss::new(Objective::Tbpo(band), LossAggMode::SeqMeanTokenMean),
+        &PolicyLoss::new(Objective::tbpo(band), LossAggMode::SeqMeanTokenMean),
         &batch,
     );
     let (sa, sc) = (f64::exp(1e-4), f64::exp(5e-4));
@@ -705,7 +714,7 @@ fn tbpo_mismatch_weight_options() {
         ..TrustBand::PAPER
     };
     let (out, grad) = run(
-        &PolicyLoss::new(Objective::Tbpo(band), LossAggMode::SeqMeanTokenMean),
+        &PolicyLoss::new(Objective::tbpo(band), LossAggMode::SeqMeanTokenMean),
         &batch,
     );
     let want = (-1.5 * sa + sc + 0.6 * (1.0 - 3e-4) + (1.0 + 7e-4)) / 4.0;
@@ -741,12 +750,16 @@ fn tbpo_equals_gspo_on_positive_sequences_when_rollout_is_aligned() {
     batch.lp_roll = batch.lp_old.clone(); // QaRL: the rollout is the learner's own forward
     let batch = batch.rounded();
 
-    let tbpo = LossConfig::new(ObjectiveName::Tbpo).resolve().unwrap(); // paper defaults
-    assert_eq!(tbpo.objective, Objective::Tbpo(TrustBand::PAPER));
-    let gspo = LossConfig::new(ObjectiveName::Gspo).resolve().unwrap();
+    let tbpo = LossConfig::new(ObjectiveName::new("tbpo").unwrap())
+        .resolve()
+        .unwrap(); // paper defaults
+    assert_eq!(tbpo.objective, Objective::tbpo(TrustBand::PAPER));
+    let gspo = LossConfig::new(ObjectiveName::new("gspo").unwrap())
+        .resolve()
+        .unwrap();
     assert_eq!(
         gspo.objective,
-        Objective::Gspo(SeqClip {
+        Objective::gspo(SeqClip {
             eps_low: 3e-4,
             eps_high: 4e-4
         })
@@ -828,7 +841,7 @@ fn token_objectives_match_reference_and_finite_differences() {
         for (agg, ref_agg, divisor) in all_aggs() {
             let cases = [
                 (
-                    Objective::PpoClip(token_clip(0.2, 0.28, Some(3.0))),
+                    Objective::ppo_clip(token_clip(0.2, 0.28, Some(3.0))),
                     RefObjective::Ppo {
                         lo: 0.8,
                         hi: 1.28,
@@ -836,7 +849,7 @@ fn token_objectives_match_reference_and_finite_differences() {
                     },
                 ),
                 (
-                    Objective::PpoClip(token_clip(0.2, 0.2, None)),
+                    Objective::ppo_clip(token_clip(0.2, 0.2, None)),
                     RefObjective::Ppo {
                         lo: 0.8,
                         hi: 1.2,
@@ -844,12 +857,12 @@ fn token_objectives_match_reference_and_finite_differences() {
                     },
                 ),
                 (
-                    Objective::Cispo(token_clip(0.2, 0.28, None)),
+                    Objective::cispo(token_clip(0.2, 0.28, None)),
                     RefObjective::Cispo { lo: 0.8, hi: 1.28 },
                 ),
             ];
             for (objective, reference) in cases {
-                let mut loss = PolicyLoss::new(objective, agg);
+                let mut loss = PolicyLoss::new(objective.clone(), agg);
                 loss.agg_divisor = divisor;
                 let what = format!("seed {seed} {objective:?} {agg:?}");
                 check_against_reference(&loss, &batch, reference, ref_agg, &[], &what);
@@ -874,7 +887,7 @@ fn sequence_objectives_match_reference_and_finite_differences() {
     for (agg, ref_agg, divisor) in all_aggs() {
         let cases = [
             (
-                Objective::Gspo(SeqClip {
+                Objective::gspo(SeqClip {
                     eps_low: 3e-4,
                     eps_high: 4e-4,
                 }),
@@ -883,9 +896,9 @@ fn sequence_objectives_match_reference_and_finite_differences() {
                     hi: 1.0 + 4e-4,
                 },
             ),
-            (Objective::Tbpo(band), tbpo_ref(band)),
+            (Objective::tbpo(band), tbpo_ref(band)),
             (
-                Objective::Tbpo(TrustBand {
+                Objective::tbpo(TrustBand {
                     two_sided: true,
                     drop_outside_cap: true,
                     mismatch_cap: 1.5,
@@ -900,7 +913,7 @@ fn sequence_objectives_match_reference_and_finite_differences() {
             ),
         ];
         for (objective, reference) in cases {
-            let mut loss = PolicyLoss::new(objective, agg);
+            let mut loss = PolicyLoss::new(objective.clone(), agg);
             loss.agg_divisor = divisor;
             check_against_reference(
                 &loss,
@@ -1061,7 +1074,7 @@ fn corrections_compose_with_every_objective() {
         let objectives = [
             (
                 &token_batch,
-                Objective::PpoClip(token_clip(0.2, 0.28, Some(3.0))),
+                Objective::ppo_clip(token_clip(0.2, 0.28, Some(3.0))),
                 RefObjective::Ppo {
                     lo: 0.8,
                     hi: 1.28,
@@ -1070,12 +1083,12 @@ fn corrections_compose_with_every_objective() {
             ),
             (
                 &token_batch,
-                Objective::Cispo(token_clip(0.2, 0.2, None)),
+                Objective::cispo(token_clip(0.2, 0.2, None)),
                 RefObjective::Cispo { lo: 0.8, hi: 1.2 },
             ),
             (
                 &seq_batch,
-                Objective::Gspo(SeqClip {
+                Objective::gspo(SeqClip {
                     eps_low: 3e-4,
                     eps_high: 4e-4,
                 }),
@@ -1086,7 +1099,7 @@ fn corrections_compose_with_every_objective() {
             ),
         ];
         for (batch, objective, reference) in objectives {
-            let mut loss = PolicyLoss::new(objective, LossAggMode::TokenMean);
+            let mut loss = PolicyLoss::new(objective.clone(), LossAggMode::TokenMean);
             loss.corrections = configs.clone();
             let what = format!("{configs:?} on {objective:?}");
             check_against_reference(&loss, batch, reference, RefAgg::TokenMean, refs, &what);
@@ -1094,7 +1107,7 @@ fn corrections_compose_with_every_objective() {
     }
     // A rejection leaves the denominators: IcePop on the token batch keeps fewer tokens than it was given.
     let mut loss = PolicyLoss::new(
-        Objective::PpoClip(token_clip(0.2, 0.2, None)),
+        Objective::ppo_clip(token_clip(0.2, 0.2, None)),
         LossAggMode::TokenMean,
     );
     loss.corrections = vec![CorrectionConfig::TokenMis {
@@ -1140,7 +1153,7 @@ fn k3_kl_to_reference_adds_to_the_loss() {
             .collect(),
     ));
     let mut loss = PolicyLoss::new(
-        Objective::PpoClip(token_clip(0.2, 0.28, None)),
+        Objective::ppo_clip(token_clip(0.2, 0.28, None)),
         LossAggMode::SeqMeanTokenMean,
     );
     loss.kl_coef = 0.25;
@@ -1223,7 +1236,7 @@ fn config_resolves_defaults_and_rejects_unknown_names() {
         .unwrap()
         .resolve()
         .unwrap();
-    assert_eq!(tbpo.objective, Objective::Tbpo(TrustBand::PAPER));
+    assert_eq!(tbpo.objective, Objective::tbpo(TrustBand::PAPER));
     assert_eq!(tbpo.agg, LossAggMode::SeqMeanTokenMean);
     let dapo = parse(r#"{"objective": "ppo_clip", "eps_high": 0.28, "dual_clip_c": 3.0, "loss_agg_mode": "token-mean"}"#)
         .unwrap()
@@ -1231,7 +1244,7 @@ fn config_resolves_defaults_and_rejects_unknown_names() {
         .unwrap();
     assert_eq!(
         dapo.objective,
-        Objective::PpoClip(token_clip(0.2, 0.28, Some(3.0)))
+        Objective::ppo_clip(token_clip(0.2, 0.28, Some(3.0)))
     );
     let grpo = parse(r#"{"objective": "grpo"}"#)
         .unwrap()
@@ -1262,7 +1275,7 @@ fn config_resolves_defaults_and_rejects_unknown_names() {
         .unwrap();
     assert_eq!(
         aliased.objective,
-        Objective::Gspo(SeqClip {
+        Objective::gspo(SeqClip {
             eps_low: 3e-4,
             eps_high: 5e-4
         })
@@ -1346,7 +1359,7 @@ fn bad_inputs_are_errors() {
         lp_ref: lp_ref.then(|| tensor2(&batch.lp_old, 2, 3, &device)),
     };
     let mut loss = PolicyLoss::new(
-        Objective::PpoClip(token_clip(0.2, 0.2, None)),
+        Objective::ppo_clip(token_clip(0.2, 0.2, None)),
         LossAggMode::TokenMean,
     );
     assert!(matches!(
@@ -1361,4 +1374,302 @@ fn bad_inputs_are_errors() {
     let err = loss.compute(inputs(2, 3, false)).unwrap_err();
     assert!(err.to_string().contains("lp_ref"), "{err}");
     assert!(loss.compute(inputs(2, 3, true)).is_ok());
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The registry: what holds for every registered objective, present and future
+
+/// A valid value other than the field's default, to see that the objective reads the field.
+fn another_value(param: &ParamSpec) -> ParamValue {
+    match param.kind {
+        ParamKind::Flag { default } => ParamValue::Bool(!default),
+        ParamKind::Float { default, range } => {
+            let floor = match range {
+                Range::Unit => 0.0,
+                Range::AtLeast(x) | Range::Above(x) => x,
+            };
+            let value = match (default, range) {
+                (None, _) => floor + 2.0,
+                (Some(d), Range::Unit) if d > 0.0 => d / 2.0,
+                (Some(_), Range::Unit) => 0.5,
+                (Some(d), _) => d + 0.5,
+            };
+            ParamValue::Float(f64::from(value))
+        }
+    }
+}
+
+#[test]
+fn registry_is_consistent_and_every_field_is_read() {
+    let names = registered_names();
+    for name in ["ppo_clip", "grpo", "gspo", "cispo", "tbpo"] {
+        assert!(names.contains(&name), "{name} is registered");
+    }
+    for (i, spec) in REGISTRY.iter().enumerate() {
+        assert_eq!(names[i], spec.name);
+        assert!(!names[..i].contains(&spec.name), "{} twice", spec.name);
+        let mut keys: Vec<&str> = Vec::new();
+        for param in spec.params {
+            for key in std::iter::once(param.name).chain(param.aliases.iter().copied()) {
+                assert!(!keys.contains(&key), "{}: `{key}` twice", spec.name);
+                assert!(
+                    !COMMON_FIELDS.contains(&key),
+                    "{}: `{key}` is common",
+                    spec.name
+                );
+                keys.push(key);
+            }
+            // A name means the same kind of value in every objective that declares it.
+            for other in REGISTRY.iter().flat_map(|s| s.params.iter()) {
+                if other.name == param.name {
+                    assert_eq!(
+                        std::mem::discriminant(&other.kind),
+                        std::mem::discriminant(&param.kind),
+                        "`{}`",
+                        param.name
+                    );
+                }
+            }
+        }
+        // Defaults resolve, to the objective's default aggregation ...
+        let config = LossConfig::new(ObjectiveName::new(spec.name).unwrap());
+        let default = config.resolve().unwrap();
+        assert_eq!(default.agg, spec.default_agg, "{}", spec.name);
+        // ... and every declared field changes the objective when set (so its build reads it).
+        for param in spec.params {
+            let changed = config
+                .clone()
+                .with(param.name, another_value(param))
+                .resolve()
+                .unwrap_or_else(|e| panic!("{} with `{}`: {e}", spec.name, param.name));
+            assert_ne!(
+                changed.objective, default.objective,
+                "{}: `{}` is declared but not read",
+                spec.name, param.name
+            );
+        }
+    }
+}
+
+#[test]
+fn unknown_objective_names_list_the_registered_ones() {
+    let err = ObjectiveName::new("tbpo2").unwrap_err();
+    assert!(matches!(err, RlError::UnknownObjective { .. }), "{err:?}");
+    let parsed = serde_json::from_str::<LossConfig>(r#"{"objective": "tbpo2"}"#)
+        .unwrap_err()
+        .to_string();
+    for name in registered_names() {
+        assert!(err.to_string().contains(name), "{err}");
+        assert!(parsed.contains(&format!("`{name}`")), "{parsed}");
+    }
+    assert_eq!(
+        "gspo".parse::<ObjectiveName>().unwrap().name(),
+        "gspo",
+        "FromStr"
+    );
+}
+
+#[test]
+fn flat_toml_round_trips_and_checks_field_types() {
+    let text = r#"
+objective = "tbpo"
+seq_clip_ratio_high = 5e-4
+seq_tis_imp_ratio_cap = 3
+seq_mismatch_two_sided = true
+kl_coef = 0.0
+corrections = [{ kind = "token_tis", cap = 2.0 }]
+"#;
+    let config: LossConfig = toml::from_str(text).unwrap();
+    let loss = config.resolve().unwrap();
+    assert_eq!(
+        loss.objective,
+        Objective::tbpo(TrustBand {
+            eps_high: 5e-4,
+            mismatch_cap: 3.0,
+            two_sided: true,
+            ..TrustBand::PAPER
+        })
+    );
+    assert_eq!(
+        loss.corrections,
+        vec![CorrectionConfig::TokenTis { cap: 2.0 }]
+    );
+    let written = toml::to_string(&config).unwrap();
+    let back: LossConfig = toml::from_str(&written).unwrap();
+    assert_eq!(back, config, "{written}");
+    assert_eq!(
+        LossConfig::new(ObjectiveName::new("tbpo").unwrap())
+            .with("seq_clip_ratio_high", 5e-4f32)
+            .with("seq_tis_imp_ratio_cap", 3.0f32)
+            .with("seq_mismatch_two_sided", true)
+            .resolve()
+            .unwrap()
+            .objective,
+        loss.objective,
+        "the builder reads the same"
+    );
+
+    let err = toml::from_str::<LossConfig>("objective = \"tbpo\"\nseq_eps_hi = 1e-3")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("unknown field `seq_eps_hi`"), "{err}");
+    let config_err = |json: &str| match serde_json::from_str::<LossConfig>(json).unwrap().resolve()
+    {
+        Err(RlError::Config(msg)) => msg,
+        other => panic!("{json}: expected a config error, got {other:?}"),
+    };
+    assert!(
+        config_err(r#"{"objective": "tbpo", "seq_eps_high": true}"#).contains("must be a number")
+    );
+    assert!(
+        config_err(r#"{"objective": "tbpo", "seq_mismatch_drop": 1}"#)
+            .contains("must be true or false")
+    );
+    assert!(config_err(
+        r#"{"objective": "gspo", "seq_eps_high": 1e-3, "seq_clip_ratio_high": 1e-3}"#
+    )
+    .contains("set twice"));
+    assert!(
+        config_err(r#"{"objective": "cispo", "seq_clip_ratio_high": 1e-3}"#)
+            .contains("`seq_clip_ratio_high` does not apply to objective `cispo`")
+    );
+}
+
+#[test]
+fn every_registered_objective_ignores_padding() {
+    let clean = token_level_batch(23);
+    let mut dirty = clean.clone();
+    for i in 0..clean.b * clean.t {
+        if clean.mask[i] < 0.5 {
+            dirty.lp_theta[i] = f64::NAN;
+            dirty.lp_old[i] = f64::NEG_INFINITY;
+            dirty.lp_roll[i] = f64::INFINITY;
+        }
+    }
+    for name in registered_names() {
+        let loss = LossConfig::new(ObjectiveName::new(name).unwrap())
+            .resolve()
+            .unwrap();
+        let (out_clean, grad_clean) = run(&loss, &clean);
+        let (out_dirty, grad_dirty) = run(&loss, &dirty);
+        assert!(loss_value(&out_clean).is_finite(), "{name}");
+        assert_eq!(loss_value(&out_dirty), loss_value(&out_clean), "{name}");
+        assert_eq!(grad_dirty, grad_clean, "{name}: gradient");
+        assert_eq!(out_dirty.metrics, out_clean.metrics, "{name}: metrics");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// positive_only: the paper's positive-only ablation
+
+/// Four 2-token sequences and a sampler that disagrees (positive-only has no mismatch weight of its own):
+/// a: A = +1, s = e^1e-4 (inside the band)  -> -s_a, gradient -s_a / 2 / 4 per token (seq-mean over 4)
+/// b: A = +2, s = e^1e-3 (above 1 + 4e-4)   -> -2 (1 + 4e-4), no gradient
+/// c: A = -1, s = e^5e-4 (GSPO: s_c)        -> 0, exactly no gradient
+/// d: A = -0.5, s = e^-1e-3                 -> 0, exactly no gradient
+fn hand_positive_only_batch() -> Batch {
+    let mut batch = Batch::new(4, 2);
+    batch.adv = vec![1.0, 2.0, -1.0, -0.5];
+    let seq_log_ratio = [1e-4, 1e-3, 5e-4, -1e-3];
+    let split = [3e-5, -2e-4, 1e-4, 5e-5];
+    for row in 0..4 {
+        for j in 0..2 {
+            let i = row * 2 + j;
+            let sign = if j == 0 { 1.0 } else { -1.0 };
+            batch.lp_old[i] = -0.25 - 0.5 * i as f64;
+            batch.lp_theta[i] = batch.lp_old[i] + seq_log_ratio[row] + sign * split[row];
+            batch.lp_roll[i] = batch.lp_old[i] - 0.3;
+        }
+    }
+    batch.rounded()
+}
+
+#[test]
+fn positive_only_matches_hand_values_and_negatives_get_exactly_no_gradient() {
+    let batch = hand_positive_only_batch();
+    let loss = LossConfig::new(ObjectiveName::new("positive_only").unwrap())
+        .resolve()
+        .unwrap();
+    assert_eq!(
+        loss.objective,
+        Objective::positive_only(SeqClip {
+            eps_low: 3e-4,
+            eps_high: 4e-4
+        })
+    );
+    assert_eq!(loss.agg, LossAggMode::SeqMeanTokenMean);
+    let (out, grad) = run(&loss, &batch);
+    let sa = f64::exp(1e-4);
+    let want = (-sa - 2.0 * (1.0 + 4e-4)) / 4.0;
+    assert_close(loss_value(&out), want, 2e-6, "positive_only loss");
+    let want_grad = [-sa / 8.0, -sa / 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0];
+    assert_all_close(&grad, &want_grad, 1e-5, "positive_only grad");
+    for g in &grad[2..] {
+        assert_eq!(*g, 0.0, "clipped or negative sequence: gradient {g}");
+    }
+    let m = &out.metrics;
+    assert_close(m.pg_clipfrac, 1.0 / 4.0, 1e-6, "only b is clipped");
+    assert_eq!(m.pg_clipfrac_lower, 0.0);
+    assert_eq!(m.mismatch_weight_mean, 1.0, "no weight of its own");
+    assert_close(
+        m.loss_sequences,
+        4.0,
+        0.0,
+        "negatives stay in the denominator",
+    );
+
+    // A positive sequence gets GSPO's gradient on the same batch.
+    let gspo = LossConfig::new(ObjectiveName::new("gspo").unwrap())
+        .resolve()
+        .unwrap();
+    let (_, grad_gspo) = run(&gspo, &batch);
+    assert_all_close(&grad[..4], &grad_gspo[..4], 1e-6, "positive rows as GSPO");
+    assert!(
+        grad_gspo[4] > 0.05,
+        "GSPO does push the negative sequence c"
+    );
+
+    let err = serde_json::from_str::<LossConfig>(
+        r#"{"objective": "positive_only", "seq_eps_low_neg": 1e-3}"#,
+    )
+    .unwrap()
+    .resolve()
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("`seq_eps_low_neg` does not apply to objective `positive_only`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn positive_only_matches_reference_and_finite_differences() {
+    let batch = sequence_level_batch(4);
+    let clip = SeqClip {
+        eps_low: 3e-4,
+        eps_high: 4e-4,
+    };
+    let reference = RefObjective::PositiveOnly {
+        lo: 1.0 - 3e-4,
+        hi: 1.0 + 4e-4,
+    };
+    for (agg, ref_agg, divisor) in all_aggs() {
+        let mut loss = PolicyLoss::new(Objective::positive_only(clip), agg);
+        loss.agg_divisor = divisor;
+        let what = format!("positive_only {agg:?}");
+        check_against_reference(&loss, &batch, reference, ref_agg, &[], &what);
+    }
+    let mut loss = PolicyLoss::new(
+        Objective::positive_only(clip),
+        LossAggMode::SeqMeanTokenMean,
+    );
+    loss.corrections = vec![CorrectionConfig::SeqTis { cap: 2.0 }];
+    check_against_reference(
+        &loss,
+        &batch,
+        reference,
+        RefAgg::SeqMeanTokenMean,
+        &[RefCorrection::SeqTis(2.0)],
+        "positive_only with seq_tis",
+    );
 }

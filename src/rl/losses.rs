@@ -1,5 +1,6 @@
-//! The policy loss: one objective chosen by name (`ppo_clip`/`grpo`, `gspo`, `cispo`, `tbpo`), optional mismatch
-//! corrections, an aggregation (`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`) and an optional k3 KL
+//! The policy loss: one registered objective chosen by name (`ppo_clip`, `grpo`, `gspo`, `cispo`, `tbpo`, ...:
+//! [`registered_names`]; adding one is a file under `losses/objectives/` and a line in [`REGISTRY`], see
+//! docs/objectives.md), optional mismatch corrections, an aggregation (`token-mean`, `seq-mean-token-mean`, `seq-mean-token-sum`) and an optional k3 KL
 //! to a reference policy, in the three-policy form of docs/objectives.md:
 //!
 //! - `lp_theta`: the current policy's token log-probs, with gradient;
@@ -18,17 +19,26 @@
 //! ```
 
 mod config;
-mod objectives;
+pub mod objectives;
+mod params;
+mod registry;
 
 use std::collections::BTreeMap;
 
 use burn::tensor::Tensor;
 use serde::Serialize;
 
-pub use config::{
-    LossAggMode, LossConfig, Objective, ObjectiveName, PolicyLoss, SeqClip, TokenClip, TrustBand,
+pub use config::{LossAggMode, LossConfig, PolicyLoss, COMMON_FIELDS};
+pub use objectives::cispo::cispo;
+pub use objectives::gspo::{gspo, SeqClip};
+pub use objectives::ppo_clip::{ppo_clip, TokenClip};
+pub use objectives::tbpo::{tbpo, TrustBand};
+pub use objectives::{seq_ratio, REGISTRY};
+pub use params::{ObjectiveParams, ParamKind, ParamSpec, ParamValue, Params, Range};
+pub use registry::{
+    known_fields, lookup, registered_names, Objective, ObjectiveInputs, ObjectiveName,
+    ObjectiveSpec, ObjectiveTerms, TermsFn,
 };
-pub use objectives::{cispo, gspo, ppo_clip, seq_ratio, tbpo, ObjectiveTerms};
 
 use super::corrections::mismatch_correction;
 use super::tensor_ops::{
@@ -184,19 +194,13 @@ impl PolicyLoss {
         let correction =
             mismatch_correction(&self.corrections, lp_old.clone(), lp_roll.clone(), &mask);
         let mut loss_mask = mask.clone() * correction.keep;
-        let terms = match &self.objective {
-            Objective::PpoClip(clip) => ppo_clip(lp_theta.clone(), lp_old.clone(), adv, clip),
-            Objective::Cispo(clip) => cispo(lp_theta.clone(), lp_old.clone(), adv, clip),
-            Objective::Gspo(clip) => gspo(lp_theta.clone(), lp_old.clone(), &loss_mask, adv, clip),
-            Objective::Tbpo(band) => tbpo(
-                lp_theta.clone(),
-                lp_old.clone(),
-                lp_roll,
-                &loss_mask,
-                adv,
-                band,
-            ),
-        };
+        let terms = self.objective.terms(ObjectiveInputs {
+            lp_theta: lp_theta.clone(),
+            lp_old: lp_old.clone(),
+            lp_roll,
+            mask: &loss_mask,
+            adv,
+        });
         let mut weight = correction.weight;
         if let Some(seq_weight) = terms.seq_weight {
             weight = weight * seq_weight;

@@ -1,0 +1,70 @@
+//! Positive-only: the QaRL paper's "positive-only" ablation, learning from the positive sequences alone.
+//!
+//! The paper names the ablation ("positive-only GRPO ... worse than TBPO") without a formula, so this is the
+//! reading that isolates what TBPO adds on negative sequences: TBPO's (= GSPO's) positive branch, unchanged,
+//! and nothing for `A_i <= 0`:
+//!
+//! ```text
+//! A_i > 0:   l_i = max(-A_i s_i, -A_i clip(s_i, 1 - seq_eps_low, 1 + seq_eps_high))
+//! A_i <= 0:  l_i = 0            (no value, exactly no gradient)
+//! ```
+//!
+//! Negative sequences stay in the loss mask, so they still count in the `seq-mean-*` denominators: a positive
+//! sequence gets the same gradient as under GSPO on the same batch. No mismatch weight of its own; the
+//! corrections compose with it as with any objective.
+
+use burn::tensor::Tensor;
+
+use crate::rl::losses::params::Params;
+use crate::rl::losses::registry::{Objective, ObjectiveSpec, ObjectiveTerms};
+use crate::rl::losses::LossAggMode;
+use crate::rl::tensor_ops::{over_tokens, select};
+use crate::rl::RlError;
+
+use super::gspo::{SeqClip, SEQ_EPS_HIGH, SEQ_EPS_LOW};
+use super::{pessimistic_clip, seq_ratio};
+
+/// GSPO's fields and defaults (3e-4 / 4e-4, `seq_clip_ratio_high` accepted), GSPO's aggregation.
+pub const POSITIVE_ONLY: ObjectiveSpec = ObjectiveSpec {
+    name: "positive_only",
+    params: &[SEQ_EPS_LOW, SEQ_EPS_HIGH],
+    default_agg: LossAggMode::SeqMeanTokenMean,
+    build,
+};
+
+fn build(p: &Params) -> Result<Objective, RlError> {
+    SeqClip::from_params(p).map(Objective::positive_only)
+}
+
+impl Objective {
+    /// Positive-only with this sequence clip.
+    pub fn positive_only(clip: SeqClip) -> Self {
+        Self::new("positive_only", clip, |clip, x| {
+            positive_only(x.lp_theta, x.lp_old, x.mask, x.adv, clip)
+        })
+    }
+}
+
+/// GSPO's clipped sequence loss where `A_i > 0`, 0 elsewhere; `clipped` counts only positive sequences, and
+/// there is no lower clip. The zero is selected, not multiplied in, so a non-finite term of a negative
+/// sequence can not leak into the loss or its gradient.
+pub fn positive_only(
+    lp_theta: Tensor<2>,
+    lp_old: Tensor<2>,
+    mask: &Tensor<2>,
+    adv: Tensor<2>,
+    clip: &SeqClip,
+) -> ObjectiveTerms {
+    let [_, t] = lp_theta.dims();
+    let s = seq_ratio(lp_theta, lp_old, mask);
+    let (loss, clipped) = pessimistic_clip(s, adv.clone(), 1.0 - clip.eps_low, 1.0 + clip.eps_high);
+    let positive = adv.greater_elem(0.0);
+    let zeros = clipped.zeros_like();
+    ObjectiveTerms {
+        loss: over_tokens(select(positive.clone(), loss, zeros.clone()), t),
+        clipped: select(positive, clipped, zeros.clone()),
+        clipped_lower: zeros,
+        seq_weight: None,
+        seq_keep: None,
+    }
+}
