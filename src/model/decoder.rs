@@ -148,7 +148,7 @@ impl Decoder {
                 key: "intermediate_size".into(),
             });
         }
-        model.try_visit_mut(|path, part| part.load(ckpt, path, device))?;
+        model.try_visit_parts_mut(|path, part| part.load(ckpt, path, device))?;
         if model.lm_head.is_none() {
             // Some exports store the tied head anyway; it is the embedding matrix, so it is not an extra.
             ckpt.ignore(&tensor_name(LM_HEAD, WEIGHT));
@@ -440,7 +440,7 @@ impl Decoder {
     /// Every linear layer (the order of [`Decoder::linears_mut`], without the names).
     pub fn linears(&self) -> impl Iterator<Item = &Linear> {
         let mut out = Vec::new();
-        self.visit(|_, part| {
+        self.visit_parts(|_, part| {
             if let Part::Linear(lin) = part {
                 out.push(lin);
             }
@@ -449,10 +449,10 @@ impl Decoder {
     }
 
     /// Every linear layer with the HF name of its weight (`model.layers.0.self_attn.q_proj.weight`, ...),
-    /// in the order of [`Decoder::visit`]: the names quantization patterns select layers by.
+    /// in the order of [`Decoder::visit_parts`]: the names quantization patterns select layers by.
     pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
         let mut out = Vec::new();
-        self.visit_mut(|path, part| {
+        self.visit_parts_mut(|path, part| {
             if let PartMut::Linear(lin) = part {
                 out.push((tensor_name(path, WEIGHT), lin));
             }

@@ -51,7 +51,7 @@ pub fn tensor_specs(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     // Nothing is allocated, so the device is only a label.
     let model = Decoder::lazy(cfg.clone(), &Device::flex());
     let mut out = Vec::new();
-    model.visit(|path, part| {
+    model.visit_parts(|path, part| {
         for (suffix, shape) in part.hf_shapes() {
             out.push((tensor_name(path, suffix), shape));
         }

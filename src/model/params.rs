@@ -1,6 +1,6 @@
 //! The Hugging Face names of a model's parameters, spelled once.
 //!
-//! [`Decoder::visit`] and [`Decoder::visit_mut`] walk the parameters of a [`Decoder`] and hand each one to a
+//! [`Decoder::visit_parts`] and [`Decoder::visit_parts_mut`] walk the parameters of a [`Decoder`] and hand each one to a
 //! visitor with its HF module path (`model.layers.0.self_attn.q_proj`; its tensors are `{path}.weight` and
 //! `{path}.bias`). Every user of the names goes through that walk:
 //! - loading fills a [`Decoder::lazy`] model (shapes, no weights) part by part from the checkpoint;
@@ -61,8 +61,8 @@ pub enum PartMut<'a> {
     Linear(&'a mut Linear),
 }
 
-/// The walk over a decoder's parts, written once and expanded for shared (`visit`) and exclusive
-/// (`visit_mut`) references, since Rust cannot abstract over mutability: `$m` is nothing or `mut`.
+/// The walk over a decoder's parts, written once and expanded for shared (`visit_parts`) and exclusive
+/// (`visit_parts_mut`) references, since Rust cannot abstract over mutability: `$m` is nothing or `mut`.
 /// `$visit(path, part)` returns a `Result`; the first error ends the walk.
 macro_rules! walk {
     ($model:expr, $visit:ident, $Part:ident $(, $m:tt)?) => {{
@@ -117,15 +117,15 @@ macro_rules! walk {
 
 impl Decoder {
     /// Hands every part to `visit` with its HF module path, in load order; stops at `visit`'s first error.
-    pub fn try_visit<'a, E>(
+    pub fn try_visit_parts<'a, E>(
         &'a self,
         mut visit: impl FnMut(&str, Part<'a>) -> Result<(), E>,
     ) -> Result<(), E> {
         walk!(self, visit, Part)
     }
 
-    /// [`Decoder::try_visit`] with exclusive references.
-    pub fn try_visit_mut<'a, E>(
+    /// [`Decoder::try_visit_parts`] with exclusive references.
+    pub fn try_visit_parts_mut<'a, E>(
         &'a mut self,
         mut visit: impl FnMut(&str, PartMut<'a>) -> Result<(), E>,
     ) -> Result<(), E> {
@@ -133,16 +133,16 @@ impl Decoder {
     }
 
     /// Hands every part to `visit` with its HF module path, in load order.
-    pub fn visit<'a>(&'a self, mut visit: impl FnMut(&str, Part<'a>)) {
-        let Ok(()) = self.try_visit(|path, part| {
+    pub fn visit_parts<'a>(&'a self, mut visit: impl FnMut(&str, Part<'a>)) {
+        let Ok(()) = self.try_visit_parts(|path, part| {
             visit(path, part);
             Ok::<(), Infallible>(())
         });
     }
 
-    /// [`Decoder::visit`] with exclusive references.
-    pub fn visit_mut<'a>(&'a mut self, mut visit: impl FnMut(&str, PartMut<'a>)) {
-        let Ok(()) = self.try_visit_mut(|path, part| {
+    /// [`Decoder::visit_parts`] with exclusive references.
+    pub fn visit_parts_mut<'a>(&'a mut self, mut visit: impl FnMut(&str, PartMut<'a>)) {
+        let Ok(()) = self.try_visit_parts_mut(|path, part| {
             visit(path, part);
             Ok::<(), Infallible>(())
         });

@@ -12,14 +12,14 @@ use super::params::{tensor_name, Part, BIAS, WEIGHT};
 use crate::host::to_f32_vec;
 
 /// Every parameter with its HF name, in HF layout (`[out, in]` for linear weights), in the order of
-/// [`Decoder::visit`] (the file's order is safetensors' own: by name).
+/// [`Decoder::visit_parts`] (the file's order is safetensors' own: by name).
 pub fn hf_tensors(model: &Decoder) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     fn host<const D: usize>(name: String, t: Tensor<D>) -> (String, Vec<usize>, Vec<f32>) {
         let dims = t.dims().to_vec();
         (name, dims, to_f32_vec(t))
     }
     let mut out = Vec::new();
-    model.visit(|path, part| match part {
+    model.visit_parts(|path, part| match part {
         Part::Embedding(p) => out.push(host(tensor_name(path, WEIGHT), p.val())),
         Part::Norm(n) => out.push(host(tensor_name(path, WEIGHT), n.weight.val())),
         Part::Linear(l) => {
