@@ -492,10 +492,7 @@ impl Decoder {
         for (name, lin) in self.linears_mut() {
             if sel.selects(&name) {
                 lin.quantize(cfg.scheme)
-                    .map_err(|source| QuantizeError::Layer {
-                        layer: name,
-                        source,
-                    })?;
+                    .map_err(|error| QuantizeError::Layer { layer: name, error })?;
                 n += 1;
             } else {
                 lin.dequantize();
@@ -516,10 +513,7 @@ impl Decoder {
         for (name, lin) in self.linears_mut() {
             if let Some(scheme) = lin.quant.as_ref().map(|q| q.scheme()) {
                 lin.quantize(scheme)
-                    .map_err(|source| QuantizeError::Layer {
-                        layer: name,
-                        source,
-                    })?;
+                    .map_err(|error| QuantizeError::Layer { layer: name, error })?;
                 n += 1;
             }
         }

@@ -48,10 +48,11 @@ pub enum LoadError {
 /// selection that matches no layer.
 #[derive(Debug, thiserror::Error)]
 pub enum QuantizeError {
-    #[error("{layer}: {source}")]
+    // `error`, not `source`: thiserror would make a `source` field the cause, and `{:#}` would print it twice.
+    #[error("{layer}: {error}")]
     Layer {
         layer: String,
-        source: crate::quant::QuantError,
+        error: crate::quant::QuantError,
     },
     #[error("no layer matches the quantization patterns {patterns:?}")]
     NoLayerSelected { patterns: Vec<String> },

@@ -49,7 +49,7 @@ pub fn quantize_checkpoint(
             dst.display()
         );
     }
-    let sel = cfg.selector().map_err(anyhow::Error::msg)?;
+    let sel = cfg.selector()?;
     let ckpt = Checkpoint::open(src)?;
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut summary = QuantizeSummary {

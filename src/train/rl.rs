@@ -165,13 +165,9 @@ pub fn collect(
         rewards.push(v.reward);
     }
     let tc = &cfg.train;
-    let advantages =
-        group_advantages(&rewards, g, &tc.advantage).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let advantages = group_advantages(&rewards, g, &tc.advantage)?;
     let rows: Vec<usize> = if tc.dynamic_sampling {
-        responses_of_groups(
-            &groups_with_signal(&rewards, g).map_err(|e| anyhow::anyhow!("{e}"))?,
-            g,
-        )
+        responses_of_groups(&groups_with_signal(&rewards, g)?, g)
     } else {
         (0..out.ids.len()).collect()
     };
@@ -276,10 +272,12 @@ pub fn score<'a>(
         (lp_old, grid)
     };
     let mask_bool: Vec<bool> = batch.mask_values().iter().map(|&v| v > 0.0).collect();
-    m.extend(
-        rollout_mismatch_metrics(&lp_old_grid, &roll_grid, &mask_bool, batch.width)
-            .map_err(|e| anyhow::anyhow!("{e}"))?,
-    );
+    m.extend(rollout_mismatch_metrics(
+        &lp_old_grid,
+        &roll_grid,
+        &mask_bool,
+        batch.width,
+    )?);
     let ids_grid: Vec<u32> = batch
         .seqs
         .iter()
@@ -292,8 +290,7 @@ pub fn score<'a>(
         &mask_bool,
         batch.width,
         tc.error_tokens,
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    )?;
     m.extend(err.to_map());
     m.insert("train/lp_old_reused".into(), f64::from(u8::from(reuse)));
     Ok(Scored {
@@ -354,8 +351,7 @@ fn learner_forward_metrics(
                     .map(|v| v[b * t * top_k..(b * t + batch.seqs[b].len() - 1) * top_k].to_vec())
             })
             .collect();
-        let d =
-            routing_disagreement(rec, &learner_row, top_k).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let d = routing_disagreement(rec, &learner_row, top_k)?;
         agg = Some(match agg {
             None => d,
             Some(a) => a + d,
@@ -400,11 +396,7 @@ pub fn update(
         .map_or(0, |moe| moe.num_experts_per_tok);
     let layers = model.layers.len();
     let rows = s.batch.seqs.len();
-    let loss_fn: PolicyLoss = tc
-        .loss
-        .clone()
-        .resolve()
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let loss_fn: PolicyLoss = tc.loss.clone().resolve()?;
     let mb = if tc.minibatch_size == 0 {
         rows
     } else {
@@ -445,9 +437,7 @@ pub fn update(
                 advantages: tensor_from_vec(advs, [chunk.len()], &device),
                 lp_ref: None,
             };
-            let outp = loss_fn
-                .compute(inputs)
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let outp = loss_fn.compute(inputs)?;
             let mut loss: Tensor<1> = outp.loss;
             if inject_nonfinite {
                 loss = loss * f32::NAN;
