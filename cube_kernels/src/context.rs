@@ -11,8 +11,9 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use crate::dtype::ActDType;
+use crate::e4m3::e4m3_table;
 use crate::error::KernelError;
-use crate::format::{e4m3_table, PackedWeights, WeightFormat, FP8_BLOCK};
+use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::{dense, fp8, moe as moe_kernels, BLOCK, CHUNK, TILE};
 use crate::moe::MoeRouting;
 
@@ -104,13 +105,13 @@ impl DeviceWeights {
         self.format.row_words(self.inn)
     }
     fn spr(&self) -> usize {
-        self.format.scales_per_row(self.inn)
+        self.format.scale_grid(0, self.inn)[1]
     }
     fn expert_words(&self) -> usize {
         self.out * self.wpr()
     }
     fn expert_scales(&self) -> usize {
-        let [r, c] = self.format.scale_shape(self.out, self.inn);
+        let [r, c] = self.format.scale_grid(self.out, self.inn);
         r * c
     }
 }

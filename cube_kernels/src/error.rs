@@ -3,11 +3,17 @@
 /// What went wrong preparing or launching a kernel.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    /// A weight format name that is not one of `int4-g32/64/128`, `int8-pc`, `fp8-b128`.
+    /// A weight format name that is not `int4-g<G>`, `int8-pc` or `fp8-b128`.
     #[error(
-        "unknown weight format `{0}` (expected int4-g32, int4-g64, int4-g128, int8-pc or fp8-b128)"
+        "unknown weight format `{0}` (expected int4-g<G>, e.g. int4-g128, int8-pc or fp8-b128)"
     )]
     UnknownFormat(String),
+    /// A stored code the quantizer never produces (qarl's loader rejects it too).
+    #[error("expert {expert}, byte {}: {code}", .code.byte())]
+    InvalidCode {
+        expert: usize,
+        code: crate::format::InvalidCode,
+    },
     /// Lengths or shapes that do not fit together.
     #[error("shape error: {0}")]
     Shape(String),

@@ -1,111 +1,98 @@
-//! Host side of the kernel formats: which low-bit format a weight has and its kernel layout (u32 words).
+//! The weight formats, described once: which formats exist, the width and the valid values of their codes,
+//! the grid of their scales, and the two layouts of their codes. This module and [`crate::e4m3`] need no
+//! CubeCL (they compile without the crate's `kernels` feature), so qarl's quantizer, qarl's CPU kernels and
+//! the CubeCL host code all read the same description (in qarl, `quant::SchemeKind` is [`WeightFormat`] and
+//! `quant::e4m3` is [`crate::e4m3`]). A new format is a [`WeightFormat`] variant described here, then its
+//! quantizer and kernels.
 //!
-//! The storage layout is qarl's (`qarl::quant::QuantizedTensor`): row-major over output rows, int4 two codes
-//! per byte (low nibble = even column, `ceil(in/2)` bytes per row), int8 and fp8 one byte per weight. The
-//! kernels read 32-bit words, so [`PackedWeights::from_storage`] repacks each row once per weight version
-//! into `ceil(in * bits / 32)` little-endian words (code `k` of a word in bits `bits*k ..`), padding codes 0.
+//! **Storage layout** (qarl's `QuantizedTensor`, quantized checkpoints): row-major over output rows,
+//! [`WeightFormat::row_bytes`] bytes per row, code `k` of a row in bits `bits*k ..` of the row's bytes
+//! (little code first: int4 two codes per byte, low nibble = even column; int8 and fp8 one byte per code).
+//! `bits` divides 8, so a code never straddles a byte and rows never share one; padding bits are 0.
+//!
+//! **Kernel layout** ([`PackedWeights`]): each row repacked once per weight version into
+//! [`WeightFormat::row_words`] little-endian u32 words, code `k` of a word in bits `bits*k ..`, padding 0.
 //! When a row's byte length is a multiple of 4 this is the storage read as u32s, byte for byte.
-//! Scales are copied unchanged: int4 `[out, ceil(in/G)]`, int8 `[out]`, fp8 `[ceil(out/128), ceil(in/128)]`.
+//!
+//! **Scales**: f32, row-major over [`WeightFormat::scale_grid`], copied unchanged between the layouts.
 
+use crate::e4m3::{e4m3_is_nan, e4m3_to_f32};
 use crate::error::KernelError;
 
-/// Side of the fp8 weight block and width of an fp8 activation group.
+/// Side of the fp8 weight block and width of an fp8 activation group (DeepSeek-V3 "blockwise").
 pub const FP8_BLOCK: usize = 128;
 
-/// Inputs per partial sum of the canonical summation order (see [`crate::reference`]); every int4 group and
-/// fp8 block is a multiple of it, so a chunk never straddles two scales.
+/// Inputs per partial sum of the CubeCL kernels' canonical summation order. Every int4 group and the fp8
+/// block are multiples of it ([`WeightFormat::validate`]), so a chunk never straddles two scales.
 pub const CHUNK: usize = 32;
 
-/// A weight format the kernels read.
+/// Bits of an int4 code.
+pub const INT4_BITS: usize = 4;
+/// Smallest int4 code.
+pub const INT4_MIN: i8 = -8;
+/// Largest int4 code.
+pub const INT4_MAX: i8 = 7;
+/// The int4 scale's divisor (`s = absmax / 7`): symmetric, so -8 is produced only when `s` is subnormal.
+pub const INT4_QMAX: f32 = 7.0;
+/// Largest int8 magnitude: codes are in [-127, 127], -128 is never produced (a symmetric grid).
+pub const INT8_MAX: i8 = 127;
+/// The int8 scale's divisor (`s = absmax / 127`).
+pub const INT8_QMAX: f32 = 127.0;
+
+/// A low-bit weight format: what qarl quantizes to and what the kernels (CPU and CubeCL) read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
-    /// Symmetric int4 codes in [-8, 7], one f32 scale per `group` inputs of a row (`int4-g32/64/128`).
+    /// Symmetric int4 codes in [-8, 7], one f32 scale per `group` inputs of a row (`int4-gG`, W4A16).
     Int4 { group: usize },
-    /// Symmetric int8 codes in [-127, 127], one f32 scale per output row (`int8-pc`).
+    /// Symmetric int8 codes in [-127, 127], one f32 scale per output row (`int8-pc`, W8A16).
     Int8PerRow,
-    /// E4M3 codes, one f32 scale per 128x128 block; activations are quantized per token per 128 inputs
-    /// (`fp8-b128`, W8A8).
-    Fp8Block128,
+    /// E4M3 codes, one f32 scale per [`FP8_BLOCK`]-square block; activations are quantized to E4M3 per
+    /// token per [`FP8_BLOCK`] inputs (`fp8-b128`, W8A8).
+    Fp8Block,
+}
+
+/// The weights one scale covers: `rows` output rows by `inputs` inputs of each (`None`: the whole row).
+/// Blocks at the bottom and right edges are shorter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ScaleBlock {
+    /// Output rows per scale.
+    pub rows: usize,
+    /// Inputs per scale, `None` for one scale per row whatever its length.
+    pub inputs: Option<usize>,
 }
 
 impl WeightFormat {
-    /// Parses qarl's scheme names (`int4-g32`, `int4-g64`, `int4-g128`, `int8-pc`, `fp8-b128`).
-    pub fn parse(name: &str) -> Result<Self, KernelError> {
-        match name {
-            "int4-g32" => Ok(WeightFormat::Int4 { group: 32 }),
-            "int4-g64" => Ok(WeightFormat::Int4 { group: 64 }),
-            "int4-g128" => Ok(WeightFormat::Int4 { group: 128 }),
-            "int8-pc" => Ok(WeightFormat::Int8PerRow),
-            "fp8-b128" => Ok(WeightFormat::Fp8Block128),
-            other => Err(KernelError::UnknownFormat(other.to_owned())),
-        }
-    }
-
-    /// The scheme name, as qarl spells it.
+    /// The format's name, as qarl spells its schemes: `int4-g<G>`, `int8-pc`, `fp8-b128`.
     pub fn name(self) -> String {
         match self {
             WeightFormat::Int4 { group } => format!("int4-g{group}"),
             WeightFormat::Int8PerRow => "int8-pc".to_owned(),
-            WeightFormat::Fp8Block128 => "fp8-b128".to_owned(),
+            WeightFormat::Fp8Block => format!("fp8-b{FP8_BLOCK}"),
         }
     }
 
-    /// Bits per code.
-    pub fn bits(self) -> usize {
-        match self {
-            WeightFormat::Int4 { .. } => 4,
-            WeightFormat::Int8PerRow | WeightFormat::Fp8Block128 => 8,
-        }
+    /// The format named `name` ([`Self::name`] spelled exactly); an int4 group the kernels cannot take
+    /// ([`Self::validate`]) is an error too.
+    pub fn parse(name: &str) -> Result<Self, KernelError> {
+        let candidate = match name {
+            "int8-pc" => Some(WeightFormat::Int8PerRow),
+            _ if name.starts_with("fp8-") => Some(WeightFormat::Fp8Block),
+            _ => name
+                .strip_prefix("int4-g")
+                .and_then(|g| g.parse().ok())
+                .map(|group| WeightFormat::Int4 { group }),
+        };
+        // Comparing with the canonical name rejects other spellings (`int4-g032`, `int4-g+32`, `fp8-b64`).
+        let format = candidate
+            .filter(|f| f.name() == name)
+            .ok_or_else(|| KernelError::UnknownFormat(name.to_owned()))?;
+        format.validate()?;
+        Ok(format)
     }
 
-    /// Bytes per row of `inn` codes in qarl's storage.
-    pub fn row_bytes(self, inn: usize) -> usize {
-        (inn * self.bits()).div_ceil(8)
-    }
-
-    /// u32 words per row of `inn` codes in the kernel layout.
-    pub fn row_words(self, inn: usize) -> usize {
-        (inn * self.bits()).div_ceil(32)
-    }
-
-    /// Shape of the scale tensor of a `[out, inn]` weight.
-    pub fn scale_shape(self, out: usize, inn: usize) -> [usize; 2] {
-        match self {
-            WeightFormat::Int4 { group } => [out, inn.div_ceil(group)],
-            WeightFormat::Int8PerRow => [out, 1],
-            WeightFormat::Fp8Block128 => [out.div_ceil(FP8_BLOCK), inn.div_ceil(FP8_BLOCK)],
-        }
-    }
-
-    /// Whether the matmul also quantizes its activations (fp8 W8A8).
-    pub fn quantizes_activations(self) -> bool {
-        matches!(self, WeightFormat::Fp8Block128)
-    }
-
-    /// The compile-time code the kernels branch on.
-    pub(crate) fn kernel_code(self) -> u32 {
-        match self {
-            WeightFormat::Int4 { .. } => 0,
-            WeightFormat::Int8PerRow => 1,
-            WeightFormat::Fp8Block128 => 2,
-        }
-    }
-
-    /// The int4 group (or the fp8 block), the other compile-time parameter of the kernels.
-    pub(crate) fn kernel_group(self) -> usize {
-        match self {
-            WeightFormat::Int4 { group } => group,
-            WeightFormat::Int8PerRow => 1,
-            WeightFormat::Fp8Block128 => FP8_BLOCK,
-        }
-    }
-
-    /// Scales per row-index step as the kernels index them (`scale_shape[1]`).
-    pub(crate) fn scales_per_row(self, inn: usize) -> usize {
-        self.scale_shape(0, inn)[1]
-    }
-
-    fn check(self) -> Result<(), KernelError> {
+    /// Whether the kernels can take this format: an int4 group must be a positive multiple of [`CHUNK`]
+    /// (both kernels sum in 32-input chunks under one scale).
+    pub fn validate(self) -> Result<(), KernelError> {
         match self {
             WeightFormat::Int4 { group } if group == 0 || group % CHUNK != 0 => {
                 Err(KernelError::Unsupported(format!(
@@ -114,6 +101,214 @@ impl WeightFormat {
             }
             _ => Ok(()),
         }
+    }
+
+    /// Bits per code; always a divisor of 8 (see the module docs).
+    pub fn bits(self) -> usize {
+        match self {
+            WeightFormat::Int4 { .. } => INT4_BITS,
+            WeightFormat::Int8PerRow | WeightFormat::Fp8Block => 8,
+        }
+    }
+
+    /// Bytes per row of `inn` codes in the storage layout: `ceil(inn/2)` for int4, `inn` for int8 and fp8.
+    pub fn row_bytes(self, inn: usize) -> usize {
+        packed_bytes(self.bits(), inn)
+    }
+
+    /// u32 words per row of `inn` codes in the kernel layout: `ceil(inn/8)` for int4, `ceil(inn/4)` else.
+    pub fn row_words(self, inn: usize) -> usize {
+        packed_words(self.bits(), inn)
+    }
+
+    /// The weights one scale covers: int4 `1 x G`, int8 a whole row, fp8 a [`FP8_BLOCK`]-square block.
+    pub fn scale_block(self) -> ScaleBlock {
+        match self {
+            WeightFormat::Int4 { group } => ScaleBlock {
+                rows: 1,
+                inputs: Some(group),
+            },
+            WeightFormat::Int8PerRow => ScaleBlock {
+                rows: 1,
+                inputs: None,
+            },
+            WeightFormat::Fp8Block => ScaleBlock {
+                rows: FP8_BLOCK,
+                inputs: Some(FP8_BLOCK),
+            },
+        }
+    }
+
+    /// The scale grid of a `[out, inn]` weight, `[scale rows, scales per row]`: int4 `[out, ceil(inn/G)]`,
+    /// int8 `[out, 1]`, fp8 `[ceil(out/128), ceil(inn/128)]`. Scales are row-major over it.
+    pub fn scale_grid(self, out: usize, inn: usize) -> [usize; 2] {
+        let block = self.scale_block();
+        [
+            out.div_ceil(block.rows),
+            block.inputs.map_or(1, |inputs| inn.div_ceil(inputs)),
+        ]
+    }
+
+    /// The shape of the stored scale tensor (checkpoints, the Python reference): the scale grid, except
+    /// that one scale per row is a vector `[out]`.
+    pub fn scale_shape(self, out: usize, inn: usize) -> Vec<usize> {
+        let grid = self.scale_grid(out, inn);
+        match self.scale_block().inputs {
+            Some(_) => grid.to_vec(),
+            None => vec![grid[0]],
+        }
+    }
+
+    /// Index (in the row-major scale grid of a weight with `inn` inputs) of the scale of weight `[row, k]`.
+    pub fn scale_index(self, inn: usize, row: usize, k: usize) -> usize {
+        let block = self.scale_block();
+        let per_row = self.scale_grid(0, inn)[1];
+        (row / block.rows) * per_row + block.inputs.map_or(0, |inputs| k / inputs)
+    }
+
+    /// Bytes of codes plus f32 scales of a `[out, inn]` weight in the storage layout.
+    pub fn storage_bytes(self, out: usize, inn: usize) -> usize {
+        let [rows, cols] = self.scale_grid(out, inn);
+        out * self.row_bytes(inn) + 4 * rows * cols
+    }
+
+    /// Whether the matmul also quantizes its activations (fp8 W8A8: E4M3 per token per [`FP8_BLOCK`]
+    /// inputs); the others keep them as they are (A16).
+    pub fn quantizes_activations(self) -> bool {
+        matches!(self, WeightFormat::Fp8Block)
+    }
+
+    /// The value of a code before its scale: `q as f32` for the integer grids (the low [`Self::bits`] of
+    /// `code` as a two's complement), `e4m3_to_f32(code)` for fp8. The weight is this times its scale, one
+    /// f32 multiply.
+    pub fn code_value(self, code: u32) -> f32 {
+        match self {
+            WeightFormat::Int4 { .. } => (((code << 28) as i32) >> 28) as f32,
+            WeightFormat::Int8PerRow => code as u8 as i8 as f32,
+            WeightFormat::Fp8Block => e4m3_to_f32(code as u8),
+        }
+    }
+
+    /// Code `k` of one row in the storage layout.
+    pub fn storage_code(self, row: &[u8], k: usize) -> u32 {
+        let (bits, at) = (self.bits(), k * self.bits());
+        ((row[at / 8] >> (at % 8)) as u32) & ((1 << bits) - 1)
+    }
+
+    /// Code `k` of one row in the kernel layout.
+    pub fn word_code(self, row: &[u32], k: usize) -> u32 {
+        let (bits, at) = (self.bits(), k * self.bits());
+        (row[at / 32] >> (at % 32)) & ((1u64 << bits) - 1) as u32
+    }
+
+    /// The first code of a storage buffer (`out` rows of [`Self::row_bytes`]) that the quantizer never
+    /// produces: a non-zero padding nibble, int8 -128, an E4M3 NaN. Loading rejects them, so equal tensors
+    /// have equal bytes and the kernels never meet a code the host reference would reject.
+    pub fn invalid_code(self, inn: usize, data: &[u8]) -> Option<InvalidCode> {
+        match self {
+            WeightFormat::Int4 { .. } => padding_fault(INT4_BITS, inn, data),
+            WeightFormat::Int8PerRow => data
+                .iter()
+                .position(|&b| (b as i8) < -INT8_MAX)
+                .map(|byte| InvalidCode::Int8Min { byte }),
+            WeightFormat::Fp8Block => {
+                data.iter()
+                    .position(|&c| e4m3_is_nan(c))
+                    .map(|byte| InvalidCode::E4m3Nan {
+                        byte,
+                        code: data[byte],
+                    })
+            }
+        }
+    }
+
+    /// The compile-time format code the CubeCL kernels branch on (`fmt` in [`crate::kernels`]).
+    #[cfg(feature = "kernels")]
+    pub(crate) fn kernel_code(self) -> u32 {
+        match self {
+            WeightFormat::Int4 { .. } => 0,
+            WeightFormat::Int8PerRow => 1,
+            WeightFormat::Fp8Block => 2,
+        }
+    }
+
+    /// The int4 group (or the fp8 block), the kernels' other compile-time parameter (`group`).
+    #[cfg(feature = "kernels")]
+    pub(crate) fn kernel_group(self) -> usize {
+        match self {
+            WeightFormat::Int4 { group } => group,
+            WeightFormat::Int8PerRow => 1,
+            WeightFormat::Fp8Block => FP8_BLOCK,
+        }
+    }
+}
+
+/// Bytes of `n` codes of `bits` bits (a divisor of 8) packed little code first.
+pub const fn packed_bytes(bits: usize, n: usize) -> usize {
+    n.div_ceil(8 / bits)
+}
+
+/// u32 words of `n` codes of `bits` bits (a divisor of 8) packed little code first.
+pub const fn packed_words(bits: usize, n: usize) -> usize {
+    n.div_ceil(32 / bits)
+}
+
+/// The first row of a storage buffer of `bits`-bit codes, `inn` per row, whose last byte has non-zero
+/// padding bits (a row of `inn` codes leaves them when `inn * bits` is not a multiple of 8).
+pub fn padding_fault(bits: usize, inn: usize, data: &[u8]) -> Option<InvalidCode> {
+    let used = (inn % (8 / bits)) * bits;
+    let row_bytes = packed_bytes(bits, inn);
+    if used == 0 || row_bytes == 0 {
+        return None;
+    }
+    data.chunks(row_bytes).enumerate().find_map(|(row, bytes)| {
+        let value = bytes[bytes.len() - 1] >> used;
+        (value != 0).then_some(InvalidCode::Padding {
+            byte: row * row_bytes + bytes.len() - 1,
+            row,
+            value,
+        })
+    })
+}
+
+/// A stored code the quantizer never produces ([`WeightFormat::invalid_code`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidCode {
+    /// Padding bits past the last code of a row that are not 0 (the storage is canonical).
+    #[error("padding nibble of row {row} is {value:#x}, must be 0")]
+    Padding { byte: usize, row: usize, value: u8 },
+    /// int8 -128, outside the symmetric grid.
+    #[error("-128 is outside [-127, 127]")]
+    Int8Min { byte: usize },
+    /// One of the two E4M3 NaN codes.
+    #[error("{code:#04x} is an E4M3 NaN")]
+    E4m3Nan { byte: usize, code: u8 },
+}
+
+impl InvalidCode {
+    /// The offending byte's index in the storage buffer.
+    pub fn byte(&self) -> usize {
+        match *self {
+            InvalidCode::Padding { byte, .. }
+            | InvalidCode::Int8Min { byte }
+            | InvalidCode::E4m3Nan { byte, .. } => byte,
+        }
+    }
+}
+
+/// `v.round_ties_even()`, computed inline: `(|v| + 2^23) - 2^23` rounds to an integer, ties to even,
+/// exactly for `|v| < 2^23` (from 2^23 on every f32 is an integer), with `v`'s sign put back. The one
+/// rounding of the integer grids and of E4M3's subnormal range. `f32::round_ties_even` is a call to libm's
+/// `rintf` on baseline x86-64 (no SSE4.1 `roundps`), which took 40% of quantizing a model; this form
+/// inlines and vectorizes.
+#[inline(always)]
+pub fn round_ties_even(v: f32) -> f32 {
+    const TWO_23: f32 = 8_388_608.0;
+    let a = v.abs();
+    if a < TWO_23 {
+        ((a + TWO_23) - TWO_23).copysign(v)
+    } else {
+        v
     }
 }
 
@@ -150,13 +345,13 @@ impl PackedWeights {
         inn: usize,
         parts: &[(&[u8], &[f32])],
     ) -> Result<Self, KernelError> {
-        format.check()?;
+        format.validate()?;
         if parts.is_empty() {
             return Err(KernelError::Shape("no weights to pack".to_owned()));
         }
         let row_bytes = format.row_bytes(inn);
         let row_words = format.row_words(inn);
-        let [sr, sc] = format.scale_shape(out, inn);
+        let [sr, sc] = format.scale_grid(out, inn);
         let mut words = Vec::with_capacity(parts.len() * out * row_words);
         let mut all_scales = Vec::with_capacity(parts.len() * sr * sc);
         for (e, (data, scales)) in parts.iter().enumerate() {
@@ -181,7 +376,9 @@ impl PackedWeights {
                     scales[i]
                 )));
             }
-            check_codes(format, inn, data, e)?;
+            if let Some(code) = format.invalid_code(inn, data) {
+                return Err(KernelError::InvalidCode { expert: e, code });
+            }
             for row in data.chunks(row_bytes.max(1)).take(out) {
                 let start = words.len();
                 words.resize(start + row_words, 0);
@@ -222,7 +419,7 @@ impl PackedWeights {
             state
         };
         let row_bytes = format.row_bytes(inn);
-        let [sr, sc] = format.scale_shape(out, inn);
+        let [sr, sc] = format.scale_grid(out, inn);
         let parts: Vec<(Vec<u8>, Vec<f32>)> = (0..experts)
             .map(|_| {
                 let mut data = Vec::with_capacity(out * row_bytes);
@@ -234,7 +431,7 @@ impl PackedWeights {
                                 byte &= 0x0F
                             }
                             WeightFormat::Int8PerRow if byte == 0x80 => byte = 0x81,
-                            WeightFormat::Fp8Block128 if byte & 0x7F == 0x7F => byte ^= 1,
+                            WeightFormat::Fp8Block if e4m3_is_nan(byte) => byte ^= 1,
                             _ => {}
                         }
                         data.push(byte);
@@ -284,7 +481,7 @@ impl PackedWeights {
     }
     /// Scales per expert.
     pub fn expert_scales(&self) -> usize {
-        let [r, c] = self.format.scale_shape(self.out, self.inn);
+        let [r, c] = self.format.scale_grid(self.out, self.inn);
         r * c
     }
     /// Bytes the kernels stream per full pass over the weights (codes + scales), for bandwidth figures.
@@ -292,29 +489,17 @@ impl PackedWeights {
         4 * (self.words.len() + self.scales.len())
     }
 
-    /// The dequantized value of expert `e`, row `row`, input `k`: `q as f32 * s` (fp8: `e4m3(code) * s`),
-    /// one f32 multiply, exactly as qarl's host reference computes it.
+    /// The dequantized value of expert `e`, row `row`, input `k`: [`WeightFormat::code_value`] times its
+    /// scale, one f32 multiply, exactly as qarl's host reference computes it.
     pub fn weight_at(&self, e: usize, row: usize, k: usize) -> f32 {
         let row_words = self.row_words();
-        let word =
-            self.words[e * self.expert_words() + row * row_words + k * self.format.bits() / 32];
-        let scales = &self.scales[e * self.expert_scales()..];
-        match self.format {
-            WeightFormat::Int4 { group } => {
-                let nib = (word >> (4 * (k % 8))) & 15;
-                let q = ((nib << 28) as i32) >> 28;
-                q as f32 * scales[row * self.inn.div_ceil(group) + k / group]
-            }
-            WeightFormat::Int8PerRow => {
-                let q = ((word >> (8 * (k % 4))) & 255) as u8 as i8;
-                q as f32 * scales[row]
-            }
-            WeightFormat::Fp8Block128 => {
-                let code = ((word >> (8 * (k % 4))) & 255) as u8;
-                let sc = self.inn.div_ceil(FP8_BLOCK);
-                e4m3_to_f32(code) * scales[(row / FP8_BLOCK) * sc + k / FP8_BLOCK]
-            }
-        }
+        let start = e * self.expert_words() + row * row_words;
+        let code = self
+            .format
+            .word_code(&self.words[start..start + row_words], k);
+        let scale =
+            self.scales[e * self.expert_scales() + self.format.scale_index(self.inn, row, k)];
+        self.format.code_value(code) * scale
     }
 
     /// The dequantized `[out, inn]` matrix of expert `e`.
@@ -327,79 +512,4 @@ impl PackedWeights {
         }
         w
     }
-}
-
-fn check_codes(format: WeightFormat, inn: usize, data: &[u8], e: usize) -> Result<(), KernelError> {
-    let row_bytes = format.row_bytes(inn);
-    match format {
-        WeightFormat::Int4 { .. } if inn % 2 == 1 => {
-            if let Some(r) = (0..data.len() / row_bytes.max(1))
-                .find(|r| data[r * row_bytes + row_bytes - 1] >> 4 != 0)
-            {
-                return Err(KernelError::Shape(format!(
-                    "expert {e}: row {r} has a non-zero int4 padding nibble"
-                )));
-            }
-        }
-        WeightFormat::Int8PerRow => {
-            if let Some(i) = data.iter().position(|b| *b == 0x80) {
-                return Err(KernelError::Shape(format!(
-                    "expert {e}: int8 code -128 at byte {i} (the quantizer never produces it)"
-                )));
-            }
-        }
-        WeightFormat::Fp8Block128 => {
-            if let Some(i) = data.iter().position(|b| b & 0x7F == 0x7F) {
-                return Err(KernelError::Shape(format!(
-                    "expert {e}: E4M3 NaN code at byte {i}"
-                )));
-            }
-        }
-        _ => {}
-    }
-    Ok(())
-}
-
-/// Decodes an E4M3 (e4m3fn) code exactly; `0x7F`/`0xFF` are NaN.
-pub fn e4m3_to_f32(code: u8) -> f32 {
-    let exponent = (code >> 3) & 0x0F;
-    let mantissa = code & 0x07;
-    let magnitude = if exponent == 0x0F && mantissa == 0x07 {
-        f32::NAN
-    } else if exponent == 0 {
-        mantissa as f32 / 512.0
-    } else {
-        f32::from_bits(((exponent as u32 + 120) << 23) | ((mantissa as u32) << 20))
-    };
-    if code & 0x80 != 0 {
-        -magnitude
-    } else {
-        magnitude
-    }
-}
-
-/// The 256-entry E4M3 decode table the kernels read (a table is exact on every runtime; not every runtime
-/// has a native fp8 conversion).
-pub fn e4m3_table() -> Vec<f32> {
-    (0..=255u8).map(e4m3_to_f32).collect()
-}
-
-/// Encodes `value` as E4M3, round to nearest even, saturating at +-448 (qarl's `f32_to_e4m3`); the kernels
-/// use the same bit operations.
-pub fn f32_to_e4m3(value: f32) -> u8 {
-    if value.is_nan() {
-        return 0x7F;
-    }
-    let sign = if value.is_sign_negative() { 0x80 } else { 0 };
-    let magnitude = value.abs();
-    let code = if magnitude >= 448.0 {
-        0x7E
-    } else if magnitude < 1.0 / 64.0 {
-        (magnitude * 512.0).round_ties_even() as u8
-    } else {
-        let rebiased = magnitude.to_bits() - (120 << 23);
-        let lsb = (rebiased >> 20) & 1;
-        (((rebiased + 0x7_FFFF + lsb) >> 20).min(0x7E)) as u8
-    };
-    sign | code
 }

@@ -5,7 +5,8 @@
 //! one shorter), `part = 0.0`, then `part = fma(x[k], w[k], part)` for `k` in order, then
 //! `total = total + part`.
 
-use crate::format::{e4m3_to_f32, f32_to_e4m3, PackedWeights, CHUNK, FP8_BLOCK};
+use crate::e4m3::{e4m3_to_f32, f32_to_e4m3, E4M3_MAX};
+use crate::format::{PackedWeights, CHUNK, FP8_BLOCK};
 use crate::moe::MoeRouting;
 
 /// The canonical dot product of `x` and `w` (same length).
@@ -31,7 +32,7 @@ pub fn fp8_activations(x: &[f32], rows: usize, cols: usize) -> (Vec<f32>, Vec<f3
         for b in 0..blocks {
             let range = r * cols + b * FP8_BLOCK..r * cols + ((b + 1) * FP8_BLOCK).min(cols);
             let m = x[range.clone()].iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let s = m / 448.0;
+            let s = m / E4M3_MAX;
             scales[r * blocks + b] = s;
             for i in range {
                 let code = if s == 0.0 { 0 } else { f32_to_e4m3(x[i] / s) };

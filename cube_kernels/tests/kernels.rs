@@ -47,7 +47,7 @@ const FORMATS: [WeightFormat; 5] = [
     WeightFormat::Int4 { group: 64 },
     WeightFormat::Int4 { group: 128 },
     WeightFormat::Int8PerRow,
-    WeightFormat::Fp8Block128,
+    WeightFormat::Fp8Block,
 ];
 
 /// A small deterministic generator (xorshift), so failures reproduce.
@@ -367,9 +367,9 @@ fn storage_repacking_checks_shapes_and_codes() {
 #[test]
 fn e4m3_host_encoder_round_trips_every_code() {
     for code in (0u8..=255).filter(|c| c & 0x7F != 0x7F) {
-        let v = cube_kernels::format::e4m3_to_f32(code);
+        let v = cube_kernels::e4m3::e4m3_to_f32(code);
         assert_eq!(
-            cube_kernels::format::f32_to_e4m3(v),
+            cube_kernels::e4m3::f32_to_e4m3(v),
             code,
             "code {code:#04x} = {v}"
         );

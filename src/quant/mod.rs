@@ -3,7 +3,10 @@
 //!
 //! [`QuantScheme`] names a format, [`QuantizedTensor`] holds one quantized weight (packed codes + f32 scales)
 //! and its reference matmuls, [`e4m3`] is the FP8 E4M3 codec, [`packing`] the int4 byte / u32 layouts and
-//! [`select`] which layers of a model are quantized. The kernels that read these formats live in
+//! [`select`] which layers of a model are quantized. What a format *is* (code width and values, scale grid,
+//! row bytes and words, the E4M3 codec, the fp8 block) is described once in `cube_kernels::format` and
+//! `cube_kernels::e4m3`, cubecl-free host code always compiled, and re-exported here ([`SchemeKind`],
+//! [`e4m3`], [`scheme::FP8_BLOCK`]): the quantizer, the CPU kernels and the CubeCL path read one description. The kernels that read these formats live in
 //! [`crate::ops`]; quantizing a whole model or checkpoint lives in [`crate::model`].
 
 pub mod e4m3;

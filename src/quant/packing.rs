@@ -10,18 +10,23 @@
 //! **u32 words (a view).** Row-major, each row takes `ceil(inn / 8)` words; word `w` of a row holds columns
 //! `8w .. 8w + 8`, column `8w + k` in bits `4k .. 4k + 4` (little nibble first); padding nibbles past `inn`
 //! are 0. When `inn` is a multiple of 8 this is exactly the byte storage read as little-endian u32s.
+//!
+//! Both are the storage and kernel layouts of `cube_kernels::format` for 4-bit codes (the word view is what
+//! the CubeCL kernels read); the lengths and the padding rule come from there.
+
+use cube_kernels::format::{packed_bytes, packed_words, padding_fault, INT4_BITS};
 
 use super::error::{check_matrix_len, QuantError};
 use super::int::{INT4_MAX, INT4_MIN};
 
 /// Bytes per packed int4 row of `inn` codes.
 pub fn int4_row_bytes(inn: usize) -> usize {
-    inn.div_ceil(2)
+    packed_bytes(INT4_BITS, inn)
 }
 
 /// u32 words per int4 row of `inn` codes in the word view.
 pub fn int4_row_words(inn: usize) -> usize {
-    inn.div_ceil(8)
+    packed_words(INT4_BITS, inn)
 }
 
 /// The 4-bit two's-complement nibble of an int4 code.
@@ -87,22 +92,15 @@ fn check_int4_storage(bytes: &[u8], out: usize, inn: usize) -> Result<usize, Qua
 }
 
 /// Checks that the padding nibbles of odd-length rows are zero.
-pub(crate) fn check_int4_padding(bytes: &[u8], inn: usize) -> Result<(), QuantError> {
-    if inn % 2 == 0 {
-        return Ok(());
+fn check_int4_padding(bytes: &[u8], inn: usize) -> Result<(), QuantError> {
+    match padding_fault(INT4_BITS, inn, bytes) {
+        None => Ok(()),
+        Some(bad) => Err(QuantError::InvalidCode {
+            what: "int4 packed bytes",
+            index: bad.byte(),
+            detail: bad.to_string(),
+        }),
     }
-    let row_bytes = int4_row_bytes(inn);
-    for (row, chunk) in bytes.chunks(row_bytes).enumerate() {
-        let last = chunk[row_bytes - 1];
-        if last >> 4 != 0 {
-            return Err(QuantError::InvalidCode {
-                what: "int4 packed bytes",
-                index: row * row_bytes + row_bytes - 1,
-                detail: format!("padding nibble of row {row} is {:#x}, must be 0", last >> 4),
-            });
-        }
-    }
-    Ok(())
 }
 
 /// Converts the byte storage of an `[out, inn]` int4 tensor to the u32-word view.

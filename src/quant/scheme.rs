@@ -2,6 +2,11 @@
 //!
 //! The names are the user-facing identifiers (CLI `--quant`, `quantization_config` in a checkpoint), so
 //! parsing is exact and case-sensitive: two spellings of one scheme would make checkpoints ambiguous.
+//!
+//! A scheme is a name for one [`SchemeKind`], the format description shared with the CubeCL kernels
+//! (`cube_kernels::format::WeightFormat`: code width and values, scale grid, storage and kernel layouts).
+//! Everything a scheme knows about its layout it asks that description, so the quantizer, the CPU
+//! kernels and the GPU path cannot disagree about it.
 
 use std::fmt;
 use std::str::FromStr;
@@ -11,7 +16,12 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use super::error::QuantError;
 
 /// Side of the square FP8 weight block and width of an FP8 activation group (DeepSeek-V3 "blockwise").
-pub const FP8_BLOCK: usize = 128;
+pub use cube_kernels::format::FP8_BLOCK;
+
+/// The format behind a scheme: `Int4 { group }`, `Int8PerRow` or `Fp8Block`. It is the kernels' own
+/// format type (`cube_kernels::WeightFormat`), so handing a weight to the CubeCL kernels needs no
+/// conversion, and a layout question (row bytes, scale grid, valid codes) has one answer.
+pub use cube_kernels::format::WeightFormat as SchemeKind;
 
 /// A weight (and, for FP8, activation) quantization format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -29,17 +39,6 @@ pub enum QuantScheme {
     Fp8Block128,
 }
 
-/// The three grid families behind the five schemes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SchemeKind {
-    /// Symmetric int4 codes, one scale per `group` inputs of a row (W4A16).
-    Int4 { group: usize },
-    /// Symmetric int8 codes, one scale per output row (W8A16).
-    Int8PerRow,
-    /// E4M3 codes, one scale per 128x128 weight block; activations per token per 128 columns (W8A8).
-    Fp8Block,
-}
-
 impl QuantScheme {
     /// Every scheme, in the order they are listed to users.
     pub const ALL: [QuantScheme; 5] = [
@@ -50,7 +49,8 @@ impl QuantScheme {
         QuantScheme::Fp8Block128,
     ];
 
-    /// The exact name (`int4-g32`, `int4-g64`, `int4-g128`, `int8-pc`, `fp8-b128`).
+    /// The exact name (`int4-g32`, `int4-g64`, `int4-g128`, `int8-pc`, `fp8-b128`); the same as the
+    /// format's own name (`SchemeKind::name`, checked by a test), but `&'static str` for configs and flags.
     pub fn name(self) -> &'static str {
         match self {
             QuantScheme::Int4G32 => "int4-g32",
@@ -61,7 +61,8 @@ impl QuantScheme {
         }
     }
 
-    /// The grid family, for code that works per family (packing, scales, kernels).
+    /// The format description (total: every scheme has one, and every one of them is a format the
+    /// kernels take).
     pub fn kind(self) -> SchemeKind {
         match self {
             QuantScheme::Int4G32 => SchemeKind::Int4 { group: 32 },
@@ -82,32 +83,31 @@ impl QuantScheme {
 
     /// Whether the matmul also quantizes its activations (W8A8); the others keep activations in f32 (A16).
     pub fn quantizes_activations(self) -> bool {
-        matches!(self, QuantScheme::Fp8Block128)
+        self.kind().quantizes_activations()
     }
 
     /// Shape of the f32 scale tensor for a weight `[out, inn]`: `[out, ceil(inn/G)]` (int4), `[out]` (int8),
     /// `[ceil(out/128), ceil(inn/128)]` (fp8).
     pub fn scale_shape(self, out: usize, inn: usize) -> Vec<usize> {
-        match self.kind() {
-            SchemeKind::Int4 { group } => vec![out, inn.div_ceil(group)],
-            SchemeKind::Int8PerRow => vec![out],
-            SchemeKind::Fp8Block => vec![out.div_ceil(FP8_BLOCK), inn.div_ceil(FP8_BLOCK)],
-        }
+        self.kind().scale_shape(out, inn)
     }
 
     /// Bytes of packed codes in one row of `inn` weights: `ceil(inn/2)` for int4 (an odd row ends with a
     /// zero high nibble), `inn` for int8 and fp8.
     pub fn row_bytes(self, inn: usize) -> usize {
-        match self.kind() {
-            SchemeKind::Int4 { .. } => inn.div_ceil(2),
-            SchemeKind::Int8PerRow | SchemeKind::Fp8Block => inn,
-        }
+        self.kind().row_bytes(inn)
     }
 
     /// Bytes of packed codes plus f32 scales for a weight `[out, inn]` (what a checkpoint stores and what
     /// [`crate::quant::QuantizedTensor::storage_bytes`] reports), without quantizing anything.
     pub fn storage_bytes(self, out: usize, inn: usize) -> usize {
-        out * self.row_bytes(inn) + 4 * self.scale_shape(out, inn).iter().product::<usize>()
+        self.kind().storage_bytes(out, inn)
+    }
+}
+
+impl From<QuantScheme> for SchemeKind {
+    fn from(scheme: QuantScheme) -> Self {
+        scheme.kind()
     }
 }
 
@@ -138,5 +138,20 @@ impl<'de> Deserialize<'de> for QuantScheme {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
         let name = String::deserialize(deserializer)?;
         name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_scheme_is_a_kernel_format_of_the_same_name() {
+        for scheme in QuantScheme::ALL {
+            let kind = scheme.kind();
+            assert_eq!(kind.name(), scheme.name());
+            assert_eq!(SchemeKind::parse(scheme.name()).unwrap(), kind);
+            assert!(kind.validate().is_ok(), "{scheme}");
+        }
     }
 }

@@ -8,18 +8,19 @@
 //! - fp8-b128: one E4M3 code per weight; scales f32 `[ceil(out/128), ceil(in/128)]`.
 //!
 //! The dequantized weight is `q as f32 * s` (fp8: `e4m3_to_f32(code) * s`), one f32 multiply.
+//!
+//! Row lengths, scale grids and which codes are valid come from the scheme's format description
+//! ([`QuantScheme::kind`], shared with the kernels); this module holds the quantizer and the host decoders.
 
 use rayon::prelude::*;
 
-use super::e4m3::{e4m3_is_nan, e4m3_to_f32};
+use super::e4m3::e4m3_to_f32;
 use super::error::{check_finite, check_len, check_matrix_len, element_count, QuantError};
 use super::fp8::{quantize_blocks, Fp8Activations};
 use super::int::{
-    absmax, quantize_to_int, symmetric_scale, INT4_MAX, INT4_MIN, INT4_QMAX, INT8_QMAX,
+    absmax, quantize_to_int, symmetric_scale, INT4_MAX, INT4_MIN, INT4_QMAX, INT8_MAX, INT8_QMAX,
 };
-use super::packing::{
-    check_int4_padding, int4_bytes_to_words, int4_to_nibble, nibble_to_int4, unpack_int4,
-};
+use super::packing::{int4_bytes_to_words, int4_to_nibble, nibble_to_int4, unpack_int4};
 use super::scheme::{QuantScheme, SchemeKind, FP8_BLOCK};
 
 /// A quantized weight matrix `[out, in]`: scheme, shape, packed codes and f32 scales.
@@ -87,26 +88,12 @@ impl QuantizedTensor {
                 value: scales[index],
             });
         }
-        match scheme.kind() {
-            SchemeKind::Int4 { .. } => check_int4_padding(&data, inn)?,
-            SchemeKind::Int8PerRow => {
-                if let Some(index) = data.iter().position(|&b| b as i8 == i8::MIN) {
-                    return Err(QuantError::InvalidCode {
-                        what: "int8 codes",
-                        index,
-                        detail: "-128 is outside [-127, 127]".to_owned(),
-                    });
-                }
-            }
-            SchemeKind::Fp8Block => {
-                if let Some(index) = data.iter().position(|&c| e4m3_is_nan(c)) {
-                    return Err(QuantError::InvalidCode {
-                        what: "fp8 codes",
-                        index,
-                        detail: format!("{:#04x} is an E4M3 NaN", data[index]),
-                    });
-                }
-            }
+        if let Some(bad) = scheme.kind().invalid_code(inn, &data) {
+            return Err(QuantError::InvalidCode {
+                what: "packed codes",
+                index: bad.byte(),
+                detail: bad.to_string(),
+            });
         }
         Ok(QuantizedTensor {
             scheme,
@@ -188,23 +175,13 @@ impl QuantizedTensor {
         }
     }
 
-    /// The dequantized value of `[row, col]`, read straight from the packed storage.
+    /// The dequantized value of `[row, col]`, read straight from the packed storage by the format
+    /// description alone (code, its value, its scale): the slow reference the fast decoders agree with.
     fn dequantized_at(&self, row: usize, col: usize) -> f32 {
-        match self.scheme.kind() {
-            SchemeKind::Int4 { group } => {
-                let byte = self.data[row * self.inn.div_ceil(2) + col / 2];
-                let q = nibble_to_int4(byte >> (4 * (col % 2)));
-                q as f32 * self.scales[row * self.inn.div_ceil(group) + col / group]
-            }
-            SchemeKind::Int8PerRow => {
-                self.data[row * self.inn + col] as i8 as f32 * self.scales[row]
-            }
-            SchemeKind::Fp8Block => {
-                let col_blocks = self.inn.div_ceil(FP8_BLOCK);
-                let s = self.scales[(row / FP8_BLOCK) * col_blocks + col / FP8_BLOCK];
-                e4m3_to_f32(self.data[row * self.inn + col]) * s
-            }
-        }
+        let kind = self.scheme.kind();
+        let row_bytes = kind.row_bytes(self.inn);
+        let code = kind.storage_code(&self.data[row * row_bytes..(row + 1) * row_bytes], col);
+        kind.code_value(code) * self.scales[kind.scale_index(self.inn, row, col)]
     }
 
     /// Dequantized weights, row-major `[out, in]`.
@@ -235,10 +212,10 @@ impl QuantizedTensor {
     pub fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
         match self.scheme.kind() {
             SchemeKind::Int4 { group } => {
-                let bytes =
-                    &self.data[row * self.inn.div_ceil(2)..(row + 1) * self.inn.div_ceil(2)];
-                let scales = &self.scales
-                    [row * self.inn.div_ceil(group)..(row + 1) * self.inn.div_ceil(group)];
+                let row_bytes = self.scheme.row_bytes(self.inn);
+                let bytes = &self.data[row * row_bytes..(row + 1) * row_bytes];
+                let [_, per_row] = self.scheme.kind().scale_grid(self.out, self.inn);
+                let scales = &self.scales[row * per_row..(row + 1) * per_row];
                 for (col, w) in dst.iter_mut().enumerate() {
                     let q = nibble_to_int4(bytes[col / 2] >> (4 * (col & 1)));
                     *w = q as f32 * scales[col / group];
@@ -254,7 +231,7 @@ impl QuantizedTensor {
                 }
             }
             SchemeKind::Fp8Block => {
-                let col_blocks = self.inn.div_ceil(FP8_BLOCK);
+                let [_, col_blocks] = self.scheme.kind().scale_grid(self.out, self.inn);
                 let scales = &self.scales
                     [(row / FP8_BLOCK) * col_blocks..(row / FP8_BLOCK + 1) * col_blocks];
                 let codes = &self.data[row * self.inn..(row + 1) * self.inn];
@@ -343,8 +320,9 @@ impl QuantizedTensor {
 /// int4: per row, per group of `group` inputs (the last one shorter when `group` does not divide `inn`),
 /// `s = absmax / 7` and `q = clamp(rint(w / s), -8, 7)`, packed two per byte.
 fn quantize_int4(weights: &[f32], out: usize, inn: usize, group: usize) -> (Vec<u8>, Vec<f32>) {
-    let row_bytes = inn.div_ceil(2);
-    let groups_per_row = inn.div_ceil(group);
+    let format = SchemeKind::Int4 { group };
+    let row_bytes = format.row_bytes(inn);
+    let [_, groups_per_row] = format.scale_grid(out, inn);
     let mut data = vec![0u8; out * row_bytes];
     let mut scales = vec![0.0f32; out * groups_per_row];
     if inn == 0 {
@@ -387,7 +365,7 @@ fn quantize_int8(weights: &[f32], out: usize, inn: usize) -> (Vec<u8>, Vec<f32>)
             let s = symmetric_scale(absmax(src), INT8_QMAX);
             *scale = s;
             for (code, &w) in dst.iter_mut().zip(src) {
-                *code = quantize_to_int(w, s, -127, 127) as u8;
+                *code = quantize_to_int(w, s, -INT8_MAX, INT8_MAX) as u8;
             }
         });
     (data, scales)

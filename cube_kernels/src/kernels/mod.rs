@@ -29,8 +29,9 @@ pub mod moe;
 
 use cubecl::prelude::*;
 
-/// Inputs per chunk of the canonical order, and the K depth of a GEMM tile.
-pub const CHUNK: usize = 32;
+/// Inputs per chunk of the canonical order, and the K depth of a GEMM tile (defined with the formats, whose
+/// groups and blocks are multiples of it).
+pub use crate::format::CHUNK;
 /// Rows and tokens per GEMM tile (the cube is `TILE x TILE` units, one output each).
 pub const TILE: usize = 16;
 /// Row stride of a tile staged in shared memory: 33, not 32, so the 16 rows a warp reads at one depth fall

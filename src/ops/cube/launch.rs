@@ -18,9 +18,7 @@ use burn::backend::TensorMetadata;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
-use cube_kernels::{
-    ActDType, DeviceBuffer, DeviceWeights, Kernels, MoeRouting, PackedWeights, WeightFormat,
-};
+use cube_kernels::{ActDType, DeviceBuffer, DeviceWeights, Kernels, MoeRouting, PackedWeights};
 
 use crate::ops::{ExpertWeights, PackedWeight};
 use crate::quant::QuantizedTensor;
@@ -57,10 +55,10 @@ fn device_weights(kernels: &Kernels, t: &CubeTensor, packed: &PackedWeight) -> D
     }
     cache.retain(|_, (weak, _)| weak.strong_count() > 0);
     let q = &packed.0;
-    let format =
-        WeightFormat::parse(q.scheme().name()).expect("every qarl scheme has a kernel format");
     let [out, inn] = q.shape();
-    let host = PackedWeights::from_storage(format, out, inn, q.data(), q.scales())
+    // The scheme's format is the kernels' own type, and `from_parts` / `quantize` already checked the
+    // storage against that same description, so repacking cannot fail.
+    let host = PackedWeights::from_storage(q.scheme().kind(), out, inn, q.data(), q.scales())
         .expect("a validated QuantizedTensor repacks");
     let w = kernels.upload_weights(&host);
     cache.insert(key, (Arc::downgrade(q), w.clone()));
@@ -107,11 +105,9 @@ fn device_experts(
     cache.retain(|_, (weak, _)| weak.iter().all(|w| w.strong_count() > 0));
     let stack = |ws: &[PackedWeight]| {
         let q = &ws[0].0;
-        let format =
-            WeightFormat::parse(q.scheme().name()).expect("every qarl scheme has a kernel format");
         let [out, inn] = q.shape();
         let parts: Vec<(&[u8], &[f32])> = ws.iter().map(|p| (p.0.data(), p.0.scales())).collect();
-        let host = PackedWeights::stack(format, out, inn, &parts)
+        let host = PackedWeights::stack(q.scheme().kind(), out, inn, &parts)
             .expect("validated experts of one scheme and shape stack");
         kernels.upload_weights(&host)
     };
