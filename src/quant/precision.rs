@@ -2,11 +2,9 @@
 //! Every command and config that names a precision (`rollout.precision`, `eval.precisions`, `--schemes`,
 //! `--quant`) parses it here.
 
-use std::fmt;
 use std::str::FromStr;
 
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
+use super::scheme::by_name;
 use super::{QuantError, QuantScheme};
 
 /// Full-precision (f32) weights, or the packed weights of one quantization scheme.
@@ -47,12 +45,6 @@ impl From<Option<QuantScheme>> for Precision {
     }
 }
 
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 impl FromStr for Precision {
     type Err = QuantError;
 
@@ -64,18 +56,7 @@ impl FromStr for Precision {
     }
 }
 
-impl Serialize for Precision {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.name())
-    }
-}
-
-impl<'de> Deserialize<'de> for Precision {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let name = String::deserialize(deserializer)?;
-        name.parse().map_err(serde::de::Error::custom)
-    }
-}
+by_name!(Precision);
 
 #[cfg(test)]
 mod tests {

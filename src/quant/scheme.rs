@@ -8,10 +8,7 @@
 //! Everything a scheme knows about its layout it asks that description, so the quantizer, the CPU
 //! kernels and the GPU path cannot disagree about it.
 
-use std::fmt;
 use std::str::FromStr;
-
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::error::QuantError;
 
@@ -111,12 +108,6 @@ impl From<QuantScheme> for SchemeKind {
     }
 }
 
-impl fmt::Display for QuantScheme {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 impl FromStr for QuantScheme {
     type Err = QuantError;
 
@@ -128,18 +119,33 @@ impl FromStr for QuantScheme {
     }
 }
 
-impl Serialize for QuantScheme {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.name())
-    }
-}
+/// Display, serde and parsing by the name a type's `name()` gives and its `FromStr` accepts, so configs,
+/// flags and files spell a scheme or precision one way.
+macro_rules! by_name {
+    ($t:ty) => {
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
 
-impl<'de> Deserialize<'de> for QuantScheme {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        let name = String::deserialize(deserializer)?;
-        name.parse().map_err(serde::de::Error::custom)
-    }
+        impl serde::Serialize for $t {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(self.name())
+            }
+        }
+
+        impl<'de> serde::Deserialize<'de> for $t {
+            fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let name = <String as serde::Deserialize>::deserialize(deserializer)?;
+                name.parse::<$t>().map_err(serde::de::Error::custom)
+            }
+        }
+    };
 }
+pub(crate) use by_name;
+
+by_name!(QuantScheme);
 
 #[cfg(test)]
 mod tests {

@@ -3,11 +3,12 @@
 mod launch;
 
 use burn::backend::tensor::FloatTensor;
+use burn::backend::TensorMetadata;
 
 use super::{dequantized_out_in, plain_matmul, ExpertWeights, KernelOps, PackedWeight};
 
 /// The CubeCL backends (wgpu, CUDA): the `cube_kernels` low-bit kernels on the tensors' device buffers
-/// ([`super::cube`]) for f32 activations, and f16/bf16 where the device has them (f32 sums, one rounding
+/// ([`launch`]) for f32 activations, and f16/bf16 where the device has them (f32 sums, one rounding
 /// to the activations' dtype); other dtypes take the default (dequantize, then the backend's matmul).
 impl KernelOps for burn_cubecl::CubeBackend {
     fn quant_matmul(
