@@ -16,7 +16,9 @@
 //!
 //! **Scales**: f32, row-major over [`WeightFormat::scale_grid`], copied unchanged between the layouts.
 
+pub use crate::e4m3::round_ties_even;
 use crate::e4m3::{e4m3_is_nan, e4m3_to_f32};
+pub use crate::error::InvalidCode;
 use crate::error::KernelError;
 
 /// Side of the fp8 weight block and width of an fp8 activation group (DeepSeek-V3 "blockwise").
@@ -269,47 +271,6 @@ pub fn padding_fault(bits: usize, inn: usize, data: &[u8]) -> Option<InvalidCode
             value,
         })
     })
-}
-
-/// A stored code the quantizer never produces ([`WeightFormat::invalid_code`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum InvalidCode {
-    /// Padding bits past the last code of a row that are not 0 (the storage is canonical).
-    #[error("padding nibble of row {row} is {value:#x}, must be 0")]
-    Padding { byte: usize, row: usize, value: u8 },
-    /// int8 -128, outside the symmetric grid.
-    #[error("-128 is outside [-127, 127]")]
-    Int8Min { byte: usize },
-    /// One of the two E4M3 NaN codes.
-    #[error("{code:#04x} is an E4M3 NaN")]
-    E4m3Nan { byte: usize, code: u8 },
-}
-
-impl InvalidCode {
-    /// The offending byte's index in the storage buffer.
-    pub fn byte(&self) -> usize {
-        match *self {
-            InvalidCode::Padding { byte, .. }
-            | InvalidCode::Int8Min { byte }
-            | InvalidCode::E4m3Nan { byte, .. } => byte,
-        }
-    }
-}
-
-/// `v.round_ties_even()`, computed inline: `(|v| + 2^23) - 2^23` rounds to an integer, ties to even,
-/// exactly for `|v| < 2^23` (from 2^23 on every f32 is an integer), with `v`'s sign put back. The one
-/// rounding of the integer grids and of E4M3's subnormal range. `f32::round_ties_even` is a call to libm's
-/// `rintf` on baseline x86-64 (no SSE4.1 `roundps`), which took 40% of quantizing a model; this form
-/// inlines and vectorizes.
-#[inline(always)]
-pub fn round_ties_even(v: f32) -> f32 {
-    const TWO_23: f32 = 8_388_608.0;
-    let a = v.abs();
-    if a < TWO_23 {
-        ((a + TWO_23) - TWO_23).copysign(v)
-    } else {
-        v
-    }
 }
 
 /// One (or, for MoE, a stack of same-shaped) quantized weight `[out, inn]` in the kernel layout.

@@ -1,20 +1,14 @@
 //! The config-driven decoder-only transformer shared by Llama, Qwen2, Qwen3 and Qwen3-MoE.
 
-use std::path::Path;
-
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use super::attention::{Attention, KvWrite, LayerKv};
-use super::checkpoint::Checkpoint;
 use super::config::ModelConfig;
-use super::error::LoadError;
-use super::error::QuantizeError;
 use super::layers::{Linear, RmsNorm, Rope, Weights};
 use super::mlp::{FeedForward, Routing};
-use super::params::{lazy_param, tensor_name, Part, PartMut, LM_HEAD, WEIGHT};
+use super::names::lazy_param;
 use crate::host::tensor_from_vec;
-use crate::quant::{Precision, QuantConfig};
 
 /// Additive mask value for keys a query must not see. Finite (not -inf) so that a padding query that sees no
 /// key at all gets a uniform, finite distribution instead of NaN, which would leak into later layers.
@@ -121,42 +115,6 @@ pub struct Decoder {
 }
 
 impl Decoder {
-    /// Loads `config.json` and the safetensors weights of a Hugging Face model directory.
-    pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self, LoadError> {
-        let dir = dir.as_ref();
-        let config = ModelConfig::from_file(dir)?;
-        let mut ckpt = Checkpoint::open(dir)?;
-        ckpt.quant_scheme = config.quantization.as_ref().map(|q| q.scheme);
-        Self::from_checkpoint(config, &ckpt, device)
-    }
-
-    /// Builds the model from an open checkpoint, failing on any missing, mis-shaped or extra tensor: a
-    /// [`Decoder::lazy`] model of `config`, each part then read under its name ([`super::params`]).
-    pub fn from_checkpoint(
-        config: ModelConfig,
-        ckpt: &Checkpoint,
-        device: &Device,
-    ) -> Result<Self, LoadError> {
-        let mut model = Self::lazy(config, device);
-        let dense = model
-            .layers
-            .iter()
-            .any(|l| matches!(l.mlp, FeedForward::Dense(_)));
-        if dense && model.config.intermediate_size == 0 {
-            return Err(LoadError::MissingKey {
-                path: ckpt.dir().join("config.json"),
-                key: "intermediate_size".into(),
-            });
-        }
-        model.try_visit_parts_mut(|path, part| part.load(ckpt, path, device))?;
-        if model.lm_head.is_none() {
-            // Some exports store the tied head anyway; it is the embedding matrix, so it is not an extra.
-            ckpt.ignore(&tensor_name(LM_HEAD, WEIGHT));
-        }
-        ckpt.ensure_all_used()?;
-        Ok(model)
-    }
-
     /// The model of `config` with every parameter in place but not allocated (lazy, zeros if read): its
     /// shapes and names without its weights. Loading fills one in; the random checkpoint writer lists one's
     /// tensors.
@@ -435,89 +393,6 @@ impl Decoder {
             }
             None => (x, routing),
         }
-    }
-
-    /// Every linear layer (the order of [`Decoder::linears_mut`], without the names).
-    pub fn linears(&self) -> impl Iterator<Item = &Linear> {
-        let mut out = Vec::new();
-        self.visit_parts(|_, part| {
-            if let Part::Linear(lin) = part {
-                out.push(lin);
-            }
-        });
-        out.into_iter()
-    }
-
-    /// Every linear layer with the HF name of its weight (`model.layers.0.self_attn.q_proj.weight`, ...),
-    /// in the order of [`Decoder::visit_parts`]: the names quantization patterns select layers by.
-    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
-        let mut out = Vec::new();
-        self.visit_parts_mut(|path, part| {
-            if let PartMut::Linear(lin) = part {
-                out.push((tensor_name(path, WEIGHT), lin));
-            }
-        });
-        out
-    }
-
-    /// Puts the weights in `precision`: f32 drops every quantized version; a scheme quantizes the default
-    /// layer selection ([`QuantConfig::new`]) from the current masters (one new weight version, whose packed
-    /// weights then serve the rollout and the aligned training forward). Returns how many layers are
-    /// quantized. The one way every command puts a model in a precision.
-    pub fn set_precision(&mut self, precision: Precision) -> Result<usize, QuantizeError> {
-        match precision.scheme() {
-            Some(scheme) => self.quantize(&QuantConfig::new(scheme)),
-            None => {
-                for (_, lin) in self.linears_mut() {
-                    lin.dequantize();
-                }
-                Ok(0)
-            }
-        }
-    }
-
-    /// The precision of the weights' current version: the scheme of the quantized layers, or f32.
-    pub fn precision(&self) -> Precision {
-        let scheme = self
-            .linears()
-            .find_map(|lin| lin.quant.as_ref().map(|q| q.scheme()));
-        Precision::from(scheme)
-    }
-
-    /// Quantizes the layers `cfg` selects (others go back to full precision); returns how many were
-    /// quantized.
-    pub fn quantize(&mut self, cfg: &QuantConfig) -> Result<usize, QuantizeError> {
-        let sel = cfg.selector()?;
-        let mut n = 0;
-        for (name, lin) in self.linears_mut() {
-            if sel.selects(&name) {
-                lin.quantize(cfg.scheme)
-                    .map_err(|error| QuantizeError::Layer { layer: name, error })?;
-                n += 1;
-            } else {
-                lin.dequantize();
-            }
-        }
-        if n == 0 {
-            return Err(QuantizeError::NoLayerSelected {
-                patterns: cfg.include.clone(),
-            });
-        }
-        Ok(n)
-    }
-
-    /// Re-quantizes the layers that are quantized now from their current masters (same schemes); returns how
-    /// many. This is the once-per-weight-version step after an optimizer update.
-    pub fn requantize(&mut self) -> Result<usize, QuantizeError> {
-        let mut n = 0;
-        for (name, lin) in self.linears_mut() {
-            if let Some(scheme) = lin.quant.as_ref().map(|q| q.scheme()) {
-                lin.quantize(scheme)
-                    .map_err(|error| QuantizeError::Layer { layer: name, error })?;
-                n += 1;
-            }
-        }
-        Ok(n)
     }
 
     /// A fresh cache for `batch` rows.

@@ -18,7 +18,7 @@ use safetensors::tensor::{Dtype, View};
 use super::checkpoint::SINGLE_FILE;
 use super::config::ModelConfig;
 use super::decoder::Decoder;
-use super::params::tensor_name;
+use super::names::tensor_name;
 
 /// How a tensor is initialised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -5,7 +5,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::checkpoint::Checkpoint;
 use super::error::LoadError;
-use super::params::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
+use super::names::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
 use crate::host::tensor_from_vec;
 use crate::ops::{aligned_softmax, det_matmul, QuantizedWeight};
 use crate::quant::{QuantError, QuantScheme, QuantizedTensor};

@@ -12,6 +12,7 @@ pub mod gguf;
 pub mod init;
 pub mod layers;
 pub mod mlp;
+pub mod names;
 pub mod params;
 pub mod quantize;
 pub mod save;

@@ -14,34 +14,19 @@
 
 use std::convert::Infallible;
 
-use burn::module::{Param, ParamId};
-use burn::tensor::{Device, Shape, Tensor};
+use std::path::Path;
+
+use burn::module::Param;
+use burn::tensor::{Device, Tensor};
 
 use super::checkpoint::Checkpoint;
+use super::config::ModelConfig;
 use super::decoder::Decoder;
 use super::error::LoadError;
 use super::layers::{Linear, RmsNorm};
 use super::mlp::FeedForward;
+use super::names::{tensor_name, BIAS, LM_HEAD, WEIGHT};
 use crate::host::tensor_from_vec;
-
-/// The module path of the output projection; a tied model has none, but its checkpoint may still hold
-/// `lm_head.weight` (see [`Decoder::from_checkpoint`]).
-pub const LM_HEAD: &str = "lm_head";
-
-/// Suffix of a module's (full-precision) weight tensor.
-pub const WEIGHT: &str = "weight";
-/// Suffix of a linear layer's bias.
-pub const BIAS: &str = "bias";
-/// Suffix of a quantized checkpoint's packed codes (U8, `[out, row bytes]`), which replace `weight`.
-pub const QWEIGHT: &str = "qweight";
-/// Suffix of a quantized checkpoint's f32 scales, beside `qweight`.
-pub const SCALES: &str = "scales";
-
-/// The HF name of the tensor `suffix` (one of [`WEIGHT`], [`BIAS`], [`QWEIGHT`], [`SCALES`]) of the module
-/// at `path`.
-pub fn tensor_name(path: &str, suffix: &str) -> String {
-    format!("{path}.{suffix}")
-}
 
 /// One parameter-holding part of a model, shared.
 #[derive(Debug, Clone, Copy)]
@@ -190,21 +175,63 @@ impl PartMut<'_> {
     }
 }
 
-/// A parameter of `shape` that allocates nothing until read (zeros then): a lazy model's placeholder,
-/// which loading replaces and which describes a checkpoint by its shape alone.
-pub fn lazy_param<const D: usize>(shape: [usize; D], device: &Device) -> Param<Tensor<D>> {
-    Param::uninitialized(
-        ParamId::new(),
-        move |device, require_grad| {
-            let t = Tensor::zeros(shape, device);
-            if require_grad {
-                t.require_grad()
-            } else {
-                t
+impl Decoder {
+    /// Loads `config.json` and the safetensors weights of a Hugging Face model directory.
+    pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self, LoadError> {
+        let dir = dir.as_ref();
+        let config = ModelConfig::from_file(dir)?;
+        let mut ckpt = Checkpoint::open(dir)?;
+        ckpt.quant_scheme = config.quantization.as_ref().map(|q| q.scheme);
+        Self::from_checkpoint(config, &ckpt, device)
+    }
+
+    /// Builds the model from an open checkpoint, failing on any missing, mis-shaped or extra tensor: a
+    /// [`Decoder::lazy`] model of `config`, each part then read under its name ([`super::params`]).
+    pub fn from_checkpoint(
+        config: ModelConfig,
+        ckpt: &Checkpoint,
+        device: &Device,
+    ) -> Result<Self, LoadError> {
+        let mut model = Self::lazy(config, device);
+        let dense = model
+            .layers
+            .iter()
+            .any(|l| matches!(l.mlp, FeedForward::Dense(_)));
+        if dense && model.config.intermediate_size == 0 {
+            return Err(LoadError::MissingKey {
+                path: ckpt.dir().join("config.json"),
+                key: "intermediate_size".into(),
+            });
+        }
+        model.try_visit_parts_mut(|path, part| part.load(ckpt, path, device))?;
+        if model.lm_head.is_none() {
+            // Some exports store the tied head anyway; it is the embedding matrix, so it is not an extra.
+            ckpt.ignore(&tensor_name(LM_HEAD, WEIGHT));
+        }
+        ckpt.ensure_all_used()?;
+        Ok(model)
+    }
+
+    /// Every linear layer (the order of [`Decoder::linears_mut`], without the names).
+    pub fn linears(&self) -> impl Iterator<Item = &Linear> {
+        let mut out = Vec::new();
+        self.visit_parts(|_, part| {
+            if let Part::Linear(lin) = part {
+                out.push(lin);
             }
-        },
-        device.clone(),
-        true,
-        Shape::from(shape),
-    )
+        });
+        out.into_iter()
+    }
+
+    /// Every linear layer with the HF name of its weight (`model.layers.0.self_attn.q_proj.weight`, ...),
+    /// in the order of [`Decoder::visit_parts`]: the names quantization patterns select layers by.
+    pub fn linears_mut(&mut self) -> Vec<(String, &mut Linear)> {
+        let mut out = Vec::new();
+        self.visit_parts_mut(|path, part| {
+            if let PartMut::Linear(lin) = part {
+                out.push((tensor_name(path, WEIGHT), lin));
+            }
+        });
+        out
+    }
 }

@@ -1,6 +1,8 @@
-//! Quantized checkpoints: the selected projections stored as packed codes (`X.qweight`, U8) and f32 scales
-//! (`X.scales`), everything else copied unchanged, and `quantization_config` in config.json. Loading one
-//! reads the packed weights as they are: no re-quantization.
+//! Quantizing a model: putting a [`Decoder`]'s weights in a precision (one weight version of its selected
+//! linear layers), and quantized checkpoints: the selected projections stored as packed codes
+//! (`X.qweight`, U8) and f32 scales (`X.scales`), everything else copied unchanged, and
+//! `quantization_config` in config.json. Loading one reads the packed weights as they are: no
+//! re-quantization.
 
 use std::path::Path;
 
@@ -8,9 +10,72 @@ use anyhow::{bail, Context};
 use safetensors::Dtype;
 use serde_json::Value;
 
-use super::params::{tensor_name, QWEIGHT, SCALES, WEIGHT};
-use super::{Checkpoint, ModelConfig};
-use crate::quant::{QuantConfig, QuantizedTensor};
+use super::error::QuantizeError;
+use super::names::{tensor_name, QWEIGHT, SCALES, WEIGHT};
+use super::{Checkpoint, Decoder, ModelConfig};
+use crate::quant::{Precision, QuantConfig, QuantizedTensor};
+
+impl Decoder {
+    /// Puts the weights in `precision`: f32 drops every quantized version; a scheme quantizes the default
+    /// layer selection ([`QuantConfig::new`]) from the current masters (one new weight version, whose packed
+    /// weights then serve the rollout and the aligned training forward). Returns how many layers are
+    /// quantized. The one way every command puts a model in a precision.
+    pub fn set_precision(&mut self, precision: Precision) -> Result<usize, QuantizeError> {
+        match precision.scheme() {
+            Some(scheme) => self.quantize(&QuantConfig::new(scheme)),
+            None => {
+                for (_, lin) in self.linears_mut() {
+                    lin.dequantize();
+                }
+                Ok(0)
+            }
+        }
+    }
+
+    /// The precision of the weights' current version: the scheme of the quantized layers, or f32.
+    pub fn precision(&self) -> Precision {
+        let scheme = self
+            .linears()
+            .find_map(|lin| lin.quant.as_ref().map(|q| q.scheme()));
+        Precision::from(scheme)
+    }
+
+    /// Quantizes the layers `cfg` selects (others go back to full precision); returns how many were
+    /// quantized.
+    pub fn quantize(&mut self, cfg: &QuantConfig) -> Result<usize, QuantizeError> {
+        let sel = cfg.selector()?;
+        let mut n = 0;
+        for (name, lin) in self.linears_mut() {
+            if sel.selects(&name) {
+                lin.quantize(cfg.scheme)
+                    .map_err(|error| QuantizeError::Layer { layer: name, error })?;
+                n += 1;
+            } else {
+                lin.dequantize();
+            }
+        }
+        if n == 0 {
+            return Err(QuantizeError::NoLayerSelected {
+                patterns: cfg.include.clone(),
+            });
+        }
+        Ok(n)
+    }
+
+    /// Re-quantizes the layers that are quantized now from their current masters (same schemes); returns how
+    /// many. This is the once-per-weight-version step after an optimizer update.
+    pub fn requantize(&mut self) -> Result<usize, QuantizeError> {
+        let mut n = 0;
+        for (name, lin) in self.linears_mut() {
+            if let Some(scheme) = lin.quant.as_ref().map(|q| q.scheme()) {
+                lin.quantize(scheme)
+                    .map_err(|error| QuantizeError::Layer { layer: name, error })?;
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+}
 
 /// Files of a model directory copied alongside the weights when present.
 const SIDE_FILES: &[&str] = &[

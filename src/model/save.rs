@@ -8,7 +8,8 @@ use burn::tensor::Tensor;
 use serde_json::Value;
 
 use super::decoder::Decoder;
-use super::params::{tensor_name, Part, BIAS, WEIGHT};
+use super::names::{tensor_name, BIAS, WEIGHT};
+use super::params::Part;
 use crate::host::to_f32_vec;
 
 /// Every parameter with its HF name, in HF layout (`[out, in]` for linear weights), in the order of

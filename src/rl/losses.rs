@@ -22,22 +22,24 @@ mod config;
 pub mod objectives;
 mod params;
 mod registry;
+mod spec;
 
 use std::collections::BTreeMap;
 
 use burn::tensor::Tensor;
 use serde::Serialize;
 
-pub use config::{LossAggMode, LossConfig, PolicyLoss, COMMON_FIELDS};
+pub use config::{LossConfig, PolicyLoss};
 pub use objectives::cispo::cispo;
 pub use objectives::gspo::{gspo, SeqClip};
 pub use objectives::ppo_clip::{ppo_clip, TokenClip};
 pub use objectives::tbpo::{tbpo, TrustBand};
 pub use objectives::{seq_ratio, REGISTRY};
-pub use params::{ObjectiveParams, ParamKind, ParamSpec, ParamValue, Params, Range};
-pub use registry::{
-    known_fields, lookup, registered_names, Objective, ObjectiveInputs, ObjectiveName,
-    ObjectiveSpec, ObjectiveTerms, TermsFn,
+pub use params::ObjectiveParams;
+pub use registry::{known_fields, lookup, registered_names, ObjectiveName};
+pub use spec::{
+    LossAggMode, Objective, ObjectiveInputs, ObjectiveSpec, ObjectiveTerms, ParamKind, ParamSpec,
+    ParamValue, Params, Range, TermsFn, COMMON_FIELDS,
 };
 
 use super::corrections::mismatch_correction;

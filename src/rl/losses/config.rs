@@ -8,35 +8,11 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::params::{ObjectiveParams, ParamValue, Params};
-use super::registry::{Objective, ObjectiveName};
+use super::params::ObjectiveParams;
+use super::registry::ObjectiveName;
+use super::spec::{LossAggMode, Objective, ParamValue, Params};
 use crate::rl::corrections::CorrectionConfig;
 use crate::rl::RlError;
-
-/// How per-token losses become one scalar.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-pub enum LossAggMode {
-    /// Sum over all response tokens / number of response tokens (DAPO): long responses weigh more.
-    #[serde(rename = "token-mean")]
-    TokenMean,
-    /// Mean over tokens within each sequence, then mean over sequences (GRPO).
-    #[serde(rename = "seq-mean-token-mean")]
-    SeqMeanTokenMean,
-    /// Sum over tokens within each sequence divided by a constant (`loss_agg_divisor`, the max response length
-    /// for Dr.GRPO), then mean over sequences: no length bias.
-    #[serde(rename = "seq-mean-token-sum")]
-    SeqMeanTokenSum,
-}
-
-/// The fields of `[train.loss]` that every objective takes; the objective's own fields are declared in its file
-/// (src/rl/losses/objectives/).
-pub const COMMON_FIELDS: [&str; 5] = [
-    "objective",
-    "loss_agg_mode",
-    "loss_agg_divisor",
-    "kl_coef",
-    "corrections",
-];
 
 /// `[loss]` as written in a config file. Unset fields take the chosen objective's defaults.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -110,7 +86,7 @@ impl LossConfig {
     /// rejected), then checks the common fields.
     pub fn resolve(&self) -> Result<PolicyLoss, RlError> {
         let spec = self.objective.spec();
-        let objective = (spec.build)(&Params::new(spec, &self.params)?)?;
+        let objective = (spec.build)(&Params::new(spec, self.params.iter())?)?;
         let agg = self.loss_agg_mode.unwrap_or(spec.default_agg);
         let agg_divisor = match (self.loss_agg_divisor, agg) {
             (None, _) => 1.0,

@@ -12,7 +12,7 @@
 
 use burn::tensor::Tensor;
 
-use super::registry::ObjectiveSpec;
+use super::spec::ObjectiveSpec;
 use crate::rl::tensor_ops::{bounded_exp, masked_row_mean, select};
 
 pub mod cispo;

@@ -15,9 +15,9 @@
 
 use burn::tensor::Tensor;
 
-use crate::rl::losses::params::Params;
-use crate::rl::losses::registry::{Objective, ObjectiveSpec, ObjectiveTerms};
-use crate::rl::losses::LossAggMode;
+use crate::rl::losses::spec::LossAggMode;
+use crate::rl::losses::spec::Params;
+use crate::rl::losses::spec::{Objective, ObjectiveSpec, ObjectiveTerms};
 use crate::rl::tensor_ops::{over_tokens, select};
 use crate::rl::RlError;
 

@@ -3,9 +3,9 @@
 
 use burn::tensor::Tensor;
 
-use crate::rl::losses::params::{ParamSpec, Params, Range};
-use crate::rl::losses::registry::{Objective, ObjectiveSpec, ObjectiveTerms};
-use crate::rl::losses::LossAggMode;
+use crate::rl::losses::spec::LossAggMode;
+use crate::rl::losses::spec::{Objective, ObjectiveSpec, ObjectiveTerms};
+use crate::rl::losses::spec::{ParamSpec, Params, Range};
 use crate::rl::tensor_ops::{bounded_exp, over_tokens, select};
 use crate::rl::RlError;
 
