@@ -48,6 +48,7 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         ("train..lr=1", "dotted path"),
         ("rollout.precision=int3", "int3"),
         ("seed.x=1", "not a table"),
+        ("train.loss.kl_coef=0.1", "keeps no reference policy"),
     ] {
         let err = format!(
             "{:#}",

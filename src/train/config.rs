@@ -325,6 +325,15 @@ impl TrainConfig {
             t.grad_clip,
             "a finite number >= 0 (0 = off)",
         )?;
+        // The KL term needs a reference policy's log-probs, which the trainer does not compute: a positive
+        // coefficient would fail at the first update (or, worse, be silently ignored), so it is refused here.
+        let kl_coef = t.loss.kl_coef.unwrap_or(0.0);
+        check(
+            kl_coef == 0.0,
+            "train.loss.kl_coef",
+            kl_coef,
+            "0: `qarl train` keeps no reference policy, so the k3 KL term is not available",
+        )?;
         t.loss
             .clone()
             .resolve()
