@@ -247,3 +247,31 @@ fn runs_lists_run_directories_with_their_status() {
     let out = qarl().args(["runs", "/no/such/dir"]).output().unwrap();
     assert!(!out.status.success());
 }
+
+/// `qarl mismatch` refuses sizes and temperatures it cannot measure with, before loading anything: zero
+/// samples used to panic (index out of bounds) and temperature 0 to print a NaN KL with exit code 0.
+#[test]
+fn mismatch_refuses_zero_samples_and_temperature() {
+    for (flag, value, want) in [
+        ("--samples", "0", "--samples must be at least 1"),
+        (
+            "--temperature",
+            "0",
+            "--temperature must be a finite number > 0",
+        ),
+        (
+            "--temperature",
+            "nan",
+            "--temperature must be a finite number > 0",
+        ),
+        ("--limit", "0", "--limit must be at least 1"),
+    ] {
+        let out = qarl()
+            .args(["mismatch", "--model", "/nonexistent", flag, value])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{flag} {value}");
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(err.contains(want), "{flag} {value}: {err}");
+    }
+}

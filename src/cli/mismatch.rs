@@ -51,6 +51,18 @@ pub struct MismatchArgs {
 }
 
 pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
+    // Checked before anything is loaded: 0 samples used to panic, temperature 0 to print a NaN KL.
+    anyhow::ensure!(args.samples >= 1, "--samples must be at least 1, got 0");
+    anyhow::ensure!(
+        args.temperature.is_finite() && args.temperature > 0.0,
+        "--temperature must be a finite number > 0 (log-probs of sampled tokens are compared), got {}",
+        args.temperature
+    );
+    anyhow::ensure!(args.limit >= 1, "--limit must be at least 1, got 0");
+    anyhow::ensure!(
+        args.max_new_tokens >= 1,
+        "--max-new-tokens must be at least 1, got 0"
+    );
     let path = super::eval::data_path(&args.data);
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
