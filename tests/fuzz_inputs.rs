@@ -243,6 +243,10 @@ fn json_value() -> impl Strategy<Value = serde_json::Value> {
         Just(json!({})),
         Just(json!(true)),
         Just(json!({"rope_type": "yarn"})),
+        Just(json!(0.0)),
+        Just(json!(-1e-6)),
+        Just(json!("gelu")),
+        Just(json!("silu")),
         Just(json!({"quant_method": "qarl", "scheme": "int4-g0"})),
         any::<i64>().prop_map(|v| json!(v)),
     ]
@@ -276,6 +280,32 @@ fn fuzz_config_json() {
             // Sizes are bounded: the parameter count of any accepted config fits.
             let n = qarl::model::init::param_count(&cfg);
             assert!(n as u128 <= qarl::model::config::MAX_PARAMS * 2, "{n}");
+            // No accepted config describes a model that would run to NaN or to a silently empty layer.
+            assert!(
+                cfg.rms_norm_eps.is_finite() && cfg.rms_norm_eps > 0.0,
+                "{cfg:?}"
+            );
+            assert!(
+                cfg.rope_theta.is_finite() && cfg.rope_theta > 0.0,
+                "{cfg:?}"
+            );
+            let sizes = [
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                cfg.vocab_size,
+                cfg.num_hidden_layers,
+                cfg.max_position_embeddings,
+            ];
+            assert!(sizes.iter().all(|&s| s > 0), "{cfg:?}");
+            assert_eq!(cfg.num_attention_heads % cfg.num_key_value_heads, 0);
+            let dense = (0..cfg.num_hidden_layers.min(64)).any(|l| !cfg.is_sparse_layer(l));
+            assert!(!dense || cfg.intermediate_size > 0, "{cfg:?}");
+            if let Some(m) = &cfg.moe {
+                assert!(m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts);
+                assert!(m.moe_intermediate_size > 0);
+            }
         }
     });
 }

@@ -160,14 +160,17 @@ impl<'a> Keys<'a> {
         Ok(v)
     }
 
-    fn f64_opt(&self, names: &[&str]) -> Result<Option<f64>, LoadError> {
-        match self.find(names) {
-            None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| self.bad(names[0], "a number", v)),
-        }
+    /// A finite number above zero (`rms_norm_eps`, `rope_theta`): zero, negative or non-finite values run
+    /// but give NaN or meaningless outputs, so they are refused here.
+    fn positive_f64(&self, names: &[&str]) -> Result<f64, LoadError> {
+        // The key that was found is named (`rope_parameters.rope_theta` is not `rope_theta`).
+        let (name, v) = names
+            .iter()
+            .find_map(|&n| self.find(&[n]).map(|v| (n, v)))
+            .ok_or_else(|| self.missing(names))?;
+        v.as_f64()
+            .filter(|x| x.is_finite() && *x > 0.0)
+            .ok_or_else(|| self.bad(name, "a finite number above zero", v))
     }
 
     fn bool_or(&self, names: &[&str], default: bool) -> Result<bool, LoadError> {
@@ -229,6 +232,77 @@ fn parse_quantization(k: &Keys) -> Result<Option<QuantConfig>, LoadError> {
         })
 }
 
+/// The `rope_scaling` / `rope_parameters` kinds this decoder implements.
+pub const SUPPORTED_ROPE_TYPES: [&str; 1] = ["default"];
+
+/// Refuses a RoPE scaling this decoder does not implement: running e.g. a `linear` or `yarn` model with plain
+/// RoPE gives wrong outputs past (and often within) the original context without any error.
+fn check_rope_kind(k: &Keys) -> Result<(), LoadError> {
+    let supported = SUPPORTED_ROPE_TYPES.join(", ");
+    for key in ["rope_scaling", "rope_parameters"] {
+        let Some(section) = k.find(&[key]) else {
+            continue;
+        };
+        let Some(obj) = section.as_object() else {
+            return Err(k.bad(key, "an object (or null)", section));
+        };
+        let found = ["rope_type", "type"]
+            .into_iter()
+            .find_map(|t| obj.get(t).filter(|v| !v.is_null()).map(|v| (t, v)));
+        match found {
+            Some((_, Value::String(kind))) if SUPPORTED_ROPE_TYPES.contains(&kind.as_str()) => {}
+            Some((t, Value::String(kind))) => {
+                return Err(LoadError::InvalidConfig {
+                    path: k.path.to_path_buf(),
+                    msg: format!(
+                        "`{key}.{t}` = {kind} is not supported yet (supported: {supported})"
+                    ),
+                })
+            }
+            Some((t, v)) => {
+                return Err(k.bad(
+                    &format!("{key}.{t}"),
+                    &format!("a string (supported: {supported})"),
+                    v,
+                ))
+            }
+            // `rope_parameters` (transformers 5.x) may hold only `rope_theta`: plain RoPE. A `rope_scaling`
+            // with settings but no kind cannot be told apart from a scaled one, so it is refused.
+            None if key == "rope_scaling" && !obj.is_empty() => {
+                return Err(LoadError::InvalidConfig {
+                    path: k.path.to_path_buf(),
+                    msg: format!(
+                        "`rope_scaling` has no `rope_type` (supported: {supported}, or no `rope_scaling`)"
+                    ),
+                })
+            }
+            None => {}
+        }
+    }
+    Ok(())
+}
+
+/// The `hidden_act` values the decoder's gated MLP implements (`swish` is transformers' other name of SiLU).
+pub const SUPPORTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
+
+/// Refuses a `hidden_act` other than SiLU: the MLP is `down(silu(gate) * up)` on every path (the CPU grouped
+/// MoE kernel included), so a `gelu` or `relu` model would run as SiLU and give wrong outputs without an
+/// error. Absent means SiLU (the transformers default of every architecture loaded here).
+fn check_activation(k: &Keys) -> Result<(), LoadError> {
+    let supported = SUPPORTED_ACTIVATIONS.join(", ");
+    match k.find(&["hidden_act"]) {
+        None => Ok(()),
+        Some(Value::String(act)) if SUPPORTED_ACTIVATIONS.contains(&act.as_str()) => Ok(()),
+        Some(Value::String(act)) => Err(LoadError::InvalidConfig {
+            path: k.path.to_path_buf(),
+            msg: format!(
+                "`hidden_act` = {act} is not supported (supported: {supported}): the gated MLP only implements SiLU"
+            ),
+        }),
+        Some(v) => Err(k.bad("hidden_act", &format!("a string (supported: {supported})"), v)),
+    }
+}
+
 impl ModelConfig {
     /// Reads `config.json` (the file itself, or the model directory that holds it).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, LoadError> {
@@ -274,7 +348,10 @@ impl ModelConfig {
         let num_key_value_heads = k
             .usize_opt(&["num_key_value_heads"])?
             .unwrap_or(num_attention_heads);
-        if num_key_value_heads == 0 || num_attention_heads % num_key_value_heads != 0 {
+        if num_key_value_heads == 0 {
+            return Err(k.bad("num_key_value_heads", "positive", &Value::from(0)));
+        }
+        if num_attention_heads % num_key_value_heads != 0 {
             return Err(LoadError::InvalidConfig {
                 path: path.to_path_buf(),
                 msg: format!(
@@ -299,22 +376,9 @@ impl ModelConfig {
             ));
         }
 
-        let rope_theta = k
-            .f64_opt(&["rope_theta", "rope_parameters.rope_theta"])?
-            .ok_or_else(|| k.missing(&["rope_theta", "rope_parameters.rope_theta"]))?;
-        for key in ["rope_scaling", "rope_parameters"] {
-            if let Some(rope_type) = k
-                .find(&[&format!("{key}.rope_type"), &format!("{key}.type")])
-                .and_then(Value::as_str)
-            {
-                if rope_type != "default" {
-                    return Err(LoadError::InvalidConfig {
-                        path: path.to_path_buf(),
-                        msg: format!("`{key}.rope_type` = \"{rope_type}\" is not supported yet (only \"default\" RoPE)"),
-                    });
-                }
-            }
-        }
+        let rope_theta = k.positive_f64(&["rope_theta", "rope_parameters.rope_theta"])?;
+        check_rope_kind(&k)?;
+        check_activation(&k)?;
 
         if k.bool_or(&["use_sliding_window"], false)? {
             return Err(LoadError::InvalidConfig {
@@ -364,15 +428,23 @@ impl ModelConfig {
             None
         };
 
-        let intermediate_size = match (&moe, k.usize_opt(&["intermediate_size"])?) {
-            (_, Some(n)) => n,
-            // A MoE model whose layers are all sparse needs no dense width.
-            (Some(_), None) => 0,
-            (None, None) => return Err(k.missing(&["intermediate_size"])),
-        };
-
         let vocab_size = k.positive(&["vocab_size"])?;
         let num_hidden_layers = k.positive(&["num_hidden_layers"])?;
+
+        // A dense layer with a zero-width MLP would add nothing and run without a word: the width must be
+        // positive wherever a layer is dense. Only a MoE model whose layers are all sparse needs none.
+        let has_dense_layer = match &moe {
+            None => true,
+            Some(m) => {
+                m.decoder_sparse_step > 1
+                    || m.mlp_only_layers.iter().any(|&l| l < num_hidden_layers)
+            }
+        };
+        let intermediate_size = if has_dense_layer {
+            k.positive(&["intermediate_size"])?
+        } else {
+            k.usize_opt(&["intermediate_size"])?.unwrap_or(0)
+        };
         // An upper bound of the parameter count, in u128 so hostile sizes cannot overflow it.
         let (h, l) = (hidden_size as u128, num_hidden_layers as u128);
         let attn = h
@@ -403,11 +475,15 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: k
-                .f64_opt(&["rms_norm_eps"])?
-                .ok_or_else(|| k.missing(&["rms_norm_eps"]))?,
+            rms_norm_eps: k.positive_f64(&["rms_norm_eps"])?,
             rope_theta,
-            max_position_embeddings: k.usize_opt(&["max_position_embeddings"])?.unwrap_or(32768),
+            max_position_embeddings: match k.usize_opt(&["max_position_embeddings"])? {
+                None => 32768,
+                Some(0) => {
+                    return Err(k.bad("max_position_embeddings", "positive", &Value::from(0)))
+                }
+                Some(n) => n,
+            },
             tie_word_embeddings: k.bool_or(&["tie_word_embeddings"], false)?,
             qkv_bias,
             o_bias,

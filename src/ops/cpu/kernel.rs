@@ -175,15 +175,56 @@ impl SimdPath {
     }
 
     /// The fastest available path (detected once). `QARL_SIMD=avx512|avx2|neon|portable` picks a slower one.
+    ///
+    /// A value that names no path, or one this machine cannot run, is reported once on stderr and the
+    /// fastest path is used: the variable is read deep in the kernels, where there is no caller to return an
+    /// error to, and a silently ignored typo would time (or test) another path than the one asked for.
     pub fn detect() -> SimdPath {
         static PATH: OnceLock<SimdPath> = OnceLock::new();
         *PATH.get_or_init(|| {
-            let available = Self::available();
             let wanted = std::env::var("QARL_SIMD").ok();
-            wanted
-                .and_then(|w| available.iter().copied().find(|p| p.name() == w))
-                .unwrap_or(available[0])
+            let (path, warning) = Self::choose(wanted.as_deref(), &Self::available());
+            if let Some(warning) = warning {
+                eprintln!("warning: {warning}");
+            }
+            path
         })
+    }
+
+    /// The path `QARL_SIMD=wanted` selects among `available` (fastest first, never empty), and a warning when
+    /// `wanted` is not honoured (unknown, or not available here). Unset or empty means the fastest.
+    pub fn choose(wanted: Option<&str>, available: &[SimdPath]) -> (SimdPath, Option<String>) {
+        const ALL: [SimdPath; 4] = [
+            SimdPath::Avx512,
+            SimdPath::Avx2,
+            SimdPath::Neon,
+            SimdPath::Portable,
+        ];
+        let fastest = available.first().copied().unwrap_or(SimdPath::Portable);
+        let names = |paths: &[SimdPath]| {
+            paths
+                .iter()
+                .map(|p| p.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let wanted = match wanted.map(str::trim) {
+            None | Some("") => return (fastest, None),
+            Some(w) => w,
+        };
+        if let Some(&p) = available.iter().find(|p| p.name() == wanted) {
+            return (p, None);
+        }
+        let why = if ALL.iter().any(|p| p.name() == wanted) {
+            format!(
+                "is not available on this machine (available: {})",
+                names(available)
+            )
+        } else {
+            format!("is not a SIMD path (valid values: {})", names(&ALL))
+        };
+        let warning = format!("QARL_SIMD={wanted} {why}; using {}", fastest.name());
+        (fastest, Some(warning))
     }
 }
 

@@ -1,0 +1,219 @@
+//! config.json values that used to load and then give wrong results without a word (an ignored `hidden_act`,
+//! a non-positive epsilon or RoPE base, zero sizes), and the `QARL_SIMD` choice: each is refused (or warned
+//! about) with the file, the key, the value and what it must be.
+
+use std::path::Path;
+
+use qarl::model::ModelConfig;
+use qarl::ops::cpu::kernel::SimdPath;
+use serde_json::{json, Value};
+
+fn base(name: &str) -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+        .join("config.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The error of `name`'s config with `key` set to `value` (`null` removes it), which must be refused.
+fn refused(name: &str, key: &str, value: Value) -> String {
+    let mut v = base(name);
+    if value.is_null() {
+        v.as_object_mut().unwrap().remove(key);
+    } else {
+        v[key] = value.clone();
+    }
+    match ModelConfig::from_json_str(&v.to_string(), Path::new("m/config.json")) {
+        Ok(_) => panic!("`{key}` = {value} was accepted"),
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains("m/config.json"), "no file in: {e}");
+            e
+        }
+    }
+}
+
+fn accepted(name: &str, key: &str, value: Value) -> ModelConfig {
+    let mut v = base(name);
+    v[key] = value;
+    ModelConfig::from_json_str(&v.to_string(), Path::new("m/config.json")).unwrap()
+}
+
+#[test]
+fn hidden_act_other_than_silu_is_refused_by_name() {
+    for act in ["gelu", "gelu_pytorch_tanh", "relu", "tanh"] {
+        for model in ["qwen3", "qwen3_moe", "llama"] {
+            let e = refused(model, "hidden_act", json!(act));
+            assert!(
+                e.contains(&format!("`hidden_act` = {act} is not supported")),
+                "{e}"
+            );
+            assert!(e.contains("supported: silu, swish"), "{e}");
+        }
+    }
+    let e = refused("qwen3", "hidden_act", json!(3));
+    assert!(e.contains("`hidden_act` must be a string"), "{e}");
+    // SiLU under both names, and absent (the default), still load.
+    accepted("qwen3", "hidden_act", json!("silu"));
+    accepted("qwen3", "hidden_act", json!("swish"));
+    let mut v = base("qwen3");
+    v.as_object_mut().unwrap().remove("hidden_act");
+    ModelConfig::from_json_str(&v.to_string(), Path::new("c.json")).unwrap();
+}
+
+#[test]
+fn non_positive_or_non_finite_floats_are_refused() {
+    for key in ["rms_norm_eps", "rope_theta"] {
+        for bad in [json!(-1), json!(0), json!(0.0), json!(-1e-6), json!("1e-6")] {
+            let e = refused("qwen3", key, bad.clone());
+            assert!(
+                e.contains(&format!(
+                    "`{key}` must be a finite number above zero, found {bad}"
+                )),
+                "{e}"
+            );
+        }
+    }
+    // NaN and infinities are not JSON; an overflowing literal is refused too.
+    let mut v = base("qwen3").to_string();
+    v = v.replacen("\"rope_theta\":", "\"rope_theta\": 1e999, \"x\":", 1);
+    assert!(ModelConfig::from_json_str(&v, Path::new("m/config.json")).is_err());
+    // transformers 5.x key: the error names the key that was found.
+    let mut v = base("qwen3");
+    v.as_object_mut().unwrap().remove("rope_theta");
+    v["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 0});
+    let e = ModelConfig::from_json_str(&v.to_string(), Path::new("m/config.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`rope_parameters.rope_theta` must be a finite number above zero"),
+        "{e}"
+    );
+}
+
+#[test]
+fn zero_sizes_are_refused_with_the_key() {
+    let dense = [
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "max_position_embeddings",
+    ];
+    for key in dense {
+        let e = refused("qwen3", key, json!(0));
+        assert!(
+            e.contains(&format!("`{key}` must be ")) && e.contains("found 0"),
+            "{key}: {e}"
+        );
+    }
+    for key in [
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    ] {
+        let e = refused("qwen3_moe", key, json!(0));
+        assert!(
+            e.contains(&format!("`{key}` must be positive, found 0")),
+            "{e}"
+        );
+    }
+    let e = refused("qwen3", "intermediate_size", Value::Null);
+    assert!(e.contains("missing key `intermediate_size`"), "{e}");
+    let experts = base("qwen3_moe")["num_local_experts"].as_u64().unwrap();
+    let e = refused("qwen3_moe", "num_experts_per_tok", json!(experts + 1));
+    assert!(e.contains("exceeds the number of experts"), "{e}");
+    let heads = base("qwen3")["num_attention_heads"].as_u64().unwrap();
+    let e = refused("qwen3", "num_key_value_heads", json!(heads + 1));
+    assert!(
+        e.contains("must be a multiple of `num_key_value_heads`"),
+        "{e}"
+    );
+}
+
+#[test]
+fn moe_intermediate_size_is_needed_only_with_a_dense_layer() {
+    let mut v = base("qwen3_moe");
+    let o = v.as_object_mut().unwrap();
+    o.insert("mlp_only_layers".into(), json!([]));
+    o.insert("decoder_sparse_step".into(), json!(1));
+    o.insert("intermediate_size".into(), json!(0));
+    let c = ModelConfig::from_json_str(&v.to_string(), Path::new("c.json")).unwrap();
+    assert_eq!(c.intermediate_size, 0);
+    v["mlp_only_layers"] = json!([0]);
+    let e = ModelConfig::from_json_str(&v.to_string(), Path::new("m/config.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`intermediate_size` must be positive, found 0"),
+        "{e}"
+    );
+}
+
+#[test]
+fn rope_scaling_kind_is_plain_text_with_the_supported_ones() {
+    for (section, body, want) in [
+        (
+            "rope_scaling",
+            json!({"rope_type": "linear", "factor": 2.0}),
+            "`rope_scaling.rope_type` = linear is not supported yet (supported: default)",
+        ),
+        (
+            "rope_scaling",
+            json!({"type": "yarn", "factor": 4.0}),
+            "`rope_scaling.type` = yarn is not supported yet (supported: default)",
+        ),
+        (
+            "rope_scaling",
+            json!({"factor": 4.0}),
+            "`rope_scaling` has no `rope_type` (supported: default",
+        ),
+        (
+            "rope_scaling",
+            json!({"rope_type": 3}),
+            "`rope_scaling.rope_type` must be a string (supported: default), found 3",
+        ),
+        (
+            "rope_scaling",
+            json!("linear"),
+            "`rope_scaling` must be an object",
+        ),
+    ] {
+        let e = refused("qwen3", section, body);
+        assert!(e.contains(want), "expected `{want}` in: {e}");
+        assert!(!e.contains("String("), "debug formatting in: {e}");
+    }
+    accepted("qwen3", "rope_scaling", json!({"rope_type": "default"}));
+    accepted("qwen3", "rope_scaling", json!({}));
+}
+
+#[test]
+fn qarl_simd_names_an_unknown_or_unavailable_path() {
+    use SimdPath::*;
+    let here = [Avx2, Portable];
+    assert_eq!(SimdPath::choose(None, &here), (Avx2, None));
+    assert_eq!(SimdPath::choose(Some(""), &here), (Avx2, None));
+    assert_eq!(SimdPath::choose(Some("portable"), &here), (Portable, None));
+    let (p, w) = SimdPath::choose(Some("avx9"), &here);
+    assert_eq!(p, Avx2);
+    let w = w.expect("an unknown value is reported");
+    assert!(
+        w.contains("QARL_SIMD=avx9")
+            && w.contains("valid values: avx512, avx2, neon, portable")
+            && w.contains("using avx2"),
+        "{w}"
+    );
+    let (p, w) = SimdPath::choose(Some("avx512"), &here);
+    assert_eq!(p, Avx2);
+    let w = w.expect("an unavailable path is reported");
+    assert!(
+        w.contains("QARL_SIMD=avx512 is not available on this machine (available: avx2, portable)"),
+        "{w}"
+    );
+    // The detected path is one of this machine's.
+    assert!(SimdPath::available().contains(&SimdPath::detect()));
+}
