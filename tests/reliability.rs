@@ -411,3 +411,42 @@ fn sft_stops_on_repeated_nonfinite_losses() {
     let rows = rows(&cfg.run_dir, &["sft"]);
     assert!(rows.iter().any(|r| r["sft/nonfinite"] == 1), "{rows:?}");
 }
+
+/// `--resume` before the first RL checkpoint keeps the warm start's metrics rows (the warm start is not
+/// redone) and redoes RL from step 0; it used to delete the whole metrics file.
+#[test]
+fn resume_before_the_first_checkpoint_keeps_the_sft_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny(tmp.path(), 2);
+    cfg.checkpoint_every = 100;
+    train::run_with(
+        &cfg,
+        &RunOptions {
+            quiet: true,
+            stop_after_step: Some(0),
+            ..RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert!(
+        checkpoint::latest(&cfg.run_dir).is_none(),
+        "no checkpoint yet"
+    );
+    let sft_before = rows(&cfg.run_dir, &["sft"]);
+    assert!(!sft_before.is_empty());
+    train::run(&cfg, true, true).unwrap();
+    assert_eq!(
+        rows(&cfg.run_dir, &["sft"]),
+        sft_before,
+        "SFT rows lost or changed"
+    );
+    let rl_steps: Vec<u64> = rows(&cfg.run_dir, &["rl"])
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        rl_steps,
+        vec![0, 1],
+        "RL redone from step 0, each step once"
+    );
+}

@@ -41,19 +41,24 @@ impl MetricsLog {
     }
 }
 
-/// Keeps only the lines of a metrics file whose `step` is at most `last_step` (for a resumed run), written
-/// back atomically.
+/// Keeps only the lines of `phase` whose `step` is at most `last_step` (for a resumed run), and every line of
+/// other phases, written back atomically.
 pub fn truncate_after(path: &Path, phase: &str, last_step: usize) -> anyhow::Result<()> {
+    retain_rows(path, |v| {
+        v["phase"].as_str() != Some(phase)
+            || v["step"].as_u64().is_some_and(|s| s as usize <= last_step)
+    })
+}
+
+/// Keeps only the lines of a metrics file whose row `keep` accepts, written back atomically (nothing to do
+/// when the file does not exist).
+pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };
     let kept: Vec<&str> = text
         .lines()
-        .filter(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap_or_default();
-            v["phase"].as_str() != Some(phase)
-                || v["step"].as_u64().is_some_and(|s| s as usize <= last_step)
-        })
+        .filter(|l| keep(&serde_json::from_str(l).unwrap_or_default()))
         .collect();
     let dir = path.parent().unwrap_or(Path::new("."));
     let mut tmp = tempfile::NamedTempFile::new_in(dir)?;

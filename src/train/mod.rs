@@ -157,7 +157,14 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
     }
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
-    if resumed.is_none() && metrics_path.exists() {
+    if resumed.is_none() && resume {
+        // `--resume` before the first checkpoint: RL starts over from step 0, but a finished warm start is not
+        // redone, so its rows stay (they used to be deleted with the file).
+        let warm_start_done = cfg.model.dir.join("config.json").is_file();
+        metrics::retain_rows(&metrics_path, |row| {
+            warm_start_done && row["phase"].as_str() == Some("sft")
+        })?;
+    } else if resumed.is_none() && metrics_path.exists() {
         std::fs::remove_file(&metrics_path)?;
     }
     if let Some((_, state)) = &resumed {
