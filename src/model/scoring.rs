@@ -74,11 +74,7 @@ pub fn next_token_logprobs_at(logits: Tensor<3>, ids: &[Vec<u32>], temperature: 
             .collect();
         vals
     });
-    let logits = if temperature == 1.0 {
-        logits
-    } else {
-        logits / temperature as f64
-    };
+    let logits = at_temperature(logits, temperature);
     // Normalise the whole contiguous tensor and slice afterwards: a strided view can take another reduction
     // path and round differently from the rollout's per-row normalisation.
     let lp = log_softmax(logits, 2).narrow(1, 0, t - 1);
@@ -89,13 +85,7 @@ pub fn next_token_logprobs_at(logits: Tensor<3>, ids: &[Vec<u32>], temperature: 
     let device = lp.device();
     let idx = Tensor::<3, Int>::from_data(TensorData::new(targets, [b, t - 1, 1]), &device);
     let lp: Tensor<2> = lp.gather(2, idx).reshape([b, t - 1]);
-    match exact {
-        Some(vals) => {
-            let exact = Tensor::<2>::from_data(TensorData::new(vals, [b, t - 1]), &device);
-            exact + (lp.clone() - lp.detach())
-        }
-        None => lp,
-    }
+    with_exact_values(lp, exact)
 }
 
 /// `lp[i] = log_softmax(logits[i] / temperature)[targets[i]]` for logits rows `[N, V]` (the positions that
@@ -113,17 +103,30 @@ pub fn target_logprobs(logits: Tensor<2>, targets: &[u32], temperature: f32) -> 
             .map(|r| log_softmax_at(&host[r * v..(r + 1) * v], temperature, targets[r] as usize))
             .collect::<Vec<f32>>()
     });
-    let logits = if temperature == 1.0 {
+    let idx: Vec<i64> = targets.iter().map(|&x| x as i64).collect();
+    let idx = Tensor::<2, Int>::from_data(TensorData::new(idx, [n, 1]), &device);
+    let lp: Tensor<1> = log_softmax(at_temperature(logits, temperature), 1)
+        .gather(1, idx)
+        .reshape([n]);
+    with_exact_values(lp, exact)
+}
+
+/// `logits / temperature` (the logits themselves at temperature 1, with no division rounding them).
+fn at_temperature<const D: usize>(logits: Tensor<D>, temperature: f32) -> Tensor<D> {
+    if temperature == 1.0 {
         logits
     } else {
         logits / temperature as f64
-    };
-    let idx: Vec<i64> = targets.iter().map(|&x| x as i64).collect();
-    let idx = Tensor::<2, Int>::from_data(TensorData::new(idx, [n, 1]), &device);
-    let lp: Tensor<1> = log_softmax(logits, 1).gather(1, idx).reshape([n]);
+    }
+}
+
+/// Deterministic mode's log-probs: the fixed-order host values `exact` (same shape as `lp`, row-major) with
+/// the gradient of burn's `lp` (`exact + (lp - lp.detach())`); `lp` itself when there are none.
+fn with_exact_values<const D: usize>(lp: Tensor<D>, exact: Option<Vec<f32>>) -> Tensor<D> {
     match exact {
         Some(vals) => {
-            Tensor::<1>::from_data(TensorData::new(vals, [n]), &device) + (lp.clone() - lp.detach())
+            let exact = Tensor::<D>::from_data(TensorData::new(vals, lp.dims()), &lp.device());
+            exact + (lp.clone() - lp.detach())
         }
         None => lp,
     }

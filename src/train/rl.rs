@@ -218,6 +218,8 @@ pub struct Scored<'a> {
     /// Whether `lp_old` is the rollout's record (no forward ran): the first update's forward then supplies
     /// the metrics of the learner's forward (entropy, routing).
     pub lp_old_reused: bool,
+    /// Experts per token of the model's MoE layers (0 for a dense model).
+    pub top_k: usize,
 }
 
 /// Whether `lp_old` equals the rollout's recorded log-probs bit for bit, so that no forward is needed: in
@@ -301,6 +303,7 @@ pub fn score<'a>(
         lp_roll,
         advantages: c.rows.iter().map(|&r| c.advantages[r]).collect(),
         lp_old_reused: reuse,
+        top_k,
     })
 }
 
@@ -389,11 +392,7 @@ pub fn update(
     // The training forward's weights: the rollout's packed version (aligned) or the f32 masters (full).
     let weights = tc.forward.weights();
     let device = model.device();
-    let top_k = model
-        .config
-        .moe
-        .as_ref()
-        .map_or(0, |moe| moe.num_experts_per_tok);
+    let top_k = s.top_k;
     let layers = model.layers.len();
     let rows = s.batch.seqs.len();
     let loss_fn: PolicyLoss = tc.loss.clone().resolve()?;
