@@ -393,3 +393,107 @@ fn loss_position_logprobs_equal_the_full_forward() {
         }
     }
 }
+
+/// The learner forward with each prompt forwarded once for its group (prompt into a KV cache, responses
+/// continuing from it) gives bitwise the log-probs of one full forward per sequence in deterministic mode,
+/// with and without routing replay and with quantized weights; the gradients differ only by the order in
+/// which the group's contributions to the shared prompt are summed (<= 1e-5 relative); the routing it
+/// reports equals the full forward's at every token that went through the model.
+#[test]
+fn shared_prompt_forward_equals_one_forward_per_sequence() {
+    use qarl::host::tensor_from_vec;
+    use qarl::model::Weights;
+    use qarl::quant::Precision;
+    use qarl::train::batch::{ForwardOptions, PrefixSharing, SeqBatch};
+    let seqs = vec![
+        vec![3u32, 17, 99, 42, 7, 250, 11, 5],
+        vec![3, 17, 99, 42, 7, 8],
+        vec![3, 17, 99, 42, 9],
+        vec![5, 6, 8, 9, 10],
+        vec![200, 1, 2, 3, 9, 9],
+        vec![5, 6, 8],
+    ];
+    let batch = SeqBatch::new(seqs.clone(), vec![4, 4, 4, 2, 3, 2]);
+    assert_eq!(
+        batch.prompt_groups(),
+        vec![vec![0, 1, 2], vec![3, 5], vec![4]]
+    );
+    let ad = Device::flex().autodiff();
+    for dir in common::fixture_models() {
+        for precision in [Precision::F32, "int4-g32".parse().unwrap()] {
+            let mut model = Decoder::load(&dir, &ad).unwrap();
+            model.set_precision(precision).unwrap();
+            let what = format!("{} in {precision}", dir.display());
+            let off_opts = ForwardOptions {
+                sharing: PrefixSharing::Off,
+                entropy: false,
+            };
+            let (_, off) = batch.logprobs_with(&model, Weights::Packed, 0.8, None, off_opts);
+            let moe = off.routing.iter().any(Option::is_some);
+            let replays: Vec<Option<Vec<Option<Vec<u32>>>>> = if moe {
+                vec![None, Some(off.routing.clone())]
+            } else {
+                vec![None]
+            };
+            for replay in replays {
+                let what = format!("{what}, replay {}", replay.is_some());
+                let w: Vec<f32> = (0..seqs.len() * batch.width)
+                    .map(|i| 0.25 + (i % 7) as f32 * 0.1)
+                    .collect();
+                let w = tensor_from_vec(w, [seqs.len(), batch.width], &ad) * batch.mask(&ad);
+                let run = |sharing| {
+                    let opts = ForwardOptions {
+                        sharing,
+                        entropy: false,
+                    };
+                    batch.logprobs_with(&model, Weights::Packed, 0.8, replay.as_deref(), opts)
+                };
+                let ((shared, fs), (full, ff)) =
+                    (run(PrefixSharing::Auto), run(PrefixSharing::Off));
+                let (a, b) = (to_f32_vec(shared.clone()), to_f32_vec(full.clone()));
+                let mask = batch.mask_values();
+                for i in (0..mask.len()).filter(|&i| mask[i] > 0.0) {
+                    assert_eq!(a[i].to_bits(), b[i].to_bits(), "{what}: position {i}");
+                }
+                assert_eq!(fs.padded_len, ff.padded_len);
+                for (l, (rs, rf)) in fs.routing.iter().zip(&ff.routing).enumerate() {
+                    let (Some(rs), Some(rf)) = (rs, rf) else {
+                        assert_eq!(rs.is_some(), rf.is_some(), "{what}: layer {l}");
+                        continue;
+                    };
+                    let k = rf.len() / (seqs.len() * ff.padded_len);
+                    for (r, s) in seqs.iter().enumerate() {
+                        let span = r * ff.padded_len * k..(r * ff.padded_len + s.len() - 1) * k;
+                        assert_eq!(rs[span.clone()], rf[span], "{what}: layer {l}, row {r}");
+                    }
+                }
+                let gs = (shared * w.clone()).sum().backward();
+                let gf = (full * w).sum().backward();
+                let mut params = vec![
+                    ("embed_tokens", model.embed_tokens.val()),
+                    ("q_proj", model.layers[0].self_attn.q_proj.weight.val()),
+                    ("o_proj", model.layers[0].self_attn.o_proj.weight.val()),
+                ];
+                if let Some(head) = &model.lm_head {
+                    params.push(("lm_head", head.weight.val()));
+                }
+                for (name, p) in params {
+                    let g1 = to_f32_vec(p.grad(&gs).unwrap());
+                    let g2 = to_f32_vec(p.grad(&gf).unwrap());
+                    let diff: f64 = g1
+                        .iter()
+                        .zip(&g2)
+                        .map(|(x, y)| ((x - y) as f64).powi(2))
+                        .sum();
+                    let norm: f64 = g2.iter().map(|&y| (y as f64).powi(2)).sum();
+                    let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+                    assert!(
+                        rel <= 1e-5,
+                        "{what}: {name} gradient differs by {rel:e} relative"
+                    );
+                    assert!(norm > 0.0, "{what}: {name} has no gradient");
+                }
+            }
+        }
+    }
+}

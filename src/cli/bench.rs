@@ -27,6 +27,9 @@ pub enum BenchWhat {
     Rollout(RolloutBenchArgs),
     /// The CubeCL low-bit kernels on Qwen3-30B-A3B expert shapes vs burn's bf16 matmul (`--features wgpu`/`cuda`).
     Kernels(super::kernel_bench::KernelBenchArgs),
+    /// The RL step of a training config phase by phase, with the machine's FMA peak and DRAM bandwidth
+    /// measured in the same run; several variants side by side.
+    Step(super::bench_step::StepBenchArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -429,5 +432,6 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     match args.what {
         BenchWhat::Rollout(a) => run_rollout(a),
         BenchWhat::Kernels(a) => super::kernel_bench::run(a),
+        BenchWhat::Step(a) => super::bench_step::run(a),
     }
 }

@@ -1,6 +1,7 @@
 //! The `qarl` command line: argument parsing that calls into the library, no logic of its own.
 
 mod bench;
+mod bench_step;
 mod config;
 mod eval;
 mod generate;

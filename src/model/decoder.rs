@@ -225,6 +225,23 @@ impl Decoder {
         self.run(ids, None, None, replay, None, weights)
     }
 
+    /// The final hidden states of `ids` appended to `cache` (rows of `lens[b]` real tokens, right-padded),
+    /// with the chosen weights, at every position or at `at[b]` of each row, and the routing: a prompt
+    /// forward whose cache later forwards continue, as the rollout's prefill and decode do. On an autodiff
+    /// device the cache carries the graph, so gradients of the continuation reach the prompt. Panics as
+    /// [`Decoder::forward`] does.
+    pub fn hidden_cached(
+        &self,
+        weights: Weights,
+        ids: &[Vec<u32>],
+        lens: &[usize],
+        cache: &mut KvCache,
+        replay: Option<&[Option<Routing>]>,
+        at: Option<&[usize]>,
+    ) -> (Tensor<2>, Vec<Option<Routing>>) {
+        self.run(ids, Some(lens), Some(cache), replay, at, weights)
+    }
+
     /// The LM head (or the tied embeddings) on hidden rows `[n, hidden]` -> logits `[n, vocab]`.
     pub fn head(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
         match &self.lm_head {

@@ -6,6 +6,7 @@
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
+pub mod cost;
 pub mod decoder;
 pub mod error;
 pub mod gguf;

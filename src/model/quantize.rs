@@ -40,6 +40,24 @@ impl Decoder {
         Precision::from(scheme)
     }
 
+    /// Bytes of the weights one forward step reads in the current precision: every linear layer's packed
+    /// codes and scales (or its f32 master) and the LM head (the tied embeddings when there is none). The
+    /// denominator of a decode step's bandwidth; norms and the embedding rows looked up are left out.
+    pub fn weight_bytes(&self) -> usize {
+        let linears: usize = self
+            .linears()
+            .map(|lin| match &lin.quant {
+                Some(q) => q.storage_bytes(),
+                None => lin.d_in() * lin.d_out() * 4,
+            })
+            .sum();
+        let tied_head = match self.lm_head {
+            Some(_) => 0,
+            None => self.config.vocab_size * self.config.hidden_size * 4,
+        };
+        linears + tied_head
+    }
+
     /// Quantizes the layers `cfg` selects (others go back to full precision); returns how many were
     /// quantized.
     pub fn quantize(&mut self, cfg: &QuantConfig) -> Result<usize, QuantizeError> {

@@ -8,7 +8,7 @@ use super::decoder::{Decoder, ForwardOutput};
 use super::layers::Weights;
 use super::mlp::Routing;
 use crate::host::{rows, to_f32_vec};
-use crate::ops::deterministic;
+use crate::ops::{det_matmul, deterministic, HEAD_CHUNK_ROWS};
 
 /// In deterministic mode ([`crate::ops::deterministic`]) log-probs are computed by [`log_softmax_row`], one
 /// fixed-order host routine shared by the rollout's sampler and the training forward, so that (with the
@@ -46,8 +46,11 @@ pub fn log_softmax_row(row: &[f32], temperature: f32) -> Vec<f32> {
 
 /// `log_softmax_row(row, temperature)[target]` without the rest of the row.
 pub fn log_softmax_at(row: &[f32], temperature: f32, target: usize) -> f32 {
-    let lse = log_normaliser(row, temperature);
-    let x = row[target];
+    logprob_with(row[target], temperature, log_normaliser(row, temperature))
+}
+
+/// The log-prob of logit `x` in a row whose normaliser ([`log_normaliser`]) is `lse`.
+fn logprob_with(x: f32, temperature: f32, lse: f64) -> f32 {
     let z = if temperature == 1.0 {
         x
     } else {
@@ -109,6 +112,87 @@ pub fn target_logprobs(logits: Tensor<2>, targets: &[u32], temperature: f32) -> 
         .gather(1, idx)
         .reshape([n]);
     with_exact_values(lp, exact)
+}
+
+/// What [`head_logprobs`] returns: the differentiable `[n]` log-probs and, when asked for, the entropy (at
+/// temperature 1) of each row's distribution.
+pub struct HeadLogprobs {
+    pub logprobs: Tensor<1>,
+    pub entropy: Option<Vec<f32>>,
+}
+
+/// `lp[i] = log_softmax(head(hidden[i]) / temperature)[targets[i]]` for hidden rows `[n, hidden]` (the
+/// positions that carry a loss), the LM head fused with the log-softmax and the gather of the target:
+/// logits exist only [`HEAD_CHUNK_ROWS`] rows at a time, in the forward and in the backward (which
+/// recomputes them), never as an `[n, vocab]` tensor. The values are [`log_softmax_at`]'s on the LM head's
+/// rows (the LM head is row-invariant in deterministic mode), so bitwise what the rollout records and what
+/// [`target_logprobs`] gives; the gradient is the exact one, `(onehot - softmax) / temperature` per row,
+/// through the head's weights and inputs. A quantized LM head under [`Weights::Packed`] takes
+/// [`target_logprobs`] on the whole logits instead.
+pub fn head_logprobs(
+    model: &Decoder,
+    hidden: Tensor<2>,
+    weights: Weights,
+    targets: &[u32],
+    temperature: f32,
+    with_entropy: bool,
+) -> HeadLogprobs {
+    let [n, _] = hidden.dims();
+    assert_eq!(n, targets.len(), "one target per hidden row");
+    let (w, transposed) = match &model.lm_head {
+        Some(head) if head.quant.is_some() && weights == Weights::Packed => {
+            let logits = model.head(hidden, weights);
+            let entropy = with_entropy.then(|| {
+                let v = logits.dims()[1];
+                entropy_rows(&to_f32_vec(logits.clone().detach()), v)
+            });
+            let logprobs = target_logprobs(logits, targets, temperature);
+            return HeadLogprobs { logprobs, entropy };
+        }
+        Some(head) => (head.weight.val(), false),
+        None => (model.embed_tokens.val(), true),
+    };
+    let device = hidden.device();
+    let (xd, wd) = (hidden.clone().detach(), w.clone().detach());
+    let mut lp = Vec::with_capacity(n);
+    let mut lse = Vec::with_capacity(n);
+    let mut entropy = with_entropy.then(|| Vec::with_capacity(n));
+    for c0 in (0..n).step_by(HEAD_CHUNK_ROWS) {
+        let c1 = (c0 + HEAD_CHUNK_ROWS).min(n);
+        let logits = det_matmul(xd.clone().narrow(0, c0, c1 - c0), wd.clone(), transposed);
+        let v = logits.dims()[1];
+        let host = to_f32_vec(logits);
+        let rows: Vec<(f32, f32)> = host
+            .par_chunks(v)
+            .zip(&targets[c0..c1])
+            .map(|(row, &t)| {
+                let norm = log_normaliser(row, temperature);
+                (
+                    logprob_with(row[t as usize], temperature, norm),
+                    norm as f32,
+                )
+            })
+            .collect();
+        for (l, z) in rows {
+            lp.push(l);
+            lse.push(z);
+        }
+        if let Some(e) = entropy.as_mut() {
+            e.extend(entropy_rows(&host, v));
+        }
+    }
+    let value = Tensor::<1>::from_data(TensorData::new(lp, [n]), &device);
+    let lse = Tensor::<1>::from_data(TensorData::new(lse, [n]), &device);
+    let logprobs = crate::ops::head_logprobs_with_gradient(
+        hidden,
+        w,
+        transposed,
+        lse,
+        targets.to_vec(),
+        temperature,
+        value,
+    );
+    HeadLogprobs { logprobs, entropy }
 }
 
 /// `logits / temperature` (the logits themselves at temperature 1, with no division rounding them).

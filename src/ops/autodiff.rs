@@ -20,7 +20,7 @@ use super::{ExpertWeights, KernelOps, PackedWeight};
 #[derive(Debug)]
 struct DetMatmulBackward;
 
-impl<B: Backend> Backward<B, 2> for DetMatmulBackward {
+impl<B: Backend + KernelOps> Backward<B, 2> for DetMatmulBackward {
     /// `(x, w, w_transposed)`.
     type State = (FloatTensor<B>, FloatTensor<B>, bool);
 
@@ -28,23 +28,16 @@ impl<B: Backend> Backward<B, 2> for DetMatmulBackward {
         let [node_x, node_w] = ops.parents;
         let g = grads.consume::<B>(&ops.node);
         let (x, w, nt) = ops.state;
-        let r = g.shape().num_dims();
-        let t = |a: FloatTensor<B>| B::float_swap_dims(a, r - 2, r - 1);
         if let Some(node) = node_x {
             // y = x w: dx = g w^T; y = x w^T: dx = g w.
-            let dx = if nt {
-                B::float_matmul(g.clone(), w)
-            } else {
-                B::float_matmul(g.clone(), t(w))
-            };
-            grads.register::<B>(node.id, dx);
+            grads.register::<B>(node.id, B::grad_matmul(g.clone(), w, false, !nt));
         }
         if let Some(node) = node_w {
             // y = x w: dw = x^T g; y = x w^T: dw = g^T x.
             let dw = if nt {
-                B::float_matmul(t(g), x)
+                B::grad_matmul(g, x, true, false)
             } else {
-                B::float_matmul(t(x), g)
+                B::grad_matmul(x, g, true, false)
             };
             grads.register::<B>(node.id, dw);
         }
@@ -68,7 +61,7 @@ impl<B: Backend + KernelOps> Backward<B, 2> for SteBackward {
         }
         if let Some(node) = node_master {
             // Straight-through: dW = x^T g, as if the quantizer were the identity.
-            grads.register::<B>(node.id, B::float_matmul(B::float_transpose(x), g));
+            grads.register::<B>(node.id, B::grad_matmul(x, g, true, false));
         }
     }
 }
@@ -108,7 +101,129 @@ impl<B: Backend> Backward<B, 1> for ForwardValueOfBackward {
     }
 }
 
+/// The backward of the fused LM-head log-probs ([`KernelOps::head_logprobs_with_gradient`]): with
+/// `z = (x · w) / T` and `p = exp(z - lse)`, `dz = g (onehot(target) - p)`, so `dlogits = dz / T`; then
+/// `dx = dlogits · w^T` and `dw = x^T · dlogits` (`w [k, v]`; transposed for `w [v, k]`), chunk by chunk.
+#[derive(Debug)]
+struct HeadLogprobsBackward;
+
+/// What [`HeadLogprobsBackward`] keeps: `x`, `w`, `w_transposed`, `lse`, the targets and the temperature.
+type HeadState<B> = (
+    FloatTensor<B>,
+    FloatTensor<B>,
+    bool,
+    FloatTensor<B>,
+    Vec<u32>,
+    f32,
+);
+
+impl<B: Backend + KernelOps> Backward<B, 2> for HeadLogprobsBackward {
+    type State = HeadState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        use burn::backend::Scalar;
+        use burn::tensor::{IndexingUpdateOp, Shape, TensorData};
+        let [node_x, node_w] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (x, w, wt, lse, targets, temperature) = ops.state;
+        let device = x.device();
+        let n = targets.len();
+        let wdims: [usize; 2] = w.shape().dims();
+        let v = wdims[if wt { 0 } else { 1 }];
+        let index = |vals: Vec<i64>, shape: [usize; 2]| {
+            B::int_from_data(TensorData::new(vals, shape), &device)
+        };
+        let scaled = |t: FloatTensor<B>| {
+            if temperature == 1.0 {
+                t
+            } else {
+                B::float_div_scalar(t, Scalar::Float(temperature as f64))
+            }
+        };
+        let mut dx_parts = Vec::new();
+        let mut dw: Option<FloatTensor<B>> = None;
+        for c0 in (0..n).step_by(super::HEAD_CHUNK_ROWS) {
+            let c1 = (c0 + super::HEAD_CHUNK_ROWS).min(n);
+            let r = c1 - c0;
+            let rows = index((c0 as i64..c1 as i64).collect(), [r, 1]);
+            let rows = B::int_reshape(rows, Shape::new([r]));
+            let xc = B::float_select(x.clone(), 0, rows.clone());
+            let z = scaled(B::det_matmul(xc.clone(), w.clone(), wt));
+            let at = |t: FloatTensor<B>| {
+                B::float_expand(
+                    B::float_reshape(B::float_select(t, 0, rows.clone()), Shape::new([r, 1])),
+                    Shape::new([r, v]),
+                )
+            };
+            let p = B::float_exp(B::float_sub(z, at(lse.clone())));
+            // dlogits = (g / T) (onehot - p): -p g / T everywhere, plus g / T at the target.
+            let gt = scaled(B::float_reshape(
+                B::float_select(g.clone(), 0, rows.clone()),
+                Shape::new([r, 1]),
+            ));
+            let d = B::float_neg(B::float_mul(
+                p,
+                B::float_expand(gt.clone(), Shape::new([r, v])),
+            ));
+            let tgt = index(targets[c0..c1].iter().map(|&t| t as i64).collect(), [r, 1]);
+            let d = B::float_scatter(1, d, tgt, gt, IndexingUpdateOp::Add);
+            if node_x.is_some() {
+                // w [v, k]: dx = d w; w [k, v]: dx = d w^T.
+                dx_parts.push(B::grad_matmul(d.clone(), w.clone(), false, !wt));
+            }
+            if node_w.is_some() {
+                // w [v, k]: dw = d^T x; w [k, v]: dw = x^T d.
+                let part = if wt {
+                    B::grad_matmul(d, xc, true, false)
+                } else {
+                    B::grad_matmul(xc, d, true, false)
+                };
+                dw = Some(match dw {
+                    Some(acc) => B::float_add(acc, part),
+                    None => part,
+                });
+            }
+        }
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::float_cat(dx_parts, 0));
+        }
+        if let (Some(node), Some(dw)) = (node_w, dw) {
+            grads.register::<B>(node.id, dw);
+        }
+    }
+}
+
 impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C> {
+    fn head_logprobs_with_gradient(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+        lse: FloatTensor<Self>,
+        targets: Vec<u32>,
+        temperature: f32,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let value = value.into_primitive();
+        match HeadLogprobsBackward
+            .prepare::<C>([x.node(), w.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    x.primitive().clone(),
+                    w.primitive().clone(),
+                    w_transposed,
+                    lse.into_primitive(),
+                    targets,
+                    temperature,
+                );
+                prep.finish(state, value)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(value),
+        }
+    }
+
     fn det_matmul(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,

@@ -145,11 +145,75 @@ pub trait KernelOps: Backend {
         value
     }
 
+    /// `lhs · rhs` with either operand used transposed (`lhs_transposed`: `lhs` is `[.., k, m]` and its
+    /// transpose is multiplied; `rhs_transposed`: `rhs` is `[.., n, k]`), same leading dims: the products of
+    /// the backward passes (`dx = g w^T`, `dW = x^T g`). Free of the rollout contract, but on the CPU in a
+    /// fixed reduction order set by constants ([`cpu::kernel::f32_matmul`], [`cpu::kernel::f32_matmul_nt`]),
+    /// so that a seed gives the same gradients on every machine, thread count and SIMD path; the default is
+    /// the backend's matmul.
+    fn grad_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        lhs_transposed: bool,
+        rhs_transposed: bool,
+    ) -> FloatTensor<Self> {
+        let t = |x: FloatTensor<Self>| {
+            let r = x.shape().num_dims();
+            Self::float_swap_dims(x, r - 2, r - 1)
+        };
+        let lhs = if lhs_transposed { t(lhs) } else { lhs };
+        let rhs = if rhs_transposed { t(rhs) } else { rhs };
+        Self::float_matmul(lhs, rhs)
+    }
+
+    /// `value` (`[n]`, the log-probs `log_softmax((x · w) / temperature)[targets]` computed by the caller
+    /// chunk by chunk, `w [k, v]` or `[v, k]` when `w_transposed`) with the gradient of that function of
+    /// `x` and `w`: the autodiff backend's backward recomputes the logits [`HEAD_CHUNK_ROWS`] rows at a
+    /// time from `x`, `w` and the rows' log-normalisers `lse` (`[n]`, of `logits / temperature`), so that
+    /// no `[n, v]` tensor lives between the forward and the backward. Inference backends return `value`.
+    fn head_logprobs_with_gradient(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+        lse: FloatTensor<Self>,
+        targets: Vec<u32>,
+        temperature: f32,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let _ = (x, w, w_transposed, lse, targets, temperature);
+        value
+    }
+
     /// Whether `x` is part of a recorded autodiff graph; `false` on inference backends.
     fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
         let _ = x;
         false
     }
+}
+
+/// Rows of logits the fused LM-head log-probs compute at once (forward and backward): 256 rows of a
+/// 49152-token vocabulary are 50 MB.
+pub const HEAD_CHUNK_ROWS: usize = 256;
+
+/// [`KernelOps::head_logprobs_with_gradient`] on tensors.
+pub fn head_logprobs_with_gradient(
+    x: Tensor<2>,
+    w: Tensor<2>,
+    w_transposed: bool,
+    lse: Tensor<1>,
+    targets: Vec<u32>,
+    temperature: f32,
+    value: Tensor<1>,
+) -> Tensor<1> {
+    Tensor::from_dispatch(<Dispatch as KernelOps>::head_logprobs_with_gradient(
+        x.into_dispatch(),
+        w.into_dispatch(),
+        w_transposed,
+        lse.into_dispatch(),
+        targets,
+        temperature,
+        value.into_dispatch(),
+    ))
 }
 
 /// The backend's own (fused) softmax.

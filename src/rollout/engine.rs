@@ -2,6 +2,8 @@
 //! (one prefill per prompt, the cache then fanned out), batched KV-cache decoding, and a record of what the
 //! sampler saw: the log-prob of every sampled token and, for MoE models, the experts each token went to.
 
+use std::time::Instant;
+
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use rayon::prelude::*;
@@ -34,6 +36,14 @@ pub struct Rollout {
     /// `routing[row][layer]`: experts of every token that went through the model (`ids[row][..len - 1]`),
     /// token-major, `top_k` per token; `None` for dense layers. Empty for dense models.
     pub routing: Vec<Vec<Option<Vec<u32>>>>,
+    /// Wall time of the prefill (seconds): the prompts' forward, once per prompt.
+    pub prefill_s: f64,
+    /// Wall time of the decode loop (seconds): sampling and the one-token forwards.
+    pub decode_s: f64,
+    /// One-token forwards of the decode loop (each over the rows still generating).
+    pub decode_steps: usize,
+    /// Tokens through those forwards (the rows still generating, summed over the steps).
+    pub decode_tokens: usize,
 }
 
 impl Rollout {
@@ -135,6 +145,7 @@ fn generate_in_pool(
         logprobs: vec![Vec::new(); rows],
         finish_reasons: vec![FinishReason::Length; rows],
         routing: vec![vec![None; n_layers]; rows],
+        ..Rollout::default()
     };
     for prompt in prompts {
         for _ in 0..samples {
@@ -147,6 +158,7 @@ fn generate_in_pool(
     }
 
     // Prefill every prompt once, right-padded to the longest (each row's tokens start at slot 0).
+    let t_prefill = Instant::now();
     let t = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let padded = crate::model::scoring::right_pad(prompts);
     let lens: Vec<usize> = prompts.iter().map(Vec::len).collect();
@@ -174,6 +186,8 @@ fn generate_in_pool(
     let fan_out: Vec<usize> = (0..rows).map(|r| r / samples).collect();
     cache.select_rows(&fan_out);
     let mut lp_rows: Vec<Vec<f32>> = fan_out.iter().map(|&pi| prompt_lp[pi].clone()).collect();
+    out.prefill_s = t_prefill.elapsed().as_secs_f64();
+    let t_decode = Instant::now();
     let mut rngs: Vec<_> = (0..rows).map(|r| sequence_rng(params.seed, r)).collect();
     let mut active: Vec<usize> = (0..rows).collect();
     let max_stop_len = params
@@ -228,10 +242,13 @@ fn generate_in_pool(
         cache.select_rows(&keep);
         active = keep.iter().map(|&s| active[s]).collect();
         let step_out = model.forward(&next, None, Some(&mut cache), None);
+        out.decode_steps += 1;
+        out.decode_tokens += next.len();
         if record_routing {
             append_routing(&mut out.routing, &active, &step_out.routing, 1, &|_| 1);
         }
         lp_rows = logprobs_at(step_out.logits, &vec![0; active.len()], temperature);
     }
+    out.decode_s = t_decode.elapsed().as_secs_f64();
     out
 }

@@ -1,10 +1,12 @@
 //! Turning token sequences into the padded tensors the losses take.
 
+use std::collections::HashMap;
+
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::host::tensor_from_vec;
 use crate::model::mlp::Routing;
-use crate::model::scoring::{right_pad, target_logprobs};
+use crate::model::scoring::{head_logprobs, right_pad};
 use crate::model::{Decoder, Weights};
 
 /// Sequences (prompt + response) with the positions whose next-token log-probs are trained.
@@ -103,8 +105,10 @@ impl SeqBatch {
     /// Forward with the chosen weights and the `[B, T - 1]` grid of next-token log-probs at `temperature`
     /// (differentiable on an autodiff model; zeros where the mask is 0). Logits and log-softmax are computed
     /// only at the positions that carry a loss (the response tokens): the hidden states of those positions
-    /// are gathered before the LM head, so no `[B, T, vocab]` tensor exists. In deterministic mode the values
-    /// are bitwise those of the full forward at the same positions (the LM head is row-invariant).
+    /// are gathered before the LM head, so no `[B, T, vocab]` tensor exists. Rows that share their prompt
+    /// (the samples of one group) share its forward ([`Self::shared_prefix_hidden`]). In deterministic mode
+    /// the values are bitwise those of a full forward of each sequence (the kernels are row-invariant and
+    /// masked keys change no sum).
     pub fn logprobs(
         &self,
         model: &Decoder,
@@ -112,37 +116,254 @@ impl SeqBatch {
         temperature: f32,
         replay: Option<&[Option<Vec<u32>>]>,
     ) -> (Tensor<2>, ResponseForward) {
-        let padded = right_pad(&self.seqs);
-        let padded_len = padded.first().map_or(0, Vec::len);
-        let (hidden, routing) = model.hidden_as(weights, &padded, replay);
+        self.logprobs_with(
+            model,
+            weights,
+            temperature,
+            replay,
+            ForwardOptions::default(),
+        )
+    }
+
+    /// [`Self::logprobs`] with the prefix sharing chosen (`Off`: one full forward of every sequence, what
+    /// tests compare the shared forward with) and, on request, the entropy of every loss position.
+    pub fn logprobs_with(
+        &self,
+        model: &Decoder,
+        weights: Weights,
+        temperature: f32,
+        replay: Option<&[Option<Vec<u32>>]>,
+        opts: ForwardOptions,
+    ) -> (Tensor<2>, ResponseForward) {
+        let groups = self.prompt_groups();
+        let shared = opts.sharing == PrefixSharing::Auto && groups.len() < self.seqs.len();
+        let (hidden, rows, routing, padded_len) = if shared {
+            self.shared_prefix_hidden(model, weights, replay, &groups)
+        } else {
+            let padded = right_pad(&self.seqs);
+            let padded_len = padded.first().map_or(0, Vec::len);
+            let (hidden, routing) = model.hidden_as(weights, &padded, replay);
+            let rows = self
+                .loss_positions(padded_len)
+                .iter()
+                .map(|p| p.0)
+                .collect();
+            (hidden, rows, routing, padded_len)
+        };
         let device = hidden.device();
         let positions = self.loss_positions(padded_len);
         let n = positions.len();
-        let index = |f: fn(&(i64, i64, u32)) -> i64| {
-            let v: Vec<i64> = positions.iter().map(f).collect();
-            Tensor::<1, Int>::from_data(TensorData::new(v, [n]), &device)
-        };
-        let logits = model.head(hidden.select(0, index(|p| p.0)), weights);
+        let index = |v: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(v, [n]), &device);
         let targets: Vec<u32> = positions.iter().map(|p| p.2).collect();
-        let lp = target_logprobs(logits.clone(), &targets, temperature);
+        let head = head_logprobs(
+            model,
+            hidden.select(0, index(rows)),
+            weights,
+            &targets,
+            temperature,
+            opts.entropy,
+        );
+        let lp = head.logprobs;
         let grid = Tensor::<1>::zeros([self.seqs.len() * self.width], &device)
-            .select_assign(0, index(|p| p.1), lp, IndexingUpdateOp::Add)
+            .select_assign(
+                0,
+                index(positions.iter().map(|p| p.1).collect()),
+                lp,
+                IndexingUpdateOp::Add,
+            )
             .reshape([self.seqs.len(), self.width]);
         (
             grid,
             ResponseForward {
-                logits,
+                entropy: head.entropy,
                 routing,
                 padded_len,
             },
         )
     }
+
+    /// The rows with the same prompt (the same tokens before `prompt_lens`), in order of first appearance.
+    pub fn prompt_groups(&self) -> Vec<Vec<usize>> {
+        let mut first: HashMap<&[u32], usize> = HashMap::new();
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (r, (s, &p)) in self.seqs.iter().zip(&self.prompt_lens).enumerate() {
+            let g = *first.entry(&s[..p]).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            groups[g].push(r);
+        }
+        groups
+    }
+
+    /// The hidden states the loss positions need, with each distinct prompt forwarded once: the prompts
+    /// (right-padded) into a KV cache, the cache fanned out to the rows of each group, then the responses
+    /// (all tokens but the last, right-padded) continuing from it: the rollout's own prefill-then-decode,
+    /// with the response tokens in one forward. Returns the hidden rows (`P` prompt-last rows, then
+    /// `B * t` response rows), the row of each loss position among them, the routing laid out as the full
+    /// forward's (`[B * T * top_k]` per layer), and `T`.
+    fn shared_prefix_hidden(
+        &self,
+        model: &Decoder,
+        weights: Weights,
+        replay: Option<&[Option<Vec<u32>>]>,
+        groups: &[Vec<usize>],
+    ) -> (Tensor<2>, Vec<i64>, Vec<Option<Routing>>, usize) {
+        let (b, p) = (self.seqs.len(), groups.len());
+        let padded_len = self.seqs.iter().map(Vec::len).max().unwrap_or(0);
+        let plens: Vec<usize> = groups.iter().map(|g| self.prompt_lens[g[0]]).collect();
+        let prompts: Vec<Vec<u32>> = groups
+            .iter()
+            .map(|g| self.seqs[g[0]][..self.prompt_lens[g[0]]].to_vec())
+            .collect();
+        let mut group_of = vec![0usize; b];
+        for (gi, g) in groups.iter().enumerate() {
+            for &r in g {
+                group_of[r] = gi;
+            }
+        }
+        let lp = plens.iter().copied().max().unwrap_or(0);
+        let last: Vec<usize> = plens.iter().map(|l| l - 1).collect();
+        let layers = model.layers.len();
+        // Replay: position `q` of a prompt is position `q` of its first row; of a response, position
+        // `prompt_len + q` of its row. Positions past a row's tokens get placeholders (never scored).
+        let slice_replay = |rows: &[usize], starts: &[usize], counts: &[usize], width: usize| {
+            replay.map(|rp| {
+                let k = model
+                    .config
+                    .moe
+                    .as_ref()
+                    .map_or(0, |m| m.num_experts_per_tok);
+                (0..layers)
+                    .map(|l| {
+                        let full = rp.get(l)?.as_ref()?;
+                        let mut out = Vec::with_capacity(rows.len() * width * k);
+                        for (i, &r) in rows.iter().enumerate() {
+                            for q in 0..width {
+                                if q < counts[i] {
+                                    let at = (r * padded_len + starts[i] + q) * k;
+                                    out.extend_from_slice(&full[at..at + k]);
+                                } else {
+                                    out.extend(0..k as u32);
+                                }
+                            }
+                        }
+                        Some(out)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        };
+        let firsts: Vec<usize> = groups.iter().map(|g| g[0]).collect();
+        let prompt_replay = slice_replay(&firsts, &vec![0; p], &plens, lp);
+        let mut cache = model.new_cache(p);
+        let (h_prompt, r_prompt) = model.hidden_cached(
+            weights,
+            &right_pad(&prompts),
+            &plens,
+            &mut cache,
+            prompt_replay.as_deref(),
+            Some(&last),
+        );
+        // Response inputs: every response token but the last (it is only a target).
+        let inputs: Vec<Vec<u32>> = (0..b)
+            .map(|r| {
+                let s = &self.seqs[r];
+                s[self.prompt_lens[r].min(s.len().saturating_sub(1))..s.len().saturating_sub(1)]
+                    .to_vec()
+            })
+            .collect();
+        let counts: Vec<usize> = inputs.iter().map(Vec::len).collect();
+        let t = counts.iter().copied().max().unwrap_or(0);
+        let (hidden, r_resp) = if t == 0 {
+            (h_prompt, vec![None; layers])
+        } else {
+            cache.select_rows(&group_of);
+            let padded: Vec<Vec<u32>> = inputs
+                .iter()
+                .map(|x| {
+                    let mut x = x.clone();
+                    x.resize(t, 0);
+                    x
+                })
+                .collect();
+            let all: Vec<usize> = (0..b).collect();
+            let resp_replay = slice_replay(&all, &self.prompt_lens, &counts, t);
+            let (h_resp, r) = model.hidden_cached(
+                weights,
+                &padded,
+                &counts,
+                &mut cache,
+                resp_replay.as_deref(),
+                None,
+            );
+            (Tensor::cat(vec![h_prompt, h_resp], 0), r)
+        };
+        // Loss position j of row r: the prompt's last row for j = 0, else response row r * t + j - 1.
+        let mut rows = Vec::new();
+        for r in 0..b {
+            let n = self.seqs[r].len().saturating_sub(self.prompt_lens[r]);
+            if n > 0 {
+                rows.push(group_of[r] as i64);
+                rows.extend((1..n).map(|j| (p + r * t + j - 1) as i64));
+            }
+        }
+        let routing = (0..layers)
+            .map(|l| {
+                let (pr, rr) = (
+                    r_prompt[l].as_ref()?,
+                    r_resp.get(l).and_then(Option::as_ref),
+                );
+                let k = pr.len() / (p * lp).max(1);
+                let mut out = Vec::with_capacity(b * padded_len * k);
+                for r in 0..b {
+                    let (g, pl) = (group_of[r], self.prompt_lens[r]);
+                    out.extend_from_slice(&pr[g * lp * k..(g * lp + pl) * k]);
+                    if let Some(rr) = rr {
+                        out.extend_from_slice(&rr[r * t * k..(r * t + counts[r]) * k]);
+                    }
+                    let filled = pl + if rr.is_some() { counts[r] } else { 0 };
+                    for _ in filled..padded_len {
+                        out.extend(0..k as u32);
+                    }
+                }
+                Some(out)
+            })
+            .collect();
+        (hidden, rows, routing, padded_len)
+    }
+}
+
+/// How [`SeqBatch::logprobs_with`] runs its forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardOptions {
+    pub sharing: PrefixSharing,
+    /// Also compute the entropy (temperature 1) of every loss position ([`ResponseForward::entropy`]).
+    pub entropy: bool,
+}
+
+impl Default for ForwardOptions {
+    fn default() -> Self {
+        Self {
+            sharing: PrefixSharing::Auto,
+            entropy: false,
+        }
+    }
+}
+
+/// Whether rows with the same prompt share its forward ([`SeqBatch::logprobs_with`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefixSharing {
+    /// Share whenever two rows have the same prompt.
+    Auto,
+    /// One full forward per sequence.
+    Off,
 }
 
 /// What the learner forward of [`SeqBatch::logprobs`] leaves besides the log-probs.
 pub struct ResponseForward {
-    /// Logits `[N, vocab]` at the positions that carry a loss, sequence by sequence, position by position.
-    pub logits: Tensor<2>,
+    /// The entropy (temperature 1) at each position that carries a loss, sequence by sequence, position by
+    /// position, when [`ForwardOptions::entropy`] asked for it.
+    pub entropy: Option<Vec<f32>>,
     /// For each layer, the experts of every token of the padded batch (`[B * T * top_k]`), `None` for dense
     /// layers.
     pub routing: Vec<Option<Routing>>,

@@ -1,6 +1,7 @@
 //! The training loops: supervised warm start and RL (QaRL). The only module that knows the whole step.
 
 pub mod batch;
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod eval;
@@ -38,7 +39,7 @@ pub struct RunSummary {
     pub paired: Option<paired::PairedComparison>,
 }
 
-fn eos_id(tok: &Tokenizer, model: &Decoder) -> anyhow::Result<u32> {
+pub(crate) fn eos_id(tok: &Tokenizer, model: &Decoder) -> anyhow::Result<u32> {
     tok.token_to_id("<eos>")
         .or_else(|| tok.token_to_id("<|im_end|>"))
         .or_else(|| tok.token_to_id("<|endoftext|>"))
@@ -81,6 +82,17 @@ pub fn prepare_model(
     std::fs::rename(&staging, dir)
         .with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
     Ok(())
+}
+
+/// The RL optimizer of `tc`: AdamW with its weight decay and epsilon, and gradient clipping by norm.
+pub fn optimizer(tc: &config::RlConfig) -> burn::optim::ModuleOptimizer {
+    let mut optim_cfg = AdamWConfig::new()
+        .with_weight_decay(tc.weight_decay)
+        .with_epsilon(tc.adam_eps);
+    if tc.grad_clip > 0.0 {
+        optim_cfg = optim_cfg.with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)));
+    }
+    optim_cfg.init()
 }
 
 /// How to run the RL loop.
@@ -208,13 +220,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let eval_set = task.eval_set(cfg.eval.problems);
 
     let tc = &cfg.train;
-    let mut optim_cfg = AdamWConfig::new()
-        .with_weight_decay(tc.weight_decay)
-        .with_epsilon(tc.adam_eps);
-    if tc.grad_clip > 0.0 {
-        optim_cfg = optim_cfg.with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)));
-    }
-    let mut optim = optim_cfg.init();
+    let mut optim = optimizer(tc);
     let mut state = checkpoint::TrainerState {
         step: 0,
         seed: Some(cfg.seed),

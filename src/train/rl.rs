@@ -6,14 +6,14 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use anyhow::Context;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 
-use super::batch::{replay_routing, ResponseForward, SeqBatch};
+use super::batch::{replay_routing, ForwardOptions, ResponseForward, SeqBatch};
 use super::config::{lr_at, TrainConfig, TrainForward};
 use crate::host::{tensor_from_vec, to_f32_vec};
-use crate::model::scoring::entropy_rows;
 use crate::model::{Decoder, Tokenizer};
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
 use crate::rl::losses::{PolicyLoss, PolicyLossInputs};
@@ -94,9 +94,14 @@ pub fn rl_step(
     }
     if outcome.packed_stale {
         // The next rollout's weight version, quantized once from the final masters.
+        let t_sync = Instant::now();
         model.requantize()?;
+        *m.entry("perf/weight_sync_s".into()).or_default() += t_sync.elapsed().as_secs_f64();
     }
     m.insert("perf/step_s".into(), t0.elapsed().as_secs_f64());
+    if let Some(gb) = crate::ops::cpu::probe::peak_resident_gb() {
+        m.insert("perf/peak_rss_gb".into(), gb);
+    }
     Ok(StepOutcome {
         metrics: m,
         nonfinite_updates: outcome.nonfinite_updates,
@@ -155,6 +160,7 @@ pub fn collect(
     let gen_tokens = out.generated_tokens();
 
     // Rewards and advantages.
+    let t_reward = Instant::now();
     let mut rewards = Vec::with_capacity(out.ids.len());
     let mut correct = 0usize;
     for r in 0..out.ids.len() {
@@ -173,6 +179,23 @@ pub fn collect(
     };
 
     let mut m = BTreeMap::new();
+    m.insert("perf/reward_s".into(), t_reward.elapsed().as_secs_f64());
+    m.insert("perf/rollout_prefill_s".into(), out.prefill_s);
+    m.insert("perf/rollout_decode_s".into(), out.decode_s);
+    m.insert("perf/rollout_decode_steps".into(), out.decode_steps as f64);
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mc = &model.config;
+    let prefill = mc.forward_flops(prompts.len(), longest, longest, prompts.len());
+    m.insert("perf/rollout_prefill_gflop".into(), prefill.total() / 1e9);
+    let per_token = mc.forward_flops(1, 1, 0, 1).total();
+    m.insert(
+        "perf/rollout_decode_gflop".into(),
+        per_token * out.decode_tokens as f64 / 1e9,
+    );
+    m.insert(
+        "perf/rollout_decode_weight_gb".into(),
+        (out.decode_steps * model.weight_bytes()) as f64 / 1e9,
+    );
     let n = out.ids.len() as f64;
     m.insert(
         "critic/rewards/mean".into(),
@@ -194,6 +217,7 @@ pub fn collect(
         gen_tokens as f64 / rollout_s.max(1e-9),
     );
     m.insert("perf/rollout_s".into(), rollout_s);
+    m.insert("perf/generated_tokens".into(), gen_tokens as f64);
     m.insert("train/kept_sequences".into(), rows.len() as f64);
     Ok(Collected {
         rollout: out,
@@ -220,6 +244,25 @@ pub struct Scored<'a> {
     pub lp_old_reused: bool,
     /// Experts per token of the model's MoE layers (0 for a dense model).
     pub top_k: usize,
+}
+
+impl Scored<'_> {
+    /// The kept sequences `rows` as a batch of their own, with their routing replay (when on).
+    pub fn subset(
+        &self,
+        rows: &[usize],
+        layers: usize,
+    ) -> (SeqBatch, Option<Vec<Option<Vec<u32>>>>) {
+        let sub = SeqBatch::new(
+            rows.iter().map(|&i| self.batch.seqs[i].clone()).collect(),
+            rows.iter().map(|&i| self.batch.prompt_lens[i]).collect(),
+        );
+        let replay = self.replay.as_ref().map(|_| {
+            let recs: Vec<&Vec<Option<Vec<u32>>>> = rows.iter().map(|&i| self.records[i]).collect();
+            replay_routing(&recs, &sub.seqs, self.top_k, layers)
+        });
+        (sub, replay)
+    }
 }
 
 /// Whether `lp_old` equals the rollout's recorded log-probs bit for bit, so that no forward is needed: in
@@ -264,7 +307,12 @@ pub fn score<'a>(
         // The learner forward at the start of the step (no gradient).
         let learner = model.valid();
         let weights = tc.forward.weights();
-        let (lp_old_t, fwd) = batch.logprobs(&learner, weights, rc.temperature, replay.as_deref());
+        let opts = ForwardOptions {
+            entropy: true,
+            ..ForwardOptions::default()
+        };
+        let (lp_old_t, fwd) =
+            batch.logprobs_with(&learner, weights, rc.temperature, replay.as_deref(), opts);
         let grid = to_f32_vec(lp_old_t);
         let lp_old = batch.responses_of(&grid);
         if reuse {
@@ -333,8 +381,10 @@ fn learner_forward_metrics(
     top_k: usize,
     m: &mut BTreeMap<String, f64>,
 ) -> anyhow::Result<()> {
-    let [_, vocab] = fwd.logits.dims();
-    let entropy = entropy_rows(&to_f32_vec(fwd.logits.clone().detach()), vocab);
+    let entropy = fwd
+        .entropy
+        .as_ref()
+        .context("the learner forward of the step's start computes the entropy")?;
     m.insert(
         "actor/entropy".into(),
         mean(entropy.iter().map(|&h| f64::from(h))),
@@ -366,6 +416,57 @@ fn learner_forward_metrics(
     Ok(())
 }
 
+/// Where the update's time went, summed over its mini-batches and epochs, with the work the forwards did.
+#[derive(Default)]
+struct PhaseTimes {
+    /// The learner forwards and the loss (seconds).
+    forward_s: f64,
+    /// `backward()`, collecting the parameter gradients and their norm.
+    backward_s: f64,
+    /// The optimizer steps.
+    optim_s: f64,
+    /// Re-quantizing each new weight version (aligned forward).
+    weight_sync_s: f64,
+    /// Flops of the learner forwards (see [`crate::model::cost`]).
+    forward_flops: f64,
+    /// Tokens through the learner forwards (padding included) and the positions that carry a loss.
+    tokens: usize,
+    loss_tokens: usize,
+    /// Rows that needed no forward with a graph (their loss and gradient are zero).
+    skipped: usize,
+}
+
+impl PhaseTimes {
+    fn add_forward(&mut self, config: &crate::model::ModelConfig, b: &SeqBatch, padded_len: usize) {
+        let rows = b.seqs.len();
+        let loss_tokens: usize = b
+            .seqs
+            .iter()
+            .zip(&b.prompt_lens)
+            .map(|(s, &p)| s.len().saturating_sub(p.max(1)))
+            .sum();
+        self.forward_flops += config
+            .forward_flops(rows, padded_len, padded_len, loss_tokens)
+            .total();
+        self.tokens += rows * padded_len;
+        self.loss_tokens += loss_tokens;
+    }
+
+    fn record(&self, m: &mut BTreeMap<String, f64>) {
+        m.insert("perf/learner_forward_s".into(), self.forward_s);
+        m.insert("perf/learner_backward_s".into(), self.backward_s);
+        m.insert("perf/optim_s".into(), self.optim_s);
+        *m.entry("perf/weight_sync_s".into()).or_default() += self.weight_sync_s;
+        m.insert(
+            "perf/learner_forward_gflop".into(),
+            self.forward_flops / 1e9,
+        );
+        m.insert("perf/learner_tokens".into(), self.tokens as f64);
+        m.insert("perf/loss_tokens".into(), self.loss_tokens as f64);
+        m.insert("train/skipped_sequences".into(), self.skipped as f64);
+    }
+}
+
 /// What the update phase did.
 #[derive(Default)]
 pub struct UpdateOutcome {
@@ -388,11 +489,8 @@ pub fn update(
     inject_nonfinite: bool,
     m: &mut BTreeMap<String, f64>,
 ) -> anyhow::Result<UpdateOutcome> {
-    let (rc, tc) = (&cfg.rollout, &cfg.train);
-    // The training forward's weights: the rollout's packed version (aligned) or the f32 masters (full).
-    let weights = tc.forward.weights();
+    let tc = &cfg.train;
     let device = model.device();
-    let top_k = s.top_k;
     let layers = model.layers.len();
     let rows = s.batch.seqs.len();
     let loss_fn: PolicyLoss = tc.loss.clone().resolve()?;
@@ -406,25 +504,15 @@ pub fn update(
     let mut outcome = UpdateOutcome::default();
     let mut updates = 0usize;
     let t_train = Instant::now();
+    let mut perf = PhaseTimes::default();
     for _epoch in 0..tc.epochs {
         for chunk in (0..rows).collect::<Vec<_>>().chunks(mb) {
-            let sub = SeqBatch::new(
-                chunk.iter().map(|&i| s.batch.seqs[i].clone()).collect(),
-                chunk.iter().map(|&i| s.batch.prompt_lens[i]).collect(),
-            );
-            let sub_replay = s.replay.as_ref().map(|_| {
-                let recs: Vec<&Vec<Option<Vec<u32>>>> =
-                    chunk.iter().map(|&i| s.records[i]).collect();
-                replay_routing(&recs, &sub.seqs, top_k, layers)
-            });
-            let (lp_theta, fwd) =
-                sub.logprobs(model, weights, rc.temperature, sub_replay.as_deref());
-            if s.lp_old_reused && updates == 0 && outcome.nonfinite_updates == 0 {
-                // One update covering every kept row at the step's weights: its forward is the learner's
-                // forward at the step's start.
-                learner_forward_metrics(&fwd, &sub, &s.records, s.replay.is_some(), top_k, m)?;
-            }
-            drop(fwd);
+            let sub = s.subset(chunk, layers).0;
+            let t_fwd = Instant::now();
+            // One update covering every kept row at the step's weights: its forward is the learner's
+            // forward at the step's start, whose metrics it then supplies.
+            let first_forward = s.lp_old_reused && updates == 0 && outcome.nonfinite_updates == 0;
+            let lp_theta = chunk_logprobs(model, s, chunk, cfg, first_forward, &mut perf, m)?;
             let old: Vec<Vec<f32>> = chunk.iter().map(|&i| s.lp_old[i].clone()).collect();
             let roll: Vec<Vec<f32>> = chunk.iter().map(|&i| s.lp_roll[i].clone()).collect();
             let advs: Vec<f32> = chunk.iter().map(|&i| s.advantages[i]).collect();
@@ -442,9 +530,12 @@ pub fn update(
                 loss = loss * f32::NAN;
             }
             let loss_value = to_f32_vec(loss.clone())[0];
+            perf.forward_s += t_fwd.elapsed().as_secs_f64();
+            let t_bwd = Instant::now();
             let grads = loss.backward();
             let grads = GradientsParams::from_grads(grads, &*model);
             let norm = grad_norm(model, &grads);
+            perf.backward_s += t_bwd.elapsed().as_secs_f64();
             if !loss_value.is_finite() || !norm.is_finite() {
                 tracing::warn!(
                     step,
@@ -459,12 +550,16 @@ pub fn update(
             for (k, v) in outp.metrics.to_map() {
                 *loss_metrics.entry(k).or_default() += v;
             }
+            let t_optim = Instant::now();
             let stepped = optim.step(lr, model.clone(), grads);
             *model = stepped;
+            perf.optim_s += t_optim.elapsed().as_secs_f64();
             updates += 1;
             if tc.forward == TrainForward::Aligned {
                 // A new weight version: quantize it once; the next forward (update or rollout) uses it.
+                let t_sync = Instant::now();
                 model.requantize()?;
+                perf.weight_sync_s += t_sync.elapsed().as_secs_f64();
             } else {
                 outcome.packed_stale = true;
             }
@@ -473,10 +568,150 @@ pub fn update(
     for (k, v) in loss_metrics {
         m.insert(k, v / updates.max(1) as f64);
     }
+    perf.record(m);
+    let t_delta = Instant::now();
     update_lp_delta_metrics(model, s, cfg, m);
+    m.insert("perf/lp_delta_s".into(), t_delta.elapsed().as_secs_f64());
     m.insert("perf/update_s".into(), t_train.elapsed().as_secs_f64());
     m.insert("actor/lr".into(), lr);
     Ok(outcome)
+}
+
+/// The learner's `[C, W]` log-prob grid of the kept rows `chunk` (differentiable), and with
+/// `first_forward` the metrics of the learner's forward at the step's start. Rows whose loss and gradient
+/// are provably zero are not forwarded with a graph ([`inert_rows`]): their grid rows are `lp_old`, which
+/// is then bitwise what the forward would give, and a forward without a graph supplies their entropy.
+fn chunk_logprobs(
+    model: &Decoder,
+    s: &Scored,
+    chunk: &[usize],
+    cfg: &TrainConfig,
+    first_forward: bool,
+    perf: &mut PhaseTimes,
+    m: &mut BTreeMap<String, f64>,
+) -> anyhow::Result<Tensor<2>> {
+    let (weights, temperature) = (cfg.train.forward.weights(), cfg.rollout.temperature);
+    let layers = model.layers.len();
+    let device = model.device();
+    let inert = inert_rows(s, chunk, first_forward);
+    let active: Vec<usize> = chunk
+        .iter()
+        .copied()
+        .filter(|i| !inert.contains(i))
+        .collect();
+    let (sub, replay) = s.subset(&active, layers);
+    let opts = ForwardOptions {
+        entropy: first_forward,
+        ..ForwardOptions::default()
+    };
+    let (lp, fwd) = sub.logprobs_with(model, weights, temperature, replay.as_deref(), opts);
+    perf.add_forward(&model.config, &sub, fwd.padded_len);
+    perf.skipped += inert.len();
+    if inert.is_empty() {
+        if first_forward {
+            learner_forward_metrics(&fwd, &sub, &s.records, s.replay.is_some(), s.top_k, m)?;
+        }
+        return Ok(lp);
+    }
+    let whole = s.subset(chunk, layers).0;
+    if first_forward {
+        // The entropy of every row, in the rows' order, the inert ones from a forward without a graph.
+        let (rest, rest_replay) = s.subset(&inert, layers);
+        let (_, rest_fwd) = rest.logprobs_with(
+            &model.valid(),
+            weights,
+            temperature,
+            rest_replay.as_deref(),
+            opts,
+        );
+        let split = |b: &SeqBatch, e: &[f32]| -> Vec<Vec<f32>> {
+            let mut at = 0;
+            b.seqs
+                .iter()
+                .zip(&b.prompt_lens)
+                .map(|(q, &p)| {
+                    let n = q.len().saturating_sub(p);
+                    at += n;
+                    e[at - n..at].to_vec()
+                })
+                .collect()
+        };
+        let mut by_active = split(&sub, fwd.entropy.as_deref().unwrap_or(&[])).into_iter();
+        let mut by_inert = split(&rest, rest_fwd.entropy.as_deref().unwrap_or(&[])).into_iter();
+        let entropy: Vec<f32> = chunk
+            .iter()
+            .flat_map(|i| {
+                if inert.contains(i) {
+                    by_inert.next()
+                } else {
+                    by_active.next()
+                }
+                .unwrap_or_default()
+            })
+            .collect();
+        let all = ResponseForward {
+            entropy: Some(entropy),
+            routing: Vec::new(),
+            padded_len: 0,
+        };
+        learner_forward_metrics(&all, &whole, &s.records, s.replay.is_some(), s.top_k, m)?;
+    }
+    // lp_old on the inert rows, zeros on the active ones, plus the active rows' forward.
+    let constant: Vec<Vec<f32>> = chunk
+        .iter()
+        .map(|&i| {
+            if inert.contains(&i) {
+                s.lp_old[i].clone()
+            } else {
+                vec![0.0; s.lp_old[i].len()]
+            }
+        })
+        .collect();
+    let [a, wa] = lp.dims();
+    let lp = if wa < whole.width {
+        Tensor::cat(vec![lp, Tensor::zeros([a, whole.width - wa], &device)], 1)
+    } else {
+        lp
+    };
+    let rows: Vec<i64> = chunk
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| !inert.contains(i))
+        .map(|(r, _)| r as i64)
+        .collect();
+    let rows = Tensor::<1, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(rows, [a]),
+        &device,
+    );
+    Ok(whole.grid(&constant, &device).select_assign(
+        0,
+        rows,
+        lp,
+        burn::tensor::IndexingUpdateOp::Add,
+    ))
+}
+
+/// The rows of `chunk` whose loss and gradient are provably zero and whose forward would give `lp_old`
+/// bit for bit, so that it need not run with a graph: zero advantage (every objective's loss is
+/// proportional to the advantage, and no KL or entropy term exists), in the learner's first forward when
+/// that forward computes the rollout's bits (`lp_old` is the rollout's record). Dense models only: a MoE
+/// expert that only inert rows reach would then get no gradient at all, and AdamW skips a parameter without
+/// one (no decay, no momentum step), where with the zero gradient it would move. Never every row: an
+/// update with no active row still runs (the optimizer still steps).
+fn inert_rows(s: &Scored, chunk: &[usize], first_forward: bool) -> Vec<usize> {
+    if !(first_forward && s.lp_old_reused && s.top_k == 0) {
+        return Vec::new();
+    }
+    let zero: Vec<usize> = chunk
+        .iter()
+        .copied()
+        .filter(|&i| s.advantages[i] == 0.0)
+        .collect();
+    if zero.len() == chunk.len() {
+        Vec::new()
+    } else {
+        zero
+    }
 }
 
 /// Did the update move the right way? Mean per-token log-prob change of the step's responses under the
@@ -487,25 +722,33 @@ fn update_lp_delta_metrics(
     cfg: &TrainConfig,
     m: &mut BTreeMap<String, f64>,
 ) {
+    // Only rows with a nonzero advantage enter the metric: the others are not forwarded at all.
+    let rows: Vec<usize> = (0..s.batch.seqs.len())
+        .filter(|&i| s.advantages[i] != 0.0)
+        .collect();
+    if rows.is_empty() {
+        return;
+    }
+    let (sub, replay) = s.subset(&rows, model.layers.len());
     let weights = cfg.train.forward.weights();
     let after = to_f32_vec(
-        s.batch
-            .logprobs(
-                &model.valid(),
-                weights,
-                cfg.rollout.temperature,
-                s.replay.as_deref(),
-            )
-            .0,
+        sub.logprobs(
+            &model.valid(),
+            weights,
+            cfg.rollout.temperature,
+            replay.as_deref(),
+        )
+        .0,
     );
-    let after = s.batch.responses_of(&after);
+    let after = sub.responses_of(&after);
     for (sign, key) in [
         (1.0f32, "actor/update_lp_delta_pos"),
         (-1.0, "actor/update_lp_delta_neg"),
     ] {
         let (mut sum, mut n) = (0.0f64, 0usize);
-        for (i, (a, o)) in after.iter().zip(&s.lp_old).enumerate() {
+        for (a, &i) in after.iter().zip(&rows) {
             if s.advantages[i] * sign > 0.0 {
+                let o = &s.lp_old[i];
                 sum += a.iter().zip(o).map(|(x, y)| (x - y) as f64).sum::<f64>();
                 n += a.len();
             }
@@ -518,7 +761,79 @@ fn update_lp_delta_metrics(
 
 #[cfg(test)]
 mod tests {
-    use super::check_lp_old_reuse;
+    use super::*;
+    use crate::model::Weights;
+
+    /// Rows with zero advantage skipped from the graph (their grid rows `lp_old`) give the grid of the full
+    /// forward bit for bit, the same entropy metric, and the gradient of a loss whose zero-advantage rows
+    /// contribute nothing, within 1e-6 relative (the backward's sums see fewer zero terms).
+    #[test]
+    fn inert_rows_skip_the_graph_and_change_nothing() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
+        let device = burn::tensor::Device::flex().autodiff();
+        let model = Decoder::load(&dir, &device).unwrap();
+        let seqs = vec![
+            vec![3u32, 17, 99, 42, 7, 250, 11],
+            vec![3, 17, 99, 42, 8, 9],
+            vec![5, 6, 8, 9, 10],
+            vec![5, 6, 1],
+            vec![200, 1, 2, 3, 9, 9],
+        ];
+        let batch = SeqBatch::new(seqs, vec![4, 4, 2, 2, 3]);
+        let lp_old = batch.responses_of(&to_f32_vec(
+            batch.logprobs(&model.valid(), Weights::Packed, 1.0, None).0,
+        ));
+        let empty: Vec<Option<Vec<u32>>> = Vec::new();
+        let advantages = vec![0.5f32, -0.5, 0.0, 0.0, 1.0];
+        let scored = |reused: bool| Scored {
+            batch: batch.clone(),
+            records: vec![&empty; 5],
+            replay: None,
+            lp_old: lp_old.clone(),
+            lp_roll: lp_old.clone(),
+            advantages: advantages.clone(),
+            lp_old_reused: reused,
+            top_k: 0,
+        };
+        let cfg = crate::train::load_config(None, &[]).unwrap();
+        let chunk: Vec<usize> = (0..5).collect();
+        let run = |reused: bool| {
+            let s = scored(reused);
+            let (mut perf, mut m) = (PhaseTimes::default(), BTreeMap::new());
+            let lp = chunk_logprobs(&model, &s, &chunk, &cfg, true, &mut perf, &mut m).unwrap();
+            let w: Vec<f32> = (0..5 * batch.width)
+                .map(|i| advantages[i / batch.width] * (1.0 + (i % 3) as f32))
+                .collect();
+            let w = tensor_from_vec(w, [5, batch.width], &device) * batch.mask(&device);
+            let grads = (lp.clone() * w).sum().backward();
+            let g = to_f32_vec(
+                model.layers[0]
+                    .self_attn
+                    .q_proj
+                    .weight
+                    .val()
+                    .grad(&grads)
+                    .unwrap(),
+            );
+            (to_f32_vec(lp), g, m["actor/entropy"], perf.skipped)
+        };
+        let (lp_skip, g_skip, h_skip, skipped) = run(true);
+        let (lp_full, g_full, h_full, none) = run(false);
+        assert_eq!((skipped, none), (2, 0));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&lp_skip), bits(&lp_full));
+        assert_eq!(h_skip.to_bits(), h_full.to_bits());
+        let diff: f64 = g_skip
+            .iter()
+            .zip(&g_full)
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        let norm: f64 = g_full.iter().map(|&b| (b as f64).powi(2)).sum();
+        assert!(
+            norm > 0.0 && (diff / norm).sqrt() <= 1e-6,
+            "{diff} vs {norm}"
+        );
+    }
 
     #[test]
     fn the_lp_old_check_names_the_first_differing_token() {

@@ -89,6 +89,7 @@ macro_rules! pair_tile {
 const FP8_BITS: i32 = 0x87F0_0000_u32 as i32;
 
 mod f32mm;
+pub mod gemm;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod portable;

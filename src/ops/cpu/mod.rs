@@ -2,21 +2,107 @@
 //!
 //! - [`kernel`]: the low-bit matmul on the packed weights, the fixed-order f32 matmul and row softmax.
 //! - [`attention`]: the grouped-query attention core in one pass, bitwise the op-by-op path.
+//! - [`probe`]: the FMA peak and the DRAM read bandwidth of this machine, for benchmarks.
 //! - [`moe`]: the routed experts of one MoE layer in parallel on the kernel layout, bitwise the loop.
 
 pub mod attention;
 pub mod kernel;
 pub mod moe;
+pub mod probe;
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::TensorData;
 
+use rayon::prelude::*;
+
+use self::kernel::gemm::{gemm, Strided};
 use super::switches::deterministic;
 use super::{backend_softmax, plain_matmul, ExpertWeights, KernelOps, PackedWeight};
 
+/// A float tensor's values as one contiguous host slice with its dims.
+fn host_f32(t: FloatTensor<Flex>) -> (FlexTensor, Vec<usize>) {
+    let t: FlexTensor = t.to_contiguous();
+    let dims = t.layout().shape().to_vec();
+    (t, dims)
+}
+
 impl KernelOps for Flex {
+    /// On the blocked fixed-order GEMM ([`kernel::gemm`]) whatever the deterministic switch: transposed
+    /// operands are read through strides (only their packing pays for the layout).
+    fn grad_matmul(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        lhs_transposed: bool,
+        rhs_transposed: bool,
+    ) -> FloatTensor<Self> {
+        let (a, ad) = host_f32(lhs);
+        let (b, bd) = host_f32(rhs);
+        let r = ad.len();
+        assert!(
+            r >= 2 && bd.len() == r && ad[..r - 2] == bd[..r - 2],
+            "grad_matmul: shapes {ad:?} and {bd:?} do not match"
+        );
+        let batch: usize = ad[..r - 2].iter().product();
+        let (m, k) = if lhs_transposed {
+            (ad[r - 1], ad[r - 2])
+        } else {
+            (ad[r - 2], ad[r - 1])
+        };
+        let (bk, n) = if rhs_transposed {
+            (bd[r - 1], bd[r - 2])
+        } else {
+            (bd[r - 2], bd[r - 1])
+        };
+        assert_eq!(k, bk, "grad_matmul: inner dimensions {k} and {bk} differ");
+        let av: &[f32] = a.as_slice::<f32>().expect("contiguous f32 tensor");
+        let bv: &[f32] = b.as_slice::<f32>().expect("contiguous f32 tensor");
+        let product = |i: usize| {
+            let (ai, bi) = (
+                &av[i * m * k..(i + 1) * m * k],
+                &bv[i * k * n..(i + 1) * k * n],
+            );
+            let sa = if lhs_transposed {
+                Strided::transposed(ai, m)
+            } else {
+                Strided::rows(ai, k)
+            };
+            let sb = if rhs_transposed {
+                Strided::transposed(bi, k)
+            } else {
+                Strided::rows(bi, n)
+            };
+            gemm(sa, sb, m, k, n)
+        };
+        let y: Vec<f32> = if batch == 1 {
+            product(0)
+        } else {
+            (0..batch).into_par_iter().flat_map_iter(product).collect()
+        };
+        let mut shape = ad;
+        shape[r - 2] = m;
+        shape[r - 1] = n;
+        FlexTensor::from_data(TensorData::new(y, shape))
+    }
+
+    /// `g · dequant(Q(W))` on [`kernel::gemm`] (the weight decoded once per call), a fixed order like
+    /// every product of the backward.
+    fn quant_matmul_transposed(g: FloatTensor<Self>, packed: PackedWeight) -> FloatTensor<Self> {
+        let (g, gd) = host_f32(g);
+        let [out, inn] = packed.0.shape();
+        let m = gd[0];
+        assert_eq!(
+            gd,
+            [m, out],
+            "quant_matmul_transposed: gradient is {gd:?}, weight [{out}, {inn}]"
+        );
+        let w = packed.0.dequantize();
+        let gv: &[f32] = g.as_slice::<f32>().expect("contiguous f32 tensor");
+        let y = gemm(Strided::rows(gv, out), Strided::rows(&w, inn), m, out, inn);
+        FlexTensor::from_data(TensorData::new(y, [m, inn]))
+    }
+
     /// The experts in parallel straight on the kernel layout ([`super::cpu_moe`]), bitwise the loop.
     fn grouped_moe(
         x: FloatTensor<Self>,
@@ -150,5 +236,72 @@ impl KernelOps for Flex {
         let mut shape = xd;
         shape[r - 1] = n;
         FlexTensor::from_data(TensorData::new(y, shape))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(values: Vec<f32>, shape: Vec<usize>) -> FlexTensor {
+        FlexTensor::from_data(TensorData::new(values, shape))
+    }
+
+    fn values(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + seed * 104_729) % 997) as f32 - 498.0) / 331.0)
+            .collect()
+    }
+
+    /// `[.., r, c]` -> `[.., c, r]` on the host.
+    fn transpose(v: &[f32], batch: usize, r: usize, c: usize) -> Vec<f32> {
+        let mut out = vec![0.0; v.len()];
+        for b in 0..batch {
+            for i in 0..r {
+                for j in 0..c {
+                    out[b * r * c + j * r + i] = v[b * r * c + i * c + j];
+                }
+            }
+        }
+        out
+    }
+
+    /// Every transpose combination of the backward's products is the one-chain reference on the explicitly
+    /// transposed operands, bit for bit (so the gradients do not depend on how an operand is stored),
+    /// batched and not, with shapes off every block size.
+    #[test]
+    fn grad_matmul_is_the_fixed_order_product_of_the_transposed_operands() {
+        for (batch, m, k, n) in [
+            (1, 37, 70, 131),
+            (3, 5, 33, 17),
+            (1, 1, 9, 70),
+            (2, 66, 1, 3),
+        ] {
+            let a = values(batch * m * k, 1);
+            let b = values(batch * k * n, 2);
+            let expect = kernel::f32_matmul_reference(&a, &b, batch, m, k, n);
+            for (lt, rt) in [(false, false), (true, false), (false, true), (true, true)] {
+                let (av, ashape) = if lt {
+                    (transpose(&a, batch, m, k), vec![batch, k, m])
+                } else {
+                    (a.clone(), vec![batch, m, k])
+                };
+                let (bv, bshape) = if rt {
+                    (transpose(&b, batch, k, n), vec![batch, n, k])
+                } else {
+                    (b.clone(), vec![batch, k, n])
+                };
+                let y = Flex::grad_matmul(tensor(av, ashape), tensor(bv, bshape), lt, rt);
+                let y: FlexTensor = y.to_contiguous();
+                assert_eq!(y.layout().shape().to_vec(), vec![batch, m, n]);
+                let got = y.as_slice::<f32>().unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(got),
+                    bits(&expect),
+                    "{batch}x{m}x{k}x{n} lt={lt} rt={rt}"
+                );
+            }
+        }
     }
 }

@@ -22,6 +22,8 @@ use super::SimdPath;
 const PARALLEL_MIN_WORK: usize = 1 << 18;
 /// Output columns per rayon task (single matrix).
 const TASK_COLS: usize = 64;
+/// Rows from which a single product runs on the blocked kernel ([`super::gemm`], the same chains).
+const GEMM_MIN_M: usize = 32;
 /// Rows per rayon task (at least; large `m` is split in at most 8 row chunks).
 const TASK_ROWS: usize = 128;
 
@@ -423,6 +425,17 @@ fn single(path: SimdPath, x: &[f32], w: &[f32], m: usize, k: usize, n: usize) ->
             });
             return y;
         }
+    }
+    if m >= GEMM_MIN_M {
+        // The blocked kernel: the same chains, cache- and register-blocked (prefill, scoring, training).
+        return super::gemm::gemm_on(
+            path,
+            super::gemm::Strided::rows(x, k),
+            super::gemm::Strided::rows(w, n),
+            m,
+            k,
+            n,
+        );
     }
     let task_rows = TASK_ROWS.max(m.div_ceil(8));
     by_blocks(&mut y, m, n, task_rows, TASK_COLS, |rows, cols, out| {

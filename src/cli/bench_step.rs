@@ -1,0 +1,271 @@
+//! `qarl bench step`: the RL step of a training config phase by phase (rollout prefill and decode, reward,
+//! `lp_old`, learner forward and backward, optimizer, weight sync), with achieved GFLOP/s next to the FMA
+//! peak and decode bandwidth next to the DRAM probe, both measured in the same run, and the peak resident
+//! memory; several variants of the config side by side.
+
+use std::path::PathBuf;
+
+use burn::tensor::Device;
+use serde::Serialize;
+
+use crate::io::write_json_atomic;
+use crate::ops::cpu::kernel::SimdPath;
+use crate::ops::cpu::probe;
+use crate::train::bench::{bench_steps, StepTimings};
+use crate::train::load_config;
+
+#[derive(Debug, clap::Args)]
+pub struct StepBenchArgs {
+    /// Training config (TOML); without it, the embedded default.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Override one config value for every variant, e.g. `--set rollout.prompts_per_step=4`.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+    /// A variant timed side by side: `LABEL:KEY=VALUE,KEY=VALUE` (e.g. `f32:rollout.precision=f32`),
+    /// applied after `--set`. Without any, the config itself is timed.
+    #[arg(long = "variant", value_name = "LABEL:KEY=VALUE,...")]
+    pub variants: Vec<String>,
+    /// Timed steps per variant (the table shows medians).
+    #[arg(long, default_value_t = 3)]
+    pub steps: usize,
+    /// Untimed steps first (allocator and caches warm).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Also write every step's `perf/*` numbers to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// No per-step lines.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// One variant: its label and its extra overrides.
+fn parse_variant(s: &str) -> anyhow::Result<(String, Vec<String>)> {
+    let (label, sets) = s.split_once(':').ok_or_else(|| {
+        anyhow::anyhow!("--variant `{s}`: expected LABEL:KEY=VALUE[,KEY=VALUE...]")
+    })?;
+    anyhow::ensure!(
+        !label.trim().is_empty(),
+        "--variant `{s}`: the label is empty"
+    );
+    let sets: Vec<String> = sets
+        .split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(String::from)
+        .collect();
+    Ok((label.trim().to_string(), sets))
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    fma_peak_gflops: f64,
+    dram_gbs: f64,
+    simd_path: String,
+    threads: usize,
+    variants: Vec<VariantReport>,
+}
+
+#[derive(Debug, Serialize)]
+struct VariantReport {
+    label: String,
+    model: String,
+    steps: Vec<std::collections::BTreeMap<String, f64>>,
+}
+
+pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
+    let variants: Vec<(String, Vec<String>)> = if a.variants.is_empty() {
+        vec![("config".to_string(), Vec::new())]
+    } else {
+        a.variants
+            .iter()
+            .map(|v| parse_variant(v))
+            .collect::<anyhow::Result<_>>()?
+    };
+    // Every config is read and validated before anything runs.
+    let configs = variants
+        .iter()
+        .map(|(label, sets)| {
+            let all: Vec<String> = a.set.iter().chain(sets).cloned().collect();
+            load_config(a.config.as_deref(), &all)
+                .map(|c| (label.clone(), c))
+                .map_err(|e| anyhow::anyhow!("variant {label}: {e}"))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let path = SimdPath::detect();
+    eprintln!("probing the machine (FMA peak, DRAM read bandwidth)...");
+    let peak = probe::fma_peak_gflops(path, 5);
+    let dram = probe::dram_read_gbs(5);
+    let device = Device::flex().autodiff();
+    let mut results = Vec::new();
+    for (label, cfg) in &configs {
+        eprintln!(
+            "variant {label}: {} warm-up + {} timed steps",
+            a.warmup, a.steps
+        );
+        probe::reset_peak_resident();
+        let t = bench_steps(cfg, &device, a.warmup, a.steps, a.quiet)?;
+        results.push((label.clone(), t));
+    }
+    println!(
+        "# qarl bench step: {} threads, SIMD path {}, FMA peak {peak:.0} GFLOP/s, DRAM read {dram:.1} GB/s\n",
+        rayon::current_num_threads(),
+        path.name()
+    );
+    for (label, t) in &results {
+        println!(
+            "## {label} ({}; medians of {} steps)\n",
+            t.model,
+            t.steps.len()
+        );
+        print_table(t, peak, dram);
+    }
+    if results.len() > 1 {
+        print_side_by_side(&results);
+    }
+    if let Some(json) = &a.json {
+        let report = Report {
+            fma_peak_gflops: peak,
+            dram_gbs: dram,
+            simd_path: path.name().to_string(),
+            threads: rayon::current_num_threads(),
+            variants: results
+                .into_iter()
+                .map(|(label, t)| VariantReport {
+                    label,
+                    model: t.model,
+                    steps: t.steps,
+                })
+                .collect(),
+        };
+        write_json_atomic(json, &report)?;
+    }
+    Ok(())
+}
+
+/// The phases of a step: label and `perf/*` key of their seconds.
+const PHASES: [(&str, &str); 9] = [
+    ("rollout prefill", "perf/rollout_prefill_s"),
+    ("rollout decode", "perf/rollout_decode_s"),
+    ("reward", "perf/reward_s"),
+    ("lp_old", "perf/lp_old_s"),
+    ("learner forward", "perf/learner_forward_s"),
+    ("learner backward", "perf/learner_backward_s"),
+    ("optimizer", "perf/optim_s"),
+    ("weight sync", "perf/weight_sync_s"),
+    ("update diagnostics", "perf/lp_delta_s"),
+];
+
+fn print_table(t: &StepTimings, peak: f64, dram: f64) {
+    let get = |k: &str| t.median(k).unwrap_or(0.0);
+    let step = get("perf/step_s");
+    let pct = |x: f64| format!("{:.0}%", 100.0 * x);
+    println!("| phase | s/step | share | rate | of the probe |");
+    println!("|---|---:|---:|---:|---:|");
+    let mut accounted = 0.0;
+    for (name, key) in PHASES {
+        let s = get(key);
+        accounted += s;
+        let (rate, of_probe) = match name {
+            "rollout prefill" => gflops(get("perf/rollout_prefill_gflop"), s, peak),
+            "rollout decode" => {
+                let gbs = get("perf/rollout_decode_weight_gb") / s.max(1e-12);
+                let tps = get("perf/rollout_decode_gflop") / s.max(1e-12);
+                (
+                    format!("{tps:.1} GFLOP/s, weights {gbs:.1} GB/s"),
+                    pct(gbs / dram),
+                )
+            }
+            "learner forward" => gflops(get("perf/learner_forward_gflop"), s, peak),
+            // dx and dW: two products of the forward's size for each of its matmuls.
+            "learner backward" => gflops(2.0 * get("perf/learner_forward_gflop"), s, peak),
+            _ => (String::new(), String::new()),
+        };
+        println!(
+            "| {name} | {s:.2} | {} | {rate} | {of_probe} |",
+            pct(s / step.max(1e-12))
+        );
+    }
+    println!(
+        "| other | {:.2} | {} | | |",
+        step - accounted,
+        pct((step - accounted) / step.max(1e-12))
+    );
+    let fb = get("perf/learner_forward_s") + get("perf/learner_backward_s");
+    let (rate, of_probe) = gflops(3.0 * get("perf/learner_forward_gflop"), fb, peak);
+    println!(
+        "| **learner forward + backward** | {fb:.2} | {} | {rate} | {of_probe} |",
+        pct(fb / step.max(1e-12))
+    );
+    println!("| **step** | {step:.2} | 100% | | |\n");
+    println!(
+        "learner tokens {:.0} (loss positions {:.0}), generated tokens {:.0}, peak resident memory {:.2} GB\n",
+        get("perf/learner_tokens"),
+        get("perf/loss_tokens"),
+        get("perf/generated_tokens"),
+        t.max("perf/peak_rss_gb").unwrap_or(f64::NAN)
+    );
+}
+
+/// `gflop / s` as GFLOP/s and its share of `peak`.
+fn gflops(gflop: f64, s: f64, peak: f64) -> (String, String) {
+    if gflop <= 0.0 || s <= 0.0 {
+        return (String::new(), String::new());
+    }
+    let rate = gflop / s;
+    (
+        format!("{rate:.1} GFLOP/s"),
+        format!("{:.0}% of FMA peak", 100.0 * rate / peak),
+    )
+}
+
+fn print_side_by_side(results: &[(String, StepTimings)]) {
+    let base = &results[0];
+    print!("| phase (s/step) |");
+    for (label, _) in results {
+        print!(" {label} |");
+    }
+    for (label, _) in &results[1..] {
+        print!(" {} / {label} |", base.0);
+    }
+    println!();
+    println!("|---|{}", "---:|".repeat(2 * results.len() - 1));
+    let keys = PHASES.iter().copied().chain([
+        ("step", "perf/step_s"),
+        ("peak RSS (GB)", "perf/peak_rss_gb"),
+    ]);
+    for (name, key) in keys {
+        let value = |t: &StepTimings| {
+            if key == "perf/peak_rss_gb" {
+                t.max(key)
+            } else {
+                t.median(key)
+            }
+        };
+        print!("| {name} |");
+        for (_, t) in results {
+            print!(" {:.2} |", value(t).unwrap_or(f64::NAN));
+        }
+        let b = value(&base.1).unwrap_or(f64::NAN);
+        for (_, t) in &results[1..] {
+            print!(" {:.2}x |", b / value(t).unwrap_or(f64::NAN));
+        }
+        println!();
+    }
+    println!();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_variant;
+
+    #[test]
+    fn variants_parse_their_label_and_overrides() {
+        let (l, s) = parse_variant("f32: rollout.precision=f32, train.forward=full").unwrap();
+        assert_eq!(l, "f32");
+        assert_eq!(s, vec!["rollout.precision=f32", "train.forward=full"]);
+        assert!(parse_variant("no-colon").is_err());
+        assert!(parse_variant(":a=b").is_err());
+    }
+}

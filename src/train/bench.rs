@@ -1,0 +1,113 @@
+//! `qarl bench step`: RL steps of a training config, timed phase by phase. Each step runs exactly what
+//! `qarl train` runs ([`super::rl::rl_step`], which records the split in its `perf/*` metrics); the bench
+//! adds warm-up steps, the machine's FMA peak and DRAM bandwidth measured in the same run, and the peak
+//! resident memory, and prints a table per config.
+
+use std::collections::BTreeMap;
+
+use anyhow::Context;
+use burn::tensor::Device;
+
+use super::config::TrainConfig;
+use super::metrics::MetricsLog;
+use super::{eos_id, optimizer, prepare_model, rl};
+use crate::model::{Decoder, Tokenizer};
+use crate::tasks::Task;
+
+/// The `perf/*` metrics of the timed steps of one config.
+#[derive(Debug, Clone)]
+pub struct StepTimings {
+    /// One map per timed step (warm-up steps left out).
+    pub steps: Vec<BTreeMap<String, f64>>,
+    /// Parameters of the model, for the report.
+    pub model: String,
+}
+
+impl StepTimings {
+    /// The median over the timed steps of metric `key` (`None` when no step has it).
+    pub fn median(&self, key: &str) -> Option<f64> {
+        let mut v: Vec<f64> = self
+            .steps
+            .iter()
+            .filter_map(|m| m.get(key).copied())
+            .collect();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        Some(if v.len() % 2 == 1 {
+            v[v.len() / 2]
+        } else {
+            0.5 * (v[v.len() / 2 - 1] + v[v.len() / 2])
+        })
+    }
+
+    /// The largest value over the timed steps of `key`.
+    pub fn max(&self, key: &str) -> Option<f64> {
+        self.steps
+            .iter()
+            .filter_map(|m| m.get(key).copied())
+            .reduce(f64::max)
+    }
+}
+
+/// Runs `warmup + steps` RL steps of `cfg` from its model (created and warm-started first, as `qarl train`
+/// would, when `model.dir` does not exist yet) and returns the metrics of the last `steps`. Writes nothing
+/// into the run directory: no metrics file, no checkpoint, no evaluation.
+pub fn bench_steps(
+    cfg: &TrainConfig,
+    device: &Device,
+    warmup: usize,
+    steps: usize,
+    quiet: bool,
+) -> anyhow::Result<StepTimings> {
+    anyhow::ensure!(steps > 0, "--steps must be at least 1");
+    if !cfg.model.dir.join("config.json").is_file() {
+        // The warm start's own metrics go to a scratch file: the bench leaves the run directory alone.
+        let scratch = std::env::temp_dir().join(format!("qarl-bench-{}", std::process::id()));
+        std::fs::create_dir_all(&scratch)
+            .with_context(|| format!("{}: cannot create", scratch.display()))?;
+        let mut log = MetricsLog::open(&scratch.join("metrics.jsonl"))?;
+        let made = prepare_model(cfg, device, &mut log, quiet);
+        let _ = std::fs::remove_dir_all(&scratch);
+        made?;
+    }
+    let mut model = Decoder::load(&cfg.model.dir, device)?;
+    let tok = Tokenizer::load_optional(&cfg.model.dir)?
+        .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
+    let eos = eos_id(&tok, &model)?;
+    let task = Task::from_config(&cfg.task)?;
+    let mut optim = optimizer(&cfg.train);
+    model.set_precision(cfg.rollout.precision)?;
+    let c = &model.config;
+    let description = format!(
+        "{} layers, hidden {}, vocab {}{}",
+        c.num_hidden_layers,
+        c.hidden_size,
+        c.vocab_size,
+        c.moe.as_ref().map_or(String::new(), |m| format!(
+            ", {} experts (top {})",
+            m.num_experts, m.num_experts_per_tok
+        ))
+    );
+    let mut timed = Vec::with_capacity(steps);
+    for step in 0..warmup + steps {
+        let out = rl::rl_step(&mut model, &mut optim, &task, &tok, eos, cfg, step, false)?;
+        let phase = if step < warmup { "warm-up" } else { "timed" };
+        if !quiet {
+            eprintln!(
+                "step {}/{} ({phase}): {:.1} s",
+                step + 1,
+                warmup + steps,
+                out.metrics.get("perf/step_s").copied().unwrap_or(f64::NAN)
+            );
+        }
+        if step >= warmup {
+            timed.push(out.metrics);
+        }
+    }
+    Ok(StepTimings {
+        steps: timed,
+        model: description,
+    })
+}
