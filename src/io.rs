@@ -15,6 +15,20 @@ pub fn read_json<T: DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
     serde_json::from_str(&text).with_context(|| format!("{}: invalid content", path.display()))
 }
 
+/// Gives a file or directory written under a temporary name the permissions of an ordinary new one (0644,
+/// directories 0755: temporary files are created 0600 and temporary directories 0700, which would make every
+/// result private to its writer). Best effort: a file system without Unix permissions keeps what it has.
+pub fn set_usual_permissions(path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = if path.is_dir() { 0o755 } else { 0o644 };
+        let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode));
+    }
+    #[cfg(not(unix))]
+    let _ = path;
+}
+
 /// Writes `value` as JSON to `path` through a temporary file in the same directory, fsync and rename.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
     let dir = path
@@ -32,6 +46,7 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
         w.flush()?;
     }
     tmp.as_file().sync_all()?;
+    set_usual_permissions(tmp.path());
     tmp.persist(path)
         .with_context(|| format!("{}: cannot move the result into place", path.display()))?;
     Ok(())
@@ -62,6 +77,7 @@ pub fn write_safetensors(
     safetensors::serialize_to_file(views, None, tmp.path())
         .with_context(|| format!("{}: cannot write", path.display()))?;
     tmp.as_file().sync_all()?;
+    set_usual_permissions(tmp.path());
     tmp.persist(path)
         .with_context(|| format!("{}: cannot move into place", path.display()))?;
     Ok(())
