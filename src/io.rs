@@ -82,3 +82,70 @@ pub fn write_safetensors(
         .with_context(|| format!("{}: cannot move into place", path.display()))?;
     Ok(())
 }
+
+/// Writes the directory `dst` through a temporary sibling that `fill` writes into: when `fill` fails, the
+/// temporary directory is removed and `dst` is as it was (absent, or with its old files); when it succeeds,
+/// a new `dst` is the temporary directory renamed, and an existing one receives the new files one rename each
+/// (`config.json` last, since loaders start from it), keeping files of its own that were not rewritten.
+pub fn write_dir_atomic<T>(
+    dst: &Path,
+    fill: impl FnOnce(&Path) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    if dst.exists() && !dst.is_dir() {
+        anyhow::bail!("{}: exists and is not a directory", dst.display());
+    }
+    let parent = dst
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("{}: cannot create the directory", parent.display()))?;
+    let name = dst
+        .file_name()
+        .map_or("output".into(), |n| n.to_string_lossy().to_string());
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.partial-"))
+        .tempdir_in(parent)
+        .with_context(|| format!("{}: cannot create a temporary directory", parent.display()))?;
+    let out = fill(tmp.path())?;
+    set_usual_permissions(tmp.path());
+    if !dst.exists() {
+        let kept = tmp.keep();
+        std::fs::rename(&kept, dst)
+            .with_context(|| format!("{}: cannot move the result into place", dst.display()))?;
+        return Ok(out);
+    }
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(tmp.path())
+        .with_context(|| format!("{}: cannot list", tmp.path().display()))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    files.sort_by_key(|p| p.file_name().is_some_and(|n| n == "config.json"));
+    for f in files {
+        let to = dst.join(f.file_name().unwrap_or_default());
+        std::fs::rename(&f, &to)
+            .with_context(|| format!("{}: cannot move the result into place", to.display()))?;
+    }
+    Ok(out)
+}
+
+/// An I/O error as words for a message that already names the file: "not found", "permission denied"...,
+/// without the "(os error N)" suffix that would repeat what the sentence says.
+pub fn os_error_text(e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    match e.kind() {
+        ErrorKind::NotFound => "not found".into(),
+        ErrorKind::PermissionDenied => "permission denied".into(),
+        ErrorKind::IsADirectory => "is a directory".into(),
+        ErrorKind::NotADirectory => "a part of the path is not a directory".into(),
+        ErrorKind::UnexpectedEof => "ends too early".into(),
+        ErrorKind::StorageFull => "no space left on the device".into(),
+        _ => {
+            let text = e.to_string();
+            match text.find(" (os error") {
+                Some(i) => text[..i].to_string(),
+                None => text,
+            }
+        }
+    }
+}
