@@ -10,8 +10,7 @@ use serde::Serialize;
 
 /// Reads and parses a JSON file; the error names the file and the problem.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(failed(path, "cannot read"))?;
     serde_json::from_str(&text).with_context(|| format!("{}: invalid content", path.display()))
 }
 
@@ -35,20 +34,21 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("{}: cannot create directory", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(failed(dir, "cannot create the directory"))?;
     let mut tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
+        .map_err(failed(dir, "cannot create a temporary file"))?;
     {
         let mut w = std::io::BufWriter::new(tmp.as_file_mut());
         serde_json::to_writer(&mut w, value)
             .with_context(|| format!("{}: cannot write", path.display()))?;
-        w.flush()?;
+        w.flush().map_err(failed(path, "cannot write"))?;
     }
-    tmp.as_file().sync_all()?;
+    tmp.as_file()
+        .sync_all()
+        .map_err(failed(path, "cannot write"))?;
     set_usual_permissions(tmp.path());
     tmp.persist(path)
-        .with_context(|| format!("{}: cannot move the result into place", path.display()))?;
+        .map_err(|e| failed(path, "cannot move the result into place")(e.error))?;
     Ok(())
 }
 
@@ -73,13 +73,17 @@ pub fn write_safetensors(
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .with_context(|| format!("{}: inconsistent tensor", path.display()))?;
     let tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
-    safetensors::serialize_to_file(views, None, tmp.path())
-        .with_context(|| format!("{}: cannot write", path.display()))?;
-    tmp.as_file().sync_all()?;
+        .map_err(failed(dir, "cannot create a temporary file"))?;
+    safetensors::serialize_to_file(views, None, tmp.path()).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(io) => failed(path, "cannot write")(io),
+        other => anyhow::anyhow!("{}: cannot write ({other})", path.display()),
+    })?;
+    tmp.as_file()
+        .sync_all()
+        .map_err(failed(path, "cannot write"))?;
     set_usual_permissions(tmp.path());
     tmp.persist(path)
-        .with_context(|| format!("{}: cannot move into place", path.display()))?;
+        .map_err(|e| failed(path, "cannot move into place")(e.error))?;
     Ok(())
 }
 
@@ -127,6 +131,15 @@ pub fn write_dir_atomic<T>(
             .with_context(|| format!("{}: cannot move the result into place", to.display()))?;
     }
     Ok(out)
+}
+
+/// Turns an I/O error on `path` into one sentence: the path, what could not be done and why, in words
+/// ([`os_error_text`]).
+pub fn failed<'a>(
+    path: &'a Path,
+    what: &'a str,
+) -> impl FnOnce(std::io::Error) -> anyhow::Error + 'a {
+    move |e| anyhow::anyhow!("{}: {what} ({})", path.display(), os_error_text(&e))
 }
 
 /// An I/O error as words for a message that already names the file: "not found", "permission denied"...,

@@ -10,7 +10,11 @@ use common::tiny_train_toml;
 #[test]
 fn a_run_into_a_pipe_prints_plain_progress_lines() {
     let tmp = tempfile::tempdir().unwrap();
-    std::fs::write(tmp.path().join("run.toml"), tiny_train_toml(tmp.path(), "aligned", 2)).unwrap();
+    std::fs::write(
+        tmp.path().join("run.toml"),
+        tiny_train_toml(tmp.path(), "aligned", 2),
+    )
+    .unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_qarl"))
         .args(["train", "--config", "run.toml"])
         .current_dir(tmp.path())
@@ -22,7 +26,10 @@ fn a_run_into_a_pipe_prints_plain_progress_lines() {
     println!("{err}");
     assert!(out.status.success(), "{err}");
     assert!(!err.contains('\u{1b}'), "escape codes in the log: {err:?}");
-    assert!(err.contains("WARN") && err.contains("no RL checkpoint yet"), "{err}");
+    assert!(
+        err.contains("WARN") && err.contains("no RL checkpoint yet"),
+        "{err}"
+    );
     for want in ["sft ", "rl ", "eta "] {
         assert!(err.contains(want), "no `{want}` progress line: {err}");
     }
