@@ -28,8 +28,8 @@ impl RunLock {
             .with_context(|| format!("{}: cannot create the directory", dir.display()))?;
         let path = dir.join(LOCK_FILE);
         let me = std::process::id();
-        // A few tries: each failed one removed a stale lock, so the next can succeed.
-        for _ in 0..4 {
+        // A few tries: each failed one removed a stale lock or waited for one being written.
+        for _ in 0..16 {
             if try_create(dir, &path, me)? {
                 return Ok(Self { path, pid: me });
             }
@@ -43,6 +43,10 @@ impl RunLock {
                 Some(pid) => {
                     tracing::warn!(lock = %path.display(), pid, "taking over the lock of a process that no longer runs");
                     remove_stale(&path)?;
+                }
+                None if is_young(&path) => {
+                    // Perhaps being written right now (a file system without hard links): look again.
+                    std::thread::sleep(std::time::Duration::from_millis(200));
                 }
                 None if path.exists() => {
                     tracing::warn!(lock = %path.display(), "taking over an unreadable lock file");
@@ -85,10 +89,26 @@ fn try_create(dir: &Path, path: &Path, pid: u32) -> anyhow::Result<bool> {
     match std::fs::hard_link(tmp.path(), path) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(anyhow::anyhow!(
-            "{}: cannot create the lock file ({e})",
-            path.display()
-        )),
+        // A file system without hard links: create the lock in place (a reader may then, for an instant,
+        // see it empty; an empty lock is taken over only once it is a second old, see `is_young`).
+        Err(_) => create_in_place(path, pid),
+    }
+}
+
+fn create_in_place(path: &Path, pid: u32) -> anyhow::Result<bool> {
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+    {
+        Ok(mut f) => {
+            writeln!(f, "{pid}")
+                .and_then(|()| f.sync_all())
+                .map_err(crate::io::failed(path, "cannot write the lock file"))?;
+            Ok(true)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(crate::io::failed(path, "cannot create the lock file")(e)),
     }
 }
 
@@ -96,11 +116,17 @@ fn remove_stale(path: &Path) -> anyhow::Result<()> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(anyhow::anyhow!(
-            "{}: cannot remove the stale lock file ({e})",
-            path.display()
-        )),
+        Err(e) => Err(crate::io::failed(path, "cannot remove the stale lock file")(e)),
     }
+}
+
+/// Whether a lock file was modified less than a second ago.
+fn is_young(path: &Path) -> bool {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .is_some_and(|age| age < std::time::Duration::from_secs(1))
 }
 
 /// The pid in a lock file (`None` when absent or not a pid).
