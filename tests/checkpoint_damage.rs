@@ -79,6 +79,29 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         err.contains("step_000001/optimizer.bpk:") && !err.contains("Io("),
         "{err}"
     );
+
+    // A fresh run there is refused naming the damage; --overwrite starts over without reading it.
+    let mut damaged = cfg.clone();
+    damaged.run_dir = cfg.run_dir.with_file_name("garbage_state");
+    let err = format!("{:#}", train::run(&damaged, false, true).unwrap_err());
+    assert!(err.contains("trainer_state.json"), "{err}");
+    train::run_with(
+        &damaged,
+        &train::RunOptions {
+            quiet: true,
+            overwrite: true,
+            ..train::RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        checkpoint::latest_checked(&damaged.run_dir)
+            .unwrap()
+            .unwrap()
+            .1
+            .step,
+        1
+    );
 }
 
 /// SIGKILL while pruning removes an old checkpoint: every directory named like a checkpoint is still complete,

@@ -161,30 +161,37 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
         found
     } else {
-        if let Some((p, st)) = checkpoint::latest_checked(&cfg.run_dir)? {
-            if !opts.overwrite {
-                anyhow::bail!(
-                    "{}: this run directory already has checkpoints (newest: step {}, {}); pass --resume to \
-                     continue it, --overwrite to start over (deleting its checkpoints and metrics), or choose \
-                     another `run_dir`",
-                    cfg.run_dir.display(),
-                    st.step,
-                    p.display()
-                );
-            }
+        // With --overwrite nothing there is read (a damaged checkpoint must not block starting over).
+        let existing = if opts.overwrite {
+            None
+        } else {
+            checkpoint::latest_checked(&cfg.run_dir)?
+        };
+        if let Some((p, st)) = existing {
+            anyhow::bail!(
+                "{}: this run directory already has checkpoints (newest: step {}, {}); pass --resume to \
+                 continue it, --overwrite to start over (deleting its checkpoints and metrics), or choose \
+                 another `run_dir`",
+                cfg.run_dir.display(),
+                st.step,
+                p.display()
+            );
         }
         let sft_root = sft::checkpoints_root(&cfg.run_dir);
         let warm_start_done = cfg.model.dir.join("config.json").is_file();
-        if let Some((p, st)) = checkpoint::latest_checked_in(&sft_root)? {
-            if !opts.overwrite && !warm_start_done {
-                anyhow::bail!(
-                    "{}: this run directory has a checkpoint of an unfinished warm start (SFT step {}, {}); pass \
-                     --resume to continue it, --overwrite to start over, or choose another `run_dir`",
-                    cfg.run_dir.display(),
-                    st.step,
-                    p.display()
-                );
-            }
+        let unfinished_sft = if opts.overwrite || warm_start_done {
+            None
+        } else {
+            checkpoint::latest_checked_in(&sft_root)?
+        };
+        if let Some((p, st)) = unfinished_sft {
+            anyhow::bail!(
+                "{}: this run directory has a checkpoint of an unfinished warm start (SFT step {}, {}); pass \
+                 --resume to continue it, --overwrite to start over, or choose another `run_dir`",
+                cfg.run_dir.display(),
+                st.step,
+                p.display()
+            );
         }
         let dir = checkpoint::checkpoints_dir(&cfg.run_dir);
         if opts.overwrite && dir.exists() {
