@@ -1,6 +1,8 @@
 //! Random safetensors headers (10,000 cases): loading never panics, every error names the file, and the
 //! messages for the common mistakes name the tensor and the problem.
 
+mod common;
+
 use std::path::Path;
 
 use proptest::prelude::*;
@@ -177,6 +179,39 @@ fn corrupt_scales_name_the_scales_tensor() {
         err.contains("model.safetensors")
             && err.contains("`l.scales`")
             && err.contains("scale 1 is NaN"),
+        "{err}"
+    );
+}
+
+/// A real quantized checkpoint with one NaN scale: the error names the `*.scales` tensor and its file, not
+/// an invented path to the layer's `qweight`.
+#[test]
+fn a_nan_scale_in_a_quantized_checkpoint_names_its_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen3");
+    let dst = tmp.path().join("q");
+    let cfg = qarl::quant::QuantConfig::new("int8-pc".parse().unwrap());
+    qarl::model::quantize_checkpoint(&src, &dst, &cfg).unwrap();
+    let file = dst.join("model.safetensors");
+    let mut tensors = common::read_tensors(&file);
+    let name = tensors
+        .keys()
+        .find(|n| n.ends_with(".scales"))
+        .unwrap()
+        .clone();
+    let (_, _, bytes) = tensors.get_mut(&name).unwrap();
+    bytes[4..8].copy_from_slice(&f32::NAN.to_le_bytes());
+    common::write_tensors(&file, &tensors);
+    let err = qarl::model::Decoder::load(&dst, &burn::tensor::Device::flex())
+        .err()
+        .unwrap()
+        .to_string();
+    println!("{err}");
+    assert!(
+        err.contains(&file.display().to_string())
+            && err.contains(&format!("`{name}`"))
+            && err.contains("scale 1 is NaN")
+            && !err.contains("qweight"),
         "{err}"
     );
 }
