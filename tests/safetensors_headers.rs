@@ -215,3 +215,31 @@ fn a_nan_scale_in_a_quantized_checkpoint_names_its_tensor() {
         "{err}"
     );
 }
+
+/// An int8 code the quantizer never writes (-128) is reported at the `*.qweight` tensor and its file.
+#[test]
+fn an_invalid_int8_code_names_its_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen3");
+    let dst = tmp.path().join("q");
+    let cfg = qarl::quant::QuantConfig::new("int8-pc".parse().unwrap());
+    qarl::model::quantize_checkpoint(&src, &dst, &cfg).unwrap();
+    let file = dst.join("model.safetensors");
+    let mut tensors = common::read_tensors(&file);
+    let name = tensors
+        .keys()
+        .find(|n| n.ends_with(".qweight"))
+        .unwrap()
+        .clone();
+    tensors.get_mut(&name).unwrap().2[3] = 0x80;
+    common::write_tensors(&file, &tensors);
+    let err = qarl::model::Decoder::load(&dst, &burn::tensor::Device::flex())
+        .err()
+        .unwrap()
+        .to_string();
+    println!("{err}");
+    assert!(
+        err.contains(&file.display().to_string()) && err.contains(&format!("`{name}`")),
+        "{err}"
+    );
+}

@@ -269,6 +269,20 @@ impl Checkpoint {
                 dtype: format!("{stored:?} (expected {dtype:?})"),
             });
         }
+        // Packed codes of a one-byte-per-input format (int8, E4M3): checked here, where the tensor and its
+        // file are known. Formats packing several inputs per byte are checked when the layer is built.
+        if let (Some(scheme), Some(&row_bytes)) = (self.quant_scheme, expected.get(1)) {
+            let one_byte_per_input = scheme.row_bytes(row_bytes) == row_bytes;
+            if name.ends_with(&format!(".{}", super::names::QWEIGHT)) && one_byte_per_input {
+                if let Some(bad) = scheme.kind().invalid_code(row_bytes, bytes) {
+                    return Err(LoadError::BadTensor {
+                        path,
+                        name: name.to_string(),
+                        msg: format!("{bad}, a code the {scheme} quantizer never writes"),
+                    });
+                }
+            }
+        }
         self.taken.borrow_mut().insert(name.to_string());
         Ok(bytes.to_vec())
     }
