@@ -10,9 +10,22 @@ use serde::Serialize;
 
 /// Reads and parses a JSON file; the error names the file and the problem.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(failed(path, "cannot read"))?;
     serde_json::from_str(&text).with_context(|| format!("{}: invalid content", path.display()))
+}
+
+/// Gives a file or directory written under a temporary name the permissions of an ordinary new one (0644,
+/// directories 0755: temporary files are created 0600 and temporary directories 0700, which would make every
+/// result private to its writer). Best effort: a file system without Unix permissions keeps what it has.
+pub fn set_usual_permissions(path: &Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = if path.is_dir() { 0o755 } else { 0o644 };
+        let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode));
+    }
+    #[cfg(not(unix))]
+    let _ = path;
 }
 
 /// Writes `value` as JSON to `path` through a temporary file in the same directory, fsync and rename.
@@ -21,19 +34,21 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)
-        .with_context(|| format!("{}: cannot create directory", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(failed(dir, "cannot create the directory"))?;
     let mut tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
+        .map_err(failed(dir, "cannot create a temporary file"))?;
     {
         let mut w = std::io::BufWriter::new(tmp.as_file_mut());
         serde_json::to_writer(&mut w, value)
             .with_context(|| format!("{}: cannot write", path.display()))?;
-        w.flush()?;
+        w.flush().map_err(failed(path, "cannot write"))?;
     }
-    tmp.as_file().sync_all()?;
+    tmp.as_file()
+        .sync_all()
+        .map_err(failed(path, "cannot write"))?;
+    set_usual_permissions(tmp.path());
     tmp.persist(path)
-        .with_context(|| format!("{}: cannot move the result into place", path.display()))?;
+        .map_err(|e| failed(path, "cannot move the result into place")(e.error))?;
     Ok(())
 }
 
@@ -58,11 +73,92 @@ pub fn write_safetensors(
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .with_context(|| format!("{}: inconsistent tensor", path.display()))?;
     let tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
-    safetensors::serialize_to_file(views, None, tmp.path())
-        .with_context(|| format!("{}: cannot write", path.display()))?;
-    tmp.as_file().sync_all()?;
+        .map_err(failed(dir, "cannot create a temporary file"))?;
+    safetensors::serialize_to_file(views, None, tmp.path()).map_err(|e| match e {
+        safetensors::SafeTensorError::IoError(io) => failed(path, "cannot write")(io),
+        other => anyhow::anyhow!("{}: cannot write ({other})", path.display()),
+    })?;
+    tmp.as_file()
+        .sync_all()
+        .map_err(failed(path, "cannot write"))?;
+    set_usual_permissions(tmp.path());
     tmp.persist(path)
-        .with_context(|| format!("{}: cannot move into place", path.display()))?;
+        .map_err(|e| failed(path, "cannot move into place")(e.error))?;
     Ok(())
+}
+
+/// Writes the directory `dst` through a temporary sibling that `fill` writes into: when `fill` fails, the
+/// temporary directory is removed and `dst` is as it was (absent, or with its old files); when it succeeds,
+/// a new `dst` is the temporary directory renamed, and an existing one receives the new files one rename each
+/// (`config.json` last, since loaders start from it), keeping files of its own that were not rewritten.
+pub fn write_dir_atomic<T>(
+    dst: &Path,
+    fill: impl FnOnce(&Path) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    if dst.exists() && !dst.is_dir() {
+        anyhow::bail!("{}: exists and is not a directory", dst.display());
+    }
+    let parent = dst
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("{}: cannot create the directory", parent.display()))?;
+    let name = dst
+        .file_name()
+        .map_or("output".into(), |n| n.to_string_lossy().to_string());
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}.partial-"))
+        .tempdir_in(parent)
+        .with_context(|| format!("{}: cannot create a temporary directory", parent.display()))?;
+    let out = fill(tmp.path())?;
+    set_usual_permissions(tmp.path());
+    if !dst.exists() {
+        let kept = tmp.keep();
+        std::fs::rename(&kept, dst)
+            .with_context(|| format!("{}: cannot move the result into place", dst.display()))?;
+        return Ok(out);
+    }
+    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(tmp.path())
+        .with_context(|| format!("{}: cannot list", tmp.path().display()))?
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    files.sort_by_key(|p| p.file_name().is_some_and(|n| n == "config.json"));
+    for f in files {
+        let to = dst.join(f.file_name().unwrap_or_default());
+        std::fs::rename(&f, &to)
+            .with_context(|| format!("{}: cannot move the result into place", to.display()))?;
+    }
+    Ok(out)
+}
+
+/// Turns an I/O error on `path` into one sentence: the path, what could not be done and why, in words
+/// ([`os_error_text`]).
+pub fn failed<'a>(
+    path: &'a Path,
+    what: &'a str,
+) -> impl FnOnce(std::io::Error) -> anyhow::Error + 'a {
+    move |e| anyhow::anyhow!("{}: {what} ({})", path.display(), os_error_text(&e))
+}
+
+/// An I/O error as words for a message that already names the file: "not found", "permission denied"...,
+/// without the "(os error N)" suffix that would repeat what the sentence says.
+pub fn os_error_text(e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    match e.kind() {
+        ErrorKind::NotFound => "not found".into(),
+        ErrorKind::PermissionDenied => "permission denied".into(),
+        ErrorKind::IsADirectory => "is a directory".into(),
+        ErrorKind::NotADirectory => "a part of the path is not a directory".into(),
+        ErrorKind::UnexpectedEof => "ends too early".into(),
+        ErrorKind::StorageFull => "no space left on the device".into(),
+        _ => {
+            let text = e.to_string();
+            match text.find(" (os error") {
+                Some(i) => text[..i].to_string(),
+                None => text,
+            }
+        }
+    }
 }

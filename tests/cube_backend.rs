@@ -62,6 +62,7 @@ fn abs_scale(x: &[f32], m: usize, q: &QuantizedTensor) -> Vec<f32> {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test cube_backend -- --include-ignored"]
 fn cube_quant_matmul_matches_the_cpu_kernel_and_is_batch_invariant() {
     let Some(device) = wgpu_device() else { return };
     let (out, inn) = (48, 300);
@@ -97,6 +98,7 @@ fn cube_quant_matmul_matches_the_cpu_kernel_and_is_batch_invariant() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test cube_backend -- --include-ignored"]
 fn cube_straight_through_gradients_match_the_cpu() {
     let Some(device) = wgpu_device() else { return };
     let (m, out, inn) = (5, 24, 96);
@@ -136,6 +138,7 @@ fn cube_straight_through_gradients_match_the_cpu() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test cube_backend -- --include-ignored"]
 fn cube_grouped_moe_matches_the_per_expert_loop() {
     let Some(device) = wgpu_device() else { return };
     let x = values(TOKENS * HIDDEN, 11);
@@ -204,6 +207,7 @@ fn moe_grads(
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test cube_backend -- --include-ignored"]
 fn cube_grouped_moe_autodiff_forward_is_the_rollout_forward_and_gradients_are_the_loops() {
     let Some(device) = wgpu_device() else { return };
     let ad = device.clone().autodiff();
@@ -273,6 +277,7 @@ fn cube_grouped_moe_autodiff_forward_is_the_rollout_forward_and_gradients_are_th
 /// The whole Qwen3-MoE fixture on wgpu, its experts on the grouped kernel: the training (autodiff) forward's
 /// log-probs are the rollout (inference) forward's, bit for bit.
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test cube_backend -- --include-ignored"]
 fn cube_moe_model_training_and_rollout_log_probs_are_bitwise_equal() {
     let Some(device) = wgpu_device() else { return };
     let dir = fixtures_dir().join("qwen3_moe");
@@ -304,6 +309,7 @@ fn cube_moe_model_training_and_rollout_log_probs_are_bitwise_equal() {
 /// the same inputs widened, rounded once to f16: the quantized linear layer, the straight-through
 /// backward's transposed product, and the grouped MoE op.
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test cube_backend -- --include-ignored"]
 fn cube_kernels_take_f16_activations_and_round_the_f32_result_once() {
     use burn::backend::Dispatch;
     use burn::tensor::DType;

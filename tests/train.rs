@@ -151,20 +151,7 @@ fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
     assert_eq!(state.step, 1);
     Decoder::load(&ckpt, &Device::flex()).unwrap();
 
-    // The metrics render to a PNG (needs a TrueType font; skipped with a message when the machine has none).
-    if qarl::train::plot::register_font().is_ok() {
-        let png = qarl::train::plot::plot_run(&cfg.run_dir).unwrap();
-        let bytes = std::fs::read(&png).unwrap();
-        assert!(
-            bytes.starts_with(b"\x89PNG") && bytes.len() > 10_000,
-            "{}",
-            png.display()
-        );
-    } else {
-        eprintln!(
-            "SKIPPED plot check: no TrueType font on this machine (install fonts-dejavu-core)"
-        );
-    }
+    // The PNG rendering of the metrics needs a TrueType font: tests/plots.rs (ignored without one).
 
     // Resume with more steps: continues at step 2, earlier metrics kept.
     let mut more = cfg.clone();

@@ -108,6 +108,7 @@ fn abs_linear(x: &[f32], n: usize, w: &PackedWeights) -> Vec<f32> {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn dequantize_is_bit_exact_for_every_format() {
     let Some(k) = kernels() else { return };
     for (i, format) in FORMATS.into_iter().enumerate() {
@@ -124,6 +125,7 @@ fn dequantize_is_bit_exact_for_every_format() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn fp8_activation_quantization_is_bit_exact() {
     let Some(k) = kernels() else { return };
     let mut rng = Rng(7);
@@ -145,6 +147,7 @@ fn fp8_activation_quantization_is_bit_exact() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn e4m3_encoding_matches_the_host_on_a_sweep() {
     let Some(k) = kernels() else { return };
     // One row per 128-block: each block's absmax is 448 (scale 1), so codes are e4m3(x) exactly.
@@ -174,6 +177,7 @@ fn e4m3_encoding_matches_the_host_on_a_sweep() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn gemv_and_gemm_match_the_reference_and_each_other_bitwise() {
     let Some(k) = kernels() else { return };
     for (i, format) in FORMATS.into_iter().enumerate() {
@@ -221,6 +225,7 @@ fn gemv_and_gemm_match_the_reference_and_each_other_bitwise() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn transposed_product_matches_the_reference() {
     let Some(k) = kernels() else { return };
     for (i, format) in FORMATS.into_iter().enumerate() {
@@ -300,6 +305,7 @@ fn check_moe(
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn moe_handles_ragged_expert_groups() {
     let Some(k) = kernels() else { return };
     for (i, format) in FORMATS.into_iter().enumerate() {
@@ -377,6 +383,7 @@ fn e4m3_host_encoder_round_trips_every_code() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn copy_moves_every_value() {
     let Some(k) = kernels() else { return };
     for len in [1usize, 255, 2_100_000] {
@@ -390,6 +397,7 @@ fn copy_moves_every_value() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn grids_past_65535_cubes_cover_every_element() {
     let Some(k) = kernels() else { return };
     // 4096 x 4200 int8 weights: 67200 cubes of 256 for the dequantize kernel, so the grid spills into y.
@@ -475,6 +483,7 @@ fn activation_dtypes_parse_round_and_encode() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn half_activations_are_the_f32_result_rounded_once() {
     let Some(k) = kernels() else { return };
     for dtype in half_types(k, "dense matmuls") {
@@ -535,6 +544,7 @@ fn half_activations_are_the_f32_result_rounded_once() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn fp8_activation_quantization_reads_half_inputs() {
     let Some(k) = kernels() else { return };
     for dtype in half_types(k, "fp8 activation quantization") {
@@ -563,6 +573,7 @@ fn fp8_activation_quantization_reads_half_inputs() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn moe_with_half_activations_is_the_f32_result_rounded_once() {
     let Some(k) = kernels() else { return };
     for dtype in half_types(k, "grouped MoE") {
@@ -623,6 +634,7 @@ fn moe_with_half_activations_is_the_f32_result_rounded_once() {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn unsupported_activation_types_are_refused_not_miscomputed() {
     let Some(k) = kernels() else { return };
     for dtype in [ActDType::F16, ActDType::BF16] {

@@ -15,7 +15,10 @@ pub struct ImportGgufArgs {
 }
 
 pub fn run(args: ImportGgufArgs) -> anyhow::Result<()> {
-    let s = import_gguf(&args.file, &args.output, args.dtype)?;
+    // Into a temporary sibling, renamed on success: a failed import leaves no half-written directory and
+    // never mixes new weights with an old config or tokenizer.
+    let s =
+        crate::io::write_dir_atomic(&args.output, |tmp| import_gguf(&args.file, tmp, args.dtype))?;
     let types: Vec<String> = s
         .source_types
         .iter()

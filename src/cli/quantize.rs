@@ -28,7 +28,17 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         cfg.include = args.include;
     }
     cfg.exclude = args.exclude;
-    let s = quantize_checkpoint(&args.model, &args.output, &cfg)?;
+    let same = |a: &std::path::Path, b: &std::path::Path| matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(x), Ok(y)) if x == y);
+    if same(&args.model, &args.output) {
+        anyhow::bail!(
+            "{}: --output is the --model directory; the quantized copy goes to another directory",
+            args.output.display()
+        );
+    }
+    // Into a temporary sibling, renamed on success (a failure leaves `--output` as it was).
+    let s = crate::io::write_dir_atomic(&args.output, |tmp| {
+        quantize_checkpoint(&args.model, tmp, &cfg)
+    })?;
     println!(
         "{}: {} tensors quantized ({}), {} copied; {:.1} MB -> {:.1} MB",
         args.output.display(),

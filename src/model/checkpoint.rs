@@ -39,6 +39,13 @@ pub const SINGLE_FILE: &str = "model.safetensors";
 pub const INDEX_FILE: &str = "model.safetensors.index.json";
 
 fn open_shard(path: &Path) -> Result<ShardFile, LoadError> {
+    let bad = |msg: String| LoadError::BadSafetensors {
+        path: path.to_path_buf(),
+        msg,
+    };
+    if path.is_dir() {
+        return Err(bad("is a directory".into()));
+    }
     let file = std::fs::File::open(path).map_err(|io| LoadError::Io {
         path: path.to_path_buf(),
         io,
@@ -50,10 +57,7 @@ fn open_shard(path: &Path) -> Result<ShardFile, LoadError> {
         io,
     })?;
     let (header_len, meta) =
-        SafeTensors::read_metadata(&map).map_err(|e| LoadError::BadSafetensors {
-            path: path.to_path_buf(),
-            msg: e.to_string(),
-        })?;
+        SafeTensors::read_metadata(&map).map_err(|e| bad(explain_header(&map, &e)))?;
     Ok(ShardFile {
         path: path.to_path_buf(),
         data_start: 8 + header_len,
@@ -111,10 +115,10 @@ impl Checkpoint {
                     }
                 };
                 if shards[id].meta.info(name).is_none() {
-                    return Err(LoadError::MissingTensor {
+                    return Err(LoadError::NotInShard {
                         path: shards[id].path.clone(),
                         name: name.clone(),
-                        expected: vec![],
+                        index: index_path.clone(),
                     });
                 }
                 index.insert(name.clone(), id);
@@ -198,7 +202,7 @@ impl Checkpoint {
     /// Reads tensor `name` as f32, checking that its shape is `expected`, and marks it as used.
     pub fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
         let (path, dtype, bytes) = self.locate(name, expected)?;
-        let out = match dtype {
+        let out: Vec<f32> = match dtype {
             Dtype::F32 => bytes
                 .chunks_exact(4)
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -219,6 +223,20 @@ impl Checkpoint {
                 })
             }
         };
+        if name.ends_with(&format!(".{}", super::names::SCALES)) {
+            // Quantization scales: checked here, where the tensor and its file are known (a bad scale found
+            // later could only be reported against the layer).
+            if let Some(i) = out.iter().position(|s: &f32| !(s.is_finite() && *s >= 0.0)) {
+                return Err(LoadError::BadTensor {
+                    path,
+                    name: name.to_string(),
+                    msg: format!(
+                        "scale {i} is {}; quantization scales must be finite and non-negative",
+                        out[i]
+                    ),
+                });
+            }
+        }
         self.taken.borrow_mut().insert(name.to_string());
         Ok(out)
     }
@@ -250,6 +268,20 @@ impl Checkpoint {
                 name: name.to_string(),
                 dtype: format!("{stored:?} (expected {dtype:?})"),
             });
+        }
+        // Packed codes of a one-byte-per-input format (int8, E4M3): checked here, where the tensor and its
+        // file are known. Formats packing several inputs per byte are checked when the layer is built.
+        if let (Some(scheme), Some(&row_bytes)) = (self.quant_scheme, expected.get(1)) {
+            let one_byte_per_input = scheme.row_bytes(row_bytes) == row_bytes;
+            if name.ends_with(&format!(".{}", super::names::QWEIGHT)) && one_byte_per_input {
+                if let Some(bad) = scheme.kind().invalid_code(row_bytes, bytes) {
+                    return Err(LoadError::BadTensor {
+                        path,
+                        name: name.to_string(),
+                        msg: format!("{bad}, a code the {scheme} quantizer never writes"),
+                    });
+                }
+            }
         }
         self.taken.borrow_mut().insert(name.to_string());
         Ok(bytes.to_vec())
@@ -285,4 +317,101 @@ impl Checkpoint {
             names: format!("{}{more}", shown.join(", ")),
         })
     }
+}
+
+/// Bytes per element of a safetensors dtype name (`None` for one this crate version does not know).
+fn dtype_bits(name: &str) -> Option<usize> {
+    Some(match name {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 8,
+        "F4" => 4,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        "I16" | "U16" | "F16" | "BF16" => 16,
+        "I32" | "U32" | "F32" => 32,
+        "I64" | "U64" | "F64" | "C64" => 64,
+        _ => return None,
+    })
+}
+
+/// What is wrong with a safetensors header that the safetensors crate rejected, naming the tensor where it
+/// can be found (the crate's own messages for shapes, types and offsets do not say which tensor).
+fn explain_header(bytes: &[u8], err: &safetensors::SafeTensorError) -> String {
+    let fallback = || err.to_string();
+    let Some(n) = bytes
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_le_bytes)
+    else {
+        return format!("{} bytes: too short for a safetensors header", bytes.len());
+    };
+    let Some(header) = usize::try_from(n)
+        .ok()
+        .and_then(|n| bytes.get(8..8usize.checked_add(n)?))
+    else {
+        return format!(
+            "the header length {n} runs past the end of the file ({} bytes)",
+            bytes.len()
+        );
+    };
+    let Ok(serde_json::Value::Object(entries)) = serde_json::from_slice(header) else {
+        return fallback();
+    };
+    let mut tensors: Vec<(u64, u64, &String, &serde_json::Value)> = Vec::new();
+    for (name, t) in entries.iter().filter(|(k, _)| *k != "__metadata__") {
+        let offsets = t["data_offsets"].as_array();
+        let (Some(s), Some(e)) = (
+            offsets.and_then(|o| o.first()?.as_u64()),
+            offsets.and_then(|o| o.get(1)?.as_u64()),
+        ) else {
+            return format!("tensor `{name}`: `data_offsets` is not a pair of byte offsets");
+        };
+        let dtype = t["dtype"].as_str().unwrap_or_default();
+        if dtype_bits(dtype).is_none() {
+            return format!("tensor `{name}`: unknown dtype `{dtype}`");
+        }
+        if !t["shape"]
+            .as_array()
+            .is_some_and(|a| a.iter().all(|d| d.as_u64().is_some()))
+        {
+            return format!("tensor `{name}`: `shape` is not a list of sizes");
+        }
+        tensors.push((s, e, name, t));
+    }
+    tensors.sort_by_key(|(s, e, _, _)| (*s, *e));
+    let mut next = 0u64;
+    for (s, e, name, t) in tensors {
+        if s != next || e < s {
+            return format!(
+                "tensor `{name}`: data offsets [{s}, {e}] do not start where the previous tensor ends ({next})"
+            );
+        }
+        let dtype = t["dtype"].as_str().unwrap_or_default();
+        let shape: Vec<u64> = t["shape"]
+            .as_array()
+            .map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect())
+            .unwrap_or_default();
+        let bits = shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+            .and_then(|n| n.checked_mul(dtype_bits(dtype).unwrap_or(8) as u64));
+        match bits {
+            Some(b) if b % 8 == 0 && b / 8 == e - s => {}
+            Some(b) => {
+                return format!(
+                    "tensor `{name}`: {dtype} of shape {shape:?} needs {} bytes, but its data offsets [{s}, {e}] \
+                     hold {}",
+                    b.div_ceil(8),
+                    e - s
+                )
+            }
+            None => return format!("tensor `{name}`: shape {shape:?} is too large"),
+        }
+        next = e;
+    }
+    let data = (bytes.len() as u64).saturating_sub(8 + n);
+    if next != data {
+        return format!(
+            "the header's tensors cover {next} bytes of data, but the file holds {data}"
+        );
+    }
+    fallback()
 }

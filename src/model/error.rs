@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{path}: {io}")]
+    #[error("{}: {}", path.display(), crate::io::os_error_text(io))]
     Io { path: PathBuf, io: std::io::Error },
     #[error("{path}: missing key `{key}`")]
     MissingKey { path: PathBuf, key: String },
@@ -19,6 +19,18 @@ pub enum LoadError {
         "{dir}: no weights found (expected model.safetensors or model.safetensors.index.json)"
     )]
     NoWeights { dir: PathBuf },
+    #[error("{path}: tensor `{name}` is listed in {index} for this shard but is not in it")]
+    NotInShard {
+        path: PathBuf,
+        name: String,
+        index: PathBuf,
+    },
+    #[error("{path}: tensor `{name}`: {msg}")]
+    BadTensor {
+        path: PathBuf,
+        name: String,
+        msg: String,
+    },
     #[error("{path}: missing tensor `{name}` (expected shape {expected:?})")]
     MissingTensor {
         path: PathBuf,

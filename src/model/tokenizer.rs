@@ -21,11 +21,30 @@ impl Tokenizer {
             path: path.clone(),
             msg,
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| err(e.to_string()))?;
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| err(format!("cannot read ({})", crate::io::os_error_text(&e))))?;
         // Check the JSON first: the tokenizers crate panics on some malformed files (a truncated one, for
-        // example) instead of returning an error, and a panic is caught below as a last resort.
-        serde_json::from_str::<serde_json::Value>(&text)
+        // example) instead of returning an error, and a panic is caught below as a last resort. Its own
+        // message for a missing or misspelt model section is about "untagged enum" variants, so the
+        // sections it needs are checked here, by name.
+        let json = serde_json::from_str::<serde_json::Value>(&text)
             .map_err(|e| err(format!("not valid JSON: {e}")))?;
+        if !json.is_object() {
+            return Err(err("not a JSON object".into()));
+        }
+        let model = &json["model"];
+        if !model.is_object() {
+            return Err(err("no `model` object (the vocabulary and its kind)".into()));
+        }
+        if let Some(kind) = model.get("type").and_then(|t| t.as_str()) {
+            const KINDS: [&str; 4] = ["BPE", "WordPiece", "WordLevel", "Unigram"];
+            if !KINDS.contains(&kind) {
+                return Err(err(format!(
+                    "`model.type` is `{kind}`; supported: {}",
+                    KINDS.join(", ")
+                )));
+            }
+        }
         let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
             .map_err(|_| err("the tokenizers library could not read this file".into()))?;
         let inner = parsed.map_err(|e| err(e.to_string()))?;

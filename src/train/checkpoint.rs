@@ -140,26 +140,61 @@ pub fn save(
     tok_dir: &Path,
     keep: usize,
 ) -> anyhow::Result<PathBuf> {
-    let root = checkpoints_dir(run_dir);
-    std::fs::create_dir_all(&root).with_context(|| format!("{}: cannot create", root.display()))?;
-    remove_leftovers(&root);
+    let parts = Parts {
+        model,
+        config_json,
+        optim,
+        tok_dir,
+        extra: &[],
+    };
+    save_in(&checkpoints_dir(run_dir), state, &parts, keep)
+}
+
+/// What a checkpoint holds besides its [`TrainerState`].
+pub struct Parts<'a> {
+    pub model: &'a Decoder,
+    pub config_json: &'a serde_json::Value,
+    pub optim: &'a ModuleOptimizer,
+    /// Where `tokenizer.json` and `tokenizer_config.json` are copied from.
+    pub tok_dir: &'a Path,
+    /// More JSON files (name, content), such as the warm start's `sft.json`.
+    pub extra: &'a [(&'a str, serde_json::Value)],
+}
+
+/// Writes the checkpoint of `state.step` under `root` (replacing one of the same step), then keeps only the
+/// newest `keep` checkpoints there (0: all).
+pub fn save_in(
+    root: &Path,
+    state: &TrainerState,
+    parts: &Parts,
+    keep: usize,
+) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(root).with_context(|| format!("{}: cannot create", root.display()))?;
+    remove_leftovers(root);
     let tmp = tempfile::Builder::new()
         .prefix(".tmp-ckpt")
-        .tempdir_in(&root)
+        .tempdir_in(root)
         .with_context(|| format!("{}: cannot create a temporary directory", root.display()))?;
-    save_pretrained(model, config_json, tmp.path())?;
+    save_pretrained(parts.model, parts.config_json, tmp.path())?;
     test_pause();
-    optim
-        .save(tmp.path().join("optimizer.bpk"))
-        .map_err(|e| anyhow::anyhow!("saving the optimizer state: {e:?}"))?;
+    parts
+        .optim
+        .save(tmp.path().join(OPTIMIZER_FILE))
+        .map_err(|e| {
+            anyhow::anyhow!("{}: cannot save the optimizer state ({e})", root.display())
+        })?;
     test_pause();
     for f in ["tokenizer.json", "tokenizer_config.json"] {
-        if tok_dir.join(f).is_file() {
-            std::fs::copy(tok_dir.join(f), tmp.path().join(f))?;
+        if parts.tok_dir.join(f).is_file() {
+            std::fs::copy(parts.tok_dir.join(f), tmp.path().join(f))
+                .with_context(|| format!("{}: cannot copy", parts.tok_dir.join(f).display()))?;
         }
     }
-    crate::io::write_json_atomic(&tmp.path().join(PARAM_IDS_FILE), &param_ids(model))?;
-    crate::io::write_json_atomic(&tmp.path().join("trainer_state.json"), state)?;
+    for (name, value) in parts.extra {
+        crate::io::write_json_atomic(&tmp.path().join(name), value)?;
+    }
+    crate::io::write_json_atomic(&tmp.path().join(PARAM_IDS_FILE), &param_ids(parts.model))?;
+    crate::io::write_json_atomic(&tmp.path().join(STATE_FILE), state)?;
     // Every file on disk before the directory becomes visible under its final name.
     for e in std::fs::read_dir(tmp.path())?.flatten() {
         if e.path().is_file() {
@@ -167,7 +202,8 @@ pub fn save(
         }
     }
     sync_path(tmp.path())?;
-    let dst = root.join(format!("step_{:06}", state.step));
+    crate::io::set_usual_permissions(tmp.path());
+    let dst = root.join(format!("{STEP_PREFIX}{:06}", state.step));
     let kept = tmp.keep();
     // Replacing a checkpoint of the same step: move the old one aside first, so there is always one.
     let old = root.join(format!(".old-step_{:06}", state.step));
@@ -178,38 +214,57 @@ pub fn save(
     }
     std::fs::rename(&kept, &dst)
         .with_context(|| format!("{}: cannot move the checkpoint into place", dst.display()))?;
-    sync_path(&root)?;
+    sync_path(root)?;
     let _ = std::fs::remove_dir_all(&old);
     if keep > 0 {
-        prune(run_dir, keep)?;
+        prune_in(root, keep)?;
     }
     Ok(dst)
 }
 
-/// Removes what a killed writer left behind (temporary and set-aside directories).
+/// The optimizer state inside a checkpoint.
+pub const OPTIMIZER_FILE: &str = "optimizer.bpk";
+/// The [`TrainerState`] inside a checkpoint.
+pub const STATE_FILE: &str = "trainer_state.json";
+/// A checkpoint directory is this prefix and the step (6 digits).
+const STEP_PREFIX: &str = "step_";
+/// Where pruning moves a checkpoint before deleting it, so a kill in the middle of the deletion never
+/// leaves a partial directory under a valid `step_*` name.
+const PRUNED_PREFIX: &str = ".pruned-step_";
+
+/// Removes what a killed writer left behind (temporary, set-aside and half-pruned directories).
 fn remove_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
-        if name.starts_with(".tmp-ckpt") || name.starts_with(".old-step_") {
+        if name.starts_with(".tmp-ckpt")
+            || name.starts_with(".old-step_")
+            || name.starts_with(PRUNED_PREFIX)
+        {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
 }
 
+/// The step in a checkpoint directory's name (`step_000012` -> 12).
+fn step_of_name(name: &str) -> Option<usize> {
+    name.strip_prefix(STEP_PREFIX)?.parse().ok()
+}
+
 /// Every complete checkpoint of a run, oldest first.
 pub fn list(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
-    let Ok(entries) = std::fs::read_dir(checkpoints_dir(run_dir)) else {
-        return vec![];
-    };
-    let mut all: Vec<(PathBuf, TrainerState)> = entries
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("step_"))
-        .filter_map(|e| {
-            let p = e.path();
-            let state = crate::io::read_json::<TrainerState>(&p.join("trainer_state.json")).ok()?;
+    list_in(&checkpoints_dir(run_dir))
+}
+
+/// Every complete checkpoint under `root`, oldest first (directories whose state cannot be read are left
+/// out: [`latest_checked_in`] reports them when they are the newest).
+pub fn list_in(root: &Path) -> Vec<(PathBuf, TrainerState)> {
+    let mut all: Vec<(PathBuf, TrainerState)> = step_dirs(root)
+        .into_iter()
+        .filter_map(|(_, p)| {
+            let state = crate::io::read_json::<TrainerState>(&p.join(STATE_FILE)).ok()?;
             Some((p, state))
         })
         .collect();
@@ -217,12 +272,37 @@ pub fn list(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
     all
 }
 
+/// The `step_*` directories under `root` with the step of their name, oldest first.
+fn step_dirs(root: &Path) -> Vec<(usize, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return vec![];
+    };
+    let mut all: Vec<(usize, PathBuf)> = entries
+        .flatten()
+        .filter_map(|e| Some((step_of_name(&e.file_name().to_string_lossy())?, e.path())))
+        .collect();
+    all.sort();
+    all
+}
+
 /// Keeps the newest `keep` checkpoints of a run.
 pub fn prune(run_dir: &Path, keep: usize) -> anyhow::Result<()> {
-    let all = list(run_dir);
+    prune_in(&checkpoints_dir(run_dir), keep)
+}
+
+/// Keeps the newest `keep` checkpoints under `root`. Each one removed is first renamed to a hidden name, so a
+/// kill during the deletion leaves no partial directory that looks like a checkpoint.
+pub fn prune_in(root: &Path, keep: usize) -> anyhow::Result<()> {
+    let all = list_in(root);
     let n = all.len().saturating_sub(keep);
-    for (p, _) in &all[..n] {
-        std::fs::remove_dir_all(p).with_context(|| format!("{}: cannot remove", p.display()))?;
+    for (p, s) in &all[..n] {
+        let doomed = root.join(format!("{PRUNED_PREFIX}{:06}", s.step));
+        let _ = std::fs::remove_dir_all(&doomed);
+        std::fs::rename(p, &doomed)
+            .with_context(|| format!("{}: cannot move aside to remove", p.display()))?;
+        test_pause();
+        std::fs::remove_dir_all(&doomed)
+            .with_context(|| format!("{}: cannot remove", doomed.display()))?;
     }
     Ok(())
 }
@@ -230,4 +310,73 @@ pub fn prune(run_dir: &Path, keep: usize) -> anyhow::Result<()> {
 /// The newest complete checkpoint of a run, if any.
 pub fn latest(run_dir: &Path) -> Option<(PathBuf, TrainerState)> {
     list(run_dir).pop()
+}
+
+/// The newest checkpoint of a run, or an error when the newest `step_*` directory cannot be used (its
+/// trainer state missing or unreadable): resuming from an older one instead would silently redo steps.
+pub fn latest_checked(run_dir: &Path) -> anyhow::Result<Option<(PathBuf, TrainerState)>> {
+    latest_checked_in(&checkpoints_dir(run_dir))
+}
+
+/// [`latest_checked`] for the checkpoints under `root`.
+pub fn latest_checked_in(root: &Path) -> anyhow::Result<Option<(PathBuf, TrainerState)>> {
+    let Some((_, newest)) = step_dirs(root).pop() else {
+        return Ok(None);
+    };
+    let state_path = newest.join(STATE_FILE);
+    let problem = if !state_path.is_file() {
+        "is missing".to_string()
+    } else {
+        match crate::io::read_json::<TrainerState>(&state_path) {
+            Ok(state) => return Ok(Some((newest, state))),
+            Err(e) => format!("cannot be read ({})", e.root_cause()),
+        }
+    };
+    let older = list_in(root)
+        .into_iter()
+        .rev()
+        .find(|(p, _)| p != &newest)
+        .map_or("start over with --overwrite".to_string(), |(p, s)| {
+            format!("resume from step {} ({})", s.step, p.display())
+        });
+    anyhow::bail!(
+        "{}: {problem}, so the newest checkpoint {} is unusable; move that directory away to {older}",
+        state_path.display(),
+        newest.display()
+    )
+}
+
+/// Loads the optimizer state of checkpoint `dir` into `optim`; a missing or damaged file is named with what
+/// is wrong with it.
+pub fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> anyhow::Result<ModuleOptimizer> {
+    let path = dir.join(OPTIMIZER_FILE);
+    let len = match std::fs::metadata(&path) {
+        Ok(m) => m.len(),
+        Err(_) => anyhow::bail!(
+            "{}: missing, so the checkpoint is incomplete and its Adam moments are lost; move {} away to \
+             resume from an older checkpoint",
+            path.display(),
+            dir.display()
+        ),
+    };
+    optim.load(&path).map_err(|e| {
+        let mut detail = e.to_string();
+        for prefix in ["Record I/O error: ", "Validation error: ", "I/O error: "] {
+            if let Some(rest) = detail.strip_prefix(prefix) {
+                detail = rest.to_string();
+            }
+        }
+        let what = if detail.contains("fill whole buffer") || detail.contains("unexpected end") {
+            format!("truncated ({len} bytes)")
+        } else if let Some(rest) = detail.strip_prefix("File truncated: ") {
+            format!("truncated ({rest})")
+        } else {
+            format!("not a valid optimizer state ({detail})")
+        };
+        anyhow::anyhow!(
+            "{}: {what}; move {} away to resume from an older checkpoint",
+            path.display(),
+            dir.display()
+        )
+    })
 }

@@ -103,7 +103,8 @@ pub fn run_experiment(path: &Path, quiet: bool) -> anyhow::Result<PathBuf> {
         .results_dir
         .clone()
         .unwrap_or_else(|| PathBuf::from("experiments/results").join(&exp.name));
-    std::fs::create_dir_all(&results)?;
+    // One experiment process per results directory (each run directory is locked by its run as well).
+    let _lock = super::lock::RunLock::acquire(&results)?;
     for v in &exp.variants {
         for &seed in &exp.seeds {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));

@@ -8,36 +8,60 @@ use anyhow::Context;
 
 pub struct MetricsLog {
     path: PathBuf,
-    file: std::fs::File,
+    /// `None` until the first row when the file did not exist: a command that stops before logging anything
+    /// (a refused run) leaves no empty file behind.
+    file: Option<std::fs::File>,
 }
 
 impl MetricsLog {
-    /// Opens `path` for appending (created if absent).
+    /// Opens `path` for appending (created with the first row if absent).
     pub fn open(path: &Path) -> anyhow::Result<Self> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("{}: cannot create the directory", dir.display()))?;
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .with_context(|| format!("{}: cannot open", path.display()))?;
+        let file = if path.exists() {
+            Some(Self::open_file(path)?)
+        } else {
+            None
+        };
         Ok(Self {
             path: path.to_path_buf(),
             file,
         })
     }
 
+    fn open_file(path: &Path) -> anyhow::Result<std::fs::File> {
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("{}: cannot open", path.display()))
+    }
+
     pub fn write(&mut self, value: &serde_json::Value) -> anyhow::Result<()> {
         let line = serde_json::to_string(value)?;
-        writeln!(self.file, "{line}")
-            .with_context(|| format!("{}: cannot write", self.path.display()))?;
-        self.file.flush()?;
+        if self.file.is_none() {
+            self.file = Some(Self::open_file(&self.path)?);
+        }
+        if let Some(file) = self.file.as_mut() {
+            writeln!(file, "{line}")
+                .and_then(|()| file.flush())
+                .with_context(|| format!("{}: cannot write", self.path.display()))?;
+        }
         Ok(())
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Keeps only the rows `keep` accepts (see [`retain_rows`]) and goes on appending to the rewritten file
+    /// (the rewrite replaces the file, so the old handle would write into the replaced one).
+    pub fn retain(&mut self, keep: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {
+        retain_rows(&self.path, keep)?;
+        *self = Self::open(&self.path)?;
+        Ok(())
     }
 }
 
@@ -61,11 +85,14 @@ pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> an
         .filter(|l| keep(&serde_json::from_str(l).unwrap_or_default()))
         .collect();
     let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)
+        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
     for l in kept {
-        writeln!(tmp, "{l}")?;
+        writeln!(tmp, "{l}").with_context(|| format!("{}: cannot write", path.display()))?;
     }
     tmp.as_file().sync_all()?;
-    tmp.persist(path)?;
+    crate::io::set_usual_permissions(tmp.path());
+    tmp.persist(path)
+        .with_context(|| format!("{}: cannot move into place", path.display()))?;
     Ok(())
 }

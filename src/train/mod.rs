@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod eval;
 pub mod experiment;
+pub mod lock;
 pub mod metrics;
 pub mod paired;
 pub mod plot;
@@ -48,15 +49,35 @@ pub(crate) fn eos_id(tok: &Tokenizer, model: &Decoder) -> anyhow::Result<u32> {
 }
 
 /// Makes sure `cfg.model.dir` holds a model: created from `init_config` with random weights and the task's
-/// character tokenizer, then warm-started with `[sft]`, when it does not exist yet.
+/// character tokenizer, then warm-started with `[sft]`, when it does not exist yet. Locks the run directory
+/// while it works; a warm start that was stopped continues from its newest checkpoint.
 pub fn prepare_model(
     cfg: &TrainConfig,
     device: &Device,
     log: &mut MetricsLog,
     quiet: bool,
 ) -> anyhow::Result<()> {
+    let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
+    prepare_model_locked(cfg, device, log, quiet, true)
+}
+
+/// [`prepare_model`] in a run directory this process has locked; with `resume`, the warm start continues
+/// from its newest checkpoint (otherwise its checkpoints are removed and it starts over).
+fn prepare_model_locked(
+    cfg: &TrainConfig,
+    device: &Device,
+    log: &mut MetricsLog,
+    quiet: bool,
+    resume: bool,
+) -> anyhow::Result<()> {
     let dir = &cfg.model.dir;
+    let sft_root = sft::checkpoints_root(&cfg.run_dir);
     if dir.join("config.json").is_file() {
+        // The resume points of a warm start that finished (a kill can come between the two steps).
+        if sft_root.exists() {
+            std::fs::remove_dir_all(&sft_root)
+                .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
+        }
         return Ok(());
     }
     let init = cfg.model.init_config.as_ref().with_context(|| {
@@ -74,13 +95,24 @@ pub fn prepare_model(
         let tok =
             Tokenizer::load_optional(&staging)?.context("the staged model has no tokenizer")?;
         let eos = eos_id(&tok, &model)?;
-        let (model, loss) = sft::run_sft(model, &tok, eos, cfg, sft, log, quiet)?;
-        tracing::info!(loss, "sft finished");
         let json: serde_json::Value = crate::io::read_json(&staging.join("config.json"))?;
+        let ck = sft::SftCheckpoints {
+            root: sft_root.clone(),
+            every: cfg.checkpoint_every,
+            resume,
+            config_json: &json,
+            tok_dir: &staging,
+        };
+        let (model, loss) = sft::run_sft_with(model, &tok, eos, cfg, sft, log, quiet, Some(&ck))?;
+        tracing::info!(loss, "sft finished");
         crate::model::save::save_pretrained(&model, &json, &staging)?;
     }
     std::fs::rename(&staging, dir)
         .with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
+    if sft_root.exists() {
+        std::fs::remove_dir_all(&sft_root)
+            .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
+    }
     Ok(())
 }
 
@@ -131,28 +163,50 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
 pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
     let (resume, quiet) = (opts.resume, opts.quiet);
     let device = Device::flex().autodiff();
-    std::fs::create_dir_all(&cfg.run_dir)
-        .with_context(|| format!("{}: cannot create", cfg.run_dir.display()))?;
+    // Before anything in the run directory changes: a second process there stops here.
+    let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = if resume {
-        let found = checkpoint::latest(&cfg.run_dir);
+        let found = checkpoint::latest_checked(&cfg.run_dir)?;
         if found.is_none() {
-            tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no checkpoint yet, starting from step 0");
+            tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no RL checkpoint yet, starting RL from step 0");
         }
         found
     } else {
-        if let Some((p, st)) = checkpoint::latest(&cfg.run_dir) {
-            if !opts.overwrite {
-                anyhow::bail!(
-                    "{}: this run directory already has checkpoints (newest: step {}, {}); pass --resume to \
-                     continue it, --overwrite to start over (deleting its checkpoints and metrics), or choose \
-                     another `run_dir`",
-                    cfg.run_dir.display(),
-                    st.step,
-                    p.display()
-                );
-            }
-            let dir = checkpoint::checkpoints_dir(&cfg.run_dir);
+        // With --overwrite nothing there is read (a damaged checkpoint must not block starting over).
+        let existing = if opts.overwrite {
+            None
+        } else {
+            checkpoint::latest_checked(&cfg.run_dir)?
+        };
+        if let Some((p, st)) = existing {
+            anyhow::bail!(
+                "{}: this run directory already has checkpoints (newest: step {}, {}); pass --resume to \
+                 continue it, --overwrite to start over (deleting its checkpoints and metrics), or choose \
+                 another `run_dir`",
+                cfg.run_dir.display(),
+                st.step,
+                p.display()
+            );
+        }
+        let sft_root = sft::checkpoints_root(&cfg.run_dir);
+        let warm_start_done = cfg.model.dir.join("config.json").is_file();
+        let unfinished_sft = if opts.overwrite || warm_start_done {
+            None
+        } else {
+            checkpoint::latest_checked_in(&sft_root)?
+        };
+        if let Some((p, st)) = unfinished_sft {
+            anyhow::bail!(
+                "{}: this run directory has a checkpoint of an unfinished warm start (SFT step {}, {}); pass \
+                 --resume to continue it, --overwrite to start over, or choose another `run_dir`",
+                cfg.run_dir.display(),
+                st.step,
+                p.display()
+            );
+        }
+        let dir = checkpoint::checkpoints_dir(&cfg.run_dir);
+        if opts.overwrite && dir.exists() {
             std::fs::remove_dir_all(&dir)
                 .with_context(|| format!("{}: cannot remove", dir.display()))?;
         }
@@ -170,12 +224,10 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     }
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     if resumed.is_none() && resume {
-        // `--resume` before the first checkpoint: RL starts over from step 0, but a finished warm start is not
-        // redone, so its rows stay (they used to be deleted with the file).
-        let warm_start_done = cfg.model.dir.join("config.json").is_file();
-        metrics::retain_rows(&metrics_path, |row| {
-            warm_start_done && row["phase"].as_str() == Some("sft")
-        })?;
+        // `--resume` before the first checkpoint: RL starts over from step 0, but the warm start's rows stay
+        // (they used to be deleted with the file): all of them when it finished, those up to its checkpoint
+        // when it resumes (`prepare_model_locked` drops the rest).
+        metrics::retain_rows(&metrics_path, |row| row["phase"].as_str() == Some("sft"))?;
     } else if resumed.is_none() && metrics_path.exists() {
         std::fs::remove_file(&metrics_path)?;
     }
@@ -191,7 +243,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         metrics::truncate_after(&metrics_path, "eval", last_eval)?;
     }
     let mut log = MetricsLog::open(&metrics_path)?;
-    prepare_model(cfg, &device, &mut log, quiet)?;
+    prepare_model_locked(cfg, &device, &mut log, quiet, resume)?;
 
     let model_dir = resumed
         .as_ref()
@@ -229,9 +281,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         grad_norm_ema_bits: None,
     };
     if let Some((p, saved)) = &resumed {
-        optim = optim
-            .load(p.join("optimizer.bpk"))
-            .map_err(|e| anyhow::anyhow!("{}: optimizer state: {e:?}", p.display()))?;
+        optim = checkpoint::load_optimizer(optim, p)?;
         state = saved.clone();
         state.seed = Some(cfg.seed);
         state.next_step = saved.step + 1;

@@ -1,10 +1,13 @@
 //! Supervised warm start: next-token cross-entropy on worked solutions (the prompt is context, not target).
 
+use std::path::{Path, PathBuf};
+
 use anyhow::Context;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
 
 use super::batch::SeqBatch;
+use super::checkpoint::TrainerState;
 use super::config::{lr_at, LrSchedule, SftConfig, TrainConfig};
 use super::metrics::MetricsLog;
 use super::progress::progress_bar;
@@ -52,9 +55,32 @@ pub fn with_answer_only(
     examples
 }
 
+/// Where the warm start of a run keeps its checkpoints (beside the RL ones, which never look there).
+pub fn checkpoints_root(run_dir: &Path) -> PathBuf {
+    super::checkpoint::checkpoints_dir(run_dir).join("sft")
+}
+
+/// The file in an SFT checkpoint that says which warm start wrote it (its `[sft]` section and seed) and the
+/// last loss, so a resume continues the same warm start and returns the same loss.
+const SFT_STATE_FILE: &str = "sft.json";
+
+/// How a warm start checkpoints and resumes.
+pub struct SftCheckpoints<'a> {
+    /// Where the checkpoints go ([`checkpoints_root`] of the run directory).
+    pub root: PathBuf,
+    /// A checkpoint every this many SFT steps (0: none); the run's `checkpoint_every`.
+    pub every: usize,
+    /// Continue from the newest checkpoint under `root` (otherwise the checkpoints there are removed).
+    pub resume: bool,
+    /// The model's `config.json`, written into each checkpoint.
+    pub config_json: &'a serde_json::Value,
+    /// Where the tokenizer files are.
+    pub tok_dir: &'a Path,
+}
+
 /// Trains `model` (on an autodiff device) for `cfg.steps` steps; returns it and the last loss.
 pub fn run_sft(
-    mut model: Decoder,
+    model: Decoder,
     tok: &Tokenizer,
     eos: u32,
     train: &TrainConfig,
@@ -62,15 +88,90 @@ pub fn run_sft(
     log: &mut MetricsLog,
     quiet: bool,
 ) -> anyhow::Result<(Decoder, f32)> {
+    run_sft_with(model, tok, eos, train, cfg, log, quiet, None)
+}
+
+/// The warm start's identity in its checkpoints.
+fn identity(train: &TrainConfig, cfg: &SftConfig, last: f32) -> serde_json::Value {
+    serde_json::json!({"seed": train.seed, "sft": cfg, "last_loss_bits": last.to_bits()})
+}
+
+/// The checkpoint to resume from, checked to belong to this warm start; without `resume`, the old
+/// checkpoints are removed.
+fn resume_point(
+    ck: &SftCheckpoints,
+    train: &TrainConfig,
+    cfg: &SftConfig,
+) -> anyhow::Result<Option<(PathBuf, TrainerState, f32)>> {
+    if !ck.resume {
+        if ck.root.exists() {
+            std::fs::remove_dir_all(&ck.root)
+                .with_context(|| format!("{}: cannot remove", ck.root.display()))?;
+        }
+        return Ok(None);
+    }
+    let Some((p, state)) = super::checkpoint::latest_checked_in(&ck.root)? else {
+        return Ok(None);
+    };
+    let path = p.join(SFT_STATE_FILE);
+    let saved: serde_json::Value = crate::io::read_json(&path)?;
+    let want = identity(train, cfg, 0.0);
+    if saved["seed"] != want["seed"] || saved["sft"] != want["sft"] {
+        anyhow::bail!(
+            "{}: written by a warm start with another `[sft]` section or seed than this config's, so resuming \
+             would not continue it; delete {} to start the warm start over",
+            path.display(),
+            ck.root.display()
+        );
+    }
+    let last = saved["last_loss_bits"]
+        .as_u64()
+        .and_then(|b| u32::try_from(b).ok())
+        .map_or(f32::NAN, f32::from_bits);
+    Ok(Some((p, state, last)))
+}
+
+/// [`run_sft`] with checkpoints: with `ck`, a checkpoint every `ck.every` steps, and a resume from the newest
+/// one continues exactly where it stopped (same weights, Adam moments, data and learning rate as a run that
+/// was never stopped); the metrics rows of the steps it redoes are dropped from `log`.
+#[allow(clippy::too_many_arguments)]
+pub fn run_sft_with(
+    mut model: Decoder,
+    tok: &Tokenizer,
+    eos: u32,
+    train: &TrainConfig,
+    cfg: &SftConfig,
+    log: &mut MetricsLog,
+    quiet: bool,
+    ck: Option<&SftCheckpoints>,
+) -> anyhow::Result<(Decoder, f32)> {
     let task = Task::from_config(&train.task)?;
     let device: Device = model.device();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(cfg.weight_decay)
         .init();
-    let bar = progress_bar(cfg.steps as u64, "sft", quiet);
     let mut last = f32::NAN;
     let mut nonfinite = 0usize;
-    for step in 0..cfg.steps {
+    let mut start = 0;
+    let resumed = match ck {
+        Some(ck) => resume_point(ck, train, cfg)?,
+        None => None,
+    };
+    if let Some((p, state, loss)) = &resumed {
+        model = super::checkpoint::load_model(p, &device)?;
+        optim = super::checkpoint::load_optimizer(optim, p)?;
+        start = state.next_step;
+        nonfinite = state.consecutive_nonfinite;
+        last = *loss;
+        tracing::info!(checkpoint = %p.display(), next_step = start, "resuming the warm start");
+        let done = state.step as u64;
+        log.retain(|r| r["phase"] != "sft" || r["step"].as_u64().is_some_and(|s| s <= done))?;
+    } else {
+        log.retain(|r| r["phase"] != "sft")?;
+    }
+    let bar = progress_bar(cfg.steps as u64, "sft", quiet);
+    bar.inc(start as u64);
+    for step in start..cfg.steps {
         let step_seed = train.seed.wrapping_mul(7919).wrapping_add(step as u64);
         let examples = task.sample_prompts(cfg.batch_size, step_seed);
         let examples = with_answer_only(&task, examples, cfg.answer_only_frac, step_seed);
@@ -105,25 +206,40 @@ pub fn run_sft(
                      gradient (`train.max_nonfinite_steps` = {max}); lower `sft.lr` or check the data"
                 );
             }
-            bar.inc(1);
-            continue;
+        } else {
+            nonfinite = 0;
+            let lr = lr_at(
+                cfg.lr,
+                LrSchedule::Cosine,
+                cfg.warmup_steps,
+                step,
+                cfg.steps,
+            );
+            model = optim.step(lr, model, grads);
+            if step % cfg.log_every == 0 || step + 1 == cfg.steps {
+                log.write(
+                    &serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/lr": lr, "sft/grad_norm": norm}),
+                )?;
+            }
+            bar.set_message(format!("loss {last:.3}"));
         }
-        nonfinite = 0;
-        let lr = lr_at(
-            cfg.lr,
-            LrSchedule::Cosine,
-            cfg.warmup_steps,
-            step,
-            cfg.steps,
-        );
-        model = optim.step(lr, model, grads);
-        if step % cfg.log_every == 0 || step + 1 == cfg.steps {
-            log.write(
-                &serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/lr": lr, "sft/grad_norm": norm}),
-            )?;
-        }
-        bar.set_message(format!("loss {last:.3}"));
         bar.inc(1);
+        if let Some(ck) = ck.filter(|c| c.every > 0 && (step + 1) % c.every == 0) {
+            if step + 1 < cfg.steps {
+                let mut state = TrainerState::after_step(step, train.seed);
+                state.consecutive_nonfinite = nonfinite;
+                let extra = [(SFT_STATE_FILE, identity(train, cfg, last))];
+                let parts = super::checkpoint::Parts {
+                    model: &model,
+                    config_json: ck.config_json,
+                    optim: &optim,
+                    tok_dir: ck.tok_dir,
+                    extra: &extra,
+                };
+                // Only the newest is kept: the checkpoints of a warm start are resume points, not results.
+                super::checkpoint::save_in(&ck.root, &state, &parts, 1)?;
+            }
+        }
     }
     bar.finish();
     Ok((model, last))

@@ -45,7 +45,9 @@ pub struct ImportSummary {
     pub source_types: std::collections::BTreeMap<String, usize>,
 }
 
-/// Imports `gguf_path` into the directory `out` (created; files written atomically).
+/// Imports `gguf_path` into the directory `out` (created; files written atomically). Everything is checked
+/// before the first file is written; `qarl import-gguf` also writes into a temporary directory first
+/// ([`crate::io::write_dir_atomic`]), so a failed import leaves `out` as it was.
 pub fn import_gguf(
     gguf_path: &Path,
     out: &Path,
@@ -60,6 +62,9 @@ pub fn import_gguf(
         );
     }
     let (config, heads, kv_heads) = llama_config(&f)?;
+    // The tokenizer before any weight: a file whose tokenizer cannot be converted fails in a moment, not after
+    // the whole dequantization.
+    let (tokenizer, tokenizer_config) = super::tokenizer::hf_tokenizer(&f)?;
     let layers = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
 
     let mut source_types = std::collections::BTreeMap::new();
@@ -115,7 +120,6 @@ pub fn import_gguf(
         .map(|((n, s, _), b)| (n.clone(), st_dtype, s.clone(), b.as_slice()))
         .collect();
     crate::io::write_safetensors(&out.join("model.safetensors"), &entries)?;
-    let (tokenizer, tokenizer_config) = super::tokenizer::hf_tokenizer(&f)?;
     crate::io::write_json_atomic(&out.join("tokenizer.json"), &tokenizer)?;
     crate::io::write_json_atomic(&out.join("tokenizer_config.json"), &tokenizer_config)?;
     crate::io::write_json_atomic(&out.join("config.json"), &config)?;

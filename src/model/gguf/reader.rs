@@ -220,11 +220,15 @@ impl GgufFile {
             path: path.to_path_buf(),
             msg,
         };
-        let file = std::fs::File::open(path).map_err(|e| err(format!("cannot open: {e}")))?;
+        if path.is_dir() {
+            return Err(err("is a directory, not a GGUF file".into()));
+        }
+        let file = std::fs::File::open(path)
+            .map_err(|e| err(format!("cannot open ({})", crate::io::os_error_text(&e))))?;
         // SAFETY: the map is read-only; the file is not expected to change while it is open (same contract
         // as every mmap-based model loader, safetensors included).
-        let map =
-            unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
+        let map = unsafe { memmap2::Mmap::map(&file) }
+            .map_err(|e| err(format!("cannot map ({})", crate::io::os_error_text(&e))))?;
         let mut c = Cursor {
             bytes: &map,
             pos: 0,

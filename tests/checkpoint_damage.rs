@@ -1,0 +1,180 @@
+//! Damaged checkpoints give an error naming the file and what is wrong, never a silent fall-back to an older
+//! checkpoint; pruning never leaves a partial directory under a checkpoint's name, even when killed.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::tiny_train_toml;
+use qarl::train::{self, checkpoint, TrainConfig};
+
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap().flatten() {
+        let to = dst.join(e.file_name());
+        if e.path().is_dir() {
+            copy_dir(&e.path(), &to);
+        } else {
+            std::fs::copy(e.path(), &to).unwrap();
+        }
+    }
+}
+
+fn ckpt(run: &Path, step: usize) -> PathBuf {
+    checkpoint::checkpoints_dir(run).join(format!("step_{step:06}"))
+}
+
+/// A copy of the finished run `base` in which `damage` changes the checkpoint of step 1; the error of
+/// `--resume` there.
+fn resume_error(base: &TrainConfig, name: &str, damage: impl Fn(&Path)) -> String {
+    let mut cfg = base.clone();
+    cfg.run_dir = base.run_dir.with_file_name(name);
+    copy_dir(&base.run_dir, &cfg.run_dir);
+    damage(&ckpt(&cfg.run_dir, 1));
+    let err = format!("{:#}", train::run(&cfg, true, true).unwrap_err());
+    println!("{name}: {err}");
+    err
+}
+
+#[test]
+fn damaged_newest_checkpoints_are_named_not_skipped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig::from_toml(&tiny_train_toml(tmp.path(), "aligned", 2), "tiny").unwrap();
+    train::run(&cfg, false, true).unwrap();
+    assert_eq!(checkpoint::latest(&cfg.run_dir).unwrap().1.step, 1);
+
+    let err = resume_error(&cfg, "garbage_state", |d| {
+        std::fs::write(d.join("trainer_state.json"), "{not json").unwrap()
+    });
+    assert!(
+        err.contains("step_000001/trainer_state.json")
+            && err.contains("cannot be read")
+            && err.contains("resume from step 0"),
+        "{err}"
+    );
+    let err = resume_error(&cfg, "no_state", |d| {
+        std::fs::remove_file(d.join("trainer_state.json")).unwrap()
+    });
+    assert!(err.contains("trainer_state.json: is missing"), "{err}");
+
+    let err = resume_error(&cfg, "no_optimizer", |d| {
+        std::fs::remove_file(d.join("optimizer.bpk")).unwrap()
+    });
+    assert!(err.contains("step_000001/optimizer.bpk: missing"), "{err}");
+    let err = resume_error(&cfg, "short_optimizer", |d| {
+        let p = d.join("optimizer.bpk");
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() / 2]).unwrap();
+    });
+    assert!(
+        err.contains("step_000001/optimizer.bpk: truncated") && !err.contains("Io("),
+        "{err}"
+    );
+    let err = resume_error(&cfg, "bad_optimizer", |d| {
+        std::fs::write(d.join("optimizer.bpk"), vec![7u8; 4096]).unwrap()
+    });
+    assert!(
+        err.contains("step_000001/optimizer.bpk:") && !err.contains("Io("),
+        "{err}"
+    );
+
+    // A fresh run there is refused naming the damage; --overwrite starts over without reading it.
+    let mut damaged = cfg.clone();
+    damaged.run_dir = cfg.run_dir.with_file_name("garbage_state");
+    let err = format!("{:#}", train::run(&damaged, false, true).unwrap_err());
+    assert!(err.contains("trainer_state.json"), "{err}");
+    train::run_with(
+        &damaged,
+        &train::RunOptions {
+            quiet: true,
+            overwrite: true,
+            ..train::RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        checkpoint::latest_checked(&damaged.run_dir)
+            .unwrap()
+            .unwrap()
+            .1
+            .step,
+        1
+    );
+}
+
+/// SIGKILL while pruning removes an old checkpoint: every directory named like a checkpoint is still complete,
+/// and `--resume` finishes the run.
+#[test]
+fn a_kill_during_pruning_leaves_only_complete_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tiny_train_toml(tmp.path(), "aligned", 4)
+        .replace("keep_checkpoints = 0", "keep_checkpoints = 1");
+    let cfg = TrainConfig::from_toml(&text, "tiny").unwrap();
+    let cfg_path = tmp.path().join("run.toml");
+    std::fs::write(&cfg_path, &text).unwrap();
+    let qarl = env!("CARGO_BIN_EXE_qarl");
+    let mut child = Command::new(qarl)
+        .args(["train", "--quiet", "--config"])
+        .arg(&cfg_path)
+        .env(checkpoint::TEST_PAUSE_ENV, "500")
+        .current_dir(tmp.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let root = checkpoint::checkpoints_dir(&cfg.run_dir);
+    let pruning = || {
+        std::fs::read_dir(&root).is_ok_and(|d| {
+            d.flatten()
+                .any(|e| e.file_name().to_string_lossy().starts_with(".pruned-step_"))
+        })
+    };
+    let t0 = Instant::now();
+    while !pruning() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(180), "timed out");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    assert!(!child.wait().unwrap().success());
+    for e in std::fs::read_dir(&root).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if name.starts_with("step_") {
+            for f in [
+                "trainer_state.json",
+                "optimizer.bpk",
+                "model.safetensors",
+                "tokenizer.json",
+                "config.json",
+            ] {
+                assert!(e.path().join(f).is_file(), "{name} has no {f}");
+            }
+        }
+    }
+    let out = Command::new(qarl)
+        .args(["train", "--quiet", "--resume", "--config"])
+        .arg(&cfg_path)
+        .current_dir(tmp.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let names: Vec<String> = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        vec!["step_000003".to_string()],
+        "leftovers after the resume"
+    );
+}

@@ -1,0 +1,109 @@
+//! One process per run directory: a second `qarl train` / `qarl sft` / `qarl experiment` on a directory in use
+//! exits with an error naming the holder's pid and changes nothing; a lock left by a dead process is taken over.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::tiny_train_toml;
+use qarl::train::lock::{self, RunLock};
+
+/// Every file under `dir` with its bytes.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.insert(p.clone(), std::fs::read(&p).unwrap());
+            }
+        }
+    }
+    out
+}
+
+fn qarl(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_second_process_on_a_locked_run_directory_exits_and_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = tmp.path().join("run");
+    std::fs::write(
+        tmp.path().join("run.toml"),
+        tiny_train_toml(tmp.path(), "aligned", 1),
+    )
+    .unwrap();
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::write(run.join("metrics.jsonl"), "{\"phase\":\"rl\",\"step\":0}\n").unwrap();
+    std::fs::write(
+        tmp.path().join("exp.toml"),
+        "name = \"x\"\nbase = \"run.toml\"\nseeds = [1]\nresults_dir = \"run\"\n\
+         [[variant]]\nname = \"a\"\n",
+    )
+    .unwrap();
+    let held = RunLock::acquire(&run).unwrap();
+    let me = std::process::id();
+    let before = snapshot(tmp.path());
+    for args in [
+        &["train", "--quiet", "--config", "run.toml"][..],
+        &["train", "--quiet", "--resume", "--config", "run.toml"],
+        &["sft", "--quiet", "--config", "run.toml"],
+        &["experiment", "--quiet", "exp.toml"],
+    ] {
+        let out = qarl(tmp.path(), args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        println!("qarl {}: {err}", args.join(" "));
+        assert!(
+            !out.status.success(),
+            "qarl {args:?} ran in a locked directory"
+        );
+        assert!(
+            err.contains(&format!("pid {me}")) && err.contains("in use"),
+            "qarl {args:?}: {err}"
+        );
+        assert_eq!(snapshot(tmp.path()), before, "qarl {args:?} changed files");
+    }
+    assert!(!tmp.path().join("model").exists());
+    // In-process as well (the same pid counts as a holder).
+    let err = format!("{:#}", RunLock::acquire(&run).unwrap_err());
+    assert!(err.contains(&format!("pid {me}")), "{err}");
+    drop(held);
+    assert!(!run.join(lock::LOCK_FILE).exists(), "the lock file stayed");
+    let again = RunLock::acquire(&run).unwrap();
+    assert_eq!(lock::read_pid(again.path()), Some(me));
+}
+
+#[test]
+fn a_lock_left_by_a_dead_process_is_taken_over() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut child = Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    assert!(!lock::is_alive(dead), "pid {dead} still exists");
+    std::fs::write(tmp.path().join(lock::LOCK_FILE), format!("{dead}\n")).unwrap();
+    let l = RunLock::acquire(tmp.path()).unwrap();
+    assert_eq!(lock::read_pid(l.path()), Some(std::process::id()));
+    drop(l);
+    // An unreadable lock file (not a pid) is taken over too.
+    std::fs::write(tmp.path().join(lock::LOCK_FILE), "").unwrap();
+    let l = RunLock::acquire(tmp.path()).unwrap();
+    assert_eq!(lock::read_pid(l.path()), Some(std::process::id()));
+    // Nothing but the lock is left in the directory (no temporary files).
+    let names: Vec<String> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().to_string())
+        .collect();
+    assert_eq!(names, vec![lock::LOCK_FILE.to_string()]);
+}

@@ -1,0 +1,150 @@
+//! The warm start (SFT) checkpoints and resumes like RL: a SIGKILL in the middle of SFT, then `--resume`,
+//! gives the same model and the same SFT metrics rows as a run that was never killed.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{metrics_without_timing, tiny_train_toml};
+use qarl::train::{self, checkpoint, sft, TrainConfig};
+
+fn sft_rows(run: &Path) -> Vec<serde_json::Value> {
+    metrics_without_timing(&run.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|r| r["phase"] == "sft")
+        .collect()
+}
+
+fn qarl(dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(args)
+        .current_dir(dir)
+        .env("RUST_LOG", "qarl=info")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_kill_during_sft_resumes_sft_bitwise_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let killed_dir = tmp.path().join("killed");
+    let mut text = tiny_train_toml(&killed_dir, "aligned", 1);
+    text = text.replace("[sft]\n", "[sft]\nlog_every = 1\n");
+    std::fs::create_dir_all(&killed_dir).unwrap();
+    let cfg_path = killed_dir.join("run.toml");
+    std::fs::write(&cfg_path, &text).unwrap();
+    let cfg = TrainConfig::from_toml(&text, "tiny").unwrap();
+    let root = sft::checkpoints_root(&cfg.run_dir);
+
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(["train", "--quiet", "--config"])
+        .arg(&cfg_path)
+        .env(checkpoint::TEST_PAUSE_ENV, "300")
+        .current_dir(&killed_dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !root
+        .join("step_000002")
+        .join("trainer_state.json")
+        .is_file()
+    {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(120), "timed out");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL
+    assert!(!child.wait().unwrap().success());
+    assert!(
+        !cfg.model.dir.exists(),
+        "the warm start finished before the kill"
+    );
+    let killed_at = checkpoint::latest_checked_in(&root)
+        .unwrap()
+        .unwrap()
+        .1
+        .step;
+    println!("killed during SFT, newest SFT checkpoint: step {killed_at}");
+    assert!((2..7).contains(&killed_at), "{killed_at}");
+
+    // A fresh start is refused (it would throw the warm start away), and so is a resume with another [sft].
+    let out = qarl(&killed_dir, &["train", "--quiet", "--config", "run.toml"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("unfinished warm start"),
+        "{err}"
+    );
+    let out = qarl(
+        &killed_dir,
+        &[
+            "train",
+            "--quiet",
+            "--resume",
+            "--config",
+            "run.toml",
+            "--set",
+            "sft.lr=1e-3",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("sft.json"), "{err}");
+
+    let out = qarl(
+        &killed_dir,
+        &["train", "--quiet", "--resume", "--config", "run.toml"],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("resuming the warm start"),
+        "SFT was not resumed: {err}"
+    );
+    assert!(
+        !root.exists(),
+        "the warm start's checkpoints stayed after it finished"
+    );
+
+    let mut straight = cfg.clone();
+    straight.run_dir = tmp.path().join("straight/run");
+    straight.model.dir = tmp.path().join("straight/model");
+    train::run(&straight, false, true).unwrap();
+    let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(
+        weights(&cfg.model.dir) == weights(&straight.model.dir),
+        "the resumed warm start gives other weights than an uninterrupted one"
+    );
+    let (a, b) = (sft_rows(&cfg.run_dir), sft_rows(&straight.run_dir));
+    let steps: Vec<u64> = a.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(
+        steps,
+        (0..8).collect::<Vec<u64>>(),
+        "each SFT step logged once"
+    );
+    assert_eq!(a, b, "SFT metrics differ after the resume");
+}
+
+/// `qarl sft` checkpoints too (`checkpoint_every` = 1 here), and a finished warm start leaves none behind.
+#[test]
+fn qarl_sft_leaves_no_checkpoints_when_it_finishes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tiny_train_toml(tmp.path(), "aligned", 1);
+    let cfg = TrainConfig::from_toml(&text, "tiny").unwrap();
+    std::fs::write(tmp.path().join("run.toml"), &text).unwrap();
+    let out = qarl(tmp.path(), &["sft", "--quiet", "--config", "run.toml"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(cfg.model.dir.join("config.json").is_file());
+    assert!(!sft::checkpoints_root(&cfg.run_dir).exists());
+    let rows = metrics_without_timing(&cfg.run_dir.join("sft_metrics.jsonl"));
+    assert!(!rows.is_empty() && rows.iter().all(|r| r["phase"] == "sft"));
+}
