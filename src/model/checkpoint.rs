@@ -157,7 +157,7 @@ impl Checkpoint {
     }
 
     /// The file a tensor lives in (or, for a tensor that is absent, the file it was looked for in).
-    fn path_of(&self, name: &str) -> PathBuf {
+    pub fn path_of(&self, name: &str) -> PathBuf {
         match self.index.get(name) {
             Some(&id) => self.shards[id].path.clone(),
             None if self.shards.len() == 1 => self.shards[0].path.clone(),

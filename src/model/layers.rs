@@ -74,8 +74,8 @@ impl Linear {
                 let scales = ckpt.read_f32(&sname, &scheme.scale_shape(d_out, d_in))?;
                 let q = QuantizedTensor::from_parts(scheme, d_out, d_in, data, scales).map_err(
                     |e| LoadError::InvalidConfig {
-                        path: ckpt.dir().join(&qname),
-                        msg: e.to_string(),
+                        path: ckpt.path_of(&qname),
+                        msg: format!("tensor `{qname}`: {e}"),
                     },
                 )?;
                 let qw = QuantizedWeight::from_packed(q);
