@@ -52,8 +52,9 @@ impl StepTimings {
 }
 
 /// Runs `warmup + steps` RL steps of `cfg` from its model (created and warm-started first, as `qarl train`
-/// would, when `model.dir` does not exist yet) and returns the metrics of the last `steps`. Writes nothing
-/// into the run directory: no metrics file, no checkpoint, no evaluation.
+/// would, when `model.dir` does not exist yet) and returns the metrics of the last `steps`. The RL steps
+/// write nothing: no metrics file, no checkpoint, no evaluation (creating a missing model takes the run
+/// directory's lock and writes the warm start's checkpoints there, as `qarl train` does).
 pub fn bench_steps(
     cfg: &TrainConfig,
     device: &Device,
