@@ -607,8 +607,8 @@ fn deterministic_mode_is_bitwise_at_widths_not_multiple_of_128() {
 }
 
 /// Deterministic mode's f32 product (`det_matmul`, both weight layouts, rank 2 and 4) is differentiable: its
-/// values are the fixed-order kernel's (within f32 rounding of burn's matmul) and its gradients are exactly
-/// those of burn's matmul.
+/// values are the fixed-order kernel's and its gradients (products on the fixed-order GEMM) are burn's
+/// matmul gradients up to summation order (<= 1e-6 relative); the values within f32 rounding.
 #[test]
 fn det_matmul_has_burn_matmul_gradients() {
     use qarl::ops::det_matmul;
@@ -653,8 +653,23 @@ fn det_matmul_has_burn_matmul_gradients() {
         let (y0, dx0, dw0) = grads_of(false, nt, sx, sw);
         let (y1, dx1, dw1) = grads_of(true, nt, sx, sw);
         assert!(max_abs_diff(&y0, &y1) < 1e-5, "values, nt {nt}");
-        assert_eq!(dx0, dx1, "dx, nt {nt}");
-        assert_eq!(dw0, dw1, "dw, nt {nt}");
+        // The backward's products run on the fixed-order GEMM, burn's on its own blocking: the same
+        // gradients up to the order of the sums.
+        let rel = |a: &[f32], b: &[f32]| {
+            let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+            let n: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+            (d / n).sqrt()
+        };
+        assert!(
+            rel(&dx1, &dx0) <= 1e-6,
+            "dx, nt {nt}: {:e}",
+            rel(&dx1, &dx0)
+        );
+        assert!(
+            rel(&dw1, &dw0) <= 1e-6,
+            "dw, nt {nt}: {:e}",
+            rel(&dw1, &dw0)
+        );
     }
 }
 
