@@ -431,7 +431,7 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
                 let run = |sharing| {
                     let opts = ForwardOptions {
                         sharing,
-                        entropy: false,
+                        entropy: true,
                     };
                     batch.logprobs_with(&model, Weights::Packed, 0.8, replay.as_deref(), opts)
                 };
@@ -443,6 +443,15 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
                     assert_eq!(a[i].to_bits(), b[i].to_bits(), "{what}: position {i}");
                 }
                 assert_eq!(fs.padded_len, ff.padded_len);
+                // The whole distribution, not only the target: the entropy of every scored position.
+                let bits = |v: &Option<Vec<f32>>| {
+                    v.as_ref()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(bits(&fs.entropy), bits(&ff.entropy), "{what}: entropy");
                 for (l, (rs, rf)) in fs.routing.iter().zip(&ff.routing).enumerate() {
                     let (Some(rs), Some(rf)) = (rs, rf) else {
                         assert_eq!(rs.is_some(), rf.is_some(), "{what}: layer {l}");
