@@ -278,7 +278,8 @@ fn mismatch_refuses_zero_samples_and_temperature() {
 
 /// `qarl mismatch` on a tiny random model: an f32 floor row (f32 sampler, f32 forward) before the quantized
 /// rows, each with the error-token fractions criterion by criterion and their union. The f32 row and the
-/// aligned row score the rollout's own bits, so they can have no ratio error and no KL.
+/// aligned row score the rollout's own bits, so they can have no ratio error and no KL; the full-precision
+/// forward against the int4 rollout has both.
 #[test]
 fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     let tmp = tempfile::tempdir().unwrap();
@@ -360,6 +361,11 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
         assert_eq!(get(r, "rollout_corr/k3_kl"), 0.0, "{r}");
         assert_eq!(get(r, "error_tokens/ratio_frac"), 0.0, "{r}");
     }
+    // With init std 1 the random model is peaked enough that int4-g32 changes many sampled tokens'
+    // probabilities by over 20x against the full-precision forward (measured: ratio 0.70, low prob 0.49).
+    let full = &rows[1];
+    assert!(get(full, "rollout_corr/k3_kl") > 0.0, "{full}");
+    assert!(get(full, "error_tokens/ratio_frac") > 0.0, "{full}");
     let md = std::fs::read_to_string(output.with_extension("md")).unwrap();
     eprintln!("{md}");
     assert!(

@@ -101,6 +101,7 @@ name = "D"
     write_run(&results.join("D/seed2"), None, "0000", "1000", new_keys);
 
     let report = std::fs::read_to_string(write_report(&exp, results).unwrap()).unwrap();
+    println!("{report}");
     let line = |start: &str| -> String {
         report
             .lines()

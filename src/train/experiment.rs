@@ -409,7 +409,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         )?;
     }
     write_arm_comparisons(&mut md, &variants)?;
-    writeln!(md, "\nMismatch and stability: each run's average over its RL steps, mean ± sample std over seeds. Error tokens (docs/metrics.md): `any` is the fraction of response tokens meeting at least one criterion; `ratio`: the sampler over 20x more confident than the learner; `low prob`: learner probability below 1e-4; `repetition`: inside a repetition loop. Logs written before the criteria were separated have only `any`.\n")?;
+    writeln!(md, "\nMismatch and stability: each run's average over its RL steps, mean ± sample std over seeds. Error tokens (docs/metrics.md): `any` is the fraction of response tokens meeting at least one criterion; `ratio`: the sampler over 20x more confident than the learner; `low prob`: learner probability below 1e-4; `repetition`: inside a repetition loop. Logs written before the criteria were separated have `any` (then named `error_tokens/frac`) and `repetition`, no `ratio`, and a low-probability fraction that also counted ratio errors, left out here.\n")?;
     let header: Vec<&str> = STABILITY_COLUMNS.iter().map(|c| c.1).collect();
     writeln!(md, "| variant | {} |", header.join(" | "))?;
     writeln!(md, "|---|{}", "---|".repeat(header.len()))?;
