@@ -275,3 +275,103 @@ fn mismatch_refuses_zero_samples_and_temperature() {
         assert!(err.contains(want), "{flag} {value}: {err}");
     }
 }
+
+/// `qarl mismatch` on a tiny random model: an f32 floor row (f32 sampler, f32 forward) before the quantized
+/// rows, each with the error-token fractions criterion by criterion and their union. The f32 row and the
+/// aligned row score the rollout's own bits, so they can have no ratio error and no KL; the full-precision
+/// forward against the int4 rollout has both.
+#[test]
+fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let init = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("configs/models/qwen3-moe-arith.json");
+    qarl::model::init::write_random_checkpoint(&init, &model, 7, 1.0).unwrap();
+    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    let data = tmp.path().join("problems.jsonl");
+    std::fs::write(
+        &data,
+        "{\"question\": \"1+2?\", \"answer\": \"#### 3\"}\n{\"question\": \"4+4?\", \"answer\": \"#### 8\"}\n",
+    )
+    .unwrap();
+    let output = tmp.path().join("mismatch.json");
+    let out = qarl()
+        .args(["mismatch", "--model"])
+        .arg(&model)
+        .arg("--data")
+        .arg(&data)
+        .args([
+            "--samples",
+            "2",
+            "--max-new-tokens",
+            "24",
+            "--schemes",
+            "int4-g32",
+            "--output",
+        ])
+        .arg(&output)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    let which: Vec<(&str, &str)> = rows
+        .iter()
+        .map(|r| {
+            (
+                r["scheme"].as_str().unwrap(),
+                r["forward"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        which,
+        [
+            ("f32", "full"),
+            ("int4-g32", "full"),
+            ("int4-g32", "aligned")
+        ]
+    );
+    let get = |r: &serde_json::Value, k: &str| {
+        r[k].as_f64()
+            .unwrap_or_else(|| panic!("{k} missing in {r}"))
+    };
+    for r in rows {
+        let parts = [
+            get(r, "error_tokens/ratio_frac"),
+            get(r, "error_tokens/low_prob_frac"),
+            get(r, "error_tokens/repetition_frac"),
+        ];
+        let any = get(r, "error_tokens/any_frac");
+        assert!(
+            parts.iter().all(|&p| (0.0..=1.0).contains(&p) && p <= any),
+            "{r}"
+        );
+        assert!(any <= parts.iter().sum::<f64>() + 1e-12, "{r}");
+        assert!(r.get("error_tokens/frac").is_none(), "old mixed key: {r}");
+        assert!(r["response_tokens"].as_u64().unwrap() > 0);
+    }
+    for r in [&rows[0], &rows[2]] {
+        assert_eq!(get(r, "rollout_corr/k3_kl"), 0.0, "{r}");
+        assert_eq!(get(r, "error_tokens/ratio_frac"), 0.0, "{r}");
+    }
+    // With init std 1 the random model is peaked enough that int4-g32 changes many sampled tokens'
+    // probabilities by over 20x against the full-precision forward (measured: ratio 0.70, low prob 0.49).
+    let full = &rows[1];
+    assert!(get(full, "rollout_corr/k3_kl") > 0.0, "{full}");
+    assert!(get(full, "error_tokens/ratio_frac") > 0.0, "{full}");
+    let md = std::fs::read_to_string(output.with_extension("md")).unwrap();
+    eprintln!("{md}");
+    assert!(
+        md.contains("| error tokens: ratio | low prob | repetition | any |")
+            && md.contains("| f32 | full |"),
+        "{md}"
+    );
+    assert!(stdout.contains("f32     full:"), "{stdout}");
+}

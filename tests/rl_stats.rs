@@ -9,9 +9,9 @@ use qarl::rl::advantages::{
     StdKind,
 };
 use qarl::rl::metrics::{
-    error_token_metrics, is_low_probability, masked_mean, names, repetition_loop_mask,
-    response_length_metrics, rollout_mismatch_metrics, routing_disagreement, token_entropy,
-    LoopRule, RoutingDisagreement,
+    error_token_metrics, is_low_probability, is_ratio_error, masked_mean, names,
+    repetition_loop_mask, response_length_metrics, rollout_mismatch_metrics, routing_disagreement,
+    token_entropy, LoopRule, RoutingDisagreement,
 };
 use qarl::rl::RlError;
 
@@ -389,36 +389,56 @@ proptest! {
 }
 
 #[test]
-fn low_probability_tokens_match_the_thresholds() {
+fn low_probability_and_ratio_criteria_match_the_thresholds() {
     let ln = f32::ln;
+    // Absolute: p_old below 1e-4, whatever the sampler did.
+    assert!(is_low_probability(ln(5e-5)), "below 1e-4 under the learner");
+    assert!(!is_low_probability(ln(2e-4)), "above 1e-4");
+    // Ratio: the sampler over 20x more confident than the learner, whatever the absolute level.
     assert!(
-        is_low_probability(ln(5e-5), ln(5e-5)),
-        "below 1e-4 under the learner"
-    );
-    assert!(!is_low_probability(ln(2e-4), ln(2e-4)));
-    assert!(
-        is_low_probability(ln(0.01), ln(0.3)),
+        is_ratio_error(ln(0.01), ln(0.3)),
         "sampler 30x more confident"
     );
     assert!(
-        !is_low_probability(ln(0.02), ln(0.3)),
+        !is_ratio_error(ln(0.02), ln(0.3)),
         "15x is within the 20x limit"
     );
     assert!(
-        !is_low_probability(ln(0.9), ln(0.01)),
-        "the learner more confident is not an error token"
+        !is_ratio_error(ln(0.9), ln(0.01)),
+        "the learner more confident is not a ratio error"
+    );
+    assert!(
+        !is_ratio_error(ln(5e-5), ln(5e-5)),
+        "no mismatch, no ratio error, however unlikely the token"
+    );
+    assert!(
+        !is_low_probability(ln(0.01)),
+        "a 30x ratio on a 1% token is not low-probability"
     );
 }
 
+/// Each criterion counted on its own, and the union counting a token once however many criteria it meets.
 #[test]
 fn error_token_metrics_match_hand_counts() {
     let ln = f32::ln;
-    // Row 1 (5 response tokens): "a b b b c" -> 3 loop tokens; one low-probability token (position 4, not in
-    // the loop). Row 2 (3 tokens of 4): clean. Row 3: no response tokens.
+    // Row 0 (5 response tokens), ids "1 2 2 2 3":
+    //   t0: p_old 0.01, p_roll 0.3          -> ratio (30x)
+    //   t1..t3: the loop "2 2 2"             -> repetition; t2 also has p_old = p_roll = 5e-5 -> low-prob
+    //   t4: p_old 1e-5 = p_roll             -> low-prob
+    // Row 1 (3 of 5 positions are response tokens), ids "9 8 7":
+    //   t0: p_old 5e-5, p_roll 0.5          -> low-prob and ratio
+    //   t1: p_old 0.9, p_roll 0.01          -> nothing (the learner is the more confident one)
+    //   t2: clean
+    // Row 2: no response tokens.
+    // Counts over 8 tokens: repetition 3, low-prob 3, ratio 2, any 6 (row 0: all 5; row 1: 1).
     let ids = [1, 2, 2, 2, 3, 9, 8, 7, 9, 9, 9, 9, 9, 9, 9];
     let mut lp_old = [ln(0.5); 15];
-    let lp_roll = [ln(0.5); 15];
-    lp_old[4] = ln(1e-5);
+    let mut lp_roll = [ln(0.5); 15];
+    (lp_old[0], lp_roll[0]) = (ln(0.01), ln(0.3));
+    (lp_old[2], lp_roll[2]) = (ln(5e-5), ln(5e-5));
+    (lp_old[4], lp_roll[4]) = (ln(1e-5), ln(1e-5));
+    (lp_old[5], lp_roll[5]) = (ln(5e-5), ln(0.5));
+    (lp_old[6], lp_roll[6]) = (ln(0.9), ln(0.01));
     let mask = [
         true, true, true, true, true, //
         true, true, true, false, false, //
@@ -427,18 +447,43 @@ fn error_token_metrics_match_hand_counts() {
     let report =
         error_token_metrics(&ids, &lp_old, &lp_roll, &mask, 5, LoopRule::default()).unwrap();
     assert_close(report.repetition_frac, 3.0 / 8.0, 1e-12, "repetition");
-    assert_close(report.low_prob_frac, 1.0 / 8.0, 1e-12, "low prob");
-    assert_close(report.error_frac, 4.0 / 8.0, 1e-12, "either");
+    assert_close(report.low_prob_frac, 3.0 / 8.0, 1e-12, "low prob");
+    assert_close(report.ratio_frac, 2.0 / 8.0, 1e-12, "ratio");
+    assert_close(report.any_frac, 6.0 / 8.0, 1e-12, "any");
     assert_eq!(report.worst_row, Some(0));
-    assert_close(report.worst_row_frac, 4.0 / 5.0, 1e-12, "worst row");
+    assert_close(report.worst_row_frac, 5.0 / 5.0, 1e-12, "worst row");
     let map = report.to_map();
-    assert_eq!(map[names::REPETITION_FRAC], report.repetition_frac);
-    assert_eq!(map[names::LOW_PROB_FRAC], report.low_prob_frac);
+    for (key, value) in [
+        (names::REPETITION_FRAC, 3.0 / 8.0),
+        (names::LOW_PROB_FRAC, 3.0 / 8.0),
+        (names::RATIO_FRAC, 2.0 / 8.0),
+        (names::ANY_ERROR_FRAC, 6.0 / 8.0),
+        (names::WORST_RESPONSE_ERROR_FRAC, 1.0),
+    ] {
+        assert_close(map[key], value, 1e-12, key);
+    }
+    assert!(
+        !map.contains_key(names::LEGACY_ERROR_TOKEN_FRAC),
+        "the mixed name is no longer written"
+    );
+
+    // Without a mismatch (lp_roll = lp_old, as with the aligned forward) there are no ratio errors, while the
+    // learner's own unlikely tokens and the loop remain.
+    let same = error_token_metrics(&ids, &lp_old, &lp_old, &mask, 5, LoopRule::default()).unwrap();
+    assert_eq!(same.ratio_frac, 0.0);
+    assert_close(
+        same.low_prob_frac,
+        3.0 / 8.0,
+        1e-12,
+        "low prob without mismatch",
+    );
+    // Row 0 loses t0 (only a ratio error); row 1 keeps t0 (low-prob): 4 + 1 of 8.
+    assert_close(same.any_frac, 5.0 / 8.0, 1e-12, "any without mismatch");
 
     let clean = error_token_metrics(
         &ids,
-        &lp_roll,
-        &lp_roll,
+        &[ln(0.5); 15],
+        &[ln(0.5); 15],
         &[
             false, false, false, false, false, true, true, true, false, false, false, false, false,
             false, false,
@@ -447,7 +492,7 @@ fn error_token_metrics_match_hand_counts() {
         LoopRule::default(),
     )
     .unwrap();
-    assert_eq!((clean.error_frac, clean.worst_row), (0.0, None));
+    assert_eq!((clean.any_frac, clean.worst_row), (0.0, None));
     assert!(
         error_token_metrics(&ids[..14], &lp_old, &lp_roll, &mask, 5, LoopRule::default()).is_err()
     );

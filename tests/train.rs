@@ -120,10 +120,19 @@ fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
         "actor/entropy",
         "actor/pg_clipfrac",
         "response_length/mean",
-        "error_tokens/frac",
+        "error_tokens/ratio_frac",
+        "error_tokens/low_prob_frac",
+        "error_tokens/repetition_frac",
+        "error_tokens/any_frac",
     ] {
         assert!(rl[0][key].is_number(), "missing {key}: {}", rl[0]);
     }
+    assert!(
+        rl[0].get("error_tokens/frac").is_none(),
+        "the mixed error-token key is gone: {}",
+        rl[0]
+    );
+
     assert!(rows.iter().any(|r| r["phase"] == "sft"));
     assert!(rows.iter().filter(|r| r["phase"] == "eval").count() >= 2);
     // The before/after comparison is paired over the same held-out problems, and agrees with the
@@ -199,6 +208,8 @@ fn aligned_forward_removes_the_rollout_mismatch() {
     for row in &rl_rows {
         assert_eq!(row["train/lp_old_reused"], 1.0, "{row}");
         assert_eq!(row["rollout_corr/k3_kl"], 0.0, "{row}");
+        // The learner scores the rollout's own bits: no token can be a ratio error.
+        assert_eq!(row["error_tokens/ratio_frac"], 0.0, "{row}");
     }
     let (a, f) = (k3(&aligned.run_dir), k3(&full.run_dir));
     println!(

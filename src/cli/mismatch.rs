@@ -1,15 +1,17 @@
 //! `qarl mismatch`: how far a quantized rollout is from the learner, on real prompts. For each scheme it samples
 //! responses with quantized weights (recording the sampler's log-probs), then scores the same tokens with the
 //! full-precision training forward and with the aligned (QaRL) forward, and reports the mismatch metrics of
-//! each against the rollout: k3 KL, |delta p| max and mean, error-token fraction.
+//! each against the rollout: k3 KL, |delta p| max and mean, and the error-token fractions criterion by
+//! criterion (ratio, low probability, repetition) with their union. A first row samples in f32 and scores
+//! with the f32 forward: the floor every quantized row is read against.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::model::{Tokenizer, Weights};
+use crate::model::{Decoder, Tokenizer, Weights};
 use crate::quant::{Precision, QuantScheme};
-use crate::rl::metrics::{error_token_metrics, rollout_mismatch_metrics, LoopRule};
+use crate::rl::metrics::{error_token_metrics, names, rollout_mismatch_metrics, LoopRule};
 use crate::rollout::{generate, SamplingParams};
 use crate::tasks::datasets::{load_gsm8k, OnBadLine};
 use crate::tasks::template::Template;
@@ -88,62 +90,38 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         stop_token_ids: stop_ids,
         ..SamplingParams::default()
     };
-    let keys = [
-        ("rollout_corr/k3_kl", "k3 KL"),
-        ("training/rollout_probs_diff_max", "|dp| max"),
-        ("training/rollout_probs_diff_mean", "|dp| mean"),
-        ("error_tokens/frac", "error-token frac"),
-    ];
     let mut rows = Vec::new();
+    // The floor of the measurement: the f32 sampler against the f32 forward. Whatever error tokens and KL
+    // it shows are the model's own (unlikely tokens, loops) and the decode/prefill numerics, not quantization.
+    let mut f32_model = full.clone();
+    if f32_model.precision() != Precision::F32 {
+        f32_model
+            .set_precision(Precision::F32)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
+    }
+    rows.extend(measure(
+        &f32_model,
+        "f32",
+        &[("full", Weights::Master)],
+        &prompts,
+        &params,
+        &tok,
+        args.samples,
+    )?);
     for &scheme in &args.schemes {
         let mut quantized = full.clone();
         quantized
             .set_precision(Precision::Quantized(scheme))
             .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
-        let t = std::time::Instant::now();
-        let out = generate(&quantized, &prompts, args.samples, &params, Some(&tok));
-        let rollout_s = t.elapsed().as_secs_f64();
-        let batch = SeqBatch::new(out.ids.clone(), out.prompt_lens.clone());
-        let roll = batch.grid_values(&out.logprobs);
-        let mask: Vec<bool> = batch.mask_values().iter().map(|&v| v > 0.0).collect();
-        let ids_grid: Vec<u32> = batch
-            .seqs
-            .iter()
-            .flat_map(|s| (0..batch.width).map(move |t| s.get(t + 1).copied().unwrap_or(0)))
-            .collect();
-        for (forward, weights) in [("full", Weights::Master), ("aligned", Weights::Packed)] {
-            let lp = crate::host::to_f32_vec(
-                batch
-                    .logprobs(&quantized, weights, args.temperature, None)
-                    .0,
-            );
-            let mut m = rollout_mismatch_metrics(&lp, &roll, &mask, batch.width)?;
-            let err = error_token_metrics(
-                &ids_grid,
-                &lp,
-                &roll,
-                &mask,
-                batch.width,
-                LoopRule::default(),
-            )?;
-            m.extend(err.to_map());
-            let mut row = serde_json::json!({
-                "scheme": scheme.to_string(), "forward": forward,
-                "response_tokens": mask.iter().filter(|&&b| b).count(),
-                "rollout_tokens_per_s": out.generated_tokens() as f64 / rollout_s.max(1e-9),
-            });
-            for (k, _) in keys {
-                row[k] = serde_json::json!(m.get(k).copied().unwrap_or(f64::NAN));
-            }
-            println!(
-                "{scheme:>10} {forward:>8}: k3 KL {:.3e}  |dp| max {:.3e}  mean {:.3e}  error tokens {:.4}",
-                row[keys[0].0].as_f64().unwrap_or(f64::NAN),
-                row[keys[1].0].as_f64().unwrap_or(f64::NAN),
-                row[keys[2].0].as_f64().unwrap_or(f64::NAN),
-                row[keys[3].0].as_f64().unwrap_or(f64::NAN),
-            );
-            rows.push(row);
-        }
+        rows.extend(measure(
+            &quantized,
+            &scheme.to_string(),
+            &[("full", Weights::Master), ("aligned", Weights::Packed)],
+            &prompts,
+            &params,
+            &tok,
+            args.samples,
+        )?);
     }
     if let Some(out) = &args.output {
         let meta = serde_json::json!({"model": args.model, "data": path, "prompts": records.len(),
@@ -151,19 +129,27 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
             "seed": args.seed, "rows": rows});
         crate::io::write_json_atomic(out, &meta)?;
         let mut md = format!(
-            "Rollout/learner mismatch on {} ({} prompts x {} samples, T = {}, up to {} new tokens, seed {}):\n\n\
-             | rollout | training forward | k3 KL | abs dp max | abs dp mean | error-token frac | tokens |\n|---|---|---|---|---|---|---|\n",
+            "Rollout/learner mismatch on {} ({} prompts x {} samples, T = {}, up to {} new tokens, seed {}). \
+             Rollout `f32` is the floor: the f32 sampler against the f32 forward. Error-token fractions \
+             (docs/metrics.md): `ratio`, the sampler over 20x more confident than the learner; `low prob`, \
+             learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n\
+             | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
+             |---|---|---|---|---|---|---|---|---|---|\n",
             path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed
         );
         for r in &rows {
+            let v = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
             md += &format!(
-                "| {} | {} | {:.3e} | {:.3e} | {:.3e} | {:.4} | {} |\n",
+                "| {} | {} | {:.3e} | {:.3e} | {:.3e} | {:.4} | {:.4} | {:.4} | {:.4} | {} |\n",
                 r["scheme"].as_str().unwrap_or(""),
                 r["forward"].as_str().unwrap_or(""),
-                r[keys[0].0].as_f64().unwrap_or(f64::NAN),
-                r[keys[1].0].as_f64().unwrap_or(f64::NAN),
-                r[keys[2].0].as_f64().unwrap_or(f64::NAN),
-                r[keys[3].0].as_f64().unwrap_or(f64::NAN),
+                v(KEYS[0]),
+                v(KEYS[1]),
+                v(KEYS[2]),
+                v(KEYS[3]),
+                v(KEYS[4]),
+                v(KEYS[5]),
+                v(KEYS[6]),
                 r["response_tokens"],
             );
         }
@@ -171,4 +157,79 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("{}: cannot write", out.with_extension("md").display()))?;
     }
     Ok(())
+}
+
+/// The metrics each row reports, in table order.
+const KEYS: [&str; 7] = [
+    names::K3_KL,
+    names::PROBS_DIFF_MAX,
+    names::PROBS_DIFF_MEAN,
+    names::RATIO_FRAC,
+    names::LOW_PROB_FRAC,
+    names::REPETITION_FRAC,
+    names::ANY_ERROR_FRAC,
+];
+
+/// Samples with `sampler` (recording its log-probs), scores the same tokens with each of `forwards` (the
+/// sampler's own weights, master or packed), and returns one row per forward: the mismatch metrics of that
+/// forward against the rollout. Also prints each row.
+fn measure(
+    sampler: &Decoder,
+    rollout: &str,
+    forwards: &[(&str, Weights)],
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    tok: &Tokenizer,
+    samples: usize,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let t = std::time::Instant::now();
+    let out = generate(sampler, prompts, samples, params, Some(tok));
+    let rollout_s = t.elapsed().as_secs_f64();
+    let batch = SeqBatch::new(out.ids.clone(), out.prompt_lens.clone());
+    let roll = batch.grid_values(&out.logprobs);
+    let mask: Vec<bool> = batch.mask_values().iter().map(|&v| v > 0.0).collect();
+    let ids_grid: Vec<u32> = batch
+        .seqs
+        .iter()
+        .flat_map(|s| (0..batch.width).map(move |t| s.get(t + 1).copied().unwrap_or(0)))
+        .collect();
+    let mut rows = Vec::new();
+    for &(forward, weights) in forwards {
+        let lp =
+            crate::host::to_f32_vec(batch.logprobs(sampler, weights, params.temperature, None).0);
+        let mut m = rollout_mismatch_metrics(&lp, &roll, &mask, batch.width)?;
+        m.extend(
+            error_token_metrics(
+                &ids_grid,
+                &lp,
+                &roll,
+                &mask,
+                batch.width,
+                LoopRule::default(),
+            )?
+            .to_map(),
+        );
+        let mut row = serde_json::json!({
+            "scheme": rollout, "forward": forward,
+            "response_tokens": mask.iter().filter(|&&b| b).count(),
+            "rollout_tokens_per_s": out.generated_tokens() as f64 / rollout_s.max(1e-9),
+        });
+        for k in KEYS {
+            row[k] = serde_json::json!(m.get(k).copied().unwrap_or(f64::NAN));
+        }
+        let v = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
+        println!(
+            "{rollout:>10} {forward:>8}: k3 KL {:.3e}  |dp| max {:.3e}  mean {:.3e}  error tokens: ratio {:.4}  \
+             low prob {:.4}  repetition {:.4}  any {:.4}",
+            v(KEYS[0]),
+            v(KEYS[1]),
+            v(KEYS[2]),
+            v(KEYS[3]),
+            v(KEYS[4]),
+            v(KEYS[5]),
+            v(KEYS[6]),
+        );
+        rows.push(row);
+    }
+    Ok(rows)
 }

@@ -33,8 +33,13 @@ pub mod names {
     pub const RESPONSE_LENGTH_CLIP_RATIO: &str = "response_length/clip_ratio";
     pub const REPETITION_FRAC: &str = "error_tokens/repetition_frac";
     pub const LOW_PROB_FRAC: &str = "error_tokens/low_prob_frac";
-    pub const ERROR_TOKEN_FRAC: &str = "error_tokens/frac";
+    pub const RATIO_FRAC: &str = "error_tokens/ratio_frac";
+    pub const ANY_ERROR_FRAC: &str = "error_tokens/any_frac";
     pub const WORST_RESPONSE_ERROR_FRAC: &str = "error_tokens/worst_response_frac";
+    /// The union of all three criteria under its name before the criteria were reported apart: the same
+    /// quantity as [`ANY_ERROR_FRAC`], still read from old logs by the report and plot writers. (In those
+    /// logs `error_tokens/low_prob_frac` also counted the ratio criterion.)
+    pub const LEGACY_ERROR_TOKEN_FRAC: &str = "error_tokens/frac";
     pub const ROUTING_DISAGREEMENT: &str = "moe/routing_disagreement_frac";
 }
 
@@ -285,25 +290,41 @@ pub fn repetition_loop_mask(tokens: &[u32], rule: LoopRule) -> Vec<bool> {
     marked
 }
 
-/// Very-low-probability token test (docs/metrics.md, "Error tokens"): `lp_old < ln(1e-4)` (the learner finds the token
-/// nearly impossible) or `lp_old - lp_roll < -ln(20)` (the sampler was over 20x more confident than the
-/// learner): the error tokens whose extreme ratios dominate a gradient.
-pub fn is_low_probability(lp_old: f32, lp_roll: f32) -> bool {
-    let (old, roll) = (f64::from(lp_old), f64::from(lp_roll));
-    old < 1e-4f64.ln() || old - roll < -(20f64.ln())
+/// The absolute criterion: a token the learner gives probability below this is an error token.
+pub const LOW_PROB_THRESHOLD: f64 = 1e-4;
+/// The ratio criterion: a token the sampler was more than this many times as confident in as the learner is
+/// an error token.
+pub const RATIO_THRESHOLD: f64 = 20.0;
+
+/// Absolute low-probability test (docs/metrics.md, "Error tokens"): `lp_old < ln(1e-4)`, the learner finds
+/// the token nearly impossible. It flags the model's own unlikely choices and does not need any mismatch:
+/// an f32 sampler against the f32 learner still has such tokens at `T = 1`.
+pub fn is_low_probability(lp_old: f32) -> bool {
+    f64::from(lp_old) < LOW_PROB_THRESHOLD.ln()
 }
 
-/// Error-token statistics of a batch.
+/// Ratio test (docs/metrics.md, "Error tokens"): `lp_old - lp_roll < -ln(20)`, the sampler was over 20x
+/// more confident than the learner. Only a rollout/learner mismatch produces it (it never fires when the
+/// two log-probs are equal): these are the tokens whose extreme importance ratios dominate a gradient.
+pub fn is_ratio_error(lp_old: f32, lp_roll: f32) -> bool {
+    f64::from(lp_old) - f64::from(lp_roll) < -RATIO_THRESHOLD.ln()
+}
+
+/// Error-token statistics of a batch: each criterion apart, so that a fraction says what it measures (the
+/// aligned forward has no ratio errors, yet its repetition loops and low-probability tokens remain), and
+/// their union.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ErrorTokenReport {
-    /// `error_tokens/repetition_frac`: response tokens inside a repetition loop.
+    /// `error_tokens/repetition_frac`: response tokens inside a repetition loop ([`repetition_loop_mask`]).
     pub repetition_frac: f64,
-    /// `error_tokens/low_prob_frac`: response tokens that are very unlikely ([`is_low_probability`]).
+    /// `error_tokens/low_prob_frac`: response tokens with `p_old < 1e-4` ([`is_low_probability`]).
     pub low_prob_frac: f64,
-    /// `error_tokens/frac`: response tokens that are either.
-    pub error_frac: f64,
-    /// The row with the highest fraction of error tokens (first on ties; `None` if no row has any), to print
-    /// as an example in the logs.
+    /// `error_tokens/ratio_frac`: response tokens with `p_old / p_roll < 1/20` ([`is_ratio_error`]).
+    pub ratio_frac: f64,
+    /// `error_tokens/any_frac`: response tokens that meet at least one of the three criteria.
+    pub any_frac: f64,
+    /// The row with the highest fraction of error tokens (any criterion; first on ties; `None` if no row has
+    /// any), to print as an example in the logs.
     pub worst_row: Option<usize>,
     /// `error_tokens/worst_response_frac`: that row's fraction (0 when there is none).
     pub worst_row_frac: f64,
@@ -315,7 +336,8 @@ impl ErrorTokenReport {
         [
             (names::REPETITION_FRAC, self.repetition_frac),
             (names::LOW_PROB_FRAC, self.low_prob_frac),
-            (names::ERROR_TOKEN_FRAC, self.error_frac),
+            (names::RATIO_FRAC, self.ratio_frac),
+            (names::ANY_ERROR_FRAC, self.any_frac),
             (names::WORST_RESPONSE_ERROR_FRAC, self.worst_row_frac),
         ]
         .into_iter()
@@ -324,8 +346,18 @@ impl ErrorTokenReport {
     }
 }
 
-/// Repetition loops and very-low-probability tokens over the response tokens of a `[B, row_len]` batch
-/// (`ids` the token ids; each row's response is its masked positions, in order).
+/// Token counts of the three criteria and their union, summed over rows.
+#[derive(Debug, Clone, Copy, Default)]
+struct ErrorCounts {
+    tokens: usize,
+    repetition: usize,
+    low_prob: usize,
+    ratio: usize,
+    any: usize,
+}
+
+/// Repetition loops, low-probability tokens and ratio errors over the response tokens of a `[B, row_len]`
+/// batch (`ids` the token ids; each row's response is its masked positions, in order).
 pub fn error_token_metrics(
     ids: &[u32],
     lp_old: &[f32],
@@ -343,7 +375,7 @@ pub fn error_token_metrics(
         mask,
         row_len,
     )?;
-    let (mut total, mut repeated, mut low, mut either) = (0usize, 0usize, 0usize, 0usize);
+    let mut total = ErrorCounts::default();
     let (mut worst_row, mut worst_row_frac) = (None, 0.0);
     for b in 0..rows {
         let positions: Vec<usize> = (b * row_len..(b + 1) * row_len)
@@ -354,29 +386,38 @@ pub fn error_token_metrics(
         }
         let tokens: Vec<u32> = positions.iter().map(|&i| ids[i]).collect();
         let loops = repetition_loop_mask(&tokens, rule);
-        let mut row_errors = 0;
+        let mut row = ErrorCounts {
+            tokens: positions.len(),
+            ..ErrorCounts::default()
+        };
         for (k, &i) in positions.iter().enumerate() {
-            let is_low = is_low_probability(lp_old[i], lp_roll[i]);
-            repeated += usize::from(loops[k]);
-            low += usize::from(is_low);
-            row_errors += usize::from(loops[k] || is_low);
+            let low = is_low_probability(lp_old[i]);
+            let ratio = is_ratio_error(lp_old[i], lp_roll[i]);
+            row.repetition += usize::from(loops[k]);
+            row.low_prob += usize::from(low);
+            row.ratio += usize::from(ratio);
+            row.any += usize::from(loops[k] || low || ratio);
         }
-        total += positions.len();
-        either += row_errors;
-        let frac = row_errors as f64 / positions.len() as f64;
-        if row_errors > 0 && frac > worst_row_frac {
+        let frac = row.any as f64 / row.tokens as f64;
+        if row.any > 0 && frac > worst_row_frac {
             worst_row = Some(b);
             worst_row_frac = frac;
         }
+        total.tokens += row.tokens;
+        total.repetition += row.repetition;
+        total.low_prob += row.low_prob;
+        total.ratio += row.ratio;
+        total.any += row.any;
     }
-    if total == 0 {
+    if total.tokens == 0 {
         return Err(RlError::Input("no response tokens in the mask".into()));
     }
-    let total = total as f64;
+    let frac = |n: usize| n as f64 / total.tokens as f64;
     Ok(ErrorTokenReport {
-        repetition_frac: repeated as f64 / total,
-        low_prob_frac: low as f64 / total,
-        error_frac: either as f64 / total,
+        repetition_frac: frac(total.repetition),
+        low_prob_frac: frac(total.low_prob),
+        ratio_frac: frac(total.ratio),
+        any_frac: frac(total.any),
         worst_row,
         worst_row_frac,
     })

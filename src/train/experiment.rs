@@ -170,124 +170,320 @@ fn read_rows(path: &Path) -> Vec<serde_json::Value> {
         .unwrap_or_default()
 }
 
-/// The report table from the finished runs.
+/// A column of the mismatch table: its header and how the value is printed.
+const STABILITY_COLUMNS: [(&str, &str, usize); 8] = [
+    ("k3", "k3 KL", 99),
+    ("err_any", "error tokens: any", 3),
+    ("err_ratio", "ratio", 3),
+    ("err_low", "low prob", 3),
+    ("err_rep", "repetition", 3),
+    ("ent", "entropy", 3),
+    ("tps", "rollout tok/s", 0),
+    ("step", "step s", 2),
+];
+
+/// What one finished run contributes to the report.
+#[derive(Debug, Default)]
+struct RunSummary {
+    /// Per-seed scalars (accuracies, RL-step averages) by column.
+    cols: BTreeMap<&'static str, f64>,
+    /// Which held-out problems it was evaluated on ([`eval_set_key`]); `None` when its config is unreadable.
+    eval_set: Option<String>,
+    /// Greedy outcome per held-out problem before RL (rollout precision), at the end in the rollout
+    /// precision, and at the end in f32.
+    before: Option<Vec<bool>>,
+    after_roll: Option<Vec<bool>>,
+    after_f32: Option<Vec<bool>>,
+}
+
+/// Identifies a run's held-out problems: the task and the number of problems, which alone determine
+/// `Task::eval_set` (the seed does not). Runs with equal keys were evaluated on the same problems in the same
+/// order, the condition for clustering and pairing by problem.
+fn eval_set_key(run_dir: &Path) -> Option<String> {
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).ok()?).ok()?;
+    let problems = cfg.get("eval")?.get("problems")?;
+    Some(serde_json::json!([cfg.get("task")?, problems]).to_string())
+}
+
+/// `eval/<precision>/<suffix>` of an eval row: the rollout precision's (`f32_view` false) or f32's, else
+/// whichever there is (an f32 run has only f32's, which is then both).
+fn eval_entry<'a>(
+    row: &'a serde_json::Value,
+    suffix: &str,
+    f32_view: bool,
+) -> Option<&'a serde_json::Value> {
+    row.as_object()?
+        .iter()
+        .filter(|(k, _)| k.starts_with("eval/") && k.ends_with(suffix))
+        .min_by_key(|(k, _)| k.starts_with("eval/f32/") != f32_view)
+        .map(|(_, v)| v)
+}
+
+/// Per-problem greedy outcomes of an eval row (`eval/<precision>/greedy_correct`).
+fn greedy_outcomes(row: &serde_json::Value, f32_view: bool) -> Option<Vec<bool>> {
+    super::paired::decode(eval_entry(row, "/greedy_correct", f32_view)?.as_str()?)
+}
+
+/// Mean of `key` over the RL rows that logged it; `None` when none did (a missing metric is not 0).
+fn rl_average(rl: &[&serde_json::Value], key: &str) -> Option<f64> {
+    let xs: Vec<f64> = rl.iter().filter_map(|r| r[key].as_f64()).collect();
+    (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
+}
+
+/// Reads a finished run's metrics and config.
+fn summarize_run(run_dir: &Path) -> RunSummary {
+    use crate::rl::metrics::names;
+    let rows = read_rows(&run_dir.join("metrics.jsonl"));
+    let mut s = RunSummary {
+        eval_set: eval_set_key(run_dir),
+        ..RunSummary::default()
+    };
+    let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
+    if let (Some(first), Some(last)) = (evals.first(), evals.last()) {
+        for (col, e, suffix, f32_view) in [
+            ("acc0_roll", first, "/pass@1_greedy", false),
+            ("acc_roll", last, "/pass@1_greedy", false),
+            ("acc_f32", last, "/pass@1_greedy", true),
+        ] {
+            if let Some(v) = eval_entry(e, suffix, f32_view).and_then(|v| v.as_f64()) {
+                s.cols.insert(col, v);
+            }
+        }
+        for (col, e) in [("meank0_roll", first), ("meank_roll", last)] {
+            if let Some(v) = e
+                .as_object()
+                .and_then(|o| {
+                    o.iter()
+                        .filter(|(k, _)| k.contains("/mean@"))
+                        .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
+                })
+                .and_then(|(_, v)| v.as_f64())
+            {
+                s.cols.insert(col, v);
+            }
+        }
+        if evals.len() > 1 {
+            s.before = greedy_outcomes(first, false);
+            s.after_roll = greedy_outcomes(last, false);
+            s.after_f32 = greedy_outcomes(last, true);
+        }
+    }
+    let rl: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "rl").collect();
+    let any_key = super::plot::any_error_key(&rows);
+    let legacy = any_key == names::LEGACY_ERROR_TOKEN_FRAC;
+    for (col, key) in [
+        ("k3", names::K3_KL),
+        ("err_any", any_key.as_str()),
+        ("err_ratio", names::RATIO_FRAC),
+        // Before the criteria were reported apart, `low_prob_frac` also counted ratio errors.
+        ("err_low", if legacy { "" } else { names::LOW_PROB_FRAC }),
+        ("err_rep", names::REPETITION_FRAC),
+        ("ent", names::ENTROPY),
+        ("tps", "perf/rollout_tokens_per_s"),
+        ("step", "perf/step_s"),
+    ] {
+        if let Some(v) = rl_average(&rl, key) {
+            s.cols.insert(col, v);
+        }
+    }
+    s
+}
+
+/// The outcomes `pick` selects from every run, when all runs have them and were evaluated on the same
+/// problems ([`eval_set_key`] equal and known): the only case where problems can be clustered or paired.
+fn shared_outcomes(
+    runs: &[RunSummary],
+    pick: impl Fn(&RunSummary) -> Option<&Vec<bool>>,
+) -> Option<(String, Vec<Vec<bool>>)> {
+    let key = runs.first()?.eval_set.clone()?;
+    if runs.iter().any(|r| r.eval_set.as_ref() != Some(&key)) {
+        return None;
+    }
+    let outcomes: Option<Vec<Vec<bool>>> = runs.iter().map(|r| pick(r).cloned()).collect();
+    Some((key, outcomes?))
+}
+
+/// `mean ± problem-clustered SE` of an accuracy when the seeds share their problems, else `mean (sd s over
+/// seeds)` from the per-seed scalars, else `-`.
+fn accuracy_cell(shared: Option<&Vec<Vec<bool>>>, per_seed: &[f64]) -> String {
+    if let Some(c) = shared.and_then(|o| super::paired::ClusteredMean::new(o)) {
+        return format!("{:.3} ± {:.3}", c.mean, c.se);
+    }
+    if per_seed.is_empty() {
+        return "-".into();
+    }
+    let (m, s) = mean_std(per_seed);
+    format!("{m:.3} (sd {s:.3} over seeds)")
+}
+
+/// `diff ± SE (a better on x, b on y; sign p)` of two arms' outcomes, or `-`.
+fn comparison_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> String {
+    match a
+        .zip(b)
+        .and_then(|(a, b)| super::paired::ArmComparison::new(a, b))
+    {
+        Some(c) => format!(
+            "{:+.3} ± {:.3} ({} vs {} problems; p {:.1e})",
+            c.diff(),
+            c.diff_se,
+            c.a_better,
+            c.b_better,
+            c.p_value
+        ),
+        None => "-".into(),
+    }
+}
+
+/// One variant's finished runs, read back.
+struct VariantSummary<'a> {
+    variant: &'a Variant,
+    runs: Vec<RunSummary>,
+    before: Option<(String, Vec<Vec<bool>>)>,
+    after_roll: Option<(String, Vec<Vec<bool>>)>,
+    after_f32: Option<(String, Vec<Vec<bool>>)>,
+}
+
+impl VariantSummary<'_> {
+    fn column(&self, col: &str) -> Vec<f64> {
+        self.runs
+            .iter()
+            .filter_map(|r| r.cols.get(col).copied())
+            .collect()
+    }
+}
+
+/// The report from the finished runs: accuracies with problem-clustered standard errors, arms compared
+/// pairwise by final accuracy paired by problem, the mismatch and stability averages, and the plots.
 pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<PathBuf> {
+    let variants: Vec<VariantSummary> = exp
+        .variants
+        .iter()
+        .map(|v| {
+            let runs: Vec<RunSummary> = exp
+                .seeds
+                .iter()
+                .map(|seed| results.join(&v.name).join(format!("seed{seed}")))
+                .filter(|d| marker(d).is_file())
+                .map(|d| summarize_run(&d))
+                .collect();
+            VariantSummary {
+                variant: v,
+                before: shared_outcomes(&runs, |r| r.before.as_ref()),
+                after_roll: shared_outcomes(&runs, |r| r.after_roll.as_ref()),
+                after_f32: shared_outcomes(&runs, |r| r.after_f32.as_ref()),
+                runs,
+            }
+        })
+        .collect();
     let mut md = String::new();
     writeln!(md, "# {}\n", exp.name)?;
-    writeln!(md, "Seeds: {:?}. Mean ± sample std over finished seeds. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (T = 1), before and at the end of RL, in the rollout precision; the mismatch and stability columns average the RL steps.\n", exp.seeds)?;
-    writeln!(md, "RL gain: greedy accuracy after minus before RL in the rollout precision, paired problem by problem and pooled over seeds, ± its standard error, with McNemar's exact p-value (see `train::paired`).\n")?;
-    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | RL gain, paired (p) | acc (f32) | mean@k before RL | mean@k (rollout prec.) | k3 KL | error-token frac | entropy | rollout tok/s | step s |")?;
-    writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|---|---|")?;
-    for v in &exp.variants {
-        let mut cols: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
-        let (mut pooled_before, mut pooled_after) = (Vec::new(), Vec::new());
-        let mut done = 0;
-        for &seed in &exp.seeds {
-            let run_dir = results.join(&v.name).join(format!("seed{seed}"));
-            if !marker(&run_dir).is_file() {
-                continue;
-            }
-            done += 1;
-            let rows = read_rows(&run_dir.join("metrics.jsonl"));
-            // `eval/<precision>/<metric>`: the rollout precision's, else f32's (the same for f32 runs).
-            let eval_value = |e: &serde_json::Value, suffix: &str, quantized: bool| {
-                let e = e.as_object()?;
-                let find = |q: bool| {
-                    e.iter()
-                        .find(|(k, _)| k.ends_with(suffix) && k.starts_with("eval/f32/") != q)
-                        .and_then(|(_, v)| v.as_f64())
-                };
-                find(quantized).or_else(|| find(false))
-            };
-            let evals: Vec<&serde_json::Value> =
-                rows.iter().filter(|r| r["phase"] == "eval").collect();
-            if let (Some(first), Some(last)) = (evals.first(), evals.last()) {
-                let outcomes = |e: &serde_json::Value| {
-                    let o = e.as_object()?;
-                    o.iter()
-                        .filter(|(k, _)| k.ends_with("/greedy_correct"))
-                        .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
-                        .and_then(|(_, v)| super::paired::decode(v.as_str()?))
-                };
-                if let (Some(b), Some(a)) = (outcomes(first), outcomes(last)) {
-                    if b.len() == a.len() && evals.len() > 1 {
-                        pooled_before.extend(b);
-                        pooled_after.extend(a);
-                    }
-                }
-                for (col, e, suffix, quantized) in [
-                    ("acc0_roll", first, "/pass@1_greedy", true),
-                    ("acc_roll", last, "/pass@1_greedy", true),
-                    ("acc_f32", last, "/pass@1_greedy", false),
-                ] {
-                    if let Some(v) = eval_value(e, suffix, quantized) {
-                        cols.entry(col).or_default().push(v);
-                    }
-                }
-                for (col, e) in [("meank0_roll", first), ("meank_roll", last)] {
-                    if let Some((_, v)) = e.as_object().and_then(|o| {
-                        o.iter()
-                            .filter(|(k, _)| k.contains("/mean@"))
-                            .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
-                    }) {
-                        if let Some(v) = v.as_f64() {
-                            cols.entry(col).or_default().push(v);
-                        }
-                    }
-                }
-            }
-            let rl: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "rl").collect();
-            let avg = |key: &str| -> f64 {
-                let xs: Vec<f64> = rl.iter().filter_map(|r| r[key].as_f64()).collect();
-                xs.iter().sum::<f64>() / xs.len().max(1) as f64
-            };
-            cols.entry("k3")
-                .or_default()
-                .push(avg("rollout_corr/k3_kl"));
-            cols.entry("err")
-                .or_default()
-                .push(avg("error_tokens/frac"));
-            cols.entry("ent").or_default().push(avg("actor/entropy"));
-            cols.entry("tps")
-                .or_default()
-                .push(avg("perf/rollout_tokens_per_s"));
-            cols.entry("step").or_default().push(avg("perf/step_s"));
-        }
-        let f = |k: &str, prec: usize| -> String {
-            match cols.get(k) {
-                Some(xs) if !xs.is_empty() => {
-                    let (m, s) = mean_std(xs);
-                    if prec == 99 {
-                        format!("{m:.2e} ± {s:.1e}")
-                    } else {
-                        format!("{m:.prec$} ± {s:.prec$}")
-                    }
-                }
-                _ => "-".into(),
+    writeln!(md, "Seeds: {:?}. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (T = 1), before and at the end of RL, in the rollout precision.\n", exp.seeds)?;
+    writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the exact sign-test p-value.\n")?;
+    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | RL gain, paired by problem | mean@k before RL | mean@k (rollout prec.) |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|")?;
+    for v in &variants {
+        let mean_sd = |col: &str| {
+            let xs = v.column(col);
+            if xs.is_empty() {
+                "-".into()
+            } else {
+                let (m, s) = mean_std(&xs);
+                format!("{m:.3} ± {s:.3}")
             }
         };
-        let gain = super::paired::PairedComparison::new(&pooled_before, &pooled_after)
-            .map_or("-".into(), |p| {
-                format!("{:+.3} ± {:.3} (p {:.1e})", p.diff(), p.diff_se, p.p_value)
-            });
         writeln!(
             md,
-            "| {} | {done}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            v.name,
+            "| {} | {}/{} | {} | {} | {} | {} | {} | {} |",
+            v.variant.name,
+            v.runs.len(),
             exp.seeds.len(),
-            f("acc0_roll", 3),
-            f("acc_roll", 3),
-            gain,
-            f("acc_f32", 3),
-            f("meank0_roll", 3),
-            f("meank_roll", 3),
-            f("k3", 99),
-            f("err", 3),
-            f("ent", 3),
-            f("tps", 0),
-            f("step", 2)
+            accuracy_cell(v.before.as_ref().map(|o| &o.1), &v.column("acc0_roll")),
+            accuracy_cell(v.after_roll.as_ref().map(|o| &o.1), &v.column("acc_roll")),
+            accuracy_cell(v.after_f32.as_ref().map(|o| &o.1), &v.column("acc_f32")),
+            comparison_cell(
+                v.after_roll.as_ref().map(|o| &o.1),
+                v.before.as_ref().map(|o| &o.1)
+            ),
+            mean_sd("meank0_roll"),
+            mean_sd("meank_roll"),
         )?;
     }
+    write_arm_comparisons(&mut md, &variants)?;
+    writeln!(md, "\nMismatch and stability: each run's average over its RL steps, mean ± sample std over seeds. Error tokens (docs/metrics.md): `any` is the fraction of response tokens meeting at least one criterion; `ratio`: the sampler over 20x more confident than the learner; `low prob`: learner probability below 1e-4; `repetition`: inside a repetition loop. Logs written before the criteria were separated have `any` (then named `error_tokens/frac`) and `repetition`, no `ratio`, and a low-probability fraction that also counted ratio errors, left out here.\n")?;
+    let header: Vec<&str> = STABILITY_COLUMNS.iter().map(|c| c.1).collect();
+    writeln!(md, "| variant | {} |", header.join(" | "))?;
+    writeln!(md, "|---|{}", "---|".repeat(header.len()))?;
+    for v in &variants {
+        let cells: Vec<String> = STABILITY_COLUMNS
+            .iter()
+            .map(|&(col, _, prec)| {
+                let xs = v.column(col);
+                if xs.is_empty() {
+                    return "-".into();
+                }
+                let (m, s) = mean_std(&xs);
+                if prec == 99 {
+                    format!("{m:.2e} ± {s:.1e}")
+                } else {
+                    format!("{m:.prec$} ± {s:.prec$}")
+                }
+            })
+            .collect();
+        writeln!(md, "| {} | {} |", v.variant.name, cells.join(" | "))?;
+    }
+    write_plots(&mut md, exp, results)?;
+    writeln!(md, "\nVariants:\n")?;
+    for v in &exp.variants {
+        writeln!(md, "- `{}`: {} {:?}", v.name, v.about, v.set)?;
+    }
+    let path = results.join("report.md");
+    std::fs::write(&path, md)?;
+    Ok(path)
+}
+
+/// Every pair of variants evaluated on the same problems, compared by final greedy accuracy paired by
+/// problem (each problem averaged over each arm's seeds), in the rollout precision and in f32.
+fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow::Result<()> {
+    let mut lines = Vec::new();
+    for (i, a) in variants.iter().enumerate() {
+        for b in &variants[i + 1..] {
+            let same = |x: &Option<(String, Vec<Vec<bool>>)>,
+                        y: &Option<(String, Vec<Vec<bool>>)>| {
+                match (x, y) {
+                    (Some((kx, ox)), Some((ky, oy))) if kx == ky => {
+                        comparison_cell(Some(ox), Some(oy))
+                    }
+                    _ => "-".into(),
+                }
+            };
+            let roll = same(&a.after_roll, &b.after_roll);
+            let f32 = same(&a.after_f32, &b.after_f32);
+            if roll != "-" || f32 != "-" {
+                lines.push(format!(
+                    "| {} | {} | {roll} | {f32} |",
+                    a.variant.name, b.variant.name
+                ));
+            }
+        }
+    }
+    if lines.is_empty() {
+        return Ok(());
+    }
+    writeln!(md, "\nArms compared by final accuracy, paired by problem (`train::paired::ArmComparison`): per problem, A's seed-averaged final greedy outcome minus B's; mean ± SE over problems; the problems where A is ahead vs behind, and the exact sign-test p-value. Only pairs evaluated on the same problems.\n")?;
+    writeln!(
+        md,
+        "| arm A | arm B | A − B (rollout prec. of each) | A − B (f32) |"
+    )?;
+    writeln!(md, "|---|---|---|---|")?;
+    for l in lines {
+        writeln!(md, "{l}")?;
+    }
+    Ok(())
+}
+
+/// The comparison plot over variants and each finished run's own plots.
+fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyhow::Result<()> {
     let finished: Vec<(String, Vec<Vec<serde_json::Value>>)> = exp
         .variants
         .iter()
@@ -305,7 +501,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
     match super::plot::plot_comparison(&results.join("comparison.png"), &finished) {
         Ok(()) => writeln!(
             md,
-            "\n![reward, accuracy, k3 KL, entropy and error tokens per RL step, mean over seeds](comparison.png)\n"
+            "\n![reward, accuracy, k3 KL, entropy and the error-token fractions per RL step, mean over seeds](comparison.png)\n"
         )?,
         Err(e) => writeln!(md, "\n(comparison plot not drawn: {e:#})\n")?,
     }
@@ -325,11 +521,5 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
             }
         }
     }
-    writeln!(md, "\nVariants:\n")?;
-    for v in &exp.variants {
-        writeln!(md, "- `{}`: {} {:?}", v.name, v.about, v.set)?;
-    }
-    let path = results.join("report.md");
-    std::fs::write(&path, md)?;
-    Ok(path)
+    Ok(())
 }

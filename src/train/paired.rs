@@ -1,10 +1,18 @@
-//! Paired comparison of two greedy evaluations on the same held-out problems (before and after RL).
+//! Paired comparisons of greedy evaluations on the same held-out problems.
 //!
 //! Two accuracies measured on the same problems are strongly correlated, so the honest uncertainty of their
 //! difference comes from the problems whose outcome changed: `fixed` (wrong before, right after) and
 //! `broken` (right before, wrong after). The standard error is that of the mean per-problem difference, and
 //! the p-value is McNemar's exact test (a two-sided binomial test of `fixed` against `fixed + broken` fair
 //! coin flips), which stays valid when only a handful of problems changed.
+//!
+//! Over seeds evaluated on the same problems, the unit of replication is the problem, not the (seed,
+//! problem) pair: the seeds of one arm share the problems' difficulty, and often one warm start, so their
+//! outcomes on a problem are correlated. [`ClusteredMean`] and [`ArmComparison`] therefore average each
+//! problem over seeds first and take the standard error over problems (the cluster-robust standard error
+//! with problems as clusters of equal size). Pooling the seeds' outcomes as if independent understates the
+//! error whenever a problem's outcome repeats across seeds, and pooling before/after pairs repeats the one
+//! warm start's outcomes once per seed.
 
 use std::fmt;
 
@@ -85,6 +93,119 @@ impl fmt::Display for PairedComparison {
     }
 }
 
+/// Mean and sample standard error (Bessel-corrected standard deviation over `sqrt(n)`; 0 for one value).
+fn mean_and_se(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    if xs.len() < 2 {
+        return (mean, 0.0);
+    }
+    let ss: f64 = xs.iter().map(|x| (x - mean).powi(2)).sum();
+    (mean, (ss / (n - 1.0) / n).sqrt())
+}
+
+/// Per-problem means over seeds of `outcomes[seed][problem]`; `None` when there are no seeds or problems or
+/// the seeds do not cover the same number of problems.
+fn per_problem_means(outcomes: &[Vec<bool>]) -> Option<Vec<f64>> {
+    let n = outcomes.first()?.len();
+    if n == 0 || outcomes.iter().any(|o| o.len() != n) {
+        return None;
+    }
+    let seeds = outcomes.len() as f64;
+    Some(
+        (0..n)
+            .map(|i| outcomes.iter().filter(|o| o[i]).count() as f64 / seeds)
+            .collect(),
+    )
+}
+
+/// The accuracy of one arm over its seeds, all evaluated on the same problems, with its standard error
+/// clustered by problem.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClusteredMean {
+    pub problems: usize,
+    pub seeds: usize,
+    /// Mean over problems and seeds (= the mean of the seeds' accuracies).
+    pub mean: f64,
+    /// Problem-clustered standard error: the sample standard deviation over problems of the per-problem
+    /// mean over seeds, over `sqrt(problems)`.
+    pub se: f64,
+    /// The naive standard error that treats all `seeds * problems` outcomes as independent (sample standard
+    /// deviation of the pooled outcomes over `sqrt(seeds * problems)`), for comparison only.
+    pub naive_se: f64,
+}
+
+impl ClusteredMean {
+    /// `outcomes[seed][problem]`; `None` when empty or when the seeds cover different numbers of problems.
+    pub fn new(outcomes: &[Vec<bool>]) -> Option<Self> {
+        let means = per_problem_means(outcomes)?;
+        let (mean, se) = mean_and_se(&means);
+        let pooled: Vec<f64> = outcomes
+            .iter()
+            .flatten()
+            .map(|&c| f64::from(u8::from(c)))
+            .collect();
+        Some(Self {
+            problems: means.len(),
+            seeds: outcomes.len(),
+            mean,
+            se,
+            naive_se: mean_and_se(&pooled).1,
+        })
+    }
+}
+
+/// Two arms compared by their accuracy on the same problems, each problem averaged over the arm's seeds
+/// first: `diff = mean_i (a_i - b_i)` with `a_i`, `b_i` the seed-averaged outcomes of problem `i`. This
+/// compares where the arms end, not gains measured from different starting points.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ArmComparison {
+    pub problems: usize,
+    pub seeds_a: usize,
+    pub seeds_b: usize,
+    pub acc_a: f64,
+    pub acc_b: f64,
+    /// Sample standard deviation over problems of `a_i - b_i`, over `sqrt(problems)`.
+    pub diff_se: f64,
+    /// Problems where `a_i > b_i`, and where `a_i < b_i`.
+    pub a_better: usize,
+    pub b_better: usize,
+    /// Exact two-sided sign test over the problems that differ ([`mcnemar_exact`] of the two counts; with one
+    /// seed per arm this is McNemar's test).
+    pub p_value: f64,
+}
+
+impl ArmComparison {
+    /// `a[seed][problem]`, `b[seed][problem]` (the seed counts may differ); `None` unless every seed of both
+    /// arms covers the same, non-zero number of problems.
+    pub fn new(a: &[Vec<bool>], b: &[Vec<bool>]) -> Option<Self> {
+        let (ma, mb) = (per_problem_means(a)?, per_problem_means(b)?);
+        if ma.len() != mb.len() {
+            return None;
+        }
+        let d: Vec<f64> = ma.iter().zip(&mb).map(|(x, y)| x - y).collect();
+        let (_, diff_se) = mean_and_se(&d);
+        let a_better = d.iter().filter(|&&x| x > 0.0).count();
+        let b_better = d.iter().filter(|&&x| x < 0.0).count();
+        Some(Self {
+            problems: d.len(),
+            seeds_a: a.len(),
+            seeds_b: b.len(),
+            acc_a: ma.iter().sum::<f64>() / ma.len() as f64,
+            acc_b: mb.iter().sum::<f64>() / mb.len() as f64,
+            diff_se,
+            a_better,
+            b_better,
+            p_value: mcnemar_exact(a_better, b_better),
+        })
+    }
+
+    /// `acc_a - acc_b`.
+    pub fn diff(&self) -> f64 {
+        self.acc_a - self.acc_b
+    }
+}
+
 /// Two-sided exact McNemar p-value: `min(1, 2 P(X <= min(b, c)))` with `X ~ Binomial(b + c, 1/2)`.
 pub fn mcnemar_exact(b: usize, c: usize) -> f64 {
     let n = b + c;
@@ -158,6 +279,109 @@ mod tests {
         assert!((p.p_value - 1.0).abs() < 1e-12);
         assert!(PairedComparison::new(&before, &after[..9]).is_none());
         assert!(PairedComparison::new(&[], &[]).is_none());
+    }
+
+    fn close(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-12
+    }
+
+    #[test]
+    fn clustered_se_counts_problems_not_seed_problem_pairs() {
+        // Three seeds that agree on every problem: the outcomes repeat, so there are 4 independent
+        // observations, not 12. Per-problem means [1, 1, 0, 0], mean 0.5, sample variance 4 * 0.25 / 3:
+        // SE = sqrt(1/3) / 2. Naive: 6 ones in 12, sample variance 12 * 0.25 / 11: SE = sqrt(3/11 / 12).
+        let s = vec![true, true, false, false];
+        let c = ClusteredMean::new(&[s.clone(), s.clone(), s]).unwrap();
+        assert_eq!((c.problems, c.seeds), (4, 3));
+        assert!(close(c.mean, 0.5));
+        assert!(close(c.se, (1.0f64 / 3.0).sqrt() / 2.0), "{}", c.se);
+        assert!(
+            close(c.naive_se, (3.0f64 / 11.0 / 12.0).sqrt()),
+            "{}",
+            c.naive_se
+        );
+        assert!(c.se > 1.9 * c.naive_se);
+        // Two seeds that disagree on every problem: each problem averages to 0.5, so the problems add no
+        // uncertainty (SE 0), where the naive SE is sqrt(8 * 0.25 / 7 / 8).
+        let c = ClusteredMean::new(&[
+            vec![true, false, true, false],
+            vec![false, true, false, true],
+        ])
+        .unwrap();
+        assert!(close(c.mean, 0.5) && c.se == 0.0);
+        assert!(close(c.naive_se, (2.0f64 / 7.0 / 8.0).sqrt()));
+        // One seed: clustered and naive agree.
+        let one = ClusteredMean::new(&[vec![true, true, true, false, false]]).unwrap();
+        assert!(close(one.se, one.naive_se));
+        assert!(ClusteredMean::new(&[vec![true], vec![true, false]]).is_none());
+        assert!(ClusteredMean::new(&[]).is_none());
+        assert!(ClusteredMean::new(&[vec![]]).is_none());
+    }
+
+    #[test]
+    fn arms_are_compared_by_seed_averaged_final_accuracy_per_problem() {
+        // A (2 seeds): [1,1,0,0,1] and [1,0,0,0,1] -> per problem [1, .5, 0, 0, 1], acc 0.5.
+        // B (1 seed):  [1,0,0,0,0]                 -> acc 0.2.
+        // d = [0, .5, 0, 0, 1], mean 0.3, deviations [-.3, .2, -.3, -.3, .7], sum of squares 0.8:
+        // SE = sqrt(0.8 / 4 / 5) = 0.2. A better on 2 problems, B on none: p = 2 / 2^2 = 0.5.
+        let a = [
+            vec![true, true, false, false, true],
+            vec![true, false, false, false, true],
+        ];
+        let b = [vec![true, false, false, false, false]];
+        let c = ArmComparison::new(&a, &b).unwrap();
+        assert_eq!((c.problems, c.seeds_a, c.seeds_b), (5, 2, 1));
+        assert!(close(c.acc_a, 0.5) && close(c.acc_b, 0.2) && close(c.diff(), 0.3));
+        assert!(close(c.diff_se, 0.2), "{}", c.diff_se);
+        assert_eq!((c.a_better, c.b_better), (2, 0));
+        assert!(close(c.p_value, 0.5));
+        // Antisymmetric.
+        let r = ArmComparison::new(&b, &a).unwrap();
+        assert!(close(r.diff(), -0.3) && close(r.diff_se, 0.2));
+        assert_eq!((r.a_better, r.b_better), (0, 2));
+        assert!(ArmComparison::new(&a, &[vec![true; 4]]).is_none());
+    }
+
+    #[test]
+    fn one_seed_per_arm_is_the_before_after_paired_comparison() {
+        let before = [
+            true, true, true, true, true, true, false, false, false, false,
+        ];
+        let after = [
+            true, true, true, true, true, false, true, true, false, false,
+        ];
+        let p = PairedComparison::new(&before, &after).unwrap();
+        let c = ArmComparison::new(&[after.to_vec()], &[before.to_vec()]).unwrap();
+        assert!(close(c.diff(), p.diff()) && close(c.diff_se, p.diff_se));
+        assert_eq!((c.a_better, c.b_better), (p.fixed, p.broken));
+        assert!(close(c.p_value, p.p_value));
+    }
+
+    #[test]
+    fn a_shared_warm_start_pooled_over_seeds_overstates_significance() {
+        // One warm start (before) and three seeds that end identically: the gain rests on one problem.
+        // Pooled as 18 independent pairs (the old report): d has 3 ones, mean 1/6, SE = sqrt((3 - 18/36) /
+        // 17 / 18). Clustered: per-problem d = [1, 0, 0, 0, 0, 0], SE = sqrt((1 - 6/36) / 5 / 6) = 1/6.
+        let before = vec![false, false, false, false, true, true];
+        let after = vec![true, false, false, false, true, true];
+        let (mut pb, mut pa) = (Vec::new(), Vec::new());
+        for _ in 0..3 {
+            pb.extend(before.clone());
+            pa.extend(after.clone());
+        }
+        let pooled = PairedComparison::new(&pb, &pa).unwrap();
+        assert!(close(pooled.diff_se, (2.5f64 / 17.0 / 18.0).sqrt()));
+        let clustered = ArmComparison::new(
+            &[after.clone(), after.clone(), after],
+            &[before.clone(), before.clone(), before],
+        )
+        .unwrap();
+        assert!(close(clustered.diff(), 1.0 / 6.0));
+        assert!(close(clustered.diff_se, 1.0 / 6.0), "{}", clustered.diff_se);
+        assert!(clustered.diff_se > 1.8 * pooled.diff_se);
+        // One problem changed: the sign test cannot reject (p = 1), the pooled McNemar sees 3 (p = 0.25).
+        assert!(close(clustered.p_value, 1.0));
+        assert!(close(pooled.p_value, 0.25));
     }
 
     #[test]

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use plotters::prelude::*;
 
+use crate::rl::metrics::names;
+
 /// Fonts looked for, in order (`QARL_FONT` first). Text needs a TrueType font; none is embedded.
 const FONT_CANDIDATES: &[&str] = &[
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
@@ -43,6 +45,32 @@ fn series(rows: &[serde_json::Value], phase: &str, key: &str) -> Series {
         .filter_map(|r| Some((r["step"].as_f64()?, r[key].as_f64()?)))
         .filter(|(_, v)| v.is_finite())
         .collect()
+}
+
+/// The key of the union of the error-token criteria in `rows`: `error_tokens/any_frac`, or in logs written
+/// before the criteria were reported apart, its old name `error_tokens/frac` (the same quantity).
+pub fn any_error_key(rows: &[serde_json::Value]) -> String {
+    let has = |k: &str| rows.iter().any(|r| r.get(k).is_some());
+    if !has(names::ANY_ERROR_FRAC) && has(names::LEGACY_ERROR_TOKEN_FRAC) {
+        names::LEGACY_ERROR_TOKEN_FRAC.to_string()
+    } else {
+        names::ANY_ERROR_FRAC.to_string()
+    }
+}
+
+/// The error-token lines of a run's panel: the union and each criterion apart (legend label, key). An old
+/// log has only the union: its `low_prob_frac` mixed two criteria, so it is not drawn under the new name.
+fn error_token_series(rows: &[serde_json::Value]) -> Vec<(&'static str, String)> {
+    let any = any_error_key(rows);
+    if any == names::LEGACY_ERROR_TOKEN_FRAC {
+        return vec![("any (old log)", any)];
+    }
+    vec![
+        ("any", any),
+        ("ratio", names::RATIO_FRAC.to_string()),
+        ("low prob", names::LOW_PROB_FRAC.to_string()),
+        ("repetition", names::REPETITION_FRAC.to_string()),
+    ]
 }
 
 /// Renders `run_dir/metrics.jsonl` to `run_dir/plots.png`; returns the path.
@@ -98,11 +126,11 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
             vec![("entropy".into(), series(&rows, "rl", "actor/entropy"))],
         ),
         (
-            "error_tokens/frac",
-            vec![(
-                "error tokens".into(),
-                series(&rows, "rl", "error_tokens/frac"),
-            )],
+            "error_tokens/*_frac",
+            error_token_series(&rows)
+                .into_iter()
+                .map(|(label, key)| (label.to_string(), series(&rows, "rl", &key)))
+                .collect(),
         ),
         (
             "response_length/mean",
@@ -262,8 +290,28 @@ pub fn plot_comparison(
             per_variant("rl", &fixed("actor/entropy"), false),
         ),
         (
-            "error_tokens/frac",
-            per_variant("rl", &fixed("error_tokens/frac"), false),
+            "error_tokens/any_frac",
+            per_variant("rl", &|r| Some(any_error_key(r.first()?)), false),
+        ),
+        (
+            "error_tokens/ratio_frac",
+            per_variant("rl", &fixed(names::RATIO_FRAC), false),
+        ),
+        (
+            "error_tokens/low_prob_frac",
+            // Old logs' `low_prob_frac` also counted ratio errors: not drawn under the new meaning.
+            per_variant(
+                "rl",
+                &|r| {
+                    (any_error_key(r.first()?) == names::ANY_ERROR_FRAC)
+                        .then(|| names::LOW_PROB_FRAC.to_string())
+                },
+                false,
+            ),
+        ),
+        (
+            "error_tokens/repetition_frac",
+            per_variant("rl", &fixed(names::REPETITION_FRAC), false),
         ),
         (
             "response_length/mean",

@@ -1,0 +1,163 @@
+//! The experiment report's statistics on synthetic finished runs, against values worked out by hand:
+//! accuracies with problem-clustered standard errors, arms compared by final accuracy paired by problem,
+//! and the separated error-token fractions (old logs with only the mixed key included).
+
+use std::path::Path;
+
+use qarl::train::experiment::{write_report, ExperimentConfig};
+
+/// Writes a finished run: its config (task and number of eval problems, or none), two evaluations (before
+/// and after RL, the same outcomes in int4 and f32) and one RL row.
+fn write_run(dir: &Path, task: Option<&str>, before: &str, after: &str, rl: serde_json::Value) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("finished.json"), "{}").unwrap();
+    if let Some(kind) = task {
+        let cfg = serde_json::json!({"task": {"kind": kind}, "eval": {"problems": after.len()}});
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    }
+    let acc = |s: &str| s.chars().filter(|&c| c == '1').count() as f64 / s.len() as f64;
+    let eval = |step: usize, o: &str| {
+        serde_json::json!({
+            "phase": "eval", "step": step,
+            "eval/int4-g32/pass@1_greedy": acc(o), "eval/int4-g32/greedy_correct": o,
+            "eval/f32/pass@1_greedy": acc(o), "eval/f32/greedy_correct": o,
+        })
+    };
+    let rows = [eval(0, before), rl, eval(1, after)];
+    let text: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+    std::fs::write(dir.join("metrics.jsonl"), text.join("\n") + "\n").unwrap();
+}
+
+fn rl_row(errors: &[(&str, f64)]) -> serde_json::Value {
+    let mut row = serde_json::json!({"phase": "rl", "step": 1, "rollout_corr/k3_kl": 0.0});
+    for (k, v) in errors {
+        row[*k] = serde_json::json!(v);
+    }
+    row
+}
+
+#[test]
+fn report_clusters_by_problem_and_pairs_arms_by_final_accuracy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let results = tmp.path();
+    let exp: ExperimentConfig = toml::from_str(
+        r#"
+name = "stats"
+base = "unused.toml"
+seeds = [1, 2, 3]
+[[variant]]
+name = "A"
+[[variant]]
+name = "B"
+[[variant]]
+name = "C"
+[[variant]]
+name = "D"
+"#,
+    )
+    .unwrap();
+    let new_keys = rl_row(&[
+        ("error_tokens/any_frac", 0.2),
+        ("error_tokens/ratio_frac", 0.1),
+        ("error_tokens/low_prob_frac", 0.05),
+        ("error_tokens/repetition_frac", 0.1),
+    ]);
+    // An old log: the union under its old name, and a low_prob_frac that also counted ratio errors.
+    let old_keys = rl_row(&[
+        ("error_tokens/frac", 0.4),
+        ("error_tokens/low_prob_frac", 0.3),
+        ("error_tokens/repetition_frac", 0.1),
+    ]);
+    for seed in 1..=3 {
+        let dir = |v: &str| results.join(v).join(format!("seed{seed}"));
+        // A: every seed ends at [1,1,0,0] from the shared warm start [0,1,0,0].
+        write_run(&dir("A"), Some("t"), "0100", "1100", new_keys.clone());
+        // B: seeds end at [1,0,0,0], [1,0,0,0], [0,0,0,0].
+        let b_after = if seed == 3 { "0000" } else { "1000" };
+        write_run(&dir("B"), Some("t"), "0100", b_after, old_keys.clone());
+    }
+    // C: other problems (another task), 2 seeds; D: one seed's config is missing.
+    write_run(
+        &results.join("C/seed1"),
+        Some("u"),
+        "0000",
+        "1111",
+        new_keys.clone(),
+    );
+    write_run(
+        &results.join("C/seed2"),
+        Some("u"),
+        "0000",
+        "1100",
+        new_keys.clone(),
+    );
+    write_run(
+        &results.join("D/seed1"),
+        Some("t"),
+        "0000",
+        "1100",
+        new_keys.clone(),
+    );
+    write_run(&results.join("D/seed2"), None, "0000", "1000", new_keys);
+
+    let report = std::fs::read_to_string(write_report(&exp, results).unwrap()).unwrap();
+    println!("{report}");
+    let line = |start: &str| -> String {
+        report
+            .lines()
+            .find(|l| l.starts_with(start))
+            .unwrap_or_else(|| panic!("no line starting {start:?} in:\n{report}"))
+            .to_string()
+    };
+    // A: per-problem means [1,1,0,0]: 0.5 ± sqrt(1/3)/2 = 0.289 (not the naive 0.151 of 12 pooled outcomes).
+    // Before RL: [0,1,0,0], 0.25 ± 0.25. Gain: per problem, seed-averaged after minus before = [1,0,0,0],
+    // 0.25 ± sqrt(0.75 / 3 / 4) = 0.25; one problem gained, none lost: sign-test p 1.
+    let a = line("| A |");
+    assert!(
+        a.contains("| 3/3 | 0.250 ± 0.250 | 0.500 ± 0.289 | 0.500 ± 0.289 |"),
+        "{a}"
+    );
+    assert!(
+        a.contains("| +0.250 ± 0.250 (1 vs 0 problems; p 1.0e0) |"),
+        "{a}"
+    );
+    // B: per-problem means [2/3,0,0,0]: 1/6 ± 1/6.
+    let b = line("| B |");
+    assert!(b.contains("| 0.167 ± 0.167 | 0.167 ± 0.167 |"), "{b}");
+    // C: [1,1,.5,.5]: 0.75 ± sqrt(0.25 / 3 / 4) = 0.144.
+    assert!(line("| C |").contains("| 0.750 ± 0.144 |"), "{report}");
+    // D: problems not known to be shared: mean and sd over seeds of 0.5 and 0.25.
+    assert!(
+        line("| D |").contains("| 0.375 (sd 0.177 over seeds) |"),
+        "{report}"
+    );
+
+    // A − B per problem: [1/3, 1, 0, 0], mean 1/3, SE sqrt((6/9) / 3 / 4) = 0.236; A ahead on 2, behind on
+    // none: p = 2 / 2^2 = 0.5. The same in f32 (same outcomes).
+    let ab = line("| A | B |");
+    let cell = "+0.333 ± 0.236 (2 vs 0 problems; p 5.0e-1)";
+    assert_eq!(ab, format!("| A | B | {cell} | {cell} |"));
+    // Pairs on different or unknown problems are not compared.
+    for pair in ["| A | C |", "| B | C |", "| A | D |", "| C | D |"] {
+        assert!(!report.contains(pair), "{pair} in:\n{report}");
+    }
+
+    // Error tokens: the separated columns; B's old log gives its union and repetition, but not its mixed
+    // low-probability fraction, and no ratio fraction.
+    assert!(
+        report.contains("| variant | k3 KL | error tokens: any | ratio | low prob | repetition |"),
+        "{report}"
+    );
+    let stability = report.split("| variant | k3 KL").nth(1).unwrap();
+    let err_line = |start: &str| stability.lines().find(|l| l.starts_with(start)).unwrap();
+    let err_a = err_line("| A |");
+    assert!(
+        err_a.contains("| 0.200 ± 0.000 | 0.100 ± 0.000 | 0.050 ± 0.000 | 0.100 ± 0.000 |"),
+        "{err_a}"
+    );
+    let err_b = err_line("| B |");
+    assert!(
+        err_b.contains("| 0.400 ± 0.000 | - | - | 0.100 ± 0.000 |"),
+        "{err_b}"
+    );
+}
