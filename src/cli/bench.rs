@@ -314,6 +314,13 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     let device = args.backend.device()?;
     let start = Instant::now();
     let mut model = Decoder::load(&args.model, &device)?;
+    crate::rollout::check_rollout_size(
+        &model.config,
+        "--batch / --prompt-len / --new-tokens",
+        args.batch,
+        args.prompt_len,
+        args.new_tokens,
+    )?;
     let params = model.num_params();
     eprintln!(
         "loaded {} ({:.1}M parameters) in {:.1} s",

@@ -128,6 +128,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("pass --prompt-ids FILE or --prompt TEXT"),
     };
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    crate::rollout::check_rollout_size(
+        &model.config,
+        "--samples / --max-new-tokens",
+        prompts.len().saturating_mul(args.samples),
+        longest,
+        args.max_new_tokens,
+    )?;
     let rollout = generate(&model, &prompts, args.samples, &params, tokenizer.as_ref());
     let text = match &tokenizer {
         Some(t) => Some(

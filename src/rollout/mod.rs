@@ -1,9 +1,11 @@
 //! Generation for RL: batched sampling with recorded log-probs (and MoE routing), on whatever weights the
 //! model holds. No RL knowledge lives here.
 
+pub mod budget;
 pub mod engine;
 pub mod sampler;
 
+pub use budget::{check_rollout_size, BudgetError};
 pub use engine::{generate, FinishReason, Rollout};
 pub use sampler::{RolloutError, SamplingParams};
 

@@ -154,6 +154,14 @@ pub fn collect(
         stop_token_ids: vec![eos],
         stop_strings: vec![],
     };
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    crate::rollout::check_rollout_size(
+        &model.config,
+        "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
+        prompts.len().saturating_mul(g),
+        longest,
+        rc.max_new_tokens,
+    )?;
     let t_roll = Instant::now();
     let out = generate(&policy, &prompts, g, &params, Some(tok));
     let rollout_s = t_roll.elapsed().as_secs_f64();

@@ -1,0 +1,106 @@
+//! Sizes a rollout will allocate, checked before anything is allocated: the positions a row reaches against
+//! the model's `max_position_embeddings`, and the KV cache of every row against the memory the machine has,
+//! so that a flag like `--samples 100000000` is an error naming the limit instead of an allocation abort.
+
+use crate::model::ModelConfig;
+
+/// Why a rollout of that size cannot run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BudgetError {
+    #[error(
+        "{what}: a prompt of {prompt} tokens plus {new} new tokens reaches position {reach}, past the \
+         model's max_position_embeddings ({limit})"
+    )]
+    Positions {
+        what: String,
+        prompt: usize,
+        new: usize,
+        reach: usize,
+        limit: usize,
+    },
+    #[error(
+        "{what}: {rows} rows of up to {tokens} tokens need a {need_gb:.1} GB KV cache, more than the \
+         {have_gb:.1} GB of memory available; use fewer rows or tokens"
+    )]
+    Memory {
+        what: String,
+        rows: usize,
+        tokens: usize,
+        need_gb: f64,
+        have_gb: f64,
+    },
+}
+
+/// Bytes of the f32 KV cache of `rows` rows of `tokens` positions.
+pub fn kv_cache_bytes(config: &ModelConfig, rows: usize, tokens: usize) -> u128 {
+    let per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4;
+    rows as u128 * tokens as u128 * per_token as u128
+}
+
+/// Checks a rollout of `rows` rows whose longest prompt has `prompt` tokens and which generates up to
+/// `new` tokens per row; `what` names the input in the error (a flag or a config key).
+pub fn check_rollout_size(
+    config: &ModelConfig,
+    what: &str,
+    rows: usize,
+    prompt: usize,
+    new: usize,
+) -> Result<(), BudgetError> {
+    let reach = prompt.saturating_add(new);
+    if reach > config.max_position_embeddings {
+        return Err(BudgetError::Positions {
+            what: what.to_string(),
+            prompt,
+            new,
+            reach,
+            limit: config.max_position_embeddings,
+        });
+    }
+    let need = kv_cache_bytes(config, rows, reach);
+    if let Some(have) = available_memory_bytes() {
+        if need > have as u128 {
+            return Err(BudgetError::Memory {
+                what: what.to_string(),
+                rows,
+                tokens: reach,
+                need_gb: need as f64 / 1e9,
+                have_gb: have as f64 / 1e9,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes (`None` where the kernel does not report it).
+fn available_memory_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ModelConfig {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
+        ModelConfig::from_file(&path).unwrap()
+    }
+
+    #[test]
+    fn positions_past_the_limit_and_caches_past_the_memory_are_refused() {
+        let c = config();
+        let limit = c.max_position_embeddings;
+        assert!(check_rollout_size(&c, "--new-tokens", 4, limit - 8, 8).is_ok());
+        let e = check_rollout_size(&c, "--new-tokens", 4, limit - 8, 9).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains(&format!("max_position_embeddings ({limit})")),
+            "{e}"
+        );
+        let e = check_rollout_size(&c, "--samples", usize::MAX / 2, 4, 4).unwrap_err();
+        assert!(matches!(e, BudgetError::Memory { .. }), "{e}");
+        assert!(e.to_string().starts_with("--samples: "), "{e}");
+    }
+}
