@@ -103,6 +103,8 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
             .collect::<anyhow::Result<_>>()?;
         let t = Instant::now();
         let out = generate(&model, &prompts, 1, &params, Some(&tok));
+        out.ensure_finite()
+            .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
         decode_s += t.elapsed().as_secs_f64();
         for (i, r) in chunk.iter().enumerate() {
             let resp = out.response(i);

@@ -184,6 +184,8 @@ fn measure(
 ) -> anyhow::Result<Vec<serde_json::Value>> {
     let t = std::time::Instant::now();
     let out = generate(sampler, prompts, samples, params, Some(tok));
+    out.ensure_finite()
+        .map_err(|e| anyhow::anyhow!("the sampler's rollout: {e}"))?;
     let rollout_s = t.elapsed().as_secs_f64();
     let batch = SeqBatch::new(out.ids.clone(), out.prompt_lens.clone());
     let roll = batch.grid_values(&out.logprobs);

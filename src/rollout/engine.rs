@@ -42,6 +42,9 @@ pub struct Rollout {
     pub decode_s: f64,
     /// One-token forwards of the decode loop (each over the rows still generating).
     pub decode_steps: usize,
+    /// Where the first NaN or infinite log-prob appeared (generation stopped there): `(token, row)`, the
+    /// token counted from 0 (the one sampled from the prompt's forward). See [`Rollout::ensure_finite`].
+    pub nonfinite: Option<(usize, usize)>,
     /// Tokens through those forwards (the rows still generating, summed over the steps).
     pub decode_tokens: usize,
 }
@@ -52,10 +55,26 @@ impl Rollout {
         &self.ids[r][self.prompt_lens[r]..]
     }
 
+    /// An error naming the first row and token whose distribution was not finite (NaN or infinite logits:
+    /// broken weights or a diverged model), if any.
+    pub fn ensure_finite(&self) -> Result<(), super::RolloutError> {
+        match self.nonfinite {
+            Some((token, row)) => Err(super::RolloutError::NonFinite { token, row }),
+            None => Ok(()),
+        }
+    }
+
     /// Number of generated tokens over all rows.
     pub fn generated_tokens(&self) -> usize {
         self.logprobs.iter().map(Vec::len).sum()
     }
+}
+
+/// The first row holding a NaN or a +infinity (a log-prob is at most 0; -infinity is a token the model
+/// rules out).
+fn first_nonfinite(rows: &[Vec<f32>]) -> Option<usize> {
+    rows.iter()
+        .position(|r| r.iter().any(|x| x.is_nan() || *x == f32::INFINITY))
 }
 
 /// `log_softmax(logits[b, at[b], :] / temperature)` as host rows.
@@ -167,6 +186,10 @@ fn generate_in_pool(
     // Logits only at each prompt's last token: the LM head over the whole prompt would be wasted.
     let pre = model.forward_logits_at(&padded, Some(&lens), Some(&mut cache), None, Some(&last));
     let prompt_lp = logprobs_at(pre.logits, &vec![0; p], temperature);
+    if let Some(pi) = first_nonfinite(&prompt_lp) {
+        out.nonfinite = Some((0, pi * samples));
+        return out;
+    }
     let record_routing = pre.routing.iter().any(Option::is_some);
     if record_routing {
         let fan: Vec<usize> = (0..rows).collect();
@@ -248,6 +271,10 @@ fn generate_in_pool(
             append_routing(&mut out.routing, &active, &step_out.routing, 1, &|_| 1);
         }
         lp_rows = logprobs_at(step_out.logits, &vec![0; active.len()], temperature);
+        if let Some(slot) = first_nonfinite(&lp_rows) {
+            out.nonfinite = Some((step + 1, active[slot]));
+            break;
+        }
     }
     out.decode_s = t_decode.elapsed().as_secs_f64();
     out

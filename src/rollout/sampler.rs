@@ -15,6 +15,11 @@ pub enum RolloutError {
     TopP(f32),
     #[error("stop strings must not be empty")]
     EmptyStopString,
+    #[error(
+        "the model's next-token distribution is not finite (NaN or infinite logits) at generated token \
+         {token} of row {row}: its weights or inputs hold non-finite values, or it has diverged"
+    )]
+    NonFinite { token: usize, row: usize },
 }
 
 /// How to sample continuations. `temperature = 0` is greedy decoding.

@@ -47,6 +47,8 @@ pub fn evaluate(
             ..SamplingParams::default()
         };
         let out = generate(&m, &prompts, samples, &p, Some(tok));
+        out.ensure_finite()
+            .map_err(|e| anyhow::anyhow!("evaluation in {precision}: {e}"))?;
         let mut correct = Vec::with_capacity(out.ids.len());
         let mut len = 0usize;
         for r in 0..out.ids.len() {

@@ -164,6 +164,8 @@ pub fn collect(
     )?;
     let t_roll = Instant::now();
     let out = generate(&policy, &prompts, g, &params, Some(tok));
+    out.ensure_finite()
+        .with_context(|| format!("RL step {step}, rollout"))?;
     let rollout_s = t_roll.elapsed().as_secs_f64();
     let gen_tokens = out.generated_tokens();
 
