@@ -409,6 +409,8 @@ fn bytes_per_parameter() {
             QuantScheme::Int4G128 => 0.5 + 4.0 / 128.0,
             QuantScheme::Int8PerChannel => 1.0,
             QuantScheme::Fp8Block128 => 1.0,
+            QuantScheme::Nvfp4 => 0.5 + 4.0 / 16.0,
+            QuantScheme::Mxfp4 => 0.5 + 4.0 / 32.0,
         };
         println!("{scheme}: {per:.4} bytes/param in memory ({params} params)");
         assert!(per >= expected && per < expected + 0.15, "{scheme}: {per}");

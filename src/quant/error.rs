@@ -5,7 +5,7 @@
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum QuantError {
     /// A scheme name that is not one of [`crate::quant::QuantScheme::ALL`].
-    #[error("unknown quantization scheme `{name}` (valid: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128)")]
+    #[error("unknown quantization scheme `{name}` (valid: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128, nvfp4, mxfp4)")]
     UnknownScheme { name: String },
 
     /// A layer-selection glob that does not compile.
@@ -14,7 +14,7 @@ pub enum QuantError {
 
     /// A precision name that is neither `f32` nor a scheme.
     #[error(
-        "unknown scheme `{name}` (valid: f32, int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128)"
+        "unknown scheme `{name}` (valid: f32, int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128, nvfp4, mxfp4)"
     )]
     UnknownPrecision { name: String },
 
