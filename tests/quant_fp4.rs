@@ -211,7 +211,7 @@ fn nvfp4_scales_are_the_product_of_the_two_factors() {
         for (s, &c) in q.scales().iter().zip(&codes) {
             let block = qarl::quant::e4m3_to_f32(c);
             assert!(
-                block <= 448.0 && block >= 0.0,
+                (0.0..=448.0).contains(&block),
                 "{case}: block scale {block}"
             );
             assert_eq!(s.to_bits(), (block * tensor).to_bits(), "{case}");
