@@ -7,7 +7,8 @@
 //!
 //! **Storage layout** (qarl's `QuantizedTensor`, quantized checkpoints): row-major over output rows,
 //! [`WeightFormat::row_bytes`] bytes per row, code `k` of a row in bits `bits*k ..` of the row's bytes
-//! (little code first: int4 two codes per byte, low nibble = even column; int8 and fp8 one byte per code).
+//! (little code first: int4 and fp4 two codes per byte, low nibble = even column; int8 and fp8 one byte per
+//! code).
 //! `bits` divides 8, so a code never straddles a byte and rows never share one; padding bits are 0.
 //!
 //! **Kernel layout** ([`PackedWeights`]): each row repacked once per weight version into

@@ -246,13 +246,14 @@ pub(crate) const NVFP4: u8 = 4;
 pub(crate) const MXFP4: u8 = 5;
 
 /// Whether scheme code `s` reads 4-bit codes in the int4 kernel layout (four-row lines).
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) const fn nibbles(s: u8) -> bool {
     matches!(s, INT4 | NVFP4 | MXFP4)
 }
 
 /// Scales per chunk of scheme code `s` (nvfp4: one per 16 columns), for the scale prefetches.
-#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) const fn scales_per_chunk(s: u8) -> usize {
     if s == NVFP4 {

@@ -6,7 +6,8 @@
 //!
 //! The weights decode as the AVX2 path decodes them: an int4 nibble sign-extended by two shifts and
 //! converted (`q as f32 * s`, the product the decoding table holds), int8 widened and converted, fp8 by the
-//! folding shift of `x86.rs` (`super::FP8_BITS`).
+//! folding shift of `x86.rs` (`super::FP8_BITS`); E2M1 (nvfp4, mxfp4) by a `vqtbl1q_u8` lookup of twice the
+//! magnitude, converted, halved and scaled, the sign xored in ([`e2m1_lanes`]).
 //!
 //! NEON is part of the aarch64 base ISA, so the path is always available there; the functions are `unsafe`
 //! only for their raw loads, which stay inside the slices of [`TileSrc`] and the activation rows (each
