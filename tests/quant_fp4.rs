@@ -233,3 +233,26 @@ fn from_parts_rejects_a_nonzero_padding_nibble() {
         assert!(err.to_string().contains("padding"), "{scheme}: {err}");
     }
 }
+
+/// Loading refuses mxfp4 scales that are not E8M0 values (powers of two in [2^-127, 2^127]), naming the
+/// scale; the quantizer's own scales, 2^-127 and 2^127 pass.
+#[test]
+fn from_parts_rejects_mxfp4_scales_that_are_not_powers_of_two() {
+    let q = QuantizedTensor::quantize(&[1.0, -0.5, 0.0, 3.0], 2, 2, QuantScheme::Mxfp4).unwrap();
+    let (s, [o, i], data, _) = q.into_parts();
+    let parts = |scales: Vec<f32>| QuantizedTensor::from_parts(s, o, i, data.clone(), scales);
+    for good in [[0.25, 0.5], [2f64.powi(-127) as f32, 2f64.powi(127) as f32]] {
+        assert!(parts(good.to_vec()).is_ok(), "{good:?}");
+    }
+    for bad in [0.3f32, 0.0, 2f64.powi(-128) as f32, f32::from_bits(3 << 21)] {
+        let err = parts(vec![0.5, bad]).unwrap_err().to_string();
+        assert!(
+            err.contains("scales[1]") && err.contains("power of two"),
+            "{bad:e}: {err}"
+        );
+    }
+    // nvfp4 scales are products of an E4M3 value and the tensor scale: any finite value >= 0 loads.
+    let q = QuantizedTensor::quantize(&[1.0, -0.5, 0.0, 3.0], 2, 2, QuantScheme::Nvfp4).unwrap();
+    let (s, [o, i], data, _) = q.into_parts();
+    assert!(QuantizedTensor::from_parts(s, o, i, data, vec![0.3, 0.0]).is_ok());
+}

@@ -55,6 +55,10 @@ pub enum QuantError {
     /// A stored scale that is negative or not finite (the quantizer only produces `absmax / qmax >= 0`).
     #[error("scales[{index}] is {value}; scales must be finite and >= 0")]
     InvalidScale { index: usize, value: f32 },
+
+    /// A stored mxfp4 scale that is not an E8M0 value (a power of two in [2^-127, 2^127]).
+    #[error("scales[{index}] is {value:e}; an mxfp4 scale is a power of two in [2^-127, 2^127]")]
+    NotE8m0Scale { index: usize, value: f32 },
 }
 
 /// `rows * cols`, or a clear error when it overflows (shapes come from user input and files).

@@ -91,6 +91,17 @@ pub fn mxfp4_exponent(amax: f32) -> i32 {
     (biased as i32 - 127 - 2).clamp(MXFP4_MIN_EXP, MXFP4_MAX_EXP)
 }
 
+/// Whether `scale` is an mxfp4 (E8M0) scale: `2^e` for `e` in [-127, 127], exactly.
+pub fn is_e8m0_scale(scale: f32) -> bool {
+    let bits = scale.to_bits();
+    let biased = bits >> 23; // the sign bit makes it > 255
+    match biased {
+        0 => bits == pow2(MXFP4_MIN_EXP).to_bits(),
+        1..=254 => bits & 0x7F_FFFF == 0,
+        _ => false,
+    }
+}
+
 /// The nvfp4 factors of a row-major `[out, inn]` weight: the tensor scale `s_t` and the E4M3 codes of the
 /// block scales `s_b`, row-major `[out, ceil(inn/16)]` (module docs). `s_t == 0` gives codes 0.
 pub fn nvfp4_scales(weights: &[f32], out: usize, inn: usize) -> (f32, Vec<u8>) {

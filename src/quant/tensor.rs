@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use super::e4m3::e4m3_to_f32;
 use super::error::{check_finite, check_len, check_matrix_len, element_count, QuantError};
-use super::fp4::{e2m1_to_f32, quantize_fp4};
+use super::fp4::{e2m1_to_f32, is_e8m0_scale, quantize_fp4};
 use super::fp8::{quantize_blocks, Fp8Activations};
 use super::int::{
     absmax, quantize_to_int, symmetric_scale, INT4_MAX, INT4_MIN, INT4_QMAX, INT8_MAX, INT8_QMAX,
@@ -69,7 +69,8 @@ impl QuantizedTensor {
     }
 
     /// Rebuilds a tensor from stored parts, checking lengths, that every code is one the quantizer can
-    /// produce (int4 padding nibbles 0, int8 not -128, no E4M3 NaN) and that scales are finite and >= 0.
+    /// produce (int4 and fp4 padding nibbles 0, int8 not -128, no E4M3 NaN), that scales are finite and
+    /// >= 0, and that mxfp4 scales are powers of two in [2^-127, 2^127] (E8M0).
     pub fn from_parts(
         scheme: QuantScheme,
         out: usize,
@@ -93,6 +94,14 @@ impl QuantizedTensor {
                 index,
                 value: scales[index],
             });
+        }
+        if scheme.kind() == SchemeKind::Mxfp4 {
+            if let Some(index) = scales.iter().position(|&s| !is_e8m0_scale(s)) {
+                return Err(QuantError::NotE8m0Scale {
+                    index,
+                    value: scales[index],
+                });
+            }
         }
         if let Some(bad) = scheme.kind().invalid_code(inn, &data) {
             return Err(QuantError::InvalidCode {
