@@ -1,6 +1,6 @@
 //! The CPU low-bit matmuls side by side, weights rotated over >= 1 GiB of copies so every call reads them
-//! from DRAM (cold): our int4 / int8 / fp8 kernels, burn `flex` f32, candle-core's GGUF Q4_0 / Q4_K / Q8_0
-//! (with `--features candle-bench`) and a streaming-read bandwidth probe. GEMV (m = 1) and GEMM
+//! from DRAM (cold): our int4 / int8 / fp8 / nvfp4 / mxfp4 kernels, burn `flex` f32, candle-core's GGUF
+//! Q4_0 / Q4_K / Q8_0 (with `--features candle-bench`) and a streaming-read bandwidth probe. GEMV (m = 1) and GEMM
 //! (m = 8, 32, 128) on a 4096 x 4096 weight. Prints a markdown table: time per call, GB/s of weight bytes
 //! (codes + scales) and % of the probe's bandwidth.
 //!
@@ -126,6 +126,8 @@ fn main() {
         QuantScheme::Int4G128,
         QuantScheme::Int8PerChannel,
         QuantScheme::Fp8Block128,
+        QuantScheme::Nvfp4,
+        QuantScheme::Mxfp4,
     ] {
         if !selected(&format!("qarl {}", scheme.name())) {
             continue;

@@ -118,9 +118,12 @@ fn bench_rollout_prints_a_row_per_scheme() {
     let dir = tmp.path().join("tiny");
     assert!(init_model(&tiny_config(), &dir, 0).status.success());
     let json = tmp.path().join("bench.json");
+    // Every precision by name (the fp4 schemes included), whatever the flag's default lists.
+    let all: Vec<&str> = qarl::quant::Precision::all().map(|p| p.name()).collect();
     let out = qarl()
         .args(["bench", "rollout", "--model"])
         .arg(&dir)
+        .args(["--schemes", &all.join(",")])
         .args([
             "--batch",
             "2",

@@ -375,3 +375,109 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     );
     assert!(stdout.contains("f32     full:"), "{stdout}");
 }
+
+/// `qarl score --quant nvfp4|mxfp4` scores with the fp4 weights: the logits are bitwise those of the model
+/// quantized in process (the same forward), and differ from the full-precision ones.
+#[test]
+fn score_with_fp4_quant_uses_the_fp4_weights() {
+    use burn::tensor::Device;
+    use qarl::host::to_f32_vec;
+    use qarl::model::Decoder;
+    use qarl::quant::{QuantConfig, QuantScheme};
+
+    let dir = fixtures_dir().join("qwen3_moe");
+    let ids = vec![vec![5u32, 9, 200, 31, 7, 8]];
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("ids.json");
+    std::fs::write(&input, serde_json::json!({ "input_ids": ids }).to_string()).unwrap();
+    let full = to_f32_vec(
+        Decoder::load(&dir, &Device::flex())
+            .unwrap()
+            .forward(&ids, None, None, None)
+            .logits,
+    );
+    for scheme in [QuantScheme::Nvfp4, QuantScheme::Mxfp4] {
+        let output = tmp.path().join(format!("{scheme}.json"));
+        let out = qarl()
+            .args(["score", "--model"])
+            .arg(&dir)
+            .args(["--quant", scheme.name(), "--input"])
+            .arg(&input)
+            .arg("--output")
+            .arg(&output)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{scheme}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
+        let logits: Vec<Vec<Vec<f32>>> = serde_json::from_value(v["logits"].clone()).unwrap();
+        let got: Vec<f32> = logits.iter().flatten().flatten().copied().collect();
+        let mut model = Decoder::load(&dir, &Device::flex()).unwrap();
+        model.quantize(&QuantConfig::new(scheme)).unwrap();
+        let want = to_f32_vec(model.forward(&ids, None, None, None).logits);
+        assert_eq!(got, want, "{scheme}: CLI and in-process quantized logits");
+        assert!(
+            max_abs_diff(&got, &full) > 0.0,
+            "{scheme}: no quantization?"
+        );
+    }
+}
+
+/// The fp4 scheme names are accepted wherever a scheme is named on the command line (`eval --quant`,
+/// `mismatch --schemes`): the commands get past parsing to the missing model; a misspelling lists them.
+#[test]
+fn fp4_scheme_names_parse_on_every_command() {
+    for args in [
+        vec![
+            "eval",
+            "--model",
+            "/nonexistent",
+            "--data",
+            "gsm8k-test",
+            "--quant",
+            "nvfp4",
+        ],
+        vec![
+            "eval",
+            "--model",
+            "/nonexistent",
+            "--data",
+            "gsm8k-test",
+            "--quant",
+            "mxfp4",
+        ],
+        vec![
+            "mismatch",
+            "--model",
+            "/nonexistent",
+            "--schemes",
+            "nvfp4,mxfp4",
+        ],
+    ] {
+        let out = qarl().args(&args).output().unwrap();
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains("/nonexistent"), "{args:?}: {err}");
+    }
+    let out = qarl()
+        .args([
+            "eval",
+            "--model",
+            "/nonexistent",
+            "--data",
+            "x",
+            "--quant",
+            "nvfp8",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("nvfp8") && err.contains("nvfp4") && err.contains("mxfp4"),
+        "{err}"
+    );
+}

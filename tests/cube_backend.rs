@@ -109,6 +109,8 @@ fn cube_straight_through_gradients_match_the_cpu() {
         QuantScheme::Int4G32,
         QuantScheme::Int8PerChannel,
         QuantScheme::Fp8Block128,
+        QuantScheme::Nvfp4,
+        QuantScheme::Mxfp4,
     ] {
         let grads_on = |dev: &Device| {
             let ad = dev.clone().autodiff();

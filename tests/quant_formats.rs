@@ -244,7 +244,10 @@ fn every_scheme_matches_the_python_reference_bit_exactly() {
     let fixture = Fixture::open(&bytes);
     let schemes = fixture.list("schemes");
     let cases = fixture.list("cases");
-    assert_eq!(schemes.len(), QuantScheme::ALL.len());
+    // The fp4 schemes have their own reference (tests/quant_fp4.rs); this one covers every other scheme.
+    let fp4 = [QuantScheme::Nvfp4, QuantScheme::Mxfp4];
+    assert_eq!(schemes.len(), QuantScheme::ALL.len() - fp4.len());
+    assert!(schemes.iter().all(|s| !fp4.iter().any(|f| f.name() == s)));
     assert!(cases.len() >= 5);
     for case in &cases {
         let (w_shape, weights) = fixture.f32s(&format!("case/{case}/weight"));
@@ -450,10 +453,12 @@ proptest! {
         prop_assert_eq!(QuantizedTensor::from_parts(s, o, i, data, scales).unwrap(), q.clone());
         let scale_of = |row: usize, col: usize| -> f32 {
             let scales = q.scales();
-            match scheme.int4_group() {
-                Some(g) => scales[row * inn.div_ceil(g) + col / g],
-                None if scheme == QuantScheme::Int8PerChannel => scales[row],
-                None => scales[(row / 128) * inn.div_ceil(128) + col / 128],
+            match (scheme.int4_group(), scheme) {
+                (Some(g), _) => scales[row * inn.div_ceil(g) + col / g],
+                (None, QuantScheme::Int8PerChannel) => scales[row],
+                (None, QuantScheme::Nvfp4) => scales[row * inn.div_ceil(16) + col / 16],
+                (None, QuantScheme::Mxfp4) => scales[row * inn.div_ceil(32) + col / 32],
+                (None, _) => scales[(row / 128) * inn.div_ceil(128) + col / 128],
             }
         };
         for row in 0..out {
@@ -463,7 +468,14 @@ proptest! {
                     continue; // a subnormal or zero scale: the grid is coarse there, codes may clamp
                 }
                 let err = (w - d).abs();
-                if scheme.quantizes_activations() {
+                if matches!(scheme, QuantScheme::Nvfp4 | QuantScheme::Mxfp4) {
+                    // E2M1 steps are at most 2 below the saturation at 6; beyond it the code is +-6.
+                    if w.abs() >= 6.0 * s {
+                        prop_assert!(d == (6.0 * s).copysign(w), "w {w:e} d {d:e} s {s:e}");
+                    } else {
+                        prop_assert!(err <= s * 1.0001, "w {w:e} d {d:e} s {s:e}");
+                    }
+                } else if scheme.quantizes_activations() {
                     // E4M3: 3 mantissa bits, so half an ulp is at most 1/16 of |w|; subnormal step 2^-9 s.
                     let bound = (w.abs() / 16.0).max(s * 2f32.powi(-10)) * 1.001;
                     prop_assert!(err <= bound, "w {w:e} d {d:e} s {s:e}");
@@ -484,7 +496,13 @@ fn zero_weights_give_zero_codes_and_scales() {
     for scheme in QuantScheme::ALL {
         let q = QuantizedTensor::quantize(&vec![0.0; 3 * 200], 3, 200, scheme).unwrap();
         assert!(q.data().iter().all(|&b| b == 0), "{scheme}");
-        assert!(q.scales().iter().all(|&s| s == 0.0), "{scheme}");
+        // An mxfp4 scale is a power of two: a zero block keeps the smallest, 2^-127.
+        let zero_scale = if scheme == QuantScheme::Mxfp4 {
+            2f64.powi(-127) as f32
+        } else {
+            0.0
+        };
+        assert!(q.scales().iter().all(|&s| s == zero_scale), "{scheme}");
         assert!(q.dequantize().iter().all(|&w| w == 0.0), "{scheme}");
         let x = vec![0.0; 2 * 200];
         assert!(
@@ -543,6 +561,8 @@ fn bytes_per_weight_of_each_scheme() {
         (QuantScheme::Int4G128, 0.5 + 4.0 / 128.0),
         (QuantScheme::Int8PerChannel, 1.0 + 4.0 / 4096.0),
         (QuantScheme::Fp8Block128, 1.0 + 4.0 / (128.0 * 128.0)),
+        (QuantScheme::Nvfp4, 0.5 + 4.0 / 16.0),
+        (QuantScheme::Mxfp4, 0.5 + 4.0 / 32.0),
     ] {
         let q = QuantizedTensor::quantize(&weights, out, inn, scheme).unwrap();
         assert_eq!(q.bytes_per_weight(), expected, "{scheme}");

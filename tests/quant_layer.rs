@@ -127,7 +127,12 @@ fn straight_through_gradients() {
     let w = values(out * inn, 7);
     let xv = values(m * inn, 8);
     let r = values(m * out, 9); // loss = sum(y * r), so g = r
-    for scheme in [QuantScheme::Int4G32, QuantScheme::Int8PerChannel] {
+    for scheme in [
+        QuantScheme::Int4G32,
+        QuantScheme::Int8PerChannel,
+        QuantScheme::Nvfp4,
+        QuantScheme::Mxfp4,
+    ] {
         let mut lin = linear(&w, out, inn, &ad);
         lin.weight = lin.weight.clone().map(|t| t.require_grad());
         lin.quantize(scheme).unwrap();
@@ -409,6 +414,8 @@ fn bytes_per_parameter() {
             QuantScheme::Int4G128 => 0.5 + 4.0 / 128.0,
             QuantScheme::Int8PerChannel => 1.0,
             QuantScheme::Fp8Block128 => 1.0,
+            QuantScheme::Nvfp4 => 0.5 + 4.0 / 16.0,
+            QuantScheme::Mxfp4 => 0.5 + 4.0 / 32.0,
         };
         println!("{scheme}: {per:.4} bytes/param in memory ({params} params)");
         assert!(per >= expected && per < expected + 0.15, "{scheme}: {per}");
@@ -529,7 +536,8 @@ fn deterministic_mode_rollout_and_training_logprobs() {
 /// Deterministic mode on a model whose widths are not multiples of 128 but exceed it (hidden 160, experts 136,
 /// dense intermediate 200: fp8-b128 has full and partial activation blocks), with tied embeddings (the
 /// lm_head is the `[vocab, hidden]` embedding matrix) and sequences that cross the attention's 64-key block:
-/// the rollout's recorded log-probs equal the training forward's bitwise, f32 and fp8-b128.
+/// the rollout's recorded log-probs equal the training forward's bitwise, f32, fp8-b128, nvfp4 (two scales
+/// per 32-input chunk, a short last block at 200 = 12 * 16 + 8) and mxfp4.
 #[test]
 fn deterministic_mode_is_bitwise_at_widths_not_multiple_of_128() {
     let tmp = tempfile::tempdir().unwrap();
@@ -571,7 +579,12 @@ fn deterministic_mode_is_bitwise_at_widths_not_multiple_of_128() {
         (0..60u32).map(|i| (i * 37 + 5) % 300).collect::<Vec<_>>(),
         vec![4u32, 250, 17],
     ];
-    for scheme in [None, Some(QuantScheme::Fp8Block128)] {
+    for scheme in [
+        None,
+        Some(QuantScheme::Fp8Block128),
+        Some(QuantScheme::Nvfp4),
+        Some(QuantScheme::Mxfp4),
+    ] {
         let mut infer = Decoder::load(&dir, &Device::flex()).unwrap();
         let mut train = Decoder::load(&dir, &Device::flex().autodiff()).unwrap();
         for (_, lin) in train.linears_mut() {

@@ -219,6 +219,40 @@ fn aligned_forward_removes_the_rollout_mismatch() {
     assert!(f > 0.0 && a == 0.0, "aligned {a} vs full {f}");
 }
 
+/// The same for the FP4 rollouts: with `rollout.precision = "nvfp4"` / `"mxfp4"` and the aligned forward,
+/// the learner's recomputed lp_old equals the rollout's record for every token (`lp_old_check`) and the
+/// step's `rollout_corr/k3_kl` is exactly 0.
+#[test]
+fn aligned_forward_is_exact_for_fp4_rollouts() {
+    let tmp = tempfile::tempdir().unwrap();
+    for precision in ["nvfp4", "mxfp4"] {
+        let toml = common::tiny_train_toml(&tmp.path().join("shared"), "aligned", 1).replace(
+            "precision = \"int4-g32\"",
+            &format!("precision = \"{precision}\""),
+        );
+        let mut cfg = TrainConfig::from_toml(&toml, "tiny").unwrap();
+        assert_eq!(cfg.rollout.precision.to_string(), precision);
+        cfg.run_dir = tmp.path().join(precision);
+        cfg.train.lp_old_check = true;
+        train::run(&cfg, false, true).unwrap();
+        let rows: Vec<_> = metrics(&cfg.run_dir.join("metrics.jsonl"))
+            .into_iter()
+            .filter(|r| r["phase"] == "rl")
+            .collect();
+        assert_eq!(rows.len(), 1, "{precision}");
+        assert_eq!(
+            rows[0]["train/lp_old_reused"], 1.0,
+            "{precision}: {}",
+            rows[0]
+        );
+        assert_eq!(
+            rows[0]["rollout_corr/k3_kl"], 0.0,
+            "{precision}: {}",
+            rows[0]
+        );
+    }
+}
+
 #[test]
 fn save_pretrained_round_trips() {
     let device = Device::flex();

@@ -7,7 +7,8 @@
 //!
 //! **Storage layout** (qarl's `QuantizedTensor`, quantized checkpoints): row-major over output rows,
 //! [`WeightFormat::row_bytes`] bytes per row, code `k` of a row in bits `bits*k ..` of the row's bytes
-//! (little code first: int4 two codes per byte, low nibble = even column; int8 and fp8 one byte per code).
+//! (little code first: int4 and fp4 two codes per byte, low nibble = even column; int8 and fp8 one byte per
+//! code).
 //! `bits` divides 8, so a code never straddles a byte and rows never share one; padding bits are 0.
 //!
 //! **Kernel layout** ([`PackedWeights`]): each row repacked once per weight version into
@@ -41,6 +42,18 @@ pub const INT8_MAX: i8 = 127;
 /// The int8 scale's divisor (`s = absmax / 127`).
 pub const INT8_QMAX: f32 = 127.0;
 
+/// Inputs per NVFP4 block (one E4M3 block scale each).
+pub const NVFP4_BLOCK: usize = 16;
+/// Inputs per MXFP4 block (one E8M0 scale each, OCP Microscaling v1.0).
+pub const MXFP4_BLOCK: usize = 32;
+/// Largest E2M1 magnitude: FP4 codes saturate at +-6.
+pub const E2M1_MAX: f32 = 6.0;
+/// The value of each E2M1 code (`s e e m`, bias 1): codes 0..8 are 0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes
+/// 8..16 their negatives (code 8 is -0.0). Every FP4 decoder (host, CPU kernels, CubeCL) reads this table.
+pub const E2M1_VALUES: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
 /// A low-bit weight format: what qarl quantizes to and what the kernels (CPU and CubeCL) read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
@@ -51,6 +64,13 @@ pub enum WeightFormat {
     /// E4M3 codes, one f32 scale per [`FP8_BLOCK`]-square block; activations are quantized to E4M3 per
     /// token per [`FP8_BLOCK`] inputs (`fp8-b128`, W8A8).
     Fp8Block,
+    /// NVFP4 (`nvfp4`, W4A16): E2M1 codes, per [`NVFP4_BLOCK`] inputs of a row an E4M3 block scale times a
+    /// per-matrix f32 tensor scale; the stored f32 scale is their f32 product, the factor a code's value
+    /// is multiplied by.
+    Nvfp4,
+    /// MXFP4 (`mxfp4`, W4A16, OCP Microscaling v1.0): E2M1 codes, per [`MXFP4_BLOCK`] inputs of a row an
+    /// E8M0 scale `2^e`, stored as its f32 value.
+    Mxfp4,
 }
 
 /// The weights one scale covers: `rows` output rows by `inputs` inputs of each (`None`: the whole row).
@@ -70,6 +90,8 @@ impl WeightFormat {
             WeightFormat::Int4 { group } => format!("int4-g{group}"),
             WeightFormat::Int8PerRow => "int8-pc".to_owned(),
             WeightFormat::Fp8Block => format!("fp8-b{FP8_BLOCK}"),
+            WeightFormat::Nvfp4 => "nvfp4".to_owned(),
+            WeightFormat::Mxfp4 => "mxfp4".to_owned(),
         }
     }
 
@@ -78,6 +100,8 @@ impl WeightFormat {
     pub fn parse(name: &str) -> Result<Self, KernelError> {
         let candidate = match name {
             "int8-pc" => Some(WeightFormat::Int8PerRow),
+            "nvfp4" => Some(WeightFormat::Nvfp4),
+            "mxfp4" => Some(WeightFormat::Mxfp4),
             _ if name.starts_with("fp8-") => Some(WeightFormat::Fp8Block),
             _ => name
                 .strip_prefix("int4-g")
@@ -108,12 +132,13 @@ impl WeightFormat {
     /// Bits per code; always a divisor of 8 (see the module docs).
     pub fn bits(self) -> usize {
         match self {
-            WeightFormat::Int4 { .. } => INT4_BITS,
+            WeightFormat::Int4 { .. } | WeightFormat::Nvfp4 | WeightFormat::Mxfp4 => INT4_BITS,
             WeightFormat::Int8PerRow | WeightFormat::Fp8Block => 8,
         }
     }
 
-    /// Bytes per row of `inn` codes in the storage layout: `ceil(inn/2)` for int4, `inn` for int8 and fp8.
+    /// Bytes per row of `inn` codes in the storage layout: `ceil(inn/2)` for int4 and fp4, `inn` for int8
+    /// and fp8.
     pub fn row_bytes(self, inn: usize) -> usize {
         packed_bytes(self.bits(), inn)
     }
@@ -123,7 +148,8 @@ impl WeightFormat {
         packed_words(self.bits(), inn)
     }
 
-    /// The weights one scale covers: int4 `1 x G`, int8 a whole row, fp8 a [`FP8_BLOCK`]-square block.
+    /// The weights one scale covers: int4 `1 x G`, int8 a whole row, fp8 a [`FP8_BLOCK`]-square block,
+    /// nvfp4 `1 x 16`, mxfp4 `1 x 32`.
     pub fn scale_block(self) -> ScaleBlock {
         match self {
             WeightFormat::Int4 { group } => ScaleBlock {
@@ -138,11 +164,20 @@ impl WeightFormat {
                 rows: FP8_BLOCK,
                 inputs: Some(FP8_BLOCK),
             },
+            WeightFormat::Nvfp4 => ScaleBlock {
+                rows: 1,
+                inputs: Some(NVFP4_BLOCK),
+            },
+            WeightFormat::Mxfp4 => ScaleBlock {
+                rows: 1,
+                inputs: Some(MXFP4_BLOCK),
+            },
         }
     }
 
     /// The scale grid of a `[out, inn]` weight, `[scale rows, scales per row]`: int4 `[out, ceil(inn/G)]`,
-    /// int8 `[out, 1]`, fp8 `[ceil(out/128), ceil(inn/128)]`. Scales are row-major over it.
+    /// int8 `[out, 1]`, fp8 `[ceil(out/128), ceil(inn/128)]`, nvfp4 `[out, ceil(inn/16)]`, mxfp4
+    /// `[out, ceil(inn/32)]`. Scales are row-major over it.
     pub fn scale_grid(self, out: usize, inn: usize) -> [usize; 2] {
         let block = self.scale_block();
         [
@@ -181,13 +216,14 @@ impl WeightFormat {
     }
 
     /// The value of a code before its scale: `q as f32` for the integer grids (the low [`Self::bits`] of
-    /// `code` as a two's complement), `e4m3_to_f32(code)` for fp8. The weight is this times its scale, one
-    /// f32 multiply.
+    /// `code` as a two's complement), `e4m3_to_f32(code)` for fp8, [`E2M1_VALUES`]`[code]` for fp4. The
+    /// weight is this times its scale, one f32 multiply.
     pub fn code_value(self, code: u32) -> f32 {
         match self {
             WeightFormat::Int4 { .. } => (((code << 28) as i32) >> 28) as f32,
             WeightFormat::Int8PerRow => code as u8 as i8 as f32,
             WeightFormat::Fp8Block => e4m3_to_f32(code as u8),
+            WeightFormat::Nvfp4 | WeightFormat::Mxfp4 => E2M1_VALUES[(code & 0xF) as usize],
         }
     }
 
@@ -204,11 +240,13 @@ impl WeightFormat {
     }
 
     /// The first code of a storage buffer (`out` rows of [`Self::row_bytes`]) that the quantizer never
-    /// produces: a non-zero padding nibble, int8 -128, an E4M3 NaN. Loading rejects them, so equal tensors
+    /// produces: a non-zero padding nibble, int8 -128, an E4M3 NaN (every E2M1 code is valid). Loading rejects them, so equal tensors
     /// have equal bytes and the kernels never meet a code the host reference would reject.
     pub fn invalid_code(self, inn: usize, data: &[u8]) -> Option<InvalidCode> {
         match self {
-            WeightFormat::Int4 { .. } => padding_fault(INT4_BITS, inn, data),
+            WeightFormat::Int4 { .. } | WeightFormat::Nvfp4 | WeightFormat::Mxfp4 => {
+                padding_fault(INT4_BITS, inn, data)
+            }
             WeightFormat::Int8PerRow => data
                 .iter()
                 .position(|&b| (b as i8) < -INT8_MAX)
@@ -231,16 +269,19 @@ impl WeightFormat {
             WeightFormat::Int4 { .. } => 0,
             WeightFormat::Int8PerRow => 1,
             WeightFormat::Fp8Block => 2,
+            WeightFormat::Nvfp4 | WeightFormat::Mxfp4 => 3,
         }
     }
 
-    /// The int4 group (or the fp8 block), the kernels' other compile-time parameter (`group`).
+    /// The int4 group (or the fp8 or fp4 block), the kernels' other compile-time parameter (`group`).
     #[cfg(feature = "kernels")]
     pub(crate) fn kernel_group(self) -> usize {
         match self {
             WeightFormat::Int4 { group } => group,
             WeightFormat::Int8PerRow => 1,
             WeightFormat::Fp8Block => FP8_BLOCK,
+            WeightFormat::Nvfp4 => NVFP4_BLOCK,
+            WeightFormat::Mxfp4 => MXFP4_BLOCK,
         }
     }
 }
@@ -388,7 +429,11 @@ impl PackedWeights {
                     for b in 0..row_bytes {
                         let mut byte = (next() >> 32) as u8;
                         match format {
-                            WeightFormat::Int4 { .. } if inn % 2 == 1 && b == row_bytes - 1 => {
+                            WeightFormat::Int4 { .. }
+                            | WeightFormat::Nvfp4
+                            | WeightFormat::Mxfp4
+                                if inn % 2 == 1 && b == row_bytes - 1 =>
+                            {
                                 byte &= 0x0F
                             }
                             WeightFormat::Int8PerRow if byte == 0x80 => byte = 0x81,

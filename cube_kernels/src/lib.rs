@@ -1,6 +1,6 @@
-//! CubeCL low-bit matmul kernels for qarl: int4 (`int4-g32/64/128`), int8 (`int8-pc`) and fp8
-//! (`fp8-b128`, W8A8) weights with f32, f16 or bf16 activations ([`ActDType`]; sums in f32, results
-//! rounded once), written once with CubeCL and launched on whatever
+//! CubeCL low-bit matmul kernels for qarl: int4 (`int4-g32/64/128`), int8 (`int8-pc`), fp8
+//! (`fp8-b128`, W8A8) and fp4 (`nvfp4`, `mxfp4`: E2M1 codes) weights with f32, f16 or bf16 activations
+//! ([`ActDType`]; sums in f32, results rounded once), written once with CubeCL and launched on whatever
 //! runtime the device gives (CUDA, wgpu, the CPU runtime).
 //!
 //! - [`format`] and [`e4m3`]: the formats, described once (code widths and values, scale grids, the

@@ -42,12 +42,14 @@ fn kernels() -> Option<&'static Kernels> {
     .as_ref()
 }
 
-const FORMATS: [WeightFormat; 5] = [
+const FORMATS: [WeightFormat; 7] = [
     WeightFormat::Int4 { group: 32 },
     WeightFormat::Int4 { group: 64 },
     WeightFormat::Int4 { group: 128 },
     WeightFormat::Int8PerRow,
     WeightFormat::Fp8Block,
+    WeightFormat::Nvfp4,
+    WeightFormat::Mxfp4,
 ];
 
 /// A small deterministic generator (xorshift), so failures reproduce.

@@ -5,7 +5,7 @@
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum QuantError {
     /// A scheme name that is not one of [`crate::quant::QuantScheme::ALL`].
-    #[error("unknown quantization scheme `{name}` (valid: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128)")]
+    #[error("unknown quantization scheme `{name}` (valid: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128, nvfp4, mxfp4)")]
     UnknownScheme { name: String },
 
     /// A layer-selection glob that does not compile.
@@ -14,7 +14,7 @@ pub enum QuantError {
 
     /// A precision name that is neither `f32` nor a scheme.
     #[error(
-        "unknown scheme `{name}` (valid: f32, int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128)"
+        "unknown scheme `{name}` (valid: f32, int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128, nvfp4, mxfp4)"
     )]
     UnknownPrecision { name: String },
 
@@ -55,6 +55,10 @@ pub enum QuantError {
     /// A stored scale that is negative or not finite (the quantizer only produces `absmax / qmax >= 0`).
     #[error("scales[{index}] is {value}; scales must be finite and >= 0")]
     InvalidScale { index: usize, value: f32 },
+
+    /// A stored mxfp4 scale that is not an E8M0 value (a power of two in [2^-127, 2^127]).
+    #[error("scales[{index}] is {value:e}; an mxfp4 scale is a power of two in [2^-127, 2^127]")]
+    NotE8m0Scale { index: usize, value: f32 },
 }
 
 /// `rows * cols`, or a clear error when it overflows (shapes come from user input and files).

@@ -11,6 +11,7 @@
 
 pub mod e4m3;
 pub mod error;
+pub mod fp4;
 pub mod fp8;
 pub mod int;
 pub mod packing;

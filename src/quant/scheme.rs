@@ -34,19 +34,25 @@ pub enum QuantScheme {
     /// `fp8-b128`: FP8 W8A8, E4M3 weight codes with one f32 scale per 128x128 block; activations are
     /// quantized on the fly to E4M3 per token per 128 input columns.
     Fp8Block128,
+    /// `nvfp4`: W4A16, E2M1 codes, one E4M3 scale per 16 inputs of a row times one f32 scale per matrix.
+    Nvfp4,
+    /// `mxfp4`: W4A16, E2M1 codes, one E8M0 (power of two) scale per 32 inputs of a row.
+    Mxfp4,
 }
 
 impl QuantScheme {
     /// Every scheme, in the order they are listed to users.
-    pub const ALL: [QuantScheme; 5] = [
+    pub const ALL: [QuantScheme; 7] = [
         QuantScheme::Int4G32,
         QuantScheme::Int4G64,
         QuantScheme::Int4G128,
         QuantScheme::Int8PerChannel,
         QuantScheme::Fp8Block128,
+        QuantScheme::Nvfp4,
+        QuantScheme::Mxfp4,
     ];
 
-    /// The exact name (`int4-g32`, `int4-g64`, `int4-g128`, `int8-pc`, `fp8-b128`); the same as the
+    /// The exact name (`int4-g32`, `int4-g64`, `int4-g128`, `int8-pc`, `fp8-b128`, `nvfp4`, `mxfp4`); the same as the
     /// format's own name (`SchemeKind::name`, checked by a test), but `&'static str` for configs and flags.
     pub fn name(self) -> &'static str {
         match self {
@@ -55,6 +61,8 @@ impl QuantScheme {
             QuantScheme::Int4G128 => "int4-g128",
             QuantScheme::Int8PerChannel => "int8-pc",
             QuantScheme::Fp8Block128 => "fp8-b128",
+            QuantScheme::Nvfp4 => "nvfp4",
+            QuantScheme::Mxfp4 => "mxfp4",
         }
     }
 
@@ -67,6 +75,8 @@ impl QuantScheme {
             QuantScheme::Int4G128 => SchemeKind::Int4 { group: 128 },
             QuantScheme::Int8PerChannel => SchemeKind::Int8PerRow,
             QuantScheme::Fp8Block128 => SchemeKind::Fp8Block,
+            QuantScheme::Nvfp4 => SchemeKind::Nvfp4,
+            QuantScheme::Mxfp4 => SchemeKind::Mxfp4,
         }
     }
 
@@ -74,7 +84,10 @@ impl QuantScheme {
     pub fn int4_group(self) -> Option<usize> {
         match self.kind() {
             SchemeKind::Int4 { group } => Some(group),
-            SchemeKind::Int8PerRow | SchemeKind::Fp8Block => None,
+            SchemeKind::Int8PerRow
+            | SchemeKind::Fp8Block
+            | SchemeKind::Nvfp4
+            | SchemeKind::Mxfp4 => None,
         }
     }
 
@@ -84,13 +97,13 @@ impl QuantScheme {
     }
 
     /// Shape of the f32 scale tensor for a weight `[out, inn]`: `[out, ceil(inn/G)]` (int4), `[out]` (int8),
-    /// `[ceil(out/128), ceil(inn/128)]` (fp8).
+    /// `[ceil(out/128), ceil(inn/128)]` (fp8), `[out, ceil(inn/16)]` (nvfp4), `[out, ceil(inn/32)]` (mxfp4).
     pub fn scale_shape(self, out: usize, inn: usize) -> Vec<usize> {
         self.kind().scale_shape(out, inn)
     }
 
-    /// Bytes of packed codes in one row of `inn` weights: `ceil(inn/2)` for int4 (an odd row ends with a
-    /// zero high nibble), `inn` for int8 and fp8.
+    /// Bytes of packed codes in one row of `inn` weights: `ceil(inn/2)` for int4 and fp4 (an odd row ends
+    /// with a zero high nibble), `inn` for int8 and fp8.
     pub fn row_bytes(self, inn: usize) -> usize {
         self.kind().row_bytes(inn)
     }

@@ -6,8 +6,12 @@
 //!   `ceil(in/2)` bytes per row); scales f32 `[out, ceil(in/G)]`.
 //! - int8-pc: one byte per weight, the code's two's complement (`q as u8`); scales f32 `[out]`.
 //! - fp8-b128: one E4M3 code per weight; scales f32 `[ceil(out/128), ceil(in/128)]`.
+//! - nvfp4 / mxfp4: E2M1 codes in the int4 byte storage; scales f32 `[out, ceil(in/16)]` (nvfp4: the
+//!   product of the E4M3 block scale and the tensor scale) / `[out, ceil(in/32)]` (mxfp4: `2^e`), see
+//!   [`super::fp4`].
 //!
-//! The dequantized weight is `q as f32 * s` (fp8: `e4m3_to_f32(code) * s`), one f32 multiply.
+//! The dequantized weight is `q as f32 * s` (fp8: `e4m3_to_f32(code) * s`, fp4: `e2m1_to_f32(code) * s`),
+//! one f32 multiply.
 //!
 //! Row lengths, scale grids and which codes are valid come from the scheme's format description
 //! ([`QuantScheme::kind`], shared with the kernels); this module holds the quantizer and the host decoders.
@@ -16,6 +20,7 @@ use rayon::prelude::*;
 
 use super::e4m3::e4m3_to_f32;
 use super::error::{check_finite, check_len, check_matrix_len, element_count, QuantError};
+use super::fp4::{e2m1_to_f32, is_e8m0_scale, quantize_fp4};
 use super::fp8::{quantize_blocks, Fp8Activations};
 use super::int::{
     absmax, quantize_to_int, symmetric_scale, INT4_MAX, INT4_MIN, INT4_QMAX, INT8_MAX, INT8_QMAX,
@@ -52,6 +57,7 @@ impl QuantizedTensor {
             SchemeKind::Int4 { group } => quantize_int4(weights, out, inn, group),
             SchemeKind::Int8PerRow => quantize_int8(weights, out, inn),
             SchemeKind::Fp8Block => quantize_blocks(weights, out, inn, FP8_BLOCK),
+            kind @ (SchemeKind::Nvfp4 | SchemeKind::Mxfp4) => quantize_fp4(weights, out, inn, kind),
         };
         Ok(QuantizedTensor {
             scheme,
@@ -63,7 +69,8 @@ impl QuantizedTensor {
     }
 
     /// Rebuilds a tensor from stored parts, checking lengths, that every code is one the quantizer can
-    /// produce (int4 padding nibbles 0, int8 not -128, no E4M3 NaN) and that scales are finite and >= 0.
+    /// produce (int4 and fp4 padding nibbles 0, int8 not -128, no E4M3 NaN), that scales are finite and
+    /// >= 0, and that mxfp4 scales are powers of two in [2^-127, 2^127] (E8M0).
     pub fn from_parts(
         scheme: QuantScheme,
         out: usize,
@@ -87,6 +94,14 @@ impl QuantizedTensor {
                 index,
                 value: scales[index],
             });
+        }
+        if scheme.kind() == SchemeKind::Mxfp4 {
+            if let Some(index) = scales.iter().position(|&s| !is_e8m0_scale(s)) {
+                return Err(QuantError::NotE8m0Scale {
+                    index,
+                    value: scales[index],
+                });
+            }
         }
         if let Some(bad) = scheme.kind().invalid_code(inn, &data) {
             return Err(QuantError::InvalidCode {
@@ -144,12 +159,13 @@ impl QuantizedTensor {
         (self.scheme, [self.out, self.inn], self.data, self.scales)
     }
 
-    /// Unpacked integer codes `[out, in]` for int4 / int8; `None` for fp8 (its codes are [`Self::data`]).
+    /// Unpacked integer codes `[out, in]` for int4 / int8; `None` for fp8 (its codes are [`Self::data`])
+    /// and fp4 (E2M1 codes, not integers).
     pub fn int_codes(&self) -> Option<Vec<i8>> {
         match self.scheme.kind() {
             SchemeKind::Int4 { .. } => unpack_int4(&self.data, self.out, self.inn).ok(),
             SchemeKind::Int8PerRow => Some(self.data.iter().map(|&b| b as i8).collect()),
-            SchemeKind::Fp8Block => None,
+            SchemeKind::Fp8Block | SchemeKind::Nvfp4 | SchemeKind::Mxfp4 => None,
         }
     }
 
@@ -237,6 +253,16 @@ impl QuantizedTensor {
                 let codes = &self.data[row * self.inn..(row + 1) * self.inn];
                 for (col, (w, &c)) in dst.iter_mut().zip(codes).enumerate() {
                     *w = e4m3_to_f32(c) * scales[col / FP8_BLOCK];
+                }
+            }
+            kind @ (SchemeKind::Nvfp4 | SchemeKind::Mxfp4) => {
+                let row_bytes = kind.row_bytes(self.inn);
+                let bytes = &self.data[row * row_bytes..(row + 1) * row_bytes];
+                let [_, per_row] = kind.scale_grid(self.out, self.inn);
+                let scales = &self.scales[row * per_row..(row + 1) * per_row];
+                let block = kind.scale_block().inputs.unwrap_or(self.inn.max(1));
+                for (col, w) in dst.iter_mut().enumerate() {
+                    *w = e2m1_to_f32(bytes[col / 2] >> (4 * (col & 1))) * scales[col / block];
                 }
             }
         }

@@ -12,10 +12,12 @@ use qarl::quant::{QuantConfig, QuantScheme};
 
 use super::values;
 
-pub const MOE_SCHEMES: [QuantScheme; 3] = [
+pub const MOE_SCHEMES: [QuantScheme; 5] = [
     QuantScheme::Int4G32,
     QuantScheme::Int8PerChannel,
     QuantScheme::Fp8Block128,
+    QuantScheme::Nvfp4,
+    QuantScheme::Mxfp4,
 ];
 pub const HIDDEN: usize = 64;
 pub const INTER: usize = 32;

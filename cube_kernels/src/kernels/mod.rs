@@ -20,8 +20,9 @@
 //! --act-dtype ..` does on a GPU for every type the device has. Against the host reference the
 //! result is `round_F` of a value within the f32 tolerance, so it is bit-exact wherever the f32 result is.
 //!
-//! Weight formats are compile-time parameters (`fmt`: 0 = int4, 1 = int8, 2 = fp8; `group`: the int4 group
-//! or the fp8 block), so each launched kernel is specialised and the decode is branch-free.
+//! Weight formats are compile-time parameters (`fmt`: 0 = int4, 1 = int8, 2 = fp8, 3 = fp4 (nvfp4 and
+//! mxfp4, E2M1 codes); `group`: the int4 group, the fp8 block or the fp4 block), so each launched kernel is
+//! specialised and the decode is branch-free.
 
 pub mod dense;
 pub mod fp8;
@@ -46,10 +47,22 @@ pub const BLOCK: usize = 64;
 pub const STAGE_STRIDE: usize = BLOCK + 1;
 /// Floats of one 16-input stage of 64 rows at [`STAGE_STRIDE`].
 pub const STAGE_FLOATS: usize = 16 * STAGE_STRIDE;
+/// Twice the E2M1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (small integers), one per nibble: magnitude code
+/// `c` (0..8) is `(E2M1_TWICE >> 4c) & 15`.
+pub const E2M1_TWICE: u32 = 0xC864_3210;
+
+/// The value of an E2M1 code ([`crate::format::E2M1_VALUES`]), exactly: twice the magnitude from
+/// [`E2M1_TWICE`], times 0.5, times -1 when the sign bit is set (each step exact, -0.0 for code 8).
+#[cube]
+pub fn e2m1_value(nib: u32) -> f32 {
+    let twice = (0xC864_3210u32 >> ((nib & 7u32) * 4u32)) & 15u32;
+    let sign = f32::cast_from(1i32 - 2i32 * i32::cast_from(nib >> 3u32));
+    f32::cast_from(twice) * 0.5f32 * sign
+}
 
 /// The dequantized weight of row `row`, input `k` of the matrix starting at word `woff` / scale `soff`:
-/// `q as f32 * s` (fp8: `e4m3(code) * s` through the decode table `lut`), one f32 multiply, as the host
-/// reference computes it.
+/// `q as f32 * s` (fp8: `e4m3(code) * s` through the decode table `lut`, fp4: [`e2m1_value`]`(code) * s`),
+/// one f32 multiply, as the host reference computes it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn weight_at(
@@ -75,10 +88,14 @@ pub fn weight_at(
         let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
         let q = i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32);
         f32::cast_from(q) * scales[soff + row]
-    } else {
+    } else if comptime!(fmt == 2) {
         let word = words[woff + row * wpr + k / 4];
         let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
         lut[byte as usize] * scales[soff + (row / group) * spr + k / group]
+    } else {
+        let word = words[woff + row * wpr + k / 8];
+        let nib = (word >> (((k % 8) * 4) as u32)) & 15u32;
+        e2m1_value(nib) * scales[soff + row * spr + k / group]
     }
 }
 
@@ -132,11 +149,25 @@ pub fn chunk_dot<X: Float>(
 ) -> f32 {
     let mut part = 0.0f32;
     let mut whole = false;
-    if comptime!(fmt == 1 || group % 32 == 0) {
+    // fp4 blocks (16 or 32 inputs) divide a chunk or equal it: its scale is looked up per 8-input word.
+    if comptime!(fmt == 1 || fmt == 3 || group % 32 == 0) {
         whole = depth == 32;
     }
     if whole {
-        if comptime!(fmt == 0) {
+        if comptime!(fmt == 3) {
+            let base = woff + row * wpr + k0 / 8;
+            #[unroll]
+            for w in 0..4u32 {
+                let word = words[base + w as usize];
+                let s = scales[soff + row * spr + (k0 + (w * 8u32) as usize) / group];
+                #[unroll]
+                for j in 0..8u32 {
+                    let nib = (word >> (j * 4u32)) & 15u32;
+                    let xv = input_at(x, xoff, xs, k0, (w * 8u32 + j) as usize, chunks, staged);
+                    part = fma(xv, e2m1_value(nib) * s, part);
+                }
+            }
+        } else if comptime!(fmt == 0) {
             let base = woff + row * wpr + k0 / 8;
             let s = scales[soff + row * spr + k0 / group];
             #[unroll]

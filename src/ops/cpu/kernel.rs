@@ -43,6 +43,7 @@ use std::sync::OnceLock;
 use rayon::prelude::*;
 
 use crate::quant::e4m3::e4m3_to_f32;
+use crate::quant::fp4::{E2M1_VALUES, MXFP4_BLOCK, NVFP4_BLOCK};
 use crate::quant::fp8::Fp8Activations;
 use crate::quant::packing::nibble_to_int4;
 use crate::quant::scheme::{SchemeKind, FP8_BLOCK};
@@ -57,6 +58,8 @@ macro_rules! by_scheme {
             INT4 => $f::<INT4>($($a),*),
             INT8 => $f::<INT8>($($a),*),
             FP8 => $f::<FP8>($($a),*),
+            NVFP4 => $f::<NVFP4>($($a),*),
+            MXFP4 => $f::<MXFP4>($($a),*),
             _ => $f::<PANEL>($($a),*),
         }
     };
@@ -71,6 +74,8 @@ macro_rules! pair_tile {
             INT4 => pair_tile!(@shape $f, INT4, $mb, $ob, $args),
             INT8 => pair_tile!(@shape $f, INT8, $mb, $ob, $args),
             FP8 => pair_tile!(@shape $f, FP8, $mb, $ob, $args),
+            NVFP4 => pair_tile!(@shape $f, NVFP4, $mb, $ob, $args),
+            MXFP4 => pair_tile!(@shape $f, MXFP4, $mb, $ob, $args),
             _ => pair_tile!(@shape $f, PANEL, $mb, $ob, $args),
         }
     };
@@ -235,6 +240,45 @@ pub(crate) const INT8: u8 = 1;
 pub(crate) const FP8: u8 = 2;
 /// Already decoded f32 rows (a panel).
 pub(crate) const PANEL: u8 = 3;
+/// E2M1 codes in the int4 kernel layout, two f32 scales per chunk (columns `32c..32c+16` and
+/// `32c+16..32c+32`: the low and the high nibbles of the chunk's words).
+pub(crate) const NVFP4: u8 = 4;
+/// E2M1 codes in the int4 kernel layout, one f32 scale per chunk.
+pub(crate) const MXFP4: u8 = 5;
+
+/// Whether scheme code `s` reads 4-bit codes in the int4 kernel layout (four-row lines).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) const fn nibbles(s: u8) -> bool {
+    matches!(s, INT4 | NVFP4 | MXFP4)
+}
+
+/// Scales per chunk of scheme code `s` (nvfp4: one per 16 columns), for the scale prefetches.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) const fn scales_per_chunk(s: u8) -> usize {
+    if s == NVFP4 {
+        2
+    } else {
+        1
+    }
+}
+
+/// The 16-entry decoding table of a 4-bit scheme before its scale: the int4 values or the E2M1 values.
+#[cfg(target_arch = "x86_64")]
+pub(crate) const fn nibble_table(s: u8) -> &'static [f32; 16] {
+    if s == INT4 {
+        &INT4_TABLE
+    } else {
+        &E2M1_VALUES
+    }
+}
+
+/// `nibble_to_int4(n) as f32` for n = 0..16: the int4 decoding table before the group scale.
+#[cfg(target_arch = "x86_64")]
+const INT4_TABLE: [f32; 16] = [
+    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
+];
 
 /// One weight version in the kernel layout (module docs), made by [`KernelWeights::new`].
 #[derive(Debug, Clone)]
@@ -248,7 +292,8 @@ pub struct KernelWeights {
     /// aligned.
     codes: AlignedBytes,
     row_bytes: usize,
-    /// int4: `[out, ceil(in/G)]`; int8: `[out]`; fp8: `[ceil(out/128), ceil(in/128)]` times 2^120.
+    /// int4: `[out, ceil(in/G)]`; int8: `[out]`; fp8: `[ceil(out/128), ceil(in/128)]` times 2^120; nvfp4:
+    /// `[out, 2 * chunks]` (zero-padded); mxfp4: `[out, chunks]`.
     scales: Vec<f32>,
     /// Chunks of 32 columns sharing one scale (int4: G/32; fp8: 4; int8: the whole row).
     seg_chunks: usize,
@@ -337,7 +382,11 @@ impl KernelWeights {
         let chunks = kp / LANES;
         let data = w.data();
         match w.scheme().kind() {
-            SchemeKind::Int4 { group } => {
+            kind @ (SchemeKind::Int4 { .. } | SchemeKind::Nvfp4 | SchemeKind::Mxfp4) => {
+                let group = match kind {
+                    SchemeKind::Int4 { group } => group,
+                    _ => LANES,
+                };
                 assert!(
                     group % LANES == 0,
                     "int4 group {group} is not a multiple of {LANES}"
@@ -368,18 +417,24 @@ impl KernelWeights {
                         }
                     }
                 }
-                let ng = inn.div_ceil(group);
+                let (scheme, scales, stride) = match kind {
+                    SchemeKind::Nvfp4 => {
+                        (NVFP4, fp4_scales(w, NVFP4_BLOCK, 2 * chunks), 2 * chunks)
+                    }
+                    SchemeKind::Mxfp4 => (MXFP4, fp4_scales(w, MXFP4_BLOCK, chunks), chunks),
+                    _ => (INT4, w.scales().to_vec(), inn.div_ceil(group)),
+                };
                 Self {
-                    scheme: INT4,
+                    scheme,
                     out,
                     inn,
                     kp,
                     codes,
                     row_bytes,
-                    scales: w.scales().to_vec(),
+                    scales,
                     seg_chunks: group / LANES,
                     scale_row_div: 1,
-                    scale_row_stride: ng,
+                    scale_row_stride: stride,
                     portable_only: false,
                     fp8_activations: false,
                 }
@@ -605,6 +660,20 @@ impl KernelWeights {
 
 /// Rows per int4 group of the kernel layout (module docs).
 pub(crate) const INT4_ROWS: usize = 4;
+
+/// The fp4 block scales of `w` (blocks of `block` columns) with rows zero-padded to `per_row` scales (the
+/// chunk count times the scales per chunk), so that a padded chunk reads scales that exist.
+fn fp4_scales(w: &QuantizedTensor, block: usize, per_row: usize) -> Vec<f32> {
+    let [out, inn] = w.shape();
+    let have = inn.div_ceil(block);
+    let mut scales = vec![0.0f32; out * per_row];
+    if have > 0 {
+        for (dst, src) in scales.chunks_mut(per_row).zip(w.scales().chunks(have)) {
+            dst[..have].copy_from_slice(src);
+        }
+    }
+    scales
+}
 
 /// Copies the rows of `src` (`[rows, k]`) into the first `k` elements of each `kp`-long row of `dst`; the
 /// rest of `dst` (the padding, zero in every caller) is left as it is.
@@ -983,6 +1052,11 @@ pub fn lowbit_matmul_reference(w: &QuantizedTensor, x: &[f32], m: usize) -> Vec<
 #[inline(always)]
 pub(crate) fn decode_int4_nibble(n: u8, s: f32) -> f32 {
     nibble_to_int4(n & 0xF) as f32 * s
+}
+
+#[inline(always)]
+pub(crate) fn decode_e2m1_nibble(n: u8, s: f32) -> f32 {
+    E2M1_VALUES[(n & 0xF) as usize] * s
 }
 
 #[inline(always)]

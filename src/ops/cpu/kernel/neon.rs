@@ -6,7 +6,8 @@
 //!
 //! The weights decode as the AVX2 path decodes them: an int4 nibble sign-extended by two shifts and
 //! converted (`q as f32 * s`, the product the decoding table holds), int8 widened and converted, fp8 by the
-//! folding shift of `x86.rs` (`super::FP8_BITS`).
+//! folding shift of `x86.rs` (`super::FP8_BITS`); E2M1 (nvfp4, mxfp4) by a `vqtbl1q_u8` lookup of twice the
+//! magnitude, converted, halved and scaled, the sign xored in ([`e2m1_lanes`]).
 //!
 //! NEON is part of the aarch64 base ISA, so the path is always available there; the functions are `unsafe`
 //! only for their raw loads, which stay inside the slices of [`TileSrc`] and the activation rows (each
@@ -14,7 +15,47 @@
 
 use std::arch::aarch64::*;
 
-use super::{TileSrc, FP8, FP8_BITS, INT4, INT8, LANES, PANEL};
+use super::{TileSrc, FP8, FP8_BITS, INT4, INT8, LANES, MXFP4, NVFP4, PANEL};
+
+/// Twice the eight E2M1 magnitudes (0, 0.5, 1, 1.5, 2, 3, 4, 6), as bytes for `vqtbl1q_u8`; the rest 0.
+const E2M1_TWICE: [u8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0];
+
+/// The E2M1 nibbles at bit `down` of each 32-bit lane of `v` times `s`: the magnitude by a byte-table lookup
+/// of the nibble's low three bits (the other three bytes of a lane index entry 0, which is 0), converted
+/// and halved (both exact), times the scale (the one rounding: `(twice * 0.5) * s == value * s`), then the
+/// sign bit moved to bit 31 (`up`) and applied by xor: `-(m * s) == (-m) * s`, `-0.0` for code 8.
+#[inline(always)]
+unsafe fn e2m1_lanes(v: int32x4_t, down: i32, up: i32, s: float32x4_t) -> float32x4_t {
+    // SAFETY: register operations; the table is 16 bytes.
+    unsafe {
+        let table = vld1q_u8(E2M1_TWICE.as_ptr());
+        let u = vreinterpretq_u32_s32(v);
+        let index = vandq_u32(vshlq_u32(u, vdupq_n_s32(-down)), vdupq_n_u32(7));
+        let twice = vreinterpretq_u32_u8(vqtbl1q_u8(table, vreinterpretq_u8_u32(index)));
+        let magnitude = vmulq_f32(vmulq_n_f32(vcvtq_f32_u32(twice), 0.5), s);
+        let sign = vandq_u32(vshlq_u32(u, vdupq_n_s32(up)), vdupq_n_u32(0x8000_0000));
+        vreinterpretq_f32_u32(veorq_u32(vreinterpretq_u32_f32(magnitude), sign))
+    }
+}
+
+/// The scales of a segment for the low and the high 16 lanes of a chunk (only nvfp4 has two per chunk).
+#[inline(always)]
+fn prep128<const S: u8>(row_scales: &[f32], seg: usize) -> [float32x4_t; 2] {
+    // SAFETY: NEON is part of the aarch64 base ISA; register operations.
+    unsafe {
+        if S == PANEL {
+            return [vdupq_n_f32(0.0); 2];
+        }
+        if S == NVFP4 {
+            return [
+                vdupq_n_f32(row_scales[2 * seg]),
+                vdupq_n_f32(row_scales[2 * seg + 1]),
+            ];
+        }
+        let s = vdupq_n_f32(row_scales[seg]);
+        [s, s]
+    }
+}
 
 /// Eight sign-extended int8 codes per register pair, times the scale: 16 codes from `p` into lanes
 /// `4q..4q + 4` of `out[q]`, q = 0..4.
@@ -45,8 +86,9 @@ unsafe fn decode128<const S: u8>(
     src: &TileSrc<'_>,
     o: usize,
     c: usize,
-    s: float32x4_t,
+    prep: [float32x4_t; 2],
 ) -> [float32x4_t; 8] {
+    let s = prep[0];
     // SAFETY (all arms): row `o` exists and `c < chunks` (the caller's contract), so the 64 (int4), 32
     // (int8/fp8) bytes or 32 floats (panel) read here lie inside `codes` / `panel`.
     unsafe {
@@ -72,6 +114,19 @@ unsafe fn decode128<const S: u8>(
                     let hi = vshrq_n_s32::<28>(vshlq_s32(v, up_hi));
                     w[q] = vmulq_f32(vcvtq_f32_s32(lo), s);
                     w[q + 4] = vmulq_f32(vcvtq_f32_s32(hi), s);
+                }
+                w
+            }
+            NVFP4 | MXFP4 => {
+                // As int4: word l holds the row's nibbles for lanes l (bits shift..) and l + 16 (shift + 4..).
+                let (at, shift) = src.int4_line(o, c);
+                let p = src.codes.as_ptr().add(at) as *const i32;
+                let sh = shift as i32;
+                let mut w = [vdupq_n_f32(0.0); 8];
+                for q in 0..4 {
+                    let v = vld1q_s32(p.add(4 * q));
+                    w[q] = e2m1_lanes(v, sh, 28 - sh, prep[0]);
+                    w[q + 4] = e2m1_lanes(v, sh + 4, 24 - sh, prep[1]);
                 }
                 w
             }
@@ -118,7 +173,7 @@ unsafe fn tile128<const S: u8, const MB: usize, const OB: usize>(
     unsafe {
         let zero = vdupq_n_f32(0.0);
         let mut acc = [[[zero; 8]; OB]; MB];
-        let mut sc = [zero; OB];
+        let mut sc = [[zero; 2]; OB];
         let rows: [&[f32]; OB] = if S == PANEL {
             [&[]; OB]
         } else {
@@ -128,7 +183,7 @@ unsafe fn tile128<const S: u8, const MB: usize, const OB: usize>(
         while c < src.chunks {
             if S != PANEL {
                 for (r, s) in sc.iter_mut().enumerate() {
-                    *s = vdupq_n_f32(rows[r][seg]);
+                    *s = prep128::<S>(rows[r], seg);
                 }
             }
             seg += 1;
@@ -160,8 +215,7 @@ unsafe fn decode_rows128<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
     for r in 0..n {
         let row = src.scale_row(o0 + r);
         for (seg, chunks) in src.segments() {
-            // SAFETY: NEON is always there.
-            let s = unsafe { vdupq_n_f32(if S == PANEL { 0.0 } else { row[seg] }) };
+            let s = prep128::<S>(row, seg);
             for c in chunks {
                 // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
                 unsafe {

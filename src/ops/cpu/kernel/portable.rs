@@ -1,6 +1,9 @@
 //! The portable path: plain Rust with `f32::mul_add`, the reference the SIMD paths must match bitwise.
 
-use super::{decode_fp8, decode_int4_nibble, reduce_lanes, TileSrc, FP8, INT4, INT8, LANES, PANEL};
+use super::{
+    decode_e2m1_nibble, decode_fp8, decode_int4_nibble, reduce_lanes, TileSrc, FP8, INT4, INT8,
+    LANES, MXFP4, NVFP4, PANEL,
+};
 
 /// Decodes chunk `c` of row `o` into `w` (32 values, in lane order).
 #[inline(always)]
@@ -18,6 +21,22 @@ fn decode_chunk(scheme: u8, src: &TileSrc<'_>, o: usize, c: usize, w: &mut [f32;
                     u32::from_le_bytes(src.codes[at + 4 * l..at + 4 * l + 4].try_into().unwrap());
                 w[l] = decode_int4_nibble((word >> shift) as u8, s);
                 w[l + 16] = decode_int4_nibble((word >> (shift + 4)) as u8, s);
+            }
+        }
+        NVFP4 | MXFP4 => {
+            // Columns 32c..32c+16 (low nibbles) and 32c+16..32c+32 (high nibbles): one nvfp4 block each,
+            // one mxfp4 block together.
+            let (s_lo, s_hi) = if scheme == NVFP4 {
+                (src.scale(o, 2 * c), src.scale(o, 2 * c + 1))
+            } else {
+                (src.scale(o, c), src.scale(o, c))
+            };
+            let (at, shift) = src.int4_line(o, c);
+            for l in 0..16 {
+                let word =
+                    u32::from_le_bytes(src.codes[at + 4 * l..at + 4 * l + 4].try_into().unwrap());
+                w[l] = decode_e2m1_nibble((word >> shift) as u8, s_lo);
+                w[l + 16] = decode_e2m1_nibble((word >> (shift + 4)) as u8, s_hi);
             }
         }
         INT8 => {

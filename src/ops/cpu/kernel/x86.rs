@@ -12,7 +12,10 @@
 
 use std::arch::x86_64::*;
 
-use super::{TileSrc, FP8, FP8_BITS, INT4, INT8, LANES, PANEL};
+use super::{
+    nibble_table, nibbles, scales_per_chunk, TileSrc, FP8, FP8_BITS, INT4, INT8, LANES, MXFP4,
+    NVFP4, PANEL,
+};
 
 /// Where the tiles' software prefetches put the codes to come: in L2 (`T1`), not L1 (`T0`). A cold GEMV
 /// streams about 17 GB/s per core, which at ~100 ns of DRAM latency is some 30 lines in flight per core;
@@ -25,29 +28,33 @@ const CODE_PREFETCH: i32 = _MM_HINT_T1;
 /// How many tiles ahead the int4 tiles prefetch their codes (1 to 4 measured alike with [`CODE_PREFETCH`]).
 const INT4_PREFETCH_TILES: usize = 2;
 
-/// `nibble_to_int4(n) as f32` for n = 0..16: the int4 decoding table before the group scale.
-const INT4_TABLE: [f32; 16] = [
-    0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0,
-];
-
 // ------------------------------------------------------------------------------------------------
 // AVX-512
 // ------------------------------------------------------------------------------------------------
 
-/// Per-row state of a scale segment: the int4 table times the scale, or the broadcast scale.
+/// Per-row state of a scale segment, for the low and the high 16 lanes of a chunk: the 4-bit table (int4
+/// or E2M1) times the scale, or the broadcast scale. Only nvfp4 has two scales per chunk (one per 16
+/// columns); the others use one for both halves.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
-unsafe fn prep512<const S: u8>(row_scales: &[f32], seg: usize) -> __m512 {
+unsafe fn prep512<const S: u8>(row_scales: &[f32], seg: usize) -> [__m512; 2] {
     if S == PANEL {
-        return _mm512_setzero_ps();
+        return [_mm512_setzero_ps(); 2];
+    }
+    if nibbles(S) {
+        // SAFETY: the table has 16 f32.
+        let table = unsafe { _mm512_loadu_ps(nibble_table(S).as_ptr()) };
+        if S == NVFP4 {
+            return [
+                _mm512_mul_ps(table, _mm512_set1_ps(row_scales[2 * seg])),
+                _mm512_mul_ps(table, _mm512_set1_ps(row_scales[2 * seg + 1])),
+            ];
+        }
+        let t = _mm512_mul_ps(table, _mm512_set1_ps(row_scales[seg]));
+        return [t, t];
     }
     let s = _mm512_set1_ps(row_scales[seg]);
-    if S == INT4 {
-        // SAFETY: INT4_TABLE has 16 f32.
-        _mm512_mul_ps(unsafe { _mm512_loadu_ps(INT4_TABLE.as_ptr()) }, s)
-    } else {
-        s
-    }
+    [s, s]
 }
 
 /// The 32 decoded weights of chunk `c` of row `o`, lanes 0..16 and 16..32.
@@ -57,7 +64,7 @@ unsafe fn decode512<const S: u8>(
     src: &TileSrc<'_>,
     o: usize,
     c: usize,
-    prep: __m512,
+    prep: [__m512; 2],
 ) -> [__m512; 2] {
     // SAFETY (all arms): the caller guarantees row `o` exists and `c < chunks`, so the 16 (int4), 32
     // (int8/fp8) bytes or 32 floats (panel) read here lie inside `codes` / `panel`.
@@ -67,7 +74,7 @@ unsafe fn decode512<const S: u8>(
                 let p = src.panel.as_ptr().add(o * src.chunks * LANES + c * LANES);
                 [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
             }
-            INT4 => {
+            INT4 | NVFP4 | MXFP4 => {
                 // The row's nibbles sit at bits 8r.. of each word of the group's line; the table lookup
                 // reads the low four bits of each index.
                 // Shift counts from the row's place in its group (no branch; loop-invariant per row).
@@ -76,8 +83,8 @@ unsafe fn decode512<const S: u8>(
                 let lo = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh as i32));
                 let hi = _mm512_srl_epi32(v, _mm_cvtsi32_si128(sh as i32 + 4));
                 [
-                    _mm512_permutexvar_ps(lo, prep),
-                    _mm512_permutexvar_ps(hi, prep),
+                    _mm512_permutexvar_ps(lo, prep[0]),
+                    _mm512_permutexvar_ps(hi, prep[1]),
                 ]
             }
             INT8 => {
@@ -85,8 +92,8 @@ unsafe fn decode512<const S: u8>(
                 let a = _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i));
                 let b = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.add(16) as *const __m128i));
                 [
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(a), prep),
-                    _mm512_mul_ps(_mm512_cvtepi32_ps(b), prep),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(a), prep[0]),
+                    _mm512_mul_ps(_mm512_cvtepi32_ps(b), prep[0]),
                 ]
             }
             _ => {
@@ -106,7 +113,7 @@ unsafe fn decode512<const S: u8>(
                                 ))),
                                 mask,
                             )),
-                            prep,
+                            prep[0],
                         )
                     };
                 }
@@ -118,7 +125,7 @@ unsafe fn decode512<const S: u8>(
 
 /// Bytes of codes per 32-column chunk.
 const fn code_bytes<const S: u8>() -> usize {
-    if S == INT4 {
+    if nibbles(S) {
         16
     } else {
         32
@@ -208,7 +215,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
 ) {
     let zero = _mm512_setzero_ps();
     let mut acc = [[[zero; 2]; OB]; MB];
-    let mut prep = [zero; OB];
+    let mut prep = [[zero; 2]; OB];
     let xp: [*const f32; MB] = std::array::from_fn(|i| xs[i].as_ptr());
     let rows: [&[f32]; OB] = if S == PANEL {
         [&[]; OB]
@@ -223,7 +230,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     // 0.58 -> 0.45 ms.) The int4 tiles prefetch a tile further ahead, and all code prefetches go to L2
     // ([`CODE_PREFETCH`]). A prefetch never faults; past the end it is a no-op.
     let next_codes = OB * src.row_bytes;
-    let next_scales = if S == INT4 {
+    let next_scales = if nibbles(S) {
         OB * src.scale_row_stride
     } else {
         0
@@ -231,7 +238,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     // One chunk: prefetch, activations, then one row's weights at a time into every activation row's sums
     // (only two decoded registers live at once; decoding every row first spilled at 2x4 tiles).
     // A four-row int4 tile that starts a group reads one line per chunk for all its rows.
-    let group_tile = S == INT4 && o0 % super::INT4_ROWS == 0;
+    let group_tile = nibbles(S) && o0 % super::INT4_ROWS == 0;
     // One row's 32 decoded weights `w` into every activation row's sums (`xv`: the chunk's activations).
     macro_rules! accumulate {
         ($xv:ident, $r:expr, $w:expr) => {{
@@ -245,7 +252,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     macro_rules! chunk {
         ($c:expr) => {{
             let c = $c;
-            if S == INT4 {
+            if nibbles(S) {
                 // A later tile's line of this chunk (a group of four rows).
                 let (at, _) = src.int4_line(o0 + INT4_PREFETCH_TILES * OB, c);
                 _mm_prefetch::<CODE_PREFETCH>(src.codes.as_ptr().wrapping_add(at) as *const i8);
@@ -263,7 +270,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
                     [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
                 };
             }
-            if S == INT4 && OB == super::INT4_ROWS && group_tile {
+            if nibbles(S) && OB == super::INT4_ROWS && group_tile {
                 // The tile is one int4 group: one aligned line holds the chunk of all four rows, each row's
                 // nibbles at a fixed bit offset (immediate shifts).
                 let (at, _) = src.int4_line(o0, c);
@@ -275,8 +282,8 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
                             xv,
                             $r,
                             [
-                                _mm512_permutexvar_ps($lo, prep[$r]),
-                                _mm512_permutexvar_ps($hi, prep[$r]),
+                                _mm512_permutexvar_ps($lo, prep[$r][0]),
+                                _mm512_permutexvar_ps($hi, prep[$r][1]),
                             ]
                         )
                     };
@@ -297,10 +304,12 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     if S != PANEL && src.seg_chunks == 1 {
         // One scale per chunk (int4-g32): one loop, the scale step inlined.
         for c in 0..src.chunks {
-            if S == INT4 && c % 16 == 0 {
+            if nibbles(S) && c % 16 == 0 {
                 for row in &rows {
                     _mm_prefetch::<_MM_HINT_T0>(
-                        row.as_ptr().wrapping_add(next_scales + c) as *const i8
+                        row.as_ptr()
+                            .wrapping_add(next_scales + c * scales_per_chunk(S))
+                            as *const i8,
                     );
                 }
             }
@@ -313,7 +322,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     } else {
         let (mut c, mut seg) = (0, 0);
         while c < src.chunks {
-            if S == INT4 && seg % 16 == 0 {
+            if nibbles(S) && seg % 16 == 0 {
                 for row in &rows {
                     _mm_prefetch::<_MM_HINT_T0>(
                         row.as_ptr().wrapping_add(next_scales + seg) as *const i8
@@ -473,6 +482,8 @@ pub(super) unsafe fn rows_avx512(
     unsafe {
         match scheme {
             INT4 => tile_shapes!(rows512, INT4, mb, ob, (src, o0, n, xs, block, stride)),
+            NVFP4 => tile_shapes!(rows512, NVFP4, mb, ob, (src, o0, n, xs, block, stride)),
+            MXFP4 => tile_shapes!(rows512, MXFP4, mb, ob, (src, o0, n, xs, block, stride)),
             INT8 => tile_shapes!(rows512, INT8, mb, ob, (src, o0, n, xs, block, stride)),
             FP8 => tile_shapes!(rows512, FP8, mb, ob, (src, o0, n, xs, block, stride)),
             _ => tile_shapes!(rows512, PANEL, mb, ob, (src, o0, n, xs, block, stride)),
@@ -497,6 +508,54 @@ unsafe fn int4_lanes256(v: __m256i, shift: u32, s: __m256) -> (__m256, __m256) {
     )
 }
 
+/// E2M1 nibbles of the row at bit `shift` of each word of `v`: the low nibbles (lanes of the chunk's first
+/// 16 columns) decoded with `t[0]`, the high ones with `t[1]`, each the eight magnitudes times the scale.
+/// The magnitude is a lookup by the nibble's low three bits (`permutevar8x32` reads only those), the sign
+/// bit is moved to bit 31 and applied by xor: `-(m * s) == (-m) * s` exactly, `-0.0` for code 8.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn e2m1_lanes256(v: __m256i, shift: u32, t: [__m256; 2]) -> (__m256, __m256) {
+    let sign = _mm256_set1_epi32(i32::MIN);
+    // (A macro, not a closure: closures do not inherit the target features.)
+    macro_rules! half {
+        ($down:expr, $up:expr, $table:expr) => {{
+            let index = _mm256_srlv_epi32(v, _mm256_set1_epi32($down));
+            let magnitude = _mm256_permutevar8x32_ps($table, index);
+            let s = _mm256_and_si256(_mm256_sllv_epi32(v, _mm256_set1_epi32($up)), sign);
+            _mm256_xor_ps(magnitude, _mm256_castsi256_ps(s))
+        }};
+    }
+    (
+        half!(shift as i32, 28 - shift as i32, t[0]),
+        half!(shift as i32 + 4, 24 - shift as i32, t[1]),
+    )
+}
+
+/// Per-row state of a scale segment on AVX2, for the low and the high 16 lanes of a chunk: the eight E2M1
+/// magnitudes times the scale (nvfp4: one scale per half, mxfp4 one for both), or the broadcast scale.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn prep256<const S: u8>(row_scales: &[f32], seg: usize) -> [__m256; 2] {
+    if S == PANEL {
+        return [_mm256_setzero_ps(); 2];
+    }
+    if S == NVFP4 || S == MXFP4 {
+        // SAFETY: E2M1_VALUES has 16 f32, the first eight the magnitudes.
+        let table = unsafe { _mm256_loadu_ps(super::E2M1_VALUES.as_ptr()) };
+        let (lo, hi) = if S == NVFP4 {
+            (row_scales[2 * seg], row_scales[2 * seg + 1])
+        } else {
+            (row_scales[seg], row_scales[seg])
+        };
+        return [
+            _mm256_mul_ps(table, _mm256_set1_ps(lo)),
+            _mm256_mul_ps(table, _mm256_set1_ps(hi)),
+        ];
+    }
+    let s = _mm256_set1_ps(row_scales[seg]);
+    [s, s]
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn fp8_lanes256(v: __m256i, s: __m256) -> __m256 {
@@ -508,7 +567,13 @@ unsafe fn fp8_lanes256(v: __m256i, s: __m256) -> __m256 {
 /// The 32 decoded weights of chunk `c` of row `o` as four registers (lanes 0..8, 8..16, 16..24, 24..32).
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn decode256<const S: u8>(src: &TileSrc<'_>, o: usize, c: usize, s: __m256) -> [__m256; 4] {
+unsafe fn decode256<const S: u8>(
+    src: &TileSrc<'_>,
+    o: usize,
+    c: usize,
+    prep: [__m256; 2],
+) -> [__m256; 4] {
+    let s = prep[0];
     // SAFETY (all arms): row `o` exists and `c < chunks` (the caller's contract), so the bytes / floats
     // read lie inside `codes` / `panel`.
     unsafe {
@@ -529,6 +594,15 @@ unsafe fn decode256<const S: u8>(src: &TileSrc<'_>, o: usize, c: usize, s: __m25
                 let v1 = _mm256_loadu_si256(p.add(32) as *const __m256i);
                 let (lo0, hi0) = int4_lanes256(v0, shift, s);
                 let (lo1, hi1) = int4_lanes256(v1, shift, s);
+                [lo0, lo1, hi0, hi1]
+            }
+            NVFP4 | MXFP4 => {
+                let (at, shift) = src.int4_line(o, c);
+                let p = src.codes.as_ptr().add(at);
+                let v0 = _mm256_loadu_si256(p as *const __m256i);
+                let v1 = _mm256_loadu_si256(p.add(32) as *const __m256i);
+                let (lo0, hi0) = e2m1_lanes256(v0, shift, prep);
+                let (lo1, hi1) = e2m1_lanes256(v1, shift, prep);
                 [lo0, lo1, hi0, hi1]
             }
             INT8 => {
@@ -582,7 +656,7 @@ unsafe fn tile256<const S: u8, const MB: usize, const OB: usize>(
 ) {
     let zero = _mm256_setzero_ps();
     let mut acc = [[[zero; 4]; OB]; MB];
-    let mut sc = [zero; OB];
+    let mut sc = [[zero; 2]; OB];
     let xp: [*const f32; MB] = std::array::from_fn(|i| xs[i].as_ptr());
     let rows: [&[f32]; OB] = if S == PANEL {
         [&[]; OB]
@@ -593,7 +667,8 @@ unsafe fn tile256<const S: u8, const MB: usize, const OB: usize>(
     while c < src.chunks {
         if S != PANEL {
             for (r, s) in sc.iter_mut().enumerate() {
-                *s = _mm256_set1_ps(rows[r][seg]);
+                // SAFETY: same features as this function.
+                *s = unsafe { prep256::<S>(rows[r], seg) };
             }
         }
         seg += 1;
@@ -601,7 +676,7 @@ unsafe fn tile256<const S: u8, const MB: usize, const OB: usize>(
         while c < end {
             // The codes to come, into L2 (as `tile512` does): int4 the line of this chunk
             // `INT4_PREFETCH_TILES` groups of four rows ahead, fp8 the rows after the tile.
-            if S == INT4 {
+            if nibbles(S) {
                 let ahead = o0 + INT4_PREFETCH_TILES * super::INT4_ROWS;
                 let (at, _) = src.int4_line(ahead, c);
                 _mm_prefetch::<CODE_PREFETCH>(src.codes.as_ptr().wrapping_add(at) as *const i8);
@@ -643,7 +718,8 @@ unsafe fn decode_rows256<const S: u8>(src: &TileSrc<'_>, o0: usize, n: usize, ds
     for r in 0..n {
         let row = src.scale_row(o0 + r);
         for (seg, chunks) in src.segments() {
-            let s = _mm256_set1_ps(if S == PANEL { 0.0 } else { row[seg] });
+            // SAFETY: same features as this function.
+            let s = unsafe { prep256::<S>(row, seg) };
             for c in chunks {
                 // SAFETY: row o0 + r exists, c < chunks, and dst has n rows of kp floats (asserted).
                 unsafe {
