@@ -50,7 +50,7 @@ pub struct RolloutBenchArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "f32,int4-g32,int4-g64,int4-g128,int8-pc,fp8-b128"
+        default_value = "f32,int4-g32,int4-g64,int4-g128,int8-pc,fp8-b128,nvfp4,mxfp4"
     )]
     pub schemes: Vec<String>,
     /// Timed runs per scheme (after one warm-up run); the table shows medians.

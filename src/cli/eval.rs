@@ -26,7 +26,7 @@ pub struct EvalArgs {
     /// Evaluate the first N problems.
     #[arg(long, default_value_t = 100)]
     pub limit: usize,
-    /// Quantize the projections first (int4-g32/64/128, int8-pc, fp8-b128).
+    /// Quantize the projections first (int4-g32/64/128, int8-pc, fp8-b128, nvfp4, mxfp4).
     #[arg(long)]
     pub quant: Option<QuantScheme>,
     /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`).

@@ -57,7 +57,7 @@ pub struct GenerateArgs {
     /// Compute backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
     pub backend: BackendKind,
-    /// Quantize the projections on load (int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128); the forward then
+    /// Quantize the projections on load (int4-g32/64/128, int8-pc, fp8-b128, nvfp4, mxfp4); the forward then
     /// runs the low-bit matmul on the packed weights.
     #[arg(long)]
     pub quant: Option<QuantScheme>,

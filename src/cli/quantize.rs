@@ -8,7 +8,7 @@ pub struct QuantizeArgs {
     /// Hugging Face model directory (full precision).
     #[arg(long)]
     pub model: PathBuf,
-    /// Quantization scheme: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128.
+    /// Quantization scheme: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128, nvfp4, mxfp4.
     #[arg(long)]
     pub scheme: QuantScheme,
     /// Output directory (config.json with `quantization_config`, model.safetensors with codes and scales).
