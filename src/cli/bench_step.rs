@@ -178,8 +178,8 @@ fn print_table(t: &StepTimings, peak: f64, dram: f64) {
                 )
             }
             "learner forward" => gflops(get("perf/learner_forward_gflop"), s, peak),
-            // dx and dW: two products of the forward's size for each of its matmuls.
-            "learner backward" => gflops(2.0 * get("perf/learner_forward_gflop"), s, peak),
+            // dx and dW: two products of the forward's size for each matmul of a forward with a graph.
+            "learner backward" => gflops(get("perf/learner_backward_gflop"), s, peak),
             _ => (String::new(), String::new()),
         };
         println!(
@@ -193,7 +193,8 @@ fn print_table(t: &StepTimings, peak: f64, dram: f64) {
         pct((step - accounted) / step.max(1e-12))
     );
     let fb = get("perf/learner_forward_s") + get("perf/learner_backward_s");
-    let (rate, of_probe) = gflops(3.0 * get("perf/learner_forward_gflop"), fb, peak);
+    let fb_gflop = get("perf/learner_forward_gflop") + get("perf/learner_backward_gflop");
+    let (rate, of_probe) = gflops(fb_gflop, fb, peak);
     println!(
         "| **learner forward + backward** | {fb:.2} | {} | {rate} | {of_probe} |",
         pct(fb / step.max(1e-12))

@@ -182,6 +182,40 @@ impl SeqBatch {
         )
     }
 
+    /// Tokens the learner forward of [`Self::logprobs`] runs (padding included) and its flops
+    /// ([`crate::model::cost`]): with shared prompts, the distinct prompts padded to the longest, then every
+    /// row's response inputs padded to the longest against the prompt's keys; else every sequence padded.
+    pub fn forward_work(&self, config: &crate::model::ModelConfig) -> (usize, f64) {
+        let rows = self.seqs.len();
+        let loss: usize = self
+            .seqs
+            .iter()
+            .zip(&self.prompt_lens)
+            .map(|(s, &p)| s.len().saturating_sub(p))
+            .sum();
+        let longest = self.seqs.iter().map(Vec::len).max().unwrap_or(0);
+        let groups = self.prompt_groups();
+        if groups.len() == rows {
+            let f = config.forward_flops(rows, longest, longest, loss).total();
+            return (rows * longest, f);
+        }
+        let lp = groups
+            .iter()
+            .map(|g| self.prompt_lens[g[0]])
+            .max()
+            .unwrap_or(0);
+        let t = self
+            .seqs
+            .iter()
+            .zip(&self.prompt_lens)
+            .map(|(s, &p)| s.len().saturating_sub(p + 1))
+            .max()
+            .unwrap_or(0);
+        let f = config.forward_flops(groups.len(), lp, lp, 0).total()
+            + config.forward_flops(rows, t, lp + t, loss).total();
+        (groups.len() * lp + rows * t, f)
+    }
+
     /// The rows with the same prompt (the same tokens before `prompt_lens`), in order of first appearance.
     pub fn prompt_groups(&self) -> Vec<Vec<usize>> {
         let mut first: HashMap<&[u32], usize> = HashMap::new();

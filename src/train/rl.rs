@@ -437,9 +437,12 @@ struct PhaseTimes {
     optim_s: f64,
     /// Re-quantizing each new weight version (aligned forward).
     weight_sync_s: f64,
-    /// Flops of the learner forwards (see [`crate::model::cost`]).
+    /// Flops of the learner forwards (see [`crate::model::cost`]), and of those with a graph (the backward
+    /// does twice theirs).
     forward_flops: f64,
-    /// Tokens through the learner forwards (padding included) and the positions that carry a loss.
+    graph_flops: f64,
+    /// Tokens through the learner forwards (padding included) and the positions that carry a loss (in
+    /// forwards with a graph).
     tokens: usize,
     loss_tokens: usize,
     /// Rows that needed no forward with a graph (their loss and gradient are zero).
@@ -447,19 +450,20 @@ struct PhaseTimes {
 }
 
 impl PhaseTimes {
-    fn add_forward(&mut self, config: &crate::model::ModelConfig, b: &SeqBatch, padded_len: usize) {
-        let rows = b.seqs.len();
-        let loss_tokens: usize = b
-            .seqs
-            .iter()
-            .zip(&b.prompt_lens)
-            .map(|(s, &p)| s.len().saturating_sub(p.max(1)))
-            .sum();
-        self.forward_flops += config
-            .forward_flops(rows, padded_len, padded_len, loss_tokens)
-            .total();
-        self.tokens += rows * padded_len;
-        self.loss_tokens += loss_tokens;
+    /// A learner forward of `b`, with a graph (a backward follows) or without.
+    fn add_forward(&mut self, config: &crate::model::ModelConfig, b: &SeqBatch, graph: bool) {
+        let (tokens, flops) = b.forward_work(config);
+        self.forward_flops += flops;
+        if graph {
+            self.graph_flops += flops;
+            self.loss_tokens += b
+                .seqs
+                .iter()
+                .zip(&b.prompt_lens)
+                .map(|(s, &p)| s.len().saturating_sub(p))
+                .sum::<usize>();
+        }
+        self.tokens += tokens;
     }
 
     fn record(&self, m: &mut BTreeMap<String, f64>) {
@@ -470,6 +474,10 @@ impl PhaseTimes {
         m.insert(
             "perf/learner_forward_gflop".into(),
             self.forward_flops / 1e9,
+        );
+        m.insert(
+            "perf/learner_backward_gflop".into(),
+            2.0 * self.graph_flops / 1e9,
         );
         m.insert("perf/learner_tokens".into(), self.tokens as f64);
         m.insert("perf/loss_tokens".into(), self.loss_tokens as f64);
@@ -615,7 +623,7 @@ fn chunk_logprobs(
         ..ForwardOptions::default()
     };
     let (lp, fwd) = sub.logprobs_with(model, weights, temperature, replay.as_deref(), opts);
-    perf.add_forward(&model.config, &sub, fwd.padded_len);
+    perf.add_forward(&model.config, &sub, true);
     perf.skipped += inert.len();
     if inert.is_empty() {
         if first_forward {
@@ -634,6 +642,7 @@ fn chunk_logprobs(
             rest_replay.as_deref(),
             opts,
         );
+        perf.add_forward(&model.config, &rest, false);
         let split = |b: &SeqBatch, e: &[f32]| -> Vec<Vec<f32>> {
             let mut at = 0;
             b.seqs
