@@ -431,13 +431,17 @@ fn score_with_fp4_quant_uses_the_fp4_weights() {
 /// `mismatch --schemes`): the commands get past parsing to the missing model; a misspelling lists them.
 #[test]
 fn fp4_scheme_names_parse_on_every_command() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("problems.jsonl");
+    std::fs::write(&data, "{\"question\": \"1+1?\", \"answer\": \"#### 2\"}\n").unwrap();
+    let data = data.to_str().unwrap();
     for args in [
         vec![
             "eval",
             "--model",
             "/nonexistent",
             "--data",
-            "gsm8k-test",
+            data,
             "--quant",
             "nvfp4",
         ],
@@ -446,7 +450,7 @@ fn fp4_scheme_names_parse_on_every_command() {
             "--model",
             "/nonexistent",
             "--data",
-            "gsm8k-test",
+            data,
             "--quant",
             "mxfp4",
         ],

@@ -400,29 +400,8 @@ fn loss_position_logprobs_equal_the_full_forward() {
         }
         let grads_fused = (fused * w.clone()).sum().backward();
         let grads_full = (full * w).sum().backward();
-        let mut params = vec![
-            ("embed_tokens", model.embed_tokens.val()),
-            ("q_proj", model.layers[0].self_attn.q_proj.weight.val()),
-        ];
-        if let Some(head) = &model.lm_head {
-            params.push(("lm_head", head.weight.val()));
-        }
-        for (name, p) in params {
-            let g1 = to_f32_vec(p.grad(&grads_fused).unwrap());
-            let g2 = to_f32_vec(p.grad(&grads_full).unwrap());
-            let diff: f64 = g1
-                .iter()
-                .zip(&g2)
-                .map(|(x, y)| ((x - y) as f64).powi(2))
-                .sum();
-            let norm: f64 = g2.iter().map(|&y| (y as f64).powi(2)).sum();
-            let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
-            assert!(
-                rel <= 1e-5,
-                "{}: {name} gradient differs by {rel:e} relative",
-                dir.display()
-            );
-        }
+        let what = dir.display().to_string();
+        assert_gradients_close(&model, &grads_fused, &grads_full, 1e-5, &what);
     }
 }
 
@@ -510,31 +489,43 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
                 }
                 let gs = (shared * w.clone()).sum().backward();
                 let gf = (full * w).sum().backward();
-                let mut params = vec![
-                    ("embed_tokens", model.embed_tokens.val()),
-                    ("q_proj", model.layers[0].self_attn.q_proj.weight.val()),
-                    ("o_proj", model.layers[0].self_attn.o_proj.weight.val()),
-                ];
-                if let Some(head) = &model.lm_head {
-                    params.push(("lm_head", head.weight.val()));
-                }
-                for (name, p) in params {
-                    let g1 = to_f32_vec(p.grad(&gs).unwrap());
-                    let g2 = to_f32_vec(p.grad(&gf).unwrap());
-                    let diff: f64 = g1
-                        .iter()
-                        .zip(&g2)
-                        .map(|(x, y)| ((x - y) as f64).powi(2))
-                        .sum();
-                    let norm: f64 = g2.iter().map(|&y| (y as f64).powi(2)).sum();
-                    let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
-                    assert!(
-                        rel <= 1e-5,
-                        "{what}: {name} gradient differs by {rel:e} relative"
-                    );
-                    assert!(norm > 0.0, "{what}: {name} has no gradient");
-                }
+                assert_gradients_close(&model, &gs, &gf, 1e-5, &what);
             }
         }
+    }
+}
+
+/// The gradients of a few parameters (embedding, first layer's q and o projections, LM head) of two
+/// backward passes agree within `tol` relative (L2), and are not zero.
+fn assert_gradients_close(
+    model: &Decoder,
+    a: &burn::tensor::Gradients,
+    b: &burn::tensor::Gradients,
+    tol: f64,
+    what: &str,
+) {
+    let mut params = vec![
+        ("embed_tokens", model.embed_tokens.val()),
+        ("q_proj", model.layers[0].self_attn.q_proj.weight.val()),
+        ("o_proj", model.layers[0].self_attn.o_proj.weight.val()),
+    ];
+    if let Some(head) = &model.lm_head {
+        params.push(("lm_head", head.weight.val()));
+    }
+    for (name, p) in params {
+        let g1 = to_f32_vec(p.grad(a).unwrap());
+        let g2 = to_f32_vec(p.grad(b).unwrap());
+        let diff: f64 = g1
+            .iter()
+            .zip(&g2)
+            .map(|(x, y)| ((x - y) as f64).powi(2))
+            .sum();
+        let norm: f64 = g2.iter().map(|&y| (y as f64).powi(2)).sum();
+        let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+        assert!(
+            rel <= tol,
+            "{what}: {name} gradient differs by {rel:e} relative"
+        );
+        assert!(norm > 0.0, "{what}: {name} has no gradient");
     }
 }

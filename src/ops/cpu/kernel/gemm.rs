@@ -330,34 +330,15 @@ fn pack_b<const NR: usize>(b: Strided, k0: usize, kc: usize, j0: usize, nc: usiz
 }
 
 /// `a[i0..i0+mc, k0..k0+kc]` into strips of `MR` rows, each `[kc, MR]` (zeros past `mc`), strip `s` at
-/// `s * MR * KC`. Row-major `a` reads its rows as runs; transposed `a` copies runs of `MR`.
+/// `s * MR * KC`: exactly [`pack_b`] of `a`'s transpose (`k x m`, the strides swapped).
 #[inline(always)]
 fn pack_a<const MR: usize>(a: Strided, k0: usize, kc: usize, i0: usize, mc: usize, ap: &mut [f32]) {
-    for s in 0..mc.div_ceil(MR) {
-        let strip = &mut ap[s * MR * KC..s * MR * KC + kc * MR];
-        let rows = (mc - s * MR).min(MR);
-        let r0 = i0 + s * MR;
-        if a.rs == 1 {
-            for kk in 0..kc {
-                let at = (k0 + kk) * a.cs + r0;
-                strip[kk * MR..kk * MR + rows].copy_from_slice(&a.data[at..at + rows]);
-                strip[kk * MR + rows..(kk + 1) * MR].fill(0.0);
-            }
-        } else {
-            for r in 0..MR {
-                if r < rows {
-                    let row = &a.data[(r0 + r) * a.rs + k0 * a.cs..];
-                    for kk in 0..kc {
-                        strip[kk * MR + r] = row[kk * a.cs];
-                    }
-                } else {
-                    for kk in 0..kc {
-                        strip[kk * MR + r] = 0.0;
-                    }
-                }
-            }
-        }
-    }
+    let at = Strided {
+        data: a.data,
+        rs: a.cs,
+        cs: a.rs,
+    };
+    pack_b::<MR>(at, k0, kc, i0, mc, ap)
 }
 
 /// One `MR x NR` register tile over `kc` rows of `k`: the chains start from `+0.0` (`first`) or from the
