@@ -458,6 +458,8 @@ fn fp4_scheme_names_parse_on_every_command() {
             "mismatch",
             "--model",
             "/nonexistent",
+            "--data",
+            data,
             "--schemes",
             "nvfp4,mxfp4",
         ],
