@@ -334,10 +334,10 @@ impl SeqBatch {
         };
         // Loss position j of row r: the prompt's last row for j = 0, else response row r * t + j - 1.
         let mut rows = Vec::new();
-        for r in 0..b {
-            let n = self.seqs[r].len().saturating_sub(self.prompt_lens[r]);
+        for (r, (s, &g)) in self.seqs.iter().zip(&group_of).enumerate() {
+            let n = s.len().saturating_sub(self.prompt_lens[r]);
             if n > 0 {
-                rows.push(group_of[r] as i64);
+                rows.push(g as i64);
                 rows.extend((1..n).map(|j| (p + r * t + j - 1) as i64));
             }
         }
