@@ -187,7 +187,7 @@ fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
 fn aligned_forward_removes_the_rollout_mismatch() {
     let tmp = tempfile::tempdir().unwrap();
     // Two steps, with lp_old taken from the rollout's record *and* recomputed by the learner forward, which
-    // must give the same bits for every token (the run stops with an error otherwise).
+    // must give the same bits for every token, log-prob and entropy (the run stops with an error otherwise).
     let mut aligned = tiny_config(&tmp.path().join("a"), "aligned", 2);
     aligned.train.lp_old_check = true;
     train::run(&aligned, false, true).unwrap();

@@ -93,6 +93,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         stop_token_ids,
         stop_strings: args.stop_strings.clone(),
+        record_entropy: false,
     };
     params.validate().context("invalid sampling options")?;
     if args.samples == 0 {

@@ -216,23 +216,25 @@ fn with_exact_values<const D: usize>(lp: Tensor<D>, exact: Option<Vec<f32>>) -> 
     }
 }
 
-/// The entropy `-sum_v p_v ln p_v` (at temperature 1) of each row of host logits `[rows, v]`, in one fixed
-/// order: the normaliser of [`log_softmax_row`], then the sum in f64 in index order.
+/// The entropy `-sum_v p_v ln p_v` (at temperature 1) of each row of host logits `[rows, v]`
+/// ([`entropy_row`]).
 pub fn entropy_rows(logits: &[f32], v: usize) -> Vec<f32> {
-    logits
-        .par_chunks(v.max(1))
-        .map(|row| {
-            let lse = log_normaliser(row, 1.0);
-            let h: f64 = row
-                .iter()
-                .map(|&x| {
-                    let lp = x as f64 - lse;
-                    -lp.exp() * lp
-                })
-                .sum();
-            h as f32
+    logits.par_chunks(v.max(1)).map(entropy_row).collect()
+}
+
+/// The entropy `-sum_v p_v ln p_v` (at temperature 1) of one row of logits, in one fixed order: the
+/// normaliser of [`log_softmax_row`], then the sum in f64 in index order. The rollout and the training
+/// forward both compute it with this function, so that equal logits give equal bits.
+pub fn entropy_row(row: &[f32]) -> f32 {
+    let lse = log_normaliser(row, 1.0);
+    let h: f64 = row
+        .iter()
+        .map(|&x| {
+            let lp = x as f64 - lse;
+            -lp.exp() * lp
         })
-        .collect()
+        .sum();
+    h as f32
 }
 
 /// [`next_token_logprobs_at`] at temperature 1.

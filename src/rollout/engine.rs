@@ -32,6 +32,10 @@ pub struct Rollout {
     /// Log-prob of each generated token under the temperature-scaled distribution it was sampled from
     /// (`log_softmax(logits / T)` over the whole vocabulary, before top-k/top-p, as verl records it).
     pub logprobs: Vec<Vec<f32>>,
+    /// The entropy (temperature 1) of the distribution each generated token was sampled from, when
+    /// [`SamplingParams::record_entropy`] asked for it in deterministic mode (else empty rows): bitwise
+    /// the aligned training forward's entropy at that position.
+    pub entropy: Vec<Vec<f32>>,
     pub finish_reasons: Vec<FinishReason>,
     /// `routing[row][layer]`: experts of every token that went through the model (`ids[row][..len - 1]`),
     /// token-major, `top_k` per token; `None` for dense layers. Empty for dense models.
@@ -77,8 +81,16 @@ fn first_nonfinite(rows: &[Vec<f32>]) -> Option<usize> {
         .position(|r| r.iter().any(|x| x.is_nan() || *x == f32::INFINITY))
 }
 
-/// `log_softmax(logits[b, at[b], :] / temperature)` as host rows.
-fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32>> {
+/// What one forward's logits give the sampler: per row, the log-probs and, when recorded, the entropy.
+struct NextToken {
+    logprobs: Vec<Vec<f32>>,
+    /// Empty unless recorded (deterministic mode, [`SamplingParams::record_entropy`]).
+    entropy: Vec<f32>,
+}
+
+/// `log_softmax(logits[b, at[b], :] / temperature)` as host rows, and with `entropy` (deterministic mode
+/// only) each row's entropy at temperature 1 ([`crate::model::scoring::entropy_row`]).
+fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32, entropy: bool) -> NextToken {
     let [b, t, v] = logits.dims();
     let last = if at.iter().all(|&i| i == t - 1) {
         logits.narrow(1, t - 1, 1).reshape([b, v])
@@ -93,17 +105,29 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32) -> Vec<Vec<f32
     };
     if crate::ops::deterministic() {
         // The fixed-order host log-softmax the training forward's log-probs are computed with.
-        return crate::host::rows(last)
+        let host = crate::host::rows(last);
+        let logprobs = host
             .par_iter()
             .map(|r| crate::model::scoring::log_softmax_row(r, temperature))
             .collect();
+        let entropy = if entropy {
+            host.par_iter()
+                .map(|r| crate::model::scoring::entropy_row(r))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        return NextToken { logprobs, entropy };
     }
     let last = if temperature == 1.0 {
         last
     } else {
         last / temperature as f64
     };
-    crate::host::rows(log_softmax(last, 1))
+    NextToken {
+        logprobs: crate::host::rows(log_softmax(last, 1)),
+        entropy: Vec::new(),
+    }
 }
 
 /// Appends, for each row of `rows`, the routing of the first `take(slot)` tokens it fed through one forward
@@ -162,6 +186,7 @@ fn generate_in_pool(
         ids: Vec::with_capacity(rows),
         prompt_lens: Vec::with_capacity(rows),
         logprobs: vec![Vec::new(); rows],
+        entropy: vec![Vec::new(); rows],
         finish_reasons: vec![FinishReason::Length; rows],
         routing: vec![vec![None; n_layers]; rows],
         ..Rollout::default()
@@ -185,7 +210,9 @@ fn generate_in_pool(
     let last: Vec<usize> = lens.iter().map(|l| l - 1).collect();
     // Logits only at each prompt's last token: the LM head over the whole prompt would be wasted.
     let pre = model.forward_logits_at(&padded, Some(&lens), Some(&mut cache), None, Some(&last));
-    let prompt_lp = logprobs_at(pre.logits, &vec![0; p], temperature);
+    let record_entropy = params.record_entropy;
+    let prompt_next = logprobs_at(pre.logits, &vec![0; p], temperature, record_entropy);
+    let prompt_lp = prompt_next.logprobs;
     if let Some(pi) = first_nonfinite(&prompt_lp) {
         out.nonfinite = Some((0, pi * samples));
         return out;
@@ -209,6 +236,11 @@ fn generate_in_pool(
     let fan_out: Vec<usize> = (0..rows).map(|r| r / samples).collect();
     cache.select_rows(&fan_out);
     let mut lp_rows: Vec<Vec<f32>> = fan_out.iter().map(|&pi| prompt_lp[pi].clone()).collect();
+    let mut entropy_rows: Vec<f32> = if prompt_next.entropy.is_empty() {
+        Vec::new()
+    } else {
+        fan_out.iter().map(|&pi| prompt_next.entropy[pi]).collect()
+    };
     out.prefill_s = t_prefill.elapsed().as_secs_f64();
     let t_decode = Instant::now();
     let mut rngs: Vec<_> = (0..rows).map(|r| sequence_rng(params.seed, r)).collect();
@@ -240,6 +272,9 @@ fn generate_in_pool(
         for (slot, &row) in active.iter().enumerate() {
             let tok = toks[slot];
             out.logprobs[row].push(lp_rows[slot][tok as usize]);
+            if let Some(&h) = entropy_rows.get(slot) {
+                out.entropy[row].push(h);
+            }
             out.ids[row].push(tok);
             let stopped = params.stop_token_ids.contains(&tok)
                 || (max_stop_len > 0
@@ -270,7 +305,13 @@ fn generate_in_pool(
         if record_routing {
             append_routing(&mut out.routing, &active, &step_out.routing, 1, &|_| 1);
         }
-        lp_rows = logprobs_at(step_out.logits, &vec![0; active.len()], temperature);
+        let next_token = logprobs_at(
+            step_out.logits,
+            &vec![0; active.len()],
+            temperature,
+            record_entropy,
+        );
+        (lp_rows, entropy_rows) = (next_token.logprobs, next_token.entropy);
         if let Some(slot) = first_nonfinite(&lp_rows) {
             out.nonfinite = Some((step + 1, active[slot]));
             break;

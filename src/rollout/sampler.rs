@@ -40,6 +40,10 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// A sequence finishes (reason `stop`) once its decoded continuation contains one of these strings.
     pub stop_strings: Vec<String>,
+    /// Record the entropy (temperature 1) of every sampled token's distribution ([`super::Rollout::entropy`];
+    /// deterministic mode only, where it is bitwise the training forward's): the learner then needs no
+    /// forward for its entropy metric.
+    pub record_entropy: bool,
 }
 
 impl Default for SamplingParams {
@@ -52,6 +56,7 @@ impl Default for SamplingParams {
             seed: 0,
             stop_token_ids: vec![],
             stop_strings: vec![],
+            record_entropy: false,
         }
     }
 }

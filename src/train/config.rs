@@ -133,6 +133,13 @@ pub struct RlConfig {
     /// Sequences per optimizer step (0 = the whole batch: one update per epoch).
     #[serde(default)]
     pub minibatch_size: usize,
+    /// Sequences per forward/backward pass within a minibatch (0 = the whole minibatch in one pass). Smaller
+    /// passes keep fewer activations alive (the peak memory of an update) and accumulate the gradient,
+    /// which then differs from the single pass's only by summation order; the loss and its metrics stay
+    /// bitwise the same. A multiple of `rollout.samples_per_prompt` keeps each prompt's forward shared by
+    /// its samples.
+    #[serde(default)]
+    pub micro_batch_size: usize,
     /// Reuse the rollout's expert choices in the training forward (MoE routing replay, R3).
     #[serde(default)]
     pub routing_replay: bool,

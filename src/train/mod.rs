@@ -13,6 +13,7 @@ pub mod plot;
 pub mod progress;
 pub mod rl;
 pub mod sft;
+pub mod update;
 
 use std::path::{Path, PathBuf};
 

@@ -1,26 +1,22 @@
 //! One RL step in three phases: [`collect`] (roll out with the configured precision, reward, advantages),
 //! [`score`] (`lp_old` with the configured training forward, or the rollout's record where that is the same
-//! bits, and the mismatch metrics), [`update`] (policy updates over mini-batches, one quantization per new
-//! weight version).
+//! bits, and the mismatch metrics), [`update`](super::update::update) (policy updates over mini-batches,
+//! one quantization per new weight version).
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use anyhow::Context;
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, ModuleOptimizer};
-use burn::tensor::Tensor;
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
 
-use super::batch::{replay_routing, ForwardOptions, ResponseForward, SeqBatch};
-use super::config::{lr_at, TrainConfig, TrainForward};
-use crate::host::{tensor_from_vec, to_f32_vec};
+use super::batch::{replay_routing, ForwardOptions, SeqBatch};
+use super::config::{TrainConfig, TrainForward};
+use super::update::{update, ForwardStats, UpdateOutcome};
+use crate::host::to_f32_vec;
 use crate::model::{Decoder, Tokenizer};
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
-use crate::rl::losses::{PolicyLoss, PolicyLossInputs};
-use crate::rl::metrics::{
-    error_token_metrics, mean, response_length_metrics, rollout_mismatch_metrics,
-    routing_disagreement,
-};
+use crate::rl::metrics::{error_token_metrics, response_length_metrics, rollout_mismatch_metrics};
 use crate::rollout::{generate, FinishReason, Rollout, SamplingParams};
 use crate::tasks::verify::score as score_answer;
 use crate::tasks::Task;
@@ -32,25 +28,6 @@ pub struct StepOutcome {
     pub nonfinite_updates: usize,
     /// Global L2 norm of the gradient, averaged over the step's applied updates (before clipping).
     pub grad_norm: Option<f64>,
-}
-
-/// The global L2 norm of the gradients of `model`'s float parameters (NaN/inf when any entry is).
-pub fn grad_norm(model: &Decoder, grads: &GradientsParams) -> f64 {
-    struct Norm<'a> {
-        grads: &'a GradientsParams,
-        sq: f64,
-    }
-    impl ModuleVisitor for Norm<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.grads.get::<D>(param.id) {
-                let sq = to_f32_vec((g.clone() * g).sum());
-                self.sq += sq.first().copied().unwrap_or(f32::NAN) as f64;
-            }
-        }
-    }
-    let mut v = Norm { grads, sq: 0.0 };
-    model.visit(&mut v);
-    v.sq.sqrt()
 }
 
 /// Runs RL step `step` on `model` (autodiff device; its quantized state is the rollout's weight version):
@@ -153,6 +130,8 @@ pub fn collect(
         seed: cfg.seed.wrapping_mul(31).wrapping_add(step as u64),
         stop_token_ids: vec![eos],
         stop_strings: vec![],
+        // The learner's entropy metric, when its forward would compute the rollout's bits.
+        record_entropy: lp_old_is_the_rollout_record(cfg, 0),
     };
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     crate::rollout::check_rollout_size(
@@ -248,6 +227,9 @@ pub struct Scored<'a> {
     pub lp_old: Vec<Vec<f32>>,
     /// The rollout's recorded log-probs of each kept response.
     pub lp_roll: Vec<Vec<f32>>,
+    /// The rollout's recorded entropy at each response token (empty rows when not recorded): where
+    /// `lp_old` is the rollout's record, bitwise the learner forward's entropy.
+    pub entropy_roll: Vec<Vec<f32>>,
     pub advantages: Vec<f32>,
     /// Whether `lp_old` is the rollout's record (no forward ran): the first update's forward then supplies
     /// the metrics of the learner's forward (entropy, routing).
@@ -257,6 +239,17 @@ pub struct Scored<'a> {
 }
 
 impl Scored<'_> {
+    /// Whether the rollout recorded the entropy of every response token (and `lp_old` is its record, so
+    /// that the entropy is the learner forward's bit for bit).
+    pub fn has_rollout_entropy(&self) -> bool {
+        self.lp_old_reused
+            && self
+                .entropy_roll
+                .iter()
+                .zip(&self.lp_roll)
+                .all(|(h, lp)| h.len() == lp.len())
+    }
+
     /// The kept sequences `rows` as a batch of their own, with their routing replay (when on).
     pub fn subset(
         &self,
@@ -308,6 +301,11 @@ pub fn score<'a>(
     let replay = (tc.routing_replay && top_k > 0)
         .then(|| replay_routing(&records, &batch.seqs, top_k, model.layers.len()));
     let lp_roll: Vec<Vec<f32>> = c.rows.iter().map(|&r| out.logprobs[r].clone()).collect();
+    let entropy_roll: Vec<Vec<f32>> = c
+        .rows
+        .iter()
+        .map(|&r| out.entropy.get(r).cloned().unwrap_or_default())
+        .collect();
     let roll_grid = batch.grid_values(&lp_roll);
 
     let reuse = lp_old_is_the_rollout_record(cfg, c.rows.len());
@@ -326,9 +324,14 @@ pub fn score<'a>(
         let grid = to_f32_vec(lp_old_t);
         let lp_old = batch.responses_of(&grid);
         if reuse {
-            check_lp_old_reuse(&lp_old, &lp_roll)?;
+            check_lp_old_reuse("lp_old", &lp_old, &lp_roll)?;
+            if let Some(h) = fwd.entropy.as_deref() {
+                check_lp_old_reuse("entropy", &split_responses(&batch, h), &entropy_roll)?;
+            }
         }
-        learner_forward_metrics(&fwd, &batch, &records, replay.is_some(), top_k, m)?;
+        let mut stats = ForwardStats::default();
+        stats.add(&fwd, &batch, &records, replay.is_some(), top_k)?;
+        stats.record(m);
         (lp_old, grid)
     };
     let mask_bool: Vec<bool> = batch.mask_values().iter().map(|&v| v > 0.0).collect();
@@ -359,508 +362,75 @@ pub fn score<'a>(
         replay,
         lp_old,
         lp_roll,
+        entropy_roll,
         advantages: c.rows.iter().map(|&r| c.advantages[r]).collect(),
         lp_old_reused: reuse,
         top_k,
     })
 }
 
-/// `train.lp_old_check`: the recomputed `lp_old` must equal the rollout's record bit for bit wherever the
-/// record is reused.
-fn check_lp_old_reuse(lp_old: &[Vec<f32>], lp_roll: &[Vec<f32>]) -> anyhow::Result<()> {
-    for (b, (old, roll)) in lp_old.iter().zip(lp_roll).enumerate() {
-        if let Some(t) = (0..old.len()).find(|&t| old[t].to_bits() != roll[t].to_bits()) {
+/// `train.lp_old_check`: the recomputed `lp_old` (and entropy, `what`) must equal the rollout's record bit
+/// for bit wherever the record is reused (rows of `recorded` may be empty: not recorded).
+fn check_lp_old_reuse(
+    what: &str,
+    learner: &[Vec<f32>],
+    recorded: &[Vec<f32>],
+) -> anyhow::Result<()> {
+    for (b, (old, roll)) in learner.iter().zip(recorded).enumerate() {
+        if roll.is_empty() && !old.is_empty() && what != "lp_old" {
+            continue;
+        }
+        if let Some(t) =
+            (0..old.len()).find(|&t| roll.get(t).map(|r| r.to_bits()) != Some(old[t].to_bits()))
+        {
             anyhow::bail!(
-                "lp_old reuse check: response {b}, token {t}: the learner forward gives {} where the \
-                 rollout recorded {}; the aligned forward no longer reproduces the rollout's bits",
+                "lp_old reuse check: {what} of response {b}, token {t}: the learner forward gives {} where \
+                 the rollout recorded {:?}; the aligned forward no longer reproduces the rollout's bits",
                 old[t],
-                roll[t]
+                roll.get(t)
             );
         }
     }
     Ok(())
 }
 
-/// The metrics of the learner's forward at the step's start: the token entropy over the responses and, for
-/// MoE without routing replay, how often the learner routes a token differently from the rollout.
-fn learner_forward_metrics(
-    fwd: &ResponseForward,
-    batch: &SeqBatch,
-    records: &[&Vec<Option<Vec<u32>>>],
-    replayed: bool,
-    top_k: usize,
-    m: &mut BTreeMap<String, f64>,
-) -> anyhow::Result<()> {
-    let entropy = fwd
-        .entropy
-        .as_ref()
-        .context("the learner forward of the step's start computes the entropy")?;
-    m.insert(
-        "actor/entropy".into(),
-        mean(entropy.iter().map(|&h| f64::from(h))),
-    );
-    if top_k == 0 || replayed {
-        return Ok(());
-    }
-    // Routing of the learner forward vs the rollout, over the tokens the rollout routed.
-    let t = fwd.padded_len;
-    let mut agg = None;
-    for (b, rec) in records.iter().enumerate() {
-        let learner_row: Vec<Option<Vec<u32>>> = fwd
-            .routing
-            .iter()
-            .map(|l| {
-                l.as_ref()
-                    .map(|v| v[b * t * top_k..(b * t + batch.seqs[b].len() - 1) * top_k].to_vec())
-            })
-            .collect();
-        let d = routing_disagreement(rec, &learner_row, top_k)?;
-        agg = Some(match agg {
-            None => d,
-            Some(a) => a + d,
-        });
-    }
-    if let Some(f) = agg.and_then(|a| a.fraction()) {
-        m.insert("moe/routing_disagreement_frac".into(), f);
-    }
-    Ok(())
-}
-
-/// Where the update's time went, summed over its mini-batches and epochs, with the work the forwards did.
-#[derive(Default)]
-struct PhaseTimes {
-    /// The learner forwards and the loss (seconds).
-    forward_s: f64,
-    /// `backward()`, collecting the parameter gradients and their norm.
-    backward_s: f64,
-    /// The optimizer steps.
-    optim_s: f64,
-    /// Re-quantizing each new weight version (aligned forward).
-    weight_sync_s: f64,
-    /// Flops of the learner forwards (see [`crate::model::cost`]), and of those with a graph (the backward
-    /// does twice theirs).
-    forward_flops: f64,
-    graph_flops: f64,
-    /// Tokens through the learner forwards (padding included) and the positions that carry a loss (in
-    /// forwards with a graph).
-    tokens: usize,
-    loss_tokens: usize,
-    /// Rows that needed no forward with a graph (their loss and gradient are zero).
-    skipped: usize,
-}
-
-impl PhaseTimes {
-    /// A learner forward of `b`, with a graph (a backward follows) or without.
-    fn add_forward(&mut self, config: &crate::model::ModelConfig, b: &SeqBatch, graph: bool) {
-        let (tokens, flops) = b.forward_work(config);
-        self.forward_flops += flops;
-        if graph {
-            self.graph_flops += flops;
-            self.loss_tokens += b
-                .seqs
-                .iter()
-                .zip(&b.prompt_lens)
-                .map(|(s, &p)| s.len().saturating_sub(p))
-                .sum::<usize>();
-        }
-        self.tokens += tokens;
-    }
-
-    fn record(&self, m: &mut BTreeMap<String, f64>) {
-        m.insert("perf/learner_forward_s".into(), self.forward_s);
-        m.insert("perf/learner_backward_s".into(), self.backward_s);
-        m.insert("perf/optim_s".into(), self.optim_s);
-        *m.entry("perf/weight_sync_s".into()).or_default() += self.weight_sync_s;
-        m.insert(
-            "perf/learner_forward_gflop".into(),
-            self.forward_flops / 1e9,
-        );
-        m.insert(
-            "perf/learner_backward_gflop".into(),
-            2.0 * self.graph_flops / 1e9,
-        );
-        m.insert("perf/learner_tokens".into(), self.tokens as f64);
-        m.insert("perf/loss_tokens".into(), self.loss_tokens as f64);
-        m.insert("train/skipped_sequences".into(), self.skipped as f64);
-    }
-}
-
-/// What the update phase did.
-#[derive(Default)]
-pub struct UpdateOutcome {
-    /// Updates skipped for a non-finite loss or gradient.
-    pub nonfinite_updates: usize,
-    /// The gradient norm of each applied update.
-    pub grad_norms: Vec<f64>,
-    /// Whether the packed weights lag the masters (updates with the full-precision forward).
-    pub packed_stale: bool,
-}
-
-/// The policy updates over mini-batches and epochs, then the diagnostic of how the update moved the
-/// responses' log-probs.
-pub fn update(
-    model: &mut Decoder,
-    optim: &mut ModuleOptimizer,
-    s: &Scored,
-    cfg: &TrainConfig,
-    step: usize,
-    inject_nonfinite: bool,
-    m: &mut BTreeMap<String, f64>,
-) -> anyhow::Result<UpdateOutcome> {
-    let tc = &cfg.train;
-    let device = model.device();
-    let layers = model.layers.len();
-    let rows = s.batch.seqs.len();
-    let loss_fn: PolicyLoss = tc.loss.clone().resolve()?;
-    let mb = if tc.minibatch_size == 0 {
-        rows
-    } else {
-        tc.minibatch_size.min(rows)
-    };
-    let lr = lr_at(tc.lr, tc.lr_schedule, tc.warmup_steps, step, tc.steps);
-    let mut loss_metrics: BTreeMap<String, f64> = BTreeMap::new();
-    let mut outcome = UpdateOutcome::default();
-    let mut updates = 0usize;
-    let t_train = Instant::now();
-    let mut perf = PhaseTimes::default();
-    for _epoch in 0..tc.epochs {
-        for chunk in (0..rows).collect::<Vec<_>>().chunks(mb) {
-            let sub = s.subset(chunk, layers).0;
-            let t_fwd = Instant::now();
-            // One update covering every kept row at the step's weights: its forward is the learner's
-            // forward at the step's start, whose metrics it then supplies.
-            let first_forward = s.lp_old_reused && updates == 0 && outcome.nonfinite_updates == 0;
-            let lp_theta = chunk_logprobs(model, s, chunk, cfg, first_forward, &mut perf, m)?;
-            let old: Vec<Vec<f32>> = chunk.iter().map(|&i| s.lp_old[i].clone()).collect();
-            let roll: Vec<Vec<f32>> = chunk.iter().map(|&i| s.lp_roll[i].clone()).collect();
-            let advs: Vec<f32> = chunk.iter().map(|&i| s.advantages[i]).collect();
-            let inputs = PolicyLossInputs {
-                lp_theta,
-                lp_old: sub.grid(&old, &device),
-                lp_roll: sub.grid(&roll, &device),
-                mask: sub.mask(&device),
-                advantages: tensor_from_vec(advs, [chunk.len()], &device),
-                lp_ref: None,
-            };
-            let outp = loss_fn.compute(inputs)?;
-            let mut loss: Tensor<1> = outp.loss;
-            if inject_nonfinite {
-                loss = loss * f32::NAN;
-            }
-            let loss_value = to_f32_vec(loss.clone())[0];
-            perf.forward_s += t_fwd.elapsed().as_secs_f64();
-            let t_bwd = Instant::now();
-            let grads = loss.backward();
-            let grads = GradientsParams::from_grads(grads, &*model);
-            let norm = grad_norm(model, &grads);
-            perf.backward_s += t_bwd.elapsed().as_secs_f64();
-            if !loss_value.is_finite() || !norm.is_finite() {
-                tracing::warn!(
-                    step,
-                    loss = loss_value,
-                    grad_norm = norm,
-                    "non-finite loss or gradient: update skipped (weights unchanged)"
-                );
-                outcome.nonfinite_updates += 1;
-                continue;
-            }
-            outcome.grad_norms.push(norm);
-            for (k, v) in outp.metrics.to_map() {
-                *loss_metrics.entry(k).or_default() += v;
-            }
-            let t_optim = Instant::now();
-            let stepped = optim.step(lr, model.clone(), grads);
-            *model = stepped;
-            perf.optim_s += t_optim.elapsed().as_secs_f64();
-            updates += 1;
-            if tc.forward == TrainForward::Aligned {
-                // A new weight version: quantize it once; the next forward (update or rollout) uses it.
-                let t_sync = Instant::now();
-                model.requantize()?;
-                perf.weight_sync_s += t_sync.elapsed().as_secs_f64();
-            } else {
-                outcome.packed_stale = true;
-            }
-        }
-    }
-    for (k, v) in loss_metrics {
-        m.insert(k, v / updates.max(1) as f64);
-    }
-    perf.record(m);
-    let t_delta = Instant::now();
-    update_lp_delta_metrics(model, s, cfg, m);
-    m.insert("perf/lp_delta_s".into(), t_delta.elapsed().as_secs_f64());
-    m.insert("perf/update_s".into(), t_train.elapsed().as_secs_f64());
-    m.insert("actor/lr".into(), lr);
-    Ok(outcome)
-}
-
-/// The learner's `[C, W]` log-prob grid of the kept rows `chunk` (differentiable), and with
-/// `first_forward` the metrics of the learner's forward at the step's start. Rows whose loss and gradient
-/// are provably zero are not forwarded with a graph ([`inert_rows`]): their grid rows are `lp_old`, which
-/// is then bitwise what the forward would give, and a forward without a graph supplies their entropy.
-fn chunk_logprobs(
-    model: &Decoder,
-    s: &Scored,
-    chunk: &[usize],
-    cfg: &TrainConfig,
-    first_forward: bool,
-    perf: &mut PhaseTimes,
-    m: &mut BTreeMap<String, f64>,
-) -> anyhow::Result<Tensor<2>> {
-    let (weights, temperature) = (cfg.train.forward.weights(), cfg.rollout.temperature);
-    let layers = model.layers.len();
-    let device = model.device();
-    let inert = inert_rows(s, chunk, first_forward);
-    let active: Vec<usize> = chunk
+/// Per-response rows of values laid out response by response, position by position (as
+/// [`ResponseForward::entropy`](super::batch::ResponseForward::entropy)).
+pub(super) fn split_responses(batch: &SeqBatch, flat: &[f32]) -> Vec<Vec<f32>> {
+    let mut at = 0;
+    batch
+        .seqs
         .iter()
-        .copied()
-        .filter(|i| !inert.contains(i))
-        .collect();
-    let (sub, replay) = s.subset(&active, layers);
-    let opts = ForwardOptions {
-        entropy: first_forward,
-        ..ForwardOptions::default()
-    };
-    let (lp, fwd) = sub.logprobs_with(model, weights, temperature, replay.as_deref(), opts);
-    perf.add_forward(&model.config, &sub, true);
-    perf.skipped += inert.len();
-    if inert.is_empty() {
-        if first_forward {
-            learner_forward_metrics(&fwd, &sub, &s.records, s.replay.is_some(), s.top_k, m)?;
-        }
-        return Ok(lp);
-    }
-    let whole = s.subset(chunk, layers).0;
-    if first_forward {
-        // The entropy of every row, in the rows' order, the inert ones from a forward without a graph.
-        let (rest, rest_replay) = s.subset(&inert, layers);
-        let (_, rest_fwd) = rest.logprobs_with(
-            &model.valid(),
-            weights,
-            temperature,
-            rest_replay.as_deref(),
-            opts,
-        );
-        perf.add_forward(&model.config, &rest, false);
-        let split = |b: &SeqBatch, e: &[f32]| -> Vec<Vec<f32>> {
-            let mut at = 0;
-            b.seqs
-                .iter()
-                .zip(&b.prompt_lens)
-                .map(|(q, &p)| {
-                    let n = q.len().saturating_sub(p);
-                    at += n;
-                    e[at - n..at].to_vec()
-                })
-                .collect()
-        };
-        let mut by_active = split(&sub, fwd.entropy.as_deref().unwrap_or(&[])).into_iter();
-        let mut by_inert = split(&rest, rest_fwd.entropy.as_deref().unwrap_or(&[])).into_iter();
-        let entropy: Vec<f32> = chunk
-            .iter()
-            .flat_map(|i| {
-                if inert.contains(i) {
-                    by_inert.next()
-                } else {
-                    by_active.next()
-                }
-                .unwrap_or_default()
-            })
-            .collect();
-        let all = ResponseForward {
-            entropy: Some(entropy),
-            routing: Vec::new(),
-            padded_len: 0,
-        };
-        learner_forward_metrics(&all, &whole, &s.records, s.replay.is_some(), s.top_k, m)?;
-    }
-    // lp_old on the inert rows, zeros on the active ones, plus the active rows' forward.
-    let constant: Vec<Vec<f32>> = chunk
-        .iter()
-        .map(|&i| {
-            if inert.contains(&i) {
-                s.lp_old[i].clone()
-            } else {
-                vec![0.0; s.lp_old[i].len()]
-            }
+        .zip(&batch.prompt_lens)
+        .map(|(q, &p)| {
+            let n = q.len().saturating_sub(p).min(flat.len() - at);
+            at += n;
+            flat[at - n..at].to_vec()
         })
-        .collect();
-    let [a, wa] = lp.dims();
-    let lp = if wa < whole.width {
-        Tensor::cat(vec![lp, Tensor::zeros([a, whole.width - wa], &device)], 1)
-    } else {
-        lp
-    };
-    let rows: Vec<i64> = chunk
-        .iter()
-        .enumerate()
-        .filter(|(_, i)| !inert.contains(i))
-        .map(|(r, _)| r as i64)
-        .collect();
-    let rows = Tensor::<1, burn::tensor::Int>::from_data(
-        burn::tensor::TensorData::new(rows, [a]),
-        &device,
-    );
-    Ok(whole.grid(&constant, &device).select_assign(
-        0,
-        rows,
-        lp,
-        burn::tensor::IndexingUpdateOp::Add,
-    ))
-}
-
-/// The rows of `chunk` whose loss and gradient are provably zero and whose forward would give `lp_old`
-/// bit for bit, so that it need not run with a graph: zero advantage (every objective's loss is
-/// proportional to the advantage, and no KL or entropy term exists), in the learner's first forward when
-/// that forward computes the rollout's bits (`lp_old` is the rollout's record). Dense models only: a MoE
-/// expert that only inert rows reach would then get no gradient at all, and AdamW skips a parameter without
-/// one (no decay, no momentum step), where with the zero gradient it would move. Never every row: an
-/// update with no active row still runs (the optimizer still steps).
-fn inert_rows(s: &Scored, chunk: &[usize], first_forward: bool) -> Vec<usize> {
-    if !(first_forward && s.lp_old_reused && s.top_k == 0) {
-        return Vec::new();
-    }
-    let zero: Vec<usize> = chunk
-        .iter()
-        .copied()
-        .filter(|&i| s.advantages[i] == 0.0)
-        .collect();
-    if zero.len() == chunk.len() {
-        Vec::new()
-    } else {
-        zero
-    }
-}
-
-/// Did the update move the right way? Mean per-token log-prob change of the step's responses under the
-/// updated weights, for positive and for negative advantages (same forward as `lp_old`).
-fn update_lp_delta_metrics(
-    model: &Decoder,
-    s: &Scored,
-    cfg: &TrainConfig,
-    m: &mut BTreeMap<String, f64>,
-) {
-    // Only rows with a nonzero advantage enter the metric: the others are not forwarded at all.
-    let rows: Vec<usize> = (0..s.batch.seqs.len())
-        .filter(|&i| s.advantages[i] != 0.0)
-        .collect();
-    if rows.is_empty() {
-        return;
-    }
-    let (sub, replay) = s.subset(&rows, model.layers.len());
-    let weights = cfg.train.forward.weights();
-    let after = to_f32_vec(
-        sub.logprobs(
-            &model.valid(),
-            weights,
-            cfg.rollout.temperature,
-            replay.as_deref(),
-        )
-        .0,
-    );
-    let after = sub.responses_of(&after);
-    for (sign, key) in [
-        (1.0f32, "actor/update_lp_delta_pos"),
-        (-1.0, "actor/update_lp_delta_neg"),
-    ] {
-        let (mut sum, mut n) = (0.0f64, 0usize);
-        for (a, &i) in after.iter().zip(&rows) {
-            if s.advantages[i] * sign > 0.0 {
-                let o = &s.lp_old[i];
-                sum += a.iter().zip(o).map(|(x, y)| (x - y) as f64).sum::<f64>();
-                n += a.len();
-            }
-        }
-        if n > 0 {
-            m.insert(key.into(), sum / n as f64);
-        }
-    }
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Weights;
-
-    /// Rows with zero advantage skipped from the graph (their grid rows `lp_old`) give the grid of the full
-    /// forward bit for bit, the same entropy metric, and the gradient of a loss whose zero-advantage rows
-    /// contribute nothing, within 1e-6 relative (the backward's sums see fewer zero terms).
-    #[test]
-    fn inert_rows_skip_the_graph_and_change_nothing() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
-        let device = burn::tensor::Device::flex().autodiff();
-        let model = Decoder::load(&dir, &device).unwrap();
-        let seqs = vec![
-            vec![3u32, 17, 99, 42, 7, 250, 11],
-            vec![3, 17, 99, 42, 8, 9],
-            vec![5, 6, 8, 9, 10],
-            vec![5, 6, 1],
-            vec![200, 1, 2, 3, 9, 9],
-        ];
-        let batch = SeqBatch::new(seqs, vec![4, 4, 2, 2, 3]);
-        let lp_old = batch.responses_of(&to_f32_vec(
-            batch.logprobs(&model.valid(), Weights::Packed, 1.0, None).0,
-        ));
-        let empty: Vec<Option<Vec<u32>>> = Vec::new();
-        let advantages = vec![0.5f32, -0.5, 0.0, 0.0, 1.0];
-        let scored = |reused: bool| Scored {
-            batch: batch.clone(),
-            records: vec![&empty; 5],
-            replay: None,
-            lp_old: lp_old.clone(),
-            lp_roll: lp_old.clone(),
-            advantages: advantages.clone(),
-            lp_old_reused: reused,
-            top_k: 0,
-        };
-        let cfg = crate::train::load_config(None, &[]).unwrap();
-        let chunk: Vec<usize> = (0..5).collect();
-        let run = |reused: bool| {
-            let s = scored(reused);
-            let (mut perf, mut m) = (PhaseTimes::default(), BTreeMap::new());
-            let lp = chunk_logprobs(&model, &s, &chunk, &cfg, true, &mut perf, &mut m).unwrap();
-            let w: Vec<f32> = (0..5 * batch.width)
-                .map(|i| advantages[i / batch.width] * (1.0 + (i % 3) as f32))
-                .collect();
-            let w = tensor_from_vec(w, [5, batch.width], &device) * batch.mask(&device);
-            let grads = (lp.clone() * w).sum().backward();
-            let g = to_f32_vec(
-                model.layers[0]
-                    .self_attn
-                    .q_proj
-                    .weight
-                    .val()
-                    .grad(&grads)
-                    .unwrap(),
-            );
-            (to_f32_vec(lp), g, m["actor/entropy"], perf.skipped)
-        };
-        let (lp_skip, g_skip, h_skip, skipped) = run(true);
-        let (lp_full, g_full, h_full, none) = run(false);
-        assert_eq!((skipped, none), (2, 0));
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&lp_skip), bits(&lp_full));
-        assert_eq!(h_skip.to_bits(), h_full.to_bits());
-        let diff: f64 = g_skip
-            .iter()
-            .zip(&g_full)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum();
-        let norm: f64 = g_full.iter().map(|&b| (b as f64).powi(2)).sum();
-        assert!(
-            norm > 0.0 && (diff / norm).sqrt() <= 1e-6,
-            "{diff} vs {norm}"
-        );
-    }
 
     #[test]
     fn the_lp_old_check_names_the_first_differing_token() {
         let roll = vec![vec![-0.5f32, -1.25], vec![-2.0]];
-        assert!(check_lp_old_reuse(&roll, &roll).is_ok());
+        assert!(check_lp_old_reuse("lp_old", &roll, &roll).is_ok());
         let mut old = roll.clone();
         old[0][1] = f32::from_bits((-1.25f32).to_bits() + 1);
-        let err = check_lp_old_reuse(&old, &roll).unwrap_err().to_string();
-        assert!(err.contains("response 0, token 1"), "{err}");
+        let err = check_lp_old_reuse("lp_old", &old, &roll)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("lp_old of response 0, token 1"), "{err}");
+        let err = check_lp_old_reuse("entropy", &old, &roll)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("entropy of response 0, token 1"), "{err}");
+        // Entropy rows the rollout did not record are not compared; log-prob rows always are.
+        let empty = vec![Vec::new(), Vec::new()];
+        assert!(check_lp_old_reuse("entropy", &old, &empty).is_ok());
+        assert!(check_lp_old_reuse("lp_old", &old, &empty).is_err());
     }
 }

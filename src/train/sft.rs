@@ -188,7 +188,7 @@ pub fn run_sft_with(
         last = to_f32_vec(loss.clone())[0];
         let grads = loss.backward();
         let grads = GradientsParams::from_grads(grads, &model);
-        let norm = super::rl::grad_norm(&model, &grads);
+        let norm = super::update::grad_norm(&model, &grads);
         if !last.is_finite() || !norm.is_finite() {
             // Skip the update (the weights stay) and stop after too many in a row.
             nonfinite += 1;
