@@ -518,9 +518,13 @@ fn fuzz_dataset_jsonl() {
         answer_text(),
     ];
     let line = prop_oneof![
-        answer.clone().prop_map(|a| serde_json::json!({"question": "q", "answer": format!("w\n#### {a}")}).to_string()),
-        answer.prop_map(|a| serde_json::json!({"problem": "p", "solution": format!("\\boxed{{{a}}}")}).to_string()),
-        Just(r#"{"question": 1, "answer": "#### 2"}"#.to_string()),
+        answer.clone().prop_map(|a| {
+            serde_json::json!({"question": "q", "answer": format!("w\n#### {a}")}).to_string()
+        }),
+        answer.prop_map(|a| {
+            serde_json::json!({"problem": "p", "solution": format!("\\boxed{{{a}}}")}).to_string()
+        }),
+        Just(r#####"{"question": 1, "answer": "#### 2"}"#####.to_string()),
         Just(r#"{"question": "q"}"#.to_string()),
         Just("[1,2".to_string()),
         Just(String::new()),
