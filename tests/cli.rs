@@ -107,6 +107,7 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let output = tmp.path().join("out.json");
     std::fs::write(&output, "previous result").unwrap();
+    let long = format!(r#"{{"input_ids": [{:?}]}}"#, vec![1u32; 600]);
     let cases = [
         (
             "oov.json",
@@ -119,6 +120,11 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
             "equal lengths",
         ),
         ("empty.json", r#"{"input_ids": []}"#, "no sequences"),
+        (
+            "long.json",
+            long.as_str(),
+            "longer than the model's max_position_embeddings",
+        ),
         ("typo.json", r#"{"input_idz": [[1, 2]]}"#, "invalid content"),
         ("broken.json", r#"{"input_ids": [[1, 2"#, "invalid content"),
     ];
