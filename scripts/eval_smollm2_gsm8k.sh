@@ -8,6 +8,7 @@ bin="${2:-target/release/qarl}"
 model=models/smollm2-135m-instruct
 out=experiments/results/smollm2
 [ -d "$model" ] || { echo "no $model: run scripts/fetch_smollm2.sh first"; exit 1; }
+[ -n "${QARL_GSM8K_DIR:-}" ] || { echo "set QARL_GSM8K_DIR to a directory with GSM8K's test.jsonl (github.com/openai/grade-school-math, grade_school_math/data)"; exit 1; }
 mkdir -p "$out"
 for s in f32 int4-g128 int8-pc fp8-b128; do
   f="$out/gsm8k_test${n}_${s}.json"

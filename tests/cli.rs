@@ -107,6 +107,7 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let output = tmp.path().join("out.json");
     std::fs::write(&output, "previous result").unwrap();
+    let long = format!(r#"{{"input_ids": [{:?}]}}"#, vec![1u32; 600]);
     let cases = [
         (
             "oov.json",
@@ -119,6 +120,11 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
             "equal lengths",
         ),
         ("empty.json", r#"{"input_ids": []}"#, "no sequences"),
+        (
+            "long.json",
+            long.as_str(),
+            "longer than the model's max_position_embeddings",
+        ),
         ("typo.json", r#"{"input_idz": [[1, 2]]}"#, "invalid content"),
         ("broken.json", r#"{"input_ids": [[1, 2"#, "invalid content"),
     ];
@@ -158,6 +164,27 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1));
     assert!(err.contains("/nonexistent/model/config.json"), "{err}");
+    assert!(!err.contains("os error"), "{err}");
+    // A missing input file: one sentence naming it, with the OS reason once and in words.
+    let out = qarl()
+        .args(["score", "--model"])
+        .arg(&dir)
+        .arg("--input")
+        .arg(tmp.path().join("absent.json"))
+        .arg("--output")
+        .arg(&output)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("absent.json") && err.matches("not found").count() == 1,
+        "{err}"
+    );
+    assert!(
+        !err.contains("os error") && !err.contains("No such file"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -267,7 +294,15 @@ fn mismatch_refuses_zero_samples_and_temperature() {
         ("--limit", "0", "--limit must be at least 1"),
     ] {
         let out = qarl()
-            .args(["mismatch", "--model", "/nonexistent", flag, value])
+            .args([
+                "mismatch",
+                "--model",
+                "/nonexistent",
+                "--data",
+                "/nonexistent.jsonl",
+                flag,
+                value,
+            ])
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(1), "{flag} {value}");
@@ -486,4 +521,63 @@ fn fp4_scheme_names_parse_on_every_command() {
         err.contains("nvfp8") && err.contains("nvfp4") && err.contains("mxfp4"),
         "{err}"
     );
+}
+
+/// `qarl eval` and `qarl mismatch` read the problems file they are given: GSM8K is not in the repository, so
+/// `gsm8k-test` needs $QARL_GSM8K_DIR and says so, `mismatch` has no default that a clone lacks, and a
+/// missing or malformed file is named with what is wrong.
+#[test]
+fn eval_and_mismatch_name_the_problems_file_they_need() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |args: &[&str], gsm8k_dir: Option<&std::path::Path>| {
+        let mut cmd = qarl();
+        cmd.args(args).current_dir(tmp.path());
+        match gsm8k_dir {
+            Some(d) => cmd.env("QARL_GSM8K_DIR", d),
+            None => cmd.env_remove("QARL_GSM8K_DIR"),
+        };
+        let out = cmd.output().unwrap();
+        (out.status.code(), String::from_utf8(out.stderr).unwrap())
+    };
+    for cmd in ["eval", "mismatch"] {
+        let (code, err) = run(
+            &[cmd, "--model", "/nonexistent", "--data", "gsm8k-test"],
+            None,
+        );
+        assert_eq!(code, Some(1), "{cmd}: {err}");
+        assert!(
+            err.contains("--data gsm8k-test names test.jsonl in $QARL_GSM8K_DIR, which is not set")
+                && err.contains("experiments/data/word_problems_test.jsonl"),
+            "{cmd}: {err}"
+        );
+        let (code, err) = run(
+            &[cmd, "--model", "/nonexistent", "--data", "gsm8k-train"],
+            Some(tmp.path()),
+        );
+        assert_eq!(code, Some(1), "{cmd}: {err}");
+        assert!(
+            err.contains(&format!(
+                "{}: cannot read the data set (not found)",
+                tmp.path().join("train.jsonl").display()
+            )) && !err.contains("os error"),
+            "{cmd}: {err}"
+        );
+        std::fs::write(
+            tmp.path().join("bad.jsonl"),
+            "{\"question\": \"q\", \"answer\": \"#### 3\"}\n{\"question\": \"q\", \"answer\": \"#### four\"}\n",
+        )
+        .unwrap();
+        let (code, err) = run(
+            &[cmd, "--model", "/nonexistent", "--data", "bad.jsonl"],
+            None,
+        );
+        assert_eq!(code, Some(1), "{cmd}: {err}");
+        assert!(
+            err.contains("bad.jsonl:2: the final answer after `####` is `four`, not a number"),
+            "{cmd}: {err}"
+        );
+    }
+    let (code, err) = run(&["mismatch", "--model", "/nonexistent"], None);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("--data"), "{err}");
 }

@@ -1,6 +1,6 @@
 //! Property-based fuzzing (proptest) of everything that reads untrusted input: the answer verifier, the
 //! safetensors reader (hostile headers), config.json, the TOML training config and `--set` overrides, the
-//! tokenizer (files and text), and metrics JSONL. Every target must return a value or an error, never
+//! tokenizer (files and text), token-id files, GSM8K / MATH JSONL data sets, and metrics JSONL. Every target must return a value or an error, never
 //! panic or allocate from a size it was told.
 //!
 //! Each target prints its number of executions (`cargo test --test fuzz_inputs -- --nocapture`). The case
@@ -496,6 +496,110 @@ fn fuzz_tokenizer() {
         if let Ok(Some(t)) = Tokenizer::load_optional(&bad_dir) {
             if let Ok(ids) = t.encode("12+3= 15 #### 15") {
                 let _ = t.decode(&ids);
+            }
+        }
+    });
+}
+
+/// Token-id files (`qarl score --input`, `qarl generate --prompt-ids`): random JSON, or random rows of ids in
+/// and around the vocabulary and lengths around the position limit. Parsing and the checks return a value or
+/// an error; rows they accept run through the forward without a panic.
+#[test]
+fn fuzz_ids_json() {
+    let device = Device::flex();
+    let model = Decoder::load(fixture("qwen3"), &device).unwrap();
+    let (vocab, limit) = (
+        model.config.vocab_size as u32,
+        model.config.max_position_embeddings,
+    );
+    let id = prop_oneof![0..vocab, vocab - 2..vocab + 2, any::<u32>()];
+    let row = prop_oneof![
+        prop::collection::vec(id.clone(), 0..6),
+        (limit - 1..limit + 2).prop_map(|n| vec![1u32; n]),
+    ];
+    let text = prop_oneof![
+        prop::collection::vec(row, 0..4)
+            .prop_map(|rows| serde_json::json!({"input_ids": rows}).to_string()),
+        json_value().prop_map(|v| serde_json::json!({"input_ids": v}).to_string()),
+        any::<String>(),
+    ];
+    fuzz("ids JSON (score / generate inputs)", 300, text, |text| {
+        #[derive(serde::Deserialize)]
+        struct Ids {
+            input_ids: Vec<Vec<u32>>,
+        }
+        let Ok(ids) = serde_json::from_str::<Ids>(&text) else {
+            return;
+        };
+        let ids = ids.input_ids;
+        if model.check_ids(&ids).is_ok() {
+            assert!(ids[0].len() <= limit);
+            if ids[0].len() < 16 {
+                let _ = model.forward(&ids, None, None, None);
+            }
+        }
+        if model.check_prompts(&ids).is_ok() {
+            assert!(ids
+                .iter()
+                .all(|r| !r.is_empty() && r.iter().all(|&t| t < vocab)));
+        }
+    });
+}
+
+/// GSM8K / MATH JSONL: random lines made of the pieces a data set is made of (good records, words or LaTeX
+/// after `####`, broken JSON, other types, raw bytes). Loading returns records whose final answer is a
+/// number (GSM8K) or an error naming the file and, for a bad line, its number; never a panic.
+#[test]
+fn fuzz_dataset_jsonl() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("data.jsonl");
+    let answer = prop_oneof![
+        Just("18".to_string()),
+        Just("-3".to_string()),
+        Just("1,200".to_string()),
+        Just("four".to_string()),
+        Just("\\frac{1}{2}".to_string()),
+        Just(String::new()),
+        answer_text(),
+    ];
+    let line = prop_oneof![
+        answer.clone().prop_map(|a| {
+            serde_json::json!({"question": "q", "answer": format!("w\n#### {a}")}).to_string()
+        }),
+        answer.prop_map(|a| {
+            serde_json::json!({"problem": "p", "solution": format!("\\boxed{{{a}}}")}).to_string()
+        }),
+        Just(r#####"{"question": 1, "answer": "#### 2"}"#####.to_string()),
+        Just(r#"{"question": "q"}"#.to_string()),
+        Just("[1,2".to_string()),
+        Just(String::new()),
+        any::<String>(),
+    ];
+    let bytes = prop_oneof![
+        prop::collection::vec(line, 0..6).prop_map(|l| l.join("\n").into_bytes()),
+        prop::collection::vec(any::<u8>(), 0..64),
+    ];
+    fuzz("GSM8K / MATH JSONL", 2000, bytes, |bytes| {
+        std::fs::write(&path, &bytes).unwrap();
+        for on_bad in [qarl::tasks::OnBadLine::Error, qarl::tasks::OnBadLine::Skip] {
+            for (gsm8k, result) in [
+                (true, qarl::tasks::datasets::load_gsm8k(&path, on_bad)),
+                (false, qarl::tasks::datasets::load_math(&path, on_bad)),
+            ] {
+                match result {
+                    Ok(records) => {
+                        assert!(!records.is_empty());
+                        if gsm8k {
+                            for r in records {
+                                assert!(verify::parse_answer(&r.answer).is_some(), "{}", r.answer);
+                            }
+                        }
+                    }
+                    Err(e) => {
+                        let msg = e.to_string();
+                        assert!(msg.starts_with(&path.display().to_string()), "{msg}");
+                    }
+                }
             }
         }
     });

@@ -217,3 +217,32 @@ fn qarl_simd_names_an_unknown_or_unavailable_path() {
     // The detected path is one of this machine's.
     assert!(SimdPath::available().contains(&SimdPath::detect()));
 }
+
+/// The command line refuses a `QARL_SIMD` it cannot honour before doing anything (the kernels would only warn
+/// and run another path than the one asked for); a valid value runs.
+#[test]
+fn qarl_simd_typo_is_an_error_on_the_command_line() {
+    let run = |value: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+            .args(["config", "show", "default"])
+            .env("QARL_SIMD", value)
+            .output()
+            .unwrap()
+    };
+    let out = run("avx9");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains(
+            "QARL_SIMD=avx9 is not a SIMD path (valid values: avx512, avx2, neon, portable); unset it"
+        ) && !err.contains("using"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty(), "it ran anyway");
+    let out = run("portable");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

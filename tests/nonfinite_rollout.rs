@@ -1,5 +1,9 @@
-//! A model whose forward yields NaN logits (here: a NaN in the final norm's weight) is an error that names
-//! where the non-finite distribution first appeared, not NaN log-probs or garbage tokens with exit 0.
+//! Non-finite values in any command are an error that names where they first appeared, not NaN log-probs,
+//! `null` scores, a "k3 KL NaN" table or garbage tokens with exit 0: a model whose forward yields NaN logits
+//! (a NaN in the final norm's weight) under `generate`, `score`, `eval`, `mismatch`, `bench rollout` and
+//! `train`, and a warm start whose losses are NaN from the first step under `sft`.
+
+mod common;
 
 use std::path::Path;
 use std::process::Command;
@@ -60,4 +64,232 @@ fn nan_logits_fail_generate_naming_the_token_and_row() {
         "{err}"
     );
     assert!(!out_file.exists());
+}
+
+/// A random tiny Qwen3-MoE with the arithmetic task's character tokenizer in `dir`, its final norm's weight
+/// all NaN when `nan` is set.
+fn arith_model(dir: &Path, nan: bool) {
+    let init = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
+    qarl::model::init::write_random_checkpoint(&init, dir, 7, 0.02).unwrap();
+    qarl::tasks::char_tokenizer::save(dir).unwrap();
+    if nan {
+        let file = dir.join("model.safetensors");
+        let mut tensors = common::read_tensors(&file);
+        let norm = tensors
+            .get_mut("model.norm.weight")
+            .expect("the model has a final norm");
+        assert_eq!(norm.0, safetensors::Dtype::F32);
+        norm.2 = norm
+            .2
+            .chunks(4)
+            .flat_map(|_| f32::NAN.to_le_bytes())
+            .collect();
+        common::write_tensors(&file, &tensors);
+    }
+}
+
+/// Two GSM8K-format problems in `dir/problems.jsonl`.
+fn problems(dir: &Path) -> std::path::PathBuf {
+    let data = dir.join("problems.jsonl");
+    std::fs::write(
+        &data,
+        "{\"question\": \"1+2?\", \"answer\": \"#### 3\"}\n{\"question\": \"4+4?\", \"answer\": \"#### 8\"}\n",
+    )
+    .unwrap();
+    data
+}
+
+/// Runs qarl; returns (exit code, stdout, stderr).
+fn qarl(dir: &Path, args: &[&std::ffi::OsStr]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn os<'a>(args: &'a [&'a str]) -> Vec<&'a std::ffi::OsStr> {
+    args.iter().map(std::ffi::OsStr::new).collect()
+}
+
+#[test]
+fn nan_logits_fail_score_naming_the_row_and_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    nan_model(tmp.path());
+    std::fs::write(tmp.path().join("ids.json"), r#"{"input_ids": [[1, 2, 3]]}"#).unwrap();
+    for extra in [&[][..], &["--no-logits"][..]] {
+        let mut args = vec![
+            "score", "--model", ".", "--input", "ids.json", "--output", "s.json",
+        ];
+        args.extend_from_slice(extra);
+        let (code, _, err) = qarl(tmp.path(), &os(&args));
+        assert_eq!(code, Some(1), "{extra:?}: {err}");
+        assert!(
+            err.contains("of row 0 of ids.json are not finite") && err.contains("position 0"),
+            "{extra:?}: {err}"
+        );
+        assert!(!tmp.path().join("s.json").exists());
+    }
+}
+
+/// `qarl bench rollout` does not time a model whose rollout stops at a NaN (its rows would be cut short).
+#[test]
+fn nan_logits_fail_bench_rollout() {
+    let tmp = tempfile::tempdir().unwrap();
+    nan_model(tmp.path());
+    let (code, stdout, err) = qarl(
+        tmp.path(),
+        &os(&[
+            "bench",
+            "rollout",
+            "--model",
+            ".",
+            "--schemes",
+            "f32",
+            "--batch",
+            "2",
+            "--prompt-len",
+            "4",
+            "--new-tokens",
+            "3",
+            "--repeats",
+            "1",
+        ]),
+    );
+    assert_eq!(code, Some(1), "{stdout}{err}");
+    assert!(
+        err.contains("f32 rollout: ") && err.contains("not finite") && err.contains("of row 0"),
+        "{err}"
+    );
+    assert!(!stdout.contains("tokens/s"), "{stdout}");
+}
+
+#[test]
+fn nan_logits_fail_eval_and_mismatch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    arith_model(&model, true);
+    problems(tmp.path());
+    let (code, stdout, err) = qarl(
+        tmp.path(),
+        &os(&[
+            "eval",
+            "--model",
+            "model",
+            "--data",
+            "problems.jsonl",
+            "--template",
+            "plain",
+            "--max-new-tokens",
+            "4",
+            "--quiet",
+            "--output",
+            "eval.json",
+        ]),
+    );
+    assert_eq!(code, Some(1), "{stdout}{err}");
+    assert!(
+        err.contains("model: ")
+            && err.contains("not finite")
+            && err.contains("generated token 0 of row 0"),
+        "{err}"
+    );
+    assert!(!stdout.contains("accuracy"), "{stdout}");
+    assert!(!tmp.path().join("eval.json").exists());
+
+    let (code, stdout, err) = qarl(
+        tmp.path(),
+        &os(&[
+            "mismatch",
+            "--model",
+            "model",
+            "--data",
+            "problems.jsonl",
+            "--max-new-tokens",
+            "4",
+            "--schemes",
+            "int4-g32",
+            "--output",
+            "mismatch.json",
+        ]),
+    );
+    assert_eq!(code, Some(1), "{stdout}{err}");
+    assert!(
+        err.contains("rollout f32: ")
+            && err.contains("not finite")
+            && err.contains("generated token 0 of row 0"),
+        "{err}"
+    );
+    assert!(!stdout.contains("NaN"), "{stdout}");
+    assert!(!tmp.path().join("mismatch.json").exists());
+}
+
+/// `qarl train` from a model whose forward is NaN stops at its first rollout, naming it, and logs no NaN rows.
+#[test]
+fn nan_logits_fail_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    arith_model(&tmp.path().join("model"), true);
+    std::fs::write(
+        tmp.path().join("run.toml"),
+        common::tiny_train_toml(tmp.path(), "aligned", 2),
+    )
+    .unwrap();
+    let (code, stdout, err) = qarl(
+        tmp.path(),
+        &os(&["train", "--quiet", "--config", "run.toml"]),
+    );
+    assert_eq!(code, Some(1), "{stdout}{err}");
+    assert!(
+        err.contains("not finite") && err.contains("generated token 0 of row 0"),
+        "{err}"
+    );
+    assert!(
+        err.contains("RL step 0") || err.contains("evaluation in int4-g32"),
+        "{err}"
+    );
+    let metrics = tmp.path().join("run/metrics.jsonl");
+    if let Ok(text) = std::fs::read_to_string(metrics) {
+        assert!(!text.contains("null") && !text.contains("NaN"), "{text}");
+    }
+}
+
+/// `qarl sft` whose losses are NaN from the first step (weights of order 1e30 overflow the forward) stops,
+/// naming the steps and the config keys to look at, and moves no model into place.
+#[test]
+fn nan_losses_stop_sft_naming_the_steps() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("run.toml"),
+        common::tiny_train_toml(tmp.path(), "aligned", 1),
+    )
+    .unwrap();
+    let (code, stdout, err) = qarl(
+        tmp.path(),
+        &os(&[
+            "sft",
+            "--quiet",
+            "--config",
+            "run.toml",
+            "--set",
+            "model.init_std=1e30",
+            "--set",
+            "train.max_nonfinite_steps=2",
+        ]),
+    );
+    assert_eq!(code, Some(1), "{stdout}{err}");
+    assert!(
+        err.contains(
+            "stopping SFT: 2 consecutive steps, from step 0 to step 1, had a NaN or infinite loss"
+        ) && err.contains("model.init_std"),
+        "{err}"
+    );
+    assert!(
+        !tmp.path().join("model").exists(),
+        "a NaN model was moved into place"
+    );
 }

@@ -148,3 +148,80 @@ fn qarl_sft_leaves_no_checkpoints_when_it_finishes() {
     let rows = metrics_without_timing(&cfg.run_dir.join("sft_metrics.jsonl"));
     assert!(!rows.is_empty() && rows.iter().all(|r| r["phase"] == "sft"));
 }
+
+/// `qarl sft` (the warm start alone) resumes too: killed in the middle, the next `qarl sft` continues from
+/// its resume point and ends with the weights and `sft_metrics.jsonl` rows of a run that was never killed.
+#[test]
+fn a_kill_during_qarl_sft_resumes_on_the_next_qarl_sft() {
+    let tmp = tempfile::tempdir().unwrap();
+    let setup = |name: &str| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let text = tiny_train_toml(&dir, "aligned", 1).replace("[sft]\n", "[sft]\nlog_every = 1\n");
+        std::fs::write(dir.join("run.toml"), &text).unwrap();
+        (dir, TrainConfig::from_toml(&text, "tiny").unwrap())
+    };
+    let (killed_dir, cfg) = setup("killed");
+    let root = sft::checkpoints_root(&cfg.run_dir);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(["sft", "--quiet", "--config", "run.toml"])
+        .env(checkpoint::TEST_PAUSE_ENV, "300")
+        .current_dir(&killed_dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !root
+        .join("step_000002")
+        .join("trainer_state.json")
+        .is_file()
+    {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the warm start ended before it could be killed"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(120), "timed out");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL
+    assert!(!child.wait().unwrap().success());
+    assert!(
+        !cfg.model.dir.exists(),
+        "the warm start finished before the kill"
+    );
+
+    let out = qarl(&killed_dir, &["sft", "--quiet", "--config", "run.toml"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("resuming the warm start"),
+        "SFT was not resumed: {err}"
+    );
+    assert!(
+        !root.exists(),
+        "the resume points stayed after the warm start finished"
+    );
+
+    let (straight_dir, straight) = setup("straight");
+    let out = qarl(&straight_dir, &["sft", "--quiet", "--config", "run.toml"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let weights = |d: &Path| std::fs::read(d.join("model.safetensors")).unwrap();
+    assert!(
+        weights(&cfg.model.dir) == weights(&straight.model.dir),
+        "the resumed warm start gives other weights than an uninterrupted one"
+    );
+    let rows = |c: &TrainConfig| metrics_without_timing(&c.run_dir.join("sft_metrics.jsonl"));
+    let (a, b) = (rows(&cfg), rows(&straight));
+    let steps: Vec<u64> = a.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(
+        steps,
+        (0..8).collect::<Vec<u64>>(),
+        "each SFT step logged once"
+    );
+    assert_eq!(a, b, "SFT metrics differ after the resume");
+}

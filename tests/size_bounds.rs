@@ -1,6 +1,8 @@
 //! Sizes a user gives are checked against the model's position limit and the machine's memory before
 //! anything large is allocated: the error names the flags and the limit (these used to abort on allocation).
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
@@ -68,4 +70,99 @@ fn rollout_sizes_past_the_positions_or_the_memory_are_refused() {
     ]);
     assert!(!ok);
     assert!(err.contains("max_position_embeddings"), "{err}");
+}
+
+/// `qarl eval` and `qarl mismatch` check their token budget and rows against the model before decoding, and
+/// `qarl train` checks `eval.max_new_tokens` and `rollout.max_new_tokens` the same way, naming the keys, and
+/// `qarl sft` its batch size.
+#[test]
+fn eval_mismatch_and_train_budgets_are_checked_against_the_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let init = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
+    qarl::model::init::write_random_checkpoint(&init, &model, 7, 0.02).unwrap();
+    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    let data = tmp.path().join("problems.jsonl");
+    std::fs::write(&data, "{\"question\": \"1+2?\", \"answer\": \"#### 3\"}\n").unwrap();
+    let (model, data) = (model.to_str().unwrap(), data.to_str().unwrap());
+    let (ok, err) = qarl(&[
+        "eval",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--template",
+        "plain",
+        "--max-new-tokens",
+        "100000",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("--batch / --max-new-tokens")
+            && err.contains("100000 new tokens")
+            && err.contains("max_position_embeddings (256)"),
+        "{err}"
+    );
+    let (ok, err) = qarl(&[
+        "mismatch",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--samples",
+        "100000000",
+        "--max-new-tokens",
+        "8",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("--limit / --samples / --max-new-tokens") && err.contains("KV cache"),
+        "{err}"
+    );
+    let toml = tmp.path().join("run.toml");
+    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    for (set, want) in [
+        (
+            "eval.max_new_tokens=100000",
+            "eval.problems / eval.k / eval.max_new_tokens",
+        ),
+        (
+            "rollout.max_new_tokens=100000",
+            "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
+        ),
+    ] {
+        let (ok, err) = qarl(&[
+            "train",
+            "--quiet",
+            "--config",
+            toml.to_str().unwrap(),
+            "--set",
+            set,
+        ]);
+        assert!(!ok, "{set}");
+        assert!(
+            err.contains(want) && err.contains("max_position_embeddings (256)"),
+            "{set}: {err}"
+        );
+    }
+    // The warm start's batch, before its first batch is built.
+    let sft_dir = tmp.path().join("sft");
+    std::fs::create_dir_all(&sft_dir).unwrap();
+    let toml = sft_dir.join("run.toml");
+    std::fs::write(&toml, common::tiny_train_toml(&sft_dir, "aligned", 1)).unwrap();
+    let (ok, err) = qarl(&[
+        "sft",
+        "--quiet",
+        "--config",
+        toml.to_str().unwrap(),
+        "--set",
+        "sft.batch_size=1000000000000",
+    ]);
+    assert!(!ok);
+    assert!(
+        err.contains("sft.batch_size: 1000000000000 sequences")
+            && err.contains("GB of memory available"),
+        "{err}"
+    );
+    assert!(!sft_dir.join("model").exists());
 }

@@ -519,6 +519,14 @@ fn bad_lines_name_file_and_line() {
         ),
         (r#"{"question": "q", "answer": "no marker"}"#, "####"),
         ("[1, 2]", "not a JSON object"),
+        (
+            r#####"{"question": "q", "answer": "work\n#### four"}"#####,
+            "the final answer after `####` is `four`, not a number",
+        ),
+        (
+            r#####"{"question": "q", "answer": "#### 2\\sqrt{2}"}"#####,
+            "not a number",
+        ),
     ];
     for (i, (bad, want)) in cases.iter().enumerate() {
         let path = dir.path().join(format!("bad{i}.jsonl"));
@@ -579,7 +587,11 @@ fn bad_lines_name_file_and_line() {
     let err = datasets::load_gsm8k(dir.path().join("nope.jsonl"), OnBadLine::Error)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("nope.jsonl"), "{err}");
+    assert!(
+        err.contains("nope.jsonl: cannot read the data set (not found)")
+            && !err.contains("os error"),
+        "{err}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------------------

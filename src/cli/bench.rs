@@ -183,7 +183,8 @@ pub fn random_prompts(batch: usize, len: usize, vocab: usize, seed: u64) -> Vec<
 }
 
 /// Times `generate` on `model` as it is now: one warm-up, then `repeats` runs of the whole call and of a
-/// one-token call (prefill). Returns the result without the quantize time and ratio.
+/// one-token call (prefill). Returns the result without the quantize time and ratio, or an error when the
+/// warm-up's log-probs are not finite (a broken model would be timed on rows cut short).
 pub fn time_rollout(
     model: &Decoder,
     prompts: &[Vec<u32>],
@@ -191,7 +192,7 @@ pub fn time_rollout(
     repeats: usize,
     seed: u64,
     scheme: &str,
-) -> SchemeResult {
+) -> anyhow::Result<SchemeResult> {
     let params = SamplingParams {
         temperature: 1.0,
         max_new_tokens: new_tokens,
@@ -203,6 +204,8 @@ pub fn time_rollout(
         ..params.clone()
     };
     let warm = generate(model, prompts, 1, &params, None);
+    warm.ensure_finite()
+        .map_err(|e| anyhow::anyhow!("{scheme} rollout: {e}"))?;
     let tokens = warm.generated_tokens();
     let mut full_runs = Vec::with_capacity(repeats);
     let mut prefill_runs = Vec::with_capacity(repeats);
@@ -227,7 +230,7 @@ pub fn time_rollout(
     } else {
         (generate_s, None)
     };
-    SchemeResult {
+    Ok(SchemeResult {
         scheme: scheme.to_string(),
         deterministic: crate::ops::deterministic(),
         grouped_experts: crate::ops::grouped_experts(),
@@ -240,7 +243,7 @@ pub fn time_rollout(
         decode_ms_per_step,
         generate_runs_s: full_runs,
         prefill_runs_s: prefill_runs,
-    }
+    })
 }
 
 fn format_table(results: &[SchemeResult]) -> String {
@@ -352,7 +355,7 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
                     args.repeats,
                     args.seed,
                     f.name(),
-                );
+                )?;
                 r.quantize_s = quantize_s;
                 results.push(r);
             }

@@ -19,8 +19,9 @@ pub struct EvalArgs {
     /// Model directory (config.json, safetensors, tokenizer.json).
     #[arg(long)]
     pub model: PathBuf,
-    /// GSM8K-format JSONL (`question`, `answer` ending in `#### N`); `gsm8k-test` / `gsm8k-train` name the
-    /// files under ../shared/data/gsm8k/ (or $QARL_GSM8K_DIR).
+    /// GSM8K-format JSONL file (`question`, `answer` ending in `#### N`), e.g.
+    /// experiments/data/word_problems_test.jsonl; `gsm8k-test` / `gsm8k-train` name test.jsonl / train.jsonl
+    /// in $QARL_GSM8K_DIR (a copy of GSM8K's grade_school_math/data).
     #[arg(long)]
     pub data: String,
     /// Evaluate the first N problems.
@@ -49,19 +50,29 @@ pub struct EvalArgs {
     pub quiet: bool,
 }
 
-pub(crate) fn data_path(name: &str) -> PathBuf {
-    let dir = std::env::var("QARL_GSM8K_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from("../shared/data/gsm8k"));
-    match name {
-        "gsm8k-test" => dir.join("test.jsonl"),
-        "gsm8k-train" => dir.join("train.jsonl"),
-        other => PathBuf::from(other),
+/// The environment variable naming the directory that holds GSM8K's `test.jsonl` and `train.jsonl`.
+pub(crate) const GSM8K_DIR_ENV: &str = "QARL_GSM8K_DIR";
+
+/// The file `--data NAME` reads: `gsm8k-test` / `gsm8k-train` in $QARL_GSM8K_DIR, anything else a path. GSM8K
+/// is not part of the repository, so the short names need the variable; an error says how to provide it.
+pub(crate) fn data_path(name: &str) -> anyhow::Result<PathBuf> {
+    let file = match name {
+        "gsm8k-test" => "test.jsonl",
+        "gsm8k-train" => "train.jsonl",
+        other => return Ok(PathBuf::from(other)),
+    };
+    match std::env::var_os(GSM8K_DIR_ENV).filter(|d| !d.is_empty()) {
+        Some(dir) => Ok(PathBuf::from(dir).join(file)),
+        None => anyhow::bail!(
+            "--data {name} names {file} in ${GSM8K_DIR_ENV}, which is not set: set it to a directory holding \
+             GSM8K's {file} (github.com/openai/grade-school-math, grade_school_math/data), or pass a JSONL file's \
+             path (e.g. experiments/data/word_problems_test.jsonl)"
+        ),
     }
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
-    let path = data_path(&args.data);
+    let path = data_path(&args.data)?;
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
@@ -96,13 +107,21 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let bar = crate::train::progress::progress_bar(records.len() as u64, "eval", args.quiet);
     let (mut correct, mut tokens, mut decode_s) = (0usize, 0usize, 0.0f64);
     let mut rows = Vec::new();
-    for chunk in records.chunks(args.batch.max(1)) {
-        let prompts: Vec<Vec<u32>> = chunk
-            .iter()
-            .map(|r| tok.encode(&template.render_prompt(&r.question)))
-            .collect::<anyhow::Result<_>>()?;
+    let prompts: Vec<Vec<u32>> = records
+        .iter()
+        .map(|r| tok.encode(&template.render_prompt(&r.question)))
+        .collect::<anyhow::Result<_>>()?;
+    let batch = args.batch.max(1);
+    crate::rollout::check_rollout_size(
+        &model.config,
+        "--batch / --max-new-tokens",
+        batch.min(prompts.len()),
+        prompts.iter().map(Vec::len).max().unwrap_or(0),
+        args.max_new_tokens,
+    )?;
+    for (chunk, prompts) in records.chunks(batch).zip(prompts.chunks(batch)) {
         let t = Instant::now();
-        let out = generate(&model, &prompts, 1, &params, Some(&tok));
+        let out = generate(&model, prompts, 1, &params, Some(&tok));
         out.ensure_finite()
             .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
         decode_s += t.elapsed().as_secs_f64();

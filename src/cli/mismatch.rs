@@ -22,8 +22,9 @@ pub struct MismatchArgs {
     /// Model directory (full precision).
     #[arg(long)]
     pub model: PathBuf,
-    /// GSM8K-format JSONL, or `gsm8k-test` / `gsm8k-train` (see `qarl eval`).
-    #[arg(long, default_value = "gsm8k-test")]
+    /// GSM8K-format JSONL file, e.g. experiments/data/word_problems_test.jsonl, or `gsm8k-test` /
+    /// `gsm8k-train` (files in $QARL_GSM8K_DIR, see `qarl eval`).
+    #[arg(long)]
     pub data: String,
     /// Prompts (the first N questions).
     #[arg(long, default_value_t = 16)]
@@ -65,7 +66,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         args.max_new_tokens >= 1,
         "--max-new-tokens must be at least 1, got 0"
     );
-    let path = super::eval::data_path(&args.data);
+    let path = super::eval::data_path(&args.data)?;
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
@@ -81,6 +82,13 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         .iter()
         .map(|r| tok.encode(&template.render_prompt(&r.question)))
         .collect::<anyhow::Result<_>>()?;
+    crate::rollout::check_rollout_size(
+        &full.config,
+        "--limit / --samples / --max-new-tokens",
+        prompts.len().saturating_mul(args.samples),
+        prompts.iter().map(Vec::len).max().unwrap_or(0),
+        args.max_new_tokens,
+    )?;
     let mut stop_ids = full.config.eos_token_ids.clone();
     stop_ids.extend(tok.token_to_id("<|im_end|>"));
     let params = SamplingParams {
@@ -185,7 +193,7 @@ fn measure(
     let t = std::time::Instant::now();
     let out = generate(sampler, prompts, samples, params, Some(tok));
     out.ensure_finite()
-        .map_err(|e| anyhow::anyhow!("the sampler's rollout: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("rollout {rollout}: {e}"))?;
     let rollout_s = t.elapsed().as_secs_f64();
     let batch = SeqBatch::new(out.ids.clone(), out.prompt_lens.clone());
     let roll = batch.grid_values(&out.logprobs);
@@ -199,6 +207,16 @@ fn measure(
     for &(forward, weights) in forwards {
         let lp =
             crate::host::to_f32_vec(batch.logprobs(sampler, weights, params.temperature, None).0);
+        // A non-finite learner log-prob would print a NaN KL and exit 0: name where it first appeared.
+        if let Some(i) = lp.iter().zip(&mask).position(|(v, &m)| m && !v.is_finite()) {
+            anyhow::bail!(
+                "rollout {rollout}, {forward} forward: the log-prob of the token at position {} of row {} is {} \
+                 (not finite)",
+                i % batch.width + 1,
+                i / batch.width,
+                lp[i]
+            );
+        }
         let mut m = rollout_mismatch_metrics(&lp, &roll, &mask, batch.width)?;
         m.extend(
             error_token_metrics(
@@ -217,7 +235,14 @@ fn measure(
             "rollout_tokens_per_s": out.generated_tokens() as f64 / rollout_s.max(1e-9),
         });
         for k in KEYS {
-            row[k] = serde_json::json!(m.get(k).copied().unwrap_or(f64::NAN));
+            match m.get(k).copied() {
+                Some(v) if v.is_finite() => row[k] = serde_json::json!(v),
+                v => anyhow::bail!(
+                    "rollout {rollout}, {forward} forward: {k} is {} over {} response tokens (not a finite number)",
+                    v.map_or("missing".to_string(), |v| v.to_string()),
+                    mask.iter().filter(|&&b| b).count()
+                ),
+            }
         }
         let v = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
         println!(

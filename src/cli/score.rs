@@ -65,8 +65,28 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
         let flat = rows(out.logits.reshape([b * t, v]));
         flat.chunks(t).map(<[Vec<f32>]>::to_vec).collect()
     });
+    // NaN would be written as `null` with exit 0: name the first row and position that is not finite.
+    let bad_logits = logits.as_ref().and_then(|l: &Vec<Vec<Vec<f32>>>| {
+        first_nonfinite(l, |v: &Vec<f32>| v.iter().all(|x| x.is_finite()))
+    });
+    // The log-prob at index p is that of token p + 1, computed from the logits at position p.
+    let bad = bad_logits.or_else(|| first_nonfinite(&logprobs, |v: &f32| v.is_finite()));
+    if let Some((r, p)) = bad {
+        anyhow::bail!(
+            "{}: the logits at position {p} of row {r} of {} are not finite (NaN or infinite)",
+            args.model.display(),
+            args.input.display()
+        );
+    }
     write_json_atomic(&args.output, &ScoreOutput { logits, logprobs })
         .with_context(|| "writing the scores".to_string())?;
     tracing::info!(rows = b, tokens = t, "scored");
     Ok(())
+}
+
+/// The first `(row, position)` whose value fails `finite`.
+fn first_nonfinite<T>(rows: &[Vec<T>], finite: impl Fn(&T) -> bool) -> Option<(usize, usize)> {
+    rows.iter()
+        .enumerate()
+        .find_map(|(r, row)| row.iter().position(|v| !finite(v)).map(|p| (r, p)))
 }

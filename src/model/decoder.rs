@@ -137,19 +137,26 @@ impl Decoder {
         self.embed_tokens.val().device()
     }
 
-    /// Checks that token ids fit the vocabulary and rows have equal length; the message says what is wrong.
+    /// Checks that token ids fit the vocabulary, rows have equal length and fit the position limit; the
+    /// message says what is wrong.
     pub fn check_ids(&self, ids: &[Vec<u32>]) -> Result<(), super::error::InputError> {
         use super::error::InputError;
         self.check_prompts(ids)?;
         let first = ids[0].len();
-        match ids.iter().position(|r| r.len() != first) {
-            Some(row) => Err(InputError::RaggedRows {
+        if let Some(row) = ids.iter().position(|r| r.len() != first) {
+            return Err(InputError::RaggedRows {
                 row,
                 len: ids[row].len(),
                 first,
-            }),
-            None => Ok(()),
+            });
         }
+        if first > self.config.max_position_embeddings {
+            return Err(InputError::TooLong {
+                len: first,
+                limit: self.config.max_position_embeddings,
+            });
+        }
+        Ok(())
     }
 
     /// Checks that there is at least one non-empty row and every id fits the vocabulary (rows may differ in

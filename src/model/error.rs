@@ -93,4 +93,6 @@ pub enum InputError {
         len: usize,
         first: usize,
     },
+    #[error("rows of {len} ids are longer than the model's max_position_embeddings ({limit})")]
+    TooLong { len: usize, limit: usize },
 }

@@ -29,6 +29,55 @@ pub enum BudgetError {
         need_gb: f64,
         have_gb: f64,
     },
+    #[error(
+        "{what}: a training sequence of {tokens} tokens is longer than the model's max_position_embeddings \
+         ({limit})"
+    )]
+    TrainPositions {
+        what: String,
+        tokens: usize,
+        limit: usize,
+    },
+    #[error(
+        "{what}: {rows} sequences of up to {tokens} tokens need over {need_gb:.1} GB for the keys and values \
+         the backward keeps, more than the {have_gb:.1} GB of memory available; use a smaller batch"
+    )]
+    TrainMemory {
+        what: String,
+        rows: usize,
+        tokens: usize,
+        need_gb: f64,
+        have_gb: f64,
+    },
+}
+
+/// Checks a training batch of `rows` sequences of up to `tokens` tokens (the SFT batch): the positions against
+/// `max_position_embeddings`, and the keys and values of every layer, which the backward keeps at the least,
+/// against the memory available. `what` names the config key.
+pub fn check_training_size(
+    config: &ModelConfig,
+    what: &str,
+    rows: usize,
+    tokens: usize,
+) -> Result<(), BudgetError> {
+    if tokens > config.max_position_embeddings {
+        return Err(BudgetError::TrainPositions {
+            what: what.to_string(),
+            tokens,
+            limit: config.max_position_embeddings,
+        });
+    }
+    let need = kv_cache_bytes(config, rows, tokens);
+    match available_memory_bytes() {
+        Some(have) if need > have as u128 => Err(BudgetError::TrainMemory {
+            what: what.to_string(),
+            rows,
+            tokens,
+            need_gb: need as f64 / 1e9,
+            have_gb: have as f64 / 1e9,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Bytes of the f32 KV cache of `rows` rows of `tokens` positions.
@@ -100,6 +149,15 @@ mod tests {
             "{e}"
         );
         let e = check_rollout_size(&c, "--samples", usize::MAX / 2, 4, 4).unwrap_err();
+        assert!(matches!(
+            check_training_size(&c, "sft.batch_size", usize::MAX / 2, 4),
+            Err(BudgetError::TrainMemory { .. })
+        ));
+        assert!(matches!(
+            check_training_size(&c, "sft.batch_size", 1, limit + 1),
+            Err(BudgetError::TrainPositions { .. })
+        ));
+        assert!(check_training_size(&c, "sft.batch_size", 8, limit).is_ok());
         assert!(matches!(e, BudgetError::Memory { .. }), "{e}");
         assert!(e.to_string().starts_with("--samples: "), "{e}");
     }

@@ -1,8 +1,8 @@
 //! JSONL loaders for GSM8K-format (`question` / `answer`, the final answer after `#### `) and MATH-style
 //! (`problem` / `solution`, the final answer in the last `\boxed{...}`) data sets.
 //!
-//! Blank lines are ignored. A malformed line (not JSON, a missing or non-string field, no final answer, not
-//! UTF-8) is an error that names the file and the 1-based line number, or is skipped with a warning under
+//! Blank lines are ignored. A malformed line (not JSON, a missing or non-string field, no final answer, a
+//! GSM8K final answer that is not a number, not UTF-8) is an error that names the file and the 1-based line number, or is skipped with a warning under
 //! [`OnBadLine::Skip`]. A file without a single usable record is an error.
 
 use std::path::{Path, PathBuf};
@@ -39,7 +39,7 @@ pub struct Record {
 /// `source`, so that `{:#}` (anyhow's chain) does not print it twice.
 #[derive(Debug, thiserror::Error)]
 pub enum DatasetError {
-    #[error("{path}: {io}")]
+    #[error("{path}: cannot read the data set ({})", crate::io::os_error_text(io))]
     Io { path: PathBuf, io: std::io::Error },
     #[error("{path}:{line}: {error}")]
     BadLine {
@@ -66,6 +66,10 @@ pub enum LineError {
     NotString(&'static str),
     #[error("field `answer` has no final answer after `####`")]
     NoFinalAnswer,
+    /// The verifier compares a GSM8K answer as a number: a word there (`#### four`) would make every
+    /// response wrong without a word.
+    #[error("the final answer after `####` is `{0}`, not a number (GSM8K answers are numbers like `18`, `-3`, `1,200` or `2.5`)")]
+    NotANumber(String),
     #[error("field `solution` has no well-formed `\\boxed{{...}}` (and no `answer` field)")]
     NoBoxed,
 }
@@ -111,7 +115,8 @@ fn parse_object(line: &str) -> Result<serde_json::Value, LineError> {
     Ok(v)
 }
 
-/// Parses one GSM8K line (`{"question": ..., "answer": "... #### 18"}`).
+/// Parses one GSM8K line (`{"question": ..., "answer": "... #### 18"}`); the final answer must be a number
+/// the verifier reads ([`super::verify::parse_answer`]).
 pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
     let question = string_field(&v, "question")?;
@@ -119,6 +124,10 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
     let answer = gsm8k_final_answer(&solution)
         .ok_or(LineError::NoFinalAnswer)?
         .to_string();
+    if super::verify::parse_answer(&answer).is_none() {
+        let shown: String = answer.chars().take(40).collect();
+        return Err(LineError::NotANumber(shown));
+    }
     Ok(Record {
         question,
         solution,

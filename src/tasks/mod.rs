@@ -10,9 +10,9 @@
 //! ops = ["add", "mul"]
 //!
 //! # or
-//! kind = "gsm8k"               # or "math"
-//! path = "../shared/data/gsm8k/train.jsonl"
-//! eval_path = "../shared/data/gsm8k/test.jsonl"   # optional; else a hashed eval_fraction of `path`
+//! kind = "gsm8k"               # or "math"; GSM8K-format JSONL (`question`, `answer` ending in `#### N`)
+//! path = "experiments/data/word_problems_train.jsonl"
+//! eval_path = "experiments/data/word_problems_test.jsonl"   # optional; else a hashed eval_fraction of `path`
 //! template = { kind = "chat" } # default: plain "Question: {q}\nAnswer:"
 //! ```
 //!

@@ -37,6 +37,13 @@ pub fn evaluate(
         .iter()
         .map(|e| tok.encode(&e.prompt))
         .collect::<anyhow::Result<_>>()?;
+    crate::rollout::check_rollout_size(
+        &m.config,
+        "eval.problems / eval.k / eval.max_new_tokens",
+        prompts.len().saturating_mul(cfg.k.max(1)),
+        prompts.iter().map(Vec::len).max().unwrap_or(0),
+        cfg.max_new_tokens,
+    )?;
     // Per sample: correct or not; and the mean response length.
     let accuracy = |samples: usize, temperature: f32| -> anyhow::Result<(Vec<bool>, f64)> {
         let p = SamplingParams {

@@ -75,15 +75,28 @@ pub fn truncate_after(path: &Path, phase: &str, last_step: usize) -> anyhow::Res
 }
 
 /// Keeps only the lines of a metrics file whose row `keep` accepts, written back atomically (nothing to do
-/// when the file does not exist).
+/// when the file does not exist). A line that is not a JSON object (the half-written last row of a killed
+/// run) is dropped with a warning naming it, so that the rows appended after it stay readable.
 pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };
-    let kept: Vec<&str> = text
-        .lines()
-        .filter(|l| keep(&serde_json::from_str(l).unwrap_or_default()))
-        .collect();
+    let mut kept: Vec<&str> = Vec::new();
+    for (i, l) in text.lines().enumerate() {
+        match serde_json::from_str::<serde_json::Value>(l) {
+            Ok(row) if row.is_object() => {
+                if keep(&row) {
+                    kept.push(l);
+                }
+            }
+            _ if l.trim().is_empty() => {}
+            _ => tracing::warn!(
+                "{}:{}: dropped a line that is not a metrics row (a row cut short by a kill?)",
+                path.display(),
+                i + 1
+            ),
+        }
+    }
     let dir = path.parent().unwrap_or(Path::new("."));
     let mut tmp = tempfile::NamedTempFile::new_in(dir)
         .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
@@ -95,4 +108,29 @@ pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> an
     tmp.persist(path)
         .with_context(|| format!("{}: cannot move into place", path.display()))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A resumed run drops the rows it redoes and the half-written row of a kill, and appends after them.
+    #[test]
+    fn truncating_drops_a_row_cut_short_by_a_kill() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        std::fs::write(
+            &path,
+            "{\"phase\":\"sft\",\"step\":0}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"rl\",\"st",
+        )
+        .unwrap();
+        truncate_after(&path, "rl", 0).unwrap();
+        let mut log = MetricsLog::open(&path).unwrap();
+        log.write(&serde_json::json!({"phase": "rl", "step": 1}))
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "{\"phase\":\"sft\",\"step\":0}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n"
+        );
+    }
 }

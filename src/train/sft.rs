@@ -169,6 +169,14 @@ pub fn run_sft_with(
     } else {
         log.retain(|r| r["phase"] != "sft")?;
     }
+    // The batch size against the memory and the position limit, before a batch is built: the first step's
+    // examples (up to 256 of them) stand for the length of all.
+    let probe = task.sample_prompts(cfg.batch_size.min(256), train.seed.wrapping_mul(7919));
+    let mut longest = 0;
+    for ex in &probe {
+        longest = longest.max(encode_example(tok, ex, eos)?.0.len());
+    }
+    crate::rollout::check_training_size(&model.config, "sft.batch_size", cfg.batch_size, longest)?;
     let bar = progress_bar(cfg.steps as u64, "sft", quiet);
     bar.inc(start as u64);
     for step in start..cfg.steps {
@@ -202,8 +210,10 @@ pub fn run_sft_with(
             let max = train.train.max_nonfinite_steps;
             if max > 0 && nonfinite >= max {
                 anyhow::bail!(
-                    "stopping SFT: {nonfinite} consecutive steps (up to step {step}) had a NaN or infinite loss or \
-                     gradient (`train.max_nonfinite_steps` = {max}); lower `sft.lr` or check the data"
+                    "stopping SFT: {nonfinite} consecutive steps, from step {} to step {step}, had a NaN or \
+                     infinite loss or gradient (`train.max_nonfinite_steps` = {max}); lower `sft.lr`, or check \
+                     the data and the initial weights (`model.init_std`)",
+                    step + 1 - nonfinite
                 );
             }
         } else {

@@ -232,6 +232,19 @@ impl SimdPath {
         let warning = format!("QARL_SIMD={wanted} {why}; using {}", fastest.name());
         (fastest, Some(warning))
     }
+
+    /// `QARL_SIMD` checked where a caller can still refuse it (the command line, before any work): the
+    /// warning [`SimdPath::choose`] would print, as an error, without the fallback.
+    pub fn check_env() -> Result<(), String> {
+        let wanted = std::env::var("QARL_SIMD").ok();
+        match Self::choose(wanted.as_deref(), &Self::available()) {
+            (_, None) => Ok(()),
+            (_, Some(warning)) => Err(match warning.rfind("; using ") {
+                Some(i) => format!("{}; unset it for the fastest path", &warning[..i]),
+                None => warning,
+            }),
+        }
+    }
 }
 
 /// Which decoder a tile runs (a const generic of the tiles).
