@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 
 use crate::model::Tokenizer;
+use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
 use crate::rollout::{generate, SamplingParams};
 use crate::tasks::datasets::{load_gsm8k, OnBadLine};
@@ -47,6 +48,9 @@ pub struct EvalArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Compute backend (flex, wgpu, cuda).
+    #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
+    pub backend: BackendKind,
 }
 
 pub(crate) fn data_path(name: &str) -> PathBuf {
@@ -61,6 +65,7 @@ pub(crate) fn data_path(name: &str) -> PathBuf {
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    let device = args.backend.device()?;
     let path = data_path(&args.data);
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
@@ -75,7 +80,6 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "plain" => Template::default(),
         other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
     };
-    let device = burn::tensor::Device::flex();
     let model = super::load_model(&args.model, &device, args.quant)?;
     let tok = Tokenizer::load_optional(&args.model)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
