@@ -507,7 +507,11 @@ fn every_computing_command_takes_a_backend() {
         [&["eval", "--template", "plain"][..], &model].concat(),
         [&["mismatch"][..], &model].concat(),
     ] {
-        let out = qarl().args(&args).args(["--backend", "cuda"]).output().unwrap();
+        let out = qarl()
+            .args(&args)
+            .args(["--backend", "cuda"])
+            .output()
+            .unwrap();
         let err = String::from_utf8(out.stderr).unwrap();
         assert!(!out.status.success(), "{args:?}");
         assert!(err.contains("--features cuda"), "{args:?}: {err}");

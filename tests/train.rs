@@ -38,7 +38,11 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
     .collect();
     let cfg = train::load_config(None, &sets).unwrap();
     assert_eq!(cfg.train.lr, 1e-4);
-    assert_eq!(cfg.train.backend, qarl::ops::BackendKind::Flex, "the default");
+    assert_eq!(
+        cfg.train.backend,
+        qarl::ops::BackendKind::Flex,
+        "the default"
+    );
     let on_wgpu = train::load_config(None, &["train.backend=wgpu".to_string()]).unwrap();
     assert_eq!(on_wgpu.train.backend, qarl::ops::BackendKind::Wgpu);
     assert_eq!(cfg.rollout.precision.to_string(), "fp8-b128");

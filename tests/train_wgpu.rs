@@ -38,18 +38,23 @@ fn rows(path: &Path, phase: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// `|a - b| <= tol * max(|a|, |b|)` (or both tiny) for every `key` of paired rows.
-fn assert_close(what: &str, a: &[serde_json::Value], b: &[serde_json::Value], keys: &[&str], tol: f64) {
+/// `|a - b| <= rel * max(|a|, |b|) + abs` for every `(key, rel, abs)` of paired rows.
+fn assert_close(
+    what: &str,
+    a: &[serde_json::Value],
+    b: &[serde_json::Value],
+    keys: &[(&str, f64, f64)],
+) {
     assert_eq!(a.len(), b.len(), "{what}: row counts");
     for (i, (ra, rb)) in a.iter().zip(b).enumerate() {
-        for key in keys {
-            let (x, y) = (ra[key].as_f64(), rb[key].as_f64());
-            let (Some(x), Some(y)) = (x, y) else {
+        for &(key, rel, abs) in keys {
+            let (Some(x), Some(y)) = (ra[key].as_f64(), rb[key].as_f64()) else {
                 panic!("{what} row {i}: `{key}` missing: {ra} / {rb}");
             };
+            eprintln!("{what} row {i} `{key}`: wgpu {x:e} flex {y:e}");
             let scale = x.abs().max(y.abs());
             assert!(
-                (x - y).abs() <= tol * scale || scale < 1e-12,
+                (x - y).abs() <= rel * scale + abs,
                 "{what} row {i} `{key}`: wgpu {x} vs flex {y} (rel {:.2e})",
                 (x - y).abs() / scale
             );
@@ -91,8 +96,7 @@ fn sft_rl_and_eval_on_wgpu_agree_with_flex() {
         "sft",
         &rows(&log_path, "sft"),
         &rows(&s_flex.metrics_path, "sft"),
-        &["sft/loss", "sft/grad_norm"],
-        1e-3,
+        &[("sft/loss", 1e-3, 0.0), ("sft/grad_norm", 1e-3, 0.0)],
     );
 
     // RL on wgpu from the flex warm start, so that both runs start from the same weights.
@@ -115,12 +119,18 @@ fn sft_rl_and_eval_on_wgpu_agree_with_flex() {
         let (a, b): (Vec<_>, Vec<_>) = w.iter().zip(&f).map(|(a, b)| (&a[key], &b[key])).unzip();
         assert_eq!(a, b, "`{key}`: the runs sampled different responses");
     }
+    // The policy loss of a step's first update is a mean of terms of order |advantage| ~ 1 that cancel
+    // (ratio 1, advantages centred per group) to ~1e-8 on either backend: its difference is compared
+    // against that scale, not relative to the cancelled value.
     assert_close(
         "rl",
         &w,
         &f,
-        &["actor/pg_loss", "actor/grad_norm", "actor/entropy"],
-        1e-4,
+        &[
+            ("actor/pg_loss", 0.0, 1e-6),
+            ("actor/grad_norm", 1e-4, 0.0),
+            ("actor/entropy", 1e-4, 0.0),
+        ],
     );
     for r in &w {
         let k3 = r["rollout_corr/k3_kl"].as_f64().unwrap();

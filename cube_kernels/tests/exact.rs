@@ -79,7 +79,10 @@ fn matmul_sums_in_k_order_and_rows_do_not_depend_on_the_batch() {
         let y = kn.read_f32(&y).unwrap();
         let want = host_matmul(&x, &w, b, m, k, n, wt);
         for (i, (g, h)) in y.iter().zip(&want).enumerate() {
-            assert!((g - h).abs() <= 1e-6 * (1.0 + h.abs()), "wt={wt} y[{i}]: {g} vs host {h}");
+            assert!(
+                (g - h).abs() <= 1e-6 * (1.0 + h.abs()),
+                "wt={wt} y[{i}]: {g} vs host {h}"
+            );
         }
         // The last row of batch 1 alone: the same bits.
         let row = &x[(m + m - 1) * k..(m + m) * k];
@@ -93,7 +96,15 @@ fn matmul_sums_in_k_order_and_rows_do_not_depend_on_the_batch() {
             "wt={wt}: a row's bits depend on its batch"
         );
     }
-    let bad = kn.matmul_f32(&kn.upload_f32(&[1.0; 6]), &kn.upload_f32(&[1.0; 6]), 1, 2, 3, 3, false);
+    let bad = kn.matmul_f32(
+        &kn.upload_f32(&[1.0; 6]),
+        &kn.upload_f32(&[1.0; 6]),
+        1,
+        2,
+        3,
+        3,
+        false,
+    );
     assert!(bad.is_err(), "a weight of 6 values for [3, 3] is refused");
 }
 
@@ -122,7 +133,10 @@ fn softmax_rows_ignore_masked_tails_and_sum_to_one() {
     let mut masked = head.to_vec();
     masked.resize(len, f32::NEG_INFINITY);
     let full = kn
-        .read_f32(&kn.softmax_rows_f32(&kn.upload_f32(&masked), 1, len).unwrap())
+        .read_f32(
+            &kn.softmax_rows_f32(&kn.upload_f32(&masked), 1, len)
+                .unwrap(),
+        )
         .unwrap();
     let short = kn
         .read_f32(&kn.softmax_rows_f32(&kn.upload_f32(head), 1, 20).unwrap())
@@ -145,7 +159,10 @@ fn mean_rows_sum_in_index_order() {
         assert_eq!(y[r].to_bits(), (sum / len as f32).to_bits(), "row {r}");
     }
     let one = kn
-        .read_f32(&kn.mean_rows_f32(&kn.upload_f32(&x[4 * len..5 * len]), 1, len).unwrap())
+        .read_f32(
+            &kn.mean_rows_f32(&kn.upload_f32(&x[4 * len..5 * len]), 1, len)
+                .unwrap(),
+        )
         .unwrap();
     assert_eq!(one[0].to_bits(), y[4].to_bits());
     assert!(kn.mean_rows_f32(&kn.upload_f32(&[]), 1, 0).is_err());

@@ -8,9 +8,9 @@ use std::path::PathBuf;
 use serde::Serialize;
 
 use crate::io::write_json_atomic;
-use crate::ops::BackendKind;
 use crate::ops::cpu::kernel::SimdPath;
 use crate::ops::cpu::probe;
+use crate::ops::BackendKind;
 use crate::train::bench::{bench_steps, StepTimings};
 use crate::train::load_config;
 

@@ -270,7 +270,9 @@ pub fn attention_core(
 
 /// [`KernelOps::aligned_mean_last`] on a tensor: the mean along the last axis, kept as an axis of 1.
 pub fn aligned_mean_last<const D: usize>(x: Tensor<D>) -> Tensor<D> {
-    Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_mean_last(x.into_dispatch()))
+    Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_mean_last(
+        x.into_dispatch(),
+    ))
 }
 
 /// [`KernelOps::aligned_softmax`] on a tensor.

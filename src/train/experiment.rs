@@ -122,7 +122,11 @@ pub fn run_experiment(
             }
             set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
             if let Some(b) = backend {
-                set_dotted(&mut doc, "train.backend", toml::Value::String(b.to_string()))?;
+                set_dotted(
+                    &mut doc,
+                    "train.backend",
+                    toml::Value::String(b.to_string()),
+                )?;
             }
             set_dotted(
                 &mut doc,

@@ -7,7 +7,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::TensorMetadata;
 
 use super::{
-    backend_mean_last, backend_softmax, deterministic, dequantized_out_in, plain_matmul,
+    backend_mean_last, backend_softmax, dequantized_out_in, deterministic, plain_matmul,
     ExpertWeights, KernelOps, PackedWeight,
 };
 
