@@ -581,3 +581,41 @@ fn eval_and_mismatch_name_the_problems_file_they_need() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--data"), "{err}");
 }
+
+/// Every command that computes takes `--backend`; one this build lacks is refused before any work, naming
+/// the cargo feature to build with.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn every_computing_command_takes_a_backend() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("problems.jsonl");
+    std::fs::write(&data, "{\"question\": \"1+1?\", \"answer\": \"#### 2\"}\n").unwrap();
+    let cfg = tmp.path().join("run.toml");
+    std::fs::write(&cfg, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let (data, cfg) = (data.to_str().unwrap(), cfg.to_str().unwrap());
+    let model = ["--model", "/nonexistent", "--data", data];
+    for args in [
+        vec!["train", "--config", cfg],
+        vec!["sft", "--config", cfg],
+        vec!["bench", "step", "--config", cfg, "--steps", "1"],
+        [&["eval", "--template", "plain"][..], &model].concat(),
+        [&["mismatch"][..], &model].concat(),
+    ] {
+        let out = qarl()
+            .args(&args)
+            .args(["--backend", "cuda"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        assert!(err.contains("--features cuda"), "{args:?}: {err}");
+    }
+    // Nothing was created: the backend is checked before the run directory or the model is touched.
+    assert!(!tmp.path().join("run").exists() && !tmp.path().join("model").exists());
+    let out = qarl()
+        .args(["train", "--config", cfg, "--backend", "vulkan"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("vulkan") && err.contains("wgpu"), "{err}");
+}

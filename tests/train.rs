@@ -38,6 +38,13 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
     .collect();
     let cfg = train::load_config(None, &sets).unwrap();
     assert_eq!(cfg.train.lr, 1e-4);
+    assert_eq!(
+        cfg.train.backend,
+        qarl::ops::BackendKind::Flex,
+        "the default"
+    );
+    let on_wgpu = train::load_config(None, &["train.backend=wgpu".to_string()]).unwrap();
+    assert_eq!(on_wgpu.train.backend, qarl::ops::BackendKind::Wgpu);
     assert_eq!(cfg.rollout.precision.to_string(), "fp8-b128");
     assert_eq!(cfg.train.error_tokens.min_span, 7);
     let base = train::load_config(None, &[]).unwrap();
@@ -84,6 +91,13 @@ fn default_config_parses_and_bad_configs_are_named() {
         (
             good.replace("objective = \"tbpo\"", "objective = \"tbpo2\""),
             "tbpo2",
+        ),
+        (
+            good.replace(
+                "forward = \"aligned\"",
+                "forward = \"aligned\"\nbackend = \"vulkan\"",
+            ),
+            "`train.backend` = \"vulkan\" is not a valid value; expected one of `flex`, `wgpu`, `cuda`",
         ),
         (
             good.replace("samples_per_prompt = 8", "samples_per_prompt = 1"),
@@ -292,7 +306,7 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
     );
     let path = tmp.path().join("exp.toml");
     std::fs::write(&path, exp).unwrap();
-    let report = train::experiment::run_experiment(&path, true).unwrap();
+    let report = train::experiment::run_experiment(&path, true, None).unwrap();
     let text = std::fs::read_to_string(&report).unwrap();
     assert!(
         text.contains("| full | 1/1 |") && text.contains("| aligned-tbpo | 1/1 |"),
@@ -308,7 +322,7 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
     }
     let metrics = tmp.path().join("results/full/seed5/metrics.jsonl");
     let before = std::fs::metadata(&metrics).unwrap().modified().unwrap();
-    train::experiment::run_experiment(&path, true).unwrap();
+    train::experiment::run_experiment(&path, true, None).unwrap();
     assert_eq!(
         std::fs::metadata(&metrics).unwrap().modified().unwrap(),
         before,
@@ -321,7 +335,7 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
     );
     std::fs::write(&path, bad).unwrap();
     std::fs::remove_file(tmp.path().join("results/full/seed5/finished.json")).unwrap();
-    let err = train::experiment::run_experiment(&path, true)
+    let err = train::experiment::run_experiment(&path, true, None)
         .unwrap_err()
         .to_string();
     assert!(err.contains("trian"), "{err}");

@@ -6,6 +6,8 @@
 //! [`crate::kernels`] (f32 sums, one rounding on store). [`Kernels::supports`] says which types the
 //! device has; a launch on another is [`KernelError::Unsupported`].
 
+mod exact;
+
 use cubecl::features::TypeUsage;
 use cubecl::prelude::*;
 use cubecl::server::Handle;

@@ -2,8 +2,8 @@
 //! host reference: dequantized weights and fp8 activations bit-exact, matmul sums within 1e-5 relative of
 //! the host's canonical order, GEMV and GEMM bitwise equal (batch invariance), MoE with ragged groups.
 //!
-//! f16 and bf16 activations (where the adapter has them; a case the adapter lacks is skipped with a
-//! printed reason) are checked against the precision contract of `cube_kernels::kernels`: bitwise equal to
+//! f16 and bf16 activations (one test per type; see [`half_kernels`] for what happens without the type)
+//! are checked against the precision contract of `cube_kernels::kernels`: bitwise equal to
 //! the kernel's f32 result on the same inputs widened to f32, rounded to the type (round to nearest even),
 //! and within that rounding of the host reference.
 //!
@@ -419,21 +419,23 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// The half-precision types the adapter has; each one it lacks is reported once per test.
-fn half_types(k: &Kernels, test: &str) -> Vec<ActDType> {
-    [ActDType::F16, ActDType::BF16]
-        .into_iter()
-        .filter(|&d| {
-            let ok = k.supports(d);
-            if !ok {
-                eprintln!(
-                    "SKIPPED {test} for {d}: the adapter `{}` reports no {d} buffers/conversions",
-                    k.device_name()
-                );
-            }
-            ok
-        })
-        .collect()
+/// The kernels when the adapter has `dtype`. Each half-precision check is its own test per type, so a pass
+/// means it ran: without the type the test fails under `QARL_REQUIRE_WGPU=1` (CI, where the bf16 tests
+/// are skipped by name because wgpu has no bf16) and otherwise says SKIPPED.
+fn half_kernels(dtype: ActDType) -> Option<&'static Kernels> {
+    let k = kernels()?;
+    if k.supports(dtype) {
+        return Some(k);
+    }
+    let why = format!(
+        "the adapter `{}` reports no {dtype} buffers/conversions",
+        k.device_name()
+    );
+    if std::env::var("QARL_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
+        panic!("QARL_REQUIRE_WGPU=1 but {why}: this test needs {dtype}");
+    }
+    eprintln!("SKIPPED: {why}");
+    None
 }
 
 /// The contract against the host: `got` (in `dtype`) is the f32 reference rounded to `dtype`, up to the
@@ -484,154 +486,191 @@ fn activation_dtypes_parse_round_and_encode() {
     }
 }
 
-#[test]
-#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
-fn half_activations_are_the_f32_result_rounded_once() {
-    let Some(k) = kernels() else { return };
-    for dtype in half_types(k, "dense matmuls") {
-        let (mut total, mut exact) = (0, 0);
-        for (i, format) in FORMATS.into_iter().enumerate() {
-            for (out, inn, n) in [(40, 256, 3), (33, 200, 20), (16, 75, 5)] {
-                let w = random_weights(format, 1, out, inn, 100 + i as u64);
-                let dw = k.upload_weights(&w);
-                // Inputs already in the type, so the f32 run sees exactly what the half run widens.
-                let x: Vec<f32> = Rng(5 + n as u64)
-                    .values(n * inn)
-                    .iter()
-                    .map(|v| dtype.round(*v))
-                    .collect();
-                let xh = k.upload(&x, dtype).unwrap();
-                let xf = k.upload_f32(&x);
-                let what = format!("{dtype} {} [{out}, {inn}] n={n}", format.name());
-                let f32_run = k
-                    .read_f32(&k.linear_with(&xf, n, &dw, MatmulPath::Gemm).unwrap())
-                    .unwrap();
-                let rounded: Vec<f32> = f32_run.iter().map(|v| dtype.round(*v)).collect();
-                for path in [MatmulPath::Gemv, MatmulPath::Gemm] {
-                    let y = k.linear_with(&xh, n, &dw, path).unwrap();
-                    assert_eq!(y.dtype(), dtype, "{what}: output type");
-                    let got = k.read_f32(&y).unwrap();
-                    assert_eq!(
-                        bits(&got),
-                        bits(&rounded),
-                        "{what} {path:?}: not round(f32)"
-                    );
-                }
-                let want = reference::linear(&x, n, &w, 0);
-                total += want.len();
-                exact += assert_rounded(&rounded, &want, &abs_linear(&x, n, &w), dtype, &what);
-
-                // The transposed product: g in the type, dx in the type.
-                let g: Vec<f32> = Rng(77)
-                    .values(n * out)
-                    .iter()
-                    .map(|v| dtype.round(*v))
-                    .collect();
-                let dxh = k
-                    .linear_transposed(&k.upload(&g, dtype).unwrap(), n, &dw)
-                    .unwrap();
-                let dxf = k
-                    .read_f32(&k.linear_transposed(&k.upload_f32(&g), n, &dw).unwrap())
-                    .unwrap();
-                let dx_rounded: Vec<f32> = dxf.iter().map(|v| dtype.round(*v)).collect();
-                assert_eq!(
-                    bits(&k.read_f32(&dxh).unwrap()),
-                    bits(&dx_rounded),
-                    "{what}: transposed not round(f32)"
-                );
-            }
-        }
-        eprintln!("{dtype}: {exact}/{total} dense outputs bit-exact against round(host reference)");
-    }
-}
-
-#[test]
-#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
-fn fp8_activation_quantization_reads_half_inputs() {
-    let Some(k) = kernels() else { return };
-    for dtype in half_types(k, "fp8 activation quantization") {
-        let (rows, cols) = (3, 300);
-        let x: Vec<f32> = Rng(8)
-            .values(rows * cols)
-            .iter()
-            .map(|v| dtype.round(v * 30.0))
-            .collect();
-        let (want_v, want_s) = reference::fp8_activations(&x, rows, cols);
-        let (v, s) = k
-            .fp8_activations(&k.upload(&x, dtype).unwrap(), rows, cols)
-            .unwrap();
-        assert_eq!(v.dtype(), ActDType::F32);
-        assert_eq!(
-            bits(&k.read_f32(&s).unwrap()),
-            bits(&want_s),
-            "{dtype} scales"
-        );
-        assert_eq!(
-            bits(&k.read_f32(&v).unwrap()),
-            bits(&want_v),
-            "{dtype} values"
-        );
-    }
-}
-
-#[test]
-#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
-fn moe_with_half_activations_is_the_f32_result_rounded_once() {
-    let Some(k) = kernels() else { return };
-    for dtype in half_types(k, "grouped MoE") {
-        for (i, format) in FORMATS.into_iter().enumerate() {
-            let (experts, hidden, inter, tokens, top_k) = (6, 64, 48, 17, 2);
-            let seed = 700 + 10 * i as u64;
-            let gate = k.upload_weights(&random_weights(format, experts, inter, hidden, seed));
-            let up = k.upload_weights(&random_weights(format, experts, inter, hidden, seed + 1));
-            let down = k.upload_weights(&random_weights(format, experts, hidden, inter, seed + 2));
-            let mut rng = Rng(seed + 3);
-            let x: Vec<f32> = rng
-                .values(tokens * hidden)
+/// Dense matmuls (both paths) and the transposed product with `dtype` activations: bitwise the f32 result
+/// rounded once, and within that rounding of the host reference.
+fn check_half_dense(k: &Kernels, dtype: ActDType) {
+    let (mut total, mut exact) = (0, 0);
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        for (out, inn, n) in [(40, 256, 3), (33, 200, 20), (16, 75, 5)] {
+            let w = random_weights(format, 1, out, inn, 100 + i as u64);
+            let dw = k.upload_weights(&w);
+            // Inputs already in the type, so the f32 run sees exactly what the half run widens.
+            let x: Vec<f32> = Rng(5 + n as u64)
+                .values(n * inn)
                 .iter()
                 .map(|v| dtype.round(*v))
                 .collect();
-            let rw: Vec<f32> = (0..tokens * top_k)
-                .map(|_| dtype.round(rng.uniform().abs()))
+            let xh = k.upload(&x, dtype).unwrap();
+            let xf = k.upload_f32(&x);
+            let what = format!("{dtype} {} [{out}, {inn}] n={n}", format.name());
+            let f32_run = k
+                .read_f32(&k.linear_with(&xf, n, &dw, MatmulPath::Gemm).unwrap())
+                .unwrap();
+            let rounded: Vec<f32> = f32_run.iter().map(|v| dtype.round(*v)).collect();
+            for path in [MatmulPath::Gemv, MatmulPath::Gemm] {
+                let y = k.linear_with(&xh, n, &dw, path).unwrap();
+                assert_eq!(y.dtype(), dtype, "{what}: output type");
+                let got = k.read_f32(&y).unwrap();
+                assert_eq!(
+                    bits(&got),
+                    bits(&rounded),
+                    "{what} {path:?}: not round(f32)"
+                );
+            }
+            let want = reference::linear(&x, n, &w, 0);
+            total += want.len();
+            exact += assert_rounded(&rounded, &want, &abs_linear(&x, n, &w), dtype, &what);
+
+            // The transposed product: g in the type, dx in the type.
+            let g: Vec<f32> = Rng(77)
+                .values(n * out)
+                .iter()
+                .map(|v| dtype.round(*v))
                 .collect();
-            let ids: Vec<u32> = (0..34u32).map(|i| 1 + (i * i + i / 3) % 4).collect();
-            let routing = MoeRouting::new(&ids, tokens, top_k, experts).unwrap();
-            let run = |d: ActDType| {
-                let y = k
-                    .moe(
-                        &k.upload(&x, d).unwrap(),
-                        &routing,
-                        &k.upload(&rw, d).unwrap(),
-                        &gate,
-                        &up,
-                        &down,
-                    )
-                    .unwrap();
-                assert_eq!(y.dtype(), d);
-                k.read_f32(&y).unwrap()
-            };
-            let rounded: Vec<f32> = run(ActDType::F32).iter().map(|v| dtype.round(*v)).collect();
+            let dxh = k
+                .linear_transposed(&k.upload(&g, dtype).unwrap(), n, &dw)
+                .unwrap();
+            let dxf = k
+                .read_f32(&k.linear_transposed(&k.upload_f32(&g), n, &dw).unwrap())
+                .unwrap();
+            let dx_rounded: Vec<f32> = dxf.iter().map(|v| dtype.round(*v)).collect();
             assert_eq!(
-                bits(&run(dtype)),
-                bits(&rounded),
-                "{dtype} {} moe: not round(f32)",
-                format.name()
+                bits(&k.read_f32(&dxh).unwrap()),
+                bits(&dx_rounded),
+                "{what}: transposed not round(f32)"
             );
         }
-        // Mixed types are refused.
-        let w = k.upload_weights(&random_weights(FORMATS[0], 2, 32, 32, 1));
-        let routing = MoeRouting::new(&[0, 1], 1, 2, 2).unwrap();
-        let err = k
-            .moe(
-                &k.upload(&[0.5; 32], dtype).unwrap(),
-                &routing,
-                &k.upload_f32(&[0.5, 0.5]),
-                &w,
-                &w,
-                &k.upload_weights(&random_weights(FORMATS[0], 2, 32, 32, 2)),
-            )
-            .unwrap_err();
-        assert!(err.to_string().contains("one type"), "{err}");
+    }
+    eprintln!("{dtype}: {exact}/{total} dense outputs bit-exact against round(host reference)");
+}
+
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn half_activations_are_the_f32_result_rounded_once_f16() {
+    if let Some(k) = half_kernels(ActDType::F16) {
+        check_half_dense(k, ActDType::F16);
+    }
+}
+
+#[test]
+#[ignore = "needs bf16 on the adapter (wgpu has none; CUDA does): run `cargo test -p cube_kernels --test kernels bf16 -- --ignored` where it is (.ci/run skips these by name)"]
+fn half_activations_are_the_f32_result_rounded_once_bf16() {
+    if let Some(k) = half_kernels(ActDType::BF16) {
+        check_half_dense(k, ActDType::BF16);
+    }
+}
+
+/// fp8 activation quantization reads `dtype` inputs: codes and scales bit-exact with the host.
+fn check_half_fp8_activations(k: &Kernels, dtype: ActDType) {
+    let (rows, cols) = (3, 300);
+    let x: Vec<f32> = Rng(8)
+        .values(rows * cols)
+        .iter()
+        .map(|v| dtype.round(v * 30.0))
+        .collect();
+    let (want_v, want_s) = reference::fp8_activations(&x, rows, cols);
+    let (v, s) = k
+        .fp8_activations(&k.upload(&x, dtype).unwrap(), rows, cols)
+        .unwrap();
+    assert_eq!(v.dtype(), ActDType::F32);
+    assert_eq!(
+        bits(&k.read_f32(&s).unwrap()),
+        bits(&want_s),
+        "{dtype} scales"
+    );
+    assert_eq!(
+        bits(&k.read_f32(&v).unwrap()),
+        bits(&want_v),
+        "{dtype} values"
+    );
+}
+
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn fp8_activation_quantization_reads_half_inputs_f16() {
+    if let Some(k) = half_kernels(ActDType::F16) {
+        check_half_fp8_activations(k, ActDType::F16);
+    }
+}
+
+#[test]
+#[ignore = "needs bf16 on the adapter (wgpu has none; CUDA does): run `cargo test -p cube_kernels --test kernels bf16 -- --ignored` where it is (.ci/run skips these by name)"]
+fn fp8_activation_quantization_reads_half_inputs_bf16() {
+    if let Some(k) = half_kernels(ActDType::BF16) {
+        check_half_fp8_activations(k, ActDType::BF16);
+    }
+}
+
+/// The grouped MoE with `dtype` activations: bitwise the f32 result rounded once; mixed types refused.
+fn check_half_moe(k: &Kernels, dtype: ActDType) {
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        let (experts, hidden, inter, tokens, top_k) = (6, 64, 48, 17, 2);
+        let seed = 700 + 10 * i as u64;
+        let gate = k.upload_weights(&random_weights(format, experts, inter, hidden, seed));
+        let up = k.upload_weights(&random_weights(format, experts, inter, hidden, seed + 1));
+        let down = k.upload_weights(&random_weights(format, experts, hidden, inter, seed + 2));
+        let mut rng = Rng(seed + 3);
+        let x: Vec<f32> = rng
+            .values(tokens * hidden)
+            .iter()
+            .map(|v| dtype.round(*v))
+            .collect();
+        let rw: Vec<f32> = (0..tokens * top_k)
+            .map(|_| dtype.round(rng.uniform().abs()))
+            .collect();
+        let ids: Vec<u32> = (0..34u32).map(|i| 1 + (i * i + i / 3) % 4).collect();
+        let routing = MoeRouting::new(&ids, tokens, top_k, experts).unwrap();
+        let run = |d: ActDType| {
+            let y = k
+                .moe(
+                    &k.upload(&x, d).unwrap(),
+                    &routing,
+                    &k.upload(&rw, d).unwrap(),
+                    &gate,
+                    &up,
+                    &down,
+                )
+                .unwrap();
+            assert_eq!(y.dtype(), d);
+            k.read_f32(&y).unwrap()
+        };
+        let rounded: Vec<f32> = run(ActDType::F32).iter().map(|v| dtype.round(*v)).collect();
+        assert_eq!(
+            bits(&run(dtype)),
+            bits(&rounded),
+            "{dtype} {} moe: not round(f32)",
+            format.name()
+        );
+    }
+    // Mixed types are refused.
+    let w = k.upload_weights(&random_weights(FORMATS[0], 2, 32, 32, 1));
+    let routing = MoeRouting::new(&[0, 1], 1, 2, 2).unwrap();
+    let err = k
+        .moe(
+            &k.upload(&[0.5; 32], dtype).unwrap(),
+            &routing,
+            &k.upload_f32(&[0.5, 0.5]),
+            &w,
+            &w,
+            &k.upload_weights(&random_weights(FORMATS[0], 2, 32, 32, 2)),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("one type"), "{err}");
+}
+
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn moe_with_half_activations_is_the_f32_result_rounded_once_f16() {
+    if let Some(k) = half_kernels(ActDType::F16) {
+        check_half_moe(k, ActDType::F16);
+    }
+}
+
+#[test]
+#[ignore = "needs bf16 on the adapter (wgpu has none; CUDA does): run `cargo test -p cube_kernels --test kernels bf16 -- --ignored` where it is (.ci/run skips these by name)"]
+fn moe_with_half_activations_is_the_f32_result_rounded_once_bf16() {
+    if let Some(k) = half_kernels(ActDType::BF16) {
+        check_half_moe(k, ActDType::BF16);
     }
 }
 

@@ -5,12 +5,12 @@
 
 use std::path::PathBuf;
 
-use burn::tensor::Device;
 use serde::Serialize;
 
 use crate::io::write_json_atomic;
 use crate::ops::cpu::kernel::SimdPath;
 use crate::ops::cpu::probe;
+use crate::ops::BackendKind;
 use crate::train::bench::{bench_steps, StepTimings};
 use crate::train::load_config;
 
@@ -26,6 +26,9 @@ pub struct StepBenchArgs {
     /// applied after `--set`. Without any, the config itself is timed.
     #[arg(long = "variant", value_name = "LABEL:KEY=VALUE,...")]
     pub variants: Vec<String>,
+    /// Compute backend (flex, wgpu, cuda) of every variant; overrides the config's `train.backend`.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
     /// Timed steps per variant (the table shows medians).
     #[arg(long, default_value_t = 3)]
     pub steps: usize,
@@ -89,23 +92,32 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
         .map(|(label, sets)| {
             let all: Vec<String> = a.set.iter().chain(sets).cloned().collect();
             load_config(a.config.as_deref(), &all)
-                .map(|c| (label.clone(), c))
+                .map(|mut c| {
+                    if let Some(b) = a.backend {
+                        c.train.backend = b;
+                    }
+                    (label.clone(), c)
+                })
                 .map_err(|e| anyhow::anyhow!("variant {label}: {e}"))
         })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    // Every backend is checked before the (slow) machine probes.
+    let devices = configs
+        .iter()
+        .map(|(_, cfg)| cfg.train.backend.device().map(|d| d.autodiff()))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let path = SimdPath::detect();
     eprintln!("probing the machine (FMA peak, DRAM read bandwidth)...");
     let peak = probe::fma_peak_gflops(path, 5);
     let dram = probe::dram_read_gbs(5);
-    let device = Device::flex().autodiff();
     let mut results = Vec::new();
-    for (label, cfg) in &configs {
+    for ((label, cfg), device) in configs.iter().zip(&devices) {
         eprintln!(
             "variant {label}: {} warm-up + {} timed steps",
             a.warmup, a.steps
         );
         probe::reset_peak_resident();
-        let t = bench_steps(cfg, &device, a.warmup, a.steps, a.quiet)?;
+        let t = bench_steps(cfg, device, a.warmup, a.steps, a.quiet)?;
         results.push((label.clone(), t));
     }
     println!(

@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 
 use crate::model::Tokenizer;
+use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
 use crate::rollout::{generate, SamplingParams};
 use crate::tasks::datasets::{load_gsm8k, OnBadLine};
@@ -48,6 +49,9 @@ pub struct EvalArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Compute backend (flex, wgpu, cuda).
+    #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
+    pub backend: BackendKind,
 }
 
 /// The environment variable naming the directory that holds GSM8K's `test.jsonl` and `train.jsonl`.
@@ -72,6 +76,7 @@ pub(crate) fn data_path(name: &str) -> anyhow::Result<PathBuf> {
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    let device = args.backend.device()?;
     let path = data_path(&args.data)?;
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
@@ -86,7 +91,6 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "plain" => Template::default(),
         other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
     };
-    let device = burn::tensor::Device::flex();
     let model = super::load_model(&args.model, &device, args.quant)?;
     let tok = Tokenizer::load_optional(&args.model)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 
 use crate::model::{Decoder, Tokenizer, Weights};
+use crate::ops::BackendKind;
 use crate::quant::{Precision, QuantScheme};
 use crate::rl::metrics::{error_token_metrics, names, rollout_mismatch_metrics, LoopRule};
 use crate::rollout::{generate, SamplingParams};
@@ -51,6 +52,9 @@ pub struct MismatchArgs {
     /// Write the table as JSON here (and as Markdown next to it, `.md`).
     #[arg(long)]
     pub output: Option<PathBuf>,
+    /// Compute backend (flex, wgpu, cuda).
+    #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
+    pub backend: BackendKind,
 }
 
 pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
@@ -66,6 +70,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         args.max_new_tokens >= 1,
         "--max-new-tokens must be at least 1, got 0"
     );
+    let device = args.backend.device()?;
     let path = super::eval::data_path(&args.data)?;
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
@@ -74,7 +79,6 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     let template = Template::Chat {
         system: args.system.clone(),
     };
-    let device = burn::tensor::Device::flex();
     let full = super::load_model(&args.model, &device, None)?;
     let tok = Tokenizer::load_optional(&args.model)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;

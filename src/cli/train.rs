@@ -1,5 +1,6 @@
 use std::path::PathBuf;
 
+use crate::ops::BackendKind;
 use crate::train::{self, config, TrainConfig};
 
 #[derive(Debug, clap::Args)]
@@ -16,6 +17,9 @@ pub struct TrainArgs {
     /// Override one config value, e.g. `--set train.lr=3e-5 --set rollout.precision=fp8-b128`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Compute backend (flex, wgpu, cuda); overrides the config's `train.backend`.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
@@ -29,14 +33,25 @@ pub struct SftArgs {
     /// Override one config value, e.g. `--set sft.steps=500`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Compute backend (flex, wgpu, cuda); overrides the config's `train.backend`.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
 }
 
-/// Loads the config; for the embedded default, materialises its model config where it expects it.
-fn load(path: Option<&std::path::Path>, overrides: &[String]) -> anyhow::Result<TrainConfig> {
-    let cfg = train::load_config(path, overrides)?;
+/// Loads the config (`backend`, when given, replaces `train.backend`); for the embedded default,
+/// materialises its model config where it expects it.
+fn load(
+    path: Option<&std::path::Path>,
+    overrides: &[String],
+    backend: Option<BackendKind>,
+) -> anyhow::Result<TrainConfig> {
+    let mut cfg = train::load_config(path, overrides)?;
+    if let Some(b) = backend {
+        cfg.train.backend = b;
+    }
     if path.is_none() {
         if let Some(init) = &cfg.model.init_config {
             if !init.is_file() {
@@ -51,7 +66,7 @@ fn load(path: Option<&std::path::Path>, overrides: &[String]) -> anyhow::Result<
 }
 
 pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
-    let cfg = load(args.config.as_deref(), &args.set)?;
+    let cfg = load(args.config.as_deref(), &args.set, args.backend)?;
     let s = train::run_with(
         &cfg,
         &train::RunOptions {
@@ -79,7 +94,7 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
 }
 
 pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
-    let cfg = load(args.config.as_deref(), &args.set)?;
+    let cfg = load(args.config.as_deref(), &args.set, args.backend)?;
     if cfg.sft.is_none() {
         anyhow::bail!("the config has no [sft] section");
     }
@@ -89,7 +104,7 @@ pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
             cfg.model.dir.display()
         );
     }
-    let device = burn::tensor::Device::flex().autodiff();
+    let device = cfg.train.backend.device()?.autodiff();
     std::fs::create_dir_all(&cfg.run_dir)?;
     let mut log = train::metrics::MetricsLog::open(&cfg.run_dir.join("sft_metrics.jsonl"))?;
     train::prepare_model(&cfg, &device, &mut log, args.quiet)?;
@@ -104,6 +119,10 @@ pub struct ExperimentArgs {
     /// Only rebuild the report from the finished runs.
     #[arg(long)]
     pub report_only: bool,
+    /// Compute backend (flex, wgpu, cuda) of every run; overrides `train.backend` of the base config and
+    /// the variants.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
@@ -120,7 +139,7 @@ pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|| PathBuf::from("experiments/results").join(&exp.name));
         train::experiment::write_report(&exp, &results)?
     } else {
-        train::experiment::run_experiment(&args.file, args.quiet)?
+        train::experiment::run_experiment(&args.file, args.quiet, args.backend)?
     };
     println!("report: {}", report.display());
     Ok(())

@@ -7,7 +7,7 @@ use super::checkpoint::Checkpoint;
 use super::error::LoadError;
 use super::names::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
 use crate::host::tensor_from_vec;
-use crate::ops::{aligned_softmax, det_matmul, QuantizedWeight};
+use crate::ops::{aligned_mean_last, aligned_softmax, det_matmul, QuantizedWeight};
 use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
 
 /// Which weights a forward multiplies with. A model holds the f32 masters and, in a quantized precision,
@@ -166,8 +166,10 @@ impl RmsNorm {
         self.weight.lazy_shape().dims::<1>()[0]
     }
 
+    /// The mean of squares is [`aligned_mean_last`]: one row's bits whatever the shape of the call (the
+    /// CubeCL backends' fixed-order kernel in deterministic mode; burn's `mean_dim` on the CPU).
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let var = x.clone().square().mean_dim(D - 1);
+        let var = aligned_mean_last(x.clone().square());
         let x = x * (var + self.eps).sqrt().recip();
         let mut shape = [1usize; D];
         shape[D - 1] = self.dim();

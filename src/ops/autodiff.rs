@@ -85,6 +85,30 @@ impl<B: Backend> Backward<B, 1> for SoftmaxBackward {
     }
 }
 
+/// The backward of [`KernelOps::aligned_mean_last`], as burn's `mean_dim` computes it (the same bits):
+/// `ones * (1 / n) * sum_dim(g)` (the sum over an axis of 1 is `g`), broadcast along the axis.
+#[derive(Debug)]
+struct MeanLastBackward;
+
+impl<B: Backend> Backward<B, 1> for MeanLastBackward {
+    /// The input's shape.
+    type State = burn::tensor::Shape;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        use burn::backend::Scalar;
+        let [node_x] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let shape = ops.state;
+        if let Some(node) = node_x {
+            let dim = shape.num_dims() - 1;
+            let val = 1_f64 / shape[dim] as f64;
+            let ones = B::float_ones(shape, &g.device(), g.dtype().into());
+            let val = B::float_mul_scalar(ones, Scalar::Float(val));
+            grads.register::<B>(node.id, B::float_mul(val, B::float_sum_dim(g, dim)));
+        }
+    }
+}
+
 /// The backward of [`KernelOps::forward_value_of`]: the gradient goes to `graph` unchanged.
 #[derive(Debug)]
 struct ForwardValueOfBackward;
@@ -258,6 +282,21 @@ impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C>
                 prep.finish((y.clone(), dim), y)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::aligned_softmax(x.into_primitive(), dim)),
+        }
+    }
+
+    fn aligned_mean_last(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        match MeanLastBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let xp = x.primitive().clone();
+                let shape = xp.shape();
+                prep.finish(shape, B::aligned_mean_last(xp))
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::aligned_mean_last(x.into_primitive())),
         }
     }
 

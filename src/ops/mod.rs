@@ -86,6 +86,14 @@ pub trait KernelOps: Backend {
         Self::softmax(x, dim)
     }
 
+    /// The mean along the last axis, kept as an axis of 1 (`mean_dim(rank - 1)`: RMSNorm's mean of
+    /// squares), the same op in the inference and the training forward. The CubeCL backends in
+    /// deterministic mode sum each row in index order (burn's reduction picks its order by shape); the
+    /// default is the backend's `mean_dim`. The backward is burn's (`g / n` broadcast along the axis).
+    fn aligned_mean_last(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        backend_mean_last::<Self>(x)
+    }
+
     /// `x [.., m, k] · w [.., k, n]` (or `· w^T` with `w [.., n, k]` when `w_transposed`), same leading
     /// dims. In deterministic mode the CPU backend computes it in a fixed, batch-invariant order
     /// ([`cpu::kernel::f32_matmul`], [`cpu::kernel::f32_matmul_nt`]); elsewhere it is the
@@ -216,6 +224,12 @@ pub fn head_logprobs_with_gradient(
     ))
 }
 
+/// The backend's own mean along the last axis (kept as an axis of 1).
+fn backend_mean_last<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let r = x.shape().num_dims();
+    B::float_mean_dim(x, r - 1)
+}
+
 /// The backend's own (fused) softmax.
 fn backend_softmax<B: Backend>(x: FloatTensor<B>, dim: usize) -> FloatTensor<B> {
     B::softmax(x, dim)
@@ -252,6 +266,13 @@ pub fn attention_core(
         scale,
     )
     .map(Tensor::from_dispatch)
+}
+
+/// [`KernelOps::aligned_mean_last`] on a tensor: the mean along the last axis, kept as an axis of 1.
+pub fn aligned_mean_last<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_mean_last(
+        x.into_dispatch(),
+    ))
 }
 
 /// [`KernelOps::aligned_softmax`] on a tensor.

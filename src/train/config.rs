@@ -112,6 +112,11 @@ pub enum LrSchedule {
 #[serde(deny_unknown_fields)]
 pub struct RlConfig {
     pub steps: usize,
+    /// The compute backend of the warm start, the RL steps (rollout and update) and the evaluations:
+    /// `flex` (the CPU, the default), `wgpu` or `cuda` (cargo features of the same names). `--backend`
+    /// on the command line overrides it.
+    #[serde(default)]
+    pub backend: crate::ops::BackendKind,
     pub forward: TrainForward,
     pub lr: f64,
     #[serde(default = "default_schedule")]

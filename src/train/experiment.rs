@@ -81,8 +81,13 @@ fn marker(run_dir: &Path) -> PathBuf {
     run_dir.join("finished.json")
 }
 
-/// Runs every (variant, seed) not finished yet, then writes `report.md`.
-pub fn run_experiment(path: &Path, quiet: bool) -> anyhow::Result<PathBuf> {
+/// Runs every (variant, seed) not finished yet, then writes `report.md`; `backend`, when given, replaces
+/// every run's `train.backend`.
+pub fn run_experiment(
+    path: &Path,
+    quiet: bool,
+    backend: Option<crate::ops::BackendKind>,
+) -> anyhow::Result<PathBuf> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("{}: cannot read", path.display()))?;
     let exp: ExperimentConfig =
@@ -116,6 +121,13 @@ pub fn run_experiment(path: &Path, quiet: bool) -> anyhow::Result<PathBuf> {
                 set_dotted(&mut doc, k, val.clone())?;
             }
             set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
+            if let Some(b) = backend {
+                set_dotted(
+                    &mut doc,
+                    "train.backend",
+                    toml::Value::String(b.to_string()),
+                )?;
+            }
             set_dotted(
                 &mut doc,
                 "run_dir",

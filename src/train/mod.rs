@@ -163,7 +163,7 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
 /// Runs the RL loop of `cfg` with `opts`.
 pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
     let (resume, quiet) = (opts.resume, opts.quiet);
-    let device = Device::flex().autodiff();
+    let device = cfg.train.backend.device()?.autodiff();
     // Before anything in the run directory changes: a second process there stops here.
     let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");

@@ -268,12 +268,13 @@ impl Scored<'_> {
     }
 }
 
-/// Whether `lp_old` equals the rollout's recorded log-probs bit for bit, so that no forward is needed: in
-/// deterministic mode the aligned training forward computes the rollout's bits, and with one update per
+/// Whether `lp_old` equals the rollout's recorded log-probs bit for bit, so that no forward is needed: where
+/// the backend reproduces the rollout ([`crate::ops::BackendKind::reproduces_rollout`]: deterministic mode
+/// on the CPU) the aligned training forward computes the rollout's bits, and with one update per
 /// step nothing has changed the weights before the update's own forward.
 pub fn lp_old_is_the_rollout_record(cfg: &TrainConfig, rows: usize) -> bool {
     let tc = &cfg.train;
-    crate::ops::deterministic()
+    tc.backend.reproduces_rollout()
         && tc.forward == TrainForward::Aligned
         && tc.epochs == 1
         && (tc.minibatch_size == 0 || tc.minibatch_size >= rows)

@@ -25,6 +25,7 @@
 //! specialised and the decode is branch-free.
 
 pub mod dense;
+pub mod exact;
 pub mod fp8;
 pub mod moe;
 

@@ -24,7 +24,7 @@ use crate::ops::{ExpertWeights, PackedWeight};
 use crate::quant::QuantizedTensor;
 
 /// Kernels (client + E4M3 table) per device.
-fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
+pub(super) fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<Kernels>>>> = OnceLock::new();
     let key = format!("{:?}", t.device);
     let mut cache = CACHE

@@ -1,16 +1,53 @@
 //! The CubeCL backends (wgpu, CUDA) of the custom ops, through the `cube_kernels` crate ([`launch`]).
 
+mod exact;
 mod launch;
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::TensorMetadata;
 
-use super::{dequantized_out_in, plain_matmul, ExpertWeights, KernelOps, PackedWeight};
+use super::{
+    backend_mean_last, backend_softmax, dequantized_out_in, deterministic, plain_matmul,
+    ExpertWeights, KernelOps, PackedWeight,
+};
 
 /// The CubeCL backends (wgpu, CUDA): the `cube_kernels` low-bit kernels on the tensors' device buffers
 /// ([`launch`]) for f32 activations, and f16/bf16 where the device has them (f32 sums, one rounding
 /// to the activations' dtype); other dtypes take the default (dequantize, then the backend's matmul).
+/// In deterministic mode the f32 matmul, softmax and RMSNorm mean are the fixed-order kernels
+/// ([`exact`]), so the whole forward is batch-invariant; otherwise burn's own (faster) kernels.
 impl KernelOps for burn_cubecl::CubeBackend {
+    fn det_matmul(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        w_transposed: bool,
+    ) -> FloatTensor<Self> {
+        if deterministic() {
+            if let Some(y) = exact::matmul(x.clone(), w.clone(), w_transposed) {
+                return y;
+            }
+        }
+        plain_matmul::<Self>(x, w, w_transposed)
+    }
+
+    fn aligned_softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        if deterministic() {
+            if let Some(y) = exact::softmax(x.clone(), dim) {
+                return y;
+            }
+        }
+        backend_softmax::<Self>(x, dim)
+    }
+
+    fn aligned_mean_last(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        if deterministic() {
+            if let Some(y) = exact::mean_last(x.clone()) {
+                return y;
+            }
+        }
+        backend_mean_last::<Self>(x)
+    }
+
     fn quant_matmul(
         x: FloatTensor<Self>,
         master: FloatTensor<Self>,

@@ -1,0 +1,169 @@
+//! The fixed-order f32 kernels (matmul, row softmax, row mean) on the wgpu runtime: against host sums in
+//! the same order, and invariant to the shape of the call (a row alone, inside a batch, or followed by
+//! masked entries gives the same bits), which is what the bitwise rollout = training contract needs.
+//!
+//! Without a Vulkan driver the tests skip with a message, unless `QARL_REQUIRE_WGPU=1`.
+#![cfg(feature = "wgpu")]
+
+use cube_kernels::Kernels;
+use std::sync::OnceLock;
+
+fn kernels() -> Option<&'static Kernels> {
+    static K: OnceLock<Option<Kernels>> = OnceLock::new();
+    K.get_or_init(|| match std::panic::catch_unwind(Kernels::wgpu) {
+        Ok(Ok(k)) => Some(k),
+        other => {
+            let why = match other {
+                Ok(Err(e)) => e.to_string(),
+                _ => "the wgpu runtime panicked while starting".to_owned(),
+            };
+            if std::env::var("QARL_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
+                panic!("QARL_REQUIRE_WGPU=1 but no wgpu device: {why}");
+            }
+            eprintln!("SKIPPED: no wgpu device ({why}); install mesa-vulkan-drivers for lavapipe");
+            None
+        }
+    })
+    .as_ref()
+}
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
+/// `x [b, m, k] · w [b, k, n]` (or `w [b, n, k]` transposed) on the host, fused multiply-adds in `k` order.
+fn host_matmul(x: &[f32], w: &[f32], b: usize, m: usize, k: usize, n: usize, wt: bool) -> Vec<f32> {
+    let mut y = Vec::with_capacity(b * m * n);
+    for bb in 0..b {
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0.0f32;
+                for kk in 0..k {
+                    let wv = if wt {
+                        w[(bb * n + j) * k + kk]
+                    } else {
+                        w[bb * k * n + kk * n + j]
+                    };
+                    acc = x[(bb * m + i) * k + kk].mul_add(wv, acc);
+                }
+                y.push(acc);
+            }
+        }
+    }
+    y
+}
+
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn matmul_sums_in_k_order_and_rows_do_not_depend_on_the_batch() {
+    let Some(kn) = kernels() else { return };
+    let (b, m, k, n) = (3, 7, 45, 5);
+    for wt in [false, true] {
+        let x = values(b * m * k, 1);
+        let w = values(b * k * n, 2 + u64::from(wt));
+        let y = kn
+            .matmul_f32(&kn.upload_f32(&x), &kn.upload_f32(&w), b, m, k, n, wt)
+            .unwrap();
+        let y = kn.read_f32(&y).unwrap();
+        let want = host_matmul(&x, &w, b, m, k, n, wt);
+        for (i, (g, h)) in y.iter().zip(&want).enumerate() {
+            assert!(
+                (g - h).abs() <= 1e-6 * (1.0 + h.abs()),
+                "wt={wt} y[{i}]: {g} vs host {h}"
+            );
+        }
+        // The last row of batch 1 alone: the same bits.
+        let row = &x[(m + m - 1) * k..(m + m) * k];
+        let wb = &w[k * n..2 * k * n];
+        let alone = kn
+            .matmul_f32(&kn.upload_f32(row), &kn.upload_f32(wb), 1, 1, k, n, wt)
+            .unwrap();
+        assert_eq!(
+            bits(&kn.read_f32(&alone).unwrap()),
+            bits(&y[(m + m - 1) * n..(m + m) * n]),
+            "wt={wt}: a row's bits depend on its batch"
+        );
+    }
+    let bad = kn.matmul_f32(
+        &kn.upload_f32(&[1.0; 6]),
+        &kn.upload_f32(&[1.0; 6]),
+        1,
+        2,
+        3,
+        3,
+        false,
+    );
+    assert!(bad.is_err(), "a weight of 6 values for [3, 3] is refused");
+}
+
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn softmax_rows_ignore_masked_tails_and_sum_to_one() {
+    let Some(kn) = kernels() else { return };
+    let (rows, len) = (4, 37);
+    let x: Vec<f32> = values(rows * len, 5).iter().map(|v| 4.0 * v).collect();
+    let y = kn
+        .read_f32(&kn.softmax_rows_f32(&kn.upload_f32(&x), rows, len).unwrap())
+        .unwrap();
+    for r in 0..rows {
+        let row = &x[r * len..(r + 1) * len];
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum: f64 = row.iter().map(|v| f64::from((v - max).exp())).sum();
+        for (i, v) in row.iter().enumerate() {
+            let want = f64::from((v - max).exp()) / sum;
+            let got = f64::from(y[r * len + i]);
+            assert!((got - want).abs() <= 1e-6, "row {r}[{i}]: {got} vs {want}");
+        }
+    }
+    // Row 2's first 20 entries followed by masked (-inf) keys, as a full-sequence forward sees a query whose
+    // later keys are masked, against the 20 entries alone, as a decode step sees them: the same bits.
+    let head = &x[2 * len..2 * len + 20];
+    let mut masked = head.to_vec();
+    masked.resize(len, f32::NEG_INFINITY);
+    let full = kn
+        .read_f32(
+            &kn.softmax_rows_f32(&kn.upload_f32(&masked), 1, len)
+                .unwrap(),
+        )
+        .unwrap();
+    let short = kn
+        .read_f32(&kn.softmax_rows_f32(&kn.upload_f32(head), 1, 20).unwrap())
+        .unwrap();
+    assert_eq!(bits(&full[..20]), bits(&short));
+    assert!(full[20..].iter().all(|&p| p == 0.0));
+}
+
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn mean_rows_sum_in_index_order() {
+    let Some(kn) = kernels() else { return };
+    let (rows, len) = (9, 128);
+    let x = values(rows * len, 9);
+    let y = kn
+        .read_f32(&kn.mean_rows_f32(&kn.upload_f32(&x), rows, len).unwrap())
+        .unwrap();
+    for r in 0..rows {
+        let sum = x[r * len..(r + 1) * len].iter().fold(0.0f32, |a, &v| a + v);
+        assert_eq!(y[r].to_bits(), (sum / len as f32).to_bits(), "row {r}");
+    }
+    let one = kn
+        .read_f32(
+            &kn.mean_rows_f32(&kn.upload_f32(&x[4 * len..5 * len]), 1, len)
+                .unwrap(),
+        )
+        .unwrap();
+    assert_eq!(one[0].to_bits(), y[4].to_bits());
+    assert!(kn.mean_rows_f32(&kn.upload_f32(&[]), 1, 0).is_err());
+}
