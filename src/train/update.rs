@@ -718,6 +718,23 @@ mod tests {
         }
     }
 
+    /// The pass of a step's first update (the learner forward at the step's start).
+    fn first_pass<'a, 'b>(
+        model: &'a Decoder,
+        s: &'a Scored<'b>,
+        cfg: &'a TrainConfig,
+        loss_fn: &'a PolicyLoss,
+    ) -> Pass<'a, 'b> {
+        Pass {
+            model,
+            s,
+            cfg,
+            loss_fn,
+            first_forward: true,
+            inject_nonfinite: false,
+        }
+    }
+
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|x| x.to_bits()).collect()
     }
@@ -744,14 +761,7 @@ mod tests {
         let width = f.batch.width;
         let run = |reused: bool| {
             let s = f.scored(&advantages, reused);
-            let pass = Pass {
-                model: &f.model,
-                s: &s,
-                cfg: &cfg,
-                loss_fn: &loss_fn,
-                first_forward: true,
-                inject_nonfinite: false,
-            };
+            let pass = first_pass(&f.model, &s, &cfg, &loss_fn);
             let (mut perf, mut stats) = (PhaseTimes::default(), ForwardStats::default());
             let inert = inert_rows(&s, &chunk, true);
             let (lp, graph) = pass
@@ -809,14 +819,7 @@ mod tests {
                 s.entropy_roll = entropy.clone();
             }
             assert_eq!(s.has_rollout_entropy(), recorded);
-            let pass = Pass {
-                model: &f.model,
-                s: &s,
-                cfg: &cfg,
-                loss_fn: &loss_fn,
-                first_forward: true,
-                inject_nonfinite: false,
-            };
+            let pass = first_pass(&f.model, &s, &cfg, &loss_fn);
             let (mut perf, mut stats) = (PhaseTimes::default(), ForwardStats::default());
             let g = pass.gradients(&chunk, &mut perf, &mut stats).unwrap();
             let mut m = BTreeMap::new();
@@ -847,14 +850,7 @@ mod tests {
                 let mut cfg = cfg.clone();
                 cfg.train.micro_batch_size = micro;
                 let s = f.scored(&advantages, true);
-                let pass = Pass {
-                    model: &f.model,
-                    s: &s,
-                    cfg: &cfg,
-                    loss_fn: &loss_fn,
-                    first_forward: true,
-                    inject_nonfinite: false,
-                };
+                let pass = first_pass(&f.model, &s, &cfg, &loss_fn);
                 let (mut perf, mut stats) = (PhaseTimes::default(), ForwardStats::default());
                 let g = pass.gradients(&chunk, &mut perf, &mut stats).unwrap();
                 let mut m = BTreeMap::new();
