@@ -12,6 +12,7 @@ pub mod paired;
 pub mod plot;
 pub mod progress;
 pub mod rl;
+pub mod scored;
 pub mod sft;
 pub mod update;
 

@@ -12,7 +12,8 @@ use burn::optim::ModuleOptimizer;
 
 use super::batch::{replay_routing, ForwardOptions, SeqBatch};
 use super::config::{TrainConfig, TrainForward};
-use super::update::{update, ForwardStats, UpdateOutcome};
+use super::scored::{split_responses, ForwardStats, Scored};
+use super::update::{update, UpdateOutcome};
 use crate::host::to_f32_vec;
 use crate::model::{Decoder, Tokenizer};
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
@@ -216,58 +217,6 @@ pub fn collect(
     })
 }
 
-/// The kept sequences as the learner sees them at the start of the step.
-pub struct Scored<'a> {
-    pub batch: SeqBatch,
-    /// The rollout's expert choices of each kept sequence (MoE).
-    pub records: Vec<&'a Vec<Option<Vec<u32>>>>,
-    /// Routing replay for `batch`, when on.
-    pub replay: Option<Vec<Option<Vec<u32>>>>,
-    /// `lp_old` of each kept response: the learner's log-probs before any update of this step.
-    pub lp_old: Vec<Vec<f32>>,
-    /// The rollout's recorded log-probs of each kept response.
-    pub lp_roll: Vec<Vec<f32>>,
-    /// The rollout's recorded entropy at each response token (empty rows when not recorded): where
-    /// `lp_old` is the rollout's record, bitwise the learner forward's entropy.
-    pub entropy_roll: Vec<Vec<f32>>,
-    pub advantages: Vec<f32>,
-    /// Whether `lp_old` is the rollout's record (no forward ran): the first update's forward then supplies
-    /// the metrics of the learner's forward (entropy, routing).
-    pub lp_old_reused: bool,
-    /// Experts per token of the model's MoE layers (0 for a dense model).
-    pub top_k: usize,
-}
-
-impl Scored<'_> {
-    /// Whether the rollout recorded the entropy of every response token (and `lp_old` is its record, so
-    /// that the entropy is the learner forward's bit for bit).
-    pub fn has_rollout_entropy(&self) -> bool {
-        self.lp_old_reused
-            && self
-                .entropy_roll
-                .iter()
-                .zip(&self.lp_roll)
-                .all(|(h, lp)| h.len() == lp.len())
-    }
-
-    /// The kept sequences `rows` as a batch of their own, with their routing replay (when on).
-    pub fn subset(
-        &self,
-        rows: &[usize],
-        layers: usize,
-    ) -> (SeqBatch, Option<Vec<Option<Vec<u32>>>>) {
-        let sub = SeqBatch::new(
-            rows.iter().map(|&i| self.batch.seqs[i].clone()).collect(),
-            rows.iter().map(|&i| self.batch.prompt_lens[i]).collect(),
-        );
-        let replay = self.replay.as_ref().map(|_| {
-            let recs: Vec<&Vec<Option<Vec<u32>>>> = rows.iter().map(|&i| self.records[i]).collect();
-            replay_routing(&recs, &sub.seqs, self.top_k, layers)
-        });
-        (sub, replay)
-    }
-}
-
 /// Whether `lp_old` equals the rollout's recorded log-probs bit for bit, so that no forward is needed: where
 /// the backend reproduces the rollout ([`crate::ops::BackendKind::reproduces_rollout`]: deterministic mode
 /// on the CPU) the aligned training forward computes the rollout's bits, and with one update per
@@ -393,22 +342,6 @@ fn check_lp_old_reuse(
         }
     }
     Ok(())
-}
-
-/// Per-response rows of values laid out response by response, position by position (as
-/// [`ResponseForward::entropy`](super::batch::ResponseForward::entropy)).
-pub(super) fn split_responses(batch: &SeqBatch, flat: &[f32]) -> Vec<Vec<f32>> {
-    let mut at = 0;
-    batch
-        .seqs
-        .iter()
-        .zip(&batch.prompt_lens)
-        .map(|(q, &p)| {
-            let n = q.len().saturating_sub(p).min(flat.len() - at);
-            at += n;
-            flat[at - n..at].to_vec()
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -6,18 +6,16 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use anyhow::Context;
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 
-use super::batch::{ForwardOptions, ResponseForward, SeqBatch};
+use super::batch::{ForwardOptions, SeqBatch};
 use super::config::{lr_at, TrainConfig, TrainForward};
-use super::rl::{split_responses, Scored};
+use super::scored::{split_responses, ForwardStats, Scored};
 use crate::host::{tensor_from_vec, to_f32_vec};
 use crate::model::Decoder;
 use crate::rl::losses::{LossAggMode, LossMetrics, PolicyLoss, PolicyLossInputs};
-use crate::rl::metrics::{routing_disagreement, RoutingDisagreement};
 
 /// The global L2 norm of the gradients of `model`'s float parameters (NaN/inf when any entry is).
 pub fn grad_norm(model: &Decoder, grads: &GradientsParams) -> f64 {
@@ -75,89 +73,6 @@ fn scale_gradients(model: &Decoder, grads: &mut GradientsParams, factor: f32) {
         }
     }
     model.visit(&mut Scale { grads, factor });
-}
-
-/// The metrics of the learner's forward at the step's start, gathered over the pieces it ran in: the
-/// token entropy over the responses and, for MoE without routing replay, how often the learner routes a
-/// token differently from the rollout.
-#[derive(Default)]
-pub(super) struct ForwardStats {
-    entropy_sum: f64,
-    entropy_tokens: usize,
-    routing: Option<RoutingDisagreement>,
-}
-
-impl ForwardStats {
-    /// One forward of `batch` (rows in the order of `records`, the rollout's expert choices): its entropy
-    /// and routing.
-    pub(super) fn add(
-        &mut self,
-        fwd: &ResponseForward,
-        batch: &SeqBatch,
-        records: &[&Vec<Option<Vec<u32>>>],
-        replayed: bool,
-        top_k: usize,
-    ) -> anyhow::Result<()> {
-        let entropy = fwd
-            .entropy
-            .as_ref()
-            .context("the learner forward of the step's start computes the entropy")?;
-        self.add_entropy(entropy.iter().copied());
-        self.add_routing(fwd, batch, records, replayed, top_k)
-    }
-
-    /// Entropies of response positions, in row order.
-    fn add_entropy(&mut self, values: impl IntoIterator<Item = f32>) {
-        for h in values {
-            self.entropy_sum += f64::from(h);
-            self.entropy_tokens += 1;
-        }
-    }
-
-    /// The routing of one forward of `batch` against the rollout's `records` (MoE without replay).
-    fn add_routing(
-        &mut self,
-        fwd: &ResponseForward,
-        batch: &SeqBatch,
-        records: &[&Vec<Option<Vec<u32>>>],
-        replayed: bool,
-        top_k: usize,
-    ) -> anyhow::Result<()> {
-        if top_k == 0 || replayed {
-            return Ok(());
-        }
-        // Routing of the learner forward vs the rollout, over the tokens the rollout routed.
-        let t = fwd.padded_len;
-        for (b, rec) in records.iter().enumerate() {
-            let learner_row: Vec<Option<Vec<u32>>> = fwd
-                .routing
-                .iter()
-                .map(|l| {
-                    l.as_ref().map(|v| {
-                        v[b * t * top_k..(b * t + batch.seqs[b].len() - 1) * top_k].to_vec()
-                    })
-                })
-                .collect();
-            let d = routing_disagreement(rec, &learner_row, top_k)?;
-            self.routing = Some(match self.routing.take() {
-                None => d,
-                Some(a) => a + d,
-            });
-        }
-        Ok(())
-    }
-
-    pub(super) fn record(&self, m: &mut BTreeMap<String, f64>) {
-        let entropy = if self.entropy_tokens == 0 {
-            f64::NAN
-        } else {
-            self.entropy_sum / self.entropy_tokens as f64
-        };
-        m.insert("actor/entropy".into(), entropy);
-        if let Some(f) = self.routing.as_ref().and_then(|a| a.fraction()) {
-            m.insert("moe/routing_disagreement_frac".into(), f);
-        }
-    }
 }
 
 /// What the update phase did.
