@@ -11,6 +11,13 @@
 //! measured 0.85 ms after the int4 kernels, 0.51 ms alone, on a 2-core Zen 4 VM); time each kernel in its own
 //! process (`QARL_BENCH_ONLY`) for the best-case numbers.
 //!
+//! `QARL_BENCH_PAIRED=int4-g128,nvfp4,mxfp4` times our GEMV (m = 1) of the listed schemes and the bandwidth
+//! probe in alternation instead: every round streams the probe's buffer once, then runs a block of calls of
+//! each kernel, so each kernel's % of the probe compares it with the bandwidth measured next to it in time
+//! (medians and quartiles over the rounds). This is the comparison that holds on a VM whose DRAM speed
+//! drifts within and between processes (a 2-core Sapphire Rapids VM: int4-g128 alone 0.40-0.94 ms over eight
+//! processes).
+//!
 //! `QARL_BENCH_VERSUS=int4-g128:Q4_K` (with `candle-bench`) runs a head-to-head instead: both kernels' copies
 //! (1 GiB each) live at once and blocks of calls alternate, ours then candle's, at m = 1 and 8, so both
 //! see the same machine state. On a VM whose DRAM speed changes from process to process (a 2-core Zen 4
@@ -62,18 +69,88 @@ fn time(copies: usize, iters: usize, mut f: impl FnMut(usize) + Send) -> f64 {
 
 /// Streaming read of a 1 GiB buffer on every thread of the pool, best of 5: GB/s.
 fn bandwidth_probe() -> f64 {
-    let buf: Vec<u64> = (0..ROTATE_BYTES / 8).map(|i| i as u64).collect();
-    let mut best = 0.0f64;
-    for _ in 0..5 {
-        let start = Instant::now();
-        let s: u64 = buf
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
-            .sum();
-        black_box(s);
-        best = best.max(ROTATE_BYTES as f64 / start.elapsed().as_secs_f64() / 1e9);
+    let buf = probe_buffer();
+    (0..5).map(|_| stream_once(&buf)).fold(0.0, f64::max)
+}
+
+fn probe_buffer() -> Vec<u64> {
+    (0..ROTATE_BYTES / 8).map(|i| i as u64).collect()
+}
+
+/// One parallel streaming read of `buf`: GB/s.
+fn stream_once(buf: &[u64]) -> f64 {
+    let start = Instant::now();
+    let s: u64 = buf
+        .par_chunks(1 << 16)
+        .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+        .sum();
+    black_box(s);
+    (buf.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9
+}
+
+/// `QARL_BENCH_PAIRED`: the m = 1 GEMV of each listed scheme and the probe, in alternating rounds (module
+/// docs). Prints one row per scheme: median time, median GB/s and the median (with quartiles) over rounds
+/// of its GB/s over the probe's GB/s of the same round.
+fn paired(w: &[f32], list: &str) {
+    const ROUNDS: usize = 40;
+    const CALLS: usize = 24;
+    let kernels: Vec<(String, Vec<KernelWeights>)> = list
+        .split(',')
+        .map(|name| {
+            let scheme: QuantScheme = name
+                .trim()
+                .parse()
+                .unwrap_or_else(|e| panic!("QARL_BENCH_PAIRED: {name}: {e}"));
+            let q = QuantizedTensor::quantize(w, N, N, scheme).expect("quantize");
+            let k = KernelWeights::new(&q);
+            let copies = ROTATE_BYTES.div_ceil(k.storage_bytes());
+            (scheme.name().to_string(), vec![k; copies])
+        })
+        .collect();
+    let buf = probe_buffer();
+    let x = values(N, 2);
+    let mut secs = vec![Vec::new(); kernels.len()];
+    let mut share = vec![Vec::new(); kernels.len()];
+    let mut probes = Vec::new();
+    let mut next = vec![0usize; kernels.len()];
+    for _ in 0..ROUNDS {
+        let probe = stream_once(&buf);
+        probes.push(probe);
+        for (k, (_, copies)) in kernels.iter().enumerate() {
+            let t = time(copies.len(), CALLS, |_| {
+                next[k] = (next[k] + 1) % copies.len();
+                black_box(copies[next[k]].matmul(&x, 1));
+            });
+            let gbs = copies[0].storage_bytes() as f64 / t / 1e9;
+            secs[k].push(t);
+            share[k].push(gbs / probe);
+        }
     }
-    best
+    let quantile = |v: &mut Vec<f64>, q: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() - 1) as f64 * q).round() as usize]
+    };
+    println!(
+        "paired GEMV (m = 1), {ROUNDS} rounds of: one probe pass, {CALLS} calls per kernel; probe median {:.1} GB/s\n",
+        quantile(&mut probes, 0.5)
+    );
+    println!(
+        "| kernel | bytes | median time | median GB/s | % of the round's probe: median [q1, q3] |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for (k, (name, copies)) in kernels.iter().enumerate() {
+        let t = quantile(&mut secs[k], 0.5);
+        let bytes = copies[0].storage_bytes();
+        let s = &mut share[k];
+        println!(
+            "| qarl {name} | {bytes} | {:.3} ms | {:.1} | {:.0}% [{:.0}%, {:.0}%] |",
+            t * 1e3,
+            bytes as f64 / t / 1e9,
+            100.0 * quantile(s, 0.5),
+            100.0 * quantile(s, 0.25),
+            100.0 * quantile(s, 0.75)
+        );
+    }
 }
 
 /// Whether the kernel `name` is selected by `QARL_BENCH_ONLY` (all are when it is unset).
@@ -105,6 +182,15 @@ fn main() {
             40
         }
     };
+    if let Ok(list) = std::env::var("QARL_BENCH_PAIRED") {
+        println!(
+            "# lowbit_matmul paired: {N}x{N}, {} threads, SIMD path {}\n",
+            rayon::current_num_threads(),
+            SimdPath::detect().name()
+        );
+        paired(&values(N * N, 1), &list);
+        return;
+    }
     let probe = bandwidth_probe();
     println!(
         "# lowbit_matmul: {N}x{N}, {} threads, SIMD path {}, DRAM probe {probe:.1} GB/s\n",

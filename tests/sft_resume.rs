@@ -225,3 +225,107 @@ fn a_kill_during_qarl_sft_resumes_on_the_next_qarl_sft() {
     );
     assert_eq!(a, b, "SFT metrics differ after the resume");
 }
+
+/// `model.base`: `qarl sft` fine-tunes a pretrained directory into `model.dir`. Here the base is itself a
+/// warm-started tiny model, so a start from its weights shows in the first SFT loss (next to the base's
+/// last one, far from a random start's); its tokenizer comes along, its weights are changed by the steps, and the base is untouched.
+#[test]
+fn qarl_sft_fine_tunes_a_pretrained_base() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first_loss = |run: &Path| -> (f64, f64) {
+        let rows = metrics_without_timing(&run.join("sft_metrics.jsonl"));
+        let loss = |r: &serde_json::Value| r["sft/loss"].as_f64().unwrap();
+        (loss(&rows[0]), loss(rows.last().unwrap()))
+    };
+    let base_dir = tmp.path().join("base");
+    std::fs::create_dir_all(&base_dir).unwrap();
+    let text =
+        tiny_train_toml(&base_dir, "aligned", 1).replace("[sft]\n", "[sft]\nlog_every = 1\n");
+    std::fs::write(base_dir.join("run.toml"), &text).unwrap();
+    let base = TrainConfig::from_toml(&text, "base").unwrap();
+    let out = qarl(&base_dir, &["sft", "--quiet", "--config", "run.toml"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (random_start, base_end) = first_loss(&base.run_dir);
+    let base_weights = std::fs::read(base.model.dir.join("model.safetensors")).unwrap();
+
+    let tuned_dir = tmp.path().join("tuned");
+    std::fs::create_dir_all(&tuned_dir).unwrap();
+    let init_line = text
+        .lines()
+        .find(|l| l.starts_with("init_config"))
+        .unwrap()
+        .to_string();
+    let tuned_text = tiny_train_toml(&tuned_dir, "aligned", 1)
+        .replace("[sft]\n", "[sft]\nlog_every = 1\n")
+        .replace(&init_line, "")
+        .replace(
+            "[model]\n",
+            &format!("[model]\nbase = \"{}\"\n", base.model.dir.display()),
+        );
+    std::fs::write(tuned_dir.join("run.toml"), &tuned_text).unwrap();
+    let tuned = TrainConfig::from_toml(&tuned_text, "tuned").unwrap();
+    assert!(tuned.model.init_config.is_none(), "{tuned_text}");
+    let out = qarl(&tuned_dir, &["sft", "--quiet", "--config", "run.toml"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (tuned_start, _) = first_loss(&tuned.run_dir);
+    println!("first SFT loss: random start {random_start}, base's last {base_end}, from the base {tuned_start}");
+    assert!(
+        (tuned_start - base_end).abs() < 0.1 * (random_start - base_end),
+        "the warm start did not start from the base's weights: {tuned_start} vs {random_start} / {base_end}"
+    );
+    for file in ["tokenizer.json", "config.json"] {
+        let read = |dir: &Path| std::fs::read_to_string(dir.join(file)).unwrap();
+        let json = |s: String| serde_json::from_str::<serde_json::Value>(&s).unwrap();
+        assert_eq!(
+            json(read(&base.model.dir)),
+            json(read(&tuned.model.dir)),
+            "{file}"
+        );
+    }
+    let tuned_weights = std::fs::read(tuned.model.dir.join("model.safetensors")).unwrap();
+    assert_eq!(tuned_weights.len(), base_weights.len());
+    assert_ne!(
+        tuned_weights, base_weights,
+        "the fine-tuning changed nothing"
+    );
+    assert_eq!(
+        std::fs::read(base.model.dir.join("model.safetensors")).unwrap(),
+        base_weights,
+        "the base was modified"
+    );
+}
+
+/// `model.base` is refused beside `model.init_config` and without `[sft]`, naming both keys.
+#[test]
+fn model_base_needs_sft_and_excludes_init_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tiny_train_toml(tmp.path(), "aligned", 1);
+    let with_base = text.replace("[model]\n", "[model]\nbase = \"somewhere\"\n");
+    let err = TrainConfig::from_toml(&with_base, "x.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model.base") && err.contains("model.init_config"),
+        "{err}"
+    );
+    let sft_start = with_base.find("[sft]").unwrap();
+    let sft_end = with_base.find("[rollout]").unwrap();
+    let init_line = with_base
+        .lines()
+        .find(|l| l.starts_with("init_config"))
+        .unwrap();
+    let no_sft =
+        format!("{}{}", &with_base[..sft_start], &with_base[sft_end..]).replace(init_line, "");
+    let err = TrainConfig::from_toml(&no_sft, "x.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.base") && err.contains("[sft]"), "{err}");
+}

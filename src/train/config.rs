@@ -36,12 +36,17 @@ impl TrainForward {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSource {
-    /// A Hugging Face model directory; if it has no weights yet, it is created from `init_config` and
-    /// (when `[sft]` is given) warm-started by supervised training on worked solutions.
+    /// A Hugging Face model directory; if it has no weights yet, it is created from `init_config` or
+    /// `base` and (when `[sft]` is given) warm-started by supervised training on worked solutions.
     pub dir: PathBuf,
     /// config.json used to initialise `dir` with random weights when it does not exist.
     #[serde(default)]
     pub init_config: Option<PathBuf>,
+    /// A pretrained Hugging Face model directory that `[sft]` fine-tunes into `dir` when `dir` does not
+    /// exist (its tokenizer and other files are copied along), so an RL study can start from a checkpoint
+    /// that already knows the task's answer format.
+    #[serde(default)]
+    pub base: Option<PathBuf>,
     /// Standard deviation of the random initialisation.
     #[serde(default = "default_init_std")]
     pub init_std: f32,
@@ -280,6 +285,22 @@ impl TrainConfig {
             self.model.init_std,
             "a finite number > 0",
         )?;
+        if let Some(base) = &self.model.base {
+            if self.model.init_config.is_some() {
+                bail!(
+                    "`model.base` = {:?} and `model.init_config` both given: the warm start starts from one \
+                     of them (pretrained weights or random ones)",
+                    base.display().to_string()
+                );
+            }
+            if self.sft.is_none() {
+                bail!(
+                    "`model.base` = {:?} without an `[sft]` section: nothing would change the base's weights; \
+                     set `model.dir` to the base directory instead, or add `[sft]`",
+                    base.display().to_string()
+                );
+            }
+        }
         let r = &self.rollout;
         check(
             r.prompts_per_step >= 1,

@@ -51,7 +51,8 @@ pub(crate) fn eos_id(tok: &Tokenizer, model: &Decoder) -> anyhow::Result<u32> {
 }
 
 /// Makes sure `cfg.model.dir` holds a model: created from `init_config` with random weights and the task's
-/// character tokenizer, then warm-started with `[sft]`, when it does not exist yet. Locks the run directory
+/// character tokenizer, or from the pretrained `base`, then warm-started with `[sft]`, when it does not
+/// exist yet. Locks the run directory
 /// while it works; a warm start that was stopped continues from its newest checkpoint.
 pub fn prepare_model(
     cfg: &TrainConfig,
@@ -82,22 +83,30 @@ fn prepare_model_locked(
         }
         return Ok(());
     }
-    let init = cfg.model.init_config.as_ref().with_context(|| {
-        format!(
-            "{}: no model there and no `model.init_config` to create one from",
-            dir.display()
-        )
-    })?;
     let staging = dir.with_extension("init");
     let _ = std::fs::remove_dir_all(&staging);
-    crate::model::init::write_random_checkpoint(init, &staging, cfg.seed, cfg.model.init_std)?;
-    crate::tasks::char_tokenizer::save(&staging)?;
+    // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
+    let weights_dir = match (&cfg.model.base, &cfg.model.init_config) {
+        (Some(base), _) => {
+            stage_base_files(base, &staging)?;
+            base.clone()
+        }
+        (None, Some(init)) => {
+            crate::model::init::write_random_checkpoint(init, &staging, cfg.seed, cfg.model.init_std)?;
+            crate::tasks::char_tokenizer::save(&staging)?;
+            staging.clone()
+        }
+        (None, None) => anyhow::bail!(
+            "{}: no model there and neither `model.init_config` nor `model.base` to create one from",
+            dir.display()
+        ),
+    };
     if let Some(sft) = &cfg.sft {
-        let model = Decoder::load(&staging, device)?;
+        let model = Decoder::load(&weights_dir, device)?;
         let tok =
             Tokenizer::load_optional(&staging)?.context("the staged model has no tokenizer")?;
         let eos = eos_id(&tok, &model)?;
-        let json: serde_json::Value = crate::io::read_json(&staging.join("config.json"))?;
+        let json: serde_json::Value = crate::io::read_json(&weights_dir.join("config.json"))?;
         let ck = sft::SftCheckpoints {
             root: sft_root.clone(),
             every: cfg.checkpoint_every,
@@ -114,6 +123,43 @@ fn prepare_model_locked(
     if sft_root.exists() {
         std::fs::remove_dir_all(&sft_root)
             .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
+    }
+    Ok(())
+}
+
+/// Copies the files of the pretrained `base` that are not its weights (tokenizer, chat template, generation
+/// config) into `staging`; the fine-tuned weights and `config.json` are written there after the warm start.
+fn stage_base_files(base: &Path, staging: &Path) -> anyhow::Result<()> {
+    let is_weights = |name: &str| {
+        name == "config.json"
+            || [
+                ".safetensors",
+                ".safetensors.index.json",
+                ".bin",
+                ".gguf",
+                ".pt",
+                ".pth",
+            ]
+            .iter()
+            .any(|ext| name.ends_with(ext))
+    };
+    let entries = std::fs::read_dir(base)
+        .with_context(|| format!("{}: cannot read `model.base`", base.display()))?;
+    std::fs::create_dir_all(staging)
+        .with_context(|| format!("{}: cannot create", staging.display()))?;
+    for entry in entries {
+        let entry = entry.with_context(|| format!("{}: cannot read", base.display()))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if !entry.path().is_file() || is_weights(&name) {
+            continue;
+        }
+        std::fs::copy(entry.path(), staging.join(&name)).with_context(|| {
+            format!(
+                "{}: cannot copy into {}",
+                entry.path().display(),
+                staging.display()
+            )
+        })?;
     }
     Ok(())
 }

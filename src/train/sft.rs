@@ -91,9 +91,14 @@ pub fn run_sft(
     run_sft_with(model, tok, eos, train, cfg, log, quiet, None)
 }
 
-/// The warm start's identity in its checkpoints.
+/// The warm start's identity in its checkpoints (the pretrained base it starts from, if any).
 fn identity(train: &TrainConfig, cfg: &SftConfig, last: f32) -> serde_json::Value {
-    serde_json::json!({"seed": train.seed, "sft": cfg, "last_loss_bits": last.to_bits()})
+    serde_json::json!({
+        "seed": train.seed,
+        "sft": cfg,
+        "base": train.model.base,
+        "last_loss_bits": last.to_bits(),
+    })
 }
 
 /// The checkpoint to resume from, checked to belong to this warm start; without `resume`, the old
@@ -116,9 +121,10 @@ fn resume_point(
     let path = p.join(SFT_STATE_FILE);
     let saved: serde_json::Value = crate::io::read_json(&path)?;
     let want = identity(train, cfg, 0.0);
-    if saved["seed"] != want["seed"] || saved["sft"] != want["sft"] {
+    if saved["seed"] != want["seed"] || saved["sft"] != want["sft"] || saved["base"] != want["base"]
+    {
         anyhow::bail!(
-            "{}: written by a warm start with another `[sft]` section or seed than this config's, so resuming \
+            "{}: written by a warm start with another `[sft]` section, seed or `model.base` than this config's, so resuming \
              would not continue it; delete {} to start the warm start over",
             path.display(),
             ck.root.display()

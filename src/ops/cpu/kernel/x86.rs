@@ -302,9 +302,11 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
         }};
     }
     if S != PANEL && src.seg_chunks == 1 {
-        // One scale per chunk (int4-g32): one loop, the scale step inlined.
+        // One scale segment per chunk (int4-g32, nvfp4, mxfp4): one loop, the scale step inlined. The
+        // next tile's scales are prefetched a line (16 f32) at a time: every 16 chunks for one scale per
+        // chunk, every 8 for nvfp4's two (prefetching every 16 left its second line to a demand miss).
         for c in 0..src.chunks {
-            if nibbles(S) && c % 16 == 0 {
+            if nibbles(S) && c % (16 / scales_per_chunk(S)) == 0 {
                 for row in &rows {
                     _mm_prefetch::<_MM_HINT_T0>(
                         row.as_ptr()
