@@ -110,8 +110,10 @@ pub fn run_experiment(
         .unwrap_or_else(|| PathBuf::from("experiments/results").join(&exp.name));
     // One experiment process per results directory (each run directory is locked by its run as well).
     let _lock = super::lock::RunLock::acquire(&results)?;
-    for v in &exp.variants {
-        for &seed in &exp.seeds {
+    // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
+    // span sessions) already compares all its arms on the same seeds.
+    for &seed in &exp.seeds {
+        for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
             if marker(&run_dir).is_file() {
                 continue;
@@ -521,8 +523,10 @@ fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyho
         md,
         "\nPer-run plots (reward, held-out accuracy, k3 KL, entropy, error tokens, step time):\n"
     )?;
-    for v in &exp.variants {
-        for &seed in &exp.seeds {
+    // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
+    // span sessions) already compares all its arms on the same seeds.
+    for &seed in &exp.seeds {
+        for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
             if marker(&run_dir).is_file() && super::plot::plot_run(&run_dir).is_ok() {
                 writeln!(
