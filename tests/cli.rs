@@ -619,3 +619,39 @@ fn every_computing_command_takes_a_backend() {
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(err.contains("vulkan") && err.contains("wgpu"), "{err}");
 }
+
+/// `qarl bench step` with two variants: each is timed in its own process (so its peak memory is its own),
+/// and the JSON report holds both, with the timed steps and the phase keys the table is built from.
+#[test]
+fn bench_step_times_each_variant_in_its_own_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("run.toml");
+    std::fs::write(&cfg, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let json = tmp.path().join("bench.json");
+    let out = qarl()
+        .current_dir(tmp.path())
+        .args(["bench", "step", "--quiet", "--steps", "1", "--warmup", "0"])
+        .arg("--config")
+        .arg(&cfg)
+        .args(["--variant", "f32:rollout.precision=f32,train.forward=full"])
+        .args(["--variant", "int4:rollout.precision=int4-g32"])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("## f32") && stdout.contains("## int4"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let variants = report["variants"].as_array().unwrap();
+    assert_eq!(variants.len(), 2);
+    for v in variants {
+        let steps = v["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), 1, "{v}");
+        for key in ["perf/step_s", "perf/peak_rss_gb", "perf/learner_forward_s"] {
+            let x = steps[0][key].as_f64().unwrap_or(f64::NAN);
+            assert!(x.is_finite() && x > 0.0, "{key} = {x} in {v}");
+        }
+    }
+}

@@ -41,6 +41,11 @@ pub struct StepBenchArgs {
     /// No per-step lines.
     #[arg(long)]
     pub quiet: bool,
+    /// Internal: time the config alone (no probes, no table) and write its timings to this JSON file. The
+    /// parent runs each variant of a side-by-side comparison this way, in its own process, so that a
+    /// variant's peak resident memory is its own (a process's heap keeps what an earlier variant freed).
+    #[arg(long, hide = true)]
+    pub variant_child: Option<PathBuf>,
 }
 
 /// One variant: its label and its extra overrides.
@@ -78,6 +83,9 @@ struct VariantReport {
 }
 
 pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
+    if let Some(out) = &a.variant_child {
+        return run_child(&a, out);
+    }
     let variants: Vec<(String, Vec<String>)> = if a.variants.is_empty() {
         vec![("config".to_string(), Vec::new())]
     } else {
@@ -110,14 +118,14 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
     eprintln!("probing the machine (FMA peak, DRAM read bandwidth)...");
     let peak = probe::fma_peak_gflops(path, 5);
     let dram = probe::dram_read_gbs(5);
+    drop(devices);
     let mut results = Vec::new();
-    for ((label, cfg), device) in configs.iter().zip(&devices) {
+    for ((label, _), (_, sets)) in configs.iter().zip(&variants) {
         eprintln!(
-            "variant {label}: {} warm-up + {} timed steps",
+            "variant {label}: {} warm-up + {} timed steps (own process)",
             a.warmup, a.steps
         );
-        probe::reset_peak_resident();
-        let t = bench_steps(cfg, device, a.warmup, a.steps, a.quiet)?;
+        let t = time_in_child(&a, sets).map_err(|e| anyhow::anyhow!("variant {label}: {e}"))?;
         results.push((label.clone(), t));
     }
     println!(
@@ -154,6 +162,44 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
         write_json_atomic(json, &report)?;
     }
     Ok(())
+}
+
+/// Times one variant in a child process of this executable (`--variant-child`): the config and
+/// overrides of `a`, then `sets`.
+fn time_in_child(a: &StepBenchArgs, sets: &[String]) -> anyhow::Result<StepTimings> {
+    let out = tempfile::NamedTempFile::new()?;
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.args(["bench", "step", "--steps", &a.steps.to_string()])
+        .args(["--warmup", &a.warmup.to_string()]);
+    if let Some(c) = &a.config {
+        cmd.arg("--config").arg(c);
+    }
+    for s in a.set.iter().chain(sets) {
+        cmd.arg("--set").arg(s);
+    }
+    if let Some(b) = a.backend {
+        cmd.arg("--backend").arg(b.to_string());
+    }
+    if a.quiet {
+        cmd.arg("--quiet");
+    }
+    cmd.arg("--variant-child").arg(out.path());
+    let status = cmd.status()?;
+    anyhow::ensure!(status.success(), "its process failed ({status})");
+    let text = std::fs::read_to_string(out.path())?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// The child side of [`time_in_child`]: the steps of the one config, written to `out`.
+fn run_child(a: &StepBenchArgs, out: &std::path::Path) -> anyhow::Result<()> {
+    let mut cfg = load_config(a.config.as_deref(), &a.set)?;
+    if let Some(b) = a.backend {
+        cfg.train.backend = b;
+    }
+    let device = cfg.train.backend.device()?.autodiff();
+    probe::reset_peak_resident();
+    let t = bench_steps(&cfg, &device, a.warmup, a.steps, a.quiet)?;
+    write_json_atomic(out, &t)
 }
 
 /// The phases of a step: label and `perf/*` key of their seconds.

@@ -15,7 +15,7 @@ use crate::model::{Decoder, Tokenizer};
 use crate::tasks::Task;
 
 /// The `perf/*` metrics of the timed steps of one config.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct StepTimings {
     /// One map per timed step (warm-up steps left out).
     pub steps: Vec<BTreeMap<String, f64>>,
