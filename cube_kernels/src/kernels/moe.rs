@@ -356,3 +356,91 @@ pub fn combine<F: Float>(
         out[id] = F::cast_from(acc);
     }
 }
+
+/// Routing on the device, step 1 of 3 ([`crate::moe::RoutingTable`]'s layout): `table[offsets_at + e + 1]`
+/// = how many of the `assignments` ids are expert `e`, one unit per expert scanning the ids in order.
+#[cube(launch)]
+pub fn route_count(
+    ids: &[u32],
+    table: &mut [u32],
+    assignments: usize,
+    experts: usize,
+    offsets_at: usize,
+) {
+    let e = ABSOLUTE_POS;
+    if e < experts {
+        let mut count = 0u32;
+        for i in 0..assignments {
+            if ids[i] as usize == e {
+                count += 1u32;
+            }
+        }
+        table[offsets_at + e + 1] = count;
+    }
+}
+
+/// Routing on the device, step 2 of 3, one unit: the counts become offsets (`offsets[0] = 0`, prefix sums
+/// in expert order), and each expert's run of sorted assignments is cut into tiles of at most 16 ([`super::TILE`])
+/// (`(expert, first, one past the last)` at `3 * tile`, experts in order, as the host's
+/// [`crate::moe::MoeRouting`]); the tiles past the last real one, up to the bound `tiles`, are empty
+/// `(0, 0, 0)` (the grouped kernel computes nothing for them).
+#[cube(launch)]
+pub fn route_tiles(table: &mut [u32], experts: usize, offsets_at: usize, tiles: usize) {
+    if ABSOLUTE_POS == 0 {
+        table[offsets_at] = 0u32;
+        let mut tile = 0usize;
+        for e in 0..experts {
+            let start = table[offsets_at + e];
+            let end = start + table[offsets_at + e + 1];
+            table[offsets_at + e + 1] = end;
+            let mut first = start;
+            while first < end {
+                let mut last = first + 16u32;
+                if last > end {
+                    last = end;
+                }
+                table[3 * tile] = e as u32;
+                table[3 * tile + 1] = first;
+                table[3 * tile + 2] = last;
+                tile += 1;
+                first = last;
+            }
+        }
+        while tile < tiles {
+            table[3 * tile] = 0u32;
+            table[3 * tile + 1] = 0u32;
+            table[3 * tile + 2] = 0u32;
+            tile += 1;
+        }
+    }
+}
+
+/// Routing on the device, step 3 of 3: the stable counting sort's scatter, one unit per expert `e` walking
+/// the ids in order: its `n`-th assignment `i` (token `i / top_k`) gets sorted position `offsets[e] + n`,
+/// stored as `rows[pos] = i / top_k`, `positions[i] = pos` and `experts[pos] = e`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn route_scatter(
+    ids: &[u32],
+    table: &mut [u32],
+    assignments: usize,
+    top_k: usize,
+    experts: usize,
+    rows_at: usize,
+    positions_at: usize,
+    experts_at: usize,
+    offsets_at: usize,
+) {
+    let e = ABSOLUTE_POS;
+    if e < experts {
+        let mut pos = table[offsets_at + e] as usize;
+        for i in 0..assignments {
+            if ids[i] as usize == e {
+                table[rows_at + pos] = (i / top_k) as u32;
+                table[positions_at + i] = pos as u32;
+                table[experts_at + pos] = e as u32;
+                pos += 1;
+            }
+        }
+    }
+}
