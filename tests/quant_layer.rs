@@ -691,7 +691,7 @@ fn det_matmul_has_burn_matmul_gradients() {
 /// and an autodiff forward (which runs the loop alone on the CPU) gives the same bits and a gradient.
 #[test]
 fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
-    use common::moe::{bits, moe_block, moe_routings, HIDDEN, MOE_SCHEMES, TOKENS};
+    use common::moe::{bits, host_ids, moe_block, moe_routings, HIDDEN, MOE_SCHEMES, TOKENS};
     use qarl::model::mlp::ExpertPath;
     let device = Device::flex();
     let ad = device.clone().autodiff();
@@ -707,7 +707,7 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
                     path,
                     Weights::Packed,
                 );
-                (y, chosen)
+                (y, host_ids(chosen))
             };
             let (grouped, chosen) = run(&block, &device, ExpertPath::Auto);
             let (looped, chosen_loop) = run(&block, &device, ExpertPath::PerExpert);

@@ -6,7 +6,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use super::attention::{Attention, KvWrite, LayerKv};
 use super::config::ModelConfig;
 use super::layers::{Linear, RmsNorm, Rope, Weights};
-use super::mlp::{FeedForward, Routing};
+use super::mlp::{DeviceRouting, FeedForward, Routing};
 use super::names::lazy_param;
 use crate::host::tensor_from_vec;
 
@@ -96,8 +96,9 @@ impl KvCache {
 pub struct ForwardOutput {
     /// `[B, T, vocab]`
     pub logits: Tensor<3>,
-    /// For each layer, the experts chosen for each token (`[B * T * top_k]`, token-major), `None` for dense layers.
-    pub routing: Vec<Option<Routing>>,
+    /// For each layer, the experts chosen for each token (`[B * T, top_k]` on the device, token-major),
+    /// `None` for dense layers ([`super::mlp::routing_to_host`] reads them).
+    pub routing: Vec<Option<DeviceRouting>>,
 }
 
 #[derive(Module, Debug)]
@@ -228,7 +229,7 @@ impl Decoder {
         weights: Weights,
         ids: &[Vec<u32>],
         replay: Option<&[Option<Routing>]>,
-    ) -> (Tensor<2>, Vec<Option<Routing>>) {
+    ) -> (Tensor<2>, Vec<Option<DeviceRouting>>) {
         self.run(ids, None, None, replay, None, weights)
     }
 
@@ -245,7 +246,7 @@ impl Decoder {
         cache: &mut KvCache,
         replay: Option<&[Option<Routing>]>,
         at: Option<&[usize]>,
-    ) -> (Tensor<2>, Vec<Option<Routing>>) {
+    ) -> (Tensor<2>, Vec<Option<DeviceRouting>>) {
         self.run(ids, Some(lens), Some(cache), replay, at, weights)
     }
 
@@ -263,7 +264,7 @@ impl Decoder {
         hidden: Tensor<2>,
         b: usize,
         weights: Weights,
-        routing: Vec<Option<Routing>>,
+        routing: Vec<Option<DeviceRouting>>,
     ) -> ForwardOutput {
         let t = hidden.dims()[0] / b.max(1);
         ForwardOutput {
@@ -302,7 +303,7 @@ impl Decoder {
         replay: Option<&[Option<Routing>]>,
         at: Option<&[usize]>,
         weights: Weights,
-    ) -> (Tensor<2>, Vec<Option<Routing>>) {
+    ) -> (Tensor<2>, Vec<Option<DeviceRouting>>) {
         let device = self.device();
         let b = ids.len();
         let t = ids[0].len();
