@@ -360,6 +360,8 @@ pub fn combine<F: Float>(
 /// Routing on the device, step 1 of 3 ([`crate::moe::RoutingTable`]'s layout): `table[offsets_at + e + 1]`
 /// = how many of the `assignments` ids are expert `e`, one unit per expert scanning the ids in order.
 #[cube(launch)]
+// A cube kernel indexes its arrays: it has no iterators.
+#[allow(clippy::needless_range_loop)]
 pub fn route_count(
     ids: &[u32],
     table: &mut [u32],
