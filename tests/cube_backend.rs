@@ -12,8 +12,8 @@ mod common;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::moe::{
-    bits, host_ids, linear, moe_block, moe_routings, EXPERTS, HIDDEN, INTER, MOE_SCHEMES, TOKENS,
-    TOP_K,
+    bits, host_ids, linear, moe_block, moe_routings, replay, EXPERTS, HIDDEN, INTER, MOE_SCHEMES,
+    TOKENS, TOP_K,
 };
 use common::{fixtures_dir, values};
 use qarl::host::{tensor_from_vec, to_f32_vec};
@@ -152,7 +152,8 @@ fn cube_grouped_moe_matches_the_per_expert_loop() {
         for (name, ids) in moe_routings() {
             let run = |path| {
                 let xt = tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device);
-                let (y, chosen) = block.forward_with(xt, ids.as_deref(), path, Weights::Packed);
+                let forced = replay(ids.as_deref(), &device);
+                let (y, chosen) = block.forward_with(xt, forced, path, Weights::Packed);
                 (to_f32_vec(y), host_ids(chosen))
             };
             let (grouped, chosen) = run(ExpertPath::Auto);
@@ -196,7 +197,7 @@ fn moe_grads(
     let block = moe_block(device, scheme, true);
     let x = tensor_from_vec(values(TOKENS * HIDDEN, 11), [TOKENS, HIDDEN], device).require_grad();
     let r = tensor_from_vec(values(TOKENS * HIDDEN, 12), [TOKENS, HIDDEN], device);
-    let (y, chosen) = block.forward_with(x.clone(), ids, path, Weights::Packed);
+    let (y, chosen) = block.forward_with(x.clone(), replay(ids, device), path, Weights::Packed);
     let e = host_ids(chosen)[0] as usize;
     let grads = (y.clone() * r).sum().backward();
     let g = |t: Tensor<2>| to_f32_vec(t.grad(&grads).expect("a gradient"));
@@ -223,7 +224,7 @@ fn cube_grouped_moe_autodiff_forward_is_the_rollout_forward_and_gradients_are_th
                 block
                     .forward(
                         tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device),
-                        ids,
+                        replay(ids, &device),
                         Weights::Packed,
                     )
                     .0,

@@ -691,7 +691,9 @@ fn det_matmul_has_burn_matmul_gradients() {
 /// and an autodiff forward (which runs the loop alone on the CPU) gives the same bits and a gradient.
 #[test]
 fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
-    use common::moe::{bits, host_ids, moe_block, moe_routings, HIDDEN, MOE_SCHEMES, TOKENS};
+    use common::moe::{
+        bits, host_ids, moe_block, moe_routings, replay, HIDDEN, MOE_SCHEMES, TOKENS,
+    };
     use qarl::model::mlp::ExpertPath;
     let device = Device::flex();
     let ad = device.clone().autodiff();
@@ -703,7 +705,7 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
             let run = |b: &qarl::model::mlp::MoeBlock, d: &Device, path| {
                 let (y, chosen) = b.forward_with(
                     tensor_from_vec(x.clone(), [TOKENS, HIDDEN], d),
-                    ids.as_deref(),
+                    replay(ids.as_deref(), d),
                     path,
                     Weights::Packed,
                 );

@@ -6,7 +6,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use super::attention::{Attention, KvWrite, LayerKv};
 use super::config::ModelConfig;
 use super::layers::{Linear, RmsNorm, Rope, Weights};
-use super::mlp::{DeviceRouting, FeedForward, Routing};
+use super::mlp::{upload_routing, DeviceRouting, FeedForward, Replay, Routing};
 use super::names::lazy_param;
 use crate::host::tensor_from_vec;
 
@@ -371,6 +371,8 @@ impl Decoder {
             .select(0, idx)
             .reshape([b, t, cfg.hidden_size]);
 
+        let top_k = cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
+        let replay_on_device = replay.map(|rp| upload_routing(rp, top_k, &device));
         let mut routing = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| (&mut c.layers[i], &write));
@@ -389,7 +391,12 @@ impl Decoder {
             let (ff, r) = match &layer.mlp {
                 FeedForward::Dense(mlp) => (mlp.forward(normed, weights), None),
                 FeedForward::Moe(moe) => {
-                    let forced = replay.and_then(|rp| rp.get(i)).and_then(|r| r.as_deref());
+                    let forced = replay.zip(replay_on_device.as_ref()).and_then(|(rp, dv)| {
+                        Some(Replay {
+                            host: rp.get(i)?.as_deref()?,
+                            device: dv.get(i)?.clone()?,
+                        })
+                    });
                     let (y, r) = moe.forward(normed, forced, weights);
                     (y, Some(r))
                 }

@@ -61,6 +61,54 @@ pub type Routing = Vec<u32>;
 /// at once ([`routing_to_host`], [`rows_and_routing`]).
 pub type DeviceRouting = Tensor<2, Int>;
 
+/// Replayed experts of one MoE layer (routing replay), in both places they are needed: on the host (the
+/// per-expert loop groups the tokens by them) and on the device (the router's weights are gathered at
+/// them; the grouped kernel groups by them there).
+#[derive(Debug, Clone)]
+pub struct Replay<'a> {
+    /// `[n_tokens * top_k]`, token-major.
+    pub host: &'a [u32],
+    /// The same, `[n_tokens, top_k]`.
+    pub device: DeviceRouting,
+}
+
+impl<'a> Replay<'a> {
+    /// `ids` (`[n_tokens * top_k]`) uploaded for one layer.
+    pub fn upload(ids: &'a [u32], top_k: usize, device: &Device) -> Self {
+        let device = upload_routing(&[Some(ids.to_vec())], top_k, device)
+            .remove(0)
+            .expect("one layer");
+        Self { host: ids, device }
+    }
+}
+
+/// The replayed routings of every layer on the device, in one upload for all layers (each MoE layer's
+/// `[n_tokens, top_k]` a slice of it), so that a training forward under replay neither uploads nor reads
+/// anything per layer for its routing.
+pub fn upload_routing(
+    layers: &[Option<Routing>],
+    top_k: usize,
+    device: &Device,
+) -> Vec<Option<DeviceRouting>> {
+    let flat: Vec<i64> = layers
+        .iter()
+        .flatten()
+        .flat_map(|r| r.iter().map(|&e| e as i64))
+        .collect();
+    let len = flat.len();
+    let all = Tensor::<1, Int>::from_data(TensorData::new(flat, [len]), device);
+    let mut at = 0;
+    layers
+        .iter()
+        .map(|r| {
+            let r = r.as_ref()?;
+            let slice = all.clone().narrow(0, at, r.len());
+            at += r.len();
+            Some(slice.reshape([r.len() / top_k.max(1), top_k]))
+        })
+        .collect()
+}
+
 /// Host copies of the layers' routings, in one device-to-host read for all layers.
 pub fn routing_to_host(layers: Vec<Option<DeviceRouting>>) -> Vec<Option<Routing>> {
     rows_and_routing(None, layers).1
@@ -124,7 +172,7 @@ impl MoeBlock {
     pub fn forward(
         &self,
         x: Tensor<2>,
-        replay: Option<&[u32]>,
+        replay: Option<Replay<'_>>,
         weights: Weights,
     ) -> (Tensor<2>, DeviceRouting) {
         self.forward_with(x, replay, ExpertPath::Auto, weights)
@@ -134,31 +182,24 @@ impl MoeBlock {
     pub fn forward_with(
         &self,
         x: Tensor<2>,
-        replay: Option<&[u32]>,
+        replay: Option<Replay<'_>>,
         path: ExpertPath,
         weights: Weights,
     ) -> (Tensor<2>, DeviceRouting) {
         let [n, _] = x.dims();
-        let device = x.device();
         let probs = super::layers::softmax_exact(self.gate.forward_with(x.clone(), weights), 1);
-        let (route_w, ids) = match replay {
-            Some(ids) => {
+        let (route_w, ids) = match &replay {
+            Some(r) => {
                 assert_eq!(
-                    ids.len(),
-                    n * self.top_k,
+                    (r.host.len(), r.device.dims()),
+                    (n * self.top_k, [n, self.top_k]),
                     "replayed routing has one entry per token and slot"
                 );
-                let idx = Tensor::<2, Int>::from_data(
-                    TensorData::new(
-                        ids.iter().map(|&e| e as i64).collect::<Vec<_>>(),
-                        [n, self.top_k],
-                    ),
-                    &device,
-                );
-                (probs.gather(1, idx.clone()), idx)
+                (probs.gather(1, r.device.clone()), r.device.clone())
             }
             None => probs.topk_with_indices(self.top_k, 1),
         };
+        let replay = replay.map(|r| r.host);
         let route_w = if self.norm_topk_prob {
             route_w.clone() / route_w.sum_dim(1)
         } else {
