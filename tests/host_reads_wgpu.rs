@@ -2,7 +2,8 @@
 //! weights reads the device once (its logits, with the routing riding along), and the aligned training
 //! forward with routing replay reads nothing in its layers. `qarl::host` counts every read of a tensor
 //! that is not on the CPU backend; the counter is process-wide, so this file holds one test (its own
-//! process: no other test reads meanwhile).
+//! process: no other test reads meanwhile). It also checks what `qarl bench rollout --backend wgpu`
+//! reports.
 //!
 //! Runs on whatever adapter wgpu finds; skips with a message when there is none, unless
 //! `QARL_REQUIRE_WGPU=1`.
@@ -54,7 +55,7 @@ fn int4_model(dir: &Path, device: &Device, train: bool) -> Decoder {
 /// MoE on wgpu, and 0 in the layers of the aligned training forward with routing replay, whose log-probs
 /// are still the rollout's bit for bit. Without replay the training forward's per-expert gradient graph
 /// groups the tokens on the host and reads each MoE layer's ids, and so does a decode step through the
-/// per-expert loop: the counter sees both (it can fail).
+/// per-expert loop: the counter sees both (it can fail). `qarl bench rollout` reports the same counts.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test host_reads_wgpu -- --include-ignored"]
 fn one_host_read_per_decode_step_and_none_per_layer_of_the_training_forward() {
@@ -148,5 +149,35 @@ fn one_host_read_per_decode_step_and_none_per_layer_of_the_training_forward() {
     assert_eq!(
         unreplayed.layer_reads, layers as u64,
         "without replay: one read per MoE layer (the per-expert loop's host grouping)"
+    );
+
+    bench_rollout_reports_the_reads_per_decode_step(tmp.path(), layers);
+}
+
+/// `qarl bench rollout --backend wgpu` on the model in `dir` reports the decode step's reads: 1 with int4
+/// weights (the grouped MoE kernel), 1 + one per MoE layer with f32 ones (full-precision experts run the
+/// per-expert loop, which groups on the host).
+fn bench_rollout_reports_the_reads_per_decode_step(dir: &Path, layers: usize) {
+    let json = dir.join("bench.json");
+    let v = common::run_qarl_json(
+        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+            .args(["bench", "rollout", "--model"])
+            .arg(dir)
+            .args(["--schemes", "f32,int4-g32", "--backend", "wgpu"])
+            .args(["--batch", "2", "--prompt-len", "4", "--new-tokens", "4"])
+            .args(["--repeats", "1", "--json"])
+            .arg(&json),
+        &json,
+    );
+    let reads: Vec<f64> = v["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["host_reads_per_decode_step"].as_f64().unwrap())
+        .collect();
+    assert_eq!(
+        reads,
+        vec![1.0 + layers as f64, 1.0],
+        "bench rollout: f32, int4-g32"
     );
 }
