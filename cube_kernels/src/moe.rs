@@ -114,9 +114,9 @@ impl MoeRouting {
     }
 
     /// Everything the kernels read, as one `u32` table (one upload per call): `(tile_expert, tile_start,
-    /// tile_end)` interleaved per tile from 0, then `row_index` from [`Self::rows_at`], then `position`
-    /// from [`Self::positions_at`], then the expert of every sorted assignment from [`Self::experts_at`],
-    /// then `offsets` (`experts + 1`) from [`Self::offsets_at`]. [`RoutingTable`] has the same layout.
+    /// tile_end)` interleaved per tile from 0, then `row_index`, `position`, the expert of every sorted
+    /// assignment and `offsets` (`experts + 1`), where [`Self::layout`] says. [`RoutingTable`] has the
+    /// same layout.
     pub fn table(&self) -> Vec<u32> {
         let mut t = Vec::with_capacity(3 * self.tiles() + 3 * self.assignments());
         for i in 0..self.tiles() {

@@ -16,8 +16,9 @@
 //!
 //! # Grouped MoE experts
 //! [`grouped_moe`] runs the routed experts of one MoE layer as one op: on the CubeCL backends the grouped
-//! kernel of `cube_kernels` (gate+up with SwiGLU, down, un-permute and combine in one launch chain), on the
-//! CPU [`cpu::moe`]; a backend without it answers `None` and the model runs its per-expert loop.
+//! kernel of `cube_kernels` (gate+up with SwiGLU, down, un-permute and combine in one launch chain, the
+//! tokens grouped by expert on the device: the expert ids are never read back), on the CPU [`cpu::moe`]; a
+//! backend without it answers `None` and the model runs its per-expert loop.
 //!
 //! **Rollout and training agree bitwise.** The training (autodiff) forward returns the grouped op's output as
 //! its value, the very bits the rollout computes, and takes its gradient from the per-expert graph through

@@ -1,13 +1,16 @@
 //! The grouped MoE matmul: assignments (token, expert) sorted by expert, one launch over all experts.
 //!
-//! The host splits each expert's run of sorted assignments into tiles of 16 ([`crate::moe::MoeRouting`]);
-//! cube `(x, y)` computes output rows `16x..16x+16` for tile `y`, reading that tile's expert's weights at
-//! its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the staged
-//! activations and the result is `silu(gate) * up`. Empty experts have no tiles; nothing is padded.
+//! Each expert's run of sorted assignments is split into tiles of 16 ([`crate::moe::MoeRouting`] on the
+//! host, or [`route_count()`], [`route_tiles()`] and [`route_scatter()`] on the device, from ids that never
+//! leave it); cube `(x, y)` computes output rows `16x..16x+16` for tile `y`, reading that tile's expert's
+//! weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the
+//! staged activations and the result is `silu(gate) * up`. Empty experts have no tiles; a table built on
+//! the device ends with empty tiles up to a bound (their cubes compute nothing).
 //!
-//! The routing bookkeeping reaches the device as one `u32` table ([`crate::moe::MoeRouting::table`]):
-//! per tile `(expert, first assignment, one past the last)` at `3 * tile`, then the token of every sorted
-//! assignment from `rows_at`, then the sorted position of every (token, slot) from `pos_at`.
+//! The routing bookkeeping is one `u32` table ([`crate::moe::MoeRouting::table`], uploaded, or
+//! [`crate::moe::RoutingTable`], built on the device): per tile `(expert, first assignment, one past the
+//! last)` at `3 * tile`, then the token of every sorted assignment from `rows_at`, then the sorted position
+//! of every (token, slot) from `pos_at`, then the expert of every sorted assignment, then the offsets.
 //!
 //! # Arithmetic contract (what [`crate::reference::moe`] computes, and what the model's MoE block relies on)
 //! For assignment `a` (token `t`, slot `j`, expert `e`), with `x'` = the activations as the format asks
@@ -382,10 +385,10 @@ pub fn route_count(
 }
 
 /// Routing on the device, step 2 of 3, one unit: the counts become offsets (`offsets[0] = 0`, prefix sums
-/// in expert order), and each expert's run of sorted assignments is cut into tiles of at most 16 ([`super::TILE`])
-/// (`(expert, first, one past the last)` at `3 * tile`, experts in order, as the host's
-/// [`crate::moe::MoeRouting`]); the tiles past the last real one, up to the bound `tiles`, are empty
-/// `(0, 0, 0)` (the grouped kernel computes nothing for them).
+/// in expert order), and each expert's run of sorted assignments is cut into tiles of at most 16
+/// ([`crate::kernels::TILE`]): `(expert, first, one past the last)` at `3 * tile`, experts in order, as
+/// the host's [`crate::moe::MoeRouting`]; the tiles past the last real one, up to the bound `tiles`, are
+/// empty `(0, 0, 0)` (the grouped kernel computes nothing for them).
 #[cube(launch)]
 pub fn route_tiles(table: &mut [u32], experts: usize, offsets_at: usize, tiles: usize) {
     if ABSOLUTE_POS == 0 {
