@@ -15,6 +15,7 @@ use std::path::Path;
 
 use burn::tensor::Device;
 use qarl::host::{to_f32_vec, ReadCount};
+use qarl::model::mlp::routing_to_host;
 use qarl::model::{Decoder, Weights};
 use qarl::ops::BackendKind;
 use qarl::quant::{QuantConfig, QuantScheme};
@@ -150,6 +151,21 @@ fn one_host_read_per_decode_step_and_none_per_layer_of_the_training_forward() {
         unreplayed.layer_reads, layers as u64,
         "without replay: one read per MoE layer (the per-expert loop's host grouping)"
     );
+
+    // The routing the rollout read back with its logits is the experts the training forward picks.
+    let learner = routing_to_host(unreplayed.routing);
+    let t = unreplayed.padded_len;
+    for (r, rec) in out.routing.iter().enumerate() {
+        for (l, rec) in rec.iter().enumerate() {
+            let rec = rec.as_ref().unwrap();
+            let fwd = &learner[l].as_ref().unwrap()[r * t * top_k..][..rec.len()];
+            assert_eq!(
+                fwd,
+                &rec[..],
+                "row {r} layer {l}: recorded vs training routing"
+            );
+        }
+    }
 
     bench_rollout_reports_the_reads_per_decode_step(tmp.path(), layers);
 }
