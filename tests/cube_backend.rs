@@ -10,9 +10,10 @@
 
 mod common;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::moe::{
-    bits, linear, moe_block, moe_routings, EXPERTS, HIDDEN, INTER, MOE_SCHEMES, TOKENS, TOP_K,
+    bits, host_ids, linear, moe_block, moe_routings, replay, EXPERTS, HIDDEN, INTER, MOE_SCHEMES,
+    TOKENS, TOP_K,
 };
 use common::{fixtures_dir, values};
 use qarl::host::{tensor_from_vec, to_f32_vec};
@@ -151,8 +152,9 @@ fn cube_grouped_moe_matches_the_per_expert_loop() {
         for (name, ids) in moe_routings() {
             let run = |path| {
                 let xt = tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device);
-                let (y, chosen) = block.forward_with(xt, ids.as_deref(), path, Weights::Packed);
-                (to_f32_vec(y), chosen)
+                let forced = replay(ids.as_deref(), &device);
+                let (y, chosen) = block.forward_with(xt, forced, path, Weights::Packed);
+                (to_f32_vec(y), host_ids(chosen))
             };
             let (grouped, chosen) = run(ExpertPath::Auto);
             let (looped, chosen_loop) = run(ExpertPath::PerExpert);
@@ -195,8 +197,8 @@ fn moe_grads(
     let block = moe_block(device, scheme, true);
     let x = tensor_from_vec(values(TOKENS * HIDDEN, 11), [TOKENS, HIDDEN], device).require_grad();
     let r = tensor_from_vec(values(TOKENS * HIDDEN, 12), [TOKENS, HIDDEN], device);
-    let (y, chosen) = block.forward_with(x.clone(), ids, path, Weights::Packed);
-    let e = chosen[0] as usize;
+    let (y, chosen) = block.forward_with(x.clone(), replay(ids, device), path, Weights::Packed);
+    let e = host_ids(chosen)[0] as usize;
     let grads = (y.clone() * r).sum().backward();
     let g = |t: Tensor<2>| to_f32_vec(t.grad(&grads).expect("a gradient"));
     [
@@ -222,7 +224,7 @@ fn cube_grouped_moe_autodiff_forward_is_the_rollout_forward_and_gradients_are_th
                 block
                     .forward(
                         tensor_from_vec(x.clone(), [TOKENS, HIDDEN], &device),
-                        ids,
+                        replay(ids, &device),
                         Weights::Packed,
                     )
                     .0,
@@ -389,12 +391,19 @@ fn cube_kernels_take_f16_activations_and_round_the_f32_result_once() {
             e.map(|e| proj(HIDDEN, INTER, 202 + 3 * e)).collect(),
         )
         .unwrap();
-        let ids = moe_routings()[0].1.clone().unwrap();
+        let ids: Vec<i64> = moe_routings()[0]
+            .1
+            .iter()
+            .flatten()
+            .map(|&e| e as i64)
+            .collect();
+        let ids = Tensor::<2, Int>::from_data(TensorData::new(ids, [TOKENS, TOP_K]), &device);
         let x = half(&values(TOKENS * HIDDEN, 24), [TOKENS, HIDDEN]);
         let rw: Vec<f32> = values(TOKENS * TOP_K, 25).iter().map(|v| v.abs()).collect();
         let rw = half(&rw, [TOKENS, TOP_K]);
-        let y16 = grouped_moe(x.clone(), rw.clone(), &ids, experts.clone()).expect("f16 kernel");
-        let y32 = grouped_moe(x.cast(DType::F32), rw.cast(DType::F32), &ids, experts).unwrap();
+        let y16 =
+            grouped_moe(x.clone(), rw.clone(), ids.clone(), experts.clone()).expect("f16 kernel");
+        let y32 = grouped_moe(x.cast(DType::F32), rw.cast(DType::F32), ids, experts).unwrap();
         assert_eq!(
             bits(&widened(y16)),
             bits(&rounded(y32)),

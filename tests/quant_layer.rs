@@ -691,7 +691,9 @@ fn det_matmul_has_burn_matmul_gradients() {
 /// and an autodiff forward (which runs the loop alone on the CPU) gives the same bits and a gradient.
 #[test]
 fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
-    use common::moe::{bits, moe_block, moe_routings, HIDDEN, MOE_SCHEMES, TOKENS};
+    use common::moe::{
+        bits, host_ids, moe_block, moe_routings, replay, HIDDEN, MOE_SCHEMES, TOKENS,
+    };
     use qarl::model::mlp::ExpertPath;
     let device = Device::flex();
     let ad = device.clone().autodiff();
@@ -703,11 +705,11 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
             let run = |b: &qarl::model::mlp::MoeBlock, d: &Device, path| {
                 let (y, chosen) = b.forward_with(
                     tensor_from_vec(x.clone(), [TOKENS, HIDDEN], d),
-                    ids.as_deref(),
+                    replay(ids.as_deref(), d),
                     path,
                     Weights::Packed,
                 );
-                (y, chosen)
+                (y, host_ids(chosen))
             };
             let (grouped, chosen) = run(&block, &device, ExpertPath::Auto);
             let (looped, chosen_loop) = run(&block, &device, ExpertPath::PerExpert);
@@ -732,7 +734,7 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
                 ),
                 &device,
             );
-            let w = probs.gather(1, idx);
+            let w = probs.gather(1, idx.clone());
             let w = w.clone() / w.sum_dim(1);
             let packed = |f: fn(&qarl::model::mlp::SwiGlu) -> &Linear| {
                 block
@@ -747,8 +749,8 @@ fn cpu_grouped_moe_is_bitwise_the_per_expert_loop() {
                 packed(|e| &e.down_proj),
             )
             .unwrap();
-            let direct = qarl::ops::grouped_moe(xt, w, &chosen, experts)
-                .expect("the CPU has a grouped MoE op");
+            let direct =
+                qarl::ops::grouped_moe(xt, w, idx, experts).expect("the CPU has a grouped MoE op");
             assert_eq!(
                 bits(&to_f32_vec(direct)),
                 bits(&looped),

@@ -427,6 +427,7 @@ fn loss_position_logprobs_equal_the_full_forward() {
 #[test]
 fn shared_prompt_forward_equals_one_forward_per_sequence() {
     use qarl::host::tensor_from_vec;
+    use qarl::model::mlp::routing_to_host;
     use qarl::model::Weights;
     use qarl::quant::Precision;
     use qarl::train::batch::{ForwardOptions, PrefixSharing, SeqBatch};
@@ -456,7 +457,7 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
             let (_, off) = batch.logprobs_with(&model, Weights::Packed, 0.8, None, off_opts);
             let moe = off.routing.iter().any(Option::is_some);
             let replays: Vec<Option<Vec<Option<Vec<u32>>>>> = if moe {
-                vec![None, Some(off.routing.clone())]
+                vec![None, Some(routing_to_host(off.routing.clone()))]
             } else {
                 vec![None]
             };
@@ -490,7 +491,11 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
                         .collect::<Vec<_>>()
                 };
                 assert_eq!(bits(&fs.entropy), bits(&ff.entropy), "{what}: entropy");
-                for (l, (rs, rf)) in fs.routing.iter().zip(&ff.routing).enumerate() {
+                let (fs_routing, ff_routing) = (
+                    routing_to_host(fs.routing.clone()),
+                    routing_to_host(ff.routing.clone()),
+                );
+                for (l, (rs, rf)) in fs_routing.iter().zip(&ff_routing).enumerate() {
                     let (Some(rs), Some(rf)) = (rs, rf) else {
                         assert_eq!(rs.is_some(), rf.is_some(), "{what}: layer {l}");
                         continue;

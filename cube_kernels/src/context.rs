@@ -17,7 +17,7 @@ use crate::e4m3::e4m3_table;
 use crate::error::KernelError;
 use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::{dense, fp8, moe as moe_kernels, BLOCK, CHUNK, TILE};
-use crate::moe::MoeRouting;
+use crate::moe::{MoeRouting, RoutingTable, TableLayout};
 
 /// Values on the device with their element count and type: activations (f32, f16, bf16) or 32-bit words
 /// (u32 buffers report [`ActDType::F32`], their element size).
@@ -262,6 +262,18 @@ impl Kernels {
             .read_one(buffer.handle.clone())
             .map_err(|e| KernelError::Device(format!("{e:?}")))?;
         Ok(buffer.dtype.decode(&bytes, buffer.len))
+    }
+
+    /// Reads `u32` values back (waits for the kernels that write them).
+    pub fn read_u32(&self, buffer: &DeviceBuffer) -> Result<Vec<u32>, KernelError> {
+        if buffer.len == 0 {
+            return Ok(Vec::new());
+        }
+        let bytes = self
+            .client
+            .read_one(buffer.handle.clone())
+            .map_err(|e| KernelError::Device(format!("{e:?}")))?;
+        Ok(u32::from_bytes(&bytes)[..buffer.len].to_vec())
     }
 
     /// Waits until every launched kernel has finished (for timing).
@@ -559,10 +571,99 @@ impl Kernels {
         x: &DeviceBuffer,
         routing: &MoeRouting,
         route_w: &DeviceBuffer,
+        weights: [&DeviceWeights; 3],
+        path: MatmulPath,
+    ) -> Result<DeviceBuffer, KernelError> {
+        let table = self.upload_routing(routing);
+        self.moe_routed(x, &table, route_w, weights, path)
+    }
+
+    /// The routing table of a host routing on the device (one upload).
+    pub fn upload_routing(&self, routing: &MoeRouting) -> RoutingTable {
+        RoutingTable {
+            table: self.upload_u32(&routing.table()),
+            tokens: routing.tokens(),
+            top_k: routing.top_k(),
+            experts: routing.experts(),
+            layout: routing.layout(),
+        }
+    }
+
+    /// The routing table of `ids` (`tokens * top_k` expert ids as `u32`, or `i32` holding non-negative
+    /// values: the same bits, token-major) built on the device, with no read back: three small launches
+    /// (count per expert, offsets and tiles, the stable scatter), the same sorted order, positions and
+    /// tiles as [`MoeRouting::new`] on the same ids, then empty tiles up to [`RoutingTable::tile_bound`].
+    /// An id outside `0..experts` is not checked here (the router's top-k never makes one): it is routed
+    /// to no expert and its slot's output is undefined.
+    pub fn route(
+        &self,
+        ids: &DeviceBuffer,
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+    ) -> Result<RoutingTable, KernelError> {
+        let assignments = tokens * top_k;
+        expect_len("expert ids", ids, assignments)?;
+        let layout = TableLayout {
+            tiles: RoutingTable::tile_bound(assignments, experts),
+            assignments,
+        };
+        let table = self.upload_u32(&vec![0; layout.len(experts)]);
+        let per_expert = || grid(experts.div_ceil(256));
+        moe_kernels::route_count::launch(
+            &self.client,
+            per_expert(),
+            CubeDim::new_1d(256),
+            ids.arg(),
+            table.arg(),
+            assignments,
+            experts,
+            layout.offsets_at(),
+        );
+        moe_kernels::route_tiles::launch(
+            &self.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            table.arg(),
+            experts,
+            layout.offsets_at(),
+            layout.tiles,
+        );
+        moe_kernels::route_scatter::launch(
+            &self.client,
+            per_expert(),
+            CubeDim::new_1d(256),
+            ids.arg(),
+            table.arg(),
+            assignments,
+            top_k.max(1),
+            experts,
+            layout.rows_at(),
+            layout.positions_at(),
+            layout.experts_at(),
+            layout.offsets_at(),
+        );
+        Ok(RoutingTable {
+            table,
+            tokens,
+            top_k,
+            experts,
+            layout,
+        })
+    }
+
+    /// [`Self::moe_with`] on a routing table already on the device ([`Self::route`],
+    /// [`Self::upload_routing`]): no upload, no read, the launch grid from the table's sizes.
+    pub fn moe_routed(
+        &self,
+        x: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
         [gate, up, down]: [&DeviceWeights; 3],
         path: MatmulPath,
     ) -> Result<DeviceBuffer, KernelError> {
         let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
+        let layout = routing.layout();
         let (hidden, inter) = (gate.inn, gate.out);
         for (name, w, shape) in [
             ("gate", gate, [inter, hidden]),
@@ -590,12 +691,11 @@ impl Kernels {
             )));
         }
         let out = self.empty(tokens * hidden, x.dtype);
-        if routing.tiles() == 0 || hidden == 0 {
+        if layout.tiles == 0 || hidden == 0 {
             return Ok(out);
         }
-        let assignments = routing.assignments();
-        // One upload of the routing table per call (tiles, gather rows, combine positions).
-        let table = self.upload_u32(&routing.table());
+        let assignments = layout.assignments;
+        let table = &routing.table;
         let xq = self.prepare(x, tokens, gate)?;
         let h = self.empty_f32(assignments * inter);
         let gemv = match path {
@@ -629,8 +729,8 @@ impl Kernels {
                     CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
                     input.arg(),
                     table.arg(),
-                    routing.rows_at(),
-                    routing.experts_at(),
+                    layout.rows_at(),
+                    layout.experts_at(),
                     a.words.arg(),
                     a.scales.arg(),
                     b.words.arg(),
@@ -657,11 +757,11 @@ impl Kernels {
             }
             moe_kernels::grouped_matmul::launch(
                 &self.client,
-                CubeCount::Static(a.out.div_ceil(BLOCK) as u32, routing.tiles() as u32, 1),
+                CubeCount::Static(a.out.div_ceil(BLOCK) as u32, layout.tiles as u32, 1),
                 CubeDim::new_2d(BLOCK as u32, (TILE / 4) as u32),
                 input.arg(),
                 table.arg(),
-                routing.rows_at(),
+                layout.rows_at(),
                 a.words.arg(),
                 a.scales.arg(),
                 b.words.arg(),
@@ -694,7 +794,7 @@ impl Kernels {
             CubeDim::new_1d(256),
             y.arg(),
             table.arg(),
-            routing.positions_at(),
+            layout.positions_at(),
             route_w.arg(),
             out.arg(),
             tokens,

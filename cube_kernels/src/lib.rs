@@ -38,4 +38,4 @@ pub use dtype::ActDType;
 pub use error::KernelError;
 pub use format::{PackedWeights, WeightFormat};
 #[cfg(feature = "kernels")]
-pub use moe::MoeRouting;
+pub use moe::{MoeRouting, RoutingTable, TableLayout};

@@ -1,7 +1,11 @@
-//! Routing bookkeeping for the grouped MoE matmul, done once per batch on the host (`tokens * top_k` ids):
-//! a stable counting sort of the (token, slot) assignments by expert, the inverse permutation for the
-//! combine, and the tiles of 16 assignments that never straddle two experts.
+//! Routing bookkeeping for the grouped MoE matmul (`tokens * top_k` ids): a stable counting sort of the
+//! (token, slot) assignments by expert, the inverse permutation for the combine, and the tiles of 16
+//! assignments that never straddle two experts. [`MoeRouting`] computes it on the host (the reference, and
+//! the path for ids the host has); [`RoutingTable`] is the same table on the device, uploaded from a
+//! [`MoeRouting`] or built there from ids that never leave the device ([`crate::Kernels::route`]: the
+//! router's top-k of a decode step, with no read back).
 
+use crate::context::DeviceBuffer;
 use crate::error::KernelError;
 use crate::kernels::TILE;
 
@@ -110,8 +114,9 @@ impl MoeRouting {
     }
 
     /// Everything the kernels read, as one `u32` table (one upload per call): `(tile_expert, tile_start,
-    /// tile_end)` interleaved per tile from 0, then `row_index` from [`Self::rows_at`], then `position`
-    /// from [`Self::positions_at`], then the expert of every sorted assignment from [`Self::experts_at`].
+    /// tile_end)` interleaved per tile from 0, then `row_index`, `position`, the expert of every sorted
+    /// assignment and `offsets` (`experts + 1`), where [`Self::layout`] says. [`RoutingTable`] has the
+    /// same layout.
     pub fn table(&self) -> Vec<u32> {
         let mut t = Vec::with_capacity(3 * self.tiles() + 3 * self.assignments());
         for i in 0..self.tiles() {
@@ -123,21 +128,93 @@ impl MoeRouting {
             let run = (self.offsets[e + 1] - self.offsets[e]) as usize;
             t.extend(std::iter::repeat_n(e as u32, run));
         }
+        t.extend_from_slice(&self.offsets);
         t
     }
 
-    /// Where `row_index` starts in [`Self::table`].
+    /// Where the sections of [`Self::table`] start.
+    pub fn layout(&self) -> TableLayout {
+        TableLayout {
+            tiles: self.tiles(),
+            assignments: self.assignments(),
+        }
+    }
+}
+
+/// Where the sections of a routing table ([`MoeRouting::table`], [`RoutingTable`]) start: `3 * tiles`
+/// tile entries, then `assignments` each of rows, positions and sorted experts, then the offsets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableLayout {
+    /// Tile entries in the table (a device-built table reserves a bound: [`RoutingTable::tile_bound`]).
+    pub tiles: usize,
+    pub assignments: usize,
+}
+
+impl TableLayout {
+    /// Where `row_index` starts.
     pub fn rows_at(&self) -> usize {
-        3 * self.tiles()
+        3 * self.tiles
     }
 
-    /// Where `position` starts in [`Self::table`].
+    /// Where `position` starts.
     pub fn positions_at(&self) -> usize {
-        3 * self.tiles() + self.assignments()
+        self.rows_at() + self.assignments
     }
 
-    /// Where the experts of the sorted assignments start in [`Self::table`].
+    /// Where the experts of the sorted assignments start.
     pub fn experts_at(&self) -> usize {
-        3 * self.tiles() + 2 * self.assignments()
+        self.positions_at() + self.assignments
+    }
+
+    /// Where `offsets` starts.
+    pub fn offsets_at(&self) -> usize {
+        self.experts_at() + self.assignments
+    }
+
+    /// `u32` values of a table with `experts` experts.
+    pub fn len(&self, experts: usize) -> usize {
+        self.offsets_at() + experts + 1
+    }
+}
+
+/// A routing table on the device, in [`MoeRouting::table`]'s layout, with the routing's sizes: what the
+/// grouped kernel reads ([`crate::Kernels::moe_routed`]). Built on the device ([`crate::Kernels::route`]) it
+/// reserves [`RoutingTable::tile_bound`] tiles, the real ones first and empty ones after, so that its
+/// layout and the launch grid follow from the sizes alone, never from the ids.
+#[derive(Debug, Clone)]
+pub struct RoutingTable {
+    pub(crate) table: DeviceBuffer,
+    pub(crate) tokens: usize,
+    pub(crate) top_k: usize,
+    pub(crate) experts: usize,
+    pub(crate) layout: TableLayout,
+}
+
+impl RoutingTable {
+    /// The most tiles `assignments` can need over `experts` experts: every full 16 plus at most one partial
+    /// tile per expert that has assignments.
+    pub fn tile_bound(assignments: usize, experts: usize) -> usize {
+        assignments / TILE + experts.min(assignments)
+    }
+
+    /// Tokens routed.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+    /// Experts per token.
+    pub fn top_k(&self) -> usize {
+        self.top_k
+    }
+    /// Number of experts.
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+    /// Where the sections of the table start.
+    pub fn layout(&self) -> TableLayout {
+        self.layout
+    }
+    /// The table's buffer (`u32` values).
+    pub fn buffer(&self) -> &DeviceBuffer {
+        &self.table
     }
 }

@@ -304,6 +304,64 @@ fn check_moe(
         "{} moe: grouped GEMV and tiles differ (ids {ids:?})",
         format.name()
     );
+    // Grouped on the device (empty tiles after the real ones), both paths: the same bits again.
+    let table = k.route(&k.upload_u32(ids), tokens, top_k, experts).unwrap();
+    for path in [MatmulPath::Gemm, MatmulPath::Gemv] {
+        let y = k.moe_routed(&dx, &table, &dw, [&dg, &du, &dd], path);
+        assert_eq!(
+            bits(&k.read_f32(&y.unwrap()).unwrap()),
+            bits(&got),
+            "{} moe {path:?}: routed on the device differs (ids {ids:?})",
+            format.name()
+        );
+    }
+}
+
+/// The routing table built on the device from device ids is the host's [`MoeRouting::table`]: the same
+/// tiles (then empty ones up to the bound), sorted rows, positions, experts and offsets.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn device_routing_is_the_host_routing() {
+    let Some(k) = kernels() else { return };
+    let mut rng = Rng(77);
+    let random = |rng: &mut Rng, n: usize, experts: u64| -> Vec<u32> {
+        (0..n).map(|_| (rng.next() % experts) as u32).collect()
+    };
+    let cases: Vec<(Vec<u32>, usize, usize, usize)> = vec![
+        (vec![3, 1], 1, 2, 6),
+        (vec![2; 40], 20, 2, 6),
+        (
+            (0..34u32).map(|i| 1 + (i * i + i / 3) % 4).collect(),
+            17,
+            2,
+            6,
+        ),
+        (random(&mut rng, 8 * 300, 128), 300, 8, 128),
+        (random(&mut rng, 4 * 513, 5), 513, 4, 5),
+        (random(&mut rng, 300, 300), 300, 1, 300),
+    ];
+    for (ids, tokens, top_k, experts) in cases {
+        let host = MoeRouting::new(&ids, tokens, top_k, experts).unwrap();
+        let table = k
+            .route(&k.upload_u32(&ids), tokens, top_k, experts)
+            .unwrap();
+        let got = k.read_u32(table.buffer()).unwrap();
+        let want = host.table();
+        let (l, hl) = (table.layout(), host.layout());
+        let what = format!("{tokens} tokens x top-{top_k} over {experts} experts");
+        assert_eq!(got.len(), l.len(experts), "{what}: table length");
+        assert!(l.tiles >= hl.tiles, "{what}: tile bound");
+        assert_eq!(&got[..hl.rows_at()], &want[..hl.rows_at()], "{what}: tiles");
+        assert!(
+            got[hl.rows_at()..l.rows_at()].iter().all(|&v| v == 0),
+            "{what}: the tiles past the last are empty"
+        );
+        assert_eq!(
+            &got[l.rows_at()..],
+            &want[hl.rows_at()..],
+            "{what}: rows, positions, experts, offsets"
+        );
+    }
 }
 
 #[test]
@@ -342,12 +400,22 @@ fn routing_rejects_bad_ids_and_counts() {
         (vec![0, 2], vec![0, 1], vec![1, 4])
     );
     // The one table the kernels read: tiles interleaved, then row_index, then position, then the expert
-    // of each sorted assignment.
+    // of each sorted assignment, then the offsets.
     assert_eq!(
         r.table(),
-        vec![0, 0, 1, 2, 1, 4, 0, 0, 1, 1, 1, 0, 2, 3, 0, 2, 2, 2]
+        vec![0, 0, 1, 2, 1, 4, 0, 0, 1, 1, 1, 0, 2, 3, 0, 2, 2, 2, 0, 1, 1, 4]
     );
-    assert_eq!((r.rows_at(), r.positions_at(), r.experts_at()), (6, 10, 14));
+    let l = r.layout();
+    assert_eq!(
+        (
+            l.rows_at(),
+            l.positions_at(),
+            l.experts_at(),
+            l.offsets_at()
+        ),
+        (6, 10, 14, 18)
+    );
+    assert_eq!(l.len(3), 22);
 }
 
 #[test]

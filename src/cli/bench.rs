@@ -141,6 +141,9 @@ pub struct SchemeResult {
     pub ratio_to_f32: Option<f64>,
     /// `(generate_s - prefill_s) / (new_tokens - 1)`: one batched decode forward and sampling step.
     pub decode_ms_per_step: Option<f64>,
+    /// Device-to-host reads per decode step of the warm-up call ([`crate::host::device_reads`]: 1 on a GPU
+    /// on the grouped MoE path, 0 on the CPU), when it made a decode step.
+    pub host_reads_per_decode_step: Option<f64>,
     /// Every timed generate call, seconds.
     pub generate_runs_s: Vec<f64>,
     pub prefill_runs_s: Vec<f64>,
@@ -207,6 +210,8 @@ pub fn time_rollout(
     warm.ensure_finite()
         .map_err(|e| anyhow::anyhow!("{scheme} rollout: {e}"))?;
     let tokens = warm.generated_tokens();
+    let host_reads_per_decode_step =
+        (warm.decode_steps > 0).then(|| warm.decode_host_reads as f64 / warm.decode_steps as f64);
     let mut full_runs = Vec::with_capacity(repeats);
     let mut prefill_runs = Vec::with_capacity(repeats);
     for _ in 0..repeats {
@@ -241,6 +246,7 @@ pub fn time_rollout(
         tokens_per_s: tokens as f64 / generate_s,
         ratio_to_f32: None,
         decode_ms_per_step,
+        host_reads_per_decode_step,
         generate_runs_s: full_runs,
         prefill_runs_s: prefill_runs,
     })

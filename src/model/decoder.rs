@@ -6,7 +6,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use super::attention::{Attention, KvWrite, LayerKv};
 use super::config::ModelConfig;
 use super::layers::{Linear, RmsNorm, Rope, Weights};
-use super::mlp::{FeedForward, Routing};
+use super::mlp::{upload_routing, DeviceRouting, FeedForward, Replay, Routing};
 use super::names::lazy_param;
 use crate::host::tensor_from_vec;
 
@@ -96,8 +96,9 @@ impl KvCache {
 pub struct ForwardOutput {
     /// `[B, T, vocab]`
     pub logits: Tensor<3>,
-    /// For each layer, the experts chosen for each token (`[B * T * top_k]`, token-major), `None` for dense layers.
-    pub routing: Vec<Option<Routing>>,
+    /// For each layer, the experts chosen for each token (`[B * T, top_k]` on the device, token-major),
+    /// `None` for dense layers ([`super::mlp::routing_to_host`] reads them).
+    pub routing: Vec<Option<DeviceRouting>>,
 }
 
 #[derive(Module, Debug)]
@@ -228,7 +229,7 @@ impl Decoder {
         weights: Weights,
         ids: &[Vec<u32>],
         replay: Option<&[Option<Routing>]>,
-    ) -> (Tensor<2>, Vec<Option<Routing>>) {
+    ) -> (Tensor<2>, Vec<Option<DeviceRouting>>) {
         self.run(ids, None, None, replay, None, weights)
     }
 
@@ -245,7 +246,7 @@ impl Decoder {
         cache: &mut KvCache,
         replay: Option<&[Option<Routing>]>,
         at: Option<&[usize]>,
-    ) -> (Tensor<2>, Vec<Option<Routing>>) {
+    ) -> (Tensor<2>, Vec<Option<DeviceRouting>>) {
         self.run(ids, Some(lens), Some(cache), replay, at, weights)
     }
 
@@ -263,7 +264,7 @@ impl Decoder {
         hidden: Tensor<2>,
         b: usize,
         weights: Weights,
-        routing: Vec<Option<Routing>>,
+        routing: Vec<Option<DeviceRouting>>,
     ) -> ForwardOutput {
         let t = hidden.dims()[0] / b.max(1);
         ForwardOutput {
@@ -302,7 +303,7 @@ impl Decoder {
         replay: Option<&[Option<Routing>]>,
         at: Option<&[usize]>,
         weights: Weights,
-    ) -> (Tensor<2>, Vec<Option<Routing>>) {
+    ) -> (Tensor<2>, Vec<Option<DeviceRouting>>) {
         let device = self.device();
         let b = ids.len();
         let t = ids[0].len();
@@ -370,6 +371,8 @@ impl Decoder {
             .select(0, idx)
             .reshape([b, t, cfg.hidden_size]);
 
+        let top_k = cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
+        let replay_on_device = replay.map(|rp| upload_routing(rp, top_k, &device));
         let mut routing = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_deref_mut().map(|c| (&mut c.layers[i], &write));
@@ -388,7 +391,12 @@ impl Decoder {
             let (ff, r) = match &layer.mlp {
                 FeedForward::Dense(mlp) => (mlp.forward(normed, weights), None),
                 FeedForward::Moe(moe) => {
-                    let forced = replay.and_then(|rp| rp.get(i)).and_then(|r| r.as_deref());
+                    let forced = replay.zip(replay_on_device.as_ref()).and_then(|(rp, dv)| {
+                        Some(Replay {
+                            host: rp.get(i)?.as_deref()?,
+                            device: dv.get(i)?.clone()?,
+                        })
+                    });
                     let (y, r) = moe.forward(normed, forced, weights);
                     (y, Some(r))
                 }

@@ -6,7 +6,7 @@ use burn::tensor::{Device, Tensor};
 use super::checkpoint::Checkpoint;
 use super::error::LoadError;
 use super::names::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
-use crate::host::tensor_from_vec;
+use crate::host::{tensor_from_vec, transposed_from_vec};
 use crate::ops::{aligned_mean_last, aligned_softmax, det_matmul, QuantizedWeight};
 use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
 
@@ -83,9 +83,8 @@ impl Linear {
             }
             None => {
                 let w = ckpt.read_f32(&tensor_name(prefix, WEIGHT), &[d_out, d_in])?;
-                let weight = tensor_from_vec(w, [d_out, d_in], device).transpose();
-                // Materialise the transposed layout once instead of on every matmul.
-                (Tensor::from_data(weight.into_data(), device), None)
+                // The transposed layout materialised once instead of on every matmul.
+                (transposed_from_vec(&w, [d_out, d_in], device), None)
             }
         };
         let bias = if bias {

@@ -1,5 +1,7 @@
 //! Feed-forward blocks: the SwiGLU MLP and Qwen3-MoE's routed experts.
 
+use std::borrow::Cow;
+
 use burn::module::Module;
 use burn::tensor::activation::silu;
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
@@ -50,8 +52,91 @@ pub struct MoeBlock {
     pub norm_topk_prob: bool,
 }
 
-/// Which experts each token went to in one MoE layer: `[n_tokens * top_k]`, token-major.
+/// Which experts each token went to in one MoE layer, on the host: `[n_tokens * top_k]`, token-major (the
+/// rollout's record, routing replay).
 pub type Routing = Vec<u32>;
+
+/// The same on the model's device, `[n_tokens, top_k]` ids: what a forward returns. It stays there (the
+/// grouped kernel groups the tokens on the device); a caller that needs it on the host reads every layer
+/// at once ([`routing_to_host`], [`rows_and_routing`]).
+pub type DeviceRouting = Tensor<2, Int>;
+
+/// Replayed experts of one MoE layer (routing replay), in both places they are needed: on the host (the
+/// per-expert loop groups the tokens by them) and on the device (the router's weights are gathered at
+/// them; the grouped kernel groups by them there).
+#[derive(Debug, Clone)]
+pub struct Replay<'a> {
+    /// `[n_tokens * top_k]`, token-major.
+    pub host: &'a [u32],
+    /// The same, `[n_tokens, top_k]`.
+    pub device: DeviceRouting,
+}
+
+impl<'a> Replay<'a> {
+    /// `ids` (`[n_tokens * top_k]`) uploaded for one layer.
+    pub fn upload(ids: &'a [u32], top_k: usize, device: &Device) -> Self {
+        let device = upload_routing(&[Some(ids.to_vec())], top_k, device)
+            .remove(0)
+            .expect("one layer");
+        Self { host: ids, device }
+    }
+}
+
+/// The replayed routings of every layer on the device, in one upload for all layers (each MoE layer's
+/// `[n_tokens, top_k]` a slice of it), so that a training forward under replay neither uploads nor reads
+/// anything per layer for its routing.
+pub fn upload_routing(
+    layers: &[Option<Routing>],
+    top_k: usize,
+    device: &Device,
+) -> Vec<Option<DeviceRouting>> {
+    let flat: Vec<i64> = layers
+        .iter()
+        .flatten()
+        .flat_map(|r| r.iter().map(|&e| e as i64))
+        .collect();
+    let len = flat.len();
+    let all = Tensor::<1, Int>::from_data(TensorData::new(flat, [len]), device);
+    let mut at = 0;
+    layers
+        .iter()
+        .map(|r| {
+            let r = r.as_ref()?;
+            let slice = all.clone().narrow(0, at, r.len());
+            at += r.len();
+            Some(slice.reshape([r.len() / top_k.max(1), top_k]))
+        })
+        .collect()
+}
+
+/// Host copies of the layers' routings, in one device-to-host read for all layers.
+pub fn routing_to_host(layers: Vec<Option<DeviceRouting>>) -> Vec<Option<Routing>> {
+    rows_and_routing(None, layers).1
+}
+
+/// The rows of `t` (`[B, V]`, e.g. a decode step's logits) and host copies of the layers' routings, in one
+/// device-to-host read ([`crate::host::rows_and_ids`]).
+pub fn rows_and_routing(
+    t: Option<Tensor<2>>,
+    layers: Vec<Option<DeviceRouting>>,
+) -> (Vec<Vec<f32>>, Vec<Option<Routing>>) {
+    let present: Vec<bool> = layers.iter().map(Option::is_some).collect();
+    let flat = layers
+        .into_iter()
+        .flatten()
+        .map(|r| {
+            let [n, k] = r.dims();
+            r.reshape([n * k])
+        })
+        .collect();
+    let (rows, ids) = crate::host::rows_and_ids(t, flat);
+    let mut ids = ids.into_iter();
+    let routing = present
+        .into_iter()
+        .map(|p| p.then(|| ids.next().expect("one host copy per MoE layer")))
+        .collect();
+    (rows, routing)
+}
 
 impl MoeBlock {
     /// The routed experts of `moe` with parameters not allocated yet (a lazy model's part, see
@@ -79,12 +164,17 @@ impl MoeBlock {
     ///   per-expert loop's exact bits, so a training forward runs the loop alone.
     ///
     /// Full-precision experts run one by one ([`MoeBlock::forward_with`]).
+    ///
+    /// The router's choices stay on the device: the grouped kernel groups the tokens there, and they come
+    /// back as a [`DeviceRouting`]. Only the per-expert loop groups on the host: it reads the ids (one read
+    /// per layer) unless they came from the host (`replay`), so a GPU forward reads nothing per layer on
+    /// the grouped path and under routing replay.
     pub fn forward(
         &self,
         x: Tensor<2>,
-        replay: Option<&[u32]>,
+        replay: Option<Replay<'_>>,
         weights: Weights,
-    ) -> (Tensor<2>, Routing) {
+    ) -> (Tensor<2>, DeviceRouting) {
         self.forward_with(x, replay, ExpertPath::Auto, weights)
     }
 
@@ -92,35 +182,24 @@ impl MoeBlock {
     pub fn forward_with(
         &self,
         x: Tensor<2>,
-        replay: Option<&[u32]>,
+        replay: Option<Replay<'_>>,
         path: ExpertPath,
         weights: Weights,
-    ) -> (Tensor<2>, Routing) {
+    ) -> (Tensor<2>, DeviceRouting) {
         let [n, _] = x.dims();
-        let device = x.device();
         let probs = super::layers::softmax_exact(self.gate.forward_with(x.clone(), weights), 1);
-        let (route_w, chosen): (Tensor<2>, Routing) = match replay {
-            Some(ids) => {
+        let (route_w, ids) = match &replay {
+            Some(r) => {
                 assert_eq!(
-                    ids.len(),
-                    n * self.top_k,
+                    (r.host.len(), r.device.dims()),
+                    (n * self.top_k, [n, self.top_k]),
                     "replayed routing has one entry per token and slot"
                 );
-                let idx = Tensor::<2, Int>::from_data(
-                    TensorData::new(
-                        ids.iter().map(|&e| e as i64).collect::<Vec<_>>(),
-                        [n, self.top_k],
-                    ),
-                    &device,
-                );
-                (probs.gather(1, idx), ids.to_vec())
+                (probs.gather(1, r.device.clone()), r.device.clone())
             }
-            None => {
-                let (w, idx) = probs.topk_with_indices(self.top_k, 1);
-                let ids = to_i64_vec(idx).into_iter().map(|e| e as u32).collect();
-                (w, ids)
-            }
+            None => probs.topk_with_indices(self.top_k, 1),
         };
+        let replay = replay.map(|r| r.host);
         let route_w = if self.norm_topk_prob {
             route_w.clone() / route_w.sum_dim(1)
         } else {
@@ -135,19 +214,22 @@ impl MoeBlock {
                     && !(tracked && grouped_moe_matches_loop(&x)) =>
             {
                 self.quantized_experts()
-                    .and_then(|ew| grouped_moe(x.clone(), route_w.clone(), &chosen, ew))
+                    .and_then(|ew| grouped_moe(x.clone(), route_w.clone(), ids.clone(), ew))
             }
             _ => None,
         };
         let out = match grouped {
             Some(fast) if tracked => {
                 // Training: the grouped kernel's bits, the per-expert graph's gradient.
-                forward_value_of(self.per_expert(x, &chosen, route_w, weights), fast)
+                forward_value_of(
+                    self.per_expert(x, &host_ids(replay, &ids), route_w, weights),
+                    fast,
+                )
             }
             Some(fast) => fast,
-            None => self.per_expert(x, &chosen, route_w, weights),
+            None => self.per_expert(x, &host_ids(replay, &ids), route_w, weights),
         };
-        (out, chosen)
+        (out, ids)
     }
 
     /// The experts one by one: `out[t] += w[t, j] * expert_e(x[t])` for each expert `e` in order and its
@@ -214,6 +296,20 @@ impl MoeBlock {
                     .iter()
                     .any(|l| tracks_gradients(&l.weight.val()))
             })
+    }
+}
+
+/// The experts as the per-expert loop needs them, on the host: the replayed ids as given, else the
+/// router's `ids` read back (one read).
+fn host_ids<'a>(replay: Option<&'a [u32]>, ids: &Tensor<2, Int>) -> Cow<'a, [u32]> {
+    match replay {
+        Some(r) => Cow::Borrowed(r),
+        None => Cow::Owned(
+            to_i64_vec(ids.clone())
+                .into_iter()
+                .map(|e| e as u32)
+                .collect(),
+        ),
     }
 }
 

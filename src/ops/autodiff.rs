@@ -12,7 +12,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::autodiff::Autodiff;
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{AutodiffBackend, Backend, TensorMetadata};
 
 use super::{ExpertWeights, KernelOps, PackedWeight};
@@ -303,7 +303,7 @@ impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C>
     fn grouped_moe(
         x: FloatTensor<Self>,
         route_w: FloatTensor<Self>,
-        ids: Vec<u32>,
+        ids: IntTensor<Self>,
         experts: ExpertWeights,
     ) -> Option<FloatTensor<Self>> {
         // A constant of the graph: the caller pairs it with the per-expert graph (`forward_value_of`).

@@ -76,13 +76,10 @@ impl BackendKind {
 fn probed(kind: BackendKind, device: burn::tensor::Device) -> anyhow::Result<burn::tensor::Device> {
     let touch = device.clone();
     let read = std::panic::catch_unwind(move || {
-        burn::tensor::Tensor::<1>::zeros([1], &touch)
-            .into_data()
-            .try_to_vec::<f32>()
-            .map(|v| v.len())
+        crate::host::to_f32_vec(burn::tensor::Tensor::<1>::zeros([1], &touch)).len()
     });
     match read {
-        Ok(Ok(1)) => Ok(device),
+        Ok(1) => Ok(device),
         _ => anyhow::bail!(
             "backend `{kind}`: no usable device on this machine (wgpu needs a Vulkan, Metal or DX12 driver, \
              e.g. Mesa's lavapipe from `mesa-vulkan-drivers`; cuda an NVIDIA GPU and driver)"

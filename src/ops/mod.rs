@@ -16,8 +16,9 @@
 //!
 //! # Grouped MoE experts
 //! [`grouped_moe`] runs the routed experts of one MoE layer as one op: on the CubeCL backends the grouped
-//! kernel of `cube_kernels` (gate+up with SwiGLU, down, un-permute and combine in one launch chain), on the
-//! CPU [`cpu::moe`]; a backend without it answers `None` and the model runs its per-expert loop.
+//! kernel of `cube_kernels` (gate+up with SwiGLU, down, un-permute and combine in one launch chain, the
+//! tokens grouped by expert on the device: the expert ids are never read back), on the CPU [`cpu::moe`]; a
+//! backend without it answers `None` and the model runs its per-expert loop.
 //!
 //! **Rollout and training agree bitwise.** The training (autodiff) forward returns the grouped op's output as
 //! its value, the very bits the rollout computes, and takes its gradient from the per-expert graph through
@@ -43,9 +44,9 @@ pub use backend::BackendKind;
 pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
 pub use switches::{deterministic, grouped_experts, set_deterministic, set_grouped_experts};
 
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 
 /// `dequant(Q(W))` in HF layout `[out, in]` as a tensor of backend `B` on `device`.
 fn dequantized_out_in<B: Backend>(packed: &PackedWeight, device: &B::Device) -> FloatTensor<B> {
@@ -107,15 +108,17 @@ pub trait KernelOps: Backend {
     }
 
     /// The routed experts of one MoE layer in one grouped launch chain ([`super::moe`]): `x [n, hidden]`,
-    /// `route_w [n, top_k]` (the chosen experts' weights, slot order), `ids[t * top_k + j]` the expert of
-    /// token `t`'s slot `j` -> `[n, hidden]`, with the arithmetic of the `cube_kernels` MoE contract (fp8
-    /// activations for fp8-b128, canonical sums, SwiGLU, combine in slot order with fused multiply-adds).
-    /// `None` (the default: the CPU and any backend without the kernel) means "run the per-expert loop";
-    /// the autodiff backend returns its inner backend's result without a gradient.
+    /// `route_w [n, top_k]` (the chosen experts' weights, slot order), `ids [n, top_k]` (int, on the same
+    /// device) the expert of each token's slot -> `[n, hidden]`, with the arithmetic of the `cube_kernels`
+    /// MoE contract (fp8 activations for fp8-b128, canonical sums, SwiGLU, combine in slot order with fused
+    /// multiply-adds). The ids stay where they are: the CubeCL backends group the tokens by expert on the
+    /// device (no read back), the CPU reads its own memory. `None` (the default: any backend without the
+    /// kernel) means "run the per-expert loop"; the autodiff backend returns its inner backend's result
+    /// without a gradient.
     fn grouped_moe(
         x: FloatTensor<Self>,
         route_w: FloatTensor<Self>,
-        ids: Vec<u32>,
+        ids: IntTensor<Self>,
         experts: ExpertWeights,
     ) -> Option<FloatTensor<Self>> {
         let _ = (x, route_w, ids, experts);
@@ -294,19 +297,19 @@ pub fn det_matmul<const D: usize>(x: Tensor<D>, w: Tensor<D>, w_transposed: bool
 }
 
 /// The grouped MoE op ([`KernelOps::grouped_moe`]) on tensors: `x [n, hidden]`, the chosen experts
-/// `ids[t * top_k + j]`, their routing weights `route_w [n, top_k]` -> `[n, hidden]`, or `None` when the
-/// backend has no grouped kernel (then run the per-expert loop). The result carries no gradient: under
-/// autodiff, pair it with the per-expert graph through [`forward_value_of`].
+/// `ids [n, top_k]` (on the device), their routing weights `route_w [n, top_k]` -> `[n, hidden]`, or `None`
+/// when the backend has no grouped kernel (then run the per-expert loop). The result carries no gradient:
+/// under autodiff, pair it with the per-expert graph through [`forward_value_of`].
 pub fn grouped_moe(
     x: Tensor<2>,
     route_w: Tensor<2>,
-    ids: &[u32],
+    ids: Tensor<2, Int>,
     experts: ExpertWeights,
 ) -> Option<Tensor<2>> {
     <Dispatch as KernelOps>::grouped_moe(
         x.into_dispatch(),
         route_w.into_dispatch(),
-        ids.to_vec(),
+        ids.into_dispatch(),
         experts,
     )
     .map(Tensor::from_dispatch)

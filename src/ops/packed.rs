@@ -10,7 +10,7 @@ use burn::tensor::Tensor;
 
 use super::cpu::kernel::KernelWeights;
 use super::KernelOps;
-use crate::host::{tensor_from_vec, to_f32_vec};
+use crate::host::{to_f32_vec, transpose, transposed_from_vec};
 use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
 
 /// Packed weights of one weight version, shared between the rollout and the training forward: the packed
@@ -33,38 +33,11 @@ pub struct QuantizedWeight {
     pub packed: PackedWeight,
 }
 
-/// `[rows, cols]` -> `[cols, rows]` on the host, in 32x32 tiles, output row blocks in parallel. Reading
-/// the master contiguous and transposing here instead of `into_data()` of a transposed view: burn-flex
-/// copies a strided view on one thread, which was a third of re-quantizing a model (every RL weight sync).
-fn transpose_host(src: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    use rayon::prelude::*;
-    const TILE: usize = 32;
-    let mut dst = vec![0.0f32; rows * cols];
-    if rows == 0 || cols == 0 {
-        return dst;
-    }
-    dst.par_chunks_mut(TILE * rows)
-        .enumerate()
-        .for_each(|(block, out)| {
-            let c0 = block * TILE;
-            let width = out.len() / rows;
-            for r0 in (0..rows).step_by(TILE) {
-                for r in r0..(r0 + TILE).min(rows) {
-                    let row = &src[r * cols + c0..r * cols + c0 + width];
-                    for (c, &v) in row.iter().enumerate() {
-                        out[c * rows + r] = v;
-                    }
-                }
-            }
-        });
-    dst
-}
-
 impl QuantizedWeight {
     /// Quantizes a master weight stored `[in, out]` (the spec's groups run along `in` of each output row).
     pub fn from_master(master: Tensor<2>, scheme: QuantScheme) -> Result<Self, QuantError> {
         let [inn, out] = master.dims();
-        let w_out_in = transpose_host(&to_f32_vec(master), inn, out);
+        let w_out_in = transpose(&to_f32_vec(master), inn, out);
         let q = QuantizedTensor::quantize(&w_out_in, out, inn, scheme)?;
         Ok(Self::from_packed(q))
     }
@@ -79,8 +52,7 @@ impl QuantizedWeight {
     /// `dequant(Q(W))` laid out like the master, `[in, out]`, on `device`.
     pub fn dequantized(&self, device: &burn::tensor::Device) -> Tensor<2> {
         let [out, inn] = self.packed.0.shape();
-        let t = tensor_from_vec(self.packed.0.dequantize(), [out, inn], device).transpose();
-        Tensor::from_data(t.into_data(), device)
+        transposed_from_vec(&self.packed.0.dequantize(), [out, inn], device)
     }
 
     /// Bytes of the packed codes and scales.

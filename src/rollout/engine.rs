@@ -10,6 +10,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::sampler::{sample, sequence_rng, SamplingParams};
+use crate::model::mlp::{rows_and_routing, DeviceRouting, Routing};
 use crate::model::{Decoder, Tokenizer};
 
 /// Why a sequence stopped.
@@ -51,6 +52,9 @@ pub struct Rollout {
     pub nonfinite: Option<(usize, usize)>,
     /// Tokens through those forwards (the rows still generating, summed over the steps).
     pub decode_tokens: usize,
+    /// Device-to-host reads of the decode loop ([`crate::host::device_reads`]; 0 on the CPU backend):
+    /// one per step when the step's sampled-from log-probs and its routing come back in one read.
+    pub decode_host_reads: u64,
 }
 
 impl Rollout {
@@ -89,8 +93,15 @@ struct NextToken {
 }
 
 /// `log_softmax(logits[b, at[b], :] / temperature)` as host rows, and with `entropy` (deterministic mode
-/// only) each row's entropy at temperature 1 ([`crate::model::scoring::entropy_row`]).
-fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32, entropy: bool) -> NextToken {
+/// only) each row's entropy at temperature 1 ([`crate::model::scoring::entropy_row`]); with the forward's
+/// routing read in the same device-to-host read ([`rows_and_routing`]): the one read of a decode step.
+fn logprobs_at(
+    logits: Tensor<3>,
+    at: &[usize],
+    temperature: f32,
+    entropy: bool,
+    routing: Vec<Option<DeviceRouting>>,
+) -> (NextToken, Vec<Option<Routing>>) {
     let [b, t, v] = logits.dims();
     let last = if at.iter().all(|&i| i == t - 1) {
         logits.narrow(1, t - 1, 1).reshape([b, v])
@@ -105,7 +116,7 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32, entropy: bool)
     };
     if crate::ops::deterministic() {
         // The fixed-order host log-softmax the training forward's log-probs are computed with.
-        let host = crate::host::rows(last);
+        let (host, routing) = rows_and_routing(Some(last), routing);
         let logprobs = host
             .par_iter()
             .map(|r| crate::model::scoring::log_softmax_row(r, temperature))
@@ -117,17 +128,19 @@ fn logprobs_at(logits: Tensor<3>, at: &[usize], temperature: f32, entropy: bool)
         } else {
             Vec::new()
         };
-        return NextToken { logprobs, entropy };
+        return (NextToken { logprobs, entropy }, routing);
     }
     let last = if temperature == 1.0 {
         last
     } else {
         last / temperature as f64
     };
-    NextToken {
-        logprobs: crate::host::rows(log_softmax(last, 1)),
+    let (logprobs, routing) = rows_and_routing(Some(log_softmax(last, 1)), routing);
+    let next = NextToken {
+        logprobs,
         entropy: Vec::new(),
-    }
+    };
+    (next, routing)
 }
 
 /// Appends, for each row of `rows`, the routing of the first `take(slot)` tokens it fed through one forward
@@ -211,20 +224,26 @@ fn generate_in_pool(
     // Logits only at each prompt's last token: the LM head over the whole prompt would be wasted.
     let pre = model.forward_logits_at(&padded, Some(&lens), Some(&mut cache), None, Some(&last));
     let record_entropy = params.record_entropy;
-    let prompt_next = logprobs_at(pre.logits, &vec![0; p], temperature, record_entropy);
+    let record_routing = pre.routing.iter().any(Option::is_some);
+    let (prompt_next, pre_routing) = logprobs_at(
+        pre.logits,
+        &vec![0; p],
+        temperature,
+        record_entropy,
+        pre.routing,
+    );
     let prompt_lp = prompt_next.logprobs;
     if let Some(pi) = first_nonfinite(&prompt_lp) {
         out.nonfinite = Some((0, pi * samples));
         return out;
     }
-    let record_routing = pre.routing.iter().any(Option::is_some);
     if record_routing {
         let fan: Vec<usize> = (0..rows).collect();
         let by_prompt: Vec<usize> = (0..rows).map(|r| r / samples).collect();
         // Each sample's record starts with its prompt's routing (padding slots left out).
         let mut per_prompt: Vec<Vec<Option<Vec<u32>>>> = vec![vec![None; n_layers]; p];
         let prompt_rows: Vec<usize> = (0..p).collect();
-        append_routing(&mut per_prompt, &prompt_rows, &pre.routing, t, &|slot| {
+        append_routing(&mut per_prompt, &prompt_rows, &pre_routing, t, &|slot| {
             lens[slot]
         });
         for r in fan {
@@ -243,6 +262,7 @@ fn generate_in_pool(
     };
     out.prefill_s = t_prefill.elapsed().as_secs_f64();
     let t_decode = Instant::now();
+    let reads = crate::host::ReadCount::start();
     let mut rngs: Vec<_> = (0..rows).map(|r| sequence_rng(params.seed, r)).collect();
     let mut active: Vec<usize> = (0..rows).collect();
     let max_stop_len = params
@@ -302,15 +322,16 @@ fn generate_in_pool(
         let step_out = model.forward(&next, None, Some(&mut cache), None);
         out.decode_steps += 1;
         out.decode_tokens += next.len();
-        if record_routing {
-            append_routing(&mut out.routing, &active, &step_out.routing, 1, &|_| 1);
-        }
-        let next_token = logprobs_at(
+        let (next_token, step_routing) = logprobs_at(
             step_out.logits,
             &vec![0; active.len()],
             temperature,
             record_entropy,
+            step_out.routing,
         );
+        if record_routing {
+            append_routing(&mut out.routing, &active, &step_routing, 1, &|_| 1);
+        }
         (lp_rows, entropy_rows) = (next_token.logprobs, next_token.entropy);
         if let Some(slot) = first_nonfinite(&lp_rows) {
             out.nonfinite = Some((step + 1, active[slot]));
@@ -318,5 +339,6 @@ fn generate_in_pool(
         }
     }
     out.decode_s = t_decode.elapsed().as_secs_f64();
+    out.decode_host_reads = reads.reads();
     out
 }

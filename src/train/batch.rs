@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::host::tensor_from_vec;
-use crate::model::mlp::Routing;
+use crate::model::mlp::DeviceRouting;
 use crate::model::scoring::{head_logprobs, right_pad};
 use crate::model::{Decoder, Weights};
 
@@ -137,6 +137,7 @@ impl SeqBatch {
     ) -> (Tensor<2>, ResponseForward) {
         let groups = self.prompt_groups();
         let shared = opts.sharing == PrefixSharing::Auto && groups.len() < self.seqs.len();
+        let reads = crate::host::ReadCount::start();
         let (hidden, rows, routing, padded_len) = if shared {
             self.shared_prefix_hidden(model, weights, replay, &groups)
         } else {
@@ -150,6 +151,7 @@ impl SeqBatch {
                 .collect();
             (hidden, rows, routing, padded_len)
         };
+        let layer_reads = reads.reads();
         let device = hidden.device();
         let positions = self.loss_positions(padded_len);
         let n = positions.len();
@@ -178,6 +180,7 @@ impl SeqBatch {
                 entropy: head.entropy,
                 routing,
                 padded_len,
+                layer_reads,
             },
         )
     }
@@ -242,7 +245,7 @@ impl SeqBatch {
         weights: Weights,
         replay: Option<&[Option<Vec<u32>>]>,
         groups: &[Vec<usize>],
-    ) -> (Tensor<2>, Vec<i64>, Vec<Option<Routing>>, usize) {
+    ) -> (Tensor<2>, Vec<i64>, Vec<Option<DeviceRouting>>, usize) {
         let (b, p) = (self.seqs.len(), groups.len());
         let padded_len = self.seqs.iter().map(Vec::len).max().unwrap_or(0);
         let plens: Vec<usize> = groups.iter().map(|g| self.prompt_lens[g[0]]).collect();
@@ -341,26 +344,31 @@ impl SeqBatch {
                 rows.extend((1..n).map(|j| (p + r * t + j - 1) as i64));
             }
         }
+        // The routing laid out as a full forward's, gathered on the device: token `q` of row `r` is its
+        // prompt's token `q`, then its own response token, then a placeholder `0..k` (padding).
+        let resp_rows = if t == 0 { 0 } else { b * t };
+        let pad_row = (p * lp + resp_rows) as i64;
+        let mut token_rows = Vec::with_capacity(b * padded_len);
+        for r in 0..b {
+            let (g, pl) = (group_of[r], self.prompt_lens[r]);
+            token_rows.extend((0..pl).map(|q| (g * lp + q) as i64));
+            let filled = if t == 0 { 0 } else { counts[r] };
+            token_rows.extend((0..filled).map(|j| (p * lp + r * t + j) as i64));
+            token_rows.extend(std::iter::repeat_n(pad_row, padded_len - pl - filled));
+        }
+        let device = hidden.device();
+        let token_rows =
+            Tensor::<1, Int>::from_data(TensorData::new(token_rows, [b * padded_len]), &device);
         let routing = (0..layers)
             .map(|l| {
-                let (pr, rr) = (
-                    r_prompt[l].as_ref()?,
-                    r_resp.get(l).and_then(Option::as_ref),
-                );
-                let k = pr.len() / (p * lp).max(1);
-                let mut out = Vec::with_capacity(b * padded_len * k);
-                for r in 0..b {
-                    let (g, pl) = (group_of[r], self.prompt_lens[r]);
-                    out.extend_from_slice(&pr[g * lp * k..(g * lp + pl) * k]);
-                    if let Some(rr) = rr {
-                        out.extend_from_slice(&rr[r * t * k..(r * t + counts[r]) * k]);
-                    }
-                    let filled = pl + if rr.is_some() { counts[r] } else { 0 };
-                    for _ in filled..padded_len {
-                        out.extend(0..k as u32);
-                    }
-                }
-                Some(out)
+                let pr = r_prompt[l].clone()?;
+                let k = pr.dims()[1];
+                let placeholder = Tensor::<1, Int>::arange(0..k as i64, &device).reshape([1, k]);
+                let parts: Vec<DeviceRouting> = std::iter::once(pr)
+                    .chain(r_resp.get(l).cloned().flatten())
+                    .chain(std::iter::once(placeholder))
+                    .collect();
+                Some(Tensor::cat(parts, 0).select(0, token_rows.clone()))
             })
             .collect();
         (hidden, rows, routing, padded_len)
@@ -398,11 +406,14 @@ pub struct ResponseForward {
     /// The entropy (temperature 1) at each position that carries a loss, sequence by sequence, position by
     /// position, when [`ForwardOptions::entropy`] asked for it.
     pub entropy: Option<Vec<f32>>,
-    /// For each layer, the experts of every token of the padded batch (`[B * T * top_k]`), `None` for dense
-    /// layers.
-    pub routing: Vec<Option<Routing>>,
+    /// For each layer, the experts of every token of the padded batch (`[B * T, top_k]`, on the device:
+    /// [`crate::model::mlp::routing_to_host`] reads them), `None` for dense layers.
+    pub routing: Vec<Option<DeviceRouting>>,
     /// `T`, the tokens per row of the padded batch.
     pub padded_len: usize,
+    /// Device-to-host reads of the decoder layers (embedding to the final norm, before the LM head;
+    /// [`crate::host::device_reads`]): none with routing replay on a GPU.
+    pub layer_reads: u64,
 }
 
 /// Routing replay for a right-padded batch: the recorded experts of every token that went through the

@@ -173,6 +173,12 @@ pub fn collect(
     m.insert("perf/rollout_prefill_s".into(), out.prefill_s);
     m.insert("perf/rollout_decode_s".into(), out.decode_s);
     m.insert("perf/rollout_decode_steps".into(), out.decode_steps as f64);
+    if out.decode_steps > 0 {
+        m.insert(
+            "perf/host_reads_per_decode_step".into(),
+            out.decode_host_reads as f64 / out.decode_steps as f64,
+        );
+    }
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let mc = &model.config;
     let prefill = mc.forward_flops(prompts.len(), longest, longest, prompts.len());

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use anyhow::Context;
 
 use super::batch::{replay_routing, ResponseForward, SeqBatch};
+use crate::model::mlp::routing_to_host;
 use crate::rl::metrics::{routing_disagreement, RoutingDisagreement};
 
 /// The kept sequences as the learner sees them at the start of the step.
@@ -128,9 +129,9 @@ impl ForwardStats {
         }
         // Routing of the learner forward vs the rollout, over the tokens the rollout routed.
         let t = fwd.padded_len;
+        let learner = routing_to_host(fwd.routing.clone());
         for (b, rec) in records.iter().enumerate() {
-            let learner_row: Vec<Option<Vec<u32>>> = fwd
-                .routing
+            let learner_row: Vec<Option<Vec<u32>>> = learner
                 .iter()
                 .map(|l| {
                     l.as_ref().map(|v| {

@@ -10,7 +10,7 @@ use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 
-use super::batch::{ForwardOptions, SeqBatch};
+use super::batch::{ForwardOptions, ResponseForward, SeqBatch};
 use super::config::{lr_at, TrainConfig, TrainForward};
 use super::scored::{split_responses, ForwardStats, Scored};
 use crate::host::{tensor_from_vec, to_f32_vec};
@@ -361,7 +361,7 @@ impl Pass<'_, '_> {
         if !active.is_empty() {
             let (sub, replay) = s.subset(&active, layers);
             let (lp, fwd) = sub.logprobs_with(model, weights, temperature, replay.as_deref(), opts);
-            perf.add_forward(&model.config, &sub, true);
+            perf.add_forward(&model.config, &sub, true, &fwd);
             if self.first_forward {
                 let replayed = s.replay.is_some();
                 stats.add_routing(&fwd, &sub, &records(&active), replayed, s.top_k)?;
@@ -385,7 +385,7 @@ impl Pass<'_, '_> {
                 rest_replay.as_deref(),
                 opts,
             );
-            perf.add_forward(&model.config, &rest, false);
+            perf.add_forward(&model.config, &rest, false, &rest_fwd);
             let active_entropy = active_forward
                 .as_ref()
                 .map(|(_, sub, fwd)| split_responses(sub, fwd.entropy.as_deref().unwrap_or(&[])))
@@ -496,11 +496,20 @@ struct PhaseTimes {
     loss_tokens: usize,
     /// Rows that needed no forward with a graph (their loss and gradient are zero).
     skipped: usize,
+    /// Device-to-host reads of the learner forwards' decoder layers ([`ResponseForward::layer_reads`]).
+    layer_reads: u64,
 }
 
 impl PhaseTimes {
     /// A learner forward of `b`, with a graph (a backward follows) or without.
-    fn add_forward(&mut self, config: &crate::model::ModelConfig, b: &SeqBatch, graph: bool) {
+    fn add_forward(
+        &mut self,
+        config: &crate::model::ModelConfig,
+        b: &SeqBatch,
+        graph: bool,
+        fwd: &ResponseForward,
+    ) {
+        self.layer_reads += fwd.layer_reads;
         let (tokens, flops) = b.forward_work(config);
         self.forward_flops += flops;
         if graph {
@@ -530,6 +539,10 @@ impl PhaseTimes {
         );
         m.insert("perf/learner_tokens".into(), self.tokens as f64);
         m.insert("perf/loss_tokens".into(), self.loss_tokens as f64);
+        m.insert(
+            "perf/host_reads_training_forward".into(),
+            self.layer_reads as f64,
+        );
         m.insert("train/skipped_sequences".into(), self.skipped as f64);
     }
 }

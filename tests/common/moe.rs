@@ -5,7 +5,7 @@ use std::path::Path;
 use burn::tensor::{Device, Tensor};
 use qarl::host::tensor_from_vec;
 use qarl::model::layers::Linear;
-use qarl::model::mlp::{MoeBlock, SwiGlu};
+use qarl::model::mlp::{routing_to_host, DeviceRouting, MoeBlock, Replay, SwiGlu};
 use qarl::model::scoring::response_logprobs;
 use qarl::model::Decoder;
 use qarl::quant::{QuantConfig, QuantScheme};
@@ -62,6 +62,18 @@ pub fn moe_block(device: &Device, scheme: QuantScheme, autodiff: bool) -> MoeBlo
         top_k: TOP_K,
         norm_topk_prob: true,
     }
+}
+
+/// A layer's routing, read from the device.
+pub fn host_ids(r: DeviceRouting) -> Vec<u32> {
+    routing_to_host(vec![Some(r)])
+        .remove(0)
+        .expect("one MoE layer")
+}
+
+/// `ids` (a routing of [`moe_routings`]) replayed on `device`.
+pub fn replay<'a>(ids: Option<&'a [u32]>, device: &Device) -> Option<Replay<'a>> {
+    ids.map(|r| Replay::upload(r, TOP_K, device))
 }
 
 /// The routings the MoE tests replay (`None`: the router's own top-2).

@@ -1,13 +1,16 @@
 //! The grouped MoE matmul: assignments (token, expert) sorted by expert, one launch over all experts.
 //!
-//! The host splits each expert's run of sorted assignments into tiles of 16 ([`crate::moe::MoeRouting`]);
-//! cube `(x, y)` computes output rows `16x..16x+16` for tile `y`, reading that tile's expert's weights at
-//! its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the staged
-//! activations and the result is `silu(gate) * up`. Empty experts have no tiles; nothing is padded.
+//! Each expert's run of sorted assignments is split into tiles of 16 ([`crate::moe::MoeRouting`] on the
+//! host, or [`route_count()`], [`route_tiles()`] and [`route_scatter()`] on the device, from ids that never
+//! leave it); cube `(x, y)` computes output rows `16x..16x+16` for tile `y`, reading that tile's expert's
+//! weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the
+//! staged activations and the result is `silu(gate) * up`. Empty experts have no tiles; a table built on
+//! the device ends with empty tiles up to a bound (their cubes compute nothing).
 //!
-//! The routing bookkeeping reaches the device as one `u32` table ([`crate::moe::MoeRouting::table`]):
-//! per tile `(expert, first assignment, one past the last)` at `3 * tile`, then the token of every sorted
-//! assignment from `rows_at`, then the sorted position of every (token, slot) from `pos_at`.
+//! The routing bookkeeping is one `u32` table ([`crate::moe::MoeRouting::table`], uploaded, or
+//! [`crate::moe::RoutingTable`], built on the device): per tile `(expert, first assignment, one past the
+//! last)` at `3 * tile`, then the token of every sorted assignment from `rows_at`, then the sorted position
+//! of every (token, slot) from `pos_at`, then the expert of every sorted assignment, then the offsets.
 //!
 //! # Arithmetic contract (what [`crate::reference::moe`] computes, and what the model's MoE block relies on)
 //! For assignment `a` (token `t`, slot `j`, expert `e`), with `x'` = the activations as the format asks
@@ -354,5 +357,95 @@ pub fn combine<F: Float>(
             );
         }
         out[id] = F::cast_from(acc);
+    }
+}
+
+/// Routing on the device, step 1 of 3 ([`crate::moe::RoutingTable`]'s layout): `table[offsets_at + e + 1]`
+/// = how many of the `assignments` ids are expert `e`, one unit per expert scanning the ids in order.
+#[cube(launch)]
+// A cube kernel indexes its arrays: it has no iterators.
+#[allow(clippy::needless_range_loop)]
+pub fn route_count(
+    ids: &[u32],
+    table: &mut [u32],
+    assignments: usize,
+    experts: usize,
+    offsets_at: usize,
+) {
+    let e = ABSOLUTE_POS;
+    if e < experts {
+        let mut count = 0u32;
+        for i in 0..assignments {
+            if ids[i] as usize == e {
+                count += 1u32;
+            }
+        }
+        table[offsets_at + e + 1] = count;
+    }
+}
+
+/// Routing on the device, step 2 of 3, one unit: the counts become offsets (`offsets[0] = 0`, prefix sums
+/// in expert order), and each expert's run of sorted assignments is cut into tiles of at most 16
+/// ([`crate::kernels::TILE`]): `(expert, first, one past the last)` at `3 * tile`, experts in order, as
+/// the host's [`crate::moe::MoeRouting`]; the tiles past the last real one, up to the bound `tiles`, are
+/// empty `(0, 0, 0)` (the grouped kernel computes nothing for them).
+#[cube(launch)]
+pub fn route_tiles(table: &mut [u32], experts: usize, offsets_at: usize, tiles: usize) {
+    if ABSOLUTE_POS == 0 {
+        table[offsets_at] = 0u32;
+        let mut tile = 0usize;
+        for e in 0..experts {
+            let start = table[offsets_at + e];
+            let end = start + table[offsets_at + e + 1];
+            table[offsets_at + e + 1] = end;
+            let mut first = start;
+            while first < end {
+                let mut last = first + 16u32;
+                if last > end {
+                    last = end;
+                }
+                table[3 * tile] = e as u32;
+                table[3 * tile + 1] = first;
+                table[3 * tile + 2] = last;
+                tile += 1;
+                first = last;
+            }
+        }
+        while tile < tiles {
+            table[3 * tile] = 0u32;
+            table[3 * tile + 1] = 0u32;
+            table[3 * tile + 2] = 0u32;
+            tile += 1;
+        }
+    }
+}
+
+/// Routing on the device, step 3 of 3: the stable counting sort's scatter, one unit per expert `e` walking
+/// the ids in order: its `n`-th assignment `i` (token `i / top_k`) gets sorted position `offsets[e] + n`,
+/// stored as `rows[pos] = i / top_k`, `positions[i] = pos` and `experts[pos] = e`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn route_scatter(
+    ids: &[u32],
+    table: &mut [u32],
+    assignments: usize,
+    top_k: usize,
+    experts: usize,
+    rows_at: usize,
+    positions_at: usize,
+    experts_at: usize,
+    offsets_at: usize,
+) {
+    let e = ABSOLUTE_POS;
+    if e < experts {
+        let mut pos = table[offsets_at + e] as usize;
+        for i in 0..assignments {
+            if ids[i] as usize == e {
+                table[rows_at + pos] = (i / top_k) as u32;
+                table[positions_at + i] = pos as u32;
+                table[experts_at + pos] = e as u32;
+                pos += 1;
+            }
+        }
     }
 }

@@ -11,7 +11,7 @@ pub mod moe;
 pub mod probe;
 
 use burn::backend::flex::FlexTensor;
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Flex, TensorMetadata};
 use burn::tensor::TensorData;
 
@@ -107,9 +107,15 @@ impl KernelOps for Flex {
     fn grouped_moe(
         x: FloatTensor<Self>,
         route_w: FloatTensor<Self>,
-        ids: Vec<u32>,
+        ids: IntTensor<Self>,
         experts: ExpertWeights,
     ) -> Option<FloatTensor<Self>> {
+        let ids: Vec<u32> = ids
+            .into_data()
+            .convert::<i64>()
+            .iter::<i64>()
+            .map(|e| e as u32)
+            .collect();
         let x: FlexTensor = x.to_contiguous();
         let route_w: FlexTensor = route_w.to_contiguous();
         let dims = x.layout().shape().to_vec();

@@ -13,12 +13,12 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::TensorMetadata;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
-use cube_kernels::{ActDType, DeviceBuffer, DeviceWeights, Kernels, MoeRouting, PackedWeights};
+use cube_kernels::{ActDType, DeviceBuffer, DeviceWeights, Kernels, MatmulPath, PackedWeights};
 
 use crate::ops::{ExpertWeights, PackedWeight};
 use crate::quant::QuantizedTensor;
@@ -160,6 +160,22 @@ fn buffer(t: &CubeTensor, len: usize, dtype: ActDType) -> DeviceBuffer {
     DeviceBuffer::from_handle_typed(t.handle.clone(), len, dtype)
 }
 
+/// `len` non-negative int values (expert ids) as a contiguous buffer of 32-bit words, which the routing
+/// kernels read as `u32`: an `i32` or `u32` tensor as it is (the same bits), another int type cast first.
+fn id_buffer(ids: CubeTensor, len: usize) -> DeviceBuffer {
+    let ids = match ids.dtype {
+        DType::I32 | DType::U32 => ids,
+        _ => burn_cubecl::kernel::cast(ids, DType::U32),
+    };
+    let ids = burn_cubecl::kernel::into_contiguous(ids);
+    assert_eq!(
+        ids.shape().num_elements(),
+        len,
+        "one expert id per token and slot"
+    );
+    DeviceBuffer::from_handle(ids.handle.clone(), len)
+}
+
 fn wrap(like: &CubeTensor, y: DeviceBuffer, rows: usize, cols: usize) -> CubeTensor {
     CubeTensor::new_contiguous(
         like.client.clone(),
@@ -212,13 +228,14 @@ pub(crate) fn quant_matmul_transposed(
     Some(wrap(&g, dx, n, w.in_features()))
 }
 
-/// The grouped MoE kernel on `x [n, hidden]` with `route_w [n, top_k]` and `ids[t * top_k + j]`, in `x`'s
-/// dtype, or `None` when `x` and `route_w` are not matrices of one dtype the kernels take on this device
-/// (the caller runs the per-expert loop).
+/// The grouped MoE kernel on `x [n, hidden]` with `route_w [n, top_k]` and the expert ids `ids [n, top_k]`,
+/// in `x`'s dtype, or `None` when `x` and `route_w` are not matrices of one dtype the kernels take on this
+/// device (the caller runs the per-expert loop). The tokens are grouped by expert on the device
+/// ([`Kernels::route`]): nothing is read back.
 pub(crate) fn grouped_moe(
     x: FloatTensor<CubeBackend>,
     route_w: FloatTensor<CubeBackend>,
-    ids: &[u32],
+    ids: IntTensor<CubeBackend>,
     experts: &ExpertWeights,
 ) -> Option<CubeTensor> {
     if x.dtype != route_w.dtype {
@@ -237,12 +254,14 @@ pub(crate) fn grouped_moe(
         "grouped_moe: activations have {hidden} columns, experts expect {}",
         experts.dims()[0]
     );
-    let routing = MoeRouting::new(ids, n, top_k, experts.len()).expect("valid expert ids");
+    let routing = kernels
+        .route(&id_buffer(ids, n * top_k), n, top_k, experts.len())
+        .expect("one expert id per token and slot");
     let [gate, up, down] = device_experts(&kernels, &x, experts);
     let xb = buffer(&x, n * hidden, dtype);
     let wb = buffer(&route_w, n * top_k, dtype);
     let y = kernels
-        .moe(&xb, &routing, &wb, &gate, &up, &down)
+        .moe_routed(&xb, &routing, &wb, [&gate, &up, &down], MatmulPath::Auto)
         .expect("shapes checked above");
     Some(wrap(&x, y, n, hidden))
 }

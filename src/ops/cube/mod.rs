@@ -3,7 +3,7 @@
 mod exact;
 mod launch;
 
-use burn::backend::tensor::FloatTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::TensorMetadata;
 
 use super::{
@@ -70,9 +70,9 @@ impl KernelOps for burn_cubecl::CubeBackend {
     fn grouped_moe(
         x: FloatTensor<Self>,
         route_w: FloatTensor<Self>,
-        ids: Vec<u32>,
+        ids: IntTensor<Self>,
         experts: ExpertWeights,
     ) -> Option<FloatTensor<Self>> {
-        launch::grouped_moe(x, route_w, &ids, &experts)
+        launch::grouped_moe(x, route_w, ids, &experts)
     }
 }
