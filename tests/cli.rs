@@ -640,8 +640,15 @@ fn bench_step_times_each_variant_in_its_own_process() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("## f32") && stdout.contains("## int4"), "{stdout}");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("## f32") && stdout.contains("## int4"),
+        "{stdout}"
+    );
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let variants = report["variants"].as_array().unwrap();
