@@ -18,6 +18,8 @@
 //! launchers and references); without any of them only [`format`], [`e4m3`] and [`KernelError`] remain.
 
 #[cfg(feature = "kernels")]
+pub mod buffer;
+#[cfg(feature = "kernels")]
 pub mod context;
 #[cfg(feature = "kernels")]
 pub mod dtype;

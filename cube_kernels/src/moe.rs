@@ -5,7 +5,7 @@
 //! [`MoeRouting`] or built there from ids that never leave the device ([`crate::Kernels::route`]: the
 //! router's top-k of a decode step, with no read back).
 
-use crate::context::DeviceBuffer;
+use crate::buffer::DeviceBuffer;
 use crate::error::KernelError;
 use crate::kernels::TILE;
 
