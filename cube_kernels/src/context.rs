@@ -203,26 +203,33 @@ impl Kernels {
     /// Reads values back as f32 (waits for the kernels that write them); f16 and bf16 buffers are widened
     /// exactly.
     pub fn read_f32(&self, buffer: &DeviceBuffer) -> Result<Vec<f32>, KernelError> {
-        if buffer.len == 0 {
-            return Ok(Vec::new());
-        }
-        let bytes = self
-            .client
-            .read_one(buffer.handle.clone())
-            .map_err(|e| KernelError::Device(format!("{e:?}")))?;
-        Ok(buffer.dtype.decode(&bytes, buffer.len))
+        Ok(match self.read_bytes(buffer)? {
+            Some(bytes) => buffer.dtype.decode(&bytes, buffer.len),
+            None => Vec::new(),
+        })
     }
 
     /// Reads `u32` values back (waits for the kernels that write them).
     pub fn read_u32(&self, buffer: &DeviceBuffer) -> Result<Vec<u32>, KernelError> {
+        Ok(match self.read_bytes(buffer)? {
+            Some(bytes) => u32::from_bytes(&bytes)[..buffer.len].to_vec(),
+            None => Vec::new(),
+        })
+    }
+
+    /// The bytes of a buffer (waits for the kernels that write them); `None` for an empty one, which has
+    /// nothing on the device to read (its handle holds a placeholder element).
+    fn read_bytes(
+        &self,
+        buffer: &DeviceBuffer,
+    ) -> Result<Option<cubecl::bytes::Bytes>, KernelError> {
         if buffer.len == 0 {
-            return Ok(Vec::new());
+            return Ok(None);
         }
-        let bytes = self
-            .client
+        self.client
             .read_one(buffer.handle.clone())
-            .map_err(|e| KernelError::Device(format!("{e:?}")))?;
-        Ok(u32::from_bytes(&bytes)[..buffer.len].to_vec())
+            .map(Some)
+            .map_err(|e| KernelError::Device(format!("{e:?}")))
     }
 
     /// Waits until every launched kernel has finished (for timing).
