@@ -28,8 +28,8 @@ use std::time::Instant;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use qarl::ops::cpu::kernel::{KernelWeights, SimdPath};
+use qarl::ops::cpu::probe::{dram_probe_buffer, dram_read_gbs, stream_read_gbs};
 use qarl::quant::{QuantScheme, QuantizedTensor};
-use rayon::prelude::*;
 
 const N: usize = 4096;
 const ROTATE_BYTES: usize = 1 << 30;
@@ -67,27 +67,6 @@ fn time(copies: usize, iters: usize, mut f: impl FnMut(usize) + Send) -> f64 {
     })
 }
 
-/// Streaming read of a 1 GiB buffer on every thread of the pool, best of 5: GB/s.
-fn bandwidth_probe() -> f64 {
-    let buf = probe_buffer();
-    (0..5).map(|_| stream_once(&buf)).fold(0.0, f64::max)
-}
-
-fn probe_buffer() -> Vec<u64> {
-    (0..ROTATE_BYTES / 8).map(|i| i as u64).collect()
-}
-
-/// One parallel streaming read of `buf`: GB/s.
-fn stream_once(buf: &[u64]) -> f64 {
-    let start = Instant::now();
-    let s: u64 = buf
-        .par_chunks(1 << 16)
-        .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
-        .sum();
-    black_box(s);
-    (buf.len() * 8) as f64 / start.elapsed().as_secs_f64() / 1e9
-}
-
 /// `QARL_BENCH_PAIRED`: the m = 1 GEMV of each listed scheme and the probe, in alternating rounds (module
 /// docs). Prints one row per scheme: median time, median GB/s and the median (with quartiles) over rounds
 /// of its GB/s over the probe's GB/s of the same round.
@@ -107,14 +86,14 @@ fn paired(w: &[f32], list: &str) {
             (scheme.name().to_string(), vec![k; copies])
         })
         .collect();
-    let buf = probe_buffer();
+    let buf = dram_probe_buffer();
     let x = values(N, 2);
     let mut secs = vec![Vec::new(); kernels.len()];
     let mut share = vec![Vec::new(); kernels.len()];
     let mut probes = Vec::new();
     let mut next = vec![0usize; kernels.len()];
     for _ in 0..ROUNDS {
-        let probe = stream_once(&buf);
+        let probe = stream_read_gbs(&buf);
         probes.push(probe);
         for (k, (_, copies)) in kernels.iter().enumerate() {
             let t = time(copies.len(), CALLS, |_| {
@@ -191,7 +170,7 @@ fn main() {
         paired(&values(N * N, 1), &list);
         return;
     }
-    let probe = bandwidth_probe();
+    let probe = dram_read_gbs(5);
     println!(
         "# lowbit_matmul: {N}x{N}, {} threads, SIMD path {}, DRAM probe {probe:.1} GB/s\n",
         rayon::current_num_threads(),

@@ -124,18 +124,26 @@ const PROBE_BYTES: usize = 1 << 30;
 
 /// Streaming read of a 1 GiB buffer on every thread of the pool, best of `repeats`: GB/s.
 pub fn dram_read_gbs(repeats: usize) -> f64 {
-    let buf: Vec<u64> = (0..PROBE_BYTES / 8).map(|i| i as u64).collect();
-    let mut best = 0.0f64;
-    for _ in 0..repeats.max(1) {
-        let start = Instant::now();
-        let s: u64 = buf
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
-            .sum();
-        black_box(s);
-        best = best.max(PROBE_BYTES as f64 / start.elapsed().as_secs_f64() / 1e9);
-    }
-    best
+    let buf = dram_probe_buffer();
+    (0..repeats.max(1))
+        .map(|_| stream_read_gbs(&buf))
+        .fold(0.0, f64::max)
+}
+
+/// The bandwidth probe's 1 GiB buffer, for callers that interleave single passes with other work.
+pub fn dram_probe_buffer() -> Vec<u64> {
+    (0..PROBE_BYTES / 8).map(|i| i as u64).collect()
+}
+
+/// One parallel streaming read of `buf` on every thread of the pool: GB/s.
+pub fn stream_read_gbs(buf: &[u64]) -> f64 {
+    let start = Instant::now();
+    let s: u64 = buf
+        .par_chunks(1 << 16)
+        .map(|c| c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))
+        .sum();
+    black_box(s);
+    std::mem::size_of_val(buf) as f64 / start.elapsed().as_secs_f64() / 1e9
 }
 
 /// The peak resident memory of this process so far (`VmHWM` of `/proc/self/status`) in GB (1e9 bytes);
