@@ -450,3 +450,122 @@ fn resume_before_the_first_checkpoint_keeps_the_sft_rows() {
         "RL redone from step 0, each step once"
     );
 }
+
+/// Must-show (issue 24): a SIGKILL of `qarl train` after its first RL rows but before its first RL checkpoint,
+/// then `qarl train --resume` with the same config, loses no metrics row: every row logged before the kill
+/// (the warm start's and the first RL steps') is in the final file, unchanged and in its place (RL is redone
+/// from step 0 and writes the same rows again), no step is logged twice, and the final metrics are those of
+/// a run that was never killed.
+#[test]
+fn sigkill_before_the_first_rl_checkpoint_loses_no_metrics_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("killed");
+    std::fs::create_dir_all(&dir).unwrap();
+    let steps = 6;
+    let text = tiny_train_toml(&dir, "aligned", steps)
+        .replace("checkpoint_every = 1\n", "checkpoint_every = 1000\n");
+    std::fs::write(dir.join("run.toml"), &text).unwrap();
+    let cfg = TrainConfig::from_toml(&text, "tiny").unwrap();
+    assert_eq!(cfg.checkpoint_every, 1000);
+    let metrics = cfg.run_dir.join("metrics.jsonl");
+    // The complete rows of the metrics file (a row a kill cut short is not one), without timing keys.
+    let complete_rows = || -> Vec<serde_json::Value> {
+        std::fs::read_to_string(&metrics)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .map(|mut v| {
+                v.as_object_mut()
+                    .unwrap()
+                    .retain(|k, _| !k.starts_with("perf/"));
+                v
+            })
+            .collect()
+    };
+    let qarl = env!("CARGO_BIN_EXE_qarl");
+
+    let mut child = Command::new(qarl)
+        .args(["train", "--quiet", "--config", "run.toml"])
+        .current_dir(&dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !complete_rows().iter().any(|r| r["phase"] == "rl") {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before it could be killed"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(600), "timed out");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    child.kill().unwrap(); // SIGKILL
+    assert!(!child.wait().unwrap().success());
+    let before = complete_rows();
+    let rl_before = before.iter().filter(|r| r["phase"] == "rl").count();
+    println!(
+        "killed after {:?}: {} rows logged ({} SFT, {rl_before} RL)",
+        t0.elapsed(),
+        before.len(),
+        before.iter().filter(|r| r["phase"] == "sft").count()
+    );
+    assert!(
+        checkpoint::latest(&cfg.run_dir).is_none(),
+        "an RL checkpoint was written before the kill"
+    );
+    assert!(before.iter().any(|r| r["phase"] == "sft"));
+    assert!(
+        rl_before < steps,
+        "the run finished its RL steps before the kill"
+    );
+
+    let out = Command::new(qarl)
+        .args(["train", "--quiet", "--resume", "--config", "run.toml"])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let after = metrics_without_timing(&metrics);
+    assert!(after.len() > before.len(), "{} rows", after.len());
+    for (i, row) in before.iter().enumerate() {
+        assert_eq!(
+            &after[i],
+            row,
+            "metrics.jsonl row {} logged before the kill was lost or changed by the resume",
+            i + 1
+        );
+    }
+    for phase in ["sft", "rl", "eval"] {
+        let steps_logged: Vec<u64> = after
+            .iter()
+            .filter(|r| r["phase"] == phase)
+            .map(|r| r["step"].as_u64().unwrap())
+            .collect();
+        assert!(
+            steps_logged.windows(2).all(|w| w[0] < w[1]),
+            "{phase} steps logged twice or out of order: {steps_logged:?}"
+        );
+    }
+    let rl_steps: Vec<u64> = after
+        .iter()
+        .filter(|r| r["phase"] == "rl")
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(rl_steps, (0..steps as u64).collect::<Vec<_>>());
+
+    // The same rows, bit for bit, as a run that was never killed.
+    let mut straight = cfg.clone();
+    straight.run_dir = tmp.path().join("straight/run");
+    straight.model.dir = tmp.path().join("straight/model");
+    train::run(&straight, false, true).unwrap();
+    assert_eq!(
+        after,
+        metrics_without_timing(&straight.run_dir.join("metrics.jsonl")),
+        "the killed and resumed run's metrics differ from an uninterrupted run's"
+    );
+}
