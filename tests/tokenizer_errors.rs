@@ -31,3 +31,51 @@ fn tokenizer_json_problems_are_named() {
         );
     }
 }
+
+/// A `tokenizer.json` whose vocabulary has no token for a prompt's text encodes it to nothing; that used to
+/// reach the user as "row 0 is empty" (the prompt was not) or an empty training sequence. The error names the
+/// tokenizer file and the text.
+#[test]
+fn text_that_encodes_to_no_tokens_names_the_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen3");
+    std::fs::create_dir_all(&model).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), model.join(f)).unwrap();
+    }
+    std::fs::write(
+        model.join("tokenizer.json"),
+        r#"{"model": {"type": "BPE", "vocab": {}, "merges": []}}"#,
+    )
+    .unwrap();
+    let tok = Tokenizer::load_optional(&model).unwrap().unwrap();
+    let err = tok.encode("1+1").unwrap_err().to_string();
+    assert!(
+        err.contains("m/tokenizer.json") && err.contains("\"1+1\" to no tokens"),
+        "{err}"
+    );
+    assert_eq!(tok.encode("").unwrap(), Vec::<u32>::new());
+
+    let out_file = dir.path().join("gen.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(["generate", "--model"])
+        .arg(&model)
+        .args(["--prompt", "1+1", "--max-new-tokens", "2", "--output"])
+        .arg(&out_file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("tokenizer.json") && err.contains("to no tokens") && !err.contains("is empty"),
+        "{err}"
+    );
+    assert!(!out_file.exists());
+
+    // A vocabulary that covers the text still encodes it.
+    let chars = dir.path().join("chars");
+    qarl::tasks::char_tokenizer::save(&chars).unwrap();
+    let tok = Tokenizer::load_optional(&chars).unwrap().unwrap();
+    assert_eq!(tok.encode("1+1").unwrap().len(), 3);
+}

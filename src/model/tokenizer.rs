@@ -1,13 +1,15 @@
 //! The model's Hugging Face `tokenizer.json`, when it has one. A model directory without one still works
 //! on token ids.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::error::LoadError;
 
 /// A loaded HF tokenizer.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The `tokenizer.json` it was read from (named in encoding errors).
+    path: PathBuf,
 }
 
 impl Tokenizer {
@@ -48,15 +50,25 @@ impl Tokenizer {
         let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
             .map_err(|_| err("the tokenizers library could not read this file".into()))?;
         let inner = parsed.map_err(|e| err(e.to_string()))?;
-        Ok(Some(Self { inner }))
+        Ok(Some(Self { inner, path }))
     }
 
     /// Token ids of `text`, without adding special tokens (prompts carry their own template).
     pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| anyhow::anyhow!("tokenizer could not encode the text: {e}"))?;
+        let enc = self.inner.encode(text, false).map_err(|e| {
+            anyhow::anyhow!("{}: could not encode the text: {e}", self.path.display())
+        })?;
+        // A vocabulary without tokens for the text (an empty one, say) drops it silently; an empty sequence
+        // would then be reported as an empty prompt, or trained on as nothing.
+        if enc.get_ids().is_empty() && !text.trim().is_empty() {
+            let shown: String = text.chars().take(40).collect();
+            let more = if text.chars().count() > 40 { "..." } else { "" };
+            anyhow::bail!(
+                "{}: the tokenizer encodes the text {shown:?}{more} to no tokens (its vocabulary has \
+                 none for it)",
+                self.path.display()
+            );
+        }
         Ok(enc.get_ids().to_vec())
     }
 
