@@ -231,6 +231,71 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
     }
 }
 
+/// Metadata values in errors are plain text: an unsupported `llama.rope.scaling.type` is reported as
+/// `linear`, not in debug formatting (`String("linear")`), and so is a wrong-typed number.
+#[test]
+fn gguf_metadata_values_in_errors_are_plain_text() {
+    // GGUF string key/value: key length (u64), key, type 8 (string), value length (u64), value.
+    fn kv(key: &str, value: &str) -> Vec<u8> {
+        let mut b = (key.len() as u64).to_le_bytes().to_vec();
+        b.extend(key.as_bytes());
+        b.extend(8u32.to_le_bytes());
+        b.extend((value.len() as u64).to_le_bytes());
+        b.extend(value.as_bytes());
+        b
+    }
+    // Inserts string key/values after the header, padded with a filler key to a multiple of the data
+    // alignment (32) so that the aligned data section moves by whole blocks.
+    fn with_kvs(b: &mut Vec<u8>, kvs: &[(&str, &str)]) {
+        let mut add: Vec<u8> = kvs.iter().flat_map(|(k, v)| kv(k, v)).collect();
+        let filler = kv("test.filler", "");
+        let pad = (32 - (add.len() + filler.len()) % 32) % 32;
+        add.extend(kv("test.filler", &"x".repeat(pad)));
+        assert_eq!(add.len() % 32, 0);
+        let count = u64::from_le_bytes(b[16..24].try_into().unwrap());
+        let added = kvs.len() as u64 + 1;
+        b[16..24].copy_from_slice(&(count + added).to_le_bytes());
+        b.splice(24..24, add);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    // The insertion itself keeps the file importable.
+    let padded = edited(d, "padded.gguf", |b| with_kvs(b, &[]));
+    import_gguf(&padded, &d.join("padded"), OutputDtype::F32).unwrap();
+
+    let scaled = edited(d, "scaled.gguf", |b| {
+        with_kvs(b, &[("llama.rope.scaling.type", "linear")])
+    });
+    let err = import_gguf(&scaled, &d.join("scaled"), OutputDtype::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("scaled.gguf")
+            && err.contains("`llama.rope.scaling.type` = linear is not supported"),
+        "{err}"
+    );
+    assert!(!err.contains("String("), "debug formatting in: {err}");
+
+    // A present value of the wrong type is an error, not the default (10000 for the RoPE base): the file's
+    // own `llama.rope.freq_base` (an f32) is renamed away and a string one inserted.
+    let typed = edited(d, "typed.gguf", |b| {
+        let key = b"llama.rope.freq_base";
+        let at = b.windows(key.len()).position(|w| w == key).unwrap();
+        b[at + key.len() - 1] = b'_';
+        with_kvs(b, &[("llama.rope.freq_base", "ten thousand")])
+    });
+    let err = import_gguf(&typed, &d.join("typed"), OutputDtype::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("typed.gguf")
+            && err.contains("`llama.rope.freq_base` = ten thousand is not a number"),
+        "{err}"
+    );
+    assert!(!d.join("typed").exists());
+    assert!(!err.contains("String("), "debug formatting in: {err}");
+}
+
 /// The real SmolLM2-135M-Instruct (Q4_1 GGUF, fetched by scripts/fetch_smollm2.sh): it answers coherently —
 /// the greedy continuation transformers produces from the same GGUF file.
 #[test]

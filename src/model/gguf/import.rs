@@ -148,7 +148,9 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
     }
     if let Some(v) = f.metadata.get("llama.rope.scaling.type") {
         if v.as_str() != Some("none") {
-            bail!(f.error(format!("rope scaling {v:?} is not supported")));
+            bail!(f.error(format!(
+                "`llama.rope.scaling.type` = {v} is not supported (supported: none, i.e. no scaling)"
+            )));
         }
     }
     let vocab = match f
@@ -160,8 +162,10 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
         None => f.get_u64("llama.vocab_size")?,
     };
     let head_dim = hidden / heads;
-    let opt_u64 = |k: &str| f.metadata.get(k).and_then(Value::as_u64);
-    if let Some(k) = opt_u64("llama.attention.key_length") {
+    // Optional keys: absent is the default, present but of another type is an error (it was the default).
+    let opt_u64 = |k: &str| f.metadata.get(k).map(|_| f.get_u64(k)).transpose();
+    let opt_f64 = |k: &str| f.metadata.get(k).map(|_| f.get_f64(k)).transpose();
+    if let Some(k) = opt_u64("llama.attention.key_length")? {
         if k != head_dim {
             bail!(f.error(format!(
                 "attention.key_length {k} != embedding_length / head_count = {head_dim} (not supported)"
@@ -179,14 +183,14 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": f.get_f64("llama.attention.layer_norm_rms_epsilon")?,
-        "rope_theta": f.metadata.get("llama.rope.freq_base").and_then(Value::as_f64).unwrap_or(10000.0),
-        "max_position_embeddings": opt_u64("llama.context_length").unwrap_or(2048),
+        "rope_theta": opt_f64("llama.rope.freq_base")?.unwrap_or(10000.0),
+        "max_position_embeddings": opt_u64("llama.context_length")?.unwrap_or(2048),
         "vocab_size": vocab,
         "attention_bias": false,
         "mlp_bias": false,
-        "bos_token_id": opt_u64("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": opt_u64("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": opt_u64("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": opt_u64("tokenizer.ggml.bos_token_id")?,
+        "eos_token_id": opt_u64("tokenizer.ggml.eos_token_id")?,
+        "pad_token_id": opt_u64("tokenizer.ggml.padding_token_id")?,
     });
     Ok((config, heads as usize, kv_heads as usize))
 }

@@ -27,6 +27,41 @@ pub enum Value {
     Array(Vec<Value>),
 }
 
+/// Plain text for messages: numbers and strings as written (`linear`, not `String("linear")`), arrays by their
+/// first items and length.
+impl std::fmt::Display for Value {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Value::U8(v) => write!(f, "{v}"),
+            Value::I8(v) => write!(f, "{v}"),
+            Value::U16(v) => write!(f, "{v}"),
+            Value::I16(v) => write!(f, "{v}"),
+            Value::U32(v) => write!(f, "{v}"),
+            Value::I32(v) => write!(f, "{v}"),
+            Value::U64(v) => write!(f, "{v}"),
+            Value::I64(v) => write!(f, "{v}"),
+            Value::F32(v) => write!(f, "{v}"),
+            Value::F64(v) => write!(f, "{v}"),
+            Value::Bool(v) => write!(f, "{v}"),
+            Value::String(v) => write!(f, "{v}"),
+            Value::Array(a) => {
+                const SHOWN: usize = 4;
+                write!(f, "[")?;
+                for (i, v) in a.iter().take(SHOWN).enumerate() {
+                    if i > 0 {
+                        write!(f, ", ")?;
+                    }
+                    write!(f, "{v}")?;
+                }
+                if a.len() > SHOWN {
+                    write!(f, ", ... ({} items)", a.len())?;
+                }
+                write!(f, "]")
+            }
+        }
+    }
+}
+
 impl Value {
     /// The value as an unsigned integer, when it is a non-negative integer of any width.
     pub fn as_u64(&self) -> Option<u64> {
@@ -276,11 +311,7 @@ impl GgufFile {
             None => 32,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 16 => a,
-                _ => {
-                    return Err(err(format!(
-                        "general.alignment = {v:?}: not a power of two"
-                    )))
-                }
+                _ => return Err(err(format!("general.alignment = {v}: not a power of two"))),
             },
         };
         let data_start = (c.pos as u64).div_ceil(align) * align;
@@ -361,17 +392,14 @@ impl GgufFile {
 
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self.get(key)?;
-        v.as_u64().ok_or_else(|| {
-            self.error(format!(
-                "metadata `{key}` = {v:?} is not an unsigned integer"
-            ))
-        })
+        v.as_u64()
+            .ok_or_else(|| self.error(format!("metadata `{key}` = {v} is not an unsigned integer")))
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
         let v = self.get(key)?;
         v.as_f64()
-            .ok_or_else(|| self.error(format!("metadata `{key}` = {v:?} is not a number")))
+            .ok_or_else(|| self.error(format!("metadata `{key}` = {v} is not a number")))
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
