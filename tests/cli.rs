@@ -220,9 +220,21 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8(out.stderr)
-        .unwrap()
-        .contains("no/such.toml"));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("no/such.toml: no such config file"), "{err}");
+    // `qarl train` names it too, without the OS's own text.
+    let out = qarl()
+        .args(["train", "--config", "no/such.toml"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("no/such.toml: cannot read (not found)")
+            && !err.contains("os error")
+            && !err.contains("No such file"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -273,6 +285,18 @@ fn runs_lists_run_directories_with_their_status() {
     );
     let out = qarl().args(["runs", "/no/such/dir"]).output().unwrap();
     assert!(!out.status.success());
+    // A directory without runs says so in plain text (it printed the list in debug formatting).
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = qarl().arg("runs").arg(&empty).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains(&format!(
+            "no runs (directories with a metrics.jsonl) under {}",
+            empty.display()
+        )) && !text.contains("[\""),
+        "{text}"
+    );
 }
 
 /// `qarl mismatch` refuses sizes and temperatures it cannot measure with, before loading anything: zero

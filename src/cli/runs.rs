@@ -121,7 +121,11 @@ pub fn run(args: RunsArgs) -> anyhow::Result<()> {
     }
     let runs = list(&roots);
     if runs.is_empty() {
-        println!("no runs (directories with a metrics.jsonl) under {roots:?}");
+        let roots: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+        println!(
+            "no runs (directories with a metrics.jsonl) under {}",
+            roots.join(", ")
+        );
         return Ok(());
     }
     let w = runs

@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use serde::{Deserialize, Serialize};
 
 use crate::model::Weights;
@@ -259,8 +259,7 @@ impl TrainConfig {
     }
 
     pub fn from_file(path: &Path) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("{}: cannot read", path.display()))?;
+        let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
         Self::from_toml(&text, &path.display().to_string())
     }
 

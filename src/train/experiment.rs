@@ -88,8 +88,7 @@ pub fn run_experiment(
     quiet: bool,
     backend: Option<crate::ops::BackendKind>,
 ) -> anyhow::Result<PathBuf> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("{}: cannot read", path.display()))?;
+    let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
     let exp: ExperimentConfig =
         toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     if exp.seeds.is_empty() || exp.variants.is_empty() {
@@ -101,7 +100,7 @@ pub fn run_experiment(
     let base_dir = path.parent().unwrap_or(Path::new("."));
     let base_path = base_dir.join(&exp.base);
     let base_text = std::fs::read_to_string(&base_path)
-        .with_context(|| format!("{}: cannot read", base_path.display()))?;
+        .map_err(crate::io::failed(&base_path, "cannot read"))?;
     let base: toml::Value =
         toml::from_str(&base_text).map_err(|e| anyhow::anyhow!("{}: {e}", base_path.display()))?;
     let results = exp

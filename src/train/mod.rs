@@ -148,7 +148,7 @@ fn stage_base_files(base: &Path, staging: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(staging)
         .with_context(|| format!("{}: cannot create", staging.display()))?;
     for entry in entries {
-        let entry = entry.with_context(|| format!("{}: cannot read", base.display()))?;
+        let entry = entry.map_err(crate::io::failed(base, "cannot read"))?;
         let name = entry.file_name().to_string_lossy().into_owned();
         if !entry.path().is_file() || is_weights(&name) {
             continue;
@@ -513,7 +513,7 @@ fn before_rl_outcomes(metrics: &Path, precision: config::Precision) -> Option<(f
 pub fn load_config(path: Option<&Path>, overrides: &[String]) -> anyhow::Result<TrainConfig> {
     let (text, origin) = match path {
         Some(p) => (
-            std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?,
+            std::fs::read_to_string(p).map_err(crate::io::failed(p, "cannot read"))?,
             p.display().to_string(),
         ),
         None => (
