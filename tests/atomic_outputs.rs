@@ -177,3 +177,72 @@ fn a_failed_quantize_leaves_the_output_directory_unchanged() {
     assert!(!ok && err.contains("--output is the --model"), "{err}");
     assert_eq!(files(&copy), src_files);
 }
+
+/// Every file a command writes gets an ordinary file's permissions (0644), not the 0600 of the temporary
+/// file it was written through: `qarl init-model` created its config.json and weights private to the writer.
+#[cfg(unix)]
+#[test]
+fn written_outputs_get_the_usual_permissions() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let model_cfg =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
+    let init = tmp.path().join("init");
+    let ids = tmp.path().join("ids.json");
+    std::fs::write(&ids, r#"{"input_ids": [[1, 2, 3]]}"#).unwrap();
+    let (scores, quantized) = (tmp.path().join("scores.json"), tmp.path().join("q"));
+    let gen = tmp.path().join("gen.json");
+    let runs: [&[&std::ffi::OsStr]; 4] = [
+        &[
+            "init-model".as_ref(),
+            "--config".as_ref(),
+            model_cfg.as_os_str(),
+            "--output".as_ref(),
+            init.as_os_str(),
+        ],
+        &[
+            "quantize".as_ref(),
+            "--model".as_ref(),
+            init.as_os_str(),
+            "--scheme".as_ref(),
+            "int8-pc".as_ref(),
+            "--output".as_ref(),
+            quantized.as_os_str(),
+        ],
+        &[
+            "score".as_ref(),
+            "--model".as_ref(),
+            init.as_os_str(),
+            "--input".as_ref(),
+            ids.as_os_str(),
+            "--output".as_ref(),
+            scores.as_os_str(),
+        ],
+        &[
+            "generate".as_ref(),
+            "--model".as_ref(),
+            init.as_os_str(),
+            "--prompt-ids".as_ref(),
+            ids.as_os_str(),
+            "--max-new-tokens".as_ref(),
+            "2".as_ref(),
+            "--output".as_ref(),
+            gen.as_os_str(),
+        ],
+    ];
+    for args in runs {
+        let (ok, err) = qarl(args);
+        assert!(ok, "{args:?}: {err}");
+    }
+    let mut checked = 0;
+    for dir in [tmp.path(), &init, &quantized] {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let (p, mode) = (e.path(), e.metadata().unwrap().permissions().mode() & 0o777);
+            if p.is_file() {
+                assert_eq!(mode, 0o644, "{}: mode {mode:o}", p.display());
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 7, "{checked} files");
+}
