@@ -3,18 +3,17 @@
 use std::borrow::Cow;
 
 use burn::module::Module;
-use burn::tensor::activation::silu;
 use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::config::{ModelConfig, MoeConfig};
 use super::layers::{Linear, Weights};
 use crate::host::to_i64_vec;
 use crate::ops::{
-    forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop, tracks_gradients,
-    ExpertWeights,
+    forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop, swiglu,
+    tracks_gradients, ExpertWeights,
 };
 
-/// `down(silu(gate(x)) * up(x))`
+/// `down(silu(gate(x)) * up(x))`; the product is one op ([`swiglu`]: fused and parallel on the CPU).
 #[derive(Module, Debug)]
 pub struct SwiGlu {
     pub gate_proj: Linear,
@@ -35,9 +34,9 @@ impl SwiGlu {
 
     /// `x: [n, hidden] -> [n, hidden]`
     pub fn forward(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
-        let g = silu(self.gate_proj.forward_with(x.clone(), weights));
-        self.down_proj
-            .forward_with(g * self.up_proj.forward_with(x, weights), weights)
+        let gate = self.gate_proj.forward_with(x.clone(), weights);
+        let h = swiglu(gate, self.up_proj.forward_with(x, weights));
+        self.down_proj.forward_with(h, weights)
     }
 }
 

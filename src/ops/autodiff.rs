@@ -5,6 +5,7 @@
 //!   treated as the identity) and `dx = g · dequant(Q(W))` from the same packed weights;
 //! - the fixed-order matmul and softmax: the usual gradients (`dx = g w^T`, `dw = x^T g`;
 //!   `dx = y * (g - sum(g * y))`);
+//! - SwiGLU's `silu(gate) * up`: the backend's [`KernelOps::swiglu_backward`];
 //! - [`KernelOps::forward_value_of`]: the gradient passes to the graph operand unchanged.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -105,6 +106,29 @@ impl<B: Backend> Backward<B, 1> for MeanLastBackward {
             let ones = B::float_ones(shape, &g.device(), g.dtype().into());
             let val = B::float_mul_scalar(ones, Scalar::Float(val));
             grads.register::<B>(node.id, B::float_mul(val, B::float_sum_dim(g, dim)));
+        }
+    }
+}
+
+/// The backward of [`KernelOps::swiglu`]: the backend's [`KernelOps::swiglu_backward`] (on the CPU one
+/// fused pass with the bits of burn's op-by-op backwards).
+#[derive(Debug)]
+struct SwiGluBackward;
+
+impl<B: Backend + KernelOps> Backward<B, 2> for SwiGluBackward {
+    /// `(gate, up)`.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_gate, node_up] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (gate, up) = ops.state;
+        let (dgate, dup) = B::swiglu_backward(gate, up, g);
+        if let Some(node) = node_gate {
+            grads.register::<B>(node.id, dgate);
+        }
+        if let Some(node) = node_up {
+            grads.register::<B>(node.id, dup);
         }
     }
 }
@@ -268,6 +292,23 @@ impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C>
                 w.into_primitive(),
                 w_transposed,
             )),
+        }
+    }
+
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        match SwiGluBackward
+            .prepare::<C>([gate.node(), up.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (g, u) = (gate.primitive().clone(), up.primitive().clone());
+                let out = B::swiglu(g.clone(), u.clone());
+                prep.finish((g, u), out)
+            }
+            OpsKind::UnTracked(prep) => {
+                prep.finish(B::swiglu(gate.into_primitive(), up.into_primitive()))
+            }
         }
     }
 

@@ -107,6 +107,32 @@ pub trait KernelOps: Backend {
         plain_matmul::<Self>(x, w, w_transposed)
     }
 
+    /// SwiGLU's product `silu(gate) * up` (same shapes): the dense MLP's and every expert's activation.
+    /// The default is burn's op-by-op path (`gate * sigmoid(gate)`, then `* up`); the CPU fuses it into
+    /// one parallel pass with the same bits ([`cpu::swiglu`]), and the autodiff backend differentiates it
+    /// with [`Self::swiglu_backward`].
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let s = Self::sigmoid(gate.clone());
+        Self::float_mul(Self::float_mul(gate, s), up)
+    }
+
+    /// `(d gate, d up)` of [`Self::swiglu`] for the incoming gradient `grad`: by default the backwards
+    /// burn autodiff runs for the op-by-op path (two products and the sigmoid, the two contributions to
+    /// `d gate` added), so a backend that fuses it must reproduce these bits.
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let s = Self::sigmoid(gate.clone());
+        let silu = Self::float_mul(gate.clone(), s.clone());
+        let dup = Self::float_mul(grad.clone(), silu);
+        let dsilu = Self::float_mul(grad, up);
+        let via_product = Self::float_mul(dsilu.clone(), s.clone());
+        let via_sigmoid = Self::sigmoid_backward(s, Self::float_mul(dsilu, gate));
+        (Self::float_add(via_product, via_sigmoid), dup)
+    }
+
     /// The routed experts of one MoE layer in one grouped launch chain ([`super::moe`]): `x [n, hidden]`,
     /// `route_w [n, top_k]` (the chosen experts' weights, slot order), `ids [n, top_k]` (int, on the same
     /// device) the expert of each token's slot -> `[n, hidden]`, with the arithmetic of the `cube_kernels`
@@ -269,6 +295,14 @@ pub fn attention_core(
         scale,
     )
     .map(Tensor::from_dispatch)
+}
+
+/// [`KernelOps::swiglu`] on tensors: `silu(gate) * up`.
+pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as KernelOps>::swiglu(
+        gate.into_dispatch(),
+        up.into_dispatch(),
+    ))
 }
 
 /// [`KernelOps::aligned_mean_last`] on a tensor: the mean along the last axis, kept as an axis of 1.

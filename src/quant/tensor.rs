@@ -203,9 +203,12 @@ impl QuantizedTensor {
     /// Dequantized weights, row-major `[out, in]`.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut weights = vec![0.0f32; self.out * self.inn];
-        for (row, dst_row) in weights.chunks_mut(self.inn.max(1)).enumerate() {
-            self.dequantize_row(row, dst_row);
-        }
+        // Rows are independent: in parallel (the learner's backward decodes each quantized layer once per
+        // pass, on its critical path).
+        weights
+            .par_chunks_mut(self.inn.max(1))
+            .enumerate()
+            .for_each(|(row, dst_row)| self.dequantize_row(row, dst_row));
         weights
     }
 

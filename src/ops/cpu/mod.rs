@@ -4,11 +4,13 @@
 //! - [`attention`]: the grouped-query attention core in one pass, bitwise the op-by-op path.
 //! - [`probe`]: the FMA peak and the DRAM read bandwidth of this machine, for benchmarks.
 //! - [`moe`]: the routed experts of one MoE layer in parallel on the kernel layout, bitwise the loop.
+//! - [`swiglu`]: SwiGLU's `silu(g) * u` and its gradient in one parallel pass, bitwise the op-by-op path.
 
 pub mod attention;
 pub mod kernel;
 pub mod moe;
 pub mod probe;
+pub mod swiglu;
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{FloatTensor, IntTensor};
@@ -26,6 +28,11 @@ fn host_f32(t: FloatTensor<Flex>) -> (FlexTensor, Vec<usize>) {
     let t: FlexTensor = t.to_contiguous();
     let dims = t.layout().shape().to_vec();
     (t, dims)
+}
+
+/// The values of a contiguous f32 tensor (from [`host_f32`]).
+fn f32_slice(t: &FlexTensor) -> &[f32] {
+    t.as_slice::<f32>().expect("contiguous f32 tensor")
 }
 
 impl KernelOps for Flex {
@@ -101,6 +108,35 @@ impl KernelOps for Flex {
         let gv: &[f32] = g.as_slice::<f32>().expect("contiguous f32 tensor");
         let y = gemm(Strided::rows(gv, out), Strided::rows(&w, inn), m, out, inn);
         FlexTensor::from_data(TensorData::new(y, [m, inn]))
+    }
+
+    /// One parallel pass, bitwise the op-by-op path ([`swiglu`]).
+    fn swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (g, dims) = host_f32(gate);
+        let (u, udims) = host_f32(up);
+        assert_eq!(dims, udims, "swiglu: gate {dims:?} and up {udims:?} differ");
+        let (gv, uv) = (f32_slice(&g), f32_slice(&u));
+        FlexTensor::from_data(TensorData::new(swiglu::swiglu(gv, uv), dims))
+    }
+
+    /// One parallel pass, bitwise burn autodiff's backwards of the op-by-op path ([`swiglu`]).
+    fn swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (g, dims) = host_f32(gate);
+        let (u, udims) = host_f32(up);
+        let (d, ddims) = host_f32(grad);
+        assert!(
+            dims == udims && dims == ddims,
+            "swiglu_backward: shapes {dims:?}, {udims:?} and {ddims:?} differ"
+        );
+        let (dg, du) = swiglu::swiglu_backward(f32_slice(&g), f32_slice(&u), f32_slice(&d));
+        (
+            FlexTensor::from_data(TensorData::new(dg, dims.clone())),
+            FlexTensor::from_data(TensorData::new(du, dims)),
+        )
     }
 
     /// The experts in parallel straight on the kernel layout ([`super::cpu_moe`]), bitwise the loop.

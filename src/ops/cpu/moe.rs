@@ -16,18 +16,8 @@
 
 use rayon::prelude::*;
 
+use super::swiglu::silu_mul;
 use crate::ops::ExpertWeights;
-
-/// burn flex's `sigmoid` on f32, the branch-for-branch formula `silu` uses there.
-#[inline]
-fn flex_sigmoid(x: f32) -> f32 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
-}
 
 /// `x [n, hidden]`, `route_w [n, top_k]` and `ids[t * top_k + j]` (the expert of token `t`'s slot `j`)
 /// -> `[n, hidden]`: `out[t] = sum over slots, in ascending expert order, of route_w[t, j] * expert(x[t])`.
@@ -74,11 +64,7 @@ pub fn grouped_moe(
             let g = experts.gate[e].1.matmul(&xs, m);
             let u = experts.up[e].1.matmul(&xs, m);
             debug_assert_eq!(g.len(), m * inter);
-            let h: Vec<f32> = g
-                .iter()
-                .zip(&u)
-                .map(|(&g, &u)| (g * flex_sigmoid(g)) * u)
-                .collect();
+            let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| silu_mul(g, u)).collect();
             (e, experts.down[e].1.matmul(&h, m))
         })
         .collect();
