@@ -170,14 +170,12 @@ impl<B: Backend + KernelOps> Backward<B, 2> for HeadLogprobsBackward {
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         use burn::backend::Scalar;
-        use burn::tensor::{IndexingUpdateOp, Shape, TensorData};
+        use burn::tensor::{Shape, TensorData};
         let [node_x, node_w] = ops.parents;
         let g = grads.consume::<B>(&ops.node);
         let (x, w, wt, lse, targets, temperature) = ops.state;
         let device = x.device();
         let n = targets.len();
-        let wdims: [usize; 2] = w.shape().dims();
-        let v = wdims[if wt { 0 } else { 1 }];
         let index = |vals: Vec<i64>, shape: [usize; 2]| {
             B::int_from_data(TensorData::new(vals, shape), &device)
         };
@@ -197,24 +195,10 @@ impl<B: Backend + KernelOps> Backward<B, 2> for HeadLogprobsBackward {
             let rows = B::int_reshape(rows, Shape::new([r]));
             let xc = B::float_select(x.clone(), 0, rows.clone());
             let z = scaled(B::det_matmul(xc.clone(), w.clone(), wt));
-            let at = |t: FloatTensor<B>| {
-                B::float_expand(
-                    B::float_reshape(B::float_select(t, 0, rows.clone()), Shape::new([r, 1])),
-                    Shape::new([r, v]),
-                )
-            };
-            let p = B::float_exp(B::float_sub(z, at(lse.clone())));
             // dlogits = (g / T) (onehot - p): -p g / T everywhere, plus g / T at the target.
-            let gt = scaled(B::float_reshape(
-                B::float_select(g.clone(), 0, rows.clone()),
-                Shape::new([r, 1]),
-            ));
-            let d = B::float_neg(B::float_mul(
-                p,
-                B::float_expand(gt.clone(), Shape::new([r, v])),
-            ));
-            let tgt = index(targets[c0..c1].iter().map(|&t| t as i64).collect(), [r, 1]);
-            let d = B::float_scatter(1, d, tgt, gt, IndexingUpdateOp::Add);
+            let gt = scaled(B::float_select(g.clone(), 0, rows.clone()));
+            let lse_rows = B::float_select(lse.clone(), 0, rows.clone());
+            let d = B::logprob_grad_rows(z, lse_rows, gt, &targets[c0..c1]);
             if node_x.is_some() {
                 // w [v, k]: dx = d w; w [k, v]: dx = d w^T.
                 dx_parts.push(B::grad_matmul(d.clone(), w.clone(), false, !wt));

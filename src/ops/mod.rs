@@ -221,6 +221,29 @@ pub trait KernelOps: Backend {
         value
     }
 
+    /// The gradient of a chunk of target log-probs with respect to its (temperature-scaled) logits:
+    /// `z [r, v]`, the rows' log-normalisers `lse [r]` and incoming gradients `g [r]` (already divided by
+    /// the temperature) -> `d [r, v]` with `d[i, j] = -(exp(z[i, j] - lse[i]) * g[i])`, then `g[i]` added
+    /// at `targets[i]` (`(onehot - softmax) * g`). The default runs it op by op (subtract, exp, product,
+    /// negate, scatter-add); the CPU in one parallel pass with the same bits.
+    fn logprob_grad_rows(
+        z: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        targets: &[u32],
+    ) -> FloatTensor<Self> {
+        use burn::tensor::{IndexingUpdateOp, Shape};
+        let [r, v]: [usize; 2] = z.shape().dims();
+        let device = z.device();
+        let column = |t: FloatTensor<Self>| Self::float_reshape(t, Shape::new([r, 1]));
+        let across = |t: FloatTensor<Self>| Self::float_expand(column(t), Shape::new([r, v]));
+        let p = Self::float_exp(Self::float_sub(z, across(lse)));
+        let d = Self::float_neg(Self::float_mul(p, across(g.clone())));
+        let at: Vec<i64> = targets.iter().map(|&t| t as i64).collect();
+        let at = Self::int_from_data(TensorData::new(at, [r, 1]), &device);
+        Self::float_scatter(1, d, at, column(g), IndexingUpdateOp::Add)
+    }
+
     /// Whether `x` is part of a recorded autodiff graph; `false` on inference backends.
     fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
         let _ = x;

@@ -2,11 +2,13 @@
 //!
 //! - [`kernel`]: the low-bit matmul on the packed weights, the fixed-order f32 matmul and row softmax.
 //! - [`attention`]: the grouped-query attention core in one pass, bitwise the op-by-op path.
+//! - [`head`]: the LM head backward's gradient with respect to a chunk of logits, in one parallel pass.
 //! - [`probe`]: the FMA peak and the DRAM read bandwidth of this machine, for benchmarks.
 //! - [`moe`]: the routed experts of one MoE layer in parallel on the kernel layout, bitwise the loop.
 //! - [`swiglu`]: SwiGLU's `silu(g) * u` and its gradient in one parallel pass, bitwise the op-by-op path.
 
 pub mod attention;
+pub mod head;
 pub mod kernel;
 pub mod moe;
 pub mod probe;
@@ -137,6 +139,21 @@ impl KernelOps for Flex {
             FlexTensor::from_data(TensorData::new(dg, dims.clone())),
             FlexTensor::from_data(TensorData::new(du, dims)),
         )
+    }
+
+    /// One parallel pass, bitwise the op-by-op default ([`head::logprob_grad_rows`]).
+    fn logprob_grad_rows(
+        z: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        g: FloatTensor<Self>,
+        targets: &[u32],
+    ) -> FloatTensor<Self> {
+        let (z, dims) = host_f32(z);
+        let (lse, _) = host_f32(lse);
+        let (g, _) = host_f32(g);
+        let v = dims[1];
+        let d = head::logprob_grad_rows(f32_slice(&z), f32_slice(&lse), f32_slice(&g), targets, v);
+        FlexTensor::from_data(TensorData::new(d, dims))
     }
 
     /// The experts in parallel straight on the kernel layout ([`super::cpu_moe`]), bitwise the loop.
