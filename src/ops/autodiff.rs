@@ -5,7 +5,8 @@
 //!   treated as the identity) and `dx = g · dequant(Q(W))` from the same packed weights;
 //! - the fixed-order matmul and softmax: the usual gradients (`dx = g w^T`, `dw = x^T g`;
 //!   `dx = y * (g - sum(g * y))`);
-//! - SwiGLU's `silu(gate) * up`: the backend's [`KernelOps::swiglu_backward`];
+//! - SwiGLU's `silu(gate) * up` and the rotary embedding: the backend's [`KernelOps::swiglu_backward`]
+//!   and [`KernelOps::rope_backward`];
 //! - [`KernelOps::forward_value_of`]: the gradient passes to the graph operand unchanged.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -129,6 +130,27 @@ impl<B: Backend + KernelOps> Backward<B, 2> for SwiGluBackward {
         }
         if let Some(node) = node_up {
             grads.register::<B>(node.id, dup);
+        }
+    }
+}
+
+/// The backward of [`KernelOps::rope`]: the backend's [`KernelOps::rope_backward`] (the tables carry no
+/// gradient).
+#[derive(Debug)]
+struct RopeBackward;
+
+impl<B: Backend + KernelOps> Backward<B, 1> for RopeBackward {
+    /// `(cos, sin)`.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let g = grads.consume::<B>(&ops.node);
+        let (cos, sin) = ops.state;
+        if let Some(node) = node_x {
+            let dx = B::rope_backward(g, cos, sin)
+                .expect("a backend with a fused rope has its backward");
+            grads.register::<B>(node.id, dx);
         }
     }
 }
@@ -293,6 +315,26 @@ impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C>
             OpsKind::UnTracked(prep) => {
                 prep.finish(B::swiglu(gate.into_primitive(), up.into_primitive()))
             }
+        }
+    }
+
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        // The tables are constants of the graph (computed on the host for the forward's positions).
+        let (c, s) = (cos.into_primitive(), sin.into_primitive());
+        match RopeBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let y = B::rope(x.primitive().clone(), c.clone(), s.clone())?;
+                Some(prep.finish((c, s), y))
+            }
+            OpsKind::UnTracked(prep) => Some(prep.finish(B::rope(x.into_primitive(), c, s)?)),
         }
     }
 

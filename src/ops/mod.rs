@@ -244,6 +244,31 @@ pub trait KernelOps: Backend {
         Self::float_scatter(1, d, at, column(g), IndexingUpdateOp::Add)
     }
 
+    /// The rotary embedding (half-split pairing) of `x [b, t, heads, d]` by the position tables `cos`,
+    /// `sin` `[b, t, 1, d]` in one op, with the bits of the op-by-op path
+    /// ([`crate::model::layers::Rope::apply`]: `x * cos + cat(-x2, x1) * sin`). `None` (the default) means
+    /// "run the op-by-op path"; the CPU runs [`cpu::rope`], and the autodiff backend differentiates it
+    /// with [`Self::rope_backward`] (the tables are constants).
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (x, cos, sin);
+        None
+    }
+
+    /// The gradient of [`Self::rope`] with respect to `x`, with the bits of burn autodiff's backwards of
+    /// the op-by-op path; `Some` wherever [`Self::rope`] is.
+    fn rope_backward(
+        g: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (g, cos, sin);
+        None
+    }
+
     /// Whether `x` is part of a recorded autodiff graph; `false` on inference backends.
     fn tracks_gradients(x: &FloatTensor<Self>) -> bool {
         let _ = x;
@@ -326,6 +351,12 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
         gate.into_dispatch(),
         up.into_dispatch(),
     ))
+}
+
+/// [`KernelOps::rope`] on tensors (`None`: run the op-by-op path).
+pub fn rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Option<Tensor<4>> {
+    <Dispatch as KernelOps>::rope(x.into_dispatch(), cos.into_dispatch(), sin.into_dispatch())
+        .map(Tensor::from_dispatch)
 }
 
 /// [`KernelOps::aligned_mean_last`] on a tensor: the mean along the last axis, kept as an axis of 1.

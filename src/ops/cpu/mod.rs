@@ -5,6 +5,7 @@
 //! - [`head`]: the LM head backward's gradient with respect to a chunk of logits, in one parallel pass.
 //! - [`probe`]: the FMA peak and the DRAM read bandwidth of this machine, for benchmarks.
 //! - [`moe`]: the routed experts of one MoE layer in parallel on the kernel layout, bitwise the loop.
+//! - [`rope`]: the rotary embedding and its gradient in one parallel pass, bitwise the op-by-op path.
 //! - [`swiglu`]: SwiGLU's `silu(g) * u` and its gradient in one parallel pass, bitwise the op-by-op path.
 
 pub mod attention;
@@ -12,6 +13,7 @@ pub mod head;
 pub mod kernel;
 pub mod moe;
 pub mod probe;
+pub mod rope;
 pub mod swiglu;
 
 use burn::backend::flex::FlexTensor;
@@ -35,6 +37,25 @@ fn host_f32(t: FloatTensor<Flex>) -> (FlexTensor, Vec<usize>) {
 /// The values of a contiguous f32 tensor (from [`host_f32`]).
 fn f32_slice(t: &FlexTensor) -> &[f32] {
     t.as_slice::<f32>().expect("contiguous f32 tensor")
+}
+
+/// The fused rotary embedding's shape for `x` of `dims` `[b, t, h, d]` and tables `[b, t, 1, d]`, or
+/// `None` (the op-by-op path) for anything else.
+fn rope_shape(
+    dims: &[usize],
+    cos: &FloatTensor<Flex>,
+    sin: &FloatTensor<Flex>,
+) -> Option<rope::RopeShape> {
+    let table = [dims.first()?, dims.get(1)?, &1, dims.get(3)?].map(|&v| v);
+    let ok = dims.len() == 4
+        && dims[3] % 2 == 0
+        && cos.shape().dims::<4>() == table
+        && sin.shape().dims::<4>() == table;
+    ok.then_some(rope::RopeShape {
+        rows: dims[0] * dims[1],
+        heads: dims[2],
+        d: dims[3],
+    })
 }
 
 impl KernelOps for Flex {
@@ -154,6 +175,33 @@ impl KernelOps for Flex {
         let v = dims[1];
         let d = head::logprob_grad_rows(f32_slice(&z), f32_slice(&lse), f32_slice(&g), targets, v);
         FlexTensor::from_data(TensorData::new(d, dims))
+    }
+
+    /// One parallel pass ([`rope::rope`]); `None` for shapes other than `x [b, t, h, d]` with tables
+    /// `[b, t, 1, d]`.
+    fn rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let (x, dims) = host_f32(x);
+        let shape = rope_shape(&dims, &cos, &sin)?;
+        let (c, s) = (host_f32(cos).0, host_f32(sin).0);
+        let y = rope::rope(shape, f32_slice(&x), f32_slice(&c), f32_slice(&s));
+        Some(FlexTensor::from_data(TensorData::new(y, dims)))
+    }
+
+    /// One parallel pass ([`rope::rope_backward`]).
+    fn rope_backward(
+        g: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let (g, dims) = host_f32(g);
+        let shape = rope_shape(&dims, &cos, &sin)?;
+        let (c, s) = (host_f32(cos).0, host_f32(sin).0);
+        let dx = rope::rope_backward(shape, f32_slice(&g), f32_slice(&c), f32_slice(&s));
+        Some(FlexTensor::from_data(TensorData::new(dx, dims)))
     }
 
     /// The experts in parallel straight on the kernel layout ([`super::cpu_moe`]), bitwise the loop.
