@@ -5,9 +5,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::tiny_train_toml;
+use common::{sigkill_when, tiny_train_toml};
 use qarl::train::{self, checkpoint, TrainConfig};
 
 fn copy_dir(src: &Path, dst: &Path) {
@@ -131,17 +131,13 @@ fn a_kill_during_pruning_leaves_only_complete_checkpoints() {
                 .any(|e| e.file_name().to_string_lossy().starts_with(".pruned-step_"))
         })
     };
-    let t0 = Instant::now();
-    while !pruning() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before it could be killed"
-        );
-        assert!(t0.elapsed() < Duration::from_secs(180), "timed out");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    child.kill().unwrap();
-    assert!(!child.wait().unwrap().success());
+    sigkill_when(
+        &mut child,
+        "the run",
+        Duration::from_secs(180),
+        Duration::from_millis(5),
+        pruning,
+    );
     for e in std::fs::read_dir(&root).unwrap().flatten() {
         let name = e.file_name().to_string_lossy().to_string();
         if name.starts_with("step_") {

@@ -5,10 +5,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::tensor::Device;
-use common::{metrics_without_timing, tiny_train_toml};
+use common::{metrics_without_timing, sigkill_when, tiny_train_toml};
 use qarl::model::Decoder;
 use qarl::train::{self, checkpoint, RunOptions, TrainConfig};
 
@@ -103,7 +103,6 @@ fn sigkill_during_checkpoint_write_keeps_the_previous_one() {
         .spawn()
         .unwrap();
     let root = checkpoint::checkpoints_dir(&cfg.run_dir);
-    let t0 = Instant::now();
     let writing_second = || {
         ckpt(&cfg.run_dir, 0).is_dir()
             && std::fs::read_dir(&root).unwrap().flatten().any(|e| {
@@ -111,21 +110,14 @@ fn sigkill_during_checkpoint_write_keeps_the_previous_one() {
                     && e.path().join("model.safetensors").is_file()
             })
     };
-    while !writing_second() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before it could be killed"
-        );
-        assert!(t0.elapsed() < Duration::from_secs(120), "timed out");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.kill().unwrap(); // SIGKILL
-    let status = child.wait().unwrap();
-    assert!(!status.success());
-    println!(
-        "killed the child during the checkpoint of step 1 after {:?}",
-        t0.elapsed()
+    let waited = sigkill_when(
+        &mut child,
+        "the run",
+        Duration::from_secs(120),
+        Duration::from_millis(10),
+        writing_second,
     );
+    println!("killed the child during the checkpoint of step 1 after {waited:?}");
 
     // The half-written checkpoint is invisible; the previous one loads.
     let (p, state) = checkpoint::latest(&cfg.run_dir).unwrap();
@@ -491,22 +483,17 @@ fn sigkill_before_the_first_rl_checkpoint_loses_no_metrics_rows() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while !complete_rows().iter().any(|r| r["phase"] == "rl") {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before it could be killed"
-        );
-        assert!(t0.elapsed() < Duration::from_secs(600), "timed out");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.kill().unwrap(); // SIGKILL
-    assert!(!child.wait().unwrap().success());
+    let waited = sigkill_when(
+        &mut child,
+        "the run",
+        Duration::from_secs(600),
+        Duration::from_millis(10),
+        || complete_rows().iter().any(|r| r["phase"] == "rl"),
+    );
     let before = complete_rows();
     let rl_before = before.iter().filter(|r| r["phase"] == "rl").count();
     println!(
-        "killed after {:?}: {} rows logged ({} SFT, {rl_before} RL)",
-        t0.elapsed(),
+        "killed after {waited:?}: {} rows logged ({} SFT, {rl_before} RL)",
         before.len(),
         before.iter().filter(|r| r["phase"] == "sft").count()
     );

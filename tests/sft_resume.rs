@@ -5,9 +5,9 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{metrics_without_timing, tiny_train_toml};
+use common::{metrics_without_timing, sigkill_when, tiny_train_toml};
 use qarl::train::{self, checkpoint, sft, TrainConfig};
 
 fn sft_rows(run: &Path) -> Vec<serde_json::Value> {
@@ -47,21 +47,17 @@ fn a_kill_during_sft_resumes_sft_bitwise_identically() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while !root
-        .join("step_000002")
-        .join("trainer_state.json")
-        .is_file()
-    {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before it could be killed"
-        );
-        assert!(t0.elapsed() < Duration::from_secs(120), "timed out");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.kill().unwrap(); // SIGKILL
-    assert!(!child.wait().unwrap().success());
+    sigkill_when(
+        &mut child,
+        "the run",
+        Duration::from_secs(120),
+        Duration::from_millis(10),
+        || {
+            root.join("step_000002")
+                .join("trainer_state.json")
+                .is_file()
+        },
+    );
     assert!(
         !cfg.model.dir.exists(),
         "the warm start finished before the kill"
@@ -171,21 +167,17 @@ fn a_kill_during_qarl_sft_resumes_on_the_next_qarl_sft() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while !root
-        .join("step_000002")
-        .join("trainer_state.json")
-        .is_file()
-    {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the warm start ended before it could be killed"
-        );
-        assert!(t0.elapsed() < Duration::from_secs(120), "timed out");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.kill().unwrap(); // SIGKILL
-    assert!(!child.wait().unwrap().success());
+    sigkill_when(
+        &mut child,
+        "the warm start",
+        Duration::from_secs(120),
+        Duration::from_millis(10),
+        || {
+            root.join("step_000002")
+                .join("trainer_state.json")
+                .is_file()
+        },
+    );
     assert!(
         !cfg.model.dir.exists(),
         "the warm start finished before the kill"

@@ -162,6 +162,30 @@ pub fn metrics_without_timing(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// Waits, polling every `poll`, until `ready()` holds, then kills `child` with SIGKILL and checks that it
+/// did not exit successfully. Fails if `what` (the child: "the run", "the warm start") ends first or
+/// `limit` passes. Returns how long it waited.
+pub fn sigkill_when(
+    child: &mut std::process::Child,
+    what: &str,
+    limit: std::time::Duration,
+    poll: std::time::Duration,
+    ready: impl Fn() -> bool,
+) -> std::time::Duration {
+    let t0 = std::time::Instant::now();
+    while !ready() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{what} ended before it could be killed"
+        );
+        assert!(t0.elapsed() < limit, "timed out");
+        std::thread::sleep(poll);
+    }
+    child.kill().unwrap(); // SIGKILL
+    assert!(!child.wait().unwrap().success());
+    t0.elapsed()
+}
+
 /// Deterministic pseudo-random values in [-1, 1).
 pub fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed
