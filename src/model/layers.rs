@@ -230,9 +230,13 @@ impl Rope {
     /// Applies the rotation to `x: [B, T, H, D]` with tables from [`Rope::tables`]: one op where the
     /// backend fuses it ([`crate::ops::rope`], the same bits), else op by op.
     pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-        if let Some(y) = crate::ops::rope(x.clone(), cos.clone(), sin.clone()) {
-            return y;
-        }
+        crate::ops::rope(x.clone(), cos.clone(), sin.clone())
+            .unwrap_or_else(|| Self::apply_op_by_op(x, cos, sin))
+    }
+
+    /// [`Rope::apply`] op by op: `x * cos + cat(-x2, x1) * sin`, the path burn differentiates and the
+    /// definition the fused op matches bit for bit.
+    pub fn apply_op_by_op(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
         let d = x.dims()[3];
         let half = d / 2;
         let x1 = x.clone().narrow(3, 0, half);

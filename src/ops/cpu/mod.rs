@@ -58,6 +58,21 @@ fn rope_shape(
     })
 }
 
+/// `pass` ([`rope::rope`] or [`rope::rope_backward`]) on `t [b, t, h, d]` and its tables, or `None` for
+/// other shapes (see [`rope_shape`]).
+fn fused_rope(
+    pass: rope::RopePass,
+    t: FloatTensor<Flex>,
+    cos: FloatTensor<Flex>,
+    sin: FloatTensor<Flex>,
+) -> Option<FloatTensor<Flex>> {
+    let (t, dims) = host_f32(t);
+    let shape = rope_shape(&dims, &cos, &sin)?;
+    let (c, s) = (host_f32(cos).0, host_f32(sin).0);
+    let y = pass(shape, f32_slice(&t), f32_slice(&c), f32_slice(&s));
+    Some(FlexTensor::from_data(TensorData::new(y, dims)))
+}
+
 impl KernelOps for Flex {
     /// On the blocked fixed-order GEMM ([`kernel::gemm`]) whatever the deterministic switch: transposed
     /// operands are read through strides (only their packing pays for the layout).
@@ -184,11 +199,7 @@ impl KernelOps for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> Option<FloatTensor<Self>> {
-        let (x, dims) = host_f32(x);
-        let shape = rope_shape(&dims, &cos, &sin)?;
-        let (c, s) = (host_f32(cos).0, host_f32(sin).0);
-        let y = rope::rope(shape, f32_slice(&x), f32_slice(&c), f32_slice(&s));
-        Some(FlexTensor::from_data(TensorData::new(y, dims)))
+        fused_rope(rope::rope, x, cos, sin)
     }
 
     /// One parallel pass ([`rope::rope_backward`]).
@@ -197,11 +208,7 @@ impl KernelOps for Flex {
         cos: FloatTensor<Self>,
         sin: FloatTensor<Self>,
     ) -> Option<FloatTensor<Self>> {
-        let (g, dims) = host_f32(g);
-        let shape = rope_shape(&dims, &cos, &sin)?;
-        let (c, s) = (host_f32(cos).0, host_f32(sin).0);
-        let dx = rope::rope_backward(shape, f32_slice(&g), f32_slice(&c), f32_slice(&s));
-        Some(FlexTensor::from_data(TensorData::new(dx, dims)))
+        fused_rope(rope::rope_backward, g, cos, sin)
     }
 
     /// The experts in parallel straight on the kernel layout ([`super::cpu_moe`]), bitwise the loop.

@@ -18,6 +18,9 @@
 
 use rayon::prelude::*;
 
+/// [`rope`] or [`rope_backward`]: `(shape, values, cos, sin) -> result`.
+pub type RopePass = fn(RopeShape, &[f32], &[f32], &[f32]) -> Vec<f32>;
+
 /// Positions `(b, t)` per parallel task.
 const ROWS_PER_TASK: usize = 16;
 
@@ -103,17 +106,7 @@ mod tests {
     use super::*;
     use crate::host::{tensor_from_vec, to_f32_vec};
     use crate::model::layers::Rope;
-    use burn::tensor::{Device, Tensor};
-
-    /// burn's op-by-op rotation, as the model wrote it before the fused op.
-    fn op_by_op(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-        let d = x.dims()[3];
-        let half = d / 2;
-        let x1 = x.clone().narrow(3, 0, half);
-        let x2 = x.clone().narrow(3, half, half);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        x * cos.clone() + rotated * sin.clone()
-    }
+    use burn::tensor::Device;
 
     /// The fused forward and backward against burn's ops on the autodiff CPU backend, bit for bit, on
     /// real tables (positions up to 2000) and values with zeros of both signs in the gradient.
@@ -137,7 +130,7 @@ mod tests {
             })
             .collect();
         let xt = tensor_from_vec(x.clone(), [b, t, heads, d], &device).require_grad();
-        let y = op_by_op(xt.clone(), &cos, &sin);
+        let y = Rope::apply_op_by_op(xt.clone(), &cos, &sin);
         let want_y = to_f32_vec(y.clone());
         let gt = tensor_from_vec(g.clone(), [b, t, heads, d], &device);
         let grads = (y * gt).sum().backward();
