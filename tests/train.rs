@@ -420,10 +420,11 @@ fn loss_position_logprobs_equal_the_full_forward() {
 }
 
 /// The learner forward with each prompt forwarded once for its group (prompt into a KV cache, responses
-/// continuing from it) gives bitwise the log-probs of one full forward per sequence in deterministic mode,
-/// with and without routing replay and with quantized weights; the gradients differ only by the order in
-/// which the group's contributions to the shared prompt are summed (<= 1e-5 relative); the routing it
-/// reports equals the full forward's at every token that went through the model.
+/// continuing from it, in one padded forward or in a forward per length bucket) gives bitwise the
+/// log-probs of one full forward per sequence in deterministic mode, with and without routing replay and
+/// with quantized weights; the gradients differ only by the order in which the group's contributions to
+/// the shared prompt and the buckets' contributions to the weights are summed (<= 1e-5 relative); the
+/// routing it reports equals the full forward's at every token that went through the model.
 #[test]
 fn shared_prompt_forward_equals_one_forward_per_sequence() {
     use qarl::host::tensor_from_vec;
@@ -452,7 +453,7 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
             let what = format!("{} in {precision}", dir.display());
             let off_opts = ForwardOptions {
                 sharing: PrefixSharing::Off,
-                entropy: false,
+                ..ForwardOptions::default()
             };
             let (_, off) = batch.logprobs_with(&model, Weights::Packed, 0.8, None, off_opts);
             let moe = off.routing.iter().any(Option::is_some);
@@ -467,48 +468,54 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
                     .map(|i| 0.25 + (i % 7) as f32 * 0.1)
                     .collect();
                 let w = tensor_from_vec(w, [seqs.len(), batch.width], &ad) * batch.mask(&ad);
-                let run = |sharing| {
+                let run = |sharing, bucket_cost| {
                     let opts = ForwardOptions {
                         sharing,
                         entropy: true,
+                        bucket_cost,
                     };
                     batch.logprobs_with(&model, Weights::Packed, 0.8, replay.as_deref(), opts)
                 };
-                let ((shared, fs), (full, ff)) =
-                    (run(PrefixSharing::Auto), run(PrefixSharing::Off));
-                let (a, b) = (to_f32_vec(shared.clone()), to_f32_vec(full.clone()));
-                let mask = batch.mask_values();
-                for i in (0..mask.len()).filter(|&i| mask[i] > 0.0) {
-                    assert_eq!(a[i].to_bits(), b[i].to_bits(), "{what}: position {i}");
-                }
-                assert_eq!(fs.padded_len, ff.padded_len);
-                // The whole distribution, not only the target: the entropy of every scored position.
-                let bits = |v: &Option<Vec<f32>>| {
-                    v.as_ref()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect::<Vec<_>>()
-                };
-                assert_eq!(bits(&fs.entropy), bits(&ff.entropy), "{what}: entropy");
-                let (fs_routing, ff_routing) = (
-                    routing_to_host(fs.routing.clone()),
-                    routing_to_host(ff.routing.clone()),
-                );
-                for (l, (rs, rf)) in fs_routing.iter().zip(&ff_routing).enumerate() {
-                    let (Some(rs), Some(rf)) = (rs, rf) else {
-                        assert_eq!(rs.is_some(), rf.is_some(), "{what}: layer {l}");
-                        continue;
-                    };
-                    let k = rf.len() / (seqs.len() * ff.padded_len);
-                    for (r, s) in seqs.iter().enumerate() {
-                        let span = r * ff.padded_len * k..(r * ff.padded_len + s.len() - 1) * k;
-                        assert_eq!(rs[span.clone()], rf[span], "{what}: layer {l}, row {r}");
+                // A response forward per distinct length, and all responses in one padded forward
+                // (each against a fresh full forward: a backward consumes its graph).
+                for bucket_cost in [0, usize::MAX] {
+                    let what = format!("{what}, bucket cost {bucket_cost}");
+                    let (full, ff) = run(PrefixSharing::Off, 0);
+                    let (shared, fs) = run(PrefixSharing::Auto, bucket_cost);
+                    let (a, b) = (to_f32_vec(shared.clone()), to_f32_vec(full.clone()));
+                    let mask = batch.mask_values();
+                    for i in (0..mask.len()).filter(|&i| mask[i] > 0.0) {
+                        assert_eq!(a[i].to_bits(), b[i].to_bits(), "{what}: position {i}");
                     }
+                    assert_eq!(fs.padded_len, ff.padded_len);
+                    // The whole distribution, not only the target: the entropy of every scored position.
+                    let bits = |v: &Option<Vec<f32>>| {
+                        v.as_ref()
+                            .unwrap()
+                            .iter()
+                            .map(|x| x.to_bits())
+                            .collect::<Vec<_>>()
+                    };
+                    assert_eq!(bits(&fs.entropy), bits(&ff.entropy), "{what}: entropy");
+                    let (fs_routing, ff_routing) = (
+                        routing_to_host(fs.routing.clone()),
+                        routing_to_host(ff.routing.clone()),
+                    );
+                    for (l, (rs, rf)) in fs_routing.iter().zip(&ff_routing).enumerate() {
+                        let (Some(rs), Some(rf)) = (rs, rf) else {
+                            assert_eq!(rs.is_some(), rf.is_some(), "{what}: layer {l}");
+                            continue;
+                        };
+                        let k = rf.len() / (seqs.len() * ff.padded_len);
+                        for (r, s) in seqs.iter().enumerate() {
+                            let span = r * ff.padded_len * k..(r * ff.padded_len + s.len() - 1) * k;
+                            assert_eq!(rs[span.clone()], rf[span], "{what}: layer {l}, row {r}");
+                        }
+                    }
+                    let gs = (shared * w.clone()).sum().backward();
+                    let gf = (full * w.clone()).sum().backward();
+                    assert_gradients_close(&model, &gs, &gf, 1e-5, &what);
                 }
-                let gs = (shared * w.clone()).sum().backward();
-                let gf = (full * w).sum().backward();
-                assert_gradients_close(&model, &gs, &gf, 1e-5, &what);
             }
         }
     }

@@ -139,7 +139,7 @@ impl SeqBatch {
         let shared = opts.sharing == PrefixSharing::Auto && groups.len() < self.seqs.len();
         let reads = crate::host::ReadCount::start();
         let (hidden, rows, routing, padded_len) = if shared {
-            self.shared_prefix_hidden(model, weights, replay, &groups)
+            self.shared_prefix_hidden(model, weights, replay, &groups, opts.bucket_cost)
         } else {
             let padded = right_pad(&self.seqs);
             let padded_len = padded.first().map_or(0, Vec::len);
@@ -235,16 +235,18 @@ impl SeqBatch {
 
     /// The hidden states the loss positions need, with each distinct prompt forwarded once: the prompts
     /// (right-padded) into a KV cache, the cache fanned out to the rows of each group, then the responses
-    /// (all tokens but the last, right-padded) continuing from it: the rollout's own prefill-then-decode,
-    /// with the response tokens in one forward. Returns the hidden rows (`P` prompt-last rows, then
-    /// `B * t` response rows), the row of each loss position among them, the routing laid out as the full
-    /// forward's (`[B * T * top_k]` per layer), and `T`.
+    /// (all tokens but the last) continuing from it: the rollout's own prefill-then-decode, with the
+    /// response tokens of a length bucket ([`length_buckets`]) in one forward, right-padded to the bucket's
+    /// longest. Returns the hidden rows (`P` prompt-last rows, then each bucket's `rows * t` response rows),
+    /// the row of each loss position among them, the routing laid out as the full forward's
+    /// (`[B * T * top_k]` per layer), and `T`.
     fn shared_prefix_hidden(
         &self,
         model: &Decoder,
         weights: Weights,
         replay: Option<&[Option<Vec<u32>>]>,
         groups: &[Vec<usize>],
+        bucket_cost: usize,
     ) -> (Tensor<2>, Vec<i64>, Vec<Option<DeviceRouting>>, usize) {
         let (b, p) = (self.seqs.len(), groups.len());
         let padded_len = self.seqs.iter().map(Vec::len).max().unwrap_or(0);
@@ -310,51 +312,60 @@ impl SeqBatch {
             })
             .collect();
         let counts: Vec<usize> = inputs.iter().map(Vec::len).collect();
-        let t = counts.iter().copied().max().unwrap_or(0);
-        let (hidden, r_resp) = if t == 0 {
-            (h_prompt, vec![None; layers])
-        } else {
-            cache.select_rows(&group_of);
-            let padded: Vec<Vec<u32>> = inputs
+        let layout = ResponseLayout::new(&counts, bucket_cost);
+        let mut hidden = vec![h_prompt];
+        let mut r_resp: Vec<Vec<DeviceRouting>> = vec![Vec::new(); layers];
+        for bucket in &layout.buckets {
+            let mut bucket_cache = cache.clone();
+            bucket_cache.select_rows(&bucket.rows.iter().map(|&r| group_of[r]).collect::<Vec<_>>());
+            let padded: Vec<Vec<u32>> = bucket
+                .rows
                 .iter()
-                .map(|x| {
-                    let mut x = x.clone();
-                    x.resize(t, 0);
+                .map(|&r| {
+                    let mut x = inputs[r].clone();
+                    x.resize(bucket.t, 0);
                     x
                 })
                 .collect();
-            let all: Vec<usize> = (0..b).collect();
-            let resp_replay = slice_replay(&all, &self.prompt_lens, &counts, t);
-            let (h_resp, r) = model.hidden_cached(
+            let starts: Vec<usize> = bucket.rows.iter().map(|&r| self.prompt_lens[r]).collect();
+            let lens: Vec<usize> = bucket.rows.iter().map(|&r| counts[r]).collect();
+            let resp_replay = slice_replay(&bucket.rows, &starts, &lens, bucket.t);
+            let (h, r) = model.hidden_cached(
                 weights,
                 &padded,
-                &counts,
-                &mut cache,
+                &lens,
+                &mut bucket_cache,
                 resp_replay.as_deref(),
                 None,
             );
-            (Tensor::cat(vec![h_prompt, h_resp], 0), r)
-        };
-        // Loss position j of row r: the prompt's last row for j = 0, else response row r * t + j - 1.
+            hidden.push(h);
+            for (l, routing) in r.into_iter().enumerate() {
+                r_resp[l].extend(routing);
+            }
+        }
+        let hidden = Tensor::cat(hidden, 0);
+        // Hidden rows: the prompts' last positions (`P`), then the response forwards'.
+        let resp_row = |r: usize, j: usize| (p + layout.row(r, j)) as i64;
+        // Loss position j of row r: the prompt's last row for j = 0, else response input j - 1 of the row.
         let mut rows = Vec::new();
         for (r, (s, &g)) in self.seqs.iter().zip(&group_of).enumerate() {
             let n = s.len().saturating_sub(self.prompt_lens[r]);
             if n > 0 {
                 rows.push(g as i64);
-                rows.extend((1..n).map(|j| (p + r * t + j - 1) as i64));
+                rows.extend((1..n).map(|j| resp_row(r, j - 1)));
             }
         }
         // The routing laid out as a full forward's, gathered on the device: token `q` of row `r` is its
-        // prompt's token `q`, then its own response token, then a placeholder `0..k` (padding).
-        let resp_rows = if t == 0 { 0 } else { b * t };
-        let pad_row = (p * lp + resp_rows) as i64;
+        // prompt's token `q`, then its own response token, then a placeholder `0..k` (padding). Routing
+        // rows: every prompt position (`P * lp`), then the response forwards'.
+        let resp_token = |r: usize, j: usize| (p * lp + layout.row(r, j)) as i64;
+        let pad_row = (p * lp + layout.rows) as i64;
         let mut token_rows = Vec::with_capacity(b * padded_len);
         for r in 0..b {
             let (g, pl) = (group_of[r], self.prompt_lens[r]);
             token_rows.extend((0..pl).map(|q| (g * lp + q) as i64));
-            let filled = if t == 0 { 0 } else { counts[r] };
-            token_rows.extend((0..filled).map(|j| (p * lp + r * t + j) as i64));
-            token_rows.extend(std::iter::repeat_n(pad_row, padded_len - pl - filled));
+            token_rows.extend((0..counts[r]).map(|j| resp_token(r, j)));
+            token_rows.extend(std::iter::repeat_n(pad_row, padded_len - pl - counts[r]));
         }
         let device = hidden.device();
         let token_rows =
@@ -365,7 +376,7 @@ impl SeqBatch {
                 let k = pr.dims()[1];
                 let placeholder = Tensor::<1, Int>::arange(0..k as i64, &device).reshape([1, k]);
                 let parts: Vec<DeviceRouting> = std::iter::once(pr)
-                    .chain(r_resp.get(l).cloned().flatten())
+                    .chain(r_resp[l].iter().cloned())
                     .chain(std::iter::once(placeholder))
                     .collect();
                 Some(Tensor::cat(parts, 0).select(0, token_rows.clone()))
@@ -375,12 +386,95 @@ impl SeqBatch {
     }
 }
 
+/// Padded token slots a separate response forward must save before [`length_buckets`] opens one: on the
+/// CPU a forward's fixed cost (per-op dispatch and graph bookkeeping over every layer) is about that of a
+/// few dozen tokens of SmolLM2-135M. A constant, not a measurement taken at run time, so the buckets (and
+/// with them the backward's summation order) are the same on every machine.
+pub const BUCKET_COST_TOKENS: usize = 32;
+
+/// The rows of one response forward and the length they are padded to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Bucket {
+    pub rows: Vec<usize>,
+    pub t: usize,
+}
+
+/// Rows grouped by response length so that the response forwards pad little: the rows with at least one
+/// input token, longest first (ties by row), cut into consecutive runs that minimise the padded tokens
+/// plus `cost` per run (exact, by dynamic programming over the sorted lengths). `cost = 0` gives one run
+/// per distinct length, `usize::MAX` one padded run of every row.
+pub fn length_buckets(counts: &[usize], cost: usize) -> Vec<Bucket> {
+    let mut order: Vec<usize> = (0..counts.len()).filter(|&r| counts[r] > 0).collect();
+    order.sort_by_key(|&r| std::cmp::Reverse(counts[r]));
+    let n = order.len();
+    // best[j]: the least cost of rows order[..j]; cut[j]: where its last run starts.
+    let mut best = vec![0u128; n + 1];
+    let mut cut = vec![0usize; n + 1];
+    for j in 1..=n {
+        best[j] = u128::MAX;
+        for i in 0..j {
+            let run = (j - i) as u128 * counts[order[i]] as u128 + cost as u128;
+            if best[i] + run < best[j] {
+                (best[j], cut[j]) = (best[i] + run, i);
+            }
+        }
+    }
+    let mut buckets = Vec::new();
+    let mut j = n;
+    while j > 0 {
+        let i = cut[j];
+        buckets.push(Bucket {
+            rows: order[i..j].to_vec(),
+            t: counts[order[i]],
+        });
+        j = i;
+    }
+    buckets.reverse();
+    buckets
+}
+
+/// Where each row's response inputs sit among the response forwards' hidden rows: bucket after bucket,
+/// `t` rows per member row.
+struct ResponseLayout {
+    buckets: Vec<Bucket>,
+    /// Per row: (first hidden row of its response inputs).
+    start: Vec<usize>,
+    /// Hidden rows of all the response forwards.
+    rows: usize,
+}
+
+impl ResponseLayout {
+    fn new(counts: &[usize], cost: usize) -> Self {
+        let buckets = length_buckets(counts, cost);
+        let mut start = vec![0usize; counts.len()];
+        let mut rows = 0;
+        for bucket in &buckets {
+            for &r in &bucket.rows {
+                start[r] = rows;
+                rows += bucket.t;
+            }
+        }
+        Self {
+            buckets,
+            start,
+            rows,
+        }
+    }
+
+    /// The hidden row of response input `j` of row `r`, counted from the first response row.
+    fn row(&self, r: usize, j: usize) -> usize {
+        self.start[r] + j
+    }
+}
+
 /// How [`SeqBatch::logprobs_with`] runs its forward.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ForwardOptions {
     pub sharing: PrefixSharing,
     /// Also compute the entropy (temperature 1) of every loss position ([`ResponseForward::entropy`]).
     pub entropy: bool,
+    /// With a shared prefix, the response forwards' length buckets ([`length_buckets`]'s `cost`).
+    pub bucket_cost: usize,
 }
 
 impl Default for ForwardOptions {
@@ -388,6 +482,7 @@ impl Default for ForwardOptions {
         Self {
             sharing: PrefixSharing::Auto,
             entropy: false,
+            bucket_cost: BUCKET_COST_TOKENS,
         }
     }
 }
@@ -448,4 +543,78 @@ pub fn replay_routing(
             Some(flat)
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The padded tokens plus `cost` per run of a bucketing.
+    fn total(buckets: &[Bucket], cost: usize) -> usize {
+        buckets.iter().map(|b| b.rows.len() * b.t + cost).sum()
+    }
+
+    #[test]
+    fn the_extreme_costs_give_one_run_or_one_run_per_length() {
+        let counts = [5, 0, 9, 5, 2, 9, 1];
+        let one = length_buckets(&counts, usize::MAX);
+        assert_eq!(
+            one,
+            vec![Bucket {
+                rows: vec![2, 5, 0, 3, 4, 6],
+                t: 9
+            }]
+        );
+        let each: Vec<(Vec<usize>, usize)> = length_buckets(&counts, 0)
+            .into_iter()
+            .map(|b| (b.rows, b.t))
+            .collect();
+        assert_eq!(
+            each,
+            vec![(vec![2, 5], 9), (vec![0, 3], 5), (vec![4], 2), (vec![6], 1)]
+        );
+        assert!(length_buckets(&[0, 0], 0).is_empty());
+    }
+
+    /// Against every way of cutting the sorted rows into runs (2^(n-1) of them), on lengths from a fixed
+    /// pseudo-random sequence: the dynamic programme's total is the least, every row is in exactly one
+    /// run, and a run's `t` is its longest member.
+    #[test]
+    fn buckets_are_the_cheapest_cut_of_the_sorted_lengths() {
+        let mut state = 12345u64;
+        let mut next = |m: u64| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % m) as usize
+        };
+        for _ in 0..200 {
+            let n = 1 + next(9);
+            let counts: Vec<usize> = (0..n).map(|_| 1 + next(64)).collect();
+            let cost = next(80);
+            let buckets = length_buckets(&counts, cost);
+            let mut seen: Vec<usize> = buckets.iter().flat_map(|b| b.rows.clone()).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, (0..n).collect::<Vec<_>>());
+            for b in &buckets {
+                assert_eq!(b.t, b.rows.iter().map(|&r| counts[r]).max().unwrap());
+            }
+            let mut sorted = counts.clone();
+            sorted.sort_unstable_by(|a, b| b.cmp(a));
+            let brute = (0u32..1 << (n - 1))
+                .map(|cuts| {
+                    let (mut sum, mut first) = (0, 0);
+                    for i in 1..=n {
+                        if i == n || cuts & (1 << (i - 1)) != 0 {
+                            sum += (i - first) * sorted[first] + cost;
+                            first = i;
+                        }
+                    }
+                    sum
+                })
+                .min()
+                .unwrap();
+            assert_eq!(total(&buckets, cost), brute, "{counts:?}, cost {cost}");
+        }
+    }
 }
