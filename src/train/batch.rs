@@ -181,24 +181,26 @@ impl SeqBatch {
                 routing,
                 padded_len,
                 layer_reads,
+                work: self.forward_work(&model.config, opts),
             },
         )
     }
 
-    /// Tokens the learner forward of [`Self::logprobs`] runs (padding included) and its flops
-    /// ([`crate::model::cost`]): with shared prompts, the distinct prompts padded to the longest, then every
-    /// row's response inputs padded to the longest against the prompt's keys; else every sequence padded.
-    pub fn forward_work(&self, config: &crate::model::ModelConfig) -> (usize, f64) {
+    /// Tokens the learner forward of [`Self::logprobs_with`] runs (padding included) and its flops
+    /// ([`crate::model::cost`]): with shared prompts, the distinct prompts padded to the longest, then each
+    /// length bucket's response inputs padded to the bucket's longest against the prompt's keys
+    /// ([`length_buckets`]); else every sequence padded.
+    pub fn forward_work(
+        &self,
+        config: &crate::model::ModelConfig,
+        opts: ForwardOptions,
+    ) -> (usize, f64) {
         let rows = self.seqs.len();
-        let loss: usize = self
-            .seqs
-            .iter()
-            .zip(&self.prompt_lens)
-            .map(|(s, &p)| s.len().saturating_sub(p))
-            .sum();
+        let loss_of = |r: usize| self.seqs[r].len().saturating_sub(self.prompt_lens[r]);
         let longest = self.seqs.iter().map(Vec::len).max().unwrap_or(0);
         let groups = self.prompt_groups();
-        if groups.len() == rows {
+        if opts.sharing == PrefixSharing::Off || groups.len() == rows {
+            let loss = (0..rows).map(loss_of).sum();
             let f = config.forward_flops(rows, longest, longest, loss).total();
             return (rows * longest, f);
         }
@@ -207,16 +209,23 @@ impl SeqBatch {
             .map(|g| self.prompt_lens[g[0]])
             .max()
             .unwrap_or(0);
-        let t = self
-            .seqs
-            .iter()
-            .zip(&self.prompt_lens)
-            .map(|(s, &p)| s.len().saturating_sub(p + 1))
-            .max()
-            .unwrap_or(0);
-        let f = config.forward_flops(groups.len(), lp, lp, 0).total()
-            + config.forward_flops(rows, t, lp + t, loss).total();
-        (groups.len() * lp + rows * t, f)
+        let counts: Vec<usize> = (0..rows)
+            .map(|r| self.seqs[r].len().saturating_sub(self.prompt_lens[r] + 1))
+            .collect();
+        // A row without response inputs (one response token) is scored at its prompt's last position.
+        let prompt_loss = (0..rows).filter(|&r| counts[r] == 0).map(loss_of).sum();
+        let mut tokens = groups.len() * lp;
+        let mut f = config
+            .forward_flops(groups.len(), lp, lp, prompt_loss)
+            .total();
+        for bucket in length_buckets(&counts, opts.bucket_cost) {
+            let loss = bucket.rows.iter().map(|&r| loss_of(r)).sum();
+            tokens += bucket.rows.len() * bucket.t;
+            f += config
+                .forward_flops(bucket.rows.len(), bucket.t, lp + bucket.t, loss)
+                .total();
+        }
+        (tokens, f)
     }
 
     /// The rows with the same prompt (the same tokens before `prompt_lens`), in order of first appearance.
@@ -509,6 +518,8 @@ pub struct ResponseForward {
     /// Device-to-host reads of the decoder layers (embedding to the final norm, before the LM head;
     /// [`crate::host::device_reads`]): none with routing replay on a GPU.
     pub layer_reads: u64,
+    /// The tokens this forward ran (padding included) and its flops ([`SeqBatch::forward_work`]).
+    pub work: (usize, f64),
 }
 
 /// Routing replay for a right-padded batch: the recorded experts of every token that went through the
@@ -552,6 +563,42 @@ mod tests {
     /// The padded tokens plus `cost` per run of a bucketing.
     fn total(buckets: &[Bucket], cost: usize) -> usize {
         buckets.iter().map(|b| b.rows.len() * b.t + cost).sum()
+    }
+
+    /// The tokens the learner forward is billed for are the tokens its forwards run: the distinct prompts
+    /// padded to the longest, then each bucket's rows padded to the bucket's longest response input.
+    #[test]
+    fn forward_work_counts_the_buckets_tokens() {
+        let config =
+            crate::model::ModelConfig::from_file("configs/models/qwen3-moe-arith.json").unwrap();
+        // Two groups (prompts of 3 and 2 tokens); response inputs 4, 1, 0 and 3, 3.
+        let batch = SeqBatch::new(
+            vec![
+                vec![1, 2, 3, 4, 5, 6, 7, 8],
+                vec![1, 2, 3, 9, 9],
+                vec![1, 2, 3, 4],
+                vec![5, 6, 1, 1, 1, 1],
+                vec![5, 6, 2, 2, 2, 2],
+            ],
+            vec![3, 3, 3, 2, 2],
+        );
+        let work = |sharing, bucket_cost| {
+            let opts = ForwardOptions {
+                sharing,
+                entropy: false,
+                bucket_cost,
+            };
+            batch.forward_work(&config, opts)
+        };
+        assert_eq!(work(PrefixSharing::Off, 0).0, 5 * 8);
+        assert_eq!(work(PrefixSharing::Auto, usize::MAX).0, 2 * 3 + 4 * 4);
+        // Buckets {4}, {3, 3}, {1}.
+        assert_eq!(work(PrefixSharing::Auto, 0).0, 2 * 3 + 4 + 2 * 3 + 1);
+        let (one, split) = (
+            work(PrefixSharing::Auto, usize::MAX).1,
+            work(PrefixSharing::Auto, 0).1,
+        );
+        assert!(split < one, "{split} vs {one}");
     }
 
     #[test]

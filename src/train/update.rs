@@ -361,7 +361,7 @@ impl Pass<'_, '_> {
         if !active.is_empty() {
             let (sub, replay) = s.subset(&active, layers);
             let (lp, fwd) = sub.logprobs_with(model, weights, temperature, replay.as_deref(), opts);
-            perf.add_forward(&model.config, &sub, true, &fwd);
+            perf.add_forward(&sub, true, &fwd);
             if self.first_forward {
                 let replayed = s.replay.is_some();
                 stats.add_routing(&fwd, &sub, &records(&active), replayed, s.top_k)?;
@@ -385,7 +385,7 @@ impl Pass<'_, '_> {
                 rest_replay.as_deref(),
                 opts,
             );
-            perf.add_forward(&model.config, &rest, false, &rest_fwd);
+            perf.add_forward(&rest, false, &rest_fwd);
             let active_entropy = active_forward
                 .as_ref()
                 .map(|(_, sub, fwd)| split_responses(sub, fwd.entropy.as_deref().unwrap_or(&[])))
@@ -502,15 +502,9 @@ struct PhaseTimes {
 
 impl PhaseTimes {
     /// A learner forward of `b`, with a graph (a backward follows) or without.
-    fn add_forward(
-        &mut self,
-        config: &crate::model::ModelConfig,
-        b: &SeqBatch,
-        graph: bool,
-        fwd: &ResponseForward,
-    ) {
+    fn add_forward(&mut self, b: &SeqBatch, graph: bool, fwd: &ResponseForward) {
         self.layer_reads += fwd.layer_reads;
-        let (tokens, flops) = b.forward_work(config);
+        let (tokens, flops) = fwd.work;
         self.forward_flops += flops;
         if graph {
             self.graph_flops += flops;
