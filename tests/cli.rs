@@ -299,6 +299,20 @@ fn runs_lists_run_directories_with_their_status() {
     );
 }
 
+/// `qarl generate --max-new-tokens 0` is refused before the model is read (it used to write prompt-only
+/// rows and exit 0).
+#[test]
+fn generate_refuses_zero_new_tokens() {
+    let out = qarl()
+        .args(["generate", "--model", "/nonexistent", "--prompt", "1+1="])
+        .args(["--output", "/nonexistent/out.json", "--max-new-tokens", "0"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(err.contains("--max-new-tokens must be at least 1"), "{err}");
+}
+
 /// `qarl mismatch` refuses sizes and temperatures it cannot measure with, before loading anything: zero
 /// samples used to panic (index out of bounds) and temperature 0 to print a NaN KL with exit code 0.
 #[test]

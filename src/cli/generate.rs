@@ -79,6 +79,10 @@ struct GenerateOutput {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    // Checked before anything is loaded: 0 used to write rows without a generated token and exit 0.
+    if args.max_new_tokens == 0 {
+        anyhow::bail!("--max-new-tokens must be at least 1 (0 generates nothing)");
+    }
     let mut stop_token_ids = args.stop_ids.clone();
     let device = args.backend.device()?;
     let model = load_model(&args.model, &device, args.quant)?;
