@@ -7,6 +7,7 @@
 //! device has; a launch on another is [`KernelError::Unsupported`].
 
 mod exact;
+mod moe_train;
 
 use cubecl::features::TypeUsage;
 use cubecl::prelude::*;
@@ -18,6 +19,7 @@ use crate::error::KernelError;
 use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::{dense, fp8, moe as moe_kernels, BLOCK, CHUNK, TILE};
 use crate::moe::{MoeRouting, RoutingTable, TableLayout};
+pub use moe_train::{MoeActivations, MoeGradients};
 
 /// Packed weights (one matrix or a stack of experts) uploaded to the device.
 #[derive(Clone)]
@@ -618,8 +620,37 @@ impl Kernels {
         [gate, up, down]: [&DeviceWeights; 3],
         path: MatmulPath,
     ) -> Result<DeviceBuffer, KernelError> {
-        let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
+        self.check_moe(x, routing, route_w, [gate, up, down])?;
+        let (tokens, hidden, inter) = (routing.tokens(), gate.inn, gate.out);
         let layout = routing.layout();
+        let out = self.empty(tokens * hidden, x.dtype);
+        if layout.tiles == 0 || hidden == 0 {
+            return Ok(out);
+        }
+        let gemv = match path {
+            MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
+            MatmulPath::Gemv => true,
+            MatmulPath::Gemm | MatmulPath::Blocked => false,
+        };
+        let xq = self.prepare(x, tokens, gate)?;
+        let h = self.empty_f32(layout.assignments * inter);
+        if inter > 0 {
+            // gate+up fused with SwiGLU, gathering the token rows.
+            self.grouped_product(&xq, routing, [gate, up], &h, true, true, gemv);
+        }
+        self.down_and_combine(&h, routing, route_w, down, &out, gemv)?;
+        Ok(out)
+    }
+
+    /// Checks the shapes and types of a grouped MoE call ([`Self::moe_routed`]).
+    pub(crate) fn check_moe(
+        &self,
+        x: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
+        [gate, up, down]: [&DeviceWeights; 3],
+    ) -> Result<(), KernelError> {
+        let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
         let (hidden, inter) = (gate.inn, gate.out);
         for (name, w, shape) in [
             ("gate", gate, [inter, hidden]),
@@ -646,78 +677,80 @@ impl Kernels {
                 route_w.dtype, x.dtype
             )));
         }
-        let out = self.empty(tokens * hidden, x.dtype);
-        if layout.tiles == 0 || hidden == 0 {
-            return Ok(out);
-        }
-        let assignments = layout.assignments;
-        let table = &routing.table;
-        let xq = self.prepare(x, tokens, gate)?;
-        let h = self.empty_f32(assignments * inter);
-        let gemv = match path {
-            MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
-            MatmulPath::Gemv => true,
-            MatmulPath::Gemm | MatmulPath::Blocked => false,
-        };
-        let grouped = |input: &DeviceBuffer,
-                       a: &DeviceWeights,
-                       b: &DeviceWeights,
-                       y: &DeviceBuffer,
-                       swiglu: bool| {
-            // gate+up gathers token rows; down reads h in sorted order.
-            let gather = swiglu;
-            let chunks = a.inn.div_ceil(CHUNK);
-            // Chunk sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory.
-            let sets = if swiglu { 2 } else { 1 };
-            if gemv && chunks * sets <= SHARED_FLOATS && assignments <= MAX_GRID {
-                let lanes = chunks.clamp(1, 32);
-                let chunks = chunks.max(1);
-                // The input row staged in shared memory when it fits beside a row of chunk sums.
-                let stage_x = 32 * (chunks + 1) + chunks * sets <= SHARED_FLOATS;
-                let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
-                let rows_per_cube = (256 / lanes)
-                    .min(budget / (chunks * sets))
-                    .min(a.out)
-                    .max(1);
-                moe_kernels::grouped_gemv::launch(
-                    &self.client,
-                    CubeCount::Static(a.out.div_ceil(rows_per_cube) as u32, assignments as u32, 1),
-                    CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
-                    input.arg(),
-                    table.arg(),
-                    layout.rows_at(),
-                    layout.experts_at(),
-                    a.words.arg(),
-                    a.scales.arg(),
-                    b.words.arg(),
-                    b.scales.arg(),
-                    self.lut.arg(),
-                    y.arg(),
-                    a.out,
-                    a.inn,
-                    a.wpr(),
-                    a.spr(),
-                    a.expert_words(),
-                    a.expert_scales(),
-                    a.format.kernel_code(),
-                    a.format.kernel_group(),
-                    lanes,
-                    rows_per_cube,
-                    chunks,
-                    swiglu,
-                    gather,
-                    stage_x,
-                    input.dtype.elem(),
-                );
-                return;
-            }
-            moe_kernels::grouped_matmul::launch(
+        Ok(())
+    }
+
+    /// The down projection of the SwiGLU outputs `h` (f32, sorted order) into the per-assignment outputs
+    /// `y` (f32, returned), then the combine into `out` with the routing weights.
+    pub(crate) fn down_and_combine(
+        &self,
+        h: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
+        down: &DeviceWeights,
+        out: &DeviceBuffer,
+        gemv: bool,
+    ) -> Result<DeviceBuffer, KernelError> {
+        let (tokens, top_k, hidden) = (routing.tokens(), routing.top_k(), down.out);
+        let layout = routing.layout();
+        let hq = self.prepare(h, layout.assignments, down)?;
+        let y = self.empty_f32(layout.assignments * hidden);
+        self.grouped_product(&hq, routing, [down, down], &y, false, false, gemv);
+        moe_kernels::combine::launch(
+            &self.client,
+            grid((tokens * hidden).div_ceil(256)),
+            CubeDim::new_1d(256),
+            y.arg(),
+            routing.table.arg(),
+            layout.positions_at(),
+            route_w.arg(),
+            out.arg(),
+            tokens,
+            hidden,
+            top_k,
+            out.dtype.elem(),
+        );
+        Ok(y)
+    }
+
+    /// One grouped product over the sorted assignments into the f32 buffer `y`: `input · a_e^T`, or with
+    /// `swiglu` `silu(input · a_e^T) * (input · b_e^T)` (`b` the up projection); `gather` reads the input
+    /// row of each assignment's token (else the input is already in sorted order). The grouped GEMV when
+    /// `gemv` and its staging fits, else the tiled kernel: the same bits either way.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn grouped_product(
+        &self,
+        input: &DeviceBuffer,
+        routing: &RoutingTable,
+        [a, b]: [&DeviceWeights; 2],
+        y: &DeviceBuffer,
+        swiglu: bool,
+        gather: bool,
+        gemv: bool,
+    ) {
+        let layout = routing.layout();
+        let (assignments, table) = (layout.assignments, &routing.table);
+        let chunks = a.inn.div_ceil(CHUNK);
+        // Chunk sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory.
+        let sets = if swiglu { 2 } else { 1 };
+        if gemv && chunks * sets <= SHARED_FLOATS && assignments <= MAX_GRID {
+            let lanes = chunks.clamp(1, 32);
+            let chunks = chunks.max(1);
+            // The input row staged in shared memory when it fits beside a row of chunk sums.
+            let stage_x = 32 * (chunks + 1) + chunks * sets <= SHARED_FLOATS;
+            let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
+            let rows_per_cube = (256 / lanes)
+                .min(budget / (chunks * sets))
+                .min(a.out)
+                .max(1);
+            moe_kernels::grouped_gemv::launch(
                 &self.client,
-                CubeCount::Static(a.out.div_ceil(BLOCK) as u32, layout.tiles as u32, 1),
-                CubeDim::new_2d(BLOCK as u32, (TILE / 4) as u32),
+                CubeCount::Static(a.out.div_ceil(rows_per_cube) as u32, assignments as u32, 1),
+                CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
                 input.arg(),
                 table.arg(),
                 layout.rows_at(),
+                layout.experts_at(),
                 a.words.arg(),
                 a.scales.arg(),
                 b.words.arg(),
@@ -732,33 +765,42 @@ impl Kernels {
                 a.expert_scales(),
                 a.format.kernel_code(),
                 a.format.kernel_group(),
-                a.inn.div_ceil(CHUNK),
+                lanes,
+                rows_per_cube,
+                chunks,
                 swiglu,
                 gather,
+                stage_x,
                 input.dtype.elem(),
             );
-        };
-        if inter > 0 {
-            grouped(&xq, gate, up, &h, true);
+            return;
         }
-        let hq = self.prepare(&h, assignments, down)?;
-        let y = self.empty_f32(assignments * hidden);
-        grouped(&hq, down, down, &y, false);
-        moe_kernels::combine::launch(
+        moe_kernels::grouped_matmul::launch(
             &self.client,
-            grid((tokens * hidden).div_ceil(256)),
-            CubeDim::new_1d(256),
-            y.arg(),
+            CubeCount::Static(a.out.div_ceil(BLOCK) as u32, layout.tiles as u32, 1),
+            CubeDim::new_2d(BLOCK as u32, (TILE / 4) as u32),
+            input.arg(),
             table.arg(),
-            layout.positions_at(),
-            route_w.arg(),
-            out.arg(),
-            tokens,
-            hidden,
-            top_k,
-            out.dtype.elem(),
+            layout.rows_at(),
+            a.words.arg(),
+            a.scales.arg(),
+            b.words.arg(),
+            b.scales.arg(),
+            self.lut.arg(),
+            y.arg(),
+            a.out,
+            a.inn,
+            a.wpr(),
+            a.spr(),
+            a.expert_words(),
+            a.expert_scales(),
+            a.format.kernel_code(),
+            a.format.kernel_group(),
+            a.inn.div_ceil(CHUNK),
+            swiglu,
+            gather,
+            input.dtype.elem(),
         );
-        Ok(out)
     }
 }
 

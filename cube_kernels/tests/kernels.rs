@@ -762,3 +762,156 @@ fn unsupported_activation_types_are_refused_not_miscomputed() {
         }
     }
 }
+
+/// `max |got - want| <= rel * max |want|` (a tensor-wide scale: the sums went through values of that size).
+fn assert_close_scaled(got: &[f32], want: &[f64], rel: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-6);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (*g as f64 - w).abs() <= rel * scale,
+            "{what}[{i}]: kernel {g} vs reference {w} (scale {scale})"
+        );
+    }
+}
+
+/// The grouped MoE training pair on the device: the forward that keeps its activations is the rollout's
+/// kernel bit for bit, and the backward's gradients (input, routing weights, the three stacked master
+/// gradients in `[in, out]` layout) match a host computation in f64 from the dequantized weights.
+fn check_moe_training(
+    k: &Kernels,
+    format: WeightFormat,
+    ids: &[u32],
+    tokens: usize,
+    top_k: usize,
+    seed: u64,
+) {
+    let (experts, hidden, inter) = (6, 72, 48);
+    let what = format!("{} ({tokens} tokens, ids {ids:?})", format.name());
+    let gate = random_weights(format, experts, inter, hidden, seed);
+    let up = random_weights(format, experts, inter, hidden, seed + 1);
+    let down = random_weights(format, experts, hidden, inter, seed + 2);
+    let mut rng = Rng(seed + 3);
+    let x = rng.values(tokens * hidden);
+    let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+    let d_out = rng.values(tokens * hidden);
+    let weights = [&gate, &up, &down].map(|w| k.upload_weights(w));
+    let [dg, du, dd] = [&weights[0], &weights[1], &weights[2]];
+    let (dx, dw) = (k.upload_f32(&x), k.upload_f32(&route_w));
+    let table = k.route(&k.upload_u32(ids), tokens, top_k, experts).unwrap();
+    let mut saved = None;
+    for path in [MatmulPath::Gemm, MatmulPath::Gemv] {
+        let rollout = k.moe_routed(&dx, &table, &dw, [dg, du, dd], path).unwrap();
+        let (out, acts) = k
+            .moe_routed_for_training(&dx, &table, &dw, [dg, du, dd], path)
+            .unwrap();
+        assert_eq!(
+            bits(&k.read_f32(&out).unwrap()),
+            bits(&k.read_f32(&rollout).unwrap()),
+            "{what} {path:?}: the training forward is not the rollout's kernel"
+        );
+        saved = Some(acts);
+    }
+    let acts = saved.unwrap();
+    let grads = k
+        .moe_backward(&dx, &table, &dw, &acts, &k.upload_f32(&d_out), [dg, du, dd])
+        .unwrap();
+    let read = |b: &cube_kernels::DeviceBuffer| k.read_f32(b).unwrap();
+    let (g, u, h, y) = (
+        read(&acts.gate),
+        read(&acts.up),
+        read(&acts.swiglu),
+        read(&acts.expert_out),
+    );
+    // The saved activations are the forward's: h from g and u by the contract (the runtime's exp may be an
+    // ulp off the host's), g against the host.
+    let routing = MoeRouting::new(ids, tokens, top_k, experts).unwrap();
+    for (i, hv) in h.iter().enumerate() {
+        let want = reference::silu_mul(g[i], u[i]);
+        assert!(
+            (hv - want).abs() <= 1e-6 * want.abs().max(1e-3),
+            "{what}: h[{i}] = {hv}, silu(g) * u = {want}"
+        );
+    }
+    let xq = reference::prepare_activations(&x, tokens, &gate);
+    let wg: Vec<Vec<f32>> = (0..experts).map(|e| gate.dequantize(e)).collect();
+    let wu: Vec<Vec<f32>> = (0..experts).map(|e| up.dequantize(e)).collect();
+    let wd: Vec<Vec<f32>> = (0..experts).map(|e| down.dequantize(e)).collect();
+    let mut want_g = vec![0.0f64; g.len()];
+    // Host f64 backward from the saved activations.
+    let (mut want_dx, mut want_dw) = (vec![0.0f64; x.len()], vec![0.0f64; route_w.len()]);
+    let mut want_dg = vec![0.0f64; experts * hidden * inter];
+    let mut want_du = want_dg.clone();
+    let mut want_dd = vec![0.0f64; experts * inter * hidden];
+    for t in 0..tokens {
+        for j in 0..top_k {
+            let tj = t * top_k + j;
+            let (e, a) = (ids[tj] as usize, routing.position[tj] as usize);
+            let dy: Vec<f64> = (0..hidden)
+                .map(|c| route_w[tj] as f64 * d_out[t * hidden + c] as f64)
+                .collect();
+            want_dw[tj] = (0..hidden)
+                .map(|c| d_out[t * hidden + c] as f64 * y[a * hidden + c] as f64)
+                .sum();
+            for r in 0..inter {
+                want_g[a * inter + r] = (0..hidden)
+                    .map(|kk| xq[t * hidden + kk] as f64 * wg[e][r * hidden + kk] as f64)
+                    .sum();
+                let dh: f64 = (0..hidden)
+                    .map(|c| dy[c] * wd[e][c * inter + r] as f64)
+                    .sum();
+                for c in 0..hidden {
+                    want_dd[(e * inter + r) * hidden + c] += h[a * inter + r] as f64 * dy[c];
+                }
+                let (gv, uv) = (g[a * inter + r] as f64, u[a * inter + r] as f64);
+                let s = 1.0 / (1.0 + (-gv).exp());
+                let (d_gate, d_up) = (dh * uv * s * (1.0 + gv * (1.0 - s)), dh * gv * s);
+                for kk in 0..hidden {
+                    let xv = x[t * hidden + kk] as f64;
+                    want_dg[(e * hidden + kk) * inter + r] += xv * d_gate;
+                    want_du[(e * hidden + kk) * inter + r] += xv * d_up;
+                    want_dx[t * hidden + kk] += d_gate * wg[e][r * hidden + kk] as f64
+                        + d_up * wu[e][r * hidden + kk] as f64;
+                }
+            }
+        }
+    }
+    assert_close_scaled(&g, &want_g, 2e-5, &format!("{what}: gate activations"));
+    assert_close_scaled(&read(&grads.dx), &want_dx, 2e-5, &format!("{what}: dx"));
+    assert_close_scaled(
+        &read(&grads.d_route_w),
+        &want_dw,
+        2e-5,
+        &format!("{what}: d route_w"),
+    );
+    assert_close_scaled(
+        &read(&grads.d_gate),
+        &want_dg,
+        2e-5,
+        &format!("{what}: d gate"),
+    );
+    assert_close_scaled(&read(&grads.d_up), &want_du, 2e-5, &format!("{what}: d up"));
+    assert_close_scaled(
+        &read(&grads.d_down),
+        &want_dd,
+        2e-5,
+        &format!("{what}: d down"),
+    );
+}
+
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn moe_training_forward_is_the_rollouts_and_its_backward_matches_the_host() {
+    let Some(k) = kernels() else { return };
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        let seed = 900 + 10 * i as u64;
+        // Ragged: uneven groups, experts 0 and 5 empty (their weight gradients are zero).
+        let ids: Vec<u32> = (0..34u32).map(|i| 1 + (i * i + i / 3) % 4).collect();
+        check_moe_training(k, format, &ids, 17, 2, seed);
+        // One expert with more than one tile and 32-assignment chunks of its weight gradient.
+        let ids: Vec<u32> = (0..80u32)
+            .map(|i| if i % 5 == 0 { 4 } else { i % 3 })
+            .collect();
+        check_moe_training(k, format, &ids, 40, 2, seed + 1);
+    }
+}

@@ -28,6 +28,7 @@ pub mod dense;
 pub mod exact;
 pub mod fp8;
 pub mod moe;
+pub mod moe_train;
 
 use cubecl::prelude::*;
 
