@@ -627,11 +627,7 @@ impl Kernels {
         if layout.tiles == 0 || hidden == 0 {
             return Ok(out);
         }
-        let gemv = match path {
-            MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
-            MatmulPath::Gemv => true,
-            MatmulPath::Gemm | MatmulPath::Blocked => false,
-        };
+        let gemv = Self::moe_gemv(path, tokens);
         let xq = self.prepare(x, tokens, gate)?;
         let h = self.empty_f32(layout.assignments * inter);
         if inter > 0 {
@@ -640,6 +636,16 @@ impl Kernels {
         }
         self.down_and_combine(&h, routing, route_w, down, &out, gemv)?;
         Ok(out)
+    }
+
+    /// Whether the grouped products of an MoE call on `tokens` tokens take the GEMV kernel (`path`, or by
+    /// size under [`MatmulPath::Auto`]); the same bits either way.
+    pub(crate) fn moe_gemv(path: MatmulPath, tokens: usize) -> bool {
+        match path {
+            MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
+            MatmulPath::Gemv => true,
+            MatmulPath::Gemm | MatmulPath::Blocked => false,
+        }
     }
 
     /// Checks the shapes and types of a grouped MoE call ([`Self::moe_routed`]).
@@ -830,6 +836,17 @@ fn dense_only(w: &DeviceWeights) -> Result<(), KernelError> {
         return Err(KernelError::Shape(format!(
             "a dense matmul got a stack of {} experts (use the MoE launcher)",
             w.experts
+        )));
+    }
+    Ok(())
+}
+
+/// An error unless `b` holds f32 values: `kernels` names the launchers that take f32 only.
+fn f32_only(what: &str, b: &DeviceBuffer, kernels: &str) -> Result<(), KernelError> {
+    if b.dtype() != ActDType::F32 {
+        return Err(KernelError::Unsupported(format!(
+            "{what}: {} values (the {kernels} take f32)",
+            b.dtype()
         )));
     }
     Ok(())

@@ -259,6 +259,38 @@ fn transposed_product_matches_the_reference() {
     }
 }
 
+/// `(experts, hidden, inter)` of the MoE tests: hidden 72 and inter 48 leave a ragged last chunk in both
+/// products.
+const MOE_SHAPE: (usize, usize, usize) = (6, 72, 48);
+
+/// Random weights and inputs of an MoE test ([`MOE_SHAPE`]).
+struct MoeCase {
+    gate: PackedWeights,
+    up: PackedWeights,
+    down: PackedWeights,
+    x: Vec<f32>,
+    route_w: Vec<f32>,
+}
+
+/// The case of `seed`, and the generator to draw more values from.
+fn moe_case(format: WeightFormat, tokens: usize, top_k: usize, seed: u64) -> (MoeCase, Rng) {
+    let (experts, hidden, inter) = MOE_SHAPE;
+    let gate = random_weights(format, experts, inter, hidden, seed);
+    let up = random_weights(format, experts, inter, hidden, seed + 1);
+    let down = random_weights(format, experts, hidden, inter, seed + 2);
+    let mut rng = Rng(seed + 3);
+    let x = rng.values(tokens * hidden);
+    let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+    let case = MoeCase {
+        gate,
+        up,
+        down,
+        x,
+        route_w,
+    };
+    (case, rng)
+}
+
 fn check_moe(
     k: &Kernels,
     format: WeightFormat,
@@ -267,14 +299,17 @@ fn check_moe(
     top_k: usize,
     seed: u64,
 ) {
-    // hidden 72 and inter 48 leave a ragged last chunk in both products.
-    let (experts, hidden, inter) = (6, 72, 48);
-    let gate = random_weights(format, experts, inter, hidden, seed);
-    let up = random_weights(format, experts, inter, hidden, seed + 1);
-    let down = random_weights(format, experts, hidden, inter, seed + 2);
-    let mut rng = Rng(seed + 3);
-    let x = rng.values(tokens * hidden);
-    let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+    let (experts, _, _) = MOE_SHAPE;
+    let (
+        MoeCase {
+            gate,
+            up,
+            down,
+            x,
+            route_w,
+        },
+        _,
+    ) = moe_case(format, tokens, top_k, seed);
     let routing = MoeRouting::new(ids, tokens, top_k, experts).unwrap();
     let (dg, du, dd) = (
         k.upload_weights(&gate),
@@ -786,14 +821,18 @@ fn check_moe_training(
     top_k: usize,
     seed: u64,
 ) {
-    let (experts, hidden, inter) = (6, 72, 48);
+    let (experts, hidden, inter) = MOE_SHAPE;
     let what = format!("{} ({tokens} tokens, ids {ids:?})", format.name());
-    let gate = random_weights(format, experts, inter, hidden, seed);
-    let up = random_weights(format, experts, inter, hidden, seed + 1);
-    let down = random_weights(format, experts, hidden, inter, seed + 2);
-    let mut rng = Rng(seed + 3);
-    let x = rng.values(tokens * hidden);
-    let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+    let (
+        MoeCase {
+            gate,
+            up,
+            down,
+            x,
+            route_w,
+        },
+        mut rng,
+    ) = moe_case(format, tokens, top_k, seed);
     let d_out = rng.values(tokens * hidden);
     let weights = [&gate, &up, &down].map(|w| k.upload_weights(w));
     let [dg, du, dd] = [&weights[0], &weights[1], &weights[2]];

@@ -4,23 +4,15 @@
 
 use cubecl::prelude::*;
 
-use super::{expect_len, grid, DeviceBuffer, Kernels};
-use crate::dtype::ActDType;
+use super::{expect_len, f32_only, grid, DeviceBuffer, Kernels};
 use crate::error::KernelError;
 use crate::kernels::exact;
 
+/// What [`f32_only`] calls these launchers.
+const KERNELS: &str = "fixed-order kernels";
+
 /// Units per cube of these kernels.
 const UNITS: usize = 256;
-
-fn f32_only(what: &str, b: &DeviceBuffer) -> Result<(), KernelError> {
-    if b.dtype() != ActDType::F32 {
-        return Err(KernelError::Unsupported(format!(
-            "{what}: {} values (the fixed-order kernels take f32)",
-            b.dtype()
-        )));
-    }
-    Ok(())
-}
 
 impl Kernels {
     /// `y[b] = x[b] · w[b]` for `batches` products of `x [m, k]` and `w [k, n]` (`w [n, k]`, used transposed,
@@ -36,8 +28,8 @@ impl Kernels {
         n: usize,
         w_transposed: bool,
     ) -> Result<DeviceBuffer, KernelError> {
-        f32_only("matmul x", x)?;
-        f32_only("matmul w", w)?;
+        f32_only("matmul x", x, KERNELS)?;
+        f32_only("matmul w", w, KERNELS)?;
         expect_len("matmul x", x, batches * m * k)?;
         expect_len("matmul w", w, batches * k * n)?;
         let total = batches * m * n;
@@ -67,7 +59,7 @@ impl Kernels {
         rows: usize,
         len: usize,
     ) -> Result<DeviceBuffer, KernelError> {
-        f32_only("softmax", x)?;
+        f32_only("softmax", x, KERNELS)?;
         expect_len("softmax x", x, rows * len)?;
         let y = self.empty_f32(rows * len);
         if rows * len > 0 {
@@ -92,7 +84,7 @@ impl Kernels {
         rows: usize,
         len: usize,
     ) -> Result<DeviceBuffer, KernelError> {
-        f32_only("mean", x)?;
+        f32_only("mean", x, KERNELS)?;
         expect_len("mean x", x, rows * len)?;
         if len == 0 {
             return Err(KernelError::Shape("mean over rows of 0 values".into()));

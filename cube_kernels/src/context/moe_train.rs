@@ -5,8 +5,7 @@
 
 use cubecl::prelude::*;
 
-use super::{expect_len, grid, DeviceBuffer, DeviceWeights, Kernels, MatmulPath};
-use crate::dtype::ActDType;
+use super::{expect_len, f32_only, grid, DeviceBuffer, DeviceWeights, Kernels, MatmulPath};
 use crate::error::KernelError;
 use crate::kernels::moe_train;
 use crate::kernels::{CHUNK, TILE};
@@ -40,15 +39,8 @@ pub struct MoeGradients {
     pub d_down: DeviceBuffer,
 }
 
-fn f32_only(what: &str, b: &DeviceBuffer) -> Result<(), KernelError> {
-    if b.dtype() != ActDType::F32 {
-        return Err(KernelError::Unsupported(format!(
-            "{what}: {} values (the MoE training kernels take f32)",
-            b.dtype()
-        )));
-    }
-    Ok(())
-}
+/// What [`f32_only`] calls these launchers.
+const KERNELS: &str = "MoE training kernels";
 
 impl Kernels {
     /// [`Self::moe_routed`]'s output, bit for bit (gate and up as two grouped launches of the same canonical
@@ -63,42 +55,32 @@ impl Kernels {
         path: MatmulPath,
     ) -> Result<(DeviceBuffer, MoeActivations), KernelError> {
         self.check_moe(x, routing, route_w, [gate, up, down])?;
-        f32_only("moe input", x)?;
+        f32_only("moe input", x, KERNELS)?;
         let (tokens, hidden, inter) = (routing.tokens(), gate.inn, gate.out);
         let assignments = routing.layout().assignments;
-        let gemv = match path {
-            MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
-            MatmulPath::Gemv => true,
-            MatmulPath::Gemm | MatmulPath::Blocked => false,
-        };
+        let gemv = Self::moe_gemv(path, tokens);
         let out = self.empty_f32(tokens * hidden);
         let [gate_out, up_out, swiglu] = [(); 3].map(|_| self.empty_f32(assignments * inter));
-        if routing.layout().tiles == 0 || hidden == 0 {
-            let expert_out = self.empty_f32(assignments * hidden);
-            let acts = MoeActivations {
-                gate: gate_out,
-                up: up_out,
-                swiglu,
-                expert_out,
-            };
-            return Ok((out, acts));
-        }
-        let xq = self.prepare(x, tokens, gate)?;
-        if inter > 0 {
-            self.grouped_product(&xq, routing, [gate, gate], &gate_out, false, true, gemv);
-            self.grouped_product(&xq, routing, [up, up], &up_out, false, true, gemv);
-            let len = assignments * inter;
-            moe_train::swiglu_rows::launch(
-                &self.client,
-                grid(len.div_ceil(256)),
-                CubeDim::new_1d(256),
-                gate_out.arg(),
-                up_out.arg(),
-                swiglu.arg(),
-                len,
-            );
-        }
-        let expert_out = self.down_and_combine(&swiglu, routing, route_w, down, &out, gemv)?;
+        let expert_out = if routing.layout().tiles == 0 || hidden == 0 {
+            self.empty_f32(assignments * hidden)
+        } else {
+            let xq = self.prepare(x, tokens, gate)?;
+            if inter > 0 {
+                self.grouped_product(&xq, routing, [gate, gate], &gate_out, false, true, gemv);
+                self.grouped_product(&xq, routing, [up, up], &up_out, false, true, gemv);
+                let len = assignments * inter;
+                moe_train::swiglu_rows::launch(
+                    &self.client,
+                    grid(len.div_ceil(256)),
+                    CubeDim::new_1d(256),
+                    gate_out.arg(),
+                    up_out.arg(),
+                    swiglu.arg(),
+                    len,
+                );
+            }
+            self.down_and_combine(&swiglu, routing, route_w, down, &out, gemv)?
+        };
         let acts = MoeActivations {
             gate: gate_out,
             up: up_out,
@@ -126,8 +108,8 @@ impl Kernels {
         [gate, up, down]: [&DeviceWeights; 3],
     ) -> Result<MoeGradients, KernelError> {
         self.check_moe(x, routing, route_w, [gate, up, down])?;
-        f32_only("moe input", x)?;
-        f32_only("moe output gradient", d_out)?;
+        f32_only("moe input", x, KERNELS)?;
+        f32_only("moe output gradient", d_out, KERNELS)?;
         let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
         let (hidden, inter) = (gate.inn, gate.out);
         let layout = routing.layout();

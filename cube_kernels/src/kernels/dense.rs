@@ -291,30 +291,84 @@ pub fn gemm_transposed<X: Float, Y: Float>(
 ) {
     let mut gs = Shared::<[f32]>::new_slice(TILE_FLOATS);
     let mut ws = Shared::<[f32]>::new_slice(512usize);
+    let col0 = CUBE_POS_X as usize * 16;
+    let tok0 = CUBE_POS_Y as usize * 16;
+    let total = transposed_share::<X>(
+        g,
+        words,
+        scales,
+        lut,
+        &mut gs,
+        &mut ws,
+        tok0,
+        n - tok0,
+        col0,
+        0,
+        0,
+        out,
+        inn,
+        wpr,
+        spr,
+        fmt,
+        group,
+        chunks,
+    );
+    let tx = UNIT_POS_X as usize;
+    let ty = UNIT_POS_Y as usize;
+    if col0 + tx < inn && tok0 + ty < n {
+        dx[(tok0 + ty) * inn + col0 + tx] = Y::cast_from(total);
+    }
+}
+
+/// One weight's share of a transposed product tile ([`gemm_transposed`], the grouped MoE backward's
+/// `grouped_transposed`) for unit `(tx, ty)`: `sum_o g[start + ty, o] W[o, col0 + tx]` (`g` widened to f32;
+/// rows past `rows` read as 0)
+/// over the `out` rows of the expert's weight at `woff`/`soff`, in 32-deep chunks (fused multiply-adds from
+/// 0 per chunk, chunk sums added left to right). Every unit of the cube calls it (it syncs the cube).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn transposed_share<X: Float>(
+    g: &[X],
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    gs: &mut Shared<[f32]>,
+    ws: &mut Shared<[f32]>,
+    start: usize,
+    rows: usize,
+    col0: usize,
+    woff: usize,
+    soff: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] chunks: usize,
+) -> f32 {
     let tx = UNIT_POS_X as usize;
     let ty = UNIT_POS_Y as usize;
     let unit = ty * 16 + tx;
-    let col0 = CUBE_POS_X as usize * 16;
-    let tok0 = CUBE_POS_Y as usize * 16;
     let mut total = 0.0f32;
     for c in 0..chunks {
         let o0 = c * 32;
-        for h in 0..2usize {
-            let e = unit + h * 256;
-            let r = e / 32;
-            let o = o0 + e % 32;
+        for half in 0..2usize {
+            let i = unit + half * 256;
+            let r = i / 32;
+            let o = o0 + i % 32;
             let mut gv = 0.0f32;
-            if tok0 + r < n && o < out {
-                gv = f32::cast_from(g[(tok0 + r) * out + o]);
+            if r < rows && o < out {
+                gv = f32::cast_from(g[(start + r) * out + o]);
             }
-            gs[r * TILE_STRIDE + e % 32] = gv;
-            let wo = o0 + e / 16;
-            let wk = col0 + e % 16;
+            gs[r * TILE_STRIDE + i % 32] = gv;
+            let wo = o0 + i / 16;
+            let wk = col0 + i % 16;
             let mut wv = 0.0f32;
             if wo < out && wk < inn {
-                wv = weight_at(words, scales, lut, 0, 0, wo, wk, wpr, spr, fmt, group);
+                wv = weight_at(words, scales, lut, woff, soff, wo, wk, wpr, spr, fmt, group);
             }
-            ws[e] = wv;
+            ws[i] = wv;
         }
         sync_cube();
         let depth = chunk_depth(c, out);
@@ -325,9 +379,7 @@ pub fn gemm_transposed<X: Float, Y: Float>(
         total += part;
         sync_cube();
     }
-    if col0 + tx < inn && tok0 + ty < n {
-        dx[(tok0 + ty) * inn + col0 + tx] = Y::cast_from(total);
-    }
+    total
 }
 
 /// `dst[i] = src[i]`, grid-stride (`stride` = units launched), the copy whose bandwidth the benchmarks

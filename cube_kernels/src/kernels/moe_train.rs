@@ -17,8 +17,9 @@
 
 use cubecl::prelude::*;
 
+use super::dense::transposed_share;
 use super::moe::silu_times;
-use super::{chunk_depth, weight_at, TILE_FLOATS, TILE_STRIDE};
+use super::{TILE_FLOATS, TILE_STRIDE};
 
 /// `h[i] = silu(g[i]) * u[i]` by [`silu_times`], the fused gate+up kernel's own arithmetic.
 #[cube(launch)]
@@ -98,66 +99,6 @@ pub fn swiglu_backward_rows(
         du[id] = d * gv * s;
         dg[id] = d * u[id] * s * (1.0f32 + gv * (1.0f32 - s));
     }
-}
-
-/// One weight's share of [`grouped_transposed`] for unit `(tx, ty)`: `sum_o g[start + ty, o] W[o, col0 + tx]`
-/// over the `out` rows of the expert's weight at `woff`/`soff`, in 32-deep chunks (fused multiply-adds from
-/// 0 per chunk, chunk sums added left to right). Every unit of the cube calls it (it syncs the cube).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn transposed_share(
-    g: &[f32],
-    words: &[u32],
-    scales: &[f32],
-    lut: &[f32],
-    gs: &mut Shared<[f32]>,
-    ws: &mut Shared<[f32]>,
-    start: usize,
-    rows: usize,
-    col0: usize,
-    woff: usize,
-    soff: usize,
-    out: usize,
-    inn: usize,
-    wpr: usize,
-    spr: usize,
-    #[comptime] fmt: u32,
-    #[comptime] group: usize,
-    #[comptime] chunks: usize,
-) -> f32 {
-    let tx = UNIT_POS_X as usize;
-    let ty = UNIT_POS_Y as usize;
-    let unit = ty * 16 + tx;
-    let mut total = 0.0f32;
-    for c in 0..chunks {
-        let o0 = c * 32;
-        for half in 0..2usize {
-            let i = unit + half * 256;
-            let r = i / 32;
-            let o = o0 + i % 32;
-            let mut gv = 0.0f32;
-            if r < rows && o < out {
-                gv = g[(start + r) * out + o];
-            }
-            gs[r * TILE_STRIDE + i % 32] = gv;
-            let wo = o0 + i / 16;
-            let wk = col0 + i % 16;
-            let mut wv = 0.0f32;
-            if wo < out && wk < inn {
-                wv = weight_at(words, scales, lut, woff, soff, wo, wk, wpr, spr, fmt, group);
-            }
-            ws[i] = wv;
-        }
-        sync_cube();
-        let depth = chunk_depth(c, out);
-        let mut part = 0.0f32;
-        for oo in 0..depth {
-            part = fma(gs[ty * TILE_STRIDE + oo], ws[oo * 16 + tx], part);
-        }
-        total += part;
-        sync_cube();
-    }
-    total
 }
 
 /// The grouped straight-through input gradient: for the sorted assignments `a` of tile `CUBE_POS_Y` (expert
