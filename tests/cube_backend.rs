@@ -1,7 +1,8 @@
 //! The quantized linear layer on burn's CubeCL backend (`--features wgpu`): the `cube_kernels` low-bit
 //! matmul behind the backend extension, against the CPU kernel on the same weights, its batch invariance,
 //! and the straight-through gradients (the transposed kernel for dx) against the CPU autodiff. The MoE
-//! block's grouped kernel against its per-expert loop: values, autodiff forward bits, gradients. f16
+//! block's grouped kernel against its per-expert loop: values, autodiff forward bits, and the gradients of
+//! its one-pass training pair (the grouped backward) against the per-expert graph's. f16
 //! activations (where the adapter has them; lavapipe does) go to the kernels too: the f32 result, rounded.
 //!
 //! Runs on whatever adapter wgpu finds (lavapipe on a CPU-only machine); skips with a message when there is
@@ -187,13 +188,13 @@ fn cube_grouped_moe_matches_the_per_expert_loop() {
 }
 
 /// Loss `sum(out * r)` of the block on `device` (an autodiff one): (out, dx, d router, d master of the
-/// gate and down projections of token 0's first expert).
+/// gate, up and down projections of token 0's first expert).
 fn moe_grads(
     device: &Device,
     scheme: QuantScheme,
     ids: Option<&[u32]>,
     path: ExpertPath,
-) -> [Vec<f32>; 5] {
+) -> [Vec<f32>; 6] {
     let block = moe_block(device, scheme, true);
     let x = tensor_from_vec(values(TOKENS * HIDDEN, 11), [TOKENS, HIDDEN], device).require_grad();
     let r = tensor_from_vec(values(TOKENS * HIDDEN, 12), [TOKENS, HIDDEN], device);
@@ -206,6 +207,7 @@ fn moe_grads(
         g(x),
         g(block.gate.weight.val()),
         g(block.experts[e].gate_proj.weight.val()),
+        g(block.experts[e].up_proj.weight.val()),
         g(block.experts[e].down_proj.weight.val()),
     ]
 }
@@ -229,13 +231,19 @@ fn cube_grouped_moe_autodiff_forward_is_the_rollout_forward_and_gradients_are_th
                     )
                     .0,
             );
-            let [out, dx, dgate, dg1, dd1] = moe_grads(&ad, scheme, ids, ExpertPath::Auto);
+            let backwards = qarl::ops::grouped_moe_backwards();
+            let [out, dx, dgate, dg1, du1, dd1] = moe_grads(&ad, scheme, ids, ExpertPath::Auto);
+            // The one-pass path ran: its own backward, not the per-expert graph's.
+            assert!(
+                qarl::ops::grouped_moe_backwards() > backwards,
+                "{scheme} {name}: the training forward did not take the grouped MoE backward"
+            );
             assert_eq!(
                 bits(&out),
                 bits(&rollout),
                 "{scheme} {name}: training forward differs from the rollout forward"
             );
-            let [out_loop, dx_l, dgate_l, dg1_l, dd1_l] =
+            let [out_loop, dx_l, dgate_l, dg1_l, du1_l, dd1_l] =
                 moe_grads(&ad, scheme, ids, ExpertPath::PerExpert);
             assert_ne!(
                 bits(&out_loop),
@@ -243,13 +251,14 @@ fn cube_grouped_moe_autodiff_forward_is_the_rollout_forward_and_gradients_are_th
                 "{scheme} {name}: the grouped kernel did not run under autodiff"
             );
             // The CPU autodiff of the same block (the per-expert loop, the CPU kernels).
-            let [_, dx_c, dgate_c, dg1_c, dd1_c] =
+            let [_, dx_c, dgate_c, dg1_c, du1_c, dd1_c] =
                 moe_grads(&Device::flex().autodiff(), scheme, ids, ExpertPath::Auto);
             let mut worst = [0.0f32; 2];
             for (what, a, b, c) in [
                 ("dx", &dx, &dx_l, &dx_c),
                 ("d router", &dgate, &dgate_l, &dgate_c),
                 ("d expert gate", &dg1, &dg1_l, &dg1_c),
+                ("d expert up", &du1, &du1_l, &du1_c),
                 ("d expert down", &dd1, &dd1_l, &dd1_c),
             ] {
                 assert_eq!(a.len(), b.len());

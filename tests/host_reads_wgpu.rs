@@ -54,9 +54,10 @@ fn int4_model(dir: &Path, device: &Device, train: bool) -> Decoder {
 
 /// Must-show (issue 25): the host-read counter is exactly 1 per decode step of an int4 rollout of the tiny
 /// MoE on wgpu, and 0 in the layers of the aligned training forward with routing replay, whose log-probs
-/// are still the rollout's bit for bit. Without replay the training forward's per-expert gradient graph
-/// groups the tokens on the host and reads each MoE layer's ids, and so does a decode step through the
-/// per-expert loop: the counter sees both (it can fail). `qarl bench rollout` reports the same counts.
+/// are still the rollout's bit for bit; without replay too (the grouped training pair groups on the
+/// device). With the grouped kernel switched off, the per-expert loop groups the tokens on the host and
+/// reads each MoE layer's ids, in a decode step and in a training forward: the counter sees both (it can
+/// fail). `qarl bench rollout` reports the same counts.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); run: cargo test --features wgpu --test host_reads_wgpu -- --include-ignored"]
 fn one_host_read_per_decode_step_and_none_per_layer_of_the_training_forward() {
@@ -145,11 +146,21 @@ fn one_host_read_per_decode_step_and_none_per_layer_of_the_training_forward() {
         assert_eq!(bits(a), bits(b), "row {r}: training forward vs rollout");
     }
 
-    // One forward of every sequence, without replay: one read per MoE layer.
+    // One forward of every sequence, without replay: the grouped training pair groups by the router's own
+    // choices on the device, so nothing is read in the layers either.
     let (_, unreplayed) = forward(None, PrefixSharing::Off);
     assert_eq!(
-        unreplayed.layer_reads, layers as u64,
-        "without replay: one read per MoE layer (the per-expert loop's host grouping)"
+        unreplayed.layer_reads, 0,
+        "without replay: host reads in the layers of the grouped training forward"
+    );
+    // The counter sees a training forward's per-layer reads: through the per-expert graph (grouped
+    // kernel off), which groups on the host, it reads each MoE layer's ids.
+    qarl::ops::set_grouped_experts(false);
+    let (_, looped_train) = forward(None, PrefixSharing::Off);
+    qarl::ops::set_grouped_experts(true);
+    assert_eq!(
+        looped_train.layer_reads, layers as u64,
+        "without replay, per-expert graph: one read per MoE layer"
     );
 
     // The routing the rollout read back with its logits is the experts the training forward picks.

@@ -9,8 +9,8 @@ use super::config::{ModelConfig, MoeConfig};
 use super::layers::{Linear, Weights};
 use crate::host::to_i64_vec;
 use crate::ops::{
-    forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop, swiglu,
-    tracks_gradients, ExpertWeights,
+    forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop,
+    grouped_moe_with_gradient, swiglu, tracks_gradients, ExpertMasters, ExpertWeights,
 };
 
 /// `down(silu(gate(x)) * up(x))`; the product is one op ([`swiglu`]: fused and parallel on the CPU).
@@ -156,9 +156,11 @@ impl MoeBlock {
     ///
     /// When every expert projection is quantized (one scheme, no bias), the experts run as one grouped op
     /// ([`crate::ops`]):
-    /// - on wgpu/CUDA, the grouped MoE kernel's launch chain; under autodiff its output is the value (the
-    ///   rollout's bits) and the per-expert graph gives the gradient, which costs a second computation of
-    ///   the layer in the training forward;
+    /// - on wgpu/CUDA, the grouped MoE kernel's launch chain; under autodiff (f32) its training pair: the
+    ///   same output bits with the activations kept, and a grouped backward to the input, the routing
+    ///   weights and the experts' masters, so the layer is computed once. Where the backend has no
+    ///   training pair (half activations), the grouped output is the value and the per-expert graph gives
+    ///   the gradient, a second computation of the layer;
     /// - on the CPU, the experts in parallel on the packed kernel layout ([`crate::ops::cpu::moe`]), the
     ///   per-expert loop's exact bits, so a training forward runs the loop alone.
     ///
@@ -206,27 +208,40 @@ impl MoeBlock {
         };
         let tracked = self.tracks_gradients(&x, &route_w);
         // On the CPU the grouped op is the loop's bits: a training forward needs the loop alone.
-        let grouped = match path {
+        let experts = match path {
             ExpertPath::Auto
                 if weights == Weights::Packed
                     && grouped_experts()
                     && !(tracked && grouped_moe_matches_loop(&x)) =>
             {
                 self.quantized_experts()
-                    .and_then(|ew| grouped_moe(x.clone(), route_w.clone(), ids.clone(), ew))
             }
             _ => None,
         };
-        let out = match grouped {
-            Some(fast) if tracked => {
-                // Training: the grouped kernel's bits, the per-expert graph's gradient.
-                forward_value_of(
-                    self.per_expert(x, &host_ids(replay, &ids), route_w, weights),
-                    fast,
-                )
+        let per_expert = |x: Tensor<2>, route_w: Tensor<2>| {
+            self.per_expert(x, &host_ids(replay, &ids), route_w, weights)
+        };
+        let grouped = |ew: ExpertWeights| grouped_moe(x.clone(), route_w.clone(), ids.clone(), ew);
+        let out = match experts {
+            Some(ew) if tracked => {
+                match grouped_moe_with_gradient(
+                    x.clone(),
+                    route_w.clone(),
+                    ids.clone(),
+                    ew.clone(),
+                    || self.masters(),
+                ) {
+                    Some(out) => out,
+                    // No one-pass backward for these inputs: the grouped kernel's bits, the per-expert
+                    // graph's gradient.
+                    None => match grouped(ew) {
+                        Some(fast) => forward_value_of(per_expert(x, route_w), fast),
+                        None => per_expert(x, route_w),
+                    },
+                }
             }
-            Some(fast) => fast,
-            None => self.per_expert(x, &host_ids(replay, &ids), route_w, weights),
+            Some(ew) => grouped(ew).unwrap_or_else(|| per_expert(x, route_w)),
+            None => per_expert(x, route_w),
         };
         (out, ids)
     }
@@ -283,6 +298,17 @@ impl MoeBlock {
             collect(|e| &e.up_proj)?,
             collect(|e| &e.down_proj)?,
         )
+    }
+
+    /// The experts' f32 masters (`[in, out]`), for the grouped op's one-pass backward.
+    fn masters(&self) -> ExpertMasters {
+        let each =
+            |f: fn(&SwiGlu) -> &Linear| self.experts.iter().map(|e| f(e).weight.val()).collect();
+        ExpertMasters {
+            gate: each(|e| &e.gate_proj),
+            up: each(|e| &e.up_proj),
+            down: each(|e| &e.down_proj),
+        }
     }
 
     /// Whether a gradient will flow through this layer's experts: the input, the routing weights or any

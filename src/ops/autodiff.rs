@@ -171,6 +171,49 @@ impl<B: Backend> Backward<B, 1> for ForwardValueOfBackward {
     }
 }
 
+/// The backward of [`KernelOps::grouped_moe_with_gradient`]: the inner backend's
+/// [`KernelOps::grouped_moe_backward`] on the forward's saved activations, to the parents `x`, `route_w`
+/// and the stacked gate, up and down masters.
+#[derive(Debug)]
+struct GroupedMoeBackward;
+
+/// What [`GroupedMoeBackward`] keeps: the op's inputs (`x`, `route_w`, the expert ids, the packed
+/// experts) and the activations its training forward saved.
+#[derive(Debug, Clone)]
+struct GroupedMoeState<B: Backend> {
+    x: FloatTensor<B>,
+    route_w: FloatTensor<B>,
+    ids: IntTensor<B>,
+    experts: ExpertWeights,
+    /// `(gate, up, swiglu, expert_out)`, in the inner backend's layout.
+    saved: [FloatTensor<B>; 4],
+}
+
+impl<B: Backend + KernelOps> Backward<B, 5> for GroupedMoeBackward {
+    type State = GroupedMoeState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 5>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let g = grads.consume::<B>(&ops.node);
+        let GroupedMoeState {
+            x,
+            route_w,
+            ids,
+            experts,
+            saved: [gate, up, swiglu, expert_out],
+        } = ops.state;
+        let (dx, d_route_w, d_gate, d_up, d_down) =
+            B::grouped_moe_backward(x, route_w, ids, g, experts, gate, up, swiglu, expert_out)
+                .expect("a backend with the grouped MoE training forward has its backward");
+        super::count_grouped_moe_backward();
+        let parts = [dx, d_route_w, d_gate, d_up, d_down];
+        for (node, grad) in ops.parents.into_iter().zip(parts) {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
 /// The backward of the fused LM-head log-probs ([`KernelOps::head_logprobs_with_gradient`]): with
 /// `z = (x · w) / T` and `p = exp(z - lse)`, `dz = g (onehot(target) - p)`, so `dlogits = dz / T`; then
 /// `dx = dlogits · w^T` and `dw = x^T · dlogits` (`w [k, v]`; transposed for `w [v, k]`), chunk by chunk.
@@ -376,6 +419,47 @@ impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C>
         // A constant of the graph: the caller pairs it with the per-expert graph (`forward_value_of`).
         B::grouped_moe(x.into_primitive(), route_w.into_primitive(), ids, experts)
             .map(<Self as AutodiffBackend>::from_inner)
+    }
+
+    fn grouped_moe_trains(x: &FloatTensor<Self>) -> bool {
+        B::grouped_moe_trains(&x.clone().into_primitive())
+    }
+
+    fn grouped_moe_with_gradient(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        experts: ExpertWeights,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        down: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let (xp, wp) = (x.primitive().clone(), route_w.primitive().clone());
+        let (out, g, u, h, y) =
+            B::grouped_moe_for_training(xp.clone(), wp.clone(), ids.clone(), experts.clone())?;
+        match GroupedMoeBackward
+            .prepare::<C>([
+                x.node(),
+                route_w.node(),
+                gate.node(),
+                up.node(),
+                down.node(),
+            ])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = GroupedMoeState {
+                    x: xp,
+                    route_w: wp,
+                    ids,
+                    experts,
+                    saved: [g, u, h, y],
+                };
+                Some(prep.finish(state, out))
+            }
+            OpsKind::UnTracked(prep) => Some(prep.finish(out)),
+        }
     }
 
     fn grouped_moe_matches_loop(x: &FloatTensor<Self>) -> bool {

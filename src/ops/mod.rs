@@ -20,17 +20,23 @@
 //! tokens grouped by expert on the device: the expert ids are never read back), on the CPU [`cpu::moe`]; a
 //! backend without it answers `None` and the model runs its per-expert loop.
 //!
-//! **Rollout and training agree bitwise.** The training (autodiff) forward returns the grouped op's output as
-//! its value, the very bits the rollout computes, and takes its gradient from the per-expert graph through
-//! [`forward_value_of`]: `forward_value_of(y_graph, y_fast)` has the value of `y_fast` and passes the
-//! incoming gradient to `y_graph` unchanged (a straight-through estimator between two computations of the
-//! same function that differ only by rounding). The gradients are exactly those of the per-expert path,
-//! itself straight-through to the full-precision masters. On the CPU the grouped op equals the loop bit for
-//! bit ([`grouped_moe_matches_loop`]), so a training forward runs the loop alone.
+//! **Rollout and training agree bitwise.** On the CubeCL backends (f32 activations) a training forward runs
+//! [`grouped_moe_with_gradient`]: the grouped kernel's training pair, whose forward returns the very bits
+//! the rollout computes (and keeps the gate, up, SwiGLU and expert outputs), and whose backward runs on the
+//! device: through the combine and the routing weights, the transposed products of the same packed weights
+//! for the input gradients, and the straight-through gradients of the experts' f32 masters (the quantizer
+//! as the identity, as for every quantized linear). The layer is computed once. The masters reach the op as
+//! three expert-major stacks (a copy of the layer's masters per training forward, freed at once; the stack's
+//! backward hands each expert its slice).
 //!
-//! **Cost** (CubeCL): when gradients are tracked, the training forward computes the MoE layer twice (the
-//! per-expert graph for the gradients, the grouped kernel for the value) and the packed expert weights sit on
-//! the device twice. Untracked forwards (rollout, evaluation) run the grouped kernel alone.
+//! Where the backend has no training pair (half activations), the training forward returns the grouped
+//! op's output as its value and takes the gradient from the per-expert graph through [`forward_value_of`]:
+//! `forward_value_of(y_graph, y_fast)` has the value of `y_fast` and passes the incoming gradient to
+//! `y_graph` unchanged (a straight-through estimator between two computations of the same function that
+//! differ only by rounding), at the cost of computing the layer twice. On the CPU the grouped op equals the
+//! loop bit for bit ([`grouped_moe_matches_loop`]), so a training forward runs the loop alone.
+//!
+//! Untracked forwards (rollout, evaluation) run the grouped kernel alone.
 
 mod autodiff;
 pub mod backend;
@@ -47,6 +53,7 @@ pub use switches::{deterministic, grouped_experts, set_deterministic, set_groupe
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
 use burn::tensor::{Int, Tensor, TensorData};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// `dequant(Q(W))` in HF layout `[out, in]` as a tensor of backend `B` on `device`.
 fn dequantized_out_in<B: Backend>(packed: &PackedWeight, device: &B::Device) -> FloatTensor<B> {
@@ -148,6 +155,80 @@ pub trait KernelOps: Backend {
         experts: ExpertWeights,
     ) -> Option<FloatTensor<Self>> {
         let _ = (x, route_w, ids, experts);
+        None
+    }
+
+    /// Whether [`Self::grouped_moe_with_gradient`] runs for activations like `x` (the CubeCL backends:
+    /// f32), so a caller stacks the experts' masters only when they will be used.
+    fn grouped_moe_trains(x: &FloatTensor<Self>) -> bool {
+        let _ = x;
+        false
+    }
+
+    /// [`Self::grouped_moe`]'s training forward: its output, bit for bit, with what its backward reads:
+    /// `(out, gate, up, swiglu, expert_out)`, the activations in the backend's own layout (handed back to
+    /// [`Self::grouped_moe_backward`] untouched). `None` (the default) when the backend has no training
+    /// pair for these inputs (the CubeCL backends have one for f32 activations).
+    #[allow(clippy::type_complexity)]
+    fn grouped_moe_for_training(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        experts: ExpertWeights,
+    ) -> Option<(
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    )> {
+        let _ = (x, route_w, ids, experts);
+        None
+    }
+
+    /// The backward of [`Self::grouped_moe_for_training`] for the output gradient `grad [n, hidden]`,
+    /// given the activations it kept: `(dx [n, hidden], d route_w [n, top_k], d gate, d up, d down)`, the
+    /// experts' straight-through gradients stacked expert-major in the masters' `[in, out]` layout (gate
+    /// and up `[experts, hidden, inter]`, down `[experts, inter, hidden]`); the input gradients go
+    /// through the same packed weights the forward read. `Some` wherever the training forward is.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn grouped_moe_backward(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        grad: FloatTensor<Self>,
+        experts: ExpertWeights,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        swiglu: FloatTensor<Self>,
+        expert_out: FloatTensor<Self>,
+    ) -> Option<(
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    )> {
+        let _ = (x, route_w, ids, grad, experts);
+        let _ = (gate, up, swiglu, expert_out);
+        None
+    }
+
+    /// The grouped MoE op with its own gradient, for a training forward: [`Self::grouped_moe`]'s value
+    /// and a backward ([`Self::grouped_moe_backward`]) to `x`, `route_w` and the experts' f32 masters,
+    /// stacked expert-major (`gate`, `up` `[experts, hidden, inter]`, `down` `[experts, inter, hidden]`),
+    /// so the layer is computed once. `None` (inference backends, and an autodiff backend whose inner
+    /// backend has no training pair) means "pair [`Self::grouped_moe`] with the per-expert graph".
+    fn grouped_moe_with_gradient(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        experts: ExpertWeights,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        down: FloatTensor<Self>,
+    ) -> Option<FloatTensor<Self>> {
+        let _ = (x, route_w, ids, experts, gate, up, down);
         None
     }
 
@@ -403,6 +484,43 @@ pub fn grouped_moe(
     .map(Tensor::from_dispatch)
 }
 
+/// The experts' f32 masters of one MoE layer, in expert order, for [`grouped_moe_with_gradient`]: gate
+/// and up `[hidden, inter]`, down `[inter, hidden]`.
+pub struct ExpertMasters {
+    pub gate: Vec<Tensor<2>>,
+    pub up: Vec<Tensor<2>>,
+    pub down: Vec<Tensor<2>>,
+}
+
+/// The grouped MoE op with its own backward ([`KernelOps::grouped_moe_with_gradient`]): the value of
+/// [`grouped_moe`] (the rollout's bits), the gradient to `x`, `route_w` and the experts' `masters`
+/// (straight-through), the layer computed once; `None` when the backend has no such pair for `x` (then
+/// pair [`grouped_moe`] with the per-expert graph through [`forward_value_of`]). The masters are stacked
+/// per projection (a copy, recorded on the graph) only when the pair runs.
+pub fn grouped_moe_with_gradient(
+    x: Tensor<2>,
+    route_w: Tensor<2>,
+    ids: Tensor<2, Int>,
+    experts: ExpertWeights,
+    masters: impl FnOnce() -> ExpertMasters,
+) -> Option<Tensor<2>> {
+    if !<Dispatch as KernelOps>::grouped_moe_trains(&x.clone().into_dispatch()) {
+        return None;
+    }
+    let masters = masters();
+    let stacked = |ts: Vec<Tensor<2>>| Tensor::stack::<3>(ts, 0).into_dispatch();
+    <Dispatch as KernelOps>::grouped_moe_with_gradient(
+        x.into_dispatch(),
+        route_w.into_dispatch(),
+        ids.into_dispatch(),
+        experts,
+        stacked(masters.gate),
+        stacked(masters.up),
+        stacked(masters.down),
+    )
+    .map(Tensor::from_dispatch)
+}
+
 /// The value of `value` (the same bits) with the gradient of `graph`: the backward passes the incoming
 /// gradient to `graph` unchanged and none to `value`.
 pub fn forward_value_of<const D: usize>(graph: Tensor<D>, value: Tensor<D>) -> Tensor<D> {
@@ -416,6 +534,18 @@ pub fn forward_value_of<const D: usize>(graph: Tensor<D>, value: Tensor<D>) -> T
 /// then runs the loop alone, with the rollout's values. `t`: a tensor on the device in question.
 pub fn grouped_moe_matches_loop<const D: usize>(t: &Tensor<D>) -> bool {
     <Dispatch as KernelOps>::grouped_moe_matches_loop(&t.clone().into_dispatch())
+}
+
+static GROUPED_MOE_BACKWARDS: AtomicU64 = AtomicU64::new(0);
+
+fn count_grouped_moe_backward() {
+    GROUPED_MOE_BACKWARDS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many grouped MoE backwards ([`KernelOps::grouped_moe_backward`]) this process has run: a debug
+/// counter that shows a training step took the one-pass MoE path rather than the per-expert graph.
+pub fn grouped_moe_backwards() -> u64 {
+    GROUPED_MOE_BACKWARDS.load(Ordering::Relaxed)
 }
 
 /// Whether `t` is part of a recorded autodiff graph (a gradient will flow through it). Always `false` on

@@ -18,6 +18,7 @@ use burn::backend::TensorMetadata;
 use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
+use cube_kernels::context::MoeActivations;
 use cube_kernels::{ActDType, DeviceBuffer, DeviceWeights, Kernels, MatmulPath, PackedWeights};
 
 use crate::ops::{ExpertWeights, PackedWeight};
@@ -177,10 +178,15 @@ fn id_buffer(ids: CubeTensor, len: usize) -> DeviceBuffer {
 }
 
 fn wrap(like: &CubeTensor, y: DeviceBuffer, rows: usize, cols: usize) -> CubeTensor {
+    wrap_shaped(like, y, Shape::new([rows, cols]))
+}
+
+/// A kernel's output buffer as a contiguous tensor of `shape` on `like`'s device.
+fn wrap_shaped(like: &CubeTensor, y: DeviceBuffer, shape: Shape) -> CubeTensor {
     CubeTensor::new_contiguous(
         like.client.clone(),
         like.device.clone(),
-        Shape::new([rows, cols]),
+        shape,
         y.handle().clone(),
         burn_dtype(y.dtype()),
     )
@@ -228,6 +234,85 @@ pub(crate) fn quant_matmul_transposed(
     Some(wrap(&g, dx, n, w.in_features()))
 }
 
+/// One MoE layer's launch on the device: the activations and routing weights as kernel buffers, the
+/// routing table built from the expert ids on the device ([`Kernels::route`]: nothing is read back) and
+/// the stacked expert weights.
+struct MoeLaunch {
+    kernels: Arc<Kernels>,
+    /// The contiguous input (its client and device make the outputs).
+    x: CubeTensor,
+    xb: DeviceBuffer,
+    route_w: DeviceBuffer,
+    routing: cube_kernels::moe::RoutingTable,
+    weights: [DeviceWeights; 3],
+    tokens: usize,
+    hidden: usize,
+    top_k: usize,
+}
+
+impl MoeLaunch {
+    /// `None` when `x` and `route_w` are not matrices of one dtype the kernels take on this device, or
+    /// (`f32_only`) not f32.
+    fn new(
+        x: CubeTensor,
+        route_w: CubeTensor,
+        ids: IntTensor<CubeBackend>,
+        experts: &ExpertWeights,
+        f32_only: bool,
+    ) -> Option<Self> {
+        if x.dtype != route_w.dtype || (f32_only && x.dtype != DType::F32) {
+            return None;
+        }
+        let kernels = kernels_for(&x);
+        let (x, tokens, hidden, dtype) = contiguous_act(&kernels, x)?;
+        let (route_w, rows, top_k, _) = contiguous_act(&kernels, route_w)?;
+        assert_eq!(
+            rows, tokens,
+            "grouped MoE: {rows} rows of routing weights for {tokens} tokens"
+        );
+        assert_eq!(
+            hidden,
+            experts.dims()[0],
+            "grouped MoE: activations have {hidden} columns, experts expect {}",
+            experts.dims()[0]
+        );
+        let routing = kernels
+            .route(
+                &id_buffer(ids, tokens * top_k),
+                tokens,
+                top_k,
+                experts.len(),
+            )
+            .expect("one expert id per token and slot");
+        let weights = device_experts(&kernels, &x, experts);
+        Some(Self {
+            xb: buffer(&x, tokens * hidden, dtype),
+            route_w: buffer(&route_w, tokens * top_k, dtype),
+            kernels,
+            x,
+            routing,
+            weights,
+            tokens,
+            hidden,
+            top_k,
+        })
+    }
+
+    fn weights(&self) -> [&DeviceWeights; 3] {
+        let [g, u, d] = &self.weights;
+        [g, u, d]
+    }
+
+    fn inter(&self) -> usize {
+        self.weights[0].out_features()
+    }
+
+    /// A device buffer as a tensor of `shape` on `x`'s device.
+    fn tensor<const D: usize>(&self, y: DeviceBuffer, shape: [usize; D]) -> CubeTensor {
+        wrap_shaped(&self.x, y, Shape::new(shape))
+    }
+}
+
 /// The grouped MoE kernel on `x [n, hidden]` with `route_w [n, top_k]` and the expert ids `ids [n, top_k]`,
 /// in `x`'s dtype, or `None` when `x` and `route_w` are not matrices of one dtype the kernels take on this
 /// device (the caller runs the per-expert loop). The tokens are grouped by expert on the device
@@ -238,30 +323,90 @@ pub(crate) fn grouped_moe(
     ids: IntTensor<CubeBackend>,
     experts: &ExpertWeights,
 ) -> Option<CubeTensor> {
-    if x.dtype != route_w.dtype {
-        return None;
-    }
-    let kernels = kernels_for(&x);
-    let (x, n, hidden, dtype) = contiguous_act(&kernels, x)?;
-    let (route_w, rows, top_k, _) = contiguous_act(&kernels, route_w)?;
-    assert_eq!(
-        rows, n,
-        "grouped_moe: {rows} rows of routing weights for {n} tokens"
-    );
-    assert_eq!(
-        hidden,
-        experts.dims()[0],
-        "grouped_moe: activations have {hidden} columns, experts expect {}",
-        experts.dims()[0]
-    );
-    let routing = kernels
-        .route(&id_buffer(ids, n * top_k), n, top_k, experts.len())
-        .expect("one expert id per token and slot");
-    let [gate, up, down] = device_experts(&kernels, &x, experts);
-    let xb = buffer(&x, n * hidden, dtype);
-    let wb = buffer(&route_w, n * top_k, dtype);
-    let y = kernels
-        .moe_routed(&xb, &routing, &wb, [&gate, &up, &down], MatmulPath::Auto)
+    let l = MoeLaunch::new(x, route_w, ids, experts, false)?;
+    let y = l
+        .kernels
+        .moe_routed(&l.xb, &l.routing, &l.route_w, l.weights(), MatmulPath::Auto)
         .expect("shapes checked above");
-    Some(wrap(&x, y, n, hidden))
+    Some(l.tensor(y, [l.tokens, l.hidden]))
+}
+
+/// Whether the grouped MoE training pair takes activations like `x` (f32 matrices).
+pub(crate) fn grouped_moe_trains(x: &CubeTensor) -> bool {
+    x.dtype == DType::F32 && x.shape().num_dims() == 2
+}
+
+/// Five tensors: the grouped MoE training forward's `(out, gate, up, swiglu, expert_out)`, its
+/// backward's `(dx, d route_w, d gate, d up, d down)`.
+type MoeTensors = (CubeTensor, CubeTensor, CubeTensor, CubeTensor, CubeTensor);
+
+/// [`grouped_moe`]'s output (the same bits) with the activations its backward reads: `(out, gate, up,
+/// swiglu, expert_out)`, the first three `[assignments, inter]`, the expert outputs `[assignments,
+/// hidden]` (f32, sorted assignment order); `None` unless `x` and `route_w` are f32 matrices.
+pub(crate) fn grouped_moe_for_training(
+    x: FloatTensor<CubeBackend>,
+    route_w: FloatTensor<CubeBackend>,
+    ids: IntTensor<CubeBackend>,
+    experts: &ExpertWeights,
+) -> Option<MoeTensors> {
+    let l = MoeLaunch::new(x, route_w, ids, experts, true)?;
+    let (y, acts) = l
+        .kernels
+        .moe_routed_for_training(&l.xb, &l.routing, &l.route_w, l.weights(), MatmulPath::Auto)
+        .expect("shapes checked above");
+    let (a, inter) = (l.routing.layout().assignments, l.inter());
+    Some((
+        l.tensor(y, [l.tokens, l.hidden]),
+        l.tensor(acts.gate, [a, inter]),
+        l.tensor(acts.up, [a, inter]),
+        l.tensor(acts.swiglu, [a, inter]),
+        l.tensor(acts.expert_out, [a, l.hidden]),
+    ))
+}
+
+/// The backward of [`grouped_moe_for_training`] for `grad [n, hidden]`: `[dx, d route_w, d gate, d up,
+/// d down]` (the weight gradients `[experts, in, out]`), all computed on the device; `None` unless the
+/// inputs are f32 matrices.
+pub(crate) fn grouped_moe_backward(
+    x: FloatTensor<CubeBackend>,
+    route_w: FloatTensor<CubeBackend>,
+    ids: IntTensor<CubeBackend>,
+    grad: FloatTensor<CubeBackend>,
+    experts: &ExpertWeights,
+    saved: [CubeTensor; 4],
+) -> Option<MoeTensors> {
+    let l = MoeLaunch::new(x, route_w, ids, experts, true)?;
+    let (tokens, hidden, inter) = (l.tokens, l.hidden, l.inter());
+    let (grad, rows, cols, dtype) = contiguous_act(&l.kernels, grad)?;
+    assert!(
+        [rows, cols] == [tokens, hidden] && dtype == ActDType::F32,
+        "grouped MoE backward: the output gradient is {dtype:?} [{rows}, {cols}], not f32 [{tokens}, {hidden}]"
+    );
+    let [gate, up, swiglu, expert_out] = saved;
+    let a = l.routing.layout().assignments;
+    let acts = MoeActivations {
+        gate: buffer(&gate, a * inter, ActDType::F32),
+        up: buffer(&up, a * inter, ActDType::F32),
+        swiglu: buffer(&swiglu, a * inter, ActDType::F32),
+        expert_out: buffer(&expert_out, a * hidden, ActDType::F32),
+    };
+    let d = l
+        .kernels
+        .moe_backward(
+            &l.xb,
+            &l.routing,
+            &l.route_w,
+            &acts,
+            &buffer(&grad, tokens * hidden, ActDType::F32),
+            l.weights(),
+        )
+        .expect("shapes checked above");
+    let e = l.routing.experts();
+    Some((
+        l.tensor(d.dx, [tokens, hidden]),
+        l.tensor(d.d_route_w, [tokens, l.top_k]),
+        l.tensor(d.d_gate, [e, hidden, inter]),
+        l.tensor(d.d_up, [e, hidden, inter]),
+        l.tensor(d.d_down, [e, inter, hidden]),
+    ))
 }

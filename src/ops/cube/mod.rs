@@ -75,4 +75,44 @@ impl KernelOps for burn_cubecl::CubeBackend {
     ) -> Option<FloatTensor<Self>> {
         launch::grouped_moe(x, route_w, ids, &experts)
     }
+
+    fn grouped_moe_trains(x: &FloatTensor<Self>) -> bool {
+        launch::grouped_moe_trains(x)
+    }
+
+    fn grouped_moe_for_training(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        experts: ExpertWeights,
+    ) -> Option<(
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    )> {
+        launch::grouped_moe_for_training(x, route_w, ids, &experts)
+    }
+
+    fn grouped_moe_backward(
+        x: FloatTensor<Self>,
+        route_w: FloatTensor<Self>,
+        ids: IntTensor<Self>,
+        grad: FloatTensor<Self>,
+        experts: ExpertWeights,
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        swiglu: FloatTensor<Self>,
+        expert_out: FloatTensor<Self>,
+    ) -> Option<(
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    )> {
+        let saved = [gate, up, swiglu, expert_out];
+        launch::grouped_moe_backward(x, route_w, ids, grad, &experts, saved)
+    }
 }
