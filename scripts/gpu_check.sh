@@ -10,7 +10,8 @@
 # On an H200 (2026-11-30) a whole call took 160-230 s of command time plus about 40 s to start the machine.
 # Results come back under $OUT: gpu.txt (machine, libraries), kernels_<runtime>.txt and .json, and
 # rollout_cuda.txt and .json (`qarl bench rollout --backend cuda` on a 195M Qwen3-MoE, f32 against each
-# quantized format; QARL_GPU_CHECK_ROLLOUT=0 skips it). Activations run in f32
+# quantized format; QARL_GPU_CHECK_ROLLOUT=0 skips it), and step_<model>_<backend>.txt and .json (the RL step
+# on CUDA and on the CPU, see step_rl below). Activations run in f32
 # and bf16 (QARL_GPU_CHECK_DTYPES, default "f32,bf16"; a type the runtime lacks, bf16 on wgpu, is skipped
 # with a message), each checked against the host reference under the kernels' rounding contract.
 # QARL_GPU_CHECK_ARGS adds arguments to `qarl bench kernels` (QARL_GPU_CHECK_ARGS_CUDA / _WGPU for one
@@ -47,6 +48,58 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv
 } > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
+# The RL step (`qarl bench step`) of a model with random weights, on the runtime (CUDA; the runtimes in
+# QARL_GPU_CHECK_STEP_RUNTIMES, default "cuda", "" skips it) next to the CPU (flex) in the same call: the tiny Qwen3-MoE of the tests (configs/models/qwen3-moe-arith.json) and a model of SmolLM2-135M's
+# shape (configs/models/smollm2-135m.json). Random weights never stop early, so every step generates
+# prompts x samples x QARL_GPU_CHECK_STEP_TOKENS tokens: the same work on both backends. int4-g32 rollout,
+# aligned training forward, TBPO. Results: step_<model>_<backend>.txt and .json.
+step_rl() {
+  local rt=$1 model backend failed=0
+  shift
+  local launch=("$@")
+  for model in qwen3-moe-arith smollm2-135m; do
+    cat > "/tmp/step_$model.toml" <<TOML
+run_dir = "/tmp/step-run-$model"
+seed = 1
+[model]
+dir = "/tmp/step-model-$model"
+init_config = "configs/models/$model.json"
+[task]
+kind = "arithmetic"
+max_digits = 1
+ops = ["add", "sub"]
+min_terms = 3
+max_terms = 4
+[rollout]
+precision = "int4-g32"
+prompts_per_step = ${QARL_GPU_CHECK_STEP_PROMPTS:-8}
+samples_per_prompt = 4
+max_new_tokens = ${QARL_GPU_CHECK_STEP_TOKENS:-32}
+[train]
+steps = 3
+forward = "aligned"
+lr = 3e-5
+[train.loss]
+objective = "tbpo"
+[eval]
+every = 1000
+problems = 4
+max_new_tokens = 16
+TOML
+    for backend in "$rt" flex; do
+      echo "== RL step: $model on $backend =="
+      # A GPU runtime compiles its kernels in the first step: one untimed step first. The CPU has nothing to
+      # warm up, so one timed step.
+      local steps=(--steps 2 --warmup 1)
+      [ "$backend" = flex ] && steps=(--steps 1 --warmup 0)
+      timeout "${QARL_GPU_CHECK_STEP_TIMEOUT:-200}" "${launch[@]}" bench step --config "/tmp/step_$model.toml" \
+        --backend "$backend" "${steps[@]}" --quiet --json "$out/step_${model}_$backend.json" 2>&1 |
+        tee "$out/step_${model}_$backend.txt" || failed=1
+    done
+  done
+  return $failed
+}
+
 # shellcheck disable=SC2206
 extra=(${QARL_GPU_CHECK_ARGS:-})
 status=0
@@ -76,6 +129,9 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
         --model /tmp/moe200m --batch 8 --prompt-len 64 --new-tokens 32 --repeats 1 \
         --schemes f32,int4-g128,int8-pc,fp8-b128 --json "$out/rollout_cuda.json"; } 2>&1 |
       tee "$out/rollout_cuda.txt" || status=1
+  fi
+  if [[ " ${QARL_GPU_CHECK_STEP_RUNTIMES:-cuda} " == *" $rt "* ]]; then
+    step_rl "$rt" "${launch[@]}" || status=1
   fi
 done
 exit $status
