@@ -34,9 +34,15 @@ impl ReadCount {
     }
 }
 
+/// Whether reading a tensor on `device` is a transfer (any device but the CPU backend's, whose tensors
+/// are host memory already).
+pub fn reads_transfer(device: &Device) -> bool {
+    *device != Device::flex()
+}
+
 /// Counts one read of a tensor on `device` when that is not the CPU backend.
 fn count_read(device: &Device) {
-    if *device != Device::flex() {
+    if reads_transfer(device) {
         DEVICE_READS.fetch_add(1, Ordering::Relaxed);
     }
 }

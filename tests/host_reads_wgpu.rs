@@ -53,7 +53,7 @@ fn int4_model(dir: &Path, device: &Device, train: bool) -> Decoder {
 }
 
 /// Must-show (issue 25): the host-read counter is exactly 1 per decode step of an int4 rollout of the tiny
-/// MoE on wgpu, and 0 in the layers of the aligned training forward with routing replay, whose log-probs
+/// MoE on wgpu (and of an f32 one, whose experts run masked on the device with the loop's bits), and 0 in the layers of the aligned training forward with routing replay, whose log-probs
 /// are still the rollout's bit for bit; without replay too (the grouped training pair groups on the
 /// device). With the grouped kernel switched off, the per-expert loop groups the tokens on the host and
 /// reads each MoE layer's ids, in a decode step and in a training forward: the counter sees both (it can
@@ -103,6 +103,35 @@ fn one_host_read_per_decode_step_and_none_per_layer_of_the_training_forward() {
         "host reads of {} decode steps through the per-expert loop",
         looped.decode_steps
     );
+    // Full-precision experts: masked on the device in a decode step, one read per step too, and the same
+    // tokens and log-probs (bit for bit) as the per-expert loop's host grouping.
+    let f32_model = Decoder::load(tmp.path(), &device).unwrap();
+    let masked = generate(&f32_model, &prompts, 2, &params, None);
+    assert_eq!(
+        masked.decode_host_reads, masked.decode_steps as u64,
+        "host reads of {} f32 decode steps",
+        masked.decode_steps
+    );
+    qarl::ops::set_grouped_experts(false);
+    let f32_looped = generate(&f32_model, &prompts, 2, &params, None);
+    qarl::ops::set_grouped_experts(true);
+    assert_eq!(
+        f32_looped.decode_host_reads,
+        f32_looped.decode_steps as u64 * (1 + layers as u64),
+        "f32 decode steps through the per-expert loop"
+    );
+    assert_eq!(masked.ids, f32_looped.ids, "f32: masked vs looped tokens");
+    let bits = |v: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        v.iter()
+            .map(|r| r.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    assert_eq!(
+        bits(&masked.logprobs),
+        bits(&f32_looped.logprobs),
+        "f32: masked vs looped log-probs"
+    );
+
     for (r, rec) in out.routing.iter().enumerate() {
         for l in rec {
             assert_eq!(
@@ -182,8 +211,7 @@ fn one_host_read_per_decode_step_and_none_per_layer_of_the_training_forward() {
 }
 
 /// `qarl bench rollout --backend wgpu` on the model in `dir` reports the decode step's reads: 1 with int4
-/// weights (the grouped MoE kernel), 1 + one per MoE layer with f32 ones (full-precision experts run the
-/// per-expert loop, which groups on the host).
+/// weights (the grouped MoE kernel) and with f32 ones (the experts masked on the device).
 fn bench_rollout_reports_the_reads_per_decode_step(dir: &Path, layers: usize) {
     let json = dir.join("bench.json");
     let v = common::run_qarl_json(
@@ -204,7 +232,7 @@ fn bench_rollout_reports_the_reads_per_decode_step(dir: &Path, layers: usize) {
         .collect();
     assert_eq!(
         reads,
-        vec![1.0 + layers as f64, 1.0],
-        "bench rollout: f32, int4-g32"
+        vec![1.0, 1.0],
+        "bench rollout: f32, int4-g32 ({layers} MoE layers)"
     );
 }

@@ -7,7 +7,7 @@ use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::config::{ModelConfig, MoeConfig};
 use super::layers::{Linear, Weights};
-use crate::host::to_i64_vec;
+use crate::host::{reads_transfer, to_i64_vec};
 use crate::ops::{
     forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop,
     grouped_moe_with_gradient, swiglu, tracks_gradients, ExpertMasters, ExpertWeights,
@@ -167,9 +167,11 @@ impl MoeBlock {
     /// Full-precision experts run one by one ([`MoeBlock::forward_with`]).
     ///
     /// The router's choices stay on the device: the grouped kernel groups the tokens there, and they come
-    /// back as a [`DeviceRouting`]. Only the per-expert loop groups on the host: it reads the ids (one read
-    /// per layer) unless they came from the host (`replay`), so a GPU forward reads nothing per layer on
-    /// the grouped path and under routing replay.
+    /// back as a [`DeviceRouting`]. Full-precision experts on a GPU, in a forward without gradients of at
+    /// most [`MASKED_MAX_TOKENS`] tokens (decode steps), run masked on the device
+    /// ([`MoeBlock::masked_experts`]). Only the per-expert loop groups on the host: it reads the ids (one
+    /// read per layer) unless they came from the host (`replay`), so a GPU forward reads nothing per layer
+    /// on the grouped and masked paths and under routing replay.
     pub fn forward(
         &self,
         x: Tensor<2>,
@@ -241,6 +243,9 @@ impl MoeBlock {
                 }
             }
             Some(ew) => grouped(ew).unwrap_or_else(|| per_expert(x, route_w)),
+            None if self.masks_on_device(&x, replay.is_some(), tracked, path) => {
+                self.masked_experts(x, &ids, route_w, weights)
+            }
             None => per_expert(x, route_w),
         };
         (out, ids)
@@ -279,6 +284,50 @@ impl MoeBlock {
             let y = expert.forward(x.clone().select(0, tok.clone()), weights);
             let w = flat_weights.clone().select(0, slot).reshape([m, 1]);
             out = out.select_assign(0, tok, y * w, IndexingUpdateOp::Add);
+        }
+        out
+    }
+
+    /// Whether a forward runs its (full-precision) experts masked on the device
+    /// ([`MoeBlock::masked_experts`]) rather than grouped on the host: a forward without gradients (a
+    /// decode step, a prefill) of at most [`MASKED_MAX_TOKENS`] tokens on a device whose reads are
+    /// transfers, under the router's own choices (replayed ones are on the host already), with the grouped
+    /// path switched on ([`grouped_experts`]: off, every forward groups on the host, the reference).
+    fn masks_on_device(
+        &self,
+        x: &Tensor<2>,
+        replayed: bool,
+        tracked: bool,
+        path: ExpertPath,
+    ) -> bool {
+        path == ExpertPath::Auto
+            && !replayed
+            && !tracked
+            && grouped_experts()
+            && x.dims()[0] <= MASKED_MAX_TOKENS
+            && reads_transfer(&x.device())
+    }
+
+    /// The experts without grouping: every expert on every token, its output times the token's routing
+    /// weight for it (0 where the token did not choose it), summed in expert order. The ids never leave
+    /// the device. Bit for bit the per-expert loop's result (its rows are the same products, in a
+    /// batch-invariant matmul; its sums add the same terms in the same order, plus exact zeros), at
+    /// `experts / top_k` times the loop's arithmetic, which a decode step's reading of the weights
+    /// dominates.
+    fn masked_experts(
+        &self,
+        x: Tensor<2>,
+        ids: &Tensor<2, Int>,
+        route_w: Tensor<2>,
+        weights: Weights,
+    ) -> Tensor<2> {
+        let [n, hidden] = x.dims();
+        let mut out = Tensor::<2>::zeros([n, hidden], &x.device());
+        for (e, expert) in self.experts.iter().enumerate() {
+            // At most one slot of a token holds expert `e`: the sum is that slot's weight, or 0.
+            let chose = ids.clone().equal_elem(e as i64).float();
+            let w = (route_w.clone() * chose).sum_dim(1);
+            out = out + expert.forward(x.clone(), weights) * w;
         }
         out
     }
@@ -337,6 +386,12 @@ fn host_ids<'a>(replay: Option<&'a [u32]>, ids: &Tensor<2, Int>) -> Cow<'a, [u32
         ),
     }
 }
+
+/// Tokens up to which a forward without gradients on a GPU runs full-precision experts masked on the
+/// device ([`MoeBlock::masked_experts`]) instead of reading the expert ids back to group them: decode
+/// steps and short prefills, where reading the weights costs more than the extra arithmetic and a read
+/// per layer would stall the step. Either path gives the same bits.
+pub const MASKED_MAX_TOKENS: usize = 256;
 
 /// Which path [`MoeBlock::forward_with`] runs the routed experts on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
