@@ -204,7 +204,7 @@ impl MoeBlock {
         };
         let replay = replay.map(|r| r.host);
         let route_w = if self.norm_topk_prob {
-            route_w.clone() / route_w.sum_dim(1)
+            renormalize(route_w)
         } else {
             route_w
         };
@@ -373,6 +373,19 @@ impl MoeBlock {
     }
 }
 
+/// The chosen experts' weights `w [n, top_k]` divided by their sum over the slots (`norm_topk_prob`). The
+/// sum adds the slots left to right, one elementwise add per slot, so a token's bits do not depend on how
+/// many tokens share the call (a backend's row reduction may pick its order by shape, and the rollout's
+/// decode step and the training forward have different shapes: with top-k > 2 that would break the
+/// bitwise contract).
+pub fn renormalize(w: Tensor<2>) -> Tensor<2> {
+    let [_, k] = w.dims();
+    let sum = (1..k).fold(w.clone().narrow(1, 0, 1), |acc, j| {
+        acc + w.clone().narrow(1, j, 1)
+    });
+    w / sum
+}
+
 /// The experts as the per-expert loop needs them, on the host: the replayed ids as given, else the
 /// router's `ids` read back (one read).
 fn host_ids<'a>(replay: Option<&'a [u32]>, ids: &Tensor<2, Int>) -> Cow<'a, [u32]> {
@@ -426,5 +439,42 @@ impl FeedForward {
                 device,
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The renormalised weights are `w / sum` with the sum taken left to right over the slots, in f32,
+    /// bit for bit; the values make the order visible (a pairwise sum rounds differently).
+    #[test]
+    fn renormalize_sums_the_slots_left_to_right() {
+        let device = Device::flex();
+        let rows: [[f32; 8]; 2] = [
+            [0.5, 1e-8, 1e-8, 1e-8, 1e-8, 0.25, 3e-8, 0.125],
+            [1e-3, 0.3, 7e-9, 0.2, 1e-7, 0.1, 0.05, 2e-8],
+        ];
+        let flat: Vec<f32> = rows.iter().flatten().copied().collect();
+        let w = Tensor::<2>::from_data(TensorData::new(flat, [2, 8]), &device);
+        let got = crate::host::to_f32_vec(renormalize(w));
+        let mut pairwise_differs = false;
+        for (r, row) in rows.iter().enumerate() {
+            let sum = row.iter().fold(0.0f32, |a, &b| a + b);
+            let pairwise =
+                ((row[0] + row[1]) + (row[2] + row[3])) + ((row[4] + row[5]) + (row[6] + row[7]));
+            pairwise_differs |= pairwise != sum;
+            for (j, &v) in row.iter().enumerate() {
+                assert_eq!(
+                    got[r * 8 + j].to_bits(),
+                    (v / sum).to_bits(),
+                    "row {r} slot {j}"
+                );
+            }
+        }
+        assert!(
+            pairwise_differs,
+            "the test values do not tell the orders apart"
+        );
     }
 }
