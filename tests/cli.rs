@@ -350,9 +350,10 @@ fn mismatch_refuses_zero_samples_and_temperature() {
 }
 
 /// `qarl mismatch` on a tiny random model: an f32 floor row (f32 sampler, f32 forward) before the quantized
-/// rows, each with the error-token fractions criterion by criterion and their union. The f32 row and the
-/// aligned row score the rollout's own bits, so they can have no ratio error and no KL; the full-precision
-/// forward against the int4 rollout has both.
+/// rows, each with the error-token fractions criterion by criterion and their union. In deterministic mode
+/// the f32 row and the aligned row score the rollout's own bits, so they can have no ratio error and no KL;
+/// the full-precision forward against the int4 rollout has both. `--deterministic on,off` measures every
+/// row in both modes.
 #[test]
 fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     let tmp = tempfile::tempdir().unwrap();
@@ -380,6 +381,8 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
             "24",
             "--schemes",
             "int4-g32",
+            "--deterministic",
+            "on,off",
             "--output",
         ])
         .arg(&output)
@@ -394,21 +397,26 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    let which: Vec<(&str, &str)> = rows
+    let which: Vec<(&str, &str, &str)> = rows
         .iter()
         .map(|r| {
             (
+                r["deterministic"].as_str().unwrap(),
                 r["scheme"].as_str().unwrap(),
                 r["forward"].as_str().unwrap(),
             )
         })
         .collect();
+    // Deterministic mode on, then off (the backend's own kernels): the same rows in each.
     assert_eq!(
         which,
         [
-            ("f32", "full"),
-            ("int4-g32", "full"),
-            ("int4-g32", "aligned")
+            ("on", "f32", "full"),
+            ("on", "int4-g32", "full"),
+            ("on", "int4-g32", "aligned"),
+            ("off", "f32", "full"),
+            ("off", "int4-g32", "full"),
+            ("off", "int4-g32", "aligned")
         ]
     );
     let get = |r: &serde_json::Value, k: &str| {
@@ -443,7 +451,8 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     eprintln!("{md}");
     assert!(
         md.contains("| error tokens: ratio | low prob | repetition | any |")
-            && md.contains("| f32 | full |"),
+            && md.contains("| on | f32 | full |")
+            && md.contains("| off | int4-g32 | aligned |"),
         "{md}"
     );
     assert!(stdout.contains("f32     full:"), "{stdout}");

@@ -76,7 +76,7 @@ pub struct RolloutBenchArgs {
 }
 
 /// A comma list of a two-way switch (`--deterministic on,off`), parsed by `parse`; empty is an error.
-fn parse_switch_list(
+pub(super) fn parse_switch_list(
     values: &[String],
     flag: &str,
     choices: &str,
@@ -102,7 +102,7 @@ fn parse_moe_experts(s: &str) -> anyhow::Result<bool> {
 }
 
 /// `on` / `off` (also `true`/`false`, `1`/`0`).
-fn parse_on_off(s: &str) -> anyhow::Result<bool> {
+pub(super) fn parse_on_off(s: &str) -> anyhow::Result<bool> {
     match s.trim() {
         "on" | "true" | "1" => Ok(true),
         "off" | "false" | "0" => Ok(false),

@@ -55,6 +55,11 @@ pub struct MismatchArgs {
     /// Compute backend (flex, wgpu, cuda).
     #[arg(long, value_enum, default_value_t = BackendKind::Flex)]
     pub backend: BackendKind,
+    /// Deterministic mode `on` (the fixed-order, batch-invariant kernels; the default), `off` (the
+    /// backend's own, faster kernels), or `on,off` to measure both: the mismatch that giving up exactness
+    /// leaves in the aligned forward.
+    #[arg(long, value_delimiter = ',', default_value = "on")]
+    pub deterministic: Vec<String>,
 }
 
 pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
@@ -70,6 +75,12 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         args.max_new_tokens >= 1,
         "--max-new-tokens must be at least 1, got 0"
     );
+    let modes = super::bench::parse_switch_list(
+        &args.deterministic,
+        "--deterministic",
+        "on, off or on,off",
+        super::bench::parse_on_off,
+    )?;
     let device = args.backend.device()?;
     let path = super::eval::data_path(&args.data)?;
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
@@ -103,37 +114,16 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     let mut rows = Vec::new();
-    // The floor of the measurement: the f32 sampler against the f32 forward. Whatever error tokens and KL
-    // it shows are the model's own (unlikely tokens, loops) and the decode/prefill numerics, not quantization.
-    let mut f32_model = full.clone();
-    if f32_model.precision() != Precision::F32 {
-        f32_model
-            .set_precision(Precision::F32)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
-    }
-    rows.extend(measure(
-        &f32_model,
-        "f32",
-        &[("full", Weights::Master)],
-        &prompts,
-        &params,
-        &tok,
-        args.samples,
-    )?);
-    for &scheme in &args.schemes {
-        let mut quantized = full.clone();
-        quantized
-            .set_precision(Precision::Quantized(scheme))
-            .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
-        rows.extend(measure(
-            &quantized,
-            &scheme.to_string(),
-            &[("full", Weights::Master), ("aligned", Weights::Packed)],
-            &prompts,
-            &params,
-            &tok,
-            args.samples,
-        )?);
+    for &on in &modes {
+        crate::ops::set_deterministic(on);
+        let mode = if on { "on" } else { "off" };
+        println!("== deterministic {mode}");
+        let measured = measure_schemes(&full, &args, &prompts, &params, &tok);
+        crate::ops::set_deterministic(true);
+        rows.extend(measured?.into_iter().map(|mut r| {
+            r["deterministic"] = serde_json::json!(mode);
+            r
+        }));
     }
     if let Some(out) = &args.output {
         let meta = serde_json::json!({"model": args.model, "data": path, "prompts": records.len(),
@@ -145,14 +135,17 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
              Rollout `f32` is the floor: the f32 sampler against the f32 forward. Error-token fractions \
              (docs/metrics.md): `ratio`, the sampler over 20x more confident than the learner; `low prob`, \
              learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n\
-             | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
-             |---|---|---|---|---|---|---|---|---|---|\n",
+             Deterministic `off`: the backend's own kernels, whose sums round differently in the rollout's \
+             decode steps and the training forward's full sequences.\n\n\
+             | deterministic | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|\n",
             path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed
         );
         for r in &rows {
             let v = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
             md += &format!(
-                "| {} | {} | {:.3e} | {:.3e} | {:.3e} | {:.4} | {:.4} | {:.4} | {:.4} | {} |\n",
+                "| {} | {} | {} | {:.3e} | {:.3e} | {:.3e} | {:.4} | {:.4} | {:.4} | {:.4} | {} |\n",
+                r["deterministic"].as_str().unwrap_or(""),
                 r["scheme"].as_str().unwrap_or(""),
                 r["forward"].as_str().unwrap_or(""),
                 v(KEYS[0]),
@@ -169,6 +162,51 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("{}: cannot write", out.with_extension("md").display()))?;
     }
     Ok(())
+}
+
+/// The rows of one deterministic mode: the f32 floor, then each scheme with the full and the aligned
+/// training forward.
+fn measure_schemes(
+    full: &Decoder,
+    args: &MismatchArgs,
+    prompts: &[Vec<u32>],
+    params: &SamplingParams,
+    tok: &Tokenizer,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let mut rows = Vec::new();
+    // The floor of the measurement: the f32 sampler against the f32 forward. Whatever error tokens and KL
+    // it shows are the model's own (unlikely tokens, loops) and the decode/prefill numerics, not quantization.
+    let mut f32_model = full.clone();
+    if f32_model.precision() != Precision::F32 {
+        f32_model
+            .set_precision(Precision::F32)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
+    }
+    rows.extend(measure(
+        &f32_model,
+        "f32",
+        &[("full", Weights::Master)],
+        prompts,
+        params,
+        tok,
+        args.samples,
+    )?);
+    for &scheme in &args.schemes {
+        let mut quantized = full.clone();
+        quantized
+            .set_precision(Precision::Quantized(scheme))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
+        rows.extend(measure(
+            &quantized,
+            &scheme.to_string(),
+            &[("full", Weights::Master), ("aligned", Weights::Packed)],
+            prompts,
+            params,
+            tok,
+            args.samples,
+        )?);
+    }
+    Ok(rows)
 }
 
 /// The metrics each row reports, in table order.

@@ -153,6 +153,13 @@ pub struct RlConfig {
     /// Reuse the rollout's expert choices in the training forward (MoE routing replay, R3).
     #[serde(default)]
     pub routing_replay: bool,
+    /// Deterministic mode (the default): every matmul, softmax and reduction of the forward in one fixed,
+    /// batch-invariant order, so the aligned training forward reproduces the rollout's log-probs bit for
+    /// bit. `false`: the backend's own (faster) kernels, whose sums round differently in the rollout's
+    /// decode steps and the training forward's full sequences; the mismatch that leaves shows in
+    /// `rollout_corr/*` and `error_tokens/*`, and `lp_old` is always recomputed.
+    #[serde(default = "yes")]
+    pub deterministic: bool,
     /// Where `lp_old` is taken from the rollout's record (deterministic mode, aligned forward, one update per
     /// step: the same bits), recompute it with a forward anyway and stop with an error if any token differs.
     #[serde(default)]
@@ -185,6 +192,9 @@ fn default_schedule() -> LrSchedule {
 }
 fn one_usize() -> usize {
     1
+}
+fn yes() -> bool {
+    true
 }
 
 /// Held-out evaluation.

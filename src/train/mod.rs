@@ -210,6 +210,8 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
 /// Runs the RL loop of `cfg` with `opts`.
 pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
     let (resume, quiet) = (opts.resume, opts.quiet);
+    // Process-wide: the warm start, the RL steps and the evaluations of this run all take it.
+    crate::ops::set_deterministic(cfg.train.deterministic);
     let device = cfg.train.backend.device()?.autodiff();
     // Before anything in the run directory changes: a second process there stops here.
     let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
