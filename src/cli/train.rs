@@ -104,6 +104,7 @@ pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
             cfg.model.dir.display()
         );
     }
+    train::apply_process_modes(&cfg);
     let device = cfg.train.backend.device()?.autodiff();
     std::fs::create_dir_all(&cfg.run_dir)?;
     let mut log = train::metrics::MetricsLog::open(&cfg.run_dir.join("sft_metrics.jsonl"))?;

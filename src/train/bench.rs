@@ -63,6 +63,7 @@ pub fn bench_steps(
     quiet: bool,
 ) -> anyhow::Result<StepTimings> {
     anyhow::ensure!(steps > 0, "--steps must be at least 1");
+    super::apply_process_modes(cfg);
     if !cfg.model.dir.join("config.json").is_file() {
         // The warm start's own metrics go to a scratch file: the bench leaves the run directory alone.
         let scratch = std::env::temp_dir().join(format!("qarl-bench-{}", std::process::id()));

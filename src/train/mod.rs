@@ -207,11 +207,17 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     )
 }
 
+/// Sets what `cfg` decides for the whole process: deterministic mode (`train.deterministic`). Every command
+/// that computes from a training config calls it first (train, sft, bench step), so the warm start, the RL
+/// steps and the evaluations of a run all take the same mode.
+pub fn apply_process_modes(cfg: &TrainConfig) {
+    crate::ops::set_deterministic(cfg.train.deterministic);
+}
+
 /// Runs the RL loop of `cfg` with `opts`.
 pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
     let (resume, quiet) = (opts.resume, opts.quiet);
-    // Process-wide: the warm start, the RL steps and the evaluations of this run all take it.
-    crate::ops::set_deterministic(cfg.train.deterministic);
+    apply_process_modes(cfg);
     let device = cfg.train.backend.device()?.autodiff();
     // Before anything in the run directory changes: a second process there stops here.
     let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
