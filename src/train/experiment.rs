@@ -514,13 +514,13 @@ fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyho
     match super::plot::plot_comparison(&results.join("comparison.png"), &finished) {
         Ok(()) => writeln!(
             md,
-            "\n![reward, accuracy, k3 KL, entropy and the error-token fractions per RL step, mean over seeds](comparison.png)\n"
+            "\n![reward, accuracy (rollout precision and f32), k3 KL, entropy, the error-token fractions, response length, clip fraction, mismatch weights and step time per RL step, mean over seeds](comparison.png)\n"
         )?,
         Err(e) => writeln!(md, "\n(comparison plot not drawn: {e:#})\n")?,
     }
     writeln!(
         md,
-        "\nPer-run plots (reward, held-out accuracy, k3 KL, entropy, error tokens, step time):\n"
+        "\nPer-run plots (reward, held-out accuracy, k3 KL, entropy, error tokens, response length, clip fractions, mismatch weights and sequence ratios, step time):\n"
     )?;
     // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
     // span sessions) already compares all its arms on the same seeds.

@@ -137,6 +137,32 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
             vec![("tokens".into(), series(&rows, "rl", "response_length/mean"))],
         ),
         (
+            "clip fractions",
+            vec![
+                (
+                    "pg_clipfrac".into(),
+                    series(&rows, "rl", "actor/pg_clipfrac"),
+                ),
+                (
+                    "pg_clipfrac_lower".into(),
+                    series(&rows, "rl", "actor/pg_clipfrac_lower"),
+                ),
+            ],
+        ),
+        (
+            "mismatch / TIS weights, sequence ratios",
+            vec![
+                (
+                    "mismatch_weight_mean".into(),
+                    series(&rows, "rl", "actor/mismatch_weight_mean"),
+                ),
+                (
+                    "seq_ratio_mean".into(),
+                    series(&rows, "rl", "actor/seq_ratio_mean"),
+                ),
+            ],
+        ),
+        (
             "perf/step_s",
             vec![("step s".into(), series(&rows, "rl", "perf/step_s"))],
         ),
@@ -316,6 +342,18 @@ pub fn plot_comparison(
         (
             "response_length/mean",
             per_variant("rl", &fixed("response_length/mean"), false),
+        ),
+        (
+            "actor/pg_clipfrac",
+            per_variant("rl", &fixed("actor/pg_clipfrac"), false),
+        ),
+        (
+            "actor/mismatch_weight_mean (correction weights x TBPO w)",
+            per_variant("rl", &fixed("actor/mismatch_weight_mean"), false),
+        ),
+        (
+            "perf/step_s",
+            per_variant("rl", &fixed("perf/step_s"), false),
         ),
     ];
     draw_panels(out, &panels)
