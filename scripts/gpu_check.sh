@@ -52,7 +52,8 @@ cat "$out/gpu.txt"
 # QARL_GPU_CHECK_STEP_RUNTIMES, default "cuda", "" skips it) next to the CPU (flex) in the same call: the tiny Qwen3-MoE of the tests (configs/models/qwen3-moe-arith.json) and a model of SmolLM2-135M's
 # shape (configs/models/smollm2-135m.json). Random weights never stop early, so every step generates
 # prompts x samples x QARL_GPU_CHECK_STEP_TOKENS tokens: the same work on both backends. int4-g32 rollout,
-# aligned training forward, TBPO. Results: step_<model>_<backend>.txt and .json.
+# aligned training forward, TBPO; on the GPU in deterministic mode and with `train.deterministic = false`
+# side by side. Results: step_<model>_<backend>.txt and .json.
 step_rl() {
   local rt=$1 model backend failed=0
   shift
@@ -90,7 +91,9 @@ TOML
       echo "== RL step: $model on $backend =="
       # A GPU runtime compiles its kernels in the first step: one untimed step first. The CPU has nothing to
       # warm up, so one timed step.
-      local steps=(--steps 2 --warmup 1)
+      # On the GPU, deterministic mode next to `off` (the backend's own kernels): what exactness costs
+      # (issue 28's target: within 1.3x).
+      local steps=(--steps 2 --warmup 1 --variant det:train.deterministic=true --variant off:train.deterministic=false)
       [ "$backend" = flex ] && steps=(--steps 1 --warmup 0)
       timeout "${QARL_GPU_CHECK_STEP_TIMEOUT:-200}" "${launch[@]}" bench step --config "/tmp/step_$model.toml" \
         --backend "$backend" "${steps[@]}" --quiet --json "$out/step_${model}_$backend.json" 2>&1 |
