@@ -7,7 +7,10 @@
 # tracked results out of the working tree for the call (`git ls-files experiments/results | xargs rm`, then
 # `git checkout -- experiments/results` after). Then, with the device tool:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=480)
-# On an H200 (2026-11-30) a whole call took 160-230 s of command time plus about 40 s to start the machine.
+# On an H200 (2026-11-30) a whole call took 160-230 s of command time plus about 40 s to start the machine,
+# before the RL steps were added (estimated 150-250 s more: two models, deterministic on and off on CUDA,
+# and the CPU). With a 15-minute device budget, run the CUDA runtime alone first
+# (QARL_GPU_CHECK_RUNTIMES=cuda, timeout_s=590) and the wgpu one only if time is left.
 # Results come back under $OUT: gpu.txt (machine, libraries), kernels_<runtime>.txt and .json, and
 # rollout_cuda.txt and .json (`qarl bench rollout --backend cuda` on a 195M Qwen3-MoE, f32 against each
 # quantized format; QARL_GPU_CHECK_ROLLOUT=0 skips it), and step_<model>_<backend>.txt and .json (the RL step
