@@ -160,4 +160,10 @@ name = "D"
         err_b.contains("| 0.400 ± 0.000 | - | - | 0.100 ± 0.000 |"),
         "{err_b}"
     );
+
+    // The hand-written claims are linked once they exist, and not before.
+    assert!(!report.contains("claims.md"), "{report}");
+    std::fs::write(results.join("claims.md"), "verdicts").unwrap();
+    let report = std::fs::read_to_string(write_report(&exp, results).unwrap()).unwrap();
+    assert!(report.contains("[claims.md](claims.md)"), "{report}");
 }

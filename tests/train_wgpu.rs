@@ -187,3 +187,58 @@ fn sft_rl_and_eval_on_wgpu_agree_with_flex() {
     assert_eq!(ev_w.as_array().map(Vec::len), Some(4));
     assert_eq!(ev_w, ev_f, "qarl eval: wgpu and flex responses differ");
 }
+
+/// Mixed precision on wgpu: bf16 (WGSL has no such type) is refused with an error naming it; f16, where
+/// the adapter has it, keeps the sampler's recorded log-probs bitwise the training forward's (int4
+/// weights, the MoE fixture, the grouped kernels and their training pair).
+#[test]
+fn half_activations_on_wgpu() {
+    use qarl::model::scoring::response_logprobs;
+    use qarl::model::{Activations, Decoder};
+    use qarl::quant::{QuantConfig, QuantScheme};
+    use qarl::rollout::{generate, SamplingParams};
+    if !wgpu_available() {
+        return;
+    }
+    let infer_dev = BackendKind::Wgpu.device().unwrap();
+    let train_dev = infer_dev.clone().autodiff();
+    let dir = common::fixtures_dir().join("qwen3_moe");
+    let load = |device: &burn::tensor::Device| {
+        let mut m = Decoder::load(&dir, device).unwrap();
+        if device.is_autodiff() {
+            for (_, lin) in m.linears_mut() {
+                lin.weight = lin.weight.clone().map(|t| t.require_grad());
+            }
+        }
+        m.quantize(&QuantConfig::new(QuantScheme::Int4G32)).unwrap();
+        m
+    };
+    let mut infer = load(&infer_dev);
+    let err = format!(
+        "{:#}",
+        infer.set_activations(Activations::Bf16).unwrap_err()
+    );
+    assert!(err.contains("bf16"), "unhelpful error: {err}");
+    if let Err(e) = infer.set_activations(Activations::F16) {
+        eprintln!("SKIPPED f16: {e:#}");
+        return;
+    }
+    let mut train = load(&train_dev);
+    train.set_activations(Activations::F16).unwrap();
+    let params = SamplingParams {
+        temperature: 0.8,
+        max_new_tokens: 8,
+        seed: 5,
+        ..SamplingParams::default()
+    };
+    let prompts = vec![vec![3u32, 17, 99, 42, 7], vec![5, 6]];
+    let out = generate(&infer, &prompts, 2, &params, None);
+    let full = response_logprobs(&train, &out.ids, &out.prompt_lens, params.temperature);
+    let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
+    assert!(!out.logprobs.concat().is_empty());
+    assert_eq!(
+        bits(&out.logprobs),
+        bits(&full),
+        "f16 on wgpu: recorded log-probs differ from the training forward's"
+    );
+}

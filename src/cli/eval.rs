@@ -31,6 +31,9 @@ pub struct EvalArgs {
     /// Quantize the projections first (int4-g32/64/128, int8-pc, fp8-b128, nvfp4, mxfp4).
     #[arg(long)]
     pub quant: Option<QuantScheme>,
+    /// Activations' type (`f32`, or mixed precision: `bf16`, `f16`; weights stay f32 or packed).
+    #[arg(long, value_enum, default_value_t = crate::model::Activations::F32)]
+    pub activations: crate::model::Activations,
     /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`).
     #[arg(long, default_value = "chat")]
     pub template: String,
@@ -91,7 +94,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "plain" => Template::default(),
         other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
     };
-    let model = super::load_model(&args.model, &device, args.quant)?;
+    let model = super::load_model(&args.model, &device, args.quant, args.activations)?;
     let tok = Tokenizer::load_optional(&args.model)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     let mut stop_ids: Vec<u32> = model.config.eos_token_ids.clone();

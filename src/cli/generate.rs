@@ -61,6 +61,9 @@ pub struct GenerateArgs {
     /// runs the low-bit matmul on the packed weights.
     #[arg(long)]
     pub quant: Option<QuantScheme>,
+    /// Activations' type (`f32`, or mixed precision: `bf16`, `f16`; weights stay f32 or packed).
+    #[arg(long, value_enum, default_value_t = crate::model::Activations::F32)]
+    pub activations: crate::model::Activations,
 }
 
 #[derive(Deserialize)]
@@ -85,7 +88,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let mut stop_token_ids = args.stop_ids.clone();
     let device = args.backend.device()?;
-    let model = load_model(&args.model, &device, args.quant)?;
+    let model = load_model(&args.model, &device, args.quant, args.activations)?;
     if args.stop_at_eos {
         stop_token_ids.extend(&model.config.eos_token_ids);
     }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::model::{Decoder, Tokenizer, Weights};
+use crate::model::{Activations, Decoder, Tokenizer, Weights};
 use crate::ops::BackendKind;
 use crate::quant::{Precision, QuantScheme};
 use crate::rl::metrics::{error_token_metrics, names, rollout_mismatch_metrics, LoopRule};
@@ -60,6 +60,10 @@ pub struct MismatchArgs {
     /// leaves in the aligned forward.
     #[arg(long, value_delimiter = ',', default_value = "on")]
     pub deterministic: Vec<String>,
+    /// Activations' types to measure, comma-separated (`f32`, `bf16`, `f16`): mixed precision rounds every
+    /// op's output to the half type in the rollout and the training forward alike.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32")]
+    pub activations: Vec<Activations>,
 }
 
 pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
@@ -90,7 +94,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     let template = Template::Chat {
         system: args.system.clone(),
     };
-    let full = super::load_model(&args.model, &device, None)?;
+    let full = super::load_model(&args.model, &device, None, Activations::F32)?;
     let tok = Tokenizer::load_optional(&args.model)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     let prompts: Vec<Vec<u32>> = records
@@ -113,17 +117,23 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         stop_token_ids: stop_ids,
         ..SamplingParams::default()
     };
+    anyhow::ensure!(!args.activations.is_empty(), "--activations is empty");
     let mut rows = Vec::new();
-    for &on in &modes {
-        crate::ops::set_deterministic(on);
-        let mode = if on { "on" } else { "off" };
-        println!("== deterministic {mode}");
-        let measured = measure_schemes(&full, &args, &prompts, &params, &tok);
-        crate::ops::set_deterministic(true);
-        rows.extend(measured?.into_iter().map(|mut r| {
-            r["deterministic"] = serde_json::json!(mode);
-            r
-        }));
+    for &act in &args.activations {
+        let mut model = full.clone();
+        model.set_activations(act)?;
+        for &on in &modes {
+            crate::ops::set_deterministic(on);
+            let mode = if on { "on" } else { "off" };
+            println!("== activations {act}, deterministic {mode}");
+            let measured = measure_schemes(&model, &args, &prompts, &params, &tok);
+            crate::ops::set_deterministic(true);
+            rows.extend(measured?.into_iter().map(|mut r| {
+                r["deterministic"] = serde_json::json!(mode);
+                r["activations"] = serde_json::json!(act.to_string());
+                r
+            }));
+        }
     }
     if let Some(out) = &args.output {
         let meta = serde_json::json!({"model": args.model, "data": path, "prompts": records.len(),
@@ -136,15 +146,18 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
              (docs/metrics.md): `ratio`, the sampler over 20x more confident than the learner; `low prob`, \
              learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n\
              Deterministic `off`: the backend's own kernels, whose sums round differently in the rollout's \
-             decode steps and the training forward's full sequences.\n\n\
-             | deterministic | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|\n",
+             decode steps and the training forward's full sequences. Activations `bf16` / `f16`: mixed \
+             precision (every op's output rounded to the half type, in the rollout and the training forward \
+             alike).\n\n\
+             | activations | deterministic | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
+             |---|---|---|---|---|---|---|---|---|---|---|---|\n",
             path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed
         );
         for r in &rows {
             let v = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
             md += &format!(
-                "| {} | {} | {} | {:.3e} | {:.3e} | {:.3e} | {:.4} | {:.4} | {:.4} | {:.4} | {} |\n",
+                "| {} | {} | {} | {} | {:.3e} | {:.3e} | {:.3e} | {:.4} | {:.4} | {:.4} | {:.4} | {} |\n",
+                r["activations"].as_str().unwrap_or(""),
                 r["deterministic"].as_str().unwrap_or(""),
                 r["scheme"].as_str().unwrap_or(""),
                 r["forward"].as_str().unwrap_or(""),

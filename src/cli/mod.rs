@@ -56,11 +56,13 @@ pub enum Command {
     ImportGguf(import_gguf::ImportGgufArgs),
 }
 
-/// Loads a model directory and, with `quant`, quantizes its projections (default layer selection).
+/// Loads a model directory and, with `quant`, quantizes its projections (default layer selection); its
+/// forwards run with `activations`.
 pub fn load_model(
     dir: &std::path::Path,
     device: &burn::tensor::Device,
     quant: Option<crate::quant::QuantScheme>,
+    activations: crate::model::Activations,
 ) -> anyhow::Result<crate::model::Decoder> {
     let mut model = crate::model::Decoder::load(dir, device)?;
     if let Some(scheme) = quant {
@@ -75,6 +77,7 @@ pub fn load_model(
             .set_precision(crate::quant::Precision::Quantized(scheme))
             .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?;
     }
+    model.set_activations(activations)?;
     Ok(model)
 }
 

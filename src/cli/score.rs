@@ -28,6 +28,9 @@ pub struct ScoreArgs {
     /// runs the low-bit matmul on the packed weights.
     #[arg(long)]
     pub quant: Option<QuantScheme>,
+    /// Activations' type (`f32`, or mixed precision: `bf16`, `f16`; weights stay f32 or packed).
+    #[arg(long, value_enum, default_value_t = crate::model::Activations::F32)]
+    pub activations: crate::model::Activations,
     /// Leave the (large) logits out of the output.
     #[arg(long)]
     pub no_logits: bool,
@@ -49,7 +52,7 @@ struct ScoreOutput {
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let input: ScoreInput = read_json(&args.input)?;
     let device = args.backend.device()?;
-    let model = load_model(&args.model, &device, args.quant)?;
+    let model = load_model(&args.model, &device, args.quant, args.activations)?;
     model
         .check_ids(&input.input_ids)
         .with_context(|| args.input.display().to_string())?;

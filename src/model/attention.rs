@@ -1,7 +1,9 @@
 //! Grouped-query self-attention with optional per-head q/k RMSNorm (Qwen3), RoPE and a KV cache.
 
 use burn::module::Module;
-use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor};
+use burn::tensor::{DType, Device, IndexingUpdateOp, Int, Tensor};
+
+use super::activations::{as_dtype, zeros_of};
 
 use super::config::ModelConfig;
 use super::layers::{Linear, RmsNorm, Rope, Weights};
@@ -105,14 +107,14 @@ impl Attention {
         let mut v = v.swap_dims(1, 2);
         if let Some((slot, write)) = cache {
             let prev = slot.take();
-            let device = k.device();
+            let (device, dtype) = (k.device(), k.dtype());
             // `old` widened with zero slots to at least `len` (never narrowed).
             let grow = |old: Option<Tensor<4>>, len: usize| -> Tensor<4> {
                 let have = old.as_ref().map_or(0, |o| o.dims()[2]);
                 if have >= len {
                     return old.expect("a buffer at least `len` wide");
                 }
-                let zeros = Tensor::<4>::zeros([b, kv, len - have, d], &device);
+                let zeros = zeros_of([b, kv, len - have, d], &device, dtype);
                 match old {
                     Some(o) if have > 0 => Tensor::cat(vec![o, zeros], 2),
                     _ => zeros,
@@ -161,7 +163,7 @@ impl Attention {
             let want = m.dims()[3];
             let have = k.dims()[2];
             if want > have {
-                let zeros = Tensor::<4>::zeros([b, kv, want - have, d], &k.device());
+                let zeros = zeros_of([b, kv, want - have, d], &k.device(), k.dtype());
                 k = Tensor::cat(vec![k, zeros.clone()], 2);
                 v = Tensor::cat(vec![v, zeros], 2);
             } else if want < have {
@@ -177,11 +179,14 @@ impl Attention {
         let q = q.reshape([b, kv, rep * t, d]);
         // The scale as the tensor ops apply it (the f64 scalar rounded to f32 once).
         let scale = (1.0 / (d as f64).sqrt()) as f32;
+        // Scores, softmax and the weighted sum in f32 whatever the activations' type; the output rounded once.
+        let act = q.dtype();
+        let [q, k, v] = [q, k, v].map(|t| as_dtype(t, DType::F32));
         let fused = mask.and_then(|m| {
             crate::ops::attention_core(q.clone(), k.clone(), v.clone(), m.clone(), scale)
         });
         let out = fused.unwrap_or_else(|| attention_core_ops(q, k, v, mask, scale, t));
-        let out = out
+        let out = as_dtype(out, act)
             .reshape([b, h, t, d])
             .swap_dims(1, 2)
             .reshape([b * t, h * d]);

@@ -1,7 +1,9 @@
 //! The config-driven decoder-only transformer shared by Llama, Qwen2, Qwen3 and Qwen3-MoE.
 
 use burn::module::{Module, Param};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+
+use super::activations::{as_dtype, Activations};
 
 use super::attention::{Attention, KvWrite, LayerKv};
 use super::config::ModelConfig;
@@ -113,6 +115,9 @@ pub struct Decoder {
     pub config: ModelConfig,
     #[module(skip)]
     pub rope: Rope,
+    /// The type of the activations between ops ([`super::activations`]); f32 unless set.
+    #[module(skip)]
+    pub activations: Activations,
 }
 
 impl Decoder {
@@ -130,7 +135,16 @@ impl Decoder {
             lm_head: (!config.tie_word_embeddings).then(|| Linear::lazy(h, v, false, device)),
             rope: Rope::new(config.head_dim, config.rope_theta),
             config,
+            activations: Activations::F32,
         }
+    }
+
+    /// Sets the activations' type of every later forward, after checking that the model's device computes
+    /// with it (an error names the type and the device).
+    pub fn set_activations(&mut self, activations: Activations) -> anyhow::Result<()> {
+        activations.check_device(&self.device())?;
+        self.activations = activations;
+        Ok(())
     }
 
     /// The device the weights live on.
@@ -250,8 +264,10 @@ impl Decoder {
         self.run(ids, Some(lens), Some(cache), replay, at, weights)
     }
 
-    /// The LM head (or the tied embeddings) on hidden rows `[n, hidden]` -> logits `[n, vocab]`.
+    /// The LM head (or the tied embeddings) on hidden rows `[n, hidden]` -> logits `[n, vocab]`, in f32
+    /// whatever the activations' type (the rows are read as f32 and the logits never rounded to half).
     pub fn head(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
+        let x = as_dtype(x, DType::F32);
         match &self.lm_head {
             Some(head) => head.forward_with(x, weights),
             None => crate::ops::det_matmul(x, self.embed_tokens.val(), true),
@@ -365,11 +381,12 @@ impl Decoder {
 
         let flat: Vec<i64> = ids.iter().flatten().map(|&x| x as i64).collect();
         let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [b * t]), &device);
-        let mut x = self
+        let x = self
             .embed_tokens
             .val()
             .select(0, idx)
             .reshape([b, t, cfg.hidden_size]);
+        let mut x = as_dtype(x, self.activations.dtype());
 
         let top_k = cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
         let replay_on_device = replay.map(|rp| upload_routing(rp, top_k, &device));

@@ -3,6 +3,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor};
 
+use super::activations::in_f32;
 use super::checkpoint::Checkpoint;
 use super::error::LoadError;
 use super::names::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
@@ -130,16 +131,19 @@ impl Linear {
         self.forward_with(x, Weights::Packed)
     }
 
-    /// `x: [n, in] -> [n, out]` with the chosen weights.
+    /// `x: [n, in] -> [n, out]` with the chosen weights, in `x`'s type: half activations are read as f32,
+    /// multiplied with the f32 (or packed) weights, the bias added, and the sum rounded once.
     pub fn forward_with(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
-        let y = match (&self.quant, weights) {
-            (Some(q), Weights::Packed) => q.matmul(x, self.weight.val()),
-            _ => det_matmul(x, self.weight.val(), false),
-        };
-        match &self.bias {
-            Some(b) => y + b.val().unsqueeze_dim(0),
-            None => y,
-        }
+        in_f32(x, |x| {
+            let y = match (&self.quant, weights) {
+                (Some(q), Weights::Packed) => q.matmul(x, self.weight.val()),
+                _ => det_matmul(x, self.weight.val(), false),
+            };
+            match &self.bias {
+                Some(b) => y + b.val().unsqueeze_dim(0),
+                None => y,
+            }
+        })
     }
 }
 
@@ -167,12 +171,15 @@ impl RmsNorm {
 
     /// The mean of squares is [`aligned_mean_last`]: one row's bits whatever the shape of the call (the
     /// CubeCL backends' fixed-order kernel in deterministic mode; burn's `mean_dim` on the CPU).
+    /// Half activations are normalised in f32 and the result rounded once.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let var = aligned_mean_last(x.clone().square());
-        let x = x * (var + self.eps).sqrt().recip();
-        let mut shape = [1usize; D];
-        shape[D - 1] = self.dim();
-        x * self.weight.val().reshape(shape)
+        in_f32(x, |x| {
+            let var = aligned_mean_last(x.clone().square());
+            let x = x * (var + self.eps).sqrt().recip();
+            let mut shape = [1usize; D];
+            shape[D - 1] = self.dim();
+            x * self.weight.val().reshape(shape)
+        })
     }
 }
 
@@ -228,10 +235,13 @@ impl Rope {
     }
 
     /// Applies the rotation to `x: [B, T, H, D]` with tables from [`Rope::tables`]: one op where the
-    /// backend fuses it ([`crate::ops::rope`], the same bits), else op by op.
+    /// backend fuses it ([`crate::ops::rope`], the same bits), else op by op. Half activations are rotated
+    /// in f32 and rounded once.
     pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-        crate::ops::rope(x.clone(), cos.clone(), sin.clone())
-            .unwrap_or_else(|| Self::apply_op_by_op(x, cos, sin))
+        in_f32(x, |x| {
+            crate::ops::rope(x.clone(), cos.clone(), sin.clone())
+                .unwrap_or_else(|| Self::apply_op_by_op(x, cos, sin))
+        })
     }
 
     /// [`Rope::apply`] op by op: `x * cos + cat(-x2, x1) * sin`, the path burn differentiates and the

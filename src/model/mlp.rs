@@ -3,8 +3,9 @@
 use std::borrow::Cow;
 
 use burn::module::Module;
-use burn::tensor::{Device, IndexingUpdateOp, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
+use super::activations::as_dtype;
 use super::config::{ModelConfig, MoeConfig};
 use super::layers::{Linear, Weights};
 use crate::host::{reads_transfer, to_i64_vec};
@@ -182,7 +183,22 @@ impl MoeBlock {
     }
 
     /// [`MoeBlock::forward`] with the experts' path named (tests compare the grouped kernel with the loop).
+    /// Half activations are read as f32 and only the block's output is rounded back: the router, the
+    /// experts and their weighted sum run in f32, as the grouped kernel sums the whole expert chain.
     pub fn forward_with(
+        &self,
+        x: Tensor<2>,
+        replay: Option<Replay<'_>>,
+        path: ExpertPath,
+        weights: Weights,
+    ) -> (Tensor<2>, DeviceRouting) {
+        let act = x.dtype();
+        let (out, ids) = self.forward_f32(as_dtype(x, DType::F32), replay, path, weights);
+        (as_dtype(out, act), ids)
+    }
+
+    /// [`MoeBlock::forward_with`] on f32 activations.
+    fn forward_f32(
         &self,
         x: Tensor<2>,
         replay: Option<Replay<'_>>,

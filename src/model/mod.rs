@@ -3,6 +3,7 @@
 //! training: each forward receives which weights to multiply with ([`Weights`]: the packed quantized version
 //! or the f32 masters), and its linear layers do the quantized or full-precision matmul.
 
+pub mod activations;
 pub mod attention;
 pub mod checkpoint;
 pub mod config;
@@ -20,6 +21,7 @@ pub mod save;
 pub mod scoring;
 pub mod tokenizer;
 
+pub use activations::Activations;
 pub use checkpoint::Checkpoint;
 pub use config::{Architecture, ModelConfig, MoeConfig};
 pub use decoder::{Decoder, ForwardOutput, KvCache};

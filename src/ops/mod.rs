@@ -43,10 +43,12 @@ pub mod backend;
 pub mod cpu;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod cube;
+pub mod dtype;
 pub mod packed;
 pub mod switches;
 
 pub use backend::BackendKind;
+pub use dtype::{as_dtype, f32_of, in_f32};
 pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
 pub use switches::{deterministic, grouped_experts, set_deterministic, set_grouped_experts};
 
@@ -426,43 +428,58 @@ pub fn attention_core(
     .map(Tensor::from_dispatch)
 }
 
-/// [`KernelOps::swiglu`] on tensors: `silu(gate) * up`.
+/// [`KernelOps::swiglu`] on tensors: `silu(gate) * up`, in f32, rounded once to `gate`'s type.
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
-    Tensor::from_dispatch(<Dispatch as KernelOps>::swiglu(
-        gate.into_dispatch(),
-        up.into_dispatch(),
-    ))
+    let up = f32_of(up);
+    in_f32(gate, |gate| {
+        Tensor::from_dispatch(<Dispatch as KernelOps>::swiglu(
+            gate.into_dispatch(),
+            up.into_dispatch(),
+        ))
+    })
 }
 
-/// [`KernelOps::rope`] on tensors (`None`: run the op-by-op path).
+/// [`KernelOps::rope`] on tensors (`None`: run the op-by-op path), in f32, rounded once to `x`'s type.
 pub fn rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Option<Tensor<4>> {
-    <Dispatch as KernelOps>::rope(x.into_dispatch(), cos.into_dispatch(), sin.into_dispatch())
-        .map(Tensor::from_dispatch)
+    let dtype = x.dtype();
+    <Dispatch as KernelOps>::rope(
+        f32_of(x).into_dispatch(),
+        f32_of(cos).into_dispatch(),
+        f32_of(sin).into_dispatch(),
+    )
+    .map(|y| as_dtype(Tensor::from_dispatch(y), dtype))
 }
 
 /// [`KernelOps::aligned_mean_last`] on a tensor: the mean along the last axis, kept as an axis of 1.
 pub fn aligned_mean_last<const D: usize>(x: Tensor<D>) -> Tensor<D> {
-    Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_mean_last(
-        x.into_dispatch(),
-    ))
+    in_f32(x, |x| {
+        Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_mean_last(
+            x.into_dispatch(),
+        ))
+    })
 }
 
 /// [`KernelOps::aligned_softmax`] on a tensor.
 pub fn aligned_softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
-    Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_softmax(
-        x.into_dispatch(),
-        dim,
-    ))
+    in_f32(x, |x| {
+        Tensor::from_dispatch(<Dispatch as KernelOps>::aligned_softmax(
+            x.into_dispatch(),
+            dim,
+        ))
+    })
 }
 
 /// [`KernelOps::det_matmul`] on tensors: `x · w` (`w [.., k, n]`), or `x · w^T` (`w [.., n, k]`) when
-/// `w_transposed`.
+/// `w_transposed`. Half operands are read as f32; the result is rounded once to `x`'s type.
 pub fn det_matmul<const D: usize>(x: Tensor<D>, w: Tensor<D>, w_transposed: bool) -> Tensor<D> {
-    Tensor::from_dispatch(<Dispatch as KernelOps>::det_matmul(
-        x.into_dispatch(),
-        w.into_dispatch(),
-        w_transposed,
-    ))
+    let w = f32_of(w);
+    in_f32(x, |x| {
+        Tensor::from_dispatch(<Dispatch as KernelOps>::det_matmul(
+            x.into_dispatch(),
+            w.into_dispatch(),
+            w_transposed,
+        ))
+    })
 }
 
 /// The grouped MoE op ([`KernelOps::grouped_moe`]) on tensors: `x [n, hidden]`, the chosen experts

@@ -65,12 +65,15 @@ impl QuantizedWeight {
     }
 
     /// `x: [n, in] -> [n, out]` through the low-bit matmul; gradients flow to `master` (STE) and to `x`.
+    /// Half activations are read as f32; the result is rounded once to their type.
     pub fn matmul(&self, x: Tensor<2>, master: Tensor<2>) -> Tensor<2> {
-        Tensor::from_dispatch(<Dispatch as KernelOps>::quant_matmul(
-            x.into_dispatch(),
-            master.into_dispatch(),
-            self.packed.clone(),
-        ))
+        super::in_f32(x, |x| {
+            Tensor::from_dispatch(<Dispatch as KernelOps>::quant_matmul(
+                x.into_dispatch(),
+                master.into_dispatch(),
+                self.packed.clone(),
+            ))
+        })
     }
 }
 

@@ -81,6 +81,7 @@ pub fn bench_steps(
     let task = Task::from_config(&cfg.task)?;
     let mut optim = optimizer(&cfg.train);
     model.set_precision(cfg.rollout.precision)?;
+    model.set_activations(cfg.train.activations)?;
     let c = &model.config;
     let description = format!(
         "{} layers, hidden {}, vocab {}{}",

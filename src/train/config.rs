@@ -160,6 +160,12 @@ pub struct RlConfig {
     /// `rollout_corr/*` and `error_tokens/*`, and `lp_old` is always recomputed.
     #[serde(default = "yes")]
     pub deterministic: bool,
+    /// The activations' type of the rollouts, the training forward and the evaluations: `f32` (the
+    /// default), `bf16` or `f16` (mixed precision: the weights and the optimizer state stay f32, every op
+    /// computes in f32 and rounds its output once; see [`crate::model::activations`]). The warm start
+    /// (`[sft]`) trains in f32.
+    #[serde(default)]
+    pub activations: crate::model::Activations,
     /// Where `lp_old` is taken from the rollout's record (deterministic mode, aligned forward, one update per
     /// step: the same bits), recompute it with a forward anyway and stop with an error if any token differs.
     #[serde(default)]

@@ -366,8 +366,12 @@ impl VariantSummary<'_> {
     }
 }
 
+/// A hand-written statement, claim by claim, of what an experiment reproduces, next to its `report.md`.
+pub const CLAIMS_FILE: &str = "claims.md";
+
 /// The report from the finished runs: accuracies with problem-clustered standard errors, arms compared
-/// pairwise by final accuracy paired by problem, the mismatch and stability averages, and the plots.
+/// pairwise by final accuracy paired by problem, the mismatch and stability averages, and the plots; a link
+/// to [`CLAIMS_FILE`] when the results directory has one.
 pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<PathBuf> {
     let variants: Vec<VariantSummary> = exp
         .variants
@@ -391,6 +395,10 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         .collect();
     let mut md = String::new();
     writeln!(md, "# {}\n", exp.name)?;
+    if results.join(CLAIMS_FILE).is_file() {
+        // The verdicts are written by people from this report's numbers; the report only points at them.
+        writeln!(md, "The paper's claims, one by one, against these numbers: [{CLAIMS_FILE}]({CLAIMS_FILE}).\n")?;
+    }
     writeln!(md, "Seeds: {:?}. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (T = 1), before and at the end of RL, in the rollout precision.\n", exp.seeds)?;
     writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the exact sign-test p-value.\n")?;
     writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | RL gain, paired by problem | mean@k before RL | mean@k (rollout prec.) |")?;

@@ -345,6 +345,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     }
     let start = state.next_step;
     model.set_precision(cfg.rollout.precision)?;
+    model.set_activations(cfg.train.activations)?;
 
     // Returns the greedy accuracy in the rollout precision and its per-problem outcomes.
     let evaluate =
