@@ -3,11 +3,13 @@
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor};
 
-use super::activations::in_f32;
+use super::activations::{as_dtype, in_f32};
 use super::checkpoint::Checkpoint;
 use super::error::LoadError;
 use super::names::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
 use crate::host::{tensor_from_vec, transposed_from_vec};
+use crate::ops::deterministic;
+use crate::ops::dtype::is_half;
 use crate::ops::{aligned_mean_last, aligned_softmax, det_matmul, QuantizedWeight};
 use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
 
@@ -132,18 +134,23 @@ impl Linear {
     }
 
     /// `x: [n, in] -> [n, out]` with the chosen weights, in `x`'s type: half activations are read as f32,
-    /// multiplied with the f32 (or packed) weights, the bias added, and the sum rounded once.
+    /// multiplied with the f32 (or packed) weights, the bias added, and the sum rounded once. Outside
+    /// deterministic mode the product is the op's own choice for half activations (the backend's half
+    /// matmul, see [`det_matmul`]) and the bias is added in the half type.
     pub fn forward_with(&self, x: Tensor<2>, weights: Weights) -> Tensor<2> {
-        in_f32(x, |x| {
-            let y = match (&self.quant, weights) {
-                (Some(q), Weights::Packed) => q.matmul(x, self.weight.val()),
-                _ => det_matmul(x, self.weight.val(), false),
-            };
-            match &self.bias {
-                Some(b) => y + b.val().unsqueeze_dim(0),
-                None => y,
+        let product = |x: Tensor<2>| match (&self.quant, weights) {
+            (Some(q), Weights::Packed) => q.matmul(x, self.weight.val()),
+            _ => det_matmul(x, self.weight.val(), false),
+        };
+        match &self.bias {
+            None => product(x),
+            Some(b) if !deterministic() && is_half(x.dtype()) => {
+                let y = product(x);
+                let b = as_dtype(b.val(), y.dtype());
+                y + b.unsqueeze_dim(0)
             }
-        })
+            Some(b) => in_f32(x, |x| product(x) + b.val().unsqueeze_dim(0)),
+        }
     }
 }
 

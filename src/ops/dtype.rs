@@ -13,6 +13,11 @@ pub fn as_dtype<const D: usize>(x: Tensor<D>, dtype: DType) -> Tensor<D> {
     }
 }
 
+/// Whether `dtype` is a half-precision float (bf16, f16).
+pub fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
 /// `x` as f32 (exact for half types).
 pub fn f32_of<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     as_dtype(x, DType::F32)

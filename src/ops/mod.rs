@@ -470,8 +470,15 @@ pub fn aligned_softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
 }
 
 /// [`KernelOps::det_matmul`] on tensors: `x · w` (`w [.., k, n]`), or `x · w^T` (`w [.., n, k]`) when
-/// `w_transposed`. Half operands are read as f32; the result is rounded once to `x`'s type.
+/// `w_transposed`. Half operands are read as f32; the result is rounded once to `x`'s type. Outside
+/// deterministic mode, half activations take the backend's own matmul in their type (`w` rounded to it:
+/// a bf16 GEMM, on tensor cores on a GPU).
 pub fn det_matmul<const D: usize>(x: Tensor<D>, w: Tensor<D>, w_transposed: bool) -> Tensor<D> {
+    let dtype = x.dtype();
+    if !deterministic() && dtype::is_half(dtype) {
+        let w = as_dtype(w, dtype);
+        return x.matmul(if w_transposed { w.transpose() } else { w });
+    }
     let w = f32_of(w);
     in_f32(x, |x| {
         Tensor::from_dispatch(<Dispatch as KernelOps>::det_matmul(

@@ -3,10 +3,12 @@
 //! layer ([`ExpertWeights`]). Made once per weight version from the f32 masters and shared by the rollout and
 //! the training forward, never re-quantized per call.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use burn::backend::Dispatch;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
+
+use super::dtype::is_half;
 
 use super::cpu::kernel::KernelWeights;
 use super::KernelOps;
@@ -26,12 +28,19 @@ impl PackedWeight {
     }
 }
 
-/// One quantized weight version: only the packed codes and scales are kept (no float copy); the backward pass
-/// decodes them when it needs `dequant(Q(W))`.
+/// One quantized weight version: the packed codes and scales (the backward pass decodes them when it needs
+/// `dequant(Q(W))`), and, only once a forward outside deterministic mode asks for it, their half-precision
+/// copy for the backend's own matmul (shared by the clones of this version).
 #[derive(Debug, Clone)]
 pub struct QuantizedWeight {
     pub packed: PackedWeight,
+    half: Arc<OnceLock<Tensor<2>>>,
 }
+
+/// Rows from which a forward outside deterministic mode with half activations multiplies the dequantized
+/// weights with the backend's matmul (tensor cores on a GPU) instead of the low-bit kernel: below it (decode
+/// steps) the kernel, which reads 4-8x fewer weight bytes, is the faster one.
+pub const FAST_GEMM_MIN_ROWS: usize = 64;
 
 impl QuantizedWeight {
     /// Quantizes a master weight stored `[in, out]` (the spec's groups run along `in` of each output row).
@@ -46,6 +55,7 @@ impl QuantizedWeight {
     pub fn from_packed(q: QuantizedTensor) -> Self {
         Self {
             packed: PackedWeight::new(q),
+            half: Arc::default(),
         }
     }
 
@@ -53,6 +63,18 @@ impl QuantizedWeight {
     pub fn dequantized(&self, device: &burn::tensor::Device) -> Tensor<2> {
         let [out, inn] = self.packed.0.shape();
         transposed_from_vec(&self.packed.0.dequantize(), [out, inn], device)
+    }
+
+    /// `dequant(Q(W))` `[in, out]` rounded to `dtype`, on `device`: made once per weight version (for the
+    /// first dtype and device asked for; others are made per call).
+    fn half_dequantized(&self, dtype: DType, device: &burn::tensor::Device) -> Tensor<2> {
+        let make = || self.dequantized(device).cast(dtype);
+        let cached = self.half.get_or_init(make);
+        if cached.dtype() == dtype && &cached.device() == device {
+            cached.clone()
+        } else {
+            make()
+        }
     }
 
     /// Bytes of the packed codes and scales.
@@ -65,8 +87,23 @@ impl QuantizedWeight {
     }
 
     /// `x: [n, in] -> [n, out]` through the low-bit matmul; gradients flow to `master` (STE) and to `x`.
-    /// Half activations are read as f32; the result is rounded once to their type.
+    /// Half activations are read as f32; the result is rounded once to their type. Outside deterministic
+    /// mode, half activations of at least [`FAST_GEMM_MIN_ROWS`] rows take the backend's own matmul on the
+    /// dequantized weights rounded to the half type (the fastest kernels, whose bits differ from the
+    /// decode's: the mismatch `deterministic = off` reports).
     pub fn matmul(&self, x: Tensor<2>, master: Tensor<2>) -> Tensor<2> {
+        let dtype = x.dtype();
+        if !super::deterministic() && is_half(dtype) && x.dims()[0] >= FAST_GEMM_MIN_ROWS {
+            let w = self.half_dequantized(dtype, &x.device());
+            // Straight through: `master - master` is exactly 0, so the value is the dequantized weights,
+            // and the gradient reaches the master unchanged.
+            let w = if super::tracks_gradients(&master) {
+                (master.clone() - master.detach()).cast(dtype) + w
+            } else {
+                w
+            };
+            return x.matmul(w);
+        }
         super::in_f32(x, |x| {
             Tensor::from_dispatch(<Dispatch as KernelOps>::quant_matmul(
                 x.into_dispatch(),
