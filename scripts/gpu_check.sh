@@ -8,8 +8,8 @@
 # `git checkout -- experiments/results` after). Then, with the device tool:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=480)
 # On an H200 (2026-11-30) a whole call took 160-230 s of command time plus about 40 s to start the machine,
-# before the RL steps were added (estimated 150-250 s more: two models, deterministic on and off on CUDA,
-# and the CPU). With a 15-minute device budget, run the CUDA runtime alone first
+# before the RL steps were added (estimated 250-400 s more: two models; deterministic on and off, each with
+# f32 and bf16 activations, on CUDA; and the CPU). With a 15-minute device budget, run the CUDA runtime alone first
 # (QARL_GPU_CHECK_RUNTIMES=cuda, timeout_s=590) and the wgpu one only if time is left.
 # Results come back under $OUT: gpu.txt (machine, libraries), kernels_<runtime>.txt and .json, and
 # rollout_cuda.txt and .json (`qarl bench rollout --backend cuda` on a 195M Qwen3-MoE, f32 against each
@@ -56,7 +56,7 @@ cat "$out/gpu.txt"
 # shape (configs/models/smollm2-135m.json). Random weights never stop early, so every step generates
 # prompts x samples x QARL_GPU_CHECK_STEP_TOKENS tokens: the same work on both backends. int4-g32 rollout,
 # aligned training forward, TBPO; on the GPU in deterministic mode and with `train.deterministic = false`
-# side by side. Results: step_<model>_<backend>.txt and .json.
+# side by side, each with f32 and with bf16 activations. Results: step_<model>_<backend>.txt and .json.
 step_rl() {
   local rt=$1 model backend failed=0
   shift
@@ -94,11 +94,14 @@ TOML
       echo "== RL step: $model on $backend =="
       # A GPU runtime compiles its kernels in the first step: one untimed step first. The CPU has nothing to
       # warm up, so one timed step.
-      # On the GPU, deterministic mode next to `off` (the backend's own kernels): what exactness costs
-      # (issue 28's target: within 1.3x).
-      local steps=(--steps 2 --warmup 1 --variant det:train.deterministic=true --variant off:train.deterministic=false)
+      # On the GPU, deterministic mode next to `off` (the backend's own kernels), with f32 and with bf16
+      # activations (mixed precision; `off` then takes burn's bf16 matmul): what exactness costs (issue 28's
+      # target: within 1.3x).
+      local steps=(--steps 2 --warmup 1 --variant det:train.deterministic=true --variant off:train.deterministic=false
+        --variant det-bf16:train.deterministic=true,train.activations=bf16
+        --variant off-bf16:train.deterministic=false,train.activations=bf16)
       [ "$backend" = flex ] && steps=(--steps 1 --warmup 0)
-      timeout "${QARL_GPU_CHECK_STEP_TIMEOUT:-200}" "${launch[@]}" bench step --config "/tmp/step_$model.toml" \
+      timeout "${QARL_GPU_CHECK_STEP_TIMEOUT:-300}" "${launch[@]}" bench step --config "/tmp/step_$model.toml" \
         --backend "$backend" "${steps[@]}" --quiet --json "$out/step_${model}_$backend.json" 2>&1 |
         tee "$out/step_${model}_$backend.txt" || failed=1
     done

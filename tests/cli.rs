@@ -696,6 +696,13 @@ fn bench_step_times_each_variant_in_its_own_process() {
         stdout.contains("## f32") && stdout.contains("## int4"),
         "{stdout}"
     );
+    // The mismatch each variant left: none, in deterministic mode (f32 rollout and f32 learner; int4
+    // rollout and the aligned forward).
+    assert!(
+        stdout.contains("| mismatch (median) | f32 | int4 |"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("| k3 KL | 0.000e0 | 0.000e0 |"), "{stdout}");
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     let variants = report["variants"].as_array().unwrap();

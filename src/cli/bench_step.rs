@@ -313,6 +313,34 @@ fn print_side_by_side(results: &[(String, StepTimings)]) {
         println!();
     }
     println!();
+    print_mismatch(results);
+}
+
+/// The rollout/learner mismatch each variant's timed steps left (medians): what a faster variant's kernels
+/// cost in alignment (deterministic mode: k3 exactly 0 with the aligned forward).
+fn print_mismatch(results: &[(String, StepTimings)]) {
+    const KEYS: [(&str, &str); 3] = [
+        ("k3 KL", crate::rl::metrics::names::K3_KL),
+        ("error tokens: ratio", crate::rl::metrics::names::RATIO_FRAC),
+        (
+            "error tokens: any",
+            crate::rl::metrics::names::ANY_ERROR_FRAC,
+        ),
+    ];
+    print!("| mismatch (median) |");
+    for (label, _) in results {
+        print!(" {label} |");
+    }
+    println!();
+    println!("|---|{}", "---:|".repeat(results.len()));
+    for (name, key) in KEYS {
+        print!("| {name} |");
+        for (_, t) in results {
+            print!(" {:.3e} |", t.median(key).unwrap_or(f64::NAN));
+        }
+        println!();
+    }
+    println!();
 }
 
 #[cfg(test)]
