@@ -17,6 +17,7 @@ use crate::dtype::ActDType;
 use crate::e4m3::e4m3_table;
 use crate::error::KernelError;
 use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
+use crate::kernels::mma::{self, MMA, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::{dense, fp8, moe as moe_kernels, BLOCK, CHUNK, TILE};
 use crate::moe::{MoeRouting, RoutingTable, TableLayout};
 pub use moe_train::{MoeActivations, MoeGradients};
@@ -82,6 +83,9 @@ pub enum MatmulPath {
     Gemm,
     /// 64 x 64 blocks, 4 x 4 outputs per unit (prefill, training).
     Blocked,
+    /// Tensor-core tiles with half activations ([`crate::kernels::mma`]): another summation order than the
+    /// others (never chosen by `Auto`), the same bits at every batch size. Where [`Kernels::supports_mma`].
+    Mma,
 }
 
 /// A runtime client with the kernels' shared tables.
@@ -155,6 +159,26 @@ impl Kernels {
                 .properties()
                 .type_usage(dtype.elem())
                 .is_superset(TypeUsage::Buffer | TypeUsage::Conversion)
+    }
+
+    /// Whether the device has the `m16n16k16` tensor-core instruction on `dtype` operands with f32
+    /// accumulation, which [`MatmulPath::Mma`] needs (a half type; never f32).
+    pub fn supports_mma(&self, dtype: ActDType) -> bool {
+        dtype != ActDType::F32
+            && self.supports(dtype)
+            && self
+                .client
+                .features()
+                .matmul
+                .cmma
+                .contains(&cubecl::features::MmaConfig {
+                    a_type: dtype.elem(),
+                    b_type: dtype.elem(),
+                    cd_type: ActDType::F32.elem(),
+                    m: MMA as u32,
+                    n: MMA as u32,
+                    k: MMA as u32,
+                })
     }
 
     fn check_dtype(&self, dtype: ActDType) -> Result<(), KernelError> {
@@ -394,7 +418,9 @@ impl Kernels {
             MatmulPath::Auto => MatmulPath::Gemm,
             chosen => chosen,
         };
-        if path == MatmulPath::Gemv {
+        if path == MatmulPath::Mma {
+            self.launch_mma(&x, &y, n, w)?;
+        } else if path == MatmulPath::Gemv {
             let lanes = chunks.clamp(1, 32);
             // Chunk sums of a cube's rows live in shared memory: keep them within WebGPU's 16 KiB floor.
             if chunks > SHARED_FLOATS {
@@ -466,6 +492,56 @@ impl Kernels {
             }
         }
         Ok(y)
+    }
+
+    /// [`MatmulPath::Mma`]: the tensor-core tiles on half activations, for weights whose codes are exact
+    /// in the half type and whose activations stay as they are (not fp8's quantized ones).
+    fn launch_mma(
+        &self,
+        x: &DeviceBuffer,
+        y: &DeviceBuffer,
+        n: usize,
+        w: &DeviceWeights,
+    ) -> Result<(), KernelError> {
+        if !self.supports_mma(x.dtype) || w.format.quantizes_activations() {
+            return Err(KernelError::Unsupported(format!(
+                "tensor-core tiles for {:?} weights with {} activations on {} (half activations, \
+                 weight-only formats and a device with m16n16k16 {}-operand instructions)",
+                w.format,
+                x.dtype,
+                self.device_name(),
+                x.dtype
+            )));
+        }
+        let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
+        let steps = w.inn.div_ceil(MMA);
+        // One scale per row (int8) covers every step; otherwise a scale group is `group` inputs.
+        let steps_per_scale = if fmt == 1 { steps.max(1) } else { group / MMA };
+        mma::gemm_mma::launch(
+            &self.client,
+            CubeCount::Static(
+                w.out.div_ceil(MMA * MMA_ROW_TILES) as u32,
+                n.div_ceil(MMA * MMA_TOKEN_TILES) as u32,
+                1,
+            ),
+            CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32),
+            x.arg(),
+            w.words.arg(),
+            w.scales.arg(),
+            self.lut.arg(),
+            y.arg(),
+            n,
+            w.out,
+            w.inn,
+            w.wpr(),
+            w.spr(),
+            steps,
+            steps_per_scale,
+            fmt,
+            group,
+            [x.dtype.elem(), y.dtype.elem()],
+        );
+        Ok(())
     }
 
     /// The straight-through input gradient `dx[n, inn] = g[n, out] · dequant(W)`, in `g`'s element type.
@@ -627,7 +703,7 @@ impl Kernels {
         if layout.tiles == 0 || hidden == 0 {
             return Ok(out);
         }
-        let gemv = Self::moe_gemv(path, tokens);
+        let gemv = Self::moe_gemv(path, tokens)?;
         let xq = self.prepare(x, tokens, gate)?;
         let h = self.empty_f32(layout.assignments * inter);
         if inter > 0 {
@@ -639,12 +715,17 @@ impl Kernels {
     }
 
     /// Whether the grouped products of an MoE call on `tokens` tokens take the GEMV kernel (`path`, or by
-    /// size under [`MatmulPath::Auto`]); the same bits either way.
-    pub(crate) fn moe_gemv(path: MatmulPath, tokens: usize) -> bool {
+    /// size under [`MatmulPath::Auto`]); the same bits either way. The grouped products have no
+    /// tensor-core tiles yet: [`MatmulPath::Mma`] is an error.
+    pub(crate) fn moe_gemv(path: MatmulPath, tokens: usize) -> Result<bool, KernelError> {
         match path {
-            MatmulPath::Auto => tokens <= Self::MOE_GEMV_MAX_TOKENS,
-            MatmulPath::Gemv => true,
-            MatmulPath::Gemm | MatmulPath::Blocked => false,
+            MatmulPath::Auto => Ok(tokens <= Self::MOE_GEMV_MAX_TOKENS),
+            MatmulPath::Gemv => Ok(true),
+            MatmulPath::Gemm | MatmulPath::Blocked => Ok(false),
+            MatmulPath::Mma => Err(KernelError::Unsupported(
+                "tensor-core tiles for the grouped MoE products (dense products only so far)"
+                    .into(),
+            )),
         }
     }
 

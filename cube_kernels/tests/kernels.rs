@@ -798,6 +798,55 @@ fn unsupported_activation_types_are_refused_not_miscomputed() {
     }
 }
 
+/// The tensor-core tiles ([`MatmulPath::Mma`]) where the adapter lacks the instruction (lavapipe), or
+/// with f32 activations, or for the grouped MoE products: an error saying so, never another kernel's
+/// result. (Where the adapter has it, `qarl bench kernels --check` checks the tiles against the reference
+/// and across batch sizes.)
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn tensor_core_tiles_are_refused_where_they_cannot_run() {
+    let Some(k) = kernels() else { return };
+    let w = random_weights(WeightFormat::Int4 { group: 32 }, 1, 64, 64, 5);
+    let dw = k.upload_weights(&w);
+    let x = Rng(9).values(2 * 64);
+    assert!(
+        !k.supports_mma(ActDType::F32),
+        "f32 operands are never tensor-core tiles"
+    );
+    for dtype in [ActDType::F32, ActDType::F16, ActDType::BF16] {
+        if !k.supports(dtype) || k.supports_mma(dtype) {
+            eprintln!(
+                "adapter `{}`: {dtype} tensor-core tiles not refused here",
+                k.device_name()
+            );
+            continue;
+        }
+        let dx = k.upload(&x, dtype).unwrap();
+        let err = k.linear_with(&dx, 2, &dw, MatmulPath::Mma).unwrap_err();
+        assert!(err.to_string().contains("tensor-core"), "{err}");
+    }
+    let routing = MoeRouting::new(&[0, 1], 2, 1, 2).unwrap();
+    let experts = random_weights(WeightFormat::Int4 { group: 32 }, 2, 64, 64, 6);
+    let de = k.upload_weights(&experts);
+    let down = k.upload_weights(&random_weights(
+        WeightFormat::Int4 { group: 32 },
+        2,
+        64,
+        64,
+        7,
+    ));
+    let err = k
+        .moe_with(
+            &k.upload_f32(&x),
+            &routing,
+            &k.upload_f32(&[1.0, 1.0]),
+            [&de, &de, &down],
+            MatmulPath::Mma,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("tensor-core"), "{err}");
+}
+
 /// `max |got - want| <= rel * max |want|` (a tensor-wide scale: the sums went through values of that size).
 fn assert_close_scaled(got: &[f32], want: &[f64], rel: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");

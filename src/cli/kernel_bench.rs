@@ -299,6 +299,10 @@ mod imp {
             let w = PackedWeights::random(format, 1, inter, hidden, 1)?;
             let dw = k.upload_weights(&w);
             let wb = Tensor::<2>::random([hidden, inter], Distribution::Default, device).cast(base);
+            let mma = k.supports_mma(dtype) && !format.quantizes_activations();
+            if mma && args.check {
+                check_mma(args, k, &w, name, dtype, failures)?;
+            }
             for &n in &args.tokens {
                 let x = act_values(n * hidden, n as u64);
                 let dx = k.upload(&x, dtype)?;
@@ -341,11 +345,15 @@ mod imp {
                 let tb = time(args.iters, || drop(xb.clone().matmul(wb.clone())), &sync_b);
                 let bytes = (w.bytes() + size * n * (hidden + inter)) as f64;
                 let flops = 2.0 * (n * hidden * inter) as f64;
-                for (path, kernel) in [
+                let mut paths = vec![
                     (MatmulPath::Gemv, "linear/gemv"),
                     (MatmulPath::Gemm, "linear/tile16"),
                     (MatmulPath::Blocked, "linear/block64"),
-                ] {
+                ];
+                if mma {
+                    paths.push((MatmulPath::Mma, "linear/mma"));
+                }
+                for (path, kernel) in paths {
                     let t = time(
                         args.iters,
                         || drop(k.linear_with(&dx, n, &dw, path).expect("linear")),
@@ -450,6 +458,52 @@ mod imp {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// The tensor-core tiles ([`MatmulPath::Mma`]) of one dense weight: within the type's rounding plus a
+    /// tensor-core accumulation tolerance of the host reference, and batch-invariant: each token count's
+    /// rows are bitwise the first rows of the largest count's result on the same activations (a decode step
+    /// padded to the instruction's 16 rows computes what a prefill computes).
+    fn check_mma(
+        args: &KernelBenchArgs,
+        k: &Kernels,
+        w: &PackedWeights,
+        name: &str,
+        dtype: ActDType,
+        failures: &mut Vec<String>,
+    ) -> anyhow::Result<()> {
+        let (hidden, out) = (w.in_features(), w.out_features());
+        let most = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+        let x: Vec<f32> = values(most * hidden, 999)
+            .iter()
+            .map(|v| dtype.round(*v))
+            .collect();
+        let dw = k.upload_weights(w);
+        let run = |n: usize| -> anyhow::Result<Vec<f32>> {
+            let dx = k.upload(&x[..n * hidden], dtype)?;
+            Ok(k.read_f32(&k.linear_with(&dx, n, &dw, MatmulPath::Mma)?)?)
+        };
+        let all = run(most)?;
+        let want = reference::linear(&x, most, w, 0);
+        // Products of half activations and exact codes summed on tensor cores, whose f32 accumulation
+        // may round more coarsely than IEEE f32 (a few bits), then one rounding to the type.
+        let err = max_rounded_err(&all, &want, dtype);
+        if err > 1e-3 {
+            failures.push(format!(
+                "{name} {dtype} linear Mma n={most}: max rel err beyond rounding {err:.2e}"
+            ));
+        }
+        for &n in args.tokens.iter().filter(|&&n| n < most) {
+            let got = run(n)?;
+            let differ = contract_mismatches(&got, &all[..n * out], ActDType::F32);
+            if differ > 0 {
+                failures.push(format!(
+                    "{name} {dtype} linear Mma: n={n} differs from the first rows of n={most} in {differ} values"
+                ));
+            }
+        }
+        println!("{name} {dtype} linear/mma: max rel err beyond rounding {err:.2e}, batch-invariant check done");
         Ok(())
     }
 

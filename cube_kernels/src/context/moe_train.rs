@@ -58,7 +58,7 @@ impl Kernels {
         f32_only("moe input", x, KERNELS)?;
         let (tokens, hidden, inter) = (routing.tokens(), gate.inn, gate.out);
         let assignments = routing.layout().assignments;
-        let gemv = Self::moe_gemv(path, tokens);
+        let gemv = Self::moe_gemv(path, tokens)?;
         let out = self.empty_f32(tokens * hidden);
         let [gate_out, up_out, swiglu] = [(); 3].map(|_| self.empty_f32(assignments * inter));
         let expert_out = if routing.layout().tiles == 0 || hidden == 0 {

@@ -27,6 +27,7 @@
 pub mod dense;
 pub mod exact;
 pub mod fp8;
+pub mod mma;
 pub mod moe;
 pub mod moe_train;
 

@@ -1,0 +1,206 @@
+//! Tensor-core tiles (`cmma`) for the low-bit dense product with half activations: a prototype timed and
+//! checked by `qarl bench kernels` on GPUs that have the instruction, not yet a path of the model.
+//!
+//! **Order.** Each output `y[t, row]` is computed the same way whatever the batch: the weight's K axis is
+//! cut into steps of 16 inputs (one `m16n16k16` instruction) and into scale groups of `steps_per_scale`
+//! steps; per group, an f32 accumulator starts at 0 and takes the group's steps in order on tensor cores
+//! (the half activations times the weights' *codes*, which are exact in f16 and bf16: int4 and int8
+//! integers, E4M3 and E2M1 values), then the group's sum times the group's f32 scale is added to the
+//! output's f32 total, groups left to right; the total is rounded once to the activations' type. A
+//! token's row of the instruction never mixes with the other rows, and rows beyond the batch are zeros,
+//! so a decode step (one token padded to 16) and a training forward (hundreds of tokens) give the same
+//! bits: the K tiling is a property of the weight (its format and group), never of the batch size.
+//! The order differs from the canonical f32 order of the other kernels, so rollout and training must
+//! both take this kernel for the contract to hold.
+//!
+//! **Tile.** A cube of 8 planes (32 units each) computes 32 tokens x 64 rows: plane `p` holds the 16 x 16
+//! accumulator of token tile `p / 4` and row tile `p % 4`. Per step, the cube stages 32 x 16 activations
+//! and 64 x 16 weight codes in shared memory (in the activations' type) and each plane multiplies its
+//! pair; per group, the accumulators go through shared memory to the units, which scale and add them.
+
+use cubecl::prelude::*;
+
+use super::e2m1_value;
+
+/// Tokens, rows and inputs of one tensor-core instruction (`m16n16k16`).
+pub const MMA: usize = 16;
+/// Token tiles of a cube (32 tokens).
+pub const MMA_TOKEN_TILES: usize = 2;
+/// Row tiles of a cube (64 rows).
+pub const MMA_ROW_TILES: usize = 4;
+/// Units per plane the kernel is written for (NVIDIA's warp).
+pub const MMA_PLANE: usize = 32;
+
+/// The code of row `row`, input `k` as a float (exact in any half type): int4 / int8 integers, the E4M3
+/// value from the decode table `lut`, or the E2M1 value.
+#[cube]
+fn code_at(
+    words: &[u32],
+    lut: &[f32],
+    row: usize,
+    k: usize,
+    wpr: usize,
+    #[comptime] fmt: u32,
+) -> f32 {
+    if comptime!(fmt == 0) {
+        let word = words[row * wpr + k / 8];
+        let nib = (word >> (((k % 8) * 4) as u32)) & 15u32;
+        f32::cast_from(i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32))
+    } else if comptime!(fmt == 1) {
+        let word = words[row * wpr + k / 4];
+        let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
+        f32::cast_from(i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32))
+    } else if comptime!(fmt == 2) {
+        let word = words[row * wpr + k / 4];
+        lut[((word >> (((k % 4) * 8) as u32)) & 255u32) as usize]
+    } else {
+        let word = words[row * wpr + k / 8];
+        e2m1_value((word >> (((k % 8) * 4) as u32)) & 15u32)
+    }
+}
+
+/// The f32 scale of row `row` for the group holding input `k` (int8: one per row; fp8: per 128 x 128
+/// block; int4 and fp4: per `group` inputs of the row).
+#[cube]
+fn scale_at(
+    scales: &[f32],
+    row: usize,
+    k: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+) -> f32 {
+    if comptime!(fmt == 1) {
+        scales[row]
+    } else if comptime!(fmt == 2) {
+        scales[(row / group) * spr + k / group]
+    } else {
+        scales[row * spr + k / group]
+    }
+}
+
+/// `y[t, row] = sum_k x[t, k] w[row, k]` on tensor cores in the order of the module doc. Launch with
+/// `CubeDim (32, 8)` and `CubeCount (ceil(out / 64), ceil(n / 32))`; `steps = ceil(inn / 16)`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_mma<X: Float, Y: Float>(
+    x: &[X],
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    y: &mut [Y],
+    n: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    steps: usize,
+    steps_per_scale: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[define(X, Y)] _dtypes: [ElemType; 2],
+) {
+    let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
+    let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);
+    let mut sums = Shared::<[f32]>::new_slice(MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA);
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let unit = plane * MMA_PLANE + lane;
+    let tok_tile = plane / MMA_ROW_TILES;
+    let row_tile = plane % MMA_ROW_TILES;
+    let tok0 = CUBE_POS_Y as usize * (MMA_TOKEN_TILES * MMA);
+    let row0 = CUBE_POS_X as usize * (MMA_ROW_TILES * MMA);
+    let tile = MMA * MMA;
+    // The 256 outputs of the plane's tile, 8 per unit: element `lane + 32 j` (row-major, 16 wide).
+    let mut total = Array::<f32>::new(8usize);
+    #[unroll]
+    for j in 0..8usize {
+        total[j] = 0.0f32;
+    }
+    let mut acc = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        MMA,
+        MMA,
+        MMA,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let groups = steps.div_ceil(steps_per_scale);
+    for g in 0..groups {
+        cmma::fill(&mut acc, 0.0f32);
+        let first = g * steps_per_scale;
+        let last = (first + steps_per_scale).min(steps);
+        for s in first..last {
+            let k0 = s * MMA;
+            // 32 x 16 activations: two per unit.
+            #[unroll]
+            for h in 0..2usize {
+                let e = unit + h * 256;
+                let (t, k) = (tok0 + e / MMA, k0 + e % MMA);
+                let mut v = X::from_int(0);
+                if t < n && k < inn {
+                    v = x[t * inn + k];
+                }
+                xs[e] = v;
+            }
+            // 64 x 16 weight codes: four per unit, `[row][k]` (the B operand column-major).
+            #[unroll]
+            for h in 0..4usize {
+                let e = unit + h * 256;
+                let (r, k) = (row0 + e / MMA, k0 + e % MMA);
+                let mut c = 0.0f32;
+                if r < out && k < inn {
+                    c = code_at(words, lut, r, k, wpr, fmt);
+                }
+                ws[e] = X::cast_from(c);
+            }
+            sync_cube();
+            let a = cmma::Matrix::<X>::from_slice(
+                cmma::MatrixIdent::A,
+                MMA,
+                MMA,
+                MMA,
+                cmma::MatrixLayout::RowMajor,
+                &xs[tok_tile * tile..tok_tile * tile + tile],
+                MMA as u32,
+            );
+            let b = cmma::Matrix::<X>::from_slice(
+                cmma::MatrixIdent::B,
+                MMA,
+                MMA,
+                MMA,
+                cmma::MatrixLayout::ColMajor,
+                &ws[row_tile * tile..row_tile * tile + tile],
+                MMA as u32,
+            );
+            cmma::execute(&a, &b, &acc, &acc);
+            sync_cube();
+        }
+        cmma::store(
+            &mut sums[plane * tile..plane * tile + tile],
+            &acc,
+            MMA as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        sync_cube();
+        #[unroll]
+        for j in 0..8usize {
+            let e = lane + MMA_PLANE * j;
+            let r = row0 + row_tile * MMA + e % MMA;
+            if r < out {
+                let s = scale_at(scales, r, first * MMA, spr, fmt, group);
+                total[j] += sums[plane * tile + e] * s;
+            }
+        }
+        sync_cube();
+    }
+    #[unroll]
+    for j in 0..8usize {
+        let e = lane + MMA_PLANE * j;
+        let t = tok0 + tok_tile * MMA + e / MMA;
+        let r = row0 + row_tile * MMA + e % MMA;
+        if t < n && r < out {
+            y[t * out + r] = Y::cast_from(total[j]);
+        }
+    }
+}
