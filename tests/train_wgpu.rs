@@ -190,7 +190,8 @@ fn sft_rl_and_eval_on_wgpu_agree_with_flex() {
 
 /// Mixed precision on wgpu: bf16 (WGSL has no such type) is refused with an error naming it; f16, where
 /// the adapter has it, keeps the sampler's recorded log-probs bitwise the training forward's (int4
-/// weights, the MoE fixture, the grouped kernels and their training pair).
+/// weights, the MoE fixture, the grouped kernels and their training pair), with the rollout's projections
+/// reading f16 directly and the training forward's widening to f32 first.
 #[test]
 fn half_activations_on_wgpu() {
     use qarl::model::scoring::response_logprobs;
@@ -232,7 +233,14 @@ fn half_activations_on_wgpu() {
         ..SamplingParams::default()
     };
     let prompts = vec![vec![3u32, 17, 99, 42, 7], vec![5, 6]];
+    let native = qarl::ops::native_half_matmuls();
     let out = generate(&infer, &prompts, 2, &params, None);
+    // The rollout read its f16 activations as they are (the kernels' half path); the training forward
+    // (gradients tracked) widens them to f32 first: the contract says the same bits.
+    assert!(
+        qarl::ops::native_half_matmuls() > native,
+        "the rollout did not take the kernels' half path"
+    );
     let full = response_logprobs(&train, &out.ids, &out.prompt_lens, params.temperature);
     let bits = |v: &[Vec<f32>]| -> Vec<u32> { v.iter().flatten().map(|x| x.to_bits()).collect() };
     assert!(!out.logprobs.concat().is_empty());

@@ -421,6 +421,10 @@ impl<B: Backend + KernelOps, C: CheckpointStrategy> KernelOps for Autodiff<B, C>
             .map(<Self as AutodiffBackend>::from_inner)
     }
 
+    fn quant_matmul_takes_half(x: &FloatTensor<Self>) -> bool {
+        B::quant_matmul_takes_half(&x.clone().into_primitive())
+    }
+
     fn grouped_moe_trains(x: &FloatTensor<Self>) -> bool {
         B::grouped_moe_trains(&x.clone().into_primitive())
     }

@@ -81,6 +81,15 @@ pub trait KernelOps: Backend {
         Self::float_matmul(x, Self::float_transpose(w))
     }
 
+    /// Whether [`Self::quant_matmul`] reads activations like `x` in their own half type (the CubeCL
+    /// kernels, where the device has it): the f32 sums and one rounding of the kernels' precision contract,
+    /// so the same bits as widening them to f32 first, at half the bytes read and without the casts.
+    /// `false` (the default) for f32 and where the backend widens them itself.
+    fn quant_matmul_takes_half(x: &FloatTensor<Self>) -> bool {
+        let _ = x;
+        false
+    }
+
     /// `g [n, out] · dequant(Q(W))` -> `[n, in]`: the straight-through backward's input gradient, from the
     /// same packed weights the forward read (the CubeCL backends run the transposed kernel).
     fn quant_matmul_transposed(g: FloatTensor<Self>, packed: PackedWeight) -> FloatTensor<Self> {
@@ -558,6 +567,23 @@ pub fn forward_value_of<const D: usize>(graph: Tensor<D>, value: Tensor<D>) -> T
 /// then runs the loop alone, with the rollout's values. `t`: a tensor on the device in question.
 pub fn grouped_moe_matches_loop<const D: usize>(t: &Tensor<D>) -> bool {
     <Dispatch as KernelOps>::grouped_moe_matches_loop(&t.clone().into_dispatch())
+}
+
+/// [`KernelOps::quant_matmul_takes_half`] on a tensor.
+pub fn quant_matmul_takes_half<const D: usize>(x: &Tensor<D>) -> bool {
+    <Dispatch as KernelOps>::quant_matmul_takes_half(&x.clone().into_dispatch())
+}
+
+static NATIVE_HALF_MATMULS: AtomicU64 = AtomicU64::new(0);
+
+fn count_native_half_matmul() {
+    NATIVE_HALF_MATMULS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many low-bit matmuls this process ran on half activations in their own type (the kernel's half
+/// path, untracked forwards on the CubeCL backends): a debug counter tests use to see that path ran.
+pub fn native_half_matmuls() -> u64 {
+    NATIVE_HALF_MATMULS.load(Ordering::Relaxed)
 }
 
 static GROUPED_MOE_BACKWARDS: AtomicU64 = AtomicU64::new(0);

@@ -104,6 +104,16 @@ impl QuantizedWeight {
             };
             return x.matmul(w);
         }
+        let untracked = !super::tracks_gradients(&x) && !super::tracks_gradients(&master);
+        if is_half(dtype) && untracked && super::quant_matmul_takes_half(&x) {
+            // The kernel's own half path (a rollout's decode): the bits of the widened call below.
+            super::count_native_half_matmul();
+            return Tensor::from_dispatch(<Dispatch as KernelOps>::quant_matmul(
+                x.into_dispatch(),
+                master.into_dispatch(),
+                self.packed.clone(),
+            ));
+        }
         super::in_f32(x, |x| {
             Tensor::from_dispatch(<Dispatch as KernelOps>::quant_matmul(
                 x.into_dispatch(),

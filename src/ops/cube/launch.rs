@@ -332,6 +332,13 @@ pub(crate) fn grouped_moe(
 }
 
 /// Whether the grouped MoE training pair takes activations like `x` (f32 matrices).
+/// Whether the kernels read `x` as it is: a half-precision matrix of a type this device has.
+pub(crate) fn takes_half(x: &CubeTensor) -> bool {
+    matches!(x.dtype, DType::F16 | DType::BF16)
+        && x.shape().num_dims() == 2
+        && act_dtype(x.dtype).is_some_and(|d| kernels_for(x).supports(d))
+}
+
 pub(crate) fn grouped_moe_trains(x: &CubeTensor) -> bool {
     x.dtype == DType::F32 && x.shape().num_dims() == 2
 }

@@ -76,6 +76,10 @@ impl KernelOps for burn_cubecl::CubeBackend {
         launch::grouped_moe(x, route_w, ids, &experts)
     }
 
+    fn quant_matmul_takes_half(x: &FloatTensor<Self>) -> bool {
+        launch::takes_half(x)
+    }
+
     fn grouped_moe_trains(x: &FloatTensor<Self>) -> bool {
         launch::grouped_moe_trains(x)
     }
