@@ -101,6 +101,61 @@ fn generate_greedy_matches_reference() {
     assert_eq!(ids, r.greedy.ids);
 }
 
+/// `--activations bf16`: the flag reaches the model (the greedy continuation of this random fixture, whose
+/// logits are nearly flat, changes with the rounding), the prompts are kept and a run repeats exactly; an
+/// unknown type is refused by name.
+#[test]
+fn generate_takes_the_activations_type() {
+    let dir = fixtures_dir().join("qwen3");
+    let r = reference(&dir);
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("p.json");
+    std::fs::write(
+        &prompts,
+        serde_json::json!({ "input_ids": r.greedy.prompt_ids }).to_string(),
+    )
+    .unwrap();
+    let output = tmp.path().join("gen.json");
+    let run = |act: &str| {
+        qarl()
+            .args(["generate", "--greedy", "--max-new-tokens", "4"])
+            .args(["--activations", act])
+            .arg("--model")
+            .arg(&dir)
+            .arg("--prompt-ids")
+            .arg(&prompts)
+            .arg("--output")
+            .arg(&output)
+            .output()
+            .unwrap()
+    };
+    let ids = |act: &str| -> Vec<Vec<u32>> {
+        let out = run(act);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
+        serde_json::from_value(v["ids"].clone()).unwrap()
+    };
+    let (f32_ids, bf16_ids) = (ids("f32"), ids("bf16"));
+    assert_eq!(bf16_ids, ids("bf16"), "a bf16 run does not repeat");
+    assert_ne!(bf16_ids, f32_ids, "--activations bf16 changed nothing");
+    for (got, prompt) in bf16_ids.iter().zip(&r.greedy.prompt_ids) {
+        assert_eq!(&got[..prompt.len()], &prompt[..]);
+        assert_eq!(got.len(), prompt.len() + 4);
+    }
+    let bad = run("fp8");
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("--activations") && err.contains("bf16"),
+        "{err}"
+    );
+}
+
 #[test]
 fn bad_inputs_fail_cleanly_and_name_the_file() {
     let dir = fixtures_dir().join("qwen3_moe");
