@@ -86,6 +86,10 @@ pub enum MatmulPath {
     /// Tensor-core tiles with half activations ([`crate::kernels::mma`]): another summation order than the
     /// others (never chosen by `Auto`), the same bits at every batch size. Where [`Kernels::supports_mma`].
     Mma,
+    /// [`MatmulPath::Mma`]'s tiles, staging and scale groups with scalar fused multiply-adds in place of
+    /// the instruction: any runtime and activation type (tests check the tiles' indexing with it on
+    /// lavapipe); its own bits, batch-invariant.
+    GroupedScalar,
 }
 
 /// A runtime client with the kernels' shared tables.
@@ -418,8 +422,8 @@ impl Kernels {
             MatmulPath::Auto => MatmulPath::Gemm,
             chosen => chosen,
         };
-        if path == MatmulPath::Mma {
-            self.launch_mma(&x, &y, n, w)?;
+        if matches!(path, MatmulPath::Mma | MatmulPath::GroupedScalar) {
+            self.launch_grouped(&x, &y, n, w, path == MatmulPath::Mma)?;
         } else if path == MatmulPath::Gemv {
             let lanes = chunks.clamp(1, 32);
             // Chunk sums of a cube's rows live in shared memory: keep them within WebGPU's 16 KiB floor.
@@ -494,16 +498,24 @@ impl Kernels {
         Ok(y)
     }
 
-    /// [`MatmulPath::Mma`]: the tensor-core tiles on half activations, for weights whose codes are exact
-    /// in the half type and whose activations stay as they are (not fp8's quantized ones).
-    fn launch_mma(
+    /// [`MatmulPath::Mma`] (`tensor_cores`: on half activations, where the device has the instruction) or
+    /// [`MatmulPath::GroupedScalar`], for weights whose codes are exact in the activations' type and whose
+    /// activations stay as they are (not fp8's quantized ones).
+    fn launch_grouped(
         &self,
         x: &DeviceBuffer,
         y: &DeviceBuffer,
         n: usize,
         w: &DeviceWeights,
+        tensor_cores: bool,
     ) -> Result<(), KernelError> {
-        if !self.supports_mma(x.dtype) || w.format.quantizes_activations() {
+        if w.format.quantizes_activations() {
+            return Err(KernelError::Unsupported(format!(
+                "grouped (tensor-core) tiles for {:?} weights: their activations are quantized too",
+                w.format
+            )));
+        }
+        if tensor_cores && !self.supports_mma(x.dtype) {
             return Err(KernelError::Unsupported(format!(
                 "tensor-core tiles for {:?} weights with {} activations on {} (half activations, \
                  weight-only formats and a device with m16n16k16 {}-operand instructions)",
@@ -517,30 +529,40 @@ impl Kernels {
         let steps = w.inn.div_ceil(MMA);
         // One scale per row (int8) covers every step; otherwise a scale group is `group` inputs.
         let steps_per_scale = if fmt == 1 { steps.max(1) } else { group / MMA };
-        mma::gemm_mma::launch(
-            &self.client,
-            CubeCount::Static(
-                w.out.div_ceil(MMA * MMA_ROW_TILES) as u32,
-                n.div_ceil(MMA * MMA_TOKEN_TILES) as u32,
-                1,
-            ),
-            CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32),
-            x.arg(),
-            w.words.arg(),
-            w.scales.arg(),
-            self.lut.arg(),
-            y.arg(),
-            n,
-            w.out,
-            w.inn,
-            w.wpr(),
-            w.spr(),
-            steps,
-            steps_per_scale,
-            fmt,
-            group,
-            [x.dtype.elem(), y.dtype.elem()],
-        );
+        // Both kernels take the same arguments and launch.
+        macro_rules! grouped {
+            ($kernel:ident) => {
+                mma::$kernel::launch(
+                    &self.client,
+                    CubeCount::Static(
+                        w.out.div_ceil(MMA * MMA_ROW_TILES) as u32,
+                        n.div_ceil(MMA * MMA_TOKEN_TILES) as u32,
+                        1,
+                    ),
+                    CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32),
+                    x.arg(),
+                    w.words.arg(),
+                    w.scales.arg(),
+                    self.lut.arg(),
+                    y.arg(),
+                    n,
+                    w.out,
+                    w.inn,
+                    w.wpr(),
+                    w.spr(),
+                    steps,
+                    steps_per_scale,
+                    fmt,
+                    group,
+                    [x.dtype.elem(), y.dtype.elem()],
+                )
+            };
+        }
+        if tensor_cores {
+            grouped!(gemm_mma);
+        } else {
+            grouped!(gemm_grouped_scalar);
+        }
         Ok(())
     }
 
@@ -722,7 +744,7 @@ impl Kernels {
             MatmulPath::Auto => Ok(tokens <= Self::MOE_GEMV_MAX_TOKENS),
             MatmulPath::Gemv => Ok(true),
             MatmulPath::Gemm | MatmulPath::Blocked => Ok(false),
-            MatmulPath::Mma => Err(KernelError::Unsupported(
+            MatmulPath::Mma | MatmulPath::GroupedScalar => Err(KernelError::Unsupported(
                 "tensor-core tiles for the grouped MoE products (dense products only so far)"
                     .into(),
             )),

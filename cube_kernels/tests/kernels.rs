@@ -798,6 +798,85 @@ fn unsupported_activation_types_are_refused_not_miscomputed() {
     }
 }
 
+/// The tensor-core tiles' tiling, staging and scale groups, run with scalar FMAs
+/// ([`MatmulPath::GroupedScalar`]) on any adapter: the host reference's value within f32 rounding for
+/// every weight-only format (ragged tiles: 70 rows, token counts not multiples of 32, K not a multiple of
+/// 16 for int8), each token count's rows bitwise the first rows of the largest count's, and f16
+/// activations the f32 result rounded once.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn grouped_tiles_match_the_reference_and_do_not_depend_on_the_batch() {
+    let Some(k) = kernels() else { return };
+    let cases = [
+        (WeightFormat::Int4 { group: 32 }, 384),
+        (WeightFormat::Int4 { group: 128 }, 384),
+        (WeightFormat::Int8PerRow, 200),
+        (WeightFormat::Nvfp4, 384),
+        (WeightFormat::Mxfp4, 384),
+    ];
+    let out = 70;
+    let counts = [1usize, 3, 17, 33, 70];
+    for (i, (format, inn)) in cases.into_iter().enumerate() {
+        let w = random_weights(format, 1, out, inn, 40 + i as u64);
+        let dw = k.upload_weights(&w);
+        let most = counts[counts.len() - 1];
+        let x = Rng(50 + i as u64).values(most * inn);
+        let run = |n: usize, dtype: ActDType| -> Vec<f32> {
+            let dx = k.upload(&x[..n * inn], dtype).unwrap();
+            k.read_f32(
+                &k.linear_with(&dx, n, &dw, MatmulPath::GroupedScalar)
+                    .unwrap(),
+            )
+            .unwrap()
+        };
+        let all = run(most, ActDType::F32);
+        let what = format!("{} grouped tiles", format.name());
+        assert_close(
+            &all,
+            &reference::linear(&x, most, &w, 0),
+            &abs_linear(&x, most, &w),
+            &what,
+        );
+        for &n in &counts[..counts.len() - 1] {
+            assert_eq!(
+                bits(&run(n, ActDType::F32)),
+                bits(&all[..n * out]),
+                "{what}: n={n}"
+            );
+        }
+        if k.supports(ActDType::F16) {
+            let xh: Vec<f32> = x.iter().map(|v| ActDType::F16.round(*v)).collect();
+            let dx = k.upload(&xh, ActDType::F16).unwrap();
+            let half = k
+                .read_f32(
+                    &k.linear_with(&dx, most, &dw, MatmulPath::GroupedScalar)
+                        .unwrap(),
+                )
+                .unwrap();
+            let widened = k
+                .read_f32(
+                    &k.linear_with(&k.upload_f32(&xh), most, &dw, MatmulPath::GroupedScalar)
+                        .unwrap(),
+                )
+                .unwrap();
+            let rounded: Vec<f32> = widened.iter().map(|v| ActDType::F16.round(*v)).collect();
+            assert_eq!(bits(&half), bits(&rounded), "{what}: f16 is not round(f32)");
+        }
+    }
+    // fp8 quantizes the activations too: refused, not computed another way.
+    let w = random_weights(WeightFormat::Fp8Block, 1, 128, 128, 60);
+    let dw = k.upload_weights(&w);
+    let err = k
+        .linear_with(
+            &k.upload_f32(&vec![0.5; 128]),
+            1,
+            &dw,
+            MatmulPath::GroupedScalar,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("quantized"), "{err}");
+}
+
 /// The tensor-core tiles ([`MatmulPath::Mma`]) where the adapter lacks the instruction (lavapipe), or
 /// with f32 activations, or for the grouped MoE products: an error saying so, never another kernel's
 /// result. (Where the adapter has it, `qarl bench kernels --check` checks the tiles against the reference

@@ -299,9 +299,18 @@ mod imp {
             let w = PackedWeights::random(format, 1, inter, hidden, 1)?;
             let dw = k.upload_weights(&w);
             let wb = Tensor::<2>::random([hidden, inter], Distribution::Default, device).cast(base);
-            let mma = k.supports_mma(dtype) && !format.quantizes_activations();
-            if mma && args.check {
-                check_mma(args, k, &w, name, dtype, failures)?;
+            // The tensor-core tiles' order: with scalar FMAs on any device, on tensor cores where it has them.
+            let mut grouped = Vec::new();
+            if !format.quantizes_activations() {
+                grouped.push((MatmulPath::GroupedScalar, "linear/grouped"));
+                if k.supports_mma(dtype) {
+                    grouped.push((MatmulPath::Mma, "linear/mma"));
+                }
+            }
+            if args.check {
+                for &(path, kernel) in &grouped {
+                    check_grouped(args, k, &w, name, dtype, (path, kernel), failures)?;
+                }
             }
             for &n in &args.tokens {
                 let x = act_values(n * hidden, n as u64);
@@ -350,9 +359,7 @@ mod imp {
                     (MatmulPath::Gemm, "linear/tile16"),
                     (MatmulPath::Blocked, "linear/block64"),
                 ];
-                if mma {
-                    paths.push((MatmulPath::Mma, "linear/mma"));
-                }
+                paths.extend(grouped.iter().copied());
                 for (path, kernel) in paths {
                     let t = time(
                         args.iters,
@@ -461,16 +468,19 @@ mod imp {
         Ok(())
     }
 
-    /// The tensor-core tiles ([`MatmulPath::Mma`]) of one dense weight: within the type's rounding plus a
-    /// tensor-core accumulation tolerance of the host reference, and batch-invariant: each token count's
-    /// rows are bitwise the first rows of the largest count's result on the same activations (a decode step
-    /// padded to the instruction's 16 rows computes what a prefill computes).
-    fn check_mma(
+    /// The grouped tiles of one dense weight (`path`: [`MatmulPath::Mma`] on tensor cores, or
+    /// [`MatmulPath::GroupedScalar`]): within the type's rounding plus a tensor-core accumulation tolerance
+    /// of the host reference, and batch-invariant: each token count's rows are bitwise the first rows of
+    /// the largest count's result on the same activations (a decode step padded to the instruction's 16
+    /// rows computes what a prefill computes).
+    #[allow(clippy::too_many_arguments)]
+    fn check_grouped(
         args: &KernelBenchArgs,
         k: &Kernels,
         w: &PackedWeights,
         name: &str,
         dtype: ActDType,
+        (path, kernel): (MatmulPath, &str),
         failures: &mut Vec<String>,
     ) -> anyhow::Result<()> {
         let (hidden, out) = (w.in_features(), w.out_features());
@@ -482,7 +492,7 @@ mod imp {
         let dw = k.upload_weights(w);
         let run = |n: usize| -> anyhow::Result<Vec<f32>> {
             let dx = k.upload(&x[..n * hidden], dtype)?;
-            Ok(k.read_f32(&k.linear_with(&dx, n, &dw, MatmulPath::Mma)?)?)
+            Ok(k.read_f32(&k.linear_with(&dx, n, &dw, path)?)?)
         };
         let all = run(most)?;
         let want = reference::linear(&x, most, w, 0);
@@ -491,7 +501,7 @@ mod imp {
         let err = max_rounded_err(&all, &want, dtype);
         if err > 1e-3 {
             failures.push(format!(
-                "{name} {dtype} linear Mma n={most}: max rel err beyond rounding {err:.2e}"
+                "{name} {dtype} {kernel} n={most}: max rel err beyond rounding {err:.2e}"
             ));
         }
         for &n in args.tokens.iter().filter(|&&n| n < most) {
@@ -499,11 +509,11 @@ mod imp {
             let differ = contract_mismatches(&got, &all[..n * out], ActDType::F32);
             if differ > 0 {
                 failures.push(format!(
-                    "{name} {dtype} linear Mma: n={n} differs from the first rows of n={most} in {differ} values"
+                    "{name} {dtype} {kernel}: n={n} differs from the first rows of n={most} in {differ} values"
                 ));
             }
         }
-        println!("{name} {dtype} linear/mma: max rel err beyond rounding {err:.2e}, batch-invariant check done");
+        println!("{name} {dtype} {kernel}: max rel err beyond rounding {err:.2e}, batch invariance checked");
         Ok(())
     }
 

@@ -17,6 +17,10 @@
 //! accumulator of token tile `p / 4` and row tile `p % 4`. Per step, the cube stages 32 x 16 activations
 //! and 64 x 16 weight codes in shared memory (in the activations' type) and each plane multiplies its
 //! pair; per group, the accumulators go through shared memory to the units, which scale and add them.
+//!
+//! [`gemm_grouped_scalar`] is the same tiling, staging and scale groups with scalar FMAs in place of the
+//! instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
+//! reference and across batch sizes, which leaves only the instruction itself to the GPU check.
 
 use cubecl::prelude::*;
 
@@ -79,6 +83,107 @@ fn scale_at(
     }
 }
 
+/// Stages K step `s` of the cube's tile in shared memory, in the activations' type: 32 tokens x 16 inputs
+/// of `x` (row-major, two per unit) and 64 rows x 16 weight codes (`[row][k]`, four per unit); zeros past
+/// the batch, the rows or the inputs.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_step<X: Float>(
+    x: &[X],
+    words: &[u32],
+    lut: &[f32],
+    xs: &mut Shared<[X]>,
+    ws: &mut Shared<[X]>,
+    s: usize,
+    tok0: usize,
+    row0: usize,
+    n: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    #[comptime] fmt: u32,
+) {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let k0 = s * MMA;
+    #[unroll]
+    for h in 0..2usize {
+        let e = unit + h * 256;
+        let (t, k) = (tok0 + e / MMA, k0 + e % MMA);
+        let mut v = X::from_int(0);
+        if t < n && k < inn {
+            v = x[t * inn + k];
+        }
+        xs[e] = v;
+    }
+    #[unroll]
+    for h in 0..4usize {
+        let e = unit + h * 256;
+        let (r, k) = (row0 + e / MMA, k0 + e % MMA);
+        let mut c = 0.0f32;
+        if r < out && k < inn {
+            c = code_at(words, lut, r, k, wpr, fmt);
+        }
+        ws[e] = X::cast_from(c);
+    }
+}
+
+/// Element `lane + 32 j` of the plane's 16 x 16 tile (row-major: token `e / 16`, weight row `e % 16`).
+#[cube]
+fn tile_element(lane: usize, j: usize) -> usize {
+    lane + MMA_PLANE * j
+}
+
+/// Adds a scale group's sums (`sum_of(j)` for the unit's 8 elements) times the rows' scales to the
+/// outputs' totals: `total += sum * scale`, groups left to right.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_group(
+    total: &mut Array<f32>,
+    sums: &Array<f32>,
+    scales: &[f32],
+    row0: usize,
+    k: usize,
+    out: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let row_tile = UNIT_POS_Y as usize % MMA_ROW_TILES;
+    #[unroll]
+    for j in 0..8usize {
+        let r = row0 + row_tile * MMA + tile_element(lane, j) % MMA;
+        if r < out {
+            total[j] += sums[j] * scale_at(scales, r, k, spr, fmt, group);
+        }
+    }
+}
+
+/// Stores the unit's 8 totals, rounded once to `Y`.
+#[cube]
+fn store_totals<Y: Float>(
+    y: &mut [Y],
+    total: &Array<f32>,
+    tok0: usize,
+    row0: usize,
+    n: usize,
+    out: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let tok_tile = plane / MMA_ROW_TILES;
+    let row_tile = plane % MMA_ROW_TILES;
+    #[unroll]
+    for j in 0..8usize {
+        let e = tile_element(lane, j);
+        let t = tok0 + tok_tile * MMA + e / MMA;
+        let r = row0 + row_tile * MMA + e % MMA;
+        if t < n && r < out {
+            y[t * out + r] = Y::cast_from(total[j]);
+        }
+    }
+}
+
 /// `y[t, row] = sum_k x[t, k] w[row, k]` on tensor cores in the order of the module doc. Launch with
 /// `CubeDim (32, 8)` and `CubeCount (ceil(out / 64), ceil(n / 32))`; `steps = ceil(inn / 16)`.
 #[cube(launch)]
@@ -102,17 +207,16 @@ pub fn gemm_mma<X: Float, Y: Float>(
 ) {
     let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
     let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);
-    let mut sums = Shared::<[f32]>::new_slice(MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA);
+    let mut stored = Shared::<[f32]>::new_slice(MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
-    let unit = plane * MMA_PLANE + lane;
     let tok_tile = plane / MMA_ROW_TILES;
     let row_tile = plane % MMA_ROW_TILES;
     let tok0 = CUBE_POS_Y as usize * (MMA_TOKEN_TILES * MMA);
     let row0 = CUBE_POS_X as usize * (MMA_ROW_TILES * MMA);
     let tile = MMA * MMA;
-    // The 256 outputs of the plane's tile, 8 per unit: element `lane + 32 j` (row-major, 16 wide).
     let mut total = Array::<f32>::new(8usize);
+    let mut sums = Array::<f32>::new(8usize);
     #[unroll]
     for j in 0..8usize {
         total[j] = 0.0f32;
@@ -131,29 +235,9 @@ pub fn gemm_mma<X: Float, Y: Float>(
         let first = g * steps_per_scale;
         let last = (first + steps_per_scale).min(steps);
         for s in first..last {
-            let k0 = s * MMA;
-            // 32 x 16 activations: two per unit.
-            #[unroll]
-            for h in 0..2usize {
-                let e = unit + h * 256;
-                let (t, k) = (tok0 + e / MMA, k0 + e % MMA);
-                let mut v = X::from_int(0);
-                if t < n && k < inn {
-                    v = x[t * inn + k];
-                }
-                xs[e] = v;
-            }
-            // 64 x 16 weight codes: four per unit, `[row][k]` (the B operand column-major).
-            #[unroll]
-            for h in 0..4usize {
-                let e = unit + h * 256;
-                let (r, k) = (row0 + e / MMA, k0 + e % MMA);
-                let mut c = 0.0f32;
-                if r < out && k < inn {
-                    c = code_at(words, lut, r, k, wpr, fmt);
-                }
-                ws[e] = X::cast_from(c);
-            }
+            stage_step(
+                x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
+            );
             sync_cube();
             let a = cmma::Matrix::<X>::from_slice(
                 cmma::MatrixIdent::A,
@@ -177,7 +261,7 @@ pub fn gemm_mma<X: Float, Y: Float>(
             sync_cube();
         }
         cmma::store(
-            &mut sums[plane * tile..plane * tile + tile],
+            &mut stored[plane * tile..plane * tile + tile],
             &acc,
             MMA as u32,
             cmma::MatrixLayout::RowMajor,
@@ -185,22 +269,102 @@ pub fn gemm_mma<X: Float, Y: Float>(
         sync_cube();
         #[unroll]
         for j in 0..8usize {
-            let e = lane + MMA_PLANE * j;
-            let r = row0 + row_tile * MMA + e % MMA;
-            if r < out {
-                let s = scale_at(scales, r, first * MMA, spr, fmt, group);
-                total[j] += sums[plane * tile + e] * s;
-            }
+            sums[j] = stored[plane * tile + tile_element(lane, j)];
         }
+        add_group(
+            &mut total,
+            &sums,
+            scales,
+            row0,
+            first * MMA,
+            out,
+            spr,
+            fmt,
+            group,
+        );
         sync_cube();
     }
+    store_totals(y, &total, tok0, row0, n, out);
+}
+
+/// [`gemm_mma`]'s tiling, staging and scale groups with the tensor-core instruction replaced by scalar
+/// fused multiply-adds (each group's sum over its inputs in order from 0): what runs where the device
+/// has no tensor cores, and what lets the tiles' indexing, staging and scaling be tested on any runtime
+/// (lavapipe included). Another order inside a group than the instruction's, so other bits than
+/// [`gemm_mma`]'s; batch-invariant in the same way. Same launch.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_grouped_scalar<X: Float, Y: Float>(
+    x: &[X],
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    y: &mut [Y],
+    n: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    steps: usize,
+    steps_per_scale: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[define(X, Y)] _dtypes: [ElemType; 2],
+) {
+    let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
+    let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let tok_tile = plane / MMA_ROW_TILES;
+    let row_tile = plane % MMA_ROW_TILES;
+    let tok0 = CUBE_POS_Y as usize * (MMA_TOKEN_TILES * MMA);
+    let row0 = CUBE_POS_X as usize * (MMA_ROW_TILES * MMA);
+    let tile = MMA * MMA;
+    let mut total = Array::<f32>::new(8usize);
+    let mut sums = Array::<f32>::new(8usize);
     #[unroll]
     for j in 0..8usize {
-        let e = lane + MMA_PLANE * j;
-        let t = tok0 + tok_tile * MMA + e / MMA;
-        let r = row0 + row_tile * MMA + e % MMA;
-        if t < n && r < out {
-            y[t * out + r] = Y::cast_from(total[j]);
-        }
+        total[j] = 0.0f32;
     }
+    let groups = steps.div_ceil(steps_per_scale);
+    for g in 0..groups {
+        #[unroll]
+        for j in 0..8usize {
+            sums[j] = 0.0f32;
+        }
+        let first = g * steps_per_scale;
+        let last = (first + steps_per_scale).min(steps);
+        for s in first..last {
+            stage_step(
+                x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
+            );
+            sync_cube();
+            #[unroll]
+            for j in 0..8usize {
+                let e = tile_element(lane, j);
+                let xa = tok_tile * tile + (e / MMA) * MMA;
+                let wa = row_tile * tile + (e % MMA) * MMA;
+                for kk in 0..MMA {
+                    sums[j] = fma(
+                        f32::cast_from(xs[xa + kk]),
+                        f32::cast_from(ws[wa + kk]),
+                        sums[j],
+                    );
+                }
+            }
+            sync_cube();
+        }
+        add_group(
+            &mut total,
+            &sums,
+            scales,
+            row0,
+            first * MMA,
+            out,
+            spr,
+            fmt,
+            group,
+        );
+    }
+    store_totals(y, &total, tok0, row0, n, out);
 }
