@@ -73,17 +73,23 @@ fn score_writes_logits_and_logprobs() {
     }
 }
 
+/// The reference's greedy prompts as a `--prompt-ids` file in `dir`.
+fn greedy_prompts_file(dir: &std::path::Path, r: &common::Reference) -> std::path::PathBuf {
+    let path = dir.join("p.json");
+    std::fs::write(
+        &path,
+        serde_json::json!({ "input_ids": r.greedy.prompt_ids }).to_string(),
+    )
+    .unwrap();
+    path
+}
+
 #[test]
 fn generate_greedy_matches_reference() {
     let dir = fixtures_dir().join("qwen3");
     let r = reference(&dir);
     let tmp = tempfile::tempdir().unwrap();
-    let prompts = tmp.path().join("p.json");
-    std::fs::write(
-        &prompts,
-        serde_json::json!({ "input_ids": r.greedy.prompt_ids }).to_string(),
-    )
-    .unwrap();
+    let prompts = greedy_prompts_file(tmp.path(), &r);
     let output = tmp.path().join("gen.json");
     let v = common::run_qarl_json(
         qarl()
@@ -109,12 +115,7 @@ fn generate_takes_the_activations_type() {
     let dir = fixtures_dir().join("qwen3");
     let r = reference(&dir);
     let tmp = tempfile::tempdir().unwrap();
-    let prompts = tmp.path().join("p.json");
-    std::fs::write(
-        &prompts,
-        serde_json::json!({ "input_ids": r.greedy.prompt_ids }).to_string(),
-    )
-    .unwrap();
+    let prompts = greedy_prompts_file(tmp.path(), &r);
     let output = tmp.path().join("gen.json");
     let run = |act: &str| {
         qarl()

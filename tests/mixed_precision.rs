@@ -11,28 +11,9 @@ use qarl::host::to_f32_vec;
 use qarl::model::scoring::response_logprobs;
 use qarl::model::{Activations, Decoder, Weights};
 use qarl::quant::{QuantConfig, QuantScheme};
-use qarl::rollout::{generate, SamplingParams};
+use qarl::rollout::generate;
 
 const HALF: [Activations; 2] = [Activations::Bf16, Activations::F16];
-
-fn prompts() -> Vec<Vec<u32>> {
-    vec![
-        vec![3, 17, 99, 42, 7, 250, 11],
-        vec![5, 6],
-        vec![200, 1, 2, 3],
-    ]
-}
-
-fn sampling() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.8,
-        top_p: 0.95,
-        top_k: 50,
-        max_new_tokens: 10,
-        seed: 77,
-        ..SamplingParams::default()
-    }
-}
 
 /// The model in `dir` on `device` with `activations`, int4-g32 weights when `quant`, every master
 /// tracked when `device` is an autodiff device.
@@ -66,8 +47,8 @@ fn half_activations_keep_rollout_and_training_bitwise_equal() {
             for quant in [false, true] {
                 let infer = model(&dir, &infer_dev, act, quant);
                 let train = model(&dir, &train_dev, act, quant);
-                let params = sampling();
-                let out = generate(&infer, &prompts(), 2, &params, None);
+                let params = common::sampling(77);
+                let out = generate(&infer, &common::ragged_prompts(), 2, &params, None);
                 let full =
                     response_logprobs(&train, &out.ids, &out.prompt_lens, params.temperature);
                 let (rec, fwd) = (flat_bits(&out.logprobs), flat_bits(&full));

@@ -4,29 +4,14 @@
 mod common;
 
 use burn::tensor::Device;
-use common::{fixture_models, fixtures_dir};
+use common::{fixture_models, fixtures_dir, ragged_prompts as prompts};
 use qarl::model::mlp::routing_to_host;
 use qarl::model::scoring::{forward_ragged, response_logprobs};
 use qarl::model::{Decoder, Weights};
 use qarl::rollout::{generate, generate_greedy, FinishReason, SamplingParams};
 
-fn prompts() -> Vec<Vec<u32>> {
-    vec![
-        vec![3, 17, 99, 42, 7, 250, 11],
-        vec![5, 6],
-        vec![200, 1, 2, 3],
-    ]
-}
-
 fn sampling() -> SamplingParams {
-    SamplingParams {
-        temperature: 0.8,
-        top_p: 0.95,
-        top_k: 50,
-        max_new_tokens: 10,
-        seed: 1234,
-        ..SamplingParams::default()
-    }
+    common::sampling(1234)
 }
 
 /// Must-show: the log-prob the sampler recorded is bitwise the learner's full-forward log-prob of the same

@@ -12,7 +12,6 @@
 
 use burn::tensor::{DType, Device, Tensor};
 
-pub use crate::ops::dtype::{as_dtype, in_f32, zeros_of};
 use serde::{Deserialize, Serialize};
 
 /// The activations' type of every forward of a model (rollout, training, evaluation).

@@ -3,7 +3,7 @@
 use burn::module::Module;
 use burn::tensor::{DType, Device, IndexingUpdateOp, Int, Tensor};
 
-use super::activations::{as_dtype, zeros_of};
+use crate::ops::dtype::{as_dtype, zeros_of};
 
 use super::config::ModelConfig;
 use super::layers::{Linear, RmsNorm, Rope, Weights};

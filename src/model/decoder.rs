@@ -3,7 +3,8 @@
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
-use super::activations::{as_dtype, Activations};
+use super::activations::Activations;
+use crate::ops::dtype::as_dtype;
 
 use super::attention::{Attention, KvWrite, LayerKv};
 use super::config::ModelConfig;

@@ -3,13 +3,12 @@
 use burn::module::{Module, Param};
 use burn::tensor::{Device, Tensor};
 
-use super::activations::{as_dtype, in_f32};
 use super::checkpoint::Checkpoint;
 use super::error::LoadError;
 use super::names::{lazy_param, tensor_name, BIAS, QWEIGHT, SCALES, WEIGHT};
 use crate::host::{tensor_from_vec, transposed_from_vec};
 use crate::ops::deterministic;
-use crate::ops::dtype::is_half;
+use crate::ops::dtype::{as_dtype, in_f32, is_half};
 use crate::ops::{aligned_mean_last, aligned_softmax, det_matmul, QuantizedWeight};
 use crate::quant::{QuantError, QuantScheme, QuantizedTensor};
 

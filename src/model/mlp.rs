@@ -5,10 +5,10 @@ use std::borrow::Cow;
 use burn::module::Module;
 use burn::tensor::{DType, Device, IndexingUpdateOp, Int, Tensor, TensorData};
 
-use super::activations::as_dtype;
 use super::config::{ModelConfig, MoeConfig};
 use super::layers::{Linear, Weights};
 use crate::host::{reads_transfer, to_i64_vec};
+use crate::ops::dtype::as_dtype;
 use crate::ops::{
     forward_value_of, grouped_experts, grouped_moe, grouped_moe_matches_loop,
     grouped_moe_with_gradient, swiglu, tracks_gradients, ExpertMasters, ExpertWeights,

@@ -140,7 +140,7 @@ pub fn head_logprobs(
     let [n, _] = hidden.dims();
     assert_eq!(n, targets.len(), "one target per hidden row");
     // The logits in f32 whatever the activations' type, as [`Decoder::head`] computes them.
-    let hidden = crate::ops::f32_of(hidden);
+    let hidden = crate::ops::dtype::f32_of(hidden);
     let (w, transposed) = match &model.lm_head {
         Some(head) if head.quant.is_some() && weights == Weights::Packed => {
             let logits = model.head(hidden, weights);

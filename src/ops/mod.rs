@@ -48,7 +48,7 @@ pub mod packed;
 pub mod switches;
 
 pub use backend::BackendKind;
-pub use dtype::{as_dtype, f32_of, in_f32};
+use dtype::{as_dtype, f32_of, in_f32};
 pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
 pub use switches::{deterministic, grouped_experts, set_deterministic, set_grouped_experts};
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Tensor};
 
-use super::dtype::is_half;
+use super::dtype::{in_f32, is_half};
 
 use super::cpu::kernel::KernelWeights;
 use super::KernelOps;
@@ -114,7 +114,7 @@ impl QuantizedWeight {
                 self.packed.clone(),
             ));
         }
-        super::in_f32(x, |x| {
+        in_f32(x, |x| {
             Tensor::from_dispatch(<Dispatch as KernelOps>::quant_matmul(
                 x.into_dispatch(),
                 master.into_dispatch(),

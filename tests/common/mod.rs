@@ -200,3 +200,25 @@ pub fn values(n: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// Three prompts of different lengths (7, 2 and 4 tokens), ids within every fixture's vocabulary: the
+/// rollout tests' batch, ragged so padding and per-row positions are exercised.
+pub fn ragged_prompts() -> Vec<Vec<u32>> {
+    vec![
+        vec![3, 17, 99, 42, 7, 250, 11],
+        vec![5, 6],
+        vec![200, 1, 2, 3],
+    ]
+}
+
+/// Sampling at T = 0.8 with top-p 0.95 and top-k 50, 10 new tokens, seeded.
+pub fn sampling(seed: u64) -> qarl::rollout::SamplingParams {
+    qarl::rollout::SamplingParams {
+        temperature: 0.8,
+        top_p: 0.95,
+        top_k: 50,
+        max_new_tokens: 10,
+        seed,
+        ..qarl::rollout::SamplingParams::default()
+    }
+}
