@@ -11,7 +11,8 @@
 # before the RL steps were added (estimated 250-400 s more: two models; deterministic on and off, each with
 # f32 and bf16 activations, on CUDA; and the CPU). With a 15-minute device budget, run the CUDA runtime alone first
 # (QARL_GPU_CHECK_RUNTIMES=cuda, timeout_s=590) and the wgpu one only if time is left.
-# Results come back under $OUT: gpu.txt (machine, libraries), kernels_<runtime>.txt and .json, and
+# Results come back under $OUT: gpu.txt (machine, libraries), kernels_moe_cuda.txt and .json (the MoE block
+# at 1-4096 tokens, int4-g128, bf16: moe/mma against the bf16 baseline), kernels_<runtime>.txt and .json, and
 # rollout_cuda.txt and .json (`qarl bench rollout --backend cuda` on a 195M Qwen3-MoE, f32 against each
 # quantized format; QARL_GPU_CHECK_ROLLOUT=0 skips it), and step_<model>_<backend>.txt and .json (the RL step
 # on CUDA and on the CPU, see step_rl below). Activations run in f32
@@ -126,6 +127,16 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   per_rt="QARL_GPU_CHECK_ARGS_${rt^^}"
   # shellcheck disable=SC2206
   extra_rt=(${!per_rt:-})
+  # Issue 28's MoE target first: the Qwen3-30B-A3B block with int4-g128 weights and bf16 activations at
+  # prefill and training sizes, every kernel (moe/mma: the tensor-core tiles) checked, each tiles order
+  # also bitwise against the same tokens one at a time, and timed against burn's bf16 matmul on the same
+  # FLOPs. QARL_GPU_CHECK_MOE=0 skips it; QARL_GPU_CHECK_MOE_TIMEOUT (default 150) bounds it.
+  if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_MOE:-1}" = 1 ]; then
+    echo "== MoE block at prefill and training sizes on cuda =="
+    timeout "${QARL_GPU_CHECK_MOE_TIMEOUT:-150}" "${launch[@]}" bench kernels --runtime cuda --check \
+      --formats int4-g128 --tokens 1,16,64,256,1024,4096 --act-dtype bf16 --iters 20 \
+      --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1
+  fi
   # QARL_GPU_CHECK_TIMEOUT_CUDA / _WGPU: seconds for one runtime (else QARL_GPU_CHECK_TIMEOUT, 200).
   per_rt_timeout="QARL_GPU_CHECK_TIMEOUT_${rt^^}"
   timeout "${!per_rt_timeout:-${QARL_GPU_CHECK_TIMEOUT:-200}}" "${launch[@]}" bench kernels --runtime "$rt" --check \

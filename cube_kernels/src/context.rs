@@ -18,6 +18,7 @@ use crate::e4m3::e4m3_table;
 use crate::error::KernelError;
 use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::mma::{self, MMA, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
+use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
 use crate::kernels::{dense, fp8, moe as moe_kernels, BLOCK, CHUNK, TILE};
 use crate::moe::{MoeRouting, RoutingTable, TableLayout};
 pub use moe_train::{MoeActivations, MoeGradients};
@@ -498,6 +499,32 @@ impl Kernels {
         Ok(y)
     }
 
+    /// Whether the tensor-core tiles' order ([`MatmulPath::Mma`] when `tensor_cores`, else
+    /// [`MatmulPath::GroupedScalar`]) can run `format` weights with `dtype` activations here: weight-only
+    /// formats (fp8-b128 quantizes the activations too), and for the instruction half operands on a device
+    /// that has it. Otherwise an error saying which, never another kernel's result.
+    fn check_tiles(
+        &self,
+        format: WeightFormat,
+        dtype: ActDType,
+        tensor_cores: bool,
+    ) -> Result<(), KernelError> {
+        if format.quantizes_activations() {
+            return Err(KernelError::Unsupported(format!(
+                "grouped (tensor-core) tiles for {format:?} weights: their activations are quantized too"
+            )));
+        }
+        if tensor_cores && !self.supports_mma(dtype) {
+            return Err(KernelError::Unsupported(format!(
+                "tensor-core tiles for {format:?} weights with {dtype} activations on {} (half \
+                 activations, weight-only formats and a device with m16n16k16 {dtype}-operand \
+                 instructions)",
+                self.device_name(),
+            )));
+        }
+        Ok(())
+    }
+
     /// [`MatmulPath::Mma`] (`tensor_cores`: on half activations, where the device has the instruction) or
     /// [`MatmulPath::GroupedScalar`], for weights whose codes are exact in the activations' type and whose
     /// activations stay as they are (not fp8's quantized ones).
@@ -509,26 +536,9 @@ impl Kernels {
         w: &DeviceWeights,
         tensor_cores: bool,
     ) -> Result<(), KernelError> {
-        if w.format.quantizes_activations() {
-            return Err(KernelError::Unsupported(format!(
-                "grouped (tensor-core) tiles for {:?} weights: their activations are quantized too",
-                w.format
-            )));
-        }
-        if tensor_cores && !self.supports_mma(x.dtype) {
-            return Err(KernelError::Unsupported(format!(
-                "tensor-core tiles for {:?} weights with {} activations on {} (half activations, \
-                 weight-only formats and a device with m16n16k16 {}-operand instructions)",
-                w.format,
-                x.dtype,
-                self.device_name(),
-                x.dtype
-            )));
-        }
+        self.check_tiles(w.format, x.dtype, tensor_cores)?;
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
-        let steps = w.inn.div_ceil(MMA);
-        // One scale per row (int8) covers every step; otherwise a scale group is `group` inputs.
-        let steps_per_scale = if fmt == 1 { steps.max(1) } else { group / MMA };
+        let (steps, steps_per_scale) = tile_steps(w);
         // Both kernels take the same arguments and launch.
         macro_rules! grouped {
             ($kernel:ident) => {
@@ -725,30 +735,42 @@ impl Kernels {
         if layout.tiles == 0 || hidden == 0 {
             return Ok(out);
         }
-        let gemv = Self::moe_gemv(path, tokens)?;
+        let kernel = self.moe_kernel(path, tokens, gate.format, x.dtype)?;
         let xq = self.prepare(x, tokens, gate)?;
         let h = self.empty_f32(layout.assignments * inter);
         if inter > 0 {
             // gate+up fused with SwiGLU, gathering the token rows.
-            self.grouped_product(&xq, routing, [gate, up], &h, true, true, gemv);
+            self.grouped_product(&xq, routing, [gate, up], &h, true, true, kernel);
         }
-        self.down_and_combine(&h, routing, route_w, down, &out, gemv)?;
+        self.down_and_combine(&h, routing, route_w, down, &out, kernel)?;
         Ok(out)
     }
 
-    /// Whether the grouped products of an MoE call on `tokens` tokens take the GEMV kernel (`path`, or by
-    /// size under [`MatmulPath::Auto`]); the same bits either way. The grouped products have no
-    /// tensor-core tiles yet: [`MatmulPath::Mma`] is an error.
-    pub(crate) fn moe_gemv(path: MatmulPath, tokens: usize) -> Result<bool, KernelError> {
-        match path {
-            MatmulPath::Auto => Ok(tokens <= Self::MOE_GEMV_MAX_TOKENS),
-            MatmulPath::Gemv => Ok(true),
-            MatmulPath::Gemm | MatmulPath::Blocked => Ok(false),
-            MatmulPath::Mma | MatmulPath::GroupedScalar => Err(KernelError::Unsupported(
-                "tensor-core tiles for the grouped MoE products (dense products only so far)"
-                    .into(),
-            )),
-        }
+    /// The kernel of the grouped products of an MoE call on `tokens` tokens of `dtype` activations with
+    /// `format` weights: the GEMV or the tiles (by `path`, or by size under [`MatmulPath::Auto`]; the same
+    /// bits either way), or the tensor-core tiles' order ([`MatmulPath::Mma`],
+    /// [`MatmulPath::GroupedScalar`]; its own bits), refused where it cannot run ([`Self::check_tiles`]).
+    pub(crate) fn moe_kernel(
+        &self,
+        path: MatmulPath,
+        tokens: usize,
+        format: WeightFormat,
+        dtype: ActDType,
+    ) -> Result<GroupedKernel, KernelError> {
+        Ok(match path {
+            MatmulPath::Auto if tokens <= Self::MOE_GEMV_MAX_TOKENS => GroupedKernel::Gemv,
+            MatmulPath::Auto => GroupedKernel::Tiled,
+            MatmulPath::Gemv => GroupedKernel::Gemv,
+            MatmulPath::Gemm | MatmulPath::Blocked => GroupedKernel::Tiled,
+            MatmulPath::Mma | MatmulPath::GroupedScalar => {
+                let tensor_cores = path == MatmulPath::Mma;
+                self.check_tiles(format, dtype, tensor_cores)?;
+                GroupedKernel::Tiles {
+                    tensor_cores,
+                    operand: dtype,
+                }
+            }
+        })
     }
 
     /// Checks the shapes and types of a grouped MoE call ([`Self::moe_routed`]).
@@ -790,7 +812,7 @@ impl Kernels {
     }
 
     /// The down projection of the SwiGLU outputs `h` (f32, sorted order) into the per-assignment outputs
-    /// `y` (f32, returned), then the combine into `out` with the routing weights.
+    /// `y` (f32, returned) by `kernel`, then the combine into `out` with the routing weights.
     pub(crate) fn down_and_combine(
         &self,
         h: &DeviceBuffer,
@@ -798,13 +820,13 @@ impl Kernels {
         route_w: &DeviceBuffer,
         down: &DeviceWeights,
         out: &DeviceBuffer,
-        gemv: bool,
+        kernel: GroupedKernel,
     ) -> Result<DeviceBuffer, KernelError> {
         let (tokens, top_k, hidden) = (routing.tokens(), routing.top_k(), down.out);
         let layout = routing.layout();
         let hq = self.prepare(h, layout.assignments, down)?;
         let y = self.empty_f32(layout.assignments * hidden);
-        self.grouped_product(&hq, routing, [down, down], &y, false, false, gemv);
+        self.grouped_product(&hq, routing, [down, down], &y, false, false, kernel);
         moe_kernels::combine::launch(
             &self.client,
             grid((tokens * hidden).div_ceil(256)),
@@ -825,7 +847,8 @@ impl Kernels {
     /// One grouped product over the sorted assignments into the f32 buffer `y`: `input · a_e^T`, or with
     /// `swiglu` `silu(input · a_e^T) * (input · b_e^T)` (`b` the up projection); `gather` reads the input
     /// row of each assignment's token (else the input is already in sorted order). The grouped GEMV when
-    /// `gemv` and its staging fits, else the tiled kernel: the same bits either way.
+    /// `kernel` says so and its staging fits, else the tiled kernel (the same bits either way), or the
+    /// tensor-core tiles' order.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn grouped_product(
         &self,
@@ -835,10 +858,26 @@ impl Kernels {
         y: &DeviceBuffer,
         swiglu: bool,
         gather: bool,
-        gemv: bool,
+        kernel: GroupedKernel,
     ) {
         let layout = routing.layout();
         let (assignments, table) = (layout.assignments, &routing.table);
+        if let GroupedKernel::Tiles {
+            tensor_cores,
+            operand,
+        } = kernel
+        {
+            self.grouped_tiles(
+                input,
+                routing,
+                [a, b],
+                y,
+                (swiglu, gather),
+                (tensor_cores, operand),
+            );
+            return;
+        }
+        let gemv = kernel == GroupedKernel::Gemv;
         let chunks = a.inn.div_ceil(CHUNK);
         // Chunk sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory.
         let sets = if swiglu { 2 } else { 1 };
@@ -910,6 +949,88 @@ impl Kernels {
             gather,
             input.dtype.elem(),
         );
+    }
+
+    /// [`Self::grouped_product`] on the tensor-core tiles' order ([`crate::kernels::mma_moe`]): operands
+    /// of type `operand` (the input is rounded to it as it is staged), on tensor cores or with scalar FMAs.
+    fn grouped_tiles(
+        &self,
+        input: &DeviceBuffer,
+        routing: &RoutingTable,
+        [a, b]: [&DeviceWeights; 2],
+        y: &DeviceBuffer,
+        (swiglu, gather): (bool, bool),
+        (tensor_cores, operand): (bool, ActDType),
+    ) {
+        let layout = routing.layout();
+        let (steps, steps_per_scale) = tile_steps(a);
+        // Both kernels take the same arguments and launch.
+        macro_rules! tiles {
+            ($kernel:ident) => {
+                mma_moe::$kernel::launch(
+                    &self.client,
+                    CubeCount::Static(
+                        a.out.div_ceil(MMA * MOE_MMA_ROW_TILES) as u32,
+                        layout.tiles as u32,
+                        1,
+                    ),
+                    CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32),
+                    input.arg(),
+                    routing.table.arg(),
+                    layout.rows_at(),
+                    a.words.arg(),
+                    a.scales.arg(),
+                    b.words.arg(),
+                    b.scales.arg(),
+                    self.lut.arg(),
+                    y.arg(),
+                    a.out,
+                    a.inn,
+                    a.wpr(),
+                    a.spr(),
+                    a.expert_words(),
+                    a.expert_scales(),
+                    steps,
+                    steps_per_scale,
+                    a.format.kernel_code(),
+                    a.format.kernel_group(),
+                    swiglu,
+                    gather,
+                    [input.dtype.elem(), operand.elem()],
+                )
+            };
+        }
+        if tensor_cores {
+            tiles!(grouped_mma);
+        } else {
+            tiles!(grouped_mma_scalar);
+        }
+    }
+}
+
+/// The kernel of a grouped MoE product ([`Kernels::moe_kernel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GroupedKernel {
+    /// The grouped GEMV, where its staging fits (else the tiles): the canonical order.
+    Gemv,
+    /// The 16-assignment tiles: the canonical order.
+    Tiled,
+    /// The tensor-core tiles' order ([`crate::kernels::mma_moe`]) on `operand` operands, on tensor cores
+    /// or with scalar FMAs.
+    Tiles {
+        tensor_cores: bool,
+        operand: ActDType,
+    },
+}
+
+/// The tensor-core tiles' K steps of `w` and the steps per scale group: one scale per row (int8) covers
+/// every step; otherwise a group is `group` inputs (a multiple of the instruction's 16).
+fn tile_steps(w: &DeviceWeights) -> (usize, usize) {
+    let steps = w.inn.div_ceil(MMA);
+    if w.format.kernel_code() == 1 {
+        (steps, steps.max(1))
+    } else {
+        (steps, w.format.kernel_group() / MMA)
     }
 }
 

@@ -99,6 +99,19 @@ pub fn moe(
     up: &PackedWeights,
     down: &PackedWeights,
 ) -> Vec<f32> {
+    moe_staged(x, routing, ids, route_w, [gate, up, down], |v| v)
+}
+
+/// [`moe`] with each SwiGLU output passed through `stage` before the down projection: the tensor-core
+/// tiles' operands round it to the activations' type ([`crate::kernels::mma_moe`], `ActDType::round`).
+pub fn moe_staged(
+    x: &[f32],
+    routing: &MoeRouting,
+    ids: &[u32],
+    route_w: &[f32],
+    [gate, up, down]: [&PackedWeights; 3],
+    stage: impl Fn(f32) -> f32,
+) -> Vec<f32> {
     let (tokens, top_k) = (routing.tokens(), routing.top_k());
     let hidden = gate.in_features();
     let xq = prepare_activations(x, tokens, gate);
@@ -110,7 +123,11 @@ pub fn moe(
             let xt = &xq[t * hidden..(t + 1) * hidden];
             let g = linear_prepared(xt, gate, e);
             let u = linear_prepared(xt, up, e);
-            let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu_mul(*g, *u)).collect();
+            let h: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| stage(silu_mul(*g, *u)))
+                .collect();
             ys[t * top_k + j] = linear(&h, 1, down, e);
         }
     }

@@ -878,7 +878,7 @@ fn grouped_tiles_match_the_reference_and_do_not_depend_on_the_batch() {
 }
 
 /// The tensor-core tiles ([`MatmulPath::Mma`]) where the adapter lacks the instruction (lavapipe), or
-/// with f32 activations, or for the grouped MoE products: an error saying so, never another kernel's
+/// with f32 activations, the same for the grouped MoE products: an error saying so, never another kernel's
 /// result. (Where the adapter has it, `qarl bench kernels --check` checks the tiles against the reference
 /// and across batch sizes.)
 #[test]
@@ -926,6 +926,111 @@ fn tensor_core_tiles_are_refused_where_they_cannot_run() {
     assert!(err.to_string().contains("tensor-core"), "{err}");
 }
 
+/// The grouped MoE products in the tensor-core tiles' order, with scalar FMAs
+/// ([`MatmulPath::GroupedScalar`]) on any adapter: the host reference's block (the SwiGLU output rounded
+/// to the operands' type as the tiles stage it) within f32 rounding, every token bitwise what it gives
+/// decoded alone, and the same bits on a routing table built on the device (empty tiles after the real
+/// ones). f16 operands: the reference with half inputs and a half SwiGLU output, within f16 rounding.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn moe_grouped_tiles_match_the_reference_and_decode_one_token_at_a_time() {
+    let Some(k) = kernels() else { return };
+    let (experts, hidden, _) = MOE_SHAPE;
+    let ragged: Vec<u32> = (0..34u32).map(|i| 1 + (i * i + i / 3) % 4).collect();
+    let cases = [(ragged, 17, 2), (vec![2; 40], 20, 2)];
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        for (c, (ids, tokens, top_k)) in cases.iter().enumerate() {
+            let (tokens, top_k) = (*tokens, *top_k);
+            let (case, _) = moe_case(format, tokens, top_k, 1300 + 10 * i as u64 + c as u64);
+            let weights = [&case.gate, &case.up, &case.down].map(|w| k.upload_weights(w));
+            let [dg, du, dd] = [&weights[0], &weights[1], &weights[2]];
+            let what = format!("{} grouped MoE tiles ({tokens} tokens)", format.name());
+            let run = |x: &[f32], ids: &[u32], rw: &[f32], dtype: ActDType| {
+                let routing = MoeRouting::new(ids, ids.len() / top_k, top_k, experts).unwrap();
+                let (dx, drw) = (k.upload(x, dtype).unwrap(), k.upload(rw, dtype).unwrap());
+                k.moe_with(&dx, &routing, &drw, [dg, du, dd], MatmulPath::GroupedScalar)
+                    .map(|y| k.read_f32(&y).unwrap())
+            };
+            let all = match run(&case.x, ids, &case.route_w, ActDType::F32) {
+                Err(err) if format.quantizes_activations() => {
+                    assert!(err.to_string().contains("quantized"), "{what}: {err}");
+                    continue;
+                }
+                got => got.unwrap(),
+            };
+            let routing = MoeRouting::new(ids, tokens, top_k, experts).unwrap();
+            let want = reference::moe(
+                &case.x,
+                &routing,
+                ids,
+                &case.route_w,
+                &case.gate,
+                &case.up,
+                &case.down,
+            );
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+            for (j, (g, w)) in all.iter().zip(&want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 2e-5 * scale,
+                    "{what}: out[{j}] {g} vs reference {w}"
+                );
+            }
+            for t in 0..tokens {
+                let alone = run(
+                    &case.x[t * hidden..(t + 1) * hidden],
+                    &ids[t * top_k..(t + 1) * top_k],
+                    &case.route_w[t * top_k..(t + 1) * top_k],
+                    ActDType::F32,
+                )
+                .unwrap();
+                assert_eq!(
+                    bits(&alone),
+                    bits(&all[t * hidden..(t + 1) * hidden]),
+                    "{what}: token {t} alone"
+                );
+            }
+            let table = k.route(&k.upload_u32(ids), tokens, top_k, experts).unwrap();
+            let routed = k
+                .moe_routed(
+                    &k.upload_f32(&case.x),
+                    &table,
+                    &k.upload_f32(&case.route_w),
+                    [dg, du, dd],
+                    MatmulPath::GroupedScalar,
+                )
+                .unwrap();
+            assert_eq!(
+                bits(&k.read_f32(&routed).unwrap()),
+                bits(&all),
+                "{what}: routed on the device"
+            );
+            if k.supports(ActDType::F16) {
+                let half =
+                    |v: &[f32]| -> Vec<f32> { v.iter().map(|v| ActDType::F16.round(*v)).collect() };
+                let (xh, rwh) = (half(&case.x), half(&case.route_w));
+                let got = run(&xh, ids, &rwh, ActDType::F16).unwrap();
+                let want = reference::moe_staged(
+                    &xh,
+                    &routing,
+                    ids,
+                    &rwh,
+                    [&case.gate, &case.up, &case.down],
+                    |v| ActDType::F16.round(v),
+                );
+                let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-3);
+                for (j, (g, w)) in got.iter().zip(&want).enumerate() {
+                    // One f16 rounding of the output, and an f16 SwiGLU value that a last-bit
+                    // difference in f32 may round the other way.
+                    assert!(
+                        (g - w).abs() <= 2e-3 * scale,
+                        "{what} f16: out[{j}] {g} vs reference {w}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// `max |got - want| <= rel * max |want|` (a tensor-wide scale: the sums went through values of that size).
 fn assert_close_scaled(got: &[f32], want: &[f64], rel: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -967,7 +1072,13 @@ fn check_moe_training(
     let (dx, dw) = (k.upload_f32(&x), k.upload_f32(&route_w));
     let table = k.route(&k.upload_u32(ids), tokens, top_k, experts).unwrap();
     let mut saved = None;
-    for path in [MatmulPath::Gemm, MatmulPath::Gemv] {
+    // The tensor-core tiles' order (scalar twin) where the format has it, then the canonical kernels (the
+    // backward below reads the last one's activations).
+    let mut paths = vec![MatmulPath::Gemm, MatmulPath::Gemv];
+    if !format.quantizes_activations() {
+        paths.insert(0, MatmulPath::GroupedScalar);
+    }
+    for path in paths {
         let rollout = k.moe_routed(&dx, &table, &dw, [dg, du, dd], path).unwrap();
         let (out, acts) = k
             .moe_routed_for_training(&dx, &table, &dw, [dg, du, dd], path)

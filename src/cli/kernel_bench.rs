@@ -380,6 +380,20 @@ mod imp {
                 k.upload_weights(&down),
             );
             let per_expert = (gate.bytes() + up.bytes() + down.bytes()) / args.experts;
+            // The tensor-core tiles' order for the grouped products, as for the dense weight above.
+            let tiles: Vec<_> = grouped
+                .iter()
+                .map(|&(path, kernel)| (path, kernel.replace("linear/", "moe/")))
+                .collect();
+            if args.check {
+                for (path, kernel) in &tiles {
+                    let block = MoeBlock {
+                        weights: [&gate, &up, &down],
+                        device: [&dg, &du, &dd],
+                    };
+                    check_grouped_moe(args, k, &block, name, dtype, (*path, kernel), failures)?;
+                }
+            }
             for &n in &args.tokens {
                 let ids = random_routing(n, args.top_k, args.experts, 7 + n as u64);
                 let routing = MoeRouting::new(&ids, n, args.top_k, args.experts)?;
@@ -452,7 +466,11 @@ mod imp {
                     },
                     &sync_b,
                 );
-                for (path, kernel) in paths {
+                let timed = paths
+                    .iter()
+                    .map(|&(p, kernel)| (p, kernel))
+                    .chain(tiles.iter().map(|(p, kernel)| (*p, kernel.as_str())));
+                for (path, kernel) in timed {
                     let t = time(
                         args.iters,
                         || {
@@ -514,6 +532,87 @@ mod imp {
             }
         }
         println!("{name} {dtype} {kernel}: max rel err beyond rounding {err:.2e}, batch invariance checked");
+        Ok(())
+    }
+
+    /// An MoE block's packed weights (gate, up, down) on the host and on the device.
+    struct MoeBlock<'a> {
+        weights: [&'a PackedWeights; 3],
+        device: [&'a cube_kernels::DeviceWeights; 3],
+    }
+
+    /// The grouped MoE block in the tensor-core tiles' order (`path`: [`MatmulPath::Mma`] or
+    /// [`MatmulPath::GroupedScalar`]) on the largest token count: its first tokens within the type's
+    /// rounding plus the tensor-core tolerance of the host reference (with the SwiGLU output rounded to
+    /// the type, as the tiles stage it), each smaller count's tokens bitwise the first rows of the largest
+    /// (the routing of a prefix is the prefix's), and the first tokens decoded one at a time bitwise
+    /// theirs too: the bits do not depend on the batch.
+    #[allow(clippy::too_many_arguments)]
+    fn check_grouped_moe(
+        args: &KernelBenchArgs,
+        k: &Kernels,
+        block: &MoeBlock,
+        name: &str,
+        dtype: ActDType,
+        (path, kernel): (MatmulPath, &str),
+        failures: &mut Vec<String>,
+    ) -> anyhow::Result<()> {
+        let (hidden, top_k, experts) = (args.hidden, args.top_k, args.experts);
+        let most = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+        let ids = random_routing(most, top_k, experts, 4242);
+        let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|v| dtype.round(*v)).collect() };
+        let x = round(values(most * hidden, 4243));
+        let rw = round(
+            values(most * top_k, 4244)
+                .iter()
+                .map(|v| v.abs() / 4.0)
+                .collect(),
+        );
+        // The block on tokens `first..first + n`, read back.
+        let run = |first: usize, n: usize| -> anyhow::Result<Vec<f32>> {
+            let ids = &ids[first * top_k..(first + n) * top_k];
+            let routing = MoeRouting::new(ids, n, top_k, experts)?;
+            let dx = k.upload(&x[first * hidden..(first + n) * hidden], dtype)?;
+            let drw = k.upload(&rw[first * top_k..(first + n) * top_k], dtype)?;
+            Ok(k.read_f32(&k.moe_with(&dx, &routing, &drw, block.device, path)?)?)
+        };
+        let all = run(0, most)?;
+        let checked = most.min(8);
+        let routing = MoeRouting::new(&ids[..checked * top_k], checked, top_k, experts)?;
+        let want = reference::moe_staged(
+            &x[..checked * hidden],
+            &routing,
+            &ids[..checked * top_k],
+            &rw[..checked * top_k],
+            block.weights,
+            |v| dtype.round(v),
+        );
+        let err = max_rounded_err(&all[..checked * hidden], &want, dtype);
+        if err > 1e-3 {
+            failures.push(format!(
+                "{name} {dtype} {kernel} n={most}: max rel err beyond rounding {err:.2e} (first {checked} tokens)"
+            ));
+        }
+        let prefixes = args.tokens.iter().map(|&n| (0, n));
+        let singles = (0..checked).map(|t| (t, 1));
+        for (first, n) in prefixes.chain(singles).filter(|&(_, n)| n < most) {
+            let got = run(first, n)?;
+            let differ = contract_mismatches(
+                &got,
+                &all[first * hidden..(first + n) * hidden],
+                ActDType::F32,
+            );
+            if differ > 0 {
+                failures.push(format!(
+                    "{name} {dtype} {kernel}: tokens {first}..{} alone differ from the same tokens of n={most} in {differ} values",
+                    first + n
+                ));
+            }
+        }
+        println!(
+            "{name} {dtype} {kernel}: max rel err beyond rounding {err:.2e}, batch invariance checked (counts {:?}, tokens 0..{checked} one at a time)",
+            args.tokens
+        );
         Ok(())
     }
 

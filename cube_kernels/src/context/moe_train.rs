@@ -58,7 +58,7 @@ impl Kernels {
         f32_only("moe input", x, KERNELS)?;
         let (tokens, hidden, inter) = (routing.tokens(), gate.inn, gate.out);
         let assignments = routing.layout().assignments;
-        let gemv = Self::moe_gemv(path, tokens)?;
+        let kernel = self.moe_kernel(path, tokens, gate.format, x.dtype)?;
         let out = self.empty_f32(tokens * hidden);
         let [gate_out, up_out, swiglu] = [(); 3].map(|_| self.empty_f32(assignments * inter));
         let expert_out = if routing.layout().tiles == 0 || hidden == 0 {
@@ -66,8 +66,8 @@ impl Kernels {
         } else {
             let xq = self.prepare(x, tokens, gate)?;
             if inter > 0 {
-                self.grouped_product(&xq, routing, [gate, gate], &gate_out, false, true, gemv);
-                self.grouped_product(&xq, routing, [up, up], &up_out, false, true, gemv);
+                self.grouped_product(&xq, routing, [gate, gate], &gate_out, false, true, kernel);
+                self.grouped_product(&xq, routing, [up, up], &up_out, false, true, kernel);
                 let len = assignments * inter;
                 moe_train::swiglu_rows::launch(
                     &self.client,
@@ -79,7 +79,7 @@ impl Kernels {
                     len,
                 );
             }
-            self.down_and_combine(&swiglu, routing, route_w, down, &out, gemv)?
+            self.down_and_combine(&swiglu, routing, route_w, down, &out, kernel)?
         };
         let acts = MoeActivations {
             gate: gate_out,

@@ -35,39 +35,41 @@ pub const MMA_ROW_TILES: usize = 4;
 /// Units per plane the kernel is written for (NVIDIA's warp).
 pub const MMA_PLANE: usize = 32;
 
-/// The code of row `row`, input `k` as a float (exact in any half type): int4 / int8 integers, the E4M3
-/// value from the decode table `lut`, or the E2M1 value.
+/// The code of row `row`, input `k` of the matrix starting at word `woff`, as a float (exact in any half
+/// type): int4 / int8 integers, the E4M3 value from the decode table `lut`, or the E2M1 value.
 #[cube]
-fn code_at(
+pub fn code_at(
     words: &[u32],
     lut: &[f32],
+    woff: usize,
     row: usize,
     k: usize,
     wpr: usize,
     #[comptime] fmt: u32,
 ) -> f32 {
     if comptime!(fmt == 0) {
-        let word = words[row * wpr + k / 8];
+        let word = words[woff + row * wpr + k / 8];
         let nib = (word >> (((k % 8) * 4) as u32)) & 15u32;
         f32::cast_from(i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32))
     } else if comptime!(fmt == 1) {
-        let word = words[row * wpr + k / 4];
+        let word = words[woff + row * wpr + k / 4];
         let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
         f32::cast_from(i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32))
     } else if comptime!(fmt == 2) {
-        let word = words[row * wpr + k / 4];
+        let word = words[woff + row * wpr + k / 4];
         lut[((word >> (((k % 4) * 8) as u32)) & 255u32) as usize]
     } else {
-        let word = words[row * wpr + k / 8];
+        let word = words[woff + row * wpr + k / 8];
         e2m1_value((word >> (((k % 8) * 4) as u32)) & 15u32)
     }
 }
 
-/// The f32 scale of row `row` for the group holding input `k` (int8: one per row; fp8: per 128 x 128
-/// block; int4 and fp4: per `group` inputs of the row).
+/// The f32 scale of row `row` for the group holding input `k` of the matrix starting at scale `soff`
+/// (int8: one per row; fp8: per 128 x 128 block; int4 and fp4: per `group` inputs of the row).
 #[cube]
-fn scale_at(
+pub fn scale_at(
     scales: &[f32],
+    soff: usize,
     row: usize,
     k: usize,
     spr: usize,
@@ -75,11 +77,11 @@ fn scale_at(
     #[comptime] group: usize,
 ) -> f32 {
     if comptime!(fmt == 1) {
-        scales[row]
+        scales[soff + row]
     } else if comptime!(fmt == 2) {
-        scales[(row / group) * spr + k / group]
+        scales[soff + (row / group) * spr + k / group]
     } else {
-        scales[row * spr + k / group]
+        scales[soff + row * spr + k / group]
     }
 }
 
@@ -121,7 +123,7 @@ fn stage_step<X: Float>(
         let (r, k) = (row0 + e / MMA, k0 + e % MMA);
         let mut c = 0.0f32;
         if r < out && k < inn {
-            c = code_at(words, lut, r, k, wpr, fmt);
+            c = code_at(words, lut, 0, r, k, wpr, fmt);
         }
         ws[e] = X::cast_from(c);
     }
@@ -129,7 +131,7 @@ fn stage_step<X: Float>(
 
 /// Element `lane + 32 j` of the plane's 16 x 16 tile (row-major: token `e / 16`, weight row `e % 16`).
 #[cube]
-fn tile_element(lane: usize, j: usize) -> usize {
+pub fn tile_element(lane: usize, j: usize) -> usize {
     lane + MMA_PLANE * j
 }
 
@@ -154,7 +156,7 @@ fn add_group(
     for j in 0..8usize {
         let r = row0 + row_tile * MMA + tile_element(lane, j) % MMA;
         if r < out {
-            total[j] += sums[j] * scale_at(scales, r, k, spr, fmt, group);
+            total[j] += sums[j] * scale_at(scales, 0, r, k, spr, fmt, group);
         }
     }
 }

@@ -1,0 +1,453 @@
+//! Tensor-core tiles (`cmma`) for the grouped MoE products: [`super::mma`]'s order on the routing table's
+//! tiles of 16 assignments ([`super::moe`]), which are exactly the instruction's 16 rows.
+//!
+//! **Order.** Per assignment and output row, the expert's K axis is cut into steps of 16 inputs and scale
+//! groups as in [`super::mma`]: per group an f32 accumulator takes the group's steps in order on tensor
+//! cores (the half operands times the weights' exact codes), then the group's sum times the f32 scale is
+//! added to the f32 total, groups left to right. Gate and up keep one accumulator each and end in
+//! `silu(gate) * up` ([`super::moe::silu_times`]), in f32. An assignment's row of the instruction never
+//! mixes with the other rows, and rows past the tile's last assignment are zeros, so an assignment gets
+//! the same bits whichever tile it shares, with how many tokens: a decode step computes a prefill's bits.
+//!
+//! **Operands.** The instruction multiplies two operands of the activations' type `X`: the gate/up input
+//! is the activations themselves; the down projection's input, the SwiGLU output `h` (an f32 buffer), is
+//! rounded to `X` as it is staged. That rounding is this path's own (the scalar-order kernels keep `h` in
+//! f32), so rollout and training must both take these tiles for their bits to agree.
+//!
+//! **Tile.** A cube of 4 planes (32 units each) computes the tile's 16 assignments x 64 rows: plane `p`
+//! holds the 16 x 16 accumulators of row tile `p` (two with SwiGLU). Per step the cube stages 16 x 16
+//! inputs and 64 x 16 codes per projection in shared memory; per scale group the accumulators go through
+//! shared memory to the units, which scale and add them.
+//!
+//! [`grouped_mma_scalar`] is the same tiling, staging and scale groups with scalar FMAs in place of the
+//! instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
+//! reference and against one-token-at-a-time runs, which leaves only the instruction to the GPU check.
+
+use cubecl::prelude::*;
+
+use super::mma::{code_at, scale_at, tile_element, MMA, MMA_PLANE};
+use super::moe::silu_times;
+
+/// Row tiles (planes) of a cube: 64 output rows.
+pub const MOE_MMA_ROW_TILES: usize = 4;
+
+/// Units of a cube.
+const UNITS: usize = MOE_MMA_ROW_TILES * MMA_PLANE;
+
+/// Values of one 16 x 16 operand or accumulator tile.
+const TILE_VALUES: usize = MMA * MMA;
+
+/// Stages K step `s` of the cube's tile in shared memory, in `X`: the inputs of the tile's 16 assignments
+/// (`xs[assignment][k]`; with `gather` row `table[rows_at + a]` of `input`, else row `a`; rounded to `X`)
+/// and the 64 rows x 16 codes of `a` (and `b` with `swiglu`) of the expert at words `woff`
+/// (`ws[row][k]`); zeros past the tile's assignments, the rows or the inputs.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_moe_step<I: Float, X: Float>(
+    input: &[I],
+    table: &[u32],
+    rows_at: usize,
+    words_a: &[u32],
+    words_b: &[u32],
+    lut: &[f32],
+    xs: &mut Shared<[X]>,
+    wa: &mut Shared<[X]>,
+    wb: &mut Shared<[X]>,
+    s: usize,
+    a0: usize,
+    a_end: usize,
+    row0: usize,
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    woff: usize,
+    #[comptime] fmt: u32,
+    #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
+) {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let k0 = s * MMA;
+    #[unroll]
+    for h in 0..2usize {
+        let e = unit + h * UNITS;
+        let (r, k) = (e / MMA, k0 + e % MMA);
+        let mut v = X::from_int(0);
+        if a0 + r < a_end && k < inn {
+            let mut src = a0 + r;
+            if comptime!(gather) {
+                src = table[rows_at + a0 + r] as usize;
+            }
+            v = X::cast_from(input[src * inn + k]);
+        }
+        xs[e] = v;
+    }
+    #[unroll]
+    for h in 0..8usize {
+        let e = unit + h * UNITS;
+        let (r, k) = (row0 + e / MMA, k0 + e % MMA);
+        let mut ca = 0.0f32;
+        let mut cb = 0.0f32;
+        if r < n_out && k < inn {
+            ca = code_at(words_a, lut, woff, r, k, wpr, fmt);
+            if comptime!(swiglu) {
+                cb = code_at(words_b, lut, woff, r, k, wpr, fmt);
+            }
+        }
+        wa[e] = X::cast_from(ca);
+        if comptime!(swiglu) {
+            wb[e] = X::cast_from(cb);
+        }
+    }
+}
+
+/// Adds a scale group's sums (the unit's 8 elements of its plane's tile) times their rows' scales (the
+/// expert's, from scale `soff`) to the totals: `total += sum * scale`, groups left to right.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_scaled_group(
+    total: &mut Array<f32>,
+    sums: &Array<f32>,
+    scales: &[f32],
+    soff: usize,
+    row0: usize,
+    k: usize,
+    n_out: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    #[unroll]
+    for j in 0..8usize {
+        let r = row0 + plane * MMA + tile_element(lane, j) % MMA;
+        if r < n_out {
+            total[j] += sums[j] * scale_at(scales, soff, r, k, spr, fmt, group);
+        }
+    }
+}
+
+/// Stores the unit's 8 outputs into `y [assignments, n_out]` (f32): the totals, or `silu(a) * b`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_assignments(
+    y: &mut [f32],
+    total_a: &Array<f32>,
+    total_b: &Array<f32>,
+    a0: usize,
+    a_end: usize,
+    row0: usize,
+    n_out: usize,
+    #[comptime] swiglu: bool,
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    #[unroll]
+    for j in 0..8usize {
+        let e = tile_element(lane, j);
+        let a = a0 + e / MMA;
+        let r = row0 + plane * MMA + e % MMA;
+        if a < a_end && r < n_out {
+            let mut v = total_a[j];
+            if comptime!(swiglu) {
+                v = silu_times(total_a[j], total_b[j]);
+            }
+            y[a * n_out + r] = v;
+        }
+    }
+}
+
+/// `y[a, row] = sum_k input[src(a), k] a_e[row, k]` (or `silu(.) * (. b_e)` with `swiglu`) for the
+/// assignments of tile `CUBE_POS_Y` on tensor cores, in the order of the module doc; arguments as
+/// [`super::moe::grouped_matmul`]'s, with `steps = ceil(inn / 16)` and the scale group in steps. `I` is
+/// the input buffer's type, `X` the operands' (half). Launch with `CubeDim (32, 4)` and
+/// `CubeCount (ceil(n_out / 64), tiles)`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_mma<I: Float, X: Float>(
+    input: &[I],
+    table: &[u32],
+    rows_at: usize,
+    words_a: &[u32],
+    scales_a: &[f32],
+    words_b: &[u32],
+    scales_b: &[f32],
+    lut: &[f32],
+    y: &mut [f32],
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    expert_words: usize,
+    expert_scales: usize,
+    steps: usize,
+    steps_per_scale: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
+    #[define(I, X)] _dtypes: [ElemType; 2],
+) {
+    let sets = comptime!(if swiglu { 2usize } else { 1usize });
+    let mut xs = Shared::<[X]>::new_slice(TILE_VALUES);
+    let mut wa = Shared::<[X]>::new_slice(MOE_MMA_ROW_TILES * TILE_VALUES);
+    let mut wb =
+        Shared::<[X]>::new_slice(comptime!(MOE_MMA_ROW_TILES * TILE_VALUES * (sets - 1) + 1));
+    let mut stored = Shared::<[f32]>::new_slice(comptime!(sets * MOE_MMA_ROW_TILES * TILE_VALUES));
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    // The tile's expert and assignments; an empty tile (the device routing's trailing ones) runs no
+    // group and stores nothing.
+    let tile = CUBE_POS_Y as usize;
+    let expert = table[3 * tile] as usize;
+    let a0 = table[3 * tile + 1] as usize;
+    let a_end = table[3 * tile + 2] as usize;
+    let mut groups = 0usize;
+    if a0 < a_end {
+        groups = steps.div_ceil(steps_per_scale);
+    }
+    let row0 = CUBE_POS_X as usize * (MOE_MMA_ROW_TILES * MMA);
+    let (woff, soff) = (expert * expert_words, expert * expert_scales);
+    let mut total_a = Array::<f32>::new(8usize);
+    let mut total_b = Array::<f32>::new(8usize);
+    let mut sums_a = Array::<f32>::new(8usize);
+    let mut sums_b = Array::<f32>::new(8usize);
+    #[unroll]
+    for j in 0..8usize {
+        total_a[j] = 0.0f32;
+        total_b[j] = 0.0f32;
+    }
+    let mut acc_a = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        MMA,
+        MMA,
+        MMA,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let mut acc_b = cmma::Matrix::<f32>::from_value(
+        cmma::MatrixIdent::Accumulator,
+        MMA,
+        MMA,
+        MMA,
+        cmma::MatrixLayout::Undefined,
+        0.0f32,
+    );
+    let mine = plane * TILE_VALUES;
+    for g in 0..groups {
+        cmma::fill(&mut acc_a, 0.0f32);
+        if comptime!(swiglu) {
+            cmma::fill(&mut acc_b, 0.0f32);
+        }
+        let first = g * steps_per_scale;
+        let last = (first + steps_per_scale).min(steps);
+        for s in first..last {
+            stage_moe_step(
+                input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
+                a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
+            );
+            sync_cube();
+            let x_tile = cmma::Matrix::<X>::from_slice(
+                cmma::MatrixIdent::A,
+                MMA,
+                MMA,
+                MMA,
+                cmma::MatrixLayout::RowMajor,
+                &xs[0..TILE_VALUES],
+                MMA as u32,
+            );
+            let w_tile = cmma::Matrix::<X>::from_slice(
+                cmma::MatrixIdent::B,
+                MMA,
+                MMA,
+                MMA,
+                cmma::MatrixLayout::ColMajor,
+                &wa[mine..mine + TILE_VALUES],
+                MMA as u32,
+            );
+            cmma::execute(&x_tile, &w_tile, &acc_a, &acc_a);
+            if comptime!(swiglu) {
+                let wb_tile = cmma::Matrix::<X>::from_slice(
+                    cmma::MatrixIdent::B,
+                    MMA,
+                    MMA,
+                    MMA,
+                    cmma::MatrixLayout::ColMajor,
+                    &wb[mine..mine + TILE_VALUES],
+                    MMA as u32,
+                );
+                cmma::execute(&x_tile, &wb_tile, &acc_b, &acc_b);
+            }
+            sync_cube();
+        }
+        cmma::store(
+            &mut stored[mine..mine + TILE_VALUES],
+            &acc_a,
+            MMA as u32,
+            cmma::MatrixLayout::RowMajor,
+        );
+        let other = (MOE_MMA_ROW_TILES + plane) * TILE_VALUES;
+        if comptime!(swiglu) {
+            cmma::store(
+                &mut stored[other..other + TILE_VALUES],
+                &acc_b,
+                MMA as u32,
+                cmma::MatrixLayout::RowMajor,
+            );
+        }
+        sync_cube();
+        #[unroll]
+        for j in 0..8usize {
+            sums_a[j] = stored[mine + tile_element(lane, j)];
+            if comptime!(swiglu) {
+                sums_b[j] = stored[other + tile_element(lane, j)];
+            }
+        }
+        let k = first * MMA;
+        add_scaled_group(
+            &mut total_a,
+            &sums_a,
+            scales_a,
+            soff,
+            row0,
+            k,
+            n_out,
+            spr,
+            fmt,
+            group,
+        );
+        if comptime!(swiglu) {
+            add_scaled_group(
+                &mut total_b,
+                &sums_b,
+                scales_b,
+                soff,
+                row0,
+                k,
+                n_out,
+                spr,
+                fmt,
+                group,
+            );
+        }
+        sync_cube();
+    }
+    store_assignments(y, &total_a, &total_b, a0, a_end, row0, n_out, swiglu);
+}
+
+/// [`grouped_mma`]'s tiling, staging and scale groups with scalar fused multiply-adds in place of the
+/// instruction (each group's sum over its inputs in order from 0): any runtime and operand type (f32
+/// included), its own bits, assignment-invariant in the same way. Same launch.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_mma_scalar<I: Float, X: Float>(
+    input: &[I],
+    table: &[u32],
+    rows_at: usize,
+    words_a: &[u32],
+    scales_a: &[f32],
+    words_b: &[u32],
+    scales_b: &[f32],
+    lut: &[f32],
+    y: &mut [f32],
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    expert_words: usize,
+    expert_scales: usize,
+    steps: usize,
+    steps_per_scale: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
+    #[define(I, X)] _dtypes: [ElemType; 2],
+) {
+    let sets = comptime!(if swiglu { 2usize } else { 1usize });
+    let mut xs = Shared::<[X]>::new_slice(TILE_VALUES);
+    let mut wa = Shared::<[X]>::new_slice(MOE_MMA_ROW_TILES * TILE_VALUES);
+    let mut wb =
+        Shared::<[X]>::new_slice(comptime!(MOE_MMA_ROW_TILES * TILE_VALUES * (sets - 1) + 1));
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    // The tile's expert and assignments; an empty tile (the device routing's trailing ones) runs no
+    // group and stores nothing.
+    let tile = CUBE_POS_Y as usize;
+    let expert = table[3 * tile] as usize;
+    let a0 = table[3 * tile + 1] as usize;
+    let a_end = table[3 * tile + 2] as usize;
+    let mut groups = 0usize;
+    if a0 < a_end {
+        groups = steps.div_ceil(steps_per_scale);
+    }
+    let row0 = CUBE_POS_X as usize * (MOE_MMA_ROW_TILES * MMA);
+    let (woff, soff) = (expert * expert_words, expert * expert_scales);
+    let mut total_a = Array::<f32>::new(8usize);
+    let mut total_b = Array::<f32>::new(8usize);
+    let mut sums_a = Array::<f32>::new(8usize);
+    let mut sums_b = Array::<f32>::new(8usize);
+    #[unroll]
+    for j in 0..8usize {
+        total_a[j] = 0.0f32;
+        total_b[j] = 0.0f32;
+    }
+    for g in 0..groups {
+        #[unroll]
+        for j in 0..8usize {
+            sums_a[j] = 0.0f32;
+            sums_b[j] = 0.0f32;
+        }
+        let first = g * steps_per_scale;
+        let last = (first + steps_per_scale).min(steps);
+        for s in first..last {
+            stage_moe_step(
+                input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
+                a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
+            );
+            sync_cube();
+            #[unroll]
+            for j in 0..8usize {
+                let e = tile_element(lane, j);
+                let xa = (e / MMA) * MMA;
+                let wr = plane * TILE_VALUES + (e % MMA) * MMA;
+                for kk in 0..MMA {
+                    let xv = f32::cast_from(xs[xa + kk]);
+                    sums_a[j] = fma(xv, f32::cast_from(wa[wr + kk]), sums_a[j]);
+                    if comptime!(swiglu) {
+                        sums_b[j] = fma(xv, f32::cast_from(wb[wr + kk]), sums_b[j]);
+                    }
+                }
+            }
+            sync_cube();
+        }
+        let k = first * MMA;
+        add_scaled_group(
+            &mut total_a,
+            &sums_a,
+            scales_a,
+            soff,
+            row0,
+            k,
+            n_out,
+            spr,
+            fmt,
+            group,
+        );
+        if comptime!(swiglu) {
+            add_scaled_group(
+                &mut total_b,
+                &sums_b,
+                scales_b,
+                soff,
+                row0,
+                k,
+                n_out,
+                spr,
+                fmt,
+                group,
+            );
+        }
+    }
+    store_assignments(y, &total_a, &total_b, a0, a_end, row0, n_out, swiglu);
+}
