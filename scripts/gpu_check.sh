@@ -96,11 +96,12 @@ TOML
       # A GPU runtime compiles its kernels in the first step: one untimed step first. The CPU has nothing to
       # warm up, so one timed step.
       # On the GPU, deterministic mode next to `off` (the backend's own kernels), with f32 and with bf16
-      # activations (mixed precision; `off` then takes burn's bf16 matmul): what exactness costs (issue 28's
-      # target: within 1.3x).
+      # activations (mixed precision; `off` then takes burn's bf16 matmul), and deterministic bf16 on the
+      # tensor-core tiles (`train.tensor_cores`): what exactness costs (issue 28's target: within 1.3x).
       local steps=(--steps 2 --warmup 1 --variant det:train.deterministic=true --variant off:train.deterministic=false
         --variant det-bf16:train.deterministic=true,train.activations=bf16
-        --variant off-bf16:train.deterministic=false,train.activations=bf16)
+        --variant off-bf16:train.deterministic=false,train.activations=bf16
+        --variant det-bf16-tc:train.deterministic=true,train.activations=bf16,train.tensor_cores=true)
       [ "$backend" = flex ] && steps=(--steps 1 --warmup 0)
       timeout "${QARL_GPU_CHECK_STEP_TIMEOUT:-300}" "${launch[@]}" bench step --config "/tmp/step_$model.toml" \
         --backend "$backend" "${steps[@]}" --quiet --json "$out/step_${model}_$backend.json" 2>&1 |

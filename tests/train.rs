@@ -65,6 +65,44 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
     }
 }
 
+/// `train.tensor_cores` is refused, naming the key and the reason, wherever the tiles cannot run as asked:
+/// f32 activations, outside deterministic mode, on the CPU, with a rollout format that quantizes the
+/// activations; accepted with half activations on a CubeCL backend.
+#[test]
+fn tensor_cores_are_refused_where_the_tiles_cannot_run() {
+    let load = |sets: &[&str]| {
+        let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+        train::load_config(None, &sets)
+    };
+    let on = ["train.tensor_cores=true", "train.backend=cuda"];
+    let half = [on.as_slice(), &["train.activations=bf16"]].concat();
+    for (extra, want) in [
+        (vec![], "needs half activations"),
+        (
+            vec!["train.activations=f16", "train.deterministic=false"],
+            "deterministic mode",
+        ),
+        (
+            vec!["train.activations=f16", "train.backend=flex"],
+            "needs a CubeCL backend",
+        ),
+        (
+            vec!["train.activations=bf16", "rollout.precision=fp8-b128"],
+            "quantizes the activations",
+        ),
+    ] {
+        let sets = [on.as_slice(), &extra].concat();
+        let err = format!("{:#}", load(&sets).unwrap_err());
+        assert!(
+            err.contains("train.tensor_cores") && err.contains(want),
+            "{sets:?}: expected `{want}` in: {err}"
+        );
+    }
+    let cfg = load(&half).unwrap();
+    assert!(cfg.train.tensor_cores);
+    assert!(!load(&[]).unwrap().train.tensor_cores, "off by default");
+}
+
 #[test]
 fn default_config_parses_and_bad_configs_are_named() {
     let cfg = train::load_config(None, &[]).unwrap();

@@ -15,19 +15,7 @@ use std::path::Path;
 use qarl::ops::BackendKind;
 use qarl::train::{self, TrainConfig};
 
-/// Whether wgpu has an adapter; a missing one fails the test under `QARL_REQUIRE_WGPU=1`.
-fn wgpu_available() -> bool {
-    match BackendKind::Wgpu.device() {
-        Ok(_) => true,
-        Err(e) if std::env::var("QARL_REQUIRE_WGPU").is_ok_and(|v| v == "1") => {
-            panic!("QARL_REQUIRE_WGPU=1 but {e:#}")
-        }
-        Err(e) => {
-            eprintln!("SKIPPED: {e:#}");
-            false
-        }
-    }
-}
+use common::wgpu_available;
 
 fn rows(path: &Path, phase: &str) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)

@@ -91,6 +91,32 @@ pub enum MatmulPath {
     /// the instruction: any runtime and activation type (tests check the tiles' indexing with it on
     /// lavapipe); its own bits, batch-invariant.
     GroupedScalar,
+    /// The tensor-core tiles' order with operands of type `operand` whatever the activations' type: the
+    /// input is rounded to it as it is staged (exact for f32 activations holding widened half values,
+    /// which is how a mixed-precision training forward calls it) and the result has the activations'
+    /// type. On the instruction when `tensor_cores` ([`MatmulPath::Mma`]'s bits on half inputs), else with
+    /// scalar FMAs ([`MatmulPath::GroupedScalar`]'s).
+    Tiles {
+        tensor_cores: bool,
+        operand: ActDType,
+    },
+}
+
+impl MatmulPath {
+    /// This path's tensor-core tiles' order on activations of type `dtype` (whether on the instruction,
+    /// and the operands' type), or `None` for the canonical kernels. [`MatmulPath::Mma`] and
+    /// [`MatmulPath::GroupedScalar`] take the activations' own type as operands.
+    pub fn tiles(self, dtype: ActDType) -> Option<(bool, ActDType)> {
+        match self {
+            MatmulPath::Mma => Some((true, dtype)),
+            MatmulPath::GroupedScalar => Some((false, dtype)),
+            MatmulPath::Tiles {
+                tensor_cores,
+                operand,
+            } => Some((tensor_cores, operand)),
+            _ => None,
+        }
+    }
 }
 
 /// A runtime client with the kernels' shared tables.
@@ -423,8 +449,8 @@ impl Kernels {
             MatmulPath::Auto => MatmulPath::Gemm,
             chosen => chosen,
         };
-        if matches!(path, MatmulPath::Mma | MatmulPath::GroupedScalar) {
-            self.launch_grouped(&x, &y, n, w, path == MatmulPath::Mma)?;
+        if let Some(tiles) = path.tiles(x.dtype) {
+            self.launch_grouped(&x, &y, n, w, tiles)?;
         } else if path == MatmulPath::Gemv {
             let lanes = chunks.clamp(1, 32);
             // Chunk sums of a cube's rows live in shared memory: keep them within WebGPU's 16 KiB floor.
@@ -499,16 +525,16 @@ impl Kernels {
         Ok(y)
     }
 
-    /// Whether the tensor-core tiles' order ([`MatmulPath::Mma`] when `tensor_cores`, else
-    /// [`MatmulPath::GroupedScalar`]) can run `format` weights with `dtype` activations here: weight-only
-    /// formats (fp8-b128 quantizes the activations too), and for the instruction half operands on a device
-    /// that has it. Otherwise an error saying which, never another kernel's result.
+    /// Whether the tensor-core tiles' order (on the instruction when `tensor_cores`, else with scalar
+    /// FMAs) can run `format` weights with `dtype` operands here: weight-only formats (fp8-b128 quantizes
+    /// the activations too), operands of a type the device has, and for the instruction half operands on
+    /// a device that has it. Otherwise an error saying which, never another kernel's result.
     fn check_tiles(
         &self,
         format: WeightFormat,
-        dtype: ActDType,
-        tensor_cores: bool,
+        (tensor_cores, dtype): (bool, ActDType),
     ) -> Result<(), KernelError> {
+        self.check_dtype(dtype)?;
         if format.quantizes_activations() {
             return Err(KernelError::Unsupported(format!(
                 "grouped (tensor-core) tiles for {format:?} weights: their activations are quantized too"
@@ -525,8 +551,8 @@ impl Kernels {
         Ok(())
     }
 
-    /// [`MatmulPath::Mma`] (`tensor_cores`: on half activations, where the device has the instruction) or
-    /// [`MatmulPath::GroupedScalar`], for weights whose codes are exact in the activations' type and whose
+    /// The tensor-core tiles' order (`(tensor_cores, operand)`: on the instruction or with scalar FMAs, on
+    /// operands of that type), for weights whose codes are exact in the operands' type and whose
     /// activations stay as they are (not fp8's quantized ones).
     fn launch_grouped(
         &self,
@@ -534,9 +560,9 @@ impl Kernels {
         y: &DeviceBuffer,
         n: usize,
         w: &DeviceWeights,
-        tensor_cores: bool,
+        (tensor_cores, operand): (bool, ActDType),
     ) -> Result<(), KernelError> {
-        self.check_tiles(w.format, x.dtype, tensor_cores)?;
+        self.check_tiles(w.format, (tensor_cores, operand))?;
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
         let (steps, steps_per_scale) = tile_steps(w);
         // Both kernels take the same arguments and launch.
@@ -564,7 +590,7 @@ impl Kernels {
                     steps_per_scale,
                     fmt,
                     group,
-                    [x.dtype.elem(), y.dtype.elem()],
+                    [x.dtype.elem(), operand.elem(), y.dtype.elem()],
                 )
             };
         }
@@ -748,8 +774,8 @@ impl Kernels {
 
     /// The kernel of the grouped products of an MoE call on `tokens` tokens of `dtype` activations with
     /// `format` weights: the GEMV or the tiles (by `path`, or by size under [`MatmulPath::Auto`]; the same
-    /// bits either way), or the tensor-core tiles' order ([`MatmulPath::Mma`],
-    /// [`MatmulPath::GroupedScalar`]; its own bits), refused where it cannot run ([`Self::check_tiles`]).
+    /// bits either way), or the tensor-core tiles' order ([`MatmulPath::tiles`]; its own bits), refused
+    /// where it cannot run ([`Self::check_tiles`]).
     pub(crate) fn moe_kernel(
         &self,
         path: MatmulPath,
@@ -762,12 +788,12 @@ impl Kernels {
             MatmulPath::Auto => GroupedKernel::Tiled,
             MatmulPath::Gemv => GroupedKernel::Gemv,
             MatmulPath::Gemm | MatmulPath::Blocked => GroupedKernel::Tiled,
-            MatmulPath::Mma | MatmulPath::GroupedScalar => {
-                let tensor_cores = path == MatmulPath::Mma;
-                self.check_tiles(format, dtype, tensor_cores)?;
+            MatmulPath::Mma | MatmulPath::GroupedScalar | MatmulPath::Tiles { .. } => {
+                let tiles = path.tiles(dtype).expect("a tiles path");
+                self.check_tiles(format, tiles)?;
                 GroupedKernel::Tiles {
-                    tensor_cores,
-                    operand: dtype,
+                    tensor_cores: tiles.0,
+                    operand: tiles.1,
                 }
             }
         })

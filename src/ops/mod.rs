@@ -50,7 +50,10 @@ pub mod switches;
 pub use backend::BackendKind;
 use dtype::{as_dtype, f32_of, in_f32};
 pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
-pub use switches::{deterministic, grouped_experts, set_deterministic, set_grouped_experts};
+pub use switches::{
+    deterministic, grouped_experts, set_deterministic, set_grouped_experts, set_tensor_tiles,
+    tensor_tiles,
+};
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{backend_extension, Backend, Dispatch, TensorMetadata};
@@ -584,6 +587,20 @@ fn count_native_half_matmul() {
 /// path, untracked forwards on the CubeCL backends): a debug counter tests use to see that path ran.
 pub fn native_half_matmuls() -> u64 {
     NATIVE_HALF_MATMULS.load(Ordering::Relaxed)
+}
+
+static TENSOR_TILE_PRODUCTS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a low-bit product (dense or grouped MoE) launched in the tensor-core tiles' order.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) fn count_tensor_tile_product() {
+    TENSOR_TILE_PRODUCTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many low-bit products (dense or grouped MoE) this process launched in the tensor-core tiles' order
+/// (`train.tensor_cores`): a debug counter tests use to see that rollouts and training forwards took it.
+pub fn tensor_tile_products() -> u64 {
+    TENSOR_TILE_PRODUCTS.load(Ordering::Relaxed)
 }
 
 static GROUPED_MOE_BACKWARDS: AtomicU64 = AtomicU64::new(0);

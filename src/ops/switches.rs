@@ -1,7 +1,10 @@
 //! Process-wide switches of the custom ops: deterministic mode (batch-invariant, fixed-order kernels, the
-//! default) and whether MoE layers take the grouped-experts op where the backend has one.
+//! default), the order of its low-bit products on the CubeCL backends (canonical or tensor-core tiles), and
+//! whether MoE layers take the grouped-experts op where the backend has one.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+
+use burn::tensor::DType;
 
 static DETERMINISTIC: AtomicBool = AtomicBool::new(true);
 
@@ -28,4 +31,30 @@ pub fn set_grouped_experts(on: bool) {
 
 pub fn grouped_experts() -> bool {
     GROUPED_EXPERTS.load(Ordering::Relaxed)
+}
+
+/// The tensor-core tiles' operand type: 0 none (the canonical order), 1 f16, 2 bf16.
+static TENSOR_TILES: AtomicU8 = AtomicU8::new(0);
+
+/// Deterministic mode's low-bit products on the CubeCL backends in the tensor-core tiles' order with
+/// operands of `operand` (f16 or bf16; `train.tensor_cores`), or in the canonical f32 order (`None`, the
+/// default). A process-wide switch, as deterministic mode is, so a rollout and the training forward that
+/// re-scores it take the same order. Another dtype is a programming error (config validation refuses it).
+pub fn set_tensor_tiles(operand: Option<DType>) {
+    let code = match operand {
+        None => 0,
+        Some(DType::F16) => 1,
+        Some(DType::BF16) => 2,
+        Some(other) => panic!("tensor-core tiles take f16 or bf16 operands, not {other:?}"),
+    };
+    TENSOR_TILES.store(code, Ordering::Relaxed);
+}
+
+/// The operand type of the tensor-core tiles' order when it is on ([`set_tensor_tiles`]).
+pub fn tensor_tiles() -> Option<DType> {
+    match TENSOR_TILES.load(Ordering::Relaxed) {
+        1 => Some(DType::F16),
+        2 => Some(DType::BF16),
+        _ => None,
+    }
 }

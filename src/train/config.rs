@@ -166,6 +166,15 @@ pub struct RlConfig {
     /// (`[sft]`) trains in f32.
     #[serde(default)]
     pub activations: crate::model::Activations,
+    /// Deterministic mode's low-bit products on a CubeCL backend (`cuda`, `wgpu`) in the tensor-core tiles'
+    /// order (`cube_kernels::kernels::mma`, `mma_moe`): the half activations times the weights' codes on
+    /// tensor cores, one f32 accumulator per scale group, the K tiling fixed by the weight, so the
+    /// rollout's decode and the training forward still compute the same bits (another order than the
+    /// default's, so both take it). Needs `activations = "bf16"` or `"f16"`, deterministic mode and a
+    /// weight-only rollout format; on a device without the instruction the same tiles run with scalar
+    /// multiply-adds (slower; a warning says so). `false` (the default): the canonical f32 order.
+    #[serde(default)]
+    pub tensor_cores: bool,
     /// Where `lp_old` is taken from the rollout's record (deterministic mode, aligned forward, one update per
     /// step: the same bits), recompute it with a forward anyway and stop with an error if any token differs.
     #[serde(default)]
@@ -280,6 +289,45 @@ impl TrainConfig {
     }
 
     /// Range checks the type system cannot express; errors name the key path, its value and the rule.
+    /// `train.tensor_cores`' requirements: half activations (the instruction's operands), deterministic
+    /// mode (the tiles' point is a fixed order), a CubeCL backend (the CPU has no such tiles) and a
+    /// weight-only rollout format (fp8-b128 quantizes the activations too).
+    fn check_tensor_cores(&self) -> anyhow::Result<()> {
+        let t = &self.train;
+        let refuse = |why: String| anyhow::bail!("`train.tensor_cores` = true: {why}");
+        if t.activations.dtype() == burn::tensor::DType::F32 {
+            return refuse(
+                "needs half activations (`train.activations` = \"bf16\" or \"f16\"), the \
+                 instruction's operands; `train.activations` is \"f32\""
+                    .into(),
+            );
+        }
+        if !t.deterministic {
+            return refuse(
+                "needs deterministic mode (`train.deterministic` = true): outside it the backend's own \
+                 kernels run"
+                    .into(),
+            );
+        }
+        if t.backend == crate::ops::BackendKind::Flex {
+            return refuse(
+                "needs a CubeCL backend (`train.backend` = \"cuda\" or \"wgpu\"); the CPU (flex) has \
+                 no tensor-core tiles"
+                    .into(),
+            );
+        }
+        if let Some(scheme) = self.rollout.precision.scheme() {
+            if scheme.quantizes_activations() {
+                return refuse(format!(
+                    "`rollout.precision` = \"{}\" quantizes the activations too; the tiles take \
+                     weight-only formats",
+                    scheme.name()
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> anyhow::Result<()> {
         fn check(
             ok: bool,
@@ -373,6 +421,9 @@ impl TrainConfig {
             t.grad_clip,
             "a finite number >= 0 (0 = off)",
         )?;
+        if t.tensor_cores {
+            self.check_tensor_cores()?;
+        }
         // The KL term needs a reference policy's log-probs, which the trainer does not compute: a positive
         // coefficient would fail at the first update (or, worse, be silently ignored), so it is refused here.
         let kl_coef = t.loss.kl_coef.unwrap_or(0.0);

@@ -207,11 +207,17 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     )
 }
 
-/// Sets what `cfg` decides for the whole process: deterministic mode (`train.deterministic`). Every command
-/// that computes from a training config calls it first (train, sft, bench step), so the warm start, the RL
-/// steps and the evaluations of a run all take the same mode.
+/// Sets what `cfg` decides for the whole process: deterministic mode (`train.deterministic`) and the order of
+/// its low-bit products (`train.tensor_cores`). Every command that computes from a training config calls it
+/// first (train, sft, bench step), so the warm start, the RL steps and the evaluations of a run all take
+/// the same mode.
 pub fn apply_process_modes(cfg: &TrainConfig) {
     crate::ops::set_deterministic(cfg.train.deterministic);
+    crate::ops::set_tensor_tiles(
+        cfg.train
+            .tensor_cores
+            .then(|| cfg.train.activations.dtype()),
+    );
 }
 
 /// Runs the RL loop of `cfg` with `opts`.

@@ -13,6 +13,21 @@ pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf")
 }
 
+/// Whether wgpu has an adapter; a missing one fails the test under `QARL_REQUIRE_WGPU=1` (CI), else the
+/// caller skips with the message printed here.
+pub fn wgpu_available() -> bool {
+    match qarl::ops::BackendKind::Wgpu.device() {
+        Ok(_) => true,
+        Err(e) if std::env::var("QARL_REQUIRE_WGPU").is_ok_and(|v| v == "1") => {
+            panic!("QARL_REQUIRE_WGPU=1 but {e:#}")
+        }
+        Err(e) => {
+            eprintln!("SKIPPED: {e:#}");
+            false
+        }
+    }
+}
+
 /// Every fixture model directory (each has a `reference.json`).
 pub fn fixture_models() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())

@@ -85,13 +85,13 @@ pub fn scale_at(
     }
 }
 
-/// Stages K step `s` of the cube's tile in shared memory, in the activations' type: 32 tokens x 16 inputs
-/// of `x` (row-major, two per unit) and 64 rows x 16 weight codes (`[row][k]`, four per unit); zeros past
+/// Stages K step `s` of the cube's tile in shared memory, in the operands' type `X`: 32 tokens x 16 inputs
+/// of `x` (row-major, two per unit, rounded from the input type `I`) and 64 rows x 16 weight codes (`[row][k]`, four per unit); zeros past
 /// the batch, the rows or the inputs.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_step<X: Float>(
-    x: &[X],
+fn stage_step<I: Float, X: Float>(
+    x: &[I],
     words: &[u32],
     lut: &[f32],
     xs: &mut Shared<[X]>,
@@ -113,7 +113,7 @@ fn stage_step<X: Float>(
         let (t, k) = (tok0 + e / MMA, k0 + e % MMA);
         let mut v = X::from_int(0);
         if t < n && k < inn {
-            v = x[t * inn + k];
+            v = X::cast_from(x[t * inn + k]);
         }
         xs[e] = v;
     }
@@ -186,12 +186,14 @@ fn store_totals<Y: Float>(
     }
 }
 
-/// `y[t, row] = sum_k x[t, k] w[row, k]` on tensor cores in the order of the module doc. Launch with
+/// `y[t, row] = sum_k x[t, k] w[row, k]` on tensor cores in the order of the module doc: `I` is the input
+/// buffer's type, `X` the operands' (half; the input is rounded to it as it is staged, exact when `I` is
+/// f32 holding widened `X` values), `Y` the output's. Launch with
 /// `CubeDim (32, 8)` and `CubeCount (ceil(out / 64), ceil(n / 32))`; `steps = ceil(inn / 16)`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_mma<X: Float, Y: Float>(
-    x: &[X],
+pub fn gemm_mma<I: Float, X: Float, Y: Float>(
+    x: &[I],
     words: &[u32],
     scales: &[f32],
     lut: &[f32],
@@ -205,7 +207,7 @@ pub fn gemm_mma<X: Float, Y: Float>(
     steps_per_scale: usize,
     #[comptime] fmt: u32,
     #[comptime] group: usize,
-    #[define(X, Y)] _dtypes: [ElemType; 2],
+    #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
     let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
     let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);
@@ -296,8 +298,8 @@ pub fn gemm_mma<X: Float, Y: Float>(
 /// [`gemm_mma`]'s; batch-invariant in the same way. Same launch.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_grouped_scalar<X: Float, Y: Float>(
-    x: &[X],
+pub fn gemm_grouped_scalar<I: Float, X: Float, Y: Float>(
+    x: &[I],
     words: &[u32],
     scales: &[f32],
     lut: &[f32],
@@ -311,7 +313,7 @@ pub fn gemm_grouped_scalar<X: Float, Y: Float>(
     steps_per_scale: usize,
     #[comptime] fmt: u32,
     #[comptime] group: usize,
-    #[define(X, Y)] _dtypes: [ElemType; 2],
+    #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
     let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
     let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);

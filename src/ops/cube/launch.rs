@@ -192,6 +192,32 @@ fn wrap_shaped(like: &CubeTensor, y: DeviceBuffer, shape: Shape) -> CubeTensor {
     )
 }
 
+/// The kernels' path for the low-bit products of the forward (rollout and training alike): the
+/// tensor-core tiles' order with the process's operand type when it is on ([`crate::ops::tensor_tiles`],
+/// `train.tensor_cores`: on the instruction where the device has it, else with scalar FMAs, the same
+/// tiling and a warning), else [`MatmulPath::Auto`] (the canonical order).
+fn product_path(kernels: &Kernels) -> MatmulPath {
+    let Some(operand) = crate::ops::tensor_tiles().and_then(act_dtype) else {
+        return MatmulPath::Auto;
+    };
+    let tensor_cores = kernels.supports_mma(operand);
+    if !tensor_cores {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                device = %kernels.device_name(),
+                "train.tensor_cores: the device has no {operand} tensor-core instruction; the tiles run \
+                 with scalar multiply-adds (the same tiling and batch invariance, slower)"
+            )
+        });
+    }
+    crate::ops::count_tensor_tile_product();
+    MatmulPath::Tiles {
+        tensor_cores,
+        operand,
+    }
+}
+
 /// `x [n, in] · dequant(Q(W))^T` on the device, in `x`'s dtype, or `None` when `x` is not a matrix of a
 /// dtype the kernels take on this device (f32 always; f16, bf16 where supported).
 pub(crate) fn quant_matmul(
@@ -208,7 +234,9 @@ pub(crate) fn quant_matmul(
         w.in_features()
     );
     let xb = buffer(&x, n * inn, dtype);
-    let y = kernels.linear(&xb, n, &w).expect("shapes checked above");
+    let y = kernels
+        .linear_with(&xb, n, &w, product_path(&kernels))
+        .expect("shapes checked above; the tiles' format and operands by the config");
     Some(wrap(&x, y, n, w.out_features()))
 }
 
@@ -326,8 +354,14 @@ pub(crate) fn grouped_moe(
     let l = MoeLaunch::new(x, route_w, ids, experts, false)?;
     let y = l
         .kernels
-        .moe_routed(&l.xb, &l.routing, &l.route_w, l.weights(), MatmulPath::Auto)
-        .expect("shapes checked above");
+        .moe_routed(
+            &l.xb,
+            &l.routing,
+            &l.route_w,
+            l.weights(),
+            product_path(&l.kernels),
+        )
+        .expect("shapes checked above; the tiles' format and operands by the config");
     Some(l.tensor(y, [l.tokens, l.hidden]))
 }
 
@@ -359,8 +393,14 @@ pub(crate) fn grouped_moe_for_training(
     let l = MoeLaunch::new(x, route_w, ids, experts, true)?;
     let (y, acts) = l
         .kernels
-        .moe_routed_for_training(&l.xb, &l.routing, &l.route_w, l.weights(), MatmulPath::Auto)
-        .expect("shapes checked above");
+        .moe_routed_for_training(
+            &l.xb,
+            &l.routing,
+            &l.route_w,
+            l.weights(),
+            product_path(&l.kernels),
+        )
+        .expect("shapes checked above; the tiles' format and operands by the config");
     let (a, inter) = (l.routing.layout().assignments, l.inter());
     Some((
         l.tensor(y, [l.tokens, l.hidden]),
