@@ -101,6 +101,16 @@ fn tensor_cores_are_refused_where_the_tiles_cannot_run() {
     let cfg = load(&half).unwrap();
     assert!(cfg.train.tensor_cores);
     assert!(!load(&[]).unwrap().train.tensor_cores, "off by default");
+    // A command's `--backend` flag is validated with the rest: on the default (flex) config the setting
+    // needs it, and gets it.
+    let sets = ["train.tensor_cores=true", "train.activations=bf16"].map(String::from);
+    let err = format!(
+        "{:#}",
+        train::load_config_on(None, &sets, None).unwrap_err()
+    );
+    assert!(err.contains("needs a CubeCL backend"), "{err}");
+    let cfg = train::load_config_on(None, &sets, Some(qarl::ops::BackendKind::Cuda)).unwrap();
+    assert_eq!(cfg.train.backend, qarl::ops::BackendKind::Cuda);
 }
 
 #[test]

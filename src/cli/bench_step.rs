@@ -12,7 +12,7 @@ use crate::ops::cpu::kernel::SimdPath;
 use crate::ops::cpu::probe;
 use crate::ops::BackendKind;
 use crate::train::bench::{bench_steps, StepTimings};
-use crate::train::load_config;
+use crate::train::load_config_on;
 
 #[derive(Debug, clap::Args)]
 pub struct StepBenchArgs {
@@ -99,13 +99,8 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
         .iter()
         .map(|(label, sets)| {
             let all: Vec<String> = a.set.iter().chain(sets).cloned().collect();
-            load_config(a.config.as_deref(), &all)
-                .map(|mut c| {
-                    if let Some(b) = a.backend {
-                        c.train.backend = b;
-                    }
-                    (label.clone(), c)
-                })
+            load_config_on(a.config.as_deref(), &all, a.backend)
+                .map(|c| (label.clone(), c))
                 .map_err(|e| anyhow::anyhow!("variant {label}: {e}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
@@ -192,10 +187,7 @@ fn time_in_child(a: &StepBenchArgs, sets: &[String]) -> anyhow::Result<StepTimin
 
 /// The child side of [`time_in_child`]: the steps of the one config, written to `out`.
 fn run_child(a: &StepBenchArgs, out: &std::path::Path) -> anyhow::Result<()> {
-    let mut cfg = load_config(a.config.as_deref(), &a.set)?;
-    if let Some(b) = a.backend {
-        cfg.train.backend = b;
-    }
+    let cfg = load_config_on(a.config.as_deref(), &a.set, a.backend)?;
     let device = cfg.train.backend.device()?.autodiff();
     probe::reset_peak_resident();
     let t = bench_steps(&cfg, &device, a.warmup, a.steps, a.quiet)?;

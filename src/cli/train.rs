@@ -48,10 +48,7 @@ fn load(
     overrides: &[String],
     backend: Option<BackendKind>,
 ) -> anyhow::Result<TrainConfig> {
-    let mut cfg = train::load_config(path, overrides)?;
-    if let Some(b) = backend {
-        cfg.train.backend = b;
-    }
+    let cfg = train::load_config_on(path, overrides, backend)?;
     if path.is_none() {
         if let Some(init) = &cfg.model.init_config {
             if !init.is_file() {

@@ -523,6 +523,19 @@ fn before_rl_outcomes(metrics: &Path, precision: config::Precision) -> Option<(f
     Some((acc, outcomes))
 }
 
+/// [`load_config`] with a command's `--backend` flag, when given, as one more override
+/// (`train.backend=..`, after the `--set` ones): validation then sees the backend the run will use (the
+/// settings that need a CubeCL backend, `train.tensor_cores`, are checked against it).
+pub fn load_config_on(
+    path: Option<&Path>,
+    overrides: &[String],
+    backend: Option<crate::ops::BackendKind>,
+) -> anyhow::Result<TrainConfig> {
+    let mut all = overrides.to_vec();
+    all.extend(backend.map(|b| format!("train.backend={b}")));
+    load_config(path, &all)
+}
+
 /// Reads a config file, or the embedded default when `path` is `None`, then applies `overrides`
 /// (`key.path=value`, the value in TOML syntax, bare words taken as strings).
 pub fn load_config(path: Option<&Path>, overrides: &[String]) -> anyhow::Result<TrainConfig> {
