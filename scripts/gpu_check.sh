@@ -52,12 +52,14 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,driver_version --format=csv
 } > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
-# The RL step (`qarl bench step`) of a model with random weights, on the runtime (CUDA; the runtimes in
-# QARL_GPU_CHECK_STEP_RUNTIMES, default "cuda", "" skips it) next to the CPU (flex) in the same call: the tiny Qwen3-MoE of the tests (configs/models/qwen3-moe-arith.json) and a model of SmolLM2-135M's
-# shape (configs/models/smollm2-135m.json). Random weights never stop early, so every step generates
+# The RL step (`qarl bench step`) of a model with random weights on `backend` (CUDA, right after the MoE
+# table; the runtimes in QARL_GPU_CHECK_STEP_RUNTIMES, default "cuda", "" skips it; the CPU, flex, at the
+# end of the call): a model of SmolLM2-135M's shape (configs/models/smollm2-135m.json), then the tiny
+# Qwen3-MoE of the tests (configs/models/qwen3-moe-arith.json). Random weights never stop early, so every step generates
 # prompts x samples x QARL_GPU_CHECK_STEP_TOKENS tokens: the same work on both backends. int4-g32 rollout,
 # aligned training forward, TBPO; on the GPU in deterministic mode and with `train.deterministic = false`
-# side by side, each with f32 and with bf16 activations. Results: step_<model>_<backend>.txt and .json.
+# side by side, each with f32 and with bf16 activations, and bf16 on the tensor-core tiles (`train.tensor_cores`).
+# Results: step_<model>_<backend>.txt and .json.
 step_rl() {
   local backend=$1 model failed=0
   shift
@@ -136,6 +138,11 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
       --formats int4-g128 --tokens 1,16,64,256,1024,4096 --act-dtype bf16 --iters 20 \
       --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1
   fi
+  # Then the RL step on the GPU (issue 28's det-vs-off target), before the general kernel tables.
+  if [[ " ${QARL_GPU_CHECK_STEP_RUNTIMES:-cuda} " == *" $rt "* ]]; then
+    step_rl "$rt" "${launch[@]}" || status=1
+  fi
+  flex_launch=("${launch[@]}")
   # QARL_GPU_CHECK_TIMEOUT_CUDA / _WGPU: seconds for one runtime (else QARL_GPU_CHECK_TIMEOUT, 200).
   per_rt_timeout="QARL_GPU_CHECK_TIMEOUT_${rt^^}"
   timeout "${!per_rt_timeout:-${QARL_GPU_CHECK_TIMEOUT:-200}}" "${launch[@]}" bench kernels --runtime "$rt" --check \
@@ -149,8 +156,10 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
         --schemes f32,int4-g128,int8-pc,fp8-b128 --json "$out/rollout_cuda.json"; } 2>&1 |
       tee "$out/rollout_cuda.txt" || status=1
   fi
-  if [[ " ${QARL_GPU_CHECK_STEP_RUNTIMES:-cuda} " == *" $rt "* ]]; then
-    step_rl "$rt" "${launch[@]}" || status=1
-  fi
 done
+# The same RL steps on the CPU (flex) for scale, last: they compete for nothing on the GPU but take
+# minutes. QARL_GPU_CHECK_STEP_FLEX=0 skips them.
+if [ "${QARL_GPU_CHECK_STEP_FLEX:-1}" = 1 ] && [ -n "${flex_launch+x}" ]; then
+  step_rl flex "${flex_launch[@]}" || status=1
+fi
 exit $status
