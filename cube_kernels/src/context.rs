@@ -565,40 +565,31 @@ impl Kernels {
         self.check_tiles(w.format, (tensor_cores, operand))?;
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
         let (steps, steps_per_scale) = tile_steps(w);
-        // Both kernels take the same arguments and launch.
-        macro_rules! grouped {
-            ($kernel:ident) => {
-                mma::$kernel::launch(
-                    &self.client,
-                    CubeCount::Static(
-                        w.out.div_ceil(MMA * MMA_ROW_TILES) as u32,
-                        n.div_ceil(MMA * MMA_TOKEN_TILES) as u32,
-                        1,
-                    ),
-                    CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32),
-                    x.arg(),
-                    w.words.arg(),
-                    w.scales.arg(),
-                    self.lut.arg(),
-                    y.arg(),
-                    n,
-                    w.out,
-                    w.inn,
-                    w.wpr(),
-                    w.spr(),
-                    steps,
-                    steps_per_scale,
-                    fmt,
-                    group,
-                    [x.dtype.elem(), operand.elem(), y.dtype.elem()],
-                )
-            };
-        }
-        if tensor_cores {
-            grouped!(gemm_mma);
-        } else {
-            grouped!(gemm_grouped_scalar);
-        }
+        mma::gemm_tiles::launch(
+            &self.client,
+            CubeCount::Static(
+                w.out.div_ceil(MMA * MMA_ROW_TILES) as u32,
+                n.div_ceil(MMA * MMA_TOKEN_TILES) as u32,
+                1,
+            ),
+            CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32),
+            x.arg(),
+            w.words.arg(),
+            w.scales.arg(),
+            self.lut.arg(),
+            y.arg(),
+            n,
+            w.out,
+            w.inn,
+            w.wpr(),
+            w.spr(),
+            steps,
+            steps_per_scale,
+            fmt,
+            group,
+            tensor_cores,
+            [x.dtype.elem(), operand.elem(), y.dtype.elem()],
+        );
         Ok(())
     }
 
@@ -990,47 +981,38 @@ impl Kernels {
     ) {
         let layout = routing.layout();
         let (steps, steps_per_scale) = tile_steps(a);
-        // Both kernels take the same arguments and launch.
-        macro_rules! tiles {
-            ($kernel:ident) => {
-                mma_moe::$kernel::launch(
-                    &self.client,
-                    CubeCount::Static(
-                        a.out.div_ceil(MMA * MOE_MMA_ROW_TILES) as u32,
-                        layout.tiles as u32,
-                        1,
-                    ),
-                    CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32),
-                    input.arg(),
-                    routing.table.arg(),
-                    layout.rows_at(),
-                    a.words.arg(),
-                    a.scales.arg(),
-                    b.words.arg(),
-                    b.scales.arg(),
-                    self.lut.arg(),
-                    y.arg(),
-                    a.out,
-                    a.inn,
-                    a.wpr(),
-                    a.spr(),
-                    a.expert_words(),
-                    a.expert_scales(),
-                    steps,
-                    steps_per_scale,
-                    a.format.kernel_code(),
-                    a.format.kernel_group(),
-                    swiglu,
-                    gather,
-                    [input.dtype.elem(), operand.elem()],
-                )
-            };
-        }
-        if tensor_cores {
-            tiles!(grouped_mma);
-        } else {
-            tiles!(grouped_mma_scalar);
-        }
+        mma_moe::grouped_tiles::launch(
+            &self.client,
+            CubeCount::Static(
+                a.out.div_ceil(MMA * MOE_MMA_ROW_TILES) as u32,
+                layout.tiles as u32,
+                1,
+            ),
+            CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32),
+            input.arg(),
+            routing.table.arg(),
+            layout.rows_at(),
+            a.words.arg(),
+            a.scales.arg(),
+            b.words.arg(),
+            b.scales.arg(),
+            self.lut.arg(),
+            y.arg(),
+            a.out,
+            a.inn,
+            a.wpr(),
+            a.spr(),
+            a.expert_words(),
+            a.expert_scales(),
+            steps,
+            steps_per_scale,
+            a.format.kernel_code(),
+            a.format.kernel_group(),
+            swiglu,
+            gather,
+            tensor_cores,
+            [input.dtype.elem(), operand.elem()],
+        );
     }
 }
 

@@ -18,8 +18,8 @@
 //! and 64 x 16 weight codes in shared memory (in the activations' type) and each plane multiplies its
 //! pair; per group, the accumulators go through shared memory to the units, which scale and add them.
 //!
-//! [`gemm_grouped_scalar`] is the same tiling, staging and scale groups with scalar FMAs in place of the
-//! instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
+//! [`gemm_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs in
+//! place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
 //! reference and across batch sizes, which leaves only the instruction itself to the GPU check.
 
 use cubecl::prelude::*;
@@ -186,13 +186,17 @@ fn store_totals<Y: Float>(
     }
 }
 
-/// `y[t, row] = sum_k x[t, k] w[row, k]` on tensor cores in the order of the module doc: `I` is the input
-/// buffer's type, `X` the operands' (half; the input is rounded to it as it is staged, exact when `I` is
-/// f32 holding widened `X` values), `Y` the output's. Launch with
-/// `CubeDim (32, 8)` and `CubeCount (ceil(out / 64), ceil(n / 32))`; `steps = ceil(inn / 16)`.
+/// `y[t, row] = sum_k x[t, k] w[row, k]` in the order of the module doc: on tensor cores when
+/// `tensor_cores`, else with scalar fused multiply-adds in place of the instruction (each group's sum over
+/// its inputs in order from 0: any runtime and operand type, f32 included; the same tiling, staging and
+/// scale groups, other bits than the instruction's, batch-invariant in the same way, which lets the tiles'
+/// indexing be tested on lavapipe). `I` is the input buffer's type, `X` the operands' (half for the
+/// instruction; the input is rounded to it as it is staged, exact when `I` is f32 holding widened `X`
+/// values), `Y` the output's. Launch with `CubeDim (32, 8)` and `CubeCount (ceil(out / 64), ceil(n / 32))`;
+/// `steps = ceil(inn / 16)`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn gemm_mma<I: Float, X: Float, Y: Float>(
+pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
     x: &[I],
     words: &[u32],
     scales: &[f32],
@@ -207,11 +211,11 @@ pub fn gemm_mma<I: Float, X: Float, Y: Float>(
     steps_per_scale: usize,
     #[comptime] fmt: u32,
     #[comptime] group: usize,
+    #[comptime] tensor_cores: bool,
     #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
     let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
     let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);
-    let mut stored = Shared::<[f32]>::new_slice(MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tok_tile = plane / MMA_ROW_TILES;
@@ -225,150 +229,112 @@ pub fn gemm_mma<I: Float, X: Float, Y: Float>(
     for j in 0..8usize {
         total[j] = 0.0f32;
     }
-    let mut acc = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        MMA,
-        MMA,
-        MMA,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
-    let groups = steps.div_ceil(steps_per_scale);
-    for g in 0..groups {
-        cmma::fill(&mut acc, 0.0f32);
-        let first = g * steps_per_scale;
-        let last = (first + steps_per_scale).min(steps);
-        for s in first..last {
-            stage_step(
-                x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
-            );
-            sync_cube();
-            let a = cmma::Matrix::<X>::from_slice(
-                cmma::MatrixIdent::A,
-                MMA,
-                MMA,
-                MMA,
+    if comptime!(tensor_cores) {
+        let mut stored = Shared::<[f32]>::new_slice(MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA);
+        let mut acc = cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            MMA,
+            MMA,
+            MMA,
+            cmma::MatrixLayout::Undefined,
+            0.0f32,
+        );
+        let groups = steps.div_ceil(steps_per_scale);
+        for g in 0..groups {
+            cmma::fill(&mut acc, 0.0f32);
+            let first = g * steps_per_scale;
+            let last = (first + steps_per_scale).min(steps);
+            for s in first..last {
+                stage_step(
+                    x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
+                );
+                sync_cube();
+                let a = cmma::Matrix::<X>::from_slice(
+                    cmma::MatrixIdent::A,
+                    MMA,
+                    MMA,
+                    MMA,
+                    cmma::MatrixLayout::RowMajor,
+                    &xs[tok_tile * tile..tok_tile * tile + tile],
+                    MMA as u32,
+                );
+                let b = cmma::Matrix::<X>::from_slice(
+                    cmma::MatrixIdent::B,
+                    MMA,
+                    MMA,
+                    MMA,
+                    cmma::MatrixLayout::ColMajor,
+                    &ws[row_tile * tile..row_tile * tile + tile],
+                    MMA as u32,
+                );
+                cmma::execute(&a, &b, &acc, &acc);
+                sync_cube();
+            }
+            cmma::store(
+                &mut stored[plane * tile..plane * tile + tile],
+                &acc,
+                MMA as u32,
                 cmma::MatrixLayout::RowMajor,
-                &xs[tok_tile * tile..tok_tile * tile + tile],
-                MMA as u32,
-            );
-            let b = cmma::Matrix::<X>::from_slice(
-                cmma::MatrixIdent::B,
-                MMA,
-                MMA,
-                MMA,
-                cmma::MatrixLayout::ColMajor,
-                &ws[row_tile * tile..row_tile * tile + tile],
-                MMA as u32,
-            );
-            cmma::execute(&a, &b, &acc, &acc);
-            sync_cube();
-        }
-        cmma::store(
-            &mut stored[plane * tile..plane * tile + tile],
-            &acc,
-            MMA as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        sync_cube();
-        #[unroll]
-        for j in 0..8usize {
-            sums[j] = stored[plane * tile + tile_element(lane, j)];
-        }
-        add_group(
-            &mut total,
-            &sums,
-            scales,
-            row0,
-            first * MMA,
-            out,
-            spr,
-            fmt,
-            group,
-        );
-        sync_cube();
-    }
-    store_totals(y, &total, tok0, row0, n, out);
-}
-
-/// [`gemm_mma`]'s tiling, staging and scale groups with the tensor-core instruction replaced by scalar
-/// fused multiply-adds (each group's sum over its inputs in order from 0): what runs where the device
-/// has no tensor cores, and what lets the tiles' indexing, staging and scaling be tested on any runtime
-/// (lavapipe included). Another order inside a group than the instruction's, so other bits than
-/// [`gemm_mma`]'s; batch-invariant in the same way. Same launch.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_grouped_scalar<I: Float, X: Float, Y: Float>(
-    x: &[I],
-    words: &[u32],
-    scales: &[f32],
-    lut: &[f32],
-    y: &mut [Y],
-    n: usize,
-    out: usize,
-    inn: usize,
-    wpr: usize,
-    spr: usize,
-    steps: usize,
-    steps_per_scale: usize,
-    #[comptime] fmt: u32,
-    #[comptime] group: usize,
-    #[define(I, X, Y)] _dtypes: [ElemType; 3],
-) {
-    let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
-    let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);
-    let lane = UNIT_POS_X as usize;
-    let plane = UNIT_POS_Y as usize;
-    let tok_tile = plane / MMA_ROW_TILES;
-    let row_tile = plane % MMA_ROW_TILES;
-    let tok0 = CUBE_POS_Y as usize * (MMA_TOKEN_TILES * MMA);
-    let row0 = CUBE_POS_X as usize * (MMA_ROW_TILES * MMA);
-    let tile = MMA * MMA;
-    let mut total = Array::<f32>::new(8usize);
-    let mut sums = Array::<f32>::new(8usize);
-    #[unroll]
-    for j in 0..8usize {
-        total[j] = 0.0f32;
-    }
-    let groups = steps.div_ceil(steps_per_scale);
-    for g in 0..groups {
-        #[unroll]
-        for j in 0..8usize {
-            sums[j] = 0.0f32;
-        }
-        let first = g * steps_per_scale;
-        let last = (first + steps_per_scale).min(steps);
-        for s in first..last {
-            stage_step(
-                x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
             );
             sync_cube();
             #[unroll]
             for j in 0..8usize {
-                let e = tile_element(lane, j);
-                let xa = tok_tile * tile + (e / MMA) * MMA;
-                let wa = row_tile * tile + (e % MMA) * MMA;
-                for kk in 0..MMA {
-                    sums[j] = fma(
-                        f32::cast_from(xs[xa + kk]),
-                        f32::cast_from(ws[wa + kk]),
-                        sums[j],
-                    );
-                }
+                sums[j] = stored[plane * tile + tile_element(lane, j)];
             }
+            add_group(
+                &mut total,
+                &sums,
+                scales,
+                row0,
+                first * MMA,
+                out,
+                spr,
+                fmt,
+                group,
+            );
             sync_cube();
         }
-        add_group(
-            &mut total,
-            &sums,
-            scales,
-            row0,
-            first * MMA,
-            out,
-            spr,
-            fmt,
-            group,
-        );
+    } else {
+        let groups = steps.div_ceil(steps_per_scale);
+        for g in 0..groups {
+            #[unroll]
+            for j in 0..8usize {
+                sums[j] = 0.0f32;
+            }
+            let first = g * steps_per_scale;
+            let last = (first + steps_per_scale).min(steps);
+            for s in first..last {
+                stage_step(
+                    x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
+                );
+                sync_cube();
+                #[unroll]
+                for j in 0..8usize {
+                    let e = tile_element(lane, j);
+                    let xa = tok_tile * tile + (e / MMA) * MMA;
+                    let wa = row_tile * tile + (e % MMA) * MMA;
+                    for kk in 0..MMA {
+                        sums[j] = fma(
+                            f32::cast_from(xs[xa + kk]),
+                            f32::cast_from(ws[wa + kk]),
+                            sums[j],
+                        );
+                    }
+                }
+                sync_cube();
+            }
+            add_group(
+                &mut total,
+                &sums,
+                scales,
+                row0,
+                first * MMA,
+                out,
+                spr,
+                fmt,
+                group,
+            );
+        }
     }
     store_totals(y, &total, tok0, row0, n, out);
 }

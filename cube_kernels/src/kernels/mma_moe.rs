@@ -19,8 +19,8 @@
 //! inputs and 64 x 16 codes per projection in shared memory; per scale group the accumulators go through
 //! shared memory to the units, which scale and add them.
 //!
-//! [`grouped_mma_scalar`] is the same tiling, staging and scale groups with scalar FMAs in place of the
-//! instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
+//! [`grouped_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs
+//! in place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
 //! reference and against one-token-at-a-time runs, which leaves only the instruction to the GPU check.
 
 use cubecl::prelude::*;
@@ -127,6 +127,35 @@ fn add_scaled_group(
     }
 }
 
+/// [`add_scaled_group`] for projection `a`'s sums, and with `swiglu` for `b`'s (the up projection).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_scaled_groups(
+    total_a: &mut Array<f32>,
+    total_b: &mut Array<f32>,
+    sums_a: &Array<f32>,
+    sums_b: &Array<f32>,
+    scales_a: &[f32],
+    scales_b: &[f32],
+    soff: usize,
+    row0: usize,
+    k: usize,
+    n_out: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] swiglu: bool,
+) {
+    add_scaled_group(
+        total_a, sums_a, scales_a, soff, row0, k, n_out, spr, fmt, group,
+    );
+    if comptime!(swiglu) {
+        add_scaled_group(
+            total_b, sums_b, scales_b, soff, row0, k, n_out, spr, fmt, group,
+        );
+    }
+}
+
 /// Stores the unit's 8 outputs into `y [assignments, n_out]` (f32): the totals, or `silu(a) * b`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -158,13 +187,16 @@ fn store_assignments(
 }
 
 /// `y[a, row] = sum_k input[src(a), k] a_e[row, k]` (or `silu(.) * (. b_e)` with `swiglu`) for the
-/// assignments of tile `CUBE_POS_Y` on tensor cores, in the order of the module doc; arguments as
+/// assignments of tile `CUBE_POS_Y` in the order of the module doc: on tensor cores when `tensor_cores`,
+/// else with scalar fused multiply-adds in place of the instruction (each group's sum over its inputs in
+/// order from 0; any runtime and operand type, f32 included; the same tiling, staging and scale groups,
+/// other bits than the instruction's, batch-invariant in the same way). Arguments as
 /// [`super::moe::grouped_matmul`]'s, with `steps = ceil(inn / 16)` and the scale group in steps. `I` is
-/// the input buffer's type, `X` the operands' (half). Launch with `CubeDim (32, 4)` and
-/// `CubeCount (ceil(n_out / 64), tiles)`.
+/// the input buffer's type, `X` the operands' (half for the instruction). Launch with `CubeDim (32, 4)`
+/// and `CubeCount (ceil(n_out / 64), tiles)`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
-pub fn grouped_mma<I: Float, X: Float>(
+pub fn grouped_tiles<I: Float, X: Float>(
     input: &[I],
     table: &[u32],
     rows_at: usize,
@@ -186,6 +218,7 @@ pub fn grouped_mma<I: Float, X: Float>(
     #[comptime] group: usize,
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
+    #[comptime] tensor_cores: bool,
     #[define(I, X)] _dtypes: [ElemType; 2],
 ) {
     let sets = comptime!(if swiglu { 2usize } else { 1usize });
@@ -193,7 +226,6 @@ pub fn grouped_mma<I: Float, X: Float>(
     let mut wa = Shared::<[X]>::new_slice(MOE_MMA_ROW_TILES * TILE_VALUES);
     let mut wb =
         Shared::<[X]>::new_slice(comptime!(MOE_MMA_ROW_TILES * TILE_VALUES * (sets - 1) + 1));
-    let mut stored = Shared::<[f32]>::new_slice(comptime!(sets * MOE_MMA_ROW_TILES * TILE_VALUES));
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     // The tile's expert and assignments; an empty tile (the device routing's trailing ones) runs no
@@ -217,227 +249,102 @@ pub fn grouped_mma<I: Float, X: Float>(
         total_a[j] = 0.0f32;
         total_b[j] = 0.0f32;
     }
-    let mut acc_a = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        MMA,
-        MMA,
-        MMA,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
-    let mut acc_b = cmma::Matrix::<f32>::from_value(
-        cmma::MatrixIdent::Accumulator,
-        MMA,
-        MMA,
-        MMA,
-        cmma::MatrixLayout::Undefined,
-        0.0f32,
-    );
-    let mine = plane * TILE_VALUES;
-    for g in 0..groups {
-        cmma::fill(&mut acc_a, 0.0f32);
-        if comptime!(swiglu) {
-            cmma::fill(&mut acc_b, 0.0f32);
-        }
-        let first = g * steps_per_scale;
-        let last = (first + steps_per_scale).min(steps);
-        for s in first..last {
-            stage_moe_step(
-                input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
-                a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
-            );
-            sync_cube();
-            let x_tile = cmma::Matrix::<X>::from_slice(
-                cmma::MatrixIdent::A,
-                MMA,
-                MMA,
-                MMA,
-                cmma::MatrixLayout::RowMajor,
-                &xs[0..TILE_VALUES],
-                MMA as u32,
-            );
-            let w_tile = cmma::Matrix::<X>::from_slice(
-                cmma::MatrixIdent::B,
-                MMA,
-                MMA,
-                MMA,
-                cmma::MatrixLayout::ColMajor,
-                &wa[mine..mine + TILE_VALUES],
-                MMA as u32,
-            );
-            cmma::execute(&x_tile, &w_tile, &acc_a, &acc_a);
+    if comptime!(tensor_cores) {
+        let mut stored =
+            Shared::<[f32]>::new_slice(comptime!(sets * MOE_MMA_ROW_TILES * TILE_VALUES));
+        let mut acc_a = cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            MMA,
+            MMA,
+            MMA,
+            cmma::MatrixLayout::Undefined,
+            0.0f32,
+        );
+        let mut acc_b = cmma::Matrix::<f32>::from_value(
+            cmma::MatrixIdent::Accumulator,
+            MMA,
+            MMA,
+            MMA,
+            cmma::MatrixLayout::Undefined,
+            0.0f32,
+        );
+        let mine = plane * TILE_VALUES;
+        for g in 0..groups {
+            cmma::fill(&mut acc_a, 0.0f32);
             if comptime!(swiglu) {
-                let wb_tile = cmma::Matrix::<X>::from_slice(
+                cmma::fill(&mut acc_b, 0.0f32);
+            }
+            let first = g * steps_per_scale;
+            let last = (first + steps_per_scale).min(steps);
+            for s in first..last {
+                stage_moe_step(
+                    input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
+                    a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
+                );
+                sync_cube();
+                let x_tile = cmma::Matrix::<X>::from_slice(
+                    cmma::MatrixIdent::A,
+                    MMA,
+                    MMA,
+                    MMA,
+                    cmma::MatrixLayout::RowMajor,
+                    &xs[0..TILE_VALUES],
+                    MMA as u32,
+                );
+                let w_tile = cmma::Matrix::<X>::from_slice(
                     cmma::MatrixIdent::B,
                     MMA,
                     MMA,
                     MMA,
                     cmma::MatrixLayout::ColMajor,
-                    &wb[mine..mine + TILE_VALUES],
+                    &wa[mine..mine + TILE_VALUES],
                     MMA as u32,
                 );
-                cmma::execute(&x_tile, &wb_tile, &acc_b, &acc_b);
+                cmma::execute(&x_tile, &w_tile, &acc_a, &acc_a);
+                if comptime!(swiglu) {
+                    let wb_tile = cmma::Matrix::<X>::from_slice(
+                        cmma::MatrixIdent::B,
+                        MMA,
+                        MMA,
+                        MMA,
+                        cmma::MatrixLayout::ColMajor,
+                        &wb[mine..mine + TILE_VALUES],
+                        MMA as u32,
+                    );
+                    cmma::execute(&x_tile, &wb_tile, &acc_b, &acc_b);
+                }
+                sync_cube();
             }
-            sync_cube();
-        }
-        cmma::store(
-            &mut stored[mine..mine + TILE_VALUES],
-            &acc_a,
-            MMA as u32,
-            cmma::MatrixLayout::RowMajor,
-        );
-        let other = (MOE_MMA_ROW_TILES + plane) * TILE_VALUES;
-        if comptime!(swiglu) {
             cmma::store(
-                &mut stored[other..other + TILE_VALUES],
-                &acc_b,
+                &mut stored[mine..mine + TILE_VALUES],
+                &acc_a,
                 MMA as u32,
                 cmma::MatrixLayout::RowMajor,
             );
-        }
-        sync_cube();
-        #[unroll]
-        for j in 0..8usize {
-            sums_a[j] = stored[mine + tile_element(lane, j)];
+            let other = (MOE_MMA_ROW_TILES + plane) * TILE_VALUES;
             if comptime!(swiglu) {
-                sums_b[j] = stored[other + tile_element(lane, j)];
+                cmma::store(
+                    &mut stored[other..other + TILE_VALUES],
+                    &acc_b,
+                    MMA as u32,
+                    cmma::MatrixLayout::RowMajor,
+                );
             }
-        }
-        let k = first * MMA;
-        add_scaled_group(
-            &mut total_a,
-            &sums_a,
-            scales_a,
-            soff,
-            row0,
-            k,
-            n_out,
-            spr,
-            fmt,
-            group,
-        );
-        if comptime!(swiglu) {
-            add_scaled_group(
-                &mut total_b,
-                &sums_b,
-                scales_b,
-                soff,
-                row0,
-                k,
-                n_out,
-                spr,
-                fmt,
-                group,
-            );
-        }
-        sync_cube();
-    }
-    store_assignments(y, &total_a, &total_b, a0, a_end, row0, n_out, swiglu);
-}
-
-/// [`grouped_mma`]'s tiling, staging and scale groups with scalar fused multiply-adds in place of the
-/// instruction (each group's sum over its inputs in order from 0): any runtime and operand type (f32
-/// included), its own bits, assignment-invariant in the same way. Same launch.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_mma_scalar<I: Float, X: Float>(
-    input: &[I],
-    table: &[u32],
-    rows_at: usize,
-    words_a: &[u32],
-    scales_a: &[f32],
-    words_b: &[u32],
-    scales_b: &[f32],
-    lut: &[f32],
-    y: &mut [f32],
-    n_out: usize,
-    inn: usize,
-    wpr: usize,
-    spr: usize,
-    expert_words: usize,
-    expert_scales: usize,
-    steps: usize,
-    steps_per_scale: usize,
-    #[comptime] fmt: u32,
-    #[comptime] group: usize,
-    #[comptime] swiglu: bool,
-    #[comptime] gather: bool,
-    #[define(I, X)] _dtypes: [ElemType; 2],
-) {
-    let sets = comptime!(if swiglu { 2usize } else { 1usize });
-    let mut xs = Shared::<[X]>::new_slice(TILE_VALUES);
-    let mut wa = Shared::<[X]>::new_slice(MOE_MMA_ROW_TILES * TILE_VALUES);
-    let mut wb =
-        Shared::<[X]>::new_slice(comptime!(MOE_MMA_ROW_TILES * TILE_VALUES * (sets - 1) + 1));
-    let lane = UNIT_POS_X as usize;
-    let plane = UNIT_POS_Y as usize;
-    // The tile's expert and assignments; an empty tile (the device routing's trailing ones) runs no
-    // group and stores nothing.
-    let tile = CUBE_POS_Y as usize;
-    let expert = table[3 * tile] as usize;
-    let a0 = table[3 * tile + 1] as usize;
-    let a_end = table[3 * tile + 2] as usize;
-    let mut groups = 0usize;
-    if a0 < a_end {
-        groups = steps.div_ceil(steps_per_scale);
-    }
-    let row0 = CUBE_POS_X as usize * (MOE_MMA_ROW_TILES * MMA);
-    let (woff, soff) = (expert * expert_words, expert * expert_scales);
-    let mut total_a = Array::<f32>::new(8usize);
-    let mut total_b = Array::<f32>::new(8usize);
-    let mut sums_a = Array::<f32>::new(8usize);
-    let mut sums_b = Array::<f32>::new(8usize);
-    #[unroll]
-    for j in 0..8usize {
-        total_a[j] = 0.0f32;
-        total_b[j] = 0.0f32;
-    }
-    for g in 0..groups {
-        #[unroll]
-        for j in 0..8usize {
-            sums_a[j] = 0.0f32;
-            sums_b[j] = 0.0f32;
-        }
-        let first = g * steps_per_scale;
-        let last = (first + steps_per_scale).min(steps);
-        for s in first..last {
-            stage_moe_step(
-                input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
-                a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
-            );
             sync_cube();
             #[unroll]
             for j in 0..8usize {
-                let e = tile_element(lane, j);
-                let xa = (e / MMA) * MMA;
-                let wr = plane * TILE_VALUES + (e % MMA) * MMA;
-                for kk in 0..MMA {
-                    let xv = f32::cast_from(xs[xa + kk]);
-                    sums_a[j] = fma(xv, f32::cast_from(wa[wr + kk]), sums_a[j]);
-                    if comptime!(swiglu) {
-                        sums_b[j] = fma(xv, f32::cast_from(wb[wr + kk]), sums_b[j]);
-                    }
+                sums_a[j] = stored[mine + tile_element(lane, j)];
+                if comptime!(swiglu) {
+                    sums_b[j] = stored[other + tile_element(lane, j)];
                 }
             }
-            sync_cube();
-        }
-        let k = first * MMA;
-        add_scaled_group(
-            &mut total_a,
-            &sums_a,
-            scales_a,
-            soff,
-            row0,
-            k,
-            n_out,
-            spr,
-            fmt,
-            group,
-        );
-        if comptime!(swiglu) {
-            add_scaled_group(
+            let k = first * MMA;
+            add_scaled_groups(
+                &mut total_a,
                 &mut total_b,
+                &sums_a,
                 &sums_b,
+                scales_a,
                 scales_b,
                 soff,
                 row0,
@@ -446,6 +353,56 @@ pub fn grouped_mma_scalar<I: Float, X: Float>(
                 spr,
                 fmt,
                 group,
+                swiglu,
+            );
+            sync_cube();
+        }
+    } else {
+        for g in 0..groups {
+            #[unroll]
+            for j in 0..8usize {
+                sums_a[j] = 0.0f32;
+                sums_b[j] = 0.0f32;
+            }
+            let first = g * steps_per_scale;
+            let last = (first + steps_per_scale).min(steps);
+            for s in first..last {
+                stage_moe_step(
+                    input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
+                    a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
+                );
+                sync_cube();
+                #[unroll]
+                for j in 0..8usize {
+                    let e = tile_element(lane, j);
+                    let xa = (e / MMA) * MMA;
+                    let wr = plane * TILE_VALUES + (e % MMA) * MMA;
+                    for kk in 0..MMA {
+                        let xv = f32::cast_from(xs[xa + kk]);
+                        sums_a[j] = fma(xv, f32::cast_from(wa[wr + kk]), sums_a[j]);
+                        if comptime!(swiglu) {
+                            sums_b[j] = fma(xv, f32::cast_from(wb[wr + kk]), sums_b[j]);
+                        }
+                    }
+                }
+                sync_cube();
+            }
+            let k = first * MMA;
+            add_scaled_groups(
+                &mut total_a,
+                &mut total_b,
+                &sums_a,
+                &sums_b,
+                scales_a,
+                scales_b,
+                soff,
+                row0,
+                k,
+                n_out,
+                spr,
+                fmt,
+                group,
+                swiglu,
             );
         }
     }
