@@ -53,8 +53,8 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 } > "$out/gpu.txt" 2>&1
 cat "$out/gpu.txt"
 # The RL step (`qarl bench step`) of a model with random weights on `backend` (CUDA, right after the MoE
-# table; the runtimes in QARL_GPU_CHECK_STEP_RUNTIMES, default "cuda", "" skips it; the CPU, flex, at the
-# end of the call): a model of SmolLM2-135M's shape (configs/models/smollm2-135m.json), then the tiny
+# table; the runtimes in QARL_GPU_CHECK_STEP_RUNTIMES, default "cuda", "" skips them; the CPU, flex, at the
+# end of the call, QARL_GPU_CHECK_STEP_FLEX=0 skips it, and a call that runs out of time loses only these): a model of SmolLM2-135M's shape (configs/models/smollm2-135m.json), then the tiny
 # Qwen3-MoE of the tests (configs/models/qwen3-moe-arith.json). Random weights never stop early, so every step generates
 # prompts x samples x QARL_GPU_CHECK_STEP_TOKENS tokens: the same work on both backends. int4-g32 rollout,
 # aligned training forward, TBPO; on the GPU in deterministic mode and with `train.deterministic = false`

@@ -71,8 +71,10 @@ impl DeviceWeights {
     }
 }
 
-/// Which matmul kernel serves a call; all give the same bits (canonical order). For the MoE block
-/// `Gemv` is the per-assignment grouped GEMV, and `Gemm` and `Blocked` the 16-assignment tiles.
+/// Which matmul kernel serves a call. `Auto`, `Gemv`, `Gemm` and `Blocked` give the same bits (the
+/// canonical order); for the MoE block `Gemv` is the per-assignment grouped GEMV, and `Gemm` and `Blocked`
+/// the 16-assignment tiles. The tensor-core tiles' paths (`Mma`, `GroupedScalar`, `Tiles`) sum in their
+/// own order, batch-invariant too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulPath {
     /// GEMV up to [`Kernels::GEMV_MAX_TOKENS`] tokens ([`Kernels::MOE_GEMV_MAX_TOKENS`] for the MoE block);

@@ -508,11 +508,12 @@ mod imp {
             .map(|v| dtype.round(*v))
             .collect();
         let dw = k.upload_weights(w);
-        let run = |n: usize| -> anyhow::Result<Vec<f32>> {
-            let dx = k.upload(&x[..n * hidden], dtype)?;
+        // Tokens `first..first + n` alone.
+        let run = |first: usize, n: usize| -> anyhow::Result<Vec<f32>> {
+            let dx = k.upload(&x[first * hidden..(first + n) * hidden], dtype)?;
             Ok(k.read_f32(&k.linear_with(&dx, n, &dw, path)?)?)
         };
-        let all = run(most)?;
+        let all = run(0, most)?;
         let want = reference::linear(&x, most, w, 0);
         // Products of half activations and exact codes summed on tensor cores, whose f32 accumulation
         // may round more coarsely than IEEE f32 (a few bits), then one rounding to the type.
@@ -522,12 +523,33 @@ mod imp {
                 "{name} {dtype} {kernel} n={most}: max rel err beyond rounding {err:.2e}"
             ));
         }
-        for &n in args.tokens.iter().filter(|&&n| n < most) {
-            let got = run(n)?;
-            let differ = contract_mismatches(&got, &all[..n * out], ActDType::F32);
+        // Prefixes, and single tokens at other rows of the instruction than in the full run (a decode
+        // step puts a token on row 0 of its tile, a prefill on any row).
+        let prefixes = args.tokens.iter().map(|&n| (0, n));
+        let singles = (1..most.min(8)).chain([most - 1]).map(|t| (t, 1));
+        for (first, n) in prefixes.chain(singles).filter(|&(_, n)| n < most) {
+            let got = run(first, n)?;
+            let differ =
+                contract_mismatches(&got, &all[first * out..(first + n) * out], ActDType::F32);
             if differ > 0 {
                 failures.push(format!(
-                    "{name} {dtype} {kernel}: n={n} differs from the first rows of n={most} in {differ} values"
+                    "{name} {dtype} {kernel}: tokens {first}..{} alone differ from the same tokens of n={most} in {differ} values",
+                    first + n
+                ));
+            }
+        }
+        // What a mixed-precision training forward launches: the same operands widened to f32, the
+        // result in f32; rounded to the type, the half run's bits.
+        if let (Some((tensor_cores, _)), true) = (path.tiles(dtype), dtype != ActDType::F32) {
+            let widened = MatmulPath::Tiles {
+                tensor_cores,
+                operand: dtype,
+            };
+            let f32_run = k.read_f32(&k.linear_with(&k.upload_f32(&x), most, &dw, widened)?)?;
+            let bad = contract_mismatches(&all, &f32_run, dtype);
+            if bad > 0 {
+                failures.push(format!(
+                    "{name} {dtype} {kernel}: {bad} values of the half run are not round(the run on widened inputs)"
                 ));
             }
         }
@@ -606,6 +628,27 @@ mod imp {
                 failures.push(format!(
                     "{name} {dtype} {kernel}: tokens {first}..{} alone differ from the same tokens of n={most} in {differ} values",
                     first + n
+                ));
+            }
+        }
+        if let (Some((tensor_cores, _)), true) = (path.tiles(dtype), dtype != ActDType::F32) {
+            // The training forward's launch: f32 inputs holding the half values, f32 out.
+            let widened = MatmulPath::Tiles {
+                tensor_cores,
+                operand: dtype,
+            };
+            let routing = MoeRouting::new(&ids, most, top_k, experts)?;
+            let y = k.moe_with(
+                &k.upload_f32(&x),
+                &routing,
+                &k.upload_f32(&rw),
+                block.device,
+                widened,
+            )?;
+            let bad = contract_mismatches(&all, &k.read_f32(&y)?, dtype);
+            if bad > 0 {
+                failures.push(format!(
+                    "{name} {dtype} {kernel}: {bad} values of the half run are not round(the run on widened inputs)"
                 ));
             }
         }

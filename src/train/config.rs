@@ -288,7 +288,6 @@ impl TrainConfig {
         Self::from_toml(&text, &path.display().to_string())
     }
 
-    /// Range checks the type system cannot express; errors name the key path, its value and the rule.
     /// `train.tensor_cores`' requirements: half activations (the instruction's operands), deterministic
     /// mode (the tiles' point is a fixed order), a CubeCL backend (the CPU has no such tiles) and a
     /// weight-only rollout format (fp8-b128 quantizes the activations too).
@@ -328,6 +327,7 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Range checks the type system cannot express; errors name the key path, its value and the rule.
     pub fn validate(&self) -> anyhow::Result<()> {
         fn check(
             ok: bool,

@@ -1,5 +1,6 @@
-//! Tensor-core tiles (`cmma`) for the low-bit dense product with half activations: a prototype timed and
-//! checked by `qarl bench kernels` on GPUs that have the instruction, not yet a path of the model.
+//! Tensor-core tiles (`cmma`) for the low-bit dense product on half operands: the order deterministic mode
+//! takes with `train.tensor_cores` (rollout and training forward alike), checked and timed by `qarl bench
+//! kernels` on GPUs that have the instruction.
 //!
 //! **Order.** Each output `y[t, row]` is computed the same way whatever the batch: the weight's K axis is
 //! cut into steps of 16 inputs (one `m16n16k16` instruction) and into scale groups of `steps_per_scale`
@@ -34,6 +35,11 @@ pub const MMA_TOKEN_TILES: usize = 2;
 pub const MMA_ROW_TILES: usize = 4;
 /// Units per plane the kernel is written for (NVIDIA's warp).
 pub const MMA_PLANE: usize = 32;
+/// Byte alignment of every shared array the tiles load from or store to: the instruction's loads and
+/// stores (`wmma::load_matrix_sync` / `store_matrix_sync`) want 256-bit aligned pointers, and CubeCL packs
+/// shared arrays one after the other aligned only to their element type. Every offset into them is a
+/// multiple of a 16 x 16 tile, so aligned starts keep every tile aligned.
+pub const SHARED_ALIGN: usize = 32;
 
 /// The code of row `row`, input `k` of the matrix starting at word `woff`, as a float (exact in any half
 /// type): int4 / int8 integers, the E4M3 value from the decode table `lut`, or the E2M1 value.
@@ -214,8 +220,8 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
     #[comptime] tensor_cores: bool,
     #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
-    let mut xs = Shared::<[X]>::new_slice(MMA_TOKEN_TILES * MMA * MMA);
-    let mut ws = Shared::<[X]>::new_slice(MMA_ROW_TILES * MMA * MMA);
+    let mut xs = Shared::<[X]>::new_aligned_slice(MMA_TOKEN_TILES * MMA * MMA, SHARED_ALIGN);
+    let mut ws = Shared::<[X]>::new_aligned_slice(MMA_ROW_TILES * MMA * MMA, SHARED_ALIGN);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tok_tile = plane / MMA_ROW_TILES;
@@ -230,7 +236,10 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
         total[j] = 0.0f32;
     }
     if comptime!(tensor_cores) {
-        let mut stored = Shared::<[f32]>::new_slice(MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA);
+        let mut stored = Shared::<[f32]>::new_aligned_slice(
+            MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA,
+            SHARED_ALIGN,
+        );
         let mut acc = cmma::Matrix::<f32>::from_value(
             cmma::MatrixIdent::Accumulator,
             MMA,

@@ -9,8 +9,9 @@
 //! mixes with the other rows, and rows past the tile's last assignment are zeros, so an assignment gets
 //! the same bits whichever tile it shares, with how many tokens: a decode step computes a prefill's bits.
 //!
-//! **Operands.** The instruction multiplies two operands of the activations' type `X`: the gate/up input
-//! is the activations themselves; the down projection's input, the SwiGLU output `h` (an f32 buffer), is
+//! **Operands.** The instruction multiplies two operands of the operand type `X` (the activations' half
+//! type): the gate/up input is the activations, rounded to `X` as they are staged (exact for half values,
+//! widened to f32 or not); the down projection's input, the SwiGLU output `h` (an f32 buffer), is
 //! rounded to `X` as it is staged. That rounding is this path's own (the scalar-order kernels keep `h` in
 //! f32), so rollout and training must both take these tiles for their bits to agree.
 //!
@@ -25,7 +26,7 @@
 
 use cubecl::prelude::*;
 
-use super::mma::{code_at, scale_at, tile_element, MMA, MMA_PLANE};
+use super::mma::{code_at, scale_at, tile_element, MMA, MMA_PLANE, SHARED_ALIGN};
 use super::moe::silu_times;
 
 /// Row tiles (planes) of a cube: 64 output rows.
@@ -222,10 +223,12 @@ pub fn grouped_tiles<I: Float, X: Float>(
     #[define(I, X)] _dtypes: [ElemType; 2],
 ) {
     let sets = comptime!(if swiglu { 2usize } else { 1usize });
-    let mut xs = Shared::<[X]>::new_slice(TILE_VALUES);
-    let mut wa = Shared::<[X]>::new_slice(MOE_MMA_ROW_TILES * TILE_VALUES);
-    let mut wb =
-        Shared::<[X]>::new_slice(comptime!(MOE_MMA_ROW_TILES * TILE_VALUES * (sets - 1) + 1));
+    let mut xs = Shared::<[X]>::new_aligned_slice(TILE_VALUES, SHARED_ALIGN);
+    let mut wa = Shared::<[X]>::new_aligned_slice(MOE_MMA_ROW_TILES * TILE_VALUES, SHARED_ALIGN);
+    let mut wb = Shared::<[X]>::new_aligned_slice(
+        comptime!(MOE_MMA_ROW_TILES * TILE_VALUES * (sets - 1) + 1),
+        SHARED_ALIGN,
+    );
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     // The tile's expert and assignments; an empty tile (the device routing's trailing ones) runs no
@@ -250,8 +253,10 @@ pub fn grouped_tiles<I: Float, X: Float>(
         total_b[j] = 0.0f32;
     }
     if comptime!(tensor_cores) {
-        let mut stored =
-            Shared::<[f32]>::new_slice(comptime!(sets * MOE_MMA_ROW_TILES * TILE_VALUES));
+        let mut stored = Shared::<[f32]>::new_aligned_slice(
+            comptime!(sets * MOE_MMA_ROW_TILES * TILE_VALUES),
+            SHARED_ALIGN,
+        );
         let mut acc_a = cmma::Matrix::<f32>::from_value(
             cmma::MatrixIdent::Accumulator,
             MMA,

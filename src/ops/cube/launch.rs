@@ -200,6 +200,17 @@ fn product_path(kernels: &Kernels) -> MatmulPath {
     let Some(operand) = crate::ops::tensor_tiles().and_then(act_dtype) else {
         return MatmulPath::Auto;
     };
+    if !kernels.supports(operand) {
+        // Rollout and training both land here, so they still agree (in the canonical order).
+        static UNSUPPORTED: std::sync::Once = std::sync::Once::new();
+        UNSUPPORTED.call_once(|| {
+            tracing::warn!(
+                device = %kernels.device_name(),
+                "train.tensor_cores: the kernels have no {operand} operands here; the canonical order runs"
+            )
+        });
+        return MatmulPath::Auto;
+    }
     let tensor_cores = kernels.supports_mma(operand);
     if !tensor_cores {
         static WARNED: std::sync::Once = std::sync::Once::new();
