@@ -178,17 +178,20 @@ mod imp {
             .collect()
     }
 
-    /// The largest `max(0, |got - want| - u |want|) / max |want|`: the error beyond rounding `want` (the
-    /// f32 reference) to `dtype`, whose unit roundoff is `u` (0 for f32).
+    /// The largest `max(0, |got - want| - r(want)) / max |want|`: the error beyond rounding `want` (the
+    /// f32 reference) to `dtype`, whose rounding moves a value by at most `r(w) = max(u |w|, s / 2)`, `u`
+    /// the unit roundoff and `s` the spacing of the type's subnormals (f16's 2^-24 matters: an MoE output
+    /// of 5e-5 is subnormal in f16, where rounding is absolute; 0 for f32).
     fn max_rounded_err(got: &[f32], want: &[f32], dtype: ActDType) -> f32 {
-        let u = match dtype {
-            ActDType::F32 => 0.0,
-            ActDType::F16 => 2f32.powi(-11),
-            ActDType::BF16 => 2f32.powi(-8),
+        let (u, half_subnormal) = match dtype {
+            ActDType::F32 => (0.0, 0.0),
+            ActDType::F16 => (2f32.powi(-11), 2f32.powi(-25)),
+            ActDType::BF16 => (2f32.powi(-8), 2f32.powi(-134)),
         };
         let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6);
         got.iter().zip(want).fold(0.0f32, |m, (g, w)| {
-            m.max(((g - w).abs() - u * w.abs()).max(0.0) / scale)
+            let rounding = (u * w.abs()).max(half_subnormal);
+            m.max(((g - w).abs() - rounding).max(0.0) / scale)
         })
     }
 
