@@ -530,24 +530,16 @@ mod imp {
         // step puts a token on row 0 of its tile, a prefill on any row).
         let prefixes = args.tokens.iter().map(|&n| (0, n));
         let singles = (1..most.min(8)).chain([most - 1]).map(|t| (t, 1));
-        for (first, n) in prefixes.chain(singles).filter(|&(_, n)| n < most) {
-            let got = run(first, n)?;
-            let differ =
-                contract_mismatches(&got, &all[first * out..(first + n) * out], ActDType::F32);
-            if differ > 0 {
-                failures.push(format!(
-                    "{name} {dtype} {kernel}: tokens {first}..{} alone differ from the same tokens of n={most} in {differ} values",
-                    first + n
-                ));
-            }
-        }
-        // What a mixed-precision training forward launches: the same operands widened to f32, the
-        // result in f32; rounded to the type, the half run's bits.
-        if let (Some((tensor_cores, _)), true) = (path.tiles(dtype), dtype != ActDType::F32) {
-            let widened = MatmulPath::Tiles {
-                tensor_cores,
-                operand: dtype,
-            };
+        let what = format!("{name} {dtype} {kernel}");
+        check_windows(
+            prefixes.chain(singles),
+            (most, out),
+            &all,
+            run,
+            &what,
+            failures,
+        )?;
+        if let Some(widened) = widened_tiles(path, dtype) {
             let f32_run = k.read_f32(&k.linear_with(&k.upload_f32(&x), most, &dw, widened)?)?;
             let bad = contract_mismatches(&all, &f32_run, dtype);
             if bad > 0 {
@@ -558,6 +550,41 @@ mod imp {
         }
         println!("{name} {dtype} {kernel}: max rel err beyond rounding {err:.2e}, batch invariance checked");
         Ok(())
+    }
+
+    /// Each window `(first, n)` of tokens (those shorter than `most`) run alone must give the bits of the
+    /// same tokens in `all`, the run on all `most` tokens (`width` values per token).
+    fn check_windows(
+        windows: impl Iterator<Item = (usize, usize)>,
+        (most, width): (usize, usize),
+        all: &[f32],
+        run: impl Fn(usize, usize) -> anyhow::Result<Vec<f32>>,
+        what: &str,
+        failures: &mut Vec<String>,
+    ) -> anyhow::Result<()> {
+        for (first, n) in windows.filter(|&(_, n)| n < most) {
+            let got = run(first, n)?;
+            let same = &all[first * width..(first + n) * width];
+            let differ = contract_mismatches(&got, same, ActDType::F32);
+            if differ > 0 {
+                failures.push(format!(
+                    "{what}: tokens {first}..{} alone differ from the same tokens of n={most} in {differ} values",
+                    first + n
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// What a mixed-precision training forward launches for the tiles' `path` on `dtype` activations: the
+    /// same half operands, from f32 inputs holding the half values, the result in f32 (rounded to the
+    /// type, the half run's bits). `None` for f32 activations or the canonical kernels.
+    fn widened_tiles(path: MatmulPath, dtype: ActDType) -> Option<MatmulPath> {
+        let (tensor_cores, _) = path.tiles(dtype)?;
+        (dtype != ActDType::F32).then_some(MatmulPath::Tiles {
+            tensor_cores,
+            operand: dtype,
+        })
     }
 
     /// An MoE block's packed weights (gate, up, down) on the host and on the device.
@@ -620,26 +647,16 @@ mod imp {
         }
         let prefixes = args.tokens.iter().map(|&n| (0, n));
         let singles = (0..checked).map(|t| (t, 1));
-        for (first, n) in prefixes.chain(singles).filter(|&(_, n)| n < most) {
-            let got = run(first, n)?;
-            let differ = contract_mismatches(
-                &got,
-                &all[first * hidden..(first + n) * hidden],
-                ActDType::F32,
-            );
-            if differ > 0 {
-                failures.push(format!(
-                    "{name} {dtype} {kernel}: tokens {first}..{} alone differ from the same tokens of n={most} in {differ} values",
-                    first + n
-                ));
-            }
-        }
-        if let (Some((tensor_cores, _)), true) = (path.tiles(dtype), dtype != ActDType::F32) {
-            // The training forward's launch: f32 inputs holding the half values, f32 out.
-            let widened = MatmulPath::Tiles {
-                tensor_cores,
-                operand: dtype,
-            };
+        let what = format!("{name} {dtype} {kernel}");
+        check_windows(
+            prefixes.chain(singles),
+            (most, hidden),
+            &all,
+            run,
+            &what,
+            failures,
+        )?;
+        if let Some(widened) = widened_tiles(path, dtype) {
             let routing = MoeRouting::new(&ids, most, top_k, experts)?;
             let y = k.moe_with(
                 &k.upload_f32(&x),
