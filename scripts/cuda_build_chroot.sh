@@ -11,13 +11,18 @@
 # replaces cudarc's `nvcc --version` probe: there is no CUDA toolkit here; libcuda and NVRTC are loaded at
 # run time on the GPU machine.
 #
-# Usage: CARGO_TARGET_DIR=/path/to/target scripts/cuda_build_chroot.sh   (root; idempotent)
-# The binary lands in $CARGO_TARGET_DIR/release/qarl (it replaces a host build of the same profile there).
+# Usage: CARGO_TARGET_DIR=/path/to/target scripts/cuda_build_chroot.sh [COMMAND...]   (root; idempotent)
+# Without a command the binary lands in $CARGO_TARGET_DIR/release/qarl (it replaces a host build of the
+# same profile there). With one, that command runs in the repository inside the chroot instead, with the
+# same environment: e.g. `cargo test -p cube_kernels --features cuda --test cuda_codegen` (the CUDA
+# kernels compiled to PTX without a GPU) or `cargo clippy --features cuda`.
 set -euo pipefail
 root="${QARL_CHROOT:-/work/trixie}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 target="${CARGO_TARGET_DIR:-$repo/target}"
 mkdir -p "$target"
+command="cargo build --release --features cuda --bin qarl"
+if [ "$#" -gt 0 ]; then command="$(printf '%q ' "$@")"; fi
 if [ ! -x "$root/usr/lib/llvm-22/bin/llvm-config" ]; then
   command -v debootstrap >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y debootstrap
   debootstrap --variant=minbase \
@@ -40,4 +45,4 @@ bind() {
 for d in /proc /sys /dev /dev/pts "$HOME/.cargo" "$HOME/.rustup" "$repo" "$target"; do bind "$d"; done
 chroot "$root" /usr/bin/env HOME="$HOME" PATH="$HOME/.cargo/bin:/usr/bin:/bin" \
   CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}" CARGO_TARGET_DIR="$target" \
-  /bin/bash -c "cd '$repo' && bash scripts/offline_llvm.sh && cargo build --release --features cuda --bin qarl"
+  /bin/bash -c "cd '$repo' && bash scripts/offline_llvm.sh && $command"

@@ -30,6 +30,8 @@ pub mod format;
 pub mod kernels;
 #[cfg(feature = "kernels")]
 pub mod moe;
+#[cfg(feature = "cuda")]
+pub mod ptx;
 #[cfg(feature = "kernels")]
 pub mod reference;
 

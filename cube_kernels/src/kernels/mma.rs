@@ -200,7 +200,7 @@ fn store_totals<Y: Float>(
 /// instruction; the input is rounded to it as it is staged, exact when `I` is f32 holding widened `X`
 /// values), `Y` the output's. Launch with `CubeDim (32, 8)` and `CubeCount (ceil(out / 64), ceil(n / 32))`;
 /// `steps = ceil(inn / 16)`.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
     x: &[I],

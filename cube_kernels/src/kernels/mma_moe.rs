@@ -195,7 +195,7 @@ fn store_assignments(
 /// [`super::moe::grouped_matmul`]'s, with `steps = ceil(inn / 16)` and the scale group in steps. `I` is
 /// the input buffer's type, `X` the operands' (half for the instruction). Launch with `CubeDim (32, 4)`
 /// and `CubeCount (ceil(n_out / 64), tiles)`.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_tiles<I: Float, X: Float>(
     input: &[I],

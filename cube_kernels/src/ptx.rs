@@ -1,0 +1,293 @@
+//! The tensor-core tile kernels compiled for an NVIDIA architecture without a GPU: the same kernel
+//! definitions the CUDA runtime compiles at a launch ([`crate::kernels::mma::gemm_tiles`],
+//! [`crate::kernels::mma_moe::grouped_tiles`]), through the same compiler (CubeCL's default CUDA
+//! backend: LLVM's NVPTX target, or NVRTC's C++ with cubecl-cuda's `cpp` feature), with the device
+//! properties the runtime reads off such a part. Why: GPU time is scarce and the instruction paths run
+//! nowhere else (lavapipe has no `cmma`), so a CPU machine compiles them, checks that the instruction is
+//! there, and assembles the PTX with `ptxas` (`tests/cuda_codegen.rs`) before a GPU is at hand; a
+//! codegen failure then costs a build, not a GPU session.
+//!
+//! Only the launch's *shape* matters here: buffers are placeholders and runtime scalars are zero (they
+//! are kernel arguments, not compiled in); the compile-time parameters (format, group, SwiGLU, gather,
+//! `tensor_cores`, operand types) are those the launchers pass.
+
+use std::sync::Arc;
+
+use cubecl::cuda::compiler::CudaBackend;
+use cubecl::cuda::{CudaCompilationOptions, CudaCompiler, CudaRepresentation, CudaRuntime};
+use cubecl::ir::nvidia::SmArch;
+use cubecl::ir::{
+    DeviceIdentity, DeviceProperties, HardwareProperties, MemoryDeviceProperties, VectorSize,
+};
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use cubecl::Compiler;
+use cubecl_core::device::{DeviceId, ServiceId};
+use cubecl_core::environment::stream::StreamId;
+use cubecl_cpp::cuda::arch::CudaArchitecture;
+use cubecl_cpp::cuda::mma::CudaCmmaCompiler;
+use cubecl_cpp::shared::{register_mma_features, register_wmma_features};
+use cubecl_llvm::nvptx::ptx_version::PtxVersion;
+use cubecl_llvm::shared::lowered_features::{restrict_features, GpuTarget};
+use cubecl_runtime::runtime::Runtime;
+
+use crate::kernels::mma::{self, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
+use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
+use crate::{ActDType, KernelError, WeightFormat};
+
+/// The part compiled for: its compute capability (`90` for sm_90, the H100/H200) and the CUDA driver
+/// version whose newest PTX ISA the LLVM backend emits (`13000` for CUDA 13.0).
+#[derive(Clone, Copy, Debug)]
+pub struct CudaTarget {
+    /// Compute capability, major * 10 + minor.
+    pub arch: u32,
+    /// `cuDriverGetVersion`'s value: 1000 * major + 10 * minor.
+    pub driver: i32,
+}
+
+/// Which tile kernel and how it is launched.
+#[derive(Clone, Copy, Debug)]
+pub enum TileKernel {
+    /// The dense product `y[n, out] = x[n, inn] W^T` ([`mma::gemm_tiles`]).
+    Dense,
+    /// The grouped MoE gate + up projection, fused with SwiGLU, on gathered token rows.
+    MoeGateUp,
+    /// The grouped MoE down projection on the assignments' rows.
+    MoeDown,
+}
+
+/// One kernel variant as the runtime compiles it.
+pub struct CompiledTile {
+    /// The variant, e.g. `dense int4-g128 f32->bf16 tensor-cores`.
+    pub name: String,
+    /// Whether it was compiled for the instruction (else its scalar twin).
+    pub tensor_cores: bool,
+    /// What the driver would get: PTX (LLVM backend) or CUDA C++ (C++ backend, see `is_ptx`).
+    pub source: String,
+    /// Whether `source` is PTX, to be assembled by `ptxas`.
+    pub is_ptx: bool,
+    /// Shared memory the launch reserves, in bytes.
+    pub shared_bytes: usize,
+}
+
+/// Compiles `kernel` for `format` weights with `input`-typed buffers staged as `operand` on `target`,
+/// on tensor cores or with the scalar twin. Errors name the variant and what the compiler said.
+pub fn compile_tile(
+    target: CudaTarget,
+    kernel: TileKernel,
+    format: WeightFormat,
+    (input, operand): (ActDType, ActDType),
+    tensor_cores: bool,
+) -> Result<CompiledTile, KernelError> {
+    let name = format!(
+        "{kernel:?} {} {input}->{operand} {}",
+        format.name(),
+        if tensor_cores {
+            "tensor-cores"
+        } else {
+            "scalar"
+        }
+    );
+    if format.quantizes_activations() {
+        return Err(KernelError::Unsupported(format!(
+            "{name}: the tiles take weight-only formats"
+        )));
+    }
+    let props = Arc::new(device_properties(target));
+    let target_props = Arc::new(CudaRuntime::target_properties());
+    let (fmt, group) = (format.kernel_code(), format.kernel_group());
+    let definition = match kernel {
+        TileKernel::Dense => {
+            let kernel = mma::gemm_tiles::create_dummy_kernel(
+                props,
+                target_props,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32),
+                placeholder(),
+                placeholder(),
+                placeholder(),
+                placeholder(),
+                placeholder(),
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                fmt,
+                group,
+                tensor_cores,
+                [input.elem(), operand.elem(), input.elem()],
+            );
+            cubecl::define_kernel(&kernel)
+        }
+        TileKernel::MoeGateUp | TileKernel::MoeDown => {
+            let swiglu = matches!(kernel, TileKernel::MoeGateUp);
+            let kernel = mma_moe::grouped_tiles::create_dummy_kernel(
+                props,
+                target_props,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32),
+                placeholder(),
+                placeholder(),
+                0,
+                placeholder(),
+                placeholder(),
+                placeholder(),
+                placeholder(),
+                placeholder(),
+                placeholder(),
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                0,
+                fmt,
+                group,
+                swiglu,
+                swiglu,
+                tensor_cores,
+                [input.elem(), operand.elem()],
+            );
+            cubecl::define_kernel(&kernel)
+        }
+    }
+    .map_err(|err| KernelError::Compile(format!("{name}: defining the kernel: {err:?}")))?;
+    let compiled = CudaCompiler::default()
+        .compile(definition, &compilation_options(target))
+        .map_err(|err| KernelError::Compile(format!("{name}: {err}")))?;
+    let shared_bytes = compiled.shared_memory_size();
+    let (source, is_ptx) = match &compiled {
+        CudaRepresentation::Llvm(module) => {
+            let bytes: Vec<u8> = module
+                .ptx
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            (String::from_utf8_lossy(&bytes).into_owned(), true)
+        }
+        CudaRepresentation::Cpp(kernel) => (kernel.to_string(), false),
+    };
+    Ok(CompiledTile {
+        name,
+        tensor_cores,
+        source,
+        is_ptx,
+        shared_bytes,
+    })
+}
+
+/// A buffer argument that only has to exist: the kernel definition reads its element type from the
+/// kernel's type parameters, never from the handle.
+fn placeholder() -> BufferArg {
+    let handle = Handle::new(
+        ServiceId::of::<CudaRuntime>(DeviceId {
+            type_id: 0,
+            index_id: 0,
+        }),
+        StreamId::current(),
+        16,
+    );
+    // SAFETY: nothing is launched; the length is the placeholder's own.
+    unsafe { BufferArg::from_raw_parts(handle, 4) }
+}
+
+/// What the CUDA runtime's device service reads off a part of compute capability `target.arch` that
+/// bears on code generation: the types, the matrix instructions the C++ backend knows for the
+/// architecture, narrowed to what the LLVM backend lowers (as the runtime narrows them), warp 32.
+fn device_properties(target: CudaTarget) -> DeviceProperties {
+    let arch = CudaArchitecture {
+        version: target.arch,
+        tensor_cores: target.arch >= 70,
+    };
+    let hardware = HardwareProperties {
+        load_width: 128,
+        vector_register_count: None,
+        plane_size_min: MMA_PLANE as u32,
+        plane_size_max: MMA_PLANE as u32,
+        max_bindings: 1024,
+        max_shared_memory_size: 227 * 1024,
+        max_cube_count: (i32::MAX as u32, 65_535, 65_535),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: None,
+        num_cpu_cores: None,
+        last_level_cache_size: None,
+        num_tensor_cores: arch.tensor_cores.then_some(4),
+        min_tensor_cores_dim: arch.tensor_cores.then_some(8),
+        max_vector_size: VectorSize::MAX,
+        cube_mma_reserved_shared_memory: 0,
+    };
+    let mut props = DeviceProperties::new(
+        Default::default(),
+        MemoryDeviceProperties::new(1 << 30, 512),
+        hardware,
+        cubecl::profile::TimingMethod::Device,
+        DeviceIdentity {
+            name: format!("sm_{} (compile only)", target.arch),
+            fingerprint: format!("ptx_sm{}", target.arch),
+            physical: None,
+        },
+    );
+    cubecl_cpp::register_supported_types(&mut props);
+    register_wmma_features(
+        CudaCmmaCompiler::Cpp.supported_cmma_combinations(&arch),
+        &mut props,
+    );
+    register_mma_features(
+        cubecl_cpp::cuda::supported_mma_combinations(&arch),
+        &mut props,
+    );
+    if CudaBackend::default() == CudaBackend::Llvm {
+        restrict_features(&mut props, GpuTarget::Nvptx);
+    }
+    props
+}
+
+/// The runtime's compilation options for `target` (warp 32, fast math, grid constants from sm_70).
+fn compilation_options(target: CudaTarget) -> CudaCompilationOptions {
+    let mut options = CudaCompilationOptions {
+        arch: Some(SmArch::new(target.arch, target.arch >= 70)),
+        ptx_version: PtxVersion::for_driver(target.driver),
+        ..Default::default()
+    };
+    options.cpp.warp_size = MMA_PLANE;
+    options.cpp.supports_features.fast_math = true;
+    options.cpp.supports_features.grid_constants = target.arch >= 70;
+    options
+}
+
+/// Every tile variant the launchers can ask for on `target`: dense and both MoE products, for each of
+/// `formats`, with f32 inputs staged as bf16 (the mixed-precision training forward), bf16 and f16
+/// activations (the rollout), on the instruction and with the scalar twin.
+pub fn compile_all_tiles(
+    target: CudaTarget,
+    formats: &[WeightFormat],
+) -> Vec<Result<CompiledTile, KernelError>> {
+    let dtypes = [
+        (ActDType::F32, ActDType::BF16),
+        (ActDType::BF16, ActDType::BF16),
+        (ActDType::F16, ActDType::F16),
+    ];
+    let kernels = [
+        TileKernel::Dense,
+        TileKernel::MoeGateUp,
+        TileKernel::MoeDown,
+    ];
+    let mut out = Vec::new();
+    for &format in formats {
+        for kernel in kernels {
+            for dtypes in dtypes {
+                for tensor_cores in [true, false] {
+                    out.push(compile_tile(target, kernel, format, dtypes, tensor_cores));
+                }
+            }
+        }
+    }
+    out
+}
