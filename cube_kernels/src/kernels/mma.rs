@@ -141,15 +141,17 @@ pub fn tile_element(lane: usize, j: usize) -> usize {
     lane + MMA_PLANE * j
 }
 
-/// Adds a scale group's sums (`sum_of(j)` for the unit's 8 elements) times the rows' scales to the
-/// outputs' totals: `total += sum * scale`, groups left to right.
+/// Adds a scale group's sums (the unit's 8 elements of its plane's 16 x 16 tile, whose rows start at
+/// `row_base`) times their rows' scales (of the matrix starting at scale `soff`) to the totals:
+/// `total += sum * scale`, groups left to right. The dense and the MoE tiles share it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn add_group(
+pub fn add_scaled_group(
     total: &mut Array<f32>,
     sums: &Array<f32>,
     scales: &[f32],
-    row0: usize,
+    soff: usize,
+    row_base: usize,
     k: usize,
     out: usize,
     spr: usize,
@@ -157,12 +159,11 @@ fn add_group(
     #[comptime] group: usize,
 ) {
     let lane = UNIT_POS_X as usize;
-    let row_tile = UNIT_POS_Y as usize % MMA_ROW_TILES;
     #[unroll]
     for j in 0..8usize {
-        let r = row0 + row_tile * MMA + tile_element(lane, j) % MMA;
+        let r = row_base + tile_element(lane, j) % MMA;
         if r < out {
-            total[j] += sums[j] * scale_at(scales, 0, r, k, spr, fmt, group);
+            total[j] += sums[j] * scale_at(scales, soff, r, k, spr, fmt, group);
         }
     }
 }
@@ -290,11 +291,12 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             for j in 0..8usize {
                 sums[j] = stored[plane * tile + tile_element(lane, j)];
             }
-            add_group(
+            add_scaled_group(
                 &mut total,
                 &sums,
                 scales,
-                row0,
+                0,
+                row0 + row_tile * MMA,
                 first * MMA,
                 out,
                 spr,
@@ -332,11 +334,12 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
                 }
                 sync_cube();
             }
-            add_group(
+            add_scaled_group(
                 &mut total,
                 &sums,
                 scales,
-                row0,
+                0,
+                row0 + row_tile * MMA,
                 first * MMA,
                 out,
                 spr,

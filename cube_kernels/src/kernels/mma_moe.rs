@@ -26,7 +26,7 @@
 
 use cubecl::prelude::*;
 
-use super::mma::{code_at, scale_at, tile_element, MMA, MMA_PLANE, SHARED_ALIGN};
+use super::mma::{add_scaled_group, code_at, tile_element, MMA, MMA_PLANE, SHARED_ALIGN};
 use super::moe::silu_times;
 
 /// Row tiles (planes) of a cube: 64 output rows.
@@ -101,33 +101,6 @@ fn stage_moe_step<I: Float, X: Float>(
     }
 }
 
-/// Adds a scale group's sums (the unit's 8 elements of its plane's tile) times their rows' scales (the
-/// expert's, from scale `soff`) to the totals: `total += sum * scale`, groups left to right.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn add_scaled_group(
-    total: &mut Array<f32>,
-    sums: &Array<f32>,
-    scales: &[f32],
-    soff: usize,
-    row0: usize,
-    k: usize,
-    n_out: usize,
-    spr: usize,
-    #[comptime] fmt: u32,
-    #[comptime] group: usize,
-) {
-    let lane = UNIT_POS_X as usize;
-    let plane = UNIT_POS_Y as usize;
-    #[unroll]
-    for j in 0..8usize {
-        let r = row0 + plane * MMA + tile_element(lane, j) % MMA;
-        if r < n_out {
-            total[j] += sums[j] * scale_at(scales, soff, r, k, spr, fmt, group);
-        }
-    }
-}
-
 /// [`add_scaled_group`] for projection `a`'s sums, and with `swiglu` for `b`'s (the up projection).
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -147,12 +120,14 @@ fn add_scaled_groups(
     #[comptime] group: usize,
     #[comptime] swiglu: bool,
 ) {
+    // The plane's rows: row tile `plane` of the cube's 64.
+    let row_base = row0 + UNIT_POS_Y as usize * MMA;
     add_scaled_group(
-        total_a, sums_a, scales_a, soff, row0, k, n_out, spr, fmt, group,
+        total_a, sums_a, scales_a, soff, row_base, k, n_out, spr, fmt, group,
     );
     if comptime!(swiglu) {
         add_scaled_group(
-            total_b, sums_b, scales_b, soff, row0, k, n_out, spr, fmt, group,
+            total_b, sums_b, scales_b, soff, row_base, k, n_out, spr, fmt, group,
         );
     }
 }
