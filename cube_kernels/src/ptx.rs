@@ -1,9 +1,11 @@
-//! The tensor-core tile kernels compiled for an NVIDIA architecture without a GPU: the same kernel
-//! definitions the CUDA runtime compiles at a launch ([`crate::kernels::mma::gemm_tiles`],
-//! [`crate::kernels::mma_moe::grouped_tiles`]), through the same compiler (CubeCL's default CUDA
+//! The kernels that have never run on a CUDA device, compiled for an NVIDIA architecture without a GPU:
+//! the tensor-core tiles ([`crate::kernels::mma::gemm_tiles`], [`crate::kernels::mma_moe::grouped_tiles`])
+//! and the GPU training kernels ([`crate::kernels::moe_train`], [`crate::kernels::exact`]). The same kernel
+//! definitions the CUDA runtime compiles at a launch, through the same compiler (CubeCL's default CUDA
 //! backend: LLVM's NVPTX target, or NVRTC's C++ with cubecl-cuda's `cpp` feature), with the device
 //! properties the runtime reads off such a part. Why: GPU time is scarce and the instruction paths run
-//! nowhere else (lavapipe has no `cmma`), so a CPU machine compiles them, checks that the instruction is
+//! nowhere else (lavapipe has no `cmma`; the training kernels were written after the last GPU session),
+//! so a CPU machine compiles them, checks that the instruction is
 //! there, and assembles the PTX with `ptxas` (`tests/cuda_codegen.rs`) before a GPU is at hand; a
 //! codegen failure then costs a build, not a GPU session.
 //!
@@ -57,10 +59,11 @@ pub enum TileKernel {
 }
 
 /// One kernel variant as the runtime compiles it.
-pub struct CompiledTile {
-    /// The variant, e.g. `dense int4-g128 f32->bf16 tensor-cores`.
+pub struct CompiledKernel {
+    /// The variant, e.g. `Dense int4-g128 f32->bf16 tensor-cores`.
     pub name: String,
-    /// Whether it was compiled for the instruction (else its scalar twin).
+    /// Whether it was compiled for the tensor-core instruction (a tile's scalar twin and every other
+    /// kernel: not).
     pub tensor_cores: bool,
     /// What the driver would get: PTX (LLVM backend) or CUDA C++ (C++ backend, see `is_ptx`).
     pub source: String,
@@ -78,7 +81,7 @@ pub fn compile_tile(
     format: WeightFormat,
     (input, operand): (ActDType, ActDType),
     tensor_cores: bool,
-) -> Result<CompiledTile, KernelError> {
+) -> Result<CompiledKernel, KernelError> {
     let name = format!(
         "{kernel:?} {} {input}->{operand} {}",
         format.name(),
@@ -96,7 +99,7 @@ pub fn compile_tile(
     let props = Arc::new(device_properties(target));
     let target_props = Arc::new(CudaRuntime::target_properties());
     let (fmt, group) = (format.kernel_code(), format.kernel_group());
-    let definition = match kernel {
+    match kernel {
         TileKernel::Dense => {
             let kernel = mma::gemm_tiles::create_dummy_kernel(
                 props,
@@ -120,7 +123,7 @@ pub fn compile_tile(
                 tensor_cores,
                 [input.elem(), operand.elem(), input.elem()],
             );
-            cubecl::define_kernel(&kernel)
+            compile_kernel(target, name, tensor_cores, &kernel)
         }
         TileKernel::MoeGateUp | TileKernel::MoeDown => {
             let swiglu = matches!(kernel, TileKernel::MoeGateUp);
@@ -153,10 +156,21 @@ pub fn compile_tile(
                 tensor_cores,
                 [input.elem(), operand.elem()],
             );
-            cubecl::define_kernel(&kernel)
+            compile_kernel(target, name, tensor_cores, &kernel)
         }
     }
-    .map_err(|err| KernelError::Compile(format!("{name}: defining the kernel: {err:?}")))?;
+}
+
+/// Defines `kernel` and compiles it as the runtime does: PTX from the LLVM backend, or the C++ source
+/// where cubecl-cuda's `cpp` feature selects NVRTC.
+fn compile_kernel<K: CubeKernel>(
+    target: CudaTarget,
+    name: String,
+    tensor_cores: bool,
+    kernel: &K,
+) -> Result<CompiledKernel, KernelError> {
+    let definition = cubecl::define_kernel(kernel)
+        .map_err(|err| KernelError::Compile(format!("{name}: defining the kernel: {err}")))?;
     let compiled = CudaCompiler::default()
         .compile(definition, &compilation_options(target))
         .map_err(|err| KernelError::Compile(format!("{name}: {err}")))?;
@@ -173,7 +187,7 @@ pub fn compile_tile(
         }
         CudaRepresentation::Cpp(kernel) => (kernel.to_string(), false),
     };
-    Ok(CompiledTile {
+    Ok(CompiledKernel {
         name,
         tensor_cores,
         source,
@@ -268,7 +282,7 @@ fn compilation_options(target: CudaTarget) -> CudaCompilationOptions {
 pub fn compile_all_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
-) -> Vec<Result<CompiledTile, KernelError>> {
+) -> Vec<Result<CompiledKernel, KernelError>> {
     let dtypes = [
         (ActDType::F32, ActDType::BF16),
         (ActDType::BF16, ActDType::BF16),
@@ -287,6 +301,224 @@ pub fn compile_all_tiles(
                     out.push(compile_tile(target, kernel, format, dtypes, tensor_cores));
                 }
             }
+        }
+    }
+    out
+}
+
+/// The GPU training kernels ([`crate::kernels::moe_train`]: SwiGLU forward and backward, the combine's
+/// and the routing weights' gradients, the grouped straight-through input gradient and weight gradient,
+/// the assignments' sum; [`crate::kernels::exact`]: the f32 matmul, softmax and mean rows of the
+/// full-precision backward) with the compile-time variants their launchers pass for a
+/// Qwen3-30B-A3B-shaped MoE layer (hidden 2048, intermediate 768) with `formats` weights.
+pub fn compile_training_kernels(
+    target: CudaTarget,
+    formats: &[WeightFormat],
+) -> Vec<Result<CompiledKernel, KernelError>> {
+    use crate::kernels::{exact, moe_train, TILE};
+    let props = Arc::new(device_properties(target));
+    let tp = Arc::new(CudaRuntime::target_properties());
+    let (one, line) = (CubeCount::Static(1, 1, 1), CubeDim::new_1d(256));
+    let square = CubeDim::new_2d(TILE as u32, TILE as u32);
+    let p = placeholder;
+    let plain = |name: &str| name.to_string();
+    let mut out = vec![
+        compile_kernel(
+            target,
+            plain("swiglu_rows"),
+            false,
+            &moe_train::swiglu_rows::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                p(),
+                0,
+            ),
+        ),
+        compile_kernel(
+            target,
+            plain("swiglu_backward_rows"),
+            false,
+            &moe_train::swiglu_backward_rows::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                p(),
+                p(),
+                p(),
+                0,
+            ),
+        ),
+        compile_kernel(
+            target,
+            plain("combine_backward"),
+            false,
+            &moe_train::combine_backward::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                0,
+                p(),
+                p(),
+                0,
+                0,
+                0,
+            ),
+        ),
+        compile_kernel(
+            target,
+            plain("route_weight_grad"),
+            false,
+            &moe_train::route_weight_grad::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                p(),
+                0,
+                p(),
+                0,
+                0,
+                0,
+            ),
+        ),
+        compile_kernel(
+            target,
+            plain("sum_assignments"),
+            false,
+            &moe_train::sum_assignments::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                0,
+                p(),
+                0,
+                0,
+                0,
+            ),
+        ),
+        compile_kernel(
+            target,
+            plain("softmax_rows"),
+            false,
+            &exact::softmax_rows::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                0,
+                0,
+            ),
+        ),
+        compile_kernel(
+            target,
+            plain("mean_rows"),
+            false,
+            &exact::mean_rows::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                0,
+                0,
+                0.0,
+            ),
+        ),
+    ];
+    for w_transposed in [false, true] {
+        out.push(compile_kernel(
+            target,
+            format!("exact_matmul w_transposed={w_transposed}"),
+            false,
+            &exact::matmul::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                line,
+                p(),
+                p(),
+                p(),
+                0,
+                0,
+                0,
+                0,
+                w_transposed,
+            ),
+        ));
+    }
+    for gather in [false, true] {
+        out.push(compile_kernel(
+            target,
+            format!("grouped_weight_grad gather={gather}"),
+            false,
+            &moe_train::grouped_weight_grad::create_dummy_kernel(
+                props.clone(),
+                tp.clone(),
+                one.clone(),
+                square,
+                p(),
+                p(),
+                p(),
+                0,
+                0,
+                p(),
+                0,
+                0,
+                gather,
+            ),
+        ));
+    }
+    // The gate + up backward (two gradients, out = intermediate) and the down backward (out = hidden).
+    for &format in formats {
+        for (two, rows) in [(true, 768usize), (false, 2048)] {
+            out.push(compile_kernel(
+                target,
+                format!("grouped_transposed {} two={two}", format.name()),
+                false,
+                &moe_train::grouped_transposed::create_dummy_kernel(
+                    props.clone(),
+                    tp.clone(),
+                    one.clone(),
+                    square,
+                    p(),
+                    p(),
+                    p(),
+                    p(),
+                    p(),
+                    p(),
+                    p(),
+                    p(),
+                    p(),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    format.kernel_code(),
+                    format.kernel_group(),
+                    rows.div_ceil(crate::format::CHUNK),
+                    two,
+                ),
+            ));
         }
     }
     out

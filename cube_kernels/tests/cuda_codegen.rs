@@ -1,24 +1,36 @@
-//! The tensor-core tiles compiled for an H100/H200 (sm_90) without a GPU (`cube_kernels::ptx`): every
-//! variant the launchers can ask for compiles, the instruction variants contain the matrix instruction
-//! and the scalar twins do not, and, where `ptxas` is found (`QARL_PTXAS`, else on `PATH`), the PTX
-//! assembles for sm_90a. Builds only with `--features cuda` (which needs LLVM: `scripts/offline_llvm.sh`
-//! or `scripts/cuda_build_chroot.sh cargo test -p cube_kernels --features cuda --test cuda_codegen`).
+//! The kernels that never ran on a CUDA device, compiled for an H100/H200 (sm_90) without a GPU
+//! (`cube_kernels::ptx`): every tensor-core tile variant the launchers can ask for and the GPU training
+//! kernels compile, the instruction variants contain the matrix instruction and nothing else does, and,
+//! where `ptxas` is found (`QARL_PTXAS`, else on `PATH`), the PTX assembles for sm_90a. Builds only with
+//! `--features cuda`, which needs LLVM: `scripts/cuda_codegen.sh` sets it all up and runs this.
 //! `QARL_PTX_DIR` keeps the PTX files there for reading.
 #![cfg(feature = "cuda")]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use cube_kernels::ptx::{compile_all_tiles, CompiledTile, CudaTarget};
-use cube_kernels::WeightFormat;
+use cube_kernels::ptx::{compile_all_tiles, compile_training_kernels, CompiledKernel, CudaTarget};
+use cube_kernels::{KernelError, WeightFormat};
 
 const H200: CudaTarget = CudaTarget {
     arch: 90,
     driver: 13000,
 };
 
-fn formats() -> Vec<WeightFormat> {
-    ["int4-g32", "int4-g128", "int8-pc", "nvfp4", "mxfp4"]
+/// The weight-only formats (the tiles take no fp8, whose activations are quantized).
+const TILE_FORMATS: &[&str] = &["int4-g32", "int4-g128", "int8-pc", "nvfp4", "mxfp4"];
+/// Every format the grouped straight-through backward decodes.
+const TRAINING_FORMATS: &[&str] = &[
+    "int4-g32",
+    "int4-g128",
+    "int8-pc",
+    "fp8-b128",
+    "nvfp4",
+    "mxfp4",
+];
+
+fn formats(names: &[&str]) -> Vec<WeightFormat> {
+    names
         .iter()
         .map(|name| WeightFormat::parse(name).unwrap())
         .collect()
@@ -38,7 +50,7 @@ fn ptxas() -> Option<PathBuf> {
 }
 
 /// `ptxas -arch=sm_90a` on `tile`'s PTX; its verbose report (registers, spills, shared memory).
-fn assemble(ptxas: &Path, dir: &Path, tile: &CompiledTile) -> Result<String, String> {
+fn assemble(ptxas: &Path, dir: &Path, tile: &CompiledKernel) -> Result<String, String> {
     let stem: String = tile
         .name
         .chars()
@@ -70,8 +82,8 @@ fn usage(report: &str) -> String {
         .join("; ")
 }
 
-#[test]
-fn tensor_core_tiles_compile_for_sm90_and_use_the_instruction() {
+/// Compiles, inspects and (with ptxas) assembles `results`; every problem, one per line.
+fn check(results: Vec<Result<CompiledKernel, KernelError>>) -> Vec<String> {
     let dir = std::env::var("QARL_PTX_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| std::env::temp_dir().join("qarl-cuda-codegen"));
@@ -83,45 +95,55 @@ fn tensor_core_tiles_compile_for_sm90_and_use_the_instruction() {
         );
     }
     let mut failures = Vec::new();
-    let results = compile_all_tiles(H200, &formats());
-    let variants = results.len();
     for result in results {
-        let tile = match result {
-            Ok(tile) => tile,
+        let kernel = match result {
+            Ok(kernel) => kernel,
             Err(err) => {
                 failures.push(err.to_string());
                 continue;
             }
         };
-        if tile.is_ptx && has_matrix_instruction(&tile.source) != tile.tensor_cores {
+        if kernel.is_ptx && has_matrix_instruction(&kernel.source) != kernel.tensor_cores {
             failures.push(format!(
                 "{}: the matrix instruction is {} the PTX",
-                tile.name,
-                if tile.tensor_cores {
+                kernel.name,
+                if kernel.tensor_cores {
                     "missing from"
                 } else {
                     "in"
                 }
             ));
         }
-        if let (Some(ptxas), true) = (&ptxas, tile.is_ptx) {
-            match assemble(ptxas, &dir, &tile) {
+        if let (Some(ptxas), true) = (&ptxas, kernel.is_ptx) {
+            match assemble(ptxas, &dir, &kernel) {
                 Ok(report) => eprintln!(
                     "{} (shared {} B): {}",
-                    tile.name,
-                    tile.shared_bytes,
+                    kernel.name,
+                    kernel.shared_bytes,
                     usage(&report)
                 ),
-                Err(report) => failures.push(format!("{}: ptxas: {report}", tile.name)),
+                Err(report) => failures.push(format!("{}: ptxas: {report}", kernel.name)),
             }
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} problems in {variants} variants:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
+    failures
+}
+
+#[test]
+fn tensor_core_tiles_compile_for_sm90_and_use_the_instruction() {
+    let results = compile_all_tiles(H200, &formats(TILE_FORMATS));
     // 5 formats x (dense, MoE gate-up, MoE down) x 3 operand pairs x (instruction, scalar twin).
-    assert_eq!(variants, 5 * 3 * 3 * 2);
+    assert_eq!(results.len(), 5 * 3 * 3 * 2);
+    let failures = check(results);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn training_kernels_compile_for_sm90() {
+    let results = compile_training_kernels(H200, &formats(TRAINING_FORMATS));
+    // 7 single-variant kernels, the exact matmul's 2 layouts, the weight gradient with and without
+    // gather, and the grouped transposed product's 2 projections for each of 6 formats.
+    assert_eq!(results.len(), 7 + 2 + 2 + 2 * 6);
+    let failures = check(results);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

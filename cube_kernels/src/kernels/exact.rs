@@ -17,7 +17,7 @@ use cubecl::prelude::*;
 
 /// `y[b, i, j] = sum_k x[b, i, k] * w[b, k, j]` (`w[b, j, k]` with `w_transposed`), for `total = batches *
 /// m * n` outputs, each one fused multiply-add chain in `k` order from 0.0.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
     x: &[f32],
@@ -54,7 +54,7 @@ pub fn matmul(
 /// `y[r, :] = softmax(x[r, :])` for `rows` rows of `len` (>= 1) values: the maximum and the sum of
 /// `exp(x - max)` in index order, then `exp(x - max) / sum`. Entries of `-inf` (masked keys) add exact
 /// zeros and never raise the maximum, so they do not change the other entries' bits.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 pub fn softmax_rows(x: &[f32], y: &mut [f32], rows: usize, len: usize) {
     let r = ABSOLUTE_POS;
     if r < rows {
@@ -78,7 +78,7 @@ pub fn softmax_rows(x: &[f32], y: &mut [f32], rows: usize, len: usize) {
 
 /// `y[r] = (sum_i x[r, i]) / len` for `rows` rows of `len` values (`len_f`: `len` as f32), the sum in index
 /// order from 0.0.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 pub fn mean_rows(x: &[f32], y: &mut [f32], rows: usize, len: usize, len_f: f32) {
     let r = ABSOLUTE_POS;
     if r < rows {

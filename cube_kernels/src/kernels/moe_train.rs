@@ -22,7 +22,7 @@ use super::moe::silu_times;
 use super::{TILE_FLOATS, TILE_STRIDE};
 
 /// `h[i] = silu(g[i]) * u[i]` by [`silu_times`], the fused gate+up kernel's own arithmetic.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 pub fn swiglu_rows(g: &[f32], u: &[f32], h: &mut [f32], len: usize) {
     let id = ABSOLUTE_POS;
     if id < len {
@@ -32,7 +32,7 @@ pub fn swiglu_rows(g: &[f32], u: &[f32], h: &mut [f32], len: usize) {
 
 /// Through the combine: `dy[pos(t, j), c] = route_w[t, j] * d_out[t, c]` (every sorted assignment is some
 /// `(t, j)`, so every `dy` value is written once).
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn combine_backward(
     d_out: &[f32],
@@ -56,7 +56,7 @@ pub fn combine_backward(
 
 /// The routing weights' gradient: `d_w[t, j] = sum_c d_out[t, c] * y[pos(t, j), c]`, `c` in order, fused
 /// multiply-adds from 0.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn route_weight_grad(
     d_out: &[f32],
@@ -82,7 +82,7 @@ pub fn route_weight_grad(
 
 /// Through `h = silu(g) * u` with `s = 1 / (1 + exp(-g))`: `du = dh * g * s` and
 /// `dg = dh * u * s * (1 + g * (1 - s))`.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 pub fn swiglu_backward_rows(
     g: &[f32],
     u: &[f32],
@@ -105,7 +105,7 @@ pub fn swiglu_backward_rows(
 /// `e`), `dx[a, k] = sum_o g1[a, o] W1_e[o, k]` (`+ sum_o g2[a, o] W2_e[o, k]` when `two`, added after),
 /// `k` in `16 CUBE_POS_X..+16`. `g1`, `g2`, `dx` are f32 in sorted order; both weights share one format and
 /// shape (`out` rows of `inn`). Empty tiles write nothing.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_transposed(
     g1: &[f32],
@@ -160,7 +160,7 @@ pub fn grouped_transposed(
 /// sums added left to right); `src(a)` is the token `table[rows_at + a]` when `gather`, else `a` (an input
 /// already in sorted order). Unit `(tx, ty)` of cube `(x, y)` computes `r = 16 x + tx`, `k = 16 y + ty`. An
 /// expert without assignments gets zeros.
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_weight_grad(
     input: &[f32],
@@ -226,7 +226,7 @@ pub fn grouped_weight_grad(
 
 /// Back to the tokens: `dx[t, c] = sum_j d_sorted[pos(t, j), c]`, slots in order from 0.0 (what the
 /// combine's backward is for the input gradient; no atomics).
-#[cube(launch)]
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn sum_assignments(
     d_sorted: &[f32],
