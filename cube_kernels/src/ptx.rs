@@ -73,6 +73,27 @@ pub struct CompiledKernel {
     pub shared_bytes: usize,
 }
 
+/// Compiles `module::kernel` (named `name`; built for the instruction when `tensor_cores`) as launched
+/// with cube dimensions `dim` and the launch arguments `args` (buffers as placeholders, runtime scalars
+/// 0, the compile-time parameters as the launchers pass them) on `target`.
+macro_rules! compile_dummy {
+    ($target:expr, $name:expr, $tensor_cores:expr, $module:ident :: $kernel:ident, $dim:expr;
+     $($arg:expr),* $(,)?) => {
+        compile_kernel(
+            $target,
+            $name,
+            $tensor_cores,
+            &$module::$kernel::create_dummy_kernel(
+                Arc::new(device_properties($target)),
+                Arc::new(CudaRuntime::target_properties()),
+                CubeCount::Static(1, 1, 1),
+                $dim,
+                $($arg),*
+            ),
+        )
+    };
+}
+
 /// Compiles `kernel` for `format` weights with `input`-typed buffers staged as `operand` on `target`,
 /// on tensor cores or with the scalar twin. Errors name the variant and what the compiler said.
 pub fn compile_tile(
@@ -96,67 +117,23 @@ pub fn compile_tile(
             "{name}: the tiles take weight-only formats"
         )));
     }
-    let props = Arc::new(device_properties(target));
-    let target_props = Arc::new(CudaRuntime::target_properties());
     let (fmt, group) = (format.kernel_code(), format.kernel_group());
+    let p = placeholder;
     match kernel {
-        TileKernel::Dense => {
-            let kernel = mma::gemm_tiles::create_dummy_kernel(
-                props,
-                target_props,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32),
-                placeholder(),
-                placeholder(),
-                placeholder(),
-                placeholder(),
-                placeholder(),
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                fmt,
-                group,
-                tensor_cores,
-                [input.elem(), operand.elem(), input.elem()],
-            );
-            compile_kernel(target, name, tensor_cores, &kernel)
-        }
+        TileKernel::Dense => compile_dummy!(
+            target, name, tensor_cores, mma::gemm_tiles,
+            CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32);
+            p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0,
+            fmt, group, tensor_cores, [input.elem(), operand.elem(), input.elem()]
+        ),
         TileKernel::MoeGateUp | TileKernel::MoeDown => {
             let swiglu = matches!(kernel, TileKernel::MoeGateUp);
-            let kernel = mma_moe::grouped_tiles::create_dummy_kernel(
-                props,
-                target_props,
-                CubeCount::Static(1, 1, 1),
-                CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32),
-                placeholder(),
-                placeholder(),
-                0,
-                placeholder(),
-                placeholder(),
-                placeholder(),
-                placeholder(),
-                placeholder(),
-                placeholder(),
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                0,
-                fmt,
-                group,
-                swiglu,
-                swiglu,
-                tensor_cores,
-                [input.elem(), operand.elem()],
-            );
-            compile_kernel(target, name, tensor_cores, &kernel)
+            compile_dummy!(
+                target, name, tensor_cores, mma_moe::grouped_tiles,
+                CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32);
+                p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
+                fmt, group, swiglu, swiglu, tensor_cores, [input.elem(), operand.elem()]
+            )
         }
     }
 }
@@ -316,208 +293,57 @@ pub fn compile_training_kernels(
     formats: &[WeightFormat],
 ) -> Vec<Result<CompiledKernel, KernelError>> {
     use crate::kernels::{exact, moe_train, TILE};
-    let props = Arc::new(device_properties(target));
-    let tp = Arc::new(CudaRuntime::target_properties());
-    let (one, line) = (CubeCount::Static(1, 1, 1), CubeDim::new_1d(256));
-    let square = CubeDim::new_2d(TILE as u32, TILE as u32);
+    let (line, square) = (
+        CubeDim::new_1d(256),
+        CubeDim::new_2d(TILE as u32, TILE as u32),
+    );
     let p = placeholder;
-    let plain = |name: &str| name.to_string();
+    macro_rules! compile {
+        ($name:expr, $($rest:tt)*) => { compile_dummy!(target, $name, false, $($rest)*) };
+    }
+    let name = |kernel: &str| kernel.to_string();
     let mut out = vec![
-        compile_kernel(
-            target,
-            plain("swiglu_rows"),
-            false,
-            &moe_train::swiglu_rows::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                p(),
-                0,
-            ),
+        compile!(name("swiglu_rows"), moe_train::swiglu_rows, line; p(), p(), p(), 0),
+        compile!(
+            name("swiglu_backward_rows"), moe_train::swiglu_backward_rows, line;
+            p(), p(), p(), p(), p(), 0
         ),
-        compile_kernel(
-            target,
-            plain("swiglu_backward_rows"),
-            false,
-            &moe_train::swiglu_backward_rows::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                p(),
-                p(),
-                p(),
-                0,
-            ),
+        compile!(
+            name("combine_backward"), moe_train::combine_backward, line;
+            p(), p(), 0, p(), p(), 0, 0, 0
         ),
-        compile_kernel(
-            target,
-            plain("combine_backward"),
-            false,
-            &moe_train::combine_backward::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                0,
-                p(),
-                p(),
-                0,
-                0,
-                0,
-            ),
+        compile!(
+            name("route_weight_grad"), moe_train::route_weight_grad, line;
+            p(), p(), p(), 0, p(), 0, 0, 0
         ),
-        compile_kernel(
-            target,
-            plain("route_weight_grad"),
-            false,
-            &moe_train::route_weight_grad::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                p(),
-                0,
-                p(),
-                0,
-                0,
-                0,
-            ),
+        compile!(
+            name("sum_assignments"), moe_train::sum_assignments, line;
+            p(), p(), 0, p(), 0, 0, 0
         ),
-        compile_kernel(
-            target,
-            plain("sum_assignments"),
-            false,
-            &moe_train::sum_assignments::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                0,
-                p(),
-                0,
-                0,
-                0,
-            ),
-        ),
-        compile_kernel(
-            target,
-            plain("softmax_rows"),
-            false,
-            &exact::softmax_rows::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                0,
-                0,
-            ),
-        ),
-        compile_kernel(
-            target,
-            plain("mean_rows"),
-            false,
-            &exact::mean_rows::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                0,
-                0,
-                0.0,
-            ),
-        ),
+        compile!(name("softmax_rows"), exact::softmax_rows, line; p(), p(), 0, 0),
+        compile!(name("mean_rows"), exact::mean_rows, line; p(), p(), 0, 0, 0.0),
     ];
     for w_transposed in [false, true] {
-        out.push(compile_kernel(
-            target,
-            format!("exact_matmul w_transposed={w_transposed}"),
-            false,
-            &exact::matmul::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                line,
-                p(),
-                p(),
-                p(),
-                0,
-                0,
-                0,
-                0,
-                w_transposed,
-            ),
+        out.push(compile!(
+            format!("exact_matmul w_transposed={w_transposed}"), exact::matmul, line;
+            p(), p(), p(), 0, 0, 0, 0, w_transposed
         ));
     }
     for gather in [false, true] {
-        out.push(compile_kernel(
-            target,
-            format!("grouped_weight_grad gather={gather}"),
-            false,
-            &moe_train::grouped_weight_grad::create_dummy_kernel(
-                props.clone(),
-                tp.clone(),
-                one.clone(),
-                square,
-                p(),
-                p(),
-                p(),
-                0,
-                0,
-                p(),
-                0,
-                0,
-                gather,
-            ),
+        out.push(compile!(
+            format!("grouped_weight_grad gather={gather}"), moe_train::grouped_weight_grad, square;
+            p(), p(), p(), 0, 0, p(), 0, 0, gather
         ));
     }
     // The gate + up backward (two gradients, out = intermediate) and the down backward (out = hidden).
     for &format in formats {
         for (two, rows) in [(true, 768usize), (false, 2048)] {
-            out.push(compile_kernel(
-                target,
+            let (fmt, group) = (format.kernel_code(), format.kernel_group());
+            out.push(compile!(
                 format!("grouped_transposed {} two={two}", format.name()),
-                false,
-                &moe_train::grouped_transposed::create_dummy_kernel(
-                    props.clone(),
-                    tp.clone(),
-                    one.clone(),
-                    square,
-                    p(),
-                    p(),
-                    p(),
-                    p(),
-                    p(),
-                    p(),
-                    p(),
-                    p(),
-                    p(),
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    0,
-                    format.kernel_code(),
-                    format.kernel_group(),
-                    rows.div_ceil(crate::format::CHUNK),
-                    two,
-                ),
+                moe_train::grouped_transposed, square;
+                p(), p(), p(), p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
+                fmt, group, rows.div_ceil(crate::format::CHUNK), two
             ));
         }
     }
