@@ -9,7 +9,6 @@
 mod exact;
 mod moe_train;
 
-use cubecl::features::TypeUsage;
 use cubecl::prelude::*;
 
 pub use crate::buffer::DeviceBuffer;
@@ -183,35 +182,15 @@ impl Kernels {
         &self.client
     }
 
-    /// Whether the device can hold and convert activations of `dtype` (f32 always; f16 and bf16 as the
-    /// runtime reports them: buffers of the type and conversions to and from f32 are all the kernels need).
+    /// Whether the device can hold and convert activations of `dtype` ([`ActDType::usable_on`]).
     pub fn supports(&self, dtype: ActDType) -> bool {
-        dtype == ActDType::F32
-            || self
-                .client
-                .properties()
-                .type_usage(dtype.elem())
-                .is_superset(TypeUsage::Buffer | TypeUsage::Conversion)
+        dtype.usable_on(self.client.properties())
     }
 
     /// Whether the device has the `m16n16k16` tensor-core instruction on `dtype` operands with f32
-    /// accumulation, which [`MatmulPath::Mma`] needs (a half type; never f32).
+    /// accumulation, which [`MatmulPath::Mma`] needs ([`ActDType::has_tensor_tiles_on`]).
     pub fn supports_mma(&self, dtype: ActDType) -> bool {
-        dtype != ActDType::F32
-            && self.supports(dtype)
-            && self
-                .client
-                .features()
-                .matmul
-                .cmma
-                .contains(&cubecl::features::MmaConfig {
-                    a_type: dtype.elem(),
-                    b_type: dtype.elem(),
-                    cd_type: ActDType::F32.elem(),
-                    m: MMA as u32,
-                    n: MMA as u32,
-                    k: MMA as u32,
-                })
+        dtype.has_tensor_tiles_on(self.client.properties())
     }
 
     fn check_dtype(&self, dtype: ActDType) -> Result<(), KernelError> {

@@ -1,9 +1,11 @@
 //! The activations' element type: f32, f16 or bf16 ([`ActDType`]), and the host-side rounding the
 //! precision contract of [`crate::kernels`] is stated in.
 
-use cubecl::ir::{ElemType, FloatKind};
+use cubecl::features::{MmaConfig, TypeUsage};
+use cubecl::ir::{DeviceProperties, ElemType, FloatKind};
 
 use crate::error::KernelError;
+use crate::kernels::mma::MMA;
 
 /// The element type of the activations a matmul reads and of the result it writes (weights, scales and
 /// every sum are f32 whatever it is; see the precision contract in [`crate::kernels`]).
@@ -58,6 +60,31 @@ impl ActDType {
             ActDType::F16 => FloatKind::F16,
             ActDType::BF16 => FloatKind::BF16,
         })
+    }
+
+    /// Whether a device with `props` can hold and convert activations of this type (f32 always; f16 and
+    /// bf16 as the runtime reports them: buffers of the type and conversions to and from f32 are all the
+    /// kernels need).
+    pub fn usable_on(self, props: &DeviceProperties) -> bool {
+        self == ActDType::F32
+            || props
+                .type_usage(self.elem())
+                .is_superset(TypeUsage::Buffer | TypeUsage::Conversion)
+    }
+
+    /// Whether a device with `props` has the `m16n16k16` tensor-core instruction on operands of this type
+    /// with f32 accumulation, what the tensor-core tiles need (a half type; never f32).
+    pub fn has_tensor_tiles_on(self, props: &DeviceProperties) -> bool {
+        self != ActDType::F32
+            && self.usable_on(props)
+            && props.features.matmul.cmma.contains(&MmaConfig {
+                a_type: self.elem(),
+                b_type: self.elem(),
+                cd_type: ActDType::F32.elem(),
+                m: MMA as u32,
+                n: MMA as u32,
+                k: MMA as u32,
+            })
     }
 
     /// `v` rounded to this type (round to nearest, ties to even; f32 unchanged) and widened back to f32

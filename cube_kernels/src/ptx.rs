@@ -191,7 +191,7 @@ fn placeholder() -> BufferArg {
 /// What the CUDA runtime's device service reads off a part of compute capability `target.arch` that
 /// bears on code generation: the types, the matrix instructions the C++ backend knows for the
 /// architecture, narrowed to what the LLVM backend lowers (as the runtime narrows them), warp 32.
-fn device_properties(target: CudaTarget) -> DeviceProperties {
+pub fn device_properties(target: CudaTarget) -> DeviceProperties {
     let arch = CudaArchitecture {
         version: target.arch,
         tensor_cores: target.arch >= 70,

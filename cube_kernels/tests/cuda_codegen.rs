@@ -9,8 +9,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use cube_kernels::ptx::{compile_all_tiles, compile_training_kernels, CompiledKernel, CudaTarget};
-use cube_kernels::{KernelError, WeightFormat};
+use cube_kernels::ptx::{
+    compile_all_tiles, compile_training_kernels, device_properties, CompiledKernel, CudaTarget,
+};
+use cube_kernels::{ActDType, KernelError, WeightFormat};
 
 const H200: CudaTarget = CudaTarget {
     arch: 90,
@@ -146,4 +148,20 @@ fn training_kernels_compile_for_sm90() {
     assert_eq!(results.len(), 7 + 2 + 2 + 2 * 6);
     let failures = check(results);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// On the part the tiles are for, the properties the runtime registers offer the instruction for both
+/// half types, so `train.tensor_cores` takes it rather than warning and running the scalar twin.
+#[test]
+fn an_h200_offers_the_tiles_instruction_for_half_operands() {
+    let props = device_properties(H200);
+    assert!(ActDType::BF16.has_tensor_tiles_on(&props));
+    assert!(ActDType::F16.has_tensor_tiles_on(&props));
+    assert!(!ActDType::F32.has_tensor_tiles_on(&props));
+    // A part without tensor cores (sm_61) offers none.
+    let pascal = device_properties(CudaTarget {
+        arch: 61,
+        driver: 13000,
+    });
+    assert!(!ActDType::F16.has_tensor_tiles_on(&pascal));
 }
