@@ -38,6 +38,12 @@ if [[ ",$only," == *,cuda,* ]]; then
     echo "no offline LLVM bundle (scripts/offline_llvm.sh) and not root for the chroot: wgpu only"
   fi
 fi
+if [[ ",$only," == *,cuda,* ]]; then
+  # libdevice (500 KB), for a GPU machine without the CUDA toolkit: gpu_check.sh points CUDA_PATH here
+  # when it finds none (the LLVM backend links it for SwiGLU's exp and softmax's).
+  tools="$(bash scripts/cuda_tools.sh)"
+  install -D -m 644 "$tools/nvvm/libdevice/libdevice.10.bc" .gpu/cuda/nvvm/libdevice/libdevice.10.bc
+fi
 if ! ls .gl/libvulkan1_*.deb >/dev/null 2>&1; then
   o='-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64'
   mkdir -p /tmp/amd64/partial

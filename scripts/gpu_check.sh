@@ -43,8 +43,17 @@ libdirs=(/usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/local/cuda/lib64 /us
 while read -r lib; do libdirs+=("$(dirname "$lib")"); done < <(find /usr/local /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -5)
 for d in "${libdirs[@]}"; do [ -d "$d" ] && LD_LIBRARY_PATH="${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$d"; done
 export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+# libdevice for the LLVM backend's math functions: the toolkit's (CUDA_PATH or where cubecl-llvm looks),
+# else the copy scripts/build_gpu_bundle.sh put in .gpu/cuda.
+has_libdevice() { [ -f "$1/nvvm/libdevice/libdevice.10.bc" ]; }
+if ! { [ -n "${CUDA_PATH:-}" ] && has_libdevice "$CUDA_PATH"; }; then
+  found=""
+  for root in /usr/local/cuda /opt/cuda /usr/lib/cuda /usr; do has_libdevice "$root" && found=$root && break; done
+  if [ -n "$found" ]; then export CUDA_PATH="$found"; elif has_libdevice "$PWD/.gpu/cuda"; then export CUDA_PATH="$PWD/.gpu/cuda"; fi
+fi
 {
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  echo "CUDA_PATH=${CUDA_PATH:-} (libdevice: $(has_libdevice "${CUDA_PATH:-/nonexistent}" && echo found || echo missing))"
   ldd --version | head -1
   find /usr/local /opt /usr/lib -name 'libnvrtc.so*' 2>/dev/null | head -5
   for b in "$bins"/*; do echo "== ldd $b"; ldd "$b" 2>&1 | grep -E "not found|GLIBC|libc.so|stdc" ; done
