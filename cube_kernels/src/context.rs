@@ -124,6 +124,22 @@ impl MatmulPath {
 pub struct Kernels {
     client: Client,
     lut: DeviceBuffer,
+    /// K steps the tensor-core tiles stage per pair of barriers; `None`: as many as the device's shared
+    /// memory holds, up to [`MAX_STAGE_STEPS`] ([`Self::with_tile_stage_steps`]).
+    stage_steps: Option<usize>,
+}
+
+/// Most K steps the tiles stage at once: 4 steps of 16 inputs cut the barriers per instruction by 4.
+pub const MAX_STAGE_STEPS: usize = 4;
+
+/// The K steps a tile kernel stages per pair of barriers on a device with `max_shared` bytes of shared
+/// memory per cube: the most of 4, 2, 1 whose allocation (`shared_bytes(steps)`) fits. The bits do not
+/// depend on it, only the barrier count.
+pub fn tile_stage_steps(max_shared: usize, shared_bytes: impl Fn(usize) -> usize) -> usize {
+    [MAX_STAGE_STEPS, 2, 1]
+        .into_iter()
+        .find(|&steps| shared_bytes(steps) <= max_shared)
+        .unwrap_or(1)
 }
 
 impl Kernels {
@@ -153,7 +169,32 @@ impl Kernels {
             len: table.len(),
             dtype: ActDType::F32,
         };
-        Kernels { client, lut }
+        Kernels {
+            client,
+            lut,
+            stage_steps: None,
+        }
+    }
+
+    /// These kernels with the tensor-core tiles staging `steps` K steps per pair of barriers (`None`: as
+    /// many as the device's shared memory holds): for tests, which check the bits do not depend on it,
+    /// and for timing the choice. A count whose allocation the device cannot hold is refused when the
+    /// tiles are asked for, with an error naming it.
+    pub fn with_tile_stage_steps(mut self, steps: Option<usize>) -> Self {
+        self.stage_steps = steps;
+        self
+    }
+
+    /// The K steps per stage for a tile kernel whose allocation is `shared_bytes(steps)`: the fixed count
+    /// ([`Self::check_tiles`] has checked that it fits), or as many as fit.
+    fn stage_steps(&self, shared_bytes: impl Fn(usize) -> usize) -> usize {
+        self.stage_steps
+            .unwrap_or_else(|| tile_stage_steps(self.max_shared_bytes(), shared_bytes))
+    }
+
+    /// Shared memory one cube may allocate on this device, in bytes.
+    fn max_shared_bytes(&self) -> usize {
+        self.client.properties().hardware.max_shared_memory_size
     }
 
     /// The wgpu runtime's default adapter (a GPU, or lavapipe on a CPU-only machine).
@@ -521,6 +562,20 @@ impl Kernels {
                 "grouped (tensor-core) tiles for {format:?} weights: their activations are quantized too"
             )));
         }
+        if let Some(steps) = self.stage_steps {
+            // The largest tile allocation for these operands: the MoE gate + up.
+            let need = mma::gemm_tiles_shared_bytes(steps, dtype.size(), tensor_cores).max(
+                mma_moe::grouped_tiles_shared_bytes(steps, dtype.size(), true, tensor_cores),
+            );
+            if steps == 0 || need > self.max_shared_bytes() {
+                return Err(KernelError::Unsupported(format!(
+                    "tensor-core tiles staging {steps} K steps with {dtype} operands: {need} bytes of \
+                     shared memory per cube, {} allows {}",
+                    self.device_name(),
+                    self.max_shared_bytes()
+                )));
+            }
+        }
         if tensor_cores && !self.supports_mma(dtype) {
             return Err(KernelError::Unsupported(format!(
                 "tensor-core tiles for {format:?} weights with {dtype} activations on {} (half \
@@ -546,6 +601,8 @@ impl Kernels {
         self.check_tiles(w.format, (tensor_cores, operand))?;
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
         let (steps, steps_per_scale) = tile_steps(w);
+        let stage_steps =
+            self.stage_steps(|d| mma::gemm_tiles_shared_bytes(d, operand.size(), tensor_cores));
         mma::gemm_tiles::launch(
             &self.client,
             CubeCount::Static(
@@ -569,6 +626,7 @@ impl Kernels {
             fmt,
             group,
             tensor_cores,
+            stage_steps,
             [x.dtype.elem(), operand.elem(), y.dtype.elem()],
         );
         Ok(())
@@ -962,6 +1020,9 @@ impl Kernels {
     ) {
         let layout = routing.layout();
         let (steps, steps_per_scale) = tile_steps(a);
+        let stage_steps = self.stage_steps(|d| {
+            mma_moe::grouped_tiles_shared_bytes(d, operand.size(), swiglu, tensor_cores)
+        });
         mma_moe::grouped_tiles::launch(
             &self.client,
             CubeCount::Static(
@@ -992,6 +1053,7 @@ impl Kernels {
             swiglu,
             gather,
             tensor_cores,
+            stage_steps,
             [input.dtype.elem(), operand.elem()],
         );
     }

@@ -33,6 +33,7 @@ use cubecl_llvm::nvptx::ptx_version::PtxVersion;
 use cubecl_llvm::shared::lowered_features::{restrict_features, GpuTarget};
 use cubecl_runtime::runtime::Runtime;
 
+use crate::context::tile_stage_steps;
 use crate::kernels::mma::{self, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
 use crate::{ActDType, KernelError, WeightFormat};
@@ -95,16 +96,17 @@ macro_rules! compile_dummy {
 }
 
 /// Compiles `kernel` for `format` weights with `input`-typed buffers staged as `operand` on `target`,
-/// on tensor cores or with the scalar twin. Errors name the variant and what the compiler said.
+/// on tensor cores or with the scalar twin, staging `stage_steps` K steps per pair of barriers. Errors
+/// name the variant and what the compiler said.
 pub fn compile_tile(
     target: CudaTarget,
     kernel: TileKernel,
     format: WeightFormat,
     (input, operand): (ActDType, ActDType),
-    tensor_cores: bool,
+    (tensor_cores, stage_steps): (bool, usize),
 ) -> Result<CompiledKernel, KernelError> {
     let name = format!(
-        "{kernel:?} {} {input}->{operand} {}",
+        "{kernel:?} {} {input}->{operand} {} x{stage_steps}",
         format.name(),
         if tensor_cores {
             "tensor-cores"
@@ -124,7 +126,7 @@ pub fn compile_tile(
             target, name, tensor_cores, mma::gemm_tiles,
             CubeDim::new_2d(MMA_PLANE as u32, (MMA_TOKEN_TILES * MMA_ROW_TILES) as u32);
             p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0,
-            fmt, group, tensor_cores, [input.elem(), operand.elem(), input.elem()]
+            fmt, group, tensor_cores, stage_steps, [input.elem(), operand.elem(), input.elem()]
         ),
         TileKernel::MoeGateUp | TileKernel::MoeDown => {
             let swiglu = matches!(kernel, TileKernel::MoeGateUp);
@@ -132,7 +134,8 @@ pub fn compile_tile(
                 target, name, tensor_cores, mma_moe::grouped_tiles,
                 CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32);
                 p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
-                fmt, group, swiglu, swiglu, tensor_cores, [input.elem(), operand.elem()]
+                fmt, group, swiglu, swiglu, tensor_cores, stage_steps,
+                [input.elem(), operand.elem()]
             )
         }
     }
@@ -202,7 +205,7 @@ pub fn device_properties(target: CudaTarget) -> DeviceProperties {
         plane_size_min: MMA_PLANE as u32,
         plane_size_max: MMA_PLANE as u32,
         max_bindings: 1024,
-        max_shared_memory_size: 227 * 1024,
+        max_shared_memory_size: MAX_SHARED,
         max_cube_count: (i32::MAX as u32, 65_535, 65_535),
         max_units_per_cube: 1024,
         max_cube_dim: (1024, 1024, 64),
@@ -253,9 +256,34 @@ fn compilation_options(target: CudaTarget) -> CudaCompilationOptions {
     options
 }
 
+/// Shared memory a cube may take on the parts compiled for (sm_80 and later, with the opt-in that
+/// cubecl-cuda sets at the launch).
+const MAX_SHARED: usize = 227 * 1024;
+
+/// Shared memory `kernel` allocates staging `stage_steps` steps of `operand` values.
+fn tile_shared_bytes(
+    kernel: TileKernel,
+    stage_steps: usize,
+    operand: ActDType,
+    tensor_cores: bool,
+) -> usize {
+    match kernel {
+        TileKernel::Dense => {
+            mma::gemm_tiles_shared_bytes(stage_steps, operand.size(), tensor_cores)
+        }
+        TileKernel::MoeGateUp | TileKernel::MoeDown => mma_moe::grouped_tiles_shared_bytes(
+            stage_steps,
+            operand.size(),
+            matches!(kernel, TileKernel::MoeGateUp),
+            tensor_cores,
+        ),
+    }
+}
+
 /// Every tile variant the launchers can ask for on `target`: dense and both MoE products, for each of
 /// `formats`, with f32 inputs staged as bf16 (the mixed-precision training forward), bf16 and f16
-/// activations (the rollout), on the instruction and with the scalar twin.
+/// activations (the rollout), on the instruction and with the scalar twin, staging one K step per pair
+/// of barriers and as many as the launchers take on such a part ([`crate::context::tile_stage_steps`]).
 pub fn compile_all_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
@@ -275,7 +303,13 @@ pub fn compile_all_tiles(
         for kernel in kernels {
             for dtypes in dtypes {
                 for tensor_cores in [true, false] {
-                    out.push(compile_tile(target, kernel, format, dtypes, tensor_cores));
+                    let most = tile_stage_steps(MAX_SHARED, |d| {
+                        tile_shared_bytes(kernel, d, dtypes.1, tensor_cores)
+                    });
+                    for stage_steps in [1, most] {
+                        let variant = (tensor_cores, stage_steps);
+                        out.push(compile_tile(target, kernel, format, dtypes, variant));
+                    }
                 }
             }
         }

@@ -1193,3 +1193,82 @@ fn moe_training_forward_is_the_rollouts_and_its_backward_matches_the_host() {
         check_moe_training(k, format, &ids, 40, 2, seed + 1);
     }
 }
+
+/// The tiles' K steps per stage (`Kernels::with_tile_stage_steps`) change only how often the cube
+/// synchronizes: the dense product and the MoE block (scalar twins, f16 operands) give the same bits at
+/// 1, 2 and 4 steps per stage (those the adapter's shared memory holds; a count it cannot hold is refused
+/// with an error saying so), with scale groups of 2 and 8 steps and a whole row of 13 (int8-pc, K = 200:
+/// a last stage of 1 step).
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn tile_stage_steps_do_not_change_the_bits() {
+    let Some(k) = kernels() else { return };
+    if !k.supports(ActDType::F16) {
+        eprintln!("no f16 on {}: skipped", k.device_name());
+        return;
+    }
+    let staged: Vec<(usize, Kernels)> = [1usize, 2, 4]
+        .into_iter()
+        .map(|steps| {
+            let k = Kernels::wgpu().unwrap().with_tile_stage_steps(Some(steps));
+            (steps, k)
+        })
+        .collect();
+    let half = |v: &[f32]| -> Vec<f32> { v.iter().map(|v| ActDType::F16.round(*v)).collect() };
+    let mut ran = 0;
+    for (i, (format, inn)) in [
+        (WeightFormat::Int4 { group: 32 }, 384),
+        (WeightFormat::Int4 { group: 128 }, 384),
+        (WeightFormat::Int8PerRow, 200),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (n, out) = (19, 70);
+        let w = random_weights(format, 1, out, inn, 70 + i as u64);
+        let x = half(&Rng(80 + i as u64).values(n * inn));
+        let dense = |k: &Kernels| {
+            let (dw, dx) = (k.upload_weights(&w), k.upload(&x, ActDType::F16).unwrap());
+            k.linear_with(&dx, n, &dw, MatmulPath::GroupedScalar)
+                .map(|y| bits(&k.read_f32(&y).unwrap()))
+        };
+        let (experts, _, _) = MOE_SHAPE;
+        let (case, _) = moe_case(format, 9, 2, 90 + i as u64);
+        let ids: Vec<u32> = (0..18u32).map(|i| 1 + (i * i + i / 3) % 4).collect();
+        let moe = |k: &Kernels| {
+            let weights = [&case.gate, &case.up, &case.down].map(|w| k.upload_weights(w));
+            let routing = MoeRouting::new(&ids, 9, 2, experts).unwrap();
+            let (dx, drw) = (
+                k.upload(&half(&case.x), ActDType::F16).unwrap(),
+                k.upload(&half(&case.route_w), ActDType::F16).unwrap(),
+            );
+            k.moe_with(
+                &dx,
+                &routing,
+                &drw,
+                [&weights[0], &weights[1], &weights[2]],
+                MatmulPath::GroupedScalar,
+            )
+            .map(|y| bits(&k.read_f32(&y).unwrap()))
+        };
+        let (want_dense, want_moe) = (dense(&staged[0].1).unwrap(), moe(&staged[0].1).unwrap());
+        for (steps, k) in &staged[1..] {
+            let what = format!("{} at {steps} K steps per stage", format.name());
+            match (dense(k), moe(k)) {
+                (Ok(d), Ok(m)) => {
+                    assert_eq!(d, want_dense, "{what}: dense");
+                    assert_eq!(m, want_moe, "{what}: MoE");
+                    ran += 1;
+                }
+                (Err(err), _) | (_, Err(err)) => {
+                    assert!(err.to_string().contains("shared memory"), "{what}: {err}");
+                    eprintln!("{what}: {err}");
+                }
+            }
+        }
+    }
+    assert!(
+        ran >= 3,
+        "at least 2 K steps per stage must run on every format"
+    );
+}

@@ -17,7 +17,10 @@
 //! **Tile.** A cube of 8 planes (32 units each) computes 32 tokens x 64 rows: plane `p` holds the 16 x 16
 //! accumulator of token tile `p / 4` and row tile `p % 4`. Per step, the cube stages 32 x 16 activations
 //! and 64 x 16 weight codes in shared memory (in the activations' type) and each plane multiplies its
-//! pair; per group, the accumulators go through shared memory to the units, which scale and add them.
+//! pair; `stage_steps` steps are staged per pair of barriers (the launcher takes as many as the device's
+//! shared memory holds, up to 4: fewer barriers per instruction), and they still reach each accumulator
+//! one by one in K order (a group's last stage runs only the group's remaining steps), so the bits do
+//! not depend on it; per group, the accumulators go through shared memory to the units, which scale and add them.
 //!
 //! [`gemm_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs in
 //! place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
@@ -35,6 +38,26 @@ pub const MMA_TOKEN_TILES: usize = 2;
 pub const MMA_ROW_TILES: usize = 4;
 /// Units per plane the kernel is written for (NVIDIA's warp).
 pub const MMA_PLANE: usize = 32;
+/// Operand values of one staged K step: the cube's activations (32 tokens x 16) and weight codes (64 rows
+/// x 16).
+pub const XS_STEP: usize = MMA_TOKEN_TILES * MMA * MMA;
+pub const WS_STEP: usize = MMA_ROW_TILES * MMA * MMA;
+
+/// Shared memory [`gemm_tiles`] allocates with `stage_steps` staged steps of `operand_bytes`-byte operands
+/// (and, on tensor cores, the f32 accumulators' way to the units), alignment padding included.
+pub fn gemm_tiles_shared_bytes(
+    stage_steps: usize,
+    operand_bytes: usize,
+    tensor_cores: bool,
+) -> usize {
+    let stored = if tensor_cores {
+        XS_STEP * MMA_ROW_TILES * 4
+    } else {
+        0
+    };
+    stage_steps * (XS_STEP + WS_STEP) * operand_bytes + stored + 3 * SHARED_ALIGN
+}
+
 /// Byte alignment of every shared array the tiles load from or store to: the instruction's loads and
 /// stores (`wmma::load_matrix_sync` / `store_matrix_sync`) want 256-bit aligned pointers, and CubeCL packs
 /// shared arrays one after the other aligned only to their element type. Every offset into them is a
@@ -91,9 +114,10 @@ pub fn scale_at(
     }
 }
 
-/// Stages K step `s` of the cube's tile in shared memory, in the operands' type `X`: 32 tokens x 16 inputs
-/// of `x` (row-major, two per unit, rounded from the input type `I`) and 64 rows x 16 weight codes (`[row][k]`, four per unit); zeros past
-/// the batch, the rows or the inputs.
+/// Stages K step `s` of the cube's tile in shared memory slot `slot` (of the kernel's `stage_steps`), in the
+/// operands' type `X`: 32 tokens x 16 inputs of `x` (row-major, two per unit, rounded from the input type
+/// `I`) and 64 rows x 16 weight codes (`[row][k]`, four per unit); zeros past the batch, the rows or the
+/// inputs.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn stage_step<I: Float, X: Float>(
@@ -103,6 +127,7 @@ fn stage_step<I: Float, X: Float>(
     xs: &mut Shared<[X]>,
     ws: &mut Shared<[X]>,
     s: usize,
+    slot: usize,
     tok0: usize,
     row0: usize,
     n: usize,
@@ -113,6 +138,7 @@ fn stage_step<I: Float, X: Float>(
 ) {
     let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
     let k0 = s * MMA;
+    let (xs0, ws0) = (slot * XS_STEP, slot * WS_STEP);
     #[unroll]
     for h in 0..2usize {
         let e = unit + h * 256;
@@ -121,7 +147,7 @@ fn stage_step<I: Float, X: Float>(
         if t < n && k < inn {
             v = X::cast_from(x[t * inn + k]);
         }
-        xs[e] = v;
+        xs[xs0 + e] = v;
     }
     #[unroll]
     for h in 0..4usize {
@@ -131,7 +157,7 @@ fn stage_step<I: Float, X: Float>(
         if r < out && k < inn {
             c = code_at(words, lut, 0, r, k, wpr, fmt);
         }
-        ws[e] = X::cast_from(c);
+        ws[ws0 + e] = X::cast_from(c);
     }
 }
 
@@ -219,10 +245,11 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
     #[comptime] fmt: u32,
     #[comptime] group: usize,
     #[comptime] tensor_cores: bool,
+    #[comptime] stage_steps: usize,
     #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
-    let mut xs = Shared::<[X]>::new_aligned_slice(MMA_TOKEN_TILES * MMA * MMA, SHARED_ALIGN);
-    let mut ws = Shared::<[X]>::new_aligned_slice(MMA_ROW_TILES * MMA * MMA, SHARED_ALIGN);
+    let mut xs = Shared::<[X]>::new_aligned_slice(comptime!(stage_steps * XS_STEP), SHARED_ALIGN);
+    let mut ws = Shared::<[X]>::new_aligned_slice(comptime!(stage_steps * WS_STEP), SHARED_ALIGN);
     let lane = UNIT_POS_X as usize;
     let plane = UNIT_POS_Y as usize;
     let tok_tile = plane / MMA_ROW_TILES;
@@ -254,30 +281,54 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             cmma::fill(&mut acc, 0.0f32);
             let first = g * steps_per_scale;
             let last = (first + steps_per_scale).min(steps);
-            for s in first..last {
-                stage_step(
-                    x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
-                );
+            for c in 0..(last - first).div_ceil(stage_steps) {
+                let s0 = first + c * stage_steps;
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        stage_step(
+                            x,
+                            words,
+                            lut,
+                            &mut xs,
+                            &mut ws,
+                            s0 + d,
+                            d,
+                            tok0,
+                            row0,
+                            n,
+                            out,
+                            inn,
+                            wpr,
+                            fmt,
+                        );
+                    }
+                }
                 sync_cube();
-                let a = cmma::Matrix::<X>::from_slice(
-                    cmma::MatrixIdent::A,
-                    MMA,
-                    MMA,
-                    MMA,
-                    cmma::MatrixLayout::RowMajor,
-                    &xs[tok_tile * tile..tok_tile * tile + tile],
-                    MMA as u32,
-                );
-                let b = cmma::Matrix::<X>::from_slice(
-                    cmma::MatrixIdent::B,
-                    MMA,
-                    MMA,
-                    MMA,
-                    cmma::MatrixLayout::ColMajor,
-                    &ws[row_tile * tile..row_tile * tile + tile],
-                    MMA as u32,
-                );
-                cmma::execute(&a, &b, &acc, &acc);
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        let xa = d * XS_STEP + tok_tile * tile;
+                        let wa = d * WS_STEP + row_tile * tile;
+                        let a = cmma::Matrix::<X>::from_slice(
+                            cmma::MatrixIdent::A,
+                            MMA,
+                            MMA,
+                            MMA,
+                            cmma::MatrixLayout::RowMajor,
+                            &xs[xa..xa + tile],
+                            MMA as u32,
+                        );
+                        let b = cmma::Matrix::<X>::from_slice(
+                            cmma::MatrixIdent::B,
+                            MMA,
+                            MMA,
+                            MMA,
+                            cmma::MatrixLayout::ColMajor,
+                            &ws[wa..wa + tile],
+                            MMA as u32,
+                        );
+                        cmma::execute(&a, &b, &acc, &acc);
+                    }
+                }
                 sync_cube();
             }
             cmma::store(
@@ -314,22 +365,44 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             }
             let first = g * steps_per_scale;
             let last = (first + steps_per_scale).min(steps);
-            for s in first..last {
-                stage_step(
-                    x, words, lut, &mut xs, &mut ws, s, tok0, row0, n, out, inn, wpr, fmt,
-                );
-                sync_cube();
-                #[unroll]
-                for j in 0..8usize {
-                    let e = tile_element(lane, j);
-                    let xa = tok_tile * tile + (e / MMA) * MMA;
-                    let wa = row_tile * tile + (e % MMA) * MMA;
-                    for kk in 0..MMA {
-                        sums[j] = fma(
-                            f32::cast_from(xs[xa + kk]),
-                            f32::cast_from(ws[wa + kk]),
-                            sums[j],
+            for c in 0..(last - first).div_ceil(stage_steps) {
+                let s0 = first + c * stage_steps;
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        stage_step(
+                            x,
+                            words,
+                            lut,
+                            &mut xs,
+                            &mut ws,
+                            s0 + d,
+                            d,
+                            tok0,
+                            row0,
+                            n,
+                            out,
+                            inn,
+                            wpr,
+                            fmt,
                         );
+                    }
+                }
+                sync_cube();
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        #[unroll]
+                        for j in 0..8usize {
+                            let e = tile_element(lane, j);
+                            let xa = d * XS_STEP + tok_tile * tile + (e / MMA) * MMA;
+                            let wa = d * WS_STEP + row_tile * tile + (e % MMA) * MMA;
+                            for kk in 0..MMA {
+                                sums[j] = fma(
+                                    f32::cast_from(xs[xa + kk]),
+                                    f32::cast_from(ws[wa + kk]),
+                                    sums[j],
+                                );
+                            }
+                        }
                     }
                 }
                 sync_cube();

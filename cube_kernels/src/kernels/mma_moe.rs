@@ -17,7 +17,8 @@
 //!
 //! **Tile.** A cube of 4 planes (32 units each) computes the tile's 16 assignments x 64 rows: plane `p`
 //! holds the 16 x 16 accumulators of row tile `p` (two with SwiGLU). Per step the cube stages 16 x 16
-//! inputs and 64 x 16 codes per projection in shared memory; per scale group the accumulators go through
+//! inputs and 64 x 16 codes per projection in shared memory, `stage_steps` steps per pair of barriers
+//! as in [`super::mma`] (the bits do not depend on it); per scale group the accumulators go through
 //! shared memory to the units, which scale and add them.
 //!
 //! [`grouped_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs
@@ -38,7 +39,26 @@ const UNITS: usize = MOE_MMA_ROW_TILES * MMA_PLANE;
 /// Values of one 16 x 16 operand or accumulator tile.
 const TILE_VALUES: usize = MMA * MMA;
 
-/// Stages K step `s` of the cube's tile in shared memory, in `X`: the inputs of the tile's 16 assignments
+/// Weight codes of one staged step per projection: 64 rows x 16.
+const W_STEP: usize = MOE_MMA_ROW_TILES * TILE_VALUES;
+
+/// Shared memory [`grouped_tiles`] allocates with `stage_steps` staged steps of `operand_bytes`-byte
+/// operands, two projections with `swiglu` (and, on tensor cores, the f32 accumulators' way to the
+/// units), alignment padding included.
+pub fn grouped_tiles_shared_bytes(
+    stage_steps: usize,
+    operand_bytes: usize,
+    swiglu: bool,
+    tensor_cores: bool,
+) -> usize {
+    let sets = if swiglu { 2 } else { 1 };
+    let stored = if tensor_cores { sets * W_STEP * 4 } else { 0 };
+    // `wb` holds one value without SwiGLU.
+    let wb = if swiglu { stage_steps * W_STEP } else { 1 };
+    (stage_steps * (TILE_VALUES + W_STEP) + wb) * operand_bytes + stored + 4 * SHARED_ALIGN
+}
+
+/// Stages K step `s` of the cube's tile in shared memory slot `slot` (of the kernel's `stage_steps`), in `X`: the inputs of the tile's 16 assignments
 /// (`xs[assignment][k]`; with `gather` row `table[rows_at + a]` of `input`, else row `a`; rounded to `X`)
 /// and the 64 rows x 16 codes of `a` (and `b` with `swiglu`) of the expert at words `woff`
 /// (`ws[row][k]`); zeros past the tile's assignments, the rows or the inputs.
@@ -55,6 +75,7 @@ fn stage_moe_step<I: Float, X: Float>(
     wa: &mut Shared<[X]>,
     wb: &mut Shared<[X]>,
     s: usize,
+    slot: usize,
     a0: usize,
     a_end: usize,
     row0: usize,
@@ -68,6 +89,7 @@ fn stage_moe_step<I: Float, X: Float>(
 ) {
     let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
     let k0 = s * MMA;
+    let (xs0, ws0) = (slot * TILE_VALUES, slot * W_STEP);
     #[unroll]
     for h in 0..2usize {
         let e = unit + h * UNITS;
@@ -80,7 +102,7 @@ fn stage_moe_step<I: Float, X: Float>(
             }
             v = X::cast_from(input[src * inn + k]);
         }
-        xs[e] = v;
+        xs[xs0 + e] = v;
     }
     #[unroll]
     for h in 0..8usize {
@@ -94,9 +116,9 @@ fn stage_moe_step<I: Float, X: Float>(
                 cb = code_at(words_b, lut, woff, r, k, wpr, fmt);
             }
         }
-        wa[e] = X::cast_from(ca);
+        wa[ws0 + e] = X::cast_from(ca);
         if comptime!(swiglu) {
-            wb[e] = X::cast_from(cb);
+            wb[ws0 + e] = X::cast_from(cb);
         }
     }
 }
@@ -195,13 +217,15 @@ pub fn grouped_tiles<I: Float, X: Float>(
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
     #[comptime] tensor_cores: bool,
+    #[comptime] stage_steps: usize,
     #[define(I, X)] _dtypes: [ElemType; 2],
 ) {
     let sets = comptime!(if swiglu { 2usize } else { 1usize });
-    let mut xs = Shared::<[X]>::new_aligned_slice(TILE_VALUES, SHARED_ALIGN);
-    let mut wa = Shared::<[X]>::new_aligned_slice(MOE_MMA_ROW_TILES * TILE_VALUES, SHARED_ALIGN);
+    let mut xs =
+        Shared::<[X]>::new_aligned_slice(comptime!(stage_steps * TILE_VALUES), SHARED_ALIGN);
+    let mut wa = Shared::<[X]>::new_aligned_slice(comptime!(stage_steps * W_STEP), SHARED_ALIGN);
     let mut wb = Shared::<[X]>::new_aligned_slice(
-        comptime!(MOE_MMA_ROW_TILES * TILE_VALUES * (sets - 1) + 1),
+        comptime!(if swiglu { stage_steps * W_STEP } else { 1 }),
         SHARED_ALIGN,
     );
     let lane = UNIT_POS_X as usize;
@@ -256,42 +280,71 @@ pub fn grouped_tiles<I: Float, X: Float>(
             }
             let first = g * steps_per_scale;
             let last = (first + steps_per_scale).min(steps);
-            for s in first..last {
-                stage_moe_step(
-                    input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
-                    a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
-                );
+            for c in 0..(last - first).div_ceil(stage_steps) {
+                let s0 = first + c * stage_steps;
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        stage_moe_step(
+                            input,
+                            table,
+                            rows_at,
+                            words_a,
+                            words_b,
+                            lut,
+                            &mut xs,
+                            &mut wa,
+                            &mut wb,
+                            s0 + d,
+                            d,
+                            a0,
+                            a_end,
+                            row0,
+                            n_out,
+                            inn,
+                            wpr,
+                            woff,
+                            fmt,
+                            swiglu,
+                            gather,
+                        );
+                    }
+                }
                 sync_cube();
-                let x_tile = cmma::Matrix::<X>::from_slice(
-                    cmma::MatrixIdent::A,
-                    MMA,
-                    MMA,
-                    MMA,
-                    cmma::MatrixLayout::RowMajor,
-                    &xs[0..TILE_VALUES],
-                    MMA as u32,
-                );
-                let w_tile = cmma::Matrix::<X>::from_slice(
-                    cmma::MatrixIdent::B,
-                    MMA,
-                    MMA,
-                    MMA,
-                    cmma::MatrixLayout::ColMajor,
-                    &wa[mine..mine + TILE_VALUES],
-                    MMA as u32,
-                );
-                cmma::execute(&x_tile, &w_tile, &acc_a, &acc_a);
-                if comptime!(swiglu) {
-                    let wb_tile = cmma::Matrix::<X>::from_slice(
-                        cmma::MatrixIdent::B,
-                        MMA,
-                        MMA,
-                        MMA,
-                        cmma::MatrixLayout::ColMajor,
-                        &wb[mine..mine + TILE_VALUES],
-                        MMA as u32,
-                    );
-                    cmma::execute(&x_tile, &wb_tile, &acc_b, &acc_b);
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        let (xa, wr) = (d * TILE_VALUES, d * W_STEP + mine);
+                        let x_tile = cmma::Matrix::<X>::from_slice(
+                            cmma::MatrixIdent::A,
+                            MMA,
+                            MMA,
+                            MMA,
+                            cmma::MatrixLayout::RowMajor,
+                            &xs[xa..xa + TILE_VALUES],
+                            MMA as u32,
+                        );
+                        let w_tile = cmma::Matrix::<X>::from_slice(
+                            cmma::MatrixIdent::B,
+                            MMA,
+                            MMA,
+                            MMA,
+                            cmma::MatrixLayout::ColMajor,
+                            &wa[wr..wr + TILE_VALUES],
+                            MMA as u32,
+                        );
+                        cmma::execute(&x_tile, &w_tile, &acc_a, &acc_a);
+                        if comptime!(swiglu) {
+                            let wb_tile = cmma::Matrix::<X>::from_slice(
+                                cmma::MatrixIdent::B,
+                                MMA,
+                                MMA,
+                                MMA,
+                                cmma::MatrixLayout::ColMajor,
+                                &wb[wr..wr + TILE_VALUES],
+                                MMA as u32,
+                            );
+                            cmma::execute(&x_tile, &wb_tile, &acc_b, &acc_b);
+                        }
+                    }
                 }
                 sync_cube();
             }
@@ -346,22 +399,50 @@ pub fn grouped_tiles<I: Float, X: Float>(
             }
             let first = g * steps_per_scale;
             let last = (first + steps_per_scale).min(steps);
-            for s in first..last {
-                stage_moe_step(
-                    input, table, rows_at, words_a, words_b, lut, &mut xs, &mut wa, &mut wb, s, a0,
-                    a_end, row0, n_out, inn, wpr, woff, fmt, swiglu, gather,
-                );
+            for c in 0..(last - first).div_ceil(stage_steps) {
+                let s0 = first + c * stage_steps;
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        stage_moe_step(
+                            input,
+                            table,
+                            rows_at,
+                            words_a,
+                            words_b,
+                            lut,
+                            &mut xs,
+                            &mut wa,
+                            &mut wb,
+                            s0 + d,
+                            d,
+                            a0,
+                            a_end,
+                            row0,
+                            n_out,
+                            inn,
+                            wpr,
+                            woff,
+                            fmt,
+                            swiglu,
+                            gather,
+                        );
+                    }
+                }
                 sync_cube();
-                #[unroll]
-                for j in 0..8usize {
-                    let e = tile_element(lane, j);
-                    let xa = (e / MMA) * MMA;
-                    let wr = plane * TILE_VALUES + (e % MMA) * MMA;
-                    for kk in 0..MMA {
-                        let xv = f32::cast_from(xs[xa + kk]);
-                        sums_a[j] = fma(xv, f32::cast_from(wa[wr + kk]), sums_a[j]);
-                        if comptime!(swiglu) {
-                            sums_b[j] = fma(xv, f32::cast_from(wb[wr + kk]), sums_b[j]);
+                for d in 0..stage_steps {
+                    if s0 + d < last {
+                        #[unroll]
+                        for j in 0..8usize {
+                            let e = tile_element(lane, j);
+                            let xa = d * TILE_VALUES + (e / MMA) * MMA;
+                            let wr = d * W_STEP + plane * TILE_VALUES + (e % MMA) * MMA;
+                            for kk in 0..MMA {
+                                let xv = f32::cast_from(xs[xa + kk]);
+                                sums_a[j] = fma(xv, f32::cast_from(wa[wr + kk]), sums_a[j]);
+                                if comptime!(swiglu) {
+                                    sums_b[j] = fma(xv, f32::cast_from(wb[wr + kk]), sums_b[j]);
+                                }
+                            }
                         }
                     }
                 }
