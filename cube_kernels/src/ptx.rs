@@ -5,13 +5,13 @@
 //! backend: LLVM's NVPTX target, or NVRTC's C++ with cubecl-cuda's `cpp` feature), with the device
 //! properties the runtime reads off such a part. Why: GPU time is scarce and the instruction paths run
 //! nowhere else (lavapipe has no `cmma`; the training kernels were written after the last GPU session),
-//! so a CPU machine compiles them, checks that the instruction is
-//! there, and assembles the PTX with `ptxas` (`tests/cuda_codegen.rs`) before a GPU is at hand; a
-//! codegen failure then costs a build, not a GPU session.
+//! so a CPU machine compiles them, checks that the instruction is there, and assembles the PTX with
+//! `ptxas` (`tests/cuda_codegen.rs`, `scripts/cuda_codegen.sh`) before a GPU is at hand; a codegen
+//! failure then costs a build, not a GPU session.
 //!
 //! Only the launch's *shape* matters here: buffers are placeholders and runtime scalars are zero (they
 //! are kernel arguments, not compiled in); the compile-time parameters (format, group, SwiGLU, gather,
-//! `tensor_cores`, operand types) are those the launchers pass.
+//! `tensor_cores`, K steps per stage, operand types) are those the launchers pass.
 
 use std::sync::Arc;
 
@@ -61,7 +61,7 @@ pub enum TileKernel {
 
 /// One kernel variant as the runtime compiles it.
 pub struct CompiledKernel {
-    /// The variant, e.g. `Dense int4-g128 f32->bf16 tensor-cores`.
+    /// The variant, e.g. `Dense int4-g128 f32->bf16 tensor-cores x4`.
     pub name: String,
     /// Whether it was compiled for the tensor-core instruction (a tile's scalar twin and every other
     /// kernel: not).
