@@ -161,6 +161,48 @@ fn stage_step<I: Float, X: Float>(
     }
 }
 
+/// Stages steps `s0..last` (at most `stage_steps` of them) in slots 0, 1, ... ([`stage_step`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_steps_from<I: Float, X: Float>(
+    x: &[I],
+    words: &[u32],
+    lut: &[f32],
+    xs: &mut Shared<[X]>,
+    ws: &mut Shared<[X]>,
+    s0: usize,
+    last: usize,
+    tok0: usize,
+    row0: usize,
+    n: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] stage_steps: usize,
+) {
+    for d in 0..stage_steps {
+        if s0 + d < last {
+            stage_step(
+                x,
+                words,
+                lut,
+                xs,
+                ws,
+                s0 + d,
+                d,
+                tok0,
+                row0,
+                n,
+                out,
+                inn,
+                wpr,
+                fmt,
+            );
+        }
+    }
+}
+
 /// Element `lane + 32 j` of the plane's 16 x 16 tile (row-major: token `e / 16`, weight row `e % 16`).
 #[cube]
 pub fn tile_element(lane: usize, j: usize) -> usize {
@@ -283,26 +325,23 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                for d in 0..stage_steps {
-                    if s0 + d < last {
-                        stage_step(
-                            x,
-                            words,
-                            lut,
-                            &mut xs,
-                            &mut ws,
-                            s0 + d,
-                            d,
-                            tok0,
-                            row0,
-                            n,
-                            out,
-                            inn,
-                            wpr,
-                            fmt,
-                        );
-                    }
-                }
+                stage_steps_from(
+                    x,
+                    words,
+                    lut,
+                    &mut xs,
+                    &mut ws,
+                    s0,
+                    last,
+                    tok0,
+                    row0,
+                    n,
+                    out,
+                    inn,
+                    wpr,
+                    fmt,
+                    stage_steps,
+                );
                 sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {
@@ -367,26 +406,23 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                for d in 0..stage_steps {
-                    if s0 + d < last {
-                        stage_step(
-                            x,
-                            words,
-                            lut,
-                            &mut xs,
-                            &mut ws,
-                            s0 + d,
-                            d,
-                            tok0,
-                            row0,
-                            n,
-                            out,
-                            inn,
-                            wpr,
-                            fmt,
-                        );
-                    }
-                }
+                stage_steps_from(
+                    x,
+                    words,
+                    lut,
+                    &mut xs,
+                    &mut ws,
+                    s0,
+                    last,
+                    tok0,
+                    row0,
+                    n,
+                    out,
+                    inn,
+                    wpr,
+                    fmt,
+                    stage_steps,
+                );
                 sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {

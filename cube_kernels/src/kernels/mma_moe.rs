@@ -123,6 +123,62 @@ fn stage_moe_step<I: Float, X: Float>(
     }
 }
 
+/// Stages steps `s0..last` (at most `stage_steps` of them) in slots 0, 1, ... ([`stage_moe_step`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_moe_steps_from<I: Float, X: Float>(
+    input: &[I],
+    table: &[u32],
+    rows_at: usize,
+    words_a: &[u32],
+    words_b: &[u32],
+    lut: &[f32],
+    xs: &mut Shared<[X]>,
+    wa: &mut Shared<[X]>,
+    wb: &mut Shared<[X]>,
+    s0: usize,
+    last: usize,
+    a0: usize,
+    a_end: usize,
+    row0: usize,
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    woff: usize,
+    #[comptime] fmt: u32,
+    #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
+    #[comptime] stage_steps: usize,
+) {
+    for d in 0..stage_steps {
+        if s0 + d < last {
+            stage_moe_step(
+                input,
+                table,
+                rows_at,
+                words_a,
+                words_b,
+                lut,
+                xs,
+                wa,
+                wb,
+                s0 + d,
+                d,
+                a0,
+                a_end,
+                row0,
+                n_out,
+                inn,
+                wpr,
+                woff,
+                fmt,
+                swiglu,
+                gather,
+            );
+        }
+    }
+}
+
 /// [`add_scaled_group`] for projection `a`'s sums, and with `swiglu` for `b`'s (the up projection).
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -282,33 +338,30 @@ pub fn grouped_tiles<I: Float, X: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                for d in 0..stage_steps {
-                    if s0 + d < last {
-                        stage_moe_step(
-                            input,
-                            table,
-                            rows_at,
-                            words_a,
-                            words_b,
-                            lut,
-                            &mut xs,
-                            &mut wa,
-                            &mut wb,
-                            s0 + d,
-                            d,
-                            a0,
-                            a_end,
-                            row0,
-                            n_out,
-                            inn,
-                            wpr,
-                            woff,
-                            fmt,
-                            swiglu,
-                            gather,
-                        );
-                    }
-                }
+                stage_moe_steps_from(
+                    input,
+                    table,
+                    rows_at,
+                    words_a,
+                    words_b,
+                    lut,
+                    &mut xs,
+                    &mut wa,
+                    &mut wb,
+                    s0,
+                    last,
+                    a0,
+                    a_end,
+                    row0,
+                    n_out,
+                    inn,
+                    wpr,
+                    woff,
+                    fmt,
+                    swiglu,
+                    gather,
+                    stage_steps,
+                );
                 sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {
@@ -401,33 +454,30 @@ pub fn grouped_tiles<I: Float, X: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                for d in 0..stage_steps {
-                    if s0 + d < last {
-                        stage_moe_step(
-                            input,
-                            table,
-                            rows_at,
-                            words_a,
-                            words_b,
-                            lut,
-                            &mut xs,
-                            &mut wa,
-                            &mut wb,
-                            s0 + d,
-                            d,
-                            a0,
-                            a_end,
-                            row0,
-                            n_out,
-                            inn,
-                            wpr,
-                            woff,
-                            fmt,
-                            swiglu,
-                            gather,
-                        );
-                    }
-                }
+                stage_moe_steps_from(
+                    input,
+                    table,
+                    rows_at,
+                    words_a,
+                    words_b,
+                    lut,
+                    &mut xs,
+                    &mut wa,
+                    &mut wb,
+                    s0,
+                    last,
+                    a0,
+                    a_end,
+                    row0,
+                    n_out,
+                    inn,
+                    wpr,
+                    woff,
+                    fmt,
+                    swiglu,
+                    gather,
+                    stage_steps,
+                );
                 sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {
