@@ -120,7 +120,8 @@ impl MatmulPath {
     }
 }
 
-/// A runtime client with the kernels' shared tables.
+/// A runtime client with the kernels' shared tables. Clones share the client and the tables.
+#[derive(Clone)]
 pub struct Kernels {
     client: Client,
     lut: DeviceBuffer,

@@ -290,6 +290,9 @@ mod imp {
     ) -> anyhow::Result<()> {
         let sync_k = || k.sync().expect("device sync");
         let sync_b = || device.sync().expect("device sync");
+        // The same kernels staging one K step per pair of barriers (the tiles' default stages as many as
+        // the device's shared memory holds, up to 4).
+        let k1 = k.clone().with_tile_stage_steps(Some(1));
         let (hidden, inter) = (args.hidden, args.inter);
         let size = dtype.size();
         // Inputs already in the type, so the host reference and the f32 run see what the kernel widens.
@@ -370,6 +373,19 @@ mod imp {
                         &sync_k,
                     );
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                }
+                // The tiles with one K step per pair of barriers (`-x1`) beside the default staging:
+                // what staging buys, and the same bits.
+                for &(path, kernel) in &grouped {
+                    let run = |k: &Kernels| k.linear_with(&dx, n, &dw, path).expect("linear");
+                    if args.check && bits(&k.read_f32(&run(k))?) != bits(&k.read_f32(&run(&k1))?) {
+                        failures.push(format!(
+                            "{name} {dtype} {kernel} n={n}: one K step per stage changes the bits"
+                        ));
+                    }
+                    let t = time(args.iters, || drop(run(&k1)), &sync_k);
+                    let label = format!("{kernel}-x1");
+                    rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
             }
 
@@ -483,6 +499,21 @@ mod imp {
                         &sync_k,
                     );
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                }
+                // The tiles with one K step per pair of barriers, as for the dense weight.
+                for (path, kernel) in &tiles {
+                    let run = |k: &Kernels| {
+                        let y = k.moe_with(&dx, &routing, &drw, [&dg, &du, &dd], *path);
+                        y.expect("moe")
+                    };
+                    if args.check && bits(&k.read_f32(&run(k))?) != bits(&k.read_f32(&run(&k1))?) {
+                        failures.push(format!(
+                            "{name} {dtype} {kernel} n={n}: one K step per stage changes the bits"
+                        ));
+                    }
+                    let t = time(args.iters, || drop(run(&k1)), &sync_k);
+                    let label = format!("{kernel}-x1");
+                    rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
             }
         }
@@ -709,6 +740,11 @@ mod imp {
             );
         }
         println!("moe {base:?} baseline: the same FLOPs as dense matmuls over all assignments (a lower bound on a {base:?} MoE)");
+    }
+
+    /// The values' bit patterns, to compare results bitwise.
+    fn bits(values: &[f32]) -> Vec<u32> {
+        values.iter().map(|v| v.to_bits()).collect()
     }
 
     #[allow(clippy::too_many_arguments)]
