@@ -80,7 +80,8 @@ mod imp {
     use anyhow::{bail, Context};
     use burn::tensor::{DType, Device, Distribution, Tensor};
     use cube_kernels::{
-        reference, ActDType, Kernels, MatmulPath, MoeRouting, PackedWeights, WeightFormat,
+        reference, ActDType, DeviceBuffer, Kernels, MatmulPath, MoeRouting, PackedWeights,
+        WeightFormat,
     };
     use serde::Serialize;
 
@@ -378,12 +379,8 @@ mod imp {
                 // what staging buys, and the same bits.
                 for &(path, kernel) in &grouped {
                     let run = |k: &Kernels| k.linear_with(&dx, n, &dw, path).expect("linear");
-                    if args.check && bits(&k.read_f32(&run(k))?) != bits(&k.read_f32(&run(&k1))?) {
-                        failures.push(format!(
-                            "{name} {dtype} {kernel} n={n}: one K step per stage changes the bits"
-                        ));
-                    }
-                    let t = time(args.iters, || drop(run(&k1)), &sync_k);
+                    let what = format!("{name} {dtype} {kernel} n={n}");
+                    let t = time_one_step_stages(args, [k, &k1], run, &sync_k, &what, failures)?;
                     let label = format!("{kernel}-x1");
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
@@ -506,12 +503,8 @@ mod imp {
                         let y = k.moe_with(&dx, &routing, &drw, [&dg, &du, &dd], *path);
                         y.expect("moe")
                     };
-                    if args.check && bits(&k.read_f32(&run(k))?) != bits(&k.read_f32(&run(&k1))?) {
-                        failures.push(format!(
-                            "{name} {dtype} {kernel} n={n}: one K step per stage changes the bits"
-                        ));
-                    }
-                    let t = time(args.iters, || drop(run(&k1)), &sync_k);
+                    let what = format!("{name} {dtype} {kernel} n={n}");
+                    let t = time_one_step_stages(args, [k, &k1], run, &sync_k, &what, failures)?;
                     let label = format!("{kernel}-x1");
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
@@ -742,9 +735,27 @@ mod imp {
         println!("moe {base:?} baseline: the same FLOPs as dense matmuls over all assignments (a lower bound on a {base:?} MoE)");
     }
 
-    /// The values' bit patterns, to compare results bitwise.
-    fn bits(values: &[f32]) -> Vec<u32> {
-        values.iter().map(|v| v.to_bits()).collect()
+    /// Seconds of `run` on `k1`, the kernels staging one K step per pair of barriers (the `-x1` rows); with
+    /// `--check`, a failure if its bits differ from `run` on `k`, the default staging.
+    fn time_one_step_stages(
+        args: &KernelBenchArgs,
+        [k, k1]: [&Kernels; 2],
+        run: impl Fn(&Kernels) -> DeviceBuffer,
+        sync: &dyn Fn(),
+        what: &str,
+        failures: &mut Vec<String>,
+    ) -> anyhow::Result<f64> {
+        if args.check {
+            let (staged, one) = (k.read_f32(&run(k))?, k.read_f32(&run(k1))?);
+            // f32 rounds nothing: the count of values whose bits differ.
+            let differ = contract_mismatches(&one, &staged, ActDType::F32);
+            if differ > 0 {
+                failures.push(format!(
+                    "{what}: one K step per stage differs from the default staging in {differ} values"
+                ));
+            }
+        }
+        Ok(time(args.iters, || drop(run(k1)), sync))
     }
 
     #[allow(clippy::too_many_arguments)]
