@@ -1209,10 +1209,7 @@ fn tile_stage_steps_do_not_change_the_bits() {
     }
     let staged: Vec<(usize, Kernels)> = [1usize, 2, 4]
         .into_iter()
-        .map(|steps| {
-            let k = Kernels::wgpu().unwrap().with_tile_stage_steps(Some(steps));
-            (steps, k)
-        })
+        .map(|steps| (steps, k.clone().with_tile_stage_steps(Some(steps))))
         .collect();
     let half = |v: &[f32]| -> Vec<f32> { v.iter().map(|v| ActDType::F16.round(*v)).collect() };
     let mut ran = 0;
