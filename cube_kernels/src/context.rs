@@ -151,6 +151,8 @@ impl Kernels {
     /// Token counts up to this run the MoE block's grouped GEMV instead of its 16-assignment tiles (on the
     /// H200, Qwen3-30B-A3B expert shapes: ahead 2.4x at 64 tokens, 10% behind at 256).
     pub const MOE_GEMV_MAX_TOKENS: usize = 64;
+    /// The most experts [`Self::route`] routes: it keeps one offset per expert in shared memory.
+    pub const MAX_ROUTED_EXPERTS: usize = SHARED_FLOATS - 1;
     /// Cubes below which the dense GEMM runs 16 x 16 tiles rather than 64 x 64 blocks: the blocks move a
     /// fourth of the staged bytes per multiply-add, but a grid of fewer cubes than about twice the
     /// multiprocessors leaves most of the device idle (an H200 has 132).
@@ -332,6 +334,12 @@ impl Kernels {
     }
 
     fn empty_f32(&self, len: usize) -> DeviceBuffer {
+        self.empty(len, ActDType::F32)
+    }
+
+    /// `len` uninitialised `u32` values (a kernel writes every one).
+    fn empty_u32(&self, len: usize) -> DeviceBuffer {
+        // u32 buffers report f32, the type of their element size ([`DeviceBuffer`]).
         self.empty(len, ActDType::F32)
     }
 
@@ -672,7 +680,8 @@ impl Kernels {
     /// The MoE block on `x [tokens, hidden]`: grouped gate+up with SwiGLU, grouped down projection, then
     /// un-permute and combine with `route_w [tokens, top_k]` (slot order). `gate`/`up` are stacks
     /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format. Three launches
-    /// (five with fp8-b128, which quantizes `x` and the SwiGLU output first) and one upload (the routing
+    /// (five with fp8-b128, which quantizes `x` and the SwiGLU output first), two on the grouped GEMV's
+    /// path (decode: the down projection and the combine are one launch), and one upload (the routing
     /// table); the arithmetic is the contract in [`crate::kernels::moe`], which [`crate::reference::moe`]
     /// computes on the host. `x` and `route_w` are of one element type, the output's; `h` and the
     /// per-assignment outputs stay f32 (one rounding, on the combine's store).
@@ -713,11 +722,12 @@ impl Kernels {
     }
 
     /// The routing table of `ids` (`tokens * top_k` expert ids as `u32`, or `i32` holding non-negative
-    /// values: the same bits, token-major) built on the device, with no read back: three small launches
-    /// (count per expert, offsets and tiles, the stable scatter), the same sorted order, positions and
-    /// tiles as [`MoeRouting::new`] on the same ids, then empty tiles up to [`RoutingTable::tile_bound`].
-    /// An id outside `0..experts` is not checked here (the router's top-k never makes one): it is routed
-    /// to no expert and its slot's output is undefined.
+    /// values: the same bits, token-major) built on the device, with no read back and no upload: one
+    /// launch of one cube ([`moe_kernels::route`]: count per expert, offsets and tiles, the stable
+    /// scatter), the same sorted order, positions and tiles as [`MoeRouting::new`] on the same ids, then
+    /// empty tiles up to [`RoutingTable::tile_bound`]. An id outside `0..experts` is not checked here (the
+    /// router's top-k never makes one): it is routed to no expert and its slot's output is undefined
+    /// (every read stays in bounds). More than [`Self::MAX_ROUTED_EXPERTS`] experts is an error.
     pub fn route(
         &self,
         ids: &DeviceBuffer,
@@ -727,44 +737,31 @@ impl Kernels {
     ) -> Result<RoutingTable, KernelError> {
         let assignments = tokens * top_k;
         expect_len("expert ids", ids, assignments)?;
+        if experts > Self::MAX_ROUTED_EXPERTS {
+            return Err(KernelError::Shape(format!(
+                "{experts} experts: device routing keeps one offset per expert in shared memory, at most {}",
+                Self::MAX_ROUTED_EXPERTS
+            )));
+        }
         let layout = TableLayout {
             tiles: RoutingTable::tile_bound(assignments, experts),
             assignments,
         };
-        let table = self.upload_u32(&vec![0; layout.len(experts)]);
-        let per_expert = || grid(experts.div_ceil(256));
-        moe_kernels::route_count::launch(
-            &self.client,
-            per_expert(),
-            CubeDim::new_1d(256),
-            ids.arg(),
-            table.arg(),
-            assignments,
-            experts,
-            layout.offsets_at(),
-        );
-        moe_kernels::route_tiles::launch(
+        let table = self.empty_u32(layout.len(experts));
+        moe_kernels::route::launch(
             &self.client,
             CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(1),
-            table.arg(),
-            experts,
-            layout.offsets_at(),
-            layout.tiles,
-        );
-        moe_kernels::route_scatter::launch(
-            &self.client,
-            per_expert(),
-            CubeDim::new_1d(256),
+            CubeDim::new_1d(moe_kernels::ROUTE_UNITS as u32),
             ids.arg(),
             table.arg(),
             assignments,
             top_k.max(1),
-            experts,
+            layout.tiles,
             layout.rows_at(),
             layout.positions_at(),
             layout.experts_at(),
             layout.offsets_at(),
+            experts,
         );
         Ok(RoutingTable {
             table,
@@ -799,7 +796,11 @@ impl Kernels {
             // gate+up fused with SwiGLU, gathering the token rows.
             self.grouped_product(&xq, routing, [gate, up], &h, true, true, kernel);
         }
-        self.down_and_combine(&h, routing, route_w, down, &out, kernel)?;
+        if kernel == GroupedKernel::Gemv {
+            self.fused_down_and_combine(&h, routing, route_w, down, &out)?;
+        } else {
+            self.down_and_combine(&h, routing, route_w, down, &out, kernel)?;
+        }
         Ok(out)
     }
 
@@ -899,6 +900,67 @@ impl Kernels {
             out.dtype.elem(),
         );
         Ok(y)
+    }
+
+    /// [`Self::down_and_combine`] on the grouped GEMV's path without the per-assignment outputs, the same
+    /// bits in one launch ([`moe_kernels::grouped_gemv_combine`]: the slots of a token side by side in a
+    /// cube) where its sums fit in shared memory and its units in a cube, else the two launches.
+    pub(crate) fn fused_down_and_combine(
+        &self,
+        h: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
+        down: &DeviceWeights,
+        out: &DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        let (tokens, top_k, hidden, inter) =
+            (routing.tokens(), routing.top_k(), down.out, down.inn);
+        let chunks = inter.div_ceil(CHUNK).max(1);
+        let units = 256;
+        if top_k == 0 || top_k > units || top_k * chunks > SHARED_FLOATS || tokens > MAX_GRID {
+            self.down_and_combine(h, routing, route_w, down, out, GroupedKernel::Gemv)?;
+            return Ok(());
+        }
+        // Fewer lanes than chunks when the slots take the room: each lane then sums several chunks.
+        let lanes = chunks.min(32).min(units / top_k);
+        let rows_per_cube = (units / (lanes * top_k))
+            .min(SHARED_FLOATS / (top_k * chunks))
+            .min(hidden)
+            .max(1);
+        if hidden.div_ceil(rows_per_cube) > MAX_GRID {
+            self.down_and_combine(h, routing, route_w, down, out, GroupedKernel::Gemv)?;
+            return Ok(());
+        }
+        let layout = routing.layout();
+        let hq = self.prepare(h, layout.assignments, down)?;
+        moe_kernels::grouped_gemv_combine::launch(
+            &self.client,
+            CubeCount::Static(hidden.div_ceil(rows_per_cube) as u32, tokens as u32, 1),
+            CubeDim::new_3d(lanes as u32, rows_per_cube as u32, top_k as u32),
+            hq.arg(),
+            routing.table.arg(),
+            layout.positions_at(),
+            layout.experts_at(),
+            down.words.arg(),
+            down.scales.arg(),
+            self.lut.arg(),
+            route_w.arg(),
+            out.arg(),
+            hidden,
+            inter,
+            down.wpr(),
+            down.spr(),
+            down.expert_words(),
+            down.expert_scales(),
+            top_k,
+            down.format.kernel_code(),
+            down.format.kernel_group(),
+            lanes,
+            rows_per_cube,
+            chunks,
+            out.dtype.elem(),
+        );
+        Ok(())
     }
 
     /// One grouped product over the sorted assignments into the f32 buffer `y`: `input · a_e^T`, or with

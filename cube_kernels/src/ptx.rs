@@ -1,6 +1,7 @@
 //! The kernels that have never run on a CUDA device, compiled for an NVIDIA architecture without a GPU:
-//! the tensor-core tiles ([`crate::kernels::mma::gemm_tiles`], [`crate::kernels::mma_moe::grouped_tiles`])
-//! and the GPU training kernels ([`crate::kernels::moe_train`], [`crate::kernels::exact`]). The same kernel
+//! the tensor-core tiles ([`crate::kernels::mma::gemm_tiles`], [`crate::kernels::mma_moe::grouped_tiles`]),
+//! the GPU training kernels ([`crate::kernels::moe_train`], [`crate::kernels::exact`]) and the MoE
+//! decode's one-launch routing and down-and-combine ([`compile_decode_kernels`]). The same kernel
 //! definitions the CUDA runtime compiles at a launch, through the same compiler (CubeCL's default CUDA
 //! backend: LLVM's NVPTX target, or NVRTC's C++ with cubecl-cuda's `cpp` feature), with the device
 //! properties the runtime reads off such a part. Why: GPU time is scarce and the instruction paths run
@@ -378,6 +379,39 @@ pub fn compile_training_kernels(
                 moe_train::grouped_transposed, square;
                 p(), p(), p(), p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
                 fmt, group, rows.div_ceil(crate::format::CHUNK), two
+            ));
+        }
+    }
+    out
+}
+
+/// The MoE decode path's kernels written after the last GPU session: the one-cube routing
+/// ([`crate::kernels::moe::route`], 128 experts) and the fused down projection and combine
+/// ([`crate::kernels::moe::grouped_gemv_combine`]) as their launchers shape them for a Qwen3-30B-A3B
+/// layer (hidden 2048, intermediate 768, top-8: 24 chunks on 24 lanes x 8 slots, one row per cube), for
+/// `formats` weights and f32, bf16 and f16 outputs.
+pub fn compile_decode_kernels(
+    target: CudaTarget,
+    formats: &[WeightFormat],
+) -> Vec<Result<CompiledKernel, KernelError>> {
+    use crate::kernels::moe::{self as moe_kernels, ROUTE_UNITS};
+    let p = placeholder;
+    let (experts, top_k, chunks) = (128usize, 8usize, 768usize.div_ceil(crate::format::CHUNK));
+    let lanes = chunks.min(32).min(256 / top_k);
+    let mut out = vec![compile_dummy!(
+        target, format!("route experts={experts}"), false, moe_kernels::route,
+        CubeDim::new_1d(ROUTE_UNITS as u32);
+        p(), p(), 0, 0, 0, 0, 0, 0, 0, experts
+    )];
+    for &format in formats {
+        for dtype in [ActDType::F32, ActDType::BF16, ActDType::F16] {
+            let (fmt, group) = (format.kernel_code(), format.kernel_group());
+            out.push(compile_dummy!(
+                target, format!("grouped_gemv_combine {} ->{dtype}", format.name()), false,
+                moe_kernels::grouped_gemv_combine,
+                CubeDim::new_3d(lanes as u32, 1, top_k as u32);
+                p(), p(), 0, 0, p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
+                top_k, fmt, group, lanes, 1, chunks, dtype.elem()
             ));
         }
     }

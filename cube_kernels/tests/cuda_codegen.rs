@@ -1,8 +1,9 @@
 //! The kernels that never ran on a CUDA device, compiled for an H100/H200 (sm_90) without a GPU
-//! (`cube_kernels::ptx`): every tensor-core tile variant the launchers can ask for and the GPU training
-//! kernels compile, the instruction variants contain the matrix instruction and nothing else does, and,
-//! where `ptxas` is found (`QARL_PTXAS`, else on `PATH`), the PTX assembles for sm_90a. Builds only with
-//! `--features cuda`, which needs LLVM: `scripts/cuda_codegen.sh` sets it all up and runs this.
+//! (`cube_kernels::ptx`): every tensor-core tile variant the launchers can ask for, the GPU training
+//! kernels and the MoE decode's routing and fused down-and-combine compile, the instruction variants
+//! contain the matrix instruction and nothing else does, and, where `ptxas` is found (`QARL_PTXAS`,
+//! else on `PATH`), the PTX assembles for sm_90a. Builds only with `--features cuda`, which needs LLVM:
+//! `scripts/cuda_codegen.sh` sets it all up and runs this.
 //! `QARL_PTX_DIR` keeps the PTX files there for reading.
 #![cfg(feature = "cuda")]
 
@@ -10,7 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use cube_kernels::ptx::{
-    compile_all_tiles, compile_training_kernels, device_properties, CompiledKernel, CudaTarget,
+    compile_all_tiles, compile_decode_kernels, compile_training_kernels, device_properties,
+    CompiledKernel, CudaTarget,
 };
 use cube_kernels::{ActDType, KernelError, WeightFormat};
 
@@ -21,7 +23,7 @@ const H200: CudaTarget = CudaTarget {
 
 /// The weight-only formats (the tiles take no fp8, whose activations are quantized).
 const TILE_FORMATS: &[&str] = &["int4-g32", "int4-g128", "int8-pc", "nvfp4", "mxfp4"];
-/// Every format the grouped straight-through backward decodes.
+/// Every format the grouped straight-through backward and the decode's down projection decode.
 const TRAINING_FORMATS: &[&str] = &[
     "int4-g32",
     "int4-g128",
@@ -147,6 +149,15 @@ fn training_kernels_compile_for_sm90() {
     // 7 single-variant kernels, the exact matmul's 2 layouts, the weight gradient with and without
     // gather, and the grouped transposed product's 2 projections for each of 6 formats.
     assert_eq!(results.len(), 7 + 2 + 2 + 2 * 6);
+    let failures = check(results);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn decode_kernels_compile_for_sm90() {
+    let results = compile_decode_kernels(H200, &formats(TRAINING_FORMATS));
+    // The routing, and the fused down-and-combine for 6 formats x 3 output types.
+    assert_eq!(results.len(), 1 + 6 * 3);
     let failures = check(results);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

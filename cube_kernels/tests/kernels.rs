@@ -415,6 +415,62 @@ fn moe_handles_ragged_expert_groups() {
     }
 }
 
+/// The decode path's down projection and combine in one launch (slots side by side in a cube) is the
+/// two launches' result bit for bit, also where the slots leave fewer lanes than chunks (top-6 of an
+/// intermediate size of 1400: 44 chunks, 42 lanes, so some lanes sum two chunks) and with f16 outputs.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn fused_decode_combine_is_the_two_launches_bitwise() {
+    let Some(k) = kernels() else { return };
+    let (experts, hidden, inter, tokens, top_k) = (6, 40, 1400, 3, 6);
+    let mut rng = Rng(91);
+    // Every token routes to all six experts, in a different slot order each.
+    let ids: Vec<u32> = (0..tokens as u32)
+        .flat_map(|t| (0..top_k as u32).map(move |j| (j * (t + 1) + t) % 6))
+        .collect();
+    let x = rng.values(tokens * hidden);
+    let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+    for (i, format) in [WeightFormat::Int4 { group: 32 }, WeightFormat::Fp8Block]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 900 + 10 * i as u64;
+        let gate = random_weights(format, experts, inter, hidden, seed);
+        let up = random_weights(format, experts, inter, hidden, seed + 1);
+        let down = random_weights(format, experts, hidden, inter, seed + 2);
+        let w = [&gate, &up, &down].map(|w| k.upload_weights(w));
+        let table = k
+            .route(&k.upload_u32(&ids), tokens, top_k, experts)
+            .unwrap();
+        for dtype in [ActDType::F32, ActDType::F16] {
+            if !k.supports(dtype) {
+                continue;
+            }
+            let (dx, dw) = (
+                k.upload(&x, dtype).unwrap(),
+                k.upload(&route_w, dtype).unwrap(),
+            );
+            let run = |path| {
+                let y = k.moe_routed(&dx, &table, &dw, [&w[0], &w[1], &w[2]], path);
+                k.read_f32(&y.unwrap()).unwrap()
+            };
+            // Gemm: the tiles and the separate combine; Gemv: the fused down-and-combine.
+            let (fused, separate) = (run(MatmulPath::Gemv), run(MatmulPath::Gemm));
+            assert!(
+                fused.iter().any(|v| *v != 0.0),
+                "{}: all zero",
+                format.name()
+            );
+            assert_eq!(
+                bits(&fused),
+                bits(&separate),
+                "{} {dtype}: the fused decode combine differs from the two launches",
+                format.name()
+            );
+        }
+    }
+}
+
 #[test]
 fn routing_rejects_bad_ids_and_counts() {
     assert!(MoeRouting::new(&[0, 7], 1, 2, 6)

@@ -497,6 +497,15 @@ mod imp {
                     );
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
+                if n <= Kernels::MOE_GEMV_MAX_TOKENS {
+                    let block = MoeBlock {
+                        weights: [&gate, &up, &down],
+                        device: [&dg, &du, &dd],
+                    };
+                    let t = time_decode_block(args, k, &block, (&ids, n), [&dx, &drw], failures)?;
+                    let what = "moe/decode";
+                    rows.push(row(what, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                }
                 // The tiles with one K step per pair of barriers, as for the dense weight.
                 for (path, kernel) in &tiles {
                     let run = |k: &Kernels| {
@@ -511,6 +520,42 @@ mod imp {
             }
         }
         Ok(())
+    }
+
+    /// The MoE block as a decode step runs it (`moe/decode`): expert ids already on the device, routed
+    /// there ([`Kernels::route`]: one launch, no upload) and the grouped GEMV path, whose down projection
+    /// and combine are one launch, so the row is the launches a rollout pays per MoE layer besides the
+    /// router. With `--check`, its bits must be `moe/gemv`'s (the host-routed two-launch down and
+    /// combine). Returns the mean seconds per call.
+    fn time_decode_block(
+        args: &KernelBenchArgs,
+        k: &Kernels,
+        block: &MoeBlock,
+        (ids, n): (&[u32], usize),
+        [dx, drw]: [&DeviceBuffer; 2],
+        failures: &mut Vec<String>,
+    ) -> anyhow::Result<f64> {
+        let experts = block.weights[0].experts();
+        let dids = k.upload_u32(ids);
+        let [dg, du, dd] = block.device;
+        let run = || -> anyhow::Result<DeviceBuffer> {
+            let table = k.route(&dids, n, args.top_k, experts)?;
+            Ok(k.moe_routed(dx, &table, drw, [dg, du, dd], MatmulPath::Gemv)?)
+        };
+        if args.check {
+            let routing = MoeRouting::new(ids, n, args.top_k, experts)?;
+            let want = k.moe_with(dx, &routing, drw, [dg, du, dd], MatmulPath::Gemv)?;
+            let differ =
+                contract_mismatches(&k.read_f32(&run()?)?, &k.read_f32(&want)?, ActDType::F32);
+            if differ > 0 {
+                failures.push(format!(
+                    "{} moe/decode n={n}: {differ} values differ from moe/gemv",
+                    dx.dtype()
+                ));
+            }
+        }
+        let sync = || k.sync().expect("device sync");
+        Ok(time(args.iters, || drop(run().expect("moe decode")), &sync))
     }
 
     /// The grouped tiles of one dense weight (`path`: [`MatmulPath::Mma`] on tensor cores, or

@@ -1,9 +1,8 @@
 //! The grouped MoE matmul: assignments (token, expert) sorted by expert, one launch over all experts.
 //!
 //! Each expert's run of sorted assignments is split into tiles of 16 ([`crate::moe::MoeRouting`] on the
-//! host, or [`route_count()`], [`route_tiles()`] and [`route_scatter()`] on the device, from ids that never
-//! leave it); cube `(x, y)` computes output rows `16x..16x+16` for tile `y`, reading that tile's expert's
-//! weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the
+//! host, or [`route()`] on the device, from ids that never leave it); cube `(x, y)` computes output rows
+//! `16x..16x+16` for tile `y`, reading that tile's expert's weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the
 //! staged activations and the result is `silu(gate) * up`. Empty experts have no tiles; a table built on
 //! the device ends with empty tiles up to a bound (their cubes compute nothing).
 //!
@@ -360,43 +359,147 @@ pub fn combine<F: Float>(
     }
 }
 
-/// Routing on the device, step 1 of 3 ([`crate::moe::RoutingTable`]'s layout): `table[offsets_at + e + 1]`
-/// = how many of the `assignments` ids are expert `e`, one unit per expert scanning the ids in order.
-#[cube(launch)]
-// A cube kernel indexes its arrays: it has no iterators.
-#[allow(clippy::needless_range_loop)]
-pub fn route_count(
-    ids: &[u32],
-    table: &mut [u32],
-    assignments: usize,
-    experts: usize,
-    offsets_at: usize,
+/// The decode-sized down projection and combine in one launch, bit for bit [`grouped_gemv`] (down, `h`
+/// in sorted order) followed by [`combine`]: cube `(x, t)` computes output rows `rows_per_cube * x..` of
+/// token `t`. Unit `(lane, r, j)` sums chunks `lane, lane + lanes, ..` of row `r` for slot `j`'s
+/// assignment `a = positions[t * top_k + j]` (its expert at `experts[a]`) into shared memory; after the
+/// barrier one unit per row adds each slot's chunk sums left to right (the GEMV's `y_a`) and folds the
+/// slots in slot order, `acc = fma(route_w[t, j], y_a, acc)` from 0.0 (the combine's), rounding once to
+/// `F` on the store. The slots run side by side (the `z` units), so the cube count is the separate
+/// launches' divided by `top_k` and no per-assignment output reaches memory: one launch instead of two
+/// for each MoE layer of a decode step, where the launch costs more than the arithmetic.
+#[cube(launch, create_dummy_kernel)]
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemv_combine<F: Float>(
+    h: &[f32],
+    table: &[u32],
+    positions_at: usize,
+    experts_at: usize,
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    route_w: &[F],
+    out: &mut [F],
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    expert_words: usize,
+    expert_scales: usize,
+    #[comptime] top_k: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] lanes: usize,
+    #[comptime] rows_per_cube: usize,
+    #[comptime] chunks: usize,
+    #[define(F)] _dtype: ElemType,
 ) {
-    let e = ABSOLUTE_POS;
-    if e < experts {
-        let mut count = 0u32;
-        for i in 0..assignments {
-            if ids[i] as usize == e {
-                count += 1u32;
+    let mut part = Shared::<[f32]>::new_slice(comptime!(top_k * rows_per_cube * chunks));
+    // The rows are read from `h` in place (a staged copy per slot would not fit beside the sums).
+    let unstaged = Shared::<[f32]>::new_slice(1usize);
+    let lane = UNIT_POS_X as usize;
+    let local_row = UNIT_POS_Y as usize;
+    let slot = UNIT_POS_Z as usize;
+    let row = CUBE_POS_X as usize * rows_per_cube + local_row;
+    let t = CUBE_POS_Y as usize;
+    let a = table[positions_at + t * top_k + slot] as usize;
+    let expert = table[experts_at + a] as usize;
+    let at = (slot * rows_per_cube + local_row) * chunks;
+    let per_lane = comptime!(chunks.div_ceil(lanes));
+    if row < n_out {
+        for i in 0..per_lane {
+            let c = lane + i * lanes;
+            if c < chunks {
+                part[at + c] = chunk_dot(
+                    h,
+                    a * inn,
+                    &unstaged,
+                    words,
+                    scales,
+                    lut,
+                    expert * expert_words,
+                    expert * expert_scales,
+                    row,
+                    c * 32,
+                    chunk_depth(c, inn),
+                    wpr,
+                    spr,
+                    fmt,
+                    group,
+                    chunks,
+                    false,
+                );
             }
         }
-        table[offsets_at + e + 1] = count;
+    }
+    sync_cube();
+    if lane == 0 && slot == 0 && row < n_out {
+        let mut acc = 0.0f32;
+        for j in 0..top_k {
+            let y = sum_chunks(&part, (j * rows_per_cube + local_row) * chunks, chunks);
+            acc = fma(f32::cast_from(route_w[t * top_k + j]), y, acc);
+        }
+        out[t * n_out + row] = F::cast_from(acc);
     }
 }
 
-/// Routing on the device, step 2 of 3, one unit: the counts become offsets (`offsets[0] = 0`, prefix sums
-/// in expert order), and each expert's run of sorted assignments is cut into tiles of at most 16
-/// ([`crate::kernels::TILE`]): `(expert, first, one past the last)` at `3 * tile`, experts in order, as
-/// the host's [`crate::moe::MoeRouting`]; the tiles past the last real one, up to the bound `tiles`, are
-/// empty `(0, 0, 0)` (the grouped kernel computes nothing for them).
-#[cube(launch)]
-pub fn route_tiles(table: &mut [u32], experts: usize, offsets_at: usize, tiles: usize) {
-    if ABSOLUTE_POS == 0 {
+/// Units of the one cube of [`route`]: each takes the experts `unit, unit + ROUTE_UNITS, ..`.
+pub const ROUTE_UNITS: usize = 256;
+
+/// Routing on the device in one launch of one cube ([`crate::moe::RoutingTable`]'s layout): the same
+/// table as the host's [`crate::moe::MoeRouting`] on the same ids, by a stable counting sort.
+/// 1. Count: unit `u` counts the ids of each of its experts `e` (scanning the ids in order) into shared
+///    `offsets[e + 1]`.
+/// 2. One unit turns the counts into offsets (`offsets[0] = 0`, prefix sums in expert order), writes them
+///    to the table and cuts each expert's run of sorted assignments into tiles of at most 16
+///    ([`crate::kernels::TILE`]): `(expert, first, one past the last)` at `3 * tile`, experts in order;
+///    the tiles past the last real one, up to the bound `tiles`, are empty `(0, 0, 0)` (the grouped
+///    kernels compute nothing for them).
+/// 3. Scatter: each expert's `n`-th assignment `i` (token `i / top_k`) gets sorted position
+///    `offsets[e] + n`, stored as `rows[pos] = i / top_k`, `positions[i] = pos` and `experts[pos] = e`.
+///
+/// The steps share the offsets through shared memory, so they need one cube and its barriers, not three
+/// launches: every entry of the table is written here, so the table needs no upload either. A decode step
+/// routes every MoE layer, and at one token a launch costs more than its work.
+#[cube(launch, create_dummy_kernel)]
+// A cube kernel indexes its arrays: it has no iterators.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+pub fn route(
+    ids: &[u32],
+    table: &mut [u32],
+    assignments: usize,
+    top_k: usize,
+    tiles: usize,
+    rows_at: usize,
+    positions_at: usize,
+    experts_at: usize,
+    offsets_at: usize,
+    #[comptime] experts: usize,
+) {
+    let mut offsets = Shared::<[u32]>::new_slice(comptime!(experts + 1));
+    let unit = UNIT_POS as usize;
+    let rounds = comptime!(experts.div_ceil(ROUTE_UNITS));
+    for r in 0..rounds {
+        let e = unit + r * ROUTE_UNITS;
+        if e < experts {
+            let mut count = 0u32;
+            for i in 0..assignments {
+                if ids[i] as usize == e {
+                    count += 1u32;
+                }
+            }
+            offsets[e + 1] = count;
+        }
+    }
+    sync_cube();
+    if unit == 0 {
+        offsets[0] = 0u32;
         table[offsets_at] = 0u32;
         let mut tile = 0usize;
         for e in 0..experts {
-            let start = table[offsets_at + e];
-            let end = start + table[offsets_at + e + 1];
+            let start = offsets[e];
+            let end = start + offsets[e + 1];
+            offsets[e + 1] = end;
             table[offsets_at + e + 1] = end;
             let mut first = start;
             while first < end {
@@ -417,35 +520,36 @@ pub fn route_tiles(table: &mut [u32], experts: usize, offsets_at: usize, tiles: 
             table[3 * tile + 2] = 0u32;
             tile += 1;
         }
+        // Sorted places no valid id takes (ids out of range): token 0, expert 0, so that every read
+        // the grouped kernels make stays in bounds.
+        for p in offsets[experts] as usize..assignments {
+            table[rows_at + p] = 0u32;
+            table[experts_at + p] = 0u32;
+        }
     }
-}
-
-/// Routing on the device, step 3 of 3: the stable counting sort's scatter, one unit per expert `e` walking
-/// the ids in order: its `n`-th assignment `i` (token `i / top_k`) gets sorted position `offsets[e] + n`,
-/// stored as `rows[pos] = i / top_k`, `positions[i] = pos` and `experts[pos] = e`.
-#[cube(launch)]
-#[allow(clippy::too_many_arguments)]
-pub fn route_scatter(
-    ids: &[u32],
-    table: &mut [u32],
-    assignments: usize,
-    top_k: usize,
-    experts: usize,
-    rows_at: usize,
-    positions_at: usize,
-    experts_at: usize,
-    offsets_at: usize,
-) {
-    let e = ABSOLUTE_POS;
-    if e < experts {
-        let mut pos = table[offsets_at + e] as usize;
-        for i in 0..assignments {
-            if ids[i] as usize == e {
-                table[rows_at + pos] = (i / top_k) as u32;
-                table[positions_at + i] = pos as u32;
-                table[experts_at + pos] = e as u32;
-                pos += 1;
+    sync_cube();
+    for r in 0..rounds {
+        let e = unit + r * ROUTE_UNITS;
+        if e < experts {
+            let mut pos = offsets[e] as usize;
+            for i in 0..assignments {
+                if ids[i] as usize == e {
+                    table[rows_at + pos] = (i / top_k) as u32;
+                    table[positions_at + i] = pos as u32;
+                    table[experts_at + pos] = e as u32;
+                    pos += 1;
+                }
             }
+        }
+    }
+    // An id out of range reads sorted position 0 (its slot's output is undefined, its reads in bounds).
+    // `div_ceil` has no CubeCL expansion for runtime values.
+    #[allow(clippy::manual_div_ceil)]
+    let steps = (assignments + ROUTE_UNITS - 1) / ROUTE_UNITS;
+    for s in 0..steps {
+        let i = unit + s * ROUTE_UNITS;
+        if i < assignments && ids[i] as usize >= experts {
+            table[positions_at + i] = 0u32;
         }
     }
 }

@@ -291,7 +291,7 @@ struct MoeLaunch {
 
 impl MoeLaunch {
     /// `None` when `x` and `route_w` are not matrices of one dtype the kernels take on this device, or
-    /// (`f32_only`) not f32.
+    /// (`f32_only`) not f32, or there are more experts than the device routing takes.
     fn new(
         x: CubeTensor,
         route_w: CubeTensor,
@@ -299,7 +299,10 @@ impl MoeLaunch {
         experts: &ExpertWeights,
         f32_only: bool,
     ) -> Option<Self> {
-        if x.dtype != route_w.dtype || (f32_only && x.dtype != DType::F32) {
+        if x.dtype != route_w.dtype
+            || (f32_only && x.dtype != DType::F32)
+            || experts.len() > Kernels::MAX_ROUTED_EXPERTS
+        {
             return None;
         }
         let kernels = kernels_for(&x);
