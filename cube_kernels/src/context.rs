@@ -128,6 +128,9 @@ pub struct Kernels {
     /// K steps the tensor-core tiles stage per pair of barriers; `None`: as many as the device's shared
     /// memory holds, up to [`MAX_STAGE_STEPS`] ([`Self::with_tile_stage_steps`]).
     stage_steps: Option<usize>,
+    /// Whether the grouped GEMV's path runs the down projection and the combine as one launch; `None`:
+    /// by [`Self::fuses_decode_combine`]'s rule ([`Self::with_decode_combine`]).
+    fused_combine: Option<bool>,
 }
 
 /// Most K steps the tiles stage at once: 4 steps of 16 inputs cut the barriers per instruction by 4.
@@ -176,7 +179,29 @@ impl Kernels {
             client,
             lut,
             stage_steps: None,
+            fused_combine: None,
         }
+    }
+
+    /// These kernels with the MoE decode's down projection and combine always fused into one launch
+    /// (`Some(true)`), always two (`Some(false)`), or by [`Self::fuses_decode_combine`] (`None`): the
+    /// same bits every way; for tests, and for timing the choice.
+    pub fn with_decode_combine(mut self, fused: Option<bool>) -> Self {
+        self.fused_combine = fused;
+        self
+    }
+
+    /// Whether the grouped GEMV's path fuses the down projection and the combine for `assignments`
+    /// (token, slot) pairs over `experts` experts, unless [`Self::with_decode_combine`] says. Fused, a
+    /// cube computes one token's slots, so an expert's rows are read once per assignment; apart, the
+    /// down projection runs per 16-assignment tile and reads them once per expert, at the price of a
+    /// launch. With `A` random assignments over `E` experts about `E (1 - (1 - 1/E)^A)` experts are
+    /// touched, so fusing reads at most ~1.6x the bytes while `A <= E` (1.03x at one token, top-8 of
+    /// 128), which costs less than a launch at decode sizes; from there on the extra reads grow with
+    /// `A`. A first rule from that count: `qarl bench kernels` times both (`moe/decode-fused`,
+    /// `moe/decode-split`) for a GPU to settle it.
+    pub fn fuses_decode_combine(&self, assignments: usize, experts: usize) -> bool {
+        self.fused_combine.unwrap_or(assignments <= experts)
     }
 
     /// These kernels with the tensor-core tiles staging `steps` K steps per pair of barriers (`None`: as
@@ -796,7 +821,9 @@ impl Kernels {
             // gate+up fused with SwiGLU, gathering the token rows.
             self.grouped_product(&xq, routing, [gate, up], &h, true, true, kernel);
         }
-        if kernel == GroupedKernel::Gemv {
+        if kernel == GroupedKernel::Gemv
+            && self.fuses_decode_combine(layout.assignments, routing.experts())
+        {
             self.fused_down_and_combine(&h, routing, route_w, down, &out)?;
         } else {
             self.down_and_combine(&h, routing, route_w, down, &out, kernel)?;
@@ -980,7 +1007,7 @@ impl Kernels {
         kernel: GroupedKernel,
     ) {
         let layout = routing.layout();
-        let (assignments, table) = (layout.assignments, &routing.table);
+        let table = &routing.table;
         if let GroupedKernel::Tiles {
             tensor_cores,
             operand,
@@ -1000,7 +1027,7 @@ impl Kernels {
         let chunks = a.inn.div_ceil(CHUNK);
         // Chunk sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory.
         let sets = if swiglu { 2 } else { 1 };
-        if gemv && chunks * sets <= SHARED_FLOATS && assignments <= MAX_GRID {
+        if gemv && chunks * sets <= SHARED_FLOATS && layout.tiles <= MAX_GRID {
             let lanes = chunks.clamp(1, 32);
             let chunks = chunks.max(1);
             // The input row staged in shared memory when it fits beside a row of chunk sums.
@@ -1012,12 +1039,11 @@ impl Kernels {
                 .max(1);
             moe_kernels::grouped_gemv::launch(
                 &self.client,
-                CubeCount::Static(a.out.div_ceil(rows_per_cube) as u32, assignments as u32, 1),
+                CubeCount::Static(a.out.div_ceil(rows_per_cube) as u32, layout.tiles as u32, 1),
                 CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
                 input.arg(),
                 table.arg(),
                 layout.rows_at(),
-                layout.experts_at(),
                 a.words.arg(),
                 a.scales.arg(),
                 b.words.arg(),

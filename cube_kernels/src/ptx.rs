@@ -385,11 +385,14 @@ pub fn compile_training_kernels(
     out
 }
 
-/// The MoE decode path's kernels written after the last GPU session: the one-cube routing
-/// ([`crate::kernels::moe::route`], 128 experts) and the fused down projection and combine
-/// ([`crate::kernels::moe::grouped_gemv_combine`]) as their launchers shape them for a Qwen3-30B-A3B
-/// layer (hidden 2048, intermediate 768, top-8: 24 chunks on 24 lanes x 8 slots, one row per cube), for
-/// `formats` weights and f32, bf16 and f16 outputs.
+/// The MoE decode path's kernels changed or written after the last GPU session: the one-cube routing
+/// ([`crate::kernels::moe::route`], 128 experts), the grouped GEMV over a tile's assignments
+/// ([`crate::kernels::moe::grouped_gemv`]: gate-up with SwiGLU on gathered rows, 64 chunks on 32 lanes x
+/// 8 rows, f32, bf16 and f16 inputs; down on the f32 SwiGLU rows, 24 chunks on 24 lanes x 10 rows; both
+/// with the input row staged) and the fused down projection and combine
+/// ([`crate::kernels::moe::grouped_gemv_combine`]: top-8, 24 chunks on 24 lanes x 8 slots, one row per
+/// cube; f32, bf16 and f16 outputs), as their launchers shape them for a Qwen3-30B-A3B layer (hidden
+/// 2048, intermediate 768), for `formats` weights.
 pub fn compile_decode_kernels(
     target: CudaTarget,
     formats: &[WeightFormat],
@@ -404,8 +407,25 @@ pub fn compile_decode_kernels(
         p(), p(), 0, 0, 0, 0, 0, 0, 0, experts
     )];
     for &format in formats {
+        let (fmt, group) = (format.kernel_code(), format.kernel_group());
+        // (gate-up or down, input type, chunks, lanes, rows per cube)
+        let gate_up = |dtype: ActDType| (true, dtype, 64usize, 32usize, 8usize);
+        let products = [
+            gate_up(ActDType::F32),
+            gate_up(ActDType::BF16),
+            gate_up(ActDType::F16),
+            (false, ActDType::F32, 24, 24, 10),
+        ];
+        for (swiglu, dtype, chunks, lanes, rows) in products {
+            let kind = if swiglu { "gate-up" } else { "down" };
+            out.push(compile_dummy!(
+                target, format!("grouped_gemv {kind} {} {dtype}", format.name()), false,
+                moe_kernels::grouped_gemv, CubeDim::new_2d(lanes as u32, rows as u32);
+                p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
+                fmt, group, lanes, rows, chunks, swiglu, swiglu, true, dtype.elem()
+            ));
+        }
         for dtype in [ActDType::F32, ActDType::BF16, ActDType::F16] {
-            let (fmt, group) = (format.kernel_code(), format.kernel_group());
             out.push(compile_dummy!(
                 target, format!("grouped_gemv_combine {} ->{dtype}", format.name()), false,
                 moe_kernels::grouped_gemv_combine,

@@ -422,6 +422,10 @@ fn moe_handles_ragged_expert_groups() {
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn fused_decode_combine_is_the_two_launches_bitwise() {
     let Some(k) = kernels() else { return };
+    let (fused_k, split_k) = (
+        k.clone().with_decode_combine(Some(true)),
+        k.clone().with_decode_combine(Some(false)),
+    );
     let (experts, hidden, inter, tokens, top_k) = (6, 40, 1400, 3, 6);
     let mut rng = Rng(91);
     // Every token routes to all six experts, in a different slot order each.
@@ -450,23 +454,29 @@ fn fused_decode_combine_is_the_two_launches_bitwise() {
                 k.upload(&x, dtype).unwrap(),
                 k.upload(&route_w, dtype).unwrap(),
             );
-            let run = |path| {
+            let run = |k: &Kernels, path| {
                 let y = k.moe_routed(&dx, &table, &dw, [&w[0], &w[1], &w[2]], path);
                 k.read_f32(&y.unwrap()).unwrap()
             };
-            // Gemm: the tiles and the separate combine; Gemv: the fused down-and-combine.
-            let (fused, separate) = (run(MatmulPath::Gemv), run(MatmulPath::Gemm));
+            let fused = run(&fused_k, MatmulPath::Gemv);
             assert!(
                 fused.iter().any(|v| *v != 0.0),
                 "{}: all zero",
                 format.name()
             );
-            assert_eq!(
-                bits(&fused),
-                bits(&separate),
-                "{} {dtype}: the fused decode combine differs from the two launches",
-                format.name()
-            );
+            // The grouped GEMV's down projection and the combine apart, and the tiles and the combine.
+            let split = [
+                run(&split_k, MatmulPath::Gemv),
+                run(&split_k, MatmulPath::Gemm),
+            ];
+            for separate in split {
+                assert_eq!(
+                    bits(&fused),
+                    bits(&separate),
+                    "{} {dtype}: the fused decode combine differs from the two launches",
+                    format.name()
+                );
+            }
         }
     }
 }

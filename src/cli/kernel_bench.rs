@@ -502,9 +502,12 @@ mod imp {
                         weights: [&gate, &up, &down],
                         device: [&dg, &du, &dd],
                     };
-                    let t = time_decode_block(args, k, &block, (&ids, n), [&dx, &drw], failures)?;
-                    let what = "moe/decode";
-                    rows.push(row(what, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                    for (fused, what) in [(true, "moe/decode-fused"), (false, "moe/decode-split")] {
+                        let kd = k.clone().with_decode_combine(Some(fused));
+                        let call = (ids.as_slice(), n, what);
+                        let t = time_decode_block(args, &kd, &block, call, [&dx, &drw], failures)?;
+                        rows.push(row(what, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                    }
                 }
                 // The tiles with one K step per pair of barriers, as for the dense weight.
                 for (path, kernel) in &tiles {
@@ -522,16 +525,16 @@ mod imp {
         Ok(())
     }
 
-    /// The MoE block as a decode step runs it (`moe/decode`): expert ids already on the device, routed
-    /// there ([`Kernels::route`]: one launch, no upload) and the grouped GEMV path, whose down projection
-    /// and combine are one launch, so the row is the launches a rollout pays per MoE layer besides the
-    /// router. With `--check`, its bits must be `moe/gemv`'s (the host-routed two-launch down and
-    /// combine). Returns the mean seconds per call.
+    /// The MoE block as a decode step runs it (`moe/decode-fused`, `moe/decode-split`): expert ids
+    /// already on the device, routed there ([`Kernels::route`]: one launch, no upload), and the grouped
+    /// GEMV path with the down projection and the combine as `k` says ([`Kernels::with_decode_combine`]:
+    /// one launch or two), so the row is what a rollout pays per MoE layer besides the router. With
+    /// `--check`, its bits must be `moe/gemv`'s (host routing). Returns the mean seconds per call.
     fn time_decode_block(
         args: &KernelBenchArgs,
         k: &Kernels,
         block: &MoeBlock,
-        (ids, n): (&[u32], usize),
+        (ids, n, what): (&[u32], usize, &str),
         [dx, drw]: [&DeviceBuffer; 2],
         failures: &mut Vec<String>,
     ) -> anyhow::Result<f64> {
@@ -549,7 +552,7 @@ mod imp {
                 contract_mismatches(&k.read_f32(&run()?)?, &k.read_f32(&want)?, ActDType::F32);
             if differ > 0 {
                 failures.push(format!(
-                    "{} moe/decode n={n}: {differ} values differ from moe/gemv",
+                    "{} {what} n={n}: {differ} values differ from moe/gemv",
                     dx.dtype()
                 ));
             }
@@ -750,7 +753,7 @@ mod imp {
 
     fn print_table(rows: &[Row], base: DType) {
         println!(
-            "{:<14} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+            "{:<18} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
             "kernel",
             "format",
             "act",
@@ -764,7 +767,7 @@ mod imp {
         );
         for r in rows {
             println!(
-                "{:<14} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
+                "{:<18} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
                 r.kernel,
                 r.format,
                 r.act_dtype,

@@ -204,19 +204,21 @@ pub fn grouped_matmul<X: Float>(
 }
 
 /// The decode-sized form of [`grouped_matmul`], the same values bit for bit: cube `(x, y)` computes rows
-/// `rows_per_cube * x..` of sorted assignment `y` (its expert at `table[experts_at + y]`), each row summed
-/// by `lanes` units in parallel chunks as the dense GEMV does (chunk sums in shared memory, added left to
-/// right by lane 0; with `stage_x` the input row is staged in shared memory first). A tile of
-/// [`grouped_matmul`] streams its expert's rows once for up to 16 assignments but keeps 256 units on at
-/// most 16 rows x 16 assignments; with one or two assignments per expert (decode) most of that tile is
-/// idle, while here every unit reads weights.
-#[cube(launch)]
+/// `rows_per_cube * x..` for the assignments of tile `y` (expert `table[3 y]`, assignments
+/// `table[3 y + 1]..table[3 y + 2]`), one assignment after the other, each row summed by `lanes` units in
+/// parallel chunks as the dense GEMV does (chunk sums in shared memory, added left to right by lane 0;
+/// with `stage_x` the assignment's input row is staged in shared memory first). A tile of
+/// [`grouped_matmul`] keeps 256 units on at most 16 rows x 16 assignments, so with one or two
+/// assignments per expert (decode) most of it is idle, while here every unit reads weights; and the
+/// cube's rows of the expert's weights come from memory once per tile, not once per assignment: the
+/// later assignments find them in the cache (a cube's rows are a few KiB), which matters from a few
+/// tokens up, where experts start to share assignments.
+#[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemv<X: Float>(
     x: &[X],
     table: &[u32],
     rows_at: usize,
-    experts_at: usize,
     words_a: &[u32],
     scales_a: &[f32],
     words_b: &[u32],
@@ -246,59 +248,44 @@ pub fn grouped_gemv<X: Float>(
     let lane = UNIT_POS_X as usize;
     let local_row = UNIT_POS_Y as usize;
     let row = CUBE_POS_X as usize * rows_per_cube + local_row;
-    let a = CUBE_POS_Y as usize;
-    let expert = table[experts_at + a] as usize;
-    let mut src = a;
-    if comptime!(gather) {
-        src = table[rows_at + a] as usize;
-    }
+    let tile = CUBE_POS_Y as usize;
+    let expert = table[3 * tile] as usize;
+    let a0 = table[3 * tile + 1] as usize;
+    let a_end = table[3 * tile + 2] as usize;
     let woff = expert * expert_words;
     let soff = expert * expert_scales;
-    if comptime!(stage_x) {
-        stage_transposed(
-            x,
-            src * inn,
-            inn,
-            &mut xs,
-            local_row * lanes + lane,
-            lanes * rows_per_cube,
-            chunks,
-        );
-        sync_cube();
-    }
     let per_lane = comptime!(chunks.div_ceil(lanes));
-    if row < n_out {
-        for i in 0..per_lane {
-            let c = lane + i * lanes;
-            if c < chunks {
-                let k0 = c * 32;
-                let depth = chunk_depth(c, inn);
-                part_a[local_row * chunks + c] = chunk_dot(
-                    x,
-                    src * inn,
-                    &xs,
-                    words_a,
-                    scales_a,
-                    lut,
-                    woff,
-                    soff,
-                    row,
-                    k0,
-                    depth,
-                    wpr,
-                    spr,
-                    fmt,
-                    group,
-                    chunks,
-                    stage_x,
-                );
-                if comptime!(swiglu) {
-                    part_b[local_row * chunks + c] = chunk_dot(
+    // Two barriers per assignment: after staging its row, and after its chunk sums. Lane 0 adds the sums
+    // before it reaches the next assignment's first barrier, so one set of sums suffices.
+    for a in a0..a_end {
+        let mut src = a;
+        if comptime!(gather) {
+            src = table[rows_at + a] as usize;
+        }
+        if comptime!(stage_x) {
+            stage_transposed(
+                x,
+                src * inn,
+                inn,
+                &mut xs,
+                local_row * lanes + lane,
+                lanes * rows_per_cube,
+                chunks,
+            );
+        }
+        sync_cube();
+        if row < n_out {
+            for i in 0..per_lane {
+                let c = lane + i * lanes;
+                if c < chunks {
+                    let k0 = c * 32;
+                    let depth = chunk_depth(c, inn);
+                    part_a[local_row * chunks + c] = chunk_dot(
                         x,
                         src * inn,
                         &xs,
-                        words_b,
-                        scales_b,
+                        words_a,
+                        scales_a,
                         lut,
                         woff,
                         soff,
@@ -312,17 +299,38 @@ pub fn grouped_gemv<X: Float>(
                         chunks,
                         stage_x,
                     );
+                    if comptime!(swiglu) {
+                        part_b[local_row * chunks + c] = chunk_dot(
+                            x,
+                            src * inn,
+                            &xs,
+                            words_b,
+                            scales_b,
+                            lut,
+                            woff,
+                            soff,
+                            row,
+                            k0,
+                            depth,
+                            wpr,
+                            spr,
+                            fmt,
+                            group,
+                            chunks,
+                            stage_x,
+                        );
+                    }
                 }
             }
         }
-    }
-    sync_cube();
-    if lane == 0 && row < n_out {
-        let mut v = sum_chunks(&part_a, local_row * chunks, chunks);
-        if comptime!(swiglu) {
-            v = silu_times(v, sum_chunks(&part_b, local_row * chunks, chunks));
+        sync_cube();
+        if lane == 0 && row < n_out {
+            let mut v = sum_chunks(&part_a, local_row * chunks, chunks);
+            if comptime!(swiglu) {
+                v = silu_times(v, sum_chunks(&part_b, local_row * chunks, chunks));
+            }
+            y[a * n_out + row] = v;
         }
-        y[a * n_out + row] = v;
     }
 }
 
