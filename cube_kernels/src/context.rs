@@ -706,7 +706,8 @@ impl Kernels {
     /// un-permute and combine with `route_w [tokens, top_k]` (slot order). `gate`/`up` are stacks
     /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format. Three launches
     /// (five with fp8-b128, which quantizes `x` and the SwiGLU output first), two on the grouped GEMV's
-    /// path (decode: the down projection and the combine are one launch), and one upload (the routing
+    /// path where [`Self::fuses_decode_combine`] (decode: the down projection and the combine in one
+    /// launch), and one upload (the routing
     /// table); the arithmetic is the contract in [`crate::kernels::moe`], which [`crate::reference::moe`]
     /// computes on the host. `x` and `route_w` are of one element type, the output's; `h` and the
     /// per-assignment outputs stay f32 (one rounding, on the combine's store).
