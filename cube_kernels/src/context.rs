@@ -932,7 +932,7 @@ impl Kernels {
 
     /// [`Self::down_and_combine`] on the grouped GEMV's path without the per-assignment outputs, the same
     /// bits in one launch ([`moe_kernels::grouped_gemv_combine`]: the slots of a token side by side in a
-    /// cube) where its sums fit in shared memory and its units in a cube, else the two launches.
+    /// cube) where [`fused_combine_shape`] finds a cube for it, else the two launches.
     pub(crate) fn fused_down_and_combine(
         &self,
         h: &DeviceBuffer,
@@ -944,21 +944,11 @@ impl Kernels {
         let (tokens, top_k, hidden, inter) =
             (routing.tokens(), routing.top_k(), down.out, down.inn);
         let chunks = inter.div_ceil(CHUNK).max(1);
-        let units = 256;
-        if top_k == 0 || top_k > units || top_k * chunks > SHARED_FLOATS || tokens > MAX_GRID {
+        let Some((lanes, rows_per_cube)) = fused_combine_shape(tokens, top_k, hidden, chunks)
+        else {
             self.down_and_combine(h, routing, route_w, down, out, GroupedKernel::Gemv)?;
             return Ok(());
-        }
-        // Fewer lanes than chunks when the slots take the room: each lane then sums several chunks.
-        let lanes = chunks.min(32).min(units / top_k);
-        let rows_per_cube = (units / (lanes * top_k))
-            .min(SHARED_FLOATS / (top_k * chunks))
-            .min(hidden)
-            .max(1);
-        if hidden.div_ceil(rows_per_cube) > MAX_GRID {
-            self.down_and_combine(h, routing, route_w, down, out, GroupedKernel::Gemv)?;
-            return Ok(());
-        }
+        };
         let layout = routing.layout();
         let hq = self.prepare(h, layout.assignments, down)?;
         moe_kernels::grouped_gemv_combine::launch(
@@ -1025,19 +1015,14 @@ impl Kernels {
             return;
         }
         let gemv = kernel == GroupedKernel::Gemv;
-        let chunks = a.inn.div_ceil(CHUNK);
-        // Chunk sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory.
-        let sets = if swiglu { 2 } else { 1 };
-        if gemv && chunks * sets <= SHARED_FLOATS && layout.tiles <= MAX_GRID {
-            let lanes = chunks.clamp(1, 32);
-            let chunks = chunks.max(1);
-            // The input row staged in shared memory when it fits beside a row of chunk sums.
-            let stage_x = 32 * (chunks + 1) + chunks * sets <= SHARED_FLOATS;
-            let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
-            let rows_per_cube = (256 / lanes)
-                .min(budget / (chunks * sets))
-                .min(a.out)
-                .max(1);
+        let shape = grouped_gemv_shape(a.inn, a.out, swiglu);
+        if let Some(GemvShape {
+            chunks,
+            lanes,
+            rows_per_cube,
+            stage_x,
+        }) = shape.filter(|_| gemv && layout.tiles <= MAX_GRID)
+        {
             moe_kernels::grouped_gemv::launch(
                 &self.client,
                 CubeCount::Static(a.out.div_ceil(rows_per_cube) as u32, layout.tiles as u32, 1),
@@ -1204,6 +1189,61 @@ fn dense_only(w: &DeviceWeights) -> Result<(), KernelError> {
         )));
     }
     Ok(())
+}
+
+/// How the grouped GEMV ([`moe_kernels::grouped_gemv`]) lays out a cube.
+pub(crate) struct GemvShape {
+    /// Chunks of [`CHUNK`] inputs per row (at least 1).
+    pub chunks: usize,
+    /// Units summing one row's chunks side by side.
+    pub lanes: usize,
+    pub rows_per_cube: usize,
+    /// Whether the input row is staged in shared memory.
+    pub stage_x: bool,
+}
+
+/// The grouped GEMV's cube for rows of `inn` inputs, `out` rows (two projections with `swiglu`): the chunk
+/// sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory, beside the input
+/// row staged when it fits; `None` when not even one row's sums fit (then the tiles run).
+pub(crate) fn grouped_gemv_shape(inn: usize, out: usize, swiglu: bool) -> Option<GemvShape> {
+    let chunks = inn.div_ceil(CHUNK);
+    let sets = if swiglu { 2 } else { 1 };
+    if chunks * sets > SHARED_FLOATS {
+        return None;
+    }
+    let lanes = chunks.clamp(1, 32);
+    let chunks = chunks.max(1);
+    let stage_x = 32 * (chunks + 1) + chunks * sets <= SHARED_FLOATS;
+    let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
+    let rows_per_cube = (256 / lanes).min(budget / (chunks * sets)).min(out).max(1);
+    Some(GemvShape {
+        chunks,
+        lanes,
+        rows_per_cube,
+        stage_x,
+    })
+}
+
+/// The cube of the fused down-and-combine for `tokens` tokens of `top_k` slots, `hidden` output rows and
+/// `chunks` chunks per row: `(lanes, rows per cube)`, `lanes x rows x top_k` units within 256, the
+/// chunk sums of every slot in shared memory; fewer lanes than chunks when the slots take the room
+/// (each lane then sums several chunks). `None` where no such cube or grid exists.
+pub(crate) fn fused_combine_shape(
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+    chunks: usize,
+) -> Option<(usize, usize)> {
+    let units = 256;
+    if top_k == 0 || top_k > units || top_k * chunks > SHARED_FLOATS || tokens > MAX_GRID {
+        return None;
+    }
+    let lanes = chunks.min(32).min(units / top_k);
+    let rows_per_cube = (units / (lanes * top_k))
+        .min(SHARED_FLOATS / (top_k * chunks))
+        .min(hidden)
+        .max(1);
+    (hidden.div_ceil(rows_per_cube) <= MAX_GRID).then_some((lanes, rows_per_cube))
 }
 
 /// An error unless `b` holds f32 values: `kernels` names the launchers that take f32 only.

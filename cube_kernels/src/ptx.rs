@@ -34,7 +34,7 @@ use cubecl_llvm::nvptx::ptx_version::PtxVersion;
 use cubecl_llvm::shared::lowered_features::{restrict_features, GpuTarget};
 use cubecl_runtime::runtime::Runtime;
 
-use crate::context::tile_stage_steps;
+use crate::context::{fused_combine_shape, grouped_gemv_shape, tile_stage_steps};
 use crate::kernels::mma::{self, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
 use crate::{ActDType, KernelError, WeightFormat};
@@ -400,7 +400,8 @@ pub fn compile_decode_kernels(
     use crate::kernels::moe::{self as moe_kernels, ROUTE_UNITS};
     let p = placeholder;
     let (experts, top_k, chunks) = (128usize, 8usize, 768usize.div_ceil(crate::format::CHUNK));
-    let lanes = chunks.min(32).min(256 / top_k);
+    let (lanes, rows) = fused_combine_shape(1, top_k, 2048, chunks)
+        .expect("a cube for the Qwen3-30B-A3B down projection");
     let mut out = vec![compile_dummy!(
         target, format!("route experts={experts}"), false, moe_kernels::route,
         CubeDim::new_1d(ROUTE_UNITS as u32);
@@ -408,30 +409,36 @@ pub fn compile_decode_kernels(
     )];
     for &format in formats {
         let (fmt, group) = (format.kernel_code(), format.kernel_group());
-        // (gate-up or down, input type, chunks, lanes, rows per cube)
-        let gate_up = |dtype: ActDType| (true, dtype, 64usize, 32usize, 8usize);
+        // Gate-up (2048 inputs, 768 rows) for each input type; down (768 inputs, 2048 rows) on f32.
         let products = [
-            gate_up(ActDType::F32),
-            gate_up(ActDType::BF16),
-            gate_up(ActDType::F16),
-            (false, ActDType::F32, 24, 24, 10),
+            (true, ActDType::F32),
+            (true, ActDType::BF16),
+            (true, ActDType::F16),
+            (false, ActDType::F32),
         ];
-        for (swiglu, dtype, chunks, lanes, rows) in products {
-            let kind = if swiglu { "gate-up" } else { "down" };
+        for (swiglu, dtype) in products {
+            let (kind, inn, rows_out) = if swiglu {
+                ("gate-up", 2048, 768)
+            } else {
+                ("down", 768, 2048)
+            };
+            let shape = grouped_gemv_shape(inn, rows_out, swiglu).expect("a grouped GEMV cube");
+            let dim = CubeDim::new_2d(shape.lanes as u32, shape.rows_per_cube as u32);
             out.push(compile_dummy!(
                 target, format!("grouped_gemv {kind} {} {dtype}", format.name()), false,
-                moe_kernels::grouped_gemv, CubeDim::new_2d(lanes as u32, rows as u32);
+                moe_kernels::grouped_gemv, dim;
                 p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
-                fmt, group, lanes, rows, chunks, swiglu, swiglu, true, dtype.elem()
+                fmt, group, shape.lanes, shape.rows_per_cube, shape.chunks, swiglu, swiglu,
+                shape.stage_x, dtype.elem()
             ));
         }
         for dtype in [ActDType::F32, ActDType::BF16, ActDType::F16] {
             out.push(compile_dummy!(
                 target, format!("grouped_gemv_combine {} ->{dtype}", format.name()), false,
                 moe_kernels::grouped_gemv_combine,
-                CubeDim::new_3d(lanes as u32, 1, top_k as u32);
+                CubeDim::new_3d(lanes as u32, rows as u32, top_k as u32);
                 p(), p(), 0, 0, p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
-                top_k, fmt, group, lanes, 1, chunks, dtype.elem()
+                top_k, fmt, group, lanes, rows, chunks, dtype.elem()
             ));
         }
     }
