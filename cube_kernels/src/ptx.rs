@@ -34,7 +34,8 @@ use cubecl_llvm::nvptx::ptx_version::PtxVersion;
 use cubecl_llvm::shared::lowered_features::{restrict_features, GpuTarget};
 use cubecl_runtime::runtime::Runtime;
 
-use crate::context::{fused_combine_shape, grouped_gemv_shape, tile_stage_steps};
+use crate::context::moe::{fused_combine_shape, grouped_gemv_shape};
+use crate::context::tile_stage_steps;
 use crate::kernels::mma::{self, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
 use crate::{ActDType, KernelError, WeightFormat};

@@ -1,0 +1,542 @@
+//! Launchers of the grouped MoE block ([`crate::kernels::moe`], [`crate::kernels::mma_moe`]): the routing
+//! table (uploaded from the host, or built on the device from the router's ids), the rollout's forward
+//! on the grouped GEMV, the 16-assignment tiles or the tensor-core tiles, and the decode path's fused
+//! down projection and combine. The training forward and backward are in [`super::moe_train`].
+
+use cubecl::prelude::*;
+
+use super::{
+    expect_len, grid, tile_steps, DeviceBuffer, DeviceWeights, Kernels, MatmulPath, MAX_GRID,
+    SHARED_FLOATS,
+};
+use crate::dtype::ActDType;
+use crate::error::KernelError;
+use crate::format::WeightFormat;
+use crate::kernels::mma::{MMA, MMA_PLANE};
+use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
+use crate::kernels::{moe as moe_kernels, BLOCK, CHUNK, TILE};
+use crate::moe::{MoeRouting, RoutingTable, TableLayout};
+
+impl Kernels {
+    /// These kernels with the MoE decode's down projection and combine always fused into one launch
+    /// (`Some(true)`), always two (`Some(false)`), or by [`Self::fuses_decode_combine`] (`None`): the
+    /// same bits every way; for tests, and for timing the choice.
+    pub fn with_decode_combine(mut self, fused: Option<bool>) -> Self {
+        self.fused_combine = fused;
+        self
+    }
+
+    /// Whether the grouped GEMV's path fuses the down projection and the combine for `assignments`
+    /// (token, slot) pairs over `experts` experts, unless [`Self::with_decode_combine`] says. Fused, a
+    /// cube computes one token's slots, so an expert's rows are read once per assignment; apart, the
+    /// down projection runs per 16-assignment tile and reads them once per expert, at the price of a
+    /// launch. With `A` random assignments over `E` experts about `E (1 - (1 - 1/E)^A)` experts are
+    /// touched, so fusing reads at most ~1.6x the bytes while `A <= E` (1.03x at one token, top-8 of
+    /// 128), which costs less than a launch at decode sizes; from there on the extra reads grow with
+    /// `A`. A first rule from that count: `qarl bench kernels` times both (`moe/decode-fused`,
+    /// `moe/decode-split`) for a GPU to settle it.
+    pub fn fuses_decode_combine(&self, assignments: usize, experts: usize) -> bool {
+        self.fused_combine.unwrap_or(assignments <= experts)
+    }
+
+    /// The MoE block on `x [tokens, hidden]`: grouped gate+up with SwiGLU, grouped down projection, then
+    /// un-permute and combine with `route_w [tokens, top_k]` (slot order). `gate`/`up` are stacks
+    /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format. Three launches
+    /// (five with fp8-b128, which quantizes `x` and the SwiGLU output first), two on the grouped GEMV's
+    /// path where [`Self::fuses_decode_combine`] (decode: the down projection and the combine in one
+    /// launch), and one upload (the routing
+    /// table); the arithmetic is the contract in [`crate::kernels::moe`], which [`crate::reference::moe`]
+    /// computes on the host. `x` and `route_w` are of one element type, the output's; `h` and the
+    /// per-assignment outputs stay f32 (one rounding, on the combine's store).
+    pub fn moe(
+        &self,
+        x: &DeviceBuffer,
+        routing: &MoeRouting,
+        route_w: &DeviceBuffer,
+        gate: &DeviceWeights,
+        up: &DeviceWeights,
+        down: &DeviceWeights,
+    ) -> Result<DeviceBuffer, KernelError> {
+        self.moe_with(x, routing, route_w, [gate, up, down], MatmulPath::Auto)
+    }
+
+    /// [`Self::moe`] with the grouped products on the kernel `path` picks (the same bits either way).
+    pub fn moe_with(
+        &self,
+        x: &DeviceBuffer,
+        routing: &MoeRouting,
+        route_w: &DeviceBuffer,
+        weights: [&DeviceWeights; 3],
+        path: MatmulPath,
+    ) -> Result<DeviceBuffer, KernelError> {
+        let table = self.upload_routing(routing);
+        self.moe_routed(x, &table, route_w, weights, path)
+    }
+
+    /// The routing table of a host routing on the device (one upload).
+    pub fn upload_routing(&self, routing: &MoeRouting) -> RoutingTable {
+        RoutingTable {
+            table: self.upload_u32(&routing.table()),
+            tokens: routing.tokens(),
+            top_k: routing.top_k(),
+            experts: routing.experts(),
+            layout: routing.layout(),
+        }
+    }
+
+    /// The routing table of `ids` (`tokens * top_k` expert ids as `u32`, or `i32` holding non-negative
+    /// values: the same bits, token-major) built on the device, with no read back and no upload: one
+    /// launch of one cube ([`moe_kernels::route`]: count per expert, offsets and tiles, the stable
+    /// scatter), the same sorted order, positions and tiles as [`MoeRouting::new`] on the same ids, then
+    /// empty tiles up to [`RoutingTable::tile_bound`]. An id outside `0..experts` is not checked here (the
+    /// router's top-k never makes one): it is routed to no expert and its slot's output is undefined
+    /// (every read stays in bounds). More than [`Self::MAX_ROUTED_EXPERTS`] experts is an error.
+    pub fn route(
+        &self,
+        ids: &DeviceBuffer,
+        tokens: usize,
+        top_k: usize,
+        experts: usize,
+    ) -> Result<RoutingTable, KernelError> {
+        let assignments = tokens * top_k;
+        expect_len("expert ids", ids, assignments)?;
+        if experts > Self::MAX_ROUTED_EXPERTS {
+            return Err(KernelError::Shape(format!(
+                "{experts} experts: device routing keeps one offset per expert in shared memory, at most {}",
+                Self::MAX_ROUTED_EXPERTS
+            )));
+        }
+        let layout = TableLayout {
+            tiles: RoutingTable::tile_bound(assignments, experts),
+            assignments,
+        };
+        let table = self.empty_u32(layout.len(experts));
+        moe_kernels::route::launch(
+            &self.client,
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(moe_kernels::ROUTE_UNITS as u32),
+            ids.arg(),
+            table.arg(),
+            assignments,
+            top_k.max(1),
+            layout.tiles,
+            layout.rows_at(),
+            layout.positions_at(),
+            layout.experts_at(),
+            layout.offsets_at(),
+            experts,
+        );
+        Ok(RoutingTable {
+            table,
+            tokens,
+            top_k,
+            experts,
+            layout,
+        })
+    }
+
+    /// [`Self::moe_with`] on a routing table already on the device ([`Self::route`],
+    /// [`Self::upload_routing`]): no upload, no read, the launch grid from the table's sizes.
+    pub fn moe_routed(
+        &self,
+        x: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
+        [gate, up, down]: [&DeviceWeights; 3],
+        path: MatmulPath,
+    ) -> Result<DeviceBuffer, KernelError> {
+        self.check_moe(x, routing, route_w, [gate, up, down])?;
+        let (tokens, hidden, inter) = (routing.tokens(), gate.inn, gate.out);
+        let layout = routing.layout();
+        let out = self.empty(tokens * hidden, x.dtype);
+        if layout.tiles == 0 || hidden == 0 {
+            return Ok(out);
+        }
+        let kernel = self.moe_kernel(path, tokens, gate.format, x.dtype)?;
+        let xq = self.prepare(x, tokens, gate)?;
+        let h = self.empty_f32(layout.assignments * inter);
+        if inter > 0 {
+            // gate+up fused with SwiGLU, gathering the token rows.
+            self.grouped_product(&xq, routing, [gate, up], &h, true, true, kernel);
+        }
+        if kernel == GroupedKernel::Gemv
+            && self.fuses_decode_combine(layout.assignments, routing.experts())
+        {
+            self.fused_down_and_combine(&h, routing, route_w, down, &out)?;
+        } else {
+            self.down_and_combine(&h, routing, route_w, down, &out, kernel)?;
+        }
+        Ok(out)
+    }
+
+    /// The kernel of the grouped products of an MoE call on `tokens` tokens of `dtype` activations with
+    /// `format` weights: the GEMV or the tiles (by `path`, or by size under [`MatmulPath::Auto`]; the same
+    /// bits either way), or the tensor-core tiles' order ([`MatmulPath::tiles`]; its own bits), refused
+    /// where it cannot run ([`Self::check_tiles`]).
+    pub(crate) fn moe_kernel(
+        &self,
+        path: MatmulPath,
+        tokens: usize,
+        format: WeightFormat,
+        dtype: ActDType,
+    ) -> Result<GroupedKernel, KernelError> {
+        Ok(match path {
+            MatmulPath::Auto if tokens <= Self::MOE_GEMV_MAX_TOKENS => GroupedKernel::Gemv,
+            MatmulPath::Auto => GroupedKernel::Tiled,
+            MatmulPath::Gemv => GroupedKernel::Gemv,
+            MatmulPath::Gemm | MatmulPath::Blocked => GroupedKernel::Tiled,
+            MatmulPath::Mma | MatmulPath::GroupedScalar | MatmulPath::Tiles { .. } => {
+                let tiles = path.tiles(dtype).expect("a tiles path");
+                self.check_tiles(format, tiles)?;
+                GroupedKernel::Tiles {
+                    tensor_cores: tiles.0,
+                    operand: tiles.1,
+                }
+            }
+        })
+    }
+
+    /// Checks the shapes and types of a grouped MoE call ([`Self::moe_routed`]).
+    pub(crate) fn check_moe(
+        &self,
+        x: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
+        [gate, up, down]: [&DeviceWeights; 3],
+    ) -> Result<(), KernelError> {
+        let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
+        let (hidden, inter) = (gate.inn, gate.out);
+        for (name, w, shape) in [
+            ("gate", gate, [inter, hidden]),
+            ("up", up, [inter, hidden]),
+            ("down", down, [hidden, inter]),
+        ] {
+            if w.experts != experts || [w.out, w.inn] != shape || w.format != gate.format {
+                return Err(KernelError::Shape(format!(
+                    "{name}: {} experts of [{}, {}] {}, expected {experts} of {shape:?} {}",
+                    w.experts,
+                    w.out,
+                    w.inn,
+                    w.format.name(),
+                    gate.format.name()
+                )));
+            }
+        }
+        expect_len("moe input", x, tokens * hidden)?;
+        expect_len("routing weights", route_w, tokens * top_k)?;
+        self.check_dtype(x.dtype)?;
+        if route_w.dtype != x.dtype {
+            return Err(KernelError::Shape(format!(
+                "routing weights are {}, activations {}: expected one type",
+                route_w.dtype, x.dtype
+            )));
+        }
+        Ok(())
+    }
+
+    /// The down projection of the SwiGLU outputs `h` (f32, sorted order) into the per-assignment outputs
+    /// `y` (f32, returned) by `kernel`, then the combine into `out` with the routing weights.
+    pub(crate) fn down_and_combine(
+        &self,
+        h: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
+        down: &DeviceWeights,
+        out: &DeviceBuffer,
+        kernel: GroupedKernel,
+    ) -> Result<DeviceBuffer, KernelError> {
+        let (tokens, top_k, hidden) = (routing.tokens(), routing.top_k(), down.out);
+        let layout = routing.layout();
+        let hq = self.prepare(h, layout.assignments, down)?;
+        let y = self.empty_f32(layout.assignments * hidden);
+        self.grouped_product(&hq, routing, [down, down], &y, false, false, kernel);
+        moe_kernels::combine::launch(
+            &self.client,
+            grid((tokens * hidden).div_ceil(256)),
+            CubeDim::new_1d(256),
+            y.arg(),
+            routing.table.arg(),
+            layout.positions_at(),
+            route_w.arg(),
+            out.arg(),
+            tokens,
+            hidden,
+            top_k,
+            out.dtype.elem(),
+        );
+        Ok(y)
+    }
+
+    /// [`Self::down_and_combine`] on the grouped GEMV's path without the per-assignment outputs, the same
+    /// bits in one launch ([`moe_kernels::grouped_gemv_combine`]: the slots of a token side by side in a
+    /// cube) where [`fused_combine_shape`] finds a cube for it, else the two launches.
+    pub(crate) fn fused_down_and_combine(
+        &self,
+        h: &DeviceBuffer,
+        routing: &RoutingTable,
+        route_w: &DeviceBuffer,
+        down: &DeviceWeights,
+        out: &DeviceBuffer,
+    ) -> Result<(), KernelError> {
+        let (tokens, top_k, hidden, inter) =
+            (routing.tokens(), routing.top_k(), down.out, down.inn);
+        let chunks = inter.div_ceil(CHUNK).max(1);
+        let Some((lanes, rows_per_cube)) = fused_combine_shape(tokens, top_k, hidden, chunks)
+        else {
+            self.down_and_combine(h, routing, route_w, down, out, GroupedKernel::Gemv)?;
+            return Ok(());
+        };
+        let layout = routing.layout();
+        let hq = self.prepare(h, layout.assignments, down)?;
+        moe_kernels::grouped_gemv_combine::launch(
+            &self.client,
+            CubeCount::Static(hidden.div_ceil(rows_per_cube) as u32, tokens as u32, 1),
+            CubeDim::new_3d(lanes as u32, rows_per_cube as u32, top_k as u32),
+            hq.arg(),
+            routing.table.arg(),
+            layout.positions_at(),
+            layout.experts_at(),
+            down.words.arg(),
+            down.scales.arg(),
+            self.lut.arg(),
+            route_w.arg(),
+            out.arg(),
+            hidden,
+            inter,
+            down.wpr(),
+            down.spr(),
+            down.expert_words(),
+            down.expert_scales(),
+            top_k,
+            down.format.kernel_code(),
+            down.format.kernel_group(),
+            lanes,
+            rows_per_cube,
+            chunks,
+            out.dtype.elem(),
+        );
+        Ok(())
+    }
+
+    /// One grouped product over the sorted assignments into the f32 buffer `y`: `input · a_e^T`, or with
+    /// `swiglu` `silu(input · a_e^T) * (input · b_e^T)` (`b` the up projection); `gather` reads the input
+    /// row of each assignment's token (else the input is already in sorted order). The grouped GEMV when
+    /// `kernel` says so and its staging fits, else the tiled kernel (the same bits either way), or the
+    /// tensor-core tiles' order.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn grouped_product(
+        &self,
+        input: &DeviceBuffer,
+        routing: &RoutingTable,
+        [a, b]: [&DeviceWeights; 2],
+        y: &DeviceBuffer,
+        swiglu: bool,
+        gather: bool,
+        kernel: GroupedKernel,
+    ) {
+        let layout = routing.layout();
+        let table = &routing.table;
+        if let GroupedKernel::Tiles {
+            tensor_cores,
+            operand,
+        } = kernel
+        {
+            self.grouped_tiles(
+                input,
+                routing,
+                [a, b],
+                y,
+                (swiglu, gather),
+                (tensor_cores, operand),
+            );
+            return;
+        }
+        let gemv = kernel == GroupedKernel::Gemv;
+        let shape = grouped_gemv_shape(a.inn, a.out, swiglu);
+        if let Some(GemvShape {
+            chunks,
+            lanes,
+            rows_per_cube,
+            stage_x,
+        }) = shape.filter(|_| gemv && layout.tiles <= MAX_GRID)
+        {
+            moe_kernels::grouped_gemv::launch(
+                &self.client,
+                CubeCount::Static(a.out.div_ceil(rows_per_cube) as u32, layout.tiles as u32, 1),
+                CubeDim::new_2d(lanes as u32, rows_per_cube as u32),
+                input.arg(),
+                table.arg(),
+                layout.rows_at(),
+                a.words.arg(),
+                a.scales.arg(),
+                b.words.arg(),
+                b.scales.arg(),
+                self.lut.arg(),
+                y.arg(),
+                a.out,
+                a.inn,
+                a.wpr(),
+                a.spr(),
+                a.expert_words(),
+                a.expert_scales(),
+                a.format.kernel_code(),
+                a.format.kernel_group(),
+                lanes,
+                rows_per_cube,
+                chunks,
+                swiglu,
+                gather,
+                stage_x,
+                input.dtype.elem(),
+            );
+            return;
+        }
+        moe_kernels::grouped_matmul::launch(
+            &self.client,
+            CubeCount::Static(a.out.div_ceil(BLOCK) as u32, layout.tiles as u32, 1),
+            CubeDim::new_2d(BLOCK as u32, (TILE / 4) as u32),
+            input.arg(),
+            table.arg(),
+            layout.rows_at(),
+            a.words.arg(),
+            a.scales.arg(),
+            b.words.arg(),
+            b.scales.arg(),
+            self.lut.arg(),
+            y.arg(),
+            a.out,
+            a.inn,
+            a.wpr(),
+            a.spr(),
+            a.expert_words(),
+            a.expert_scales(),
+            a.format.kernel_code(),
+            a.format.kernel_group(),
+            a.inn.div_ceil(CHUNK),
+            swiglu,
+            gather,
+            input.dtype.elem(),
+        );
+    }
+
+    /// [`Self::grouped_product`] on the tensor-core tiles' order ([`crate::kernels::mma_moe`]): operands
+    /// of type `operand` (the input is rounded to it as it is staged), on tensor cores or with scalar FMAs.
+    fn grouped_tiles(
+        &self,
+        input: &DeviceBuffer,
+        routing: &RoutingTable,
+        [a, b]: [&DeviceWeights; 2],
+        y: &DeviceBuffer,
+        (swiglu, gather): (bool, bool),
+        (tensor_cores, operand): (bool, ActDType),
+    ) {
+        let layout = routing.layout();
+        let (steps, steps_per_scale) = tile_steps(a);
+        let stage_steps = self.stage_steps(|d| {
+            mma_moe::grouped_tiles_shared_bytes(d, operand.size(), swiglu, tensor_cores)
+        });
+        mma_moe::grouped_tiles::launch(
+            &self.client,
+            CubeCount::Static(
+                a.out.div_ceil(MMA * MOE_MMA_ROW_TILES) as u32,
+                layout.tiles as u32,
+                1,
+            ),
+            CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32),
+            input.arg(),
+            routing.table.arg(),
+            layout.rows_at(),
+            a.words.arg(),
+            a.scales.arg(),
+            b.words.arg(),
+            b.scales.arg(),
+            self.lut.arg(),
+            y.arg(),
+            a.out,
+            a.inn,
+            a.wpr(),
+            a.spr(),
+            a.expert_words(),
+            a.expert_scales(),
+            steps,
+            steps_per_scale,
+            a.format.kernel_code(),
+            a.format.kernel_group(),
+            swiglu,
+            gather,
+            tensor_cores,
+            stage_steps,
+            [input.dtype.elem(), operand.elem()],
+        );
+    }
+}
+
+/// The kernel of a grouped MoE product ([`Kernels::moe_kernel`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GroupedKernel {
+    /// The grouped GEMV, where its staging fits (else the tiles): the canonical order.
+    Gemv,
+    /// The 16-assignment tiles: the canonical order.
+    Tiled,
+    /// The tensor-core tiles' order ([`crate::kernels::mma_moe`]) on `operand` operands, on tensor cores
+    /// or with scalar FMAs.
+    Tiles {
+        tensor_cores: bool,
+        operand: ActDType,
+    },
+}
+
+/// How the grouped GEMV ([`moe_kernels::grouped_gemv`]) lays out a cube.
+pub(crate) struct GemvShape {
+    /// Chunks of [`CHUNK`] inputs per row (at least 1).
+    pub chunks: usize,
+    /// Units summing one row's chunks side by side.
+    pub lanes: usize,
+    pub rows_per_cube: usize,
+    /// Whether the input row is staged in shared memory.
+    pub stage_x: bool,
+}
+
+/// The grouped GEMV's cube for rows of `inn` inputs, `out` rows (two projections with `swiglu`): the chunk
+/// sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory, beside the input
+/// row staged when it fits; `None` when not even one row's sums fit (then the tiles run).
+pub(crate) fn grouped_gemv_shape(inn: usize, out: usize, swiglu: bool) -> Option<GemvShape> {
+    let chunks = inn.div_ceil(CHUNK);
+    let sets = if swiglu { 2 } else { 1 };
+    if chunks * sets > SHARED_FLOATS {
+        return None;
+    }
+    let lanes = chunks.clamp(1, 32);
+    let chunks = chunks.max(1);
+    let stage_x = 32 * (chunks + 1) + chunks * sets <= SHARED_FLOATS;
+    let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
+    let rows_per_cube = (256 / lanes).min(budget / (chunks * sets)).min(out).max(1);
+    Some(GemvShape {
+        chunks,
+        lanes,
+        rows_per_cube,
+        stage_x,
+    })
+}
+
+/// The cube of the fused down-and-combine for `tokens` tokens of `top_k` slots, `hidden` output rows and
+/// `chunks` chunks per row: `(lanes, rows per cube)`, `lanes x rows x top_k` units within 256, the
+/// chunk sums of every slot in shared memory; fewer lanes than chunks when the slots take the room
+/// (each lane then sums several chunks). `None` where no such cube or grid exists.
+pub(crate) fn fused_combine_shape(
+    tokens: usize,
+    top_k: usize,
+    hidden: usize,
+    chunks: usize,
+) -> Option<(usize, usize)> {
+    let units = 256;
+    if top_k == 0 || top_k > units || top_k * chunks > SHARED_FLOATS || tokens > MAX_GRID {
+        return None;
+    }
+    let lanes = chunks.min(32).min(units / top_k);
+    let rows_per_cube = (units / (lanes * top_k))
+        .min(SHARED_FLOATS / (top_k * chunks))
+        .min(hidden)
+        .max(1);
+    (hidden.div_ceil(rows_per_cube) <= MAX_GRID).then_some((lanes, rows_per_cube))
+}
