@@ -71,8 +71,8 @@ impl DeviceWeights {
 }
 
 /// Which matmul kernel serves a call. `Auto`, `Gemv`, `Gemm` and `Blocked` give the same bits (the
-/// canonical order); for the MoE block `Gemv` is the per-assignment grouped GEMV, and `Gemm` and `Blocked`
-/// the 16-assignment tiles. The tensor-core tiles' paths (`Mma`, `GroupedScalar`, `Tiles`) sum in their
+/// canonical order); for the MoE block `Gemv` is the grouped GEMV (per tile, assignment by assignment), and
+/// `Gemm` and `Blocked` the 16-assignment register tiles. The tensor-core tiles' paths (`Mma`, `GroupedScalar`, `Tiles`) sum in their
 /// own order, batch-invariant too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatmulPath {
@@ -152,7 +152,9 @@ impl Kernels {
     /// CUDA: 96 against 79 us at 64 tokens), and behind for every format at 256.
     pub const GEMV_MAX_TOKENS: usize = 64;
     /// Token counts up to this run the MoE block's grouped GEMV instead of its 16-assignment tiles (on the
-    /// H200, Qwen3-30B-A3B expert shapes: ahead 2.4x at 64 tokens, 10% behind at 256).
+    /// H200, Qwen3-30B-A3B expert shapes: ahead 2.4x at 64 tokens, 10% behind at 256, measured when the
+    /// GEMV ran one cube per assignment; it now loops over a tile's assignments, so the crossover is for
+    /// a GPU session to re-time).
     pub const MOE_GEMV_MAX_TOKENS: usize = 64;
     /// The most experts [`Self::route`] routes: it keeps one offset per expert in shared memory.
     pub const MAX_ROUTED_EXPERTS: usize = SHARED_FLOATS - 1;

@@ -12,7 +12,9 @@
 #![cfg(feature = "wgpu")]
 
 use cube_kernels::reference;
-use cube_kernels::{ActDType, Kernels, MatmulPath, MoeRouting, PackedWeights, WeightFormat};
+use cube_kernels::{
+    ActDType, Kernels, MatmulPath, MoeRouting, PackedWeights, RoutingTable, WeightFormat,
+};
 use std::sync::OnceLock;
 
 fn kernels() -> Option<&'static Kernels> {
@@ -332,7 +334,7 @@ fn check_moe(
             format.name()
         );
     }
-    // The per-assignment GEMV sums in the same canonical order as the tiles: the same bits.
+    // The grouped GEMV sums in the same canonical order as the tiles: the same bits.
     assert_eq!(
         bits(&run(MatmulPath::Gemv)),
         bits(&got),
@@ -396,6 +398,57 @@ fn device_routing_is_the_host_routing() {
             &want[hl.rows_at()..],
             "{what}: rows, positions, experts, offsets"
         );
+    }
+}
+
+/// An expert id out of range (which the router's top-k never makes) is routed to no expert: its slot
+/// reads sorted position 0 and the sorted places no valid id takes read token 0 of expert 0, so every
+/// read of the grouped kernels stays in bounds; the valid ids are routed as the host routes them alone,
+/// and the block runs on every path, with the valid-only tokens' outputs as without the bad id.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn device_routing_keeps_an_out_of_range_id_in_bounds() {
+    let Some(k) = kernels() else { return };
+    let (experts, tokens, top_k) = (MOE_SHAPE.0, 3, 2);
+    // Token 1's second slot names expert 9 of 6.
+    let ids = [3, 1, 4, 9, 1, 2];
+    let table = k
+        .route(&k.upload_u32(&ids), tokens, top_k, experts)
+        .unwrap();
+    let l = table.layout();
+    let got = k.read_u32(table.buffer()).unwrap();
+    let positions = &got[l.positions_at()..l.experts_at()];
+    assert_eq!(positions[3], 0, "the bad slot reads sorted position 0");
+    // 5 valid ids: sorted places 5.. are token 0 of expert 0.
+    assert_eq!(got[l.rows_at() + 5], 0, "row of the unused sorted place");
+    assert_eq!(
+        got[l.experts_at() + 5],
+        0,
+        "expert of the unused sorted place"
+    );
+    assert_eq!(&got[l.offsets_at()..], &[0, 0, 2, 3, 4, 5, 5], "offsets");
+    let (case, _) = moe_case(WeightFormat::Int4 { group: 32 }, tokens, top_k, 77);
+    let w = [&case.gate, &case.up, &case.down].map(|w| k.upload_weights(w));
+    let (dx, dw) = (k.upload_f32(&case.x), k.upload_f32(&case.route_w));
+    // The same tokens with the bad id replaced: tokens 0 and 2 do not read token 1's slots.
+    let good = k
+        .route(&k.upload_u32(&[3, 1, 4, 5, 1, 2]), tokens, top_k, experts)
+        .unwrap();
+    let hidden = MOE_SHAPE.1;
+    for path in [MatmulPath::Gemv, MatmulPath::Gemm] {
+        let run = |t: &RoutingTable| {
+            let y = k.moe_routed(&dx, t, &dw, [&w[0], &w[1], &w[2]], path);
+            k.read_f32(&y.unwrap()).unwrap()
+        };
+        let (bad, want) = (run(&table), run(&good));
+        for t in [0, 2] {
+            let row = t * hidden..(t + 1) * hidden;
+            assert_eq!(
+                bits(&bad[row.clone()]),
+                bits(&want[row]),
+                "{path:?} token {t}"
+            );
+        }
     }
 }
 

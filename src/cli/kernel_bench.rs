@@ -529,7 +529,8 @@ mod imp {
     /// already on the device, routed there ([`Kernels::route`]: one launch, no upload), and the grouped
     /// GEMV path with the down projection and the combine as `k` says ([`Kernels::with_decode_combine`]:
     /// one launch or two), so the row is what a rollout pays per MoE layer besides the router. With
-    /// `--check`, its bits must be `moe/gemv`'s (host routing). Returns the mean seconds per call.
+    /// `--check`, its bits must be `moe/tiled`'s (host routing, register tiles, the combine apart).
+    /// Returns the mean seconds per call.
     fn time_decode_block(
         args: &KernelBenchArgs,
         k: &Kernels,
@@ -546,13 +547,14 @@ mod imp {
             Ok(k.moe_routed(dx, &table, drw, [dg, du, dd], MatmulPath::Gemv)?)
         };
         if args.check {
+            // An independent path: host routing, the 16-assignment register tiles, the combine apart.
             let routing = MoeRouting::new(ids, n, args.top_k, experts)?;
-            let want = k.moe_with(dx, &routing, drw, [dg, du, dd], MatmulPath::Gemv)?;
+            let want = k.moe_with(dx, &routing, drw, [dg, du, dd], MatmulPath::Gemm)?;
             let differ =
                 contract_mismatches(&k.read_f32(&run()?)?, &k.read_f32(&want)?, ActDType::F32);
             if differ > 0 {
                 failures.push(format!(
-                    "{} {what} n={n}: {differ} values differ from moe/gemv",
+                    "{} {what} n={n}: {differ} values differ from moe/tiled",
                     dx.dtype()
                 ));
             }

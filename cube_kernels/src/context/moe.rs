@@ -41,11 +41,10 @@ impl Kernels {
 
     /// The MoE block on `x [tokens, hidden]`: grouped gate+up with SwiGLU, grouped down projection, then
     /// un-permute and combine with `route_w [tokens, top_k]` (slot order). `gate`/`up` are stacks
-    /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format. Three launches
-    /// (five with fp8-b128, which quantizes `x` and the SwiGLU output first), two on the grouped GEMV's
-    /// path where [`Self::fuses_decode_combine`] (decode: the down projection and the combine in one
-    /// launch), and one upload (the routing
-    /// table); the arithmetic is the contract in [`crate::kernels::moe`], which [`crate::reference::moe`]
+    /// `[experts, inter, hidden]`, `down` is `[experts, hidden, inter]`, all of one format. Three launches,
+    /// or two on the grouped GEMV's path where [`Self::fuses_decode_combine`] (decode: the down
+    /// projection and the combine in one), plus two with fp8-b128 (which quantizes `x` and the SwiGLU
+    /// output first), and one upload (the routing table); the arithmetic is the contract in [`crate::kernels::moe`], which [`crate::reference::moe`]
     /// computes on the host. `x` and `route_w` are of one element type, the output's; `h` and the
     /// per-assignment outputs stay f32 (one rounding, on the combine's store).
     pub fn moe(
@@ -281,8 +280,9 @@ impl Kernels {
         let (tokens, top_k, hidden, inter) =
             (routing.tokens(), routing.top_k(), down.out, down.inn);
         let chunks = inter.div_ceil(CHUNK).max(1);
-        let Some((lanes, rows_per_cube)) = fused_combine_shape(tokens, top_k, hidden, chunks)
-        else {
+        // No experts: nothing to read weights from (every id is out of range).
+        let shape = fused_combine_shape(tokens, top_k, hidden, chunks);
+        let Some((lanes, rows_per_cube)) = shape.filter(|_| routing.experts() > 0) else {
             self.down_and_combine(h, routing, route_w, down, out, GroupedKernel::Gemv)?;
             return Ok(());
         };
@@ -501,17 +501,21 @@ pub(crate) struct GemvShape {
 /// sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory, beside the input
 /// row staged when it fits; `None` when not even one row's sums fit (then the tiles run).
 pub(crate) fn grouped_gemv_shape(inn: usize, out: usize, swiglu: bool) -> Option<GemvShape> {
-    let chunks = inn.div_ceil(CHUNK);
+    let chunks = inn.div_ceil(CHUNK).max(1);
     let sets = if swiglu { 2 } else { 1 };
-    if chunks * sets > SHARED_FLOATS {
+    // An array the kernel does not use still takes one float (the up projection's sums without SwiGLU,
+    // the staged row without staging).
+    let unused_sums = if swiglu { 0 } else { 1 };
+    let staged = 32 * (chunks + 1);
+    let stage_x = staged + chunks * sets + unused_sums <= SHARED_FLOATS;
+    let taken = if stage_x { staged } else { 1 } + unused_sums;
+    let budget = SHARED_FLOATS.checked_sub(taken)?;
+    if budget < chunks * sets {
         return None;
     }
-    let lanes = chunks.clamp(1, 32);
-    let chunks = chunks.max(1);
-    let stage_x = 32 * (chunks + 1) + chunks * sets <= SHARED_FLOATS;
-    let budget = SHARED_FLOATS - if stage_x { 32 * (chunks + 1) } else { 0 };
+    let lanes = chunks.min(32);
     let rows_per_cube = (256 / lanes).min(budget / (chunks * sets)).min(out).max(1);
-    Some(GemvShape {
+    (out.div_ceil(rows_per_cube) <= MAX_GRID).then_some(GemvShape {
         chunks,
         lanes,
         rows_per_cube,
@@ -520,9 +524,10 @@ pub(crate) fn grouped_gemv_shape(inn: usize, out: usize, swiglu: bool) -> Option
 }
 
 /// The cube of the fused down-and-combine for `tokens` tokens of `top_k` slots, `hidden` output rows and
-/// `chunks` chunks per row: `(lanes, rows per cube)`, `lanes x rows x top_k` units within 256, the
-/// chunk sums of every slot in shared memory; fewer lanes than chunks when the slots take the room
-/// (each lane then sums several chunks). `None` where no such cube or grid exists.
+/// `chunks` chunks per row: `(lanes, rows per cube)`, `lanes x rows x top_k` units within 256 (at most
+/// 64 slots: the `z` dimension's limit on CUDA and WebGPU), the chunk sums of every slot in shared
+/// memory beside the one float of the unused staging array; fewer lanes than chunks when the slots take
+/// the room (each lane then sums several chunks). `None` where no such cube or grid exists.
 pub(crate) fn fused_combine_shape(
     tokens: usize,
     top_k: usize,
@@ -530,12 +535,13 @@ pub(crate) fn fused_combine_shape(
     chunks: usize,
 ) -> Option<(usize, usize)> {
     let units = 256;
-    if top_k == 0 || top_k > units || top_k * chunks > SHARED_FLOATS || tokens > MAX_GRID {
+    let budget = SHARED_FLOATS - 1;
+    if top_k == 0 || top_k > 64 || top_k * chunks > budget || tokens > MAX_GRID {
         return None;
     }
     let lanes = chunks.min(32).min(units / top_k);
     let rows_per_cube = (units / (lanes * top_k))
-        .min(SHARED_FLOATS / (top_k * chunks))
+        .min(budget / (top_k * chunks))
         .min(hidden)
         .max(1);
     (hidden.div_ceil(rows_per_cube) <= MAX_GRID).then_some((lanes, rows_per_cube))

@@ -1,8 +1,9 @@
 //! The grouped MoE matmul: assignments (token, expert) sorted by expert, one launch over all experts.
 //!
 //! Each expert's run of sorted assignments is split into tiles of 16 ([`crate::moe::MoeRouting`] on the
-//! host, or [`route()`] on the device, from ids that never leave it); cube `(x, y)` computes output rows
-//! `16x..16x+16` for tile `y`, reading that tile's expert's weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the
+//! host, or [`route()`] on the device, from ids that never leave it); cube `(x, y)` of
+//! [`grouped_matmul`] computes output rows `64x..64x+64` for tile `y`, reading that tile's expert's
+//! weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the
 //! staged activations and the result is `silu(gate) * up`. Empty experts have no tiles; a table built on
 //! the device ends with empty tiles up to a bound (their cubes compute nothing).
 //!
@@ -208,11 +209,15 @@ pub fn grouped_matmul<X: Float>(
 /// `table[3 y + 1]..table[3 y + 2]`), one assignment after the other, each row summed by `lanes` units in
 /// parallel chunks as the dense GEMV does (chunk sums in shared memory, added left to right by lane 0;
 /// with `stage_x` the assignment's input row is staged in shared memory first). A tile of
-/// [`grouped_matmul`] keeps 256 units on at most 16 rows x 16 assignments, so with one or two
+/// [`grouped_matmul`] keeps 256 units on 64 rows x at most 16 assignments, so with one or two
 /// assignments per expert (decode) most of it is idle, while here every unit reads weights; and the
 /// cube's rows of the expert's weights come from memory once per tile, not once per assignment: the
 /// later assignments find them in the cache (a cube's rows are a few KiB), which matters from a few
 /// tokens up, where experts start to share assignments.
+///
+/// The barriers sit in a loop whose bounds come from the routing table: the same for every unit of the
+/// cube (one tile), so every unit reaches every barrier, but only at run time. CUDA, SPIR-V and naga
+/// (the wgpu runtime) accept that; a WGSL compiler that proves uniformity statically (Tint) would not.
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemv<X: Float>(
@@ -373,9 +378,9 @@ pub fn combine<F: Float>(
 /// assignment `a = positions[t * top_k + j]` (its expert at `experts[a]`) into shared memory; after the
 /// barrier one unit per row adds each slot's chunk sums left to right (the GEMV's `y_a`) and folds the
 /// slots in slot order, `acc = fma(route_w[t, j], y_a, acc)` from 0.0 (the combine's), rounding once to
-/// `F` on the store. The slots run side by side (the `z` units), so the cube count is the separate
-/// launches' divided by `top_k` and no per-assignment output reaches memory: one launch instead of two
-/// for each MoE layer of a decode step, where the launch costs more than the arithmetic.
+/// `F` on the store. The slots run side by side (the `z` units) and no per-assignment output reaches
+/// memory: one launch instead of two for each MoE layer of a decode step, where the launch costs more
+/// than the arithmetic.
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemv_combine<F: Float>(
