@@ -143,7 +143,9 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   # Issue 28's MoE target first: the Qwen3-30B-A3B block with int4-g128 weights and bf16 activations at
   # prefill and training sizes, every kernel (moe/mma: the tensor-core tiles) checked, each tiles order
   # also bitwise against the same tokens one at a time, and timed against burn's bf16 matmul on the same
-  # FLOPs. QARL_GPU_CHECK_MOE=0 skips it; QARL_GPU_CHECK_MOE_TIMEOUT (default 150) bounds it.
+  # FLOPs; at 1-64 tokens moe/decode-fused and moe/decode-split are the decode target (% of copy, from
+  # ids on the device as a rollout routes them). QARL_GPU_CHECK_MOE=0 skips it;
+  # QARL_GPU_CHECK_MOE_TIMEOUT (default 150) bounds it.
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_MOE:-1}" = 1 ]; then
     echo "== MoE block at prefill and training sizes on cuda =="
     timeout "${QARL_GPU_CHECK_MOE_TIMEOUT:-150}" "${launch[@]}" bench kernels --runtime cuda --check \
