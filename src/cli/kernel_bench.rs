@@ -396,6 +396,21 @@ mod imp {
                 k.upload_weights(&down),
             );
             let per_expert = (gate.bytes() + up.bytes() + down.bytes()) / args.experts;
+            let block = MoeBlock {
+                weights: [&gate, &up, &down],
+                device: [&dg, &du, &dd],
+            };
+            // The decode rows' kernels: the down projection and the combine fused, and apart.
+            let decode = [
+                (
+                    "moe/decode-fused",
+                    k.clone().with_decode_combine(Some(true)),
+                ),
+                (
+                    "moe/decode-split",
+                    k.clone().with_decode_combine(Some(false)),
+                ),
+            ];
             // The tensor-core tiles' order for the grouped products, as for the dense weight above.
             let tiles: Vec<_> = grouped
                 .iter()
@@ -403,10 +418,6 @@ mod imp {
                 .collect();
             if args.check {
                 for (path, kernel) in &tiles {
-                    let block = MoeBlock {
-                        weights: [&gate, &up, &down],
-                        device: [&dg, &du, &dd],
-                    };
                     check_grouped_moe(args, k, &block, name, dtype, (*path, kernel), failures)?;
                 }
             }
@@ -498,14 +509,9 @@ mod imp {
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
                 if n <= Kernels::MOE_GEMV_MAX_TOKENS {
-                    let block = MoeBlock {
-                        weights: [&gate, &up, &down],
-                        device: [&dg, &du, &dd],
-                    };
-                    for (fused, what) in [(true, "moe/decode-fused"), (false, "moe/decode-split")] {
-                        let kd = k.clone().with_decode_combine(Some(fused));
-                        let call = (ids.as_slice(), n, what);
-                        let t = time_decode_block(args, &kd, &block, call, [&dx, &drw], failures)?;
+                    for (what, kd) in &decode {
+                        let call = (ids.as_slice(), n, *what);
+                        let t = time_decode_block(args, kd, &block, call, [&dx, &drw], failures)?;
                         rows.push(row(what, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                     }
                 }
