@@ -30,6 +30,9 @@ if [ ! -x "$root/usr/lib/llvm-22/bin/llvm-config" ]; then
     trixie "$root" http://deb.debian.org/debian
 fi
 cp /etc/resolv.conf "$root/etc/resolv.conf"
+# The crates come from the host's cargo (its registry folder is shared below): the chroot's CA bundle
+# may lack a certificate the host's network needs (an egress proxy's), so nothing is downloaded inside.
+(cd "$repo" && cargo fetch --locked >/dev/null)
 mounted=()
 cleanup() {
   for ((i = ${#mounted[@]} - 1; i >= 0; i--)); do umount "${mounted[i]}" 2>/dev/null || true; done
@@ -45,4 +48,4 @@ bind() {
 for d in /proc /sys /dev /dev/pts "$HOME/.cargo" "$HOME/.rustup" "$repo" "$target"; do bind "$d"; done
 chroot "$root" /usr/bin/env HOME="$HOME" PATH="$HOME/.cargo/bin:/usr/bin:/bin" \
   CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}" CARGO_TARGET_DIR="$target" \
-  /bin/bash -c "cd '$repo' && bash scripts/offline_llvm.sh && $command"
+  CARGO_NET_OFFLINE=true /bin/bash -c "cd '$repo' && bash scripts/offline_llvm.sh && $command"

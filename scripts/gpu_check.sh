@@ -69,12 +69,13 @@ cat "$out/gpu.txt"
 # aligned training forward, TBPO; on the GPU with bf16 activations: `train.deterministic = false`, deterministic
 # mode on the tensor-core tiles (`train.tensor_cores`) and in the canonical order, side by side (f32 too
 # with QARL_GPU_CHECK_STEP_F32=1).
+# QARL_GPU_CHECK_STEP_MODELS chooses the models (default "smollm2-135m qwen3-moe-arith").
 # Results: step_<model>_<backend>.txt and .json.
 step_rl() {
   local backend=$1 model failed=0
   shift
   local launch=("$@")
-  for model in smollm2-135m qwen3-moe-arith; do
+  for model in ${QARL_GPU_CHECK_STEP_MODELS:-smollm2-135m qwen3-moe-arith}; do
     cat > "/tmp/step_$model.toml" <<TOML
 run_dir = "/tmp/step-run-$model"
 seed = 1
@@ -159,9 +160,12 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   flex_launch=("${launch[@]}")
   # QARL_GPU_CHECK_TIMEOUT_CUDA / _WGPU: seconds for one runtime (else QARL_GPU_CHECK_TIMEOUT, 200).
   per_rt_timeout="QARL_GPU_CHECK_TIMEOUT_${rt^^}"
-  timeout "${!per_rt_timeout:-${QARL_GPU_CHECK_TIMEOUT:-200}}" "${launch[@]}" bench kernels --runtime "$rt" --check \
-    --iters "${QARL_GPU_CHECK_ITERS:-50}" --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" "${extra_rt[@]}" \
-    --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
+  # The general kernel tables (every format, dense and MoE); QARL_GPU_CHECK_KERNELS=0 skips them.
+  if [ "${QARL_GPU_CHECK_KERNELS:-1}" = 1 ]; then
+    timeout "${!per_rt_timeout:-${QARL_GPU_CHECK_TIMEOUT:-200}}" "${launch[@]}" bench kernels --runtime "$rt" --check \
+      --iters "${QARL_GPU_CHECK_ITERS:-50}" --act-dtype "${QARL_GPU_CHECK_DTYPES:-f32,bf16}" "${extra[@]}" "${extra_rt[@]}" \
+      --json "$out/kernels_$rt.json" 2>&1 | tee "$out/kernels_$rt.txt" || status=1
+  fi
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_ROLLOUT:-1}" = 1 ]; then
     echo "== rollout on cuda =="
     { "${launch[@]}" init-model --config configs/models/qwen3-moe-200m.json --output /tmp/moe200m &&

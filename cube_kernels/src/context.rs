@@ -125,9 +125,12 @@ impl MatmulPath {
 pub struct Kernels {
     client: Client,
     lut: DeviceBuffer,
-    /// K steps the tensor-core tiles stage per pair of barriers; `None`: as many as the device's shared
-    /// memory holds, up to [`MAX_STAGE_STEPS`] ([`Self::with_tile_stage_steps`]).
+    /// K steps the tiles stage per pair of barriers; `None`: [`Self::stage_steps`]'s default
+    /// ([`Self::with_tile_stage_steps`]).
     stage_steps: Option<usize>,
+    /// Whether the tensor-core tiles' default is to stage as many steps as fit, like the scalar twins',
+    /// rather than one ([`Self::with_most_tile_stage_steps`]).
+    stage_most: bool,
     /// Whether the grouped GEMV's path runs the down projection and the combine as one launch; `None`:
     /// by [`Self::fuses_decode_combine`]'s rule ([`Self::with_decode_combine`]).
     fused_combine: Option<bool>,
@@ -152,9 +155,9 @@ impl Kernels {
     /// CUDA: 96 against 79 us at 64 tokens), and behind for every format at 256.
     pub const GEMV_MAX_TOKENS: usize = 64;
     /// Token counts up to this run the MoE block's grouped GEMV instead of its 16-assignment tiles (on the
-    /// H200, Qwen3-30B-A3B expert shapes: ahead 2.4x at 64 tokens, 10% behind at 256, measured when the
-    /// GEMV ran one cube per assignment; it now loops over a tile's assignments, so the crossover is for
-    /// a GPU session to re-time).
+    /// H200, Qwen3-30B-A3B expert shapes, int4-g128, bf16, 2026-12-04: the GEMV's decode path took 341
+    /// and 1214 us at 16 and 64 tokens against 1160 and 1769 us for the tiles; at 256 the GEMV took 4517
+    /// against 2597 us).
     pub const MOE_GEMV_MAX_TOKENS: usize = 64;
     /// The most experts [`Self::route`] routes: it keeps one offset per expert in shared memory.
     pub const MAX_ROUTED_EXPERTS: usize = SHARED_FLOATS - 1;
@@ -181,6 +184,7 @@ impl Kernels {
             client,
             lut,
             stage_steps: None,
+            stage_most: false,
             fused_combine: None,
         }
     }
@@ -194,11 +198,28 @@ impl Kernels {
         self
     }
 
+    /// These kernels with the tensor-core tiles staging as many K steps as the device's shared memory
+    /// holds (up to [`MAX_STAGE_STEPS`]) unless [`Self::with_tile_stage_steps`] fixes a count: the
+    /// alternative to their default of one, for timing the choice.
+    pub fn with_most_tile_stage_steps(mut self) -> Self {
+        self.stage_most = true;
+        self
+    }
+
     /// The K steps per stage for a tile kernel whose allocation is `shared_bytes(steps)`: the fixed count
-    /// ([`Self::check_tiles`] has checked that it fits), or as many as fit.
-    fn stage_steps(&self, shared_bytes: impl Fn(usize) -> usize) -> usize {
-        self.stage_steps
-            .unwrap_or_else(|| tile_stage_steps(self.max_shared_bytes(), shared_bytes))
+    /// ([`Self::check_tiles`] has checked that it fits); else one on the instruction (`tensor_cores`) and
+    /// as many as fit with scalar FMAs. On an H200 (2026-12-04, `qarl bench kernels`, int4-g128, bf16,
+    /// Qwen3-30B-A3B expert shapes) four steps took 1.05-1.07x one step's time on the instruction for the
+    /// MoE block at 16-4096 tokens and 1.2-1.4x for one [768, 2048] weight at 1-4096 tokens, while with
+    /// scalar FMAs one step took 1.03-1.5x four steps' time. The bits never depend on it.
+    fn stage_steps(&self, tensor_cores: bool, shared_bytes: impl Fn(usize) -> usize) -> usize {
+        self.stage_steps.unwrap_or_else(|| {
+            if tensor_cores && !self.stage_most {
+                1
+            } else {
+                tile_stage_steps(self.max_shared_bytes(), shared_bytes)
+            }
+        })
     }
 
     /// Shared memory one cube may allocate on this device, in bytes.
@@ -616,8 +637,9 @@ impl Kernels {
         self.check_tiles(w.format, (tensor_cores, operand))?;
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
         let (steps, steps_per_scale) = tile_steps(w);
-        let stage_steps =
-            self.stage_steps(|d| mma::gemm_tiles_shared_bytes(d, operand.size(), tensor_cores));
+        let stage_steps = self.stage_steps(tensor_cores, |d| {
+            mma::gemm_tiles_shared_bytes(d, operand.size(), tensor_cores)
+        });
         mma::gemm_tiles::launch(
             &self.client,
             CubeCount::Static(

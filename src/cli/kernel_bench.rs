@@ -242,7 +242,7 @@ mod imp {
         println!("copy bandwidth {copy_gbs:.0} GB/s; burn {base:?} matmul {m}^3 {bf16_tflops:.1} TFLOP/s");
 
         let dtypes = act_dtypes(&k, &args.act_dtype)?;
-        let mut rows = Vec::new();
+        let mut rows = Table::new(base);
         let mut failures = Vec::new();
         for name in &args.formats {
             for &dtype in &dtypes {
@@ -258,7 +258,8 @@ mod imp {
                 )?;
             }
         }
-        print_table(&rows, base);
+        rows.finish();
+        let rows = rows.rows;
         if let Some(path) = &args.json {
             let doc = serde_json::json!({
                 "device": k.device_name(), "runtime": args.runtime,
@@ -286,14 +287,18 @@ mod imp {
         (base, copy_gbs): (DType, f64),
         name: &str,
         dtype: ActDType,
-        rows: &mut Vec<Row>,
+        rows: &mut Table,
         failures: &mut Vec<String>,
     ) -> anyhow::Result<()> {
         let sync_k = || k.sync().expect("device sync");
         let sync_b = || device.sync().expect("device sync");
-        // The same kernels staging one K step per pair of barriers (the tiles' default stages as many as
-        // the device's shared memory holds, up to 4).
-        let k1 = k.clone().with_tile_stage_steps(Some(1));
+        // The same kernels with the tiles' other staging: one K step per pair of barriers where the
+        // default stages as many as the device's shared memory holds (the scalar twins), and the most
+        // where the default stages one (the tensor-core tiles).
+        let staged = [
+            k.clone().with_tile_stage_steps(Some(1)),
+            k.clone().with_most_tile_stage_steps(),
+        ];
         let (hidden, inter) = (args.hidden, args.inter);
         let size = dtype.size();
         // Inputs already in the type, so the host reference and the f32 run see what the kernel widens.
@@ -375,13 +380,14 @@ mod imp {
                     );
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
-                // The tiles with one K step per pair of barriers (`-x1`) beside the default staging:
-                // what staging buys, and the same bits.
+                // The tiles with their other staging (`-x1`: one K step per pair of barriers; `-staged`:
+                // as many as fit) beside the default: what staging buys, and the same bits.
                 for &(path, kernel) in &grouped {
                     let run = |k: &Kernels| k.linear_with(&dx, n, &dw, path).expect("linear");
                     let what = format!("{name} {dtype} {kernel} n={n}");
-                    let t = time_one_step_stages(args, [k, &k1], run, &sync_k, &what, failures)?;
-                    let label = format!("{kernel}-x1");
+                    let (other, suffix) = other_staging(path, dtype, &staged);
+                    let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
+                    let label = format!("{kernel}{suffix}");
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
             }
@@ -515,15 +521,16 @@ mod imp {
                         rows.push(row(what, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                     }
                 }
-                // The tiles with one K step per pair of barriers, as for the dense weight.
+                // The tiles with their other staging, as for the dense weight.
                 for (path, kernel) in &tiles {
                     let run = |k: &Kernels| {
                         let y = k.moe_with(&dx, &routing, &drw, [&dg, &du, &dd], *path);
                         y.expect("moe")
                     };
                     let what = format!("{name} {dtype} {kernel} n={n}");
-                    let t = time_one_step_stages(args, [k, &k1], run, &sync_k, &what, failures)?;
-                    let label = format!("{kernel}-x1");
+                    let (other, suffix) = other_staging(*path, dtype, &staged);
+                    let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
+                    let label = format!("{kernel}{suffix}");
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
             }
@@ -759,21 +766,38 @@ mod imp {
         Ok(())
     }
 
-    fn print_table(rows: &[Row], base: DType) {
-        println!(
-            "{:<18} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
-            "kernel",
-            "format",
-            "act",
-            "tokens",
-            "time (us)",
-            "GB/s",
-            "% copy",
-            "TFLOP/s",
-            format!("{base:?} (us)"),
-            "speedup"
-        );
-        for r in rows {
+    /// The timing table, printed a row at a time as the rows are measured (so a run stopped part-way,
+    /// by a time limit on a lent GPU, keeps what it measured), and kept for the JSON.
+    struct Table {
+        base: DType,
+        rows: Vec<Row>,
+    }
+
+    impl Table {
+        fn new(base: DType) -> Self {
+            Table {
+                base,
+                rows: Vec::new(),
+            }
+        }
+
+        /// Prints `r` (after the header, before the first row) and keeps it.
+        fn push(&mut self, r: Row) {
+            if self.rows.is_empty() {
+                println!(
+                    "{:<18} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+                    "kernel",
+                    "format",
+                    "act",
+                    "tokens",
+                    "time (us)",
+                    "GB/s",
+                    "% copy",
+                    "TFLOP/s",
+                    format!("{:?} (us)", self.base),
+                    "speedup"
+                );
+            }
             println!(
                 "{:<18} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
                 r.kernel,
@@ -787,31 +811,46 @@ mod imp {
                 r.bf16_micros,
                 r.speedup_over_bf16
             );
+            self.rows.push(r);
         }
-        println!("moe {base:?} baseline: the same FLOPs as dense matmuls over all assignments (a lower bound on a {base:?} MoE)");
+
+        /// The table's footnote.
+        fn finish(&self) {
+            let base = self.base;
+            println!("moe {base:?} baseline: the same FLOPs as dense matmuls over all assignments (a lower bound on a {base:?} MoE)");
+        }
     }
 
-    /// Seconds of `run` on `k1`, the kernels staging one K step per pair of barriers (the `-x1` rows); with
-    /// `--check`, a failure if its bits differ from `run` on `k`, the default staging.
-    fn time_one_step_stages(
+    /// The kernels with `path`'s other staging and its row suffix, of `[one step, the most]`: the
+    /// tensor-core tiles stage one K step per pair of barriers by default, the scalar twins the most.
+    fn other_staging(path: MatmulPath, dtype: ActDType, staged: &[Kernels; 2]) -> (&Kernels, &str) {
+        match path.tiles(dtype) {
+            Some((true, _)) => (&staged[1], "-staged"),
+            _ => (&staged[0], "-x1"),
+        }
+    }
+
+    /// Seconds of `run` on `other`, the kernels with the other staging (the `-x1` and `-staged` rows);
+    /// with `--check`, a failure if its bits differ from `run` on `k`, the default staging.
+    fn time_other_staging(
         args: &KernelBenchArgs,
-        [k, k1]: [&Kernels; 2],
+        [k, other]: [&Kernels; 2],
         run: impl Fn(&Kernels) -> DeviceBuffer,
         sync: &dyn Fn(),
         what: &str,
         failures: &mut Vec<String>,
     ) -> anyhow::Result<f64> {
         if args.check {
-            let (staged, one) = (k.read_f32(&run(k))?, k.read_f32(&run(k1))?);
+            let (default, other_bits) = (k.read_f32(&run(k))?, k.read_f32(&run(other))?);
             // f32 rounds nothing: the count of values whose bits differ.
-            let differ = contract_mismatches(&one, &staged, ActDType::F32);
+            let differ = contract_mismatches(&other_bits, &default, ActDType::F32);
             if differ > 0 {
                 failures.push(format!(
-                    "{what}: one K step per stage differs from the default staging in {differ} values"
+                    "{what}: the other staging differs from the default in {differ} values"
                 ));
             }
         }
-        Ok(time(args.iters, || drop(run(k1)), sync))
+        Ok(time(args.iters, || drop(run(other)), sync))
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -26,17 +26,17 @@ impl Kernels {
         self
     }
 
-    /// Whether the grouped GEMV's path fuses the down projection and the combine for `assignments`
-    /// (token, slot) pairs over `experts` experts, unless [`Self::with_decode_combine`] says. Fused, a
+    /// Whether the grouped GEMV's path fuses the down projection and the combine, unless
+    /// [`Self::with_decode_combine`] says. Fused, a
     /// cube computes one token's slots, so an expert's rows are read once per assignment; apart, the
     /// down projection runs per 16-assignment tile and reads them once per expert, at the price of a
-    /// launch. With `A` random assignments over `E` experts about `E (1 - (1 - 1/E)^A)` experts are
-    /// touched, so fusing reads at most ~1.6x the bytes while `A <= E` (1.03x at one token, top-8 of
-    /// 128), which costs less than a launch at decode sizes; from there on the extra reads grow with
-    /// `A`. A first rule from that count: `qarl bench kernels` times both (`moe/decode-fused`,
-    /// `moe/decode-split`) for a GPU to settle it.
-    pub fn fuses_decode_combine(&self, assignments: usize, experts: usize) -> bool {
-        self.fused_combine.unwrap_or(assignments <= experts)
+    /// launch. The first rule, fused while `assignments <= experts` (a count: at most ~1.6x the bytes
+    /// there), lost on an H200 (2026-12-04, `qarl bench kernels`, int4-g128, bf16, Qwen3-30B-A3B's
+    /// block): the fused launch took 87.7 / 1023 / 4003 us at 1 / 16 / 64 tokens against 50.4 / 341 /
+    /// 1214 us for the two launches (its cubes of one token's slots hold fewer rows and read them
+    /// once per slot), so the two launches are the rule everywhere and fusing is there to be asked for.
+    pub fn fuses_decode_combine(&self) -> bool {
+        self.fused_combine.unwrap_or(false)
     }
 
     /// The MoE block on `x [tokens, hidden]`: grouped gate+up with SwiGLU, grouped down projection, then
@@ -158,9 +158,7 @@ impl Kernels {
             // gate+up fused with SwiGLU, gathering the token rows.
             self.grouped_product(&xq, routing, [gate, up], &h, true, true, kernel);
         }
-        if kernel == GroupedKernel::Gemv
-            && self.fuses_decode_combine(layout.assignments, routing.experts())
-        {
+        if kernel == GroupedKernel::Gemv && self.fuses_decode_combine() {
             self.fused_down_and_combine(&h, routing, route_w, down, &out)?;
         } else {
             self.down_and_combine(&h, routing, route_w, down, &out, kernel)?;
@@ -432,7 +430,7 @@ impl Kernels {
     ) {
         let layout = routing.layout();
         let (steps, steps_per_scale) = tile_steps(a);
-        let stage_steps = self.stage_steps(|d| {
+        let stage_steps = self.stage_steps(tensor_cores, |d| {
             mma_moe::grouped_tiles_shared_bytes(d, operand.size(), swiglu, tensor_cores)
         });
         mma_moe::grouped_tiles::launch(
