@@ -146,11 +146,13 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   # also bitwise against the same tokens one at a time, and timed against burn's bf16 matmul on the same
   # FLOPs; at 1-64 tokens moe/decode-fused and moe/decode-split are the decode target (% of copy, from
   # ids on the device as a rollout routes them). QARL_GPU_CHECK_MOE=0 skips it;
-  # QARL_GPU_CHECK_MOE_TIMEOUT (default 150) bounds it.
+  # QARL_GPU_CHECK_MOE_TIMEOUT (default 150) bounds it; QARL_GPU_CHECK_MOE_TOKENS and _ITERS set the
+  # token counts and the timed iterations.
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_MOE:-1}" = 1 ]; then
     echo "== MoE block at prefill and training sizes on cuda =="
     timeout "${QARL_GPU_CHECK_MOE_TIMEOUT:-150}" "${launch[@]}" bench kernels --runtime cuda --check \
-      --formats int4-g128 --tokens 1,16,64,256,1024,4096 --act-dtype bf16 --iters 20 \
+      --formats int4-g128 --tokens "${QARL_GPU_CHECK_MOE_TOKENS:-1,16,64,256,1024,4096}" --act-dtype bf16 \
+      --iters "${QARL_GPU_CHECK_MOE_ITERS:-20}" \
       --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1
   fi
   # Then the RL step on the GPU (issue 28's det-vs-off target), before the general kernel tables.

@@ -1388,3 +1388,93 @@ fn tile_stage_steps_do_not_change_the_bits() {
         "at least 2 K steps per stage must run on every format"
     );
 }
+
+/// The MoE tiles taking several consecutive 16-assignment tiles per cube
+/// (`Kernels::with_moe_tile_blocks`), which then share a staged weight step where they continue one
+/// expert's assignments, give one tile per cube's bits: an expert with 70 assignments (5 tiles, so runs
+/// that fill a cube and runs cut by a cube's end) beside experts with a few, a routing table built on the
+/// host and one built on the device (empty tiles after the real ones), f32 and (where the adapter has
+/// it) f16 operands, with the scalar twin (lavapipe has no instruction). Counts out of range are refused.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn moe_tile_blocks_do_not_change_the_bits() {
+    let Some(k) = kernels() else { return };
+    let (experts, _, _) = MOE_SHAPE;
+    let (tokens, top_k) = (70, 2);
+    // Every token routes to expert 1; the second slot cycles through the others.
+    let others = [0u32, 2, 3, 4, 5];
+    let ids: Vec<u32> = (0..tokens)
+        .flat_map(|t| [1, others[(t * t + t / 7) % others.len()]])
+        .collect();
+    let mut dtypes = vec![ActDType::F32];
+    if k.supports(ActDType::F16) {
+        dtypes.push(ActDType::F16);
+    }
+    for (i, format) in [WeightFormat::Int4 { group: 32 }, WeightFormat::Int8PerRow]
+        .into_iter()
+        .enumerate()
+    {
+        let (case, _) = moe_case(format, tokens, top_k, 1500 + i as u64);
+        let weights = [&case.gate, &case.up, &case.down].map(|w| k.upload_weights(w));
+        let [dg, du, dd] = [&weights[0], &weights[1], &weights[2]];
+        for &dtype in &dtypes {
+            let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|v| dtype.round(*v)).collect() };
+            let (x, rw) = (round(&case.x), round(&case.route_w));
+            let host = |k: &Kernels| {
+                let routing = MoeRouting::new(&ids, tokens, top_k, experts).unwrap();
+                let (dx, drw) = (k.upload(&x, dtype).unwrap(), k.upload(&rw, dtype).unwrap());
+                k.moe_with(&dx, &routing, &drw, [dg, du, dd], MatmulPath::GroupedScalar)
+                    .map(|y| bits(&k.read_f32(&y).unwrap()))
+            };
+            let device = |k: &Kernels| {
+                let table = k
+                    .route(&k.upload_u32(&ids), tokens, top_k, experts)
+                    .unwrap();
+                let (dx, drw) = (k.upload(&x, dtype).unwrap(), k.upload(&rw, dtype).unwrap());
+                k.moe_routed(&dx, &table, &drw, [dg, du, dd], MatmulPath::GroupedScalar)
+                    .map(|y| bits(&k.read_f32(&y).unwrap()))
+            };
+            let want = host(k).unwrap();
+            assert_eq!(
+                device(k).unwrap(),
+                want,
+                "{} {dtype}: device routing",
+                format.name()
+            );
+            for blocks in 2..=4 {
+                let kb = k.clone().with_moe_tile_blocks(Some(blocks));
+                let what = format!("{} {dtype} at {blocks} blocks per cube", format.name());
+                assert_eq!(host(&kb).unwrap(), want, "{what}: host routing");
+                assert_eq!(device(&kb).unwrap(), want, "{what}: device routing");
+            }
+        }
+        for blocks in [0, 5] {
+            let err = host_err(k, blocks, &case, &ids, (tokens, top_k, experts));
+            assert!(err.contains("blocks"), "{blocks} blocks per cube: {err}");
+        }
+    }
+}
+
+/// The error of the MoE tiles asked for with `blocks` blocks per cube.
+fn host_err(
+    k: &Kernels,
+    blocks: usize,
+    case: &MoeCase,
+    ids: &[u32],
+    (tokens, top_k, experts): (usize, usize, usize),
+) -> String {
+    let kb = k.clone().with_moe_tile_blocks(Some(blocks));
+    let weights = [&case.gate, &case.up, &case.down].map(|w| kb.upload_weights(w));
+    let routing = MoeRouting::new(ids, tokens, top_k, experts).unwrap();
+    let (dx, drw) = (kb.upload_f32(&case.x), kb.upload_f32(&case.route_w));
+    match kb.moe_with(
+        &dx,
+        &routing,
+        &drw,
+        [&weights[0], &weights[1], &weights[2]],
+        MatmulPath::GroupedScalar,
+    ) {
+        Ok(_) => panic!("{blocks} blocks per cube were accepted"),
+        Err(err) => err.to_string(),
+    }
+}
