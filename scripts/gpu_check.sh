@@ -156,7 +156,7 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
       --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1
   fi
   # Then the RL step on the GPU (issue 28's det-vs-off target), before the general kernel tables.
-  if [[ " ${QARL_GPU_CHECK_STEP_RUNTIMES:-cuda} " == *" $rt "* ]]; then
+  if [[ " ${QARL_GPU_CHECK_STEP_RUNTIMES-cuda} " == *" $rt "* ]]; then
     step_rl "$rt" "${launch[@]}" || status=1
   fi
   flex_launch=("${launch[@]}")

@@ -131,8 +131,6 @@ pub struct Kernels {
     /// Whether the tensor-core tiles' default is to stage as many steps as fit, like the scalar twins',
     /// rather than one ([`Self::with_most_tile_stage_steps`]).
     stage_most: bool,
-    /// 16-assignment tiles per cube of the MoE tiles; `None`: one ([`Self::with_moe_tile_blocks`]).
-    moe_blocks: Option<usize>,
     /// Whether the grouped GEMV's path runs the down projection and the combine as one launch; `None`:
     /// by [`Self::fuses_decode_combine`]'s rule ([`Self::with_decode_combine`]).
     fused_combine: Option<bool>,
@@ -187,7 +185,6 @@ impl Kernels {
             lut,
             stage_steps: None,
             stage_most: false,
-            moe_blocks: None,
             fused_combine: None,
         }
     }
@@ -601,27 +598,19 @@ impl Kernels {
                 "grouped (tensor-core) tiles for {format:?} weights: their activations are quantized too"
             )));
         }
-        let blocks = self.moe_tile_blocks();
-        if !(1..=mma_moe::MOE_MMA_MAX_BLOCKS).contains(&blocks) {
-            return Err(KernelError::Unsupported(format!(
-                "MoE tiles taking {blocks} blocks of 16 assignments per cube: 1 to {}",
-                mma_moe::MOE_MMA_MAX_BLOCKS
-            )));
-        }
-        // The largest tile allocation for these operands: the MoE gate + up; with one K step per stage
-        // where no count is fixed (every default fits then: the instruction's stages one, and the scalar
-        // twins' take as many as fit).
-        let steps = self.stage_steps.unwrap_or(1);
-        let need = mma::gemm_tiles_shared_bytes(steps, dtype.size(), tensor_cores).max(
-            mma_moe::grouped_tiles_shared_bytes(steps, blocks, dtype.size(), true, tensor_cores),
-        );
-        if steps == 0 || need > self.max_shared_bytes() {
-            return Err(KernelError::Unsupported(format!(
-                "tensor-core tiles staging {steps} K steps ({blocks} MoE blocks per cube) with {dtype} \
-                 operands: {need} bytes of shared memory per cube, {} allows {}",
-                self.device_name(),
-                self.max_shared_bytes()
-            )));
+        if let Some(steps) = self.stage_steps {
+            // The largest tile allocation for these operands: the MoE gate + up.
+            let need = mma::gemm_tiles_shared_bytes(steps, dtype.size(), tensor_cores).max(
+                mma_moe::grouped_tiles_shared_bytes(steps, dtype.size(), true, tensor_cores),
+            );
+            if steps == 0 || need > self.max_shared_bytes() {
+                return Err(KernelError::Unsupported(format!(
+                    "tensor-core tiles staging {steps} K steps with {dtype} operands: {need} bytes of \
+                     shared memory per cube, {} allows {}",
+                    self.device_name(),
+                    self.max_shared_bytes()
+                )));
+            }
         }
         if tensor_cores && !self.supports_mma(dtype) {
             return Err(KernelError::Unsupported(format!(

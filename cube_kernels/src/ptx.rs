@@ -98,22 +98,17 @@ macro_rules! compile_dummy {
 }
 
 /// Compiles `kernel` for `format` weights with `input`-typed buffers staged as `operand` on `target`,
-/// on tensor cores or with the scalar twin, staging `stage_steps` K steps per pair of barriers, the MoE
-/// kernels with `blocks` 16-assignment blocks per cube (the dense one ignores it). Errors name the
-/// variant and what the compiler said.
+/// on tensor cores or with the scalar twin, staging `stage_steps` K steps per pair of barriers. Errors
+/// name the variant and what the compiler said.
 pub fn compile_tile(
     target: CudaTarget,
     kernel: TileKernel,
     format: WeightFormat,
     (input, operand): (ActDType, ActDType),
-    (tensor_cores, stage_steps, blocks): (bool, usize, usize),
+    (tensor_cores, stage_steps): (bool, usize),
 ) -> Result<CompiledKernel, KernelError> {
-    let blocks_name = match kernel {
-        TileKernel::Dense => String::new(),
-        _ => format!(" b{blocks}"),
-    };
     let name = format!(
-        "{kernel:?} {} {input}->{operand} {} x{stage_steps}{blocks_name}",
+        "{kernel:?} {} {input}->{operand} {} x{stage_steps}",
         format.name(),
         if tensor_cores {
             "tensor-cores"
@@ -140,8 +135,8 @@ pub fn compile_tile(
             compile_dummy!(
                 target, name, tensor_cores, mma_moe::grouped_tiles,
                 CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32);
-                p(), p(), 0, 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
-                fmt, group, swiglu, swiglu, tensor_cores, stage_steps, blocks,
+                p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
+                fmt, group, swiglu, swiglu, tensor_cores, stage_steps,
                 [input.elem(), operand.elem()]
             )
         }
@@ -267,8 +262,7 @@ fn compilation_options(target: CudaTarget) -> CudaCompilationOptions {
 /// cubecl-cuda sets at the launch).
 const MAX_SHARED: usize = 227 * 1024;
 
-/// Shared memory `kernel` allocates staging `stage_steps` steps of `operand` values (the MoE kernels
-/// for one 16-assignment block per cube).
+/// Shared memory `kernel` allocates staging `stage_steps` steps of `operand` values.
 fn tile_shared_bytes(
     kernel: TileKernel,
     stage_steps: usize,
@@ -281,7 +275,6 @@ fn tile_shared_bytes(
         }
         TileKernel::MoeGateUp | TileKernel::MoeDown => mma_moe::grouped_tiles_shared_bytes(
             stage_steps,
-            1,
             operand.size(),
             matches!(kernel, TileKernel::MoeGateUp),
             tensor_cores,
@@ -316,12 +309,7 @@ pub fn compile_all_tiles(
                         tile_shared_bytes(kernel, d, dtypes.1, tensor_cores)
                     });
                     for stage_steps in [1, most] {
-                        let variant = (tensor_cores, stage_steps, 1);
-                        out.push(compile_tile(target, kernel, format, dtypes, variant));
-                    }
-                    // The MoE kernels with the most blocks per cube, at one step per stage.
-                    if !matches!(kernel, TileKernel::Dense) {
-                        let variant = (tensor_cores, 1, mma_moe::MOE_MMA_MAX_BLOCKS);
+                        let variant = (tensor_cores, stage_steps);
                         out.push(compile_tile(target, kernel, format, dtypes, variant));
                     }
                 }

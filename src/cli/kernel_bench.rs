@@ -79,7 +79,6 @@ mod imp {
 
     use anyhow::{bail, Context};
     use burn::tensor::{DType, Device, Distribution, Tensor};
-    use cube_kernels::kernels::mma_moe::MOE_MMA_MAX_BLOCKS;
     use cube_kernels::{
         reference, ActDType, DeviceBuffer, Kernels, MatmulPath, MoeRouting, PackedWeights,
         WeightFormat,
@@ -300,8 +299,6 @@ mod imp {
             k.clone().with_tile_stage_steps(Some(1)),
             k.clone().with_most_tile_stage_steps(),
         ];
-        // The MoE tiles with the most 16-assignment blocks per cube.
-        let blocked = k.clone().with_moe_tile_blocks(Some(MOE_MMA_MAX_BLOCKS));
         let (hidden, inter) = (args.hidden, args.inter);
         let size = dtype.size();
         // Inputs already in the type, so the host reference and the f32 run see what the kernel widens.
@@ -524,9 +521,7 @@ mod imp {
                         rows.push(row(what, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                     }
                 }
-                // The tiles with their other staging, as for the dense weight, and with the most
-                // 16-assignment blocks per cube (`-b4`: one expert's consecutive tiles share a staged
-                // weight step), both checked bitwise against the default.
+                // The tiles with their other staging, as for the dense weight.
                 for (path, kernel) in &tiles {
                     let run = |k: &Kernels| {
                         let y = k.moe_with(&dx, &routing, &drw, [&dg, &du, &dd], *path);
@@ -536,10 +531,6 @@ mod imp {
                     let (other, suffix) = other_staging(*path, dtype, &staged);
                     let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
                     let label = format!("{kernel}{suffix}");
-                    rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
-                    let what = format!("{what} at {MOE_MMA_MAX_BLOCKS} blocks per cube");
-                    let t = time_other_staging(args, [k, &blocked], run, &sync_k, &what, failures)?;
-                    let label = format!("{kernel}-b{MOE_MMA_MAX_BLOCKS}");
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
             }
@@ -839,8 +830,8 @@ mod imp {
         }
     }
 
-    /// Seconds of `run` on `other`, the kernels with another staging or blocking (the `-x1`, `-staged`
-    /// and `-b4` rows); with `--check`, a failure if its bits differ from `run` on `k`, the default.
+    /// Seconds of `run` on `other`, the kernels with the other staging (the `-x1` and `-staged` rows);
+    /// with `--check`, a failure if its bits differ from `run` on `k`, the default staging.
     fn time_other_staging(
         args: &KernelBenchArgs,
         [k, other]: [&Kernels; 2],
@@ -855,7 +846,7 @@ mod imp {
             let differ = contract_mismatches(&other_bits, &default, ActDType::F32);
             if differ > 0 {
                 failures.push(format!(
-                    "{what}: differs from the default in {differ} values"
+                    "{what}: the other staging differs from the default in {differ} values"
                 ));
             }
         }

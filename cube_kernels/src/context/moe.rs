@@ -26,22 +26,6 @@ impl Kernels {
         self
     }
 
-    /// These kernels with the MoE tiles ([`crate::kernels::mma_moe`], `train.tensor_cores` and its scalar
-    /// twin) taking `blocks` consecutive 16-assignment tiles per cube (`None`: one), so that tiles that
-    /// continue one expert's assignments share its staged weights: 1 to
-    /// [`mma_moe::MOE_MMA_MAX_BLOCKS`]; the same bits every way (an assignment's row never mixes with
-    /// another's). One stays the default until a GPU has timed more (`qarl bench kernels`: rows
-    /// `moe/mma-b4`, `moe/grouped-b4`); a count out of range is refused when the tiles are asked for.
-    pub fn with_moe_tile_blocks(mut self, blocks: Option<usize>) -> Self {
-        self.moe_blocks = blocks;
-        self
-    }
-
-    /// The 16-assignment tiles a cube of the MoE tiles takes ([`Self::with_moe_tile_blocks`]).
-    pub(crate) fn moe_tile_blocks(&self) -> usize {
-        self.moe_blocks.unwrap_or(1)
-    }
-
     /// Whether the grouped GEMV's path fuses the down projection and the combine, unless
     /// [`Self::with_decode_combine`] says. Fused, a
     /// cube computes one token's slots, so an expert's rows are read once per assignment; apart, the
@@ -446,22 +430,20 @@ impl Kernels {
     ) {
         let layout = routing.layout();
         let (steps, steps_per_scale) = tile_steps(a);
-        let blocks = self.moe_tile_blocks();
         let stage_steps = self.stage_steps(tensor_cores, |d| {
-            mma_moe::grouped_tiles_shared_bytes(d, blocks, operand.size(), swiglu, tensor_cores)
+            mma_moe::grouped_tiles_shared_bytes(d, operand.size(), swiglu, tensor_cores)
         });
         mma_moe::grouped_tiles::launch(
             &self.client,
             CubeCount::Static(
                 a.out.div_ceil(MMA * MOE_MMA_ROW_TILES) as u32,
-                layout.tiles.div_ceil(blocks) as u32,
+                layout.tiles as u32,
                 1,
             ),
             CubeDim::new_2d(MMA_PLANE as u32, MOE_MMA_ROW_TILES as u32),
             input.arg(),
             routing.table.arg(),
             layout.rows_at(),
-            layout.tiles,
             a.words.arg(),
             a.scales.arg(),
             b.words.arg(),
@@ -482,7 +464,6 @@ impl Kernels {
             gather,
             tensor_cores,
             stage_steps,
-            blocks,
             [input.dtype.elem(), operand.elem()],
         );
     }

@@ -210,15 +210,13 @@ pub fn tile_element(lane: usize, j: usize) -> usize {
 }
 
 /// Adds a scale group's sums (the unit's 8 elements of its plane's 16 x 16 tile, whose rows start at
-/// `row_base`) times their rows' scales (of the matrix starting at scale `soff`) to the totals from
-/// `total[at]` on: `total += sum * scale`, groups left to right. The dense and the MoE tiles share it
-/// (the MoE tiles keep one set of 8 totals per 16-assignment block, `at` apart).
+/// `row_base`) times their rows' scales (of the matrix starting at scale `soff`) to the totals:
+/// `total += sum * scale`, groups left to right. The dense and the MoE tiles share it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn add_scaled_group(
     total: &mut Array<f32>,
     sums: &Array<f32>,
-    #[comptime] at: usize,
     scales: &[f32],
     soff: usize,
     row_base: usize,
@@ -233,7 +231,7 @@ pub fn add_scaled_group(
     for j in 0..8usize {
         let r = row_base + tile_element(lane, j) % MMA;
         if r < out {
-            total[at + j] += sums[j] * scale_at(scales, soff, r, k, spr, fmt, group);
+            total[j] += sums[j] * scale_at(scales, soff, r, k, spr, fmt, group);
         }
     }
 }
@@ -386,7 +384,6 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             add_scaled_group(
                 &mut total,
                 &sums,
-                0usize,
                 scales,
                 0,
                 row0 + row_tile * MMA,
@@ -449,7 +446,6 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             add_scaled_group(
                 &mut total,
                 &sums,
-                0usize,
                 scales,
                 0,
                 row0 + row_tile * MMA,
