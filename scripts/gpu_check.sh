@@ -155,6 +155,25 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
       --iters "${QARL_GPU_CHECK_MOE_ITERS:-20}" \
       --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1
   fi
+  # Optional (QARL_GPU_CHECK_PROFILE=1): Nsight Compute's view of the MoE block's tiles at 4096 tokens where the
+  # image has `ncu` (speed of light, occupancy, memory, warp states, launch) for the first launches whose name
+  # matches QARL_GPU_CHECK_PROFILE_KERNELS (default "grouped_tiles"), into profile_moe.txt: what the tensor-core
+  # tiles wait on, before another rewrite. Without `ncu` (or without counter permissions) the file says so.
+  if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_PROFILE:-0}" = 1 ]; then
+    ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+    if [ -n "$ncu_bin" ]; then
+      echo "== Nsight Compute: $ncu_bin =="
+      timeout "${QARL_GPU_CHECK_PROFILE_TIMEOUT:-120}" "$ncu_bin" --target-processes all \
+        --kernel-name "regex:${QARL_GPU_CHECK_PROFILE_KERNELS:-grouped_tiles}" --launch-count 4 \
+        --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section LaunchStats \
+        "${launch[@]}" bench kernels --runtime cuda --formats int4-g128 --tokens 4096 --act-dtype bf16 \
+        --iters 1 > "$out/profile_moe.txt" 2>&1 || echo "ncu ended with an error (see profile_moe.txt)"
+      tail -40 "$out/profile_moe.txt"
+    else
+      echo "no ncu on this machine: no profile" | tee "$out/profile_moe.txt"
+    fi
+  fi
   # Then the RL step on the GPU (issue 28's det-vs-off target), before the general kernel tables.
   if [[ " ${QARL_GPU_CHECK_STEP_RUNTIMES-cuda} " == *" $rt "* ]]; then
     step_rl "$rt" "${launch[@]}" || status=1
