@@ -17,8 +17,9 @@
 //! **Tile.** A cube of 8 planes (32 units each) computes 32 tokens x 64 rows: plane `p` holds the 16 x 16
 //! accumulator of token tile `p / 4` and row tile `p % 4`. Per step, the cube stages 32 x 16 activations
 //! and 64 x 16 weight codes in shared memory (in the activations' type) and each plane multiplies its
-//! pair; `stage_steps` steps are staged per pair of barriers (the launcher takes as many as the device's
-//! shared memory holds, up to 4: fewer barriers per instruction), and they still reach each accumulator
+//! pair; `stage_steps` steps are staged per pair of barriers (the launcher takes one on the instruction,
+//! the faster on an H200, and as many as the shared memory holds, up to 4, for the scalar twin; see
+//! `Kernels::stage_steps`), and they still reach each accumulator
 //! one by one in K order (a group's last stage runs only the group's remaining steps), so the bits do
 //! not depend on it; per group, the accumulators go through shared memory to the units, which scale and add them.
 //!
