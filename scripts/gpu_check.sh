@@ -5,7 +5,8 @@
 # Here first: scripts/build_gpu_bundle.sh (it leaves .gpu/qarl-{cuda,wgpu}.xz, .gpu/libs and .gl/). The
 # device tool sends at most 64 MiB: check `git ls-files | xargs du -ch` plus .gpu and .gl, and move large
 # tracked results out of the working tree for the call (`git ls-files experiments/results | xargs rm`, then
-# `git checkout -- experiments/results` after). Then, with the device tool:
+# `git checkout -- experiments/results` after; never while an experiment writes under experiments/results: the
+# files it holds open are replaced, and its rows then go to a deleted file). Then, with the device tool:
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu", ".gl"], timeout_s=480)
 # On an H200 (2026-11-30) a whole call took 160-230 s of command time plus about 40 s to start the machine,
 # before the RL steps were added (estimated 250-400 s more: two models; deterministic on and off, each with
