@@ -125,15 +125,22 @@ impl MatmulPath {
 pub struct Kernels {
     client: Client,
     lut: DeviceBuffer,
-    /// K steps the tiles stage per pair of barriers; `None`: [`Self::stage_steps`]'s default
-    /// ([`Self::with_tile_stage_steps`]).
-    stage_steps: Option<usize>,
-    /// Whether the tensor-core tiles' default is to stage as many steps as fit, like the scalar twins',
-    /// rather than one ([`Self::with_most_tile_stage_steps`]).
-    stage_most: bool,
+    /// K steps the tiles stage per pair of barriers ([`Self::stage_steps`]).
+    staging: Staging,
     /// Whether the grouped GEMV's path runs the down projection and the combine as one launch; `None`:
     /// by [`Self::fuses_decode_combine`]'s rule ([`Self::with_decode_combine`]).
     fused_combine: Option<bool>,
+}
+
+/// How many K steps the tiles stage per pair of barriers ([`Kernels::stage_steps`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Staging {
+    /// One on the instruction, as many as fit with scalar FMAs.
+    Default,
+    /// As many as fit on both ([`Kernels::with_most_tile_stage_steps`]).
+    Most,
+    /// This count ([`Kernels::with_tile_stage_steps`]; [`Kernels::check_tiles`] checks that it fits).
+    Fixed(usize),
 }
 
 /// Most K steps the tiles stage at once: 4 steps of 16 inputs cut the barriers per instruction by 4.
@@ -183,8 +190,7 @@ impl Kernels {
         Kernels {
             client,
             lut,
-            stage_steps: None,
-            stage_most: false,
+            staging: Staging::Default,
             fused_combine: None,
         }
     }
@@ -194,32 +200,32 @@ impl Kernels {
     /// and for timing the choice. A count whose allocation the device cannot hold is refused when the
     /// tiles are asked for, with an error naming it.
     pub fn with_tile_stage_steps(mut self, steps: Option<usize>) -> Self {
-        self.stage_steps = steps;
+        self.staging = steps.map_or(Staging::Default, Staging::Fixed);
         self
     }
 
     /// These kernels with the tensor-core tiles staging as many K steps as the device's shared memory
-    /// holds (up to [`MAX_STAGE_STEPS`]) unless [`Self::with_tile_stage_steps`] fixes a count: the
-    /// alternative to their default of one, for timing the choice.
+    /// holds (up to [`MAX_STAGE_STEPS`]), as the scalar twins do: the alternative to their default of
+    /// one, for timing the choice. It replaces a count [`Self::with_tile_stage_steps`] fixed.
     pub fn with_most_tile_stage_steps(mut self) -> Self {
-        self.stage_most = true;
+        self.staging = Staging::Most;
         self
     }
 
     /// The K steps per stage for a tile kernel whose allocation is `shared_bytes(steps)`: the fixed count
-    /// ([`Self::check_tiles`] has checked that it fits); else one on the instruction (`tensor_cores`) and
-    /// as many as fit with scalar FMAs. On an H200 (2026-12-04, `qarl bench kernels`, int4-g128, bf16,
+    /// ([`Self::check_tiles`] has checked that it fits); else by default one on the instruction
+    /// (`tensor_cores`) and as many as fit with scalar FMAs, or as many as fit on both. On an H200 (2026-12-04, `qarl bench kernels`, int4-g128, bf16,
     /// Qwen3-30B-A3B expert shapes) four steps took 1.05-1.07x one step's time on the instruction for the
     /// MoE block at 16-4096 tokens and 1.2-1.4x for one [768, 2048] weight at 1-4096 tokens, while with
     /// scalar FMAs one step took 1.03-1.5x four steps' time. The bits never depend on it.
     fn stage_steps(&self, tensor_cores: bool, shared_bytes: impl Fn(usize) -> usize) -> usize {
-        self.stage_steps.unwrap_or_else(|| {
-            if tensor_cores && !self.stage_most {
-                1
-            } else {
+        match self.staging {
+            Staging::Fixed(steps) => steps,
+            Staging::Default if tensor_cores => 1,
+            Staging::Default | Staging::Most => {
                 tile_stage_steps(self.max_shared_bytes(), shared_bytes)
             }
-        })
+        }
     }
 
     /// Shared memory one cube may allocate on this device, in bytes.
@@ -598,7 +604,7 @@ impl Kernels {
                 "grouped (tensor-core) tiles for {format:?} weights: their activations are quantized too"
             )));
         }
-        if let Some(steps) = self.stage_steps {
+        if let Staging::Fixed(steps) = self.staging {
             // The largest tile allocation for these operands: the MoE gate + up.
             let need = mma::gemm_tiles_shared_bytes(steps, dtype.size(), tensor_cores).max(
                 mma_moe::grouped_tiles_shared_bytes(steps, dtype.size(), true, tensor_cores),

@@ -29,11 +29,12 @@ impl Kernels {
     /// Whether the grouped GEMV's path fuses the down projection and the combine, unless
     /// [`Self::with_decode_combine`] says. Fused, a cube computes one token's slots, so an expert's rows
     /// are read once per assignment; apart, the down projection runs per 16-assignment tile and reads
-    /// them once per expert, at the price of a launch. The first rule, fused while `assignments <= experts` (a count: at most ~1.6x the bytes
-    /// there), lost on an H200 (2026-12-04, `qarl bench kernels`, int4-g128, bf16, Qwen3-30B-A3B's
-    /// block): the fused launch took 87.7 / 1023 / 4003 us at 1 / 16 / 64 tokens against 50.4 / 341 /
-    /// 1214 us for the two launches (its cubes of one token's slots hold fewer rows and read them
-    /// once per slot), so the two launches are the rule everywhere and fusing is there to be asked for.
+    /// them once per expert, at the price of a launch. The first rule, fused while `assignments <=
+    /// experts` (a count: at most ~1.6x the bytes there), lost on an H200 (2026-12-04, `qarl bench
+    /// kernels`, int4-g128, bf16, Qwen3-30B-A3B's block): the fused launch took 87.7 / 1023 / 4003 us
+    /// at 1 / 16 / 64 tokens against 50.4 / 341 / 1214 us for the two launches (its cubes of one
+    /// token's slots hold fewer rows and read them once per slot), so the two launches are the rule
+    /// everywhere and fusing is there to be asked for.
     pub fn fuses_decode_combine(&self) -> bool {
         self.fused_combine.unwrap_or(false)
     }
