@@ -23,13 +23,20 @@
 //! one by one in K order (a group's last stage runs only the group's remaining steps), so the bits do
 //! not depend on it; per group, the accumulators go through shared memory to the units, which scale and add them.
 //!
+//! **Staging.** A unit loads whole packed words (8 int4 or fp4 codes, 4 int8 or fp8 codes) and decodes
+//! them from a register without integer-to-float conversions ([`super::word_code_value`]); the loads of a
+//! chunk of steps go out a chunk ahead, into registers, while the tensor cores multiply the chunk before,
+//! and are written to shared memory after the next barrier ([`fetch_word`], [`store_word`]). Bounds are
+//! selects, not branches, so a step's loads issue together. The staged values, hence the bits, are the
+//! ones a per-code load and decode gives.
+//!
 //! [`gemm_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs in
 //! place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
 //! reference and across batch sizes, which leaves only the instruction itself to the GPU check.
 
 use cubecl::prelude::*;
 
-use super::e2m1_value;
+use super::{code_flip, codes_per_word, word_code_value};
 
 /// Tokens, rows and inputs of one tensor-core instruction (`m16n16k16`).
 pub const MMA: usize = 16;
@@ -43,6 +50,7 @@ pub const MMA_PLANE: usize = 32;
 /// x 16).
 pub const XS_STEP: usize = MMA_TOKEN_TILES * MMA * MMA;
 pub const WS_STEP: usize = MMA_ROW_TILES * MMA * MMA;
+const _: () = assert!(MMA_ROW_TILES * MMA == STAGED_ROWS);
 
 /// Shared memory [`gemm_tiles`] allocates with `stage_steps` staged steps of `operand_bytes`-byte operands
 /// (and, on tensor cores, the f32 accumulators' way to the units), alignment padding included.
@@ -65,34 +73,78 @@ pub fn gemm_tiles_shared_bytes(
 /// multiple of a 16 x 16 tile, so aligned starts keep every tile aligned.
 pub const SHARED_ALIGN: usize = 32;
 
-/// The code of row `row`, input `k` of the matrix starting at word `woff`, as a float (exact in any half
-/// type): int4 / int8 integers, the E4M3 value from the decode table `lut`, or the E2M1 value.
+/// Packed words of one staged K step's 64 rows x 16 codes: 128 (int4, fp4) or 256 (int8, fp8).
+pub const fn staged_words(fmt: u32) -> usize {
+    STAGED_ROWS * MMA / codes_per_word(fmt)
+}
+
+/// Packed word `wl` (of [`staged_words`]) of the K step at inputs `k0..k0 + 16` of rows `row0..row0 + 64`
+/// of the matrix starting at word `woff`, with its codes past `inn` set to 0, or 0 for a row past `out` or
+/// `wl` past the step. The load reads word 0 instead of branching around it, so a step's loads issue
+/// together and their latencies overlap (a branch per load made each wait for the one before).
 #[cube]
-pub fn code_at(
+#[allow(clippy::too_many_arguments)]
+pub fn fetch_word(
     words: &[u32],
-    lut: &[f32],
     woff: usize,
-    row: usize,
-    k: usize,
+    row0: usize,
+    k0: usize,
+    out: usize,
+    inn: usize,
     wpr: usize,
+    wl: usize,
     #[comptime] fmt: u32,
-) -> f32 {
-    if comptime!(fmt == 0) {
-        let word = words[woff + row * wpr + k / 8];
-        let nib = (word >> (((k % 8) * 4) as u32)) & 15u32;
-        f32::cast_from(i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32))
-    } else if comptime!(fmt == 1) {
-        let word = words[woff + row * wpr + k / 4];
-        let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
-        f32::cast_from(i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32))
-    } else if comptime!(fmt == 2) {
-        let word = words[woff + row * wpr + k / 4];
-        lut[((word >> (((k % 4) * 8) as u32)) & 255u32) as usize]
-    } else {
-        let word = words[woff + row * wpr + k / 8];
-        e2m1_value((word >> (((k % 8) * 4) as u32)) & 15u32)
+) -> u32 {
+    let cpw = comptime!(codes_per_word(fmt));
+    let per_row = comptime!(MMA / codes_per_word(fmt));
+    let (row, kw) = (row0 + wl / per_row, k0 + (wl % per_row) * cpw);
+    let live = wl < comptime!(staged_words(fmt)) && row < out && kw < inn;
+    let word = words[select(live, woff + row * wpr + kw / cpw, 0usize)];
+    // Codes of this word before `inn`, at most `cpw`: the mask keeps their bits (and zeroes padding).
+    let valid = select(live, inn - kw.min(inn), 0usize).min(cpw);
+    let bits = comptime!(32 / codes_per_word(fmt)) as u32;
+    let partial = (1u32 << (valid.min(cpw - 1) as u32 * bits)) - 1u32;
+    word & select(valid == cpw, 0xFFFF_FFFFu32, partial)
+}
+
+/// Decodes packed word `wl` of a staged step ([`fetch_word`]'s) into `ws[ws0..]` (`[row][k]`, 64 rows x
+/// 16, in the operand type `X`: exact, the codes are small integers, E4M3 or E2M1 values), each code from
+/// the register ([`word_code_value`]) instead of one load and one integer-to-float conversion per code.
+/// The codes are stored starting from a lane-dependent one, so the 2-byte stores of a plane's 32 units
+/// fall in 32 different banks at each step of the unrolled loop (plain order: 4 (int4) or 2 (int8)
+/// units per bank). Units with `wl` past the step store nothing.
+#[cube]
+pub fn store_word<X: Float>(
+    word: u32,
+    lut: &[f32],
+    ws: &mut Shared<[X]>,
+    ws0: usize,
+    wl: usize,
+    #[comptime] fmt: u32,
+) {
+    let cpw = comptime!(codes_per_word(fmt));
+    let per_row = comptime!(MMA / codes_per_word(fmt));
+    if wl < comptime!(staged_words(fmt)) {
+        // Words whose codes start in the same bank are 64 bytes of codes apart at 2 bytes per code.
+        let period = comptime!(64 / codes_per_word(fmt));
+        let rot = 2 * ((wl % MMA_PLANE) / period) % cpw;
+        let at = ws0 + (wl / per_row) * MMA + (wl % per_row) * cpw;
+        let flipped = word ^ code_flip(fmt);
+        #[unroll]
+        for j in 0..cpw {
+            let jj = (j + rot) % cpw;
+            ws[at + jj] = X::cast_from(word_code_value(flipped, jj as u32, lut, fmt));
+        }
     }
 }
+
+/// Passes of `units` units over one staged step's packed words ([`staged_words`]).
+pub const fn word_passes(fmt: u32, units: usize) -> usize {
+    staged_words(fmt).div_ceil(units)
+}
+
+/// Weight rows one staged K step covers: 64, the dense and the MoE tiles' four row tiles.
+pub const STAGED_ROWS: usize = 64;
 
 /// The f32 scale of row `row` for the group holding input `k` of the matrix starting at scale `soff`
 /// (int8: one per row; fp8: per 128 x 128 block; int4 and fp4: per `group` inputs of the row).
@@ -115,62 +167,25 @@ pub fn scale_at(
     }
 }
 
-/// Stages K step `s` of the cube's tile in shared memory slot `slot` (of the kernel's `stage_steps`), in the
-/// operands' type `X`: 32 tokens x 16 inputs of `x` (row-major, two per unit, rounded from the input type
-/// `I`) and 64 rows x 16 weight codes (`[row][k]`, four per unit); zeros past the batch, the rows or the
-/// inputs.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_step<I: Float, X: Float>(
-    x: &[I],
-    words: &[u32],
-    lut: &[f32],
-    xs: &mut Shared<[X]>,
-    ws: &mut Shared<[X]>,
-    s: usize,
-    slot: usize,
-    tok0: usize,
-    row0: usize,
-    n: usize,
-    out: usize,
-    inn: usize,
-    wpr: usize,
-    #[comptime] fmt: u32,
-) {
-    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
-    let k0 = s * MMA;
-    let (xs0, ws0) = (slot * XS_STEP, slot * WS_STEP);
-    #[unroll]
-    for h in 0..2usize {
-        let e = unit + h * 256;
-        let (t, k) = (tok0 + e / MMA, k0 + e % MMA);
-        let mut v = X::from_int(0);
-        if t < n && k < inn {
-            v = X::cast_from(x[t * inn + k]);
-        }
-        xs[xs0 + e] = v;
-    }
-    #[unroll]
-    for h in 0..4usize {
-        let e = unit + h * 256;
-        let (r, k) = (row0 + e / MMA, k0 + e % MMA);
-        let mut c = 0.0f32;
-        if r < out && k < inn {
-            c = code_at(words, lut, 0, r, k, wpr, fmt);
-        }
-        ws[ws0 + e] = X::cast_from(c);
-    }
-}
+/// Units of a cube of the dense tiles: 8 planes.
+const UNITS: usize = MMA_TOKEN_TILES * MMA_ROW_TILES * MMA_PLANE;
 
-/// Stages steps `s0..last` (at most `stage_steps` of them) in slots 0, 1, ... ([`stage_step`]).
+/// Tokens whose inputs a unit stages at every step: 2, `unit / 16` and `unit / 16 + 16`, at input
+/// `unit % 16` of the step.
+const TOKENS_PER_UNIT: usize = XS_STEP / UNITS;
+
+/// Loads K steps `s0..last` (at most `stage_steps` of them) of the cube's tile into the unit's registers,
+/// step `d` at `d * passes..` of `held_w` and `d * TOKENS_PER_UNIT..` of `held_x`: its packed words of the
+/// weight ([`fetch_word`]) and its inputs. No branch separates the loads, and [`gemm_tiles`] issues them a
+/// chunk ahead (while the tensor cores work on the previous one), so their latencies overlap each other
+/// and the arithmetic.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_steps_from<I: Float, X: Float>(
+fn fetch_steps<I: Float>(
     x: &[I],
     words: &[u32],
-    lut: &[f32],
-    xs: &mut Shared<[X]>,
-    ws: &mut Shared<[X]>,
+    held_w: &mut Array<u32>,
+    held_x: &mut Array<I>,
     s0: usize,
     last: usize,
     tok0: usize,
@@ -182,26 +197,84 @@ fn stage_steps_from<I: Float, X: Float>(
     #[comptime] fmt: u32,
     #[comptime] stage_steps: usize,
 ) {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let passes = comptime!(word_passes(fmt, UNITS));
+    #[unroll]
     for d in 0..stage_steps {
         if s0 + d < last {
-            stage_step(
-                x,
-                words,
-                lut,
-                xs,
-                ws,
-                s0 + d,
-                d,
-                tok0,
-                row0,
-                n,
-                out,
-                inn,
-                wpr,
-                fmt,
-            );
+            let k0 = (s0 + d) * MMA;
+            #[unroll]
+            for p in 0..passes {
+                held_w[d * passes + p] =
+                    fetch_word(words, 0, row0, k0, out, inn, wpr, unit + p * UNITS, fmt);
+            }
+            let k = k0 + unit % MMA;
+            #[unroll]
+            for h in 0..TOKENS_PER_UNIT {
+                let t = tok0 + unit / MMA + h * (UNITS / MMA);
+                held_x[d * TOKENS_PER_UNIT + h] = x[select(t < n && k < inn, t * inn + k, 0usize)];
+            }
         }
     }
+}
+
+/// Stores the steps `s0..last` that [`fetch_steps`] loaded into shared memory slots 0, 1, ... (of the
+/// kernel's `stage_steps`), in the operands' type `X`: 32 tokens x 16 inputs (row-major, rounded from the
+/// input type `I`; zeros past the batch or the inputs) and 64 rows x 16 weight codes (`[row][k]`,
+/// [`store_word`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_steps<I: Float, X: Float>(
+    held_w: &Array<u32>,
+    held_x: &Array<I>,
+    lut: &[f32],
+    xs: &mut Shared<[X]>,
+    ws: &mut Shared<[X]>,
+    s0: usize,
+    last: usize,
+    tok0: usize,
+    n: usize,
+    inn: usize,
+    #[comptime] fmt: u32,
+    #[comptime] stage_steps: usize,
+) {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let passes = comptime!(word_passes(fmt, UNITS));
+    #[unroll]
+    for d in 0..stage_steps {
+        if s0 + d < last {
+            let (xs0, ws0) = (d * XS_STEP, d * WS_STEP);
+            let k = (s0 + d) * MMA + unit % MMA;
+            #[unroll]
+            for h in 0..TOKENS_PER_UNIT {
+                let t = tok0 + unit / MMA + h * (UNITS / MMA);
+                let v = X::cast_from(held_x[d * TOKENS_PER_UNIT + h]);
+                xs[xs0 + unit + h * UNITS] = select(t < n && k < inn, v, X::from_int(0));
+            }
+            #[unroll]
+            for p in 0..passes {
+                store_word(held_w[d * passes + p], lut, ws, ws0, unit + p * UNITS, fmt);
+            }
+        }
+    }
+}
+
+/// The chunk of steps after the one at `s0` of a scale group ending at `last`: the group's next chunk of
+/// at most `stage_steps`, or the next group's first; empty past `steps`. The tiles load it while they
+/// multiply the chunk at `s0`.
+#[cube]
+pub fn next_chunk(
+    s0: usize,
+    last: usize,
+    steps: usize,
+    steps_per_scale: usize,
+    #[comptime] stage_steps: usize,
+) -> (usize, usize) {
+    let mut next = (s0 + stage_steps, last);
+    if s0 + stage_steps >= last {
+        next = (last, (last + steps_per_scale).min(steps));
+    }
+    next
 }
 
 /// Element `lane + 32 j` of the plane's 16 x 16 tile (row-major: token `e / 16`, weight row `e % 16`).
@@ -306,6 +379,27 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
     for j in 0..8usize {
         total[j] = 0.0f32;
     }
+    // The registers a chunk of steps is loaded into a chunk ahead ([`fetch_steps`]); the first chunk's
+    // loads go out here.
+    let passes = comptime!(word_passes(fmt, UNITS));
+    let mut held_w = Array::<u32>::new(comptime!(stage_steps * passes));
+    let mut held_x = Array::<I>::new(comptime!(stage_steps * TOKENS_PER_UNIT));
+    fetch_steps(
+        x,
+        words,
+        &mut held_w,
+        &mut held_x,
+        0,
+        steps_per_scale.min(steps),
+        tok0,
+        row0,
+        n,
+        out,
+        inn,
+        wpr,
+        fmt,
+        stage_steps,
+    );
     if comptime!(tensor_cores) {
         let mut stored = Shared::<[f32]>::new_aligned_slice(
             MMA_TOKEN_TILES * MMA_ROW_TILES * MMA * MMA,
@@ -326,14 +420,29 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                stage_steps_from(
-                    x,
-                    words,
+                store_steps(
+                    &held_w,
+                    &held_x,
                     lut,
                     &mut xs,
                     &mut ws,
                     s0,
                     last,
+                    tok0,
+                    n,
+                    inn,
+                    fmt,
+                    stage_steps,
+                );
+                sync_cube();
+                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
+                fetch_steps(
+                    x,
+                    words,
+                    &mut held_w,
+                    &mut held_x,
+                    n0,
+                    n_last,
                     tok0,
                     row0,
                     n,
@@ -343,7 +452,6 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
                     fmt,
                     stage_steps,
                 );
-                sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {
                         let xa = d * XS_STEP + tok_tile * tile;
@@ -407,14 +515,29 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                stage_steps_from(
-                    x,
-                    words,
+                store_steps(
+                    &held_w,
+                    &held_x,
                     lut,
                     &mut xs,
                     &mut ws,
                     s0,
                     last,
+                    tok0,
+                    n,
+                    inn,
+                    fmt,
+                    stage_steps,
+                );
+                sync_cube();
+                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
+                fetch_steps(
+                    x,
+                    words,
+                    &mut held_w,
+                    &mut held_x,
+                    n0,
+                    n_last,
                     tok0,
                     row0,
                     n,
@@ -424,7 +547,6 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
                     fmt,
                     stage_steps,
                 );
-                sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {
                         #[unroll]

@@ -18,8 +18,9 @@
 //! **Tile.** A cube of 4 planes (32 units each) computes the tile's 16 assignments x 64 rows: plane `p`
 //! holds the 16 x 16 accumulators of row tile `p` (two with SwiGLU). Per step the cube stages 16 x 16
 //! inputs and 64 x 16 codes per projection in shared memory, `stage_steps` steps per pair of barriers
-//! as in [`super::mma`] (the bits do not depend on it); per scale group the accumulators go through
-//! shared memory to the units, which scale and add them.
+//! as in [`super::mma`] (the bits do not depend on it), loaded a chunk ahead into registers as words
+//! ([`super::mma`]'s staging); each unit's assignment rows come from the routing table once per tile;
+//! per scale group the accumulators go through shared memory to the units, which scale and add them.
 //!
 //! [`grouped_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs
 //! in place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
@@ -27,20 +28,21 @@
 
 use cubecl::prelude::*;
 
-use super::mma::{add_scaled_group, code_at, tile_element, MMA, MMA_PLANE, SHARED_ALIGN};
+use super::mma::{
+    add_scaled_group, fetch_word, next_chunk, store_word, tile_element, word_passes, MMA,
+    MMA_PLANE, SHARED_ALIGN, STAGED_ROWS,
+};
 use super::moe::silu_times;
 
 /// Row tiles (planes) of a cube: 64 output rows.
 pub const MOE_MMA_ROW_TILES: usize = 4;
-
-/// Units of a cube.
-const UNITS: usize = MOE_MMA_ROW_TILES * MMA_PLANE;
 
 /// Values of one 16 x 16 operand or accumulator tile.
 const TILE_VALUES: usize = MMA * MMA;
 
 /// Weight codes of one staged step per projection: 64 rows x 16.
 const W_STEP: usize = MOE_MMA_ROW_TILES * TILE_VALUES;
+const _: () = assert!(MOE_MMA_ROW_TILES * MMA == STAGED_ROWS);
 
 /// Shared memory [`grouped_tiles`] allocates with `stage_steps` staged steps of `operand_bytes`-byte
 /// operands, two projections with `swiglu` (and, on tensor cores, the f32 accumulators' way to the
@@ -58,26 +60,63 @@ pub fn grouped_tiles_shared_bytes(
     (stage_steps * (TILE_VALUES + W_STEP) + wb) * operand_bytes + stored + 4 * SHARED_ALIGN
 }
 
-/// Stages K step `s` of the cube's tile in shared memory slot `slot` (of the kernel's `stage_steps`), in `X`: the inputs of the tile's 16 assignments
-/// (`xs[assignment][k]`; with `gather` row `table[rows_at + a]` of `input`, else row `a`; rounded to `X`)
-/// and the 64 rows x 16 codes of `a` (and `b` with `swiglu`) of the expert at words `woff`
-/// (`ws[row][k]`); zeros past the tile's assignments, the rows or the inputs.
+/// Units of a cube.
+const UNITS: usize = MOE_MMA_ROW_TILES * MMA_PLANE;
+
+/// Assignments of the tile whose inputs a unit stages at every step: 2, rows `unit / 16` and
+/// `unit / 16 + 8`, at input `unit % 16` of the step.
+const ROWS_PER_UNIT: usize = MMA * MMA / UNITS;
+
+/// Where the inputs of the unit's [`ROWS_PER_UNIT`] assignments start in `input` (with `gather` row
+/// `table[rows_at + a]`, else row `a`; 0 for a row past the tile's `len` assignments): read from the
+/// routing table once per tile instead of at every step, where each lookup's latency came before the
+/// input's load.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_moe_step<I: Float, X: Float>(
-    input: &[I],
+fn input_rows(
     table: &[u32],
     rows_at: usize,
+    a0: usize,
+    len: usize,
+    inn: usize,
+    #[comptime] gather: bool,
+) -> Array<usize> {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let mut rows = Array::<usize>::new(ROWS_PER_UNIT);
+    #[unroll]
+    for h in 0..ROWS_PER_UNIT {
+        let r = unit / MMA + h * (UNITS / MMA);
+        rows[h] = 0;
+        if r < len {
+            let mut src = a0 + r;
+            if comptime!(gather) {
+                src = table[rows_at + a0 + r] as usize;
+            }
+            rows[h] = src * inn;
+        }
+    }
+    rows
+}
+
+/// Loads K steps `s0..last` (at most `stage_steps` of them) of the cube's tile into the unit's registers,
+/// step `d` at `d * passes..` of `held_a` / `held_b` and `d * ROWS_PER_UNIT..` of `held_x`: the packed words
+/// of `a` (and `b` with `swiglu`) of the expert at words `woff` ([`fetch_word`]) and the inputs of the
+/// unit's assignments ([`input_rows`]). No branch separates the loads, and [`grouped_tiles`] issues them a
+/// chunk ahead (while the tensor cores work on the previous one), so their latencies overlap each other
+/// and the arithmetic.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fetch_moe_steps<I: Float>(
+    input: &[I],
+    rows: &Array<usize>,
+    len: usize,
     words_a: &[u32],
     words_b: &[u32],
-    lut: &[f32],
-    xs: &mut Shared<[X]>,
-    wa: &mut Shared<[X]>,
-    wb: &mut Shared<[X]>,
-    s: usize,
-    slot: usize,
-    a0: usize,
-    a_end: usize,
+    held_a: &mut Array<u32>,
+    held_b: &mut Array<u32>,
+    held_x: &mut Array<I>,
+    s0: usize,
+    last: usize,
     row0: usize,
     n_out: usize,
     inn: usize,
@@ -85,96 +124,77 @@ fn stage_moe_step<I: Float, X: Float>(
     woff: usize,
     #[comptime] fmt: u32,
     #[comptime] swiglu: bool,
-    #[comptime] gather: bool,
+    #[comptime] stage_steps: usize,
 ) {
     let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
-    let k0 = s * MMA;
-    let (xs0, ws0) = (slot * TILE_VALUES, slot * W_STEP);
+    let passes = comptime!(word_passes(fmt, UNITS));
     #[unroll]
-    for h in 0..2usize {
-        let e = unit + h * UNITS;
-        let (r, k) = (e / MMA, k0 + e % MMA);
-        let mut v = X::from_int(0);
-        if a0 + r < a_end && k < inn {
-            let mut src = a0 + r;
-            if comptime!(gather) {
-                src = table[rows_at + a0 + r] as usize;
+    for d in 0..stage_steps {
+        if s0 + d < last {
+            let k0 = (s0 + d) * MMA;
+            #[unroll]
+            for p in 0..passes {
+                let wl = unit + p * UNITS;
+                held_a[d * passes + p] =
+                    fetch_word(words_a, woff, row0, k0, n_out, inn, wpr, wl, fmt);
+                if comptime!(swiglu) {
+                    held_b[d * passes + p] =
+                        fetch_word(words_b, woff, row0, k0, n_out, inn, wpr, wl, fmt);
+                }
             }
-            v = X::cast_from(input[src * inn + k]);
-        }
-        xs[xs0 + e] = v;
-    }
-    #[unroll]
-    for h in 0..8usize {
-        let e = unit + h * UNITS;
-        let (r, k) = (row0 + e / MMA, k0 + e % MMA);
-        let mut ca = 0.0f32;
-        let mut cb = 0.0f32;
-        if r < n_out && k < inn {
-            ca = code_at(words_a, lut, woff, r, k, wpr, fmt);
-            if comptime!(swiglu) {
-                cb = code_at(words_b, lut, woff, r, k, wpr, fmt);
+            let k = k0 + unit % MMA;
+            #[unroll]
+            for h in 0..ROWS_PER_UNIT {
+                let live = unit / MMA + h * (UNITS / MMA) < len && k < inn;
+                held_x[d * ROWS_PER_UNIT + h] = input[select(live, rows[h] + k, 0usize)];
             }
-        }
-        wa[ws0 + e] = X::cast_from(ca);
-        if comptime!(swiglu) {
-            wb[ws0 + e] = X::cast_from(cb);
         }
     }
 }
 
-/// Stages steps `s0..last` (at most `stage_steps` of them) in slots 0, 1, ... ([`stage_moe_step`]).
+/// Stores the steps `s0..last` that [`fetch_moe_steps`] loaded into shared memory slots 0, 1, ... (of the
+/// kernel's `stage_steps`), in `X`: the inputs (`xs[assignment][k]`, rounded to `X`; zeros past the tile's
+/// `len` assignments or the inputs) and the 64 rows x 16 codes of `a` (and `b`) (`ws[row][k]`,
+/// [`store_word`]).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn stage_moe_steps_from<I: Float, X: Float>(
-    input: &[I],
-    table: &[u32],
-    rows_at: usize,
-    words_a: &[u32],
-    words_b: &[u32],
+fn store_moe_steps<I: Float, X: Float>(
+    held_a: &Array<u32>,
+    held_b: &Array<u32>,
+    held_x: &Array<I>,
     lut: &[f32],
     xs: &mut Shared<[X]>,
     wa: &mut Shared<[X]>,
     wb: &mut Shared<[X]>,
     s0: usize,
     last: usize,
-    a0: usize,
-    a_end: usize,
-    row0: usize,
-    n_out: usize,
+    len: usize,
     inn: usize,
-    wpr: usize,
-    woff: usize,
     #[comptime] fmt: u32,
     #[comptime] swiglu: bool,
-    #[comptime] gather: bool,
     #[comptime] stage_steps: usize,
 ) {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let passes = comptime!(word_passes(fmt, UNITS));
+    #[unroll]
     for d in 0..stage_steps {
         if s0 + d < last {
-            stage_moe_step(
-                input,
-                table,
-                rows_at,
-                words_a,
-                words_b,
-                lut,
-                xs,
-                wa,
-                wb,
-                s0 + d,
-                d,
-                a0,
-                a_end,
-                row0,
-                n_out,
-                inn,
-                wpr,
-                woff,
-                fmt,
-                swiglu,
-                gather,
-            );
+            let (xs0, ws0) = (d * TILE_VALUES, d * W_STEP);
+            let k = (s0 + d) * MMA + unit % MMA;
+            #[unroll]
+            for h in 0..ROWS_PER_UNIT {
+                let live = unit / MMA + h * (UNITS / MMA) < len && k < inn;
+                let v = X::cast_from(held_x[d * ROWS_PER_UNIT + h]);
+                xs[xs0 + unit + h * UNITS] = select(live, v, X::from_int(0));
+            }
+            #[unroll]
+            for p in 0..passes {
+                let wl = unit + p * UNITS;
+                store_word(held_a[d * passes + p], lut, wa, ws0, wl, fmt);
+                if comptime!(swiglu) {
+                    store_word(held_b[d * passes + p], lut, wb, ws0, wl, fmt);
+                }
+            }
         }
     }
 }
@@ -298,6 +318,36 @@ pub fn grouped_tiles<I: Float, X: Float>(
     }
     let row0 = CUBE_POS_X as usize * (MOE_MMA_ROW_TILES * MMA);
     let (woff, soff) = (expert * expert_words, expert * expert_scales);
+    let len = a_end - a0;
+    let rows = input_rows(table, rows_at, a0, len, inn, gather);
+    // The registers a chunk of steps is loaded into a chunk ahead ([`fetch_moe_steps`]); the first
+    // chunk's loads go out here.
+    let passes = comptime!(word_passes(fmt, UNITS));
+    let mut held_a = Array::<u32>::new(comptime!(stage_steps * passes));
+    let mut held_b = Array::<u32>::new(comptime!(if swiglu { stage_steps * passes } else { 1 }));
+    let mut held_x = Array::<I>::new(comptime!(stage_steps * ROWS_PER_UNIT));
+    if groups > 0 {
+        fetch_moe_steps(
+            input,
+            &rows,
+            len,
+            words_a,
+            words_b,
+            &mut held_a,
+            &mut held_b,
+            &mut held_x,
+            0,
+            steps_per_scale.min(steps),
+            row0,
+            n_out,
+            inn,
+            wpr,
+            woff,
+            fmt,
+            swiglu,
+            stage_steps,
+        );
+    }
     let mut total_a = Array::<f32>::new(8usize);
     let mut total_b = Array::<f32>::new(8usize);
     let mut sums_a = Array::<f32>::new(8usize);
@@ -338,20 +388,35 @@ pub fn grouped_tiles<I: Float, X: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                stage_moe_steps_from(
-                    input,
-                    table,
-                    rows_at,
-                    words_a,
-                    words_b,
+                store_moe_steps(
+                    &held_a,
+                    &held_b,
+                    &held_x,
                     lut,
                     &mut xs,
                     &mut wa,
                     &mut wb,
                     s0,
                     last,
-                    a0,
-                    a_end,
+                    len,
+                    inn,
+                    fmt,
+                    swiglu,
+                    stage_steps,
+                );
+                sync_cube();
+                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
+                fetch_moe_steps(
+                    input,
+                    &rows,
+                    len,
+                    words_a,
+                    words_b,
+                    &mut held_a,
+                    &mut held_b,
+                    &mut held_x,
+                    n0,
+                    n_last,
                     row0,
                     n_out,
                     inn,
@@ -359,10 +424,8 @@ pub fn grouped_tiles<I: Float, X: Float>(
                     woff,
                     fmt,
                     swiglu,
-                    gather,
                     stage_steps,
                 );
-                sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {
                         let (xa, wr) = (d * TILE_VALUES, d * W_STEP + mine);
@@ -454,20 +517,35 @@ pub fn grouped_tiles<I: Float, X: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                stage_moe_steps_from(
-                    input,
-                    table,
-                    rows_at,
-                    words_a,
-                    words_b,
+                store_moe_steps(
+                    &held_a,
+                    &held_b,
+                    &held_x,
                     lut,
                     &mut xs,
                     &mut wa,
                     &mut wb,
                     s0,
                     last,
-                    a0,
-                    a_end,
+                    len,
+                    inn,
+                    fmt,
+                    swiglu,
+                    stage_steps,
+                );
+                sync_cube();
+                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
+                fetch_moe_steps(
+                    input,
+                    &rows,
+                    len,
+                    words_a,
+                    words_b,
+                    &mut held_a,
+                    &mut held_b,
+                    &mut held_x,
+                    n0,
+                    n_last,
                     row0,
                     n_out,
                     inn,
@@ -475,10 +553,8 @@ pub fn grouped_tiles<I: Float, X: Float>(
                     woff,
                     fmt,
                     swiglu,
-                    gather,
                     stage_steps,
                 );
-                sync_cube();
                 for d in 0..stage_steps {
                     if s0 + d < last {
                         #[unroll]

@@ -56,12 +56,61 @@ pub const STAGE_FLOATS: usize = 16 * STAGE_STRIDE;
 pub const E2M1_TWICE: u32 = 0xC864_3210;
 
 /// The value of an E2M1 code ([`crate::format::E2M1_VALUES`]), exactly: twice the magnitude from
-/// [`E2M1_TWICE`], times 0.5, times -1 when the sign bit is set (each step exact, -0.0 for code 8).
+/// [`E2M1_TWICE`] as a float ([`small_uint_value`]), times 0.5, with the code's sign bit as the float's
+/// (each step exact, -0.0 for code 8). No integer-to-float conversion: on NVIDIA parts those issue at a
+/// fraction of the FMA rate, and the tiles decode one code per weight and tile.
 #[cube]
 pub fn e2m1_value(nib: u32) -> f32 {
     let twice = (0xC864_3210u32 >> ((nib & 7u32) * 4u32)) & 15u32;
-    let sign = f32::cast_from(1i32 - 2i32 * i32::cast_from(nib >> 3u32));
-    f32::cast_from(twice) * 0.5f32 * sign
+    let magnitude = small_uint_value(twice) * 0.5f32;
+    f32::reinterpret(u32::reinterpret(magnitude) | ((nib >> 3u32) << 31u32))
+}
+
+/// `v as f32` for `v < 2^23`, exactly, without a conversion instruction: the float whose bits are
+/// `0x4B00_0000 | v` is `2^23 + v` (exponent 23, `v` in the mantissa), and subtracting `2^23` is exact.
+#[cube]
+pub fn small_uint_value(v: u32) -> f32 {
+    f32::reinterpret(v | 0x4B00_0000u32) - 8_388_608.0f32
+}
+
+/// The XOR that turns a packed word's two's-complement integer codes into offset binary (int4: every
+/// nibble's top bit, int8: every byte's), so that [`word_code_value`] reads `q` as `(code ^ 8) - 8` (int4)
+/// or `(code ^ 128) - 128` (int8) with one float subtraction; 0 for the float formats.
+#[cube]
+pub fn code_flip(#[comptime] fmt: u32) -> u32 {
+    if comptime!(fmt == 0) {
+        0x8888_8888u32
+    } else if comptime!(fmt == 1) {
+        0x8080_8080u32
+    } else {
+        0u32
+    }
+}
+
+/// The value of code `j` of a packed word already XOR-ed with [`code_flip`], before its scale, exactly
+/// [`crate::format::WeightFormat::code_value`]: int4 and int8 integers (offset binary read as a float by
+/// [`small_uint_value`]'s construction, minus the offset and `2^23` in one exact subtraction), the E4M3
+/// value from the decode table `lut`, or [`e2m1_value`].
+#[cube]
+pub fn word_code_value(flipped: u32, j: u32, lut: &[f32], #[comptime] fmt: u32) -> f32 {
+    if comptime!(fmt == 0) {
+        f32::reinterpret(((flipped >> (j * 4u32)) & 15u32) | 0x4B00_0000u32) - 8_388_616.0f32
+    } else if comptime!(fmt == 1) {
+        f32::reinterpret(((flipped >> (j * 8u32)) & 255u32) | 0x4B00_0000u32) - 8_388_736.0f32
+    } else if comptime!(fmt == 2) {
+        lut[((flipped >> (j * 8u32)) & 255u32) as usize]
+    } else {
+        e2m1_value((flipped >> (j * 4u32)) & 15u32)
+    }
+}
+
+/// Codes per packed `u32` word: 8 (int4, fp4) or 4 (int8, fp8).
+pub const fn codes_per_word(fmt: u32) -> usize {
+    if fmt == 0 || fmt == 3 {
+        8
+    } else {
+        4
+    }
 }
 
 /// The dequantized weight of row `row`, input `k` of the matrix starting at word `woff` / scale `soff`:
@@ -82,25 +131,17 @@ pub fn weight_at(
     #[comptime] fmt: u32,
     #[comptime] group: usize,
 ) -> f32 {
-    if comptime!(fmt == 0) {
-        let word = words[woff + row * wpr + k / 8];
-        let nib = (word >> (((k % 8) * 4) as u32)) & 15u32;
-        let q = i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32);
-        f32::cast_from(q) * scales[soff + row * spr + k / group]
-    } else if comptime!(fmt == 1) {
-        let word = words[woff + row * wpr + k / 4];
-        let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
-        let q = i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32);
-        f32::cast_from(q) * scales[soff + row]
+    let cpw = comptime!(codes_per_word(fmt));
+    let word = words[woff + row * wpr + k / cpw] ^ code_flip(fmt);
+    let code = word_code_value(word, (k % cpw) as u32, lut, fmt);
+    let scale = if comptime!(fmt == 1) {
+        scales[soff + row]
     } else if comptime!(fmt == 2) {
-        let word = words[woff + row * wpr + k / 4];
-        let byte = (word >> (((k % 4) * 8) as u32)) & 255u32;
-        lut[byte as usize] * scales[soff + (row / group) * spr + k / group]
+        scales[soff + (row / group) * spr + k / group]
     } else {
-        let word = words[woff + row * wpr + k / 8];
-        let nib = (word >> (((k % 8) * 4) as u32)) & 15u32;
-        e2m1_value(nib) * scales[soff + row * spr + k / group]
-    }
+        scales[soff + row * spr + k / group]
+    };
+    code * scale
 }
 
 /// Input `k0 + j` of a product: `x[xoff + k0 + j]` widened to f32, or with `staged` its copy in `xs`, laid
@@ -176,13 +217,12 @@ pub fn chunk_dot<X: Float>(
             let s = scales[soff + row * spr + k0 / group];
             #[unroll]
             for w in 0..4u32 {
-                let word = words[base + w as usize];
+                let word = words[base + w as usize] ^ code_flip(fmt);
                 #[unroll]
                 for j in 0..8u32 {
-                    let nib = (word >> (j * 4u32)) & 15u32;
-                    let q = i32::cast_from(nib) - i32::cast_from((nib >> 3u32) << 4u32);
+                    let q = word_code_value(word, j, lut, fmt);
                     let xv = input_at(x, xoff, xs, k0, (w * 8u32 + j) as usize, chunks, staged);
-                    part = fma(xv, f32::cast_from(q) * s, part);
+                    part = fma(xv, q * s, part);
                 }
             }
         } else {
@@ -194,16 +234,10 @@ pub fn chunk_dot<X: Float>(
             };
             #[unroll]
             for w in 0..8u32 {
-                let word = words[base + w as usize];
+                let word = words[base + w as usize] ^ code_flip(fmt);
                 #[unroll]
                 for j in 0..4u32 {
-                    let byte = (word >> (j * 8u32)) & 255u32;
-                    let v = if comptime!(fmt == 1) {
-                        let q = i32::cast_from(byte) - i32::cast_from((byte >> 7u32) << 8u32);
-                        f32::cast_from(q) * s
-                    } else {
-                        lut[byte as usize] * s
-                    };
+                    let v = word_code_value(word, j, lut, fmt) * s;
                     let xv = input_at(x, xoff, xs, k0, (w * 4u32 + j) as usize, chunks, staged);
                     part = fma(xv, v, part);
                 }
