@@ -221,11 +221,18 @@ impl Kernels {
     fn stage_steps(&self, tensor_cores: bool, shared_bytes: impl Fn(usize) -> usize) -> usize {
         match self.staging {
             Staging::Fixed(steps) => steps,
-            Staging::Default if tensor_cores => 1,
+            Staging::Default if Self::stages_one_step_by_default(tensor_cores) => 1,
             Staging::Default | Staging::Most => {
                 tile_stage_steps(self.max_shared_bytes(), shared_bytes)
             }
         }
+    }
+
+    /// Whether the tiles stage one K step per pair of barriers by default (on the instruction), rather
+    /// than as many as fit (the scalar twins; [`Self::stage_steps`] says why): what a benchmark timing
+    /// "the other" staging beside the default needs to know.
+    pub fn stages_one_step_by_default(tensor_cores: bool) -> bool {
+        tensor_cores
     }
 
     /// Shared memory one cube may allocate on this device, in bytes.

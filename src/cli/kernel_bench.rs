@@ -824,9 +824,13 @@ mod imp {
     /// The kernels with `path`'s other staging and its row suffix, of `[one step, the most]`: the
     /// tensor-core tiles stage one K step per pair of barriers by default, the scalar twins the most.
     fn other_staging(path: MatmulPath, dtype: ActDType, staged: &[Kernels; 2]) -> (&Kernels, &str) {
-        match path.tiles(dtype) {
-            Some((true, _)) => (&staged[1], "-staged"),
-            _ => (&staged[0], "-x1"),
+        let tensor_cores = path
+            .tiles(dtype)
+            .is_some_and(|(tensor_cores, _)| tensor_cores);
+        if Kernels::stages_one_step_by_default(tensor_cores) {
+            (&staged[1], "-staged")
+        } else {
+            (&staged[0], "-x1")
         }
     }
 

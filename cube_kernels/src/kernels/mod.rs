@@ -301,7 +301,9 @@ pub fn sum_chunks(sums: &Shared<[f32]>, at: usize, #[comptime] chunks: usize) ->
 /// `xs[j * (chunks + 1) + c]` (zeros past `inn`). The GEMVs' lanes each walk one chunk, so at a given depth
 /// `j` they read `chunks` neighbouring floats (no bank conflicts) instead of floats 128 bytes apart in
 /// global memory (one cache line per lane per load). `unit` of `units` threads of the cube take part; the
-/// caller syncs the cube before reading.
+/// caller syncs the cube before reading. A unit's loads go out in batches of up to
+/// [`STAGE_LOAD_BATCH`] before any of them is stored, their bounds as selects, so their latencies overlap
+/// (with a branch per input each load waited for the store before it).
 #[cube]
 pub fn stage_transposed<X: Float>(
     x: &[X],
@@ -309,21 +311,30 @@ pub fn stage_transposed<X: Float>(
     inn: usize,
     xs: &mut Shared<[f32]>,
     unit: usize,
-    units: usize,
+    #[comptime] units: usize,
     #[comptime] chunks: usize,
 ) {
-    let total = chunks * 32;
-    // `div_ceil` has no CubeCL expansion for runtime values.
-    #[allow(clippy::manual_div_ceil)]
-    let steps = (total + units - 1) / units;
-    for i in 0..steps {
-        let k = unit + i * units;
-        if k < total {
-            let mut v = 0.0f32;
-            if k < inn {
-                v = f32::cast_from(x[xoff + k]);
+    let total = comptime!(chunks * 32);
+    let steps = comptime!(total.div_ceil(units));
+    let batch = comptime!(steps.min(STAGE_LOAD_BATCH));
+    #[unroll]
+    for b in 0..comptime!(steps.div_ceil(batch)) {
+        let mut held = Array::<X>::new(batch);
+        #[unroll]
+        for i in 0..batch {
+            let k = unit + (b * batch + i) * units;
+            held[i] = x[select(k < inn, xoff + k, xoff)];
+        }
+        #[unroll]
+        for i in 0..batch {
+            let k = unit + (b * batch + i) * units;
+            if k < total {
+                xs[(k % 32) * (chunks + 1) + k / 32] =
+                    select(k < inn, f32::cast_from(held[i]), 0.0f32);
             }
-            xs[(k % 32) * (chunks + 1) + k / 32] = v;
         }
     }
 }
+
+/// Most loads [`stage_transposed`] keeps in flight per unit (registers per unit it holds for them).
+pub const STAGE_LOAD_BATCH: usize = 8;
