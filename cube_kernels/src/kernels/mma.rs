@@ -125,7 +125,7 @@ pub fn store_word<X: Float>(
     let cpw = comptime!(codes_per_word(fmt));
     let per_row = comptime!(MMA / codes_per_word(fmt));
     if wl < comptime!(staged_words(fmt)) {
-        // Words whose codes start in the same bank are 64 bytes of codes apart at 2 bytes per code.
+        // Words `period` apart start in the same bank: 128 bytes (32 banks) of 2-byte codes.
         let period = comptime!(64 / codes_per_word(fmt));
         let rot = 2 * ((wl % MMA_PLANE) / period) % cpw;
         let at = ws0 + (wl / per_row) * MMA + (wl % per_row) * cpw;
