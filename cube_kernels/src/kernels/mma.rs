@@ -277,6 +277,66 @@ pub fn next_chunk(
     next
 }
 
+/// One chunk's turn in [`gemm_tiles`]' K loop: stores the chunk at `s0` that the registers hold
+/// ([`store_steps`]), waits for the cube, and loads the next chunk ([`next_chunk`]) into the registers
+/// ([`fetch_steps`]), so its loads fly while the caller multiplies the chunk just staged.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_chunk<I: Float, X: Float>(
+    x: &[I],
+    words: &[u32],
+    lut: &[f32],
+    held_w: &mut Array<u32>,
+    held_x: &mut Array<I>,
+    xs: &mut Shared<[X]>,
+    ws: &mut Shared<[X]>,
+    s0: usize,
+    last: usize,
+    steps: usize,
+    steps_per_scale: usize,
+    tok0: usize,
+    row0: usize,
+    n: usize,
+    out: usize,
+    inn: usize,
+    wpr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] stage_steps: usize,
+) {
+    store_steps(
+        &*held_w,
+        &*held_x,
+        lut,
+        xs,
+        ws,
+        s0,
+        last,
+        tok0,
+        n,
+        inn,
+        fmt,
+        stage_steps,
+    );
+    sync_cube();
+    let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
+    fetch_steps(
+        x,
+        words,
+        held_w,
+        held_x,
+        n0,
+        n_last,
+        tok0,
+        row0,
+        n,
+        out,
+        inn,
+        wpr,
+        fmt,
+        stage_steps,
+    );
+}
+
 /// Element `lane + 32 j` of the plane's 16 x 16 tile (row-major: token `e / 16`, weight row `e % 16`).
 #[cube]
 pub fn tile_element(lane: usize, j: usize) -> usize {
@@ -420,29 +480,18 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                store_steps(
-                    &held_w,
-                    &held_x,
+                stage_chunk(
+                    x,
+                    words,
                     lut,
+                    &mut held_w,
+                    &mut held_x,
                     &mut xs,
                     &mut ws,
                     s0,
                     last,
-                    tok0,
-                    n,
-                    inn,
-                    fmt,
-                    stage_steps,
-                );
-                sync_cube();
-                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
-                fetch_steps(
-                    x,
-                    words,
-                    &mut held_w,
-                    &mut held_x,
-                    n0,
-                    n_last,
+                    steps,
+                    steps_per_scale,
                     tok0,
                     row0,
                     n,
@@ -515,29 +564,18 @@ pub fn gemm_tiles<I: Float, X: Float, Y: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                store_steps(
-                    &held_w,
-                    &held_x,
+                stage_chunk(
+                    x,
+                    words,
                     lut,
+                    &mut held_w,
+                    &mut held_x,
                     &mut xs,
                     &mut ws,
                     s0,
                     last,
-                    tok0,
-                    n,
-                    inn,
-                    fmt,
-                    stage_steps,
-                );
-                sync_cube();
-                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
-                fetch_steps(
-                    x,
-                    words,
-                    &mut held_w,
-                    &mut held_x,
-                    n0,
-                    n_last,
+                    steps,
+                    steps_per_scale,
                     tok0,
                     row0,
                     n,

@@ -199,6 +199,77 @@ fn store_moe_steps<I: Float, X: Float>(
     }
 }
 
+/// One chunk's turn in [`grouped_tiles`]' K loop: stores the chunk at `s0` that the registers hold
+/// ([`store_moe_steps`]), waits for the cube, and loads the next chunk ([`next_chunk`]) into the registers
+/// ([`fetch_moe_steps`]), so its loads fly while the caller multiplies the chunk just staged.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_chunk<I: Float, X: Float>(
+    input: &[I],
+    rows: &Array<usize>,
+    len: usize,
+    words_a: &[u32],
+    words_b: &[u32],
+    lut: &[f32],
+    held_a: &mut Array<u32>,
+    held_b: &mut Array<u32>,
+    held_x: &mut Array<I>,
+    xs: &mut Shared<[X]>,
+    wa: &mut Shared<[X]>,
+    wb: &mut Shared<[X]>,
+    s0: usize,
+    last: usize,
+    steps: usize,
+    steps_per_scale: usize,
+    row0: usize,
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    woff: usize,
+    #[comptime] fmt: u32,
+    #[comptime] swiglu: bool,
+    #[comptime] stage_steps: usize,
+) {
+    store_moe_steps(
+        &*held_a,
+        &*held_b,
+        &*held_x,
+        lut,
+        xs,
+        wa,
+        wb,
+        s0,
+        last,
+        len,
+        inn,
+        fmt,
+        swiglu,
+        stage_steps,
+    );
+    sync_cube();
+    let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
+    fetch_moe_steps(
+        input,
+        rows,
+        len,
+        words_a,
+        words_b,
+        held_a,
+        held_b,
+        held_x,
+        n0,
+        n_last,
+        row0,
+        n_out,
+        inn,
+        wpr,
+        woff,
+        fmt,
+        swiglu,
+        stage_steps,
+    );
+}
+
 /// [`add_scaled_group`] for projection `a`'s sums, and with `swiglu` for `b`'s (the up projection).
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -388,35 +459,23 @@ pub fn grouped_tiles<I: Float, X: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                store_moe_steps(
-                    &held_a,
-                    &held_b,
-                    &held_x,
-                    lut,
-                    &mut xs,
-                    &mut wa,
-                    &mut wb,
-                    s0,
-                    last,
-                    len,
-                    inn,
-                    fmt,
-                    swiglu,
-                    stage_steps,
-                );
-                sync_cube();
-                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
-                fetch_moe_steps(
+                stage_chunk(
                     input,
                     &rows,
                     len,
                     words_a,
                     words_b,
+                    lut,
                     &mut held_a,
                     &mut held_b,
                     &mut held_x,
-                    n0,
-                    n_last,
+                    &mut xs,
+                    &mut wa,
+                    &mut wb,
+                    s0,
+                    last,
+                    steps,
+                    steps_per_scale,
                     row0,
                     n_out,
                     inn,
@@ -517,35 +576,23 @@ pub fn grouped_tiles<I: Float, X: Float>(
             let last = (first + steps_per_scale).min(steps);
             for c in 0..(last - first).div_ceil(stage_steps) {
                 let s0 = first + c * stage_steps;
-                store_moe_steps(
-                    &held_a,
-                    &held_b,
-                    &held_x,
-                    lut,
-                    &mut xs,
-                    &mut wa,
-                    &mut wb,
-                    s0,
-                    last,
-                    len,
-                    inn,
-                    fmt,
-                    swiglu,
-                    stage_steps,
-                );
-                sync_cube();
-                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, stage_steps);
-                fetch_moe_steps(
+                stage_chunk(
                     input,
                     &rows,
                     len,
                     words_a,
                     words_b,
+                    lut,
                     &mut held_a,
                     &mut held_b,
                     &mut held_x,
-                    n0,
-                    n_last,
+                    &mut xs,
+                    &mut wa,
+                    &mut wb,
+                    s0,
+                    last,
+                    steps,
+                    steps_per_scale,
                     row0,
                     n_out,
                     inn,
