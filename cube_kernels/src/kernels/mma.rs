@@ -176,7 +176,7 @@ const TOKENS_PER_UNIT: usize = XS_STEP / UNITS;
 
 /// Loads K steps `s0..last` (at most `stage_steps` of them) of the cube's tile into the unit's registers,
 /// step `d` at `d * passes..` of `held_w` and `d * TOKENS_PER_UNIT..` of `held_x`: its packed words of the
-/// weight ([`fetch_word`]) and its inputs. No branch separates the loads, and [`gemm_tiles`] issues them a
+/// weight ([`fetch_word`]) and its inputs. No branch separates a step's loads, and [`gemm_tiles`] issues them a
 /// chunk ahead (while the tensor cores work on the previous one), so their latencies overlap each other
 /// and the arithmetic.
 #[cube]

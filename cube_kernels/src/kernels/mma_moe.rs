@@ -18,9 +18,10 @@
 //! **Tile.** A cube of 4 planes (32 units each) computes the tile's 16 assignments x 64 rows: plane `p`
 //! holds the 16 x 16 accumulators of row tile `p` (two with SwiGLU). Per step the cube stages 16 x 16
 //! inputs and 64 x 16 codes per projection in shared memory, `stage_steps` steps per pair of barriers
-//! as in [`super::mma`] (the bits do not depend on it), loaded a chunk ahead into registers as words
-//! ([`super::mma`]'s staging); each unit's assignment rows come from the routing table once per tile;
-//! per scale group the accumulators go through shared memory to the units, which scale and add them.
+//! as in [`super::mma`] (the bits do not depend on it), loaded a chunk ahead into registers, the
+//! weights as whole words ([`super::mma`]'s staging); each unit's assignment rows come from the routing
+//! table once per tile; per scale group the accumulators go through shared memory to the units, which
+//! scale and add them.
 //!
 //! [`grouped_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs
 //! in place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
@@ -101,7 +102,7 @@ fn input_rows(
 /// Loads K steps `s0..last` (at most `stage_steps` of them) of the cube's tile into the unit's registers,
 /// step `d` at `d * passes..` of `held_a` / `held_b` and `d * ROWS_PER_UNIT..` of `held_x`: the packed words
 /// of `a` (and `b` with `swiglu`) of the expert at words `woff` ([`fetch_word`]) and the inputs of the
-/// unit's assignments ([`input_rows`]). No branch separates the loads, and [`grouped_tiles`] issues them a
+/// unit's assignments ([`input_rows`]). No branch separates a step's loads, and [`grouped_tiles`] issues them a
 /// chunk ahead (while the tensor cores work on the previous one), so their latencies overlap each other
 /// and the arithmetic.
 #[cube]
@@ -389,7 +390,11 @@ pub fn grouped_tiles<I: Float, X: Float>(
     }
     let row0 = CUBE_POS_X as usize * (MOE_MMA_ROW_TILES * MMA);
     let (woff, soff) = (expert * expert_words, expert * expert_scales);
-    let len = a_end - a0;
+    // Assignments of the tile; 0 for a malformed one (start past end), which then reads no row.
+    let mut len = 0usize;
+    if a0 < a_end {
+        len = a_end - a0;
+    }
     let rows = input_rows(table, rows_at, a0, len, inn, gather);
     // The registers a chunk of steps is loaded into a chunk ahead ([`fetch_moe_steps`]); the first
     // chunk's loads go out here.
