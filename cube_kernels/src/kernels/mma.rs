@@ -36,7 +36,7 @@
 
 use cubecl::prelude::*;
 
-use super::{code_flip, codes_per_word, word_code_value};
+use super::{code_flip, codes_per_word, scale_at, word_code_value};
 
 /// Tokens, rows and inputs of one tensor-core instruction (`m16n16k16`).
 pub const MMA: usize = 16;
@@ -145,27 +145,6 @@ pub const fn word_passes(fmt: u32, units: usize) -> usize {
 
 /// Weight rows one staged K step covers: 64, the dense and the MoE tiles' four row tiles.
 pub const STAGED_ROWS: usize = 64;
-
-/// The f32 scale of row `row` for the group holding input `k` of the matrix starting at scale `soff`
-/// (int8: one per row; fp8: per 128 x 128 block; int4 and fp4: per `group` inputs of the row).
-#[cube]
-pub fn scale_at(
-    scales: &[f32],
-    soff: usize,
-    row: usize,
-    k: usize,
-    spr: usize,
-    #[comptime] fmt: u32,
-    #[comptime] group: usize,
-) -> f32 {
-    if comptime!(fmt == 1) {
-        scales[soff + row]
-    } else if comptime!(fmt == 2) {
-        scales[soff + (row / group) * spr + k / group]
-    } else {
-        scales[soff + row * spr + k / group]
-    }
-}
 
 /// Units of a cube of the dense tiles: 8 planes.
 const UNITS: usize = MMA_TOKEN_TILES * MMA_ROW_TILES * MMA_PLANE;

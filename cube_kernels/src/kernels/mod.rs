@@ -134,14 +134,28 @@ pub fn weight_at(
     let cpw = comptime!(codes_per_word(fmt));
     let word = words[woff + row * wpr + k / cpw] ^ code_flip(fmt);
     let code = word_code_value(word, (k % cpw) as u32, lut, fmt);
-    let scale = if comptime!(fmt == 1) {
+    code * scale_at(scales, soff, row, k, spr, fmt, group)
+}
+
+/// The f32 scale of row `row` for the group holding input `k` of the matrix starting at scale `soff`
+/// (int8: one per row; fp8: per 128 x 128 block; int4 and fp4: per `group` inputs of the row).
+#[cube]
+pub fn scale_at(
+    scales: &[f32],
+    soff: usize,
+    row: usize,
+    k: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+) -> f32 {
+    if comptime!(fmt == 1) {
         scales[soff + row]
     } else if comptime!(fmt == 2) {
         scales[soff + (row / group) * spr + k / group]
     } else {
         scales[soff + row * spr + k / group]
-    };
-    code * scale
+    }
 }
 
 /// Input `k0 + j` of a product: `x[xoff + k0 + j]` widened to f32, or with `staged` its copy in `xs`, laid
@@ -168,9 +182,9 @@ pub fn input_at<X: Float>(
 /// multiply-adds from 0.0 in `k` order, bit for bit what [`weight_at`] one input at a time gives. The
 /// inputs are `x` from `xoff`, or with `staged` their copy in `xs` ([`input_at`]): the same values, so the
 /// same bits. A full chunk (`depth == 32`, `k0` a multiple of 32) of a format whose scale is constant over
-/// it (int8; int4 and fp8 groups that are multiples of 32) loads its scale once and each packed word once,
-/// and decodes the word's 8 (int4) or 4 (int8, fp8) codes from registers: the GEMV's loads are then the
-/// packed bytes themselves instead of one 32-bit load per weight.
+/// it (int8; int4 and fp8 groups that are multiples of 32) or over each word (fp4) loads each scale and
+/// each packed word once, and decodes the word's 8 (int4, fp4) or 4 (int8, fp8) codes from registers: the
+/// GEMV's loads are then the packed bytes themselves instead of one 32-bit load per weight.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_dot<X: Float>(
@@ -199,48 +213,21 @@ pub fn chunk_dot<X: Float>(
         whole = depth == 32;
     }
     if whole {
-        if comptime!(fmt == 3) {
-            let base = woff + row * wpr + k0 / 8;
-            #[unroll]
-            for w in 0..4u32 {
-                let word = words[base + w as usize];
-                let s = scales[soff + row * spr + (k0 + (w * 8u32) as usize) / group];
-                #[unroll]
-                for j in 0..8u32 {
-                    let nib = (word >> (j * 4u32)) & 15u32;
-                    let xv = input_at(x, xoff, xs, k0, (w * 8u32 + j) as usize, chunks, staged);
-                    part = fma(xv, e2m1_value(nib) * s, part);
-                }
+        let cpw = comptime!(codes_per_word(fmt));
+        let base = woff + row * wpr + k0 / cpw;
+        // Constant over the chunk but for fp4, whose blocks are looked up per word below.
+        let mut s = scale_at(scales, soff, row, k0, spr, fmt, group);
+        #[unroll]
+        for w in 0..comptime!(CHUNK / codes_per_word(fmt)) {
+            let word = words[base + w] ^ code_flip(fmt);
+            if comptime!(fmt == 3) {
+                s = scale_at(scales, soff, row, k0 + w * cpw, spr, fmt, group);
             }
-        } else if comptime!(fmt == 0) {
-            let base = woff + row * wpr + k0 / 8;
-            let s = scales[soff + row * spr + k0 / group];
             #[unroll]
-            for w in 0..4u32 {
-                let word = words[base + w as usize] ^ code_flip(fmt);
-                #[unroll]
-                for j in 0..8u32 {
-                    let q = word_code_value(word, j, lut, fmt);
-                    let xv = input_at(x, xoff, xs, k0, (w * 8u32 + j) as usize, chunks, staged);
-                    part = fma(xv, q * s, part);
-                }
-            }
-        } else {
-            let base = woff + row * wpr + k0 / 4;
-            let s = if comptime!(fmt == 1) {
-                scales[soff + row]
-            } else {
-                scales[soff + (row / group) * spr + k0 / group]
-            };
-            #[unroll]
-            for w in 0..8u32 {
-                let word = words[base + w as usize] ^ code_flip(fmt);
-                #[unroll]
-                for j in 0..4u32 {
-                    let v = word_code_value(word, j, lut, fmt) * s;
-                    let xv = input_at(x, xoff, xs, k0, (w * 4u32 + j) as usize, chunks, staged);
-                    part = fma(xv, v, part);
-                }
+            for j in 0..cpw {
+                let v = word_code_value(word, j as u32, lut, fmt) * s;
+                let xv = input_at(x, xoff, xs, k0, w * cpw + j, chunks, staged);
+                part = fma(xv, v, part);
             }
         }
     } else {
