@@ -49,6 +49,8 @@ seeds = [1, 2, 3]
 name = "A"
 [[variant]]
 name = "B"
+about = "int4 + TIS"
+set = { "rollout.precision" = "int4-g32", "train.loss.corrections" = [{ kind = "token_tis", cap = 2.0 }] }
 [[variant]]
 name = "C"
 [[variant]]
@@ -121,6 +123,11 @@ name = "D"
         a.contains("| +0.250 ± 0.250 (1 vs 0 problems; p 1.0e0) |"),
         "{a}"
     );
+    // Each seed's final accuracy, rollout precision then f32.
+    assert!(
+        a.contains("| 0.500 0.500 0.500; 0.500 0.500 0.500 |"),
+        "{a}"
+    );
     // B: per-problem means [2/3,0,0,0]: 1/6 ± 1/6.
     let b = line("| B |");
     assert!(b.contains("| 0.167 ± 0.167 | 0.167 ± 0.167 |"), "{b}");
@@ -136,7 +143,20 @@ name = "D"
     // none: p = 2 / 2^2 = 0.5. The same in f32 (same outcomes).
     let ab = line("| A | B |");
     let cell = "+0.333 ± 0.236 (2 vs 0 problems; p 5.0e-1)";
-    assert_eq!(ab, format!("| A | B | {cell} | {cell} |"));
+    // Over seeds: A's accuracies [1/2, 1/2, 1/2], B's [1/4, 1/4, 0] (sd sqrt(3) / 12): the same difference,
+    // SE sqrt(0 / 3 + (3 / 144) / 3) = 1/12.
+    let seeds = "+0.333 ± 0.083 (3 vs 3 seeds)";
+    assert_eq!(
+        ab,
+        format!("| A | B | {cell} | {cell} | {seeds} | {seeds} |")
+    );
+    // Overrides as the TOML that sets them, not a serde dump.
+    assert_eq!(line("- `A`:"), "- `A`: (no overrides: the base config)");
+    assert_eq!(
+        line("- `B`:"),
+        "- `B`: int4 + TIS (`rollout.precision = \"int4-g32\"`, \
+         `train.loss.corrections = [{ cap = 2.0, kind = \"token_tis\" }]`)"
+    );
     // Pairs on different or unknown problems are not compared.
     for pair in ["| A | C |", "| B | C |", "| A | D |", "| C | D |"] {
         assert!(!report.contains(pair), "{pair} in:\n{report}");

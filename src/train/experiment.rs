@@ -330,6 +330,38 @@ fn accuracy_cell(shared: Option<&Vec<Vec<bool>>>, per_seed: &[f64]) -> String {
     format!("{m:.3} (sd {s:.3} over seeds)")
 }
 
+/// Each seed's final accuracy, rollout precision then f32 (`0.824 0.798; 0.948 0.829`), or `-`.
+fn per_seed_cell(roll: &[f64], f32: &[f64]) -> String {
+    if roll.is_empty() && f32.is_empty() {
+        return "-".into();
+    }
+    let list = |xs: &[f64]| {
+        xs.iter()
+            .map(|x| format!("{x:.3}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    format!("{}; {}", list(roll), list(f32))
+}
+
+/// `diff ± SE (n_a vs n_b seeds)` of two arms' mean per-seed accuracies, the SE from the spread of the
+/// seeds (Welch: `sqrt(s_a^2 / n_a + s_b^2 / n_b)`); `-` unless both arms have two seeds or more. On shared
+/// problems the difference is the paired one; the SE is the seed-to-seed part the problem-clustered SE leaves
+/// out.
+fn seed_level_cell(a: &[f64], b: &[f64]) -> String {
+    if a.len() < 2 || b.len() < 2 {
+        return "-".into();
+    }
+    let ((ma, sa), (mb, sb)) = (mean_std(a), mean_std(b));
+    let se = (sa * sa / a.len() as f64 + sb * sb / b.len() as f64).sqrt();
+    format!(
+        "{:+.3} ± {se:.3} ({} vs {} seeds)",
+        ma - mb,
+        a.len(),
+        b.len()
+    )
+}
+
 /// `diff ± SE (a better on x, b on y; sign p)` of two arms' outcomes, or `-`.
 fn comparison_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> String {
     match a
@@ -400,9 +432,9 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         writeln!(md, "The paper's claims, one by one, against these numbers: [{CLAIMS_FILE}]({CLAIMS_FILE}).\n")?;
     }
     writeln!(md, "Seeds: {:?}. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (T = 1), before and at the end of RL, in the rollout precision.\n", exp.seeds)?;
-    writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the exact sign-test p-value.\n")?;
-    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | RL gain, paired by problem | mean@k before RL | mean@k (rollout prec.) |")?;
-    writeln!(md, "|---|---|---|---|---|---|---|---|")?;
+    writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the exact sign-test p-value. The SE over problems treats the trained models as fixed: it says how well the held-out problems pin down these models' accuracies, not how far other training seeds would move them; the per-seed column shows that spread. mean@k: mean ± sample std over seeds.\n")?;
+    writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | final acc per seed (rollout prec.; f32) | RL gain, paired by problem | mean@k before RL | mean@k (rollout prec.) |")?;
+    writeln!(md, "|---|---|---|---|---|---|---|---|---|")?;
     for v in &variants {
         let mean_sd = |col: &str| {
             let xs = v.column(col);
@@ -415,13 +447,14 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         };
         writeln!(
             md,
-            "| {} | {}/{} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {}/{} | {} | {} | {} | {} | {} | {} | {} |",
             v.variant.name,
             v.runs.len(),
             exp.seeds.len(),
             accuracy_cell(v.before.as_ref().map(|o| &o.1), &v.column("acc0_roll")),
             accuracy_cell(v.after_roll.as_ref().map(|o| &o.1), &v.column("acc_roll")),
             accuracy_cell(v.after_f32.as_ref().map(|o| &o.1), &v.column("acc_f32")),
+            per_seed_cell(&v.column("acc_roll"), &v.column("acc_f32")),
             comparison_cell(
                 v.after_roll.as_ref().map(|o| &o.1),
                 v.before.as_ref().map(|o| &o.1)
@@ -431,7 +464,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         )?;
     }
     write_arm_comparisons(&mut md, &variants)?;
-    writeln!(md, "\nMismatch and stability: each run's average over its RL steps, mean ± sample std over seeds. Error tokens (docs/metrics.md): `any` is the fraction of response tokens meeting at least one criterion; `ratio`: the sampler over 20x more confident than the learner; `low prob`: learner probability below 1e-4; `repetition`: inside a repetition loop. Logs written before the criteria were separated have `any` (then named `error_tokens/frac`) and `repetition`, no `ratio`, and a low-probability fraction that also counted ratio errors, left out here.\n")?;
+    writeln!(md, "\nMismatch and stability: each run's average over its RL steps (the steps that logged the metric: a step whose groups all had equal rewards trains nothing and logs no loss-side metric), mean ± sample std over seeds. Error tokens (docs/metrics.md): `any` is the fraction of response tokens meeting at least one criterion; `ratio`: the sampler over 20x more confident than the learner; `low prob`: learner probability below 1e-4; `repetition`: inside a repetition loop. Logs written before the criteria were separated have `any` (then named `error_tokens/frac`) and `repetition`, no `ratio`, and a low-probability fraction that also counted ratio errors, left out here.\n")?;
     let header: Vec<&str> = STABILITY_COLUMNS.iter().map(|c| c.1).collect();
     writeln!(md, "| variant | {} |", header.join(" | "))?;
     writeln!(md, "|---|{}", "---|".repeat(header.len()))?;
@@ -456,11 +489,28 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
     write_plots(&mut md, exp, results)?;
     writeln!(md, "\nVariants:\n")?;
     for v in &exp.variants {
-        writeln!(md, "- `{}`: {} {:?}", v.name, v.about, v.set)?;
+        let about = if v.about.is_empty() {
+            String::new()
+        } else {
+            format!("{} ", v.about)
+        };
+        writeln!(md, "- `{}`: {about}({})", v.name, overrides_text(&v.set))?;
     }
     let path = results.join("report.md");
     std::fs::write(&path, md)?;
     Ok(path)
+}
+
+/// A variant's overrides as the TOML a user would write, `` `key = value` `` each (inline tables and
+/// arrays in TOML's inline syntax), so the report can be read and copied without a serde dump's noise.
+fn overrides_text(set: &BTreeMap<String, toml::Value>) -> String {
+    if set.is_empty() {
+        return "no overrides: the base config".into();
+    }
+    set.iter()
+        .map(|(key, value)| format!("`{key} = {value}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Every pair of variants evaluated on the same problems, compared by final greedy accuracy paired by
@@ -481,8 +531,10 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
             let roll = same(&a.after_roll, &b.after_roll);
             let f32 = same(&a.after_f32, &b.after_f32);
             if roll != "-" || f32 != "-" {
+                let seeds_roll = seed_level_cell(&a.column("acc_roll"), &b.column("acc_roll"));
+                let seeds_f32 = seed_level_cell(&a.column("acc_f32"), &b.column("acc_f32"));
                 lines.push(format!(
-                    "| {} | {} | {roll} | {f32} |",
+                    "| {} | {} | {roll} | {f32} | {seeds_roll} | {seeds_f32} |",
                     a.variant.name, b.variant.name
                 ));
             }
@@ -491,12 +543,12 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     if lines.is_empty() {
         return Ok(());
     }
-    writeln!(md, "\nArms compared by final accuracy, paired by problem (`train::paired::ArmComparison`): per problem, A's seed-averaged final greedy outcome minus B's; mean ± SE over problems; the problems where A is ahead vs behind, and the exact sign-test p-value. Only pairs evaluated on the same problems.\n")?;
+    writeln!(md, "\nArms compared by final accuracy, paired by problem (`train::paired::ArmComparison`): per problem, A's seed-averaged final greedy outcome minus B's; mean ± SE over problems; the problems where A is ahead vs behind, and the exact sign-test p-value. Only pairs evaluated on the same problems. The last two columns are the same differences with the SE from the seed-to-seed spread of each arm's final accuracy (Welch, `sqrt(s_A^2 / n_A + s_B^2 / n_B)`; rough with 2-3 seeds): where they are much wider than the SE over problems, the effect depends on which training seeds ran. An arm evaluated only in f32 (an f32 arm) enters the rollout-precision columns with its f32 accuracy.\n")?;
     writeln!(
         md,
-        "| arm A | arm B | A − B (rollout prec. of each) | A − B (f32) |"
+        "| arm A | arm B | A − B (rollout prec. of each) | A − B (f32) | over seeds (rollout prec.) | over seeds (f32) |"
     )?;
-    writeln!(md, "|---|---|---|---|")?;
+    writeln!(md, "|---|---|---|---|---|---|")?;
     for l in lines {
         writeln!(md, "{l}")?;
     }
@@ -545,4 +597,33 @@ fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyho
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seed_level_difference_needs_two_seeds_per_arm() {
+        assert_eq!(seed_level_cell(&[0.9], &[0.5, 0.7]), "-");
+        // Means 0.8 and 0.6, sample variances 0.02 and 0.02: SE sqrt(0.01 + 0.01) = 0.141.
+        assert_eq!(
+            seed_level_cell(&[0.9, 0.7], &[0.5, 0.7]),
+            "+0.200 ± 0.141 (2 vs 2 seeds)"
+        );
+        assert_eq!(per_seed_cell(&[], &[]), "-");
+        assert_eq!(per_seed_cell(&[0.5, 0.25], &[1.0]), "0.500 0.250; 1.000");
+    }
+
+    #[test]
+    fn overrides_read_as_toml() {
+        let mut set = BTreeMap::new();
+        assert_eq!(overrides_text(&set), "no overrides: the base config");
+        set.insert("train.lr".to_string(), toml::Value::Float(2e-6));
+        set.insert("rollout.precision".to_string(), "f32".into());
+        assert_eq!(
+            overrides_text(&set),
+            "`rollout.precision = \"f32\"`, `train.lr = 0.000002`"
+        );
+    }
 }
