@@ -143,9 +143,9 @@ name = "D"
     // none: p = 2 / 2^2 = 0.5. The same in f32 (same outcomes).
     let ab = line("| A | B |");
     let cell = "+0.333 ± 0.236 (2 vs 0 problems; p 5.0e-1)";
-    // Over seeds: A's accuracies [1/2, 1/2, 1/2], B's [1/4, 1/4, 0] (sd sqrt(3) / 12): the same difference,
-    // SE sqrt(0 / 3 + (3 / 144) / 3) = 1/12.
-    let seeds = "+0.333 ± 0.083 (3 vs 3 seeds)";
+    // Over seeds: A's accuracies [1/2, 1/2, 1/2], B's [1/4, 1/4, 0] (sd sqrt(3) / 12): Welch SE
+    // sqrt(0 / 3 + (3 / 144) / 3) = 1/12; with the SE over problems sqrt(0.236^2 + 1/144) = 0.250.
+    let seeds = "+0.333 ± 0.250 (3 vs 3 seeds; seeds alone ± 0.083)";
     assert_eq!(
         ab,
         format!("| A | B | {cell} | {cell} | {seeds} | {seeds} |")

@@ -344,22 +344,25 @@ fn per_seed_cell(roll: &[f64], f32: &[f64]) -> String {
     format!("{}; {}", list(roll), list(f32))
 }
 
-/// `diff ± SE (n_a vs n_b seeds)` of two arms' mean per-seed accuracies, the SE from the spread of the
-/// seeds (Welch: `sqrt(s_a^2 / n_a + s_b^2 / n_b)`); `-` unless both arms have two seeds or more. On shared
-/// problems the difference is the paired one; the SE is the seed-to-seed part the problem-clustered SE leaves
-/// out.
-fn seed_level_cell(a: &[f64], b: &[f64]) -> String {
-    if a.len() < 2 || b.len() < 2 {
-        return "-".into();
+/// `diff ± SE (n_a vs n_b seeds; seeds alone ± s)`: the paired difference with the SE over problems and
+/// seeds together ([`super::paired::ArmComparison::problems_and_seeds_se`]); `-` unless both arms have two
+/// seeds or more.
+fn problems_and_seeds_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> String {
+    let c = a
+        .zip(b)
+        .and_then(|(a, b)| super::paired::ArmComparison::new(a, b));
+    match c
+        .as_ref()
+        .and_then(|c| Some((c, c.problems_and_seeds_se()?, c.seed_se?)))
+    {
+        Some((c, both, seeds)) => format!(
+            "{:+.3} ± {both:.3} ({} vs {} seeds; seeds alone ± {seeds:.3})",
+            c.diff(),
+            c.seeds_a,
+            c.seeds_b
+        ),
+        None => "-".into(),
     }
-    let ((ma, sa), (mb, sb)) = (mean_std(a), mean_std(b));
-    let se = (sa * sa / a.len() as f64 + sb * sb / b.len() as f64).sqrt();
-    format!(
-        "{:+.3} ± {se:.3} ({} vs {} seeds)",
-        ma - mb,
-        a.len(),
-        b.len()
-    )
 }
 
 /// `diff ± SE (a better on x, b on y; sign p)` of two arms' outcomes, or `-`.
@@ -519,20 +522,17 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     let mut lines = Vec::new();
     for (i, a) in variants.iter().enumerate() {
         for b in &variants[i + 1..] {
-            let same = |x: &Option<(String, Vec<Vec<bool>>)>,
-                        y: &Option<(String, Vec<Vec<bool>>)>| {
-                match (x, y) {
-                    (Some((kx, ox)), Some((ky, oy))) if kx == ky => {
-                        comparison_cell(Some(ox), Some(oy))
-                    }
-                    _ => "-".into(),
-                }
+            type Shared = Option<(String, Vec<Vec<bool>>)>;
+            type Cell = fn(Option<&Vec<Vec<bool>>>, Option<&Vec<Vec<bool>>>) -> String;
+            let same = |x: &Shared, y: &Shared, cell: Cell| match (x, y) {
+                (Some((kx, ox)), Some((ky, oy))) if kx == ky => cell(Some(ox), Some(oy)),
+                _ => "-".into(),
             };
-            let roll = same(&a.after_roll, &b.after_roll);
-            let f32 = same(&a.after_f32, &b.after_f32);
+            let roll = same(&a.after_roll, &b.after_roll, comparison_cell);
+            let f32 = same(&a.after_f32, &b.after_f32, comparison_cell);
             if roll != "-" || f32 != "-" {
-                let seeds_roll = seed_level_cell(&a.column("acc_roll"), &b.column("acc_roll"));
-                let seeds_f32 = seed_level_cell(&a.column("acc_f32"), &b.column("acc_f32"));
+                let seeds_roll = same(&a.after_roll, &b.after_roll, problems_and_seeds_cell);
+                let seeds_f32 = same(&a.after_f32, &b.after_f32, problems_and_seeds_cell);
                 lines.push(format!(
                     "| {} | {} | {roll} | {f32} | {seeds_roll} | {seeds_f32} |",
                     a.variant.name, b.variant.name
@@ -543,10 +543,10 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     if lines.is_empty() {
         return Ok(());
     }
-    writeln!(md, "\nArms compared by final accuracy, paired by problem (`train::paired::ArmComparison`): per problem, A's seed-averaged final greedy outcome minus B's; mean ± SE over problems; the problems where A is ahead vs behind, and the exact sign-test p-value. Only pairs evaluated on the same problems. The last two columns are the same differences with the SE from the seed-to-seed spread of each arm's final accuracy (Welch, `sqrt(s_A^2 / n_A + s_B^2 / n_B)`; rough with 2-3 seeds): where they are much wider than the SE over problems, the effect depends on which training seeds ran. An arm evaluated only in f32 (an f32 arm) enters the rollout-precision columns with its f32 accuracy.\n")?;
+    writeln!(md, "\nArms compared by final accuracy, paired by problem (`train::paired::ArmComparison`): per problem, A's seed-averaged final greedy outcome minus B's; mean ± SE over problems; the problems where A is ahead vs behind, and the exact sign-test p-value. Only pairs evaluated on the same problems. The SE over problems treats each arm's trained models as fixed; the last two columns add the seed-to-seed spread of the arms' final accuracies (Welch, `sqrt(s_A^2 / n_A + s_B^2 / n_B)`, rough with 2-3 seeds; shown alone and combined with the SE over problems, `sqrt(SE_problems^2 + SE_seeds^2)`): where they are much wider, the effect depends on which training seeds ran. An arm evaluated only in f32 (an f32 arm) enters the rollout-precision columns with its f32 accuracy.\n")?;
     writeln!(
         md,
-        "| arm A | arm B | A − B (rollout prec. of each) | A − B (f32) | over seeds (rollout prec.) | over seeds (f32) |"
+        "| arm A | arm B | A − B (rollout prec. of each) | A − B (f32) | A − B, problems and seeds (rollout prec.) | A − B, problems and seeds (f32) |"
     )?;
     writeln!(md, "|---|---|---|---|---|---|")?;
     for l in lines {
@@ -604,13 +604,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn seed_level_difference_needs_two_seeds_per_arm() {
-        assert_eq!(seed_level_cell(&[0.9], &[0.5, 0.7]), "-");
-        // Means 0.8 and 0.6, sample variances 0.02 and 0.02: SE sqrt(0.01 + 0.01) = 0.141.
+    fn problems_and_seeds_need_two_seeds_per_arm() {
+        let a = vec![vec![true, true], vec![true, false]];
+        let b = vec![vec![false, false], vec![false, true]];
+        // d = [1, 0], diff 0.5, SE over problems sqrt(0.5 / 2) = 0.5; seeds: accuracies [1, .5] and [0, .5],
+        // Welch sqrt(0.125 / 2 + 0.125 / 2) = 0.354; together sqrt(0.25 + 0.125) = 0.612.
         assert_eq!(
-            seed_level_cell(&[0.9, 0.7], &[0.5, 0.7]),
-            "+0.200 ± 0.141 (2 vs 2 seeds)"
+            problems_and_seeds_cell(Some(&a), Some(&b)),
+            "+0.500 ± 0.612 (2 vs 2 seeds; seeds alone ± 0.354)"
         );
+        assert_eq!(
+            problems_and_seeds_cell(Some(&a), Some(&b[..1].to_vec())),
+            "-"
+        );
+        assert_eq!(problems_and_seeds_cell(None, Some(&b)), "-");
         assert_eq!(per_seed_cell(&[], &[]), "-");
         assert_eq!(per_seed_cell(&[0.5, 0.25], &[1.0]), "0.500 0.250; 1.000");
     }

@@ -173,6 +173,11 @@ pub struct ArmComparison {
     /// Exact two-sided sign test over the problems that differ ([`mcnemar_exact`] of the two counts; with one
     /// seed per arm this is McNemar's test).
     pub p_value: f64,
+    /// Standard error of the difference from the seed-to-seed spread of the arms' accuracies (Welch:
+    /// `sqrt(s_a^2 / n_a + s_b^2 / n_b)` over the seeds' accuracies on these problems); `None` unless both
+    /// arms have two seeds or more. [`Self::diff_se`] treats the trained models as fixed (the problems are
+    /// the only sample), this is the part another set of training seeds would add.
+    pub seed_se: Option<f64>,
 }
 
 impl ArmComparison {
@@ -197,6 +202,7 @@ impl ArmComparison {
             a_better,
             b_better,
             p_value: mcnemar_exact(a_better, b_better),
+            seed_se: welch_se(&seed_accuracies(a), &seed_accuracies(b)),
         })
     }
 
@@ -204,6 +210,30 @@ impl ArmComparison {
     pub fn diff(&self) -> f64 {
         self.acc_a - self.acc_b
     }
+
+    /// Both sources together, `sqrt(diff_se^2 + seed_se^2)` (conservative: each seed's accuracy also
+    /// carries some of the problems' sampling noise); `None` where [`Self::seed_se`] is.
+    pub fn problems_and_seeds_se(&self) -> Option<f64> {
+        self.seed_se.map(|s| self.diff_se.hypot(s))
+    }
+}
+
+/// Each seed's accuracy over its problems.
+fn seed_accuracies(outcomes: &[Vec<bool>]) -> Vec<f64> {
+    outcomes
+        .iter()
+        .map(|o| o.iter().filter(|&&c| c).count() as f64 / o.len().max(1) as f64)
+        .collect()
+}
+
+/// Welch's standard error of `mean(a) - mean(b)` (sample variances); `None` unless both have 2 values or more.
+fn welch_se(a: &[f64], b: &[f64]) -> Option<f64> {
+    let var_of_mean = |x: &[f64]| {
+        let n = x.len() as f64;
+        let m = x.iter().sum::<f64>() / n;
+        x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (n - 1.0) / n
+    };
+    (a.len() >= 2 && b.len() >= 2).then(|| (var_of_mean(a) + var_of_mean(b)).sqrt())
 }
 
 /// Two-sided exact McNemar p-value: `min(1, 2 P(X <= min(b, c)))` with `X ~ Binomial(b + c, 1/2)`.
@@ -340,6 +370,33 @@ mod tests {
         assert!(close(r.diff(), -0.3) && close(r.diff_se, 0.2));
         assert_eq!((r.a_better, r.b_better), (0, 2));
         assert!(ArmComparison::new(&a, &[vec![true; 4]]).is_none());
+        // B has one seed: no seed-to-seed spread to measure.
+        assert_eq!(c.seed_se, None);
+        assert_eq!(c.problems_and_seeds_se(), None);
+    }
+
+    #[test]
+    fn seed_spread_is_welch_over_the_seeds_accuracies() {
+        // A's seeds: 3/4 and 1/4 right (mean 0.5, sample variance 0.125); B's: 2/4 and 2/4 (variance 0).
+        // Welch: sqrt(0.125 / 2 + 0 / 2) = 0.25.
+        let a = [
+            vec![true, true, false, true],
+            vec![true, false, false, false],
+        ];
+        let b = [
+            vec![true, false, true, false],
+            vec![false, true, false, true],
+        ];
+        let c = ArmComparison::new(&a, &b).unwrap();
+        assert!(close(c.seed_se.unwrap(), 0.25), "{:?}", c.seed_se);
+        // d = [1 - .5, .5 - .5, 0 - .5, .5 - .5] = [.5, 0, -.5, 0], mean 0, sum of squares 0.5:
+        // diff_se = sqrt(0.5 / 3 / 4); together sqrt(0.5 / 12 + 0.0625).
+        assert!(close(c.diff(), 0.0));
+        assert!(close(c.diff_se, (0.5f64 / 12.0).sqrt()));
+        assert!(close(
+            c.problems_and_seeds_se().unwrap(),
+            (0.5f64 / 12.0 + 0.0625).sqrt()
+        ));
     }
 
     #[test]
