@@ -10,6 +10,7 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 
 use super::config::TrainConfig;
+use super::paired::ArmComparison;
 
 /// One variant: overrides (dotted keys) applied to the base config.
 #[derive(Debug, Clone, Deserialize)]
@@ -345,17 +346,10 @@ fn per_seed_cell(roll: &[f64], f32: &[f64]) -> String {
 }
 
 /// `diff ± SE (n_a vs n_b seeds; seeds alone ± s)`: the paired difference with the SE over problems and
-/// seeds together ([`super::paired::ArmComparison::problems_and_seeds_se`]); `-` unless both arms have two
-/// seeds or more.
-fn problems_and_seeds_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> String {
-    let c = a
-        .zip(b)
-        .and_then(|(a, b)| super::paired::ArmComparison::new(a, b));
-    match c
-        .as_ref()
-        .and_then(|c| Some((c, c.problems_and_seeds_se()?, c.seed_se?)))
-    {
-        Some((c, both, seeds)) => format!(
+/// seeds together ([`ArmComparison::problems_and_seeds_se`]); `-` unless both arms have two seeds or more.
+fn problems_and_seeds_text(c: &ArmComparison) -> String {
+    match c.problems_and_seeds_se().zip(c.seed_se) {
+        Some((both, seeds)) => format!(
             "{:+.3} ± {both:.3} ({} vs {} seeds; seeds alone ± {seeds:.3})",
             c.diff(),
             c.seeds_a,
@@ -365,22 +359,23 @@ fn problems_and_seeds_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>
     }
 }
 
-/// `diff ± SE (a better on x, b on y; sign p)` of two arms' outcomes, or `-`.
+/// `diff ± SE (a better on x, b on y; sign p)` of a comparison.
+fn comparison_text(c: &ArmComparison) -> String {
+    format!(
+        "{:+.3} ± {:.3} ({} vs {} problems; p {:.1e})",
+        c.diff(),
+        c.diff_se,
+        c.a_better,
+        c.b_better,
+        c.p_value
+    )
+}
+
+/// [`comparison_text`] of two arms' outcomes, or `-`.
 fn comparison_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> String {
-    match a
-        .zip(b)
-        .and_then(|(a, b)| super::paired::ArmComparison::new(a, b))
-    {
-        Some(c) => format!(
-            "{:+.3} ± {:.3} ({} vs {} problems; p {:.1e})",
-            c.diff(),
-            c.diff_se,
-            c.a_better,
-            c.b_better,
-            c.p_value
-        ),
-        None => "-".into(),
-    }
+    a.zip(b)
+        .and_then(|(a, b)| ArmComparison::new(a, b))
+        .map_or_else(|| "-".into(), |c| comparison_text(&c))
 }
 
 /// One variant's finished runs, read back.
@@ -522,17 +517,25 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     let mut lines = Vec::new();
     for (i, a) in variants.iter().enumerate() {
         for b in &variants[i + 1..] {
-            type Shared = Option<(String, Vec<Vec<bool>>)>;
-            type Cell = fn(Option<&Vec<Vec<bool>>>, Option<&Vec<Vec<bool>>>) -> String;
-            let same = |x: &Shared, y: &Shared, cell: Cell| match (x, y) {
-                (Some((kx, ox)), Some((ky, oy))) if kx == ky => cell(Some(ox), Some(oy)),
-                _ => "-".into(),
+            // Each comparison once per precision, only where both arms saw the same problems.
+            let compare = |x: &Option<(String, Vec<Vec<bool>>)>,
+                           y: &Option<(String, Vec<Vec<bool>>)>| match (
+                x, y,
+            ) {
+                (Some((kx, ox)), Some((ky, oy))) if kx == ky => ArmComparison::new(ox, oy),
+                _ => None,
             };
-            let roll = same(&a.after_roll, &b.after_roll, comparison_cell);
-            let f32 = same(&a.after_f32, &b.after_f32, comparison_cell);
-            if roll != "-" || f32 != "-" {
-                let seeds_roll = same(&a.after_roll, &b.after_roll, problems_and_seeds_cell);
-                let seeds_f32 = same(&a.after_f32, &b.after_f32, problems_and_seeds_cell);
+            let roll = compare(&a.after_roll, &b.after_roll);
+            let f32 = compare(&a.after_f32, &b.after_f32);
+            if roll.is_some() || f32.is_some() {
+                let cell = |c: &Option<ArmComparison>, text: fn(&ArmComparison) -> String| {
+                    c.as_ref().map_or_else(|| "-".into(), text)
+                };
+                let (seeds_roll, seeds_f32) = (
+                    cell(&roll, problems_and_seeds_text),
+                    cell(&f32, problems_and_seeds_text),
+                );
+                let (roll, f32) = (cell(&roll, comparison_text), cell(&f32, comparison_text));
                 lines.push(format!(
                     "| {} | {} | {roll} | {f32} | {seeds_roll} | {seeds_f32} |",
                     a.variant.name, b.variant.name
@@ -610,14 +613,13 @@ mod tests {
         // d = [1, 0], diff 0.5, SE over problems sqrt(0.5 / 2) = 0.5; seeds: accuracies [1, .5] and [0, .5],
         // Welch sqrt(0.125 / 2 + 0.125 / 2) = 0.354; together sqrt(0.25 + 0.125) = 0.612.
         assert_eq!(
-            problems_and_seeds_cell(Some(&a), Some(&b)),
+            problems_and_seeds_text(&ArmComparison::new(&a, &b).unwrap()),
             "+0.500 ± 0.612 (2 vs 2 seeds; seeds alone ± 0.354)"
         );
         assert_eq!(
-            problems_and_seeds_cell(Some(&a), Some(&b[..1].to_vec())),
+            problems_and_seeds_text(&ArmComparison::new(&a, &b[..1]).unwrap()),
             "-"
         );
-        assert_eq!(problems_and_seeds_cell(None, Some(&b)), "-");
         assert_eq!(per_seed_cell(&[], &[]), "-");
         assert_eq!(per_seed_cell(&[0.5, 0.25], &[1.0]), "0.500 0.250; 1.000");
     }

@@ -228,12 +228,7 @@ fn seed_accuracies(outcomes: &[Vec<bool>]) -> Vec<f64> {
 
 /// Welch's standard error of `mean(a) - mean(b)` (sample variances); `None` unless both have 2 values or more.
 fn welch_se(a: &[f64], b: &[f64]) -> Option<f64> {
-    let var_of_mean = |x: &[f64]| {
-        let n = x.len() as f64;
-        let m = x.iter().sum::<f64>() / n;
-        x.iter().map(|v| (v - m).powi(2)).sum::<f64>() / (n - 1.0) / n
-    };
-    (a.len() >= 2 && b.len() >= 2).then(|| (var_of_mean(a) + var_of_mean(b)).sqrt())
+    (a.len() >= 2 && b.len() >= 2).then(|| mean_and_se(a).1.hypot(mean_and_se(b).1))
 }
 
 /// Two-sided exact McNemar p-value: `min(1, 2 P(X <= min(b, c)))` with `X ~ Binomial(b + c, 1/2)`.
