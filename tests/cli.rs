@@ -772,3 +772,57 @@ fn bench_step_times_each_variant_in_its_own_process() {
         }
     }
 }
+
+#[test]
+fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |name: &str, questions: &[&str], correct: &[bool]| {
+        let problems: Vec<serde_json::Value> = questions
+            .iter()
+            .zip(correct)
+            .map(|(q, c)| serde_json::json!({"question": q, "correct": c}))
+            .collect();
+        let path = tmp.path().join(name);
+        std::fs::write(
+            &path,
+            serde_json::json!({ "problems": problems }).to_string(),
+        )
+        .unwrap();
+        path.display().to_string()
+    };
+    let qs = ["a?", "b?", "c?"];
+    let a = write("a.json", &qs, &[true, true, false]);
+    let b = write("b.json", &qs, &[false, true, false]);
+    let other = write("other.json", &["a?", "x?", "c?"], &[true, true, false]);
+    let out = qarl()
+        .args(["compare", "--a", &a, "--b", &b, "--name-a", "new"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{text}");
+    // d = [1, 0, 0]: mean 1/3, SE sd / sqrt(3) = 0.5774 / 1.732 = 0.333, one problem ahead: p = 1.
+    assert!(
+        text.contains("new − B: +0.333 ± 0.333 (1 vs 0 problems; p 1.0e0)"),
+        "{text}"
+    );
+    let out = qarl()
+        .args(["compare", "--a", &a, "--b", &other])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("other.json") && err.contains("problem 2 is \"b?\""),
+        "{err}"
+    );
+    let out = qarl()
+        .args(["compare", "--require-identical", "--a", &a, "--b", &b])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        err.contains("differ on 1 problem(s) (first: problem 1)"),
+        "{err}"
+    );
+}

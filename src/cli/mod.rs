@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_step;
+mod compare;
 mod config;
 mod eval;
 mod generate;
@@ -50,6 +51,8 @@ pub enum Command {
     Quantize(quantize::QuantizeArgs),
     /// Greedy accuracy on a GSM8K-format JSONL file (chat or plain template), in any precision.
     Eval(eval::EvalArgs),
+    /// Two arms' greedy evaluations (`qarl eval` outputs, runs' held-out evaluations) paired by problem.
+    Compare(compare::CompareArgs),
     /// Rollout/learner mismatch of quantized rollouts on GSM8K prompts (full vs aligned training forward).
     Mismatch(mismatch::MismatchArgs),
     /// Import a llama.cpp GGUF file (Llama architecture) as a Hugging Face model directory.
@@ -94,6 +97,7 @@ pub fn run() -> anyhow::Result<()> {
         Command::Quantize(a) => quantize::run(a),
         Command::ImportGguf(a) => import_gguf::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Compare(a) => compare::run(a),
         Command::Mismatch(a) => mismatch::run(a),
         Command::Train(a) => train::run_train(a),
         Command::Sft(a) => train::run_sft(a),

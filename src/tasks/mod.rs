@@ -364,6 +364,16 @@ impl Task {
         }
     }
 
+    /// What identifies each of [`Self::eval_set`]'s problems, in the same order: a data set's question as
+    /// written in its file (before the template), an arithmetic problem's prompt. `qarl compare` matches
+    /// evaluations by these, including `qarl eval --output` files, which list the questions.
+    pub fn eval_questions(&self, n: usize) -> Vec<String> {
+        match self {
+            Task::Arithmetic(_) => self.eval_set(n).into_iter().map(|e| e.prompt).collect(),
+            Task::Dataset(d) => d.eval.iter().take(n).map(|r| r.question.clone()).collect(),
+        }
+    }
+
     /// Strings that end a generated answer: `"\n"` for arithmetic (its answer line ends the solution), the
     /// template's otherwise.
     pub fn stop_strings(&self) -> Vec<String> {

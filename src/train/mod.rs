@@ -3,6 +3,7 @@
 pub mod batch;
 pub mod bench;
 pub mod checkpoint;
+pub mod compare;
 pub mod config;
 pub mod eval;
 pub mod experiment;

@@ -206,6 +206,18 @@ impl ArmComparison {
         })
     }
 
+    /// [`Self::new`] for a B that is one fixed model rather than a sample of training seeds (the warm start
+    /// every arm starts from): B has no seed spread by construction, so the seed part of the error is A's
+    /// alone, `s_a / sqrt(n_a)`; `None` when B has several evaluations or under the conditions of `new`.
+    pub fn against_fixed(a: &[Vec<bool>], b: &[Vec<bool>]) -> Option<Self> {
+        if b.len() != 1 {
+            return None;
+        }
+        let mut c = Self::new(a, b)?;
+        c.seed_se = (a.len() >= 2).then(|| mean_and_se(&seed_accuracies(a)).1);
+        Some(c)
+    }
+
     /// `acc_a - acc_b`.
     pub fn diff(&self) -> f64 {
         self.acc_a - self.acc_b
@@ -215,6 +227,31 @@ impl ArmComparison {
     /// carries some of the problems' sampling noise); `None` where [`Self::seed_se`] is.
     pub fn problems_and_seeds_se(&self) -> Option<f64> {
         self.seed_se.map(|s| self.diff_se.hypot(s))
+    }
+
+    /// `+0.020 ± 0.009 (11 vs 5 problems; p 2.1e-1)`: the difference with its SE over problems, the problems
+    /// where each arm is ahead and the sign test.
+    pub fn problems_text(&self) -> String {
+        format!(
+            "{:+.3} ± {:.3} ({} vs {} problems; p {:.1e})",
+            self.diff(),
+            self.diff_se,
+            self.a_better,
+            self.b_better,
+            self.p_value
+        )
+    }
+
+    /// `+0.020 ± 0.009 (3 vs 2 seeds; seeds alone ± 0.003)`: the difference with the SE over problems and
+    /// seeds together ([`Self::problems_and_seeds_se`]); `None` unless both arms have two seeds or more.
+    pub fn problems_and_seeds_text(&self) -> Option<String> {
+        let (both, seeds) = self.problems_and_seeds_se().zip(self.seed_se)?;
+        Some(format!(
+            "{:+.3} ± {both:.3} ({} vs {} seeds; seeds alone ± {seeds:.3})",
+            self.diff(),
+            self.seeds_a,
+            self.seeds_b
+        ))
     }
 }
 
@@ -392,6 +429,34 @@ mod tests {
             c.problems_and_seeds_se().unwrap(),
             (0.5f64 / 12.0 + 0.0625).sqrt()
         ));
+    }
+
+    #[test]
+    fn comparison_texts_need_two_seeds_per_arm_for_the_seed_spread() {
+        let a = vec![vec![true, true], vec![true, false]];
+        let b = vec![vec![false, false], vec![false, true]];
+        // d = [1, 0], diff 0.5, SE over problems sqrt(0.5 / 2) = 0.5; seeds: accuracies [1, .5] and [0, .5],
+        // Welch sqrt(0.125 / 2 + 0.125 / 2) = 0.354; together sqrt(0.25 + 0.125) = 0.612. A is ahead on
+        // problem 0 only: sign test p = 1.
+        let c = ArmComparison::new(&a, &b).unwrap();
+        assert_eq!(
+            c.problems_text(),
+            "+0.500 ± 0.500 (1 vs 0 problems; p 1.0e0)"
+        );
+        assert_eq!(
+            c.problems_and_seeds_text().as_deref(),
+            Some("+0.500 ± 0.612 (2 vs 2 seeds; seeds alone ± 0.354)")
+        );
+        let one_seed = ArmComparison::new(&a, &b[..1]).unwrap();
+        assert_eq!(one_seed.problems_and_seeds_text(), None);
+        // B one fixed model: A's seeds alone, sqrt(0.125 / 2) = 0.25; d = [1, .5], SE over problems 0.25;
+        // together sqrt(0.0625 + 0.0625) = 0.354.
+        let fixed = ArmComparison::against_fixed(&a, &b[..1]).unwrap();
+        assert_eq!(
+            fixed.problems_and_seeds_text().as_deref(),
+            Some("+0.750 ± 0.354 (2 vs 1 seeds; seeds alone ± 0.250)")
+        );
+        assert_eq!(ArmComparison::against_fixed(&a, &b), None);
     }
 
     #[test]

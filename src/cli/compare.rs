@@ -1,0 +1,59 @@
+//! `qarl compare`: two arms' greedy evaluations on the same problems, compared by problem
+//! (`train::compare`).
+
+use crate::train::compare::{check_identical, compare_arms, Arm, Evaluation};
+
+#[derive(Debug, clap::Args)]
+pub struct CompareArgs {
+    /// Arm A's evaluations, one per seed: `qarl eval --output` files or run directories (a run's last
+    /// held-out evaluation; `DIR@first` for the one before RL, `DIR@STEP` for the one at a step).
+    #[arg(long = "a", required = true, num_args = 1..)]
+    pub a: Vec<String>,
+    /// Arm B's evaluations, as for `--a`.
+    #[arg(long = "b", required = true, num_args = 1..)]
+    pub b: Vec<String>,
+    /// Arm A's name in the output.
+    #[arg(long, default_value = "A")]
+    pub name_a: String,
+    /// Arm B's name in the output.
+    #[arg(long, default_value = "B")]
+    pub name_b: String,
+    /// The precision of a run's evaluation to read (`int4-g32`, `f32`, ...; default: each run's rollout
+    /// precision). `qarl eval` files hold one precision each.
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// Fail unless every evaluation has the same outcome on every problem: checks that an evaluation
+    /// reproduces another (one protocol), before comparing evaluations made by different commands.
+    #[arg(long)]
+    pub require_identical: bool,
+    /// B is one fixed model, not a sample of training seeds (the warm start every arm starts from): only
+    /// A's seeds add to the seed part of the error.
+    #[arg(long)]
+    pub fixed_b: bool,
+}
+
+pub fn run(args: CompareArgs) -> anyhow::Result<()> {
+    let load = |specs: &[String]| -> anyhow::Result<Vec<Evaluation>> {
+        specs
+            .iter()
+            .map(|s| Evaluation::load(s, args.precision.as_deref()))
+            .collect()
+    };
+    let (a, b) = (load(&args.a)?, load(&args.b)?);
+    if args.require_identical {
+        check_identical(&a.iter().chain(&b).collect::<Vec<_>>())?;
+    }
+    let text = compare_arms(
+        &Arm {
+            name: &args.name_a,
+            seeds: &a,
+        },
+        &Arm {
+            name: &args.name_b,
+            seeds: &b,
+        },
+        args.fixed_b,
+    )?;
+    println!("{text}");
+    Ok(())
+}

@@ -1,0 +1,471 @@
+//! Greedy evaluations of two arms on the same problems, read back from what qarl wrote and compared by
+//! problem (`qarl compare`): the statistics of an experiment's report (`train::paired`) for evaluations the
+//! report does not hold, such as a run's final model evaluated again in another precision with
+//! `qarl eval --output`.
+//!
+//! An evaluation is either a `qarl eval --output` file (it lists each problem's question and outcome) or a
+//! training run's held-out evaluation (a row of its `metrics.jsonl`; the questions come from the run's own
+//! config, through the task that chose them). Every evaluation must list the same questions in the same
+//! order: outcomes are only paired where they answer the same problem, so anything else is an error that
+//! names the two evaluations and the first problem where they part.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use super::paired::{ArmComparison, ClusteredMean};
+use super::TrainConfig;
+use crate::tasks::Task;
+
+/// Which of a run's held-out evaluations: the first (before RL), the last, or the one logged at a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalRow {
+    First,
+    Last,
+    Step(u64),
+}
+
+impl std::fmt::Display for EvalRow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EvalRow::First => f.write_str("first"),
+            EvalRow::Last => f.write_str("last"),
+            EvalRow::Step(s) => write!(f, "at step {s}"),
+        }
+    }
+}
+
+/// One evaluation: where it came from, its problems and each problem's greedy outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evaluation {
+    /// The source as the user named it (a file, or `RUN_DIR@ROW`), for messages.
+    pub source: String,
+    pub questions: Vec<String>,
+    pub correct: Vec<bool>,
+}
+
+impl Evaluation {
+    /// Reads `spec`: a `qarl eval --output` file, or a run directory with an optional `@first`, `@last`
+    /// (default) or `@STEP`. A run's outcomes are those of `precision` (`eval/<precision>/greedy_correct`),
+    /// by default the run's rollout precision.
+    pub fn load(spec: &str, precision: Option<&str>) -> anyhow::Result<Self> {
+        let (path, row) = split_spec(spec)?;
+        if path.is_dir() {
+            run_evaluation(&path, row, precision)
+        } else {
+            eval_output(spec, &path)
+        }
+    }
+
+    pub fn accuracy(&self) -> f64 {
+        self.correct.iter().filter(|&&c| c).count() as f64 / self.correct.len().max(1) as f64
+    }
+}
+
+/// `PATH` or `PATH@ROW`; a path that exists as written wins over the `@` reading (a file named `a@b`).
+fn split_spec(spec: &str) -> anyhow::Result<(PathBuf, EvalRow)> {
+    if Path::new(spec).exists() {
+        return Ok((PathBuf::from(spec), EvalRow::Last));
+    }
+    let Some((path, row)) = spec.rsplit_once('@') else {
+        bail!("{spec}: no such file or directory");
+    };
+    let row = match row {
+        "first" => EvalRow::First,
+        "last" => EvalRow::Last,
+        step => EvalRow::Step(step.parse().map_err(|_| {
+            anyhow::anyhow!("{spec}: `@{step}`: expected `@first`, `@last` or a step number")
+        })?),
+    };
+    if !Path::new(path).is_dir() {
+        bail!("{spec}: `{path}` is not a run directory (`@first`, `@last` and `@STEP` select a run's evaluation)");
+    }
+    Ok((PathBuf::from(path), row))
+}
+
+#[derive(Deserialize)]
+struct EvalOutput {
+    problems: Vec<EvalProblem>,
+}
+
+#[derive(Deserialize)]
+struct EvalProblem {
+    question: String,
+    correct: bool,
+}
+
+/// A `qarl eval --output` file.
+fn eval_output(spec: &str, path: &Path) -> anyhow::Result<Evaluation> {
+    let out: EvalOutput = crate::io::read_json(path).map_err(|e| {
+        anyhow::anyhow!("{e:#} (expected a `qarl eval --output` file: `problems` with `question` and `correct`)")
+    })?;
+    if out.problems.is_empty() {
+        bail!("{}: no problems", path.display());
+    }
+    let (questions, correct) = out
+        .problems
+        .into_iter()
+        .map(|p| (p.question, p.correct))
+        .unzip();
+    Ok(Evaluation {
+        source: spec.to_string(),
+        questions,
+        correct,
+    })
+}
+
+/// A run's held-out evaluation: the outcomes from its metrics log, the questions from its config's task.
+fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::Result<Evaluation> {
+    let cfg: TrainConfig = crate::io::read_json(&dir.join("config.json"))?;
+    let precision = precision.map_or_else(|| cfg.rollout.precision.to_string(), str::to_string);
+    let metrics = dir.join("metrics.jsonl");
+    let text =
+        std::fs::read_to_string(&metrics).map_err(crate::io::failed(&metrics, "cannot read"))?;
+    let mut evals = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{}: line {}: not JSON", metrics.display(), i + 1))?;
+        if v["phase"] == "eval" {
+            evals.push(v);
+        }
+    }
+    let picked = match row {
+        EvalRow::First => evals.first(),
+        EvalRow::Last => evals.last(),
+        EvalRow::Step(s) => evals.iter().find(|v| v["step"].as_u64() == Some(s)),
+    }
+    .with_context(|| format!("{}: no held-out evaluation ({row})", metrics.display()))?;
+    let key = format!("eval/{precision}/greedy_correct");
+    let step = picked["step"].as_u64().unwrap_or(0);
+    let correct = picked[key.as_str()]
+        .as_str()
+        .and_then(super::paired::decode)
+        .with_context(|| {
+            format!(
+                "{}: the evaluation at step {step} has no `{key}`",
+                metrics.display()
+            )
+        })?;
+    let task = Task::from_config(&cfg.task).with_context(|| {
+        format!("{}: its task (the held-out questions) does not load; run from the directory the run was started in", dir.display())
+    })?;
+    let questions = task.eval_questions(cfg.eval.problems);
+    if questions.len() != correct.len() {
+        bail!(
+            "{}: the evaluation at step {step} has {} outcomes, but the run's task holds out {} problems: \
+             the data files changed since the run",
+            dir.display(),
+            correct.len(),
+            questions.len()
+        );
+    }
+    Ok(Evaluation {
+        source: format!("{}@{step}", dir.display()),
+        questions,
+        correct,
+    })
+}
+
+/// Fails unless every evaluation lists the first one's questions in its order; names the first that differs.
+pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
+    let Some(first) = evals.first() else {
+        return Ok(());
+    };
+    for e in &evals[1..] {
+        if e.questions.len() != first.questions.len() {
+            bail!(
+                "{} has {} problems, {} has {}: not the same problems",
+                first.source,
+                first.questions.len(),
+                e.source,
+                e.questions.len()
+            );
+        }
+        if let Some(i) = (0..e.questions.len()).find(|&i| e.questions[i] != first.questions[i]) {
+            bail!(
+                "{} and {} list different problems: problem {} is {:?} in the first and {:?} in the second",
+                first.source,
+                e.source,
+                i + 1,
+                first.questions[i],
+                e.questions[i]
+            );
+        }
+    }
+    Ok(())
+}
+
+/// One arm: a name and one evaluation per seed.
+pub struct Arm<'a> {
+    pub name: &'a str,
+    pub seeds: &'a [Evaluation],
+}
+
+impl Arm<'_> {
+    fn outcomes(&self) -> Vec<Vec<bool>> {
+        self.seeds.iter().map(|e| e.correct.clone()).collect()
+    }
+
+    /// `name (n seeds): per seed 0.560 0.415; 0.488 ± 0.031 over 193 problems`.
+    fn summary(&self) -> String {
+        let per_seed: Vec<String> = self
+            .seeds
+            .iter()
+            .map(|e| format!("{:.3}", e.accuracy()))
+            .collect();
+        let c = ClusteredMean::new(&self.outcomes());
+        let clustered = c.map_or_else(String::new, |c| {
+            format!("; {:.3} ± {:.3} over {} problems", c.mean, c.se, c.problems)
+        });
+        format!(
+            "{} ({} seed{}): per seed {}{clustered}",
+            self.name,
+            self.seeds.len(),
+            if self.seeds.len() == 1 { "" } else { "s" },
+            per_seed.join(" ")
+        )
+    }
+}
+
+/// Both arms' accuracies and their difference paired by problem (`report.md`'s statistics), as text; fails
+/// when the evaluations are not over the same problems. `fixed_b`: B is one fixed model (the warm start),
+/// not a training seed, so only A's seeds add to the error ([`ArmComparison::against_fixed`]).
+pub fn compare_arms(a: &Arm, b: &Arm, fixed_b: bool) -> anyhow::Result<String> {
+    let all: Vec<&Evaluation> = a.seeds.iter().chain(b.seeds).collect();
+    if a.seeds.is_empty() || b.seeds.is_empty() {
+        bail!("each arm needs at least one evaluation");
+    }
+    check_same_problems(&all)?;
+    if fixed_b && b.seeds.len() != 1 {
+        bail!(
+            "B is one fixed model, but it has {} evaluations",
+            b.seeds.len()
+        );
+    }
+    let (oa, ob) = (a.outcomes(), b.outcomes());
+    let c = if fixed_b {
+        ArmComparison::against_fixed(&oa, &ob)
+    } else {
+        ArmComparison::new(&oa, &ob)
+    }
+    .context("the evaluations cover different numbers of problems")?;
+    let mut out = String::new();
+    writeln!(out, "{}", a.summary())?;
+    writeln!(out, "{}", b.summary())?;
+    write!(
+        out,
+        "{} − {}: {} over problems",
+        a.name,
+        b.name,
+        c.problems_text()
+    )?;
+    if let Some(both) = c.problems_and_seeds_text() {
+        write!(out, "; with seeds {both}")?;
+    }
+    Ok(out)
+}
+
+/// Fails unless every evaluation has the first one's outcome on every problem: two runs of one protocol
+/// (e.g. a command that should reproduce a run's own evaluation) agree problem by problem.
+pub fn check_identical(evals: &[&Evaluation]) -> anyhow::Result<()> {
+    check_same_problems(evals)?;
+    let Some(first) = evals.first() else {
+        return Ok(());
+    };
+    for e in &evals[1..] {
+        let differ: Vec<usize> = (0..e.correct.len())
+            .filter(|&i| e.correct[i] != first.correct[i])
+            .map(|i| i + 1)
+            .collect();
+        if !differ.is_empty() {
+            bail!(
+                "{} and {} differ on {} problem(s) (first: problem {}): not the same protocol",
+                first.source,
+                e.source,
+                differ.len(),
+                differ[0]
+            );
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tasks::{DatasetConfig, TaskConfig};
+
+    const QUESTIONS: [&str; 4] = ["1 + 1?", "2 + 2?", "3 + 3?", "4 + 4?"];
+
+    /// A run directory whose task holds out `QUESTIONS` (a data file of its own), with two evaluations:
+    /// step 0 in int4 and f32, step 40 in int4 only.
+    fn write_run(dir: &Path, first: &str, last: &str) {
+        std::fs::create_dir_all(dir).unwrap();
+        let data = dir.join("data.jsonl");
+        let lines: Vec<String> = QUESTIONS
+            .iter()
+            .map(|q| serde_json::json!({"question": q, "answer": "#### 2"}).to_string())
+            .collect();
+        std::fs::write(&data, lines.join("\n")).unwrap();
+        let mut cfg =
+            TrainConfig::from_toml(super::super::config::DEFAULT_CONFIG, "default").unwrap();
+        cfg.task = TaskConfig::Gsm8k(DatasetConfig {
+            path: dir.join("train.jsonl"),
+            eval_path: Some(data),
+            eval_fraction: 0.1,
+            template: Default::default(),
+            on_bad_line: Default::default(),
+            strip_calculator_annotations: true,
+        });
+        std::fs::write(
+            dir.join("train.jsonl"),
+            serde_json::json!({"question": "9 + 9?", "answer": "#### 18"}).to_string(),
+        )
+        .unwrap();
+        cfg.eval.problems = 200;
+        std::fs::write(
+            dir.join("config.json"),
+            serde_json::to_string(&cfg).unwrap(),
+        )
+        .unwrap();
+        let rows = [
+            serde_json::json!({"phase": "eval", "step": 0, "eval/int4-g32/greedy_correct": first,
+                "eval/f32/greedy_correct": "1111"}),
+            serde_json::json!({"phase": "rl", "step": 1}),
+            serde_json::json!({"phase": "eval", "step": 40, "eval/int4-g32/greedy_correct": last}),
+        ];
+        let text: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+        std::fs::write(dir.join("metrics.jsonl"), text.join("\n")).unwrap();
+    }
+
+    /// A `qarl eval --output` file over `questions` with these outcomes.
+    fn write_eval(path: &Path, questions: &[&str], correct: &str) {
+        let problems: Vec<serde_json::Value> = questions
+            .iter()
+            .zip(correct.chars())
+            .map(|(q, c)| serde_json::json!({"question": q, "correct": c == '1', "response": "x"}))
+            .collect();
+        let out = serde_json::json!({"summary": {}, "problems": problems});
+        std::fs::write(path, out.to_string()).unwrap();
+    }
+
+    #[test]
+    fn a_runs_evaluations_are_read_by_row_and_precision_with_its_tasks_questions() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        write_run(&run, "0100", "1101");
+        let spec = run.display().to_string();
+        let last = Evaluation::load(&spec, None).unwrap();
+        assert_eq!(last.correct, [true, true, false, true]);
+        assert_eq!(last.questions, QUESTIONS);
+        let first = Evaluation::load(&format!("{spec}@first"), None).unwrap();
+        assert_eq!(first.correct, [false, true, false, false]);
+        assert_eq!(Evaluation::load(&format!("{spec}@40"), None).unwrap(), last);
+        let f32 = Evaluation::load(&format!("{spec}@0"), Some("f32")).unwrap();
+        assert_eq!(f32.correct, [true; 4]);
+        let err =
+            |s: String, p: Option<&str>| format!("{:#}", Evaluation::load(&s, p).unwrap_err());
+        assert!(err(format!("{spec}@7"), None).contains("no held-out evaluation (at step 7)"));
+        assert!(err(format!("{spec}@later"), None)
+            .contains("expected `@first`, `@last` or a step number"));
+        assert!(err(spec.clone(), Some("f32")).contains("has no `eval/f32/greedy_correct`"));
+        assert!(err(format!("{spec}/missing.json"), None).contains("no such file"));
+    }
+
+    #[test]
+    fn arms_are_compared_by_problem_with_the_reports_statistics() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        write_run(&run, "0100", "1101");
+        let (e1, e2) = (tmp.path().join("e1.json"), tmp.path().join("e2.json"));
+        write_eval(&e1, &QUESTIONS, "0100");
+        write_eval(&e2, &QUESTIONS, "0000");
+        let load = |p: &Path| Evaluation::load(&p.display().to_string(), None).unwrap();
+        let (a, b) = ([load(&run)], [load(&e1), load(&e2)]);
+        // B per problem: [0, .5, 0, 0]; A - B = [1, .5, 0, 1], mean 0.625, sample variance
+        // (0.140625 + 0.015625 + 0.390625 + 0.140625) / 3 = 0.229167, SE sqrt(0.229167 / 4) = 0.239.
+        let text = compare_arms(
+            &Arm {
+                name: "run",
+                seeds: &a,
+            },
+            &Arm {
+                name: "evals",
+                seeds: &b,
+            },
+            false,
+        )
+        .unwrap();
+        assert!(text.contains("run (1 seed): per seed 0.750"), "{text}");
+        assert!(
+            text.contains("evals (2 seeds): per seed 0.250 0.000; 0.125 ± 0.125 over 4 problems"),
+            "{text}"
+        );
+        assert!(
+            text.contains("run − evals: +0.625 ± 0.239 (3 vs 0 problems; p 2.5e-1)"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("with seeds"),
+            "one seed of A: no seed spread: {text}"
+        );
+        // The warm start's evaluation reproduced by another command: identical; the last one is not.
+        check_identical(&[
+            &load(&e1),
+            &Evaluation::load(&format!("{}@first", run.display()), None).unwrap(),
+        ])
+        .unwrap();
+        let e = check_identical(&[&load(&e1), &load(&run)])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("differ on 2 problem(s) (first: problem 1)"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn evaluations_of_other_problems_are_refused_by_name() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (e1, e2, e3) = (
+            tmp.path().join("e1.json"),
+            tmp.path().join("e2.json"),
+            tmp.path().join("e3.json"),
+        );
+        write_eval(&e1, &QUESTIONS, "0100");
+        write_eval(&e2, &["1 + 1?", "2 + 2?", "5 + 5?", "4 + 4?"], "0100");
+        write_eval(&e3, &QUESTIONS[..3], "010");
+        let load = |p: &Path| Evaluation::load(&p.display().to_string(), None).unwrap();
+        let arm = |e: &[Evaluation]| {
+            compare_arms(
+                &Arm {
+                    name: "a",
+                    seeds: &e[..1],
+                },
+                &Arm {
+                    name: "b",
+                    seeds: &e[1..],
+                },
+                false,
+            )
+        };
+        let e = arm(&[load(&e1), load(&e2)]).unwrap_err().to_string();
+        assert!(
+            e.contains("list different problems: problem 3 is \"3 + 3?\""),
+            "{e}"
+        );
+        let e = arm(&[load(&e1), load(&e3)]).unwrap_err().to_string();
+        assert!(e.contains("has 4 problems") && e.contains("has 3"), "{e}");
+        std::fs::write(&e3, "{\"rows\": []}").unwrap();
+        let e = format!(
+            "{:#}",
+            Evaluation::load(&e3.display().to_string(), None).unwrap_err()
+        );
+        assert!(
+            e.contains("e3.json") && e.contains("expected a `qarl eval --output` file"),
+            "{e}"
+        );
+    }
+}
