@@ -9,6 +9,8 @@
 #      recorded in experiments/results/smollm2_paper/probe.md (a different model would start later runs elsewhere);
 #   4. `qarl experiment experiments/smollm2_paper.toml` (finished runs skipped, unfinished ones resumed from their
 #      checkpoints when this machine has them, else restarted), with any extra arguments (e.g. --quiet).
+# QARL_STUDY_EXPERIMENT names another experiment on the same learner and warm start in step 4 (the ablation:
+# experiments/smollm2_paper_ablation.toml).
 # Idempotent: each step is skipped when its result is already here. Commit the finished runs' files as they come.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,4 +37,4 @@ if [ "$sha" != "$warm_sha" ]; then
   exit 1
 fi
 echo "warm start: sha256 matches the study's"
-exec "$qarl" experiment experiments/smollm2_paper.toml "$@"
+exec "$qarl" experiment "${QARL_STUDY_EXPERIMENT:-experiments/smollm2_paper.toml}" "$@"
