@@ -219,6 +219,18 @@ pub fn stable_hash(s: &str) -> u64 {
     h
 }
 
+/// A fingerprint of a list of questions, in order (`stable_hash` over each question's byte length and text,
+/// as 16 hex digits). Each held-out evaluation logs the fingerprint of its questions
+/// (`eval/questions_fingerprint`), so `qarl compare`, which rebuilds a run's questions from its config, can
+/// tell whether they are still the ones the run was evaluated on (data files edited, another checkout).
+pub fn questions_fingerprint(questions: &[String]) -> String {
+    let text: String = questions
+        .iter()
+        .map(|q| format!("{}:{q}\n", q.len()))
+        .collect();
+    format!("{:016x}", stable_hash(&text))
+}
+
 fn arithmetic_is_eval(prompt: &str) -> bool {
     stable_hash(prompt) % ARITHMETIC_EVAL_MODULUS == 0
 }

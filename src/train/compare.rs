@@ -42,6 +42,8 @@ impl std::fmt::Display for EvalRow {
 pub struct Evaluation {
     /// The source as the user named it (a file, or `RUN_DIR@ROW`), for messages.
     pub source: String,
+    /// The precision it was evaluated in, where known (`qarl eval` files record it since it was written).
+    pub precision: Option<String>,
     pub questions: Vec<String>,
     pub correct: Vec<bool>,
 }
@@ -49,13 +51,13 @@ pub struct Evaluation {
 impl Evaluation {
     /// Reads `spec`: a `qarl eval --output` file, or a run directory with an optional `@first`, `@last`
     /// (default) or `@STEP`. A run's outcomes are those of `precision` (`eval/<precision>/greedy_correct`),
-    /// by default the run's rollout precision.
+    /// by default the run's rollout precision; an eval file that records another precision is refused.
     pub fn load(spec: &str, precision: Option<&str>) -> anyhow::Result<Self> {
         let (path, row) = split_spec(spec)?;
         if path.is_dir() {
             run_evaluation(&path, row, precision)
         } else {
-            eval_output(spec, &path)
+            eval_output(spec, &path, precision)
         }
     }
 
@@ -88,6 +90,8 @@ fn split_spec(spec: &str) -> anyhow::Result<(PathBuf, EvalRow)> {
 #[derive(Deserialize)]
 struct EvalOutput {
     problems: Vec<EvalProblem>,
+    #[serde(default)]
+    summary: Option<EvalSummary>,
 }
 
 #[derive(Deserialize)]
@@ -96,13 +100,27 @@ struct EvalProblem {
     correct: bool,
 }
 
-/// A `qarl eval --output` file.
-fn eval_output(spec: &str, path: &Path) -> anyhow::Result<Evaluation> {
+#[derive(Deserialize)]
+struct EvalSummary {
+    precision: Option<String>,
+}
+
+/// A `qarl eval --output` file; refused when it records another precision than an asked one.
+fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Result<Evaluation> {
     let out: EvalOutput = crate::io::read_json(path).map_err(|e| {
         anyhow::anyhow!("{e:#} (expected a `qarl eval --output` file: `problems` with `question` and `correct`)")
     })?;
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
+    }
+    let recorded = out.summary.and_then(|s| s.precision);
+    if let (Some(asked), Some(have)) = (precision, &recorded) {
+        if asked != have {
+            bail!(
+                "{}: an evaluation in {have}, but --precision asks for {asked}",
+                path.display()
+            );
+        }
     }
     let (questions, correct) = out
         .problems
@@ -111,26 +129,42 @@ fn eval_output(spec: &str, path: &Path) -> anyhow::Result<Evaluation> {
         .unzip();
     Ok(Evaluation {
         source: spec.to_string(),
+        precision: recorded,
         questions,
         correct,
     })
 }
 
-/// A run's held-out evaluation: the outcomes from its metrics log, the questions from its config's task.
-fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::Result<Evaluation> {
-    let cfg: TrainConfig = crate::io::read_json(&dir.join("config.json"))?;
-    let precision = precision.map_or_else(|| cfg.rollout.precision.to_string(), str::to_string);
-    let metrics = dir.join("metrics.jsonl");
+/// The eval rows of a metrics log. A last line cut short (a run killed while writing) is left out, as
+/// training and the report do; any other line that is not JSON is an error naming it.
+fn eval_rows(metrics: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
     let text =
-        std::fs::read_to_string(&metrics).map_err(crate::io::failed(&metrics, "cannot read"))?;
-    let mut evals = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("{}: line {}: not JSON", metrics.display(), i + 1))?;
-        if v["phase"] == "eval" {
-            evals.push(v);
+        std::fs::read_to_string(metrics).map_err(crate::io::failed(metrics, "cannot read"))?;
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let mut rows = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        match serde_json::from_str::<serde_json::Value>(line) {
+            Ok(v) if v["phase"] == "eval" => rows.push(v),
+            Ok(_) => {}
+            Err(_) if i + 1 == lines.len() => {}
+            Err(e) => bail!("{}: line {}: not JSON ({e})", metrics.display(), i + 1),
         }
     }
+    Ok(rows)
+}
+
+/// A run's held-out evaluation: the outcomes from its metrics log, the questions rebuilt from its config's
+/// task and checked against the fingerprint the evaluation logged (logs from before 2026-12-05 have none:
+/// then only the number of problems is checked).
+fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::Result<Evaluation> {
+    let config = dir.join("config.json");
+    if !config.is_file() {
+        bail!("{}: not a run directory (no config.json)", dir.display());
+    }
+    let cfg: TrainConfig = crate::io::read_json(&config)?;
+    let precision = precision.map_or_else(|| cfg.rollout.precision.to_string(), str::to_string);
+    let metrics = dir.join("metrics.jsonl");
+    let evals = eval_rows(&metrics)?;
     let picked = match row {
         EvalRow::First => evals.first(),
         EvalRow::Last => evals.last(),
@@ -138,52 +172,54 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
     }
     .with_context(|| format!("{}: no held-out evaluation ({row})", metrics.display()))?;
     let key = format!("eval/{precision}/greedy_correct");
-    let step = picked["step"].as_u64().unwrap_or(0);
+    let step = picked["step"]
+        .as_u64()
+        .map_or("?".into(), |s| s.to_string());
+    let at = format!("{}: the evaluation at step {step}", metrics.display());
     let correct = picked[key.as_str()]
         .as_str()
         .and_then(super::paired::decode)
-        .with_context(|| {
-            format!(
-                "{}: the evaluation at step {step} has no `{key}`",
-                metrics.display()
-            )
-        })?;
+        .with_context(|| format!("{at} has no `{key}`"))?;
     let task = Task::from_config(&cfg.task).with_context(|| {
         format!("{}: its task (the held-out questions) does not load; run from the directory the run was started in", dir.display())
     })?;
     let questions = task.eval_questions(cfg.eval.problems);
+    if questions.is_empty() {
+        bail!("{}: the run holds out no problems", dir.display());
+    }
     if questions.len() != correct.len() {
         bail!(
-            "{}: the evaluation at step {step} has {} outcomes, but the run's task holds out {} problems: \
-             the data files changed since the run",
-            dir.display(),
+            "{at} has {} outcomes, but the run's task holds out {} problems now: its data files changed",
             correct.len(),
             questions.len()
         );
     }
+    if let Some(logged) = picked["eval/questions_fingerprint"].as_str() {
+        let now = crate::tasks::questions_fingerprint(&questions);
+        if now != logged {
+            bail!(
+                "{at} logged questions {logged}, but its task's held-out questions are now {now}: its data \
+                 files changed, or this is not the directory the run was started in"
+            );
+        }
+    }
     Ok(Evaluation {
         source: format!("{}@{step}", dir.display()),
+        precision: Some(precision),
         questions,
         correct,
     })
 }
 
-/// Fails unless every evaluation lists the first one's questions in its order; names the first that differs.
+/// Fails unless every evaluation lists the first one's questions in its order; names the first evaluation
+/// that differs and the first problem where they part.
 pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
     let Some(first) = evals.first() else {
         return Ok(());
     };
     for e in &evals[1..] {
-        if e.questions.len() != first.questions.len() {
-            bail!(
-                "{} has {} problems, {} has {}: not the same problems",
-                first.source,
-                first.questions.len(),
-                e.source,
-                e.questions.len()
-            );
-        }
-        if let Some(i) = (0..e.questions.len()).find(|&i| e.questions[i] != first.questions[i]) {
+        let shared = e.questions.len().min(first.questions.len());
+        if let Some(i) = (0..shared).find(|&i| e.questions[i] != first.questions[i]) {
             bail!(
                 "{} and {} list different problems: problem {} is {:?} in the first and {:?} in the second",
                 first.source,
@@ -191,6 +227,15 @@ pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
                 i + 1,
                 first.questions[i],
                 e.questions[i]
+            );
+        }
+        if e.questions.len() != first.questions.len() {
+            bail!(
+                "{} has {} problems, {} has {} (the first {shared} agree): not the same problems",
+                first.source,
+                first.questions.len(),
+                e.source,
+                e.questions.len()
             );
         }
     }
@@ -208,7 +253,7 @@ impl Arm<'_> {
         self.seeds.iter().map(|e| e.correct.clone()).collect()
     }
 
-    /// `name (n seeds): per seed 0.560 0.415; 0.488 ± 0.031 over 193 problems`.
+    /// `name (n seeds, int4-g32): per seed 0.560 0.415; 0.488 ± 0.031 over 193 problems`.
     fn summary(&self) -> String {
         let per_seed: Vec<String> = self
             .seeds
@@ -219,11 +264,18 @@ impl Arm<'_> {
         let clustered = c.map_or_else(String::new, |c| {
             format!("; {:.3} ± {:.3} over {} problems", c.mean, c.se, c.problems)
         });
+        let mut precisions: Vec<&str> = self
+            .seeds
+            .iter()
+            .map(|e| e.precision.as_deref().unwrap_or("precision not recorded"))
+            .collect();
+        precisions.dedup();
         format!(
-            "{} ({} seed{}): per seed {}{clustered}",
+            "{} ({} seed{}, {}): per seed {}{clustered}",
             self.name,
             self.seeds.len(),
             if self.seeds.len() == 1 { "" } else { "s" },
+            precisions.join(" / "),
             per_seed.join(" ")
         )
     }
@@ -300,9 +352,10 @@ mod tests {
     const QUESTIONS: [&str; 4] = ["1 + 1?", "2 + 2?", "3 + 3?", "4 + 4?"];
 
     /// A run directory whose task holds out `QUESTIONS` (a data file of its own), with two evaluations:
-    /// step 0 in int4 and f32, step 40 in int4 only.
+    /// step 0 in int4 and f32 (without the questions' fingerprint, as logs before it), step 40 in int4 only.
     fn write_run(dir: &Path, first: &str, last: &str) {
         std::fs::create_dir_all(dir).unwrap();
+        let questions: Vec<String> = QUESTIONS.iter().map(|q| q.to_string()).collect();
         let data = dir.join("data.jsonl");
         let lines: Vec<String> = QUESTIONS
             .iter()
@@ -334,20 +387,28 @@ mod tests {
             serde_json::json!({"phase": "eval", "step": 0, "eval/int4-g32/greedy_correct": first,
                 "eval/f32/greedy_correct": "1111"}),
             serde_json::json!({"phase": "rl", "step": 1}),
-            serde_json::json!({"phase": "eval", "step": 40, "eval/int4-g32/greedy_correct": last}),
+            serde_json::json!({"phase": "eval", "step": 40, "eval/int4-g32/greedy_correct": last,
+                "eval/questions_fingerprint": crate::tasks::questions_fingerprint(&questions)}),
         ];
         let text: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
-        std::fs::write(dir.join("metrics.jsonl"), text.join("\n")).unwrap();
+        // The last line cut short, as a run killed while writing leaves it.
+        let text = text.join("\n") + "\n{\"phase\": \"rl\", \"st";
+        std::fs::write(dir.join("metrics.jsonl"), text).unwrap();
     }
 
     /// A `qarl eval --output` file over `questions` with these outcomes.
     fn write_eval(path: &Path, questions: &[&str], correct: &str) {
+        write_eval_in(path, questions, correct, None);
+    }
+
+    /// [`write_eval`] whose summary records `precision`.
+    fn write_eval_in(path: &Path, questions: &[&str], correct: &str, precision: Option<&str>) {
         let problems: Vec<serde_json::Value> = questions
             .iter()
             .zip(correct.chars())
             .map(|(q, c)| serde_json::json!({"question": q, "correct": c == '1', "response": "x"}))
             .collect();
-        let out = serde_json::json!({"summary": {}, "problems": problems});
+        let out = serde_json::json!({"summary": {"precision": precision}, "problems": problems});
         std::fs::write(path, out.to_string()).unwrap();
     }
 
@@ -372,6 +433,47 @@ mod tests {
             .contains("expected `@first`, `@last` or a step number"));
         assert!(err(spec.clone(), Some("f32")).contains("has no `eval/f32/greedy_correct`"));
         assert!(err(format!("{spec}/missing.json"), None).contains("no such file"));
+        std::fs::create_dir_all(tmp.path().join("empty")).unwrap();
+        let empty = tmp.path().join("empty").display().to_string();
+        assert!(err(empty, None).contains("not a run directory (no config.json)"));
+    }
+
+    #[test]
+    fn a_run_whose_questions_changed_since_its_evaluation_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        write_run(&run, "0100", "1101");
+        let spec = run.display().to_string();
+        Evaluation::load(&spec, None).unwrap();
+        // The same number of held-out problems, one question edited.
+        let edited: Vec<String> = ["1 + 1?", "2 + 2?", "3 + 30?", "4 + 4?"]
+            .iter()
+            .map(|q| serde_json::json!({"question": q, "answer": "#### 2"}).to_string())
+            .collect();
+        std::fs::write(run.join("data.jsonl"), edited.join("\n")).unwrap();
+        let e = format!("{:#}", Evaluation::load(&spec, None).unwrap_err());
+        assert!(
+            e.contains("step 40 logged questions") && e.contains("data files changed"),
+            "{e}"
+        );
+        // The step-0 row logged no fingerprint (an older log): only the count can be checked.
+        let first = Evaluation::load(&format!("{spec}@first"), None).unwrap();
+        assert_eq!(first.questions[2], "3 + 30?");
+    }
+
+    #[test]
+    fn an_eval_file_in_another_precision_than_asked_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("e.json");
+        write_eval_in(&path, &QUESTIONS, "0100", Some("int4-g32"));
+        let spec = path.display().to_string();
+        let e = Evaluation::load(&spec, Some("int4-g32")).unwrap();
+        assert_eq!(e.precision.as_deref(), Some("int4-g32"));
+        let err = format!("{:#}", Evaluation::load(&spec, Some("f32")).unwrap_err());
+        assert!(
+            err.contains("an evaluation in int4-g32, but --precision asks for f32"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -398,9 +500,14 @@ mod tests {
             false,
         )
         .unwrap();
-        assert!(text.contains("run (1 seed): per seed 0.750"), "{text}");
         assert!(
-            text.contains("evals (2 seeds): per seed 0.250 0.000; 0.125 ± 0.125 over 4 problems"),
+            text.contains("run (1 seed, int4-g32): per seed 0.750"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "evals (2 seeds, precision not recorded): per seed 0.250 0.000; 0.125 ± 0.125 over 4 problems"
+            ),
             "{text}"
         );
         assert!(
@@ -410,6 +517,40 @@ mod tests {
         assert!(
             !text.contains("with seeds"),
             "one seed of A: no seed spread: {text}"
+        );
+        // B one fixed model: A's seeds [0.25, 0] alone give sd 0.177 / sqrt(2) = 0.125; d = [-1, -.5, 0, -1],
+        // SE over problems 0.239 as above; together sqrt(0.0573 + 0.0156) = 0.270.
+        let fixed = compare_arms(
+            &Arm {
+                name: "evals",
+                seeds: &b,
+            },
+            &Arm {
+                name: "run",
+                seeds: &a,
+            },
+            true,
+        )
+        .unwrap();
+        assert!(
+            fixed.contains("with seeds -0.625 ± 0.270 (2 vs 1 seeds; seeds alone ± 0.125)"),
+            "{fixed}"
+        );
+        let e = compare_arms(
+            &Arm {
+                name: "run",
+                seeds: &a,
+            },
+            &Arm {
+                name: "evals",
+                seeds: &b,
+            },
+            true,
+        )
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("one fixed model, but it has 2"),
+            "{e}"
         );
         // The warm start's evaluation reproduced by another command: identical; the last one is not.
         check_identical(&[
@@ -457,7 +598,10 @@ mod tests {
             "{e}"
         );
         let e = arm(&[load(&e1), load(&e3)]).unwrap_err().to_string();
-        assert!(e.contains("has 4 problems") && e.contains("has 3"), "{e}");
+        assert!(
+            e.contains("has 4 problems") && e.contains("has 3 (the first 3 agree)"),
+            "{e}"
+        );
         std::fs::write(&e3, "{\"rows\": []}").unwrap();
         let e = format!(
             "{:#}",

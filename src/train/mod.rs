@@ -339,6 +339,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let eos = eos_id(&tok, &model)?;
     let task = Task::from_config(&cfg.task)?;
     let eval_set = task.eval_set(cfg.eval.problems);
+    let eval_fingerprint =
+        crate::tasks::questions_fingerprint(&task.eval_questions(cfg.eval.problems));
 
     let tc = &cfg.train;
     let mut optim = optimizer(tc);
@@ -365,7 +367,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         |model: &Decoder, step: usize, log: &mut MetricsLog| -> anyhow::Result<(f64, Vec<bool>)> {
             let spinner = progress::spinner(&format!("eval at step {step}"), quiet);
             let plain = model.valid();
-            let mut row = serde_json::json!({"phase": "eval", "step": step});
+            let mut row = serde_json::json!({"phase": "eval", "step": step,
+                "eval/questions_fingerprint": eval_fingerprint});
             let mut rollout_acc = (0.0, Vec::new());
             let mut precisions = vec![cfg.rollout.precision];
             if cfg.rollout.precision != config::Precision::F32 {
