@@ -19,7 +19,7 @@ pub struct CompareArgs {
     #[arg(long, default_value = "B")]
     pub name_b: String,
     /// The precision of a run's evaluation to read (`int4-g32`, `f32`, ...; default: each run's rollout
-    /// precision). `qarl eval` files hold one precision each.
+    /// precision). `qarl eval` files hold one precision each: one that records another is refused.
     #[arg(long)]
     pub precision: Option<String>,
     /// Fail unless every evaluation has the same outcome on every problem: checks that an evaluation
