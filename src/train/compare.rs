@@ -351,6 +351,25 @@ mod tests {
 
     const QUESTIONS: [&str; 4] = ["1 + 1?", "2 + 2?", "3 + 3?", "4 + 4?"];
 
+    /// [`compare_arms`] of two arms given as (name, evaluations).
+    fn compare(
+        a: (&str, &[Evaluation]),
+        b: (&str, &[Evaluation]),
+        fixed_b: bool,
+    ) -> anyhow::Result<String> {
+        compare_arms(
+            &Arm {
+                name: a.0,
+                seeds: a.1,
+            },
+            &Arm {
+                name: b.0,
+                seeds: b.1,
+            },
+            fixed_b,
+        )
+    }
+
     /// A run directory whose task holds out `QUESTIONS` (a data file of its own), with two evaluations:
     /// step 0 in int4 and f32 (without the questions' fingerprint, as logs before it), step 40 in int4 only.
     fn write_run(dir: &Path, first: &str, last: &str) {
@@ -488,18 +507,7 @@ mod tests {
         let (a, b) = ([load(&run)], [load(&e1), load(&e2)]);
         // B per problem: [0, .5, 0, 0]; A - B = [1, .5, 0, 1], mean 0.625, sample variance
         // (0.140625 + 0.015625 + 0.390625 + 0.140625) / 3 = 0.229167, SE sqrt(0.229167 / 4) = 0.239.
-        let text = compare_arms(
-            &Arm {
-                name: "run",
-                seeds: &a,
-            },
-            &Arm {
-                name: "evals",
-                seeds: &b,
-            },
-            false,
-        )
-        .unwrap();
+        let text = compare(("run", &a), ("evals", &b), false).unwrap();
         assert!(
             text.contains("run (1 seed, int4-g32): per seed 0.750"),
             "{text}"
@@ -520,34 +528,12 @@ mod tests {
         );
         // B one fixed model: A's seeds [0.25, 0] alone give sd 0.177 / sqrt(2) = 0.125; d = [-1, -.5, 0, -1],
         // SE over problems 0.239 as above; together sqrt(0.0573 + 0.0156) = 0.270.
-        let fixed = compare_arms(
-            &Arm {
-                name: "evals",
-                seeds: &b,
-            },
-            &Arm {
-                name: "run",
-                seeds: &a,
-            },
-            true,
-        )
-        .unwrap();
+        let fixed = compare(("evals", &b), ("run", &a), true).unwrap();
         assert!(
             fixed.contains("with seeds -0.625 ± 0.270 (2 vs 1 seeds; seeds alone ± 0.125)"),
             "{fixed}"
         );
-        let e = compare_arms(
-            &Arm {
-                name: "run",
-                seeds: &a,
-            },
-            &Arm {
-                name: "evals",
-                seeds: &b,
-            },
-            true,
-        )
-        .unwrap_err();
+        let e = compare(("run", &a), ("evals", &b), true).unwrap_err();
         assert!(
             e.to_string().contains("one fixed model, but it has 2"),
             "{e}"
@@ -579,19 +565,7 @@ mod tests {
         write_eval(&e2, &["1 + 1?", "2 + 2?", "5 + 5?", "4 + 4?"], "0100");
         write_eval(&e3, &QUESTIONS[..3], "010");
         let load = |p: &Path| Evaluation::load(&p.display().to_string(), None).unwrap();
-        let arm = |e: &[Evaluation]| {
-            compare_arms(
-                &Arm {
-                    name: "a",
-                    seeds: &e[..1],
-                },
-                &Arm {
-                    name: "b",
-                    seeds: &e[1..],
-                },
-                false,
-            )
-        };
+        let arm = |e: &[Evaluation]| compare(("a", &e[..1]), ("b", &e[1..]), false);
         let e = arm(&[load(&e1), load(&e2)]).unwrap_err().to_string();
         assert!(
             e.contains("list different problems: problem 3 is \"3 + 3?\""),
