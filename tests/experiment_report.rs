@@ -187,3 +187,83 @@ name = "D"
     let report = std::fs::read_to_string(write_report(&exp, results).unwrap()).unwrap();
     assert!(report.contains("[claims.md](claims.md)"), "{report}");
 }
+
+/// Adds the questions' fingerprint to a run's two evaluations (before, after), as logs since 2026-12-05
+/// carry it; `None` leaves one out (an older log).
+fn log_fingerprints(dir: &Path, fingerprints: [Option<&str>; 2]) {
+    let path = dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut evals = fingerprints.into_iter();
+    let rows: Vec<String> = text
+        .lines()
+        .map(|l| {
+            let mut row: serde_json::Value = serde_json::from_str(l).unwrap();
+            if row["phase"] == "eval" {
+                if let Some(f) = evals.next().unwrap() {
+                    row["eval/questions_fingerprint"] = f.into();
+                }
+            }
+            row.to_string()
+        })
+        .collect();
+    std::fs::write(&path, rows.join("\n") + "\n").unwrap();
+}
+
+/// Arms of one task config are paired only where the fingerprints their evaluations logged agree (a log
+/// without one, from before fingerprints, pairs with either); a run whose evaluations logged different
+/// questions is not clustered; a damaged row inside a finished run's log stops the report, naming it.
+#[test]
+fn report_pairs_only_runs_whose_questions_agree() {
+    let tmp = tempfile::tempdir().unwrap();
+    let results = tmp.path();
+    let exp: ExperimentConfig = toml::from_str(
+        r#"
+name = "fingerprints"
+base = "unused.toml"
+seeds = [1, 2]
+[[variant]]
+name = "E"
+[[variant]]
+name = "F"
+[[variant]]
+name = "G"
+[[variant]]
+name = "H"
+"#,
+    )
+    .unwrap();
+    for seed in 1..=2 {
+        let dir = |v: &str| results.join(v).join(format!("seed{seed}"));
+        for (arm, after, fingerprints) in [
+            ("E", "1100", [Some("f1"), Some("f1")]),
+            // The same task and count, other questions (the data files changed between the arms).
+            ("F", "1000", [Some("f2"), Some("f2")]),
+            // Older logs: no fingerprint.
+            ("G", "1110", [None, None]),
+        ] {
+            write_run(&dir(arm), Some("t"), "0100", after, rl_row(&[]));
+            log_fingerprints(&dir(arm), fingerprints);
+        }
+        // H's second seed was resumed over changed data: its evaluations logged different questions.
+        write_run(&dir("H"), Some("t"), "0100", "1100", rl_row(&[]));
+        let h = if seed == 2 { Some("f2") } else { Some("f1") };
+        log_fingerprints(&dir("H"), [Some("f1"), h]);
+    }
+    let report = std::fs::read_to_string(write_report(&exp, results).unwrap()).unwrap();
+    println!("{report}");
+    assert!(report.contains("| E | G |"), "{report}");
+    assert!(report.contains("| F | G |"), "{report}");
+    for pair in ["| E | F |", "| E | H |", "| F | H |", "| G | H |"] {
+        assert!(!report.contains(pair), "{pair} in:\n{report}");
+    }
+    // H: accuracies over seeds only (0.5 both), not clustered by problem.
+    let h = report.lines().find(|l| l.starts_with("| H |")).unwrap();
+    assert!(h.contains("| 0.500 (sd 0.000 over seeds) |"), "{h}");
+
+    // A row damaged inside a finished run's log is an error naming the file and the line.
+    let metrics = results.join("G/seed2/metrics.jsonl");
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    std::fs::write(&metrics, text.replacen("{\"phase\":\"rl\"", "{\"phase\":\"r", 1)).unwrap();
+    let err = format!("{:#}", write_report(&exp, results).unwrap_err());
+    assert!(err.contains("G/seed2/metrics.jsonl: line 2 is not a metrics row"), "{err}");
+}

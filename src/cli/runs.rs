@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::train::{checkpoint, TrainConfig};
+use crate::train::{checkpoint, metrics, TrainConfig};
 
 #[derive(Debug, clap::Args)]
 pub struct RunsArgs {
@@ -50,15 +50,13 @@ fn find(root: &Path, depth: usize, out: &mut Vec<PathBuf>) {
 /// Reads what a run directory says about itself; unreadable lines and files are skipped, not fatal.
 pub fn inspect(dir: &Path) -> RunInfo {
     let cfg: Option<TrainConfig> = crate::io::read_json(&dir.join("config.json")).ok();
-    let text = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap_or_default();
+    let rows = metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::Skip)
+        .unwrap_or_default();
     let (mut last_step, mut accuracy) = (None, None);
     let want = cfg
         .as_ref()
         .map(|c| format!("eval/{}/pass@1_greedy", c.rollout.precision));
-    for line in text.lines() {
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-            continue;
-        };
+    for v in rows {
         let step = v["step"].as_u64();
         match v["phase"].as_str() {
             Some("rl") => last_step = step.or(last_step),

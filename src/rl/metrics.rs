@@ -41,6 +41,9 @@ pub mod names {
     /// logs `error_tokens/low_prob_frac` also counted the ratio criterion.)
     pub const LEGACY_ERROR_TOKEN_FRAC: &str = "error_tokens/frac";
     pub const ROUTING_DISAGREEMENT: &str = "moe/routing_disagreement_frac";
+    /// On every held-out evaluation row: [`crate::tasks::questions_fingerprint`] of the problems it was
+    /// evaluated on (logs from before 2026-12-05 have none).
+    pub const EVAL_QUESTIONS_FINGERPRINT: &str = "eval/questions_fingerprint";
 }
 
 /// verl's bound on log-ratios before `exp`.

@@ -15,8 +15,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
+use super::metrics::{read_rows, BadLines};
 use super::paired::{ArmComparison, ClusteredMean};
 use super::TrainConfig;
+use crate::rl::metrics::names;
 use crate::tasks::Task;
 
 /// Which of a run's held-out evaluations: the first (before RL), the last, or the one logged at a step.
@@ -135,22 +137,11 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
     })
 }
 
-/// The eval rows of a metrics log. A last line cut short (a run killed while writing) is left out, as
-/// training and the report do; any other line that is not JSON is an error naming it.
+/// The eval rows of a metrics log ([`BadLines::TornLastOnly`]: a last line cut short is left out, as
+/// training and the report do; any other line that is not a row is an error naming it).
 fn eval_rows(metrics: &Path) -> anyhow::Result<Vec<serde_json::Value>> {
-    let text =
-        std::fs::read_to_string(metrics).map_err(crate::io::failed(metrics, "cannot read"))?;
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let mut rows = Vec::new();
-    for (i, line) in lines.iter().enumerate() {
-        match serde_json::from_str::<serde_json::Value>(line) {
-            Ok(v) if v["phase"] == "eval" => rows.push(v),
-            Ok(_) => {}
-            Err(_) if i + 1 == lines.len() => {}
-            Err(e) => bail!("{}: line {}: not JSON ({e})", metrics.display(), i + 1),
-        }
-    }
-    Ok(rows)
+    let rows = read_rows(metrics, BadLines::TornLastOnly)?;
+    Ok(rows.into_iter().filter(|v| v["phase"] == "eval").collect())
 }
 
 /// A run's held-out evaluation: the outcomes from its metrics log, the questions rebuilt from its config's
@@ -194,7 +185,7 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
             questions.len()
         );
     }
-    if let Some(logged) = picked["eval/questions_fingerprint"].as_str() {
+    if let Some(logged) = picked[names::EVAL_QUESTIONS_FINGERPRINT].as_str() {
         let now = crate::tasks::questions_fingerprint(&questions);
         if now != logged {
             bail!(

@@ -10,7 +10,9 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 
 use super::config::TrainConfig;
+use super::metrics::{read_rows, BadLines};
 use super::paired::ArmComparison;
+use crate::rl::metrics::names;
 
 /// One variant: overrides (dotted keys) applied to the base config.
 #[derive(Debug, Clone, Deserialize)]
@@ -174,16 +176,6 @@ fn mean_std(xs: &[f64]) -> (f64, f64) {
     (m, v.sqrt())
 }
 
-fn read_rows(path: &Path) -> Vec<serde_json::Value> {
-    std::fs::read_to_string(path)
-        .map(|t| {
-            t.lines()
-                .filter_map(|l| serde_json::from_str(l).ok())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// A column of the mismatch table: its header and how the value is printed.
 const STABILITY_COLUMNS: [(&str, &str, usize); 8] = [
     ("k3", "k3 KL", 99),
@@ -201,8 +193,9 @@ const STABILITY_COLUMNS: [(&str, &str, usize); 8] = [
 struct RunSummary {
     /// Per-seed scalars (accuracies, RL-step averages) by column.
     cols: BTreeMap<&'static str, f64>,
-    /// Which held-out problems it was evaluated on ([`eval_set_key`]); `None` when its config is unreadable.
-    eval_set: Option<String>,
+    /// Which held-out problems it was evaluated on; `None` when its config is unreadable or its
+    /// evaluations logged different questions.
+    eval_set: Option<EvalSet>,
     /// Greedy outcome per held-out problem before RL (rollout precision), at the end in the rollout
     /// precision, and at the end in f32.
     before: Option<Vec<bool>>,
@@ -210,14 +203,62 @@ struct RunSummary {
     after_f32: Option<Vec<bool>>,
 }
 
-/// Identifies a run's held-out problems: the task and the number of problems, which alone determine
-/// `Task::eval_set` (the seed does not). Runs with equal keys were evaluated on the same problems in the same
-/// order, the condition for clustering and pairing by problem.
-fn eval_set_key(run_dir: &Path) -> Option<String> {
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).ok()?).ok()?;
-    let problems = cfg.get("eval")?.get("problems")?;
-    Some(serde_json::json!([cfg.get("task")?, problems]).to_string())
+/// Which held-out problems a run was evaluated on: its task and number of problems, which alone determine
+/// `Task::eval_set` (the seed does not), and the questions' fingerprint its evaluations logged
+/// ([`names::EVAL_QUESTIONS_FINGERPRINT`]; logs from before 2026-12-05 have none), which also tells apart
+/// runs whose data files changed in between.
+#[derive(Clone, Debug, PartialEq)]
+struct EvalSet {
+    config: String,
+    fingerprint: Option<String>,
+}
+
+impl EvalSet {
+    /// A run's set from its config and eval rows; `None` when the config is unreadable or the rows logged
+    /// different fingerprints (a run resumed over changed data: its evaluations are not of one set).
+    fn of_run(run_dir: &Path, evals: &[&serde_json::Value]) -> Option<Self> {
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).ok()?)
+                .ok()?;
+        let problems = cfg.get("eval")?.get("problems")?;
+        let config = serde_json::json!([cfg.get("task")?, problems]).to_string();
+        let mut logged = evals
+            .iter()
+            .filter_map(|r| r[names::EVAL_QUESTIONS_FINGERPRINT].as_str());
+        let fingerprint = logged.next().map(str::to_string);
+        if logged.any(|f| Some(f) != fingerprint.as_deref()) {
+            return None;
+        }
+        Some(Self {
+            config,
+            fingerprint,
+        })
+    }
+
+    /// Whether runs of these sets were evaluated on the same problems in the same order, the condition for
+    /// clustering and pairing by problem: the same task and count, and the same fingerprint where both
+    /// logged one.
+    fn same_problems(&self, other: &Self) -> bool {
+        self.config == other.config
+            && match (&self.fingerprint, &other.fingerprint) {
+                (Some(a), Some(b)) => a == b,
+                _ => true,
+            }
+    }
+
+    /// The set shared by every one of `sets` (the fingerprint any of them logged), or `None` when some
+    /// set is unknown or two differ.
+    fn common<'a>(mut sets: impl Iterator<Item = Option<&'a Self>>) -> Option<Self> {
+        let mut common = sets.next()??.clone();
+        for set in sets {
+            let set = set?;
+            if !common.same_problems(set) {
+                return None;
+            }
+            common.fingerprint = common.fingerprint.or_else(|| set.fingerprint.clone());
+        }
+        Some(common)
+    }
 }
 
 /// `eval/<precision>/<suffix>` of an eval row: the rollout precision's (`f32_view` false) or f32's, else
@@ -246,14 +287,13 @@ fn rl_average(rl: &[&serde_json::Value], key: &str) -> Option<f64> {
 }
 
 /// Reads a finished run's metrics and config.
-fn summarize_run(run_dir: &Path) -> RunSummary {
-    use crate::rl::metrics::names;
-    let rows = read_rows(&run_dir.join("metrics.jsonl"));
+fn summarize_run(run_dir: &Path) -> anyhow::Result<RunSummary> {
+    let rows = read_rows(&run_dir.join("metrics.jsonl"), BadLines::TornLastOnly)?;
+    let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
     let mut s = RunSummary {
-        eval_set: eval_set_key(run_dir),
+        eval_set: EvalSet::of_run(run_dir, &evals),
         ..RunSummary::default()
     };
-    let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
     if let (Some(first), Some(last)) = (evals.first(), evals.last()) {
         for (col, e, suffix, f32_view) in [
             ("acc0_roll", first, "/pass@1_greedy", false),
@@ -301,19 +341,16 @@ fn summarize_run(run_dir: &Path) -> RunSummary {
             s.cols.insert(col, v);
         }
     }
-    s
+    Ok(s)
 }
 
 /// The outcomes `pick` selects from every run, when all runs have them and were evaluated on the same
-/// problems ([`eval_set_key`] equal and known): the only case where problems can be clustered or paired.
+/// problems ([`EvalSet::common`]): the only case where problems can be clustered or paired.
 fn shared_outcomes(
     runs: &[RunSummary],
     pick: impl Fn(&RunSummary) -> Option<&Vec<bool>>,
-) -> Option<(String, Vec<Vec<bool>>)> {
-    let key = runs.first()?.eval_set.clone()?;
-    if runs.iter().any(|r| r.eval_set.as_ref() != Some(&key)) {
-        return None;
-    }
+) -> Option<(EvalSet, Vec<Vec<bool>>)> {
+    let key = EvalSet::common(runs.iter().map(|r| r.eval_set.as_ref()))?;
     let outcomes: Option<Vec<Vec<bool>>> = runs.iter().map(|r| pick(r).cloned()).collect();
     Some((key, outcomes?))
 }
@@ -356,9 +393,9 @@ fn comparison_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> St
 struct VariantSummary<'a> {
     variant: &'a Variant,
     runs: Vec<RunSummary>,
-    before: Option<(String, Vec<Vec<bool>>)>,
-    after_roll: Option<(String, Vec<Vec<bool>>)>,
-    after_f32: Option<(String, Vec<Vec<bool>>)>,
+    before: Option<(EvalSet, Vec<Vec<bool>>)>,
+    after_roll: Option<(EvalSet, Vec<Vec<bool>>)>,
+    after_f32: Option<(EvalSet, Vec<Vec<bool>>)>,
 }
 
 impl VariantSummary<'_> {
@@ -381,22 +418,22 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         .variants
         .iter()
         .map(|v| {
-            let runs: Vec<RunSummary> = exp
+            let runs = exp
                 .seeds
                 .iter()
                 .map(|seed| results.join(&v.name).join(format!("seed{seed}")))
                 .filter(|d| marker(d).is_file())
                 .map(|d| summarize_run(&d))
-                .collect();
-            VariantSummary {
+                .collect::<anyhow::Result<Vec<RunSummary>>>()?;
+            Ok(VariantSummary {
                 variant: v,
                 before: shared_outcomes(&runs, |r| r.before.as_ref()),
                 after_roll: shared_outcomes(&runs, |r| r.after_roll.as_ref()),
                 after_f32: shared_outcomes(&runs, |r| r.after_f32.as_ref()),
                 runs,
-            }
+            })
         })
-        .collect();
+        .collect::<anyhow::Result<_>>()?;
     let mut md = String::new();
     writeln!(md, "# {}\n", exp.name)?;
     if results.join(CLAIMS_FILE).is_file() {
@@ -492,11 +529,13 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     for (i, a) in variants.iter().enumerate() {
         for b in &variants[i + 1..] {
             // Each comparison once per precision, only where both arms saw the same problems.
-            let compare = |x: &Option<(String, Vec<Vec<bool>>)>,
-                           y: &Option<(String, Vec<Vec<bool>>)>| match (
+            let compare = |x: &Option<(EvalSet, Vec<Vec<bool>>)>,
+                           y: &Option<(EvalSet, Vec<Vec<bool>>)>| match (
                 x, y,
             ) {
-                (Some((kx, ox)), Some((ky, oy))) if kx == ky => ArmComparison::new(ox, oy),
+                (Some((kx, ox)), Some((ky, oy))) if kx.same_problems(ky) => {
+                    ArmComparison::new(ox, oy)
+                }
                 _ => None,
             };
             let roll = compare(&a.after_roll, &b.after_roll);
@@ -545,11 +584,11 @@ fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyho
                 .iter()
                 .map(|seed| results.join(&v.name).join(format!("seed{seed}")))
                 .filter(|d| marker(d).is_file())
-                .map(|d| read_rows(&d.join("metrics.jsonl")))
-                .collect();
-            (v.name.clone(), runs)
+                .map(|d| read_rows(&d.join("metrics.jsonl"), BadLines::TornLastOnly))
+                .collect::<anyhow::Result<_>>()?;
+            Ok((v.name.clone(), runs))
         })
-        .collect();
+        .collect::<anyhow::Result<_>>()?;
     match super::plot::plot_comparison(&results.join("comparison.png"), &finished) {
         Ok(()) => writeln!(
             md,

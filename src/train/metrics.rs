@@ -65,6 +65,52 @@ impl MetricsLog {
     }
 }
 
+/// What a reader of a metrics log does with a line that is not a row (a JSON object).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BadLines {
+    /// Only the last line may be one (the row a kill cut short, or the one being written): it is left out.
+    /// Any other is an error naming the file and the line, since leaving out a row from the middle of a
+    /// log would change what is computed from it without a word (reports, comparisons, plots).
+    TornLastOnly,
+    /// Every such line is left out: listing runs, where one damaged log must not hide the others.
+    Skip,
+}
+
+/// The lines of a metrics log: 1-based line number, the text, and the row when the line is one (a JSON
+/// object). Blank lines are not listed.
+fn parse_lines(text: &str) -> impl Iterator<Item = (usize, &str, Option<serde_json::Value>)> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| {
+            let row = serde_json::from_str::<serde_json::Value>(l)
+                .ok()
+                .filter(serde_json::Value::is_object);
+            (i + 1, l, row)
+        })
+}
+
+/// The rows of the metrics log at `path`, in order; lines that are not rows as `bad` says. The one home
+/// for reading a log back (the report, `qarl compare`, the plots and `qarl runs`).
+pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::Value>> {
+    let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
+    let lines: Vec<_> = parse_lines(&text).collect();
+    let last = lines.last().map(|(n, _, _)| *n);
+    let mut rows = Vec::with_capacity(lines.len());
+    for (n, line, row) in lines {
+        match row {
+            Some(row) => rows.push(row),
+            None if bad == BadLines::Skip || Some(n) == last => {}
+            None => anyhow::bail!(
+                "{}: line {n} is not a metrics row (a JSON object): {}",
+                path.display(),
+                line.chars().take(80).collect::<String>()
+            ),
+        }
+    }
+    Ok(rows)
+}
+
 /// Keeps only the lines of `phase` whose `step` is at most `last_step` (for a resumed run), and every line of
 /// other phases, written back atomically.
 pub fn truncate_after(path: &Path, phase: &str, last_step: usize) -> anyhow::Result<()> {
@@ -82,18 +128,16 @@ pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> an
         return Ok(());
     };
     let mut kept: Vec<&str> = Vec::new();
-    for (i, l) in text.lines().enumerate() {
-        match serde_json::from_str::<serde_json::Value>(l) {
-            Ok(row) if row.is_object() => {
+    for (n, l, row) in parse_lines(&text) {
+        match row {
+            Some(row) => {
                 if keep(&row) {
                     kept.push(l);
                 }
             }
-            _ if l.trim().is_empty() => {}
-            _ => tracing::warn!(
-                "{}:{}: dropped a line that is not a metrics row (a row cut short by a kill?)",
-                path.display(),
-                i + 1
+            None => tracing::warn!(
+                "{}:{n}: dropped a line that is not a metrics row (a row cut short by a kill?)",
+                path.display()
             ),
         }
     }
@@ -132,5 +176,28 @@ mod tests {
             std::fs::read_to_string(&path).unwrap(),
             "{\"phase\":\"sft\",\"step\":0}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n"
         );
+    }
+
+    /// Reading back: a torn last line is left out under either policy; one in the middle is an error
+    /// naming the file and the line unless lines are skipped; blank lines and a missing file as said.
+    #[test]
+    fn reading_back_leaves_out_only_what_the_policy_allows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        std::fs::write(&path, "{\"step\":0}\n\n{\"step\":1}\n{\"st").unwrap();
+        for bad in [BadLines::TornLastOnly, BadLines::Skip] {
+            let rows = read_rows(&path, bad).unwrap();
+            assert_eq!(rows, [serde_json::json!({"step": 0}), serde_json::json!({"step": 1})]);
+        }
+        // A damaged line (and a line that is JSON but not an object) in the middle.
+        std::fs::write(&path, "{\"step\":0}\n{\"st\n[1]\n{\"step\":2}\n").unwrap();
+        let err = read_rows(&path, BadLines::TornLastOnly).unwrap_err().to_string();
+        assert!(err.contains("metrics.jsonl: line 2 is not a metrics row"), "{err}");
+        let rows = read_rows(&path, BadLines::Skip).unwrap();
+        assert_eq!(rows, [serde_json::json!({"step": 0}), serde_json::json!({"step": 2})]);
+        std::fs::write(&path, "{\"step\":0}\n[1]\n").unwrap();
+        assert_eq!(read_rows(&path, BadLines::TornLastOnly).unwrap().len(), 1);
+        let missing = read_rows(&dir.path().join("none.jsonl"), BadLines::Skip).unwrap_err();
+        assert!(missing.to_string().contains("none.jsonl"), "{missing}");
     }
 }

@@ -368,7 +368,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             let spinner = progress::spinner(&format!("eval at step {step}"), quiet);
             let plain = model.valid();
             let mut row = serde_json::json!({"phase": "eval", "step": step,
-                "eval/questions_fingerprint": eval_fingerprint});
+                (crate::rl::metrics::names::EVAL_QUESTIONS_FINGERPRINT): eval_fingerprint});
             let mut rollout_acc = (0.0, Vec::new());
             let mut precisions = vec![cfg.rollout.precision];
             if cfg.rollout.precision != config::Precision::F32 {

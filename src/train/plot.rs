@@ -76,12 +76,7 @@ fn error_token_series(rows: &[serde_json::Value]) -> Vec<(&'static str, String)>
 /// Renders `run_dir/metrics.jsonl` to `run_dir/plots.png`; returns the path.
 pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
     let metrics = run_dir.join("metrics.jsonl");
-    let text =
-        std::fs::read_to_string(&metrics).map_err(crate::io::failed(&metrics, "cannot read"))?;
-    let rows: Vec<serde_json::Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str(l).ok())
-        .collect();
+    let rows = super::metrics::read_rows(&metrics, super::metrics::BadLines::TornLastOnly)?;
     if !rows.iter().any(|r| r["phase"] == "rl") {
         bail!("{}: no RL steps logged yet", metrics.display());
     }
