@@ -30,6 +30,15 @@ pub fn set_usual_permissions(path: &Path) {
 
 /// Writes `value` as JSON to `path` through a temporary file in the same directory, fsync and rename.
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
+    let bytes =
+        serde_json::to_vec(value).with_context(|| format!("{}: cannot write", path.display()))?;
+    write_atomic(path, &bytes)
+}
+
+/// Writes `bytes` to `path` (its directory created if need be) through a temporary file in the same
+/// directory, fsync and rename: a crash or a full disk leaves either the previous file or the complete new
+/// one, never half of it. Errors name the file.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -37,14 +46,9 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
     std::fs::create_dir_all(dir).map_err(failed(dir, "cannot create the directory"))?;
     let mut tmp = tempfile::NamedTempFile::new_in(dir)
         .map_err(failed(dir, "cannot create a temporary file"))?;
-    {
-        let mut w = std::io::BufWriter::new(tmp.as_file_mut());
-        serde_json::to_writer(&mut w, value)
-            .with_context(|| format!("{}: cannot write", path.display()))?;
-        w.flush().map_err(failed(path, "cannot write"))?;
-    }
-    tmp.as_file()
-        .sync_all()
+    tmp.as_file_mut()
+        .write_all(bytes)
+        .and_then(|()| tmp.as_file().sync_all())
         .map_err(failed(path, "cannot write"))?;
     set_usual_permissions(tmp.path());
     tmp.persist(path)

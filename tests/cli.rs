@@ -826,3 +826,51 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
         "{err}"
     );
 }
+
+/// `qarl experiment --report-only` names the experiment file when it cannot be read or has no results
+/// yet (it said "No such file or directory (os error 2)" before), and refuses an experiment without
+/// seeds as the full command does.
+#[test]
+fn experiment_report_only_names_what_is_missing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exp = tmp.path().join("exp.toml");
+    let results = tmp.path().join("results");
+    let text = format!(
+        "name = \"e\"\nbase = \"base.toml\"\nseeds = [1]\nresults_dir = {:?}\n[[variant]]\nname = \"a\"\n",
+        results.display().to_string()
+    );
+    std::fs::write(&exp, &text).unwrap();
+    let report_only = |file: &std::path::Path| {
+        let out = qarl()
+            .args(["experiment", "--report-only"])
+            .arg(file)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, err) = report_only(&exp);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("exp.toml: no results of this experiment yet"),
+        "{err}"
+    );
+    assert!(!err.contains("os error"), "{err}");
+    let (code, err) = report_only(&tmp.path().join("absent.toml"));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("absent.toml: cannot read (not found)"),
+        "{err}"
+    );
+    std::fs::write(&exp, text.replace("seeds = [1]", "seeds = []")).unwrap();
+    let (_, err) = report_only(&exp);
+    assert!(err.contains("exp.toml: needs at least one seed"), "{err}");
+    // With a results directory (no finished run yet) the report is written.
+    std::fs::write(&exp, &text).unwrap();
+    std::fs::create_dir_all(&results).unwrap();
+    let (code, err) = report_only(&exp);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(results.join("report.md").is_file());
+}

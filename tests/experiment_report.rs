@@ -263,7 +263,14 @@ name = "H"
     // A row damaged inside a finished run's log is an error naming the file and the line.
     let metrics = results.join("G/seed2/metrics.jsonl");
     let text = std::fs::read_to_string(&metrics).unwrap();
-    std::fs::write(&metrics, text.replacen("{\"phase\":\"rl\"", "{\"phase\":\"r", 1)).unwrap();
+    std::fs::write(
+        &metrics,
+        text.replacen("{\"phase\":\"rl\"", "{\"phase\":\"r", 1),
+    )
+    .unwrap();
     let err = format!("{:#}", write_report(&exp, results).unwrap_err());
-    assert!(err.contains("G/seed2/metrics.jsonl: line 2 is not a metrics row"), "{err}");
+    assert!(
+        err.contains("G/seed2/metrics.jsonl: line 2 is not a metrics row"),
+        "{err}"
+    );
 }

@@ -171,8 +171,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
                 r["response_tokens"],
             );
         }
-        std::fs::write(out.with_extension("md"), md)
-            .with_context(|| format!("{}: cannot write", out.with_extension("md").display()))?;
+        crate::io::write_atomic(&out.with_extension("md"), md.as_bytes())?;
     }
     Ok(())
 }

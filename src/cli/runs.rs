@@ -50,8 +50,8 @@ fn find(root: &Path, depth: usize, out: &mut Vec<PathBuf>) {
 /// Reads what a run directory says about itself; unreadable lines and files are skipped, not fatal.
 pub fn inspect(dir: &Path) -> RunInfo {
     let cfg: Option<TrainConfig> = crate::io::read_json(&dir.join("config.json")).ok();
-    let rows = metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::Skip)
-        .unwrap_or_default();
+    let rows =
+        metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::Skip).unwrap_or_default();
     let (mut last_step, mut accuracy) = (None, None);
     let want = cfg
         .as_ref()

@@ -52,10 +52,7 @@ fn load(
     if path.is_none() {
         if let Some(init) = &cfg.model.init_config {
             if !init.is_file() {
-                if let Some(parent) = init.parent() {
-                    std::fs::create_dir_all(parent)?;
-                }
-                std::fs::write(init, config::DEFAULT_MODEL_CONFIG)?;
+                crate::io::write_atomic(init, config::DEFAULT_MODEL_CONFIG.as_bytes())?;
             }
         }
     }
@@ -128,13 +125,15 @@ pub struct ExperimentArgs {
 
 pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
     let report = if args.report_only {
-        let text = std::fs::read_to_string(&args.file)?;
-        let exp: train::experiment::ExperimentConfig =
-            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", args.file.display()))?;
-        let results = exp
-            .results_dir
-            .clone()
-            .unwrap_or_else(|| PathBuf::from("experiments/results").join(&exp.name));
+        let exp = train::experiment::ExperimentConfig::load(&args.file)?;
+        let results = exp.results();
+        if !results.is_dir() {
+            anyhow::bail!(
+                "{}: no results of this experiment yet ({} does not exist)",
+                args.file.display(),
+                results.display()
+            );
+        }
         train::experiment::write_report(&exp, &results)?
     } else {
         train::experiment::run_experiment(&args.file, args.quiet, args.backend)?

@@ -41,6 +41,29 @@ pub struct ExperimentConfig {
     pub variants: Vec<Variant>,
 }
 
+impl ExperimentConfig {
+    /// Reads and checks an experiment file; errors name it.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
+        let exp: Self =
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        if exp.seeds.is_empty() || exp.variants.is_empty() {
+            bail!(
+                "{}: needs at least one seed and one variant",
+                path.display()
+            );
+        }
+        Ok(exp)
+    }
+
+    /// Where the runs and the report go: `results_dir`, by default `experiments/results/<name>`.
+    pub fn results(&self) -> PathBuf {
+        self.results_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("experiments/results").join(&self.name))
+    }
+}
+
 /// Sets `key` (dotted path such as `rollout.precision`) in a TOML document, creating missing tables on the
 /// way (`sft.steps` on a config without `[sft]`); a misspelt key is then rejected by the config's own parse,
 /// which names the unknown field.
@@ -91,25 +114,14 @@ pub fn run_experiment(
     quiet: bool,
     backend: Option<crate::ops::BackendKind>,
 ) -> anyhow::Result<PathBuf> {
-    let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
-    let exp: ExperimentConfig =
-        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-    if exp.seeds.is_empty() || exp.variants.is_empty() {
-        bail!(
-            "{}: needs at least one seed and one variant",
-            path.display()
-        );
-    }
+    let exp = ExperimentConfig::load(path)?;
     let base_dir = path.parent().unwrap_or(Path::new("."));
     let base_path = base_dir.join(&exp.base);
     let base_text = std::fs::read_to_string(&base_path)
         .map_err(crate::io::failed(&base_path, "cannot read"))?;
     let base: toml::Value =
         toml::from_str(&base_text).map_err(|e| anyhow::anyhow!("{}: {e}", base_path.display()))?;
-    let results = exp
-        .results_dir
-        .clone()
-        .unwrap_or_else(|| PathBuf::from("experiments/results").join(&exp.name));
+    let results = exp.results();
     // One experiment process per results directory (each run directory is locked by its run as well).
     let _lock = super::lock::RunLock::acquire(&results)?;
     // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
@@ -506,7 +518,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         writeln!(md, "- `{}`: {about}({})", v.name, overrides_text(&v.set))?;
     }
     let path = results.join("report.md");
-    std::fs::write(&path, md)?;
+    crate::io::write_atomic(&path, md.as_bytes())?;
     Ok(path)
 }
 

@@ -187,14 +187,31 @@ mod tests {
         std::fs::write(&path, "{\"step\":0}\n\n{\"step\":1}\n{\"st").unwrap();
         for bad in [BadLines::TornLastOnly, BadLines::Skip] {
             let rows = read_rows(&path, bad).unwrap();
-            assert_eq!(rows, [serde_json::json!({"step": 0}), serde_json::json!({"step": 1})]);
+            assert_eq!(
+                rows,
+                [
+                    serde_json::json!({"step": 0}),
+                    serde_json::json!({"step": 1})
+                ]
+            );
         }
         // A damaged line (and a line that is JSON but not an object) in the middle.
         std::fs::write(&path, "{\"step\":0}\n{\"st\n[1]\n{\"step\":2}\n").unwrap();
-        let err = read_rows(&path, BadLines::TornLastOnly).unwrap_err().to_string();
-        assert!(err.contains("metrics.jsonl: line 2 is not a metrics row"), "{err}");
+        let err = read_rows(&path, BadLines::TornLastOnly)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("metrics.jsonl: line 2 is not a metrics row"),
+            "{err}"
+        );
         let rows = read_rows(&path, BadLines::Skip).unwrap();
-        assert_eq!(rows, [serde_json::json!({"step": 0}), serde_json::json!({"step": 2})]);
+        assert_eq!(
+            rows,
+            [
+                serde_json::json!({"step": 0}),
+                serde_json::json!({"step": 2})
+            ]
+        );
         std::fs::write(&path, "{\"step\":0}\n[1]\n").unwrap();
         assert_eq!(read_rows(&path, BadLines::TornLastOnly).unwrap().len(), 1);
         let missing = read_rows(&dir.path().join("none.jsonl"), BadLines::Skip).unwrap_err();
