@@ -145,8 +145,9 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   # Issue 28's MoE target first: the Qwen3-30B-A3B block with int4-g128 weights and bf16 activations at
   # prefill and training sizes, every kernel (moe/mma: the tensor-core tiles) checked, each tiles order
   # also bitwise against the same tokens one at a time, and timed against burn's bf16 matmul on the same
-  # FLOPs; at 1-64 tokens moe/decode-fused and moe/decode-split are the decode target (% of copy, from
-  # ids on the device as a rollout routes them). QARL_GPU_CHECK_MOE=0 skips it;
+  # FLOPs; at 1-64 tokens moe/decode-fused, moe/decode-split and moe/decode-graph (the split launches
+  # recorded once as a CUDA graph and replayed) are the decode target (% of copy, from ids on the device
+  # as a rollout routes them). QARL_GPU_CHECK_MOE=0 skips it;
   # QARL_GPU_CHECK_MOE_TIMEOUT (default 150) bounds it; QARL_GPU_CHECK_MOE_TOKENS and _ITERS set the
   # token counts and the timed iterations.
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_MOE:-1}" = 1 ]; then

@@ -7,6 +7,7 @@
 //! device has; a launch on another is [`KernelError::Unsupported`].
 
 mod exact;
+mod graph;
 pub(crate) mod moe;
 mod moe_train;
 
@@ -20,6 +21,7 @@ use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::mma::{self, MMA, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::mma_moe;
 use crate::kernels::{dense, fp8, BLOCK, CHUNK, TILE};
+pub use graph::Recorded;
 pub use moe_train::{MoeActivations, MoeGradients};
 
 /// Packed weights (one matrix or a stack of experts) uploaded to the device.

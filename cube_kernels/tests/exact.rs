@@ -6,26 +6,8 @@
 #![cfg(feature = "wgpu")]
 
 use cube_kernels::Kernels;
-use std::sync::OnceLock;
-
-fn kernels() -> Option<&'static Kernels> {
-    static K: OnceLock<Option<Kernels>> = OnceLock::new();
-    K.get_or_init(|| match std::panic::catch_unwind(Kernels::wgpu) {
-        Ok(Ok(k)) => Some(k),
-        other => {
-            let why = match other {
-                Ok(Err(e)) => e.to_string(),
-                _ => "the wgpu runtime panicked while starting".to_owned(),
-            };
-            if std::env::var("QARL_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
-                panic!("QARL_REQUIRE_WGPU=1 but no wgpu device: {why}");
-            }
-            eprintln!("SKIPPED: no wgpu device ({why}); install mesa-vulkan-drivers for lavapipe");
-            None
-        }
-    })
-    .as_ref()
-}
+mod common;
+use common::kernels;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;

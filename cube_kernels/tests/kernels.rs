@@ -15,34 +15,8 @@ use cube_kernels::reference;
 use cube_kernels::{
     ActDType, Kernels, MatmulPath, MoeRouting, PackedWeights, RoutingTable, WeightFormat,
 };
-use std::sync::OnceLock;
-
-fn kernels() -> Option<&'static Kernels> {
-    static K: OnceLock<Option<Kernels>> = OnceLock::new();
-    K.get_or_init(|| {
-        let made = std::panic::catch_unwind(Kernels::wgpu);
-        match made {
-            Ok(Ok(k)) => {
-                eprintln!("wgpu adapter: {}", k.device_name());
-                Some(k)
-            }
-            other => {
-                let why = match other {
-                    Ok(Err(e)) => e.to_string(),
-                    _ => "the wgpu runtime panicked while starting".to_owned(),
-                };
-                if std::env::var("QARL_REQUIRE_WGPU").is_ok_and(|v| v == "1") {
-                    panic!("QARL_REQUIRE_WGPU=1 but no wgpu device: {why}");
-                }
-                eprintln!(
-                    "SKIPPED: no wgpu device ({why}); install mesa-vulkan-drivers for lavapipe"
-                );
-                None
-            }
-        }
-    })
-    .as_ref()
-}
+mod common;
+use common::kernels;
 
 const FORMATS: [WeightFormat; 7] = [
     WeightFormat::Int4 { group: 32 },

@@ -406,16 +406,17 @@ mod imp {
                 weights: [&gate, &up, &down],
                 device: [&dg, &du, &dd],
             };
-            // The decode rows' kernels: the down projection and the combine fused, and apart.
+            // The decode rows' kernels: the down projection and the combine fused, and apart, and the
+            // latter recorded once and replayed as a graph.
+            let split = k.clone().with_decode_combine(Some(false));
             let decode = [
                 (
                     "moe/decode-fused",
                     k.clone().with_decode_combine(Some(true)),
+                    false,
                 ),
-                (
-                    "moe/decode-split",
-                    k.clone().with_decode_combine(Some(false)),
-                ),
+                ("moe/decode-split", split.clone(), false),
+                ("moe/decode-graph", split, true),
             ];
             // The tensor-core tiles' order for the grouped products, as for the dense weight above.
             let tiles: Vec<_> = grouped
@@ -515,9 +516,14 @@ mod imp {
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
                 if n <= Kernels::MOE_GEMV_MAX_TOKENS {
-                    for (what, kd) in &decode {
+                    for (what, kd, graph) in &decode {
                         let call = (ids.as_slice(), n, *what);
-                        let t = time_decode_block(args, kd, &block, call, [&dx, &drw], failures)?;
+                        let inputs = [&dx, &drw];
+                        let Some(t) =
+                            time_decode_block(args, kd, &block, call, inputs, *graph, failures)?
+                        else {
+                            continue;
+                        };
                         rows.push(row(what, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                     }
                 }
@@ -542,22 +548,52 @@ mod imp {
     /// already on the device, routed there ([`Kernels::route`]: one launch, no upload), and the grouped
     /// GEMV path with the down projection and the combine as `k` says ([`Kernels::with_decode_combine`]:
     /// one launch or two), so the row is what a rollout pays per MoE layer besides the router. With
-    /// `--check`, its bits must be `moe/tiled`'s (host routing, register tiles, the combine apart).
-    /// Returns the mean seconds per call.
+    /// `graph` (`moe/decode-graph`) those launches are recorded once ([`Kernels::record`]) and each call
+    /// is one replay: what the launch path costs at decode sizes. With `--check`, its bits must be
+    /// `moe/tiled`'s (host routing, register tiles, the combine apart). Returns the mean seconds per
+    /// call, or `None` for a graph on a runtime that records none (said once on stderr).
+    #[allow(clippy::too_many_arguments)]
     fn time_decode_block(
         args: &KernelBenchArgs,
         k: &Kernels,
         block: &MoeBlock,
         (ids, n, what): (&[u32], usize, &str),
         [dx, drw]: [&DeviceBuffer; 2],
+        graph: bool,
         failures: &mut Vec<String>,
-    ) -> anyhow::Result<f64> {
+    ) -> anyhow::Result<Option<f64>> {
         let experts = block.weights[0].experts();
-        let dids = k.upload_u32(ids);
         let [dg, du, dd] = block.device;
+        let decode = |k: &Kernels, inputs: &[DeviceBuffer]| {
+            let table = k.route(&inputs[1], n, args.top_k, experts)?;
+            k.moe_routed(
+                &inputs[0],
+                &table,
+                &inputs[2],
+                [dg, du, dd],
+                MatmulPath::Gemv,
+            )
+        };
+        let inputs = vec![dx.clone(), k.upload_u32(ids), drw.clone()];
+        let recorded = if graph {
+            match k.record(inputs.clone(), decode) {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    eprintln!("{what}: not timed ({e})");
+                    return Ok(None);
+                }
+            }
+        } else {
+            None
+        };
         let run = || -> anyhow::Result<DeviceBuffer> {
-            let table = k.route(&dids, n, args.top_k, experts)?;
-            Ok(k.moe_routed(dx, &table, drw, [dg, du, dd], MatmulPath::Gemv)?)
+            Ok(match &recorded {
+                Some(r) => {
+                    r.replay()?;
+                    r.output().clone()
+                }
+                None => decode(k, &inputs)?,
+            })
         };
         if args.check {
             // An independent path: host routing, the 16-assignment register tiles, the combine apart.
@@ -573,7 +609,11 @@ mod imp {
             }
         }
         let sync = || k.sync().expect("device sync");
-        Ok(time(args.iters, || drop(run().expect("moe decode")), &sync))
+        Ok(Some(time(
+            args.iters,
+            || drop(run().expect("moe decode")),
+            &sync,
+        )))
     }
 
     /// The grouped tiles of one dense weight (`path`: [`MatmulPath::Mma`] on tensor cores, or
