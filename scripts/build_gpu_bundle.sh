@@ -13,8 +13,9 @@ grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/excl
 mkdir -p .gpu .gl
 target="${CARGO_TARGET_DIR:-target}"
 only="${QARL_GPU_BUNDLE:-wgpu,cuda}"
-pack() { # pack BINARY NAME: strip, compress into .gpu/NAME.xz
+pack() { # pack BINARY NAME: strip, compress into .gpu/NAME.xz, and say what it was built from in .gpu/NAME.built
   strip -o ".gpu/$2" "$1" && xz -T0 -6 -f ".gpu/$2"
+  { git rev-parse HEAD; git status --porcelain --untracked-files=no | sed 's/^/modified: /'; date -u +%FT%TZ; } > ".gpu/$2.built"
 }
 # Both builds write $target/release/qarl: each is packed before the next one starts.
 if [[ ",$only," == *,wgpu,* ]]; then

@@ -29,6 +29,7 @@ mkdir -p "$out"
 bins=/tmp/qarl-gpu-bins
 mkdir -p "$bins"
 for f in .gpu/qarl-*; do
+  [[ "$f" == *.built ]] && continue
   name=$(basename "$f" .xz)
   if [[ "$f" == *.xz ]]; then xz -dc "$f" > "$bins/$name"; else cp "$f" "$bins/$name"; fi
   chmod +x "$bins/$name"
@@ -53,6 +54,8 @@ if ! { [ -n "${CUDA_PATH:-}" ] && has_libdevice "$CUDA_PATH"; }; then
   if [ -n "$found" ]; then export CUDA_PATH="$found"; elif has_libdevice "$PWD/.gpu/cuda"; then export CUDA_PATH="$PWD/.gpu/cuda"; fi
 fi
 {
+  # What each binary was built from (scripts/build_gpu_bundle.sh): the results belong to that commit.
+  for f in .gpu/*.built; do [ -f "$f" ] && { echo "== $(basename "$f" .built) built from"; cat "$f"; }; done
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   echo "CUDA_PATH=${CUDA_PATH:-} (libdevice: $(has_libdevice "${CUDA_PATH:-/nonexistent}" && echo found || echo missing))"
   ldd --version | head -1

@@ -5,7 +5,6 @@
 //! Without a Vulkan driver the tests skip with a message, unless `QARL_REQUIRE_WGPU=1`.
 #![cfg(feature = "wgpu")]
 
-use cube_kernels::Kernels;
 mod common;
 use common::kernels;
 

@@ -93,17 +93,15 @@ fn a_recorded_moe_decode_replays_the_launches_bitwise() {
                 decode(k, inputs, &weights, tokens)
             })
             .unwrap();
-        // The recording's own run wrote the output once; a replay writes it again, the same bits.
+        // The recorded run only recorded: the output holds a result once a replay has run. Cleared
+        // first, so that a replay that wrote nothing fails here.
         let want = direct(&first);
         assert!(want.iter().any(|v| *v != 0.0), "{what}: all zero");
-        assert_eq!(
-            bits(&k.read_f32(recorded.output()).unwrap()),
-            bits(&want),
-            "{what}: recorded run"
-        );
+        let output = recorded.output();
+        k.write(output, &vec![0.0; output.len()]).unwrap();
         recorded.replay().unwrap();
         assert_eq!(
-            bits(&k.read_f32(recorded.output()).unwrap()),
+            bits(&k.read_f32(output).unwrap()),
             bits(&want),
             "{what}: replay"
         );
@@ -179,10 +177,12 @@ fn a_failed_recording_is_an_error_and_leaves_recording_possible() {
     let recorded = k
         .record(upload(), |k, inputs| decode(k, inputs, &weights, 2))
         .unwrap();
+    let output = recorded.output();
+    k.write(output, &vec![0.0; output.len()]).unwrap();
     recorded.replay().unwrap();
     let want = k
         .read_f32(&decode(k, &upload(), &weights, 2).unwrap())
         .unwrap();
     assert!(want.iter().any(|v| *v != 0.0));
-    assert_eq!(bits(&k.read_f32(recorded.output()).unwrap()), bits(&want));
+    assert_eq!(bits(&k.read_f32(output).unwrap()), bits(&want));
 }

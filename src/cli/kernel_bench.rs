@@ -551,7 +551,7 @@ mod imp {
     /// `graph` (`moe/decode-graph`) those launches are recorded once ([`Kernels::record`]) and each call
     /// is one replay: what the launch path costs at decode sizes. With `--check`, its bits must be
     /// `moe/tiled`'s (host routing, register tiles, the combine apart). Returns the mean seconds per
-    /// call, or `None` for a graph on a runtime that records none (said once on stderr).
+    /// call, or `None` for a graph the runtime does not record or replay (said on stderr).
     #[allow(clippy::too_many_arguments)]
     fn time_decode_block(
         args: &KernelBenchArgs,
@@ -607,6 +607,11 @@ mod imp {
                     dx.dtype()
                 ));
             }
+        }
+        // One call before timing, so that a replay the runtime refuses is reported, not a panic.
+        if let Err(e) = run() {
+            eprintln!("{what} n={n}: not timed ({e})");
+            return Ok(None);
         }
         let sync = || k.sync().expect("device sync");
         Ok(Some(time(

@@ -8,8 +8,14 @@
 //! not the kernels, sets the time. A replay skips it (pipeline lookup, argument binding and metadata
 //! upload happened once, while recording), which is how rollout engines run decode steps (vLLM's CUDA
 //! graphs). The kernels and their arguments are the recorded ones, so a replay computes bitwise what
-//! the same launches compute directly (`tests/kernels.rs` checks it on lavapipe, `qarl bench kernels
+//! the same launches compute directly (`tests/graph.rs` checks it on lavapipe, `qarl bench kernels
 //! --check` on GPUs).
+//!
+//! What keeps a replay's buffers valid: CubeCL 0.11.3 guards every memory page the recorded launches
+//! touched (weights, inputs, intermediates, launch metadata) for the graph's life, so none of them is
+//! handed to another allocation or moved, even once its handle is dropped (`cubecl-server`'s capture
+//! window; the crate is pinned to that version). The price: free room on those pages stays unused
+//! while a recording lives.
 
 use cubecl::client::Graph;
 use cubecl::prelude::*;
@@ -19,9 +25,9 @@ use crate::error::KernelError;
 
 /// A launch sequence recorded on the device, replayed on the buffers it was recorded with: `inputs`,
 /// which [`Kernels::write`] refreshes in place between replays, and `output`, what the recorded run
-/// returned (its buffers hold each replay's result). Every page the recorded launches touched (weights,
-/// intermediates) is kept by the runtime for the graph's life, so nothing the replay reads or writes can
-/// be handed to another allocation.
+/// returned, whose buffers hold each replay's result (nothing valid before the first replay: the
+/// recorded run only recorded). Inputs are written and outputs read from the thread that recorded it,
+/// so that they are ordered against the replays (one stream).
 pub struct Recorded<T> {
     graph: Graph,
     kernels: Kernels,
@@ -35,7 +41,8 @@ pub struct Recorded<T> {
 impl Kernels {
     /// Records `run` on `inputs` into a graph: `run` runs once to warm the runtime's memory pools (its
     /// result dropped: nothing may be allocated while recording), then again while recording, and that
-    /// second run's result is the recording's output. `run` must launch on the kernels it is given and
+    /// second run's result is the recording's output (its buffers, written by each replay; the recorded
+    /// run itself executes nothing). `run` must launch on the kernels it is given and
     /// neither read nor upload (a recording holds launches only; a refused operation fails the
     /// recording). Errors where the runtime records no graphs.
     pub fn record<T>(
@@ -72,8 +79,9 @@ impl Kernels {
     }
 
     /// Writes `values` into `buffer` in place, encoded in its element type (each rounded to it as
-    /// [`Kernels::upload`] does), where a recording reads it: the next replay sees them. The length must
-    /// be the buffer's.
+    /// [`Kernels::upload`] does), where a recording reads it: the next replay sees them (write from the
+    /// thread that replays). The length must be the buffer's; the element type is not checked against
+    /// how the buffer was made (a buffer of `u32` reports f32): ids go through [`Kernels::write_u32`].
     pub fn write(&self, buffer: &DeviceBuffer, values: &[f32]) -> Result<(), KernelError> {
         self.check_write(buffer, values.len())?;
         let mut bytes = buffer.dtype.encode(values);
@@ -111,7 +119,8 @@ impl<T> Recorded<T> {
         &self.inputs
     }
 
-    /// What the recorded run returned; after a replay its buffers hold that replay's result.
+    /// What the recorded run returned; after a replay its buffers hold that replay's result (before the
+    /// first replay, nothing valid).
     pub fn output(&self) -> &T {
         &self.output
     }
@@ -132,11 +141,12 @@ impl<T> Recorded<T> {
                     .into(),
             ));
         }
-        // SAFETY: the pages of every buffer the recorded launches touched are guarded by the runtime for
-        // the graph's life (CubeCL's capture window), and the inputs and output are held here; the
-        // replay, the input writes and the output reads are issued from this thread, hence on one stream
-        // and in order; no other stream writes these buffers (the weights are only read, the
-        // intermediates were allocated by the recorded run).
+        // SAFETY: liveness: the pages of every buffer the recorded launches touched are guarded by the
+        // runtime for the graph's life (CubeCL 0.11.3's capture window guards them when it closes; see
+        // the module docs), and the inputs and output are held here. Ordering: this replay is issued
+        // from the recording thread, hence on the recording's stream; the documented use writes inputs
+        // and reads outputs from the same thread. No other stream writes these buffers: the weights are
+        // only read and the intermediates belong to the recording.
         unsafe { self.graph.replay() }
             .map_err(|e| KernelError::Device(format!("replaying a recorded graph: {e:?}")))
     }
