@@ -132,6 +132,9 @@ pub struct Kernels {
     /// Whether the grouped GEMV's path runs the down projection and the combine as one launch; `None`:
     /// by [`Self::fuses_decode_combine`]'s rule ([`Self::with_decode_combine`]).
     fused_combine: Option<bool>,
+    /// Assignments the grouped GEMV takes at once; `None`: by [`Self::gemv_assignments_per_pass`]'s rule
+    /// ([`Self::with_gemv_assignments_per_pass`]).
+    gemv_per_pass: Option<usize>,
 }
 
 /// How many K steps the tiles stage per pair of barriers ([`Kernels::stage_steps`]).
@@ -194,6 +197,7 @@ impl Kernels {
             lut,
             staging: Staging::Default,
             fused_combine: None,
+            gemv_per_pass: None,
         }
     }
 

@@ -423,15 +423,19 @@ pub fn compile_decode_kernels(
             } else {
                 ("down", 768, 2048)
             };
-            let shape = grouped_gemv_shape(inn, rows_out, swiglu).expect("a grouped GEMV cube");
-            let dim = CubeDim::new_2d(shape.lanes as u32, shape.rows_per_cube as u32);
-            out.push(compile_dummy!(
-                target, format!("grouped_gemv {kind} {} {dtype}", format.name()), false,
-                moe_kernels::grouped_gemv, dim;
-                p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
-                fmt, group, shape.lanes, shape.rows_per_cube, shape.chunks, swiglu, swiglu,
-                shape.stage_x, dtype.elem()
-            ));
+            for per_pass in [1, crate::Kernels::MAX_GEMV_ASSIGNMENTS_PER_PASS] {
+                let shape = grouped_gemv_shape(inn, rows_out, swiglu, per_pass)
+                    .expect("a grouped GEMV cube");
+                let dim = CubeDim::new_2d(shape.lanes as u32, shape.rows_per_cube as u32);
+                out.push(compile_dummy!(
+                    target,
+                    format!("grouped_gemv {kind} {} {dtype} p{per_pass}", format.name()), false,
+                    moe_kernels::grouped_gemv, dim;
+                    p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
+                    fmt, group, shape.lanes, shape.rows_per_cube, shape.chunks, per_pass, swiglu,
+                    swiglu, shape.stage_x, dtype.elem()
+                ));
+            }
         }
         for dtype in [ActDType::F32, ActDType::BF16, ActDType::F16] {
             out.push(compile_dummy!(

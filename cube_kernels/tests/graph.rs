@@ -63,6 +63,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 }
 
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn a_recorded_moe_decode_replays_the_launches_bitwise() {
     let Some(k) = kernels() else { return };
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
@@ -140,6 +141,7 @@ fn a_recorded_moe_decode_replays_the_launches_bitwise() {
 
 /// A run that fails before or while recording is an error, and the runtime is left able to record.
 #[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn a_failed_recording_is_an_error_and_leaves_recording_possible() {
     let Some(k) = kernels() else { return };
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());

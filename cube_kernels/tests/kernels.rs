@@ -1364,3 +1364,69 @@ fn tile_stage_steps_do_not_change_the_bits() {
         "at least 2 K steps per stage must run on every format"
     );
 }
+
+/// The grouped GEMV taking 2, 3 or 4 assignments of a tile at once (each weight decoded once for them)
+/// computes bitwise what it computes one assignment at a time: every format, whole and partial chunks
+/// (hidden 200 = 6 x 32 + 8), passes that end past the tile (6-7 assignments per expert), staged input
+/// rows and, at 1100 inputs with 4 per pass, rows read from memory unstaged; f32 and f16 activations.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn gemv_assignments_per_pass_do_not_change_the_bits() {
+    let Some(k) = kernels() else { return };
+    let (experts, inter, tokens, top_k) = (4, 40, 9, 3);
+    let ids: Vec<u32> = (0..tokens * top_k)
+        .map(|a| ((a / top_k) + (a % top_k) * 3) as u32 % experts as u32)
+        .collect();
+    let routing = MoeRouting::new(&ids, tokens, top_k, experts).unwrap();
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        for hidden in [200, 1100] {
+            if hidden == 1100 && i % 3 != 0 {
+                continue; // the unstaged rows on three formats keep the test short on lavapipe
+            }
+            let seed = 1200 + 10 * i as u64 + hidden as u64;
+            let w = [(inter, hidden), (inter, hidden), (hidden, inter)]
+                .iter()
+                .enumerate()
+                .map(|(j, &(o, n))| {
+                    k.upload_weights(&random_weights(format, experts, o, n, seed + j as u64))
+                })
+                .collect::<Vec<_>>();
+            let mut rng = Rng(seed + 7);
+            let x = rng.values(tokens * hidden);
+            let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
+            // f16 on one format, 2 and 3 per pass on another: lavapipe compiles each variant, and
+            // these are the checks that differ by them.
+            let dtypes: &[ActDType] = if i == 0 {
+                &[ActDType::F32, ActDType::F16]
+            } else {
+                &[ActDType::F32]
+            };
+            let passes: &[usize] = if i == 1 { &[2, 3, 4] } else { &[4] };
+            for &dtype in dtypes {
+                if !k.supports(dtype) {
+                    continue;
+                }
+                let (dx, dw) = (
+                    k.upload(&x, dtype).unwrap(),
+                    k.upload(&route_w, dtype).unwrap(),
+                );
+                let run = |per_pass| {
+                    let kp = k.clone().with_gemv_assignments_per_pass(Some(per_pass));
+                    let y =
+                        kp.moe_with(&dx, &routing, &dw, [&w[0], &w[1], &w[2]], MatmulPath::Gemv);
+                    k.read_f32(&y.unwrap()).unwrap()
+                };
+                let one = run(1);
+                assert!(one.iter().any(|v| *v != 0.0), "{}: all zero", format.name());
+                for &per_pass in passes {
+                    assert_eq!(
+                        bits(&run(per_pass)),
+                        bits(&one),
+                        "{} hidden {hidden} {dtype}: {per_pass} assignments per pass",
+                        format.name()
+                    );
+                }
+            }
+        }
+    }
+}

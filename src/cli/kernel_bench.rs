@@ -406,9 +406,11 @@ mod imp {
                 weights: [&gate, &up, &down],
                 device: [&dg, &du, &dd],
             };
-            // The decode rows' kernels: the down projection and the combine fused, and apart, and the
-            // latter recorded once and replayed as a graph.
+            // The decode rows' kernels: the down projection and the combine fused, and apart; the
+            // latter with the GEMV taking 4 assignments of a tile at once (`-p4`, the same bits), and
+            // recorded once and replayed as a graph.
             let split = k.clone().with_decode_combine(Some(false));
+            let per_pass = Kernels::MAX_GEMV_ASSIGNMENTS_PER_PASS;
             let decode = [
                 (
                     "moe/decode-fused",
@@ -416,6 +418,11 @@ mod imp {
                     false,
                 ),
                 ("moe/decode-split", split.clone(), false),
+                (
+                    "moe/decode-split-p4",
+                    split.clone().with_gemv_assignments_per_pass(Some(per_pass)),
+                    false,
+                ),
                 ("moe/decode-graph", split, true),
             ];
             // The tensor-core tiles' order for the grouped products, as for the dense weight above.

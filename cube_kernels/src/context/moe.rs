@@ -26,6 +26,27 @@ impl Kernels {
         self
     }
 
+    /// These kernels with the grouped GEMV taking `Some(n)` assignments of a tile at once (each weight
+    /// decoded once for them, [`crate::kernels::chunk_dots`]), or by
+    /// [`Self::gemv_assignments_per_pass`]'s rule (`None`): the same bits every way; for tests, and for
+    /// timing the choice.
+    pub fn with_gemv_assignments_per_pass(mut self, n: Option<usize>) -> Self {
+        self.gemv_per_pass = n.map(|n| n.clamp(1, Self::MAX_GEMV_ASSIGNMENTS_PER_PASS));
+        self
+    }
+
+    /// Most assignments the grouped GEMV takes at once: a tile's 16 would leave a cube room for two rows'
+    /// sums at 2048 inputs.
+    pub const MAX_GEMV_ASSIGNMENTS_PER_PASS: usize = 4;
+
+    /// Assignments the grouped GEMV takes at once, unless [`Self::with_gemv_assignments_per_pass`] says:
+    /// one, as measured on the H200 (2026-12-04); several (decode once, one fused multiply-add per
+    /// assignment) is timed beside it by `qarl bench kernels` (`moe/decode-split-p4`) and waits for a
+    /// GPU to say whether it pays.
+    pub fn gemv_assignments_per_pass(&self) -> usize {
+        self.gemv_per_pass.unwrap_or(1)
+    }
+
     /// Whether the grouped GEMV's path fuses the down projection and the combine, unless
     /// [`Self::with_decode_combine`] says. Fused, a cube computes one token's slots, so an expert's rows
     /// are read once per assignment; apart, the down projection runs per 16-assignment tile and reads
@@ -350,11 +371,12 @@ impl Kernels {
             return;
         }
         let gemv = kernel == GroupedKernel::Gemv;
-        let shape = grouped_gemv_shape(a.inn, a.out, swiglu);
+        let shape = grouped_gemv_shape(a.inn, a.out, swiglu, self.gemv_assignments_per_pass());
         if let Some(GemvShape {
             chunks,
             lanes,
             rows_per_cube,
+            per_pass,
             stage_x,
         }) = shape.filter(|_| gemv && layout.tiles <= MAX_GRID)
         {
@@ -382,6 +404,7 @@ impl Kernels {
                 lanes,
                 rows_per_cube,
                 chunks,
+                per_pass,
                 swiglu,
                 gather,
                 stage_x,
@@ -491,24 +514,32 @@ pub(crate) struct GemvShape {
     /// Units summing one row's chunks side by side.
     pub lanes: usize,
     pub rows_per_cube: usize,
-    /// Whether the input row is staged in shared memory.
+    /// Assignments a lane takes at once (each weight decoded once for them).
+    pub per_pass: usize,
+    /// Whether the pass's input rows are staged in shared memory.
     pub stage_x: bool,
 }
 
-/// The grouped GEMV's cube for rows of `inn` inputs, `out` rows (two projections with `swiglu`): the chunk
-/// sums of a cube's rows (two sets with SwiGLU) within WebGPU's 16 KiB of shared memory, beside the input
-/// row staged when it fits; `None` when not even one row's sums fit (then the tiles run).
-pub(crate) fn grouped_gemv_shape(inn: usize, out: usize, swiglu: bool) -> Option<GemvShape> {
+/// The grouped GEMV's cube for rows of `inn` inputs, `out` rows (two projections with `swiglu`),
+/// `per_pass` assignments at a time: the chunk sums of a cube's rows (two sets with SwiGLU, one per
+/// assignment of a pass) within WebGPU's 16 KiB of shared memory, beside the pass's input rows staged
+/// when they fit; `None` when not even one row's sums fit (then the tiles run).
+pub(crate) fn grouped_gemv_shape(
+    inn: usize,
+    out: usize,
+    swiglu: bool,
+    per_pass: usize,
+) -> Option<GemvShape> {
     let chunks = inn.div_ceil(CHUNK).max(1);
-    let sets = if swiglu { 2 } else { 1 };
+    let sets = if swiglu { 2 } else { 1 } * per_pass;
     // An array the kernel does not use still takes one float (the up projection's sums without SwiGLU,
-    // the staged row without staging).
+    // the staged rows without staging).
     let unused_sums = if swiglu { 0 } else { 1 };
-    let staged = 32 * (chunks + 1);
+    let staged = per_pass * crate::kernels::staged_row_floats(chunks);
     let stage_x = staged + chunks * sets + unused_sums <= SHARED_FLOATS;
     let taken = if stage_x { staged } else { 1 } + unused_sums;
     let budget = SHARED_FLOATS.checked_sub(taken)?;
-    if budget < chunks * sets {
+    if per_pass == 0 || budget < chunks * sets {
         return None;
     }
     let lanes = chunks.min(32);
@@ -517,6 +548,7 @@ pub(crate) fn grouped_gemv_shape(inn: usize, out: usize, swiglu: bool) -> Option
         chunks,
         lanes,
         rows_per_cube,
+        per_pass,
         stage_x,
     })
 }

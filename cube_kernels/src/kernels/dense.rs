@@ -71,6 +71,7 @@ pub fn gemv<X: Float, Y: Float>(
             token * inn,
             inn,
             &mut xs,
+            0,
             local_row * lanes + lane,
             lanes * rows_per_cube,
             chunks,

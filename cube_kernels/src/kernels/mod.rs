@@ -158,33 +158,36 @@ pub fn scale_at(
     }
 }
 
-/// Input `k0 + j` of a product: `x[xoff + k0 + j]` widened to f32, or with `staged` its copy in `xs`, laid
-/// out by [`stage_transposed`] for a row of `chunks` chunks (`k0` a multiple of 32).
+/// Input `k0 + j` of a product: `x[xoff + k0 + j]` widened to f32, or with `staged` its copy in `xs` from
+/// `xs_at`, laid out by [`stage_transposed`] for a row of `chunks` chunks (`k0` a multiple of 32).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn input_at<X: Float>(
     x: &[X],
     xoff: usize,
     xs: &Shared<[f32]>,
+    xs_at: usize,
     k0: usize,
     j: usize,
     #[comptime] chunks: usize,
     #[comptime] staged: bool,
 ) -> f32 {
     if comptime!(staged) {
-        xs[j * (chunks + 1) + k0 / 32]
+        xs[xs_at + j * (chunks + 1) + k0 / 32]
     } else {
         f32::cast_from(x[xoff + k0 + j])
     }
 }
 
+/// Floats of one input row staged by [`stage_transposed`] for `chunks` chunks.
+pub const fn staged_row_floats(chunks: usize) -> usize {
+    32 * (chunks + 1)
+}
+
 /// One chunk of the canonical order: `sum_k input(k) * weight(row, k)` for `k` in `k0..k0 + depth`, fused
 /// multiply-adds from 0.0 in `k` order, bit for bit what [`weight_at`] one input at a time gives. The
 /// inputs are `x` from `xoff`, or with `staged` their copy in `xs` ([`input_at`]): the same values, so the
-/// same bits. A full chunk (`depth == 32`, `k0` a multiple of 32) of a format whose scale is constant over
-/// it (int8; int4 and fp8 groups that are multiples of 32) or over each word (fp4) loads each scale and
-/// each packed word once, and decodes the word's 8 (int4, fp4) or 4 (int8, fp8) codes from registers: the
-/// GEMV's loads are then the packed bytes themselves instead of one 32-bit load per weight.
+/// same bits. [`chunk_dots`] for one input row.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_dot<X: Float>(
@@ -206,7 +209,52 @@ pub fn chunk_dot<X: Float>(
     #[comptime] chunks: usize,
     #[comptime] staged: bool,
 ) -> f32 {
-    let mut part = 0.0f32;
+    let mut xoffs = Array::<u32>::new(1usize);
+    xoffs[0] = xoff as u32;
+    let mut parts = Array::<f32>::new(1usize);
+    chunk_dots(
+        x, &xoffs, xs, words, scales, lut, woff, soff, row, k0, depth, wpr, spr, &mut parts,
+        1usize, fmt, group, chunks, staged,
+    );
+    parts[0]
+}
+
+/// [`chunk_dot`] of one weight row with `count` input rows at once: row `p`'s inputs are `x` from
+/// `xoffs[p]`, or with `staged` their copy in `xs` from `p * staged_row_floats(chunks)`; `parts[p]` gets
+/// row `p`'s chunk sum. Each weight is decoded and scaled once and then meets each row in one fused
+/// multiply-add, in `k` order from 0.0 per row: every `parts[p]` is bit for bit [`chunk_dot`] of its row,
+/// and the decode, most of a GEMV's instructions per weight, is shared by the rows. A full chunk
+/// (`depth == 32`, `k0` a multiple of 32) of a format whose scale is constant over it (int8; int4 and fp8
+/// groups that are multiples of 32) or over each word (fp4) loads each scale and each packed word once,
+/// and decodes the word's 8 (int4, fp4) or 4 (int8, fp8) codes from registers.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn chunk_dots<X: Float>(
+    x: &[X],
+    xoffs: &Array<u32>,
+    xs: &Shared<[f32]>,
+    words: &[u32],
+    scales: &[f32],
+    lut: &[f32],
+    woff: usize,
+    soff: usize,
+    row: usize,
+    k0: usize,
+    depth: usize,
+    wpr: usize,
+    spr: usize,
+    parts: &mut Array<f32>,
+    #[comptime] count: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] chunks: usize,
+    #[comptime] staged: bool,
+) {
+    let row_floats = comptime!(staged_row_floats(chunks));
+    #[unroll]
+    for p in 0..count {
+        parts[p] = 0.0f32;
+    }
     let mut whole = false;
     // fp4 blocks (16 or 32 inputs) divide a chunk or equal it: its scale is looked up per 8-input word.
     if comptime!(fmt == 1 || fmt == 3 || group % 32 == 0) {
@@ -226,8 +274,20 @@ pub fn chunk_dot<X: Float>(
             #[unroll]
             for j in 0..cpw {
                 let v = word_code_value(word, j as u32, lut, fmt) * s;
-                let xv = input_at(x, xoff, xs, k0, w * cpw + j, chunks, staged);
-                part = fma(xv, v, part);
+                #[unroll]
+                for p in 0..count {
+                    let xv = input_at(
+                        x,
+                        xoffs[p] as usize,
+                        xs,
+                        p * row_floats,
+                        k0,
+                        w * cpw + j,
+                        chunks,
+                        staged,
+                    );
+                    parts[p] = fma(xv, v, parts[p]);
+                }
             }
         }
     } else {
@@ -245,10 +305,22 @@ pub fn chunk_dot<X: Float>(
                 fmt,
                 group,
             );
-            part = fma(input_at(x, xoff, xs, k0, j, chunks, staged), w, part);
+            #[unroll]
+            for p in 0..count {
+                let xv = input_at(
+                    x,
+                    xoffs[p] as usize,
+                    xs,
+                    p * row_floats,
+                    k0,
+                    j,
+                    chunks,
+                    staged,
+                );
+                parts[p] = fma(xv, w, parts[p]);
+            }
         }
     }
-    part
 }
 
 /// Inputs in chunk `c` of a sum over `len` inputs: 32, or what the last chunk has left.
@@ -285,7 +357,7 @@ pub fn sum_chunks(sums: &Shared<[f32]>, at: usize, #[comptime] chunks: usize) ->
 }
 
 /// Copies `x[xoff..xoff + inn]` into shared memory transposed by chunk: input `32 c + j` goes to
-/// `xs[j * (chunks + 1) + c]` (zeros past `inn`). The GEMVs' lanes each walk one chunk, so at a given depth
+/// `xs[xs_at + j * (chunks + 1) + c]` (zeros past `inn`). The GEMVs' lanes each walk one chunk, so at a given depth
 /// `j` they read `chunks` neighbouring floats (no bank conflicts) instead of floats 128 bytes apart in
 /// global memory (one cache line per lane per load). `unit` of `units` threads of the cube take part; the
 /// caller syncs the cube before reading. A unit's loads go out in batches of up to
@@ -297,6 +369,7 @@ pub fn stage_transposed<X: Float>(
     xoff: usize,
     inn: usize,
     xs: &mut Shared<[f32]>,
+    xs_at: usize,
     unit: usize,
     #[comptime] units: usize,
     #[comptime] chunks: usize,
@@ -316,7 +389,7 @@ pub fn stage_transposed<X: Float>(
         for i in 0..batch {
             let k = unit + (b * batch + i) * units;
             if k < total {
-                xs[(k % 32) * (chunks + 1) + k / 32] =
+                xs[xs_at + (k % 32) * (chunks + 1) + k / 32] =
                     select(k < inn, f32::cast_from(held[i]), 0.0f32);
             }
         }

@@ -31,8 +31,8 @@
 use cubecl::prelude::*;
 
 use super::{
-    chunk_depth, chunk_dot, stage_depth, stage_transposed, sum_chunks, weight_at, BLOCK,
-    STAGE_FLOATS, STAGE_STRIDE,
+    chunk_depth, chunk_dot, chunk_dots, stage_depth, stage_transposed, staged_row_floats,
+    sum_chunks, weight_at, BLOCK, STAGE_FLOATS, STAGE_STRIDE,
 };
 
 /// SwiGLU's `silu(g) * u = g / (1 + exp(-g)) * u` in f32, in that order of operations (the contract's step
@@ -206,14 +206,16 @@ pub fn grouped_matmul<X: Float>(
 
 /// The decode-sized form of [`grouped_matmul`], the same values bit for bit: cube `(x, y)` computes rows
 /// `rows_per_cube * x..` for the assignments of tile `y` (expert `table[3 y]`, assignments
-/// `table[3 y + 1]..table[3 y + 2]`), one assignment after the other, each row summed by `lanes` units in
-/// parallel chunks as the dense GEMV does (chunk sums in shared memory, added left to right by lane 0;
-/// with `stage_x` the assignment's input row is staged in shared memory first). A tile of
+/// `table[3 y + 1]..table[3 y + 2]`), `per_pass` assignments at a time, each row summed by `lanes` units
+/// in parallel chunks as the dense GEMV does (chunk sums in shared memory, added left to right by lane
+/// 0; with `stage_x` the pass's input rows are staged in shared memory first). A tile of
 /// [`grouped_matmul`] keeps 256 units on 64 rows x at most 16 assignments, so with one or two
 /// assignments per expert (decode) most of it is idle, while here every unit reads weights; and the
 /// cube's rows of the expert's weights come from memory once per tile, not once per assignment: the
-/// later assignments find them in the cache (a cube's rows are a few KiB), which matters from a few
-/// tokens up, where experts start to share assignments.
+/// later passes find them in the cache (a cube's rows are a few KiB), which matters from a few tokens
+/// up, where experts start to share assignments. With `per_pass > 1` a lane decodes each weight once
+/// for the pass's assignments ([`super::chunk_dots`]: one fused multiply-add per assignment and weight),
+/// where the decode is most of a GEMV's instructions per weight; each assignment's sums are the same.
 ///
 /// The barriers sit in a loop whose bounds come from the routing table: the same for every unit of the
 /// cube (one tile), so every unit reaches every barrier, but only at run time. CUDA, SPIR-V and naga
@@ -241,100 +243,203 @@ pub fn grouped_gemv<X: Float>(
     #[comptime] lanes: usize,
     #[comptime] rows_per_cube: usize,
     #[comptime] chunks: usize,
+    #[comptime] per_pass: usize,
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
     #[comptime] stage_x: bool,
     #[define(X)] _dtype: ElemType,
 ) {
-    let mut part_a = Shared::<[f32]>::new_slice(rows_per_cube * chunks);
-    let mut part_b =
-        Shared::<[f32]>::new_slice(comptime!(if swiglu { rows_per_cube * chunks } else { 1 }));
-    let mut xs = Shared::<[f32]>::new_slice(comptime!(if stage_x { 32 * (chunks + 1) } else { 1 }));
-    let lane = UNIT_POS_X as usize;
-    let local_row = UNIT_POS_Y as usize;
-    let row = CUBE_POS_X as usize * rows_per_cube + local_row;
+    let sums = comptime!(per_pass * rows_per_cube * chunks);
+    let mut part_a = Shared::<[f32]>::new_slice(sums);
+    let mut part_b = Shared::<[f32]>::new_slice(comptime!(if swiglu { sums } else { 1 }));
+    let row_floats = comptime!(staged_row_floats(chunks));
+    let mut xs =
+        Shared::<[f32]>::new_slice(comptime!(if stage_x { per_pass * row_floats } else { 1 }));
     let tile = CUBE_POS_Y as usize;
     let expert = table[3 * tile] as usize;
     let a0 = table[3 * tile + 1] as usize;
     let a_end = table[3 * tile + 2] as usize;
     let woff = expert * expert_words;
     let soff = expert * expert_scales;
-    let per_lane = comptime!(chunks.div_ceil(lanes));
-    // Two barriers per assignment: after staging its row, and after its chunk sums. Lane 0 adds the sums
-    // before it reaches the next assignment's first barrier, so one set of sums suffices.
-    for a in a0..a_end {
-        let mut src = a;
-        if comptime!(gather) {
-            src = table[rows_at + a] as usize;
+    // Full passes, then (when a pass takes several) the tile's last assignments one at a time: a pass
+    // never computes an assignment that is not there, so one assignment per tile (a decode step of one
+    // token) costs what it costs with one per pass.
+    let mut first = a0;
+    while first + per_pass <= a_end {
+        gemv_pass(
+            x,
+            table,
+            rows_at,
+            words_a,
+            scales_a,
+            words_b,
+            scales_b,
+            lut,
+            y,
+            &mut part_a,
+            &mut part_b,
+            &mut xs,
+            n_out,
+            inn,
+            wpr,
+            spr,
+            woff,
+            soff,
+            first,
+            per_pass,
+            fmt,
+            group,
+            lanes,
+            rows_per_cube,
+            chunks,
+            swiglu,
+            gather,
+            stage_x,
+        );
+        first += per_pass;
+    }
+    if comptime!(per_pass > 1) {
+        while first < a_end {
+            gemv_pass(
+                x,
+                table,
+                rows_at,
+                words_a,
+                scales_a,
+                words_b,
+                scales_b,
+                lut,
+                y,
+                &mut part_a,
+                &mut part_b,
+                &mut xs,
+                n_out,
+                inn,
+                wpr,
+                spr,
+                woff,
+                soff,
+                first,
+                1usize,
+                fmt,
+                group,
+                lanes,
+                rows_per_cube,
+                chunks,
+                swiglu,
+                gather,
+                stage_x,
+            );
+            first += 1;
         }
-        if comptime!(stage_x) {
+    }
+}
+
+/// One pass of [`grouped_gemv`]: assignments `first..first + count` of the cube's tile (all there), each
+/// row's chunks summed by the lanes ([`super::chunk_dots`]: each weight decoded once for the pass's
+/// assignments) into shared memory, then added left to right by lane 0. Two barriers: after staging the
+/// pass's input rows, and after its chunk sums; lane 0 adds the sums before it reaches the next pass's
+/// first barrier, so one set of sums suffices.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn gemv_pass<X: Float>(
+    x: &[X],
+    table: &[u32],
+    rows_at: usize,
+    words_a: &[u32],
+    scales_a: &[f32],
+    words_b: &[u32],
+    scales_b: &[f32],
+    lut: &[f32],
+    y: &mut [f32],
+    part_a: &mut Shared<[f32]>,
+    part_b: &mut Shared<[f32]>,
+    xs: &mut Shared<[f32]>,
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    woff: usize,
+    soff: usize,
+    first: usize,
+    #[comptime] count: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] lanes: usize,
+    #[comptime] rows_per_cube: usize,
+    #[comptime] chunks: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
+    #[comptime] stage_x: bool,
+) {
+    let lane = UNIT_POS_X as usize;
+    let local_row = UNIT_POS_Y as usize;
+    let row = CUBE_POS_X as usize * rows_per_cube + local_row;
+    let row_floats = comptime!(staged_row_floats(chunks));
+    let per_lane = comptime!(chunks.div_ceil(lanes));
+    let mut xoffs = Array::<u32>::new(count);
+    #[unroll]
+    for p in 0..count {
+        let mut src = first + p;
+        if comptime!(gather) {
+            src = table[rows_at + src] as usize;
+        }
+        xoffs[p] = (src * inn) as u32;
+    }
+    if comptime!(stage_x) {
+        #[unroll]
+        for p in 0..count {
             stage_transposed(
                 x,
-                src * inn,
+                xoffs[p] as usize,
                 inn,
-                &mut xs,
+                xs,
+                p * row_floats,
                 local_row * lanes + lane,
                 lanes * rows_per_cube,
                 chunks,
             );
         }
-        sync_cube();
-        if row < n_out {
-            for i in 0..per_lane {
-                let c = lane + i * lanes;
-                if c < chunks {
-                    let k0 = c * 32;
-                    let depth = chunk_depth(c, inn);
-                    part_a[local_row * chunks + c] = chunk_dot(
-                        x,
-                        src * inn,
-                        &xs,
-                        words_a,
-                        scales_a,
-                        lut,
-                        woff,
-                        soff,
-                        row,
-                        k0,
-                        depth,
-                        wpr,
-                        spr,
-                        fmt,
-                        group,
-                        chunks,
-                        stage_x,
+    }
+    sync_cube();
+    if row < n_out {
+        for i in 0..per_lane {
+            let c = lane + i * lanes;
+            if c < chunks {
+                let k0 = c * 32;
+                let depth = chunk_depth(c, inn);
+                let mut parts = Array::<f32>::new(count);
+                chunk_dots(
+                    x, &xoffs, &*xs, words_a, scales_a, lut, woff, soff, row, k0, depth, wpr, spr,
+                    &mut parts, count, fmt, group, chunks, stage_x,
+                );
+                #[unroll]
+                for p in 0..count {
+                    part_a[(p * rows_per_cube + local_row) * chunks + c] = parts[p];
+                }
+                if comptime!(swiglu) {
+                    chunk_dots(
+                        x, &xoffs, &*xs, words_b, scales_b, lut, woff, soff, row, k0, depth, wpr,
+                        spr, &mut parts, count, fmt, group, chunks, stage_x,
                     );
-                    if comptime!(swiglu) {
-                        part_b[local_row * chunks + c] = chunk_dot(
-                            x,
-                            src * inn,
-                            &xs,
-                            words_b,
-                            scales_b,
-                            lut,
-                            woff,
-                            soff,
-                            row,
-                            k0,
-                            depth,
-                            wpr,
-                            spr,
-                            fmt,
-                            group,
-                            chunks,
-                            stage_x,
-                        );
+                    #[unroll]
+                    for p in 0..count {
+                        part_b[(p * rows_per_cube + local_row) * chunks + c] = parts[p];
                     }
                 }
             }
         }
-        sync_cube();
-        if lane == 0 && row < n_out {
-            let mut v = sum_chunks(&part_a, local_row * chunks, chunks);
+    }
+    sync_cube();
+    if lane == 0 && row < n_out {
+        #[unroll]
+        for p in 0..count {
+            let at = (p * rows_per_cube + local_row) * chunks;
+            let mut v = sum_chunks(&*part_a, at, chunks);
             if comptime!(swiglu) {
-                v = silu_times(v, sum_chunks(&part_b, local_row * chunks, chunks));
+                v = silu_times(v, sum_chunks(&*part_b, at, chunks));
             }
-            y[a * n_out + row] = v;
+            y[(first + p) * n_out + row] = v;
         }
     }
 }
