@@ -40,9 +40,9 @@ impl Kernels {
     pub const MAX_GEMV_ASSIGNMENTS_PER_PASS: usize = 4;
 
     /// Assignments the grouped GEMV takes at once, unless [`Self::with_gemv_assignments_per_pass`] says:
-    /// one, as measured on the H200 (2026-12-04); several (decode once, one fused multiply-add per
-    /// assignment) is timed beside it by `qarl bench kernels` (`moe/decode-split-p4`) and waits for a
-    /// GPU to say whether it pays.
+    /// one, the kernel the H200 timed on 2026-12-04. Several (each weight decoded once, one fused
+    /// multiply-add per assignment) is timed beside it by `qarl bench kernels` (`moe/decode-split-p4`)
+    /// and becomes the rule if a GPU says it pays.
     pub fn gemv_assignments_per_pass(&self) -> usize {
         self.gemv_per_pass.unwrap_or(1)
     }
