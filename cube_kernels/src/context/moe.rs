@@ -26,8 +26,9 @@ impl Kernels {
         self
     }
 
-    /// These kernels with the grouped GEMV taking `Some(n)` assignments of a tile at once (each weight
-    /// decoded once for them, [`crate::kernels::chunk_dots`]), or by
+    /// These kernels with the grouped GEMV taking up to `Some(n)` assignments of a tile at once (each
+    /// weight decoded once for them, [`crate::kernels::chunk_dots`]; never more than the experts
+    /// average, so a step with one assignment per expert runs the one-per-pass kernel), or by
     /// [`Self::gemv_assignments_per_pass`]'s rule (`None`): the same bits every way; for tests, and for
     /// timing the choice.
     pub fn with_gemv_assignments_per_pass(mut self, n: Option<usize>) -> Self {
@@ -35,8 +36,8 @@ impl Kernels {
         self
     }
 
-    /// Most assignments the grouped GEMV takes at once: a tile's 16 would leave a cube room for two rows'
-    /// sums at 2048 inputs.
+    /// Most assignments the grouped GEMV takes at once: a tile's 16 would leave a cube room for one row's
+    /// sums at 2048 inputs with SwiGLU.
     pub const MAX_GEMV_ASSIGNMENTS_PER_PASS: usize = 4;
 
     /// Assignments the grouped GEMV takes at once, unless [`Self::with_gemv_assignments_per_pass`] says:
@@ -371,7 +372,15 @@ impl Kernels {
             return;
         }
         let gemv = kernel == GroupedKernel::Gemv;
-        let shape = grouped_gemv_shape(a.inn, a.out, swiglu, self.gemv_assignments_per_pass());
+        // A pass never takes more assignments than the experts average (`ceil(assignments / experts)`):
+        // a decode step whose experts hold one assignment each runs the one-per-pass kernel itself, with
+        // its staging and rows per cube. Where the larger pass has no cube, one per pass runs.
+        let per_pass = self
+            .gemv_assignments_per_pass()
+            .min(layout.assignments.div_ceil(routing.experts().max(1)))
+            .max(1);
+        let shape = grouped_gemv_shape(a.inn, a.out, swiglu, per_pass)
+            .or_else(|| grouped_gemv_shape(a.inn, a.out, swiglu, 1));
         if let Some(GemvShape {
             chunks,
             lanes,

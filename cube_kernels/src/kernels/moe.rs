@@ -262,8 +262,9 @@ pub fn grouped_gemv<X: Float>(
     let woff = expert * expert_words;
     let soff = expert * expert_scales;
     // Full passes, then (when a pass takes several) the tile's last assignments one at a time: a pass
-    // never computes an assignment that is not there, so one assignment per tile (a decode step of one
-    // token) costs what it costs with one per pass.
+    // never computes an assignment that is not there. (A tile of one assignment still runs in this
+    // kernel's cube, sized for the larger pass; the launcher picks one per pass where experts average
+    // one assignment.)
     let mut first = a0;
     while first + per_pass <= a_end {
         gemv_pass(
