@@ -874,3 +874,41 @@ fn experiment_report_only_names_what_is_missing() {
     assert_eq!(code, Some(0), "{err}");
     assert!(results.join("report.md").is_file());
 }
+
+/// `qarl bench kernels --summarize` reads a saved table on any build (no device): the MoE block's
+/// yardsticks of H200 run 4, and a clear error for a file that is not such a table.
+#[test]
+fn bench_kernels_summarizes_a_saved_table_without_a_device() {
+    let table = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/experiments/results/gpu_h200/run4_kernels_moe_cuda.json"
+    );
+    let out = qarl()
+        .args(["bench", "kernels", "--summarize", table])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("copy 3759 GB/s"), "{text}");
+    assert!(
+        text.contains(
+            "int4-g128 bf16  4096 tokens: moe/mma-x1 4.86x the baseline's time (beyond 1.3x)"
+        ),
+        "{text}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let bad = tmp.path().join("other.json");
+    std::fs::write(&bad, r#"{"rows": 3}"#).unwrap();
+    let out = qarl()
+        .args(["bench", "kernels", "--summarize"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("other.json: no `rows` array"), "{err}");
+}

@@ -56,10 +56,33 @@ pub struct KernelBenchArgs {
     /// Also write the rows as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Measure nothing: print the MoE block summary of a table written earlier with `--json` (any
+    /// build, no device needed).
+    #[arg(long, value_name = "JSON")]
+    pub summarize: Option<PathBuf>,
 }
 
-/// Runs the benchmark (an error naming the cargo feature when no CubeCL runtime is compiled in).
+/// Runs the benchmark (an error naming the cargo feature when no CubeCL runtime is compiled in), or with
+/// `--summarize` prints the summary of a saved table.
 pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.summarize {
+        let doc: serde_json::Value = crate::io::read_json(path)?;
+        let Some(rows) = doc["rows"].as_array() else {
+            anyhow::bail!(
+                "{}: no `rows` array (not a `qarl bench kernels --json` table)",
+                path.display()
+            );
+        };
+        println!(
+            "{} ({}), copy {:.0} GB/s:",
+            doc["device"].as_str().unwrap_or("unknown device"),
+            doc["runtime"].as_str().unwrap_or("?"),
+            doc["copy_gb_per_s"].as_f64().unwrap_or(f64::NAN)
+        );
+        let base = doc["baseline_dtype"].as_str().unwrap_or("baseline");
+        print_summary(base, &moe_summary(rows));
+        return Ok(());
+    }
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     {
         imp::run(args)
@@ -133,6 +156,17 @@ pub fn moe_summary(rows: &[serde_json::Value]) -> Vec<String> {
     lines
 }
 
+/// Prints [`moe_summary`]'s lines under their heading (`base`: the baseline matmul's type).
+fn print_summary(base: &str, lines: &[String]) {
+    if lines.is_empty() {
+        return;
+    }
+    println!("MoE block: the fastest exact kernel against the {base} matmul above 64 tokens, the decode path's share of copy at 64 or fewer:");
+    for line in lines {
+        println!("  {line}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::moe_summary;
@@ -187,7 +221,7 @@ mod imp {
     };
     use serde::Serialize;
 
-    use super::{moe_summary, KernelBenchArgs};
+    use super::{moe_summary, print_summary, KernelBenchArgs};
     use crate::io::write_json_atomic;
 
     #[derive(Debug, Serialize)]
@@ -362,18 +396,9 @@ mod imp {
         }
         rows.finish();
         let rows = rows.rows;
-        let summary = moe_summary(
-            &serde_json::to_value(&rows)?
-                .as_array()
-                .cloned()
-                .unwrap_or_default(),
-        );
-        if !summary.is_empty() {
-            println!("MoE block: the fastest exact kernel against the {base:?} matmul above 64 tokens, the decode path's share of copy at 64 or fewer:");
-            for line in &summary {
-                println!("  {line}");
-            }
-        }
+        let table = serde_json::to_value(&rows)?;
+        let summary = moe_summary(table.as_array().map_or(&[], Vec::as_slice));
+        print_summary(&format!("{base:?}"), &summary);
         if let Some(path) = &args.json {
             let doc = serde_json::json!({
                 "device": k.device_name(), "runtime": args.runtime,
