@@ -139,7 +139,8 @@ fn a_recorded_moe_decode_replays_the_launches_bitwise() {
     }
 }
 
-/// A run that fails before or while recording is an error, and the runtime is left able to record.
+/// A run that fails before or while recording is an error, and the runtime is left able to record; a
+/// replay from another thread than the recording one is refused.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn a_failed_recording_is_an_error_and_leaves_recording_possible() {
@@ -187,4 +188,11 @@ fn a_failed_recording_is_an_error_and_leaves_recording_possible() {
         .unwrap();
     assert!(want.iter().any(|v| *v != 0.0));
     assert_eq!(bits(&k.read_f32(output).unwrap()), bits(&want));
+    // From another thread (another stream, unordered against this one's writes) a replay is refused.
+    let elsewhere = std::thread::spawn(move || recorded.replay().err().map(|e| e.to_string()));
+    let err = elsewhere
+        .join()
+        .unwrap()
+        .expect("a replay from another thread is refused");
+    assert!(err.contains("another thread"), "{err}");
 }
