@@ -13,9 +13,11 @@ grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/excl
 mkdir -p .gpu .gl
 target="${CARGO_TARGET_DIR:-target}"
 only="${QARL_GPU_BUNDLE:-wgpu,cuda}"
+# What the binaries are built from, read before the build (commits made while it runs are not in it).
+built_from="$(git rev-parse HEAD; git status --porcelain --untracked-files=no | sed 's/^/modified: /'; date -u +%FT%TZ)"
 pack() { # pack BINARY NAME: strip, compress into .gpu/NAME.xz, and say what it was built from in .gpu/NAME.built
   strip -o ".gpu/$2" "$1" && xz -T0 -6 -f ".gpu/$2"
-  { git rev-parse HEAD; git status --porcelain --untracked-files=no | sed 's/^/modified: /'; date -u +%FT%TZ; } > ".gpu/$2.built"
+  echo "$built_from" > ".gpu/$2.built"
 }
 # Both builds write $target/release/qarl: each is packed before the next one starts.
 if [[ ",$only," == *,wgpu,* ]]; then
