@@ -28,17 +28,28 @@ pub fn set_usual_permissions(path: &Path) {
     let _ = path;
 }
 
-/// Writes `value` as JSON to `path` through a temporary file in the same directory, fsync and rename.
+/// Writes `value` as JSON to `path` through a temporary file in the same directory, fsync and rename,
+/// streamed (a score file of full-vocabulary logits is never held twice in memory).
 pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result<()> {
-    let bytes =
-        serde_json::to_vec(value).with_context(|| format!("{}: cannot write", path.display()))?;
-    write_atomic(path, &bytes)
+    write_through_temp(path, |file| {
+        let mut w = std::io::BufWriter::new(file);
+        serde_json::to_writer(&mut w, value)?;
+        w.flush()
+    })
 }
 
-/// Writes `bytes` to `path` (its directory created if need be) through a temporary file in the same
-/// directory, fsync and rename: a crash or a full disk leaves either the previous file or the complete new
-/// one, never half of it. Errors name the file.
+/// Writes `bytes` to `path` the same way ([`write_through_temp`]).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
+    write_through_temp(path, |file| file.write_all(bytes))
+}
+
+/// Creates `path`'s directory if need be, lets `write` fill a temporary file in it, then fsyncs and
+/// renames it onto `path`: a crash or a full disk leaves either the previous file or the complete new
+/// one, never half of it. Errors name the file.
+fn write_through_temp(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
+) -> anyhow::Result<()> {
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -46,8 +57,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).map_err(failed(dir, "cannot create the directory"))?;
     let mut tmp = tempfile::NamedTempFile::new_in(dir)
         .map_err(failed(dir, "cannot create a temporary file"))?;
-    tmp.as_file_mut()
-        .write_all(bytes)
+    write(tmp.as_file_mut())
         .and_then(|()| tmp.as_file().sync_all())
         .map_err(failed(path, "cannot write"))?;
     set_usual_permissions(tmp.path());

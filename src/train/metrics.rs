@@ -212,6 +212,12 @@ mod tests {
                 serde_json::json!({"step": 2})
             ]
         );
+        // Line numbers are the file's, blank lines counted.
+        std::fs::write(&path, "{\"step\":0}\n\n\nnot json\n{\"step\":2}\n").unwrap();
+        let err = read_rows(&path, BadLines::TornLastOnly)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 4 is not a metrics row"), "{err}");
         std::fs::write(&path, "{\"step\":0}\n[1]\n").unwrap();
         assert_eq!(read_rows(&path, BadLines::TornLastOnly).unwrap().len(), 1);
         let missing = read_rows(&dir.path().join("none.jsonl"), BadLines::Skip).unwrap_err();
