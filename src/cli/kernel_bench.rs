@@ -395,14 +395,14 @@ mod imp {
             }
         }
         rows.finish();
-        let rows = rows.rows;
-        let table = serde_json::to_value(&rows)?;
+        // The rows as JSON once: the summary reads them, `--json` writes them.
+        let table = serde_json::to_value(&rows.rows)?;
         let summary = moe_summary(table.as_array().map_or(&[], Vec::as_slice));
         print_summary(&format!("{base:?}"), &summary);
         if let Some(path) = &args.json {
             let doc = serde_json::json!({
                 "device": k.device_name(), "runtime": args.runtime,
-                "copy_gb_per_s": copy_gbs, "baseline_dtype": format!("{base:?}"), "baseline_tflops": bf16_tflops, "rows": rows,
+                "copy_gb_per_s": copy_gbs, "baseline_dtype": format!("{base:?}"), "baseline_tflops": bf16_tflops, "rows": table,
                 "act_dtypes": dtypes.iter().map(|d| d.name()).collect::<Vec<_>>(),
                 "check_failures": failures,
             });

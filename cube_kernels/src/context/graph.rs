@@ -30,7 +30,6 @@ use crate::error::KernelError;
 /// so that they are ordered against the replays (one stream).
 pub struct Recorded<T> {
     graph: Graph,
-    kernels: Kernels,
     inputs: Vec<DeviceBuffer>,
     output: T,
     /// The thread that recorded it: its stream is the one replays, input writes and output reads must
@@ -71,7 +70,6 @@ impl Kernels {
         let output = recorded?;
         Ok(Recorded {
             graph: graph?,
-            kernels: self.clone(),
             inputs,
             output,
             thread: std::thread::current().id(),
@@ -123,11 +121,6 @@ impl<T> Recorded<T> {
     /// first replay, nothing valid).
     pub fn output(&self) -> &T {
         &self.output
-    }
-
-    /// The kernels it was recorded on (to write its inputs and read its output).
-    pub fn kernels(&self) -> &Kernels {
-        &self.kernels
     }
 
     /// Runs the recorded launches again on the recorded buffers (enqueued: a read of the output waits
