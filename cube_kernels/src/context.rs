@@ -135,6 +135,13 @@ pub struct Kernels {
     /// Assignments the grouped GEMV takes at once; `None`: by [`Self::gemv_assignments_per_pass`]'s rule
     /// ([`Self::with_gemv_assignments_per_pass`]).
     gemv_per_pass: Option<usize>,
+    /// Whether the MoE's tensor-core tiles' order runs on the fragment tiles
+    /// ([`crate::kernels::mma_frag`]) rather than [`crate::kernels::mma_moe`]'s
+    /// ([`Self::with_moe_fragments`]).
+    moe_fragments: bool,
+    /// Most K steps the fragment tiles stage per chunk; `None`: as many as fit, up to eight
+    /// ([`Self::with_fragment_chunk_steps`]).
+    fragment_chunk: Option<usize>,
 }
 
 /// How many K steps the tiles stage per pair of barriers ([`Kernels::stage_steps`]).
@@ -198,6 +205,8 @@ impl Kernels {
             staging: Staging::Default,
             fused_combine: None,
             gemv_per_pass: None,
+            moe_fragments: false,
+            fragment_chunk: None,
         }
     }
 
@@ -281,6 +290,12 @@ impl Kernels {
     /// accumulation, which [`MatmulPath::Mma`] needs ([`ActDType::has_tensor_tiles_on`]).
     pub fn supports_mma(&self, dtype: ActDType) -> bool {
         dtype.has_tensor_tiles_on(self.client.properties())
+    }
+
+    /// Whether the device has the `m16n8k16` instruction on `dtype` operands with f32 accumulators, in
+    /// the manual (register-level) form the fragment tiles take ([`crate::kernels::mma_frag`]).
+    pub fn supports_mma_fragments(&self, dtype: ActDType) -> bool {
+        dtype.has_fragment_mma_on(self.client.properties())
     }
 
     fn check_dtype(&self, dtype: ActDType) -> Result<(), KernelError> {

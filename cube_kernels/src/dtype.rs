@@ -87,6 +87,21 @@ impl ActDType {
             })
     }
 
+    /// Whether `props` (a device's) offer the manual `m16n8k16` instruction on operands of this half type
+    /// with f32 accumulators: what [`crate::kernels::mma_frag`] issues.
+    pub fn has_fragment_mma_on(self, props: &DeviceProperties) -> bool {
+        self != ActDType::F32
+            && self.usable_on(props)
+            && props.features.matmul.mma.contains(&MmaConfig {
+                a_type: self.elem(),
+                b_type: self.elem(),
+                cd_type: ActDType::F32.elem(),
+                m: MMA as u32,
+                n: (MMA / 2) as u32,
+                k: MMA as u32,
+            })
+    }
+
     /// `v` rounded to this type (round to nearest, ties to even; f32 unchanged) and widened back to f32
     /// exactly: the host side of the precision contract, `y_F = round(y_f32)`.
     pub fn round(self, v: f32) -> f32 {

@@ -37,6 +37,7 @@ use cubecl_runtime::runtime::Runtime;
 use crate::context::moe::{fused_combine_shape, grouped_gemv_shape};
 use crate::context::tile_stage_steps;
 use crate::kernels::mma::{self, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
+use crate::kernels::mma_frag;
 use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
 use crate::{ActDType, KernelError, WeightFormat};
 
@@ -312,6 +313,60 @@ pub fn compile_all_tiles(
                         let variant = (tensor_cores, stage_steps);
                         out.push(compile_tile(target, kernel, format, dtypes, variant));
                     }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The fragment tiles ([`crate::kernels::mma_frag::grouped_fragments`]) as the launcher asks for them
+/// on such a part: the MoE gate + up (SwiGLU, gathered rows) and down projections, for each of
+/// `formats`, with f32 inputs staged as bf16 and bf16 and f16 activations, on the instruction and with
+/// the emulation, staging as many K steps per chunk as fit ([`mma_frag::fragment_chunk_steps`]).
+pub fn compile_fragment_tiles(
+    target: CudaTarget,
+    formats: &[WeightFormat],
+) -> Vec<Result<CompiledKernel, KernelError>> {
+    let dtypes = [
+        (ActDType::F32, ActDType::BF16),
+        (ActDType::BF16, ActDType::BF16),
+        (ActDType::F16, ActDType::F16),
+    ];
+    let mut out = Vec::new();
+    for &format in formats {
+        let (fmt, group) = (format.kernel_code(), format.kernel_group());
+        // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
+        let steps_per_scale = if fmt == 1 { 128 } else { group / mma::MMA };
+        for swiglu in [true, false] {
+            for (input, operand) in dtypes {
+                for tensor_cores in [true, false] {
+                    let chunk = mma_frag::fragment_chunk_steps(
+                        fmt,
+                        steps_per_scale,
+                        operand.size(),
+                        tensor_cores,
+                        MAX_SHARED,
+                    )
+                    .unwrap_or(1);
+                    let name = format!(
+                        "Fragments {} {} {input}->{operand} {} chunk {chunk}",
+                        if swiglu { "gate-up" } else { "down" },
+                        format.name(),
+                        if tensor_cores {
+                            "tensor-cores"
+                        } else {
+                            "emulated"
+                        }
+                    );
+                    let p = placeholder;
+                    out.push(compile_dummy!(
+                        target, name, tensor_cores, mma_frag::grouped_fragments,
+                        CubeDim::new_2d(MMA_PLANE as u32, mma_frag::FRAG_PLANES as u32);
+                        p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
+                        fmt, group, swiglu, swiglu, tensor_cores, chunk,
+                        [input.elem(), operand.elem()]
+                    ));
                 }
             }
         }

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use cube_kernels::ptx::{
-    compile_all_tiles, compile_decode_kernels, compile_training_kernels, device_properties,
-    CompiledKernel, CudaTarget,
+    compile_all_tiles, compile_decode_kernels, compile_fragment_tiles, compile_training_kernels,
+    device_properties, CompiledKernel, CudaTarget,
 };
 use cube_kernels::{ActDType, KernelError, WeightFormat};
 
@@ -144,6 +144,15 @@ fn tensor_core_tiles_compile_for_sm90_and_use_the_instruction() {
 }
 
 #[test]
+fn fragment_tiles_compile_for_sm90_and_use_the_instruction() {
+    let results = compile_fragment_tiles(H200, &formats(TILE_FORMATS));
+    // 5 formats x (gate-up, down) x 3 operand pairs x (instruction, emulation).
+    assert_eq!(results.len(), 5 * 2 * 3 * 2);
+    let failures = check(results);
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
 fn training_kernels_compile_for_sm90() {
     let results = compile_training_kernels(H200, &formats(TRAINING_FORMATS));
     // 7 single-variant kernels, the exact matmul's 2 layouts, the weight gradient with and without
@@ -171,10 +180,15 @@ fn an_h200_offers_the_tiles_instruction_for_half_operands() {
     assert!(ActDType::BF16.has_tensor_tiles_on(&props));
     assert!(ActDType::F16.has_tensor_tiles_on(&props));
     assert!(!ActDType::F32.has_tensor_tiles_on(&props));
+    // And the manual m16n8k16 form the fragment tiles issue.
+    assert!(ActDType::BF16.has_fragment_mma_on(&props));
+    assert!(ActDType::F16.has_fragment_mma_on(&props));
+    assert!(!ActDType::F32.has_fragment_mma_on(&props));
     // A part without tensor cores (sm_61) offers none.
     let pascal = device_properties(CudaTarget {
         arch: 61,
         driver: 13000,
     });
     assert!(!ActDType::F16.has_tensor_tiles_on(&pascal));
+    assert!(!ActDType::F16.has_fragment_mma_on(&pascal));
 }

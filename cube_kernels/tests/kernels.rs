@@ -1126,6 +1126,101 @@ fn moe_grouped_tiles_match_the_reference_and_decode_one_token_at_a_time() {
     }
 }
 
+/// The fragment tiles (`Kernels::with_moe_fragments`: packed words staged, fragments decoded in the
+/// units' registers, the instruction emulated from them, scale groups applied in registers) give bitwise
+/// what the tensor-core tiles' scalar twin gives, on every weight-only format, f32 and f16 operands (as
+/// many K steps per chunk as the adapter's shared memory holds: partial chunks, scale groups of 1 to 19
+/// steps), K = 300 (a partial step) and 80 output rows (a partial cube of 64), ragged tiles; on a routing
+/// table built on the device (empty tiles after the real ones); and a token decoded alone gets its bits
+/// in the batch.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn moe_fragment_tiles_give_the_tiles_bits() {
+    let Some(k) = kernels() else { return };
+    let frag = k.clone().with_moe_fragments(true);
+    assert!(frag.moe_fragments() && !k.moe_fragments());
+    let (experts, hidden, inter, top_k, tokens) = (5usize, 300usize, 80usize, 2usize, 23usize);
+    let ids: Vec<u32> = (0..tokens)
+        .flat_map(|t| (0..top_k).map(move |j| ((3 * t + 2 * j + t / 4) % experts) as u32))
+        .collect();
+    let mut dtypes = vec![ActDType::F32];
+    if k.supports(ActDType::F16) {
+        dtypes.push(ActDType::F16);
+    }
+    let mut ran = 0;
+    for (i, format) in FORMATS.into_iter().enumerate() {
+        if format.quantizes_activations() {
+            continue;
+        }
+        let seed = 2100 + 10 * i as u64;
+        let gate = random_weights(format, experts, inter, hidden, seed);
+        let up = random_weights(format, experts, inter, hidden, seed + 1);
+        let down = random_weights(format, experts, hidden, inter, seed + 2);
+        let mut rng = Rng(seed + 3);
+        let (x, rw) = (rng.values(tokens * hidden), rng.values(tokens * top_k));
+        for &dtype in &dtypes {
+            let what = format!("{} {dtype} fragment tiles", format.name());
+            let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|v| dtype.round(*v)).collect() };
+            let (x, rw) = (round(&x), round(&rw));
+            let run = |k: &Kernels, t0: usize, n: usize| -> Vec<u32> {
+                let weights = [&gate, &up, &down].map(|w| k.upload_weights(w));
+                let routing =
+                    MoeRouting::new(&ids[t0 * top_k..(t0 + n) * top_k], n, top_k, experts).unwrap();
+                let dx = k.upload(&x[t0 * hidden..(t0 + n) * hidden], dtype).unwrap();
+                let drw = k.upload(&rw[t0 * top_k..(t0 + n) * top_k], dtype).unwrap();
+                let [g, u, d] = [&weights[0], &weights[1], &weights[2]];
+                let y = k.moe_with(&dx, &routing, &drw, [g, u, d], MatmulPath::GroupedScalar);
+                bits(&k.read_f32(&y.unwrap()).unwrap())
+            };
+            let want = run(&k, 0, tokens);
+            let got = run(&frag, 0, tokens);
+            assert_same_bits(&got, &want, &format!("{what}: against the tiles"));
+            if format == (WeightFormat::Int4 { group: 128 }) {
+                // One K step per chunk: 8 chunks per scale group, the same bits.
+                let one = run(&frag.clone().with_fragment_chunk_steps(Some(1)), 0, tokens);
+                assert_same_bits(&one, &want, &format!("{what}: one K step per chunk"));
+            }
+            for t in [0, 7, tokens - 1] {
+                let alone = run(&frag, t, 1);
+                let batch = &want[t * hidden..(t + 1) * hidden];
+                assert_same_bits(&alone, batch, &format!("{what}: token {t} alone"));
+            }
+            let weights = [&gate, &up, &down].map(|w| frag.upload_weights(w));
+            let table = frag
+                .route(&frag.upload_u32(&ids), tokens, top_k, experts)
+                .unwrap();
+            let routed = frag
+                .moe_routed(
+                    &frag.upload(&x, dtype).unwrap(),
+                    &table,
+                    &frag.upload(&rw, dtype).unwrap(),
+                    [&weights[0], &weights[1], &weights[2]],
+                    MatmulPath::GroupedScalar,
+                )
+                .unwrap();
+            let routed = bits(&frag.read_f32(&routed).unwrap());
+            assert_same_bits(&routed, &want, &format!("{what}: routed on the device"));
+            ran += 1;
+        }
+    }
+    assert!(ran >= 5, "every weight-only format must run: {ran}");
+}
+
+/// Equal bit patterns, or a failure naming how many values differ and the first.
+fn assert_same_bits(got: &[u32], want: &[u32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
+    if let Some(&i) = differ.first() {
+        panic!(
+            "{what}: {} of {} values differ, the first at {i}: {} vs {}",
+            differ.len(),
+            got.len(),
+            f32::from_bits(got[i]),
+            f32::from_bits(want[i])
+        );
+    }
+}
+
 /// `max |got - want| <= rel * max |want|` (a tensor-wide scale: the sums went through values of that size).
 fn assert_close_scaled(got: &[f32], want: &[f64], rel: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");

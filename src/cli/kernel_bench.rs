@@ -569,9 +569,31 @@ mod imp {
                 .iter()
                 .map(|&(path, kernel)| (path, kernel.replace("linear/", "moe/")))
                 .collect();
+            // The same order on the fragment tiles (`-frag`: packed words staged, fragments decoded in
+            // registers, scale groups applied there), where the device has their instruction.
+            let frag = k.clone().with_moe_fragments(true);
+            let frag_tiles: Vec<_> = tiles
+                .iter()
+                .filter(|(path, _)| {
+                    path.tiles(dtype)
+                        .is_some_and(|(tc, _)| !tc || frag.supports_mma_fragments(dtype))
+                })
+                .map(|(path, kernel)| (*path, format!("{kernel}-frag")))
+                .collect();
             if args.check {
                 for (path, kernel) in &tiles {
                     check_grouped_moe(args, k, &block, name, dtype, (*path, kernel), failures)?;
+                }
+                for (path, kernel) in &frag_tiles {
+                    check_grouped_moe(args, &frag, &block, name, dtype, (*path, kernel), failures)?;
+                    compare_fragments(
+                        args,
+                        [k, &frag],
+                        &block,
+                        (name, dtype),
+                        (*path, kernel),
+                        failures,
+                    )?;
                 }
             }
             for &n in &args.tokens {
@@ -685,7 +707,65 @@ mod imp {
                     let label = format!("{kernel}{suffix}");
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
+                // And with chunks of 2 K steps (`-c2`: fewer registers, more cubes per multiprocessor).
+                let frag_c2 = frag.clone().with_fragment_chunk_steps(Some(2));
+                for (path, kernel) in &frag_tiles {
+                    for (kf, suffix) in [(&frag, ""), (&frag_c2, "-c2")] {
+                        let t = time(
+                            args.iters,
+                            || {
+                                let y = kf.moe_with(&dx, &routing, &drw, [&dg, &du, &dd], *path);
+                                drop(y.expect("moe"))
+                            },
+                            &sync_k,
+                        );
+                        let label = format!("{kernel}{suffix}");
+                        rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                    }
+                }
             }
+        }
+        Ok(())
+    }
+
+    /// The fragment tiles against the tiles on the same block and tokens (the largest count timed):
+    /// the scalar twins must give the same bits (a failure otherwise); on the instruction the count of
+    /// values that differ is printed, 0 where NVIDIA's `m16n16k16` is two `m16n8k16` with the same
+    /// arithmetic (then the two kernels are interchangeable under the contract).
+    fn compare_fragments(
+        args: &KernelBenchArgs,
+        [k, frag]: [&Kernels; 2],
+        block: &MoeBlock,
+        (name, dtype): (&str, ActDType),
+        (path, kernel): (MatmulPath, &str),
+        failures: &mut Vec<String>,
+    ) -> anyhow::Result<()> {
+        let (hidden, top_k, experts) = (args.hidden, args.top_k, args.experts);
+        let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+        let ids = random_routing(n, top_k, experts, 4343);
+        let routing = MoeRouting::new(&ids, n, top_k, experts)?;
+        let x: Vec<f32> = values(n * hidden, 4344)
+            .iter()
+            .map(|v| dtype.round(*v))
+            .collect();
+        let rw: Vec<f32> = values(n * top_k, 4345)
+            .iter()
+            .map(|v| dtype.round(v.abs() / 4.0))
+            .collect();
+        let run = |k: &Kernels| -> anyhow::Result<Vec<f32>> {
+            let (dx, drw) = (k.upload(&x, dtype)?, k.upload(&rw, dtype)?);
+            Ok(k.read_f32(&k.moe_with(&dx, &routing, &drw, block.device, path)?)?)
+        };
+        let differ = contract_mismatches(&run(frag)?, &run(k)?, ActDType::F32);
+        let instruction = path.tiles(dtype).is_some_and(|(tc, _)| tc);
+        println!(
+            "{name} {dtype} {kernel}: {differ} of {} values differ from the tiles' ({n} tokens)",
+            n * hidden
+        );
+        if differ > 0 && !instruction {
+            failures.push(format!(
+                "{name} {dtype} {kernel}: {differ} values differ from the tiles' scalar twin ({n} tokens)"
+            ));
         }
         Ok(())
     }

@@ -28,6 +28,7 @@ pub mod dense;
 pub mod exact;
 pub mod fp8;
 pub mod mma;
+pub mod mma_frag;
 pub mod mma_moe;
 pub mod moe;
 pub mod moe_train;
