@@ -101,8 +101,9 @@ pub fn grouped_fragments_shared_bytes(
     xs + ws + wb + exchange + 5 * SHARED_ALIGN
 }
 
-/// The most K steps per chunk (at most [`FRAG_MAX_CHUNK_STEPS`] and a scale group's `steps_per_scale`)
-/// whose staging fits in `max_shared` bytes, or `None` where not even one does.
+/// The most K steps per chunk (at most [`FRAG_MAX_CHUNK_STEPS`] of 4-bit codes or half as many of 8-bit
+/// ones, and a scale group's `steps_per_scale`) whose staging fits in `max_shared` bytes, or `None` where
+/// not even one does.
 pub fn fragment_chunk_steps(
     fmt: u32,
     steps_per_scale: usize,
@@ -110,7 +111,10 @@ pub fn fragment_chunk_steps(
     tensor_cores: bool,
     max_shared: usize,
 ) -> Option<usize> {
-    (1..=FRAG_MAX_CHUNK_STEPS.min(steps_per_scale.max(1)))
+    // The same packed bytes per chunk for every format: 8 steps of 4-bit codes, 4 of 8-bit ones (8 of
+    // int8-pc's took 255 registers and spilled in the sm_90 gate-up kernel).
+    let most = FRAG_MAX_CHUNK_STEPS * codes_per_word(fmt) / 8;
+    (1..=most.min(steps_per_scale.max(1)))
         .rev()
         .find(|&d| {
             grouped_fragments_shared_bytes(fmt, d, operand_bytes, true, tensor_cores) <= max_shared
@@ -742,9 +746,10 @@ mod tests {
     #[test]
     fn chunks_take_the_most_steps_that_fit() {
         let (int4, int8) = (0, 1);
-        // An H200's 227 KiB: the whole group of int4-g128 (8 steps), eight of int8-pc's 128.
+        // An H200's 227 KiB: the whole group of int4-g128 (8 steps), four of int8-pc's 128 (the same
+        // bytes).
         assert_eq!(fragment_chunk_steps(int4, 8, 2, true, 227 << 10), Some(8));
-        assert_eq!(fragment_chunk_steps(int8, 128, 2, true, 227 << 10), Some(8));
+        assert_eq!(fragment_chunk_steps(int8, 128, 2, true, 227 << 10), Some(4));
         // Groups of 2 (int4-g32) and 1 (nvfp4) steps bound the chunk.
         assert_eq!(fragment_chunk_steps(int4, 2, 2, true, 227 << 10), Some(2));
         assert_eq!(fragment_chunk_steps(int4, 1, 2, true, 227 << 10), Some(1));
@@ -760,12 +765,12 @@ mod tests {
         assert_eq!(fragment_chunk_steps(int8, 8, 4, false, 1 << 10), None);
     }
 
-    /// Row strides padded by 4 words put the 8 rows of a plane's fragment reads in distinct banks at
-    /// eight staged steps (int4: 20 words, int8: 36): no bank conflict for the B fragments.
+    /// Row strides padded by 4 words put the 8 rows of a plane's fragment reads in distinct banks at the
+    /// most staged steps (20 words: 8 steps of int4, 4 of int8): no bank conflict for the B fragments.
     #[test]
     fn padded_rows_start_in_distinct_banks() {
         for fmt in [0u32, 1] {
-            let stride = w_stride(fmt, FRAG_MAX_CHUNK_STEPS);
+            let stride = w_stride(fmt, FRAG_MAX_CHUNK_STEPS * codes_per_word(fmt) / 8);
             let mut banks: Vec<usize> = (0..8).map(|g| (g * stride) % 32).collect();
             banks.sort_unstable();
             banks.dedup();
