@@ -1172,7 +1172,7 @@ fn moe_fragment_tiles_give_the_tiles_bits() {
                 let y = k.moe_with(&dx, &routing, &drw, [g, u, d], MatmulPath::GroupedScalar);
                 bits(&k.read_f32(&y.unwrap()).unwrap())
             };
-            let want = run(&k, 0, tokens);
+            let want = run(k, 0, tokens);
             let got = run(&frag, 0, tokens);
             assert_same_bits(&got, &want, &format!("{what}: against the tiles"));
             if format == (WeightFormat::Int4 { group: 128 }) {

@@ -114,11 +114,9 @@ pub fn fragment_chunk_steps(
     // The same packed bytes per chunk for every format: 8 steps of 4-bit codes, 4 of 8-bit ones (8 of
     // int8-pc's took 255 registers and spilled in the sm_90 gate-up kernel).
     let most = FRAG_MAX_CHUNK_STEPS * codes_per_word(fmt) / 8;
-    (1..=most.min(steps_per_scale.max(1)))
-        .rev()
-        .find(|&d| {
-            grouped_fragments_shared_bytes(fmt, d, operand_bytes, true, tensor_cores) <= max_shared
-        })
+    (1..=most.min(steps_per_scale.max(1))).rev().find(|&d| {
+        grouped_fragments_shared_bytes(fmt, d, operand_bytes, true, tensor_cores) <= max_shared
+    })
 }
 
 /// Where the inputs of each assignment a unit stages start in `input` (with `gather` row
