@@ -550,19 +550,22 @@ mod imp {
             // recorded once and replayed as a graph.
             let split = k.clone().with_decode_combine(Some(false));
             let per_pass = Kernels::MAX_GEMV_ASSIGNMENTS_PER_PASS;
-            let decode = [
+            let gemv = MatmulPath::Gemv;
+            let mut decode = vec![
                 (
-                    "moe/decode-fused",
+                    "moe/decode-fused".to_string(),
                     k.clone().with_decode_combine(Some(true)),
                     false,
+                    gemv,
                 ),
-                ("moe/decode-split", split.clone(), false),
+                ("moe/decode-split".to_string(), split.clone(), false, gemv),
                 (
-                    "moe/decode-split-p4",
+                    "moe/decode-split-p4".to_string(),
                     split.clone().with_gemv_assignments_per_pass(Some(per_pass)),
                     false,
+                    gemv,
                 ),
-                ("moe/decode-graph", split, true),
+                ("moe/decode-graph".to_string(), split, true, gemv),
             ];
             // The tensor-core tiles' order for the grouped products, as for the dense weight above.
             let tiles: Vec<_> = grouped
@@ -580,6 +583,22 @@ mod imp {
                 })
                 .map(|(path, kernel)| (*path, format!("{kernel}-frag")))
                 .collect();
+            // The decode step in the tensor-core tiles' order where the device has the instruction (a
+            // rollout in `train.tensor_cores` mode decodes on the tiles): the tiles, the fragment tiles,
+            // and the fragment tiles recorded as a graph.
+            if k.supports_mma(dtype) {
+                let mma = MatmulPath::Mma;
+                decode.push(("moe/decode-mma".to_string(), k.clone(), false, mma));
+                if frag.supports_mma_fragments(dtype) {
+                    decode.push(("moe/decode-mma-frag".to_string(), frag.clone(), false, mma));
+                    decode.push((
+                        "moe/decode-mma-frag-graph".to_string(),
+                        frag.clone(),
+                        true,
+                        mma,
+                    ));
+                }
+            }
             if args.check {
                 for (path, kernel) in &tiles {
                     check_grouped_moe(args, k, &block, name, dtype, (*path, kernel), failures)?;
@@ -684,11 +703,12 @@ mod imp {
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
                 if n <= Kernels::MOE_GEMV_MAX_TOKENS {
-                    for (what, kd, graph) in &decode {
-                        let call = (ids.as_slice(), n, *what);
+                    for (what, kd, graph, path) in &decode {
+                        let call = (ids.as_slice(), n, what.as_str());
                         let inputs = [&dx, &drw];
+                        let how = (*graph, *path);
                         let Some(t) =
-                            time_decode_block(args, kd, &block, call, inputs, *graph, failures)?
+                            time_decode_block(args, kd, &block, call, inputs, how, failures)?
                         else {
                             continue;
                         };
@@ -771,13 +791,15 @@ mod imp {
     }
 
     /// The MoE block as a decode step runs it (`moe/decode-fused`, `moe/decode-split`): expert ids
-    /// already on the device, routed there ([`Kernels::route`]: one launch, no upload), and the grouped
-    /// GEMV path with the down projection and the combine as `k` says ([`Kernels::with_decode_combine`]:
-    /// one launch or two), so the row is what a rollout pays per MoE layer besides the router. With
-    /// `graph` (`moe/decode-graph`) those launches are recorded once ([`Kernels::record`]) and each call
-    /// is one replay: what the launch path costs at decode sizes. With `--check`, its bits must be
-    /// `moe/tiled`'s (host routing, register tiles, the combine apart). Returns the mean seconds per
-    /// call, or `None` for a graph the runtime does not record or replay (said on stderr).
+    /// already on the device, routed there ([`Kernels::route`]: one launch, no upload), and `path`'s
+    /// kernels: the grouped GEMV with the down projection and the combine as `k` says
+    /// ([`Kernels::with_decode_combine`]: one launch or two), or the tensor-core tiles' order
+    /// (`moe/decode-mma*`, on the fragment tiles where `k` says), so the row is what a rollout pays per
+    /// MoE layer besides the router. With `graph` (`moe/decode-graph`) those launches are recorded once
+    /// ([`Kernels::record`]) and each call is one replay: what the launch path costs at decode sizes.
+    /// With `--check`, its bits must be those of host routing on the same order (`moe/tiled`: register
+    /// tiles, the combine apart; or the path itself). Returns the mean seconds per call, or `None` for
+    /// a graph the runtime does not record or replay (said on stderr).
     #[allow(clippy::too_many_arguments)]
     fn time_decode_block(
         args: &KernelBenchArgs,
@@ -785,20 +807,14 @@ mod imp {
         block: &MoeBlock,
         (ids, n, what): (&[u32], usize, &str),
         [dx, drw]: [&DeviceBuffer; 2],
-        graph: bool,
+        (graph, path): (bool, MatmulPath),
         failures: &mut Vec<String>,
     ) -> anyhow::Result<Option<f64>> {
         let experts = block.weights[0].experts();
         let [dg, du, dd] = block.device;
         let decode = |k: &Kernels, inputs: &[DeviceBuffer]| {
             let table = k.route(&inputs[1], n, args.top_k, experts)?;
-            k.moe_routed(
-                &inputs[0],
-                &table,
-                &inputs[2],
-                [dg, du, dd],
-                MatmulPath::Gemv,
-            )
+            k.moe_routed(&inputs[0], &table, &inputs[2], [dg, du, dd], path)
         };
         let inputs = vec![dx.clone(), k.upload_u32(ids), drw.clone()];
         let recorded = if graph {
@@ -822,14 +838,19 @@ mod imp {
             })
         };
         if args.check {
-            // An independent path: host routing, the 16-assignment register tiles, the combine apart.
+            // Host routing on the same order: the 16-assignment register tiles for the GEMV's
+            // canonical order, else the path itself.
             let routing = MoeRouting::new(ids, n, args.top_k, experts)?;
-            let want = k.moe_with(dx, &routing, drw, [dg, du, dd], MatmulPath::Gemm)?;
+            let (want_path, want_name) = match path {
+                MatmulPath::Gemv => (MatmulPath::Gemm, "moe/tiled"),
+                other => (other, "host routing"),
+            };
+            let want = k.moe_with(dx, &routing, drw, [dg, du, dd], want_path)?;
             let differ =
                 contract_mismatches(&k.read_f32(&run()?)?, &k.read_f32(&want)?, ActDType::F32);
             if differ > 0 {
                 failures.push(format!(
-                    "{} {what} n={n}: {differ} values differ from moe/tiled",
+                    "{} {what} n={n}: {differ} values differ from {want_name}",
                     dx.dtype()
                 ));
             }
@@ -1056,7 +1077,7 @@ mod imp {
         fn push(&mut self, r: Row) {
             if self.rows.is_empty() {
                 println!(
-                    "{:<20} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+                    "{:<25} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
                     "kernel",
                     "format",
                     "act",
@@ -1070,7 +1091,7 @@ mod imp {
                 );
             }
             println!(
-                "{:<20} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
+                "{:<25} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
                 r.kernel,
                 r.format,
                 r.act_dtype,
