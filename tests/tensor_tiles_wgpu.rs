@@ -1,5 +1,6 @@
 //! `train.tensor_cores` (issue 28) on wgpu: the low-bit products of the rollout and of the training forward
-//! in the tensor-core tiles' order (`cube_kernels::kernels::mma`, `mma_moe`). Lavapipe (CI) has no
+//! in the tensor-core tiles' order (`cube_kernels::kernels::mma`, `mma_moe`, or the fragment tiles of
+//! `mma_frag` with `train.tensor_core_kernel = "fragments"`). Lavapipe (CI) has no
 //! tensor-core instruction, so the tiles run with scalar multiply-adds: the same tiling, staging, scale
 //! groups and batch invariance as on a GPU, which is what these tests check end to end; the instruction
 //! itself is checked on a GPU by `qarl bench kernels --check` (`scripts/gpu_check.sh`).
@@ -50,14 +51,37 @@ fn model(device: &burn::tensor::Device) -> Decoder {
 #[test]
 fn tiles_keep_the_rollout_and_the_training_forward_bitwise_equal() {
     let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
-    if !wgpu_available() {
+    rollout_and_training_forward_agree(false);
+}
+
+/// The same on the fragment tiles (`train.tensor_core_kernel = "fragments"`): rollout and training
+/// forward bitwise equal, both on the fragment tiles (their counter moves in each), and (the scalar twins
+/// giving the tiles' bits) the same log-probs as the tiles give.
+#[test]
+fn fragment_tiles_keep_the_rollout_and_the_training_forward_bitwise_equal() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(on_fragments) = rollout_and_training_forward_agree(true) else {
         return;
+    };
+    let on_tiles = rollout_and_training_forward_agree(false).unwrap();
+    assert_eq!(
+        on_fragments, on_tiles,
+        "the fragment tiles' twin gave other log-probs than the tiles' twin"
+    );
+}
+
+/// The checks of [`tiles_keep_the_rollout_and_the_training_forward_bitwise_equal`] with the tiles'
+/// order on the fragment tiles when `fragments`; the rollout's log-prob bits, or `None` without an
+/// adapter or f16.
+fn rollout_and_training_forward_agree(fragments: bool) -> Option<Vec<u32>> {
+    if !wgpu_available() {
+        return None;
     }
     let infer_dev = BackendKind::Wgpu.device().unwrap();
     let train_dev = infer_dev.clone().autodiff();
     if let Err(e) = Activations::F16.check_device(&infer_dev) {
         eprintln!("SKIPPED: {e:#}");
-        return;
+        return None;
     }
     let (infer, train) = (model(&infer_dev), model(&train_dev));
     let params = SamplingParams {
@@ -68,12 +92,19 @@ fn tiles_keep_the_rollout_and_the_training_forward_bitwise_equal() {
     };
     let prompts = vec![vec![3u32, 17, 99, 42, 7], vec![5, 6], vec![8, 1, 2]];
     qarl::ops::set_tensor_tiles(Some(DType::F16));
-    let before = qarl::ops::tensor_tile_products();
+    qarl::ops::set_fragment_tiles(fragments);
+    let counter = if fragments {
+        qarl::ops::fragment_tile_products
+    } else {
+        qarl::ops::tensor_tile_products
+    };
+    let before = counter();
     let out = generate(&infer, &prompts, 2, &params, None);
-    let after_rollout = qarl::ops::tensor_tile_products();
+    let after_rollout = counter();
     let scored = response_logprobs(&train, &out.ids, &out.prompt_lens, params.temperature);
-    let after_training = qarl::ops::tensor_tile_products();
+    let after_training = counter();
     qarl::ops::set_tensor_tiles(None);
+    qarl::ops::set_fragment_tiles(false);
     let canonical = response_logprobs(&train, &out.ids, &out.prompt_lens, params.temperature);
     assert!(after_rollout > before, "the rollout did not take the tiles");
     assert!(
@@ -91,6 +122,7 @@ fn tiles_keep_the_rollout_and_the_training_forward_bitwise_equal() {
         bits(&canonical),
         "the tiles' order gave the canonical order's bits: were the tiles used?"
     );
+    Some(bits(&scored))
 }
 
 /// Two RL steps of the tiny MoE on wgpu with `train.tensor_cores = true` and f16 activations, through the

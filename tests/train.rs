@@ -101,6 +101,25 @@ fn tensor_cores_are_refused_where_the_tiles_cannot_run() {
     let cfg = load(&half).unwrap();
     assert!(cfg.train.tensor_cores);
     assert!(!load(&[]).unwrap().train.tensor_cores, "off by default");
+    // Its kernels: the tiles by default, the fragment tiles on request, refused without the setting, an
+    // unknown name refused.
+    use qarl::train::config::TensorCoreKernel;
+    assert_eq!(cfg.train.tensor_core_kernel, TensorCoreKernel::Tiles);
+    let frag = [half.as_slice(), &["train.tensor_core_kernel=fragments"]].concat();
+    let cfg = load(&frag).unwrap();
+    assert_eq!(cfg.train.tensor_core_kernel, TensorCoreKernel::Fragments);
+    let err = format!(
+        "{:#}",
+        load(&["train.tensor_core_kernel=fragments"]).unwrap_err()
+    );
+    assert!(
+        err.contains("train.tensor_core_kernel")
+            && err.contains("needs `train.tensor_cores` = true"),
+        "{err}"
+    );
+    let bad = [half.as_slice(), &["train.tensor_core_kernel=wmma"]].concat();
+    let err = format!("{:#}", load(&bad).unwrap_err());
+    assert!(err.contains("wmma"), "{err}");
     // A command's `--backend` flag is validated with the rest: on the default (flex) config the setting
     // needs it, and gets it.
     let sets = ["train.tensor_cores=true", "train.activations=bf16"].map(String::from);

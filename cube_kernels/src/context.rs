@@ -7,6 +7,7 @@
 //! device has; a launch on another is [`KernelError::Unsupported`].
 
 mod exact;
+mod fragments;
 mod graph;
 pub(crate) mod moe;
 mod moe_train;
@@ -135,10 +136,10 @@ pub struct Kernels {
     /// Assignments the grouped GEMV takes at once; `None`: by [`Self::gemv_assignments_per_pass`]'s rule
     /// ([`Self::with_gemv_assignments_per_pass`]).
     gemv_per_pass: Option<usize>,
-    /// Whether the MoE's tensor-core tiles' order runs on the fragment tiles
-    /// ([`crate::kernels::mma_frag`]) rather than [`crate::kernels::mma_moe`]'s
-    /// ([`Self::with_moe_fragments`]).
-    moe_fragments: bool,
+    /// Whether the tensor-core tiles' order runs on the fragment tiles ([`crate::kernels::mma_frag`])
+    /// rather than [`crate::kernels::mma`]'s and [`crate::kernels::mma_moe`]'s
+    /// ([`Self::with_fragment_tiles`]).
+    fragment_tiles: bool,
     /// Most K steps the fragment tiles stage per chunk; `None`: as many as fit, up to eight
     /// ([`Self::with_fragment_chunk_steps`]).
     fragment_chunk: Option<usize>,
@@ -205,7 +206,7 @@ impl Kernels {
             staging: Staging::Default,
             fused_combine: None,
             gemv_per_pass: None,
-            moe_fragments: false,
+            fragment_tiles: false,
             fragment_chunk: None,
         }
     }
@@ -668,6 +669,9 @@ impl Kernels {
         w: &DeviceWeights,
         (tensor_cores, operand): (bool, ActDType),
     ) -> Result<(), KernelError> {
+        if self.fragment_tiles {
+            return self.launch_dense_fragments(x, y, n, w, (tensor_cores, operand));
+        }
         self.check_tiles(w.format, (tensor_cores, operand))?;
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
         let (steps, steps_per_scale) = tile_steps(w);

@@ -320,10 +320,11 @@ pub fn compile_all_tiles(
     out
 }
 
-/// The fragment tiles ([`crate::kernels::mma_frag::grouped_fragments`]) as the launcher asks for them
-/// on such a part: the MoE gate + up (SwiGLU, gathered rows) and down projections, for each of
-/// `formats`, with f32 inputs staged as bf16 and bf16 and f16 activations, on the instruction and with
-/// the emulation, staging as many K steps per chunk as fit ([`mma_frag::fragment_chunk_steps`]).
+/// The fragment tiles ([`crate::kernels::mma_frag::grouped_fragments`]) as the launchers ask for them
+/// on such a part: the MoE gate + up (SwiGLU, gathered rows) and down projections and the dense product,
+/// for each of `formats`, with f32 inputs staged as bf16 and bf16 and f16 activations (the dense output
+/// in the input's type), on the instruction and with the emulation, staging as many K steps per chunk
+/// as fit ([`mma_frag::fragment_chunk_steps`]).
 pub fn compile_fragment_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
@@ -338,8 +339,13 @@ pub fn compile_fragment_tiles(
         let (fmt, group) = (format.kernel_code(), format.kernel_group());
         // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
         let steps_per_scale = if fmt == 1 { 128 } else { group / mma::MMA };
-        for swiglu in [true, false] {
+        for (kind, swiglu, dense) in [
+            ("gate-up", true, false),
+            ("down", false, false),
+            ("dense", false, true),
+        ] {
             for (input, operand) in dtypes {
+                let output = if dense { input } else { ActDType::F32 };
                 for tensor_cores in [true, false] {
                     let chunk = mma_frag::fragment_chunk_steps(
                         fmt,
@@ -350,8 +356,7 @@ pub fn compile_fragment_tiles(
                     )
                     .unwrap_or(1);
                     let name = format!(
-                        "Fragments {} {} {input}->{operand} {} chunk {chunk}",
-                        if swiglu { "gate-up" } else { "down" },
+                        "Fragments {kind} {} {input}->{operand} {} chunk {chunk}",
                         format.name(),
                         if tensor_cores {
                             "tensor-cores"
@@ -363,9 +368,9 @@ pub fn compile_fragment_tiles(
                     out.push(compile_dummy!(
                         target, name, tensor_cores, mma_frag::grouped_fragments,
                         CubeDim::new_2d(MMA_PLANE as u32, mma_frag::FRAG_PLANES as u32);
-                        p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
-                        fmt, group, swiglu, swiglu, tensor_cores, chunk,
-                        [input.elem(), operand.elem()]
+                        p(), p(), 0, 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
+                        fmt, group, swiglu, swiglu, dense, tensor_cores, chunk,
+                        [input.elem(), operand.elem(), output.elem()]
                     ));
                 }
             }

@@ -1126,7 +1126,7 @@ fn moe_grouped_tiles_match_the_reference_and_decode_one_token_at_a_time() {
     }
 }
 
-/// The fragment tiles (`Kernels::with_moe_fragments`: packed words staged, fragments decoded in the
+/// The fragment tiles (`Kernels::with_fragment_tiles`: packed words staged, fragments decoded in the
 /// units' registers, the instruction emulated from them, scale groups applied in registers) give bitwise
 /// what the tensor-core tiles' scalar twin gives, on every weight-only format, f32 and f16 operands (as
 /// many K steps per chunk as the adapter's shared memory holds: partial chunks, scale groups of 1 to 19
@@ -1137,8 +1137,8 @@ fn moe_grouped_tiles_match_the_reference_and_decode_one_token_at_a_time() {
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn moe_fragment_tiles_give_the_tiles_bits() {
     let Some(k) = kernels() else { return };
-    let frag = k.clone().with_moe_fragments(true);
-    assert!(frag.moe_fragments() && !k.moe_fragments());
+    let frag = k.clone().with_fragment_tiles(true);
+    assert!(frag.fragment_tiles() && !k.fragment_tiles());
     let (experts, hidden, inter, top_k, tokens) = (5usize, 300usize, 80usize, 2usize, 23usize);
     let ids: Vec<u32> = (0..tokens)
         .flat_map(|t| (0..top_k).map(move |j| ((3 * t + 2 * j + t / 4) % experts) as u32))
@@ -1204,6 +1204,62 @@ fn moe_fragment_tiles_give_the_tiles_bits() {
         }
     }
     assert!(ran >= 5, "every weight-only format must run: {ran}");
+}
+
+/// The fragment tiles on the dense product (`Kernels::with_fragment_tiles`): bitwise the dense tiles'
+/// scalar twin on every weight-only format (70 rows: a partial cube of 64; K = 200 and 202 for int8-pc:
+/// a partial step and a partial word), token counts 1 to 70 (partial tiles of 16), f32 and f16
+/// activations (the output rounded once to the activations' type), f32 activations staged as f16
+/// operands (the mixed-precision training forward), and one K step per chunk.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn dense_fragment_tiles_give_the_tiles_bits() {
+    let Some(k) = kernels() else { return };
+    let frag = k.clone().with_fragment_tiles(true);
+    let one_step = frag.clone().with_fragment_chunk_steps(Some(1));
+    let cases = [
+        (WeightFormat::Int4 { group: 32 }, 384),
+        (WeightFormat::Int4 { group: 128 }, 384),
+        (WeightFormat::Int8PerRow, 202),
+        (WeightFormat::Nvfp4, 384),
+        (WeightFormat::Mxfp4, 384),
+    ];
+    let mut paths = vec![(ActDType::F32, MatmulPath::GroupedScalar)];
+    if k.supports(ActDType::F16) {
+        paths.push((ActDType::F16, MatmulPath::GroupedScalar));
+        let staged = MatmulPath::Tiles {
+            tensor_cores: false,
+            operand: ActDType::F16,
+        };
+        paths.push((ActDType::F32, staged));
+    }
+    let out = 70;
+    for (i, (format, inn)) in cases.into_iter().enumerate() {
+        let w = random_weights(format, 1, out, inn, 140 + i as u64);
+        let x = Rng(150 + i as u64).values(70 * inn);
+        for &(dtype, path) in &paths {
+            let x: Vec<f32> = x.iter().map(|v| dtype.round(*v)).collect();
+            let run = |k: &Kernels, n: usize| -> Vec<u32> {
+                let (dw, dx) = (
+                    k.upload_weights(&w),
+                    k.upload(&x[..n * inn], dtype).unwrap(),
+                );
+                bits(
+                    &k.read_f32(&k.linear_with(&dx, n, &dw, path).unwrap())
+                        .unwrap(),
+                )
+            };
+            for n in [1, 17, 70] {
+                let what = format!(
+                    "{} {dtype} {path:?} dense fragment tiles n={n}",
+                    format.name()
+                );
+                assert_same_bits(&run(&frag, n), &run(k, n), &what);
+            }
+            let what = format!("{} {dtype} {path:?} one K step per chunk", format.name());
+            assert_same_bits(&run(&one_step, 33), &run(k, 33), &what);
+        }
+    }
 }
 
 /// Equal bit patterns, or a failure naming how many values differ and the first.

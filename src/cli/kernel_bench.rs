@@ -458,9 +458,36 @@ mod imp {
                     grouped.push((MatmulPath::Mma, "linear/mma"));
                 }
             }
+            // The same order on the fragment tiles (`-frag`), where the device has their instruction.
+            let frag = k.clone().with_fragment_tiles(true);
+            let frag_grouped: Vec<_> = grouped
+                .iter()
+                .filter(|(path, _)| {
+                    path.tiles(dtype)
+                        .is_some_and(|(tc, _)| !tc || frag.supports_mma_fragments(dtype))
+                })
+                .map(|&(path, kernel)| (path, format!("{kernel}-frag")))
+                .collect();
             if args.check {
                 for &(path, kernel) in &grouped {
                     check_grouped(args, k, &w, name, dtype, (path, kernel), failures)?;
+                }
+                for (path, kernel) in &frag_grouped {
+                    check_grouped(args, &frag, &w, name, dtype, (*path, kernel), failures)?;
+                    // Against the tiles on the largest count, as for the MoE block.
+                    let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+                    let x = act_values(n * hidden, 4346);
+                    let run = |k: &Kernels| -> anyhow::Result<Vec<f32>> {
+                        let dx = k.upload(&x, dtype)?;
+                        Ok(k.read_f32(&k.linear_with(&dx, n, &dw, *path)?)?)
+                    };
+                    let differ = contract_mismatches(&run(&frag)?, &run(k)?, ActDType::F32);
+                    println!("{name} {dtype} {kernel}: {differ} of {} values differ from the tiles' ({n} tokens)", n * inter);
+                    if differ > 0 && !path.tiles(dtype).is_some_and(|(tc, _)| tc) {
+                        failures.push(format!(
+                            "{name} {dtype} {kernel}: {differ} values differ from the tiles' scalar twin ({n} tokens)"
+                        ));
+                    }
                 }
             }
             for &n in &args.tokens {
@@ -529,6 +556,14 @@ mod imp {
                     let label = format!("{kernel}{suffix}");
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
+                for (path, kernel) in &frag_grouped {
+                    let t = time(
+                        args.iters,
+                        || drop(frag.linear_with(&dx, n, &dw, *path).expect("linear")),
+                        &sync_k,
+                    );
+                    rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
+                }
             }
 
             // MoE layer: gate+up (SwiGLU) and down for every expert, random top-k routing.
@@ -574,7 +609,6 @@ mod imp {
                 .collect();
             // The same order on the fragment tiles (`-frag`: packed words staged, fragments decoded in
             // registers, scale groups applied there), where the device has their instruction.
-            let frag = k.clone().with_moe_fragments(true);
             let frag_tiles: Vec<_> = tiles
                 .iter()
                 .filter(|(path, _)| {

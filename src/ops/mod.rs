@@ -51,8 +51,8 @@ pub use backend::BackendKind;
 use dtype::{as_dtype, f32_of, in_f32};
 pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
 pub use switches::{
-    deterministic, grouped_experts, set_deterministic, set_grouped_experts, set_tensor_tiles,
-    tensor_tiles,
+    deterministic, fragment_tiles, grouped_experts, set_deterministic, set_fragment_tiles,
+    set_grouped_experts, set_tensor_tiles, tensor_tiles,
 };
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
@@ -601,6 +601,20 @@ pub(crate) fn count_tensor_tile_product() {
 /// (`train.tensor_cores`): a debug counter tests use to see that rollouts and training forwards took it.
 pub fn tensor_tile_products() -> u64 {
     TENSOR_TILE_PRODUCTS.load(Ordering::Relaxed)
+}
+
+static FRAGMENT_TILE_PRODUCTS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a low-bit product launched in the tensor-core tiles' order on the fragment tiles.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) fn count_fragment_tile_product() {
+    FRAGMENT_TILE_PRODUCTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many of [`tensor_tile_products`] ran on the fragment tiles (`train.tensor_core_kernel =
+/// "fragments"`): a debug counter tests use to see that the setting reached the kernels.
+pub fn fragment_tile_products() -> u64 {
+    FRAGMENT_TILE_PRODUCTS.load(Ordering::Relaxed)
 }
 
 static GROUPED_MOE_BACKWARDS: AtomicU64 = AtomicU64::new(0);

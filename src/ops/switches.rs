@@ -58,3 +58,19 @@ pub fn tensor_tiles() -> Option<DType> {
         _ => None,
     }
 }
+
+/// Whether the tensor-core tiles' order runs on the fragment tiles (`train.tensor_core_kernel =
+/// "fragments"`; `cube_kernels::kernels::mma_frag`) rather than the tiles: the same order, the same bits
+/// on the scalar twins, expected the same on the instruction. A process-wide switch like
+/// [`set_tensor_tiles`], so a rollout and the training forward take the same kernels.
+static FRAGMENT_TILES: AtomicBool = AtomicBool::new(false);
+
+/// Sets [`fragment_tiles`].
+pub fn set_fragment_tiles(on: bool) {
+    FRAGMENT_TILES.store(on, Ordering::Relaxed);
+}
+
+/// Whether the tensor-core tiles' order runs on the fragment tiles ([`set_fragment_tiles`]).
+pub fn fragment_tiles() -> bool {
+    FRAGMENT_TILES.load(Ordering::Relaxed)
+}

@@ -112,6 +112,26 @@ pub enum LrSchedule {
     Cosine,
 }
 
+/// The kernels of `train.tensor_cores`' order ([`RlConfig::tensor_core_kernel`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TensorCoreKernel {
+    /// Decoded codes staged in shared memory (`cube_kernels::kernels::mma`, `mma_moe`).
+    #[default]
+    Tiles,
+    /// Packed words staged, fragments decoded in registers (`cube_kernels::kernels::mma_frag`).
+    Fragments,
+}
+
+impl std::fmt::Display for TensorCoreKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TensorCoreKernel::Tiles => "tiles",
+            TensorCoreKernel::Fragments => "fragments",
+        })
+    }
+}
+
 /// The RL update.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -175,6 +195,14 @@ pub struct RlConfig {
     /// multiply-adds (slower; a warning says so). `false` (the default): the canonical f32 order.
     #[serde(default)]
     pub tensor_cores: bool,
+    /// Which kernels run `tensor_cores`' order: `"tiles"` (the default, `cube_kernels::kernels::mma`,
+    /// `mma_moe`: decoded codes staged in shared memory) or `"fragments"` (`kernels::mma_frag`: packed
+    /// words staged, each unit decoding its own `m16n8k16` fragment registers, scale groups applied in
+    /// registers). The same order; the same bits on the scalar twins (tested), expected the same on the
+    /// instruction (`qarl bench kernels --check` counts any difference). Refused without
+    /// `tensor_cores = true`.
+    #[serde(default)]
+    pub tensor_core_kernel: TensorCoreKernel,
     /// Where `lp_old` is taken from the rollout's record (deterministic mode, aligned forward, one update per
     /// step: the same bits), recompute it with a forward anyway and stop with an error if any token differs.
     #[serde(default)]
@@ -423,6 +451,12 @@ impl TrainConfig {
         )?;
         if t.tensor_cores {
             self.check_tensor_cores()?;
+        } else if t.tensor_core_kernel != TensorCoreKernel::Tiles {
+            anyhow::bail!(
+                "`train.tensor_core_kernel` = \"{}\" needs `train.tensor_cores` = true: without it the \
+                 low-bit products take the canonical order, not the tensor-core tiles' order",
+                t.tensor_core_kernel
+            );
         }
         // The KL term needs a reference policy's log-probs, which the trainer does not compute: a positive
         // coefficient would fail at the first update (or, worse, be silently ignored), so it is refused here.

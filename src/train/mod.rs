@@ -209,7 +209,7 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
 }
 
 /// Sets what `cfg` decides for the whole process: deterministic mode (`train.deterministic`) and the order of
-/// its low-bit products (`train.tensor_cores`). Every command that computes from a training config calls it
+/// its low-bit products (`train.tensor_cores`, on the kernels `train.tensor_core_kernel` names). Every command that computes from a training config calls it
 /// first (train, sft, bench step), so the warm start, the RL steps and the evaluations of a run all take
 /// the same mode.
 pub fn apply_process_modes(cfg: &TrainConfig) {
@@ -224,6 +224,10 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
         cfg.train
             .tensor_cores
             .then(|| cfg.train.activations.dtype()),
+    );
+    crate::ops::set_fragment_tiles(
+        cfg.train.tensor_cores
+            && cfg.train.tensor_core_kernel == config::TensorCoreKernel::Fragments,
     );
 }
 

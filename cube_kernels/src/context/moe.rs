@@ -13,7 +13,6 @@ use crate::dtype::ActDType;
 use crate::error::KernelError;
 use crate::format::WeightFormat;
 use crate::kernels::mma::{MMA, MMA_PLANE};
-use crate::kernels::mma_frag::{self, FRAG_PLANES, FRAG_ROWS};
 use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
 use crate::kernels::{moe as moe_kernels, BLOCK, CHUNK, TILE};
 use crate::moe::{MoeRouting, RoutingTable, TableLayout};
@@ -35,32 +34,6 @@ impl Kernels {
     pub fn with_gemv_assignments_per_pass(mut self, n: Option<usize>) -> Self {
         self.gemv_per_pass = n.map(|n| n.clamp(1, Self::MAX_GEMV_ASSIGNMENTS_PER_PASS));
         self
-    }
-
-    /// These kernels with the MoE's tensor-core tiles' order ([`MatmulPath::tiles`]) on the fragment tiles
-    /// ([`crate::kernels::mma_frag`]: packed words staged, fragments decoded in registers, scale groups
-    /// applied in registers) when `on`, else on [`crate::kernels::mma_moe`]'s tiles. The scalar twins
-    /// give the same bits either way (tested); on the instruction, NVIDIA's `m16n16k16` being two
-    /// `m16n8k16`, the same bits are expected and `qarl bench kernels --check` counts any that differ.
-    /// Off until a GPU has timed it: rollout and training must take the same choice, which one
-    /// `Kernels` value does.
-    pub fn with_moe_fragments(mut self, on: bool) -> Self {
-        self.moe_fragments = on;
-        self
-    }
-
-    /// These kernels with the fragment tiles staging at most `Some(n)` K steps per chunk (fewer
-    /// registers and more cubes per multiprocessor, more barriers), or as many as fit up to eight
-    /// (`None`): the same bits every way; for tests, and for timing the choice.
-    pub fn with_fragment_chunk_steps(mut self, steps: Option<usize>) -> Self {
-        self.fragment_chunk = steps.map(|n| n.clamp(1, mma_frag::FRAG_MAX_CHUNK_STEPS));
-        self
-    }
-
-    /// Whether the MoE's tensor-core tiles' order runs on the fragment tiles
-    /// ([`Self::with_moe_fragments`]).
-    pub fn moe_fragments(&self) -> bool {
-        self.moe_fragments
     }
 
     /// Most assignments the grouped GEMV takes at once: a tile's 16 would leave a cube room for one row's
@@ -234,7 +207,7 @@ impl Kernels {
             MatmulPath::Mma | MatmulPath::GroupedScalar | MatmulPath::Tiles { .. } => {
                 let tiles = path.tiles(dtype).expect("a tiles path");
                 self.check_tiles(format, tiles)?;
-                if self.moe_fragments {
+                if self.fragment_tiles() {
                     self.check_fragments(format, tiles)?;
                 }
                 GroupedKernel::Tiles {
@@ -243,54 +216,6 @@ impl Kernels {
                 }
             }
         })
-    }
-
-    /// Whether the fragment tiles can run `format` weights with `operand` operands here (beyond
-    /// [`Self::check_tiles`]): the manual `m16n8k16` instruction on the instruction path, and a chunk of
-    /// one K step in shared memory. Otherwise an error saying which.
-    fn check_fragments(
-        &self,
-        format: WeightFormat,
-        (tensor_cores, operand): (bool, ActDType),
-    ) -> Result<(), KernelError> {
-        if tensor_cores && !self.supports_mma_fragments(operand) {
-            return Err(KernelError::Unsupported(format!(
-                "fragment tiles for {format:?} weights with {operand} operands on {}: no manual \
-                 m16n8k16 {operand}-operand instruction",
-                self.device_name()
-            )));
-        }
-        let steps_per_scale = format.kernel_group() / MMA;
-        if self
-            .fragment_chunk_steps(format, steps_per_scale, (tensor_cores, operand))
-            .is_none()
-        {
-            return Err(KernelError::Unsupported(format!(
-                "fragment tiles for {format:?} weights with {operand} operands: one K step's staging \
-                 exceeds the {} bytes of shared memory {} allows",
-                self.max_shared_bytes(),
-                self.device_name()
-            )));
-        }
-        Ok(())
-    }
-
-    /// K steps the fragment tiles stage per chunk for `format` weights whose scale groups span
-    /// `steps_per_scale` steps: as many as fit, up to eight ([`mma_frag::fragment_chunk_steps`]) or
-    /// the cap [`Self::with_fragment_chunk_steps`] set.
-    fn fragment_chunk_steps(
-        &self,
-        format: WeightFormat,
-        steps_per_scale: usize,
-        (tensor_cores, operand): (bool, ActDType),
-    ) -> Option<usize> {
-        mma_frag::fragment_chunk_steps(
-            format.kernel_code(),
-            steps_per_scale.min(self.fragment_chunk.unwrap_or(usize::MAX)),
-            operand.size(),
-            tensor_cores,
-            self.max_shared_bytes(),
-        )
     }
 
     /// Checks the shapes and types of a grouped MoE call ([`Self::moe_routed`]).
@@ -540,38 +465,14 @@ impl Kernels {
     ) {
         let layout = routing.layout();
         let (steps, steps_per_scale) = tile_steps(a);
-        if self.moe_fragments {
-            let chunk_steps = self
-                .fragment_chunk_steps(a.format, steps_per_scale, (tensor_cores, operand))
-                .expect("checked by check_fragments");
-            mma_frag::grouped_fragments::launch(
-                &self.client,
-                CubeCount::Static(a.out.div_ceil(FRAG_ROWS) as u32, layout.tiles as u32, 1),
-                CubeDim::new_2d(MMA_PLANE as u32, FRAG_PLANES as u32),
-                input.arg(),
-                routing.table.arg(),
-                layout.rows_at(),
-                a.words.arg(),
-                a.scales.arg(),
-                b.words.arg(),
-                b.scales.arg(),
-                self.lut.arg(),
-                y.arg(),
-                a.out,
-                a.inn,
-                a.wpr(),
-                a.spr(),
-                a.expert_words(),
-                a.expert_scales(),
-                steps,
-                steps_per_scale,
-                a.format.kernel_code(),
-                a.format.kernel_group(),
-                swiglu,
-                gather,
-                tensor_cores,
-                chunk_steps,
-                [input.dtype.elem(), operand.elem()],
+        if self.fragment_tiles() {
+            self.launch_grouped_fragments(
+                input,
+                routing,
+                [a, b],
+                y,
+                (swiglu, gather),
+                (tensor_cores, operand),
             );
             return;
         }

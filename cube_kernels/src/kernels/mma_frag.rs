@@ -492,19 +492,24 @@ fn add_scaled_fragment(
 /// assignments of tile `CUBE_POS_Y`, in [`super::mma_moe`]'s order, with [`super::mma_moe::grouped_tiles`]'
 /// arguments and `chunk_steps` K steps staged per pair of barriers ([`fragment_chunk_steps`]; the bits do
 /// not depend on it). On the instruction with `tensor_cores` (half `X`), else emulated (any runtime and
-/// operand type). Launch with `CubeDim (32, 4)` and `CubeCount (ceil(n_out / 64), tiles)`.
+/// operand type). `y` is f32 for the grouped products. With `dense`, the dense product `y[t, row] =
+/// sum_k input[t, k] w[row, k]` of [`super::mma::gemm_tiles`]' order instead: tile `CUBE_POS_Y` is
+/// tokens `16 tile .. 16 tile + 16` of `tokens`, one matrix, no table (any buffer), `y` of the
+/// activations' type `Y`, rounded once. Launch with `CubeDim (32, 4)` and `CubeCount (ceil(n_out / 64),
+/// tiles)` (dense: `ceil(tokens / 16)` tiles).
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
-pub fn grouped_fragments<I: Float, X: Float>(
+pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     input: &[I],
     table: &[u32],
     rows_at: usize,
+    tokens: usize,
     words_a: &[u32],
     scales_a: &[f32],
     words_b: &[u32],
     scales_b: &[f32],
     lut: &[f32],
-    y: &mut [f32],
+    y: &mut [Y],
     n_out: usize,
     inn: usize,
     wpr: usize,
@@ -517,9 +522,10 @@ pub fn grouped_fragments<I: Float, X: Float>(
     #[comptime] group: usize,
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
+    #[comptime] dense: bool,
     #[comptime] tensor_cores: bool,
     #[comptime] chunk_steps: usize,
-    #[define(I, X)] _dtypes: [ElemType; 2],
+    #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
     let mut xs = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
         comptime!(MMA * x_stride(chunk_steps)),
@@ -533,11 +539,17 @@ pub fn grouped_fragments<I: Float, X: Float>(
         comptime!(if tensor_cores { 1 } else { UNITS * 6 }),
         SHARED_ALIGN,
     );
-    // The tile's expert and assignments; an empty or malformed tile runs no group and stores nothing.
+    // The tile's expert and assignments (dense: its tokens); an empty or malformed tile runs no group
+    // and stores nothing.
     let tile = CUBE_POS_Y as usize;
-    let expert = table[3 * tile] as usize;
-    let a0 = table[3 * tile + 1] as usize;
-    let a_end = table[3 * tile + 2] as usize;
+    let mut expert = 0usize;
+    let mut a0 = tile * MMA;
+    let mut a_end = tokens.min(a0 + MMA);
+    if comptime!(!dense) {
+        expert = table[3 * tile] as usize;
+        a0 = table[3 * tile + 1] as usize;
+        a_end = table[3 * tile + 2] as usize;
+    }
     let mut len = 0usize;
     let mut groups = 0usize;
     if a0 < a_end {
@@ -704,10 +716,11 @@ pub fn grouped_fragments<I: Float, X: Float>(
     store_fragments(y, &total, a0, a_end, row0, n_out, swiglu);
 }
 
-/// Stores the unit's outputs into `y [assignments, n_out]` (f32): the totals, or `silu(a) * b`.
+/// Stores the unit's outputs into `y [assignments, n_out]`: the totals, or `silu(a) * b`, rounded once to
+/// `Y`.
 #[cube]
-fn store_fragments(
-    y: &mut [f32],
+fn store_fragments<Y: Float>(
+    y: &mut [Y],
     total: &Array<f32>,
     a0: usize,
     a_end: usize,
@@ -729,7 +742,7 @@ fn store_fragments(
                 if comptime!(swiglu) {
                     v = silu_times(total[j], total[8 + j]);
                 }
-                y[a * n_out + r] = v;
+                y[a * n_out + r] = Y::cast_from(v);
             }
         }
     }

@@ -24,17 +24,21 @@ use cube_kernels::{ActDType, DeviceBuffer, DeviceWeights, Kernels, MatmulPath, P
 use crate::ops::{ExpertWeights, PackedWeight};
 use crate::quant::QuantizedTensor;
 
-/// Kernels (client + E4M3 table) per device.
+/// Kernels (client + E4M3 table) per device, with the tensor-core tiles' order on the fragment tiles
+/// when the process switch says so ([`crate::ops::fragment_tiles`]).
 pub(super) fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<Kernels>>>> = OnceLock::new();
-    let key = format!("{:?}", t.device);
+    let fragments = crate::ops::fragment_tiles();
+    let key = format!("{:?}/{fragments}", t.device);
     let mut cache = CACHE
         .get_or_init(Default::default)
         .lock()
         .expect("kernel cache");
     cache
         .entry(key)
-        .or_insert_with(|| Arc::new(Kernels::from_client(t.client.clone())))
+        .or_insert_with(|| {
+            Arc::new(Kernels::from_client(t.client.clone()).with_fragment_tiles(fragments))
+        })
         .clone()
 }
 
@@ -223,6 +227,9 @@ fn product_path(kernels: &Kernels) -> MatmulPath {
         });
     }
     crate::ops::count_tensor_tile_product();
+    if kernels.fragment_tiles() {
+        crate::ops::count_fragment_tile_product();
+    }
     MatmulPath::Tiles {
         tensor_cores,
         operand,
