@@ -119,36 +119,24 @@ pub fn fragment_chunk_steps(
     })
 }
 
-/// Where the inputs of each assignment a unit stages start in `input` (with `gather` row
-/// `table[rows_at + a]`, else row `a`; 0 for a row past the tile's `len` assignments): pair `p` of the
-/// unit is in row `(unit + p * UNITS) / pairs_per_row`. Read once per tile.
+/// Where the inputs of the tile's assignment `r` start in `input`: row `table[rows_at + a0 + r]` with
+/// `gather`, else row `a0 + r`; 0 past the tile's `len` assignments. Looked up at each chunk rather than
+/// held in registers (the lookup is an L1 hit, and the chunk's loads go out a chunk ahead).
 #[cube]
-fn staged_rows(
+fn input_row(
     table: &[u32],
     rows_at: usize,
     a0: usize,
+    r: usize,
     len: usize,
     inn: usize,
     #[comptime] gather: bool,
-    #[comptime] chunk_steps: usize,
-) -> Array<usize> {
-    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
-    let pairs_per_row = comptime!(chunk_steps * MMA / 2);
-    let per_unit = comptime!(pairs_per_unit(chunk_steps));
-    let mut rows = Array::<usize>::new(per_unit);
-    #[unroll]
-    for p in 0..per_unit {
-        let r = (unit + p * UNITS) / pairs_per_row;
-        rows[p] = 0;
-        if r < len {
-            let mut src = a0 + r;
-            if comptime!(gather) {
-                src = table[rows_at + a0 + r] as usize;
-            }
-            rows[p] = src * inn;
-        }
+) -> usize {
+    let mut src = a0 + r;
+    if comptime!(gather) {
+        src = table[select(r < len, rows_at + a0 + r, 0usize)] as usize;
     }
-    rows
+    select(r < len, src * inn, 0usize)
 }
 
 /// `word` with its codes at inputs `inn` and beyond cleared (`kw`: the word's first input), or 0 where
@@ -170,7 +158,9 @@ fn clear_past_inputs(word: u32, kw: usize, inn: usize, live: bool, #[comptime] f
 #[allow(clippy::too_many_arguments)]
 fn fetch_chunk<I: Float>(
     input: &[I],
-    rows: &Array<usize>,
+    table: &[u32],
+    rows_at: usize,
+    a0: usize,
     len: usize,
     words_a: &[u32],
     words_b: &[u32],
@@ -186,6 +176,7 @@ fn fetch_chunk<I: Float>(
     woff: usize,
     #[comptime] fmt: u32,
     #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
     #[comptime] chunk_steps: usize,
 ) {
     let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
@@ -215,8 +206,9 @@ fn fetch_chunk<I: Float>(
             let k = k0 + 2 * q;
             let live0 = a < len && k < k_end;
             let live1 = a < len && k + 1 < k_end;
-            held_x[2 * p] = input[select(live0, rows[p] + k, 0usize)];
-            held_x[2 * p + 1] = input[select(live1, rows[p] + k + 1, 0usize)];
+            let row = input_row(table, rows_at, a0, a, len, inn, gather);
+            held_x[2 * p] = input[select(live0, row + k, 0usize)];
+            held_x[2 * p + 1] = input[select(live1, row + k + 1, 0usize)];
         }
     }
 }
@@ -558,7 +550,6 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     }
     let row0 = CUBE_POS_X as usize * FRAG_ROWS;
     let (woff, soff) = (expert * expert_words, expert * expert_scales);
-    let rows = staged_rows(table, rows_at, a0, len, inn, gather, chunk_steps);
     let wpu = comptime!(words_per_unit(fmt, chunk_steps));
     let mut held_a = Array::<u32>::new(wpu);
     let mut held_b = Array::<u32>::new(comptime!(if swiglu { wpu } else { 1 }));
@@ -566,7 +557,9 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     if groups > 0 {
         fetch_chunk(
             input,
-            &rows,
+            table,
+            rows_at,
+            a0,
             len,
             words_a,
             words_b,
@@ -582,6 +575,7 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
             woff,
             fmt,
             swiglu,
+            gather,
             chunk_steps,
         );
     }
@@ -620,7 +614,9 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
             let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, chunk_steps);
             fetch_chunk(
                 input,
-                &rows,
+                table,
+                rows_at,
+                a0,
                 len,
                 words_a,
                 words_b,
@@ -636,6 +632,7 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                 woff,
                 fmt,
                 swiglu,
+                gather,
                 chunk_steps,
             );
             // Unrolled on the instruction; the emulation's shaders stay small (lavapipe compiles them).
