@@ -1262,6 +1262,31 @@ fn dense_fragment_tiles_give_the_tiles_bits() {
     }
 }
 
+/// An MoE call whose routing needs more 16-assignment tiles than a launch grid's axis holds (65535) is
+/// refused with an error that says so, before anything is launched.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn moe_calls_beyond_the_grid_are_refused() {
+    let Some(k) = kernels() else { return };
+    // One assignment per expert: 65536 tiles.
+    let (experts, hidden, inter, tokens) = (65_536usize, 8usize, 8usize, 65_536usize);
+    let ids: Vec<u32> = (0..tokens as u32).collect();
+    let routing = MoeRouting::new(&ids, tokens, 1, experts).unwrap();
+    let format = WeightFormat::Int8PerRow;
+    let gate = k.upload_weights(&random_weights(format, experts, inter, hidden, 1));
+    let down = k.upload_weights(&random_weights(format, experts, hidden, inter, 2));
+    let x = k.upload_f32(&vec![0.25; tokens * hidden]);
+    let rw = k.upload_f32(&vec![1.0; tokens]);
+    let err = k
+        .moe_with(&x, &routing, &rw, [&gate, &gate, &down], MatmulPath::Auto)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("65536 tiles") && err.contains("split the call"),
+        "{err}"
+    );
+}
+
 /// Equal bit patterns, or a failure naming how many values differ and the first.
 fn assert_same_bits(got: &[u32], want: &[u32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");

@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 
-use super::{tile_steps, DeviceBuffer, DeviceWeights, Kernels};
+use super::{tile_steps, DeviceBuffer, DeviceWeights, Kernels, MAX_GRID};
 use crate::dtype::ActDType;
 use crate::error::KernelError;
 use crate::format::WeightFormat;
@@ -147,6 +147,13 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         self.check_tiles(w.format, (tensor_cores, operand))?;
         self.check_fragments(w.format, (tensor_cores, operand))?;
+        if n.div_ceil(MMA) > MAX_GRID {
+            return Err(KernelError::Shape(format!(
+                "fragment tiles on {n} tokens: {} tiles of 16, beyond the {MAX_GRID} a launch grid \
+                 holds; split the call",
+                n.div_ceil(MMA)
+            )));
+        }
         let (steps, steps_per_scale) = tile_steps(w);
         let chunk_steps = self
             .fragment_chunk_steps(w.format, steps_per_scale, (tensor_cores, operand))

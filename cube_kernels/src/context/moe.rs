@@ -228,6 +228,15 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         let (tokens, top_k, experts) = (routing.tokens(), routing.top_k(), routing.experts());
         let (hidden, inter) = (gate.inn, gate.out);
+        // The grouped products launch one row of cubes per 16-assignment tile, on a grid axis that
+        // holds at most MAX_GRID (CUDA's and WebGPU's limit).
+        let tiles = routing.layout().tiles;
+        if tiles > MAX_GRID {
+            return Err(KernelError::Shape(format!(
+                "MoE call of {tokens} tokens x top-{top_k}: {tiles} tiles of 16 assignments, beyond \
+                 the {MAX_GRID} a launch grid holds; split the call (a smaller micro-batch)"
+            )));
+        }
         for (name, w, shape) in [
             ("gate", gate, [inter, hidden]),
             ("up", up, [inter, hidden]),
