@@ -283,6 +283,14 @@ fn tile_shared_bytes(
     }
 }
 
+/// The (input, operand) types the tile launchers take: f32 inputs staged as bf16 (the mixed-precision
+/// training forward), bf16 and f16 activations (the rollout).
+const TILE_DTYPES: [(ActDType, ActDType); 3] = [
+    (ActDType::F32, ActDType::BF16),
+    (ActDType::BF16, ActDType::BF16),
+    (ActDType::F16, ActDType::F16),
+];
+
 /// Every tile variant the launchers can ask for on `target`: dense and both MoE products, for each of
 /// `formats`, with f32 inputs staged as bf16 (the mixed-precision training forward), bf16 and f16
 /// activations (the rollout), on the instruction and with the scalar twin, staging one K step per pair
@@ -291,11 +299,7 @@ pub fn compile_all_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
 ) -> Vec<Result<CompiledKernel, KernelError>> {
-    let dtypes = [
-        (ActDType::F32, ActDType::BF16),
-        (ActDType::BF16, ActDType::BF16),
-        (ActDType::F16, ActDType::F16),
-    ];
+    let dtypes = TILE_DTYPES;
     let kernels = [
         TileKernel::Dense,
         TileKernel::MoeGateUp,
@@ -329,11 +333,7 @@ pub fn compile_fragment_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
 ) -> Vec<Result<CompiledKernel, KernelError>> {
-    let dtypes = [
-        (ActDType::F32, ActDType::BF16),
-        (ActDType::BF16, ActDType::BF16),
-        (ActDType::F16, ActDType::F16),
-    ];
+    let dtypes = TILE_DTYPES;
     let mut out = Vec::new();
     for &format in formats {
         let (fmt, group) = (format.kernel_code(), format.kernel_group());

@@ -100,9 +100,24 @@ pub fn fetch_word(
     let (row, kw) = (row0 + wl / per_row, k0 + (wl % per_row) * cpw);
     let live = wl < comptime!(staged_words(fmt)) && row < out && kw < inn;
     let word = words[select(live, woff + row * wpr + kw / cpw, 0usize)];
-    // Codes of this word before `inn`, at most `cpw`: the mask keeps their bits (and zeroes padding).
-    let valid = select(live, inn - kw.min(inn), 0usize).min(cpw);
+    clear_past_inputs(word, kw, inn, live, fmt)
+}
+
+/// `word` with its codes at inputs `inn` and beyond cleared (`kw`: the word's first input), or 0 where
+/// not `live`: the mask keeps the bits of the codes before `inn` (at most a word's) and zeroes padding,
+/// and cleared codes are value 0 in every format (after [`code_flip`]). The tiles' and the fragment
+/// tiles' staging share it.
+#[cube]
+pub fn clear_past_inputs(
+    word: u32,
+    kw: usize,
+    inn: usize,
+    live: bool,
+    #[comptime] fmt: u32,
+) -> u32 {
+    let cpw = comptime!(codes_per_word(fmt));
     let bits = comptime!(32 / codes_per_word(fmt)) as u32;
+    let valid = select(live, inn - kw.min(inn), 0usize).min(cpw);
     let partial = (1u32 << (valid.min(cpw - 1) as u32 * bits)) - 1u32;
     word & select(valid == cpw, 0xFFFF_FFFFu32, partial)
 }

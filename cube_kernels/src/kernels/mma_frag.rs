@@ -35,7 +35,7 @@
 
 use cubecl::prelude::*;
 
-use super::mma::{next_chunk, MMA, MMA_PLANE, SHARED_ALIGN};
+use super::mma::{clear_past_inputs, next_chunk, MMA, MMA_PLANE, SHARED_ALIGN};
 use super::moe::silu_times;
 use super::{code_flip, codes_per_word, scale_at, word_code_value};
 
@@ -139,21 +139,6 @@ fn input_row(
     select(r < len, src * inn, 0usize)
 }
 
-/// `word` with its codes at inputs `inn` and beyond cleared (`kw`: the word's first input), or 0 where
-/// not `live`: cleared codes are value 0 in every format (after [`code_flip`]).
-#[cube]
-fn clear_past_inputs(word: u32, kw: usize, inn: usize, live: bool, #[comptime] fmt: u32) -> u32 {
-    let cpw = comptime!(codes_per_word(fmt));
-    let bits = comptime!(32 / codes_per_word(fmt)) as u32;
-    let valid = select(live, inn - kw.min(inn), 0usize).min(cpw);
-    let partial = (1u32 << (valid.min(cpw - 1) as u32 * bits)) - 1u32;
-    word & select(valid == cpw, 0xFFFF_FFFFu32, partial)
-}
-
-/// Loads the chunk of steps `s0..last` into the unit's registers: its packed words of `a` (and `b`) for
-/// the cube's 64 rows (word `unit + p * UNITS` of the chunk's `64 x chunk_words`, row-major) and its
-/// input pairs (pair `unit + p * UNITS` of the chunk's `16 x pairs_per_row`). Bounds are selects, so the
-/// loads issue together.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn fetch_chunk<I: Float>(
