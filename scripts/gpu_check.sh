@@ -163,19 +163,24 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
       --iters "${QARL_GPU_CHECK_MOE_ITERS:-20}" \
       --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1
   fi
-  # Optional (QARL_GPU_CHECK_PROFILE=1): Nsight Compute's view of the MoE block's tiles at 4096 tokens where the
-  # image has `ncu` (speed of light, occupancy, memory, warp states, launch) for the first launches whose name
-  # matches QARL_GPU_CHECK_PROFILE_KERNELS (default "grouped_tiles|grouped_fragments"), into profile_moe.txt: what the tensor-core
-  # tiles wait on, before another rewrite. Without `ncu` (or without counter permissions) the file says so.
+  # Optional (QARL_GPU_CHECK_PROFILE=1): Nsight Compute's view of the MoE block's tiles at 4096 tokens
+  # (QARL_GPU_CHECK_PROFILE_TOKENS) where the image has `ncu` (speed of light, occupancy, memory, warp
+  # states, launch): the bench times only the rows QARL_GPU_CHECK_PROFILE_ONLY names (default
+  # "moe/mma-frag"; `qarl bench kernels --only`), and ncu takes the first 4 launches whose name matches
+  # QARL_GPU_CHECK_PROFILE_KERNELS (default "grouped_fragments"; the decode: tokens 16, only
+  # moe/decode-split, kernels grouped_gemv), into profile_moe.txt: what the kernel waits on, before
+  # another rewrite. Without `ncu` (or without counter permissions) the file says so.
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_PROFILE:-0}" = 1 ]; then
     ncu_bin="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
     if [ -n "$ncu_bin" ]; then
       echo "== Nsight Compute: $ncu_bin =="
       timeout "${QARL_GPU_CHECK_PROFILE_TIMEOUT:-120}" "$ncu_bin" --target-processes all \
-        --kernel-name "regex:${QARL_GPU_CHECK_PROFILE_KERNELS:-grouped_tiles|grouped_fragments}" --launch-count 4 \
+        --kernel-name "regex:${QARL_GPU_CHECK_PROFILE_KERNELS:-grouped_fragments}" --launch-count 4 \
         --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats \
-        "${launch[@]}" bench kernels --runtime cuda --formats int4-g128 --tokens 4096 --act-dtype bf16 \
+        "${launch[@]}" bench kernels --runtime cuda --formats int4-g128 \
+        --tokens "${QARL_GPU_CHECK_PROFILE_TOKENS:-4096}" --act-dtype bf16 \
+        --only "${QARL_GPU_CHECK_PROFILE_ONLY:-moe/mma-frag}" \
         --iters 1 > "$out/profile_moe.txt" 2>&1 || echo "ncu ended with an error (see profile_moe.txt)"
       tail -40 "$out/profile_moe.txt"
     else

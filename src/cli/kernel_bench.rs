@@ -60,6 +60,17 @@ pub struct KernelBenchArgs {
     /// build, no device needed).
     #[arg(long, value_name = "JSON")]
     pub summarize: Option<PathBuf>,
+    /// Time only these rows (labels as the table prints them, e.g. `moe/mma-frag,moe/mma`; a profiler
+    /// then sees only their launches); empty: every row. `--check` still checks every kernel.
+    #[arg(long, value_delimiter = ',', value_name = "KERNELS")]
+    pub only: Vec<String>,
+}
+
+impl KernelBenchArgs {
+    /// Whether the row `label` is timed (`--only`).
+    fn wants(&self, label: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| o == label)
+    }
 }
 
 /// Runs the benchmark (an error naming the cargo feature when no CubeCL runtime is compiled in), or with
@@ -538,7 +549,7 @@ mod imp {
                     (MatmulPath::Blocked, "linear/block64"),
                 ];
                 paths.extend(grouped.iter().copied());
-                for (path, kernel) in paths {
+                for (path, kernel) in paths.into_iter().filter(|(_, l)| args.wants(l)) {
                     let t = time(
                         args.iters,
                         || drop(k.linear_with(&dx, n, &dw, path).expect("linear")),
@@ -552,11 +563,14 @@ mod imp {
                     let run = |k: &Kernels| k.linear_with(&dx, n, &dw, path).expect("linear");
                     let what = format!("{name} {dtype} {kernel} n={n}");
                     let (other, suffix) = other_staging(path, dtype, &staged);
-                    let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
                     let label = format!("{kernel}{suffix}");
+                    if !args.wants(&label) {
+                        continue;
+                    }
+                    let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
-                for (path, kernel) in &frag_grouped {
+                for (path, kernel) in frag_grouped.iter().filter(|(_, l)| args.wants(l)) {
                     let t = time(
                         args.iters,
                         || drop(frag.linear_with(&dx, n, &dw, *path).expect("linear")),
@@ -725,7 +739,7 @@ mod imp {
                     .iter()
                     .map(|&(p, kernel)| (p, kernel))
                     .chain(tiles.iter().map(|(p, kernel)| (*p, kernel.as_str())));
-                for (path, kernel) in timed {
+                for (path, kernel) in timed.filter(|(_, l)| args.wants(l)) {
                     let t = time(
                         args.iters,
                         || {
@@ -737,7 +751,7 @@ mod imp {
                     rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
                 if n <= Kernels::MOE_GEMV_MAX_TOKENS {
-                    for (what, kd, graph, path) in &decode {
+                    for (what, kd, graph, path) in decode.iter().filter(|d| args.wants(&d.0)) {
                         let call = (ids.as_slice(), n, what.as_str());
                         let inputs = [&dx, &drw];
                         let how = (*graph, *path);
@@ -757,14 +771,20 @@ mod imp {
                     };
                     let what = format!("{name} {dtype} {kernel} n={n}");
                     let (other, suffix) = other_staging(*path, dtype, &staged);
-                    let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
                     let label = format!("{kernel}{suffix}");
+                    if !args.wants(&label) {
+                        continue;
+                    }
+                    let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
                 // And with chunks of 2 K steps (`-c2`: fewer registers, more cubes per multiprocessor).
                 let frag_c2 = frag.clone().with_fragment_chunk_steps(Some(2));
                 for (path, kernel) in &frag_tiles {
                     for (kf, suffix) in [(&frag, ""), (&frag_c2, "-c2")] {
+                        if !args.wants(&format!("{kernel}{suffix}")) {
+                            continue;
+                        }
                         let t = time(
                             args.iters,
                             || {
