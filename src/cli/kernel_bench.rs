@@ -180,7 +180,28 @@ fn print_summary(base: &str, lines: &[String]) {
 
 #[cfg(test)]
 mod tests {
-    use super::moe_summary;
+    use super::{moe_summary, KernelBenchArgs};
+
+    /// `--only` names whole row labels: a listed one is timed, a longer label that starts with it is
+    /// not, and without the option every row is.
+    #[test]
+    fn only_times_the_rows_named() {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: KernelBenchArgs,
+        }
+        let parse = |argv: &[&str]| {
+            <Cli as clap::Parser>::try_parse_from([&["qarl"], argv].concat())
+                .unwrap()
+                .args
+        };
+        let some = parse(&["--only", "moe/mma,moe/decode-split"]);
+        assert!(some.wants("moe/mma") && some.wants("moe/decode-split"));
+        assert!(!some.wants("moe/mma-frag") && !some.wants("linear/mma"));
+        let all = parse(&[]);
+        assert!(all.wants("moe/mma-frag") && all.wants("linear/gemv"));
+    }
 
     /// The summary of the committed H200 run 4 (2026-12-04) gives the numbers its README reads off the
     /// table by hand: the tensor-core tiles at 6.06x / 4.45x / 4.86x of bf16 at 256 / 1024 / 4096
