@@ -68,6 +68,7 @@ pub struct KernelBenchArgs {
 
 impl KernelBenchArgs {
     /// Whether the row `label` is timed (`--only`).
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     fn wants(&self, label: &str) -> bool {
         self.only.is_empty() || self.only.iter().any(|o| o == label)
     }
