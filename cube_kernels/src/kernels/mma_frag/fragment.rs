@@ -1,0 +1,216 @@
+//! The fragment tiles' registers: each unit's `m16n8k16` A, B and accumulator fragments in the PTX ISA's
+//! layout, the instruction (or, for the scalar twin, its emulation from those registers), and the scale
+//! groups applied to the accumulators.
+
+use cubecl::prelude::*;
+
+use super::super::mma::{MMA, MMA_PLANE};
+use super::super::{code_flip, codes_per_word, scale_at, word_code_value};
+use super::staging::{w_stride, x_stride};
+use super::{BLOCKS, N8};
+
+/// The unit's A fragment (the 16 assignments x 16 inputs of staged step `s`) in the `m16n8k16` register
+/// layout: with `g = lane / 4`, `t = lane % 4`, registers (row g, inputs 2t, 2t+1), (row g + 8, same),
+/// (row g, inputs 2t + 8, 2t + 9), (row g + 8, same).
+#[cube]
+pub(super) fn a_fragment<X: Float>(
+    xs: &Shared<[Vector<X, Const<2>>]>,
+    s: usize,
+    #[comptime] chunk_steps: usize,
+) -> Array<Vector<X, Const<2>>> {
+    let lane = UNIT_POS_X as usize;
+    let (g, t) = (lane / 4, lane % 4);
+    let xstride = comptime!(x_stride(chunk_steps));
+    let mut regs = Array::<Vector<X, Const<2>>>::new(4usize);
+    #[unroll]
+    for r in 0..4usize {
+        let row = g + (r % 2) * 8;
+        let pair = s * (MMA / 2) + (r / 2) * 4 + t;
+        regs[r] = xs[row * xstride + pair];
+    }
+    regs
+}
+
+/// The unit's B fragment of staged step `s` for the cube's row `row` (its `n = g`): registers (inputs
+/// 2t, 2t+1) and (inputs 2t + 8, 2t + 9), decoded from the packed words ([`word_code_value`]; exact in
+/// `X`).
+#[cube]
+fn b_fragment<X: Float>(
+    ws: &Shared<[u32]>,
+    lut: &[f32],
+    row: usize,
+    s: usize,
+    #[comptime] fmt: u32,
+    #[comptime] chunk_steps: usize,
+) -> Array<Vector<X, Const<2>>> {
+    let t = UNIT_POS_X as usize % 4;
+    let cpw = comptime!(codes_per_word(fmt));
+    let wstride = comptime!(w_stride(fmt, chunk_steps));
+    let mut regs = Array::<Vector<X, Const<2>>>::new(2usize);
+    #[unroll]
+    for r in 0..2usize {
+        let k = s * MMA + r * 8 + 2 * t;
+        let word = ws[row * wstride + k / cpw] ^ code_flip(fmt);
+        let j = (k % cpw) as u32;
+        let mut pair = Vector::<X, Const<2>>::empty();
+        pair.insert(0usize, X::cast_from(word_code_value(word, j, lut, fmt)));
+        pair.insert(1usize, X::cast_from(word_code_value(word, j + 1, lut, fmt)));
+        regs[r] = pair;
+    }
+    regs
+}
+
+/// `acc += A B` for one `m16n8k16` fragment: the instruction with `tensor_cores`, else its emulation from
+/// the plane's fragment registers ([`emulate_mma`]).
+#[cube]
+fn fragment_mma<X: Float>(
+    a: &Array<Vector<X, Const<2>>>,
+    b: &Array<Vector<X, Const<2>>>,
+    acc: &mut Array<Vector<f32, Const<2>>>,
+    exchange: &mut Shared<[Vector<X, Const<2>>]>,
+    #[comptime] tensor_cores: bool,
+) {
+    if comptime!(tensor_cores) {
+        let def = cmma::MmaDefinition::<X, X, f32>::new(MMA, N8, MMA);
+        def.execute_inplace(a, b, acc);
+    } else {
+        emulate_mma(a, b, acc, exchange);
+    }
+}
+
+/// What `mma.m16n8k16` computes, from the fragment registers as the instruction receives them: each unit
+/// writes its registers to the plane's part of `exchange`, and each output `(m, n)` the unit holds
+/// (accumulator registers (row g, columns 2t, 2t+1), (row g + 8, same)) takes `A[m, k] B[k, n]` for `k`
+/// in order with fused multiply-adds from its accumulator, reading `A[m, k]` from unit `4 (m % 8) +
+/// (k % 8) / 2` and `B[k, n]` from unit `4 n + (k % 8) / 2`, as the PTX ISA lays them out. Every plane of
+/// the cube calls it together (it waits for the cube).
+#[cube]
+fn emulate_mma<X: Float>(
+    a: &Array<Vector<X, Const<2>>>,
+    b: &Array<Vector<X, Const<2>>>,
+    acc: &mut Array<Vector<f32, Const<2>>>,
+    exchange: &mut Shared<[Vector<X, Const<2>>]>,
+) {
+    let lane = UNIT_POS_X as usize;
+    let plane = UNIT_POS_Y as usize;
+    let (g, t) = (lane / 4, lane % 4);
+    // The plane's 32 units x (4 A + 2 B) registers.
+    let base = plane * MMA_PLANE * 6;
+    #[unroll]
+    for r in 0..4usize {
+        exchange[base + lane * 6 + r] = a[r];
+    }
+    #[unroll]
+    for r in 0..2usize {
+        exchange[base + lane * 6 + 4 + r] = b[r];
+    }
+    sync_cube();
+    #[unroll]
+    for half in 0..2usize {
+        let mut out = acc[half];
+        let base_a = base + 4 * g * 6 + half;
+        out.insert(
+            0usize,
+            emulated_output(
+                &*exchange,
+                base_a,
+                base + 4 * (2 * t) * 6 + 4,
+                out.extract(0usize),
+            ),
+        );
+        out.insert(
+            1usize,
+            emulated_output(
+                &*exchange,
+                base_a,
+                base + 4 * (2 * t + 1) * 6 + 4,
+                out.extract(1usize),
+            ),
+        );
+        acc[half] = out;
+    }
+    sync_cube();
+}
+
+/// One output of [`emulate_mma`]: `sum + A[m, k] B[k, n]` for `k = 0..16` in order, with `A[m, k]` at
+/// `a_at + (k % 8) / 2 * 6 + 2 * (k / 8)` and `B[k, n]` at `b_at + (k % 8) / 2 * 6 + k / 8` of
+/// `exchange` (element `k % 2` of each pair).
+#[cube]
+fn emulated_output<X: Float>(
+    exchange: &Shared<[Vector<X, Const<2>>]>,
+    a_at: usize,
+    b_at: usize,
+    sum: f32,
+) -> f32 {
+    let mut sum = sum;
+    for k in 0..MMA {
+        let av = exchange[a_at + (k % 8) / 2 * 6 + 2 * (k / 8)];
+        let bv = exchange[b_at + (k % 8) / 2 * 6 + k / 8];
+        let odd = k % 2 == 1;
+        let a = select(odd, av.extract(1usize), av.extract(0usize));
+        let b = select(odd, bv.extract(1usize), bv.extract(0usize));
+        sum = fma(f32::cast_from(a), f32::cast_from(b), sum);
+    }
+    sum
+}
+
+/// One staged step for one block of 8 rows of one projection: its B fragment ([`b_fragment`]) into the
+/// block's accumulator.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn block_step<X: Float>(
+    a: &Array<Vector<X, Const<2>>>,
+    ws: &Shared<[u32]>,
+    lut: &[f32],
+    acc: &mut Array<Vector<f32, Const<2>>>,
+    exchange: &mut Shared<[Vector<X, Const<2>>]>,
+    block: usize,
+    s: usize,
+    #[comptime] fmt: u32,
+    #[comptime] chunk_steps: usize,
+    #[comptime] tensor_cores: bool,
+) {
+    let row = UNIT_POS_Y as usize * (BLOCKS * N8) + block * N8 + UNIT_POS_X as usize / 4;
+    let b = b_fragment::<X>(ws, lut, row, s, fmt, chunk_steps);
+    fragment_mma::<X>(a, &b, acc, exchange, tensor_cores);
+}
+
+/// A fresh accumulator fragment.
+#[cube]
+pub(super) fn zero_fragment() -> Array<Vector<f32, Const<2>>> {
+    let mut acc = Array::<Vector<f32, Const<2>>>::new(2usize);
+    acc[0] = Vector::<f32, Const<2>>::new(0.0f32);
+    acc[1] = Vector::<f32, Const<2>>::new(0.0f32);
+    acc
+}
+
+/// `total[4 f + i] += sum_i * scale(row)` for the 4 outputs of accumulator fragment `f` (block `block`),
+/// output `i` in row `2t + i % 2` of the block (assignment `g + 8 (i / 2)`); rows past `n_out` keep 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn add_scaled_fragment(
+    total: &mut Array<f32>,
+    acc: &Array<Vector<f32, Const<2>>>,
+    f: usize,
+    block: usize,
+    scales: &[f32],
+    soff: usize,
+    row0: usize,
+    k: usize,
+    n_out: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+) {
+    let t = UNIT_POS_X as usize % 4;
+    let base = row0 + UNIT_POS_Y as usize * (BLOCKS * N8) + block * N8 + 2 * t;
+    #[unroll]
+    for i in 0..4usize {
+        let r = base + i % 2;
+        if r < n_out {
+            let v = acc[i / 2];
+            let sum = select(i % 2 == 1, v.extract(1usize), v.extract(0usize));
+            total[4 * f + i] += sum * scale_at(scales, soff, r, k, spr, fmt, group);
+        }
+    }
+}

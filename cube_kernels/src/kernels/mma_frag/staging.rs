@@ -1,0 +1,267 @@
+//! The fragment tiles' staging: a chunk of K steps of packed words and input pairs, loaded a chunk ahead
+//! into registers ([`fetch_chunk`]) and stored to shared memory ([`store_chunk`]), and the sizes that
+//! follow from it (row strides, shared memory, steps per chunk).
+
+use cubecl::prelude::*;
+
+use super::super::codes_per_word;
+use super::super::mma::{clear_past_inputs, MMA, MMA_PLANE, SHARED_ALIGN};
+use super::{FRAG_MAX_CHUNK_STEPS, FRAG_ROWS, UNITS};
+
+/// Padding of every staged row, in 4-byte words: with it, the 8 rows a plane's fragment reads touch
+/// start in 8 different banks at 8 staged steps.
+const ROW_PAD: usize = 4;
+
+/// Input pairs per staged row of `chunk_steps` steps, padding included.
+pub(super) const fn x_stride(chunk_steps: usize) -> usize {
+    chunk_steps * MMA / 2 + ROW_PAD
+}
+
+/// Packed words per row of a chunk of `chunk_steps` steps.
+pub(super) const fn chunk_words(fmt: u32, chunk_steps: usize) -> usize {
+    chunk_steps * MMA / codes_per_word(fmt)
+}
+
+/// Packed words per staged row, padding included.
+pub(super) const fn w_stride(fmt: u32, chunk_steps: usize) -> usize {
+    chunk_words(fmt, chunk_steps) + ROW_PAD
+}
+
+/// Packed words a unit loads per chunk and projection.
+pub(super) const fn words_per_unit(fmt: u32, chunk_steps: usize) -> usize {
+    (FRAG_ROWS * chunk_words(fmt, chunk_steps)).div_ceil(UNITS)
+}
+
+/// Input pairs a unit loads per chunk.
+pub(super) const fn pairs_per_unit(chunk_steps: usize) -> usize {
+    (MMA * chunk_steps * MMA / 2).div_ceil(UNITS)
+}
+
+/// Shared memory [`grouped_fragments`] allocates with chunks of `chunk_steps` steps, `operand_bytes`-byte
+/// operands, two projections with `swiglu`, and the scalar twin's exchange of the fragment registers
+/// (without `tensor_cores`), alignment padding included.
+pub fn grouped_fragments_shared_bytes(
+    fmt: u32,
+    chunk_steps: usize,
+    operand_bytes: usize,
+    swiglu: bool,
+    tensor_cores: bool,
+) -> usize {
+    let xs = MMA * x_stride(chunk_steps) * 2 * operand_bytes;
+    let ws = FRAG_ROWS * w_stride(fmt, chunk_steps) * 4;
+    let wb = if swiglu { ws } else { 4 };
+    let exchange = if tensor_cores {
+        0
+    } else {
+        UNITS * (4 + 2) * 2 * operand_bytes
+    };
+    xs + ws + wb + exchange + 5 * SHARED_ALIGN
+}
+
+/// The most K steps per chunk (at most [`FRAG_MAX_CHUNK_STEPS`] of 4-bit codes or half as many of 8-bit
+/// ones, and a scale group's `steps_per_scale`) whose staging fits in `max_shared` bytes, or `None` where
+/// not even one does.
+pub fn fragment_chunk_steps(
+    fmt: u32,
+    steps_per_scale: usize,
+    operand_bytes: usize,
+    tensor_cores: bool,
+    max_shared: usize,
+) -> Option<usize> {
+    // The same packed bytes per chunk for every format: 8 steps of 4-bit codes, 4 of 8-bit ones (8 of
+    // int8-pc's took 255 registers and spilled in the sm_90 gate-up kernel).
+    let most = FRAG_MAX_CHUNK_STEPS * codes_per_word(fmt) / 8;
+    (1..=most.min(steps_per_scale.max(1))).rev().find(|&d| {
+        grouped_fragments_shared_bytes(fmt, d, operand_bytes, true, tensor_cores) <= max_shared
+    })
+}
+
+/// Where the inputs of the tile's assignment `r` start in `input`: row `table[rows_at + a0 + r]` with
+/// `gather`, else row `a0 + r`; 0 past the tile's `len` assignments. Looked up at each chunk rather than
+/// held in registers (the lookup is an L1 hit, and the chunk's loads go out a chunk ahead).
+#[cube]
+fn input_row(
+    table: &[u32],
+    rows_at: usize,
+    a0: usize,
+    r: usize,
+    len: usize,
+    inn: usize,
+    #[comptime] gather: bool,
+) -> usize {
+    let mut src = a0 + r;
+    if comptime!(gather) {
+        src = table[select(r < len, rows_at + a0 + r, 0usize)] as usize;
+    }
+    select(r < len, src * inn, 0usize)
+}
+
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fetch_chunk<I: Float>(
+    input: &[I],
+    table: &[u32],
+    rows_at: usize,
+    a0: usize,
+    len: usize,
+    words_a: &[u32],
+    words_b: &[u32],
+    held_a: &mut Array<u32>,
+    held_b: &mut Array<u32>,
+    held_x: &mut Array<I>,
+    s0: usize,
+    last: usize,
+    row0: usize,
+    n_out: usize,
+    inn: usize,
+    wpr: usize,
+    woff: usize,
+    #[comptime] fmt: u32,
+    #[comptime] swiglu: bool,
+    #[comptime] gather: bool,
+    #[comptime] chunk_steps: usize,
+) {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let cpw = comptime!(codes_per_word(fmt));
+    let cw = comptime!(chunk_words(fmt, chunk_steps));
+    let k0 = s0 * MMA;
+    let k_end = (last * MMA).min(inn);
+    if s0 < last {
+        #[unroll]
+        for p in 0..comptime!(words_per_unit(fmt, chunk_steps)) {
+            let i = unit + p * UNITS;
+            let (row, w) = (i / cw, i % cw);
+            let kw = k0 + w * cpw;
+            let r = row0 + row;
+            let live = row < FRAG_ROWS && r < n_out && kw < k_end;
+            let at = select(live, woff + r * wpr + kw / cpw, 0usize);
+            held_a[p] = clear_past_inputs(words_a[at], kw, inn, live, fmt);
+            if comptime!(swiglu) {
+                held_b[p] = clear_past_inputs(words_b[at], kw, inn, live, fmt);
+            }
+        }
+        let pairs_per_row = comptime!(chunk_steps * MMA / 2);
+        #[unroll]
+        for p in 0..comptime!(pairs_per_unit(chunk_steps)) {
+            let i = unit + p * UNITS;
+            let (a, q) = (i / pairs_per_row, i % pairs_per_row);
+            let k = k0 + 2 * q;
+            let live0 = a < len && k < k_end;
+            let live1 = a < len && k + 1 < k_end;
+            let row = input_row(table, rows_at, a0, a, len, inn, gather);
+            held_x[2 * p] = input[select(live0, row + k, 0usize)];
+            held_x[2 * p + 1] = input[select(live1, row + k + 1, 0usize)];
+        }
+    }
+}
+
+/// Stores the chunk at `s0` that [`fetch_chunk`] loaded into shared memory: the input pairs, rounded to
+/// `X` (zeros past the tile's `len` assignments or the chunk's inputs), and the packed words as loaded.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn store_chunk<I: Float, X: Float>(
+    held_a: &Array<u32>,
+    held_b: &Array<u32>,
+    held_x: &Array<I>,
+    xs: &mut Shared<[Vector<X, Const<2>>]>,
+    wa: &mut Shared<[u32]>,
+    wb: &mut Shared<[u32]>,
+    s0: usize,
+    last: usize,
+    len: usize,
+    inn: usize,
+    #[comptime] fmt: u32,
+    #[comptime] swiglu: bool,
+    #[comptime] chunk_steps: usize,
+) {
+    let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let cw = comptime!(chunk_words(fmt, chunk_steps));
+    let ws = comptime!(w_stride(fmt, chunk_steps));
+    let k_end = (last * MMA).min(inn);
+    let zero = X::from_int(0);
+    #[unroll]
+    for p in 0..comptime!(words_per_unit(fmt, chunk_steps)) {
+        let i = unit + p * UNITS;
+        if i < FRAG_ROWS * cw {
+            let at = (i / cw) * ws + i % cw;
+            wa[at] = held_a[p];
+            if comptime!(swiglu) {
+                wb[at] = held_b[p];
+            }
+        }
+    }
+    let pairs_per_row = comptime!(chunk_steps * MMA / 2);
+    let xstride = comptime!(x_stride(chunk_steps));
+    #[unroll]
+    for p in 0..comptime!(pairs_per_unit(chunk_steps)) {
+        let i = unit + p * UNITS;
+        let (a, q) = (i / pairs_per_row, i % pairs_per_row);
+        if a < MMA {
+            let k = s0 * MMA + 2 * q;
+            let mut pair = Vector::<X, Const<2>>::empty();
+            pair.insert(
+                0usize,
+                select(a < len && k < k_end, X::cast_from(held_x[2 * p]), zero),
+            );
+            pair.insert(
+                1usize,
+                select(
+                    a < len && k + 1 < k_end,
+                    X::cast_from(held_x[2 * p + 1]),
+                    zero,
+                ),
+            );
+            xs[a * xstride + q] = pair;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunk is the most K steps that fit, never past a scale group or eight; `None` where one step
+    /// does not fit. The allocation grows with the chunk, and the scalar twin's exchange costs more.
+    #[test]
+    fn chunks_take_the_most_steps_that_fit() {
+        let (int4, int8) = (0, 1);
+        // An H200's 227 KiB: the whole group of int4-g128 (8 steps), four of int8-pc's 128 (the same
+        // bytes).
+        assert_eq!(fragment_chunk_steps(int4, 8, 2, true, 227 << 10), Some(8));
+        assert_eq!(fragment_chunk_steps(int8, 128, 2, true, 227 << 10), Some(4));
+        // Groups of 2 (int4-g32) and 1 (nvfp4) steps bound the chunk.
+        assert_eq!(fragment_chunk_steps(int4, 2, 2, true, 227 << 10), Some(2));
+        assert_eq!(fragment_chunk_steps(int4, 1, 2, true, 227 << 10), Some(1));
+        // WebGPU's 16 KiB: fewer steps for f32 than f16 operands, and with the exchange.
+        let f32_twin = fragment_chunk_steps(int4, 8, 4, false, 16 << 10).unwrap();
+        let f16_twin = fragment_chunk_steps(int4, 8, 2, false, 16 << 10).unwrap();
+        assert!(f32_twin < f16_twin && f16_twin < 8, "{f32_twin} {f16_twin}");
+        for d in [f32_twin, f16_twin] {
+            let bytes = if d == f32_twin { 4 } else { 2 };
+            assert!(grouped_fragments_shared_bytes(int4, d, bytes, true, false) <= 16 << 10);
+            assert!(grouped_fragments_shared_bytes(int4, d + 1, bytes, true, false) > 16 << 10);
+        }
+        assert_eq!(fragment_chunk_steps(int8, 8, 4, false, 1 << 10), None);
+    }
+
+    /// Row strides padded by 4 words put the 8 rows of a plane's fragment reads in distinct banks at the
+    /// most staged steps (20 words: 8 steps of int4, 4 of int8): no bank conflict for the B fragments.
+    #[test]
+    fn padded_rows_start_in_distinct_banks() {
+        for fmt in [0u32, 1] {
+            let stride = w_stride(fmt, FRAG_MAX_CHUNK_STEPS * codes_per_word(fmt) / 8);
+            let mut banks: Vec<usize> = (0..8).map(|g| (g * stride) % 32).collect();
+            banks.sort_unstable();
+            banks.dedup();
+            assert_eq!(banks.len(), 8, "fmt {fmt}: stride {stride}");
+        }
+        // The input pairs: rows 68 pairs apart, lanes t = 0..3 beside them: 32 distinct banks.
+        let stride = x_stride(FRAG_MAX_CHUNK_STEPS);
+        let mut banks: Vec<usize> = (0..8)
+            .flat_map(|g| (0..4).map(move |t| (g * stride + t) % 32))
+            .collect();
+        banks.sort_unstable();
+        banks.dedup();
+        assert_eq!(banks.len(), 32);
+    }
+}
