@@ -669,10 +669,10 @@ impl Kernels {
         w: &DeviceWeights,
         (tensor_cores, operand): (bool, ActDType),
     ) -> Result<(), KernelError> {
+        self.check_tiles(w.format, (tensor_cores, operand))?;
         if self.fragment_tiles {
             return self.launch_dense_fragments(x, y, n, w, (tensor_cores, operand));
         }
-        self.check_tiles(w.format, (tensor_cores, operand))?;
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());
         let (steps, steps_per_scale) = tile_steps(w);
         let stage_steps = self.stage_steps(tensor_cores, |d| {

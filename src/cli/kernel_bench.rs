@@ -505,22 +505,16 @@ mod imp {
                 for &(path, kernel) in &grouped {
                     check_grouped(args, k, &w, name, dtype, (path, kernel), failures)?;
                 }
+                let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+                let x = act_values(n * hidden, 4346);
                 for (path, kernel) in &frag_grouped {
                     check_grouped(args, &frag, &w, name, dtype, (*path, kernel), failures)?;
-                    // Against the tiles on the largest count, as for the MoE block.
-                    let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
-                    let x = act_values(n * hidden, 4346);
                     let run = |k: &Kernels| -> anyhow::Result<Vec<f32>> {
                         let dx = k.upload(&x, dtype)?;
                         Ok(k.read_f32(&k.linear_with(&dx, n, &dw, *path)?)?)
                     };
-                    let differ = contract_mismatches(&run(&frag)?, &run(k)?, ActDType::F32);
-                    println!("{name} {dtype} {kernel}: {differ} of {} values differ from the tiles' ({n} tokens)", n * inter);
-                    if differ > 0 && !path.tiles(dtype).is_some_and(|(tc, _)| tc) {
-                        failures.push(format!(
-                            "{name} {dtype} {kernel}: {differ} values differ from the tiles' scalar twin ({n} tokens)"
-                        ));
-                    }
+                    let what = (name, dtype, *path, kernel.as_str(), n);
+                    compare_fragments([k, &frag], run, what, failures)?;
                 }
             }
             for &n in &args.tokens {
@@ -643,15 +637,10 @@ mod imp {
                 .iter()
                 .map(|&(path, kernel)| (path, kernel.replace("linear/", "moe/")))
                 .collect();
-            // The same order on the fragment tiles (`-frag`: packed words staged, fragments decoded in
-            // registers, scale groups applied there), where the device has their instruction.
-            let frag_tiles: Vec<_> = tiles
+            // And on the fragment tiles, as for the dense weight.
+            let frag_tiles: Vec<_> = frag_grouped
                 .iter()
-                .filter(|(path, _)| {
-                    path.tiles(dtype)
-                        .is_some_and(|(tc, _)| !tc || frag.supports_mma_fragments(dtype))
-                })
-                .map(|(path, kernel)| (*path, format!("{kernel}-frag")))
+                .map(|(path, kernel)| (*path, kernel.replace("linear/", "moe/")))
                 .collect();
             // The decode step in the tensor-core tiles' order where the device has the instruction (a
             // rollout in `train.tensor_cores` mode decodes on the tiles): the tiles, the fragment tiles,
@@ -673,16 +662,23 @@ mod imp {
                 for (path, kernel) in &tiles {
                     check_grouped_moe(args, k, &block, name, dtype, (*path, kernel), failures)?;
                 }
+                // Against the tiles on the largest count's tokens.
+                let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+                let ids = random_routing(n, args.top_k, args.experts, 4343);
+                let routing = MoeRouting::new(&ids, n, args.top_k, args.experts)?;
+                let x = act_values(n * hidden, 4344);
+                let rw: Vec<f32> = values(n * args.top_k, 4345)
+                    .iter()
+                    .map(|v| dtype.round(v.abs() / 4.0))
+                    .collect();
                 for (path, kernel) in &frag_tiles {
                     check_grouped_moe(args, &frag, &block, name, dtype, (*path, kernel), failures)?;
-                    compare_fragments(
-                        args,
-                        [k, &frag],
-                        &block,
-                        (name, dtype),
-                        (*path, kernel),
-                        failures,
-                    )?;
+                    let run = |k: &Kernels| -> anyhow::Result<Vec<f32>> {
+                        let (dx, drw) = (k.upload(&x, dtype)?, k.upload(&rw, dtype)?);
+                        Ok(k.read_f32(&k.moe_with(&dx, &routing, &drw, block.device, *path)?)?)
+                    };
+                    let what = (name, dtype, *path, kernel.as_str(), n);
+                    compare_fragments([k, &frag], run, what, failures)?;
                 }
             }
             for &n in &args.tokens {
@@ -824,41 +820,23 @@ mod imp {
         Ok(())
     }
 
-    /// The fragment tiles against the tiles on the same block and tokens (the largest count timed):
-    /// the scalar twins must give the same bits (a failure otherwise); on the instruction the count of
-    /// values that differ is printed, 0 where NVIDIA's `m16n16k16` is two `m16n8k16` with the same
-    /// arithmetic (then the two kernels are interchangeable under the contract).
+    /// The fragment tiles against the tiles (`run`: the product on `n` tokens with either kernels): the
+    /// scalar twins must give the same bits (a failure otherwise); on the instruction the count of values
+    /// that differ is printed, 0 where NVIDIA's `m16n16k16` is two `m16n8k16` with the same arithmetic
+    /// (then the two kernels are interchangeable under the contract).
     fn compare_fragments(
-        args: &KernelBenchArgs,
         [k, frag]: [&Kernels; 2],
-        block: &MoeBlock,
-        (name, dtype): (&str, ActDType),
-        (path, kernel): (MatmulPath, &str),
+        run: impl Fn(&Kernels) -> anyhow::Result<Vec<f32>>,
+        (name, dtype, path, kernel, n): (&str, ActDType, MatmulPath, &str, usize),
         failures: &mut Vec<String>,
     ) -> anyhow::Result<()> {
-        let (hidden, top_k, experts) = (args.hidden, args.top_k, args.experts);
-        let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
-        let ids = random_routing(n, top_k, experts, 4343);
-        let routing = MoeRouting::new(&ids, n, top_k, experts)?;
-        let x: Vec<f32> = values(n * hidden, 4344)
-            .iter()
-            .map(|v| dtype.round(*v))
-            .collect();
-        let rw: Vec<f32> = values(n * top_k, 4345)
-            .iter()
-            .map(|v| dtype.round(v.abs() / 4.0))
-            .collect();
-        let run = |k: &Kernels| -> anyhow::Result<Vec<f32>> {
-            let (dx, drw) = (k.upload(&x, dtype)?, k.upload(&rw, dtype)?);
-            Ok(k.read_f32(&k.moe_with(&dx, &routing, &drw, block.device, path)?)?)
-        };
-        let differ = contract_mismatches(&run(frag)?, &run(k)?, ActDType::F32);
-        let instruction = path.tiles(dtype).is_some_and(|(tc, _)| tc);
+        let (got, want) = (run(frag)?, run(k)?);
+        let differ = contract_mismatches(&got, &want, ActDType::F32);
         println!(
             "{name} {dtype} {kernel}: {differ} of {} values differ from the tiles' ({n} tokens)",
-            n * hidden
+            want.len()
         );
-        if differ > 0 && !instruction {
+        if differ > 0 && !path.tiles(dtype).is_some_and(|(tc, _)| tc) {
             failures.push(format!(
                 "{name} {dtype} {kernel}: {differ} values differ from the tiles' scalar twin ({n} tokens)"
             ));

@@ -136,7 +136,8 @@ impl Kernels {
     }
 
     /// The dense product `y[n, out] = x[n, inn] W^T` on the fragment tiles (what the tiles' order
-    /// launches when [`Self::fragment_tiles`]), `y` in its own type, rounded once.
+    /// launches when [`Self::fragment_tiles`], after [`Self::check_tiles`]), `y` in its own type, rounded
+    /// once.
     pub(crate) fn launch_dense_fragments(
         &self,
         x: &DeviceBuffer,
@@ -145,7 +146,6 @@ impl Kernels {
         w: &DeviceWeights,
         (tensor_cores, operand): (bool, ActDType),
     ) -> Result<(), KernelError> {
-        self.check_tiles(w.format, (tensor_cores, operand))?;
         self.check_fragments(w.format, (tensor_cores, operand))?;
         if n.div_ceil(MMA) > MAX_GRID {
             return Err(KernelError::Shape(format!(

@@ -393,13 +393,14 @@ impl Kernels {
             .max(1);
         let shape = grouped_gemv_shape(a.inn, a.out, swiglu, per_pass)
             .or_else(|| grouped_gemv_shape(a.inn, a.out, swiglu, 1));
+        // The tiles fit one grid axis here: `check_moe` refuses more.
         if let Some(GemvShape {
             chunks,
             lanes,
             rows_per_cube,
             per_pass,
             stage_x,
-        }) = shape.filter(|_| gemv && layout.tiles <= MAX_GRID)
+        }) = shape.filter(|_| gemv)
         {
             moe_kernels::grouped_gemv::launch(
                 &self.client,
