@@ -7,7 +7,7 @@ use cubecl::prelude::*;
 use super::super::mma::{MMA, MMA_PLANE};
 use super::super::{code_flip, codes_per_word, scale_at, word_code_value};
 use super::staging::{w_stride, x_stride};
-use super::{BLOCKS, N8};
+use super::{BLOCKS, EXCHANGE_REGS, N8};
 
 /// The unit's A fragment (the 16 assignments x 16 inputs of staged step `s`) in the `m16n8k16` register
 /// layout: with `g = lane / 4`, `t = lane % 4`, registers (row g, inputs 2t, 2t+1), (row g + 8, same),
@@ -95,26 +95,26 @@ fn emulate_mma<X: Float>(
     let plane = UNIT_POS_Y as usize;
     let (g, t) = (lane / 4, lane % 4);
     // The plane's 32 units x (4 A + 2 B) registers.
-    let base = plane * MMA_PLANE * 6;
+    let base = plane * MMA_PLANE * EXCHANGE_REGS;
     #[unroll]
     for r in 0..4usize {
-        exchange[base + lane * 6 + r] = a[r];
+        exchange[base + lane * EXCHANGE_REGS + r] = a[r];
     }
     #[unroll]
     for r in 0..2usize {
-        exchange[base + lane * 6 + 4 + r] = b[r];
+        exchange[base + lane * EXCHANGE_REGS + 4 + r] = b[r];
     }
     sync_cube();
     #[unroll]
     for half in 0..2usize {
         let mut out = acc[half];
-        let base_a = base + 4 * g * 6 + half;
+        let base_a = base + 4 * g * EXCHANGE_REGS + half;
         out.insert(
             0usize,
             emulated_output(
                 &*exchange,
                 base_a,
-                base + 4 * (2 * t) * 6 + 4,
+                base + 4 * (2 * t) * EXCHANGE_REGS + 4,
                 out.extract(0usize),
             ),
         );
@@ -123,7 +123,7 @@ fn emulate_mma<X: Float>(
             emulated_output(
                 &*exchange,
                 base_a,
-                base + 4 * (2 * t + 1) * 6 + 4,
+                base + 4 * (2 * t + 1) * EXCHANGE_REGS + 4,
                 out.extract(1usize),
             ),
         );
@@ -144,8 +144,8 @@ fn emulated_output<X: Float>(
 ) -> f32 {
     let mut sum = sum;
     for k in 0..MMA {
-        let av = exchange[a_at + (k % 8) / 2 * 6 + 2 * (k / 8)];
-        let bv = exchange[b_at + (k % 8) / 2 * 6 + k / 8];
+        let av = exchange[a_at + (k % 8) / 2 * EXCHANGE_REGS + 2 * (k / 8)];
+        let bv = exchange[b_at + (k % 8) / 2 * EXCHANGE_REGS + k / 8];
         let odd = k % 2 == 1;
         let a = select(odd, av.extract(1usize), av.extract(0usize));
         let b = select(odd, bv.extract(1usize), bv.extract(0usize));

@@ -54,6 +54,9 @@ const BLOCKS: usize = 2;
 pub const FRAG_ROWS: usize = FRAG_PLANES * BLOCKS * N8;
 /// Units of a cube.
 const UNITS: usize = FRAG_PLANES * MMA_PLANE;
+/// Fragment registers a unit holds per instruction (4 of A, 2 of B), each two operand values: what the
+/// scalar twin's emulation exchanges through shared memory per unit.
+const EXCHANGE_REGS: usize = 6;
 /// Most K steps a cube stages per pair of barriers (a chunk never crosses a scale group).
 pub const FRAG_MAX_CHUNK_STEPS: usize = 8;
 
@@ -105,7 +108,11 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     let mut wb =
         Shared::<[u32]>::new_aligned_slice(comptime!(if swiglu { wlen } else { 1 }), SHARED_ALIGN);
     let mut exchange = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-        comptime!(if tensor_cores { 1 } else { UNITS * 6 }),
+        comptime!(if tensor_cores {
+            1
+        } else {
+            UNITS * EXCHANGE_REGS
+        }),
         SHARED_ALIGN,
     );
     // The tile's expert and assignments (dense: its tokens); an empty or malformed tile runs no group

@@ -6,7 +6,7 @@ use cubecl::prelude::*;
 
 use super::super::codes_per_word;
 use super::super::mma::{clear_past_inputs, MMA, MMA_PLANE, SHARED_ALIGN};
-use super::{FRAG_MAX_CHUNK_STEPS, FRAG_ROWS, UNITS};
+use super::{EXCHANGE_REGS, FRAG_MAX_CHUNK_STEPS, FRAG_ROWS, UNITS};
 
 /// Padding of every staged row, in 4-byte words: with it, the 8 rows a plane's fragment reads touch
 /// start in 8 different banks at 8 staged steps.
@@ -53,7 +53,7 @@ pub fn grouped_fragments_shared_bytes(
     let exchange = if tensor_cores {
         0
     } else {
-        UNITS * (4 + 2) * 2 * operand_bytes
+        UNITS * EXCHANGE_REGS * 2 * operand_bytes
     };
     xs + ws + wb + exchange + 5 * SHARED_ALIGN
 }
