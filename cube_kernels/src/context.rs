@@ -22,6 +22,7 @@ use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::mma::{self, MMA, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::mma_moe;
 use crate::kernels::{dense, fp8, BLOCK, CHUNK, TILE};
+pub use fragments::FragmentShape;
 pub use graph::Recorded;
 pub use moe_train::{MoeActivations, MoeGradients};
 
@@ -143,6 +144,8 @@ pub struct Kernels {
     /// Most K steps the fragment tiles stage per chunk; `None`: as many as fit, up to eight
     /// ([`Self::with_fragment_chunk_steps`]).
     fragment_chunk: Option<usize>,
+    /// The fragment tiles' cubes ([`Self::with_fragment_shape`]).
+    fragment_shape: FragmentShape,
 }
 
 /// How many K steps the tiles stage per pair of barriers ([`Kernels::stage_steps`]).
@@ -208,6 +211,7 @@ impl Kernels {
             gemv_per_pass: None,
             fragment_tiles: false,
             fragment_chunk: None,
+            fragment_shape: FragmentShape::default(),
         }
     }
 

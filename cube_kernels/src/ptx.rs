@@ -327,53 +327,94 @@ pub fn compile_all_tiles(
 /// The fragment tiles ([`crate::kernels::mma_frag::grouped_fragments`]) as the launchers ask for them
 /// on such a part: the MoE gate + up (SwiGLU, gathered rows) and down projections and the dense product,
 /// for each of `formats`, with f32 inputs staged as bf16 and bf16 and f16 activations (the dense output
-/// in the input's type), on the instruction and with the emulation, staging as many K steps per chunk
-/// as fit ([`mma_frag::fragment_chunk_steps`]).
+/// in the input's type), on the instruction and with the emulation, in the default layout (one tile of
+/// 16 per cube, 64 rows, one code at a time), staging as many K steps per chunk as fit
+/// ([`mma_frag::fragment_chunk_steps`]); then, for int4-g128 on the instruction, the other layouts
+/// [`crate::FragmentShape`] offers with the pair decode: 2 tiles x 32 rows, 2 x 64, 4 x 32, and 1 x 64.
 pub fn compile_fragment_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
 ) -> Vec<Result<CompiledKernel, KernelError>> {
-    let dtypes = TILE_DTYPES;
     let mut out = Vec::new();
     for &format in formats {
-        let (fmt, group) = (format.kernel_code(), format.kernel_group());
-        // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
-        let steps_per_scale = if fmt == 1 { 128 } else { group / mma::MMA };
-        for (kind, swiglu, dense) in [
-            ("gate-up", true, false),
-            ("down", false, false),
-            ("dense", false, true),
-        ] {
-            for (input, operand) in dtypes {
-                let output = if dense { input } else { ActDType::F32 };
-                for tensor_cores in [true, false] {
-                    let chunk = mma_frag::fragment_chunk_steps(
-                        fmt,
-                        steps_per_scale,
-                        operand.size(),
-                        tensor_cores,
-                        MAX_SHARED,
-                    )
-                    .unwrap_or(1);
-                    let name = format!(
-                        "Fragments {kind} {} {input}->{operand} {} chunk {chunk}",
-                        format.name(),
-                        if tensor_cores {
-                            "tensor-cores"
-                        } else {
-                            "emulated"
-                        }
-                    );
-                    let p = placeholder;
-                    out.push(compile_dummy!(
-                        target, name, tensor_cores, mma_frag::grouped_fragments,
-                        CubeDim::new_2d(MMA_PLANE as u32, mma_frag::FRAG_PLANES as u32);
-                        p(), p(), 0, 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
-                        fmt, group, swiglu, swiglu, dense, tensor_cores, chunk,
-                        [input.elem(), operand.elem(), output.elem()]
-                    ));
+        for tensor_cores in [true, false] {
+            out.extend(compile_fragment_layout(
+                target,
+                format,
+                tensor_cores,
+                (1, 2, false),
+            ));
+        }
+    }
+    let int4 = WeightFormat::Int4 { group: 128 };
+    for shape in [(2, 1, true), (2, 2, true), (4, 1, true), (1, 2, true)] {
+        out.extend(compile_fragment_layout(target, int4, true, shape));
+    }
+    out
+}
+
+/// [`compile_fragment_tiles`]' variants of one format, path and layout `(tiles, blocks, pair decode)`:
+/// the three kernels for the three operand pairs.
+fn compile_fragment_layout(
+    target: CudaTarget,
+    format: WeightFormat,
+    tensor_cores: bool,
+    (m_tiles, blocks, pair): (usize, usize, bool),
+) -> Vec<Result<CompiledKernel, KernelError>> {
+    let (fmt, group) = (format.kernel_code(), format.kernel_group());
+    // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
+    let steps_per_scale = if fmt == 1 { 128 } else { group / mma::MMA };
+    let mut out = Vec::new();
+    for (kind, swiglu, dense) in [
+        ("gate-up", true, false),
+        ("down", false, false),
+        ("dense", false, true),
+    ] {
+        for (input, operand) in TILE_DTYPES {
+            let output = if dense { input } else { ActDType::F32 };
+            let chunk_steps = mma_frag::fragment_chunk_steps(
+                fmt,
+                steps_per_scale,
+                (m_tiles, blocks),
+                operand.size(),
+                tensor_cores,
+                MAX_SHARED,
+            )
+            .unwrap_or(1);
+            let decode = if pair {
+                mma_frag::PairDecode::for_codes(fmt, operand)
+            } else {
+                mma_frag::PairDecode::Scalar
+            };
+            let cube = mma_frag::FragCube {
+                chunk_steps,
+                m_tiles,
+                blocks,
+                decode,
+            };
+            let name = format!(
+                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}",
+                format.name(),
+                if tensor_cores {
+                    "tensor-cores"
+                } else {
+                    "emulated"
+                },
+                cube.rows(),
+                if decode == mma_frag::PairDecode::Scalar {
+                    ""
+                } else {
+                    " pairs"
                 }
-            }
+            );
+            let p = placeholder;
+            out.push(compile_dummy!(
+                target, name, tensor_cores, mma_frag::grouped_fragments,
+                CubeDim::new_2d(MMA_PLANE as u32, mma_frag::FRAG_PLANES as u32);
+                p(), p(), 0, 0, 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0, 0, 0,
+                fmt, group, swiglu, swiglu, dense, tensor_cores, cube,
+                [input.elem(), operand.elem(), output.elem()]
+            ));
         }
     }
     out

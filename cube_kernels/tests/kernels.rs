@@ -13,7 +13,8 @@
 
 use cube_kernels::reference;
 use cube_kernels::{
-    ActDType, Kernels, MatmulPath, MoeRouting, PackedWeights, RoutingTable, WeightFormat,
+    ActDType, FragmentShape, Kernels, MatmulPath, MoeRouting, PackedWeights, RoutingTable,
+    WeightFormat,
 };
 mod common;
 use common::kernels;
@@ -1206,6 +1207,72 @@ fn moe_fragment_tiles_give_the_tiles_bits() {
     assert!(ran >= 5, "every weight-only format must run: {ran}");
 }
 
+/// The fragment tiles' cube layouts ([`FragmentShape`]: 2 and 4 tiles of 16 assignments per cube
+/// sharing each decoded weight fragment, 32 or 64 rows per cube; the pair decode runs on the instruction
+/// only, checked by `cube_kernels/src/kernels/mma_frag`'s unit test and the GPU script) give the tiles'
+/// scalar twin's bits on uneven experts (50, 33 and 17 assignments: a cube
+/// covering one, two or four tiles, the last partial), K = 160 (a partial scale group), 48 rows (a
+/// partial cube), f32 and f16 activations, with host and device routing tables (the device's trailing
+/// empty tiles must stay empty).
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn fragment_shapes_give_the_tiles_bits() {
+    let Some(k) = kernels() else { return };
+    let (experts, hidden, inter, top_k, tokens) = (3usize, 160usize, 48usize, 2usize, 50usize);
+    // Expert 0 takes every token's first slot, experts 1 and 2 share the second: 50, 33, 17.
+    let ids: Vec<u32> = (0..tokens)
+        .flat_map(|t| [0u32, if t % 3 == 2 { 2 } else { 1 }])
+        .collect();
+    let shapes = [(2, 1, true), (4, 1, true), (2, 2, true), (1, 1, false)]
+        .map(|(m, b, pair)| FragmentShape::new(m, b, pair).unwrap());
+    let mut dtypes = vec![ActDType::F32];
+    if k.supports(ActDType::F16) {
+        dtypes.push(ActDType::F16);
+    }
+    for (i, format) in [WeightFormat::Int4 { group: 128 }, WeightFormat::Int8PerRow]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 3100 + 10 * i as u64;
+        let gate = random_weights(format, experts, inter, hidden, seed);
+        let up = random_weights(format, experts, inter, hidden, seed + 1);
+        let down = random_weights(format, experts, hidden, inter, seed + 2);
+        let mut rng = Rng(seed + 3);
+        let (x, rw) = (rng.values(tokens * hidden), rng.values(tokens * top_k));
+        for &dtype in &dtypes {
+            let round = |v: &[f32]| -> Vec<f32> { v.iter().map(|v| dtype.round(*v)).collect() };
+            let (x, rw) = (round(&x), round(&rw));
+            let run = |k: &Kernels, on_device: bool| -> Vec<u32> {
+                let weights = [&gate, &up, &down].map(|w| k.upload_weights(w));
+                let [g, u, d] = [&weights[0], &weights[1], &weights[2]];
+                let (dx, drw) = (k.upload(&x, dtype).unwrap(), k.upload(&rw, dtype).unwrap());
+                let table = if on_device {
+                    k.route(&k.upload_u32(&ids), tokens, top_k, experts)
+                        .unwrap()
+                } else {
+                    k.upload_routing(&MoeRouting::new(&ids, tokens, top_k, experts).unwrap())
+                };
+                let y = k.moe_routed(&dx, &table, &drw, [g, u, d], MatmulPath::GroupedScalar);
+                bits(&k.read_f32(&y.unwrap()).unwrap())
+            };
+            let want = run(k, false);
+            for shape in shapes {
+                let frag = k
+                    .clone()
+                    .with_fragment_tiles(true)
+                    .with_fragment_shape(shape);
+                for on_device in [false, true] {
+                    let what = format!(
+                        "{} {dtype} {shape:?} (device table: {on_device})",
+                        format.name()
+                    );
+                    assert_same_bits(&run(&frag, on_device), &want, &what);
+                }
+            }
+        }
+    }
+}
+
 /// The fragment tiles on the dense product (`Kernels::with_fragment_tiles`): bitwise the dense tiles'
 /// scalar twin on every weight-only format (70 rows: a partial cube of 64; K = 200 and 202 for int8-pc:
 /// a partial step and a partial word), token counts 1 to 70 (partial tiles of 16), f32 and f16
@@ -1217,6 +1284,8 @@ fn dense_fragment_tiles_give_the_tiles_bits() {
     let Some(k) = kernels() else { return };
     let frag = k.clone().with_fragment_tiles(true);
     let one_step = frag.clone().with_fragment_chunk_steps(Some(1));
+    // 70 tokens: cubes of 64 and 32 tokens, the last partial.
+    let shapes = [(4, 1, true), (2, 2, true)].map(|(m, b, p)| FragmentShape::new(m, b, p).unwrap());
     let cases = [
         (WeightFormat::Int4 { group: 32 }, 384),
         (WeightFormat::Int4 { group: 128 }, 384),
@@ -1258,6 +1327,11 @@ fn dense_fragment_tiles_give_the_tiles_bits() {
             }
             let what = format!("{} {dtype} {path:?} one K step per chunk", format.name());
             assert_same_bits(&run(&one_step, 33), &run(k, 33), &what);
+            for shape in shapes {
+                let frag = frag.clone().with_fragment_shape(shape);
+                let what = format!("{} {dtype} {path:?} {shape:?}", format.name());
+                assert_same_bits(&run(&frag, 70), &run(k, 70), &what);
+            }
         }
     }
 }

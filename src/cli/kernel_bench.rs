@@ -249,8 +249,8 @@ mod imp {
     use anyhow::{bail, Context};
     use burn::tensor::{DType, Device, Distribution, Tensor};
     use cube_kernels::{
-        reference, ActDType, DeviceBuffer, Kernels, MatmulPath, MoeRouting, PackedWeights,
-        WeightFormat,
+        reference, ActDType, DeviceBuffer, FragmentShape, Kernels, MatmulPath, MoeRouting,
+        PackedWeights, WeightFormat,
     };
     use serde::Serialize;
 
@@ -513,8 +513,11 @@ mod imp {
                         let dx = k.upload(&x, dtype)?;
                         Ok(k.read_f32(&k.linear_with(&dx, n, &dw, *path)?)?)
                     };
-                    let what = (name, dtype, *path, kernel.as_str(), n);
-                    compare_fragments([k, &frag], run, what, failures)?;
+                    for (suffix, variant) in fragment_variants(&frag)? {
+                        let kernel = format!("{kernel}{suffix}");
+                        let what = (name, dtype, *path, kernel.as_str(), n);
+                        compare_fragments([k, &variant], &run, what, failures)?;
+                    }
                 }
             }
             for &n in &args.tokens {
@@ -677,8 +680,11 @@ mod imp {
                         let (dx, drw) = (k.upload(&x, dtype)?, k.upload(&rw, dtype)?);
                         Ok(k.read_f32(&k.moe_with(&dx, &routing, &drw, block.device, *path)?)?)
                     };
-                    let what = (name, dtype, *path, kernel.as_str(), n);
-                    compare_fragments([k, &frag], run, what, failures)?;
+                    for (suffix, variant) in fragment_variants(&frag)? {
+                        let kernel = format!("{kernel}{suffix}");
+                        let what = (name, dtype, *path, kernel.as_str(), n);
+                        compare_fragments([k, &variant], &run, what, failures)?;
+                    }
                 }
             }
             for &n in &args.tokens {
@@ -796,10 +802,10 @@ mod imp {
                     let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
-                // And with chunks of 2 K steps (`-c2`: fewer registers, more cubes per multiprocessor).
-                let frag_c2 = frag.clone().with_fragment_chunk_steps(Some(2));
+                // And in their other layouts ([`fragment_variants`]).
+                let variants = fragment_variants(&frag)?;
                 for (path, kernel) in &frag_tiles {
-                    for (kf, suffix) in [(&frag, ""), (&frag_c2, "-c2")] {
+                    for (suffix, kf) in &variants {
                         if !args.wants(&format!("{kernel}{suffix}")) {
                             continue;
                         }
@@ -820,13 +826,35 @@ mod imp {
         Ok(())
     }
 
+    /// The fragment tiles' layouts a table times and checks, by the suffix of their rows: as `frag` is,
+    /// with chunks of 2 K steps (`-c2`: fewer registers, more cubes per multiprocessor), and in the
+    /// other [`FragmentShape`]s with int4 codes decoded two at a time: one tile of 16 assignments per
+    /// cube (`-pairs`), two tiles sharing each decoded weight with 32 rows per cube (`-m2`) or 64
+    /// (`-m2x64`), four with 32 (`-m4`).
+    fn fragment_variants(frag: &Kernels) -> anyhow::Result<Vec<(&'static str, Kernels)>> {
+        let mut variants = vec![
+            ("", frag.clone()),
+            ("-c2", frag.clone().with_fragment_chunk_steps(Some(2))),
+        ];
+        for (suffix, m_tiles, blocks) in [
+            ("-pairs", 1, 2),
+            ("-m2", 2, 1),
+            ("-m2x64", 2, 2),
+            ("-m4", 4, 1),
+        ] {
+            let shape = FragmentShape::new(m_tiles, blocks, true)?;
+            variants.push((suffix, frag.clone().with_fragment_shape(shape)));
+        }
+        Ok(variants)
+    }
+
     /// The fragment tiles against the tiles (`run`: the product on `n` tokens with either kernels): the
     /// scalar twins must give the same bits (a failure otherwise); on the instruction the count of values
     /// that differ is printed, 0 where NVIDIA's `m16n16k16` is two `m16n8k16` with the same arithmetic
     /// (then the two kernels are interchangeable under the contract).
     fn compare_fragments(
         [k, frag]: [&Kernels; 2],
-        run: impl Fn(&Kernels) -> anyhow::Result<Vec<f32>>,
+        run: &impl Fn(&Kernels) -> anyhow::Result<Vec<f32>>,
         (name, dtype, path, kernel, n): (&str, ActDType, MatmulPath, &str, usize),
         failures: &mut Vec<String>,
     ) -> anyhow::Result<()> {

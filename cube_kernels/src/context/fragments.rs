@@ -9,8 +9,105 @@ use crate::dtype::ActDType;
 use crate::error::KernelError;
 use crate::format::WeightFormat;
 use crate::kernels::mma::{MMA, MMA_PLANE};
-use crate::kernels::mma_frag::{self, FRAG_PLANES, FRAG_ROWS};
+use crate::kernels::mma_frag::{self, FragCube, PairDecode, FRAG_PLANES};
 use crate::moe::RoutingTable;
+
+/// The layout of the fragment tiles' cubes ([`Kernels::with_fragment_shape`]): up to `m_tiles` tiles of
+/// 16 assignments (tokens) per cube, each unit decoding a weight fragment once for all of them (fewer
+/// tiles, down to one, where a call's experts take fewer assignments on average:
+/// [`FragmentShape::tiles_for`]); `blocks` blocks of 8 output rows per plane (32 or 64 rows per cube);
+/// and int4 codes decoded two at a time into half operands on the instruction path with `pair_decode`
+/// ([`mma_frag::PairDecode`]). Every shape gives the same bits (tested), so the shape is a speed choice
+/// only; the default is the layout a GPU timed first: one tile, two blocks, one code at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragmentShape {
+    m_tiles: usize,
+    blocks: usize,
+    pair_decode: bool,
+}
+
+impl Default for FragmentShape {
+    fn default() -> Self {
+        FragmentShape {
+            m_tiles: 1,
+            blocks: 2,
+            pair_decode: false,
+        }
+    }
+}
+
+impl FragmentShape {
+    /// Most tiles of 16 assignments a cube takes: four hold 64 accumulator values per unit with one
+    /// block of rows.
+    pub const MOST_TILES: usize = 4;
+
+    /// A shape of at most `m_tiles` (1 to [`Self::MOST_TILES`]) tiles per cube and `blocks` (1 or 2)
+    /// blocks of rows per plane, `m_tiles * blocks` at most 4; an error naming the value otherwise.
+    pub fn new(m_tiles: usize, blocks: usize, pair_decode: bool) -> Result<Self, KernelError> {
+        if !(1..=Self::MOST_TILES).contains(&m_tiles)
+            || !(1..=2).contains(&blocks)
+            || m_tiles * blocks > 4
+        {
+            return Err(KernelError::Shape(format!(
+                "fragment tiles of {m_tiles} tiles x {blocks} blocks per cube: tiles take 1 to {},                  blocks 1 or 2, and their product at most 4 (the accumulators a unit holds)",
+                Self::MOST_TILES
+            )));
+        }
+        Ok(FragmentShape {
+            m_tiles,
+            blocks,
+            pair_decode,
+        })
+    }
+
+    /// Most tiles of 16 assignments per cube.
+    pub fn m_tiles(&self) -> usize {
+        self.m_tiles
+    }
+
+    /// Blocks of 8 output rows per plane.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Whether int4 codes are decoded two at a time into half operands.
+    pub fn pair_decode(&self) -> bool {
+        self.pair_decode
+    }
+
+    /// Tiles per cube for a call whose experts (the dense product: its one matrix) take `per_expert`
+    /// assignments on average: the power of two of tiles of 16 that covers them, at most `m_tiles`, so a
+    /// decode step keeps one tile's registers.
+    pub fn tiles_for(&self, per_expert: usize) -> usize {
+        per_expert
+            .div_ceil(MMA)
+            .next_power_of_two()
+            .clamp(1, self.m_tiles)
+    }
+
+    /// The compiled layout for `tiles` tiles per cube, `chunk_steps` steps per chunk, `fmt` codes and
+    /// `operand` operands, on the instruction with `tensor_cores`. The pair decode runs on the
+    /// instruction path only: WGSL's translator (naga) types a bitcast of a `u32` to `vec2<f16>` as an
+    /// `f32`, so the scalar twin on WebGPU decodes one code at a time (the same values).
+    fn cube(
+        &self,
+        tiles: usize,
+        chunk_steps: usize,
+        fmt: u32,
+        (tensor_cores, operand): (bool, ActDType),
+    ) -> FragCube {
+        FragCube {
+            chunk_steps,
+            m_tiles: tiles,
+            blocks: self.blocks,
+            decode: if self.pair_decode && tensor_cores {
+                PairDecode::for_codes(fmt, operand)
+            } else {
+                PairDecode::Scalar
+            },
+        }
+    }
+}
 
 impl Kernels {
     /// These kernels with the tensor-core tiles' order ([`crate::MatmulPath::tiles`]) on the fragment
@@ -38,6 +135,18 @@ impl Kernels {
         self
     }
 
+    /// These kernels with the fragment tiles' cubes laid out as `shape` ([`FragmentShape`]): the same
+    /// bits every way.
+    pub fn with_fragment_shape(mut self, shape: FragmentShape) -> Self {
+        self.fragment_shape = shape;
+        self
+    }
+
+    /// The fragment tiles' layout ([`Self::with_fragment_shape`]).
+    pub fn fragment_shape(&self) -> FragmentShape {
+        self.fragment_shape
+    }
+
     /// Whether the fragment tiles can run `format` weights with `operand` operands here (beyond
     /// [`Self::check_tiles`]): the manual `m16n8k16` instruction on the instruction path, and a chunk of
     /// one K step in shared memory. Otherwise an error saying which.
@@ -53,8 +162,9 @@ impl Kernels {
                 self.device_name()
             )));
         }
+        let most = self.fragment_shape.m_tiles;
         if self
-            .fragment_chunk_steps(format, 1, (tensor_cores, operand))
+            .fragment_chunk_steps(format, 1, most, (tensor_cores, operand))
             .is_none()
         {
             return Err(KernelError::Unsupported(format!(
@@ -68,17 +178,19 @@ impl Kernels {
     }
 
     /// K steps the fragment tiles stage per chunk for `format` weights whose scale groups span
-    /// `steps_per_scale` steps: as many as fit, up to eight ([`mma_frag::fragment_chunk_steps`]) or
-    /// the cap [`Self::with_fragment_chunk_steps`] set.
+    /// `steps_per_scale` steps, with `tiles` tiles per cube: as many as fit, up to eight
+    /// ([`mma_frag::fragment_chunk_steps`]) or the cap [`Self::with_fragment_chunk_steps`] set.
     fn fragment_chunk_steps(
         &self,
         format: WeightFormat,
         steps_per_scale: usize,
+        tiles: usize,
         (tensor_cores, operand): (bool, ActDType),
     ) -> Option<usize> {
         mma_frag::fragment_chunk_steps(
             format.kernel_code(),
             steps_per_scale.min(self.fragment_chunk.unwrap_or(usize::MAX)),
+            (tiles, self.fragment_shape.blocks),
             operand.size(),
             tensor_cores,
             self.max_shared_bytes(),
@@ -99,16 +211,25 @@ impl Kernels {
     ) {
         let layout = routing.layout();
         let (steps, steps_per_scale) = tile_steps(a);
+        let per_expert = (routing.tokens() * routing.top_k()).div_ceil(routing.experts().max(1));
+        let tiles = self.fragment_shape.tiles_for(per_expert);
         let chunk_steps = self
-            .fragment_chunk_steps(a.format, steps_per_scale, (tensor_cores, operand))
+            .fragment_chunk_steps(a.format, steps_per_scale, tiles, (tensor_cores, operand))
             .expect("checked by check_fragments");
+        let cube = self.fragment_shape.cube(
+            tiles,
+            chunk_steps,
+            a.format.kernel_code(),
+            (tensor_cores, operand),
+        );
         mma_frag::grouped_fragments::launch(
             &self.client,
-            CubeCount::Static(a.out.div_ceil(FRAG_ROWS) as u32, layout.tiles as u32, 1),
+            CubeCount::Static(a.out.div_ceil(cube.rows()) as u32, layout.tiles as u32, 1),
             CubeDim::new_2d(MMA_PLANE as u32, FRAG_PLANES as u32),
             input.arg(),
             routing.table.arg(),
             layout.rows_at(),
+            layout.offsets_at(),
             0,
             a.words.arg(),
             a.scales.arg(),
@@ -130,7 +251,7 @@ impl Kernels {
             gather,
             false,
             tensor_cores,
-            chunk_steps,
+            cube,
             [input.dtype.elem(), operand.elem(), ActDType::F32.elem()],
         );
     }
@@ -147,24 +268,33 @@ impl Kernels {
         (tensor_cores, operand): (bool, ActDType),
     ) -> Result<(), KernelError> {
         self.check_fragments(w.format, (tensor_cores, operand))?;
-        if n.div_ceil(MMA) > MAX_GRID {
-            return Err(KernelError::Shape(format!(
-                "fragment tiles on {n} tokens: {} tiles of 16, beyond the {MAX_GRID} a launch grid \
-                 holds; split the call",
-                n.div_ceil(MMA)
-            )));
-        }
+        let tiles = self.fragment_shape.tiles_for(n);
         let (steps, steps_per_scale) = tile_steps(w);
         let chunk_steps = self
-            .fragment_chunk_steps(w.format, steps_per_scale, (tensor_cores, operand))
+            .fragment_chunk_steps(w.format, steps_per_scale, tiles, (tensor_cores, operand))
             .expect("checked by check_fragments");
+        let cube = self.fragment_shape.cube(
+            tiles,
+            chunk_steps,
+            w.format.kernel_code(),
+            (tensor_cores, operand),
+        );
+        let cubes = n.div_ceil(cube.assignments());
+        if cubes > MAX_GRID {
+            return Err(KernelError::Shape(format!(
+                "fragment tiles on {n} tokens: {cubes} cubes of {}, beyond the {MAX_GRID} a launch \
+                 grid holds; split the call",
+                cube.assignments()
+            )));
+        }
         mma_frag::grouped_fragments::launch(
             &self.client,
-            CubeCount::Static(w.out.div_ceil(FRAG_ROWS) as u32, n.div_ceil(MMA) as u32, 1),
+            CubeCount::Static(w.out.div_ceil(cube.rows()) as u32, cubes as u32, 1),
             CubeDim::new_2d(MMA_PLANE as u32, FRAG_PLANES as u32),
             x.arg(),
             // No table: any buffer.
             self.lut.arg(),
+            0,
             0,
             n,
             w.words.arg(),
@@ -187,9 +317,36 @@ impl Kernels {
             false,
             true,
             tensor_cores,
-            chunk_steps,
+            cube,
             [x.dtype.elem(), operand.elem(), y.dtype.elem()],
         );
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Shapes beyond what a unit's registers hold are refused with an error naming them; the tiles per
+    /// cube follow the assignments per expert, at most the shape's.
+    #[test]
+    fn fragment_shapes_are_checked_and_follow_the_call() {
+        for (m, blocks) in [(0, 1), (5, 1), (1, 0), (1, 3), (4, 2)] {
+            let err = FragmentShape::new(m, blocks, false)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(&format!("{m} tiles x {blocks} blocks")),
+                "{err}"
+            );
+        }
+        let shape = FragmentShape::new(4, 1, true).unwrap();
+        let tiles: Vec<usize> = [0, 1, 16, 17, 33, 48, 64, 65, 4096]
+            .map(|n| shape.tiles_for(n))
+            .into();
+        assert_eq!(tiles, [1, 1, 1, 2, 4, 4, 4, 4, 4]);
+        assert_eq!(FragmentShape::new(2, 2, false).unwrap().tiles_for(1000), 2);
+        assert_eq!(FragmentShape::default().tiles_for(1000), 1);
     }
 }

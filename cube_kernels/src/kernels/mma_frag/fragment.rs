@@ -7,33 +7,36 @@ use cubecl::prelude::*;
 use super::super::mma::{MMA, MMA_PLANE};
 use super::super::{code_flip, codes_per_word, scale_at, word_code_value};
 use super::staging::{w_stride, x_stride};
-use super::{BLOCKS, EXCHANGE_REGS, N8};
+use super::{fragment_index, FragCube, PairDecode, EXCHANGE_REGS, N8};
 
-/// The unit's A fragment (the 16 assignments x 16 inputs of staged step `s`) in the `m16n8k16` register
-/// layout: with `g = lane / 4`, `t = lane % 4`, registers (row g, inputs 2t, 2t+1), (row g + 8, same),
-/// (row g, inputs 2t + 8, 2t + 9), (row g + 8, same).
+/// The unit's A fragments of staged step `s`, one per tile of 16 assignments of the cube (registers
+/// `4 m .. 4 m + 4` for tile `m`), in the `m16n8k16` register layout: with `g = lane / 4`, `t = lane %
+/// 4`, registers (row g, inputs 2t, 2t+1), (row g + 8, same), (row g, inputs 2t + 8, 2t + 9), (row g + 8,
+/// same).
 #[cube]
-pub(super) fn a_fragment<X: Float>(
+pub(super) fn a_fragments<X: Float>(
     xs: &Shared<[Vector<X, Const<2>>]>,
     s: usize,
-    #[comptime] chunk_steps: usize,
+    #[comptime] cube: FragCube,
 ) -> Array<Vector<X, Const<2>>> {
     let lane = UNIT_POS_X as usize;
     let (g, t) = (lane / 4, lane % 4);
-    let xstride = comptime!(x_stride(chunk_steps));
-    let mut regs = Array::<Vector<X, Const<2>>>::new(4usize);
+    let xstride = comptime!(x_stride(cube.chunk_steps));
+    let mut regs = Array::<Vector<X, Const<2>>>::new(comptime!(4 * cube.m_tiles));
     #[unroll]
-    for r in 0..4usize {
-        let row = g + (r % 2) * 8;
-        let pair = s * (MMA / 2) + (r / 2) * 4 + t;
-        regs[r] = xs[row * xstride + pair];
+    for m in 0..comptime!(cube.m_tiles) {
+        #[unroll]
+        for r in 0..4usize {
+            let row = m * MMA + g + (r % 2) * 8;
+            let pair = s * (MMA / 2) + (r / 2) * 4 + t;
+            regs[4 * m + r] = xs[row * xstride + pair];
+        }
     }
     regs
 }
 
 /// The unit's B fragment of staged step `s` for the cube's row `row` (its `n = g`): registers (inputs
-/// 2t, 2t+1) and (inputs 2t + 8, 2t + 9), decoded from the packed words ([`word_code_value`]; exact in
-/// `X`).
+/// 2t, 2t+1) and (inputs 2t + 8, 2t + 9), decoded from the packed words ([`code_pair`]; exact in `X`).
 #[cube]
 fn b_fragment<X: Float>(
     ws: &Shared<[u32]>,
@@ -41,23 +44,52 @@ fn b_fragment<X: Float>(
     row: usize,
     s: usize,
     #[comptime] fmt: u32,
-    #[comptime] chunk_steps: usize,
+    #[comptime] cube: FragCube,
 ) -> Array<Vector<X, Const<2>>> {
     let t = UNIT_POS_X as usize % 4;
     let cpw = comptime!(codes_per_word(fmt));
-    let wstride = comptime!(w_stride(fmt, chunk_steps));
+    let wstride = comptime!(w_stride(fmt, cube.chunk_steps));
     let mut regs = Array::<Vector<X, Const<2>>>::new(2usize);
     #[unroll]
     for r in 0..2usize {
         let k = s * MMA + r * 8 + 2 * t;
         let word = ws[row * wstride + k / cpw] ^ code_flip(fmt);
-        let j = (k % cpw) as u32;
-        let mut pair = Vector::<X, Const<2>>::empty();
-        pair.insert(0usize, X::cast_from(word_code_value(word, j, lut, fmt)));
-        pair.insert(1usize, X::cast_from(word_code_value(word, j + 1, lut, fmt)));
-        regs[r] = pair;
+        regs[r] = code_pair::<X>(word, (k % cpw) as u32, lut, fmt, cube.decode);
     }
     regs
+}
+
+/// Codes `j` and `j + 1` (`j` even) of a packed word already XOR-ed with [`code_flip`] as a pair of
+/// operand values: each by itself ([`word_code_value`]), or with a [`PairDecode`] of int4 codes, both
+/// at once: the two codes moved to bits 0 and 16, the exponent bits of `2^10` (f16) or `2^7` (bf16) put
+/// over them, and one packed subtraction of `2^10 + 8` or `2^7 + 8` leaves `c - 8` exactly, the value
+/// [`word_code_value`] gives.
+#[cube]
+pub(super) fn code_pair<X: Float>(
+    word: u32,
+    j: u32,
+    lut: &[f32],
+    #[comptime] fmt: u32,
+    #[comptime] decode: PairDecode,
+) -> Vector<X, Const<2>> {
+    let mut pair = Vector::<X, Const<2>>::empty();
+    if comptime!(fmt == 0 && decode != PairDecode::Scalar) {
+        let (magic, bias) = comptime!(decode.magic());
+        let v = word >> (j * 4u32);
+        let bits = (v & 0xFu32) | ((v << 12u32) & 0xF_0000u32) | magic;
+        // On the concrete half type (the operand type `X` is), then a cast to itself.
+        if comptime!(decode == PairDecode::F16) {
+            let codes = Vector::<half::f16, Const<2>>::reinterpret(bits);
+            pair = Vector::cast_from(codes - Vector::<half::f16, Const<2>>::reinterpret(bias));
+        } else {
+            let codes = Vector::<half::bf16, Const<2>>::reinterpret(bits);
+            pair = Vector::cast_from(codes - Vector::<half::bf16, Const<2>>::reinterpret(bias));
+        }
+    } else {
+        pair.insert(0usize, X::cast_from(word_code_value(word, j, lut, fmt)));
+        pair.insert(1usize, X::cast_from(word_code_value(word, j + 1, lut, fmt)));
+    }
+    pair
 }
 
 /// `acc += A B` for one `m16n8k16` fragment: the instruction with `tensor_cores`, else its emulation from
@@ -154,8 +186,9 @@ fn emulated_output<X: Float>(
     sum
 }
 
-/// One staged step for one block of 8 rows of one projection: its B fragment ([`b_fragment`]) into the
-/// block's accumulator.
+/// One staged step for one block of 8 rows of one projection: its B fragment ([`b_fragment`]), decoded
+/// once, into the block's accumulator of every tile of the cube that holds assignments (of the `len`
+/// the cube covers).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn block_step<X: Float>(
@@ -164,28 +197,51 @@ pub(super) fn block_step<X: Float>(
     lut: &[f32],
     acc: &mut Array<Vector<f32, Const<2>>>,
     exchange: &mut Shared<[Vector<X, Const<2>>]>,
+    len: usize,
+    proj: usize,
     block: usize,
     s: usize,
     #[comptime] fmt: u32,
-    #[comptime] chunk_steps: usize,
+    #[comptime] swiglu: bool,
     #[comptime] tensor_cores: bool,
+    #[comptime] cube: FragCube,
 ) {
-    let row = UNIT_POS_Y as usize * (BLOCKS * N8) + block * N8 + UNIT_POS_X as usize / 4;
-    let b = b_fragment::<X>(ws, lut, row, s, fmt, chunk_steps);
-    fragment_mma::<X>(a, &b, acc, exchange, tensor_cores);
+    let row = (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8 + UNIT_POS_X as usize / 4;
+    let b = b_fragment::<X>(ws, lut, row, s, fmt, cube);
+    #[unroll]
+    for m in 0..comptime!(cube.m_tiles) {
+        // Uniform over the cube: a tile past its assignments skips the instruction.
+        if m * MMA < len {
+            let mut tile_a = Array::<Vector<X, Const<2>>>::new(4usize);
+            #[unroll]
+            for r in 0..4usize {
+                tile_a[r] = a[4 * m + r];
+            }
+            let f = fragment_index(m, proj, block, swiglu, cube);
+            let mut tile_acc = Array::<Vector<f32, Const<2>>>::new(2usize);
+            tile_acc[0] = acc[2 * f];
+            tile_acc[1] = acc[2 * f + 1];
+            fragment_mma::<X>(&tile_a, &b, &mut tile_acc, exchange, tensor_cores);
+            acc[2 * f] = tile_acc[0];
+            acc[2 * f + 1] = tile_acc[1];
+        }
+    }
 }
 
-/// A fresh accumulator fragment.
+/// `n` fresh accumulator fragments (registers `2 f, 2 f + 1` for fragment `f`).
 #[cube]
-pub(super) fn zero_fragment() -> Array<Vector<f32, Const<2>>> {
-    let mut acc = Array::<Vector<f32, Const<2>>>::new(2usize);
-    acc[0] = Vector::<f32, Const<2>>::new(0.0f32);
-    acc[1] = Vector::<f32, Const<2>>::new(0.0f32);
+pub(super) fn zero_fragments(#[comptime] n: usize) -> Array<Vector<f32, Const<2>>> {
+    let mut acc = Array::<Vector<f32, Const<2>>>::new(comptime!(2 * n));
+    #[unroll]
+    for i in 0..comptime!(2 * n) {
+        acc[i] = Vector::<f32, Const<2>>::new(0.0f32);
+    }
     acc
 }
 
-/// `total[4 f + i] += sum_i * scale(row)` for the 4 outputs of accumulator fragment `f` (block `block`),
-/// output `i` in row `2t + i % 2` of the block (assignment `g + 8 (i / 2)`); rows past `n_out` keep 0.
+/// `total[4 f + i] += sum_i * scale(row)` for the 4 outputs of accumulator fragment `f` (registers `2 f,
+/// 2 f + 1` of `acc`; block `block`), output `i` in row `2t + i % 2` of the block (assignment `g + 8 (i /
+/// 2)` of the fragment's tile); rows past `n_out` keep 0.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn add_scaled_fragment(
@@ -201,14 +257,15 @@ pub(super) fn add_scaled_fragment(
     spr: usize,
     #[comptime] fmt: u32,
     #[comptime] group: usize,
+    #[comptime] cube: FragCube,
 ) {
     let t = UNIT_POS_X as usize % 4;
-    let base = row0 + UNIT_POS_Y as usize * (BLOCKS * N8) + block * N8 + 2 * t;
+    let base = row0 + (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8 + 2 * t;
     #[unroll]
     for i in 0..4usize {
         let r = base + i % 2;
         if r < n_out {
-            let v = acc[i / 2];
+            let v = acc[2 * f + i / 2];
             let sum = select(i % 2 == 1, v.extract(1usize), v.extract(0usize));
             total[4 * f + i] += sum * scale_at(scales, soff, r, k, spr, fmt, group);
         }

@@ -20,12 +20,15 @@
 //! kernel, an assignment's row never mixes with the others and rows past the tile are zeros, so a decode
 //! step computes a prefill's bits.
 //!
-//! **Tile.** A cube of 4 planes computes the tile's 16 assignments x 64 output rows per projection; plane
-//! `p` holds rows `16 p .. 16 p + 16` as two blocks of 8 (the instruction's `n`), one accumulator
-//! fragment per block and projection. Per chunk the cube stages the 16 assignments' inputs (as pairs of
-//! operand values, rounded to `X` as in [`super::mma_moe`]) and 64 rows of packed words per projection,
-//! loaded a chunk ahead into registers; row strides are padded by 4 words so that a plane's fragment reads
-//! fall in distinct banks.
+//! **Cube.** A cube of 4 planes computes `16 m_tiles` assignments x `32 blocks` output rows per projection
+//! ([`FragCube`]): plane `p` holds `blocks` blocks of 8 rows (the instruction's `n`), and each unit
+//! decodes a block's B fragment once per K step for the `m_tiles` tiles of 16 assignments it multiplies
+//! (sharing a decoded weight across tiles: fewer decodes per instruction at prefill sizes). Per chunk
+//! the cube stages the inputs (as pairs of operand values, rounded to `X` as in [`super::mma_moe`]) and
+//! its rows of packed words per projection, loaded a chunk ahead into registers; row strides are padded
+//! by 4 words so that a plane's fragment reads fall in distinct banks. int4 codes with half operands may
+//! be decoded two at a time ([`PairDecode`]). No choice of the cube changes a bit: every output keeps
+//! its order, and only which unit computes it changes, so a launcher may choose the cube per call.
 //!
 //! [`grouped_fragments`] without `tensor_cores` is the same staging, fragments and scale groups with the
 //! instruction emulated from the units' fragment registers (exchanged through shared memory, each output
@@ -40,18 +43,14 @@ use cubecl::prelude::*;
 
 use super::mma::{next_chunk, MMA, MMA_PLANE, SHARED_ALIGN};
 use super::moe::silu_times;
-use fragment::{a_fragment, add_scaled_fragment, block_step, zero_fragment};
-use staging::{fetch_chunk, pairs_per_unit, store_chunk, w_stride, words_per_unit, x_stride};
+use fragment::{a_fragments, add_scaled_fragment, block_step, zero_fragments};
+use staging::{fetch_chunk, held_inputs, store_chunk, w_stride, words_per_unit, x_stride};
 pub use staging::{fragment_chunk_steps, grouped_fragments_shared_bytes};
 
 /// Output rows of one instruction (`n` of `m16n8k16`).
 const N8: usize = 8;
 /// Planes of a cube.
 pub const FRAG_PLANES: usize = 4;
-/// Blocks of [`N8`] rows per plane.
-const BLOCKS: usize = 2;
-/// Output rows a cube covers per projection: 64.
-pub const FRAG_ROWS: usize = FRAG_PLANES * BLOCKS * N8;
 /// Units of a cube.
 const UNITS: usize = FRAG_PLANES * MMA_PLANE;
 /// Fragment registers a unit holds per instruction (4 of A, 2 of B), each two operand values: what the
@@ -60,21 +59,104 @@ const EXCHANGE_REGS: usize = 6;
 /// Most K steps a cube stages per pair of barriers (a chunk never crosses a scale group).
 pub const FRAG_MAX_CHUNK_STEPS: usize = 8;
 
+/// How codes become the B fragment's operand pairs. Every way gives the same values (the codes are small
+/// integers, exact in every operand type).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PairDecode {
+    /// Each code by itself, as an f32 integer converted to the operand type ([`super::word_code_value`]).
+    Scalar,
+    /// Two int4 codes at once into an f16 pair: the codes under the exponent of 1024 (`0x6400`), then
+    /// one packed subtraction of 1032 (`1024 + c - 1032 = c - 8`, exact).
+    F16,
+    /// The same into a bf16 pair: under the exponent of 128 (`0x4300`), minus 136.
+    Bf16,
+}
+
+impl PairDecode {
+    /// The pair decode for `fmt` codes into `operand` operands: packed for int4 (format 0) into f16 or
+    /// bf16, else [`PairDecode::Scalar`].
+    pub fn for_codes(fmt: u32, operand: crate::dtype::ActDType) -> Self {
+        use crate::dtype::ActDType;
+        match (fmt, operand) {
+            (0, ActDType::F16) => PairDecode::F16,
+            (0, ActDType::BF16) => PairDecode::Bf16,
+            _ => PairDecode::Scalar,
+        }
+    }
+
+    /// The bits that put a pair of 4-bit codes (at bits 0 and 16) under the exponent, and the pair to
+    /// subtract after (`2^10 + 8` twice: `0x6408`, or `2^7 + 8`: `0x4308`), as half pairs' bits.
+    const fn magic(self) -> (u32, u32) {
+        match self {
+            PairDecode::Scalar => (0, 0),
+            PairDecode::F16 => (0x6400_6400, 0x6408_6408),
+            PairDecode::Bf16 => (0x4300_4300, 0x4308_4308),
+        }
+    }
+}
+
+/// The compile-time layout of one cube of [`grouped_fragments`]: `chunk_steps` K steps staged per pair of
+/// barriers ([`fragment_chunk_steps`]), `m_tiles` tiles of 16 assignments (tokens, for the dense product),
+/// `blocks` blocks of 8 output rows per plane and projection, and the codes' [`PairDecode`]. The bits
+/// never depend on it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragCube {
+    pub chunk_steps: usize,
+    pub m_tiles: usize,
+    pub blocks: usize,
+    pub decode: PairDecode,
+}
+
+impl FragCube {
+    /// Output rows the cube covers per projection: `32 blocks`.
+    pub const fn rows(&self) -> usize {
+        FRAG_PLANES * self.blocks * N8
+    }
+
+    /// Assignments (dense: tokens) the cube covers: `16 m_tiles`.
+    pub const fn assignments(&self) -> usize {
+        MMA * self.m_tiles
+    }
+
+    /// Accumulator fragments a unit holds: one per tile, projection and block.
+    const fn fragments(&self, swiglu: bool) -> usize {
+        self.m_tiles * self.blocks * if swiglu { 2 } else { 1 }
+    }
+}
+
+/// Index of the accumulator fragment of tile `m`, projection `proj` and block `block` among a unit's
+/// [`FragCube::fragments`] (constant once the loops over them unroll).
+#[cube]
+fn fragment_index(
+    m: usize,
+    proj: usize,
+    block: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] cube: FragCube,
+) -> usize {
+    let projections = comptime!(if swiglu { 2usize } else { 1usize });
+    (m * projections + proj) * comptime!(cube.blocks) + block
+}
+
 /// `y[a, row] = sum_k input[src(a), k] a_e[row, k]` (or `silu(.) * (. b_e)` with `swiglu`) for the
-/// assignments of tile `CUBE_POS_Y`, in [`super::mma_moe`]'s order, with [`super::mma_moe::grouped_tiles`]'
-/// arguments and `chunk_steps` K steps staged per pair of barriers ([`fragment_chunk_steps`]; the bits do
-/// not depend on it). On the instruction with `tensor_cores` (half `X`), else emulated (any runtime and
-/// operand type). `y` is f32 for the grouped products. With `dense`, the dense product `y[t, row] =
-/// sum_k input[t, k] w[row, k]` of [`super::mma::gemm_tiles`]' order instead: tile `CUBE_POS_Y` is
-/// tokens `16 tile .. 16 tile + 16` of `tokens`, one matrix, no table (any buffer), `y` of the
-/// activations' type `Y`, rounded once. Launch with `CubeDim (32, 4)` and `CubeCount (ceil(n_out / 64),
-/// tiles)` (dense: `ceil(tokens / 16)` tiles).
+/// assignments of the cube's tiles, in [`super::mma_moe`]'s order, with [`super::mma_moe::grouped_tiles`]'
+/// arguments, `offsets_at` where the table's expert offsets start, and the compile-time layout `cube`
+/// ([`FragCube`]; the bits do not depend on it). The cube of tile `CUBE_POS_Y` of the table covers it
+/// and the expert's next `m_tiles - 1` tiles when it is the first of them (its place in the expert a
+/// multiple of `16 m_tiles`), and nothing otherwise: the grid is the table's, whatever the cube. On the
+/// instruction with `tensor_cores` (half `X`), else emulated (any runtime and operand type). `y` is f32
+/// for the grouped products. With `dense`, the dense product `y[t, row] = sum_k input[t, k] w[row, k]`
+/// of [`super::mma::gemm_tiles`]' order instead: the cube covers tokens `16 m_tiles CUBE_POS_Y ..` of
+/// `tokens`, one matrix, no table (any buffer), `y` of the activations' type `Y`, rounded once. Launch
+/// with `CubeDim (32, 4)` and `CubeCount (ceil(n_out / rows), tiles)` (dense: `ceil(tokens / (16
+/// m_tiles))`).
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     input: &[I],
     table: &[u32],
     rows_at: usize,
+    offsets_at: usize,
     tokens: usize,
     words_a: &[u32],
     scales_a: &[f32],
@@ -96,14 +178,15 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     #[comptime] gather: bool,
     #[comptime] dense: bool,
     #[comptime] tensor_cores: bool,
-    #[comptime] chunk_steps: usize,
+    #[comptime] cube: FragCube,
     #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
+    let chunk_steps = comptime!(cube.chunk_steps);
     let mut xs = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-        comptime!(MMA * x_stride(chunk_steps)),
+        comptime!(cube.assignments() * x_stride(chunk_steps)),
         SHARED_ALIGN,
     );
-    let wlen = comptime!(FRAG_ROWS * w_stride(fmt, chunk_steps));
+    let wlen = comptime!(cube.rows() * w_stride(fmt, chunk_steps));
     let mut wa = Shared::<[u32]>::new_aligned_slice(wlen, SHARED_ALIGN);
     let mut wb =
         Shared::<[u32]>::new_aligned_slice(comptime!(if swiglu { wlen } else { 1 }), SHARED_ALIGN);
@@ -115,29 +198,19 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
         }),
         SHARED_ALIGN,
     );
-    // The tile's expert and assignments (dense: its tokens); an empty or malformed tile runs no group
-    // and stores nothing.
-    let tile = CUBE_POS_Y as usize;
-    let mut expert = 0usize;
-    let mut a0 = tile * MMA;
-    let mut a_end = tokens.min(a0 + MMA);
-    if comptime!(!dense) {
-        expert = table[3 * tile] as usize;
-        a0 = table[3 * tile + 1] as usize;
-        a_end = table[3 * tile + 2] as usize;
-    }
+    let (expert, a0, a_end) = cube_assignments(table, offsets_at, tokens, dense, cube);
     let mut len = 0usize;
     let mut groups = 0usize;
     if a0 < a_end {
         len = a_end - a0;
         groups = steps.div_ceil(steps_per_scale);
     }
-    let row0 = CUBE_POS_X as usize * FRAG_ROWS;
+    let row0 = CUBE_POS_X as usize * comptime!(cube.rows());
     let (woff, soff) = (expert * expert_words, expert * expert_scales);
-    let wpu = comptime!(words_per_unit(fmt, chunk_steps));
+    let wpu = comptime!(words_per_unit(fmt, cube));
     let mut held_a = Array::<u32>::new(wpu);
     let mut held_b = Array::<u32>::new(comptime!(if swiglu { wpu } else { 1 }));
-    let mut held_x = Array::<I>::new(comptime!(2 * pairs_per_unit(chunk_steps)));
+    let mut held_x = Array::<I>::new(comptime!(held_inputs(cube)));
     if groups > 0 {
         fetch_chunk(
             input,
@@ -160,39 +233,25 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
             fmt,
             swiglu,
             gather,
-            chunk_steps,
+            cube,
         );
     }
-    // Totals: fragment f = block + 2 * projection, 4 outputs each.
-    let mut total = Array::<f32>::new(16usize);
+    let frags = comptime!(cube.fragments(swiglu));
+    let mut total = Array::<f32>::new(comptime!(4 * frags));
     #[unroll]
-    for j in 0..16usize {
+    for j in 0..comptime!(4 * frags) {
         total[j] = 0.0f32;
     }
     for g in 0..groups {
-        let mut acc_a0 = zero_fragment();
-        let mut acc_a1 = zero_fragment();
-        let mut acc_b0 = zero_fragment();
-        let mut acc_b1 = zero_fragment();
+        let mut acc = zero_fragments(comptime!(frags));
         let first = g * steps_per_scale;
         let last = (first + steps_per_scale).min(steps);
         for c in 0..(last - first).div_ceil(chunk_steps) {
             let s0 = first + c * chunk_steps;
             let chunk_last = (s0 + chunk_steps).min(last);
             store_chunk::<I, X>(
-                &held_a,
-                &held_b,
-                &held_x,
-                &mut xs,
-                &mut wa,
-                &mut wb,
-                s0,
-                chunk_last,
-                len,
-                inn,
-                fmt,
-                swiglu,
-                chunk_steps,
+                &held_a, &held_b, &held_x, &mut xs, &mut wa, &mut wb, s0, chunk_last, len, inn,
+                fmt, swiglu, cube,
             );
             sync_cube();
             let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, chunk_steps);
@@ -217,89 +276,110 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                 fmt,
                 swiglu,
                 gather,
-                chunk_steps,
+                cube,
             );
             // Unrolled on the instruction; the emulation's shaders stay small (lavapipe compiles them).
             #[unroll(tensor_cores)]
             for s in 0..chunk_steps {
                 if s0 + s < chunk_last {
-                    let a = a_fragment::<X>(&xs, s, chunk_steps);
-                    block_step::<X>(
-                        &a,
-                        &wa,
-                        lut,
-                        &mut acc_a0,
-                        &mut exchange,
-                        0,
-                        s,
-                        fmt,
-                        chunk_steps,
-                        tensor_cores,
-                    );
-                    block_step::<X>(
-                        &a,
-                        &wa,
-                        lut,
-                        &mut acc_a1,
-                        &mut exchange,
-                        1,
-                        s,
-                        fmt,
-                        chunk_steps,
-                        tensor_cores,
-                    );
-                    if comptime!(swiglu) {
+                    let a = a_fragments::<X>(&xs, s, cube);
+                    #[unroll]
+                    for block in 0..comptime!(cube.blocks) {
                         block_step::<X>(
                             &a,
-                            &wb,
+                            &wa,
                             lut,
-                            &mut acc_b0,
+                            &mut acc,
                             &mut exchange,
+                            len,
                             0,
+                            block,
                             s,
                             fmt,
-                            chunk_steps,
+                            swiglu,
                             tensor_cores,
+                            cube,
                         );
-                        block_step::<X>(
-                            &a,
-                            &wb,
-                            lut,
-                            &mut acc_b1,
-                            &mut exchange,
-                            1,
-                            s,
-                            fmt,
-                            chunk_steps,
-                            tensor_cores,
-                        );
+                        if comptime!(swiglu) {
+                            block_step::<X>(
+                                &a,
+                                &wb,
+                                lut,
+                                &mut acc,
+                                &mut exchange,
+                                len,
+                                1,
+                                block,
+                                s,
+                                fmt,
+                                swiglu,
+                                tensor_cores,
+                                cube,
+                            );
+                        }
                     }
                 }
             }
             sync_cube();
         }
         let k = first * MMA;
-        add_scaled_fragment(
-            &mut total, &acc_a0, 0, 0, scales_a, soff, row0, k, n_out, spr, fmt, group,
-        );
-        add_scaled_fragment(
-            &mut total, &acc_a1, 1, 1, scales_a, soff, row0, k, n_out, spr, fmt, group,
-        );
-        if comptime!(swiglu) {
-            add_scaled_fragment(
-                &mut total, &acc_b0, 2, 0, scales_b, soff, row0, k, n_out, spr, fmt, group,
-            );
-            add_scaled_fragment(
-                &mut total, &acc_b1, 3, 1, scales_b, soff, row0, k, n_out, spr, fmt, group,
-            );
+        #[unroll]
+        for m in 0..comptime!(cube.m_tiles) {
+            #[unroll]
+            for block in 0..comptime!(cube.blocks) {
+                let f = fragment_index(m, 0, block, swiglu, cube);
+                add_scaled_fragment(
+                    &mut total, &acc, f, block, scales_a, soff, row0, k, n_out, spr, fmt, group,
+                    cube,
+                );
+                if comptime!(swiglu) {
+                    let f = fragment_index(m, 1, block, swiglu, cube);
+                    add_scaled_fragment(
+                        &mut total, &acc, f, block, scales_b, soff, row0, k, n_out, spr, fmt,
+                        group, cube,
+                    );
+                }
+            }
         }
     }
-    store_fragments(y, &total, a0, a_end, row0, n_out, swiglu);
+    store_fragments(y, &total, a0, a_end, row0, n_out, swiglu, cube);
+}
+
+/// The cube's expert and assignments `a0 .. a_end` (dense: its tokens); an empty range where the cube
+/// has nothing to do (an empty or malformed tile, or a tile another cube covers with its first).
+#[cube]
+fn cube_assignments(
+    table: &[u32],
+    offsets_at: usize,
+    tokens: usize,
+    #[comptime] dense: bool,
+    #[comptime] cube: FragCube,
+) -> (usize, usize, usize) {
+    let tile = CUBE_POS_Y as usize;
+    let span = comptime!(cube.assignments());
+    let mut expert = 0usize;
+    let mut a0 = tile * span;
+    let mut a_end = tokens.min(a0 + span);
+    if comptime!(!dense) {
+        expert = table[3 * tile] as usize;
+        a0 = table[3 * tile + 1] as usize;
+        a_end = table[3 * tile + 2] as usize;
+        if comptime!(cube.m_tiles > 1) {
+            if a0 < a_end {
+                let start = table[offsets_at + expert] as usize;
+                let end = table[offsets_at + expert + 1] as usize;
+                let first = a0 >= start && (a0 - start) % span == 0;
+                a_end = select(first, end.min(a0 + span), a0);
+            }
+        }
+    }
+    (expert, a0, a_end)
 }
 
 /// Stores the unit's outputs into `y [assignments, n_out]`: the totals, or `silu(a) * b`, rounded once to
 /// `Y`.
 #[cube]
+#[allow(clippy::too_many_arguments)]
 fn store_fragments<Y: Float>(
     y: &mut [Y],
     total: &Array<f32>,
@@ -308,22 +388,70 @@ fn store_fragments<Y: Float>(
     row0: usize,
     n_out: usize,
     #[comptime] swiglu: bool,
+    #[comptime] cube: FragCube,
 ) {
     let lane = UNIT_POS_X as usize;
     let (g, t) = (lane / 4, lane % 4);
     #[unroll]
-    for block in 0..BLOCKS {
+    for m in 0..comptime!(cube.m_tiles) {
         #[unroll]
-        for i in 0..4usize {
-            let a = a0 + g + 8 * (i / 2);
-            let r = row0 + UNIT_POS_Y as usize * (BLOCKS * N8) + block * N8 + 2 * t + i % 2;
-            if a < a_end && r < n_out {
-                let j = 4 * block + i;
-                let mut v = total[j];
-                if comptime!(swiglu) {
-                    v = silu_times(total[j], total[8 + j]);
+        for block in 0..comptime!(cube.blocks) {
+            let fa = fragment_index(m, 0, block, swiglu, cube);
+            #[unroll]
+            for i in 0..4usize {
+                let a = a0 + m * MMA + g + 8 * (i / 2);
+                let r = row0
+                    + (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8
+                    + 2 * t
+                    + i % 2;
+                if a < a_end && r < n_out {
+                    let mut v = total[4 * fa + i];
+                    if comptime!(swiglu) {
+                        let fb = fragment_index(m, 1, block, swiglu, cube);
+                        v = silu_times(total[4 * fa + i], total[4 * fb + i]);
+                    }
+                    y[a * n_out + r] = Y::cast_from(v);
                 }
-                y[a * n_out + r] = Y::cast_from(v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    /// The pair decode's constants: every int4 code under the magic bits, minus the bias pair, is the
+    /// code's value `c - 8` (exact), in both halves, for f16 and bf16; and the kernel's bit moves
+    /// (mirrored here: `(v & 0xF) | ((v << 12) & 0xF0000)` of the word shifted to code `j`) put codes
+    /// `j` and `j + 1` of every word under the two halves.
+    #[test]
+    fn pair_decode_constants_give_the_codes_values() {
+        let value = |decode, bits: u32| match decode {
+            PairDecode::F16 => f16::from_bits(bits as u16).to_f32(),
+            _ => bf16::from_bits(bits as u16).to_f32(),
+        };
+        for decode in [PairDecode::F16, PairDecode::Bf16] {
+            let (magic, bias) = decode.magic();
+            let pair =
+                |bits: u32| [0, 16].map(|h| value(decode, bits >> h) - value(decode, bias >> h));
+            for c in 0u32..16 {
+                assert_eq!(
+                    pair(c | c << 16 | magic),
+                    [c as f32 - 8.0; 2],
+                    "{decode:?} {c}"
+                );
+            }
+            let mut word = 0x9E37_79B9u32;
+            for _ in 0..64 {
+                word = word.rotate_left(5) ^ word.wrapping_mul(0x85EB_CA6B);
+                for j in [0u32, 2, 4, 6] {
+                    let v = word >> (j * 4);
+                    let got = pair((v & 0xF) | ((v << 12) & 0xF_0000) | magic);
+                    let code = |i: u32| ((word >> (4 * i)) & 15) as f32 - 8.0;
+                    assert_eq!(got, [code(j), code(j + 1)], "{decode:?} {word:#x} code {j}");
+                }
             }
         }
     }

@@ -6,7 +6,7 @@ use cubecl::prelude::*;
 
 use super::super::codes_per_word;
 use super::super::mma::{clear_past_inputs, MMA, MMA_PLANE, SHARED_ALIGN};
-use super::{EXCHANGE_REGS, FRAG_MAX_CHUNK_STEPS, FRAG_ROWS, UNITS};
+use super::{FragCube, PairDecode, EXCHANGE_REGS, FRAG_MAX_CHUNK_STEPS, UNITS};
 
 /// Padding of every staged row, in 4-byte words: with it, the 8 rows a plane's fragment reads touch
 /// start in 8 different banks at 8 staged steps.
@@ -28,27 +28,37 @@ pub(super) const fn w_stride(fmt: u32, chunk_steps: usize) -> usize {
 }
 
 /// Packed words a unit loads per chunk and projection.
-pub(super) const fn words_per_unit(fmt: u32, chunk_steps: usize) -> usize {
-    (FRAG_ROWS * chunk_words(fmt, chunk_steps)).div_ceil(UNITS)
+pub(super) const fn words_per_unit(fmt: u32, cube: FragCube) -> usize {
+    (cube.rows() * chunk_words(fmt, cube.chunk_steps)).div_ceil(UNITS)
 }
 
 /// Input pairs a unit loads per chunk.
-pub(super) const fn pairs_per_unit(chunk_steps: usize) -> usize {
-    (MMA * chunk_steps * MMA / 2).div_ceil(UNITS)
+const fn pairs_per_unit(cube: FragCube) -> usize {
+    (cube.assignments() * cube.chunk_steps * MMA / 2).div_ceil(UNITS)
 }
 
-/// Shared memory [`grouped_fragments`] allocates with chunks of `chunk_steps` steps, `operand_bytes`-byte
-/// operands, two projections with `swiglu`, and the scalar twin's exchange of the fragment registers
-/// (without `tensor_cores`), alignment padding included.
+/// Input values a unit holds between a chunk's loads and its stores.
+pub(super) const fn held_inputs(cube: FragCube) -> usize {
+    2 * pairs_per_unit(cube)
+}
+
+/// The most values a unit holds between a chunk's loads and its stores (packed words of both
+/// projections and inputs): 32, what 8 steps of int4 with one tile of 16 assignments and 64 rows hold,
+/// the layout measured without spills on sm_90 (8 steps of int8 held 64 and spilled).
+const MOST_HELD: usize = 32;
+
+/// Shared memory [`grouped_fragments`] allocates with the layout `cube`, `operand_bytes`-byte operands,
+/// two projections with `swiglu`, and the scalar twin's exchange of the fragment registers (without
+/// `tensor_cores`), alignment padding included.
 pub fn grouped_fragments_shared_bytes(
     fmt: u32,
-    chunk_steps: usize,
+    cube: FragCube,
     operand_bytes: usize,
     swiglu: bool,
     tensor_cores: bool,
 ) -> usize {
-    let xs = MMA * x_stride(chunk_steps) * 2 * operand_bytes;
-    let ws = FRAG_ROWS * w_stride(fmt, chunk_steps) * 4;
+    let xs = cube.assignments() * x_stride(cube.chunk_steps) * 2 * operand_bytes;
+    let ws = cube.rows() * w_stride(fmt, cube.chunk_steps) * 4;
     let wb = if swiglu { ws } else { 4 };
     let exchange = if tensor_cores {
         0
@@ -58,22 +68,32 @@ pub fn grouped_fragments_shared_bytes(
     xs + ws + wb + exchange + 5 * SHARED_ALIGN
 }
 
-/// The most K steps per chunk (at most [`FRAG_MAX_CHUNK_STEPS`] of 4-bit codes or half as many of 8-bit
-/// ones, and a scale group's `steps_per_scale`) whose staging fits in `max_shared` bytes, or `None` where
-/// not even one does.
+/// The most K steps per chunk, a power of two, for `m_tiles` tiles of 16 assignments and `blocks` blocks
+/// of rows per plane: at most [`FRAG_MAX_CHUNK_STEPS`] and a scale group's `steps_per_scale`, holding at
+/// most [`MOST_HELD`] values per unit (gate and up, the most a kernel holds), with the staging in
+/// `max_shared` bytes; `None` where not even one step fits.
 pub fn fragment_chunk_steps(
     fmt: u32,
     steps_per_scale: usize,
+    (m_tiles, blocks): (usize, usize),
     operand_bytes: usize,
     tensor_cores: bool,
     max_shared: usize,
 ) -> Option<usize> {
-    // The same packed bytes per chunk for every format: 8 steps of 4-bit codes, 4 of 8-bit ones (8 of
-    // int8-pc's took 255 registers and spilled in the sm_90 gate-up kernel).
-    let most = FRAG_MAX_CHUNK_STEPS * codes_per_word(fmt) / 8;
-    (1..=most.min(steps_per_scale.max(1))).rev().find(|&d| {
-        grouped_fragments_shared_bytes(fmt, d, operand_bytes, true, tensor_cores) <= max_shared
-    })
+    let cube = |chunk_steps| FragCube {
+        chunk_steps,
+        m_tiles,
+        blocks,
+        decode: PairDecode::Scalar,
+    };
+    let most = FRAG_MAX_CHUNK_STEPS.min(steps_per_scale.max(1));
+    let held = |c: FragCube| 2 * words_per_unit(fmt, c) + held_inputs(c) <= MOST_HELD;
+    let shared = |c: FragCube| {
+        grouped_fragments_shared_bytes(fmt, c, operand_bytes, true, tensor_cores) <= max_shared
+    };
+    [8usize, 4, 2, 1]
+        .into_iter()
+        .find(|&d| d <= most && shared(cube(d)) && (d == 1 || held(cube(d))))
 }
 
 /// Where the inputs of the tile's assignment `r` start in `input`: row `table[rows_at + a0 + r]` with
@@ -119,21 +139,22 @@ pub(super) fn fetch_chunk<I: Float>(
     #[comptime] fmt: u32,
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
-    #[comptime] chunk_steps: usize,
+    #[comptime] cube: FragCube,
 ) {
     let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
     let cpw = comptime!(codes_per_word(fmt));
+    let chunk_steps = comptime!(cube.chunk_steps);
     let cw = comptime!(chunk_words(fmt, chunk_steps));
     let k0 = s0 * MMA;
     let k_end = (last * MMA).min(inn);
     if s0 < last {
         #[unroll]
-        for p in 0..comptime!(words_per_unit(fmt, chunk_steps)) {
+        for p in 0..comptime!(words_per_unit(fmt, cube)) {
             let i = unit + p * UNITS;
             let (row, w) = (i / cw, i % cw);
             let kw = k0 + w * cpw;
             let r = row0 + row;
-            let live = row < FRAG_ROWS && r < n_out && kw < k_end;
+            let live = row < comptime!(cube.rows()) && r < n_out && kw < k_end;
             let at = select(live, woff + r * wpr + kw / cpw, 0usize);
             held_a[p] = clear_past_inputs(words_a[at], kw, inn, live, fmt);
             if comptime!(swiglu) {
@@ -142,7 +163,7 @@ pub(super) fn fetch_chunk<I: Float>(
         }
         let pairs_per_row = comptime!(chunk_steps * MMA / 2);
         #[unroll]
-        for p in 0..comptime!(pairs_per_unit(chunk_steps)) {
+        for p in 0..comptime!(pairs_per_unit(cube)) {
             let i = unit + p * UNITS;
             let (a, q) = (i / pairs_per_row, i % pairs_per_row);
             let k = k0 + 2 * q;
@@ -172,17 +193,18 @@ pub(super) fn store_chunk<I: Float, X: Float>(
     inn: usize,
     #[comptime] fmt: u32,
     #[comptime] swiglu: bool,
-    #[comptime] chunk_steps: usize,
+    #[comptime] cube: FragCube,
 ) {
     let unit = UNIT_POS_Y as usize * MMA_PLANE + UNIT_POS_X as usize;
+    let chunk_steps = comptime!(cube.chunk_steps);
     let cw = comptime!(chunk_words(fmt, chunk_steps));
     let ws = comptime!(w_stride(fmt, chunk_steps));
     let k_end = (last * MMA).min(inn);
     let zero = X::from_int(0);
     #[unroll]
-    for p in 0..comptime!(words_per_unit(fmt, chunk_steps)) {
+    for p in 0..comptime!(words_per_unit(fmt, cube)) {
         let i = unit + p * UNITS;
-        if i < FRAG_ROWS * cw {
+        if i < comptime!(cube.rows() * chunk_words(fmt, cube.chunk_steps)) {
             let at = (i / cw) * ws + i % cw;
             wa[at] = held_a[p];
             if comptime!(swiglu) {
@@ -193,10 +215,10 @@ pub(super) fn store_chunk<I: Float, X: Float>(
     let pairs_per_row = comptime!(chunk_steps * MMA / 2);
     let xstride = comptime!(x_stride(chunk_steps));
     #[unroll]
-    for p in 0..comptime!(pairs_per_unit(chunk_steps)) {
+    for p in 0..comptime!(pairs_per_unit(cube)) {
         let i = unit + p * UNITS;
         let (a, q) = (i / pairs_per_row, i % pairs_per_row);
-        if a < MMA {
+        if a < comptime!(cube.assignments()) {
             let k = s0 * MMA + 2 * q;
             let mut pair = Vector::<X, Const<2>>::empty();
             pair.insert(
@@ -220,28 +242,57 @@ pub(super) fn store_chunk<I: Float, X: Float>(
 mod tests {
     use super::*;
 
-    /// The chunk is the most K steps that fit, never past a scale group or eight; `None` where one step
-    /// does not fit. The allocation grows with the chunk, and the scalar twin's exchange costs more.
+    /// The chunk is the most K steps that fit, a power of two, never past a scale group or eight;
+    /// `None` where one step does not fit. More tiles per cube hold more inputs, so take fewer steps; the
+    /// allocation grows with the chunk, and the scalar twin's exchange costs more.
     #[test]
     fn chunks_take_the_most_steps_that_fit() {
-        let (int4, int8) = (0, 1);
-        // An H200's 227 KiB: the whole group of int4-g128 (8 steps), four of int8-pc's 128 (the same
-        // bytes).
-        assert_eq!(fragment_chunk_steps(int4, 8, 2, true, 227 << 10), Some(8));
-        assert_eq!(fragment_chunk_steps(int8, 128, 2, true, 227 << 10), Some(4));
+        let (int4, int8, h200) = (0, 1, 227 << 10);
+        let one_tile = (1, 2);
+        // The whole group of int4-g128 (8 steps), four of int8-pc's 128 (the same bytes; eight would
+        // hold 48 values per unit).
+        assert_eq!(
+            fragment_chunk_steps(int4, 8, one_tile, 2, true, h200),
+            Some(8)
+        );
+        assert_eq!(
+            fragment_chunk_steps(int8, 128, one_tile, 2, true, h200),
+            Some(4)
+        );
         // Groups of 2 (int4-g32) and 1 (nvfp4) steps bound the chunk.
-        assert_eq!(fragment_chunk_steps(int4, 2, 2, true, 227 << 10), Some(2));
-        assert_eq!(fragment_chunk_steps(int4, 1, 2, true, 227 << 10), Some(1));
-        // WebGPU's 16 KiB: fewer steps for f32 than f16 operands, and with the exchange.
-        let f32_twin = fragment_chunk_steps(int4, 8, 4, false, 16 << 10).unwrap();
-        let f16_twin = fragment_chunk_steps(int4, 8, 2, false, 16 << 10).unwrap();
-        assert!(f32_twin < f16_twin && f16_twin < 8, "{f32_twin} {f16_twin}");
-        for d in [f32_twin, f16_twin] {
-            let bytes = if d == f32_twin { 4 } else { 2 };
-            assert!(grouped_fragments_shared_bytes(int4, d, bytes, true, false) <= 16 << 10);
-            assert!(grouped_fragments_shared_bytes(int4, d + 1, bytes, true, false) > 16 << 10);
+        assert_eq!(
+            fragment_chunk_steps(int4, 2, one_tile, 2, true, h200),
+            Some(2)
+        );
+        assert_eq!(
+            fragment_chunk_steps(int4, 1, one_tile, 2, true, h200),
+            Some(1)
+        );
+        // Two and four tiles of 16 assignments: 4 and 2 steps hold at most 32 values.
+        for ((m, blocks), want) in [((2, 1), 4), ((2, 2), 4), ((4, 1), 2)] {
+            let d = fragment_chunk_steps(int4, 8, (m, blocks), 2, true, h200);
+            assert_eq!(d, Some(want), "{m} tiles, {blocks} blocks");
         }
-        assert_eq!(fragment_chunk_steps(int8, 8, 4, false, 1 << 10), None);
+        // WebGPU's 16 KiB: fewer steps for f32 than f16 operands, and with the exchange.
+        let f32_twin = fragment_chunk_steps(int4, 8, one_tile, 4, false, 16 << 10).unwrap();
+        let f16_twin = fragment_chunk_steps(int4, 8, one_tile, 2, false, 16 << 10).unwrap();
+        assert!(f32_twin < f16_twin && f16_twin < 8, "{f32_twin} {f16_twin}");
+        for (d, bytes) in [(f32_twin, 4), (f16_twin, 2)] {
+            let cube = |chunk_steps| FragCube {
+                chunk_steps,
+                m_tiles: 1,
+                blocks: 2,
+                decode: PairDecode::Scalar,
+            };
+            assert!(grouped_fragments_shared_bytes(int4, cube(d), bytes, true, false) <= 16 << 10);
+            assert!(
+                grouped_fragments_shared_bytes(int4, cube(2 * d), bytes, true, false) > 16 << 10
+            );
+        }
+        assert_eq!(
+            fragment_chunk_steps(int8, 8, one_tile, 4, false, 1 << 10),
+            None
+        );
     }
 
     /// Row strides padded by 4 words put the 8 rows of a plane's fragment reads in distinct banks at the
