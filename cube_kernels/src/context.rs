@@ -146,6 +146,8 @@ pub struct Kernels {
     fragment_chunk: Option<usize>,
     /// The fragment tiles' cubes ([`Self::with_fragment_shape`]).
     fragment_shape: FragmentShape,
+    /// Whether fresh outputs are filled with all-ones bits ([`Self::with_poisoned_outputs`]).
+    poison_outputs: bool,
 }
 
 /// How many K steps the tiles stage per pair of barriers ([`Kernels::stage_steps`]).
@@ -212,6 +214,7 @@ impl Kernels {
             fragment_tiles: false,
             fragment_chunk: None,
             fragment_shape: FragmentShape::default(),
+            poison_outputs: false,
         }
     }
 
@@ -411,11 +414,22 @@ impl Kernels {
 
     fn empty(&self, len: usize, dtype: ActDType) -> DeviceBuffer {
         let bytes = (dtype.size() * len).next_multiple_of(4).max(4);
-        DeviceBuffer {
-            handle: self.client.empty(bytes),
-            len,
-            dtype,
-        }
+        let handle = if self.poison_outputs {
+            self.client.create_from_slice(&vec![0xFF; bytes])
+        } else {
+            self.client.empty(bytes)
+        };
+        DeviceBuffer { handle, len, dtype }
+    }
+
+    /// These kernels with every fresh output buffer filled with all-ones bits (NaN in every float type,
+    /// `u32::MAX`) rather than left as the memory pool hands it over, when `on`: a value a kernel fails
+    /// to write then shows in a bitwise comparison instead of keeping what a freed buffer of the same
+    /// size held (often the right answer, from the run just compared against). For tests and
+    /// debugging: one upload per allocation.
+    pub fn with_poisoned_outputs(mut self, on: bool) -> Self {
+        self.poison_outputs = on;
+        self
     }
 
     /// A device-to-device copy of the f32 buffer `src` (what the benchmarks time as the bandwidth

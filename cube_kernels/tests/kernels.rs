@@ -1138,7 +1138,10 @@ fn moe_grouped_tiles_match_the_reference_and_decode_one_token_at_a_time() {
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn moe_fragment_tiles_give_the_tiles_bits() {
     let Some(k) = kernels() else { return };
-    let frag = k.clone().with_fragment_tiles(true);
+    let frag = k
+        .clone()
+        .with_fragment_tiles(true)
+        .with_poisoned_outputs(true);
     assert!(frag.fragment_tiles() && !k.fragment_tiles());
     let (experts, hidden, inter, top_k, tokens) = (5usize, 300usize, 80usize, 2usize, 23usize);
     let ids: Vec<u32> = (0..tokens)
@@ -1213,7 +1216,8 @@ fn moe_fragment_tiles_give_the_tiles_bits() {
 /// scalar twin's bits on uneven experts (50, 33 and 17 assignments: a cube
 /// covering one, two or four tiles, the last partial), K = 160 (a partial scale group), 48 rows (a
 /// partial cube), f32 and f16 activations, with host and device routing tables (the device's trailing
-/// empty tiles must stay empty).
+/// empty tiles must stay empty). Outputs start as NaN (`Kernels::with_poisoned_outputs`), so a value no
+/// cube writes fails the comparison rather than keeping the reference run's freed bits.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn fragment_shapes_give_the_tiles_bits() {
@@ -1260,6 +1264,7 @@ fn fragment_shapes_give_the_tiles_bits() {
                 let frag = k
                     .clone()
                     .with_fragment_tiles(true)
+                    .with_poisoned_outputs(true)
                     .with_fragment_shape(shape);
                 for on_device in [false, true] {
                     let what = format!(
@@ -1282,7 +1287,10 @@ fn fragment_shapes_give_the_tiles_bits() {
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn dense_fragment_tiles_give_the_tiles_bits() {
     let Some(k) = kernels() else { return };
-    let frag = k.clone().with_fragment_tiles(true);
+    let frag = k
+        .clone()
+        .with_fragment_tiles(true)
+        .with_poisoned_outputs(true);
     let one_step = frag.clone().with_fragment_chunk_steps(Some(1));
     // 70 tokens: cubes of 64 and 32 tokens, the last partial.
     let shapes = [(4, 1, true), (2, 2, true)].map(|(m, b, p)| FragmentShape::new(m, b, p).unwrap());
