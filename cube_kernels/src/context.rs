@@ -414,11 +414,18 @@ impl Kernels {
 
     fn empty(&self, len: usize, dtype: ActDType) -> DeviceBuffer {
         let bytes = (dtype.size() * len).next_multiple_of(4).max(4);
-        let handle = if self.poison_outputs {
-            self.client.create_from_slice(&vec![0xFF; bytes])
-        } else {
-            self.client.empty(bytes)
-        };
+        let handle = self.client.empty(bytes);
+        if self.poison_outputs {
+            let words = bytes / 4;
+            crate::kernels::fill_words::launch(
+                &self.client,
+                grid(words.div_ceil(256)),
+                CubeDim::new_1d(256),
+                // SAFETY: the buffer holds `words` 4-byte words.
+                unsafe { BufferArg::from_raw_parts(handle.clone(), words) },
+                u32::MAX,
+            );
+        }
         DeviceBuffer { handle, len, dtype }
     }
 
@@ -426,7 +433,8 @@ impl Kernels {
     /// `u32::MAX`) rather than left as the memory pool hands it over, when `on`: a value a kernel fails
     /// to write then shows in a bitwise comparison instead of keeping what a freed buffer of the same
     /// size held (often the right answer, from the run just compared against). For tests and
-    /// debugging: one upload per allocation.
+    /// debugging: one more launch per allocation ([`crate::kernels::fill_words`]; recorded graphs replay
+    /// it too).
     pub fn with_poisoned_outputs(mut self, on: bool) -> Self {
         self.poison_outputs = on;
         self

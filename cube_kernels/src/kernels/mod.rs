@@ -35,6 +35,16 @@ pub mod moe_train;
 
 use cubecl::prelude::*;
 
+/// Sets every word of `out` to `value`, one unit per word: what [`crate::Kernels::with_poisoned_outputs`]
+/// fills fresh outputs with. A launch, not an upload, so it runs inside a recorded graph as well.
+#[cube(launch)]
+pub fn fill_words(out: &mut [u32], value: u32) {
+    let i = ABSOLUTE_POS;
+    if i < out.len() {
+        out[i] = value;
+    }
+}
+
 /// Inputs per chunk of the canonical order, and the K depth of a GEMM tile (defined with the formats, whose
 /// groups and blocks are multiples of it).
 pub use crate::format::CHUNK;
