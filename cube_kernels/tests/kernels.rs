@@ -56,6 +56,24 @@ fn random_weights(
     PackedWeights::random(format, experts, out, inn, seed).unwrap()
 }
 
+/// An MoE block's random `[gate, up, down]` of `experts` experts (`gate`, `up`: `[inter, hidden]`;
+/// `down`: `[hidden, inter]`), from seeds `seed`, `seed + 1`, `seed + 2`.
+fn moe_weights(
+    format: WeightFormat,
+    experts: usize,
+    inter: usize,
+    hidden: usize,
+    seed: u64,
+) -> [PackedWeights; 3] {
+    [(inter, hidden), (inter, hidden), (hidden, inter)]
+        .into_iter()
+        .zip(seed..)
+        .map(|((out, inn), seed)| random_weights(format, experts, out, inn, seed))
+        .collect::<Vec<_>>()
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("three matrices"))
+}
+
 /// `|a - b| <= 1e-5 * (sum of |terms| bound)`: relative to the magnitude the sum went through.
 fn assert_close(got: &[f32], want: &[f32], scale: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -252,9 +270,7 @@ struct MoeCase {
 /// The case of `seed`, and the generator to draw more values from.
 fn moe_case(format: WeightFormat, tokens: usize, top_k: usize, seed: u64) -> (MoeCase, Rng) {
     let (experts, hidden, inter) = MOE_SHAPE;
-    let gate = random_weights(format, experts, inter, hidden, seed);
-    let up = random_weights(format, experts, inter, hidden, seed + 1);
-    let down = random_weights(format, experts, hidden, inter, seed + 2);
+    let [gate, up, down] = moe_weights(format, experts, inter, hidden, seed);
     let mut rng = Rng(seed + 3);
     let x = rng.values(tokens * hidden);
     let route_w: Vec<f32> = (0..tokens * top_k).map(|_| rng.uniform().abs()).collect();
@@ -467,9 +483,7 @@ fn fused_decode_combine_is_the_two_launches_bitwise() {
         .enumerate()
     {
         let seed = 900 + 10 * i as u64;
-        let gate = random_weights(format, experts, inter, hidden, seed);
-        let up = random_weights(format, experts, inter, hidden, seed + 1);
-        let down = random_weights(format, experts, hidden, inter, seed + 2);
+        let [gate, up, down] = moe_weights(format, experts, inter, hidden, seed);
         let w = [&gate, &up, &down].map(|w| k.upload_weights(w));
         let table = k
             .route(&k.upload_u32(&ids), tokens, top_k, experts)
@@ -1157,9 +1171,7 @@ fn moe_fragment_tiles_give_the_tiles_bits() {
             continue;
         }
         let seed = 2100 + 10 * i as u64;
-        let gate = random_weights(format, experts, inter, hidden, seed);
-        let up = random_weights(format, experts, inter, hidden, seed + 1);
-        let down = random_weights(format, experts, hidden, inter, seed + 2);
+        let [gate, up, down] = moe_weights(format, experts, inter, hidden, seed);
         let mut rng = Rng(seed + 3);
         let (x, rw) = (rng.values(tokens * hidden), rng.values(tokens * top_k));
         for &dtype in &dtypes {
@@ -1238,9 +1250,7 @@ fn fragment_shapes_give_the_tiles_bits() {
         .enumerate()
     {
         let seed = 3100 + 10 * i as u64;
-        let gate = random_weights(format, experts, inter, hidden, seed);
-        let up = random_weights(format, experts, inter, hidden, seed + 1);
-        let down = random_weights(format, experts, hidden, inter, seed + 2);
+        let [gate, up, down] = moe_weights(format, experts, inter, hidden, seed);
         let mut rng = Rng(seed + 3);
         let (x, rw) = (rng.values(tokens * hidden), rng.values(tokens * top_k));
         for &dtype in &dtypes {

@@ -186,19 +186,19 @@ fn emulated_output<X: Float>(
     sum
 }
 
-/// One staged step for one block of 8 rows of one projection: its B fragment ([`b_fragment`]), decoded
-/// once, into the block's accumulator of every tile of the cube that holds assignments (of the `len`
-/// the cube covers).
+/// One staged step for one block of 8 rows: per projection (`a`, and `b` with `swiglu`) its B fragment
+/// ([`b_fragment`]), decoded once, into the block's accumulator of every tile of the cube that holds
+/// assignments (of the `len` the cube covers).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub(super) fn block_step<X: Float>(
     a: &Array<Vector<X, Const<2>>>,
-    ws: &Shared<[u32]>,
+    wa: &Shared<[u32]>,
+    wb: &Shared<[u32]>,
     lut: &[f32],
     acc: &mut Array<Vector<f32, Const<2>>>,
     exchange: &mut Shared<[Vector<X, Const<2>>]>,
     len: usize,
-    proj: usize,
     block: usize,
     s: usize,
     #[comptime] fmt: u32,
@@ -207,7 +207,52 @@ pub(super) fn block_step<X: Float>(
     #[comptime] cube: FragCube,
 ) {
     let row = (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8 + UNIT_POS_X as usize / 4;
-    let b = b_fragment::<X>(ws, lut, row, s, fmt, cube);
+    let b = b_fragment::<X>(wa, lut, row, s, fmt, cube);
+    tiles_step::<X>(
+        a,
+        &b,
+        acc,
+        exchange,
+        len,
+        0,
+        block,
+        swiglu,
+        tensor_cores,
+        cube,
+    );
+    if comptime!(swiglu) {
+        let b = b_fragment::<X>(wb, lut, row, s, fmt, cube);
+        tiles_step::<X>(
+            a,
+            &b,
+            acc,
+            exchange,
+            len,
+            1,
+            block,
+            swiglu,
+            tensor_cores,
+            cube,
+        );
+    }
+}
+
+/// One B fragment (projection `proj`, block `block`) into the accumulators of the cube's tiles that hold
+/// assignments: one instruction per tile, from the tile's A fragment.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn tiles_step<X: Float>(
+    a: &Array<Vector<X, Const<2>>>,
+    b: &Array<Vector<X, Const<2>>>,
+    acc: &mut Array<Vector<f32, Const<2>>>,
+    exchange: &mut Shared<[Vector<X, Const<2>>]>,
+    len: usize,
+    proj: usize,
+    block: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] tensor_cores: bool,
+    #[comptime] cube: FragCube,
+) {
     #[unroll]
     for m in 0..comptime!(cube.m_tiles) {
         // Uniform over the cube: a tile past its assignments skips the instruction.
@@ -221,7 +266,7 @@ pub(super) fn block_step<X: Float>(
             let mut tile_acc = Array::<Vector<f32, Const<2>>>::new(2usize);
             tile_acc[0] = acc[2 * f];
             tile_acc[1] = acc[2 * f + 1];
-            fragment_mma::<X>(&tile_a, &b, &mut tile_acc, exchange, tensor_cores);
+            fragment_mma::<X>(&tile_a, b, &mut tile_acc, exchange, tensor_cores);
             acc[2 * f] = tile_acc[0];
             acc[2 * f + 1] = tile_acc[1];
         }

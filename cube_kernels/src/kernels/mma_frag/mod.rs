@@ -288,11 +288,11 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                         block_step::<X>(
                             &a,
                             &wa,
+                            &wb,
                             lut,
                             &mut acc,
                             &mut exchange,
                             len,
-                            0,
                             block,
                             s,
                             fmt,
@@ -300,23 +300,6 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                             tensor_cores,
                             cube,
                         );
-                        if comptime!(swiglu) {
-                            block_step::<X>(
-                                &a,
-                                &wb,
-                                lut,
-                                &mut acc,
-                                &mut exchange,
-                                len,
-                                1,
-                                block,
-                                s,
-                                fmt,
-                                swiglu,
-                                tensor_cores,
-                                cube,
-                            );
-                        }
                     }
                 }
             }
