@@ -330,7 +330,8 @@ pub fn compile_all_tiles(
 /// in the input's type), on the instruction and with the emulation, in the default layout (one tile of
 /// 16 per cube, 64 rows, one code at a time), staging as many K steps per chunk as fit
 /// ([`mma_frag::fragment_chunk_steps`]); then, for int4-g128 on the instruction, the other layouts
-/// [`crate::FragmentShape`] offers with the pair decode: 2 tiles x 32 rows, 2 x 64, 4 x 32, and 1 x 64.
+/// [`crate::FragmentShape`] offers with the pair decode: 2 tiles x 32 rows, 2 x 64, 4 x 32, 1 x 64, and
+/// 1 x 32 (what a 32-row layout runs where a call's experts hold 16 assignments or fewer).
 pub fn compile_fragment_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
@@ -347,7 +348,7 @@ pub fn compile_fragment_tiles(
         }
     }
     let int4 = WeightFormat::Int4 { group: 128 };
-    for shape in [(2, 1, true), (2, 2, true), (4, 1, true), (1, 2, true)] {
+    for shape in [(2, 1, true), (2, 2, true), (4, 1, true), (1, 2, true), (1, 1, true)] {
         out.extend(compile_fragment_layout(target, int4, true, shape));
     }
     out
