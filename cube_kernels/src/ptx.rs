@@ -348,7 +348,13 @@ pub fn compile_fragment_tiles(
         }
     }
     let int4 = WeightFormat::Int4 { group: 128 };
-    for shape in [(2, 1, true), (2, 2, true), (4, 1, true), (1, 2, true), (1, 1, true)] {
+    for shape in [
+        (2, 1, true),
+        (2, 2, true),
+        (4, 1, true),
+        (1, 2, true),
+        (1, 1, true),
+    ] {
         out.extend(compile_fragment_layout(target, int4, true, shape));
     }
     out
@@ -387,14 +393,17 @@ fn compile_fragment_layout(
             } else {
                 mma_frag::PairDecode::Scalar
             };
+            // Qwen3-30B-A3B's inputs: 2048 (gate-up, dense), 768 (down).
+            let inn = if swiglu || dense { 2048 } else { 768 };
             let cube = mma_frag::FragCube {
                 chunk_steps,
                 m_tiles,
                 blocks,
                 decode,
+                full_chunks: mma_frag::FragCube::whole_chunks(chunk_steps, inn, steps_per_scale),
             };
             let name = format!(
-                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}",
+                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}",
                 format.name(),
                 if tensor_cores {
                     "tensor-cores"
@@ -406,7 +415,8 @@ fn compile_fragment_layout(
                     ""
                 } else {
                     " pairs"
-                }
+                },
+                if cube.full_chunks { " whole" } else { "" }
             );
             let p = placeholder;
             out.push(compile_dummy!(

@@ -1226,15 +1226,24 @@ fn moe_fragment_tiles_give_the_tiles_bits() {
 /// sharing each decoded weight fragment, 32 or 64 rows per cube; the pair decode runs on the instruction
 /// only, checked by `cube_kernels/src/kernels/mma_frag`'s unit test and the GPU script) give the tiles'
 /// scalar twin's bits on uneven experts (50, 33 and 17 assignments: a cube
-/// covering one, two or four tiles, the last partial), K = 160 (a partial scale group), 48 rows (a
-/// partial cube), f32 and f16 activations, with host and device routing tables (the device's trailing
+/// covering one, two or four tiles, the last partial), K = 160 (a partial scale group) and 48 rows (a
+/// partial cube), and K = 256 and 128 (whole chunks), f32 and f16 activations, with host and device routing tables (the device's trailing
 /// empty tiles must stay empty). Outputs start as NaN (`Kernels::with_poisoned_outputs`), so a value no
 /// cube writes fails the comparison rather than keeping the reference run's freed bits.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn fragment_shapes_give_the_tiles_bits() {
     let Some(k) = kernels() else { return };
-    let (experts, hidden, inter, top_k, tokens) = (3usize, 160usize, 48usize, 2usize, 50usize);
+    // K = 160 and 48: ragged chunks; 256 and 128: whole ones (`FragCube::full_chunks`), int4-g128 only
+    // (each variant is a shader lavapipe compiles).
+    let int4 = WeightFormat::Int4 { group: 128 };
+    fragment_shapes_match(k, (160, 48), &[int4, WeightFormat::Int8PerRow]);
+    fragment_shapes_match(k, (256, 128), &[int4]);
+}
+
+/// [`fragment_shapes_give_the_tiles_bits`] at one size, for `formats`.
+fn fragment_shapes_match(k: &Kernels, (hidden, inter): (usize, usize), formats: &[WeightFormat]) {
+    let (experts, top_k, tokens) = (3usize, 2usize, 50usize);
     // Expert 0 takes every token's first slot, experts 1 and 2 share the second: 50, 33, 17.
     let ids: Vec<u32> = (0..tokens)
         .flat_map(|t| [0u32, if t % 3 == 2 { 2 } else { 1 }])
@@ -1245,10 +1254,7 @@ fn fragment_shapes_give_the_tiles_bits() {
     if k.supports(ActDType::F16) {
         dtypes.push(ActDType::F16);
     }
-    for (i, format) in [WeightFormat::Int4 { group: 128 }, WeightFormat::Int8PerRow]
-        .into_iter()
-        .enumerate()
-    {
+    for (i, &format) in formats.iter().enumerate() {
         let seed = 3100 + 10 * i as u64;
         let [gate, up, down] = moe_weights(format, experts, inter, hidden, seed);
         let mut rng = Rng(seed + 3);
@@ -1278,7 +1284,7 @@ fn fragment_shapes_give_the_tiles_bits() {
                     .with_fragment_shape(shape);
                 for on_device in [false, true] {
                     let what = format!(
-                        "{} {dtype} {shape:?} (device table: {on_device})",
+                        "{} {dtype} {shape:?} K {hidden}/{inter} (device table: {on_device})",
                         format.name()
                     );
                     assert_same_bits(&run(&frag, on_device), &want, &what);

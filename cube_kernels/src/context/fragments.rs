@@ -85,21 +85,22 @@ impl FragmentShape {
             .clamp(1, self.m_tiles)
     }
 
-    /// The compiled layout for `tiles` tiles per cube, `chunk_steps` steps per chunk, `fmt` codes and
+    /// The compiled layout for `tiles` tiles per cube and `chunk_steps` steps per chunk over `w`, with
     /// `operand` operands, on the instruction with `tensor_cores`. The pair decode runs on the
     /// instruction path only: WGSL's translator (naga) types a bitcast of a `u32` to `vec2<f16>` as an
     /// `f32`, so the scalar twin on WebGPU decodes one code at a time (the same values).
     fn cube(
         &self,
-        tiles: usize,
-        chunk_steps: usize,
-        fmt: u32,
+        (tiles, chunk_steps): (usize, usize),
+        w: &DeviceWeights,
         (tensor_cores, operand): (bool, ActDType),
     ) -> FragCube {
+        let fmt = w.format.kernel_code();
         FragCube {
             chunk_steps,
             m_tiles: tiles,
             blocks: self.blocks,
+            full_chunks: FragCube::whole_chunks(chunk_steps, w.inn, tile_steps(w).1),
             decode: if self.pair_decode && tensor_cores {
                 PairDecode::for_codes(fmt, operand)
             } else {
@@ -216,12 +217,9 @@ impl Kernels {
         let chunk_steps = self
             .fragment_chunk_steps(a.format, steps_per_scale, tiles, (tensor_cores, operand))
             .expect("checked by check_fragments");
-        let cube = self.fragment_shape.cube(
-            tiles,
-            chunk_steps,
-            a.format.kernel_code(),
-            (tensor_cores, operand),
-        );
+        let cube = self
+            .fragment_shape
+            .cube((tiles, chunk_steps), a, (tensor_cores, operand));
         mma_frag::grouped_fragments::launch(
             &self.client,
             CubeCount::Static(a.out.div_ceil(cube.rows()) as u32, layout.tiles as u32, 1),
@@ -273,12 +271,9 @@ impl Kernels {
         let chunk_steps = self
             .fragment_chunk_steps(w.format, steps_per_scale, tiles, (tensor_cores, operand))
             .expect("checked by check_fragments");
-        let cube = self.fragment_shape.cube(
-            tiles,
-            chunk_steps,
-            w.format.kernel_code(),
-            (tensor_cores, operand),
-        );
+        let cube = self
+            .fragment_shape
+            .cube((tiles, chunk_steps), w, (tensor_cores, operand));
         let cubes = n.div_ceil(cube.assignments());
         if cubes > MAX_GRID {
             return Err(KernelError::Shape(format!(

@@ -97,20 +97,29 @@ impl PairDecode {
 
 /// The compile-time layout of one cube of [`grouped_fragments`]: `chunk_steps` K steps staged per pair of
 /// barriers ([`fragment_chunk_steps`]), `m_tiles` tiles of 16 assignments (tokens, for the dense product),
-/// `blocks` blocks of 8 output rows per plane and projection, and the codes' [`PairDecode`]. The bits
-/// never depend on it.
+/// `blocks` blocks of 8 output rows per plane and projection, the codes' [`PairDecode`], and whether
+/// every chunk is whole (`full_chunks`: the inputs a multiple of `16 chunk_steps` and the scale groups of
+/// `chunk_steps`, as in every Qwen3 projection; then the staging skips the checks of the inputs' end).
+/// The bits never depend on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FragCube {
     pub chunk_steps: usize,
     pub m_tiles: usize,
     pub blocks: usize,
     pub decode: PairDecode,
+    pub full_chunks: bool,
 }
 
 impl FragCube {
     /// Output rows the cube covers per projection: `32 blocks`.
     pub const fn rows(&self) -> usize {
         FRAG_PLANES * self.blocks * N8
+    }
+
+    /// Whether every chunk of `chunk_steps` K steps over `inn` inputs in scale groups of
+    /// `steps_per_scale` steps is whole (what `full_chunks` says).
+    pub const fn whole_chunks(chunk_steps: usize, inn: usize, steps_per_scale: usize) -> bool {
+        inn % (MMA * chunk_steps) == 0 && steps_per_scale % chunk_steps == 0
     }
 
     /// Assignments (dense: tokens) the cube covers: `16 m_tiles`.

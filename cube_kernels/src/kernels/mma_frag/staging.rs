@@ -85,6 +85,7 @@ pub fn fragment_chunk_steps(
         m_tiles,
         blocks,
         decode: PairDecode::Scalar,
+        full_chunks: false,
     };
     let most = FRAG_MAX_CHUNK_STEPS.min(steps_per_scale.max(1));
     let held = |c: FragCube| 2 * words_per_unit(fmt, c) + held_inputs(c) <= MOST_HELD;
@@ -154,11 +155,11 @@ pub(super) fn fetch_chunk<I: Float>(
             let (row, w) = (i / cw, i % cw);
             let kw = k0 + w * cpw;
             let r = row0 + row;
-            let live = row < comptime!(cube.rows()) && r < n_out && kw < k_end;
+            let live = row < comptime!(cube.rows()) && r < n_out && below(kw, k_end, cube);
             let at = select(live, woff + r * wpr + kw / cpw, 0usize);
-            held_a[p] = clear_past_inputs(words_a[at], kw, inn, live, fmt);
+            held_a[p] = live_word(words_a[at], kw, inn, live, fmt, cube);
             if comptime!(swiglu) {
-                held_b[p] = clear_past_inputs(words_b[at], kw, inn, live, fmt);
+                held_b[p] = live_word(words_b[at], kw, inn, live, fmt, cube);
             }
         }
         let pairs_per_row = comptime!(chunk_steps * MMA / 2);
@@ -167,12 +168,42 @@ pub(super) fn fetch_chunk<I: Float>(
             let i = unit + p * UNITS;
             let (a, q) = (i / pairs_per_row, i % pairs_per_row);
             let k = k0 + 2 * q;
-            let live0 = a < len && k < k_end;
-            let live1 = a < len && k + 1 < k_end;
+            let live0 = a < len && below(k, k_end, cube);
+            let live1 = a < len && below(k + 1, k_end, cube);
             let row = input_row(table, rows_at, a0, a, len, inn, gather);
             held_x[2 * p] = input[select(live0, row + k, 0usize)];
             held_x[2 * p + 1] = input[select(live1, row + k + 1, 0usize)];
         }
+    }
+}
+
+/// Whether input `k` of a chunk comes before the chunk's end `k_end`: always, where the cube's chunks are
+/// all whole ([`FragCube::full_chunks`]), which spares the comparison.
+#[cube]
+fn below(k: usize, k_end: usize, #[comptime] cube: FragCube) -> bool {
+    let mut inside = true;
+    if comptime!(!cube.full_chunks) {
+        inside = k < k_end;
+    }
+    inside
+}
+
+/// Packed word `word` starting at input `kw`, its codes past `inn` cleared, or 0 (value 0 in every
+/// format) where not `live` ([`clear_past_inputs`]); with whole chunks no code is past `inn`, so only
+/// `live` counts.
+#[cube]
+fn live_word(
+    word: u32,
+    kw: usize,
+    inn: usize,
+    live: bool,
+    #[comptime] fmt: u32,
+    #[comptime] cube: FragCube,
+) -> u32 {
+    if comptime!(cube.full_chunks) {
+        select(live, word, 0u32)
+    } else {
+        clear_past_inputs(word, kw, inn, live, fmt)
     }
 }
 
@@ -223,12 +254,16 @@ pub(super) fn store_chunk<I: Float, X: Float>(
             let mut pair = Vector::<X, Const<2>>::empty();
             pair.insert(
                 0usize,
-                select(a < len && k < k_end, X::cast_from(held_x[2 * p]), zero),
+                select(
+                    a < len && below(k, k_end, cube),
+                    X::cast_from(held_x[2 * p]),
+                    zero,
+                ),
             );
             pair.insert(
                 1usize,
                 select(
-                    a < len && k + 1 < k_end,
+                    a < len && below(k + 1, k_end, cube),
                     X::cast_from(held_x[2 * p + 1]),
                     zero,
                 ),
@@ -283,6 +318,7 @@ mod tests {
                 m_tiles: 1,
                 blocks: 2,
                 decode: PairDecode::Scalar,
+                full_chunks: false,
             };
             assert!(grouped_fragments_shared_bytes(int4, cube(d), bytes, true, false) <= 16 << 10);
             assert!(
