@@ -53,17 +53,17 @@ fn b_fragment<X: Float>(
     #[unroll]
     for r in 0..2usize {
         let k = s * MMA + r * 8 + 2 * t;
-        let word = ws[row * wstride + k / cpw] ^ code_flip(fmt);
+        let word = ws[row * wstride + k / cpw];
         regs[r] = code_pair::<X>(word, (k % cpw) as u32, lut, fmt, cube.decode);
     }
     regs
 }
 
-/// Codes `j` and `j + 1` (`j` even) of a packed word already XOR-ed with [`code_flip`] as a pair of
-/// operand values: each by itself ([`word_code_value`]), or with a [`PairDecode`] of int4 codes, both
-/// at once: the two codes moved to bits 0 and 16, the exponent bits of `2^10` (f16) or `2^7` (bf16) put
-/// over them, and one packed subtraction of `2^10 + 8` or `2^7 + 8` leaves `c - 8` exactly, the value
-/// [`word_code_value`] gives.
+/// Codes `j` and `j + 1` (`j` even) of a stored packed word as a pair of operand values: each by
+/// itself ([`word_code_value`] after [`code_flip`]), or with a [`PairDecode`] of int4 codes, both at
+/// once: the two codes moved to bits 0 and 16, one XOR that puts the exponent bits of `2^10` (f16) or
+/// `2^7` (bf16) over them and flips their sign bits to offset binary, and one packed subtraction of
+/// `2^10 + 8` or `2^7 + 8`, which leaves each code's value exactly, the value [`word_code_value`] gives.
 #[cube]
 pub(super) fn code_pair<X: Float>(
     word: u32,
@@ -76,7 +76,7 @@ pub(super) fn code_pair<X: Float>(
     if comptime!(fmt == 0 && decode != PairDecode::Scalar) {
         let (magic, bias) = comptime!(decode.magic());
         let v = word >> (j * 4u32);
-        let bits = (v & 0xFu32) | ((v << 12u32) & 0xF_0000u32) | magic;
+        let bits = ((v & 0xFu32) | ((v << 12u32) & 0xF_0000u32)) ^ magic;
         // On the concrete half type (the operand type `X` is), then a cast to itself.
         if comptime!(decode == PairDecode::F16) {
             let codes = Vector::<half::f16, Const<2>>::reinterpret(bits);
@@ -86,6 +86,7 @@ pub(super) fn code_pair<X: Float>(
             pair = Vector::cast_from(codes - Vector::<half::bf16, Const<2>>::reinterpret(bias));
         }
     } else {
+        let word = word ^ code_flip(fmt);
         pair.insert(0usize, X::cast_from(word_code_value(word, j, lut, fmt)));
         pair.insert(1usize, X::cast_from(word_code_value(word, j + 1, lut, fmt)));
     }

@@ -84,13 +84,16 @@ impl PairDecode {
         }
     }
 
-    /// The bits that put a pair of 4-bit codes (at bits 0 and 16) under the exponent, and the pair to
-    /// subtract after (`2^10 + 8` twice: `0x6408`, or `2^7 + 8`: `0x4308`), as half pairs' bits.
+    /// The bits to XOR over a pair of stored int4 codes (two's complement, at bits 0 and 16): the
+    /// exponent of `2^10` (`0x6400`) or `2^7` (`0x4300`) and the sign bit of each code flipped (`0x8`,
+    /// [`super::code_flip`]'s offset binary: exponent and code bits are disjoint, so one XOR does both);
+    /// and the pair to subtract after (`2^10 + 8` twice: `0x6408`, or `2^7 + 8`: `0x4308`), as half
+    /// pairs' bits.
     const fn magic(self) -> (u32, u32) {
         match self {
             PairDecode::Scalar => (0, 0),
-            PairDecode::F16 => (0x6400_6400, 0x6408_6408),
-            PairDecode::Bf16 => (0x4300_4300, 0x4308_4308),
+            PairDecode::F16 => (0x6408_6408, 0x6408_6408),
+            PairDecode::Bf16 => (0x4308_4308, 0x4308_4308),
         }
     }
 }
@@ -413,24 +416,26 @@ mod tests {
     use super::*;
     use half::{bf16, f16};
 
-    /// The pair decode's constants: every int4 code under the magic bits, minus the bias pair, is the
-    /// code's value `c - 8` (exact), in both halves, for f16 and bf16; and the kernel's bit moves
-    /// (mirrored here: `(v & 0xF) | ((v << 12) & 0xF0000)` of the word shifted to code `j`) put codes
-    /// `j` and `j + 1` of every word under the two halves.
+    /// The pair decode's constants: every stored int4 code (two's complement) under the magic bits,
+    /// minus the bias pair, is the code's value (exact), in both halves, for f16 and bf16; and the
+    /// kernel's bit moves (mirrored here: `(v & 0xF) | ((v << 12) & 0xF0000)` of the stored word shifted
+    /// to code `j`, XOR the magic) put codes `j` and `j + 1` of every word under the two halves.
     #[test]
     fn pair_decode_constants_give_the_codes_values() {
         let value = |decode, bits: u32| match decode {
             PairDecode::F16 => f16::from_bits(bits as u16).to_f32(),
             _ => bf16::from_bits(bits as u16).to_f32(),
         };
+        // A stored nibble's value: two's complement.
+        let stored = |c: u32| ((c as i32) << 28 >> 28) as f32;
         for decode in [PairDecode::F16, PairDecode::Bf16] {
             let (magic, bias) = decode.magic();
             let pair =
                 |bits: u32| [0, 16].map(|h| value(decode, bits >> h) - value(decode, bias >> h));
             for c in 0u32..16 {
                 assert_eq!(
-                    pair(c | c << 16 | magic),
-                    [c as f32 - 8.0; 2],
+                    pair((c | c << 16) ^ magic),
+                    [stored(c); 2],
                     "{decode:?} {c}"
                 );
             }
@@ -439,8 +444,8 @@ mod tests {
                 word = word.rotate_left(5) ^ word.wrapping_mul(0x85EB_CA6B);
                 for j in [0u32, 2, 4, 6] {
                     let v = word >> (j * 4);
-                    let got = pair((v & 0xF) | ((v << 12) & 0xF_0000) | magic);
-                    let code = |i: u32| ((word >> (4 * i)) & 15) as f32 - 8.0;
+                    let got = pair(((v & 0xF) | ((v << 12) & 0xF_0000)) ^ magic);
+                    let code = |i: u32| stored((word >> (4 * i)) & 15);
                     assert_eq!(got, [code(j), code(j + 1)], "{decode:?} {word:#x} code {j}");
                 }
             }
