@@ -414,19 +414,31 @@ impl Kernels {
 
     fn empty(&self, len: usize, dtype: ActDType) -> DeviceBuffer {
         let bytes = (dtype.size() * len).next_multiple_of(4).max(4);
-        let handle = self.client.empty(bytes);
+        let buffer = DeviceBuffer {
+            handle: self.client.empty(bytes),
+            len,
+            dtype,
+        };
         if self.poison_outputs {
-            let words = bytes / 4;
-            crate::kernels::fill_words::launch(
-                &self.client,
-                grid(words.div_ceil(256)),
-                CubeDim::new_1d(256),
-                // SAFETY: the buffer holds `words` 4-byte words.
-                unsafe { BufferArg::from_raw_parts(handle.clone(), words) },
-                u32::MAX,
-            );
+            self.fill_words(&buffer, u32::MAX);
         }
-        DeviceBuffer { handle, len, dtype }
+        buffer
+    }
+
+    /// Sets every 4-byte word of `buffer` to `value` (0: +0.0 in every float type), by a launch.
+    pub(crate) fn fill_words(&self, buffer: &DeviceBuffer, value: u32) {
+        let words = (buffer.dtype.size() * buffer.len)
+            .next_multiple_of(4)
+            .max(4)
+            / 4;
+        crate::kernels::fill_words::launch(
+            &self.client,
+            grid(words.div_ceil(256)),
+            CubeDim::new_1d(256),
+            // SAFETY: `empty` allocates whole words: `words` of them.
+            unsafe { BufferArg::from_raw_parts(buffer.handle.clone(), words) },
+            value,
+        );
     }
 
     /// These kernels with every fresh output buffer filled with all-ones bits (NaN in every float type,

@@ -1385,6 +1385,29 @@ fn moe_calls_beyond_the_grid_are_refused() {
     );
 }
 
+/// A top-0 routing (no expert per token) gives every token the empty sum, +0.0, rather than whatever the
+/// output's memory held (the test kernels start outputs as NaN).
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn top_zero_routing_gives_zeros() {
+    let Some(k) = kernels() else { return };
+    let (experts, hidden, inter, tokens) = (2usize, 32usize, 16usize, 3usize);
+    let format = WeightFormat::Int4 { group: 32 };
+    let [gate, up, down] =
+        moe_weights(format, experts, inter, hidden, 70).map(|w| k.upload_weights(&w));
+    let x = k.upload_f32(&vec![0.5; tokens * hidden]);
+    let routing = MoeRouting::new(&[], tokens, 0, experts).unwrap();
+    let y = k.moe_with(
+        &x,
+        &routing,
+        &k.upload_f32(&[]),
+        [&gate, &up, &down],
+        MatmulPath::Auto,
+    );
+    let y = k.read_f32(&y.unwrap()).unwrap();
+    assert_eq!(bits(&y), vec![0u32; tokens * hidden]);
+}
+
 /// Equal bit patterns, or a failure naming how many values differ and the first.
 fn assert_same_bits(got: &[u32], want: &[u32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");

@@ -41,15 +41,17 @@ impl FragmentShape {
     /// block of rows.
     pub const MOST_TILES: usize = 4;
 
-    /// A shape of at most `m_tiles` (1 to [`Self::MOST_TILES`]) tiles per cube and `blocks` (1 or 2)
-    /// blocks of rows per plane, `m_tiles * blocks` at most 4; an error naming the value otherwise.
+    /// A shape of at most `m_tiles` (1, 2 or [`Self::MOST_TILES`]: a power of two, as
+    /// [`Self::tiles_for`] rounds to) tiles per cube and `blocks` (1 or 2) blocks of rows per plane,
+    /// `m_tiles * blocks` at most 4; an error naming the value otherwise.
     pub fn new(m_tiles: usize, blocks: usize, pair_decode: bool) -> Result<Self, KernelError> {
-        if !(1..=Self::MOST_TILES).contains(&m_tiles)
+        if ![1, 2, Self::MOST_TILES].contains(&m_tiles)
             || !(1..=2).contains(&blocks)
             || m_tiles * blocks > 4
         {
             return Err(KernelError::Shape(format!(
-                "fragment tiles of {m_tiles} tiles x {blocks} blocks per cube: tiles take 1 to {},                  blocks 1 or 2, and their product at most 4 (the accumulators a unit holds)",
+                "fragment tiles of {m_tiles} tiles x {blocks} blocks per cube: tiles take 1, 2 or {}, \
+                 blocks 1 or 2, and their product at most 4 (the accumulators a unit holds)",
                 Self::MOST_TILES
             )));
         }
@@ -327,7 +329,7 @@ mod tests {
     /// cube follow the assignments per expert, at most the shape's.
     #[test]
     fn fragment_shapes_are_checked_and_follow_the_call() {
-        for (m, blocks) in [(0, 1), (5, 1), (1, 0), (1, 3), (4, 2)] {
+        for (m, blocks) in [(0, 1), (3, 1), (5, 1), (1, 0), (1, 3), (4, 2)] {
             let err = FragmentShape::new(m, blocks, false)
                 .unwrap_err()
                 .to_string();

@@ -171,6 +171,10 @@ impl Kernels {
         let layout = routing.layout();
         let out = self.empty(tokens * hidden, x.dtype);
         if layout.tiles == 0 || hidden == 0 {
+            // No assignment (top-0 routing): every token's output is the empty sum.
+            if tokens * hidden > 0 {
+                self.fill_words(&out, 0);
+            }
             return Ok(out);
         }
         let kernel = self.moe_kernel(path, tokens, gate.format, x.dtype)?;

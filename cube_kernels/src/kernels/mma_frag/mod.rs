@@ -360,9 +360,11 @@ fn cube_assignments(
         a0 = table[3 * tile + 1] as usize;
         a_end = table[3 * tile + 2] as usize;
         if comptime!(cube.m_tiles > 1) {
-            // An empty tile stays empty (the device table's trailing tiles read expert 0's offsets).
-            let start = table[offsets_at + expert] as usize;
-            let end = table[offsets_at + expert + 1] as usize;
+            // An empty tile stays empty and reads only the first offset (the device table's trailing
+            // tiles name expert 0, which may not exist).
+            let at = select(a0 < a_end, offsets_at + expert, offsets_at);
+            let start = table[at] as usize;
+            let end = table[select(a0 < a_end, at + 1, at)] as usize;
             let first = a0 < a_end && a0 >= start && (a0 - start) % span == 0;
             a_end = select(first, end.min(a0 + span), a0);
         }

@@ -44,7 +44,7 @@ pub(super) const fn held_inputs(cube: FragCube) -> usize {
 
 /// The most values a unit holds between a chunk's loads and its stores (packed words of both
 /// projections and inputs): 32, what 8 steps of int4 with one tile of 16 assignments and 64 rows hold,
-/// the layout measured without spills on sm_90 (8 steps of int8 held 64 and spilled).
+/// the layout measured without spills on sm_90 (8 steps of int8 held 48 and spilled).
 const MOST_HELD: usize = 32;
 
 /// Shared memory [`grouped_fragments`] allocates with the layout `cube`, `operand_bytes`-byte operands,
