@@ -8,8 +8,8 @@ use super::super::codes_per_word;
 use super::super::mma::{clear_past_inputs, MMA, MMA_PLANE, SHARED_ALIGN};
 use super::{FragCube, PairDecode, EXCHANGE_REGS, FRAG_MAX_CHUNK_STEPS, UNITS};
 
-/// Padding of every staged row, in 4-byte words: with it, the 8 rows a plane's fragment reads touch
-/// start in 8 different banks at 8 staged steps.
+/// Padding of every staged input row, in 4-byte pairs: rows `8 chunk_steps + 4` pairs apart start in
+/// banks 4 apart (mod 32), so the 8 rows x 4 lanes of an A-fragment read fall in 32 distinct banks.
 const ROW_PAD: usize = 4;
 
 /// Input pairs per staged row of `chunk_steps` steps, padding included.
@@ -22,9 +22,12 @@ pub(super) const fn chunk_words(fmt: u32, chunk_steps: usize) -> usize {
     chunk_steps * MMA / codes_per_word(fmt)
 }
 
-/// Packed words per staged row, padding included.
+/// Packed words per staged row, padding included: the least stride of 4 mod 8 words, so that the 8
+/// rows of a B-fragment read (the 4 lanes of a row read one word) start in 8 distinct banks at every
+/// chunk size (a fixed pad of 4 gave 8 words at 2 steps of int4: 2 rows per bank).
 pub(super) const fn w_stride(fmt: u32, chunk_steps: usize) -> usize {
-    chunk_words(fmt, chunk_steps) + ROW_PAD
+    let words = chunk_words(fmt, chunk_steps);
+    words + (12 - words % 8) % 8
 }
 
 /// Packed words a unit loads per chunk and projection.
@@ -331,24 +334,34 @@ mod tests {
         );
     }
 
-    /// Row strides padded by 4 words put the 8 rows of a plane's fragment reads in distinct banks at the
-    /// most staged steps (20 words: 8 steps of int4, 4 of int8): no bank conflict for the B fragments.
+    /// Padded row strides put the 8 rows of a plane's B-fragment reads in distinct banks at every chunk
+    /// size of 4- and 8-bit codes: no bank conflict for the B fragments.
     #[test]
     fn padded_rows_start_in_distinct_banks() {
         for fmt in [0u32, 1] {
-            let stride = w_stride(fmt, FRAG_MAX_CHUNK_STEPS * codes_per_word(fmt) / 8);
-            let mut banks: Vec<usize> = (0..8).map(|g| (g * stride) % 32).collect();
+            for chunk_steps in [1, 2, 4, 8] {
+                let stride = w_stride(fmt, chunk_steps);
+                assert!(stride >= chunk_words(fmt, chunk_steps) && stride % 8 == 4);
+                let mut banks: Vec<usize> = (0..8).map(|g| (g * stride) % 32).collect();
+                banks.sort_unstable();
+                banks.dedup();
+                assert_eq!(
+                    banks.len(),
+                    8,
+                    "fmt {fmt}, {chunk_steps} steps: stride {stride}"
+                );
+            }
+        }
+        // The input pairs: rows 8 chunk_steps + 4 pairs apart, lanes t = 0..3 beside them: 32 distinct
+        // banks.
+        for chunk_steps in [1, 2, 4, FRAG_MAX_CHUNK_STEPS] {
+            let stride = x_stride(chunk_steps);
+            let mut banks: Vec<usize> = (0..8)
+                .flat_map(|g| (0..4).map(move |t| (g * stride + t) % 32))
+                .collect();
             banks.sort_unstable();
             banks.dedup();
-            assert_eq!(banks.len(), 8, "fmt {fmt}: stride {stride}");
+            assert_eq!(banks.len(), 32, "{chunk_steps} steps");
         }
-        // The input pairs: rows 68 pairs apart, lanes t = 0..3 beside them: 32 distinct banks.
-        let stride = x_stride(FRAG_MAX_CHUNK_STEPS);
-        let mut banks: Vec<usize> = (0..8)
-            .flat_map(|g| (0..4).map(move |t| (g * stride + t) % 32))
-            .collect();
-        banks.sort_unstable();
-        banks.dedup();
-        assert_eq!(banks.len(), 32);
     }
 }
