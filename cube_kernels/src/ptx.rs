@@ -331,7 +331,8 @@ pub fn compile_all_tiles(
 /// 16 per cube, 64 rows, one code at a time), staging as many K steps per chunk as fit
 /// ([`mma_frag::fragment_chunk_steps`]); then, for int4-g128 on the instruction, the other layouts
 /// [`crate::FragmentShape`] offers with the pair decode: 2 tiles x 32 rows, 2 x 64, 4 x 32, 1 x 64, and
-/// 1 x 32 (what a 32-row layout runs where a call's experts hold 16 assignments or fewer).
+/// 1 x 32 (what a 32-row layout runs where a call's experts hold 16 assignments or fewer); and two with
+/// the staging in two buffers: the default layout and 4 x 32 with pairs.
 pub fn compile_fragment_tiles(
     target: CudaTarget,
     formats: &[WeightFormat],
@@ -343,17 +344,19 @@ pub fn compile_fragment_tiles(
                 target,
                 format,
                 tensor_cores,
-                (1, 2, false),
+                (1, 2, false, false),
             ));
         }
     }
     let int4 = WeightFormat::Int4 { group: 128 };
     for shape in [
-        (2, 1, true),
-        (2, 2, true),
-        (4, 1, true),
-        (1, 2, true),
-        (1, 1, true),
+        (2, 1, true, false),
+        (2, 2, true, false),
+        (4, 1, true, false),
+        (1, 2, true, false),
+        (1, 1, true, false),
+        (1, 2, false, true),
+        (4, 1, true, true),
     ] {
         out.extend(compile_fragment_layout(target, int4, true, shape));
     }
@@ -366,7 +369,7 @@ fn compile_fragment_layout(
     target: CudaTarget,
     format: WeightFormat,
     tensor_cores: bool,
-    (m_tiles, blocks, pair): (usize, usize, bool),
+    (m_tiles, blocks, pair, double_buffer): (usize, usize, bool, bool),
 ) -> Vec<Result<CompiledKernel, KernelError>> {
     let (fmt, group) = (format.kernel_code(), format.kernel_group());
     // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
@@ -379,10 +382,18 @@ fn compile_fragment_layout(
     ] {
         for (input, operand) in TILE_DTYPES {
             let output = if dense { input } else { ActDType::F32 };
+            let layout = mma_frag::FragCube {
+                chunk_steps: 1,
+                m_tiles,
+                blocks,
+                decode: mma_frag::PairDecode::Scalar,
+                full_chunks: false,
+                double_buffer,
+            };
             let chunk_steps = mma_frag::fragment_chunk_steps(
                 fmt,
                 steps_per_scale,
-                (m_tiles, blocks),
+                layout,
                 operand.size(),
                 tensor_cores,
                 MAX_SHARED,
@@ -401,9 +412,10 @@ fn compile_fragment_layout(
                 blocks,
                 decode,
                 full_chunks: mma_frag::FragCube::whole_chunks(chunk_steps, inn, steps_per_scale),
+                double_buffer,
             };
             let name = format!(
-                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}",
+                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}{}",
                 format.name(),
                 if tensor_cores {
                     "tensor-cores"
@@ -416,7 +428,8 @@ fn compile_fragment_layout(
                 } else {
                     " pairs"
                 },
-                if cube.full_chunks { " whole" } else { "" }
+                if cube.full_chunks { " whole" } else { "" },
+                if double_buffer { " 2 buffers" } else { "" }
             );
             let p = placeholder;
             out.push(compile_dummy!(

@@ -1223,7 +1223,7 @@ fn moe_fragment_tiles_give_the_tiles_bits() {
 }
 
 /// The fragment tiles' cube layouts ([`FragmentShape`]: 2 and 4 tiles of 16 assignments per cube
-/// sharing each decoded weight fragment, 32 or 64 rows per cube; the pair decode runs on the instruction
+/// sharing each decoded weight fragment, 32 or 64 rows per cube, one or two staging buffers; the pair decode runs on the instruction
 /// only, checked by `cube_kernels/src/kernels/mma_frag`'s unit test and the GPU script) give the tiles'
 /// scalar twin's bits on uneven experts (50, 33 and 17 assignments: a cube
 /// covering one, two or four tiles, the last partial), K = 160 (a partial scale group) and 48 rows (a
@@ -1248,8 +1248,18 @@ fn fragment_shapes_match(k: &Kernels, (hidden, inter): (usize, usize), formats: 
     let ids: Vec<u32> = (0..tokens)
         .flat_map(|t| [0u32, if t % 3 == 2 { 2 } else { 1 }])
         .collect();
-    let shapes = [(2, 1, true), (4, 1, true), (2, 2, true), (1, 1, false)]
-        .map(|(m, b, pair)| FragmentShape::new(m, b, pair).unwrap());
+    // Two of them with the staging in two buffers.
+    let shapes = [
+        (2, 1, true, false),
+        (4, 1, true, true),
+        (2, 2, true, false),
+        (1, 1, false, true),
+    ]
+    .map(|(m, b, pair, two)| {
+        FragmentShape::new(m, b, pair)
+            .unwrap()
+            .with_double_buffer(two)
+    });
     let mut dtypes = vec![ActDType::F32];
     if k.supports(ActDType::F16) {
         dtypes.push(ActDType::F16);
@@ -1309,7 +1319,8 @@ fn dense_fragment_tiles_give_the_tiles_bits() {
         .with_poisoned_outputs(true);
     let one_step = frag.clone().with_fragment_chunk_steps(Some(1));
     // 70 tokens: cubes of 64 and 32 tokens, the last partial.
-    let shapes = [(4, 1, true), (2, 2, true)].map(|(m, b, p)| FragmentShape::new(m, b, p).unwrap());
+    let shapes = [(4, 1, true, true), (2, 2, true, false)]
+        .map(|(m, b, p, two)| FragmentShape::new(m, b, p).unwrap().with_double_buffer(two));
     let cases = [
         (WeightFormat::Int4 { group: 32 }, 384),
         (WeightFormat::Int4 { group: 128 }, 384),

@@ -16,14 +16,15 @@ use crate::moe::RoutingTable;
 /// 16 assignments (tokens) per cube, each unit decoding a weight fragment once for all of them (fewer
 /// tiles, down to one, where a call's experts take fewer assignments on average:
 /// [`FragmentShape::tiles_for`]); `blocks` blocks of 8 output rows per plane (32 or 64 rows per cube);
-/// and int4 codes decoded two at a time into half operands on the instruction path with `pair_decode`
-/// ([`mma_frag::PairDecode`]). Every shape gives the same bits (tested), so the shape is a speed choice
+/// int4 codes decoded two at a time into half operands on the instruction path with `pair_decode`
+/// ([`mma_frag::PairDecode`]); and the staging in two buffers with `double_buffer`. Every shape gives the same bits (tested), so the shape is a speed choice
 /// only; the default is the layout a GPU timed first: one tile, two blocks, one code at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FragmentShape {
     m_tiles: usize,
     blocks: usize,
     pair_decode: bool,
+    double_buffer: bool,
 }
 
 impl Default for FragmentShape {
@@ -32,6 +33,7 @@ impl Default for FragmentShape {
             m_tiles: 1,
             blocks: 2,
             pair_decode: false,
+            double_buffer: false,
         }
     }
 }
@@ -59,7 +61,20 @@ impl FragmentShape {
             m_tiles,
             blocks,
             pair_decode,
+            double_buffer: false,
         })
+    }
+
+    /// This shape with the staging in two buffers when `on` (one barrier per chunk instead of two, for
+    /// twice its shared memory and a runtime buffer offset; `FragCube::double_buffer`).
+    pub fn with_double_buffer(mut self, on: bool) -> Self {
+        self.double_buffer = on;
+        self
+    }
+
+    /// Whether the staging has two buffers.
+    pub fn double_buffer(&self) -> bool {
+        self.double_buffer
     }
 
     /// Most tiles of 16 assignments per cube.
@@ -103,6 +118,7 @@ impl FragmentShape {
             m_tiles: tiles,
             blocks: self.blocks,
             full_chunks: FragCube::whole_chunks(chunk_steps, w.inn, tile_steps(w).1),
+            double_buffer: self.double_buffer,
             decode: if self.pair_decode && tensor_cores {
                 PairDecode::for_codes(fmt, operand)
             } else {
@@ -190,10 +206,18 @@ impl Kernels {
         tiles: usize,
         (tensor_cores, operand): (bool, ActDType),
     ) -> Option<usize> {
+        let layout = FragCube {
+            chunk_steps: 1,
+            m_tiles: tiles,
+            blocks: self.fragment_shape.blocks,
+            decode: PairDecode::Scalar,
+            full_chunks: false,
+            double_buffer: self.fragment_shape.double_buffer,
+        };
         mma_frag::fragment_chunk_steps(
             format.kernel_code(),
             steps_per_scale.min(self.fragment_chunk.unwrap_or(usize::MAX)),
-            (tiles, self.fragment_shape.blocks),
+            layout,
             operand.size(),
             tensor_cores,
             self.max_shared_bytes(),

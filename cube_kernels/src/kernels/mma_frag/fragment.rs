@@ -9,13 +9,14 @@ use super::super::{code_flip, codes_per_word, scale_at, word_code_value};
 use super::staging::{w_stride, x_stride};
 use super::{fragment_index, FragCube, PairDecode, EXCHANGE_REGS, N8};
 
-/// The unit's A fragments of staged step `s`, one per tile of 16 assignments of the cube (registers
+/// The unit's A fragments of staged step `s` (of the buffer at `base`), one per tile of 16 assignments of the cube (registers
 /// `4 m .. 4 m + 4` for tile `m`), in the `m16n8k16` register layout: with `g = lane / 4`, `t = lane %
 /// 4`, registers (row g, inputs 2t, 2t+1), (row g + 8, same), (row g, inputs 2t + 8, 2t + 9), (row g + 8,
 /// same).
 #[cube]
 pub(super) fn a_fragments<X: Float>(
     xs: &Shared<[Vector<X, Const<2>>]>,
+    base: usize,
     s: usize,
     #[comptime] cube: FragCube,
 ) -> Array<Vector<X, Const<2>>> {
@@ -29,17 +30,18 @@ pub(super) fn a_fragments<X: Float>(
         for r in 0..4usize {
             let row = m * MMA + g + (r % 2) * 8;
             let pair = s * (MMA / 2) + (r / 2) * 4 + t;
-            regs[4 * m + r] = xs[row * xstride + pair];
+            regs[4 * m + r] = xs[base + row * xstride + pair];
         }
     }
     regs
 }
 
-/// The unit's B fragment of staged step `s` for the cube's row `row` (its `n = g`): registers (inputs
+/// The unit's B fragment of staged step `s` (of the buffer at `base`) for the cube's row `row` (its `n = g`): registers (inputs
 /// 2t, 2t+1) and (inputs 2t + 8, 2t + 9), decoded from the packed words ([`code_pair`]; exact in `X`).
 #[cube]
 fn b_fragment<X: Float>(
     ws: &Shared<[u32]>,
+    base: usize,
     lut: &[f32],
     row: usize,
     s: usize,
@@ -53,7 +55,7 @@ fn b_fragment<X: Float>(
     #[unroll]
     for r in 0..2usize {
         let k = s * MMA + r * 8 + 2 * t;
-        let word = ws[row * wstride + k / cpw];
+        let word = ws[base + row * wstride + k / cpw];
         regs[r] = code_pair::<X>(word, (k % cpw) as u32, lut, fmt, cube.decode);
     }
     regs
@@ -196,6 +198,7 @@ pub(super) fn block_step<X: Float>(
     a: &Array<Vector<X, Const<2>>>,
     wa: &Shared<[u32]>,
     wb: &Shared<[u32]>,
+    wbase: usize,
     lut: &[f32],
     acc: &mut Array<Vector<f32, Const<2>>>,
     exchange: &mut Shared<[Vector<X, Const<2>>]>,
@@ -208,7 +211,7 @@ pub(super) fn block_step<X: Float>(
     #[comptime] cube: FragCube,
 ) {
     let row = (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8 + UNIT_POS_X as usize / 4;
-    let b = b_fragment::<X>(wa, lut, row, s, fmt, cube);
+    let b = b_fragment::<X>(wa, wbase, lut, row, s, fmt, cube);
     tiles_step::<X>(
         a,
         &b,
@@ -222,7 +225,7 @@ pub(super) fn block_step<X: Float>(
         cube,
     );
     if comptime!(swiglu) {
-        let b = b_fragment::<X>(wb, lut, row, s, fmt, cube);
+        let b = b_fragment::<X>(wb, wbase, lut, row, s, fmt, cube);
         tiles_step::<X>(
             a,
             &b,

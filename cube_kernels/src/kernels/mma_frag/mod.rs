@@ -102,8 +102,9 @@ impl PairDecode {
 /// barriers ([`fragment_chunk_steps`]), `m_tiles` tiles of 16 assignments (tokens, for the dense product),
 /// `blocks` blocks of 8 output rows per plane and projection, the codes' [`PairDecode`], and whether
 /// every chunk is whole (`full_chunks`: the inputs a multiple of `16 chunk_steps` and the scale groups of
-/// `chunk_steps`, as in every Qwen3 projection; then the staging skips the checks of the inputs' end).
-/// The bits never depend on it.
+/// `chunk_steps`, as in every Qwen3 projection; then the staging skips the checks of the inputs' end),
+/// and whether the staging has two buffers (`double_buffer`: one barrier per chunk instead of two, for
+/// twice the shared memory and a runtime buffer offset). The bits never depend on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FragCube {
     pub chunk_steps: usize,
@@ -111,12 +112,22 @@ pub struct FragCube {
     pub blocks: usize,
     pub decode: PairDecode,
     pub full_chunks: bool,
+    pub double_buffer: bool,
 }
 
 impl FragCube {
     /// Output rows the cube covers per projection: `32 blocks`.
     pub const fn rows(&self) -> usize {
         FRAG_PLANES * self.blocks * N8
+    }
+
+    /// Buffers of the staging: 2 with `double_buffer`, else 1.
+    pub const fn buffers(&self) -> usize {
+        if self.double_buffer {
+            2
+        } else {
+            1
+        }
     }
 
     /// Whether every chunk of `chunk_steps` K steps over `inn` inputs in scale groups of
@@ -194,14 +205,18 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
     let chunk_steps = comptime!(cube.chunk_steps);
-    let mut xs = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-        comptime!(cube.assignments() * x_stride(chunk_steps)),
+    // With `double_buffer`, two buffers of each staged chunk: a chunk is stored into one while the cube
+    // may still multiply the last from the other, so one barrier per chunk suffices.
+    let buffers = comptime!(cube.buffers());
+    let xlen = comptime!(cube.assignments() * x_stride(chunk_steps));
+    let mut xs =
+        Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(comptime!(buffers * xlen), SHARED_ALIGN);
+    let wlen = comptime!(cube.rows() * w_stride(fmt, chunk_steps));
+    let mut wa = Shared::<[u32]>::new_aligned_slice(comptime!(buffers * wlen), SHARED_ALIGN);
+    let mut wb = Shared::<[u32]>::new_aligned_slice(
+        comptime!(if swiglu { buffers * wlen } else { 1 }),
         SHARED_ALIGN,
     );
-    let wlen = comptime!(cube.rows() * w_stride(fmt, chunk_steps));
-    let mut wa = Shared::<[u32]>::new_aligned_slice(wlen, SHARED_ALIGN);
-    let mut wb =
-        Shared::<[u32]>::new_aligned_slice(comptime!(if swiglu { wlen } else { 1 }), SHARED_ALIGN);
     let mut exchange = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
         comptime!(if tensor_cores {
             1
@@ -254,6 +269,8 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     for j in 0..comptime!(4 * frags) {
         total[j] = 0.0f32;
     }
+    // The buffer the next chunk is stored into.
+    let mut buffer = 0usize;
     for g in 0..groups {
         let mut acc = zero_fragments(comptime!(frags));
         let first = g * steps_per_scale;
@@ -261,10 +278,16 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
         for c in 0..(last - first).div_ceil(chunk_steps) {
             let s0 = first + c * chunk_steps;
             let chunk_last = (s0 + chunk_steps).min(last);
+            let (xbase, wbase) = (buffer * xlen, buffer * wlen);
+            if comptime!(cube.double_buffer) {
+                buffer = 1 - buffer;
+            }
             store_chunk::<I, X>(
-                &held_a, &held_b, &held_x, &mut xs, &mut wa, &mut wb, s0, chunk_last, len, inn,
-                fmt, swiglu, cube,
+                &held_a, &held_b, &held_x, &mut xs, &mut wa, &mut wb, xbase, wbase, s0, chunk_last,
+                len, inn, fmt, swiglu, cube,
             );
+            // After it every unit has stored this chunk, so has multiplied the last: with two buffers,
+            // the one the next store overwrites is free.
             sync_cube();
             let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, chunk_steps);
             fetch_chunk(
@@ -294,13 +317,14 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
             #[unroll(tensor_cores)]
             for s in 0..chunk_steps {
                 if s0 + s < chunk_last {
-                    let a = a_fragments::<X>(&xs, s, cube);
+                    let a = a_fragments::<X>(&xs, xbase, s, cube);
                     #[unroll]
                     for block in 0..comptime!(cube.blocks) {
                         block_step::<X>(
                             &a,
                             &wa,
                             &wb,
+                            wbase,
                             lut,
                             &mut acc,
                             &mut exchange,
@@ -315,7 +339,10 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                     }
                 }
             }
-            sync_cube();
+            if comptime!(!cube.double_buffer) {
+                // One buffer: every unit is done with it before the next store.
+                sync_cube();
+            }
         }
         let k = first * MMA;
         #[unroll]

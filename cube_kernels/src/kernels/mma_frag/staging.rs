@@ -6,7 +6,7 @@ use cubecl::prelude::*;
 
 use super::super::codes_per_word;
 use super::super::mma::{clear_past_inputs, MMA, MMA_PLANE, SHARED_ALIGN};
-use super::{FragCube, PairDecode, EXCHANGE_REGS, FRAG_MAX_CHUNK_STEPS, UNITS};
+use super::{FragCube, EXCHANGE_REGS, FRAG_MAX_CHUNK_STEPS, UNITS};
 
 /// Padding of every staged input row, in 4-byte pairs: rows `8 chunk_steps + 4` pairs apart start in
 /// banks 4 apart (mod 32), so the 8 rows x 4 lanes of an A-fragment read fall in 32 distinct banks.
@@ -50,7 +50,7 @@ pub(super) const fn held_inputs(cube: FragCube) -> usize {
 /// the layout measured without spills on sm_90 (8 steps of int8 held 48 and spilled).
 const MOST_HELD: usize = 32;
 
-/// Shared memory [`grouped_fragments`] allocates with the layout `cube`, `operand_bytes`-byte operands,
+/// Shared memory [`grouped_fragments`] allocates with the layout `cube` (its buffers of the staging), `operand_bytes`-byte operands,
 /// two projections with `swiglu`, and the scalar twin's exchange of the fragment registers (without
 /// `tensor_cores`), alignment padding included.
 pub fn grouped_fragments_shared_bytes(
@@ -60,8 +60,8 @@ pub fn grouped_fragments_shared_bytes(
     swiglu: bool,
     tensor_cores: bool,
 ) -> usize {
-    let xs = cube.assignments() * x_stride(cube.chunk_steps) * 2 * operand_bytes;
-    let ws = cube.rows() * w_stride(fmt, cube.chunk_steps) * 4;
+    let xs = cube.buffers() * cube.assignments() * x_stride(cube.chunk_steps) * 2 * operand_bytes;
+    let ws = cube.buffers() * cube.rows() * w_stride(fmt, cube.chunk_steps) * 4;
     let wb = if swiglu { ws } else { 4 };
     let exchange = if tensor_cores {
         0
@@ -71,24 +71,21 @@ pub fn grouped_fragments_shared_bytes(
     xs + ws + wb + exchange + 5 * SHARED_ALIGN
 }
 
-/// The most K steps per chunk, a power of two, for `m_tiles` tiles of 16 assignments and `blocks` blocks
-/// of rows per plane: at most [`FRAG_MAX_CHUNK_STEPS`] and a scale group's `steps_per_scale`, holding at
-/// most [`MOST_HELD`] values per unit (gate and up, the most a kernel holds), with the staging in
+/// The most K steps per chunk, a power of two, for the cube `layout` (its own `chunk_steps` aside): at
+/// most [`FRAG_MAX_CHUNK_STEPS`] and a scale group's `steps_per_scale`, holding at most [`MOST_HELD`]
+/// values per unit (gate and up, the most a kernel holds), with the staging (its buffers) in
 /// `max_shared` bytes; `None` where not even one step fits.
 pub fn fragment_chunk_steps(
     fmt: u32,
     steps_per_scale: usize,
-    (m_tiles, blocks): (usize, usize),
+    layout: FragCube,
     operand_bytes: usize,
     tensor_cores: bool,
     max_shared: usize,
 ) -> Option<usize> {
     let cube = |chunk_steps| FragCube {
         chunk_steps,
-        m_tiles,
-        blocks,
-        decode: PairDecode::Scalar,
-        full_chunks: false,
+        ..layout
     };
     let most = FRAG_MAX_CHUNK_STEPS.min(steps_per_scale.max(1));
     let held = |c: FragCube| 2 * words_per_unit(fmt, c) + held_inputs(c) <= MOST_HELD;
@@ -210,7 +207,8 @@ fn live_word(
     }
 }
 
-/// Stores the chunk at `s0` that [`fetch_chunk`] loaded into shared memory: the input pairs, rounded to
+/// Stores the chunk at `s0` that [`fetch_chunk`] loaded into the shared buffers at `xbase` (inputs) and
+/// `wbase` (words): the input pairs, rounded to
 /// `X` (zeros past the tile's `len` assignments or the chunk's inputs), and the packed words as loaded.
 #[cube]
 #[allow(clippy::too_many_arguments)]
@@ -221,6 +219,8 @@ pub(super) fn store_chunk<I: Float, X: Float>(
     xs: &mut Shared<[Vector<X, Const<2>>]>,
     wa: &mut Shared<[u32]>,
     wb: &mut Shared<[u32]>,
+    xbase: usize,
+    wbase: usize,
     s0: usize,
     last: usize,
     len: usize,
@@ -239,7 +239,7 @@ pub(super) fn store_chunk<I: Float, X: Float>(
     for p in 0..comptime!(words_per_unit(fmt, cube)) {
         let i = unit + p * UNITS;
         if i < comptime!(cube.rows() * chunk_words(fmt, cube.chunk_steps)) {
-            let at = (i / cw) * ws + i % cw;
+            let at = wbase + (i / cw) * ws + i % cw;
             wa[at] = held_a[p];
             if comptime!(swiglu) {
                 wb[at] = held_b[p];
@@ -271,13 +271,14 @@ pub(super) fn store_chunk<I: Float, X: Float>(
                     zero,
                 ),
             );
-            xs[a * xstride + q] = pair;
+            xs[xbase + a * xstride + q] = pair;
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::PairDecode;
     use super::*;
 
     /// The chunk is the most K steps that fit, a power of two, never past a scale group or eight;
@@ -286,7 +287,15 @@ mod tests {
     #[test]
     fn chunks_take_the_most_steps_that_fit() {
         let (int4, int8, h200) = (0, 1, 227 << 10);
-        let one_tile = (1, 2);
+        let layout = |m_tiles, blocks, double_buffer| FragCube {
+            chunk_steps: 1,
+            m_tiles,
+            blocks,
+            decode: PairDecode::Scalar,
+            full_chunks: false,
+            double_buffer,
+        };
+        let one_tile = layout(1, 2, false);
         // The whole group of int4-g128 (8 steps), four of int8-pc's 128 (the same bytes; eight would
         // hold 48 values per unit).
         assert_eq!(
@@ -306,22 +315,26 @@ mod tests {
             fragment_chunk_steps(int4, 1, one_tile, 2, true, h200),
             Some(1)
         );
-        // Two and four tiles of 16 assignments: 4 and 2 steps hold at most 32 values.
+        // Two and four tiles of 16 assignments: 4 and 2 steps hold at most 32 values; two buffers
+        // change nothing on an H200.
         for ((m, blocks), want) in [((2, 1), 4), ((2, 2), 4), ((4, 1), 2)] {
-            let d = fragment_chunk_steps(int4, 8, (m, blocks), 2, true, h200);
-            assert_eq!(d, Some(want), "{m} tiles, {blocks} blocks");
+            for double_buffer in [false, true] {
+                let d =
+                    fragment_chunk_steps(int4, 8, layout(m, blocks, double_buffer), 2, true, h200);
+                assert_eq!(d, Some(want), "{m} tiles, {blocks} blocks, {double_buffer}");
+            }
         }
-        // WebGPU's 16 KiB: fewer steps for f32 than f16 operands, and with the exchange.
-        let f32_twin = fragment_chunk_steps(int4, 8, one_tile, 4, false, 16 << 10).unwrap();
-        let f16_twin = fragment_chunk_steps(int4, 8, one_tile, 2, false, 16 << 10).unwrap();
-        assert!(f32_twin < f16_twin && f16_twin < 8, "{f32_twin} {f16_twin}");
-        for (d, bytes) in [(f32_twin, 4), (f16_twin, 2)] {
+        // WebGPU's 16 KiB with the exchange: 4 steps of f16 operands, 2 of f32 (twice the bytes); with
+        // two buffers 2 of either.
+        let twin = |layout, bytes| fragment_chunk_steps(int4, 8, layout, bytes, false, 16 << 10);
+        assert_eq!((twin(one_tile, 4), twin(one_tile, 2)), (Some(2), Some(4)));
+        let two = layout(1, 2, true);
+        assert_eq!((twin(two, 4), twin(two, 2)), (Some(2), Some(2)));
+        for (layout, bytes) in [(one_tile, 4), (one_tile, 2), (two, 4), (two, 2)] {
+            let d = twin(layout, bytes).unwrap();
             let cube = |chunk_steps| FragCube {
                 chunk_steps,
-                m_tiles: 1,
-                blocks: 2,
-                decode: PairDecode::Scalar,
-                full_chunks: false,
+                ..layout
             };
             assert!(grouped_fragments_shared_bytes(int4, cube(d), bytes, true, false) <= 16 << 10);
             assert!(
