@@ -17,8 +17,9 @@ use crate::moe::RoutingTable;
 /// tiles, down to one, where a call's experts take fewer assignments on average:
 /// [`FragmentShape::tiles_for`]); `blocks` blocks of 8 output rows per plane (32 or 64 rows per cube);
 /// int4 codes decoded two at a time into half operands on the instruction path with `pair_decode`
-/// ([`mma_frag::PairDecode`]); and the staging in two buffers with `double_buffer`. Every shape gives the same bits (tested), so the shape is a speed choice
-/// only; the default is the layout a GPU timed first: one tile, two blocks, one code at a time.
+/// ([`mma_frag::PairDecode`]); and the staging in two buffers with `double_buffer`. Every shape gives
+/// the same bits (tested), so the shape is a speed choice only; the default is the layout built first
+/// (one tile, two blocks, one code at a time, one buffer), kept until a GPU has timed the others.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FragmentShape {
     m_tiles: usize,

@@ -9,10 +9,10 @@ use super::super::{code_flip, codes_per_word, scale_at, word_code_value};
 use super::staging::{w_stride, x_stride};
 use super::{fragment_index, FragCube, PairDecode, EXCHANGE_REGS, N8};
 
-/// The unit's A fragments of staged step `s` (of the buffer at `base`), one per tile of 16 assignments of the cube (registers
-/// `4 m .. 4 m + 4` for tile `m`), in the `m16n8k16` register layout: with `g = lane / 4`, `t = lane %
-/// 4`, registers (row g, inputs 2t, 2t+1), (row g + 8, same), (row g, inputs 2t + 8, 2t + 9), (row g + 8,
-/// same).
+/// The unit's A fragments of staged step `s` (of the buffer at `base`), one per tile of 16
+/// assignments of the cube (registers `4 m .. 4 m + 4` for tile `m`), in the `m16n8k16` register
+/// layout: with `g = lane / 4`, `t = lane % 4`, registers (row g, inputs 2t, 2t+1), (row g + 8, same),
+/// (row g, inputs 2t + 8, 2t + 9), (row g + 8, same).
 #[cube]
 pub(super) fn a_fragments<X: Float>(
     xs: &Shared<[Vector<X, Const<2>>]>,
@@ -36,8 +36,9 @@ pub(super) fn a_fragments<X: Float>(
     regs
 }
 
-/// The unit's B fragment of staged step `s` (of the buffer at `base`) for the cube's row `row` (its `n = g`): registers (inputs
-/// 2t, 2t+1) and (inputs 2t + 8, 2t + 9), decoded from the packed words ([`code_pair`]; exact in `X`).
+/// The unit's B fragment of staged step `s` (of the buffer at `base`) for the cube's row `row` (its
+/// `n = g`): registers (inputs 2t, 2t+1) and (inputs 2t + 8, 2t + 9), decoded from the packed words
+/// ([`code_pair`]; exact in `X`).
 #[cube]
 fn b_fragment<X: Float>(
     ws: &Shared<[u32]>,

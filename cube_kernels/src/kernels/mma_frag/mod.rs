@@ -25,10 +25,11 @@
 //! decodes a block's B fragment once per K step for the `m_tiles` tiles of 16 assignments it multiplies
 //! (sharing a decoded weight across tiles: fewer decodes per instruction at prefill sizes). Per chunk
 //! the cube stages the inputs (as pairs of operand values, rounded to `X` as in [`super::mma_moe`]) and
-//! its rows of packed words per projection, loaded a chunk ahead into registers; row strides are padded
-//! by 4 words so that a plane's fragment reads fall in distinct banks. int4 codes with half operands may
-//! be decoded two at a time ([`PairDecode`]). No choice of the cube changes a bit: every output keeps
-//! its order, and only which unit computes it changes, so a launcher may choose the cube per call.
+//! its rows of packed words per projection, loaded a chunk ahead into registers, into one buffer (two
+//! barriers per chunk) or two (one); row strides are padded so that a plane's fragment reads fall in
+//! distinct banks, and whole chunks skip the end-of-inputs checks. int4 codes with half operands may be
+//! decoded two at a time ([`PairDecode`]). No choice of the cube changes a bit: every output keeps its
+//! order, and only which unit computes it changes, so a launcher may choose the cube per call.
 //!
 //! [`grouped_fragments`] without `tensor_cores` is the same staging, fragments and scale groups with the
 //! instruction emulated from the units' fragment registers (exchanged through shared memory, each output

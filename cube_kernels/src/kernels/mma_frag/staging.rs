@@ -50,9 +50,9 @@ pub(super) const fn held_inputs(cube: FragCube) -> usize {
 /// the layout measured without spills on sm_90 (8 steps of int8 held 48 and spilled).
 const MOST_HELD: usize = 32;
 
-/// Shared memory [`grouped_fragments`] allocates with the layout `cube` (its buffers of the staging), `operand_bytes`-byte operands,
-/// two projections with `swiglu`, and the scalar twin's exchange of the fragment registers (without
-/// `tensor_cores`), alignment padding included.
+/// Shared memory [`grouped_fragments`] allocates with the layout `cube` (its buffers of the staging),
+/// `operand_bytes`-byte operands, two projections with `swiglu`, and the scalar twin's exchange of the
+/// fragment registers (without `tensor_cores`), alignment padding included.
 pub fn grouped_fragments_shared_bytes(
     fmt: u32,
     cube: FragCube,
