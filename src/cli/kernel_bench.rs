@@ -10,6 +10,8 @@
 
 use std::path::PathBuf;
 
+use super::kernel_summary::print_summaries;
+
 /// Arguments of `qarl bench kernels`.
 #[derive(Debug, clap::Args)]
 pub struct KernelBenchArgs {
@@ -92,7 +94,7 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
             doc["copy_gb_per_s"].as_f64().unwrap_or(f64::NAN)
         );
         let base = doc["baseline_dtype"].as_str().unwrap_or("baseline");
-        print_summary(base, &moe_summary(rows));
+        print_summaries(base, rows);
         return Ok(());
     }
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -108,80 +110,9 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
     }
 }
 
-/// The MoE block's two yardsticks, read off a table's rows (the `rows` of `--json`): at prefill and
-/// training sizes (more than 64 tokens) the fastest exact kernel against the baseline matmul on the same
-/// FLOPs (`moe/...` rows, decode rows aside), and at decode sizes (64 tokens or fewer) the decode path's
-/// best share of the copy bandwidth (`moe/decode-...` rows: from ids on the device, as a rollout runs
-/// them). One line per format, activation type and token count, in the table's order.
-pub fn moe_summary(rows: &[serde_json::Value]) -> Vec<String> {
-    let text = |r: &serde_json::Value, k: &str| r[k].as_str().unwrap_or_default().to_string();
-    let num = |r: &serde_json::Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-    let mut keys: Vec<(String, String, u64)> = Vec::new();
-    for r in rows
-        .iter()
-        .filter(|r| text(r, "kernel").starts_with("moe/"))
-    {
-        let key = (
-            text(r, "format"),
-            text(r, "act_dtype"),
-            r["tokens"].as_u64().unwrap_or(0),
-        );
-        if !keys.contains(&key) {
-            keys.push(key);
-        }
-    }
-    let mut lines = Vec::new();
-    for (format, act, tokens) in keys {
-        let decode = tokens <= 64;
-        let of_key = rows.iter().filter(|r| {
-            let kernel = text(r, "kernel");
-            kernel.starts_with("moe/")
-                && kernel.starts_with("moe/decode-") == decode
-                && text(r, "format") == format
-                && text(r, "act_dtype") == act
-                && r["tokens"].as_u64() == Some(tokens)
-        });
-        let best = if decode {
-            of_key.max_by(|a, b| {
-                num(a, "bandwidth_fraction").total_cmp(&num(b, "bandwidth_fraction"))
-            })
-        } else {
-            of_key.min_by(|a, b| num(a, "micros").total_cmp(&num(b, "micros")))
-        };
-        let Some(best) = best else { continue };
-        let kernel = text(best, "kernel");
-        lines.push(if decode {
-            let share = num(best, "bandwidth_fraction");
-            let verdict = if share >= 0.5 { "at least" } else { "under" };
-            format!(
-                "{format} {act} {tokens:>5} tokens: {kernel} at {:.1}% of copy ({verdict} 50%)",
-                100.0 * share
-            )
-        } else {
-            let ratio = num(best, "micros") / num(best, "bf16_micros");
-            let verdict = if ratio <= 1.3 { "within" } else { "beyond" };
-            format!(
-                "{format} {act} {tokens:>5} tokens: {kernel} {ratio:.2}x the baseline's time ({verdict} 1.3x)"
-            )
-        });
-    }
-    lines
-}
-
-/// Prints [`moe_summary`]'s lines under their heading (`base`: the baseline matmul's type).
-fn print_summary(base: &str, lines: &[String]) {
-    if lines.is_empty() {
-        return;
-    }
-    println!("MoE block: the fastest exact kernel against the {base} matmul above 64 tokens, the decode path's share of copy at 64 or fewer:");
-    for line in lines {
-        println!("  {line}");
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{moe_summary, KernelBenchArgs};
+    use super::KernelBenchArgs;
 
     /// `--only` names whole row labels: a listed one is timed, a longer label that starts with it is
     /// not, and without the option every row is.
@@ -203,43 +134,6 @@ mod tests {
         let all = parse(&[]);
         assert!(all.wants("moe/mma-frag") && all.wants("linear/gemv"));
     }
-
-    /// The summary of the committed H200 run 4 (2026-12-04) gives the numbers its README reads off the
-    /// table by hand: the tensor-core tiles at 6.06x / 4.45x / 4.86x of bf16 at 256 / 1024 / 4096
-    /// tokens, and the two-launch decode at 10.6% / 15.3% / 6.9% of copy at 1 / 16 / 64 tokens.
-    #[test]
-    fn summary_reads_the_moe_yardsticks_off_the_rows() {
-        let path = concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/experiments/results/gpu_h200/run4_kernels_moe_cuda.json"
-        );
-        let doc: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        let lines = moe_summary(doc["rows"].as_array().unwrap());
-        let want = [
-            "int4-g128 bf16     1 tokens: moe/decode-split at 10.6% of copy (under 50%)",
-            "int4-g128 bf16    16 tokens: moe/decode-split at 15.3% of copy (under 50%)",
-            "int4-g128 bf16    64 tokens: moe/decode-split at 6.9% of copy (under 50%)",
-            "int4-g128 bf16   256 tokens: moe/mma-x1 6.06x the baseline's time (beyond 1.3x)",
-            "int4-g128 bf16  1024 tokens: moe/mma-x1 4.45x the baseline's time (beyond 1.3x)",
-            "int4-g128 bf16  4096 tokens: moe/mma-x1 4.86x the baseline's time (beyond 1.3x)",
-        ];
-        assert_eq!(lines, want);
-        // A row that meets each yardstick says so.
-        let rows = [
-            serde_json::json!({"kernel": "moe/decode-graph", "format": "f", "act_dtype": "a",
-                "tokens": 1, "micros": 9.0, "bandwidth_fraction": 0.55, "bf16_micros": 100.0}),
-            serde_json::json!({"kernel": "moe/mma", "format": "f", "act_dtype": "a",
-                "tokens": 256, "micros": 250.0, "bandwidth_fraction": 0.1, "bf16_micros": 200.0}),
-        ];
-        assert_eq!(
-            moe_summary(&rows),
-            [
-                "f a     1 tokens: moe/decode-graph at 55.0% of copy (at least 50%)",
-                "f a   256 tokens: moe/mma 1.25x the baseline's time (within 1.3x)"
-            ]
-        );
-    }
 }
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
@@ -254,7 +148,8 @@ mod imp {
     };
     use serde::Serialize;
 
-    use super::{moe_summary, print_summary, KernelBenchArgs};
+    use super::KernelBenchArgs;
+    use crate::cli::kernel_summary::print_summaries;
     use crate::io::write_json_atomic;
 
     #[derive(Debug, Serialize)]
@@ -430,8 +325,10 @@ mod imp {
         rows.finish();
         // The rows as JSON once: the summary reads them, `--json` writes them.
         let table = serde_json::to_value(&rows.rows)?;
-        let summary = moe_summary(table.as_array().map_or(&[], Vec::as_slice));
-        print_summary(&format!("{base:?}"), &summary);
+        print_summaries(
+            &format!("{base:?}"),
+            table.as_array().map_or(&[], Vec::as_slice),
+        );
         if let Some(path) = &args.json {
             let doc = serde_json::json!({
                 "device": k.device_name(), "runtime": args.runtime,

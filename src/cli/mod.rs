@@ -9,6 +9,7 @@ mod generate;
 mod import_gguf;
 mod init_model;
 mod kernel_bench;
+mod kernel_summary;
 mod mismatch;
 mod quantize;
 pub mod runs;

@@ -1,0 +1,200 @@
+//! The lines `qarl bench kernels` ends its table with, read off the rows (`--json`'s `rows`; also
+//! `--summarize TABLE.json` for a saved table): the MoE block's two yardsticks, and the fragment tiles'
+//! layouts against their default.
+
+use serde_json::Value;
+
+/// Prints the MoE yardsticks ([`moe_summary`]) and the fragment layouts ([`fragment_summary`]) of
+/// `rows` under their headings (`base`: the baseline matmul's type).
+pub fn print_summaries(base: &str, rows: &[Value]) {
+    print_summary(base, &moe_summary(rows));
+    let layouts = fragment_summary(rows);
+    if !layouts.is_empty() {
+        println!("Fragment tiles' layouts against the default (moe/mma-frag) and the tiles (moe/mma), fastest first:");
+        for line in layouts {
+            println!("  {line}");
+        }
+    }
+}
+
+/// The MoE block's two yardsticks, read off a table's rows (the `rows` of `--json`): at prefill and
+/// training sizes (more than 64 tokens) the fastest exact kernel against the baseline matmul on the same
+/// FLOPs (`moe/...` rows, decode rows aside), and at decode sizes (64 tokens or fewer) the decode path's
+/// best share of the copy bandwidth (`moe/decode-...` rows: from ids on the device, as a rollout runs
+/// them). One line per format, activation type and token count, in the table's order.
+pub fn moe_summary(rows: &[Value]) -> Vec<String> {
+    let text = |r: &Value, k: &str| r[k].as_str().unwrap_or_default().to_string();
+    let num = |r: &Value, k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    let mut keys: Vec<(String, String, u64)> = Vec::new();
+    for r in rows
+        .iter()
+        .filter(|r| text(r, "kernel").starts_with("moe/"))
+    {
+        let key = (
+            text(r, "format"),
+            text(r, "act_dtype"),
+            r["tokens"].as_u64().unwrap_or(0),
+        );
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    let mut lines = Vec::new();
+    for (format, act, tokens) in keys {
+        let decode = tokens <= 64;
+        let of_key = rows.iter().filter(|r| {
+            let kernel = text(r, "kernel");
+            kernel.starts_with("moe/")
+                && kernel.starts_with("moe/decode-") == decode
+                && text(r, "format") == format
+                && text(r, "act_dtype") == act
+                && r["tokens"].as_u64() == Some(tokens)
+        });
+        let best = if decode {
+            of_key.max_by(|a, b| {
+                num(a, "bandwidth_fraction").total_cmp(&num(b, "bandwidth_fraction"))
+            })
+        } else {
+            of_key.min_by(|a, b| num(a, "micros").total_cmp(&num(b, "micros")))
+        };
+        let Some(best) = best else { continue };
+        let kernel = text(best, "kernel");
+        lines.push(if decode {
+            let share = num(best, "bandwidth_fraction");
+            let verdict = if share >= 0.5 { "at least" } else { "under" };
+            format!(
+                "{format} {act} {tokens:>5} tokens: {kernel} at {:.1}% of copy ({verdict} 50%)",
+                100.0 * share
+            )
+        } else {
+            let ratio = num(best, "micros") / num(best, "bf16_micros");
+            let verdict = if ratio <= 1.3 { "within" } else { "beyond" };
+            format!(
+                "{format} {act} {tokens:>5} tokens: {kernel} {ratio:.2}x the baseline's time ({verdict} 1.3x)"
+            )
+        });
+    }
+    lines
+}
+
+/// Prints [`moe_summary`]'s lines under their heading (`base`: the baseline matmul's type).
+fn print_summary(base: &str, lines: &[String]) {
+    if lines.is_empty() {
+        return;
+    }
+    println!("MoE block: the fastest exact kernel against the {base} matmul above 64 tokens, the decode path's share of copy at 64 or fewer:");
+    for line in lines {
+        println!("  {line}");
+    }
+}
+
+/// For each MoE call above 64 tokens whose default fragment layout was timed (`moe/mma-frag`), every
+/// fragment row (`moe/mma-frag*`) and the tiles (`moe/mma`) as a ratio of the default's time, fastest
+/// first: which layout `FragmentShape`'s default should be at that size.
+pub fn fragment_summary(rows: &[Value]) -> Vec<String> {
+    let text = |r: &Value, k: &str| r[k].as_str().unwrap_or_default().to_string();
+    let micros = |r: &Value| r["micros"].as_f64().unwrap_or(f64::NAN);
+    let key = |r: &Value| {
+        (
+            text(r, "format"),
+            text(r, "act_dtype"),
+            r["tokens"].as_u64(),
+        )
+    };
+    let mut lines = Vec::new();
+    for default in rows.iter().filter(|r| {
+        text(r, "kernel") == "moe/mma-frag" && r["tokens"].as_u64().is_some_and(|n| n > 64)
+    }) {
+        let base = micros(default);
+        let mut others: Vec<(String, f64)> = rows
+            .iter()
+            .filter(|r| key(r) == key(default))
+            .filter(|r| {
+                let kernel = text(r, "kernel");
+                kernel == "moe/mma" || kernel.starts_with("moe/mma-frag")
+            })
+            .map(|r| (text(r, "kernel"), micros(r) / base))
+            .collect();
+        others.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let (format, act, tokens) = key(default);
+        let ratios: Vec<String> = others
+            .iter()
+            .map(|(kernel, ratio)| format!("{} {ratio:.2}x", kernel.trim_start_matches("moe/")))
+            .collect();
+        lines.push(format!(
+            "{format} {act} {:>5} tokens ({base:.1} us): {}",
+            tokens.unwrap_or(0),
+            ratios.join(", ")
+        ));
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The summary of the committed H200 run 4 (2026-12-04) gives the numbers its README reads off the
+    /// table by hand: the tensor-core tiles at 6.06x / 4.45x / 4.86x of bf16 at 256 / 1024 / 4096
+    /// tokens, and the two-launch decode at 10.6% / 15.3% / 6.9% of copy at 1 / 16 / 64 tokens.
+    #[test]
+    fn summary_reads_the_moe_yardsticks_off_the_rows() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/experiments/results/gpu_h200/run4_kernels_moe_cuda.json"
+        );
+        let doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let lines = moe_summary(doc["rows"].as_array().unwrap());
+        let want = [
+            "int4-g128 bf16     1 tokens: moe/decode-split at 10.6% of copy (under 50%)",
+            "int4-g128 bf16    16 tokens: moe/decode-split at 15.3% of copy (under 50%)",
+            "int4-g128 bf16    64 tokens: moe/decode-split at 6.9% of copy (under 50%)",
+            "int4-g128 bf16   256 tokens: moe/mma-x1 6.06x the baseline's time (beyond 1.3x)",
+            "int4-g128 bf16  1024 tokens: moe/mma-x1 4.45x the baseline's time (beyond 1.3x)",
+            "int4-g128 bf16  4096 tokens: moe/mma-x1 4.86x the baseline's time (beyond 1.3x)",
+        ];
+        assert_eq!(lines, want);
+        // A row that meets each yardstick says so.
+        let rows = [
+            serde_json::json!({"kernel": "moe/decode-graph", "format": "f", "act_dtype": "a",
+                "tokens": 1, "micros": 9.0, "bandwidth_fraction": 0.55, "bf16_micros": 100.0}),
+            serde_json::json!({"kernel": "moe/mma", "format": "f", "act_dtype": "a",
+                "tokens": 256, "micros": 250.0, "bandwidth_fraction": 0.1, "bf16_micros": 200.0}),
+        ];
+        assert_eq!(
+            moe_summary(&rows),
+            [
+                "f a     1 tokens: moe/decode-graph at 55.0% of copy (at least 50%)",
+                "f a   256 tokens: moe/mma 1.25x the baseline's time (within 1.3x)"
+            ]
+        );
+    }
+
+    /// The layouts' line: every fragment row and the tiles as a ratio of the default's time, fastest
+    /// first, above 64 tokens only, decode rows and other kernels aside.
+    #[test]
+    fn fragment_layouts_are_ranked_against_the_default() {
+        let row = |kernel: &str, tokens: u64, micros: f64| {
+            serde_json::json!({"kernel": kernel, "format": "int4-g128", "act_dtype": "bf16",
+                "tokens": tokens, "micros": micros})
+        };
+        let rows = [
+            row("moe/mma", 4096, 4000.0),
+            row("moe/mma-frag", 4096, 1000.0),
+            row("moe/mma-frag-m4", 4096, 500.0),
+            row("moe/mma-frag-db", 4096, 900.0),
+            row("moe/tiled", 4096, 100.0),
+            row("moe/mma-frag", 64, 10.0),
+            row("moe/mma-frag-m4", 64, 5.0),
+        ];
+        assert_eq!(
+            fragment_summary(&rows),
+            [
+                "int4-g128 bf16  4096 tokens (1000.0 us): mma-frag-m4 0.50x, mma-frag-db 0.90x, \
+              mma-frag 1.00x, mma 4.00x"
+            ]
+        );
+        assert!(fragment_summary(&rows[4..]).is_empty());
+    }
+}
