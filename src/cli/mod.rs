@@ -90,6 +90,7 @@ pub fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();
     // A misspelt path would otherwise run (and time, or test) another path than the one asked for.
     crate::ops::cpu::kernel::SimdPath::check_env().map_err(anyhow::Error::msg)?;
+    crate::ops::check_poison_env().map_err(anyhow::Error::msg)?;
     match cli.command {
         Command::Score(a) => score::run(a),
         Command::Generate(a) => generate::run(a),

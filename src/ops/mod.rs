@@ -9,7 +9,7 @@
 //!   to the f32 master, `dx = g · dequant(Q(W))`), and the backwards of the fixed-order matmul and softmax.
 //! - [`packed`]: the packed weights these ops read ([`QuantizedWeight`], [`ExpertWeights`]), made once per
 //!   weight version.
-//! - [`switches`]: the process-wide deterministic and grouped-experts switches.
+//! - [`switches`]: the process-wide deterministic and grouped-experts switches (and `QARL_POISON_OUTPUTS`).
 //! - [`backend`]: which backend a command runs on ([`BackendKind`]).
 //!
 //! The model ([`crate::model`]) calls the tensor-level functions below; it never sees a backend type.
@@ -51,8 +51,8 @@ pub use backend::BackendKind;
 use dtype::{as_dtype, f32_of, in_f32};
 pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
 pub use switches::{
-    deterministic, fragment_tiles, grouped_experts, set_deterministic, set_fragment_tiles,
-    set_grouped_experts, set_tensor_tiles, tensor_tiles,
+    check_poison_env, deterministic, fragment_tiles, grouped_experts, poison_outputs,
+    set_deterministic, set_fragment_tiles, set_grouped_experts, set_tensor_tiles, tensor_tiles,
 };
 
 use burn::backend::tensor::{FloatTensor, IntTensor};

@@ -74,3 +74,58 @@ pub fn set_fragment_tiles(on: bool) {
 pub fn fragment_tiles() -> bool {
     FRAGMENT_TILES.load(Ordering::Relaxed)
 }
+
+/// Whether the CubeCL kernels fill every fresh output with all-ones bits (NaN) before a kernel writes it
+/// (`QARL_POISON_OUTPUTS=1`; `cube_kernels::Kernels::with_poisoned_outputs`): a value a kernel fails
+/// to write then shows as NaN (the runs report non-finite values) instead of passing as whatever the
+/// memory pool's freed buffer held. A debugging aid, one more launch per allocation; off by default. A
+/// value other than `0` or `1` is refused on the command line ([`check_poison_env`]) and, read deep in
+/// the ops, reported once and taken as off.
+pub fn poison_outputs() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(
+        || match parse_poison(std::env::var("QARL_POISON_OUTPUTS").ok().as_deref()) {
+            Ok(on) => on,
+            Err(why) => {
+                eprintln!("warning: {why}; outputs are not poisoned");
+                false
+            }
+        },
+    )
+}
+
+/// `QARL_POISON_OUTPUTS` checked where a caller can still refuse it (the command line, before any work).
+pub fn check_poison_env() -> Result<(), String> {
+    parse_poison(std::env::var("QARL_POISON_OUTPUTS").ok().as_deref()).map(|_| ())
+}
+
+/// The switch `QARL_POISON_OUTPUTS=value` asks for: unset, empty or `0` off, `1` on, anything else an
+/// error naming it.
+fn parse_poison(value: Option<&str>) -> Result<bool, String> {
+    match value.map(str::trim) {
+        None | Some("") | Some("0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(other) => Err(format!(
+            "QARL_POISON_OUTPUTS={other} is not 0 or 1 (1 fills fresh kernel outputs with NaN)"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_poison;
+
+    /// `0`, `1`, empty and unset are the switch's values; anything else is an error that names it.
+    #[test]
+    fn poison_switch_takes_zero_or_one() {
+        assert_eq!(parse_poison(None), Ok(false));
+        assert_eq!(parse_poison(Some("")), Ok(false));
+        assert_eq!(parse_poison(Some("0")), Ok(false));
+        assert_eq!(parse_poison(Some(" 1 ")), Ok(true));
+        let err = parse_poison(Some("yes")).unwrap_err();
+        assert!(
+            err.contains("QARL_POISON_OUTPUTS=yes") && err.contains("0 or 1"),
+            "{err}"
+        );
+    }
+}

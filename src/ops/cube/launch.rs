@@ -25,7 +25,8 @@ use crate::ops::{ExpertWeights, PackedWeight};
 use crate::quant::QuantizedTensor;
 
 /// Kernels (client + E4M3 table) per device, with the tensor-core tiles' order on the fragment tiles
-/// when the process switch says so ([`crate::ops::fragment_tiles`]).
+/// when the process switch says so ([`crate::ops::fragment_tiles`]), and fresh outputs filled with NaN
+/// under `QARL_POISON_OUTPUTS=1` ([`crate::ops::poison_outputs`]).
 pub(super) fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<Kernels>>>> = OnceLock::new();
     let fragments = crate::ops::fragment_tiles();
@@ -37,7 +38,11 @@ pub(super) fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
     cache
         .entry(key)
         .or_insert_with(|| {
-            Arc::new(Kernels::from_client(t.client.clone()).with_fragment_tiles(fragments))
+            Arc::new(
+                Kernels::from_client(t.client.clone())
+                    .with_fragment_tiles(fragments)
+                    .with_poisoned_outputs(crate::ops::poison_outputs()),
+            )
         })
         .clone()
 }
