@@ -343,9 +343,10 @@ impl Kernels {
 
     /// Uploads u32 values.
     pub fn upload_u32(&self, values: &[u32]) -> DeviceBuffer {
-        let values: &[u32] = if values.is_empty() { &[0] } else { values };
+        // A buffer holds at least one value; an empty upload keeps its length 0 (as `upload_f32`'s).
+        let stored: &[u32] = if values.is_empty() { &[0] } else { values };
         DeviceBuffer {
-            handle: self.client.create_from_slice(u32::as_bytes(values)),
+            handle: self.client.create_from_slice(u32::as_bytes(stored)),
             len: values.len(),
             dtype: ActDType::F32,
         }

@@ -1397,7 +1397,8 @@ fn moe_calls_beyond_the_grid_are_refused() {
 }
 
 /// A top-0 routing (no expert per token) gives every token the empty sum, +0.0, rather than whatever the
-/// output's memory held (the test kernels start outputs as NaN).
+/// output's memory held (the test kernels start outputs as NaN), from a host table and from empty ids
+/// routed on the device.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn top_zero_routing_gives_zeros() {
@@ -1407,16 +1408,14 @@ fn top_zero_routing_gives_zeros() {
     let [gate, up, down] =
         moe_weights(format, experts, inter, hidden, 70).map(|w| k.upload_weights(&w));
     let x = k.upload_f32(&vec![0.5; tokens * hidden]);
-    let routing = MoeRouting::new(&[], tokens, 0, experts).unwrap();
-    let y = k.moe_with(
-        &x,
-        &routing,
-        &k.upload_f32(&[]),
-        [&gate, &up, &down],
-        MatmulPath::Auto,
-    );
-    let y = k.read_f32(&y.unwrap()).unwrap();
-    assert_eq!(bits(&y), vec![0u32; tokens * hidden]);
+    let host = k.upload_routing(&MoeRouting::new(&[], tokens, 0, experts).unwrap());
+    let device = k.route(&k.upload_u32(&[]), tokens, 0, experts).unwrap();
+    for (what, table) in [("host", host), ("device", device)] {
+        let rw = k.upload_f32(&[]);
+        let y = k.moe_routed(&x, &table, &rw, [&gate, &up, &down], MatmulPath::Auto);
+        let y = k.read_f32(&y.unwrap()).unwrap();
+        assert_eq!(bits(&y), vec![0u32; tokens * hidden], "{what} table");
+    }
 }
 
 /// Equal bit patterns, or a failure naming how many values differ and the first.
