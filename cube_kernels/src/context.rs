@@ -333,7 +333,7 @@ impl Kernels {
         self.check_dtype(dtype)?;
         let mut bytes = dtype.encode(values);
         // Whole 32-bit words, at least one: a 16-bit buffer of odd length is padded.
-        bytes.resize(bytes.len().next_multiple_of(4).max(4), 0);
+        bytes.resize(4 * stored_words(values.len(), dtype), 0);
         Ok(DeviceBuffer {
             handle: self.client.create_from_slice(&bytes),
             len: values.len(),
@@ -414,9 +414,8 @@ impl Kernels {
     }
 
     fn empty(&self, len: usize, dtype: ActDType) -> DeviceBuffer {
-        let bytes = (dtype.size() * len).next_multiple_of(4).max(4);
         let buffer = DeviceBuffer {
-            handle: self.client.empty(bytes),
+            handle: self.client.empty(4 * stored_words(len, dtype)),
             len,
             dtype,
         };
@@ -428,15 +427,12 @@ impl Kernels {
 
     /// Sets every 4-byte word of `buffer` to `value` (0: +0.0 in every float type), by a launch.
     pub(crate) fn fill_words(&self, buffer: &DeviceBuffer, value: u32) {
-        let words = (buffer.dtype.size() * buffer.len)
-            .next_multiple_of(4)
-            .max(4)
-            / 4;
+        let words = stored_words(buffer.len, buffer.dtype);
         crate::kernels::fill_words::launch(
             &self.client,
             grid(words.div_ceil(256)),
             CubeDim::new_1d(256),
-            // SAFETY: `empty` allocates whole words: `words` of them.
+            // SAFETY: `empty` and `upload` store whole words: `words` of them.
             unsafe { BufferArg::from_raw_parts(buffer.handle.clone(), words) },
             value,
         );
@@ -799,6 +795,12 @@ const SHARED_FLOATS: usize = 4096;
 
 /// Most cubes along one grid axis on every runtime (WebGPU's limit).
 const MAX_GRID: usize = 65_535;
+
+/// The 32-bit words a buffer of `len` values of `dtype` stores: whole words, at least one (what
+/// [`Kernels::upload`] and the fresh outputs allocate, and [`Kernels::fill_words`] fills).
+fn stored_words(len: usize, dtype: ActDType) -> usize {
+    (dtype.size() * len).div_ceil(4).max(1)
+}
 
 /// A grid of `cubes` cubes for kernels indexed by `ABSOLUTE_POS` (linear over the whole grid), spilling into
 /// the y axis past [`MAX_GRID`].

@@ -374,6 +374,10 @@ fn compile_fragment_layout(
     let (fmt, group) = (format.kernel_code(), format.kernel_group());
     // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
     let steps_per_scale = if fmt == 1 { 128 } else { group / mma::MMA };
+    let shape = match crate::FragmentShape::new(m_tiles, blocks, pair) {
+        Ok(shape) => shape.with_double_buffer(double_buffer),
+        Err(e) => return vec![Err(e)],
+    };
     let mut out = Vec::new();
     for (kind, swiglu, dense) in [
         ("gate-up", true, false),
@@ -382,14 +386,10 @@ fn compile_fragment_layout(
     ] {
         for (input, operand) in TILE_DTYPES {
             let output = if dense { input } else { ActDType::F32 };
-            let layout = mma_frag::FragCube {
-                chunk_steps: 1,
-                m_tiles,
-                blocks,
-                decode: mma_frag::PairDecode::Scalar,
-                full_chunks: false,
-                double_buffer,
-            };
+            // The layout as the launchers build it ([`crate::FragmentShape`]), for Qwen3-30B-A3B's
+            // inputs: 2048 (gate-up, dense), 768 (down).
+            let path = (tensor_cores, operand);
+            let layout = shape.cube((m_tiles, 1, false), fmt, path);
             let chunk_steps = mma_frag::fragment_chunk_steps(
                 fmt,
                 steps_per_scale,
@@ -399,21 +399,9 @@ fn compile_fragment_layout(
                 MAX_SHARED,
             )
             .unwrap_or(1);
-            let decode = if pair {
-                mma_frag::PairDecode::for_codes(fmt, operand)
-            } else {
-                mma_frag::PairDecode::Scalar
-            };
-            // Qwen3-30B-A3B's inputs: 2048 (gate-up, dense), 768 (down).
             let inn = if swiglu || dense { 2048 } else { 768 };
-            let cube = mma_frag::FragCube {
-                chunk_steps,
-                m_tiles,
-                blocks,
-                decode,
-                full_chunks: mma_frag::FragCube::whole_chunks(chunk_steps, inn, steps_per_scale),
-                double_buffer,
-            };
+            let full = mma_frag::FragCube::whole_chunks(chunk_steps, inn, steps_per_scale);
+            let cube = shape.cube((m_tiles, chunk_steps, full), fmt, path);
             let name = format!(
                 "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}{}",
                 format.name(),
@@ -423,7 +411,7 @@ fn compile_fragment_layout(
                     "emulated"
                 },
                 cube.rows(),
-                if decode == mma_frag::PairDecode::Scalar {
+                if cube.decode == mma_frag::PairDecode::Scalar {
                     ""
                 } else {
                     " pairs"

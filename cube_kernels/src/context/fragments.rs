@@ -103,22 +103,22 @@ impl FragmentShape {
             .clamp(1, self.m_tiles)
     }
 
-    /// The compiled layout for `tiles` tiles per cube and `chunk_steps` steps per chunk over `w`, with
-    /// `operand` operands, on the instruction with `tensor_cores`. The pair decode runs on the
-    /// instruction path only: WGSL's translator (naga) types a bitcast of a `u32` to `vec2<f16>` as an
-    /// `f32`, so the scalar twin on WebGPU decodes one code at a time (the same values).
-    fn cube(
+    /// The compiled layout for `tiles` tiles per cube, `chunk_steps` steps per chunk (whole ones with
+    /// `full_chunks`), `fmt` codes and `operand` operands, on the instruction with `tensor_cores`. The
+    /// pair decode runs on the instruction path only: WGSL's translator (naga) types a bitcast of a `u32`
+    /// to `vec2<f16>` as an `f32`, so the scalar twin on WebGPU decodes one code at a time (the same
+    /// values).
+    pub(crate) fn cube(
         &self,
-        (tiles, chunk_steps): (usize, usize),
-        w: &DeviceWeights,
+        (tiles, chunk_steps, full_chunks): (usize, usize, bool),
+        fmt: u32,
         (tensor_cores, operand): (bool, ActDType),
     ) -> FragCube {
-        let fmt = w.format.kernel_code();
         FragCube {
             chunk_steps,
             m_tiles: tiles,
             blocks: self.blocks,
-            full_chunks: FragCube::whole_chunks(chunk_steps, w.inn, tile_steps(w).1),
+            full_chunks,
             double_buffer: self.double_buffer,
             decode: if self.pair_decode && tensor_cores {
                 PairDecode::for_codes(fmt, operand)
@@ -207,16 +207,12 @@ impl Kernels {
         tiles: usize,
         (tensor_cores, operand): (bool, ActDType),
     ) -> Option<usize> {
-        let layout = FragCube {
-            chunk_steps: 1,
-            m_tiles: tiles,
-            blocks: self.fragment_shape.blocks,
-            decode: PairDecode::Scalar,
-            full_chunks: false,
-            double_buffer: self.fragment_shape.double_buffer,
-        };
+        let fmt = format.kernel_code();
+        let layout = self
+            .fragment_shape
+            .cube((tiles, 1, false), fmt, (tensor_cores, operand));
         mma_frag::fragment_chunk_steps(
-            format.kernel_code(),
+            fmt,
             steps_per_scale.min(self.fragment_chunk.unwrap_or(usize::MAX)),
             layout,
             operand.size(),
@@ -232,52 +228,25 @@ impl Kernels {
         &self,
         input: &DeviceBuffer,
         routing: &RoutingTable,
-        [a, b]: [&DeviceWeights; 2],
+        ab: [&DeviceWeights; 2],
         y: &DeviceBuffer,
         (swiglu, gather): (bool, bool),
-        (tensor_cores, operand): (bool, ActDType),
+        path: (bool, ActDType),
     ) {
         let layout = routing.layout();
-        let (steps, steps_per_scale) = tile_steps(a);
         let per_expert = (routing.tokens() * routing.top_k()).div_ceil(routing.experts().max(1));
-        let tiles = self.fragment_shape.tiles_for(per_expert);
-        let chunk_steps = self
-            .fragment_chunk_steps(a.format, steps_per_scale, tiles, (tensor_cores, operand))
-            .expect("checked by check_fragments");
-        let cube = self
-            .fragment_shape
-            .cube((tiles, chunk_steps), a, (tensor_cores, operand));
-        mma_frag::grouped_fragments::launch(
-            &self.client,
-            CubeCount::Static(a.out.div_ceil(cube.rows()) as u32, layout.tiles as u32, 1),
-            CubeDim::new_2d(MMA_PLANE as u32, FRAG_PLANES as u32),
-            input.arg(),
-            routing.table.arg(),
-            layout.rows_at(),
-            layout.offsets_at(),
-            0,
-            a.words.arg(),
-            a.scales.arg(),
-            b.words.arg(),
-            b.scales.arg(),
-            self.lut.arg(),
-            y.arg(),
-            a.out,
-            a.inn,
-            a.wpr(),
-            a.spr(),
-            a.expert_words(),
-            a.expert_scales(),
-            steps,
-            steps_per_scale,
-            a.format.kernel_code(),
-            a.format.kernel_group(),
-            swiglu,
-            gather,
-            false,
-            tensor_cores,
+        let cube = self.fragment_cube(ab[0], per_expert, path);
+        let table = (&routing.table, layout.rows_at(), layout.offsets_at());
+        let grid = (layout.tiles, 0);
+        self.launch_fragment_kernel(
+            input,
+            y,
+            ab,
+            table,
+            grid,
+            (swiglu, gather, false),
+            path,
             cube,
-            [input.dtype.elem(), operand.elem(), ActDType::F32.elem()],
         );
     }
 
@@ -290,17 +259,10 @@ impl Kernels {
         y: &DeviceBuffer,
         n: usize,
         w: &DeviceWeights,
-        (tensor_cores, operand): (bool, ActDType),
+        path: (bool, ActDType),
     ) -> Result<(), KernelError> {
-        self.check_fragments(w.format, (tensor_cores, operand))?;
-        let tiles = self.fragment_shape.tiles_for(n);
-        let (steps, steps_per_scale) = tile_steps(w);
-        let chunk_steps = self
-            .fragment_chunk_steps(w.format, steps_per_scale, tiles, (tensor_cores, operand))
-            .expect("checked by check_fragments");
-        let cube = self
-            .fragment_shape
-            .cube((tiles, chunk_steps), w, (tensor_cores, operand));
+        self.check_fragments(w.format, path)?;
+        let cube = self.fragment_cube(w, n, path);
         let cubes = n.div_ceil(cube.assignments());
         if cubes > MAX_GRID {
             return Err(KernelError::Shape(format!(
@@ -309,40 +271,92 @@ impl Kernels {
                 cube.assignments()
             )));
         }
-        mma_frag::grouped_fragments::launch(
-            &self.client,
-            CubeCount::Static(w.out.div_ceil(cube.rows()) as u32, cubes as u32, 1),
-            CubeDim::new_2d(MMA_PLANE as u32, FRAG_PLANES as u32),
-            x.arg(),
-            // No table: any buffer.
-            self.lut.arg(),
-            0,
-            0,
-            n,
-            w.words.arg(),
-            w.scales.arg(),
-            w.words.arg(),
-            w.scales.arg(),
-            self.lut.arg(),
-            y.arg(),
-            w.out,
-            w.inn,
-            w.wpr(),
-            w.spr(),
-            0,
-            0,
-            steps,
-            steps_per_scale,
-            w.format.kernel_code(),
-            w.format.kernel_group(),
-            false,
-            false,
-            true,
-            tensor_cores,
+        // No table: any buffer.
+        let table = (&self.lut, 0, 0);
+        self.launch_fragment_kernel(
+            x,
+            y,
+            [w, w],
+            table,
+            (cubes, n),
+            (false, false, true),
+            path,
             cube,
-            [x.dtype.elem(), operand.elem(), y.dtype.elem()],
         );
         Ok(())
+    }
+
+    /// The compiled layout of a call of `w` whose experts take `per_expert` assignments on average (the
+    /// dense product: its tokens): the shape's tiles for them ([`FragmentShape::tiles_for`]), as many K
+    /// steps per chunk as fit ([`Self::fragment_chunk_steps`]; [`Self::check_fragments`] has checked
+    /// that one does), whole chunks where they are ([`FragCube::whole_chunks`]).
+    fn fragment_cube(
+        &self,
+        w: &DeviceWeights,
+        per_expert: usize,
+        (tensor_cores, operand): (bool, ActDType),
+    ) -> FragCube {
+        let tiles = self.fragment_shape.tiles_for(per_expert);
+        let (_, steps_per_scale) = tile_steps(w);
+        let chunk_steps = self
+            .fragment_chunk_steps(w.format, steps_per_scale, tiles, (tensor_cores, operand))
+            .expect("checked by check_fragments");
+        let full = FragCube::whole_chunks(chunk_steps, w.inn, steps_per_scale);
+        let fmt = w.format.kernel_code();
+        self.fragment_shape
+            .cube((tiles, chunk_steps, full), fmt, (tensor_cores, operand))
+    }
+
+    /// Launches [`mma_frag::grouped_fragments`] in the layout `cube` over `cubes` cubes of tiles: with
+    /// `table` (the routing table's buffer, where its rows and offsets start) the grouped products of
+    /// `[a, b]` (`swiglu`, `gather`), or with `dense` the product of `a` over `tokens` tokens (the table
+    /// any buffer). `y` takes the kernel's output type (f32 for the grouped products).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_fragment_kernel(
+        &self,
+        input: &DeviceBuffer,
+        y: &DeviceBuffer,
+        [a, b]: [&DeviceWeights; 2],
+        (table, rows_at, offsets_at): (&DeviceBuffer, usize, usize),
+        (cubes, tokens): (usize, usize),
+        (swiglu, gather, dense): (bool, bool, bool),
+        (tensor_cores, operand): (bool, ActDType),
+        cube: FragCube,
+    ) {
+        let (steps, steps_per_scale) = tile_steps(a);
+        mma_frag::grouped_fragments::launch(
+            &self.client,
+            CubeCount::Static(a.out.div_ceil(cube.rows()) as u32, cubes as u32, 1),
+            CubeDim::new_2d(MMA_PLANE as u32, FRAG_PLANES as u32),
+            input.arg(),
+            table.arg(),
+            rows_at,
+            offsets_at,
+            tokens,
+            a.words.arg(),
+            a.scales.arg(),
+            b.words.arg(),
+            b.scales.arg(),
+            self.lut.arg(),
+            y.arg(),
+            a.out,
+            a.inn,
+            a.wpr(),
+            a.spr(),
+            // The dense product's one matrix is expert 0: the strides are never used.
+            a.expert_words(),
+            a.expert_scales(),
+            steps,
+            steps_per_scale,
+            a.format.kernel_code(),
+            a.format.kernel_group(),
+            swiglu,
+            gather,
+            dense,
+            tensor_cores,
+            cube,
+            [input.dtype.elem(), operand.elem(), y.dtype.elem()],
+        );
     }
 }
 

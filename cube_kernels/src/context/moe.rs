@@ -477,8 +477,6 @@ impl Kernels {
         (swiglu, gather): (bool, bool),
         (tensor_cores, operand): (bool, ActDType),
     ) {
-        let layout = routing.layout();
-        let (steps, steps_per_scale) = tile_steps(a);
         if self.fragment_tiles() {
             self.launch_grouped_fragments(
                 input,
@@ -490,6 +488,8 @@ impl Kernels {
             );
             return;
         }
+        let layout = routing.layout();
+        let (steps, steps_per_scale) = tile_steps(a);
         let stage_steps = self.stage_steps(tensor_cores, |d| {
             mma_moe::grouped_tiles_shared_bytes(d, operand.size(), swiglu, tensor_cores)
         });
