@@ -706,6 +706,7 @@ impl Kernels {
     ) -> Result<(), KernelError> {
         self.check_tiles(w.format, (tensor_cores, operand))?;
         if self.fragment_tiles {
+            self.check_fragments(w.format, (tensor_cores, operand))?;
             return self.launch_dense_fragments(x, y, n, w, (tensor_cores, operand));
         }
         let (fmt, group) = (w.format.kernel_code(), w.format.kernel_group());

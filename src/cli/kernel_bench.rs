@@ -390,6 +390,8 @@ mod imp {
             }
             // The same order on the fragment tiles (`-frag`), where the device has their instruction.
             let frag = k.clone().with_fragment_tiles(true);
+            // Its layouts, as the rows name them ([`fragment_variants`]).
+            let variants = fragment_variants(&frag)?;
             let frag_grouped: Vec<_> = grouped
                 .iter()
                 .filter(|(path, _)| {
@@ -410,10 +412,10 @@ mod imp {
                         let dx = k.upload(&x, dtype)?;
                         Ok(k.read_f32(&k.linear_with(&dx, n, &dw, *path)?)?)
                     };
-                    for (suffix, variant) in fragment_variants(&frag)? {
+                    for (suffix, variant) in &variants {
                         let kernel = format!("{kernel}{suffix}");
                         let what = (name, dtype, *path, kernel.as_str(), n);
-                        compare_fragments([k, &variant], &run, what, failures)?;
+                        compare_fragments([k, variant], &run, what, failures)?;
                     }
                 }
             }
@@ -577,10 +579,10 @@ mod imp {
                         let (dx, drw) = (k.upload(&x, dtype)?, k.upload(&rw, dtype)?);
                         Ok(k.read_f32(&k.moe_with(&dx, &routing, &drw, block.device, *path)?)?)
                     };
-                    for (suffix, variant) in fragment_variants(&frag)? {
+                    for (suffix, variant) in &variants {
                         let kernel = format!("{kernel}{suffix}");
                         let what = (name, dtype, *path, kernel.as_str(), n);
-                        compare_fragments([k, &variant], &run, what, failures)?;
+                        compare_fragments([k, variant], &run, what, failures)?;
                     }
                 }
             }
@@ -699,11 +701,11 @@ mod imp {
                     let t = time_other_staging(args, [k, other], run, &sync_k, &what, failures)?;
                     rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                 }
-                // And in their other layouts ([`fragment_variants`]).
-                let variants = fragment_variants(&frag)?;
+                // And in their other layouts.
                 for (path, kernel) in &frag_tiles {
                     for (suffix, kf) in &variants {
-                        if !args.wants(&format!("{kernel}{suffix}")) {
+                        let label = format!("{kernel}{suffix}");
+                        if !args.wants(&label) {
                             continue;
                         }
                         let t = time(
@@ -714,7 +716,6 @@ mod imp {
                             },
                             &sync_k,
                         );
-                        let label = format!("{kernel}{suffix}");
                         rows.push(row(&label, name, dtype, n, t, bytes, flops, tb, copy_gbs));
                     }
                 }

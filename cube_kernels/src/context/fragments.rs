@@ -251,8 +251,8 @@ impl Kernels {
     }
 
     /// The dense product `y[n, out] = x[n, inn] W^T` on the fragment tiles (what the tiles' order
-    /// launches when [`Self::fragment_tiles`], after [`Self::check_tiles`]), `y` in its own type, rounded
-    /// once.
+    /// launches when [`Self::fragment_tiles`], after [`Self::check_tiles`] and [`Self::check_fragments`]),
+    /// `y` in its own type, rounded once.
     pub(crate) fn launch_dense_fragments(
         &self,
         x: &DeviceBuffer,
@@ -261,7 +261,6 @@ impl Kernels {
         w: &DeviceWeights,
         path: (bool, ActDType),
     ) -> Result<(), KernelError> {
-        self.check_fragments(w.format, path)?;
         let cube = self.fragment_cube(w, n, path);
         let cubes = n.div_ceil(cube.assignments());
         if cubes > MAX_GRID {
