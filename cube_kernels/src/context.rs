@@ -22,7 +22,7 @@ use crate::format::{PackedWeights, WeightFormat, FP8_BLOCK};
 use crate::kernels::mma::{self, MMA, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::mma_moe;
 use crate::kernels::{dense, fp8, BLOCK, CHUNK, TILE};
-pub use fragments::FragmentShape;
+pub use fragments::{FragmentCall, FragmentShape};
 pub use graph::Recorded;
 pub use moe_train::{MoeActivations, MoeGradients};
 

@@ -36,7 +36,9 @@ pub mod ptx;
 pub mod reference;
 
 #[cfg(feature = "kernels")]
-pub use context::{DeviceBuffer, DeviceWeights, FragmentShape, Kernels, MatmulPath, Recorded};
+pub use context::{
+    DeviceBuffer, DeviceWeights, FragmentCall, FragmentShape, Kernels, MatmulPath, Recorded,
+};
 #[cfg(feature = "kernels")]
 pub use dtype::ActDType;
 pub use error::KernelError;

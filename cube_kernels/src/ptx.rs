@@ -344,32 +344,40 @@ pub fn compile_fragment_tiles(
                 target,
                 format,
                 tensor_cores,
-                (1, 2, false, false),
+                (1, 2, false, false, 1),
             ));
         }
     }
     let int4 = WeightFormat::Int4 { group: 128 };
     for shape in [
-        (2, 1, true, false),
-        (2, 2, true, false),
-        (4, 1, true, false),
-        (1, 2, true, false),
-        (1, 1, true, false),
-        (1, 2, false, true),
-        (4, 1, true, true),
+        (2, 1, true, false, 1),
+        (2, 2, true, false, 1),
+        (4, 1, true, false, 1),
+        (1, 2, true, false, 1),
+        (1, 1, true, false, 1),
+        (1, 2, false, true, 1),
+        (4, 1, true, true, 1),
+        // The scale groups split among 4 and 2 sets of planes (decode-sized calls).
+        (1, 2, true, false, 4),
+        (1, 1, true, false, 4),
+        (1, 2, true, true, 2),
     ] {
         out.extend(compile_fragment_layout(target, int4, true, shape));
     }
     out
 }
 
-/// [`compile_fragment_tiles`]' variants of one format, path and layout `(tiles, blocks, pair decode)`:
-/// the three kernels for the three operand pairs.
+/// The most assignments a tile of a one-token decode step with Qwen3-30B-A3B's top-8 routing holds:
+/// the inputs' rows the split layouts stage ([`mma_frag::FragCube::with_split_groups`]).
+const DECODE_ROWS: usize = 8;
+
+/// [`compile_fragment_tiles`]' variants of one format, path and layout `(tiles, blocks, pair decode, two
+/// buffers, sets of scale groups)`: the three kernels for the three operand pairs.
 fn compile_fragment_layout(
     target: CudaTarget,
     format: WeightFormat,
     tensor_cores: bool,
-    (m_tiles, blocks, pair, double_buffer): (usize, usize, bool, bool),
+    (m_tiles, blocks, pair, double_buffer, splits): (usize, usize, bool, bool, usize),
 ) -> Vec<Result<CompiledKernel, KernelError>> {
     let (fmt, group) = (format.kernel_code(), format.kernel_group());
     // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
@@ -401,9 +409,11 @@ fn compile_fragment_layout(
             .unwrap_or(1);
             let inn = if swiglu || dense { 2048 } else { 768 };
             let full = mma_frag::FragCube::whole_chunks(chunk_steps, inn, steps_per_scale);
-            let cube = shape.cube((m_tiles, chunk_steps, full), fmt, path);
+            let cube = shape
+                .cube((m_tiles, chunk_steps, full), fmt, path)
+                .with_split_groups(splits, inn, DECODE_ROWS);
             let name = format!(
-                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}{}",
+                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}{}{}",
                 format.name(),
                 if tensor_cores {
                     "tensor-cores"
@@ -417,7 +427,12 @@ fn compile_fragment_layout(
                     " pairs"
                 },
                 if cube.full_chunks { " whole" } else { "" },
-                if double_buffer { " 2 buffers" } else { "" }
+                if double_buffer { " 2 buffers" } else { "" },
+                if splits > 1 {
+                    format!(" groups in {splits} sets")
+                } else {
+                    String::new()
+                }
             );
             let p = placeholder;
             out.push(compile_dummy!(

@@ -13,8 +13,8 @@
 
 use cube_kernels::reference;
 use cube_kernels::{
-    ActDType, FragmentShape, Kernels, MatmulPath, MoeRouting, PackedWeights, RoutingTable,
-    WeightFormat,
+    ActDType, FragmentCall, FragmentShape, Kernels, MatmulPath, MoeRouting, PackedWeights,
+    RoutingTable, WeightFormat,
 };
 mod common;
 use common::kernels;
@@ -1237,17 +1237,6 @@ fn fragment_shapes_give_the_tiles_bits() {
     // K = 160 and 48: ragged chunks; 256 and 128: whole ones (`FragCube::full_chunks`), int4-g128 only
     // (each variant is a shader lavapipe compiles).
     let int4 = WeightFormat::Int4 { group: 128 };
-    fragment_shapes_match(k, (160, 48), &[int4, WeightFormat::Int8PerRow]);
-    fragment_shapes_match(k, (256, 128), &[int4]);
-}
-
-/// [`fragment_shapes_give_the_tiles_bits`] at one size, for `formats`.
-fn fragment_shapes_match(k: &Kernels, (hidden, inter): (usize, usize), formats: &[WeightFormat]) {
-    let (experts, top_k, tokens) = (3usize, 2usize, 50usize);
-    // Expert 0 takes every token's first slot, experts 1 and 2 share the second: 50, 33, 17.
-    let ids: Vec<u32> = (0..tokens)
-        .flat_map(|t| [0u32, if t % 3 == 2 { 2 } else { 1 }])
-        .collect();
     // Two of them with the staging in two buffers.
     let shapes = [
         (2, 1, true, false),
@@ -1260,6 +1249,116 @@ fn fragment_shapes_match(k: &Kernels, (hidden, inter): (usize, usize), formats: 
             .unwrap()
             .with_double_buffer(two)
     });
+    fragment_shapes_match(k, (160, 48), &[int4, WeightFormat::Int8PerRow], &shapes, 50);
+    fragment_shapes_match(k, (256, 128), &[int4], &shapes, 50);
+}
+
+/// The fragment tiles with the scale groups split among 2 or 4 sets of planes
+/// (`FragmentShape::with_group_splits`: the inputs staged whole, each set's group sums handed to set 0,
+/// which adds them in group order) give the unsplit tiles' bits: the MoE block at 1 token (tiles of one
+/// assignment) and 20 (a tile of 16 and a partial one), gate-up with 4 and 2 groups and down with 2
+/// (int4-g32, nvfp4's groups of 16), and the dense product on 1 to 17 tokens (K of 2, 4 and 8 groups,
+/// each split as far as the shape allows: a last round with a set past the last group), f32 and f16
+/// activations, one and two buffers. Each case first checks that the call does split: lavapipe's
+/// shared memory bounds the inputs a cube stages whole, and a call that did not fit would compare the
+/// unsplit tiles with themselves.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn split_groups_give_the_tiles_bits() {
+    let Some(k) = kernels() else { return };
+    let shapes = [
+        (1, 4, true, false),
+        (2, 4, false, true),
+        (2, 2, true, false),
+    ]
+    .map(|(blocks, splits, pair, two)| {
+        FragmentShape::new(1, blocks, pair)
+            .unwrap()
+            .with_double_buffer(two)
+            .with_group_splits(splits)
+            .unwrap()
+    });
+    // The sets a call of `n` tokens takes, `want` (the most the shape allows, a power of two within the
+    // `inn / group` groups; lavapipe's runtime names no multiprocessors, so any call splits).
+    let expect_split = |k: &Kernels, format: WeightFormat, (out, inn, group), n| {
+        let w = k.upload_weights(&random_weights(format, 1, out, inn, 1));
+        let splits = k
+            .fragment_group_splits(&w, FragmentCall::dense(n), (false, ActDType::F32))
+            .unwrap();
+        let most = k.fragment_shape().group_splits();
+        let want = (0..3)
+            .map(|e| 1usize << e)
+            .filter(|&s| s <= most && s <= inn / group)
+            .max();
+        let what = format!("{} K {inn}: the call splits", format.name());
+        assert_eq!(Some(splits), want, "{what}");
+        assert!(splits > 1, "{what}");
+    };
+    for shape in shapes {
+        let split = k
+            .clone()
+            .with_fragment_tiles(true)
+            .with_fragment_shape(shape);
+        for (format, group, (hidden, inter)) in [
+            (WeightFormat::Int4 { group: 32 }, 32, (128, 64)),
+            (WeightFormat::Nvfp4, 16, (64, 32)),
+        ] {
+            expect_split(&split, format, (inter, hidden, group), 1);
+            expect_split(&split, format, (hidden, inter, group), 1);
+            for tokens in [1, 20] {
+                fragment_shapes_match(k, (hidden, inter), &[format], &[shape], tokens);
+            }
+        }
+        let frag = split.clone().with_poisoned_outputs(true);
+        for (i, (format, group, inn)) in [
+            (WeightFormat::Int4 { group: 32 }, 32, 128),
+            (WeightFormat::Nvfp4, 16, 64),
+            (WeightFormat::Mxfp4, 32, 64),
+            (WeightFormat::Int4 { group: 32 }, 32, 96),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let out = 40;
+            expect_split(&frag, format, (out, inn, group), 17);
+            let w = random_weights(format, 1, out, inn, 170 + i as u64);
+            let x = Rng(180 + i as u64).values(17 * inn);
+            for dtype in [ActDType::F32, ActDType::F16] {
+                if !k.supports(dtype) {
+                    continue;
+                }
+                let x: Vec<f32> = x.iter().map(|v| dtype.round(*v)).collect();
+                let run = |k: &Kernels, n: usize| -> Vec<u32> {
+                    let (dw, dx) = (
+                        k.upload_weights(&w),
+                        k.upload(&x[..n * inn], dtype).unwrap(),
+                    );
+                    let y = k.linear_with(&dx, n, &dw, MatmulPath::GroupedScalar);
+                    bits(&k.read_f32(&y.unwrap()).unwrap())
+                };
+                for n in [1, 5, 17] {
+                    let what = format!("{} {dtype} {shape:?} dense K {inn} n={n}", format.name());
+                    assert_same_bits(&run(&frag, n), &run(k, n), &what);
+                }
+            }
+        }
+    }
+}
+
+/// [`fragment_shapes_give_the_tiles_bits`] at one size, for `formats`, `shapes` and `tokens` tokens.
+fn fragment_shapes_match(
+    k: &Kernels,
+    (hidden, inter): (usize, usize),
+    formats: &[WeightFormat],
+    shapes: &[FragmentShape],
+    tokens: usize,
+) {
+    let (experts, top_k) = (3usize, 2usize);
+    // Expert 0 takes every token's first slot, experts 1 and 2 share the second (at 50 tokens: 50, 33,
+    // 17).
+    let ids: Vec<u32> = (0..tokens)
+        .flat_map(|t| [0u32, if t % 3 == 2 { 2 } else { 1 }])
+        .collect();
     let mut dtypes = vec![ActDType::F32];
     if k.supports(ActDType::F16) {
         dtypes.push(ActDType::F16);
@@ -1286,7 +1385,7 @@ fn fragment_shapes_match(k: &Kernels, (hidden, inter): (usize, usize), formats: 
                 bits(&k.read_f32(&y.unwrap()).unwrap())
             };
             let want = run(k, false);
-            for shape in shapes {
+            for &shape in shapes {
                 let frag = k
                     .clone()
                     .with_fragment_tiles(true)

@@ -143,8 +143,8 @@ mod imp {
     use anyhow::{bail, Context};
     use burn::tensor::{DType, Device, Distribution, Tensor};
     use cube_kernels::{
-        reference, ActDType, DeviceBuffer, FragmentShape, Kernels, MatmulPath, MoeRouting,
-        PackedWeights, WeightFormat,
+        reference, ActDType, DeviceBuffer, FragmentCall, FragmentShape, Kernels, MatmulPath,
+        MoeRouting, PackedWeights, WeightFormat,
     };
     use serde::Serialize;
 
@@ -558,6 +558,13 @@ mod imp {
                         true,
                         mma,
                     ));
+                    // The scale groups split among up to 4 sets of planes where the cubes are few.
+                    let shape = frag.fragment_shape().with_group_splits(4)?;
+                    let split = frag.clone().with_fragment_shape(shape);
+                    for (suffix, graph) in [("", false), ("-graph", true)] {
+                        let name = format!("moe/decode-mma-frag-s4{suffix}");
+                        decode.push((name, split.clone(), graph, mma));
+                    }
                 }
             }
             if args.check {
@@ -828,7 +835,15 @@ mod imp {
                 MatmulPath::Gemv => (MatmulPath::Gemm, "moe/tiled"),
                 other => (other, "host routing"),
             };
-            let want = k.moe_with(dx, &routing, drw, [dg, du, dd], want_path)?;
+            // A layout with split scale groups against the same layout unsplit: splitting must not
+            // move a bit.
+            let unsplit = k
+                .clone()
+                .with_fragment_shape(k.fragment_shape().with_group_splits(1)?);
+            let want = unsplit.moe_with(dx, &routing, drw, [dg, du, dd], want_path)?;
+            if k.fragment_shape().group_splits() > 1 {
+                report_splits(k, block, (n, args.top_k), path.tiles(dx.dtype()), what)?;
+            }
             let differ =
                 contract_mismatches(&k.read_f32(&run()?)?, &k.read_f32(&want)?, ActDType::F32);
             if differ > 0 {
@@ -849,6 +864,27 @@ mod imp {
             || drop(run().expect("moe decode")),
             &sync,
         )))
+    }
+
+    /// The sets of planes the fragment tiles split the block's scale groups among at `n` tokens routed
+    /// `top_k` ways (gate-up and down; `FragmentShape::splits_for`), printed beside the row `what`.
+    fn report_splits(
+        k: &Kernels,
+        block: &MoeBlock,
+        (n, top_k): (usize, usize),
+        tiles: Option<(bool, ActDType)>,
+        what: &str,
+    ) -> anyhow::Result<()> {
+        let Some(path) = tiles else { return Ok(()) };
+        let [dg, _, dd] = block.device;
+        // The table's tiles bound: one per assignment at most.
+        let call = FragmentCall::moe(n, top_k, dg.experts(), n * top_k);
+        println!(
+            "{what} n={n}: scale groups in {} sets (gate-up), {} (down)",
+            k.fragment_group_splits(dg, call, path)?,
+            k.fragment_group_splits(dd, call, path)?
+        );
+        Ok(())
     }
 
     /// The grouped tiles of one dense weight (`path`: [`MatmulPath::Mma`] on tensor cores, or

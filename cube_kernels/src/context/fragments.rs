@@ -20,12 +20,17 @@ use crate::moe::RoutingTable;
 /// ([`mma_frag::PairDecode`]); and the staging in two buffers with `double_buffer`. Every shape gives
 /// the same bits (tested), so the shape is a speed choice only; the default is the layout built first
 /// (one tile, two blocks, one code at a time, one buffer), kept until a GPU has timed the others.
+///
+/// With `group_splits` above 1, a call whose cubes would not fill the device twice over (a decode step)
+/// splits its scale groups among up to that many sets of planes ([`FragmentShape::splits_for`],
+/// [`crate::kernels::mma_frag`]'s `split`): more of K in flight per output row, the same bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FragmentShape {
     m_tiles: usize,
     blocks: usize,
     pair_decode: bool,
     double_buffer: bool,
+    group_splits: usize,
 }
 
 impl Default for FragmentShape {
@@ -35,6 +40,7 @@ impl Default for FragmentShape {
             blocks: 2,
             pair_decode: false,
             double_buffer: false,
+            group_splits: 1,
         }
     }
 }
@@ -63,7 +69,42 @@ impl FragmentShape {
             blocks,
             pair_decode,
             double_buffer: false,
+            group_splits: 1,
         })
+    }
+
+    /// This shape with the scale groups of a call with few cubes split among up to `splits` (1, 2 or
+    /// 4) sets of planes ([`Self::splits_for`]); an error naming the value otherwise.
+    pub fn with_group_splits(mut self, splits: usize) -> Result<Self, KernelError> {
+        if ![1, 2, FRAG_PLANES].contains(&splits) {
+            return Err(KernelError::Shape(format!(
+                "fragment tiles with scale groups split {splits} ways: 1, 2 or {FRAG_PLANES} (the \
+                 planes of a cube)"
+            )));
+        }
+        self.group_splits = splits;
+        Ok(self)
+    }
+
+    /// The most sets of planes the scale groups are split among.
+    pub fn group_splits(&self) -> usize {
+        self.group_splits
+    }
+
+    /// Sets of planes for a call of `groups` scale groups whose cubes, unsplit, would be `cubes`: the
+    /// most (a power of two, at most [`Self::group_splits`] and `groups`) that keeps the split cubes
+    /// under twice `fill`, doubling only while the cubes are fewer than `fill` (twice the device's
+    /// multiprocessors: below it the device waits on the few chunks in flight). 1 without groups to
+    /// split.
+    pub fn splits_for(&self, groups: usize, cubes: usize, fill: usize) -> usize {
+        let mut splits = 1;
+        while 2 * splits <= self.group_splits
+            && 2 * splits <= groups
+            && cubes.saturating_mul(splits) < fill
+        {
+            splits *= 2;
+        }
+        splits
     }
 
     /// This shape with the staging in two buffers when `on` (one barrier per chunk instead of two, for
@@ -120,11 +161,46 @@ impl FragmentShape {
             blocks: self.blocks,
             full_chunks,
             double_buffer: self.double_buffer,
+            splits: 1,
+            whole_k: 0,
+            staged_rows: MMA,
             decode: if self.pair_decode && tensor_cores {
                 PairDecode::for_codes(fmt, operand)
             } else {
                 PairDecode::Scalar
             },
+        }
+    }
+}
+
+/// The size of a call of the fragment tiles, what their layout follows: the assignments its experts
+/// take on average (the dense product: its tokens), the tiles of 16 that hold any (the grid's busy rows),
+/// and the most assignments one tile can hold (16, or the call's assignments where fewer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FragmentCall {
+    pub per_expert: usize,
+    pub busy_tiles: usize,
+    pub most_rows: usize,
+}
+
+impl FragmentCall {
+    /// An MoE call of `tokens` tokens routed `top_k` ways over `experts` experts, whose table has
+    /// `tiles` tiles: no expert takes more than every assignment, whatever the ids.
+    pub fn moe(tokens: usize, top_k: usize, experts: usize, tiles: usize) -> Self {
+        let assignments = tokens * top_k;
+        FragmentCall {
+            per_expert: assignments.div_ceil(experts.max(1)),
+            busy_tiles: tiles.min(assignments),
+            most_rows: assignments.min(MMA),
+        }
+    }
+
+    /// The dense product on `tokens` tokens.
+    pub fn dense(tokens: usize) -> Self {
+        FragmentCall {
+            per_expert: tokens,
+            busy_tiles: tokens.div_ceil(MMA),
+            most_rows: tokens.min(MMA),
         }
     }
 }
@@ -234,8 +310,13 @@ impl Kernels {
         path: (bool, ActDType),
     ) {
         let layout = routing.layout();
-        let per_expert = (routing.tokens() * routing.top_k()).div_ceil(routing.experts().max(1));
-        let cube = self.fragment_cube(ab[0], per_expert, path);
+        let call = FragmentCall::moe(
+            routing.tokens(),
+            routing.top_k(),
+            routing.experts(),
+            layout.tiles,
+        );
+        let cube = self.fragment_cube(ab[0], call, path);
         let table = (&routing.table, layout.rows_at(), layout.offsets_at());
         let grid = (layout.tiles, 0);
         self.launch_fragment_kernel(
@@ -261,7 +342,7 @@ impl Kernels {
         w: &DeviceWeights,
         path: (bool, ActDType),
     ) -> Result<(), KernelError> {
-        let cube = self.fragment_cube(w, n, path);
+        let cube = self.fragment_cube(w, FragmentCall::dense(n), path);
         let cubes = n.div_ceil(cube.assignments());
         if cubes > MAX_GRID {
             return Err(KernelError::Shape(format!(
@@ -292,18 +373,76 @@ impl Kernels {
     fn fragment_cube(
         &self,
         w: &DeviceWeights,
-        per_expert: usize,
+        call: FragmentCall,
         (tensor_cores, operand): (bool, ActDType),
     ) -> FragCube {
-        let tiles = self.fragment_shape.tiles_for(per_expert);
+        let tiles = self.fragment_shape.tiles_for(call.per_expert);
         let (_, steps_per_scale) = tile_steps(w);
         let chunk_steps = self
             .fragment_chunk_steps(w.format, steps_per_scale, tiles, (tensor_cores, operand))
             .expect("checked by check_fragments");
         let full = FragCube::whole_chunks(chunk_steps, w.inn, steps_per_scale);
         let fmt = w.format.kernel_code();
-        self.fragment_shape
-            .cube((tiles, chunk_steps, full), fmt, (tensor_cores, operand))
+        let cube =
+            self.fragment_shape
+                .cube((tiles, chunk_steps, full), fmt, (tensor_cores, operand));
+        self.split_groups(cube, w, call, (tensor_cores, operand))
+    }
+
+    /// Sets of planes the fragment tiles split the scale groups of `w` among (1: not split) for `call`
+    /// on `path`'s operands: what a bench or a test reports of the layout
+    /// ([`FragmentShape::with_group_splits`]). An error where the fragment tiles cannot run it.
+    pub fn fragment_group_splits(
+        &self,
+        w: &DeviceWeights,
+        call: FragmentCall,
+        path: (bool, ActDType),
+    ) -> Result<usize, KernelError> {
+        self.check_fragments(w.format, path)?;
+        Ok(self.fragment_cube(w, call, path).splits)
+    }
+
+    /// `cube` with its scale groups split among sets of planes where the shape allows it
+    /// ([`FragmentShape::splits_for`], given the call's busy tiles), the cube holds one tile, every
+    /// chunk is whole and every group whole chunks, and the inputs staged whole (the call's most rows
+    /// per tile) fit in shared memory (fewer sets where they do not); else `cube` as it is.
+    fn split_groups(
+        &self,
+        cube: FragCube,
+        w: &DeviceWeights,
+        call: FragmentCall,
+        (tensor_cores, operand): (bool, ActDType),
+    ) -> FragCube {
+        let (steps, steps_per_scale) = tile_steps(w);
+        if cube.m_tiles > 1 || !cube.full_chunks || steps % steps_per_scale != 0 {
+            return cube;
+        }
+        let cubes = w.out.div_ceil(cube.rows()) * call.busy_tiles.max(1);
+        let fill = self
+            .client
+            .properties()
+            .hardware
+            .num_streaming_multiprocessors
+            .map_or(usize::MAX, |n| 2 * n as usize);
+        let mut splits = self
+            .fragment_shape
+            .splits_for(steps / steps_per_scale, cubes, fill);
+        let fmt = w.format.kernel_code();
+        while splits > 1 {
+            let split = cube.with_split_groups(splits, w.inn, call.most_rows);
+            let bytes = mma_frag::grouped_fragments_shared_bytes(
+                fmt,
+                split,
+                operand.size(),
+                true,
+                tensor_cores,
+            );
+            if bytes <= self.max_shared_bytes() {
+                return split;
+            }
+            splits /= 2;
+        }
+        cube
     }
 
     /// Launches [`mma_frag::grouped_fragments`] in the layout `cube` over `cubes` cubes of tiles: with
@@ -383,5 +522,32 @@ mod tests {
         assert_eq!(tiles, [1, 1, 1, 2, 4, 4, 4, 4, 4]);
         assert_eq!(FragmentShape::new(2, 2, false).unwrap().tiles_for(1000), 2);
         assert_eq!(FragmentShape::default().tiles_for(1000), 1);
+    }
+
+    /// The scale groups split only where a call's cubes are fewer than the fill (twice the
+    /// multiprocessors), doubling while they stay so, never past the shape's most, the groups, or 4;
+    /// other split counts are refused with an error naming them.
+    #[test]
+    fn groups_split_where_the_cubes_are_few() {
+        let shape = FragmentShape::default().with_group_splits(4).unwrap();
+        // Qwen3-30B-A3B's block on an H200 (fill 264): gate-up at one token (96 cubes of 64 rows,
+        // 16 groups), down (256 cubes, 6 groups), and gate-up at 16 tokens (972 cubes).
+        assert_eq!(shape.splits_for(16, 96, 264), 4);
+        assert_eq!(shape.splits_for(6, 256, 264), 2);
+        assert_eq!(shape.splits_for(16, 972, 264), 1);
+        // Bounded by the groups and the shape; any fill where the runtime names no multiprocessors.
+        assert_eq!(shape.splits_for(3, 1, 264), 2);
+        assert_eq!(shape.splits_for(1, 1, 264), 1);
+        assert_eq!(shape.splits_for(64, 10_000, usize::MAX), 4);
+        let two = FragmentShape::default().with_group_splits(2).unwrap();
+        assert_eq!(two.splits_for(16, 1, 264), 2);
+        assert_eq!(FragmentShape::default().splits_for(16, 1, 264), 1);
+        for bad in [0, 3, 8] {
+            let err = FragmentShape::default()
+                .with_group_splits(bad)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(&format!("split {bad} ways")), "{err}");
+        }
     }
 }

@@ -6,8 +6,8 @@ use cubecl::prelude::*;
 
 use super::super::mma::{MMA, MMA_PLANE};
 use super::super::{code_flip, codes_per_word, scale_at, word_code_value};
-use super::staging::{w_stride, x_stride};
-use super::{fragment_index, FragCube, PairDecode, EXCHANGE_REGS, N8};
+use super::staging::{staged_x_stride, w_stride};
+use super::{fragment_index, row_plane, FragCube, PairDecode, EXCHANGE_REGS, N8};
 
 /// The unit's A fragments of staged step `s` (of the buffer at `base`), one per tile of 16
 /// assignments of the cube (registers `4 m .. 4 m + 4` for tile `m`), in the `m16n8k16` register
@@ -22,13 +22,18 @@ pub(super) fn a_fragments<X: Float>(
 ) -> Array<Vector<X, Const<2>>> {
     let lane = UNIT_POS_X as usize;
     let (g, t) = (lane / 4, lane % 4);
-    let xstride = comptime!(x_stride(cube.chunk_steps));
+    let xstride = comptime!(staged_x_stride(cube));
     let mut regs = Array::<Vector<X, Const<2>>>::new(comptime!(4 * cube.m_tiles));
     #[unroll]
     for m in 0..comptime!(cube.m_tiles) {
         #[unroll]
         for r in 0..4usize {
-            let row = m * MMA + g + (r % 2) * 8;
+            let mut row = m * MMA + g + (r % 2) * 8;
+            if comptime!(cube.whole_k > 0 && cube.staged_rows < MMA) {
+                // Rows past the staged ones (past the tile's assignments) read staged ones again:
+                // their outputs are never stored.
+                row %= comptime!(cube.staged_rows);
+            }
             let pair = s * (MMA / 2) + (r / 2) * 4 + t;
             regs[4 * m + r] = xs[base + row * xstride + pair];
         }
@@ -211,7 +216,7 @@ pub(super) fn block_step<X: Float>(
     #[comptime] tensor_cores: bool,
     #[comptime] cube: FragCube,
 ) {
-    let row = (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8 + UNIT_POS_X as usize / 4;
+    let row = (row_plane(cube) * comptime!(cube.blocks) + block) * N8 + UNIT_POS_X as usize / 4;
     let b = b_fragment::<X>(wa, wbase, lut, row, s, fmt, cube);
     tiles_step::<X>(
         a,
@@ -310,7 +315,7 @@ pub(super) fn add_scaled_fragment(
     #[comptime] cube: FragCube,
 ) {
     let t = UNIT_POS_X as usize % 4;
-    let base = row0 + (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8 + 2 * t;
+    let base = row0 + (row_plane(cube) * comptime!(cube.blocks) + block) * N8 + 2 * t;
     #[unroll]
     for i in 0..4usize {
         let r = base + i % 2;

@@ -38,6 +38,7 @@
 //! instruction to the GPU check.
 
 mod fragment;
+mod split;
 mod staging;
 
 use cubecl::prelude::*;
@@ -105,7 +106,12 @@ impl PairDecode {
 /// every chunk is whole (`full_chunks`: the inputs a multiple of `16 chunk_steps` and the scale groups of
 /// `chunk_steps`, as in every Qwen3 projection; then the staging skips the checks of the inputs' end),
 /// and whether the staging has two buffers (`double_buffer`: one barrier per chunk instead of two, for
-/// twice the shared memory and a runtime buffer offset). The bits never depend on it.
+/// twice the shared memory and a runtime buffer offset); and `splits`: the planes split the scale groups
+/// among themselves in `splits` sets (1: every plane takes every group of its own rows; 2 or 4: `4 /
+/// splits` planes of rows, set `q` taking groups `q, q + splits, ..`, with the inputs of all `whole_k`
+/// inputs staged once, `staged_rows` rows of them: at least the most assignments a tile of the call
+/// holds, a power of two up to 16, the instruction's other rows reading those rows again, as their
+/// outputs are never stored; [`split`]). The bits never depend on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FragCube {
     pub chunk_steps: usize,
@@ -114,12 +120,39 @@ pub struct FragCube {
     pub decode: PairDecode,
     pub full_chunks: bool,
     pub double_buffer: bool,
+    pub splits: usize,
+    pub whole_k: usize,
+    pub staged_rows: usize,
 }
 
 impl FragCube {
-    /// Output rows the cube covers per projection: `32 blocks`.
+    /// This layout with its scale groups split among `splits` sets of planes and the inputs of all `inn`
+    /// staged whole for tiles of at most `most_rows` assignments (`splits` 1: as it is); the launcher
+    /// checks that the chunks and the groups are whole and that the staging fits.
+    pub const fn with_split_groups(self, splits: usize, inn: usize, most_rows: usize) -> FragCube {
+        if splits == 1 {
+            return self;
+        }
+        let mut staged_rows = 1;
+        while staged_rows < most_rows && staged_rows < MMA {
+            staged_rows *= 2;
+        }
+        FragCube {
+            splits,
+            whole_k: inn,
+            staged_rows,
+            ..self
+        }
+    }
+
+    /// Planes of distinct output rows: `4 / splits`.
+    pub const fn row_planes(&self) -> usize {
+        FRAG_PLANES / self.splits
+    }
+
+    /// Output rows the cube covers per projection: `8 blocks` per plane of rows.
     pub const fn rows(&self) -> usize {
-        FRAG_PLANES * self.blocks * N8
+        self.row_planes() * self.blocks * N8
     }
 
     /// Buffers of the staging: 2 with `double_buffer`, else 1.
@@ -205,92 +238,72 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     #[comptime] cube: FragCube,
     #[define(I, X, Y)] _dtypes: [ElemType; 3],
 ) {
-    let chunk_steps = comptime!(cube.chunk_steps);
-    // With `double_buffer`, two buffers of each staged chunk: a chunk is stored into one while the cube
-    // may still multiply the last from the other, so one barrier per chunk suffices.
-    let buffers = comptime!(cube.buffers());
-    let xlen = comptime!(cube.assignments() * x_stride(chunk_steps));
-    let mut xs =
-        Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(comptime!(buffers * xlen), SHARED_ALIGN);
-    let wlen = comptime!(cube.rows() * w_stride(fmt, chunk_steps));
-    let mut wa = Shared::<[u32]>::new_aligned_slice(comptime!(buffers * wlen), SHARED_ALIGN);
-    let mut wb = Shared::<[u32]>::new_aligned_slice(
-        comptime!(if swiglu { buffers * wlen } else { 1 }),
-        SHARED_ALIGN,
-    );
-    let mut exchange = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-        comptime!(if tensor_cores {
-            1
-        } else {
-            UNITS * EXCHANGE_REGS
-        }),
-        SHARED_ALIGN,
-    );
     let (expert, a0, a_end) = cube_assignments(table, offsets_at, tokens, dense, cube);
-    let mut len = 0usize;
-    let mut groups = 0usize;
-    if a0 < a_end {
-        len = a_end - a0;
-        groups = steps.div_ceil(steps_per_scale);
-    }
     let row0 = CUBE_POS_X as usize * comptime!(cube.rows());
     let (woff, soff) = (expert * expert_words, expert * expert_scales);
-    let wpu = comptime!(words_per_unit(fmt, cube));
-    let mut held_a = Array::<u32>::new(wpu);
-    let mut held_b = Array::<u32>::new(comptime!(if swiglu { wpu } else { 1 }));
-    let mut held_x = Array::<I>::new(comptime!(held_inputs(cube)));
-    if groups > 0 {
-        fetch_chunk(
+    if comptime!(cube.splits > 1) {
+        split::split_groups::<I, X, Y>(
             input,
             table,
             rows_at,
-            a0,
-            len,
             words_a,
+            scales_a,
             words_b,
-            &mut held_a,
-            &mut held_b,
-            &mut held_x,
-            0,
-            chunk_steps.min(steps_per_scale).min(steps),
-            row0,
+            scales_b,
+            lut,
+            y,
             n_out,
-            inn,
             wpr,
+            spr,
             woff,
+            soff,
+            a0,
+            a_end,
+            row0,
+            steps,
+            steps_per_scale,
             fmt,
+            group,
             swiglu,
             gather,
+            tensor_cores,
             cube,
         );
-    }
-    let frags = comptime!(cube.fragments(swiglu));
-    let mut total = Array::<f32>::new(comptime!(4 * frags));
-    #[unroll]
-    for j in 0..comptime!(4 * frags) {
-        total[j] = 0.0f32;
-    }
-    // The buffer the next chunk is stored into.
-    let mut buffer = 0usize;
-    for g in 0..groups {
-        let mut acc = zero_fragments(comptime!(frags));
-        let first = g * steps_per_scale;
-        let last = (first + steps_per_scale).min(steps);
-        for c in 0..(last - first).div_ceil(chunk_steps) {
-            let s0 = first + c * chunk_steps;
-            let chunk_last = (s0 + chunk_steps).min(last);
-            let (xbase, wbase) = (buffer * xlen, buffer * wlen);
-            if comptime!(cube.double_buffer) {
-                buffer = 1 - buffer;
-            }
-            store_chunk::<I, X>(
-                &held_a, &held_b, &held_x, &mut xs, &mut wa, &mut wb, xbase, wbase, s0, chunk_last,
-                len, inn, fmt, swiglu, cube,
-            );
-            // After it every unit has stored this chunk, so has multiplied the last: with two buffers,
-            // the one the next store overwrites is free.
-            sync_cube();
-            let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, chunk_steps);
+    } else {
+        let chunk_steps = comptime!(cube.chunk_steps);
+        // With `double_buffer`, two buffers of each staged chunk: a chunk is stored into one while the cube
+        // may still multiply the last from the other, so one barrier per chunk suffices.
+        let buffers = comptime!(cube.buffers());
+        let xlen = comptime!(cube.assignments() * x_stride(chunk_steps));
+        let mut xs = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
+            comptime!(buffers * xlen),
+            SHARED_ALIGN,
+        );
+        let wlen = comptime!(cube.rows() * w_stride(fmt, chunk_steps));
+        let mut wa = Shared::<[u32]>::new_aligned_slice(comptime!(buffers * wlen), SHARED_ALIGN);
+        let mut wb = Shared::<[u32]>::new_aligned_slice(
+            comptime!(if swiglu { buffers * wlen } else { 1 }),
+            SHARED_ALIGN,
+        );
+        let mut exchange = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
+            comptime!(if tensor_cores {
+                1
+            } else {
+                UNITS * EXCHANGE_REGS
+            }),
+            SHARED_ALIGN,
+        );
+        let mut len = 0usize;
+        let mut groups = 0usize;
+        if a0 < a_end {
+            len = a_end - a0;
+            groups = steps.div_ceil(steps_per_scale);
+        }
+        let wpu = comptime!(words_per_unit(fmt, cube));
+        let mut held_a = Array::<u32>::new(wpu);
+        let mut held_b = Array::<u32>::new(comptime!(if swiglu { wpu } else { 1 }));
+        let mut held_x = Array::<I>::new(comptime!(held_inputs(cube)));
+        if groups > 0 {
             fetch_chunk(
                 input,
                 table,
@@ -302,8 +315,8 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                 &mut held_a,
                 &mut held_b,
                 &mut held_x,
-                n0,
-                (n0 + chunk_steps).min(n_last),
+                0,
+                chunk_steps.min(steps_per_scale).min(steps),
                 row0,
                 n_out,
                 inn,
@@ -314,58 +327,106 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                 gather,
                 cube,
             );
-            // Unrolled on the instruction; the emulation's shaders stay small (lavapipe compiles them).
-            #[unroll(tensor_cores)]
-            for s in 0..chunk_steps {
-                if s0 + s < chunk_last {
-                    let a = a_fragments::<X>(&xs, xbase, s, cube);
-                    #[unroll]
-                    for block in 0..comptime!(cube.blocks) {
-                        block_step::<X>(
-                            &a,
-                            &wa,
-                            &wb,
-                            wbase,
-                            lut,
-                            &mut acc,
-                            &mut exchange,
-                            len,
-                            block,
-                            s,
-                            fmt,
-                            swiglu,
-                            tensor_cores,
-                            cube,
-                        );
-                    }
-                }
-            }
-            if comptime!(!cube.double_buffer) {
-                // One buffer: every unit is done with it before the next store.
-                sync_cube();
-            }
         }
-        let k = first * MMA;
+        let frags = comptime!(cube.fragments(swiglu));
+        let mut total = Array::<f32>::new(comptime!(4 * frags));
         #[unroll]
-        for m in 0..comptime!(cube.m_tiles) {
-            #[unroll]
-            for block in 0..comptime!(cube.blocks) {
-                let f = fragment_index(m, 0, block, swiglu, cube);
-                add_scaled_fragment(
-                    &mut total, &acc, f, block, scales_a, soff, row0, k, n_out, spr, fmt, group,
+        for j in 0..comptime!(4 * frags) {
+            total[j] = 0.0f32;
+        }
+        // The buffer the next chunk is stored into.
+        let mut buffer = 0usize;
+        for g in 0..groups {
+            let mut acc = zero_fragments(comptime!(frags));
+            let first = g * steps_per_scale;
+            let last = (first + steps_per_scale).min(steps);
+            for c in 0..(last - first).div_ceil(chunk_steps) {
+                let s0 = first + c * chunk_steps;
+                let chunk_last = (s0 + chunk_steps).min(last);
+                let (xbase, wbase) = (buffer * xlen, buffer * wlen);
+                if comptime!(cube.double_buffer) {
+                    buffer = 1 - buffer;
+                }
+                store_chunk::<I, X>(
+                    &held_a, &held_b, &held_x, &mut xs, &mut wa, &mut wb, xbase, wbase, s0,
+                    chunk_last, len, inn, fmt, swiglu, cube,
+                );
+                // After it every unit has stored this chunk, so has multiplied the last: with two buffers,
+                // the one the next store overwrites is free.
+                sync_cube();
+                let (n0, n_last) = next_chunk(s0, last, steps, steps_per_scale, chunk_steps);
+                fetch_chunk(
+                    input,
+                    table,
+                    rows_at,
+                    a0,
+                    len,
+                    words_a,
+                    words_b,
+                    &mut held_a,
+                    &mut held_b,
+                    &mut held_x,
+                    n0,
+                    (n0 + chunk_steps).min(n_last),
+                    row0,
+                    n_out,
+                    inn,
+                    wpr,
+                    woff,
+                    fmt,
+                    swiglu,
+                    gather,
                     cube,
                 );
-                if comptime!(swiglu) {
-                    let f = fragment_index(m, 1, block, swiglu, cube);
-                    add_scaled_fragment(
-                        &mut total, &acc, f, block, scales_b, soff, row0, k, n_out, spr, fmt,
-                        group, cube,
-                    );
+                // Unrolled on the instruction; the emulation's shaders stay small (lavapipe compiles them).
+                #[unroll(tensor_cores)]
+                for s in 0..chunk_steps {
+                    if s0 + s < chunk_last {
+                        let a = a_fragments::<X>(&xs, xbase, s, cube);
+                        #[unroll]
+                        for block in 0..comptime!(cube.blocks) {
+                            block_step::<X>(
+                                &a,
+                                &wa,
+                                &wb,
+                                wbase,
+                                lut,
+                                &mut acc,
+                                &mut exchange,
+                                len,
+                                block,
+                                s,
+                                fmt,
+                                swiglu,
+                                tensor_cores,
+                                cube,
+                            );
+                        }
+                    }
+                }
+                if comptime!(!cube.double_buffer) {
+                    // One buffer: every unit is done with it before the next store.
+                    sync_cube();
                 }
             }
+            add_group(
+                &mut total,
+                &acc,
+                scales_a,
+                scales_b,
+                soff,
+                row0,
+                first * MMA,
+                n_out,
+                spr,
+                fmt,
+                group,
+                swiglu,
+                cube,
+            );
         }
+        store_fragments(y, &total, a0, a_end, row0, n_out, swiglu, cube);
     }
-    store_fragments(y, &total, a0, a_end, row0, n_out, swiglu, cube);
 }
 
 /// The cube's expert and assignments `a0 .. a_end` (dense: its tokens); an empty range where the cube
@@ -400,6 +461,54 @@ fn cube_assignments(
     (expert, a0, a_end)
 }
 
+/// `total += acc * scale` for every accumulator fragment of a scale group starting at input `k`: per
+/// output, its groups are added in order (the order's `total += sum * scale`, groups left to right).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn add_group(
+    total: &mut Array<f32>,
+    acc: &Array<Vector<f32, Const<2>>>,
+    scales_a: &[f32],
+    scales_b: &[f32],
+    soff: usize,
+    row0: usize,
+    k: usize,
+    n_out: usize,
+    spr: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] cube: FragCube,
+) {
+    #[unroll]
+    for m in 0..comptime!(cube.m_tiles) {
+        #[unroll]
+        for block in 0..comptime!(cube.blocks) {
+            let f = fragment_index(m, 0, block, swiglu, cube);
+            add_scaled_fragment(
+                total, acc, f, block, scales_a, soff, row0, k, n_out, spr, fmt, group, cube,
+            );
+            if comptime!(swiglu) {
+                let f = fragment_index(m, 1, block, swiglu, cube);
+                add_scaled_fragment(
+                    total, acc, f, block, scales_b, soff, row0, k, n_out, spr, fmt, group, cube,
+                );
+            }
+        }
+    }
+}
+
+/// The unit's plane of output rows: `UNIT_POS_Y` where every plane has its own rows, else its place
+/// among the cube's `4 / splits` planes of rows (the planes of one set of scale groups, [`split`]).
+#[cube]
+pub(super) fn row_plane(#[comptime] cube: FragCube) -> usize {
+    let mut plane = UNIT_POS_Y as usize;
+    if comptime!(cube.splits > 1) {
+        plane %= comptime!(cube.row_planes());
+    }
+    plane
+}
+
 /// Stores the unit's outputs into `y [assignments, n_out]`: the totals, or `silu(a) * b`, rounded once to
 /// `Y`.
 #[cube]
@@ -424,10 +533,8 @@ fn store_fragments<Y: Float>(
             #[unroll]
             for i in 0..4usize {
                 let a = a0 + m * MMA + g + 8 * (i / 2);
-                let r = row0
-                    + (UNIT_POS_Y as usize * comptime!(cube.blocks) + block) * N8
-                    + 2 * t
-                    + i % 2;
+                let r =
+                    row0 + (row_plane(cube) * comptime!(cube.blocks) + block) * N8 + 2 * t + i % 2;
                 if a < a_end && r < n_out {
                     let mut v = total[4 * fa + i];
                     if comptime!(swiglu) {

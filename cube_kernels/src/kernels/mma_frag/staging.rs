@@ -17,6 +17,16 @@ pub(super) const fn x_stride(chunk_steps: usize) -> usize {
     chunk_steps * MMA / 2 + ROW_PAD
 }
 
+/// Input pairs per staged row of the cube: a chunk's ([`x_stride`]), or all `whole_k` inputs' where
+/// they are staged whole (the split groups, [`super::split`]), padded alike.
+pub(super) const fn staged_x_stride(cube: FragCube) -> usize {
+    if cube.whole_k > 0 {
+        cube.whole_k / 2 + ROW_PAD
+    } else {
+        x_stride(cube.chunk_steps)
+    }
+}
+
 /// Packed words per row of a chunk of `chunk_steps` steps.
 pub(super) const fn chunk_words(fmt: u32, chunk_steps: usize) -> usize {
     chunk_steps * MMA / codes_per_word(fmt)
@@ -30,14 +40,19 @@ pub(super) const fn w_stride(fmt: u32, chunk_steps: usize) -> usize {
     words + (12 - words % 8) % 8
 }
 
-/// Packed words a unit loads per chunk and projection.
+/// Packed words a unit loads per chunk and projection: the cube's rows' chunk, once per set of scale
+/// groups (the same count at every split: fewer rows, more sets).
 pub(super) const fn words_per_unit(fmt: u32, cube: FragCube) -> usize {
-    (cube.rows() * chunk_words(fmt, cube.chunk_steps)).div_ceil(UNITS)
+    (cube.splits * cube.rows() * chunk_words(fmt, cube.chunk_steps)).div_ceil(UNITS)
 }
 
-/// Input pairs a unit loads per chunk.
+/// Input pairs a unit loads per chunk: none where the inputs are staged whole.
 const fn pairs_per_unit(cube: FragCube) -> usize {
-    (cube.assignments() * cube.chunk_steps * MMA / 2).div_ceil(UNITS)
+    if cube.whole_k > 0 {
+        0
+    } else {
+        (cube.assignments() * cube.chunk_steps * MMA / 2).div_ceil(UNITS)
+    }
 }
 
 /// Input values a unit holds between a chunk's loads and its stores.
@@ -50,7 +65,8 @@ pub(super) const fn held_inputs(cube: FragCube) -> usize {
 /// the layout measured without spills on sm_90 (8 steps of int8 held 48 and spilled).
 const MOST_HELD: usize = 32;
 
-/// Shared memory [`grouped_fragments`] allocates with the layout `cube` (its buffers of the staging),
+/// Shared memory [`grouped_fragments`] allocates with the layout `cube` (its buffers of the staging, and
+/// with split groups the inputs staged whole and the sets' sums exchanged),
 /// `operand_bytes`-byte operands, two projections with `swiglu`, and the scalar twin's exchange of the
 /// fragment registers (without `tensor_cores`), alignment padding included.
 pub fn grouped_fragments_shared_bytes(
@@ -60,15 +76,20 @@ pub fn grouped_fragments_shared_bytes(
     swiglu: bool,
     tensor_cores: bool,
 ) -> usize {
-    let xs = cube.buffers() * cube.assignments() * x_stride(cube.chunk_steps) * 2 * operand_bytes;
-    let ws = cube.buffers() * cube.rows() * w_stride(fmt, cube.chunk_steps) * 4;
+    let xs = if cube.whole_k > 0 {
+        cube.staged_rows * staged_x_stride(cube)
+    } else {
+        cube.buffers() * cube.assignments() * x_stride(cube.chunk_steps)
+    } * 2
+        * operand_bytes;
+    let ws = cube.buffers() * cube.splits * cube.rows() * w_stride(fmt, cube.chunk_steps) * 4;
     let wb = if swiglu { ws } else { 4 };
     let exchange = if tensor_cores {
         0
     } else {
         UNITS * EXCHANGE_REGS * 2 * operand_bytes
     };
-    xs + ws + wb + exchange + 5 * SHARED_ALIGN
+    xs + ws + wb + exchange + super::split::partials_bytes(cube, swiglu) + 5 * SHARED_ALIGN
 }
 
 /// The most K steps per chunk, a power of two, for the cube `layout` (its own `chunk_steps` aside): at
@@ -101,7 +122,7 @@ pub fn fragment_chunk_steps(
 /// `gather`, else row `a0 + r`; 0 past the tile's `len` assignments. Looked up at each chunk rather than
 /// held in registers (the lookup is an L1 hit, and the chunk's loads go out a chunk ahead).
 #[cube]
-fn input_row(
+pub(super) fn input_row(
     table: &[u32],
     rows_at: usize,
     a0: usize,
@@ -294,6 +315,9 @@ mod tests {
             decode: PairDecode::Scalar,
             full_chunks: false,
             double_buffer,
+            splits: 1,
+            whole_k: 0,
+            staged_rows: 16,
         };
         let one_tile = layout(1, 2, false);
         // The whole group of int4-g128 (8 steps), four of int8-pc's 128 (the same bytes; eight would
@@ -375,6 +399,52 @@ mod tests {
             banks.sort_unstable();
             banks.dedup();
             assert_eq!(banks.len(), 32, "{chunk_steps} steps");
+        }
+    }
+
+    /// Splitting the scale groups among sets of planes keeps what a unit holds (its weights' words: the
+    /// same count at 1, 2 and 4 sets, and no inputs, which are staged whole) while the cube's rows
+    /// shrink with the sets; the shared memory then holds all the inputs (Qwen3-30B-A3B's gate-up: 16
+    /// rows of 2048 bf16 inputs, 64 KiB and their padding) and the sets' sums.
+    #[test]
+    fn split_groups_hold_the_same_words_and_stage_whole_inputs() {
+        let int4 = 0;
+        let cube = FragCube {
+            chunk_steps: 8,
+            m_tiles: 1,
+            blocks: 2,
+            decode: PairDecode::Bf16,
+            full_chunks: true,
+            double_buffer: false,
+            splits: 1,
+            whole_k: 0,
+            staged_rows: 16,
+        };
+        assert_eq!(cube.with_split_groups(1, 2048, 8), cube);
+        let unsplit = grouped_fragments_shared_bytes(int4, cube, 2, true, true);
+        for (splits, rows) in [(1, 64), (2, 32), (4, 16)] {
+            let split = cube.with_split_groups(splits, 2048, 16);
+            assert_eq!((split.rows(), split.row_planes()), (rows, 4 / splits));
+            assert_eq!(words_per_unit(int4, split), words_per_unit(int4, cube));
+            if splits > 1 {
+                assert_eq!((split.whole_k, held_inputs(split)), (2048, 0));
+                assert_eq!(staged_x_stride(split), 1024 + ROW_PAD);
+                let bytes = grouped_fragments_shared_bytes(int4, split, 2, true, true);
+                let inputs = 16 * (1024 + ROW_PAD) * 4;
+                assert!(
+                    bytes > unsplit + inputs - 16 * x_stride(8) * 4,
+                    "{splits}: {bytes}"
+                );
+                assert!(bytes < 227 << 10, "{splits}: {bytes}");
+                // A one-token decode step (top-8: at most 8 assignments per tile) stages 8 rows, a
+                // call of 3 assignments 4: the inputs' bytes shrink with them.
+                for (most, staged) in [(8, 8), (3, 4), (1, 1), (40, 16)] {
+                    let fewer = cube.with_split_groups(splits, 2048, most);
+                    assert_eq!(fewer.staged_rows, staged);
+                    let saved = bytes - grouped_fragments_shared_bytes(int4, fewer, 2, true, true);
+                    assert_eq!(saved, (16 - staged) * (1024 + ROW_PAD) * 4);
+                }
+            }
         }
     }
 }
