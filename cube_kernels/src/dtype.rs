@@ -102,6 +102,12 @@ impl ActDType {
             })
     }
 
+    /// Whether `props` offer `ldmatrix` on operands of this half type (the fragment tiles'
+    /// `FragmentShape::with_ldmatrix`).
+    pub fn has_ldmatrix_on(self, props: &DeviceProperties) -> bool {
+        self != ActDType::F32 && props.features.matmul.ldmatrix.contains(&self.elem())
+    }
+
     /// `v` rounded to this type (round to nearest, ties to even; f32 unchanged) and widened back to f32
     /// exactly: the host side of the precision contract, `y_F = round(y_f32)`.
     pub fn round(self, v: f32) -> f32 {

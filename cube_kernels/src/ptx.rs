@@ -345,6 +345,7 @@ pub fn compile_fragment_tiles(
                 format,
                 tensor_cores,
                 (1, 2, false, false, 1),
+                false,
             ));
         }
     }
@@ -362,7 +363,15 @@ pub fn compile_fragment_tiles(
         (1, 1, true, false, 4),
         (1, 2, true, true, 2),
     ] {
-        out.extend(compile_fragment_layout(target, int4, true, shape));
+        out.extend(compile_fragment_layout(target, int4, true, shape, false));
+    }
+    // The A fragments by ldmatrix: the default layout with pairs, 4 tiles, and split groups.
+    for shape in [
+        (1, 2, true, false, 1),
+        (4, 1, true, false, 1),
+        (1, 2, true, false, 4),
+    ] {
+        out.extend(compile_fragment_layout(target, int4, true, shape, true));
     }
     out
 }
@@ -378,12 +387,15 @@ fn compile_fragment_layout(
     format: WeightFormat,
     tensor_cores: bool,
     (m_tiles, blocks, pair, double_buffer, splits): (usize, usize, bool, bool, usize),
+    ldmatrix: bool,
 ) -> Vec<Result<CompiledKernel, KernelError>> {
     let (fmt, group) = (format.kernel_code(), format.kernel_group());
     // int8-pc's one group spans the row: Qwen3-30B-A3B's 2048 inputs.
     let steps_per_scale = if fmt == 1 { 128 } else { group / mma::MMA };
     let shape = match crate::FragmentShape::new(m_tiles, blocks, pair) {
-        Ok(shape) => shape.with_double_buffer(double_buffer),
+        Ok(shape) => shape
+            .with_double_buffer(double_buffer)
+            .with_ldmatrix(ldmatrix),
         Err(e) => return vec![Err(e)],
     };
     let mut out = Vec::new();
@@ -413,7 +425,7 @@ fn compile_fragment_layout(
                 .cube((m_tiles, chunk_steps, full), fmt, path)
                 .with_split_groups(splits, inn, DECODE_ROWS);
             let name = format!(
-                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}{}{}",
+                "Fragments {kind} {} {input}->{operand} {} {m_tiles}x{} rows chunk {chunk_steps}{}{}{}{}{}",
                 format.name(),
                 if tensor_cores {
                     "tensor-cores"
@@ -432,7 +444,8 @@ fn compile_fragment_layout(
                     format!(" groups in {splits} sets")
                 } else {
                     String::new()
-                }
+                },
+                if cube.ldmatrix { " ldmatrix" } else { "" }
             );
             let p = placeholder;
             out.push(compile_dummy!(

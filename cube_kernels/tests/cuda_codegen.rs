@@ -147,8 +147,9 @@ fn tensor_core_tiles_compile_for_sm90_and_use_the_instruction() {
 fn fragment_tiles_compile_for_sm90_and_use_the_instruction() {
     let results = compile_fragment_tiles(H200, &formats(TILE_FORMATS));
     // 5 formats x (MoE gate-up, MoE down, dense) x 3 operand pairs x (instruction, emulation), then
-    // 10 more layouts of int4-g128 on the instruction (3 of them with the scale groups split).
-    assert_eq!(results.len(), 5 * 3 * 3 * 2 + 10 * 3 * 3);
+    // 13 more layouts of int4-g128 on the instruction (3 of them with the scale groups split, 3 with
+    // the A fragments by ldmatrix).
+    assert_eq!(results.len(), 5 * 3 * 3 * 2 + 13 * 3 * 3);
     let failures = check(results);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -734,23 +734,28 @@ mod imp {
     /// The fragment tiles' layouts a table times and checks, by the suffix of their rows: as `frag` is,
     /// with chunks of 2 K steps (`-c2`: fewer registers, more cubes per multiprocessor), with the staging
     /// in two buffers (`-db`: one barrier per chunk), and in the other [`FragmentShape`]s with int4 codes
-    /// decoded two at a time: one tile of 16 assignments per cube (`-pairs`), two tiles sharing each
-    /// decoded weight with 32 rows per cube (`-m2`) or 64 (`-m2x64`), four with 32 (`-m4`, and `-m4-db`
-    /// with two buffers).
+    /// decoded two at a time: one tile of 16 assignments per cube (`-pairs`, and `-ldm` with the A
+    /// fragments read by `ldmatrix`), two tiles sharing each decoded weight with 32 rows per cube
+    /// (`-m2`) or 64 (`-m2x64`), four with 32 (`-m4`, `-m4-db` with two buffers, `-m4-ldm` with
+    /// `ldmatrix`).
     fn fragment_variants(frag: &Kernels) -> anyhow::Result<Vec<(&'static str, Kernels)>> {
         let mut variants = vec![
             ("", frag.clone()),
             ("-c2", frag.clone().with_fragment_chunk_steps(Some(2))),
         ];
-        for (suffix, m_tiles, blocks, pairs, two) in [
-            ("-db", 1, 2, false, true),
-            ("-pairs", 1, 2, true, false),
-            ("-m2", 2, 1, true, false),
-            ("-m2x64", 2, 2, true, false),
-            ("-m4", 4, 1, true, false),
-            ("-m4-db", 4, 1, true, true),
+        for (suffix, m_tiles, blocks, pairs, two, ldmatrix) in [
+            ("-db", 1, 2, false, true, false),
+            ("-pairs", 1, 2, true, false, false),
+            ("-ldm", 1, 2, true, false, true),
+            ("-m2", 2, 1, true, false, false),
+            ("-m2x64", 2, 2, true, false, false),
+            ("-m4", 4, 1, true, false, false),
+            ("-m4-db", 4, 1, true, true, false),
+            ("-m4-ldm", 4, 1, true, false, true),
         ] {
-            let shape = FragmentShape::new(m_tiles, blocks, pairs)?.with_double_buffer(two);
+            let shape = FragmentShape::new(m_tiles, blocks, pairs)?
+                .with_double_buffer(two)
+                .with_ldmatrix(ldmatrix);
             variants.push((suffix, frag.clone().with_fragment_shape(shape)));
         }
         Ok(variants)

@@ -31,6 +31,7 @@ pub struct FragmentShape {
     pair_decode: bool,
     double_buffer: bool,
     group_splits: usize,
+    ldmatrix: bool,
 }
 
 impl Default for FragmentShape {
@@ -41,6 +42,7 @@ impl Default for FragmentShape {
             pair_decode: false,
             double_buffer: false,
             group_splits: 1,
+            ldmatrix: false,
         }
     }
 }
@@ -70,7 +72,20 @@ impl FragmentShape {
             pair_decode,
             double_buffer: false,
             group_splits: 1,
+            ldmatrix: false,
         })
+    }
+
+    /// This shape with the A fragments read by `ldmatrix` when `on` (on the instruction only: the
+    /// scalar twin has no such load; `FragCube::ldmatrix`).
+    pub fn with_ldmatrix(mut self, on: bool) -> Self {
+        self.ldmatrix = on;
+        self
+    }
+
+    /// Whether the A fragments are read by `ldmatrix` on the instruction.
+    pub fn ldmatrix(&self) -> bool {
+        self.ldmatrix
     }
 
     /// This shape with the scale groups of a call with few cubes split among up to `splits` (1, 2 or
@@ -164,6 +179,7 @@ impl FragmentShape {
             splits: 1,
             whole_k: 0,
             staged_rows: MMA,
+            ldmatrix: self.ldmatrix && tensor_cores,
             decode: if self.pair_decode && tensor_cores {
                 PairDecode::for_codes(fmt, operand)
             } else {
@@ -255,6 +271,16 @@ impl Kernels {
             return Err(KernelError::Unsupported(format!(
                 "fragment tiles for {format:?} weights with {operand} operands on {}: no manual \
                  m16n8k16 {operand}-operand instruction",
+                self.device_name()
+            )));
+        }
+        if tensor_cores
+            && self.fragment_shape.ldmatrix
+            && !operand.has_ldmatrix_on(self.client.properties())
+        {
+            return Err(KernelError::Unsupported(format!(
+                "fragment tiles reading their A fragments by ldmatrix with {operand} operands on {}: \
+                 no ldmatrix for {operand}",
                 self.device_name()
             )));
         }

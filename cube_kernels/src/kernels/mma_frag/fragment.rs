@@ -20,6 +20,68 @@ pub(super) fn a_fragments<X: Float>(
     s: usize,
     #[comptime] cube: FragCube,
 ) -> Array<Vector<X, Const<2>>> {
+    if comptime!(cube.ldmatrix) {
+        a_fragments_ldmatrix::<X>(xs, base, s, cube)
+    } else {
+        a_fragments_loaded::<X>(xs, base, s, cube)
+    }
+}
+
+/// [`a_fragments`] by one `ldmatrix.x4` per tile (on the instruction only): matrix `n` of the four
+/// holds rows `8 (n % 2) ..` and inputs `8 (n / 2) ..` of the tile's 16 x 16, so its register `n` in
+/// every lane is register `n` of the `m16n8k16` A layout; lane `l` addresses row `l % 8` of matrix
+/// `l / 8`, 16 bytes (4 pairs) at a 16-byte boundary (the staged rows' strides are multiples of 4
+/// pairs, [`staged_x_stride`]).
+#[cube]
+fn a_fragments_ldmatrix<X: Float>(
+    xs: &Shared<[Vector<X, Const<2>>]>,
+    base: usize,
+    s: usize,
+    #[comptime] cube: FragCube,
+) -> Array<Vector<X, Const<2>>> {
+    let lane = UNIT_POS_X as usize;
+    let (matrix, i) = (lane / 8, lane % 8);
+    let xstride = comptime!(staged_x_stride(cube));
+    let def = cmma::MmaDefinition::<X, X, f32>::new(MMA, N8, MMA);
+    let mut regs = Array::<Vector<X, Const<2>>>::new(comptime!(4 * cube.m_tiles));
+    #[unroll]
+    for m in 0..comptime!(cube.m_tiles) {
+        let row = staged_row(m * MMA + i + 8 * (matrix % 2), cube);
+        let start = base + row * xstride + s * (MMA / 2) + 4 * (matrix / 2);
+        let tile = def.load_matrix::<Vector<X, Const<2>>, Const<2>>(
+            &xs[start..start + 4],
+            cmma::MatrixIdent::A,
+            4usize,
+            false,
+        );
+        #[unroll]
+        for r in 0..4usize {
+            regs[4 * m + r] = tile[r];
+        }
+    }
+    regs
+}
+
+/// The staged row that holds the inputs of the cube's assignment row `row`: itself, or where the inputs
+/// are staged whole for fewer rows than 16, a staged row again (rows past the tile's assignments, whose
+/// outputs are never stored).
+#[cube]
+fn staged_row(row: usize, #[comptime] cube: FragCube) -> usize {
+    let mut row = row;
+    if comptime!(cube.whole_k > 0 && cube.staged_rows < MMA) {
+        row %= comptime!(cube.staged_rows);
+    }
+    row
+}
+
+/// [`a_fragments`] by 4 loads of one operand pair per tile.
+#[cube]
+fn a_fragments_loaded<X: Float>(
+    xs: &Shared<[Vector<X, Const<2>>]>,
+    base: usize,
+    s: usize,
+    #[comptime] cube: FragCube,
+) -> Array<Vector<X, Const<2>>> {
     let lane = UNIT_POS_X as usize;
     let (g, t) = (lane / 4, lane % 4);
     let xstride = comptime!(staged_x_stride(cube));
@@ -28,12 +90,7 @@ pub(super) fn a_fragments<X: Float>(
     for m in 0..comptime!(cube.m_tiles) {
         #[unroll]
         for r in 0..4usize {
-            let mut row = m * MMA + g + (r % 2) * 8;
-            if comptime!(cube.whole_k > 0 && cube.staged_rows < MMA) {
-                // Rows past the staged ones (past the tile's assignments) read staged ones again:
-                // their outputs are never stored.
-                row %= comptime!(cube.staged_rows);
-            }
+            let row = staged_row(m * MMA + g + (r % 2) * 8, cube);
             let pair = s * (MMA / 2) + (r / 2) * 4 + t;
             regs[4 * m + r] = xs[base + row * xstride + pair];
         }

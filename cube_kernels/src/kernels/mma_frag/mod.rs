@@ -111,7 +111,9 @@ impl PairDecode {
 /// splits` planes of rows, set `q` taking groups `q, q + splits, ..`, with the inputs of all `whole_k`
 /// inputs staged once, `staged_rows` rows of them: at least the most assignments a tile of the call
 /// holds, a power of two up to 16, the instruction's other rows reading those rows again, as their
-/// outputs are never stored; [`split`]). The bits never depend on it.
+/// outputs are never stored; [`split`]); and `ldmatrix`: on the instruction, each tile's A fragment
+/// read from shared memory by one `ldmatrix.x4` (the 4 registers of 8 x 8 operand matrices, rows
+/// addressed by the plane's lanes) instead of 4 loads of 4 bytes. The bits never depend on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FragCube {
     pub chunk_steps: usize,
@@ -123,6 +125,7 @@ pub struct FragCube {
     pub splits: usize,
     pub whole_k: usize,
     pub staged_rows: usize,
+    pub ldmatrix: bool,
 }
 
 impl FragCube {
@@ -585,6 +588,27 @@ mod tests {
                     let code = |i: u32| stored((word >> (4 * i)) & 15);
                     assert_eq!(got, [code(j), code(j + 1)], "{decode:?} {word:#x} code {j}");
                 }
+            }
+        }
+    }
+
+    /// The `ldmatrix.x4` addressing of [`fragment::a_fragments`] (mirrored: lane `l` gives the address of
+    /// row `l % 8 + 8 ((l / 8) % 2)` at input `8 (l / 16)`), with the PTX ISA's distribution of the
+    /// four 8 x 8 matrices (register `n` of lane `l` holds row `l / 4` of matrix `n`, columns `2 (l %
+    /// 4)` and the next, matrix `n`'s rows being those the lanes `8 n ..` address), puts in every lane's
+    /// register `r` the inputs the `m16n8k16` A layout puts there (row `g + 8 (r % 2)`, inputs `2 t + 8
+    /// (r / 2)` and the next): the loads by pairs and by `ldmatrix` fill the same registers.
+    #[test]
+    fn ldmatrix_rows_fill_the_a_fragment_layout() {
+        // The (row, first input) lane `l` addresses.
+        let address = |l: usize| (l % 8 + 8 * ((l / 8) % 2), 8 * (l / 16));
+        for lane in 0..32 {
+            let (g, t) = (lane / 4, lane % 4);
+            for n in 0..4 {
+                let (row, k0) = address(8 * n + g);
+                let by_ldmatrix = (row, k0 + 2 * t);
+                let by_layout = (g + 8 * (n % 2), 2 * t + 8 * (n / 2));
+                assert_eq!(by_ldmatrix, by_layout, "lane {lane} register {n}");
             }
         }
     }

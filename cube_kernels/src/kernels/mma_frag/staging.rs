@@ -318,6 +318,7 @@ mod tests {
             splits: 1,
             whole_k: 0,
             staged_rows: 16,
+            ldmatrix: false,
         };
         let one_tile = layout(1, 2, false);
         // The whole group of int4-g128 (8 steps), four of int8-pc's 128 (the same bytes; eight would
@@ -419,6 +420,7 @@ mod tests {
             splits: 1,
             whole_k: 0,
             staged_rows: 16,
+            ldmatrix: false,
         };
         assert_eq!(cube.with_split_groups(1, 2048, 8), cube);
         let unsplit = grouped_fragments_shared_bytes(int4, cube, 2, true, true);
