@@ -151,15 +151,17 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   # prefill and training sizes, every kernel (moe/mma: the tensor-core tiles) checked, each tiles order
   # also bitwise against the same tokens one at a time, and timed against burn's bf16 matmul on the same
   # FLOPs (moe/mma-frag, -frag-c2: the same order on the fragment tiles, and their other layouts
-  # -frag-pairs, -frag-m2, -frag-m2x64, -frag-m4, each with the count of values that differ from
-  # moe/mma's); at 1-64 tokens moe/decode-fused, moe/decode-split and moe/decode-graph (the split launches
-  # recorded once as a CUDA graph and replayed) are the decode target (% of copy, from ids on the device
-  # as a rollout routes them). QARL_GPU_CHECK_MOE=0 skips it;
-  # QARL_GPU_CHECK_MOE_TIMEOUT (default 260) bounds it; QARL_GPU_CHECK_MOE_TOKENS and _ITERS set the
+  # -frag-pairs, -frag-ldm, -frag-m2, -frag-m2x64, -frag-m4, -frag-m4-db, -frag-m4-ldm, each with the
+  # count of values that differ from moe/mma's); at 1-64 tokens moe/decode-fused, moe/decode-split and
+  # moe/decode-graph (the split launches recorded once as a CUDA graph and replayed), and in the tensor-core
+  # order moe/decode-mma, -mma-frag(-graph) and -mma-frag-s4(-graph) (the scale groups split among sets
+  # of planes) are the decode target (% of copy, from ids on the device as a rollout routes them).
+  # QARL_GPU_CHECK_MOE=0 skips it;
+  # QARL_GPU_CHECK_MOE_TIMEOUT (default 300) bounds it; QARL_GPU_CHECK_MOE_TOKENS and _ITERS set the
   # token counts and the timed iterations.
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_MOE:-1}" = 1 ]; then
     echo "== MoE block at prefill and training sizes on cuda =="
-    timeout "${QARL_GPU_CHECK_MOE_TIMEOUT:-260}" "${launch[@]}" bench kernels --runtime cuda --check \
+    timeout "${QARL_GPU_CHECK_MOE_TIMEOUT:-300}" "${launch[@]}" bench kernels --runtime cuda --check \
       --formats int4-g128 --tokens "${QARL_GPU_CHECK_MOE_TOKENS:-1,16,64,256,1024,4096}" --act-dtype bf16 \
       --iters "${QARL_GPU_CHECK_MOE_ITERS:-20}" \
       --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1
