@@ -113,12 +113,14 @@ TOML
       # warm up, so one timed step.
       # On the GPU, with bf16 activations (mixed precision): `off` (burn's bf16 matmul from 64 rows),
       # deterministic on the tensor-core tiles (`train.tensor_cores`; also on the fragment tiles,
-      # `train.tensor_core_kernel = "fragments"`) and in the canonical order: what
+      # `train.tensor_core_kernel = "fragments"`, and with its scale groups split where the cubes are few,
+      # `train.fragment_group_splits = 4`) and in the canonical order: what
       # exactness costs (issue 28's target: within 1.3x). Each variant is its own process (it compiles its kernels again), so the bf16 ones the target is
       # about come by default and the f32 pair with QARL_GPU_CHECK_STEP_F32=1.
       local steps=(--steps 2 --warmup 1 --variant off-bf16:train.deterministic=false,train.activations=bf16
         --variant det-bf16-tc:train.deterministic=true,train.activations=bf16,train.tensor_cores=true
         --variant det-bf16-frag:train.deterministic=true,train.activations=bf16,train.tensor_cores=true,train.tensor_core_kernel=fragments
+        --variant det-bf16-frag-s4:train.deterministic=true,train.activations=bf16,train.tensor_cores=true,train.tensor_core_kernel=fragments,train.fragment_group_splits=4
         --variant det-bf16:train.deterministic=true,train.activations=bf16)
       [ "${QARL_GPU_CHECK_STEP_F32:-0}" = 1 ] &&
         steps+=(--variant det:train.deterministic=true --variant off:train.deterministic=false)

@@ -70,6 +70,28 @@ fn fragment_tiles_keep_the_rollout_and_the_training_forward_bitwise_equal() {
     );
 }
 
+/// The same with the fragment tiles' scale groups split among up to 4 sets of planes
+/// (`train.fragment_group_splits = 4`; on lavapipe, whose runtime names no multiprocessors, every call
+/// whose groups allow it splits: the fixture's q/k/v/gate/up (2 groups of int4-g32), o (4) and dense
+/// down (3) products): rollout and training forward bitwise equal, both on the split kernels (their
+/// counter moves in each), and the tiles' log-probs.
+#[test]
+fn split_scale_groups_keep_the_rollout_and_the_training_forward_bitwise_equal() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    qarl::ops::set_fragment_group_splits(4);
+    let before = qarl::ops::split_group_products();
+    let split = rollout_and_training_forward_agree(true);
+    let after = qarl::ops::split_group_products();
+    qarl::ops::set_fragment_group_splits(1);
+    let Some(split) = split else { return };
+    assert!(after > before, "no product ran on the split kernels");
+    let on_tiles = rollout_and_training_forward_agree(false).unwrap();
+    assert_eq!(
+        split, on_tiles,
+        "the split scale groups gave other log-probs than the tiles' twin"
+    );
+}
+
 /// The checks of [`tiles_keep_the_rollout_and_the_training_forward_bitwise_equal`] with the tiles'
 /// order on the fragment tiles when `fragments`; the rollout's log-prob bits, or `None` without an
 /// adapter or f16.

@@ -120,6 +120,30 @@ fn tensor_cores_are_refused_where_the_tiles_cannot_run() {
     let bad = [half.as_slice(), &["train.tensor_core_kernel=wmma"]].concat();
     let err = format!("{:#}", load(&bad).unwrap_err());
     assert!(err.contains("wmma"), "{err}");
+    // The fragment tiles' split scale groups: 1 by default, 2 or 4 on the fragment tiles, another count
+    // or another kernel refused with the key named.
+    assert_eq!(cfg.train.fragment_group_splits, 1);
+    for n in [2, 4] {
+        let set = format!("train.fragment_group_splits={n}");
+        let sets = [frag.as_slice(), &[set.as_str()]].concat();
+        assert_eq!(load(&sets).unwrap().train.fragment_group_splits, n);
+    }
+    for (sets, want) in [
+        (
+            [frag.as_slice(), &["train.fragment_group_splits=3"]].concat(),
+            "1, 2 or 4",
+        ),
+        (
+            [half.as_slice(), &["train.fragment_group_splits=4"]].concat(),
+            "needs `train.tensor_core_kernel` = \"fragments\"",
+        ),
+    ] {
+        let err = format!("{:#}", load(&sets).unwrap_err());
+        assert!(
+            err.contains("train.fragment_group_splits") && err.contains(want),
+            "{sets:?}: {err}"
+        );
+    }
     // A command's `--backend` flag is validated with the rest: on the default (flex) config the setting
     // needs it, and gets it.
     let sets = ["train.tensor_cores=true", "train.activations=bf16"].map(String::from);

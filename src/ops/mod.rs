@@ -51,8 +51,9 @@ pub use backend::BackendKind;
 use dtype::{as_dtype, f32_of, in_f32};
 pub use packed::{ExpertWeights, PackedWeight, QuantizedWeight};
 pub use switches::{
-    check_poison_env, deterministic, fragment_tiles, grouped_experts, poison_outputs,
-    set_deterministic, set_fragment_tiles, set_grouped_experts, set_tensor_tiles, tensor_tiles,
+    check_poison_env, deterministic, fragment_group_splits, fragment_tiles, grouped_experts,
+    poison_outputs, set_deterministic, set_fragment_group_splits, set_fragment_tiles,
+    set_grouped_experts, set_tensor_tiles, tensor_tiles,
 };
 
 use burn::backend::tensor::{FloatTensor, IntTensor};
@@ -615,6 +616,22 @@ pub(crate) fn count_fragment_tile_product() {
 /// "fragments"`): a debug counter tests use to see that the setting reached the kernels.
 pub fn fragment_tile_products() -> u64 {
     FRAGMENT_TILE_PRODUCTS.load(Ordering::Relaxed)
+}
+
+static SPLIT_GROUP_PRODUCTS: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a product launched on fragment tiles whose layout splits the scale groups of calls with few
+/// cubes.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+pub(crate) fn count_split_group_product() {
+    SPLIT_GROUP_PRODUCTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many of [`fragment_tile_products`] ran on kernels that split the scale groups of calls with few
+/// cubes (`train.fragment_group_splits` above 1): a debug counter tests use to see that the setting
+/// reached the kernels.
+pub fn split_group_products() -> u64 {
+    SPLIT_GROUP_PRODUCTS.load(Ordering::Relaxed)
 }
 
 static GROUPED_MOE_BACKWARDS: AtomicU64 = AtomicU64::new(0);

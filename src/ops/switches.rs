@@ -2,7 +2,7 @@
 //! default), the order of its low-bit products on the CubeCL backends (canonical or tensor-core tiles), and
 //! whether MoE layers take the grouped-experts op where the backend has one.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 
 use burn::tensor::DType;
 
@@ -73,6 +73,22 @@ pub fn set_fragment_tiles(on: bool) {
 /// Whether the tensor-core tiles' order runs on the fragment tiles ([`set_fragment_tiles`]).
 pub fn fragment_tiles() -> bool {
     FRAGMENT_TILES.load(Ordering::Relaxed)
+}
+
+/// The most sets of planes among which the fragment tiles split a call's scale groups where its cubes
+/// are few (`train.fragment_group_splits`; `cube_kernels::FragmentShape::with_group_splits`): a layout
+/// choice that keeps every bit, process-wide like [`set_fragment_tiles`] so a rollout and the training
+/// forward launch alike.
+static FRAGMENT_GROUP_SPLITS: AtomicUsize = AtomicUsize::new(1);
+
+/// Sets [`fragment_group_splits`] (1, 2 or 4; the config checks the value).
+pub fn set_fragment_group_splits(splits: usize) {
+    FRAGMENT_GROUP_SPLITS.store(splits, Ordering::Relaxed);
+}
+
+/// The most sets of planes the fragment tiles split scale groups among ([`set_fragment_group_splits`]).
+pub fn fragment_group_splits() -> usize {
+    FRAGMENT_GROUP_SPLITS.load(Ordering::Relaxed)
 }
 
 /// Whether the CubeCL kernels fill every fresh output with all-ones bits (NaN) before a kernel writes it

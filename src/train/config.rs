@@ -203,6 +203,11 @@ pub struct RlConfig {
     /// `tensor_cores = true`.
     #[serde(default)]
     pub tensor_core_kernel: TensorCoreKernel,
+    /// With `tensor_core_kernel = "fragments"`: the most sets of planes (1, 2 or 4) among which a call
+    /// whose cubes are few (a decode step) splits its scale groups (`cube_kernels::FragmentShape::
+    /// with_group_splits`): more of each weight row in flight, the same bits. 1 (the default): never.
+    #[serde(default = "default_fragment_group_splits")]
+    pub fragment_group_splits: usize,
     /// Where `lp_old` is taken from the rollout's record (deterministic mode, aligned forward, one update per
     /// step: the same bits), recompute it with a forward anyway and stop with an error if any token differs.
     #[serde(default)]
@@ -228,6 +233,10 @@ fn default_max_nonfinite_steps() -> usize {
 
 fn default_adam_eps() -> f32 {
     1e-5
+}
+
+fn default_fragment_group_splits() -> usize {
+    1
 }
 
 fn default_schedule() -> LrSchedule {
@@ -449,6 +458,19 @@ impl TrainConfig {
             t.grad_clip,
             "a finite number >= 0 (0 = off)",
         )?;
+        check(
+            [1, 2, 4].contains(&t.fragment_group_splits),
+            "train.fragment_group_splits",
+            t.fragment_group_splits,
+            "1, 2 or 4 (the planes of a fragment tiles' cube)",
+        )?;
+        if t.fragment_group_splits > 1 && t.tensor_core_kernel != TensorCoreKernel::Fragments {
+            anyhow::bail!(
+                "`train.fragment_group_splits` = {} needs `train.tensor_core_kernel` = \"fragments\": \
+                 only the fragment tiles split their scale groups",
+                t.fragment_group_splits
+            );
+        }
         if t.tensor_cores {
             self.check_tensor_cores()?;
         } else if t.tensor_core_kernel != TensorCoreKernel::Tiles {

@@ -209,7 +209,8 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
 }
 
 /// Sets what `cfg` decides for the whole process: deterministic mode (`train.deterministic`) and the order of
-/// its low-bit products (`train.tensor_cores`, on the kernels `train.tensor_core_kernel` names). Every command that computes from a training config calls it
+/// its low-bit products (`train.tensor_cores`, on the kernels `train.tensor_core_kernel` names, their
+/// scale groups split as `train.fragment_group_splits` says). Every command that computes from a training config calls it
 /// first (train, sft, bench step), so the warm start, the RL steps and the evaluations of a run all take
 /// the same mode.
 pub fn apply_process_modes(cfg: &TrainConfig) {
@@ -225,10 +226,14 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
             .tensor_cores
             .then(|| cfg.train.activations.dtype()),
     );
-    crate::ops::set_fragment_tiles(
-        cfg.train.tensor_cores
-            && cfg.train.tensor_core_kernel == config::TensorCoreKernel::Fragments,
-    );
+    let fragments = cfg.train.tensor_cores
+        && cfg.train.tensor_core_kernel == config::TensorCoreKernel::Fragments;
+    crate::ops::set_fragment_tiles(fragments);
+    crate::ops::set_fragment_group_splits(if fragments {
+        cfg.train.fragment_group_splits
+    } else {
+        1
+    });
 }
 
 /// Runs the RL loop of `cfg` with `opts`.

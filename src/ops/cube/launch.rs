@@ -19,7 +19,9 @@ use burn::tensor::{DType, Shape};
 use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::CubeBackend;
 use cube_kernels::context::MoeActivations;
-use cube_kernels::{ActDType, DeviceBuffer, DeviceWeights, Kernels, MatmulPath, PackedWeights};
+use cube_kernels::{
+    ActDType, DeviceBuffer, DeviceWeights, FragmentShape, Kernels, MatmulPath, PackedWeights,
+};
 
 use crate::ops::{ExpertWeights, PackedWeight};
 use crate::quant::QuantizedTensor;
@@ -30,7 +32,8 @@ use crate::quant::QuantizedTensor;
 pub(super) fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
     static CACHE: OnceLock<Mutex<HashMap<String, Arc<Kernels>>>> = OnceLock::new();
     let fragments = crate::ops::fragment_tiles();
-    let key = format!("{:?}/{fragments}", t.device);
+    let splits = crate::ops::fragment_group_splits();
+    let key = format!("{:?}/{fragments}/{splits}", t.device);
     let mut cache = CACHE
         .get_or_init(Default::default)
         .lock()
@@ -41,10 +44,22 @@ pub(super) fn kernels_for(t: &CubeTensor) -> Arc<Kernels> {
             Arc::new(
                 Kernels::from_client(t.client.clone())
                     .with_fragment_tiles(fragments)
+                    .with_fragment_shape(fragment_shape(splits))
                     .with_poisoned_outputs(crate::ops::poison_outputs()),
             )
         })
         .clone()
+}
+
+/// The fragment tiles' layout with the scale groups split among up to `splits` sets of planes (the
+/// config checked the value; another is reported once and taken as 1).
+fn fragment_shape(splits: usize) -> FragmentShape {
+    FragmentShape::default()
+        .with_group_splits(splits)
+        .unwrap_or_else(|e| {
+            tracing::warn!("{e}; the scale groups are not split");
+            FragmentShape::default()
+        })
 }
 
 type WeightCache = HashMap<(usize, String), (Weak<QuantizedTensor>, DeviceWeights)>;
@@ -234,6 +249,9 @@ fn product_path(kernels: &Kernels) -> MatmulPath {
     crate::ops::count_tensor_tile_product();
     if kernels.fragment_tiles() {
         crate::ops::count_fragment_tile_product();
+        if kernels.fragment_shape().group_splits() > 1 {
+            crate::ops::count_split_group_product();
+        }
     }
     MatmulPath::Tiles {
         tensor_cores,
