@@ -896,7 +896,7 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
     assert!(text.contains("copy 3759 GB/s"), "{text}");
     assert!(
         text.contains(
-            "int4-g128 bf16  4096 tokens: moe/mma-x1 4.86x the baseline's time (beyond 1.3x)"
+            "int4-g128 bf16  4096 tokens, tensor-core: moe/mma-x1 4.86x the baseline's time (beyond 1.3x)"
         ),
         "{text}"
     );

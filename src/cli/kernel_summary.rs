@@ -10,7 +10,7 @@ pub fn print_summaries(base: &str, rows: &[Value]) {
     print_summary(base, &moe_summary(rows));
     let layouts = fragment_summary(rows);
     if !layouts.is_empty() {
-        println!("Fragment tiles' layouts against the default (moe/mma-frag) and the tiles (moe/mma), fastest first:");
+        println!("Fragment tiles' layouts against the default (moe/mma-frag; at 64 tokens or fewer the decode step's moe/decode-mma-frag) and the tiles, fastest first:");
         for line in layouts {
             println!("  {line}");
         }
@@ -111,7 +111,9 @@ fn print_summary(base: &str, lines: &[String]) {
 
 /// For each MoE call above 64 tokens whose default fragment layout was timed (`moe/mma-frag`), every
 /// fragment row (`moe/mma-frag*`) and the tiles (`moe/mma`) as a ratio of the default's time, fastest
-/// first: which layout `FragmentShape`'s default should be at that size.
+/// first: which layout `FragmentShape`'s default should be at that size; and at 64 tokens or fewer the
+/// same for the decode step (`moe/decode-mma-frag*` and `moe/decode-mma` against
+/// `moe/decode-mma-frag`: whether to split the scale groups, and whether a graph pays).
 pub fn fragment_summary(rows: &[Value]) -> Vec<String> {
     let text = |r: &Value, k: &str| r[k].as_str().unwrap_or_default().to_string();
     let micros = |r: &Value| r["micros"].as_f64().unwrap_or(f64::NAN);
@@ -123,16 +125,27 @@ pub fn fragment_summary(rows: &[Value]) -> Vec<String> {
         )
     };
     let mut lines = Vec::new();
+    // The default row of a call's size, and the prefix of the rows ranked against it.
+    let family = |tokens: u64| {
+        if tokens > 64 {
+            ("moe/mma-frag", "moe/mma")
+        } else {
+            ("moe/decode-mma-frag", "moe/decode-mma")
+        }
+    };
     for default in rows.iter().filter(|r| {
-        text(r, "kernel") == "moe/mma-frag" && r["tokens"].as_u64().is_some_and(|n| n > 64)
+        r["tokens"]
+            .as_u64()
+            .is_some_and(|n| text(r, "kernel") == family(n).0)
     }) {
         let base = micros(default);
+        let (frag, tiles) = family(default["tokens"].as_u64().unwrap_or(0));
         let mut others: Vec<(String, f64)> = rows
             .iter()
             .filter(|r| key(r) == key(default))
             .filter(|r| {
                 let kernel = text(r, "kernel");
-                kernel == "moe/mma" || kernel.starts_with("moe/mma-frag")
+                kernel == tiles || kernel.starts_with(frag)
             })
             .map(|r| (text(r, "kernel"), micros(r) / base))
             .collect();
@@ -205,8 +218,9 @@ mod tests {
         );
     }
 
-    /// The layouts' line: every fragment row and the tiles as a ratio of the default's time, fastest
-    /// first, above 64 tokens only, decode rows and other kernels aside.
+    /// The layouts' lines: every fragment row and the tiles as a ratio of the default's time, fastest
+    /// first; above 64 tokens the prefill rows, at 64 or fewer the decode step's tensor-core rows (a
+    /// prefill row there, or the canonical decode, aside).
     #[test]
     fn fragment_layouts_are_ranked_against_the_default() {
         let row = |kernel: &str, tokens: u64, micros: f64| {
@@ -221,14 +235,21 @@ mod tests {
             row("moe/tiled", 4096, 100.0),
             row("moe/mma-frag", 64, 10.0),
             row("moe/mma-frag-m4", 64, 5.0),
+            row("moe/decode-mma-frag", 1, 40.0),
+            row("moe/decode-mma-frag-s4", 1, 20.0),
+            row("moe/decode-mma-frag-s4-graph", 1, 10.0),
+            row("moe/decode-mma", 1, 60.0),
+            row("moe/decode-split", 1, 5.0),
         ];
         assert_eq!(
             fragment_summary(&rows),
             [
                 "int4-g128 bf16  4096 tokens (1000.0 us): mma-frag-m4 0.50x, mma-frag-db 0.90x, \
-              mma-frag 1.00x, mma 4.00x"
+              mma-frag 1.00x, mma 4.00x",
+                "int4-g128 bf16     1 tokens (40.0 us): decode-mma-frag-s4-graph 0.25x, \
+              decode-mma-frag-s4 0.50x, decode-mma-frag 1.00x, decode-mma 1.50x"
             ]
         );
-        assert!(fragment_summary(&rows[4..]).is_empty());
+        assert!(fragment_summary(&rows[4..7]).is_empty());
     }
 }

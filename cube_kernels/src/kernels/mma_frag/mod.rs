@@ -28,8 +28,11 @@
 //! its rows of packed words per projection, loaded a chunk ahead into registers, into one buffer (two
 //! barriers per chunk) or two (one); row strides are padded so that a plane's fragment reads fall in
 //! distinct banks, and whole chunks skip the end-of-inputs checks. int4 codes with half operands may be
-//! decoded two at a time ([`PairDecode`]). No choice of the cube changes a bit: every output keeps its
-//! order, and only which unit computes it changes, so a launcher may choose the cube per call.
+//! decoded two at a time ([`PairDecode`]), and the A fragments read by `ldmatrix`. Where a call's cubes
+//! are few (a decode step), the planes may instead form 2 or 4 sets over fewer rows, each set computing
+//! every second or fourth scale group, set 0 adding the groups' sums in order ([`split`]). No choice of
+//! the cube changes a bit: every output keeps its order, and only which unit computes it changes, so a
+//! launcher may choose the cube per call.
 //!
 //! [`grouped_fragments`] without `tensor_cores` is the same staging, fragments and scale groups with the
 //! instruction emulated from the units' fragment registers (exchanged through shared memory, each output
@@ -381,32 +384,24 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
                     gather,
                     cube,
                 );
-                // Unrolled on the instruction; the emulation's shaders stay small (lavapipe compiles them).
-                #[unroll(tensor_cores)]
-                for s in 0..chunk_steps {
-                    if s0 + s < chunk_last {
-                        let a = a_fragments::<X>(&xs, xbase, s, cube);
-                        #[unroll]
-                        for block in 0..comptime!(cube.blocks) {
-                            block_step::<X>(
-                                &a,
-                                &wa,
-                                &wb,
-                                wbase,
-                                lut,
-                                &mut acc,
-                                &mut exchange,
-                                len,
-                                block,
-                                s,
-                                fmt,
-                                swiglu,
-                                tensor_cores,
-                                cube,
-                            );
-                        }
-                    }
-                }
+                multiply_chunk::<X>(
+                    &xs,
+                    xbase,
+                    0,
+                    s0,
+                    chunk_last,
+                    &wa,
+                    &wb,
+                    wbase,
+                    lut,
+                    &mut acc,
+                    &mut exchange,
+                    len,
+                    fmt,
+                    swiglu,
+                    tensor_cores,
+                    cube,
+                );
                 if comptime!(!cube.double_buffer) {
                     // One buffer: every unit is done with it before the next store.
                     sync_cube();
@@ -462,6 +457,57 @@ fn cube_assignments(
         }
     }
     (expert, a0, a_end)
+}
+
+/// The staged chunk's steps into the accumulators: for each step `s` of the chunk of steps `s0 ..
+/// chunk_last`, the A fragments of staged input step `a_step0 + s` (of the buffer at `xbase`) and, per
+/// block, the B fragments of staged word step `s` (of the words at `wbase`). Unrolled on the
+/// instruction; the emulation's shaders stay small (lavapipe compiles them).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn multiply_chunk<X: Float>(
+    xs: &Shared<[Vector<X, Const<2>>]>,
+    xbase: usize,
+    a_step0: usize,
+    s0: usize,
+    chunk_last: usize,
+    wa: &Shared<[u32]>,
+    wb: &Shared<[u32]>,
+    wbase: usize,
+    lut: &[f32],
+    acc: &mut Array<Vector<f32, Const<2>>>,
+    exchange: &mut Shared<[Vector<X, Const<2>>]>,
+    len: usize,
+    #[comptime] fmt: u32,
+    #[comptime] swiglu: bool,
+    #[comptime] tensor_cores: bool,
+    #[comptime] cube: FragCube,
+) {
+    #[unroll(tensor_cores)]
+    for s in 0..comptime!(cube.chunk_steps) {
+        if s0 + s < chunk_last {
+            let a = a_fragments::<X>(xs, xbase, a_step0 + s, cube);
+            #[unroll]
+            for block in 0..comptime!(cube.blocks) {
+                block_step::<X>(
+                    &a,
+                    wa,
+                    wb,
+                    wbase,
+                    lut,
+                    acc,
+                    exchange,
+                    len,
+                    block,
+                    s,
+                    fmt,
+                    swiglu,
+                    tensor_cores,
+                    cube,
+                );
+            }
+        }
+    }
 }
 
 /// `total += acc * scale` for every accumulator fragment of a scale group starting at input `k`: per

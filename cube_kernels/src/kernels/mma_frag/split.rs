@@ -27,24 +27,13 @@ use cubecl::prelude::*;
 
 use super::super::codes_per_word;
 use super::super::mma::{MMA, MMA_PLANE, SHARED_ALIGN};
-use super::fragment::{a_fragments, block_step, zero_fragments};
-use super::staging::{chunk_words, input_row, staged_x_stride, w_stride, words_per_unit};
-use super::{add_group, row_plane, store_fragments, FragCube, EXCHANGE_REGS, UNITS};
-
-/// Bytes of shared memory the sets' sums take: one accumulator fragment set per unit of the planes
-/// past set 0, with its alignment; 0 with one set.
-pub const fn partials_bytes(cube: FragCube, swiglu: bool) -> usize {
-    if cube.splits > 1 {
-        partials_len(cube, swiglu) * 8 + SHARED_ALIGN
-    } else {
-        0
-    }
-}
-
-/// Pairs of f32 sums the sets past set 0 hand over per round.
-const fn partials_len(cube: FragCube, swiglu: bool) -> usize {
-    (cube.splits - 1) * cube.row_planes() * MMA_PLANE * 2 * cube.fragments(swiglu)
-}
+use super::fragment::zero_fragments;
+use super::staging::{
+    chunk_words, input_row, partials_len, staged_x_stride, w_stride, words_per_unit,
+};
+use super::{
+    add_group, multiply_chunk, row_plane, store_fragments, FragCube, EXCHANGE_REGS, UNITS,
+};
 
 /// [`super::grouped_fragments`] with the scale groups split among `cube.splits` sets of planes (see the
 /// module's text), for the cube's assignments `a0 .. a_end` of the expert whose codes and scales start
@@ -181,30 +170,25 @@ pub(super) fn split_groups<I: Float, X: Float, Y: Float>(
                     cube,
                 );
             }
-            let s0 = first + c * chunk_steps;
-            #[unroll(tensor_cores)]
-            for s in 0..chunk_steps {
-                let a = a_fragments::<X>(&xs, 0, s0 + s, cube);
-                #[unroll]
-                for block in 0..comptime!(cube.blocks) {
-                    block_step::<X>(
-                        &a,
-                        &wa,
-                        &wb,
-                        wbase + set * slab,
-                        lut,
-                        &mut acc,
-                        &mut exchange,
-                        len,
-                        block,
-                        s,
-                        fmt,
-                        swiglu,
-                        tensor_cores,
-                        cube,
-                    );
-                }
-            }
+            // The inputs staged whole: the set's chunk starts at its group's step.
+            multiply_chunk::<X>(
+                &xs,
+                0,
+                first + c * chunk_steps,
+                0,
+                chunk_steps,
+                &wa,
+                &wb,
+                wbase + set * slab,
+                lut,
+                &mut acc,
+                &mut exchange,
+                len,
+                fmt,
+                swiglu,
+                tensor_cores,
+                cube,
+            );
             if comptime!(!cube.double_buffer) {
                 sync_cube();
             }

@@ -65,6 +65,21 @@ pub(super) const fn held_inputs(cube: FragCube) -> usize {
 /// the layout measured without spills on sm_90 (8 steps of int8 held 48 and spilled).
 const MOST_HELD: usize = 32;
 
+/// Bytes of shared memory the sets' sums take: one accumulator fragment set per unit of the planes
+/// past set 0, with its alignment; 0 with one set.
+const fn partials_bytes(cube: FragCube, swiglu: bool) -> usize {
+    if cube.splits > 1 {
+        partials_len(cube, swiglu) * 8 + SHARED_ALIGN
+    } else {
+        0
+    }
+}
+
+/// Pairs of f32 sums the sets past set 0 hand over per round.
+pub(super) const fn partials_len(cube: FragCube, swiglu: bool) -> usize {
+    (cube.splits - 1) * cube.row_planes() * MMA_PLANE * 2 * cube.fragments(swiglu)
+}
+
 /// Shared memory [`grouped_fragments`] allocates with the layout `cube` (its buffers of the staging, and
 /// with split groups the inputs staged whole and the sets' sums exchanged),
 /// `operand_bytes`-byte operands, two projections with `swiglu`, and the scalar twin's exchange of the
@@ -89,7 +104,7 @@ pub fn grouped_fragments_shared_bytes(
     } else {
         UNITS * EXCHANGE_REGS * 2 * operand_bytes
     };
-    xs + ws + wb + exchange + super::split::partials_bytes(cube, swiglu) + 5 * SHARED_ALIGN
+    xs + ws + wb + exchange + partials_bytes(cube, swiglu) + 5 * SHARED_ALIGN
 }
 
 /// The most K steps per chunk, a power of two, for the cube `layout` (its own `chunk_steps` aside): at
