@@ -1256,9 +1256,9 @@ fn fragment_shapes_give_the_tiles_bits() {
 /// The fragment tiles with the scale groups split among 2 or 4 sets of planes
 /// (`FragmentShape::with_group_splits`: the inputs staged whole, each set's group sums handed to set 0,
 /// which adds them in group order) give the unsplit tiles' bits: the MoE block at 1 token (tiles of one
-/// assignment) and 20 (a tile of 16 and a partial one), gate-up with 4 and 2 groups and down with 2
-/// (int4-g32, nvfp4's groups of 16), and the dense product on 1 to 17 tokens (K of 2, 4 and 8 groups,
-/// each split as far as the shape allows: a last round with a set past the last group), f32 and f16
+/// assignment) and 20 (a tile of 16 and a partial one), gate-up with 4 groups and down with 2
+/// (int4-g32, nvfp4's groups of 16), and the dense product on 1 to 17 tokens (K of 2, 3 and 4 groups,
+/// each split as far as the shape allows: 3 groups in 2 sets leave a set past the last group), f32 and f16
 /// activations, one and two buffers. Each case first checks that the call does split: lavapipe's
 /// shared memory bounds the inputs a cube stages whole, and a call that did not fit would compare the
 /// unsplit tiles with themselves.

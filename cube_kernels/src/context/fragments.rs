@@ -431,7 +431,11 @@ impl Kernels {
     /// `cube` with its scale groups split among sets of planes where the shape allows it
     /// ([`FragmentShape::splits_for`], given the call's busy tiles), the cube holds one tile, every
     /// chunk is whole and every group whole chunks, and the inputs staged whole (the call's most rows
-    /// per tile) fit in shared memory (fewer sets where they do not); else `cube` as it is.
+    /// per tile) fit in shared memory; else `cube` as it is. (Fewer sets are tried where more do not
+    /// fit, but they save only the exchanged sums: the staged inputs and the word slabs, `splits x rows`
+    /// rows, take the same bytes at every split. The bound on a tile's rows holds by construction: a
+    /// routing table's tiles hold at most 16 assignments and no more than the call has,
+    /// [`FragmentCall`]; a tile past it would store rows computed from other rows' inputs.)
     fn split_groups(
         &self,
         cube: FragCube,

@@ -21,7 +21,8 @@
 //! step computes a prefill's bits.
 //!
 //! **Cube.** A cube of 4 planes computes `16 m_tiles` assignments x `32 blocks` output rows per projection
-//! ([`FragCube`]): plane `p` holds `blocks` blocks of 8 rows (the instruction's `n`), and each unit
+//! (`32 blocks / splits` with split groups; [`FragCube`]): plane `p` holds `blocks` blocks of 8 rows
+//! (the instruction's `n`; its plane of rows, [`row_plane`], with split groups), and each unit
 //! decodes a block's B fragment once per K step for the `m_tiles` tiles of 16 assignments it multiplies
 //! (sharing a decoded weight across tiles: fewer decodes per instruction at prefill sizes). Per chunk
 //! the cube stages the inputs (as pairs of operand values, rounded to `X` as in [`super::mma_moe`]) and

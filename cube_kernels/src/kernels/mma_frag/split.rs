@@ -19,9 +19,11 @@
 //! **Staging.** The inputs are staged once, whole (`whole_k` of them, for at most `staged_rows` rows:
 //! the launcher bounds a tile's assignments by the call's, so a one-token decode step stages 8 rows,
 //! not 16; the instruction's other rows read staged rows again, their outputs never stored; a decode
-//! step's few rows are in the L2 cache, as every cube of a tile reads them), so the registers a unit
-//! holds between a chunk's loads and its stores are all weights: the same count as one set's, split
-//! among the sets. The launcher splits only where the chunks are whole and the groups are whole chunks.
+//! step's few rows are in the L2 cache, as every cube of a tile reads them), so within the chunk loop
+//! the registers a unit holds between a chunk's loads and its stores are all weights: the same count
+//! as one set's, split among the sets (before the loop the staging's `whole_k / 128` inputs per unit
+//! are held beside the first chunk's words: 16 at 2048 inputs). The launcher splits only where the
+//! chunks are whole and the groups are whole chunks.
 
 use cubecl::prelude::*;
 
