@@ -877,6 +877,26 @@ fn experiment_report_only_names_what_is_missing() {
 
 /// `qarl bench kernels --summarize` reads a saved table on any build (no device): the MoE block's
 /// yardsticks of H200 run 4, and a clear error for a file that is not such a table.
+/// `qarl bench kernels` refuses sizes it cannot bench before it looks for a device, naming the flag:
+/// more experts per token than experts, a zero count.
+#[test]
+fn bench_kernels_refuses_impossible_sizes() {
+    for (args, want) in [
+        (vec!["--experts", "4"], "--top-k 8 with --experts 4"),
+        (vec!["--tokens", "1,0"], "--tokens [1, 0]"),
+        (vec!["--hidden", "0"], "--hidden 0: must be at least 1"),
+    ] {
+        let out = qarl()
+            .args(["bench", "kernels"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn bench_kernels_summarizes_a_saved_table_without_a_device() {
     let table = concat!(
@@ -901,6 +921,35 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
         "{text}"
     );
     let tmp = tempfile::tempdir().unwrap();
+    // A table a stopped run left (`"complete": false`, written after each row) is summarized as far as
+    // it goes, and says that it is partial.
+    let mut doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(table).unwrap()).unwrap();
+    let rows = doc["rows"].as_array().unwrap().clone();
+    // Run 4's rows up to its MoE block at 64 tokens.
+    let kept = 66;
+    doc["rows"] = serde_json::json!(rows[..kept]);
+    doc["complete"] = serde_json::json!(false);
+    let partial = tmp.path().join("partial.json");
+    std::fs::write(&partial, doc.to_string()).unwrap();
+    let out = qarl()
+        .args(["bench", "kernels", "--summarize"])
+        .arg(&partial)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains(&format!(
+            "a partial table: the run stopped after {kept} rows"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("int4-g128 bf16     1 tokens,   canonical"),
+        "{text}"
+    );
+    assert!(!text.contains("256 tokens"), "{text}");
     let bad = tmp.path().join("other.json");
     std::fs::write(&bad, r#"{"rows": 3}"#).unwrap();
     let out = qarl()

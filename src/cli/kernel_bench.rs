@@ -69,6 +69,36 @@ pub struct KernelBenchArgs {
 }
 
 impl KernelBenchArgs {
+    /// The sizes a table needs, refused with the flag named: at least one of each size and count, and
+    /// no more experts per token than experts (a token routes to distinct experts).
+    fn check_sizes(&self) -> anyhow::Result<()> {
+        let positive = [
+            ("--hidden", self.hidden),
+            ("--inter", self.inter),
+            ("--experts", self.experts),
+            ("--top-k", self.top_k),
+            ("--iters", self.iters),
+            ("--matmul-size", self.matmul_size),
+            ("--copy-mib", self.copy_mib),
+        ];
+        for (flag, value) in positive {
+            anyhow::ensure!(value > 0, "{flag} {value}: must be at least 1");
+        }
+        anyhow::ensure!(
+            !self.tokens.is_empty() && !self.tokens.contains(&0),
+            "--tokens {:?}: every token count must be at least 1",
+            self.tokens
+        );
+        anyhow::ensure!(
+            self.top_k <= self.experts,
+            "--top-k {} with --experts {}: a token routes to distinct experts, so at most {}",
+            self.top_k,
+            self.experts,
+            self.experts
+        );
+        Ok(())
+    }
+
     /// Whether the row `label` is timed (`--only`).
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     fn wants(&self, label: &str) -> bool {
@@ -93,10 +123,17 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
             doc["runtime"].as_str().unwrap_or("?"),
             doc["copy_gb_per_s"].as_f64().unwrap_or(f64::NAN)
         );
+        if doc["complete"] == serde_json::json!(false) {
+            println!(
+                "a partial table: the run stopped after {} rows (its rows so far are summarized)",
+                rows.len()
+            );
+        }
         let base = doc["baseline_dtype"].as_str().unwrap_or("baseline");
         print_summaries(base, rows);
         return Ok(());
     }
+    args.check_sizes()?;
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     {
         imp::run(args)
@@ -138,6 +175,7 @@ mod tests {
 
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod imp {
+    use std::path::PathBuf;
     use std::time::Instant;
 
     use anyhow::{bail, Context};
@@ -306,7 +344,12 @@ mod imp {
         println!("copy bandwidth {copy_gbs:.0} GB/s; burn {base:?} matmul {m}^3 {bf16_tflops:.1} TFLOP/s");
 
         let dtypes = act_dtypes(&k, &args.act_dtype)?;
-        let mut rows = Table::new(base);
+        let header = serde_json::json!({
+            "device": k.device_name(), "runtime": args.runtime,
+            "copy_gb_per_s": copy_gbs, "baseline_dtype": format!("{base:?}"), "baseline_tflops": bf16_tflops,
+            "act_dtypes": dtypes.iter().map(|d| d.name()).collect::<Vec<_>>(),
+        });
+        let mut rows = Table::new(base, args.json.clone().map(|path| (path, header.clone())));
         let mut failures = Vec::new();
         for name in &args.formats {
             for &dtype in &dtypes {
@@ -330,12 +373,10 @@ mod imp {
             table.as_array().map_or(&[], Vec::as_slice),
         );
         if let Some(path) = &args.json {
-            let doc = serde_json::json!({
-                "device": k.device_name(), "runtime": args.runtime,
-                "copy_gb_per_s": copy_gbs, "baseline_dtype": format!("{base:?}"), "baseline_tflops": bf16_tflops, "rows": table,
-                "act_dtypes": dtypes.iter().map(|d| d.name()).collect::<Vec<_>>(),
-                "check_failures": failures,
-            });
+            let mut doc = header;
+            doc["rows"] = table;
+            doc["check_failures"] = serde_json::json!(failures);
+            doc["complete"] = serde_json::json!(true);
             write_json_atomic(path, &doc).with_context(|| format!("writing {}", path.display()))?;
         }
         if !failures.is_empty() {
@@ -1083,21 +1124,28 @@ mod imp {
     }
 
     /// The timing table, printed a row at a time as the rows are measured (so a run stopped part-way,
-    /// by a time limit on a lent GPU, keeps what it measured), and kept for the JSON.
+    /// by a time limit on a lent GPU, keeps what it measured), and kept for the JSON; with `json` (the
+    /// file of `--json` and the table's header fields) the rows so far are also written there after
+    /// each row, `"complete": false` until the run's end writes the whole table, so `--summarize` reads
+    /// what a stopped run measured.
     struct Table {
         base: DType,
         rows: Vec<Row>,
+        json: Option<(PathBuf, serde_json::Value)>,
     }
 
     impl Table {
-        fn new(base: DType) -> Self {
+        fn new(base: DType, json: Option<(PathBuf, serde_json::Value)>) -> Self {
             Table {
                 base,
                 rows: Vec::new(),
+                json,
             }
         }
 
-        /// Prints `r` (after the header, before the first row) and keeps it.
+        /// Prints `r` (after the header, before the first row), keeps it, and writes the rows so far
+        /// where the table has a JSON file (a file it cannot write is reported once per row, and the
+        /// run goes on: the end of the run writes it again, and fails there).
         fn push(&mut self, r: Row) {
             if self.rows.is_empty() {
                 println!(
@@ -1128,6 +1176,14 @@ mod imp {
                 r.speedup_over_bf16
             );
             self.rows.push(r);
+            if let Some((path, header)) = &self.json {
+                let mut doc = header.clone();
+                doc["rows"] = serde_json::json!(self.rows);
+                doc["complete"] = serde_json::json!(false);
+                if let Err(e) = write_json_atomic(path, &doc) {
+                    eprintln!("writing the rows so far to {}: {e:#}", path.display());
+                }
+            }
         }
 
         /// The table's footnote.

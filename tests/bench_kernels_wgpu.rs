@@ -1,0 +1,88 @@
+//! `qarl bench kernels` end to end on wgpu (lavapipe in CI): the command the GPU check runs on an H200,
+//! at sizes a CPU compiles and runs in seconds. Every kernel it times is checked against the host
+//! reference (`--check`), the fragment tiles' layouts against the tiles' scalar twin bit for bit, and
+//! the table it writes (`--json`) is whole and summarized. The tensor-core rows need an instruction
+//! lavapipe lacks; what is left is every path the twins share with them (indexing, staging, layouts).
+//!
+//! Runs on whatever adapter wgpu finds; skips with a message when there is none, unless
+//! `QARL_REQUIRE_WGPU=1`.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use std::process::Command;
+
+use common::wgpu_available;
+
+/// A small MoE block (256 wide, 4 experts, top-2) at 1 and 17 tokens, int4-g128, f32 activations:
+/// every check passes, each fragment layout's count of differing values is 0, the JSON holds every row
+/// with `"complete": true`, and the summary names each summation order.
+#[test]
+fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
+    if !wgpu_available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("table.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(["bench", "kernels", "--runtime", "wgpu", "--check"])
+        .args([
+            "--formats",
+            "int4-g128",
+            "--tokens",
+            "1,17",
+            "--experts",
+            "4",
+        ])
+        .args([
+            "--top-k", "2", "--hidden", "256", "--inter", "128", "--iters", "1",
+        ])
+        .args([
+            "--matmul-size",
+            "64",
+            "--copy-mib",
+            "1",
+            "--act-dtype",
+            "f32",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}\n{err}");
+    assert!(
+        text.contains("check: every kernel matched the host reference"),
+        "{text}"
+    );
+    // The fragment layouts, ldmatrix's row among them (the twin reads by pairs): no value differs.
+    let layouts: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("values differ from the tiles'"))
+        .collect();
+    assert!(
+        layouts.iter().any(|l| l.contains("moe/grouped-frag-ldm")),
+        "{text}"
+    );
+    for line in &layouts {
+        assert!(line.contains(": 0 of "), "{line}");
+    }
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["complete"], serde_json::json!(true));
+    let kernels: Vec<&str> = doc["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["kernel"].as_str().unwrap())
+        .collect();
+    for want in [
+        "linear/grouped-frag",
+        "moe/decode-split",
+        "moe/grouped-frag-m4-ldm",
+    ] {
+        assert!(kernels.contains(&want), "{want} missing: {kernels:?}");
+    }
+    assert!(text.contains("1 tokens,   canonical"), "{text}");
+}
