@@ -149,7 +149,8 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   per_rt="QARL_GPU_CHECK_ARGS_${rt^^}"
   # shellcheck disable=SC2206
   extra_rt=(${!per_rt:-})
-  # Issue 28's MoE target first: the Qwen3-30B-A3B block with int4-g128 weights and bf16 activations at
+  # Issue 28's MoE target first (`--parts moe`: the block's rows alone): the Qwen3-30B-A3B block with
+  # int4-g128 weights and bf16 activations at
   # prefill and training sizes, every kernel (moe/mma: the tensor-core tiles) checked, each tiles order
   # also bitwise against the same tokens one at a time, and timed against burn's bf16 matmul on the same
   # FLOPs (moe/mma-frag, -frag-c2: the same order on the fragment tiles, and their other layouts
@@ -163,7 +164,7 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   # token counts and the timed iterations.
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_MOE:-1}" = 1 ]; then
     echo "== MoE block at prefill and training sizes on cuda =="
-    timeout "${QARL_GPU_CHECK_MOE_TIMEOUT:-300}" "${launch[@]}" bench kernels --runtime cuda --check \
+    timeout "${QARL_GPU_CHECK_MOE_TIMEOUT:-300}" "${launch[@]}" bench kernels --runtime cuda --check --parts moe \
       --formats int4-g128 --tokens "${QARL_GPU_CHECK_MOE_TOKENS:-1,16,64,256,1024,4096}" --act-dtype bf16 \
       --iters "${QARL_GPU_CHECK_MOE_ITERS:-20}" \
       --json "$out/kernels_moe_cuda.json" 2>&1 | tee "$out/kernels_moe_cuda.txt" || status=1

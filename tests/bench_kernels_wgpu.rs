@@ -85,4 +85,35 @@ fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
         assert!(kernels.contains(&want), "{want} missing: {kernels:?}");
     }
     assert!(text.contains("1 tokens,   canonical"), "{text}");
+    // `--parts moe` (the GPU check's MoE table): the block's rows alone.
+    let out = Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(["bench", "kernels", "--runtime", "wgpu", "--parts", "moe"])
+        .args(["--formats", "int4-g128", "--tokens", "1", "--experts", "4"])
+        .args([
+            "--top-k", "2", "--hidden", "256", "--inter", "128", "--iters", "1",
+        ])
+        .args([
+            "--matmul-size",
+            "64",
+            "--copy-mib",
+            "1",
+            "--act-dtype",
+            "f32",
+        ])
+        .arg("--json")
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let rows = doc["rows"].as_array().unwrap();
+    assert!(!rows.is_empty());
+    for r in rows {
+        assert!(r["kernel"].as_str().unwrap().starts_with("moe/"), "{r}");
+    }
 }
