@@ -184,7 +184,7 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
         --kernel-name "regex:${QARL_GPU_CHECK_PROFILE_KERNELS:-grouped_fragments}" --launch-count 4 \
         --section SpeedOfLight --section Occupancy --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats \
-        "${launch[@]}" bench kernels --runtime cuda --formats int4-g128 \
+        "${launch[@]}" bench kernels --runtime cuda --parts moe --formats int4-g128 \
         --tokens "${QARL_GPU_CHECK_PROFILE_TOKENS:-4096}" --act-dtype bf16 \
         --only "${QARL_GPU_CHECK_PROFILE_ONLY:-moe/mma-frag}" \
         --iters 1 > "$out/profile_moe.txt" 2>&1 || echo "ncu ended with an error (see profile_moe.txt)"
