@@ -50,7 +50,10 @@ use cubecl::prelude::*;
 use super::mma::{next_chunk, MMA, MMA_PLANE, SHARED_ALIGN};
 use super::moe::silu_times;
 use fragment::{a_fragments, add_scaled_fragment, block_step, zero_fragments};
-use staging::{fetch_chunk, held_inputs, store_chunk, w_stride, words_per_unit, x_stride};
+use staging::{
+    fetch_chunk, held_inputs, staged_inputs_len, staged_words_len, store_chunk, words_per_unit,
+    x_stride,
+};
 pub use staging::{fragment_chunk_steps, grouped_fragments_shared_bytes};
 
 /// Output rows of one instruction (`n` of `m16n8k16`).
@@ -248,6 +251,34 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
     let (expert, a0, a_end) = cube_assignments(table, offsets_at, tokens, dense, cube);
     let row0 = CUBE_POS_X as usize * comptime!(cube.rows());
     let (woff, soff) = (expert * expert_words, expert * expert_scales);
+    // The staging (with `double_buffer` two buffers of each chunk: a chunk is stored into one while
+    // the cube may still multiply the last from the other, so one barrier per chunk suffices), and the
+    // scalar twin's exchange of fragment registers.
+    let buffers = comptime!(cube.buffers());
+    let mut xs = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
+        comptime!(staged_inputs_len(cube)),
+        SHARED_ALIGN,
+    );
+    let wlen = comptime!(staged_words_len(fmt, cube));
+    let mut wa = Shared::<[u32]>::new_aligned_slice(comptime!(buffers * wlen), SHARED_ALIGN);
+    let mut wb = Shared::<[u32]>::new_aligned_slice(
+        comptime!(if swiglu { buffers * wlen } else { 1 }),
+        SHARED_ALIGN,
+    );
+    let mut exchange = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
+        comptime!(if tensor_cores {
+            1
+        } else {
+            UNITS * EXCHANGE_REGS
+        }),
+        SHARED_ALIGN,
+    );
+    let mut len = 0usize;
+    let mut groups = 0usize;
+    if a0 < a_end {
+        len = a_end - a0;
+        groups = steps.div_ceil(steps_per_scale);
+    }
     if comptime!(cube.splits > 1) {
         split::split_groups::<I, X, Y>(
             input,
@@ -262,12 +293,17 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
             n_out,
             wpr,
             spr,
+            &mut xs,
+            &mut wa,
+            &mut wb,
+            &mut exchange,
             woff,
             soff,
             a0,
             a_end,
             row0,
-            steps,
+            len,
+            groups,
             steps_per_scale,
             fmt,
             group,
@@ -278,34 +314,8 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
         );
     } else {
         let chunk_steps = comptime!(cube.chunk_steps);
-        // With `double_buffer`, two buffers of each staged chunk: a chunk is stored into one while the cube
-        // may still multiply the last from the other, so one barrier per chunk suffices.
-        let buffers = comptime!(cube.buffers());
+        // One buffer's inputs.
         let xlen = comptime!(cube.assignments() * x_stride(chunk_steps));
-        let mut xs = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-            comptime!(buffers * xlen),
-            SHARED_ALIGN,
-        );
-        let wlen = comptime!(cube.rows() * w_stride(fmt, chunk_steps));
-        let mut wa = Shared::<[u32]>::new_aligned_slice(comptime!(buffers * wlen), SHARED_ALIGN);
-        let mut wb = Shared::<[u32]>::new_aligned_slice(
-            comptime!(if swiglu { buffers * wlen } else { 1 }),
-            SHARED_ALIGN,
-        );
-        let mut exchange = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-            comptime!(if tensor_cores {
-                1
-            } else {
-                UNITS * EXCHANGE_REGS
-            }),
-            SHARED_ALIGN,
-        );
-        let mut len = 0usize;
-        let mut groups = 0usize;
-        if a0 < a_end {
-            len = a_end - a0;
-            groups = steps.div_ceil(steps_per_scale);
-        }
         let wpu = comptime!(words_per_unit(fmt, cube));
         let mut held_a = Array::<u32>::new(wpu);
         let mut held_b = Array::<u32>::new(comptime!(if swiglu { wpu } else { 1 }));

@@ -31,11 +31,10 @@ use super::super::codes_per_word;
 use super::super::mma::{MMA, MMA_PLANE, SHARED_ALIGN};
 use super::fragment::zero_fragments;
 use super::staging::{
-    chunk_words, input_row, partials_len, staged_x_stride, w_stride, words_per_unit,
+    chunk_words, input_row, partials_len, staged_words_len, staged_x_stride, w_stride,
+    words_per_unit,
 };
-use super::{
-    add_group, multiply_chunk, row_plane, store_fragments, FragCube, EXCHANGE_REGS, UNITS,
-};
+use super::{add_group, multiply_chunk, row_plane, store_fragments, FragCube, UNITS};
 
 /// [`super::grouped_fragments`] with the scale groups split among `cube.splits` sets of planes (see the
 /// module's text), for the cube's assignments `a0 .. a_end` of the expert whose codes and scales start
@@ -56,12 +55,17 @@ pub(super) fn split_groups<I: Float, X: Float, Y: Float>(
     n_out: usize,
     wpr: usize,
     spr: usize,
+    xs: &mut Shared<[Vector<X, Const<2>>]>,
+    wa: &mut Shared<[u32]>,
+    wb: &mut Shared<[u32]>,
+    exchange: &mut Shared<[Vector<X, Const<2>>]>,
     woff: usize,
     soff: usize,
     a0: usize,
     a_end: usize,
     row0: usize,
-    steps: usize,
+    len: usize,
+    groups: usize,
     steps_per_scale: usize,
     #[comptime] fmt: u32,
     #[comptime] group: usize,
@@ -73,37 +77,13 @@ pub(super) fn split_groups<I: Float, X: Float, Y: Float>(
     let splits = comptime!(cube.splits);
     let chunk_steps = comptime!(cube.chunk_steps);
     let set = UNIT_POS_Y as usize / comptime!(cube.row_planes());
-    let mut xs = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-        comptime!(cube.staged_rows * staged_x_stride(cube)),
-        SHARED_ALIGN,
-    );
     // Per buffer, one slab of the cube's rows per set.
     let slab = comptime!(cube.rows() * w_stride(fmt, chunk_steps));
-    let wlen = comptime!(splits * slab);
-    let buffers = comptime!(cube.buffers());
-    let mut wa = Shared::<[u32]>::new_aligned_slice(comptime!(buffers * wlen), SHARED_ALIGN);
-    let mut wb = Shared::<[u32]>::new_aligned_slice(
-        comptime!(if swiglu { buffers * wlen } else { 1 }),
-        SHARED_ALIGN,
-    );
-    let mut exchange = Shared::<[Vector<X, Const<2>>]>::new_aligned_slice(
-        comptime!(if tensor_cores {
-            1
-        } else {
-            UNITS * EXCHANGE_REGS
-        }),
-        SHARED_ALIGN,
-    );
+    let wlen = comptime!(staged_words_len(fmt, cube));
     let mut partials = Shared::<[Vector<f32, Const<2>>]>::new_aligned_slice(
         comptime!(partials_len(cube, swiglu)),
         SHARED_ALIGN,
     );
-    let mut len = 0usize;
-    let mut groups = 0usize;
-    if a0 < a_end {
-        len = a_end - a0;
-        groups = steps / steps_per_scale;
-    }
     let rounds = groups.div_ceil(splits);
     let chunks = steps_per_scale / chunk_steps;
     let wpu = comptime!(words_per_unit(fmt, cube));
@@ -130,7 +110,7 @@ pub(super) fn split_groups<I: Float, X: Float, Y: Float>(
     }
     // The first chunk's loads are in flight while the inputs are staged; the first barrier below
     // covers both.
-    stage_whole_inputs::<I, X>(input, table, rows_at, a0, len, &mut xs, gather, cube);
+    stage_whole_inputs::<I, X>(input, table, rows_at, a0, len, xs, gather, cube);
     let frags = comptime!(cube.fragments(swiglu));
     let mut total = Array::<f32>::new(comptime!(4 * frags));
     #[unroll]
@@ -149,7 +129,7 @@ pub(super) fn split_groups<I: Float, X: Float, Y: Float>(
             if comptime!(cube.double_buffer) {
                 buffer = 1 - buffer;
             }
-            store_slabs(&held_a, &held_b, &mut wa, &mut wb, wbase, fmt, swiglu, cube);
+            store_slabs(&held_a, &held_b, wa, wb, wbase, fmt, swiglu, cube);
             sync_cube();
             let last_chunk = c + 1 == chunks;
             let next_round = select(last_chunk, r + 1, r);
@@ -174,17 +154,17 @@ pub(super) fn split_groups<I: Float, X: Float, Y: Float>(
             }
             // The inputs staged whole: the set's chunk starts at its group's step.
             multiply_chunk::<X>(
-                &xs,
+                &*xs,
                 0,
                 first + c * chunk_steps,
                 0,
                 chunk_steps,
-                &wa,
-                &wb,
+                &*wa,
+                &*wb,
                 wbase + set * slab,
                 lut,
                 &mut acc,
-                &mut exchange,
+                exchange,
                 len,
                 fmt,
                 swiglu,

@@ -27,6 +27,22 @@ pub(super) const fn staged_x_stride(cube: FragCube) -> usize {
     }
 }
 
+/// Input pairs the cube stages: its buffers of a chunk's inputs for its assignments, or where the
+/// inputs are staged whole ([`super::split`]) all `whole_k` of them for its `staged_rows` rows.
+pub(super) const fn staged_inputs_len(cube: FragCube) -> usize {
+    if cube.whole_k > 0 {
+        cube.staged_rows * staged_x_stride(cube)
+    } else {
+        cube.buffers() * cube.assignments() * x_stride(cube.chunk_steps)
+    }
+}
+
+/// Packed words one buffer of the staging holds per projection: the cube's rows of a chunk, once per
+/// set of scale groups.
+pub(super) const fn staged_words_len(fmt: u32, cube: FragCube) -> usize {
+    cube.splits * cube.rows() * w_stride(fmt, cube.chunk_steps)
+}
+
 /// Packed words per row of a chunk of `chunk_steps` steps.
 pub(super) const fn chunk_words(fmt: u32, chunk_steps: usize) -> usize {
     chunk_steps * MMA / codes_per_word(fmt)
@@ -91,13 +107,8 @@ pub fn grouped_fragments_shared_bytes(
     swiglu: bool,
     tensor_cores: bool,
 ) -> usize {
-    let xs = if cube.whole_k > 0 {
-        cube.staged_rows * staged_x_stride(cube)
-    } else {
-        cube.buffers() * cube.assignments() * x_stride(cube.chunk_steps)
-    } * 2
-        * operand_bytes;
-    let ws = cube.buffers() * cube.splits * cube.rows() * w_stride(fmt, cube.chunk_steps) * 4;
+    let xs = staged_inputs_len(cube) * 2 * operand_bytes;
+    let ws = cube.buffers() * staged_words_len(fmt, cube) * 4;
     let wb = if swiglu { ws } else { 4 };
     let exchange = if tensor_cores {
         0
