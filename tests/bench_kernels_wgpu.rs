@@ -10,9 +10,32 @@
 
 mod common;
 
-use std::process::Command;
+use std::path::Path;
+use std::process::{Command, Output};
 
 use common::wgpu_available;
+
+/// `qarl bench kernels` on wgpu at the small block's sizes (256 wide, 4 experts, top-2, int4-g128, f32,
+/// one timed iteration), its table written to `json`, with `extra` arguments.
+fn bench_small(extra: &[&str], json: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_qarl"))
+        .args(["bench", "kernels", "--runtime", "wgpu"])
+        .args(["--formats", "int4-g128", "--experts", "4", "--top-k", "2"])
+        .args(["--hidden", "256", "--inter", "128", "--iters", "1"])
+        .args([
+            "--matmul-size",
+            "64",
+            "--copy-mib",
+            "1",
+            "--act-dtype",
+            "f32",
+        ])
+        .args(extra)
+        .arg("--json")
+        .arg(json)
+        .output()
+        .unwrap()
+}
 
 /// A small MoE block (256 wide, 4 experts, top-2) at 1 and 17 tokens, int4-g128, f32 activations:
 /// every check passes, each fragment layout's count of differing values is 0, the JSON holds every row
@@ -24,31 +47,7 @@ fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let json = tmp.path().join("table.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_qarl"))
-        .args(["bench", "kernels", "--runtime", "wgpu", "--check"])
-        .args([
-            "--formats",
-            "int4-g128",
-            "--tokens",
-            "1,17",
-            "--experts",
-            "4",
-        ])
-        .args([
-            "--top-k", "2", "--hidden", "256", "--inter", "128", "--iters", "1",
-        ])
-        .args([
-            "--matmul-size",
-            "64",
-            "--copy-mib",
-            "1",
-            "--act-dtype",
-            "f32",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
+    let out = bench_small(&["--check", "--tokens", "1,17"], &json);
     let text = String::from_utf8_lossy(&out.stdout);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}\n{err}");
@@ -86,24 +85,7 @@ fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
     }
     assert!(text.contains("1 tokens,   canonical"), "{text}");
     // `--parts moe` (the GPU check's MoE table): the block's rows alone.
-    let out = Command::new(env!("CARGO_BIN_EXE_qarl"))
-        .args(["bench", "kernels", "--runtime", "wgpu", "--parts", "moe"])
-        .args(["--formats", "int4-g128", "--tokens", "1", "--experts", "4"])
-        .args([
-            "--top-k", "2", "--hidden", "256", "--inter", "128", "--iters", "1",
-        ])
-        .args([
-            "--matmul-size",
-            "64",
-            "--copy-mib",
-            "1",
-            "--act-dtype",
-            "f32",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .output()
-        .unwrap();
+    let out = bench_small(&["--parts", "moe", "--tokens", "1"], &json);
     assert!(
         out.status.success(),
         "{}",
