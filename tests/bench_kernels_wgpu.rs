@@ -38,7 +38,7 @@ fn bench_small(extra: &[&str], json: &Path) -> Output {
 }
 
 /// A small MoE block (256 wide, 4 experts, top-2) at 1 and 17 tokens, int4-g128, f32 activations:
-/// every check passes, each fragment layout's count of differing values is 0, the JSON holds every row
+/// every check passes (the routing tables among them), each fragment layout's count of differing values is 0, the JSON holds every row
 /// with `"complete": true`, and the summary names each summation order.
 #[test]
 fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
@@ -80,10 +80,17 @@ fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
         "linear/grouped-frag",
         "moe/decode-split",
         "moe/grouped-frag-m4-ldm",
+        // The routing on the device, both launches (each checked against the host's table).
+        "moe/route",
+        "moe/route-blocks",
     ] {
         assert!(kernels.contains(&want), "{want} missing: {kernels:?}");
     }
     assert!(text.contains("1 tokens,   canonical"), "{text}");
+    assert!(
+        text.contains("17 tokens,     routing: moe/route "),
+        "{text}"
+    );
     // `--parts moe` (the GPU check's MoE table): the block's rows alone.
     let out = bench_small(&["--parts", "moe", "--tokens", "1"], &json);
     assert!(

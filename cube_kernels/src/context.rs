@@ -11,6 +11,7 @@ mod fragments;
 mod graph;
 pub(crate) mod moe;
 mod moe_train;
+mod route;
 
 use cubecl::prelude::*;
 
@@ -137,6 +138,9 @@ pub struct Kernels {
     /// Assignments the grouped GEMV takes at once; `None`: by [`Self::gemv_assignments_per_pass`]'s rule
     /// ([`Self::with_gemv_assignments_per_pass`]).
     gemv_per_pass: Option<usize>,
+    /// Whether routing on the device runs in three launches over blocks of ids; `None`: by
+    /// [`Self::routes_in_blocks`]'s rule ([`Self::with_block_routing`]).
+    block_routing: Option<bool>,
     /// Whether the tensor-core tiles' order runs on the fragment tiles ([`crate::kernels::mma_frag`])
     /// rather than [`crate::kernels::mma`]'s and [`crate::kernels::mma_moe`]'s
     /// ([`Self::with_fragment_tiles`]).
@@ -184,8 +188,10 @@ impl Kernels {
     /// and 1214 us at 16 and 64 tokens against 1160 and 1769 us for the tiles; at 256 the GEMV took 4517
     /// against 2597 us).
     pub const MOE_GEMV_MAX_TOKENS: usize = 64;
-    /// The most experts [`Self::route`] routes: it keeps one offset per expert in shared memory.
-    pub const MAX_ROUTED_EXPERTS: usize = SHARED_FLOATS - 1;
+    /// The most experts [`Self::route`] routes: its cubes keep two words per expert (the offsets and
+    /// the first tiles) and a round of ids in shared memory.
+    pub const MAX_ROUTED_EXPERTS: usize =
+        (SHARED_FLOATS - crate::kernels::route::ROUTE_UNITS) / 2 - 1;
     /// Cubes below which the dense GEMM runs 16 x 16 tiles rather than 64 x 64 blocks: the blocks move a
     /// fourth of the staged bytes per multiply-add, but a grid of fewer cubes than about twice the
     /// multiprocessors leaves most of the device idle (an H200 has 132).
@@ -211,6 +217,7 @@ impl Kernels {
             staging: Staging::Default,
             fused_combine: None,
             gemv_per_pass: None,
+            block_routing: None,
             fragment_tiles: false,
             fragment_chunk: None,
             fragment_shape: FragmentShape::default(),

@@ -527,8 +527,8 @@ pub fn compile_training_kernels(
     out
 }
 
-/// The MoE decode path's kernels changed or written after the last GPU session: the one-cube routing
-/// ([`crate::kernels::moe::route`], 128 experts), the grouped GEMV over a tile's assignments
+/// The MoE decode path's kernels changed or written after the last GPU session: the routing
+/// ([`crate::kernels::route`]: one cube, and the three launches over blocks; 128 experts), the grouped GEMV over a tile's assignments
 /// ([`crate::kernels::moe::grouped_gemv`]: gate-up with SwiGLU on gathered rows, 64 chunks on 32 lanes x
 /// 8 rows, f32, bf16 and f16 inputs; down on the f32 SwiGLU rows, 24 chunks on 24 lanes x 10 rows; both
 /// with the input row staged) and the fused down projection and combine
@@ -539,16 +539,34 @@ pub fn compile_decode_kernels(
     target: CudaTarget,
     formats: &[WeightFormat],
 ) -> Vec<Result<CompiledKernel, KernelError>> {
-    use crate::kernels::moe::{self as moe_kernels, ROUTE_UNITS};
+    use crate::kernels::moe as moe_kernels;
+    use crate::kernels::route::{self as route_kernels, ROUTE_UNITS};
     let p = placeholder;
     let (experts, top_k, chunks) = (128usize, 8usize, 768usize.div_ceil(crate::format::CHUNK));
     let (lanes, rows) = fused_combine_shape(1, top_k, 2048, chunks)
         .expect("a cube for the Qwen3-30B-A3B down projection");
-    let mut out = vec![compile_dummy!(
-        target, format!("route experts={experts}"), false, moe_kernels::route,
-        CubeDim::new_1d(ROUTE_UNITS as u32);
-        p(), p(), 0, 0, 0, 0, 0, 0, 0, experts
-    )];
+    let line = CubeDim::new_1d(ROUTE_UNITS as u32);
+    let mut out = vec![
+        compile_dummy!(
+            target, format!("route experts={experts}"), false, route_kernels::route, line;
+            p(), p(), 0, 0, 0, 0, 0, 0, 0, experts
+        ),
+        compile_dummy!(
+            target, format!("route_count_blocks experts={experts}"), false,
+            route_kernels::route_count_blocks, line;
+            p(), p(), 0, 0, experts
+        ),
+        compile_dummy!(
+            target, format!("route_offsets experts={experts}"), false,
+            route_kernels::route_offsets, line;
+            p(), p(), 0, 0, 0, 0, 0, 0, experts
+        ),
+        compile_dummy!(
+            target, format!("route_scatter_blocks experts={experts}"), false,
+            route_kernels::route_scatter_blocks, line;
+            p(), p(), p(), 0, 0, 0, 0, 0, 0, experts
+        ),
+    ];
     for &format in formats {
         let (fmt, group) = (format.kernel_code(), format.kernel_group());
         // Gate-up (2048 inputs, 768 rows) for each input type; down (768 inputs, 2048 rows) on f32.

@@ -346,7 +346,10 @@ fn check_moe(
 }
 
 /// The routing table built on the device from device ids is the host's [`MoeRouting::table`]: the same
-/// tiles (then empty ones up to the bound), sorted rows, positions, experts and offsets.
+/// tiles (then empty ones up to the bound), sorted rows, positions, experts and offsets, in one cube
+/// and in the three launches over blocks alike: ragged rounds, blocks of several rounds (more ids
+/// than 64 blocks of one round), every id on one expert (tiles of one expert across blocks), more
+/// experts than a cube's units, and one expert.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn device_routing_is_the_host_routing() {
@@ -354,6 +357,19 @@ fn device_routing_is_the_host_routing() {
     let mut rng = Rng(77);
     let random = |rng: &mut Rng, n: usize, experts: u64| -> Vec<u32> {
         (0..n).map(|_| (rng.next() % experts) as u32).collect()
+    };
+    // Skewed: most ids on a few experts, so runs of equal ids fill rounds and cross blocks.
+    let skewed = |rng: &mut Rng, n: usize, experts: u64| -> Vec<u32> {
+        (0..n)
+            .map(|_| {
+                let r = rng.next();
+                (if r % 4 == 0 {
+                    r / 4 % experts
+                } else {
+                    r / 4 % 3
+                }) as u32
+            })
+            .collect()
     };
     let cases: Vec<(Vec<u32>, usize, usize, usize)> = vec![
         (vec![3, 1], 1, 2, 6),
@@ -367,29 +383,62 @@ fn device_routing_is_the_host_routing() {
         (random(&mut rng, 8 * 300, 128), 300, 8, 128),
         (random(&mut rng, 4 * 513, 5), 513, 4, 5),
         (random(&mut rng, 300, 300), 300, 1, 300),
+        (vec![0; 700], 350, 2, 1),
+        (vec![5; 20_000], 2_500, 8, 128),
+        (skewed(&mut rng, 8 * 2_250, 128), 2_250, 8, 128),
+        (random(&mut rng, 8 * 4_100, 128), 4_100, 8, 128),
+        (random(&mut rng, 2 * 3_001, 600), 3_001, 2, 600),
     ];
     for (ids, tokens, top_k, experts) in cases {
         let host = MoeRouting::new(&ids, tokens, top_k, experts).unwrap();
-        let table = k
-            .route(&k.upload_u32(&ids), tokens, top_k, experts)
-            .unwrap();
-        let got = k.read_u32(table.buffer()).unwrap();
         let want = host.table();
-        let (l, hl) = (table.layout(), host.layout());
-        let what = format!("{tokens} tokens x top-{top_k} over {experts} experts");
-        assert_eq!(got.len(), l.len(experts), "{what}: table length");
-        assert!(l.tiles >= hl.tiles, "{what}: tile bound");
-        assert_eq!(&got[..hl.rows_at()], &want[..hl.rows_at()], "{what}: tiles");
-        assert!(
-            got[hl.rows_at()..l.rows_at()].iter().all(|&v| v == 0),
-            "{what}: the tiles past the last are empty"
-        );
-        assert_eq!(
-            &got[l.rows_at()..],
-            &want[hl.rows_at()..],
-            "{what}: rows, positions, experts, offsets"
-        );
+        let hl = host.layout();
+        // One cube for the first sizes only: Mesa's llvmpipe (lavapipe) ends every loop of a shader
+        // invocation after 65535 iterations in all, and a unit of the one cube ranks its id against up
+        // to 255 others per round, twice per id; the launch rule keeps it to 2 rounds.
+        let one_cube = ids.len() <= 64 * 256;
+        for blocks in [false, true].into_iter().filter(|&b| b || one_cube) {
+            let kb = k.clone().with_block_routing(Some(blocks));
+            let table = kb
+                .route(&kb.upload_u32(&ids), tokens, top_k, experts)
+                .unwrap();
+            let got = kb.read_u32(table.buffer()).unwrap();
+            let l = table.layout();
+            let what = format!(
+                "{tokens} tokens x top-{top_k} over {experts} experts, {}",
+                if blocks { "blocks" } else { "one cube" }
+            );
+            assert_eq!(got.len(), l.len(experts), "{what}: table length");
+            assert!(l.tiles >= hl.tiles, "{what}: tile bound");
+            assert_eq!(&got[..hl.rows_at()], &want[..hl.rows_at()], "{what}: tiles");
+            assert!(
+                got[hl.rows_at()..l.rows_at()].iter().all(|&v| v == 0),
+                "{what}: the tiles past the last are empty"
+            );
+            assert_eq!(
+                &got[l.rows_at()..],
+                &want[hl.rows_at()..],
+                "{what}: rows, positions, experts, offsets"
+            );
+        }
     }
+}
+
+/// The launch rule: one cube for a decode step's ids, blocks beyond; no experts, or more than the
+/// cubes' shared memory keeps, is refused with the count named.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn device_routing_picks_its_launches_and_refuses_bad_expert_counts() {
+    let Some(k) = kernels() else { return };
+    let most = Kernels::ONE_CUBE_ROUTING_MAX;
+    assert!(!k.routes_in_blocks(most) && k.routes_in_blocks(most + 1));
+    assert!(k.clone().with_block_routing(Some(true)).routes_in_blocks(1));
+    let ids = k.upload_u32(&[0, 0]);
+    for experts in [0, Kernels::MAX_ROUTED_EXPERTS + 1] {
+        let err = k.route(&ids, 1, 2, experts).unwrap_err().to_string();
+        assert!(err.contains(&format!("{experts} experts")), "{err}");
+    }
+    assert!(k.route(&ids, 1, 2, Kernels::MAX_ROUTED_EXPERTS).is_ok());
 }
 
 /// An expert id out of range (which the router's top-k never makes) is routed to no expert: its slot
@@ -403,21 +452,33 @@ fn device_routing_keeps_an_out_of_range_id_in_bounds() {
     let (experts, tokens, top_k) = (MOE_SHAPE.0, 3, 2);
     // Token 1's second slot names expert 9 of 6.
     let ids = [3, 1, 4, 9, 1, 2];
+    // The three launches over blocks treat it alike.
+    for blocks in [true, false] {
+        let kb = k.clone().with_block_routing(Some(blocks));
+        let table = kb
+            .route(&kb.upload_u32(&ids), tokens, top_k, experts)
+            .unwrap();
+        let l = table.layout();
+        let got = kb.read_u32(table.buffer()).unwrap();
+        let positions = &got[l.positions_at()..l.experts_at()];
+        let how = if blocks { "blocks" } else { "one cube" };
+        assert_eq!(
+            positions[3], 0,
+            "{how}: the bad slot reads sorted position 0"
+        );
+        // 5 valid ids: sorted places 5.. are token 0 of expert 0.
+        assert_eq!(
+            got[l.rows_at() + 5],
+            0,
+            "{how}: row of the unused sorted place"
+        );
+        assert_eq!(got[l.experts_at() + 5], 0, "{how}: its expert");
+        let offsets = &got[l.offsets_at()..];
+        assert_eq!(offsets, &[0, 0, 2, 3, 4, 5, 5], "{how}: offsets");
+    }
     let table = k
         .route(&k.upload_u32(&ids), tokens, top_k, experts)
         .unwrap();
-    let l = table.layout();
-    let got = k.read_u32(table.buffer()).unwrap();
-    let positions = &got[l.positions_at()..l.experts_at()];
-    assert_eq!(positions[3], 0, "the bad slot reads sorted position 0");
-    // 5 valid ids: sorted places 5.. are token 0 of expert 0.
-    assert_eq!(got[l.rows_at() + 5], 0, "row of the unused sorted place");
-    assert_eq!(
-        got[l.experts_at() + 5],
-        0,
-        "expert of the unused sorted place"
-    );
-    assert_eq!(&got[l.offsets_at()..], &[0, 0, 2, 3, 4, 5, 5], "offsets");
     let (case, _) = moe_case(WeightFormat::Int4 { group: 32 }, tokens, top_k, 77);
     let w = [&case.gate, &case.up, &case.down].map(|w| k.upload_weights(w));
     let (dx, dw) = (k.upload_f32(&case.x), k.upload_f32(&case.route_w));

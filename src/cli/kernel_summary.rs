@@ -58,13 +58,14 @@ pub fn moe_summary(rows: &[Value]) -> Vec<String> {
     }
     let mut lines = Vec::new();
     for ((format, act, tokens), order) in keys
-        .into_iter()
+        .iter()
         .flat_map(|key| ORDERS.map(|order| (key.clone(), order)))
     {
         let decode = tokens <= 64;
         let of_key = rows.iter().filter(|r| {
             let kernel = text(r, "kernel");
             kernel.starts_with("moe/")
+                && !kernel.starts_with(ROUTE_ROWS)
                 && kernel.starts_with("moe/decode-") == decode
                 && order_of(&kernel) == order
                 && text(r, "format") == format
@@ -95,6 +96,54 @@ pub fn moe_summary(rows: &[Value]) -> Vec<String> {
             )
         });
     }
+    lines.extend(routing_lines(rows, &keys));
+    lines
+}
+
+/// The routing rows' prefix (`moe/route`, and the other launch beside it): the table a layer builds
+/// before the block, not a block kernel, so never a yardstick's best row.
+const ROUTE_ROWS: &str = "moe/route";
+
+/// For each of `keys` (format, activation type, tokens) with a `moe/route` row: the device routing's
+/// time and its share of the fastest block row of the same key (either order), what a layer pays on
+/// top of the block rows (which upload a host-built table).
+fn routing_lines(rows: &[Value], keys: &[(String, String, u64)]) -> Vec<String> {
+    let text = |r: &Value, k: &str| r[k].as_str().unwrap_or_default().to_string();
+    let micros = |r: &Value| r["micros"].as_f64().unwrap_or(f64::NAN);
+    let mut lines = Vec::new();
+    for (format, act, tokens) in keys {
+        let of_key = |r: &&Value| {
+            text(r, "format") == *format
+                && text(r, "act_dtype") == *act
+                && r["tokens"].as_u64() == Some(*tokens)
+        };
+        let Some(route) = rows
+            .iter()
+            .filter(of_key)
+            .find(|r| text(r, "kernel") == ROUTE_ROWS)
+        else {
+            continue;
+        };
+        let block = rows
+            .iter()
+            .filter(of_key)
+            .filter(|r| {
+                let kernel = text(r, "kernel");
+                kernel.starts_with("moe/") && !kernel.starts_with(ROUTE_ROWS)
+            })
+            .map(micros)
+            .min_by(f64::total_cmp);
+        let share = block.map_or(String::new(), |b| {
+            format!(
+                " ({:.1}% of the fastest block row)",
+                100.0 * micros(route) / b
+            )
+        });
+        lines.push(format!(
+            "{format} {act} {tokens:>5} tokens,     routing: moe/route {:.1} us{share}",
+            micros(route)
+        ));
+    }
     lines
 }
 
@@ -103,7 +152,7 @@ fn print_summary(base: &str, lines: &[String]) {
     if lines.is_empty() {
         return;
     }
-    println!("MoE block, per summation order: the fastest exact kernel against the {base} matmul above 64 tokens, the decode path's share of copy at 64 or fewer:");
+    println!("MoE block, per summation order: the fastest exact kernel against the {base} matmul above 64 tokens, the decode path's share of copy at 64 or fewer; and the routing on the device a layer adds:");
     for line in lines {
         println!("  {line}");
     }
@@ -206,6 +255,9 @@ mod tests {
             row("moe/mma", 256, 250.0, 0.1),
             row("moe/grouped", 256, 900.0, 0.1),
             row("moe/tiled", 256, 800.0, 0.1),
+            // The routing is faster than any block row, and no yardstick's best.
+            row("moe/route", 256, 10.0, 0.01),
+            row("moe/route-1cube", 256, 40.0, 0.01),
         ];
         assert_eq!(
             moe_summary(&rows),
@@ -214,6 +266,7 @@ mod tests {
                 "f a     1 tokens, tensor-core: moe/decode-mma-frag-s4 at 25.0% of copy (under 50%)",
                 "f a   256 tokens,   canonical: moe/tiled 4.00x the baseline's time (beyond 1.3x)",
                 "f a   256 tokens, tensor-core: moe/mma 1.25x the baseline's time (within 1.3x)",
+                "f a   256 tokens,     routing: moe/route 10.0 us (4.0% of the fastest block row)",
             ]
         );
     }

@@ -15,7 +15,7 @@ use crate::format::WeightFormat;
 use crate::kernels::mma::{MMA, MMA_PLANE};
 use crate::kernels::mma_moe::{self, MOE_MMA_ROW_TILES};
 use crate::kernels::{moe as moe_kernels, BLOCK, CHUNK, TILE};
-use crate::moe::{MoeRouting, RoutingTable, TableLayout};
+use crate::moe::{MoeRouting, RoutingTable};
 
 impl Kernels {
     /// These kernels with the MoE decode's down projection and combine always fused into one launch
@@ -103,57 +103,6 @@ impl Kernels {
             experts: routing.experts(),
             layout: routing.layout(),
         }
-    }
-
-    /// The routing table of `ids` (`tokens * top_k` expert ids as `u32`, or `i32` holding non-negative
-    /// values: the same bits, token-major) built on the device, with no read back and no upload: one
-    /// launch of one cube ([`moe_kernels::route`]: count per expert, offsets and tiles, the stable
-    /// scatter), the same sorted order, positions and tiles as [`MoeRouting::new`] on the same ids, then
-    /// empty tiles up to [`RoutingTable::tile_bound`]. An id outside `0..experts` is not checked here (the
-    /// router's top-k never makes one): it is routed to no expert and its slot's output is undefined
-    /// (every read stays in bounds). More than [`Self::MAX_ROUTED_EXPERTS`] experts is an error.
-    pub fn route(
-        &self,
-        ids: &DeviceBuffer,
-        tokens: usize,
-        top_k: usize,
-        experts: usize,
-    ) -> Result<RoutingTable, KernelError> {
-        let assignments = tokens * top_k;
-        expect_len("expert ids", ids, assignments)?;
-        if experts > Self::MAX_ROUTED_EXPERTS {
-            return Err(KernelError::Shape(format!(
-                "{experts} experts: device routing keeps one offset per expert in shared memory, at most {}",
-                Self::MAX_ROUTED_EXPERTS
-            )));
-        }
-        let layout = TableLayout {
-            tiles: RoutingTable::tile_bound(assignments, experts),
-            assignments,
-        };
-        let table = self.empty_u32(layout.len(experts));
-        moe_kernels::route::launch(
-            &self.client,
-            CubeCount::Static(1, 1, 1),
-            CubeDim::new_1d(moe_kernels::ROUTE_UNITS as u32),
-            ids.arg(),
-            table.arg(),
-            assignments,
-            top_k.max(1),
-            layout.tiles,
-            layout.rows_at(),
-            layout.positions_at(),
-            layout.experts_at(),
-            layout.offsets_at(),
-            experts,
-        );
-        Ok(RoutingTable {
-            table,
-            tokens,
-            top_k,
-            experts,
-            layout,
-        })
     }
 
     /// [`Self::moe_with`] on a routing table already on the device ([`Self::route`],

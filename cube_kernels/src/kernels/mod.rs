@@ -32,6 +32,7 @@ pub mod mma_frag;
 pub mod mma_moe;
 pub mod moe;
 pub mod moe_train;
+pub mod route;
 
 use cubecl::prelude::*;
 

@@ -215,4 +215,6 @@ mod format_run;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod moe;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
+mod route;
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod table;

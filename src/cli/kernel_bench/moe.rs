@@ -12,6 +12,7 @@ use super::checks::{
     random_routing, time_other_staging, values, MoeBlock,
 };
 use super::format_run::FormatRun;
+use super::route::{route_variants, time_route};
 use super::table::{row, time, Table};
 use super::KernelBenchArgs;
 
@@ -302,6 +303,25 @@ pub(super) fn bench(
             },
             &sync_b,
         );
+        // The routing table a layer builds on the device before these products (the rows
+        // below take the host's, uploaded).
+        for (label, kr) in route_variants(k, ids.len()) {
+            if args.wants(label) {
+                let what = format!("{name} {dtype} {label}");
+                let (t, route_bytes) = time_route(args, &kr, (&ids, n), &what, failures)?;
+                rows.push(row(
+                    label,
+                    name,
+                    dtype,
+                    n,
+                    t,
+                    route_bytes,
+                    0.0,
+                    tb,
+                    copy_gbs,
+                ));
+            }
+        }
         let timed = paths
             .iter()
             .map(|&(p, kernel)| (p, kernel))
