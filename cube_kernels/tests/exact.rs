@@ -148,3 +148,54 @@ fn mean_rows_sum_in_index_order() {
     assert_eq!(one[0].to_bits(), y[4].to_bits());
     assert!(kn.mean_rows_f32(&kn.upload_f32(&[]), 1, 0).is_err());
 }
+
+/// Rows longer than Mesa's llvmpipe (lavapipe) lets one loop run: it ends a shader invocation's loops
+/// after 65535 iterations in all, so a kernel that took one loop iteration per input stopped short of
+/// a 70000-long row and returned a partial sum as if whole. The sums here are checked against the host's
+/// in the same order (the mean's adds bit for bit; the matmul's fused multiply-adds and the softmax,
+/// whose `exp` differs from the host's, within their tolerances, the softmax summing to one).
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn long_rows_are_summed_whole() {
+    let Some(kn) = kernels() else { return };
+    let len = 70_001;
+    let x = values(len, 11);
+    let w = values(len, 12);
+    for wt in [false, true] {
+        let y = kn
+            .matmul_f32(&kn.upload_f32(&x), &kn.upload_f32(&w), 1, 1, len, 1, wt)
+            .unwrap();
+        let (got, want) = (
+            kn.read_f32(&y).unwrap()[0],
+            host_matmul(&x, &w, 1, 1, len, 1, wt)[0],
+        );
+        // A few ulps apart (lavapipe's fused multiply-add is not always the host's, as for the short
+        // rows above); the iterations a cut loop drops move the sum by about 20.
+        assert!(
+            (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
+            "wt={wt}: {got} vs host {want}"
+        );
+    }
+    let mean = kn
+        .read_f32(&kn.mean_rows_f32(&kn.upload_f32(&x), 1, len).unwrap())
+        .unwrap();
+    let sum = x.iter().fold(0.0f32, |s, v| s + v);
+    assert_eq!(mean[0].to_bits(), (sum / len as f32).to_bits(), "mean");
+    let p = kn
+        .read_f32(&kn.softmax_rows_f32(&kn.upload_f32(&x), 1, len).unwrap())
+        .unwrap();
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let total: f64 = x.iter().map(|v| f64::from((v - max).exp())).sum();
+    for i in [0, 30_000, 65_534, 65_535, len - 1] {
+        let want = f64::from((x[i] - max).exp()) / total;
+        let got = f64::from(p[i]);
+        // An f32 sum of 70001 terms in order is good to about 1e-5 relative; a sum cut short
+        // misses some 6% of them.
+        assert!(
+            (got - want).abs() <= 1e-4 * want,
+            "softmax[{i}]: {got} vs {want}"
+        );
+    }
+    let sum_p: f64 = p.iter().map(|&v| f64::from(v)).sum();
+    assert!((sum_p - 1.0).abs() < 1e-3, "softmax sums to {sum_p}");
+}

@@ -12,8 +12,16 @@
 //!
 //! Every kernel is indexed by `ABSOLUTE_POS` over a grid of 256-unit cubes and guards against the padding
 //! of the last cube.
+//!
+//! The long loops take their inputs in unrolled runs of [`RUN`], in the same index order: Mesa's llvmpipe
+//! (lavapipe, the CI's Vulkan driver and a laptop's without a GPU) ends a shader invocation's loops after
+//! 65535 iterations in all, and a loop of one iteration per input returned a partial sum as if whole
+//! beyond that (`tests/exact.rs::long_rows_are_summed_whole`); in runs the limit is 32 times farther.
 
 use cubecl::prelude::*;
+
+/// Inputs per unrolled run of the long loops (see the module's notes).
+pub const RUN: usize = 32;
 
 /// `y[b, i, j] = sum_k x[b, i, k] * w[b, k, j]` (`w[b, j, k]` with `w_transposed`), for `total = batches *
 /// m * n` outputs, each one fused multiply-add chain in `k` order from 0.0.
@@ -35,17 +43,24 @@ pub fn matmul(
         let i = (id / n) % m;
         let b = id / (m * n);
         let xoff = (b * m + i) * k;
-        let mut acc = 0.0f32;
+        // `w[woff + kk * wstep]` is row `kk` of the product's `w`.
+        let mut woff = b * k * n + j;
+        let mut wstep = n;
         if comptime!(w_transposed) {
-            let woff = (b * n + j) * k;
-            for kk in 0..k {
-                acc = fma(x[xoff + kk], w[woff + kk], acc);
+            woff = (b * n + j) * k;
+            wstep = 1;
+        }
+        let mut acc = 0.0f32;
+        let whole = k / RUN * RUN;
+        for r in 0..k / RUN {
+            let k0 = r * RUN;
+            #[unroll]
+            for kk in 0..RUN {
+                acc = fma(x[xoff + k0 + kk], w[woff + (k0 + kk) * wstep], acc);
             }
-        } else {
-            let woff = b * k * n + j;
-            for kk in 0..k {
-                acc = fma(x[xoff + kk], w[woff + kk * n], acc);
-            }
+        }
+        for kk in whole..k {
+            acc = fma(x[xoff + kk], w[woff + kk * wstep], acc);
         }
         y[id] = acc;
     }
@@ -59,18 +74,39 @@ pub fn softmax_rows(x: &[f32], y: &mut [f32], rows: usize, len: usize) {
     let r = ABSOLUTE_POS;
     if r < rows {
         let off = r * len;
+        let whole = len / RUN * RUN;
+        // The maximum as a chain of `v > max` comparisons from the first entry (a NaN never wins
+        // one), the sum in index order.
         let mut max = x[off];
-        for i in 1..len {
-            let v = x[off + i];
-            if v > max {
-                max = v;
+        for c in 0..len / RUN {
+            #[unroll]
+            for i in 0..RUN {
+                let v = x[off + c * RUN + i];
+                max = select(v > max, v, max);
             }
         }
+        for i in whole..len {
+            let v = x[off + i];
+            max = select(v > max, v, max);
+        }
         let mut sum = 0.0f32;
-        for i in 0..len {
+        for c in 0..len / RUN {
+            #[unroll]
+            for i in 0..RUN {
+                sum += (x[off + c * RUN + i] - max).exp();
+            }
+        }
+        for i in whole..len {
             sum += (x[off + i] - max).exp();
         }
-        for i in 0..len {
+        for c in 0..len / RUN {
+            #[unroll]
+            for i in 0..RUN {
+                let at = off + c * RUN + i;
+                y[at] = (x[at] - max).exp() / sum;
+            }
+        }
+        for i in whole..len {
             y[off + i] = (x[off + i] - max).exp() / sum;
         }
     }
@@ -84,7 +120,13 @@ pub fn mean_rows(x: &[f32], y: &mut [f32], rows: usize, len: usize, len_f: f32) 
     if r < rows {
         let off = r * len;
         let mut sum = 0.0f32;
-        for i in 0..len {
+        for c in 0..len / RUN {
+            #[unroll]
+            for i in 0..RUN {
+                sum += x[off + c * RUN + i];
+            }
+        }
+        for i in len / RUN * RUN..len {
             sum += x[off + i];
         }
         y[r] = sum / len_f;
