@@ -6,13 +6,15 @@ use cubecl::prelude::*;
 
 use super::{expect_len, DeviceBuffer, Kernels};
 use crate::error::KernelError;
-use crate::kernels::route::{self as route_kernels, ROUTE_BLOCKS, ROUTE_UNITS};
+use crate::kernels::route::{self as route_kernels, ROUTE_BLOCKS, ROUTE_BLOCK_ROUNDS, ROUTE_UNITS};
 use crate::moe::{RoutingTable, TableLayout};
 
 impl Kernels {
     /// These kernels with the routing always in three launches over blocks of ids (`Some(true)`),
     /// always in one cube (`Some(false)`), or by [`Self::routes_in_blocks`] (`None`): the same table
-    /// every way; for tests, and for timing the choice.
+    /// every way; for tests, and for timing the choice. (On lavapipe, whose llvmpipe ends a shader
+    /// invocation's loops after 65535 iterations in all, the one cube routes at most some 16k ids
+    /// whole; the rule gives it 512.)
     pub fn with_block_routing(mut self, blocks: Option<bool>) -> Self {
         self.block_routing = blocks;
         self
@@ -147,12 +149,13 @@ impl Kernels {
     }
 }
 
-/// The blocks of the three-launch routing for `assignments` ids: `(blocks, ids per block)`, at most
-/// [`ROUTE_BLOCKS`] blocks of whole rounds of [`ROUTE_UNITS`] ids, the last one possibly shorter, at
-/// least one block.
+/// The blocks of the three-launch routing for `assignments` ids: `(blocks, ids per block)`, blocks of
+/// whole rounds of [`ROUTE_UNITS`] ids (the last one possibly shorter, at least one block), at most
+/// [`ROUTE_BLOCKS`] of them until a block would take more than [`ROUTE_BLOCK_ROUNDS`] rounds.
 pub(crate) fn route_blocks(assignments: usize) -> (usize, usize) {
     let rounds = assignments.div_ceil(ROUTE_UNITS).max(1);
-    let block_len = rounds.div_ceil(ROUTE_BLOCKS) * ROUTE_UNITS;
+    let block_rounds = rounds.div_ceil(ROUTE_BLOCKS).min(ROUTE_BLOCK_ROUNDS);
+    let block_len = block_rounds * ROUTE_UNITS;
     (assignments.div_ceil(block_len).max(1), block_len)
 }
 
@@ -160,16 +163,45 @@ pub(crate) fn route_blocks(assignments: usize) -> (usize, usize) {
 mod tests {
     use super::*;
 
-    /// Blocks cover the ids, in whole rounds, never more than the bound, none empty but for no ids.
+    /// Blocks cover the ids, in whole rounds, none empty but for no ids: at most the aimed-for count
+    /// while a block's rounds stay within their bound, more blocks of the most rounds beyond.
     #[test]
     fn route_blocks_cover_the_ids_in_whole_rounds() {
-        for a in [0, 1, 255, 256, 257, 512, 16_384, 16_385, 32_768, 300_001] {
+        let most = ROUTE_BLOCKS * ROUTE_BLOCK_ROUNDS * ROUTE_UNITS;
+        for a in [
+            0,
+            1,
+            255,
+            256,
+            257,
+            512,
+            16_385,
+            300_001,
+            most,
+            most + 1,
+            9_000_000,
+        ] {
             let (blocks, len) = route_blocks(a);
-            assert!((1..=ROUTE_BLOCKS).contains(&blocks), "{a}: {blocks} blocks");
+            assert!(blocks >= 1, "{a}: no block");
+            assert!(a > most || blocks <= ROUTE_BLOCKS, "{a}: {blocks} blocks");
+            assert!(
+                len <= ROUTE_BLOCK_ROUNDS * ROUTE_UNITS,
+                "{a}: block of {len}"
+            );
             assert_eq!(len % ROUTE_UNITS, 0, "{a}: block of {len}");
             assert!(blocks * len >= a, "{a}: {blocks} x {len} ids");
             assert!(a == 0 || (blocks - 1) * len < a, "{a}: an empty block");
         }
         assert_eq!(route_blocks(300_001), (118, 2_560));
+        assert_eq!(route_blocks(9_000_000), (550, 16_384));
+    }
+
+    /// The most experts leave the one cube's shared memory full; one more would not fit.
+    #[test]
+    fn the_most_routed_experts_fill_the_shared_memory() {
+        use crate::kernels::route::route_shared_words;
+        let most = Kernels::MAX_ROUTED_EXPERTS;
+        assert!(route_shared_words(most) <= super::super::SHARED_FLOATS);
+        assert!(route_shared_words(most + 1) > super::super::SHARED_FLOATS);
     }
 }

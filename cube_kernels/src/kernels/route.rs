@@ -19,13 +19,21 @@
 
 use cubecl::prelude::*;
 
+use super::TILE;
+
 /// Units of a routing cube: the ids of a round, one per unit.
 pub const ROUTE_UNITS: usize = 256;
 
-/// Most blocks of the three-launch routing, about an H200's 132 multiprocessors: [`route_offsets`]
+/// Blocks the three-launch routing aims for, about an H200's 132 multiprocessors: [`route_offsets`]
 /// adds each expert's block counts one after the other, so more blocks lengthen its one cube's loop;
-/// fewer leave multiprocessors idle.
+/// fewer leave multiprocessors idle. Past [`ROUTE_BLOCK_ROUNDS`] rounds a block, there are more.
 pub const ROUTE_BLOCKS: usize = 128;
+
+/// Most rounds of ids a block takes: a unit ranks its id against up to 255 others per round, and
+/// Mesa's llvmpipe (lavapipe) ends a shader invocation's loops after 65535 iterations in all, so a
+/// block of some 248 rounds or more came back part-routed there (2M ids in 128 blocks of 64 rounds;
+/// beyond, the blocks grow in number instead).
+pub const ROUTE_BLOCK_ROUNDS: usize = 64;
 
 /// Words of shared memory a routing cube takes for `experts` experts: the offsets and the first tile
 /// of each expert (one more than the experts each), and a round's ids.
@@ -67,8 +75,7 @@ pub fn route(
         offsets_at,
         experts,
     );
-    // The offsets become each expert's next place.
-    sync_cube();
+    // The offsets (final for every unit: the call ends with a barrier) become each expert's next place.
     scatter_rounds(
         ids,
         0,
@@ -317,7 +324,6 @@ fn scatter_rounds(
         }
         start += ROUTE_UNITS;
     }
-    sync_cube();
 }
 
 /// With `offsets[e + 1]` holding expert `e`'s count: makes `offsets` the prefix sums (`offsets[0] =
@@ -350,7 +356,7 @@ fn write_offsets_and_tiles(
         for e in 0..experts {
             let n = offsets[e + 1];
             total += n;
-            total_tiles += (n + 15u32) / 16u32;
+            total_tiles += (n + TILE as u32 - 1u32) / TILE as u32;
             offsets[e + 1] = total;
             tile_first[e + 1] = total_tiles;
         }
@@ -370,8 +376,8 @@ fn write_offsets_and_tiles(
         if t < real {
             let e = expert_of_tile(&*tile_first, t as u32, experts);
             expert = e as u32;
-            start = offsets[e] + 16u32 * (t as u32 - tile_first[e]);
-            stop = (start + 16u32).min(offsets[e + 1]);
+            start = offsets[e] + TILE as u32 * (t as u32 - tile_first[e]);
+            stop = (start + TILE as u32).min(offsets[e + 1]);
         }
         table[3 * t] = expert;
         table[3 * t + 1] = start;
