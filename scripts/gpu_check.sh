@@ -208,7 +208,7 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   fi
   if [ "$rt" = cuda ] && [ "${QARL_GPU_CHECK_ROLLOUT:-1}" = 1 ]; then
     echo "== rollout on cuda =="
-    { "${launch[@]}" init-model --config configs/models/qwen3-moe-200m.json --output /tmp/moe200m &&
+    { rm -rf /tmp/moe200m && "${launch[@]}" init-model --config configs/models/qwen3-moe-200m.json --output /tmp/moe200m &&
       timeout "${QARL_GPU_CHECK_ROLLOUT_TIMEOUT:-100}" "${launch[@]}" bench rollout --backend cuda \
         --model /tmp/moe200m --batch 8 --prompt-len 64 --new-tokens 32 --repeats 1 \
         --schemes f32,int4-g128,int8-pc,fp8-b128 --json "$out/rollout_cuda.json"; } 2>&1 |

@@ -102,15 +102,30 @@ pub fn write_safetensors(
 }
 
 /// Writes the directory `dst` through a temporary sibling that `fill` writes into: when `fill` fails, the
-/// temporary directory is removed and `dst` is as it was (absent, or with its old files); when it succeeds,
-/// a new `dst` is the temporary directory renamed, and an existing one receives the new files one rename each
-/// (`config.json` last, since loaders start from it), keeping files of its own that were not rewritten.
+/// temporary directory is removed and `dst` is as it was; when it succeeds, the temporary directory is
+/// renamed to `dst`. A `dst` that exists must be an empty directory, checked before `fill` runs: new files
+/// beside another model's (shards, an index, a tokenizer not rewritten) would make a directory that loads
+/// as neither.
 pub fn write_dir_atomic<T>(
     dst: &Path,
     fill: impl FnOnce(&Path) -> anyhow::Result<T>,
 ) -> anyhow::Result<T> {
     if dst.exists() && !dst.is_dir() {
         anyhow::bail!("{}: exists and is not a directory", dst.display());
+    }
+    let occupied = |dst: &Path| -> anyhow::Result<bool> {
+        Ok(dst.is_dir()
+            && std::fs::read_dir(dst)
+                .map_err(failed(dst, "cannot list"))?
+                .next()
+                .is_some())
+    };
+    if occupied(dst)? {
+        anyhow::bail!(
+            "{}: exists and is not empty; the new files would mix with its own (choose a new directory, \
+             or remove this one first)",
+            dst.display()
+        );
     }
     let parent = dst
         .parent()
@@ -127,23 +142,19 @@ pub fn write_dir_atomic<T>(
         .with_context(|| format!("{}: cannot create a temporary directory", parent.display()))?;
     let out = fill(tmp.path())?;
     set_usual_permissions(tmp.path());
-    if !dst.exists() {
-        let kept = tmp.keep();
-        std::fs::rename(&kept, dst)
-            .with_context(|| format!("{}: cannot move the result into place", dst.display()))?;
-        return Ok(out);
+    if dst.exists() {
+        // Still empty (checked again: something may have written there meanwhile), so it can go.
+        if occupied(dst)? {
+            anyhow::bail!(
+                "{}: files appeared there while this ran; the new files were not moved in",
+                dst.display()
+            );
+        }
+        std::fs::remove_dir(dst).map_err(failed(dst, "cannot replace the empty directory"))?;
     }
-    let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(tmp.path())
-        .with_context(|| format!("{}: cannot list", tmp.path().display()))?
-        .flatten()
-        .map(|e| e.path())
-        .collect();
-    files.sort_by_key(|p| p.file_name().is_some_and(|n| n == "config.json"));
-    for f in files {
-        let to = dst.join(f.file_name().unwrap_or_default());
-        std::fs::rename(&f, &to)
-            .with_context(|| format!("{}: cannot move the result into place", to.display()))?;
-    }
+    let kept = tmp.keep();
+    std::fs::rename(&kept, dst)
+        .with_context(|| format!("{}: cannot move the result into place", dst.display()))?;
     Ok(out)
 }
 

@@ -961,3 +961,115 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
     assert_eq!(out.status.code(), Some(1), "{err}");
     assert!(err.contains("other.json: no `rows` array"), "{err}");
 }
+
+/// What is already on disk is never written over or mixed into: `init-model`, `quantize` and
+/// `import-gguf` refuse an output directory that holds files, `mismatch` an output named `.md` (its
+/// Markdown table would replace the JSON), and `quantize` a pattern that would pack a tensor the model
+/// reads in full precision (the checkpoint would not load).
+#[test]
+fn outputs_never_overwrite_or_mix_with_existing_files() {
+    let tmp = tempfile::tempdir().unwrap();
+    let taken = tmp.path().join("taken");
+    std::fs::create_dir_all(&taken).unwrap();
+    std::fs::write(taken.join("model.safetensors"), b"someone's weights").unwrap();
+    let fixture = fixtures_dir().join("qwen3");
+    let gguf = fixtures_dir().join("../gguf/tiny_llama.gguf");
+    let config = fixture.join("config.json");
+    let runs: [Vec<&std::ffi::OsStr>; 3] = [
+        vec![
+            "init-model".as_ref(),
+            "--config".as_ref(),
+            config.as_os_str(),
+        ],
+        vec![
+            "quantize".as_ref(),
+            "--model".as_ref(),
+            fixture.as_os_str(),
+            "--scheme".as_ref(),
+            "int8-pc".as_ref(),
+        ],
+        vec!["import-gguf".as_ref(), gguf.as_os_str()],
+    ];
+    for args in runs {
+        let out = qarl()
+            .args(&args)
+            .arg("--output")
+            .arg(&taken)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{args:?} wrote into a full directory"
+        );
+        assert!(err.contains("exists and is not empty"), "{args:?}: {err}");
+        assert_eq!(
+            std::fs::read(taken.join("model.safetensors")).unwrap(),
+            b"someone's weights"
+        );
+        assert_eq!(std::fs::read_dir(&taken).unwrap().count(), 1, "{args:?}");
+    }
+    let out = qarl()
+        .args([
+            "mismatch",
+            "--model",
+            "/nonexistent",
+            "--data",
+            "/nonexistent.jsonl",
+        ])
+        .args(["--output", "table.md"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("name it .json"),
+        "{err}"
+    );
+    let embedding = tmp.path().join("embedding");
+    let out = qarl()
+        .args(["quantize", "--model"])
+        .arg(&fixture)
+        .args([
+            "--scheme",
+            "int8-pc",
+            "--include",
+            "model.embed_tokens.weight",
+        ])
+        .arg("--output")
+        .arg(&embedding)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("`model.embed_tokens.weight`"),
+        "{err}"
+    );
+    assert!(err.contains("not a linear layer's weight"), "{err}");
+    assert!(!embedding.exists());
+}
+
+/// A `config.json` that says quantized over weights that are not (no `*.qweight`) is refused, not run
+/// in full precision under the scheme's name.
+#[test]
+fn a_quantization_config_without_packed_weights_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixtures_dir().join("qwen3");
+    let dir = tmp.path().join("claims_int4");
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(&src).unwrap().flatten() {
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    config["quantization_config"] =
+        serde_json::json!({"quant_method": "qarl", "scheme": "int4-g32"});
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let err = match qarl::model::Decoder::load(&dir, &burn::tensor::Device::flex()) {
+        Ok(_) => panic!("a checkpoint without packed weights loaded as int4-g32"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("quantization_config") && err.contains("no `*.qweight` tensor"),
+        "{err}"
+    );
+}

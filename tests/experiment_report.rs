@@ -274,3 +274,39 @@ name = "H"
         "{err}"
     );
 }
+
+/// A repeated seed or variant name would put two runs in one directory (the report then counting a run
+/// twice, or one never made); a name that is not one plain directory name would leave the results
+/// directory. Each is refused when the file is read, naming it.
+#[test]
+fn an_experiment_refuses_shared_run_directories() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("exp.toml");
+    let variant = |name: &str| format!("[[variant]]\nname = {name:?}\nset = {{}}\n");
+    let cases = [
+        ("seeds = [1, 1]", variant("a"), "seed 1 is listed twice"),
+        (
+            "seeds = [1]",
+            variant("lr") + &variant("lr"),
+            "two variants are named \"lr\"",
+        ),
+        (
+            "seeds = [1]",
+            variant("../escaped"),
+            "one plain directory name",
+        ),
+        ("seeds = [1]", variant(""), "one plain directory name"),
+    ];
+    for (seeds, variants, want) in cases {
+        std::fs::write(
+            &file,
+            format!("name = \"x\"\nbase = \"base.toml\"\n{seeds}\n{variants}"),
+        )
+        .unwrap();
+        let err = format!("{:#}", ExperimentConfig::load(&file).unwrap_err());
+        assert!(
+            err.contains(want) && err.contains("exp.toml"),
+            "{want}: {err}"
+        );
+    }
+}

@@ -293,6 +293,48 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     assert_eq!(rows(&other.run_dir, &["rl"]).len(), 1);
 }
 
+/// An earlier run's results in a run directory without checkpoints (a run stopped before its first, or
+/// one whose checkpoints were pruned away) are not deleted by a fresh run unless `--overwrite` says so;
+/// and a data set that cannot be read stops the run before anything in its directory changes.
+#[test]
+fn a_fresh_run_keeps_an_earlier_runs_metrics_and_checks_its_data_first() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny(tmp.path(), 1);
+    std::fs::create_dir_all(&cfg.run_dir).unwrap();
+    let metrics = cfg.run_dir.join("metrics.jsonl");
+    let earlier = "{\"phase\":\"sft\",\"step\":0}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"eval\",\"step\":0}\n";
+    std::fs::write(&metrics, earlier).unwrap();
+    let err = format!("{:#}", train::run(&cfg, false, true).unwrap_err());
+    assert!(
+        err.contains("2 RL and evaluation rows") && err.contains("--overwrite"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_to_string(&metrics).unwrap(), earlier);
+    // A task whose data cannot be read: refused before the directory's files change.
+    let mut bad_data = cfg.clone();
+    bad_data.task = toml::from_str("kind = \"gsm8k\"\npath = \"no_such_data.jsonl\"").unwrap();
+    let overwrite = RunOptions {
+        quiet: true,
+        overwrite: true,
+        ..RunOptions::default()
+    };
+    let err = format!("{:#}", train::run_with(&bad_data, &overwrite).unwrap_err());
+    assert!(err.contains("no_such_data.jsonl"), "{err}");
+    assert_eq!(std::fs::read_to_string(&metrics).unwrap(), earlier);
+    assert!(!cfg.run_dir.join("config.json").exists());
+    // Asked for, the earlier rows go.
+    train::run_with(
+        &cfg,
+        &RunOptions {
+            quiet: true,
+            overwrite: true,
+            ..RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
+}
+
 /// Bad configs: every error names the file, the key path and the reason (printed as the table of the
 /// closing note with `--nocapture`).
 #[test]
@@ -358,6 +400,32 @@ fn bad_configs_are_named_with_their_key_path() {
             &["`train.lr` = NaN"],
         ),
         ("TOML syntax", edit("[eval]", "[eval"), &["line"]),
+        (
+            "run files over the model's own",
+            edit(
+                "run_dir = \"runs/default\"",
+                "run_dir = \"runs/default/./model-sft\"",
+            ),
+            &["`run_dir`", "is `model.dir`", "overwrite the model's files"],
+        ),
+        (
+            "run files into the working directory",
+            edit("run_dir = \"runs/default\"", "run_dir = \"\""),
+            &["`run_dir` = \"\"", "must name a directory"],
+        ),
+        (
+            "a repetition pattern too long to search (used to hang)",
+            edit(
+                "min_span = 12",
+                "min_span = 12\nmax_pattern = 1000000000000",
+            ),
+            &["`train.error_tokens.max_pattern`", "1 to 64"],
+        ),
+        (
+            "a pattern seen once (every token counted as a loop)",
+            edit("min_span = 12", "min_span = 12\nmin_repeats = 0"),
+            &["`train.error_tokens.min_repeats` = 0", ">= 2"],
+        ),
     ];
     println!("| bad input | error the user sees |");
     for (what, text, want) in cases {

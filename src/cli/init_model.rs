@@ -8,7 +8,7 @@ pub struct InitModelArgs {
     /// The model's config.json (any architecture the loader supports).
     #[arg(long)]
     pub config: PathBuf,
-    /// Directory to write (config.json + model.safetensors); created if missing.
+    /// Directory to write (config.json + model.safetensors): new, or empty.
     #[arg(long)]
     pub output: PathBuf,
     /// Seed of the random weights: the same seed gives the same file.
@@ -23,6 +23,20 @@ pub struct InitModelArgs {
 }
 
 pub fn run(args: InitModelArgs) -> anyhow::Result<()> {
+    // Random weights over a model someone trained would be a silent loss, and beside another model's
+    // files (shards, an index, a tokenizer) a directory that loads as neither.
+    let occupied = args.output.is_dir()
+        && std::fs::read_dir(&args.output)
+            .map_err(crate::io::failed(&args.output, "cannot list"))?
+            .next()
+            .is_some();
+    if occupied {
+        anyhow::bail!(
+            "{}: exists and is not empty; init-model writes into a new or empty directory (remove this \
+             one first if its files may go)",
+            args.output.display()
+        );
+    }
     let cfg = ModelConfig::from_file(&args.config)?;
     let gb = param_count(&cfg) as f64 * 4.0 / 1e9;
     if gb > args.max_gb {

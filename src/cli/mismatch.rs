@@ -75,6 +75,15 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         args.temperature
     );
     anyhow::ensure!(args.limit >= 1, "--limit must be at least 1, got 0");
+    // The Markdown table goes beside the JSON, as `.md`: an output named `.md` would be overwritten by it.
+    if let Some(out) = &args.output {
+        anyhow::ensure!(
+            out.extension().is_none_or(|e| e != "md"),
+            "--output {}: the JSON would be overwritten by the Markdown table written beside it as .md; \
+             name it .json",
+            out.display()
+        );
+    }
     anyhow::ensure!(
         args.max_new_tokens >= 1,
         "--max-new-tokens must be at least 1, got 0"

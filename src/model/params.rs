@@ -182,6 +182,22 @@ impl Decoder {
         let config = ModelConfig::from_file(dir)?;
         let mut ckpt = Checkpoint::open(dir)?;
         ckpt.quant_scheme = config.quantization.as_ref().map(|q| q.scheme);
+        // A config that says quantized over weights that are not: every layer would load its f32
+        // `.weight` and run in full precision while the model claims the scheme.
+        if let Some(scheme) = ckpt.quant_scheme {
+            let suffix = format!(".{}", super::names::QWEIGHT);
+            if !ckpt.names().any(|n| n.ends_with(&suffix)) {
+                return Err(LoadError::InvalidConfig {
+                    path: dir.join("config.json"),
+                    msg: format!(
+                        "`quantization_config` says {} but the weights hold no `*.{}` tensor: they are \
+                         not quantized (remove `quantization_config`, or quantize them with `qarl quantize`)",
+                        scheme.name(),
+                        super::names::QWEIGHT
+                    ),
+                });
+            }
+        }
         Self::from_checkpoint(config, &ckpt, device)
     }
 

@@ -133,7 +133,26 @@ pub fn quantize_checkpoint(
         );
     }
     let sel = cfg.selector()?;
+    // The tensors the loader reads as a linear layer's weight: only those can be read back packed (the
+    // embedding or a norm written as `.qweight` would make a checkpoint nothing loads).
+    let mut linear_weights = std::collections::BTreeSet::new();
+    super::Decoder::lazy(config.clone(), &burn::tensor::Device::flex()).visit_parts(
+        |path, part| {
+            if matches!(part, super::params::Part::Linear(_)) {
+                linear_weights.insert(format!("{path}.{WEIGHT}"));
+            }
+        },
+    );
     let ckpt = Checkpoint::open(src)?;
+    if let Some(name) = ckpt
+        .names()
+        .find(|n| sel.selects(n) && !linear_weights.contains(*n))
+    {
+        bail!(
+            "`{name}` matches the layers to quantize but is not a linear layer's weight (the model reads \
+             it in full precision); narrow --include or add it to --exclude"
+        );
+    }
     let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut summary = QuantizeSummary {
         quantized_tensors: 0,

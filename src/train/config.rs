@@ -379,6 +379,31 @@ impl TrainConfig {
         }
         let pos_f32 = |v: f32| v > 0.0 && v.is_finite();
         let nonneg_f32 = |v: f32| v >= 0.0 && v.is_finite();
+        // The run's files (config.json, metrics.jsonl) go there: an empty path would write them into
+        // the working directory, and the model's own directory would lose its config.json.
+        if self.run_dir.as_os_str().is_empty() {
+            bail!("`run_dir` = \"\": must name a directory (the run's config, metrics and checkpoints go there)");
+        }
+        if same_dir(&self.run_dir, &self.model.dir) {
+            bail!(
+                "`run_dir` = {:?} is `model.dir`: the run's config.json and metrics would overwrite the \
+                 model's files; choose another `run_dir`",
+                self.run_dir.display().to_string()
+            );
+        }
+        let loops = &self.train.error_tokens;
+        check(
+            (1..=64).contains(&loops.max_pattern),
+            "train.error_tokens.max_pattern",
+            loops.max_pattern,
+            "1 to 64 (tokens per repeated pattern; the count is linear in it)",
+        )?;
+        check(
+            loops.min_repeats >= 2,
+            "train.error_tokens.min_repeats",
+            loops.min_repeats,
+            ">= 2 (a pattern seen once is no loop: every token would count)",
+        )?;
         check(
             pos_f32(self.model.init_std),
             "model.init_std",
@@ -697,4 +722,32 @@ pub fn lr_at(base: f64, schedule: LrSchedule, warmup: usize, step: usize, total:
             base * 0.5 * (1.0 + (std::f64::consts::PI * p.min(1.0)).cos())
         }
     }
+}
+
+/// Whether `a` and `b` name the same directory: the same path once `.` and `..` are resolved
+/// (through the file system where both exist, so links count too).
+fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => {
+            std::path::absolute(a).ok().map(|p| normal(&p))
+                == std::path::absolute(b).ok().map(|p| normal(&p))
+        }
+    }
+}
+
+/// `p` without `.` components and with each `..` taking its parent away (lexically).
+fn normal(p: &std::path::Path) -> std::path::PathBuf {
+    use std::path::Component;
+    let mut out = std::path::PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other.as_os_str()),
+        }
+    }
+    out
 }

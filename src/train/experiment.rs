@@ -53,6 +53,30 @@ impl ExperimentConfig {
                 path.display()
             );
         }
+        // Each (variant, seed) is one run directory, `results/<variant>/seed<seed>`: a repeated seed or
+        // name would share one, and the report would count a run twice or one never made.
+        let mut seeds = std::collections::BTreeSet::new();
+        if let Some(s) = exp.seeds.iter().find(|&&s| !seeds.insert(s)) {
+            bail!("{}: seed {s} is listed twice in `seeds`", path.display());
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for v in &exp.variants {
+            let plain = Path::new(&v.name)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)))
+                && Path::new(&v.name).components().count() == 1;
+            if !plain {
+                bail!(
+                    "{}: variant name {:?} must be one plain directory name (it names the variant's run \
+                     directory under the results directory)",
+                    path.display(),
+                    v.name
+                );
+            }
+            if !names.insert(v.name.as_str()) {
+                bail!("{}: two variants are named {:?}", path.display(), v.name);
+            }
+        }
         Ok(exp)
     }
 
@@ -124,54 +148,78 @@ pub fn run_experiment(
     let results = exp.results();
     // One experiment process per results directory (each run directory is locked by its run as well).
     let _lock = super::lock::RunLock::acquire(&results)?;
+    // Every run's config, built and checked before the first run starts: a mistake in the last variant
+    // is reported before hours of the first ones, not after.
+    let config_of = |v: &Variant, seed: u64, run_dir: &Path| -> anyhow::Result<TrainConfig> {
+        let mut doc = base.clone();
+        for (k, val) in &v.set {
+            set_dotted(&mut doc, k, val.clone())?;
+        }
+        set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
+        if let Some(b) = backend {
+            set_dotted(
+                &mut doc,
+                "train.backend",
+                toml::Value::String(b.to_string()),
+            )?;
+        }
+        set_dotted(
+            &mut doc,
+            "run_dir",
+            toml::Value::String(run_dir.display().to_string()),
+        )?;
+        let origin = format!(
+            "{} (variant {}, seed {seed}; line numbers are of the variant's config, the base with its \
+             `set` applied)",
+            path.display(),
+            v.name
+        );
+        TrainConfig::from_toml(&toml::to_string(&doc)?, &origin)
+    };
+    let mut runs = Vec::new();
     // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
     // span sessions) already compares all its arms on the same seeds.
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
-            if marker(&run_dir).is_file() {
-                continue;
-            }
-            let mut doc = base.clone();
-            for (k, val) in &v.set {
-                set_dotted(&mut doc, k, val.clone())?;
-            }
-            set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
-            if let Some(b) = backend {
-                set_dotted(
-                    &mut doc,
-                    "train.backend",
-                    toml::Value::String(b.to_string()),
-                )?;
-            }
-            set_dotted(
-                &mut doc,
-                "run_dir",
-                toml::Value::String(run_dir.display().to_string()),
-            )?;
-            let origin = format!("{} (variant {}, seed {seed})", path.display(), v.name);
-            let cfg = TrainConfig::from_toml(&toml::to_string(&doc)?, &origin)?;
-            if !quiet {
-                eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());
-            }
-            let resume = run_dir.join("checkpoints").is_dir();
-            let s = super::run(&cfg, resume, quiet)?;
-            crate::io::write_json_atomic(
-                &marker(&run_dir),
-                &serde_json::json!({
-                    "accuracy_after": s.accuracy_after,
-                    "accuracy_before": s.accuracy_before,
-                    "paired": s.paired.as_ref().map(|p| serde_json::json!({
-                        "problems": p.problems,
-                        "fixed": p.fixed,
-                        "broken": p.broken,
-                        "diff": p.diff(),
-                        "diff_se": p.diff_se,
-                        "p_value": p.p_value,
-                    })),
-                }),
-            )?;
+            let cfg = config_of(v, seed, &run_dir)?;
+            runs.push((v, seed, run_dir, cfg));
         }
+    }
+    for (v, seed, run_dir, cfg) in runs {
+        if marker(&run_dir).is_file() {
+            continue;
+        }
+        if !quiet {
+            eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());
+        }
+        // Unfinished: resumed from its newest checkpoint, or (stopped before its first) started over,
+        // its partial rows deleted.
+        let resume = run_dir.join("checkpoints").is_dir();
+        let s = super::run_with(
+            &cfg,
+            &super::RunOptions {
+                resume,
+                quiet,
+                overwrite: !resume,
+                ..super::RunOptions::default()
+            },
+        )?;
+        crate::io::write_json_atomic(
+            &marker(&run_dir),
+            &serde_json::json!({
+                "accuracy_after": s.accuracy_after,
+                "accuracy_before": s.accuracy_before,
+                "paired": s.paired.as_ref().map(|p| serde_json::json!({
+                    "problems": p.problems,
+                    "fixed": p.fixed,
+                    "broken": p.broken,
+                    "diff": p.diff(),
+                    "diff_se": p.diff_se,
+                    "p_value": p.p_value,
+                })),
+            }),
+        )?;
     }
     let report = write_report(&exp, &results)?;
     Ok(report)

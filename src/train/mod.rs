@@ -243,6 +243,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let device = cfg.train.backend.device()?.autodiff();
     // Before anything in the run directory changes: a second process there stops here.
     let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
+    // The task's data too: a data set that cannot be read must not cost the run directory its files.
+    let task = Task::from_config(&cfg.task)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = if resume {
         let found = checkpoint::latest_checked(&cfg.run_dir)?;
@@ -282,6 +284,23 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 st.step,
                 p.display()
             );
+        }
+        // An earlier run's RL or evaluation rows without a checkpoint (one stopped before its first, or
+        // finished with checkpoints pruned away) are someone's results too: not deleted unasked.
+        if !opts.overwrite && metrics_path.is_file() {
+            let rows = metrics::read_rows(&metrics_path, metrics::BadLines::Skip)?;
+            let earlier = rows
+                .iter()
+                .filter(|r| matches!(r["phase"].as_str(), Some("rl" | "eval")))
+                .count();
+            if earlier > 0 {
+                anyhow::bail!(
+                    "{}: holds {earlier} RL and evaluation rows of an earlier run (and no checkpoint to \
+                     resume from); pass --overwrite to start over (deleting them), --resume to keep the \
+                     warm start's rows and start RL over, or choose another `run_dir`",
+                    metrics_path.display()
+                );
+            }
         }
         let dir = checkpoint::checkpoints_dir(&cfg.run_dir);
         if opts.overwrite && dir.exists() {
@@ -346,7 +365,6 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let tok = Tokenizer::load_optional(&cfg.model.dir)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
-    let task = Task::from_config(&cfg.task)?;
     let eval_set = task.eval_set(cfg.eval.problems);
     let eval_fingerprint =
         crate::tasks::questions_fingerprint(&task.eval_questions(cfg.eval.problems));
