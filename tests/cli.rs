@@ -1073,3 +1073,27 @@ fn a_quantization_config_without_packed_weights_is_refused() {
         "{err}"
     );
 }
+
+/// `qarl eval` refuses sizes that measure nothing (0 new tokens printed an accuracy of 0 with exit code
+/// 0; batch 0 was taken as 1), before loading anything.
+#[test]
+fn eval_refuses_zero_new_tokens_and_batch() {
+    for (flag, want) in [
+        ("--max-new-tokens", "--max-new-tokens must be at least 1"),
+        ("--batch", "--batch must be at least 1"),
+    ] {
+        let out = qarl()
+            .args([
+                "eval",
+                "--model",
+                "/nonexistent",
+                "--data",
+                "/nonexistent.jsonl",
+            ])
+            .args([flag, "0"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want), "{flag}: {err}");
+    }
+}

@@ -293,3 +293,50 @@ fn nan_losses_stop_sft_naming_the_steps() {
         "a NaN model was moved into place"
     );
 }
+
+/// `qarl eval` on a checkpoint `qarl quantize` wrote records the checkpoint's scheme as its precision
+/// (it said f32, so `qarl compare --precision int4-g32` refused it and `--precision f32` took it), and
+/// the activations' type beside it.
+#[test]
+fn eval_of_a_quantized_checkpoint_names_its_scheme() {
+    let tmp = tempfile::tempdir().unwrap();
+    arith_model(&tmp.path().join("model"), false);
+    problems(tmp.path());
+    let (code, _, err) = qarl(
+        tmp.path(),
+        &os(&[
+            "quantize", "--model", "model", "--scheme", "int4-g32", "--output", "model-q",
+        ]),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    // The tokenizer travels with the weights.
+    assert!(tmp.path().join("model-q/tokenizer.json").exists());
+    let (code, stdout, err) = qarl(
+        tmp.path(),
+        &os(&[
+            "eval",
+            "--model",
+            "model-q",
+            "--data",
+            "problems.jsonl",
+            "--template",
+            "plain",
+            "--max-new-tokens",
+            "4",
+            "--quiet",
+            "--output",
+            "eval.json",
+        ]),
+    );
+    assert_eq!(code, Some(0), "{stdout}{err}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("eval.json")).unwrap())
+            .unwrap();
+    let summary = if doc["summary"].is_object() {
+        &doc["summary"]
+    } else {
+        &doc
+    };
+    assert_eq!(summary["precision"], "int4-g32", "{doc}");
+    assert_eq!(summary["activations"], "f32", "{doc}");
+}

@@ -422,6 +422,11 @@ fn bad_configs_are_named_with_their_key_path() {
             &["`train.error_tokens.max_pattern`", "1 to 64"],
         ),
         (
+            "no RL step (a before/after of nothing)",
+            edit("steps = 80", "steps = 0"),
+            &["`train.steps` = 0", ">= 1"],
+        ),
+        (
             "a pattern seen once (every token counted as a loop)",
             edit("min_span = 12", "min_span = 12\nmin_repeats = 0"),
             &["`train.error_tokens.min_repeats` = 0", ">= 2"],

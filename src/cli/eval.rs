@@ -79,6 +79,11 @@ pub(crate) fn data_path(name: &str) -> anyhow::Result<PathBuf> {
 }
 
 pub fn run(args: EvalArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.max_new_tokens >= 1,
+        "--max-new-tokens must be at least 1, got 0 (no answer could be right)"
+    );
+    anyhow::ensure!(args.batch >= 1, "--batch must be at least 1, got 0");
     let device = args.backend.device()?;
     let path = data_path(&args.data)?;
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
@@ -118,7 +123,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .iter()
         .map(|r| tok.encode(&template.render_prompt(&r.question)))
         .collect::<anyhow::Result<_>>()?;
-    let batch = args.batch.max(1);
+    let batch = args.batch;
     crate::rollout::check_rollout_size(
         &model.config,
         "--batch / --max-new-tokens",
@@ -152,9 +157,14 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     }
     bar.finish_and_clear();
     let n = records.len() as f64;
-    let precision = args.quant.map_or("f32".to_string(), |s| s.to_string());
+    // What the weights ran in: the scheme asked for, or the one a quantized checkpoint was written in.
+    let precision = args
+        .quant
+        .or(model.config.quantization.as_ref().map(|q| q.scheme))
+        .map_or("f32".to_string(), |s| s.to_string());
     let summary = serde_json::json!({
         "model": args.model, "data": path, "problems": records.len(), "precision": precision,
+        "activations": args.activations.to_string(),
         "accuracy": correct as f64 / n, "mean_response_tokens": tokens as f64 / n,
         "decode_tokens_per_s": tokens as f64 / decode_s.max(1e-9),
     });

@@ -147,8 +147,10 @@ pub fn write_random_checkpoint(
     seed: u64,
     std: f32,
 ) -> anyhow::Result<()> {
-    if !(std.is_finite() && std >= 0.0) {
-        anyhow::bail!("the standard deviation must be a finite number >= 0, got {std}");
+    // Draws reach several standard deviations: beyond 1e30 some would overflow f32 to infinity and the
+    // checkpoint would hold non-finite weights.
+    if !(std.is_finite() && (0.0..=1e30).contains(&std)) {
+        anyhow::bail!("the standard deviation must be a number from 0 to 1e30, got {std}");
     }
     let cfg = ModelConfig::from_file(config_path)?;
     let config_file = if config_path.is_dir() {

@@ -466,6 +466,12 @@ impl TrainConfig {
         )?;
         check(t.epochs >= 1, "train.epochs", t.epochs, ">= 1")?;
         check(
+            t.steps >= 1,
+            "train.steps",
+            t.steps,
+            ">= 1 (a run of no RL step has nothing to compare before and after)",
+        )?;
+        check(
             nonneg_f32(t.weight_decay),
             "train.weight_decay",
             t.weight_decay,

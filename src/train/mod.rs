@@ -365,6 +365,13 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let tok = Tokenizer::load_optional(&cfg.model.dir)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
+    if cfg.train.routing_replay && model.config.moe.is_none() {
+        anyhow::bail!(
+            "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no routing \
+             to replay (set it false for a dense model)",
+            model_dir.display()
+        );
+    }
     let eval_set = task.eval_set(cfg.eval.problems);
     let eval_fingerprint =
         crate::tasks::questions_fingerprint(&task.eval_questions(cfg.eval.problems));
