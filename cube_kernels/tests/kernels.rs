@@ -254,6 +254,31 @@ fn transposed_product_matches_the_reference() {
     }
 }
 
+/// The straight-through backward of a layer with more output rows than lavapipe's llvmpipe lets one
+/// shader invocation loop over (65535 loop iterations in all: an LM head of a 152k vocabulary): each
+/// input gradient sums every row, the last chunk ragged (70001 rows).
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn long_transposed_products_are_summed_whole() {
+    let Some(k) = kernels() else { return };
+    let (out, inn, n) = (70_001, 16, 1);
+    let format = WeightFormat::Int8PerRow;
+    let w = random_weights(format, 1, out, inn, 301);
+    let g = Rng(78).values(n * out);
+    let got = k
+        .read_f32(
+            &k.linear_transposed(&k.upload_f32(&g), n, &k.upload_weights(&w))
+                .unwrap(),
+        )
+        .unwrap();
+    let want = reference::linear_transposed(&g, n, &w, 0);
+    let wd = w.dequantize(0);
+    let scale: Vec<f32> = (0..n * inn)
+        .map(|i| (0..out).map(|o| (g[o] * wd[o * inn + i]).abs()).sum())
+        .collect();
+    assert_close(&got, &want, &scale, &format!("dx [{out}, {inn}]"));
+}
+
 /// `(experts, hidden, inter)` of the MoE tests: hidden 72 and inter 48 leave a ragged last chunk in both
 /// products.
 const MOE_SHAPE: (usize, usize, usize) = (6, 72, 48);

@@ -374,8 +374,18 @@ pub fn transposed_share<X: Float>(
         sync_cube();
         let depth = chunk_depth(c, out);
         let mut part = 0.0f32;
-        for oo in 0..depth {
-            part = fma(gs[ty * TILE_STRIDE + oo], ws[oo * 16 + tx], part);
+        // Whole chunks unrolled (the same multiply-adds in the same order): a runtime loop here took 32
+        // of the 65535 loop iterations Mesa's llvmpipe allows a shader invocation per chunk, so a weight
+        // of more than 61k rows (a large vocabulary's LM head) came back part-summed on lavapipe.
+        if depth == 32 {
+            #[unroll]
+            for oo in 0..32usize {
+                part = fma(gs[ty * TILE_STRIDE + oo], ws[oo * 16 + tx], part);
+            }
+        } else {
+            for oo in 0..depth {
+                part = fma(gs[ty * TILE_STRIDE + oo], ws[oo * 16 + tx], part);
+            }
         }
         total += part;
         sync_cube();

@@ -187,8 +187,12 @@ pub fn grouped_weight_grad(
     #[allow(clippy::manual_div_ceil)]
     let chunks = (last - first + 31) / 32;
     let mut total = 0.0f32;
+    // The inner loops unrolled here rather than left to the driver: Mesa's llvmpipe (lavapipe) counts
+    // every loop iteration of a shader invocation against 65535 and stops short past it, so an expert's
+    // chunks are the only loop that grows with the call.
     for c in 0..chunks {
         let a0 = first + c * 32;
+        #[unroll]
         for half in 0..2usize {
             let i = unit + half * 256;
             let aa = i / 16;
@@ -213,6 +217,7 @@ pub fn grouped_weight_grad(
         }
         sync_cube();
         let mut part = 0.0f32;
+        #[unroll]
         for aa in 0..32usize {
             part = fma(xs[ty * TILE_STRIDE + aa], gs[tx * TILE_STRIDE + aa], part);
         }
