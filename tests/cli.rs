@@ -1097,3 +1097,50 @@ fn eval_refuses_zero_new_tokens_and_batch() {
         assert!(!out.status.success() && err.contains(want), "{flag}: {err}");
     }
 }
+
+/// `qarl generate` refuses options it would ignore: sampling options beside `--greedy` (the output was
+/// `--greedy`'s), a `--stop-id` outside the vocabulary (it never occurs), before or after loading the
+/// model as each needs.
+#[test]
+fn generate_refuses_options_it_would_ignore() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_json = tmp.path().join("gen.json");
+    let out = qarl()
+        .args([
+            "generate",
+            "--model",
+            "/nonexistent",
+            "--prompt",
+            "1+1=",
+            "--greedy",
+        ])
+        .args(["--temperature", "0.7"])
+        .arg("--output")
+        .arg(&out_json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--temperature"),
+        "{err}"
+    );
+    let dir = fixtures_dir().join("qwen3");
+    let r = reference(&dir);
+    let prompts = greedy_prompts_file(tmp.path(), &r);
+    let out = qarl()
+        .args(["generate", "--model"])
+        .arg(&dir)
+        .arg("--prompt-ids")
+        .arg(&prompts)
+        .args(["--greedy", "--max-new-tokens", "2", "--stop-id", "999999"])
+        .arg("--output")
+        .arg(&out_json)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--stop-id 999999") && err.contains("vocabulary"),
+        "{err}"
+    );
+    assert!(!out_json.exists());
+}

@@ -27,8 +27,8 @@ pub struct GenerateArgs {
     /// Samples per prompt (rows of the output are prompt-major: all samples of prompt 0 first).
     #[arg(long, default_value_t = 1)]
     pub samples: usize,
-    /// Greedy decoding (argmax); the same as `--temperature 0`.
-    #[arg(long)]
+    /// Greedy decoding (argmax); the same as `--temperature 0` (so it takes no sampling option).
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
     pub greedy: bool,
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 1.0)]
@@ -90,7 +90,19 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let device = args.backend.device()?;
     let model = load_model(&args.model, &device, args.quant, args.activations)?;
     if args.stop_at_eos {
+        anyhow::ensure!(
+            !model.config.eos_token_ids.is_empty(),
+            "--stop-at-eos: {}/config.json names no eos_token_id, so nothing would stop a row; pass \
+             --stop-id or --stop",
+            args.model.display()
+        );
         stop_token_ids.extend(&model.config.eos_token_ids);
+    }
+    let vocab = model.config.vocab_size;
+    if let Some(id) = args.stop_ids.iter().find(|&&id| id as usize >= vocab) {
+        anyhow::bail!(
+            "--stop-id {id}: outside the model's vocabulary (0..{vocab}), so it never occurs"
+        );
     }
     let params = SamplingParams {
         temperature: if args.greedy { 0.0 } else { args.temperature },

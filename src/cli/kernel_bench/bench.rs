@@ -126,6 +126,15 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
     if args.check {
         println!("check: every kernel matched the host reference");
     }
+    // A label no row had (a typo, or a row this device does not time) timed nothing: say so.
+    let timed: Vec<String> = rows.rows.iter().map(|r| r.kernel.clone()).collect();
+    let missing: Vec<&String> = args.only.iter().filter(|o| !timed.contains(o)).collect();
+    if !missing.is_empty() {
+        bail!(
+            "--only {missing:?}: no row of this run has that label (the labels are the table's \
+             `kernel` column, e.g. moe/mma; some rows need a device with the instruction)"
+        );
+    }
     Ok(())
 }
 

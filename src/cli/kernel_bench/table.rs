@@ -12,7 +12,7 @@ use crate::io::write_json_atomic;
 
 #[derive(Debug, Serialize)]
 pub(super) struct Row {
-    kernel: String,
+    pub(super) kernel: String,
     format: String,
     act_dtype: String,
     tokens: usize,
