@@ -107,10 +107,20 @@ fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
     }
     // A label no row has timed nothing: refused after the run, naming it.
     let out = bench_small(
-        &["--parts", "moe", "--tokens", "1", "--only", "moe/route,moe/nosuchrow"],
+        &[
+            "--parts",
+            "moe",
+            "--tokens",
+            "1",
+            "--only",
+            "moe/route,moe/nosuchrow",
+        ],
         &json,
     );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("moe/nosuchrow"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("moe/nosuchrow"),
+        "{err}"
+    );
     assert!(!err.contains("\"moe/route\""), "{err}");
 }

@@ -215,6 +215,14 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
             }),
             "overlap",
         ),
+        (
+            // The last tensor (`output.weight`, Q8_0) ends the file: its last block's f16 scale as NaN.
+            edited(d, "nan_scale.gguf", |b| {
+                let at = b.len() - 34;
+                b[at..at + 2].copy_from_slice(&0x7E00u16.to_le_bytes());
+            }),
+            "tensor `output.weight` holds 32 non-finite values",
+        ),
     ];
     for (path, want) in cases {
         let err = match GgufFile::open(&path) {

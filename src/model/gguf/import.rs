@@ -79,6 +79,15 @@ pub fn import_gguf(
         })?;
         let mut values = dequantize(t.ty, f.data(t))
             .map_err(|m| f.error(format!("tensor `{}`: {m}", t.name)))?;
+        // A NaN or infinite weight is a damaged file: written on, every forward would fail later and
+        // blame its input.
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            let bad = values.iter().filter(|v| !v.is_finite()).count();
+            return Err(anyhow::Error::from(f.error(format!(
+                "tensor `{}` holds {bad} non-finite values (the first at element {i}: {})",
+                t.name, values[i]
+            ))));
+        }
         let shape = t.shape();
         if t.name.ends_with("attn_q.weight") {
             values = unpermute_rows(&f, t, values, heads)?;
