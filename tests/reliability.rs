@@ -293,6 +293,30 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     assert_eq!(rows(&other.run_dir, &["rl"]).len(), 1);
 }
 
+/// `--resume` continues the same experiment or nothing: another rollout precision, training forward or
+/// objective is refused (the rows after the checkpoint would come from another run than those before),
+/// while more steps are taken.
+#[test]
+fn a_resume_with_another_experiment_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny(tmp.path(), 1);
+    train::run(&cfg, false, true).unwrap();
+    let before = bytes(&cfg.run_dir.join("metrics.jsonl"));
+    let mut other = cfg.clone();
+    other.rollout.precision = "int8-pc".parse().unwrap();
+    other.train.steps = 2;
+    let err = format!("{:#}", train::run(&other, true, true).unwrap_err());
+    assert!(
+        err.contains("`rollout`") && err.contains("--overwrite"),
+        "{err}"
+    );
+    assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
+    let mut more = cfg.clone();
+    more.train.steps = 2;
+    train::run(&more, true, true).unwrap();
+    assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 2);
+}
+
 /// An earlier run's results in a run directory without checkpoints (a run stopped before its first, or
 /// one whose checkpoints were pruned away) are not deleted by a fresh run unless `--overwrite` says so;
 /// and a data set that cannot be read stops the run before anything in its directory changes.

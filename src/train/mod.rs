@@ -236,6 +236,46 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
     });
 }
 
+/// What a resumed run must share with the run it continues (JSON pointers into the run's config.json):
+/// the rollouts, the training forward and objective, the task and its verifier. Anything else (more
+/// steps, evaluation, checkpointing, the backend) may change on resume.
+const RUN_IDENTITY: [&str; 5] = [
+    "/rollout",
+    "/train/forward",
+    "/train/loss",
+    "/task",
+    "/verify",
+];
+
+/// Refuses a resume whose config differs from the run's own (its `config.json`) where
+/// [`RUN_IDENTITY`] says: the rows after the checkpoint would come from another experiment than the
+/// rows before it, under one run's name.
+fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
+    let path = cfg.run_dir.join("config.json");
+    if !path.is_file() {
+        return Ok(());
+    }
+    let old: serde_json::Value = crate::io::read_json(&path)?;
+    let new = serde_json::to_value(cfg)?;
+    let changed: Vec<&str> = RUN_IDENTITY
+        .into_iter()
+        .filter(|k| old.pointer(k) != new.pointer(k))
+        .collect();
+    if !changed.is_empty() {
+        let keys: Vec<String> = changed
+            .iter()
+            .map(|k| k.trim_start_matches('/').replace('/', "."))
+            .collect();
+        anyhow::bail!(
+            "{}: the run was made with other `{}` settings than this config's; resuming would mix two \
+             experiments in one run (restore them, start over with --overwrite, or choose another `run_dir`)",
+            path.display(),
+            keys.join("`, `")
+        );
+    }
+    Ok(())
+}
+
 /// Runs the RL loop of `cfg` with `opts`.
 pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
     let (resume, quiet) = (opts.resume, opts.quiet);
@@ -318,6 +358,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 cfg.seed
             );
         }
+        check_resumed_config(cfg)?;
     }
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     if resumed.is_none() && resume {
