@@ -1010,6 +1010,18 @@ fn outputs_never_overwrite_or_mix_with_existing_files() {
         assert_eq!(std::fs::read_dir(&taken).unwrap().count(), 1, "{args:?}");
     }
     let out = qarl()
+        .args(["init-model", "--config"])
+        .arg(&config)
+        .args(["--max-gb", "nan", "--output"])
+        .arg(tmp.path().join("fresh"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("--max-gb must be"),
+        "{err}"
+    );
+    let out = qarl()
         .args([
             "mismatch",
             "--model",

@@ -115,6 +115,7 @@ fn zero_sizes_are_refused_with_the_key() {
         "num_experts",
         "num_experts_per_tok",
         "moe_intermediate_size",
+        "decoder_sparse_step",
     ] {
         let e = refused("qwen3_moe", key, json!(0));
         assert!(
@@ -245,4 +246,24 @@ fn qarl_simd_typo_is_an_error_on_the_command_line() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A special token outside the vocabulary is never generated (a stop at it never happens): refused,
+/// with the key, the id and the bound; inside it, accepted.
+#[test]
+fn special_tokens_outside_the_vocabulary_are_refused() {
+    let vocab = base("qwen3")["vocab_size"].as_u64().unwrap();
+    for key in ["eos_token_id", "bos_token_id"] {
+        let e = refused("qwen3", key, json!(vocab));
+        assert!(
+            e.contains(&format!(
+                "`{key}` must be a token id below vocab_size ({vocab})"
+            )),
+            "{e}"
+        );
+    }
+    let e = refused("qwen3", "eos_token_id", json!([1, vocab + 5]));
+    assert!(e.contains(&format!("found {}", vocab + 5)), "{e}");
+    let ok = accepted("qwen3", "eos_token_id", json!([1, vocab - 1]));
+    assert_eq!(ok.eos_token_ids, vec![1, vocab as u32 - 1]);
 }

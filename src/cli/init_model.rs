@@ -37,6 +37,11 @@ pub fn run(args: InitModelArgs) -> anyhow::Result<()> {
             args.output.display()
         );
     }
+    anyhow::ensure!(
+        args.max_gb.is_finite() && args.max_gb > 0.0,
+        "--max-gb must be a finite number of GB > 0, got {}",
+        args.max_gb
+    );
     let cfg = ModelConfig::from_file(&args.config)?;
     let gb = param_count(&cfg) as f64 * 4.0 / 1e9;
     if gb > args.max_gb {

@@ -421,7 +421,14 @@ impl ModelConfig {
                 num_experts_per_tok,
                 moe_intermediate_size: k.positive(&["moe_intermediate_size"])?,
                 norm_topk_prob: k.bool_or(&["norm_topk_prob"], false)?,
-                decoder_sparse_step: k.usize_opt(&["decoder_sparse_step"])?.unwrap_or(1).max(1),
+                // 0 would divide by zero in transformers; it is refused here rather than read as 1.
+                decoder_sparse_step: match k.usize_opt(&["decoder_sparse_step"])? {
+                    None => 1,
+                    Some(0) => {
+                        return Err(k.bad("decoder_sparse_step", "positive", &Value::from(0)))
+                    }
+                    Some(n) => n,
+                },
                 mlp_only_layers,
             })
         } else {
@@ -466,6 +473,22 @@ impl ModelConfig {
             });
         }
 
+        // A special token outside the vocabulary is never generated: a stop at it would never happen.
+        let bos_token_id = k.ids("bos_token_id")?.first().copied();
+        let eos_token_ids = k.ids("eos_token_id")?;
+        for (key, id) in eos_token_ids
+            .iter()
+            .map(|&id| ("eos_token_id", id))
+            .chain(bos_token_id.map(|id| ("bos_token_id", id)))
+        {
+            if id as usize >= vocab_size {
+                return Err(k.bad(
+                    key,
+                    &format!("a token id below vocab_size ({vocab_size})"),
+                    &Value::from(id),
+                ));
+            }
+        }
         Ok(Self {
             architecture,
             vocab_size,
@@ -491,8 +514,8 @@ impl ModelConfig {
             qk_norm,
             moe,
             quantization: parse_quantization(&k)?,
-            bos_token_id: k.ids("bos_token_id")?.first().copied(),
-            eos_token_ids: k.ids("eos_token_id")?,
+            bos_token_id,
+            eos_token_ids,
         })
     }
 
