@@ -805,6 +805,20 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
         text.contains("new − B: +0.333 ± 0.333 (1 vs 0 problems; p 1.0e0)"),
         "{text}"
     );
+    // Each evaluation is named as read; one given twice in an arm would count as two seeds.
+    assert!(
+        text.contains(&format!("new: {a}")) && text.contains(&format!("B: {b}")),
+        "{text}"
+    );
+    let out = qarl()
+        .args(["compare", "--a", &a, &a, "--b", &b])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("given twice"),
+        "{err}"
+    );
     let out = qarl()
         .args(["compare", "--a", &a, "--b", &other])
         .output()

@@ -40,6 +40,19 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
             .collect()
     };
     let (a, b) = (load(&args.a)?, load(&args.b)?);
+    // Each evaluation as read (a run's with the step it was taken at): `@last` of a run still going, or
+    // stopped early, is its newest evaluation, which may be the one before RL.
+    for (name, arm) in [(&args.name_a, &a), (&args.name_b, &b)] {
+        for (i, e) in arm.iter().enumerate() {
+            if let Some(twin) = arm[..i].iter().find(|o| o.source == e.source) {
+                anyhow::bail!(
+                    "{name}: {} is given twice; an arm's evaluations are its seeds, each counted once",
+                    twin.source
+                );
+            }
+            println!("{name}: {}", e.source);
+        }
+    }
     if args.require_identical {
         check_identical(&a.iter().chain(&b).collect::<Vec<_>>())?;
     }
