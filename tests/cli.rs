@@ -305,10 +305,17 @@ fn runs_lists_run_directories_with_their_status() {
             "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
         ),
         ("half", "{\"phase\":\"rl\",\"step\":0}\nnot json\n"),
+        // Not UTF-8: nothing in it can be read, whatever `finished.json` says.
+        ("garbled", "\u{0}"),
     ] {
         let dir = runs.join(name);
         std::fs::create_dir_all(dir.join("checkpoints/step_000000")).unwrap();
-        std::fs::write(dir.join("metrics.jsonl"), rows).unwrap();
+        if name == "garbled" {
+            std::fs::write(dir.join("metrics.jsonl"), [0xff, 0xfe, b'\n']).unwrap();
+            std::fs::write(dir.join("finished.json"), "{}").unwrap();
+        } else {
+            std::fs::write(dir.join("metrics.jsonl"), rows).unwrap();
+        }
         qarl::io::write_json_atomic(&dir.join("config.json"), &cfg).unwrap();
         qarl::io::write_json_atomic(
             &dir.join("checkpoints/step_000000/trainer_state.json"),
@@ -339,8 +346,21 @@ fn runs_lists_run_directories_with_their_status() {
         line("half").contains("1/2") && line("half").contains("resumable from step 1"),
         "{text}"
     );
+    assert!(
+        line("garbled").contains("metrics unreadable") && !line("garbled").contains("finished"),
+        "{text}"
+    );
     let out = qarl().args(["runs", "/no/such/dir"]).output().unwrap();
     assert!(!out.status.success());
+    // A file is no directory of runs.
+    let file = tmp.path().join("file.json");
+    std::fs::write(&file, "{}").unwrap();
+    let out = qarl().arg("runs").arg(&file).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not a directory"),
+        "{err}"
+    );
     // A directory without runs says so in plain text (it printed the list in debug formatting).
     let empty = tmp.path().join("empty");
     std::fs::create_dir_all(&empty).unwrap();
@@ -899,6 +919,12 @@ fn bench_kernels_refuses_impossible_sizes() {
         (vec!["--experts", "4"], "--top-k 8 with --experts 4"),
         (vec!["--tokens", "1,0"], "--tokens [1, 0]"),
         (vec!["--hidden", "0"], "--hidden 0: must be at least 1"),
+        // Names as well, before any device is sought (they were refused after the rooflines).
+        (vec!["--formats", "int5"], "--formats int5"),
+        (
+            vec!["--act-dtype", "f64"],
+            "--act-dtype f64: expected f32, f16 or bf16",
+        ),
     ] {
         let out = qarl()
             .args(["bench", "kernels"])

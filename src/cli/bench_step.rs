@@ -57,13 +57,35 @@ fn parse_variant(s: &str) -> anyhow::Result<(String, Vec<String>)> {
         !label.trim().is_empty(),
         "--variant `{s}`: the label is empty"
     );
-    let sets: Vec<String> = sets
-        .split(',')
+    let sets: Vec<String> = split_top_level(sets)
+        .into_iter()
         .map(str::trim)
         .filter(|x| !x.is_empty())
         .map(String::from)
         .collect();
     Ok((label.trim().to_string(), sets))
+}
+
+/// `s` cut at the commas outside brackets, braces and quotes: a TOML array or inline table in a value
+/// (`task.ops=["add","sub"]`) stays one override.
+fn split_top_level(s: &str) -> Vec<&str> {
+    let (mut parts, mut depth, mut quote, mut start) = (Vec::new(), 0i32, None, 0);
+    for (i, c) in s.char_indices() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '"' | '\'') => quote = Some(c),
+            (None, '[' | '{') => depth += 1,
+            (None, ']' | '}') => depth -= 1,
+            (None, ',') if depth == 0 => {
+                parts.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&s[start..]);
+    parts
 }
 
 #[derive(Debug, Serialize)]
@@ -83,6 +105,7 @@ struct VariantReport {
 }
 
 pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.steps > 0, "--steps must be at least 1");
     if let Some(out) = &a.variant_child {
         return run_child(&a, out);
     }
@@ -346,5 +369,16 @@ mod tests {
         assert_eq!(s, vec!["rollout.precision=f32", "train.forward=full"]);
         assert!(parse_variant("no-colon").is_err());
         assert!(parse_variant(":a=b").is_err());
+        // A comma inside an array, an inline table or a string belongs to the value.
+        let (_, s) =
+            parse_variant(r#"a: task.ops=["add","sub"], x={ p = 1, q = "2,3" }, y="u,v""#).unwrap();
+        assert_eq!(
+            s,
+            vec![
+                r#"task.ops=["add","sub"]"#,
+                r#"x={ p = 1, q = "2,3" }"#,
+                r#"y="u,v""#
+            ]
+        );
     }
 }

@@ -50,8 +50,11 @@ fn find(root: &Path, depth: usize, out: &mut Vec<PathBuf>) {
 /// Reads what a run directory says about itself; unreadable lines and files are skipped, not fatal.
 pub fn inspect(dir: &Path) -> RunInfo {
     let cfg: Option<TrainConfig> = crate::io::read_json(&dir.join("config.json")).ok();
-    let rows =
-        metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::Skip).unwrap_or_default();
+    // A log that cannot be read at all (not UTF-8, a directory) says nothing about the run: its status
+    // says so rather than what `finished.json` or the empty rows would.
+    let read = metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::Skip);
+    let unreadable = read.as_ref().err().map(|e| format!("{e:#}"));
+    let rows = read.unwrap_or_default();
     let (mut last_step, mut accuracy) = (None, None);
     let want = cfg
         .as_ref()
@@ -81,7 +84,9 @@ pub fn inspect(dir: &Path) -> RunInfo {
     let ckpt = checkpoint::latest(dir);
     let finished = dir.join("finished.json").is_file()
         || matches!((accuracy, steps, last_step), (Some((_, s)), Some(n), Some(l)) if s as usize == n && l + 1 == n as u64);
-    let status = if finished {
+    let status = if let Some(e) = unreadable {
+        format!("metrics unreadable ({e})")
+    } else if finished {
         "finished".to_string()
     } else if let Some((_, st)) = &ckpt {
         format!("resumable from step {}", st.step + 1)
@@ -115,6 +120,12 @@ pub fn run(args: RunsArgs) -> anyhow::Result<()> {
     for r in &roots {
         if !r.exists() && !args_default(r) {
             anyhow::bail!("{}: no such directory", r.display());
+        }
+        if r.exists() && !r.is_dir() {
+            anyhow::bail!(
+                "{}: not a directory (`qarl runs` lists the runs under directories)",
+                r.display()
+            );
         }
     }
     let runs = list(&roots);

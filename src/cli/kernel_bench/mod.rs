@@ -102,6 +102,20 @@ impl KernelBenchArgs {
             "--tokens {:?}: every token count must be at least 1",
             self.tokens
         );
+        // The names too, before any device is sought and the rooflines measured.
+        for name in &self.formats {
+            cube_kernels::WeightFormat::parse(name)
+                .map_err(|e| anyhow::anyhow!("--formats {name}: {e}"))?;
+        }
+        for name in &self.act_dtype {
+            anyhow::ensure!(
+                matches!(
+                    name.trim().to_ascii_lowercase().as_str(),
+                    "f32" | "f16" | "bf16"
+                ),
+                "--act-dtype {name}: expected f32, f16 or bf16"
+            );
+        }
         anyhow::ensure!(
             self.top_k <= self.experts,
             "--top-k {} with --experts {}: a token routes to distinct experts, so at most {}",
