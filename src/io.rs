@@ -101,6 +101,44 @@ pub fn write_safetensors(
     Ok(())
 }
 
+/// Whether `a` and `b` name the same directory: the same path once `.` and `..` are resolved
+/// (through the file system where both exist, so links count too).
+pub fn same_dir(a: &Path, b: &Path) -> bool {
+    match (a.canonicalize(), b.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => {
+            std::path::absolute(a).ok().map(|p| normal(&p))
+                == std::path::absolute(b).ok().map(|p| normal(&p))
+        }
+    }
+}
+
+/// `p` without `.` components and with each `..` taking its parent away (lexically).
+fn normal(p: &Path) -> std::path::PathBuf {
+    use std::path::Component;
+    let mut out = std::path::PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other.as_os_str()),
+        }
+    }
+    out
+}
+
+/// Whether `path` is a directory that holds anything: an output that must not mix new files with its
+/// own (a model directory), for the commands that write one.
+pub fn occupied_dir(path: &Path) -> anyhow::Result<bool> {
+    Ok(path.is_dir()
+        && std::fs::read_dir(path)
+            .map_err(failed(path, "cannot list"))?
+            .next()
+            .is_some())
+}
+
 /// Writes the directory `dst` through a temporary sibling that `fill` writes into: when `fill` fails, the
 /// temporary directory is removed and `dst` is as it was; when it succeeds, the temporary directory is
 /// renamed to `dst`. A `dst` that exists must be an empty directory, checked before `fill` runs: new files
@@ -113,14 +151,7 @@ pub fn write_dir_atomic<T>(
     if dst.exists() && !dst.is_dir() {
         anyhow::bail!("{}: exists and is not a directory", dst.display());
     }
-    let occupied = |dst: &Path| -> anyhow::Result<bool> {
-        Ok(dst.is_dir()
-            && std::fs::read_dir(dst)
-                .map_err(failed(dst, "cannot list"))?
-                .next()
-                .is_some())
-    };
-    if occupied(dst)? {
+    if occupied_dir(dst)? {
         anyhow::bail!(
             "{}: exists and is not empty; the new files would mix with its own (choose a new directory, \
              or remove this one first)",
@@ -144,7 +175,7 @@ pub fn write_dir_atomic<T>(
     set_usual_permissions(tmp.path());
     if dst.exists() {
         // Still empty (checked again: something may have written there meanwhile), so it can go.
-        if occupied(dst)? {
+        if occupied_dir(dst)? {
             anyhow::bail!(
                 "{}: files appeared there while this ran; the new files were not moved in",
                 dst.display()

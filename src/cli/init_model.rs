@@ -25,12 +25,7 @@ pub struct InitModelArgs {
 pub fn run(args: InitModelArgs) -> anyhow::Result<()> {
     // Random weights over a model someone trained would be a silent loss, and beside another model's
     // files (shards, an index, a tokenizer) a directory that loads as neither.
-    let occupied = args.output.is_dir()
-        && std::fs::read_dir(&args.output)
-            .map_err(crate::io::failed(&args.output, "cannot list"))?
-            .next()
-            .is_some();
-    if occupied {
+    if crate::io::occupied_dir(&args.output)? {
         anyhow::bail!(
             "{}: exists and is not empty; init-model writes into a new or empty directory (remove this \
              one first if its files may go)",

@@ -28,8 +28,7 @@ pub fn run(args: QuantizeArgs) -> anyhow::Result<()> {
         cfg.include = args.include;
     }
     cfg.exclude = args.exclude;
-    let same = |a: &std::path::Path, b: &std::path::Path| matches!((std::fs::canonicalize(a), std::fs::canonicalize(b)), (Ok(x), Ok(y)) if x == y);
-    if same(&args.model, &args.output) {
+    if crate::io::same_dir(&args.model, &args.output) {
         anyhow::bail!(
             "{}: --output is the --model directory; the quantized copy goes to another directory",
             args.output.display()

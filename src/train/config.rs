@@ -384,7 +384,7 @@ impl TrainConfig {
         if self.run_dir.as_os_str().is_empty() {
             bail!("`run_dir` = \"\": must name a directory (the run's config, metrics and checkpoints go there)");
         }
-        if same_dir(&self.run_dir, &self.model.dir) {
+        if crate::io::same_dir(&self.run_dir, &self.model.dir) {
             bail!(
                 "`run_dir` = {:?} is `model.dir`: the run's config.json and metrics would overwrite the \
                  model's files; choose another `run_dir`",
@@ -728,32 +728,4 @@ pub fn lr_at(base: f64, schedule: LrSchedule, warmup: usize, step: usize, total:
             base * 0.5 * (1.0 + (std::f64::consts::PI * p.min(1.0)).cos())
         }
     }
-}
-
-/// Whether `a` and `b` name the same directory: the same path once `.` and `..` are resolved
-/// (through the file system where both exist, so links count too).
-fn same_dir(a: &std::path::Path, b: &std::path::Path) -> bool {
-    match (a.canonicalize(), b.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => {
-            std::path::absolute(a).ok().map(|p| normal(&p))
-                == std::path::absolute(b).ok().map(|p| normal(&p))
-        }
-    }
-}
-
-/// `p` without `.` components and with each `..` taking its parent away (lexically).
-fn normal(p: &std::path::Path) -> std::path::PathBuf {
-    use std::path::Component;
-    let mut out = std::path::PathBuf::new();
-    for c in p.components() {
-        match c {
-            Component::CurDir => {}
-            Component::ParentDir => {
-                out.pop();
-            }
-            other => out.push(other.as_os_str()),
-        }
-    }
-    out
 }
