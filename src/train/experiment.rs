@@ -178,18 +178,18 @@ pub fn run_experiment(
     };
     let mut runs = Vec::new();
     // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
-    // span sessions) already compares all its arms on the same seeds.
+    // span sessions) already compares all its arms on the same seeds. Finished runs are skipped here,
+    // so their configs are not rebuilt (a base edited since must not stop the report).
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
-            let cfg = config_of(v, seed, &run_dir)?;
-            runs.push((v, seed, run_dir, cfg));
+            if !marker(&run_dir).is_file() {
+                let cfg = config_of(v, seed, &run_dir)?;
+                runs.push((v, seed, run_dir, cfg));
+            }
         }
     }
     for (v, seed, run_dir, cfg) in runs {
-        if marker(&run_dir).is_file() {
-            continue;
-        }
         if !quiet {
             eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());
         }

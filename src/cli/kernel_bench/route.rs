@@ -11,7 +11,7 @@ use super::KernelBenchArgs;
 /// that the launch rule's blocks are the only sensible launch, and Mesa's llvmpipe (lavapipe) ends
 /// a shader invocation's loops after 65535 iterations in all, which one cube's ranking of more ids
 /// exceeds.
-const ONE_CUBE_TIMED_MAX: usize = 64 * 256;
+const ONE_CUBE_TIMED_MAX: usize = 64 * cube_kernels::kernels::route::ROUTE_UNITS;
 
 /// The routing rows for `assignments` ids: the launch rule's (`moe/route`), and beside it the other
 /// launch (`moe/route-blocks` where the rule takes one cube, `moe/route-1cube` where it takes the
@@ -60,7 +60,7 @@ pub(super) fn time_route(
 /// Where a device-built table (`got`, read from `table`) differs from the host's routing of the same
 /// ids: the same tiles, then empty tiles up to the device's bound, then the same rows, positions,
 /// sorted experts and offsets; `None` when it does not.
-pub(super) fn table_mismatch(
+fn table_mismatch(
     got: &[u32],
     table: &cube_kernels::RoutingTable,
     host: &MoeRouting,
