@@ -142,7 +142,7 @@ pub(super) fn check_grouped(
     failures: &mut Vec<String>,
 ) -> anyhow::Result<()> {
     let (hidden, out) = (w.in_features(), w.out_features());
-    let most = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+    let most = args.most_tokens();
     let x: Vec<f32> = values(most * hidden, 999)
         .iter()
         .map(|v| dtype.round(*v))
@@ -243,7 +243,7 @@ pub(super) fn check_grouped_moe(
     failures: &mut Vec<String>,
 ) -> anyhow::Result<()> {
     let (hidden, top_k, experts) = (args.hidden, args.top_k, args.experts);
-    let most = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+    let most = args.most_tokens();
     let ids = random_routing(most, top_k, experts, 4242);
     let round = |v: Vec<f32>| -> Vec<f32> { v.iter().map(|v| dtype.round(*v)).collect() };
     let x = round(values(most * hidden, 4243));

@@ -36,7 +36,7 @@ pub(super) fn bench(
         for &(path, kernel) in grouped.iter() {
             check_grouped(args, k, &w, name, dtype, (path, kernel), failures)?;
         }
-        let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+        let n = args.most_tokens();
         let x = act_values(n * hidden, 4346);
         for (path, kernel) in frag_grouped.iter() {
             check_grouped(args, frag, &w, name, dtype, (*path, kernel), failures)?;

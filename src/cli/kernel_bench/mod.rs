@@ -126,6 +126,13 @@ impl KernelBenchArgs {
         Ok(())
     }
 
+    /// The largest token count (at least 1): the checks compare every smaller count's rows, and the
+    /// tiles' checks run, on its tokens.
+    #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+    fn most_tokens(&self) -> usize {
+        self.tokens.iter().copied().max().unwrap_or(1).max(1)
+    }
+
     /// Whether the row `label` is timed (`--only`).
     #[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
     fn wants(&self, label: &str) -> bool {

@@ -212,7 +212,7 @@ pub(super) fn bench(
             check_grouped_moe(args, k, &block, name, dtype, (*path, kernel), failures)?;
         }
         // Against the tiles on the largest count's tokens.
-        let n = args.tokens.iter().copied().max().unwrap_or(1).max(1);
+        let n = args.most_tokens();
         let ids = random_routing(n, args.top_k, args.experts, 4343);
         let routing = MoeRouting::new(&ids, n, args.top_k, args.experts)?;
         let x = act_values(n * hidden, 4344);
