@@ -11,7 +11,7 @@ use proptest::prelude::*;
 use qarl::tasks::arithmetic::{ArithmeticConfig, Op};
 use qarl::tasks::char_tokenizer;
 use qarl::tasks::datasets::{self, OnBadLine};
-use qarl::tasks::template::{Template, TemplateConfig};
+use qarl::tasks::template::{ChatTemplate, PlainTemplate, Template, TemplateConfig};
 use qarl::tasks::verify::{self, score, VerifyConfig};
 use qarl::tasks::{Task, TaskConfig};
 
@@ -307,10 +307,10 @@ fn task_config_serde() {
             assert_eq!(d.on_bad_line, OnBadLine::Error);
             assert_eq!(
                 d.template,
-                TemplateConfig::Chat {
+                TemplateConfig::Chat(ChatTemplate {
                     model_dir: None,
                     system: Some("Be brief.".into())
-                }
+                })
             );
         }
         other => panic!("{other:?}"),
@@ -602,10 +602,10 @@ fn templates_render() {
     let plain = Template::default();
     assert_eq!(plain.render_prompt("2+2?"), "Question: 2+2?\nAnswer:");
     assert_eq!(plain.render_completion("4"), " 4");
-    let custom = Template::from_config(&TemplateConfig::Plain {
+    let custom = Template::from_config(&TemplateConfig::Plain(PlainTemplate {
         question_prefix: String::new(),
         answer_prefix: "\nA: ".into(),
-    })
+    }))
     .unwrap();
     assert_eq!(custom.render_prompt("2+2?"), "2+2?\nA: ");
     assert_eq!(custom.render_completion("4"), "4");
@@ -641,10 +641,10 @@ fn chat_template_from_model_dir() {
         Template::chat_from_model_dir(dir.path()).unwrap(),
         Template::chatml()
     );
-    let cfg = TemplateConfig::Chat {
+    let cfg = TemplateConfig::Chat(ChatTemplate {
         model_dir: Some(dir.path().to_path_buf()),
         system: None,
-    };
+    });
     assert!(Template::from_config(&cfg).is_ok());
     // Llama-3 style: a clear error naming the file
     let llama = r#"{"chat_template": "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"}"#;

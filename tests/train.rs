@@ -211,6 +211,62 @@ fn default_config_parses_and_bad_configs_are_named() {
     }
 }
 
+/// A bad value inside `[task]` or `[task.template]` (tables tagged by `kind`, which serde reads into a
+/// buffer first) is reported at its own line with its full key, not at the table's header.
+#[test]
+fn errors_inside_task_tables_name_the_key_and_its_line() {
+    // The default config without its `[task]`, which each case appends.
+    let default =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.toml"))
+            .unwrap();
+    let (head, tail) = default.split_at(default.find("[task]").unwrap());
+    let base = format!("{head}{}", &tail[tail.find("[verify]").unwrap()..]);
+    let base_lines = base.lines().count();
+    let arithmetic = "[task]\nkind = \"arithmetic\"\nmin_digits = 1\nmax_digits = \"two\"\n";
+    let dataset = "[task]\nkind = \"gsm8k\"\npath = \"x.jsonl\"\neval_fraction = \"a\"\n";
+    let template = "[task]\nkind = \"math\"\npath = \"x.jsonl\"\n\n[task.template]\nkind = \"plain\"\nquestion_prefix = 3\n";
+    let unknown = "[task]\nkind = \"gsm8k\"\npath = \"x.jsonl\"\n\n[task.template]\nkind = \"chat\"\nsytem = \"Be brief.\"\n";
+    let cases = [
+        (
+            arithmetic,
+            4,
+            "`task.max_digits`: invalid type: string \"two\", expected u32",
+        ),
+        (
+            dataset,
+            4,
+            "`task.eval_fraction`: invalid type: string \"a\", expected f64",
+        ),
+        (
+            template,
+            7,
+            "`task.template.question_prefix`: invalid type: integer `3`",
+        ),
+        (
+            unknown,
+            7,
+            "unknown key `task.template.sytem`; did you mean `task.template.system`?",
+        ),
+    ];
+    for (task, line, want) in cases {
+        let err = TrainConfig::from_toml(&format!("{base}{task}"), "my.toml")
+            .unwrap_err()
+            .to_string();
+        let want = format!("my.toml, line {}: {want}", base_lines + line);
+        assert!(err.contains(&want), "expected `{want}` in: {err}");
+    }
+    // The same tables with good values read.
+    let good = [
+        arithmetic.replace("\"two\"", "2"),
+        dataset.replace("\"a\"", "0.2"),
+        template.replace("3", "\"Q: \""),
+        unknown.replace("sytem", "system"),
+    ];
+    for task in good {
+        TrainConfig::from_toml(&format!("{base}{task}"), "my.toml").unwrap();
+    }
+}
+
 #[test]
 fn sft_then_rl_writes_metrics_checkpoints_and_resumes() {
     let tmp = tempfile::tempdir().unwrap();

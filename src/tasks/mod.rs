@@ -36,7 +36,7 @@ use serde::{Deserialize, Serialize};
 
 pub use arithmetic::{ArithmeticConfig, ArithmeticError, Op, Problem};
 pub use datasets::{DatasetError, LineError, OnBadLine, Record};
-pub use template::{Template, TemplateConfig, TemplateError};
+pub use template::{ChatTemplate, PlainTemplate, Template, TemplateConfig, TemplateError};
 pub use verify::{score, Verdict, VerifyConfig, VerifyError};
 
 /// One prompt with its gold answer.
@@ -115,15 +115,46 @@ impl TaskConfig {
             if let Some(e) = &mut d.eval_path {
                 fix(e);
             }
-            if let TemplateConfig::Chat {
+            if let TemplateConfig::Chat(ChatTemplate {
                 model_dir: Some(m), ..
-            } = &mut d.template
+            }) = &mut d.template
             {
                 fix(m);
             }
         }
         self
     }
+
+    /// The error of a `[task]` table read as its kind's struct, which points at the field at fault where
+    /// the enum's own error points at the table (see [`kind_and_fields`]), going on into its `template`
+    /// table where that is what the error points at; `None` where it reads.
+    pub fn locate_error(table: &toml::Spanned<toml::de::DeValue<'_>>) -> Option<toml::de::Error> {
+        let (kind, fields) = kind_and_fields(table)?;
+        let error = match kind.as_str() {
+            "arithmetic" => ArithmeticConfig::deserialize(fields).err(),
+            "gsm8k" | "math" => DatasetConfig::deserialize(fields).err(),
+            _ => None,
+        }?;
+        let template = table.get_ref().get("template");
+        match template.filter(|t| error.span() == Some(t.span())) {
+            Some(t) => TemplateConfig::locate_error(t).or(Some(error)),
+            None => Some(error),
+        }
+    }
+}
+
+/// A table's `kind` and its other fields, ready to be read as that kind's struct. serde's internally
+/// tagged enums (`kind = "..."` beside the fields) read their table into a buffer first, so toml's error
+/// for a bad value inside such a table points at the table's header and never names the key; reading
+/// the fields straight from toml's spanned table as the kind's struct gives the error with the key's
+/// position. `None` for a value that is no table or has no string `kind`.
+fn kind_and_fields<'i>(
+    table: &toml::Spanned<toml::de::DeValue<'i>>,
+) -> Option<(String, toml::de::ValueDeserializer<'i>)> {
+    let mut fields = table.get_ref().as_table()?.clone();
+    let kind = fields.remove("kind")?.get_ref().as_str()?.to_string();
+    let value = toml::Spanned::new(table.span(), toml::de::DeValue::Table(fields));
+    Some((kind, toml::de::ValueDeserializer::from(value)))
 }
 
 /// A JSONL data set task.

@@ -31,24 +31,36 @@ pub enum TemplateError {
 }
 
 /// Serde form of a template: `{ kind = "plain", question_prefix = "...", answer_prefix = "..." }` or
-/// `{ kind = "chat", model_dir = "...", system = "..." }`.
+/// `{ kind = "chat", model_dir = "...", system = "..." }`. Each kind's fields are a struct of their own,
+/// so a config error inside a `[task.template]` table can be located by reading the table as its kind's
+/// struct ([`TemplateConfig::locate_error`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+#[serde(tag = "kind", rename_all = "lowercase")]
 pub enum TemplateConfig {
-    Plain {
-        #[serde(default = "default_question_prefix")]
-        question_prefix: String,
-        #[serde(default = "default_answer_prefix")]
-        answer_prefix: String,
-    },
-    Chat {
-        /// Model directory whose chat template must be ChatML (checked when the template is built).
-        #[serde(default)]
-        model_dir: Option<PathBuf>,
-        /// Optional system turn.
-        #[serde(default)]
-        system: Option<String>,
-    },
+    Plain(PlainTemplate),
+    Chat(ChatTemplate),
+}
+
+/// The `plain` template's fields: `{question_prefix}{question}{answer_prefix}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlainTemplate {
+    #[serde(default = "default_question_prefix")]
+    pub question_prefix: String,
+    #[serde(default = "default_answer_prefix")]
+    pub answer_prefix: String,
+}
+
+/// The `chat` template's fields.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatTemplate {
+    /// Model directory whose chat template must be ChatML (checked when the template is built).
+    #[serde(default)]
+    pub model_dir: Option<PathBuf>,
+    /// Optional system turn.
+    #[serde(default)]
+    pub system: Option<String>,
 }
 
 fn default_question_prefix() -> String {
@@ -59,11 +71,30 @@ fn default_answer_prefix() -> String {
     "\nAnswer:".into()
 }
 
-impl Default for TemplateConfig {
+impl Default for PlainTemplate {
     fn default() -> Self {
-        TemplateConfig::Plain {
+        Self {
             question_prefix: default_question_prefix(),
             answer_prefix: default_answer_prefix(),
+        }
+    }
+}
+
+impl Default for TemplateConfig {
+    fn default() -> Self {
+        TemplateConfig::Plain(PlainTemplate::default())
+    }
+}
+
+impl TemplateConfig {
+    /// The error of a `template` table read as its kind's struct, which points at the field at fault
+    /// (see [`super::kind_fields_error`]); `None` where it reads.
+    pub fn locate_error(table: &toml::Spanned<toml::de::DeValue<'_>>) -> Option<toml::de::Error> {
+        let (kind, fields) = super::kind_and_fields(table)?;
+        match kind.as_str() {
+            "plain" => PlainTemplate::deserialize(fields).err(),
+            "chat" => ChatTemplate::deserialize(fields).err(),
+            _ => None,
         }
     }
 }
@@ -98,14 +129,14 @@ impl Template {
     /// Builds a template from its config (a chat template with `model_dir` is checked against the model).
     pub fn from_config(cfg: &TemplateConfig) -> Result<Self, TemplateError> {
         match cfg {
-            TemplateConfig::Plain {
+            TemplateConfig::Plain(PlainTemplate {
                 question_prefix,
                 answer_prefix,
-            } => Ok(Template::Plain {
+            }) => Ok(Template::Plain {
                 question_prefix: question_prefix.clone(),
                 answer_prefix: answer_prefix.clone(),
             }),
-            TemplateConfig::Chat { model_dir, system } => {
+            TemplateConfig::Chat(ChatTemplate { model_dir, system }) => {
                 if let Some(dir) = model_dir {
                     chat_template_of_model(dir)?;
                 }

@@ -313,8 +313,10 @@ impl TrainConfig {
     }
 
     fn parse(text: &str, origin: &str, lines: bool) -> anyhow::Result<Self> {
-        let cfg: Self =
-            toml::from_str(text).map_err(|e| explain_toml_error(&e, text, origin, lines))?;
+        let cfg: Self = toml::from_str(text).map_err(|e| {
+            let e = locate_in_task(text, &e).unwrap_or(e);
+            explain_toml_error(&e, text, origin, lines)
+        })?;
         cfg.validate()
             .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         Ok(cfg)
@@ -573,6 +575,21 @@ impl TrainConfig {
         )?;
         Ok(())
     }
+}
+
+/// The error `e` again, pointing at the key at fault, where it points at the `[task]` table or its
+/// `template` (tagged by `kind`, which hides the key from toml: [`TaskConfig::locate_error`]).
+fn locate_in_task(text: &str, e: &toml::de::Error) -> Option<toml::de::Error> {
+    let doc = toml::de::DeTable::parse(text).ok()?;
+    let task = doc.get_ref().get("task")?;
+    let template = task.get_ref().get("template");
+    let at = |t: &toml::Spanned<toml::de::DeValue<'_>>| e.span() == Some(t.span());
+    if !at(task) && !template.is_some_and(at) {
+        return None;
+    }
+    let mut located = TaskConfig::locate_error(task)?;
+    located.set_input(Some(text));
+    Some(located)
 }
 
 /// Turns a TOML/serde error into one that names the file, the line, the full key path and the reason, and
