@@ -129,6 +129,24 @@ fn normal(p: &Path) -> std::path::PathBuf {
     out
 }
 
+/// Whether an optional input file is there: `Ok(false)` where nothing is at `path`, `Ok(true)` for a file
+/// (or a link to one), and otherwise what is there instead ("is a directory", "is a link to nothing"):
+/// "no tokenizer.json" would be wrong about a `tokenizer.json` that is a directory.
+pub fn optional_file(path: &Path) -> Result<bool, &'static str> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(false);
+    };
+    if path.is_file() {
+        Ok(true)
+    } else if path.is_dir() {
+        Err("is a directory")
+    } else if meta.file_type().is_symlink() && !path.exists() {
+        Err("is a link to nothing")
+    } else {
+        Err("is not a regular file")
+    }
+}
+
 /// Whether `path` is a directory that holds anything: an output that must not mix new files with its
 /// own (a model directory), for the commands that write one.
 pub fn occupied_dir(path: &Path) -> anyhow::Result<bool> {

@@ -135,6 +135,25 @@ fn broken_copy(
 
 const Q: &str = "model.layers.0.self_attn.q_proj.weight";
 
+/// A weights file that is a directory is named as such, not reported as "no weights found".
+#[test]
+fn a_weights_file_that_is_no_file_is_named() {
+    for name in ["model.safetensors", "model.safetensors.index.json"] {
+        let tmp = tempfile::tempdir().unwrap();
+        copy_model(&fixture("qwen3_moe"), tmp.path());
+        std::fs::remove_file(tmp.path().join("model.safetensors")).unwrap();
+        assert!(load_err(tmp.path()).contains("no weights found"));
+        std::fs::create_dir(tmp.path().join(name)).unwrap();
+        let err = load_err(tmp.path());
+        assert!(
+            err.ends_with(&format!(
+                "{name}: is a directory, where a file was expected"
+            )),
+            "{err}"
+        );
+    }
+}
+
 #[test]
 fn missing_tensor_is_named_with_file_and_shape() {
     let tmp = broken_copy("qwen3_moe", |t| {

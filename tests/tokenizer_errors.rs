@@ -6,9 +6,13 @@ use qarl::model::Tokenizer;
 fn load_err(text: &str) -> String {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("tokenizer.json"), text).unwrap();
-    match Tokenizer::load_optional(dir.path()) {
+    dir_err(dir.path())
+}
+
+fn dir_err(dir: &std::path::Path) -> String {
+    match Tokenizer::load_optional(dir) {
         Err(e) => e.to_string(),
-        Ok(_) => panic!("{text} was accepted"),
+        Ok(_) => panic!("{} was accepted", dir.display()),
     }
 }
 
@@ -28,6 +32,34 @@ fn tokenizer_json_problems_are_named() {
         assert!(
             err.contains("tokenizer.json") && err.contains(want),
             "{text}: {err}"
+        );
+    }
+}
+
+/// A `tokenizer.json` that is not a file is named as such, not reported missing ("no tokenizer.json");
+/// a directory without one has none.
+#[test]
+fn a_tokenizer_json_that_is_no_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    assert!(Tokenizer::load_optional(dir.path()).unwrap().is_none());
+    let path = dir.path().join("tokenizer.json");
+    std::fs::create_dir(&path).unwrap();
+    let err = dir_err(dir.path());
+    assert_eq!(
+        err,
+        format!(
+            "{}: is a directory, where a file was expected",
+            path.display()
+        )
+    );
+    std::fs::remove_dir(&path).unwrap();
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::symlink(dir.path().join("absent"), &path).unwrap();
+        let err = dir_err(dir.path());
+        assert!(
+            err.ends_with("tokenizer.json: is a link to nothing, where a file was expected"),
+            "{err}"
         );
     }
 }

@@ -74,13 +74,19 @@ impl Checkpoint {
         let index_path = dir.join(INDEX_FILE);
         let mut shards = Vec::new();
         let mut index = BTreeMap::new();
-        if single.is_file() {
+        let present = |path: &PathBuf| {
+            crate::io::optional_file(path).map_err(|what| LoadError::NotAFile {
+                path: path.clone(),
+                what,
+            })
+        };
+        if present(&single)? {
             let shard = open_shard(&single)?;
             for name in shard.meta.tensors().keys() {
                 index.insert(name.clone(), 0);
             }
             shards.push(shard);
-        } else if index_path.is_file() {
+        } else if present(&index_path)? {
             let text = std::fs::read_to_string(&index_path).map_err(|io| LoadError::Io {
                 path: index_path.clone(),
                 io,

@@ -54,6 +54,8 @@ pub enum LoadError {
     UnexpectedTensors { path: PathBuf, names: String },
     #[error("{path}: tokenizer: {msg}")]
     Tokenizer { path: PathBuf, msg: String },
+    #[error("{path}: {what}, where a file was expected")]
+    NotAFile { path: PathBuf, what: &'static str },
 }
 
 /// Errors of putting a model's weights in a precision: one weight that cannot be quantized (named), or a
@@ -66,8 +68,8 @@ pub enum QuantizeError {
         layer: String,
         error: crate::quant::QuantError,
     },
-    #[error("no layer matches the quantization patterns {patterns:?}")]
-    NoLayerSelected { patterns: Vec<String> },
+    #[error("no layer matches the quantization patterns ({patterns})")]
+    NoLayerSelected { patterns: String },
     #[error(transparent)]
     Selection(#[from] crate::quant::QuantError),
 }

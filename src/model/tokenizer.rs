@@ -16,8 +16,10 @@ impl Tokenizer {
     /// `Ok(None)` when the directory has no `tokenizer.json`.
     pub fn load_optional(dir: impl AsRef<Path>) -> Result<Option<Self>, LoadError> {
         let path = dir.as_ref().join("tokenizer.json");
-        if !path.is_file() {
-            return Ok(None);
+        match crate::io::optional_file(&path) {
+            Ok(true) => {}
+            Ok(false) => return Ok(None),
+            Err(what) => return Err(LoadError::NotAFile { path, what }),
         }
         let err = |msg: String| LoadError::Tokenizer {
             path: path.clone(),
@@ -47,7 +49,7 @@ impl Tokenizer {
                 )));
             }
         }
-        let parsed = std::panic::catch_unwind(|| text.parse::<tokenizers::Tokenizer>())
+        let parsed = crate::host::catch_quietly(|| text.parse::<tokenizers::Tokenizer>())
             .map_err(|_| err("the tokenizers library could not read this file".into()))?;
         let inner = parsed.map_err(|e| err(e.to_string()))?;
         Ok(Some(Self { inner, path }))
