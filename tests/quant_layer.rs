@@ -276,6 +276,13 @@ fn router_lm_head_and_embeddings_stay_full_precision_by_default() {
         .unwrap_err()
         .to_string()
         .contains("invalid layer pattern"));
+    // Nothing left to quantize: the error names the exclude patterns that removed it all.
+    cfg.exclude = vec!["model.*".into(), "*.weight".into()];
+    assert_eq!(
+        model.quantize(&cfg).unwrap_err().to_string(),
+        "no layer matches the quantization patterns (include `*_proj.weight` less exclude `model.*`, \
+         `*.weight`)"
+    );
 }
 
 /// After a weight change, re-quantization produces the new version; the packed weights are shared (not

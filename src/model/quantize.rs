@@ -74,7 +74,7 @@ impl Decoder {
         }
         if n == 0 {
             return Err(QuantizeError::NoLayerSelected {
-                patterns: cfg.include.clone(),
+                patterns: cfg.patterns_text(),
             });
         }
         Ok(n)
@@ -199,9 +199,9 @@ pub fn quantize_checkpoint(
     }
     if summary.quantized_tensors == 0 {
         bail!(
-            "no tensor of {} matches the quantization patterns {:?}",
+            "no tensor of {} matches the quantization patterns ({})",
             src.display(),
-            cfg.include
+            cfg.patterns_text()
         );
     }
 

@@ -38,6 +38,22 @@ impl QuantConfig {
         }
     }
 
+    /// The patterns in words, for an error that nothing matched: the include list, and the exclude list
+    /// where there is one (`--exclude '*'` is what leaves nothing, not the include list).
+    pub fn patterns_text(&self) -> String {
+        let quoted = |p: &[String]| {
+            p.iter()
+                .map(|s| format!("`{s}`"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let mut text = format!("include {}", quoted(&self.include));
+        if !self.exclude.is_empty() {
+            text.push_str(&format!(" less exclude {}", quoted(&self.exclude)));
+        }
+        text
+    }
+
     /// Compiles the patterns; an invalid glob is an error naming it.
     pub fn selector(&self) -> Result<LayerSelector, QuantError> {
         let build = |pats: &[String]| -> Result<GlobSet, QuantError> {
