@@ -33,7 +33,7 @@ fn baseline_dtype(k: &Kernels, device: &Device) -> DType {
         eprintln!("{} has no bf16: the baseline is f32", k.device_name());
         return DType::F32;
     }
-    let probe = std::panic::catch_unwind(|| {
+    let probe = crate::host::catch_quietly(|| {
         let a = Tensor::<2>::ones([16, 16], device).cast(DType::BF16);
         let _ = crate::host::to_f32_vec(a.clone().matmul(a));
     });
@@ -46,10 +46,10 @@ fn baseline_dtype(k: &Kernels, device: &Device) -> DType {
 }
 
 /// The activation types asked for that the device has (each missing one is reported).
-fn act_dtypes(k: &Kernels, names: &[String]) -> anyhow::Result<Vec<ActDType>> {
+fn act_dtypes(k: &Kernels, names: &[crate::model::Activations]) -> anyhow::Result<Vec<ActDType>> {
     let mut out = Vec::new();
     for name in names {
-        let d = ActDType::parse(name)?;
+        let d = ActDType::parse(&name.to_string())?;
         if k.supports(d) {
             out.push(d);
         } else {

@@ -50,8 +50,8 @@ pub struct KernelBenchArgs {
     #[arg(long, default_value_t = 256)]
     pub copy_mib: usize,
     /// Activation types (`f32`, `f16`, `bf16`); a type the device lacks is skipped with a message.
-    #[arg(long, value_delimiter = ',', default_value = "f32")]
-    pub act_dtype: Vec<String>,
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32")]
+    pub act_dtype: Vec<crate::model::Activations>,
     /// Check each kernel against the host reference before timing.
     #[arg(long)]
     pub check: bool,
@@ -102,19 +102,11 @@ impl KernelBenchArgs {
             "--tokens {:?}: every token count must be at least 1",
             self.tokens
         );
-        // The names too, before any device is sought and the rooflines measured.
+        // The format names too, before any device is sought and the rooflines measured (clap checks
+        // the activation types').
         for name in &self.formats {
             cube_kernels::WeightFormat::parse(name)
                 .map_err(|e| anyhow::anyhow!("--formats {name}: {e}"))?;
-        }
-        for name in &self.act_dtype {
-            anyhow::ensure!(
-                matches!(
-                    name.trim().to_ascii_lowercase().as_str(),
-                    "f32" | "f16" | "bf16"
-                ),
-                "--act-dtype {name}: expected f32, f16 or bf16"
-            );
         }
         anyhow::ensure!(
             self.top_k <= self.experts,
