@@ -2,7 +2,8 @@
 //! values between `Vec`s and burn tensors, used by every layer above, and so the one place that counts the
 //! device-to-host reads ([`device_reads`], [`ReadCount`]): a read waits for the device to finish the
 //! work queued before it, so on a GPU each one is a round trip the decode loop and the training forward
-//! must not make per layer (issue 25's contract: one read per decode step, none per layer).
+//! must not make per layer (issue 25's contract: one read per decode step, none per layer). Also
+//! [`catch_quietly`], for the probes of a device (or a library) whose panic is an expected answer.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -45,6 +46,23 @@ fn count_read(device: &Device) {
     if reads_transfer(device) {
         DEVICE_READS.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Runs `probe`, turning a panic into `Err` without printing it: for the probes whose panic is an
+/// expected answer (a backend without bf16, the tokenizers library on a malformed file), where the
+/// default hook would print a panic message and a backtrace hint before the caller's own clear error.
+/// A device failure it causes is expected too ([`crate::device_failures::expecting_failures`]).
+/// The hook is process-wide, so probes take turns; a panic on another thread meanwhile is silenced too.
+pub fn catch_quietly<R>(
+    probe: impl FnOnce() -> R + std::panic::UnwindSafe,
+) -> std::thread::Result<R> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let out = crate::device_failures::expecting_failures(|| std::panic::catch_unwind(probe));
+    std::panic::set_hook(previous);
+    out
 }
 
 /// Makes a float tensor of `shape` from host values.

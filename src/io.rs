@@ -45,11 +45,13 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
 
 /// Creates `path`'s directory if need be, lets `write` fill a temporary file in it, then fsyncs and
 /// renames it onto `path`: a crash or a full disk leaves either the previous file or the complete new
-/// one, never half of it. Errors name the file.
+/// one, never half of it. Errors name the file. Nothing is written after a device failure
+/// ([`crate::device_failures::check`]).
 fn write_through_temp(
     path: &Path,
     write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
 ) -> anyhow::Result<()> {
+    crate::device_failures::check().with_context(|| format!("{}: not written", path.display()))?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -68,10 +70,12 @@ fn write_through_temp(
 
 /// Writes safetensors `(name, dtype, shape, bytes)` to `path` through a temporary file in the same
 /// directory, fsync and rename: a crash leaves either the previous file or the complete new one.
+/// Nothing is written after a device failure ([`crate::device_failures::check`]).
 pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, safetensors::Dtype, Vec<usize>, &[u8])],
 ) -> anyhow::Result<()> {
+    crate::device_failures::check().with_context(|| format!("{}: not written", path.display()))?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

@@ -2,6 +2,8 @@
 //! aligned with training (QaRL, TBPO; the method and formats as implemented: `docs/`).
 //!
 //! The modules, from the ground up (each imports only modules listed before it):
+//! - [`device_failures`]: the device failures CubeCL only logs, counted so that no result computed after
+//!   one is written.
 //! - [`host`]: host tensor helpers (tensors from `Vec`s and back).
 //! - [`io`]: atomic file writes (JSON, safetensors).
 //! - [`quant`]: the quantization formats (quantize, pack, dequantize); no tensors.
@@ -17,6 +19,7 @@
 //! - [`cli`]: the `qarl` command line: argument parsing that calls into the above.
 
 pub mod cli;
+pub mod device_failures;
 pub mod host;
 pub mod io;
 pub mod model;

@@ -40,6 +40,9 @@ impl MetricsLog {
     }
 
     pub fn write(&mut self, value: &serde_json::Value) -> anyhow::Result<()> {
+        // No row computed after a device failure.
+        crate::device_failures::check()
+            .with_context(|| format!("{}: not written", self.path.display()))?;
         let line = serde_json::to_string(value)?;
         if self.file.is_none() {
             self.file = Some(Self::open_file(&self.path)?);
