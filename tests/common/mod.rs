@@ -108,13 +108,38 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Runs a `qarl` command, fails the test with its stderr if it fails, and returns the JSON it wrote to
 /// `output`.
 pub fn run_qarl_json(cmd: &mut std::process::Command, output: &Path) -> serde_json::Value {
+    stdout_of(cmd);
+    serde_json::from_str(&std::fs::read_to_string(output).unwrap()).unwrap()
+}
+
+/// Runs a command that must succeed and returns its standard output; a failure fails the test with
+/// its standard error.
+pub fn stdout_of(cmd: &mut std::process::Command) -> String {
     let out = cmd.output().unwrap();
     assert!(
         out.status.success(),
-        "{}",
+        "{cmd:?} failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    serde_json::from_str(&std::fs::read_to_string(output).unwrap()).unwrap()
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Runs a command that must fail the way bad input does (exit code 1: an error, no panic) and returns
+/// its standard error.
+pub fn error_of(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{cmd:?}: {err}");
+    assert!(!err.contains("panicked"), "{cmd:?}: {err}");
+    err
+}
+
+/// Runs a command whose arguments the parser must refuse (exit code 2) and returns its standard error.
+pub fn usage_error_of(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(2), "{cmd:?}: {err}");
+    err
 }
 
 /// The TOML of a small, fast training run rooted in `dir` (run in `dir/run`, model in `dir/model`):
