@@ -5,8 +5,15 @@
 use serde_json::Value;
 
 /// Prints the MoE yardsticks ([`moe_summary`]) and the fragment layouts ([`fragment_summary`]) of
-/// `rows` under their headings (`base`: the baseline matmul's type).
+/// `rows` under their headings (`base`: the baseline matmul's type). Rows during which a device task
+/// failed (`device_failures`) are left out: their times are not to be trusted.
 pub fn print_summaries(base: &str, rows: &[Value]) {
+    let trusted: Vec<Value> = rows
+        .iter()
+        .filter(|r| r["device_failures"].as_u64().unwrap_or(0) == 0)
+        .cloned()
+        .collect();
+    let rows = trusted.as_slice();
     print_summary(base, &moe_summary(rows));
     let layouts = fragment_summary(rows);
     if !layouts.is_empty() {

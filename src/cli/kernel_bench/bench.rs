@@ -107,6 +107,7 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
         }
     }
     rows.finish();
+    failures.extend(rows.failed_rows.iter().cloned());
     // The rows as JSON once: the summary reads them, `--json` writes them.
     let table = serde_json::to_value(&rows.rows)?;
     print_summaries(

@@ -22,6 +22,14 @@ pub(super) struct Row {
     tflops: f64,
     bf16_micros: f64,
     speedup_over_bf16: f64,
+    /// Device tasks that failed while the row (or the checks before it) ran: CubeCL only logs them,
+    /// and the row's time is not to be trusted ([`crate::device_failures`]).
+    #[serde(skip_serializing_if = "is_zero")]
+    device_failures: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Mean seconds of `f` over `iters` runs after two warm-ups, `sync` closing each measurement.
@@ -47,6 +55,8 @@ pub(super) struct Table {
     base: DType,
     pub(super) rows: Vec<Row>,
     json: Option<(PathBuf, serde_json::Value)>,
+    /// The rows during which a device task failed, described for the run's failures.
+    pub(super) failed_rows: Vec<String>,
 }
 
 impl Table {
@@ -55,13 +65,17 @@ impl Table {
             base,
             rows: Vec::new(),
             json,
+            failed_rows: Vec::new(),
         }
     }
 
     /// Prints `r` (after the header, before the first row), keeps it, and writes the rows so far
     /// where the table has a JSON file (a file it cannot write is reported once per row, and the
-    /// run goes on: the end of the run writes it again, and fails there).
-    pub(super) fn push(&mut self, r: Row) {
+    /// run goes on: the end of the run writes it again, and fails there). Device failures since the
+    /// last row are marked on this one and taken as reported, so the table goes on being written
+    /// (a lent GPU's run keeps its other rows) and the run fails at its end.
+    pub(super) fn push(&mut self, mut r: Row) {
+        r.device_failures = crate::device_failures::acknowledge();
         if self.rows.is_empty() {
             println!(
                 "{:<25} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
@@ -90,6 +104,14 @@ impl Table {
             r.bf16_micros,
             r.speedup_over_bf16
         );
+        if r.device_failures > 0 {
+            let what = format!(
+                "{} {} {} {} tokens: {} device task(s) failed during the row or the checks before it",
+                r.kernel, r.format, r.act_dtype, r.tokens, r.device_failures
+            );
+            println!("  ^ {what}: its time is not to be trusted");
+            self.failed_rows.push(what);
+        }
         self.rows.push(r);
         if let Some((path, header)) = &self.json {
             let mut doc = header.clone();
@@ -132,5 +154,6 @@ pub(super) fn row(
         tflops: flops / t / 1e12,
         bf16_micros: tb * 1e6,
         speedup_over_bf16: tb / t,
+        device_failures: 0,
     }
 }
