@@ -2,11 +2,18 @@
 //! (a kernel that does not compile for the device, a type the device lacks) is logged by
 //! `cubecl_common` as a warning, and the caller goes on with an output that nothing wrote (zeros, or a
 //! reused buffer's bits): a silent wrong answer unless somebody reads the log. [`DeviceFailureLayer`]
-//! counts those log events; the writers of results (atomic files, metrics rows) call [`check`] first and
-//! stop with an error instead of writing values computed after a failure. Probes whose failure is the
-//! answer they look for (does this device have bf16?) run through [`expecting_failures`].
+//! counts those log events (CubeCL's own words, "task panicked on device runner thread", and nothing
+//! else: a failed autotune candidate that another candidate replaces is no failure of the run); the
+//! writers of results (atomic files, metrics rows) call [`check`] first and stop with an error instead of
+//! writing values computed after a failure. Probes whose failure is the answer they look for (does this
+//! device have bf16?) run through [`expecting_failures`], after the device has finished the work queued
+//! before them (`crate::host::probe_device`), so that they forgive only their own failure.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// What CubeCL's log says, and only says, of a task that panicked on a device's runner thread.
+const RUNNER_PANIC: &str = "task panicked on device runner thread";
 
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
@@ -17,6 +24,8 @@ use tracing_subscriber::Layer;
 pub struct FailureCount {
     failed: AtomicU64,
     expected: AtomicU64,
+    /// The last failure's message, for the error (the log that printed it may be filtered).
+    last: Mutex<Option<String>>,
 }
 
 impl FailureCount {
@@ -24,6 +33,7 @@ impl FailureCount {
         Self {
             failed: AtomicU64::new(0),
             expected: AtomicU64::new(0),
+            last: Mutex::new(None),
         }
     }
 
@@ -33,8 +43,9 @@ impl FailureCount {
         failed.saturating_sub(self.expected.load(Ordering::SeqCst))
     }
 
-    /// Counts one failed device task.
-    pub fn record(&self) {
+    /// Counts one failed device task, with what the log said of it.
+    pub fn record(&self, message: &str) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some(message.to_string());
         self.failed.fetch_add(1, Ordering::SeqCst);
     }
 
@@ -58,10 +69,14 @@ impl FailureCount {
     pub fn check(&self) -> anyhow::Result<()> {
         match self.unexpected() {
             0 => Ok(()),
-            n => anyhow::bail!(
-                "the device reported {n} failed task(s) (a kernel panicked on its runner thread: see the \
-                 warnings above); the values computed since are not to be trusted, so they are not written"
-            ),
+            n => {
+                let last = self.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                anyhow::bail!(
+                    "the device reported {n} failed task(s) (the last: {}); the values computed since \
+                     are not to be trusted, so they are not written",
+                    last.unwrap_or_default()
+                )
+            }
         }
     }
 }
@@ -130,8 +145,8 @@ impl<S: Subscriber> Layer<S> for DeviceFailureLayer {
         // CubeCL logs through the `log` crate: such a record reaches `tracing` with the target "log" and
         // the crate's own target in a field.
         let target = seen.log_target.as_deref().unwrap_or(meta.target());
-        if target.starts_with("cubecl") && seen.panicked {
-            self.counts.record();
+        if let (true, Some(message)) = (target.starts_with("cubecl"), seen.runner_panic) {
+            self.counts.record(&message);
         }
     }
 
@@ -140,31 +155,31 @@ impl<S: Subscriber> Layer<S> for DeviceFailureLayer {
     }
 }
 
-/// What [`DeviceFailureLayer`] reads of an event: whether its message says a task panicked, and the
-/// target of a `log` record.
+/// What [`DeviceFailureLayer`] reads of an event: its message where it says that a task panicked on a
+/// device's runner thread ([`RUNNER_PANIC`]), and the target of a `log` record.
 #[derive(Default)]
 struct Seen {
-    panicked: bool,
+    runner_panic: Option<String>,
     log_target: Option<String>,
+}
+
+impl Seen {
+    fn field(&mut self, field: &Field, value: String) {
+        match field.name() {
+            "log.target" => self.log_target = Some(value.trim_matches('"').to_string()),
+            "message" if value.contains(RUNNER_PANIC) => self.runner_panic = Some(value),
+            _ => {}
+        }
+    }
 }
 
 impl Visit for Seen {
     fn record_str(&mut self, field: &Field, value: &str) {
-        match field.name() {
-            "log.target" => self.log_target = Some(value.to_string()),
-            "message" => self.panicked |= value.contains("panicked"),
-            _ => {}
-        }
+        self.field(field, value.to_string());
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
-        match field.name() {
-            "log.target" => {
-                self.log_target = Some(format!("{value:?}").trim_matches('"').to_string())
-            }
-            "message" => self.panicked |= format!("{value:?}").contains("panicked"),
-            _ => {}
-        }
+        self.field(field, format!("{value:?}"));
     }
 }
 
@@ -183,7 +198,8 @@ mod tests {
         tracing::subscriber::with_default(subscriber, || {
             tracing::warn!(target: "cubecl_common::device::handle::channel::task", "slow compile");
             tracing::warn!(target: "other_crate", "task panicked elsewhere");
-            tracing::info!(target: "cubecl_common::device", "task panicked, but only info");
+            tracing::info!(target: "cubecl_common::device", "{panic}, but only info");
+            tracing::warn!(target: "cubecl_runtime::tune", "Expanding the kernel `k` panicked");
             assert_eq!(COUNTS.unexpected(), 0);
             COUNTS.check().unwrap();
             COUNTS.expecting(|| tracing::warn!(target: "cubecl_common::device::handle::channel::task", "{panic}"));
@@ -191,7 +207,12 @@ mod tests {
             tracing::error!(target: "cubecl_common::device::handle::channel::task", "{panic}");
             assert_eq!(COUNTS.unexpected(), 1);
             let err = COUNTS.check().unwrap_err().to_string();
-            assert!(err.contains("1 failed task(s)"), "{err}");
+            assert!(
+                err.contains(
+                    "1 failed task(s) (the last: CallError(task panicked on device runner"
+                ),
+                "{err}"
+            );
             // A `log` record as tracing-log hands it on (how CubeCL logs): its target in a field.
             let cubecl = "cubecl_common::device::handle::channel::task";
             tracing::warn!(target: "log", { log.target = cubecl }, "{panic}");

@@ -3,7 +3,8 @@
 //! device-to-host reads ([`device_reads`], [`ReadCount`]): a read waits for the device to finish the
 //! work queued before it, so on a GPU each one is a round trip the decode loop and the training forward
 //! must not make per layer (issue 25's contract: one read per decode step, none per layer). Also
-//! [`catch_quietly`], for the probes of a device (or a library) whose panic is an expected answer.
+//! [`catch_quietly`] and [`probe_device`], for the probes of a library or a device whose panic is an
+//! expected answer.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -49,10 +50,10 @@ fn count_read(device: &Device) {
 }
 
 /// Runs `probe`, turning a panic into `Err` without printing it: for the probes whose panic is an
-/// expected answer (a backend without bf16, the tokenizers library on a malformed file), where the
-/// default hook would print a panic message and a backtrace hint before the caller's own clear error.
-/// A device failure it causes is expected too ([`crate::device_failures::expecting_failures`]).
-/// The hook is process-wide, so probes take turns; a panic on another thread meanwhile is silenced too.
+/// expected answer (the tokenizers library on a malformed file, a backend without bf16:
+/// [`probe_device`]), where the default hook would print a panic message and a backtrace hint before
+/// the caller's own clear error. The hook is process-wide, so probes take turns; a panic on another
+/// thread meanwhile is silenced too.
 pub fn catch_quietly<R>(
     probe: impl FnOnce() -> R + std::panic::UnwindSafe,
 ) -> std::thread::Result<R> {
@@ -60,9 +61,22 @@ pub fn catch_quietly<R>(
     let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(|_| {}));
-    let out = crate::device_failures::expecting_failures(|| std::panic::catch_unwind(probe));
+    let out = std::panic::catch_unwind(probe);
     std::panic::set_hook(previous);
     out
+}
+
+/// [`catch_quietly`] for a probe of `device` whose failure is its answer (does it have bf16, is there
+/// a device at all): the device first finishes the work queued before (whose failures stay failures),
+/// then the device failures the probe causes count as expected
+/// ([`crate::device_failures::expecting_failures`]).
+pub fn probe_device<R>(
+    device: &Device,
+    probe: impl FnOnce() -> R + std::panic::UnwindSafe,
+) -> std::thread::Result<R> {
+    let queued = device.clone();
+    let _ = catch_quietly(move || queued.sync());
+    crate::device_failures::expecting_failures(|| catch_quietly(probe))
 }
 
 /// Makes a float tensor of `shape` from host values.

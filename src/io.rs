@@ -137,8 +137,16 @@ fn normal(p: &Path) -> std::path::PathBuf {
 /// (or a link to one), and otherwise what is there instead ("is a directory", "is a link to nothing"):
 /// "no tokenizer.json" would be wrong about a `tokenizer.json` that is a directory.
 pub fn optional_file(path: &Path) -> Result<bool, &'static str> {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return Ok(false);
+    use std::io::ErrorKind;
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::NotADirectory) => {
+            return Ok(false)
+        }
+        Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+            return Err("cannot be examined (permission denied)")
+        }
+        Err(_) => return Err("cannot be examined"),
     };
     if path.is_file() {
         Ok(true)

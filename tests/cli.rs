@@ -880,7 +880,11 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
     }
     let failed = tmp.path().join("failed.json");
     std::fs::write(&failed, doc.to_string()).unwrap();
-    let text = stdout_of(qarl().args(["bench", "kernels", "--summarize"]).arg(&failed));
+    let text = stdout_of(
+        qarl()
+            .args(["bench", "kernels", "--summarize"])
+            .arg(&failed),
+    );
     assert!(
         text.contains("int4-g128 bf16  4096 tokens, tensor-core:")
             && !text.contains("tensor-core: moe/mma-x1 4.86x"),

@@ -58,7 +58,7 @@ impl Activations {
             return Ok(());
         }
         let dev = device.clone();
-        let probe = crate::host::catch_quietly(move || {
+        let probe = crate::host::probe_device(device, move || {
             let x = Tensor::<2>::ones([2, 2], &dev).cast(self.dtype());
             let y = (x.clone() * x).cast(DType::F32);
             crate::host::to_f32_vec(y)

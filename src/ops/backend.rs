@@ -75,7 +75,7 @@ impl BackendKind {
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 fn probed(kind: BackendKind, device: burn::tensor::Device) -> anyhow::Result<burn::tensor::Device> {
     let touch = device.clone();
-    let read = crate::host::catch_quietly(move || {
+    let read = crate::host::probe_device(&device, move || {
         crate::host::to_f32_vec(burn::tensor::Tensor::<1>::zeros([1], &touch)).len()
     });
     match read {

@@ -126,8 +126,10 @@ impl TaskConfig {
     }
 
     /// The error of a `[task]` table read as its kind's struct, which points at the field at fault where
-    /// the enum's own error points at the table (see [`kind_and_fields`]), going on into its `template`
-    /// table where that is what the error points at; `None` where it reads.
+    /// the enum's own error points at the table (serde's internally tagged enums read their table into
+    /// a buffer first, so toml's error for a bad value inside one points at the table's header and never
+    /// names the key), going on into its `template` table where that is what the error points at; `None`
+    /// where it reads.
     pub fn locate_error(table: &toml::Spanned<toml::de::DeValue<'_>>) -> Option<toml::de::Error> {
         let (kind, fields) = kind_and_fields(table)?;
         let error = match kind.as_str() {

@@ -88,7 +88,7 @@ impl Default for TemplateConfig {
 
 impl TemplateConfig {
     /// The error of a `template` table read as its kind's struct, which points at the field at fault
-    /// (see [`super::kind_fields_error`]); `None` where it reads.
+    /// (read as the `[task]` table is: [`super::TaskConfig::locate_error`]); `None` where it reads.
     pub fn locate_error(table: &toml::Spanned<toml::de::DeValue<'_>>) -> Option<toml::de::Error> {
         let (kind, fields) = super::kind_and_fields(table)?;
         match kind.as_str() {

@@ -33,7 +33,7 @@ fn baseline_dtype(k: &Kernels, device: &Device) -> DType {
         eprintln!("{} has no bf16: the baseline is f32", k.device_name());
         return DType::F32;
     }
-    let probe = crate::host::catch_quietly(|| {
+    let probe = crate::host::probe_device(device, || {
         let a = Tensor::<2>::ones([16, 16], device).cast(DType::BF16);
         let _ = crate::host::to_f32_vec(a.clone().matmul(a));
     });
@@ -107,7 +107,6 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
         }
     }
     rows.finish();
-    failures.extend(rows.failed_rows.iter().cloned());
     // The rows as JSON once: the summary reads them, `--json` writes them.
     let table = serde_json::to_value(&rows.rows)?;
     print_summaries(
@@ -118,11 +117,22 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
         let mut doc = header;
         doc["rows"] = table;
         doc["check_failures"] = serde_json::json!(failures);
+        doc["device_failure_rows"] = serde_json::json!(rows.failed_rows);
         doc["complete"] = serde_json::json!(true);
         write_json_atomic(path, &doc).with_context(|| format!("writing {}", path.display()))?;
     }
+    let mut problems = Vec::new();
     if !failures.is_empty() {
-        bail!("kernel check failed:\n{}", failures.join("\n"));
+        problems.push(format!("kernel check failed:\n{}", failures.join("\n")));
+    }
+    if !rows.failed_rows.is_empty() {
+        problems.push(format!(
+            "device tasks failed during these rows (left out of the summary):\n{}",
+            rows.failed_rows.join("\n")
+        ));
+    }
+    if !problems.is_empty() {
+        bail!("{}", problems.join("\n"));
     }
     if args.check {
         println!("check: every kernel matched the host reference");
