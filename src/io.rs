@@ -38,7 +38,7 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
     })
 }
 
-/// Writes `bytes` to `path` the same way ([`write_through_temp`]).
+/// Writes `bytes` to `path` the same way (`write_through_temp`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     write_through_temp(path, |file| file.write_all(bytes))
 }

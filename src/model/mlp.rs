@@ -170,7 +170,7 @@ impl MoeBlock {
     /// The router's choices stay on the device: the grouped kernel groups the tokens there, and they come
     /// back as a [`DeviceRouting`]. Full-precision experts on a GPU, in a forward without gradients of at
     /// most [`MASKED_MAX_TOKENS`] tokens (decode steps), run masked on the device
-    /// ([`MoeBlock::masked_experts`]). Only the per-expert loop groups on the host: it reads the ids (one
+    /// (`MoeBlock::masked_experts`). Only the per-expert loop groups on the host: it reads the ids (one
     /// read per layer) unless they came from the host (`replay`), so a GPU forward reads nothing per layer
     /// on the grouped and masked paths and under routing replay.
     pub fn forward(
@@ -417,7 +417,7 @@ fn host_ids<'a>(replay: Option<&'a [u32]>, ids: &Tensor<2, Int>) -> Cow<'a, [u32
 }
 
 /// Tokens up to which a forward without gradients on a GPU runs full-precision experts masked on the
-/// device ([`MoeBlock::masked_experts`]) instead of reading the expert ids back to group them: decode
+/// device (`MoeBlock::masked_experts`) instead of reading the expert ids back to group them: decode
 /// steps and short prefills, where reading the weights costs more than the extra arithmetic and a read
 /// per layer would stall the step. Either path gives the same bits.
 pub const MASKED_MAX_TOKENS: usize = 256;

@@ -5,7 +5,7 @@ use burn::module::{Param, ParamId};
 use burn::tensor::{Device, Shape, Tensor};
 
 /// The module path of the output projection; a tied model has none, but its checkpoint may still hold
-/// `lm_head.weight` (see [`Decoder::from_checkpoint`]).
+/// `lm_head.weight` (see [`crate::model::Decoder::from_checkpoint`]).
 pub const LM_HEAD: &str = "lm_head";
 
 /// Suffix of a module's (full-precision) weight tensor.

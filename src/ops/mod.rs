@@ -155,7 +155,7 @@ pub trait KernelOps: Backend {
         (Self::float_add(via_product, via_sigmoid), dup)
     }
 
-    /// The routed experts of one MoE layer in one grouped launch chain ([`super::moe`]): `x [n, hidden]`,
+    /// The routed experts of one MoE layer in one grouped launch chain ([`cpu::moe`] on the CPU): `x [n, hidden]`,
     /// `route_w [n, top_k]` (the chosen experts' weights, slot order), `ids [n, top_k]` (int, on the same
     /// device) the expert of each token's slot -> `[n, hidden]`, with the arithmetic of the `cube_kernels`
     /// MoE contract (fp8 activations for fp8-b128, canonical sums, SwiGLU, combine in slot order with fused
@@ -252,7 +252,7 @@ pub trait KernelOps: Backend {
     /// `[b, 1, t, s]` -> `softmax(q k^T * scale + mask) v`, `[b, kv, rows, d]`, with exactly the bits of
     /// the op-by-op path (`det_matmul`, scale, mask, `aligned_softmax`, `det_matmul`). `None` (the default,
     /// and under autodiff when an input carries a gradient) means "run the op-by-op path"; the CPU in
-    /// deterministic mode runs [`super::cpu_attention`].
+    /// deterministic mode runs [`cpu::attention`].
     fn attention_core(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

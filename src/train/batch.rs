@@ -106,7 +106,7 @@ impl SeqBatch {
     /// (differentiable on an autodiff model; zeros where the mask is 0). Logits and log-softmax are computed
     /// only at the positions that carry a loss (the response tokens): the hidden states of those positions
     /// are gathered before the LM head, so no `[B, T, vocab]` tensor exists. Rows that share their prompt
-    /// (the samples of one group) share its forward ([`Self::shared_prefix_hidden`]). In deterministic mode
+    /// (the samples of one group) share its forward (`shared_prefix_hidden`). In deterministic mode
     /// the values are bitwise those of a full forward of each sequence (the kernels are row-invariant and
     /// masked keys change no sum).
     pub fn logprobs(

@@ -1,6 +1,6 @@
 //! One RL step in three phases: [`collect`] (roll out with the configured precision, reward, advantages),
 //! [`score`] (`lp_old` with the configured training forward, or the rollout's record where that is the same
-//! bits, and the mismatch metrics), [`update`](super::update::update) (policy updates over mini-batches,
+//! bits, and the mismatch metrics), [`super::update::update`] (policy updates over mini-batches,
 //! one quantization per new weight version).
 
 use std::collections::BTreeMap;

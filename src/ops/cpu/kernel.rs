@@ -23,7 +23,7 @@
 //!
 //! # The kernel layout
 //! [`KernelWeights`] is made once per weight version (shared by rollout and training through
-//! [`super::linear::PackedWeight`]): rows zero-padded to a multiple of 32 columns; int4 repacked by groups
+//! [`crate::ops::PackedWeight`]): rows zero-padded to a multiple of 32 columns; int4 repacked by groups
 //! of four rows: chunk `c` of rows `4g..4g+4` is one 64-byte line of 16 little-endian u32 words, word `l`
 //! holding row `4g+r`'s column `32c+l` in bits `8r..8r+4` and its column `32c+16+l` in bits `8r+4..8r+8`
 //! (one aligned load serves the four rows of a tile; each row's 32 weights are then two shifts and two
@@ -35,7 +35,7 @@
 //! Small `m` (decode, GEMV) runs a fused decode-and-multiply tile over 4 output rows; larger `m` (prefill,
 //! scoring) decodes a panel of output rows to f32 once (in a per-thread scratch) and runs a 4x3 register
 //! tile over it. On AVX-512 a task's whole row range goes through one call (no per-tile dispatch) and the
-//! lane trees of a tile's sums run side by side ([`x86`]'s `reduce16_512`).
+//! lane trees of a tile's sums run side by side (`x86`'s `reduce16_512`).
 
 use std::borrow::Cow;
 use std::sync::OnceLock;

@@ -211,7 +211,7 @@ impl KernelOps for Flex {
         fused_rope(rope::rope_backward, g, cos, sin)
     }
 
-    /// The experts in parallel straight on the kernel layout ([`super::cpu_moe`]), bitwise the loop.
+    /// The experts in parallel straight on the kernel layout ([`moe`]), bitwise the loop.
     fn grouped_moe(
         x: FloatTensor<Self>,
         route_w: FloatTensor<Self>,

@@ -1,5 +1,5 @@
 //! A cache- and register-blocked f32 GEMM whose every output element is the one chain of fused
-//! multiply-adds in `k` order from `+0.0` (the arithmetic of [`super::f32mm`], bitwise
+//! multiply-adds in `k` order from `+0.0` (the arithmetic of `f32mm`, bitwise
 //! [`super::f32_matmul_reference`]):
 //!
 //! ```text
