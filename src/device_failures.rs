@@ -12,13 +12,13 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-/// What CubeCL's log says, and only says, of a task that panicked on a device's runner thread.
-const RUNNER_PANIC: &str = "task panicked on device runner thread";
-
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::layer::Context;
 use tracing_subscriber::Layer;
+
+/// What CubeCL's log says, and only says, of a task that panicked on a device's runner thread.
+const RUNNER_PANIC: &str = "task panicked on device runner thread";
 
 /// Failed device tasks counted so far, and how many of them a probe expected.
 pub struct FailureCount {

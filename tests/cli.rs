@@ -843,22 +843,23 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
         "{text}"
     );
     let tmp = tempfile::tempdir().unwrap();
+    // The summary of run 4's table after `edit`, saved as `name`.
+    let summarize_edited = |name: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(table).unwrap()).unwrap();
+        edit(&mut doc);
+        let path = tmp.path().join(name);
+        std::fs::write(&path, doc.to_string()).unwrap();
+        stdout_of(qarl().args(["bench", "kernels", "--summarize"]).arg(&path))
+    };
     // A table a stopped run left (`"complete": false`, written after each row) is summarized as far as
-    // it goes, and says that it is partial.
-    let mut doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(table).unwrap()).unwrap();
-    let rows = doc["rows"].as_array().unwrap().clone();
-    // Run 4's rows up to its MoE block at 64 tokens.
+    // it goes, and says that it is partial. Run 4's rows up to its MoE block at 64 tokens:
     let kept = 66;
-    doc["rows"] = serde_json::json!(rows[..kept]);
-    doc["complete"] = serde_json::json!(false);
-    let partial = tmp.path().join("partial.json");
-    std::fs::write(&partial, doc.to_string()).unwrap();
-    let text = stdout_of(
-        qarl()
-            .args(["bench", "kernels", "--summarize"])
-            .arg(&partial),
-    );
+    let text = summarize_edited("partial.json", &|doc| {
+        let rows = doc["rows"].as_array().unwrap().clone();
+        doc["rows"] = serde_json::json!(rows[..kept]);
+        doc["complete"] = serde_json::json!(false);
+    });
     assert!(
         text.contains(&format!(
             "a partial table: the run stopped after {kept} rows"
@@ -871,20 +872,13 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
     );
     assert!(!text.contains("256 tokens"), "{text}");
     // A row during which a device task failed is left out of the summary: another row is the fastest.
-    let mut doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(table).unwrap()).unwrap();
-    for r in doc["rows"].as_array_mut().unwrap() {
-        if r["kernel"] == "moe/mma-x1" && r["tokens"] == 4096 {
-            r["device_failures"] = serde_json::json!(1);
+    let text = summarize_edited("failed.json", &|doc| {
+        for r in doc["rows"].as_array_mut().unwrap() {
+            if r["kernel"] == "moe/mma-x1" && r["tokens"] == 4096 {
+                r["device_failures"] = serde_json::json!(1);
+            }
         }
-    }
-    let failed = tmp.path().join("failed.json");
-    std::fs::write(&failed, doc.to_string()).unwrap();
-    let text = stdout_of(
-        qarl()
-            .args(["bench", "kernels", "--summarize"])
-            .arg(&failed),
-    );
+    });
     assert!(
         text.contains("int4-g128 bf16  4096 tokens, tensor-core:")
             && !text.contains("tensor-core: moe/mma-x1 4.86x"),

@@ -145,11 +145,8 @@ impl TaskConfig {
     }
 }
 
-/// A table's `kind` and its other fields, ready to be read as that kind's struct. serde's internally
-/// tagged enums (`kind = "..."` beside the fields) read their table into a buffer first, so toml's error
-/// for a bad value inside such a table points at the table's header and never names the key; reading
-/// the fields straight from toml's spanned table as the kind's struct gives the error with the key's
-/// position. `None` for a value that is no table or has no string `kind`.
+/// A table's `kind` and its other fields, still spanned, ready to be read as that kind's struct (why:
+/// [`TaskConfig::locate_error`]). `None` for a value that is no table or has no string `kind`.
 fn kind_and_fields<'i>(
     table: &toml::Spanned<toml::de::DeValue<'i>>,
 ) -> Option<(String, toml::de::ValueDeserializer<'i>)> {
