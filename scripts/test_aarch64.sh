@@ -8,7 +8,7 @@
 #
 # A cold build of the dependencies for aarch64 took 15 min on 2 cores; later runs reuse
 # $CARGO_TARGET_DIR (default: ~/.cache/qarl-target-aarch64). CI does not run this (its budget is the
-# x86_64 build); run it after changing `src/quant/cpu_kernel/neon.rs` or the kernel layout. Tests that
+# x86_64 build); run it after changing `src/ops/cpu/kernel/neon.rs` or the kernel layout. Tests that
 # spawn the `qarl` binary fail here unless qemu is registered with binfmt_misc (qemu-user-binfmt).
 set -euo pipefail
 cd "$(dirname "$0")/.."

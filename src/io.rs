@@ -38,6 +38,31 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
     })
 }
 
+/// Checks, before any work, that a file can be written at `path` later (by [`write_atomic`] and its kin):
+/// no folder there, and the nearest part of its folder that exists is a folder. An evaluation or a
+/// benchmark would otherwise run to its end and only then fail to save what it computed.
+pub fn check_output_file(path: &Path) -> anyhow::Result<()> {
+    if path.is_dir() {
+        anyhow::bail!(
+            "{}: is a folder; give the path of a file to write",
+            path.display()
+        );
+    }
+    let existing = path
+        .ancestors()
+        .skip(1)
+        .filter(|d| !d.as_os_str().is_empty())
+        .find(|d| d.symlink_metadata().is_ok());
+    if let Some(dir) = existing.filter(|d| !d.is_dir()) {
+        anyhow::bail!(
+            "{}: cannot be written, since {} is not a folder",
+            path.display(),
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to `path` the same way (`write_through_temp`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     write_through_temp(path, |file| file.write_all(bytes))

@@ -235,6 +235,31 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
         text.contains("keep_checkpoints"),
         "defaults are filled in: {text}"
     );
+    // Also those the objective and the estimator declare (the default objective is TBPO, the estimator
+    // GRPO), and the shown config resolves to the same loss as the one it came from.
+    for key in [
+        "seq_eps_high = 0.0004",
+        "loss_agg_mode = ",
+        "kl_coef = 0.0",
+        "eps = 0.000001",
+    ] {
+        assert!(text.contains(key), "`{key}` is shown: {text}");
+    }
+    let default =
+        qarl::train::TrainConfig::from_toml(qarl::train::DEFAULT_CONFIG, "default").unwrap();
+    assert_eq!(
+        cfg.train.loss.resolve().unwrap(),
+        default.train.loss.resolve().unwrap()
+    );
+    assert!(
+        text.contains("# unset, so off: verify.format_reward\n"),
+        "{text}"
+    );
+    let ppo = stdout_of(qarl().args(["config", "show", "--set", "train.loss.objective=ppo_clip"]));
+    assert!(
+        ppo.contains("# unset, so off: train.loss.dual_clip_c, verify.format_reward\n"),
+        "{ppo}"
+    );
     let err = error_of(qarl().args(["config", "show", "--set", "rollout.sample_per_prompt=4"]));
     assert!(
         err.contains("did you mean `rollout.samples_per_prompt`"),

@@ -290,6 +290,9 @@ fn format_table(results: &[SchemeResult]) -> String {
 }
 
 fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
+    if let Some(json) = &args.json {
+        crate::io::check_output_file(json)?;
+    }
     let formats = args
         .schemes
         .iter()
@@ -322,7 +325,7 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     )?;
     let device = args.backend.device()?;
     let start = Instant::now();
-    let mut model = Decoder::load(&args.model, &device)?;
+    let mut model = Decoder::load_full_precision(&args.model, &device)?;
     crate::rollout::check_rollout_size(
         &model.config,
         "--batch / --prompt-len / --new-tokens",

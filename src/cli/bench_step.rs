@@ -109,6 +109,9 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
     if let Some(out) = &a.variant_child {
         return run_child(&a, out);
     }
+    if let Some(json) = &a.json {
+        crate::io::check_output_file(json)?;
+    }
     let variants: Vec<(String, Vec<String>)> = if a.variants.is_empty() {
         vec![("config".to_string(), Vec::new())]
     } else {

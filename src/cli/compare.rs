@@ -44,10 +44,12 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
     // stopped early, is its newest evaluation, which may be the one before RL.
     for (name, arm) in [(&args.name_a, &a), (&args.name_b, &b)] {
         for (i, e) in arm.iter().enumerate() {
-            if let Some(twin) = arm[..i].iter().find(|o| o.source == e.source) {
+            if let Some(twin) = arm[..i].iter().find(|o| o.identity == e.identity) {
                 anyhow::bail!(
-                    "{name}: {} is given twice; an arm's evaluations are its seeds, each counted once",
-                    twin.source
+                    "{name}: {} and {} are the same evaluation; an arm's evaluations are its seeds, each \
+                     counted once",
+                    twin.source,
+                    e.source
                 );
             }
             println!("{name}: {}", e.source);

@@ -12,7 +12,8 @@ pub struct ConfigArgs {
 
 #[derive(Debug, clap::Subcommand)]
 pub enum ConfigCommand {
-    /// Print the resolved config as TOML (every default filled in), after validation.
+    /// Print the resolved config as TOML (every default filled in; a comment names the options left off),
+    /// after validation.
     Show(ShowArgs),
 }
 
@@ -40,6 +41,11 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
         (None, None | Some("default")) => None,
         (None, Some(name)) => {
             let p = PathBuf::from(name);
+            if p.is_dir() {
+                anyhow::bail!(
+                    "{name}: is a folder; NAME is `default` or the path of a TOML config file"
+                );
+            }
             if !p.is_file() {
                 anyhow::bail!(
                     "{name}: no such config file (NAME is `default` or the path of a TOML config)"
@@ -56,6 +62,10 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
     for s in &a.set {
         println!("# --set {s}");
     }
-    print!("{}", toml::to_string_pretty(&cfg)?);
+    let unset = cfg.unset_options();
+    if !unset.is_empty() {
+        println!("# unset, so off: {}", unset.join(", "));
+    }
+    print!("{}", toml::to_string_pretty(&cfg.with_defaults())?);
     Ok(())
 }

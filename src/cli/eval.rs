@@ -84,6 +84,10 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "--max-new-tokens must be at least 1, got 0 (no answer could be right)"
     );
     anyhow::ensure!(args.batch >= 1, "--batch must be at least 1, got 0");
+    anyhow::ensure!(args.limit >= 1, "--limit must be at least 1, got 0");
+    if let Some(out) = &args.output {
+        crate::io::check_output_file(out)?;
+    }
     let device = args.backend.device()?;
     let path = data_path(&args.data)?;
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
@@ -96,11 +100,17 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                 system: args.system.clone(),
             }
         }
-        "plain" => Template::default(),
+        "plain" => {
+            anyhow::ensure!(
+                args.system.is_none(),
+                "--system is the chat template's system turn; `--template plain` has none (drop --system)"
+            );
+            Template::default()
+        }
         other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
     };
     let model = super::load_model(&args.model, &device, args.quant, args.activations)?;
-    let tok = Tokenizer::load_optional(&args.model)?
+    let tok = Tokenizer::load_for(&args.model, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     let mut stop_ids: Vec<u32> = model.config.eos_token_ids.clone();
     for s in ["<|im_end|>", "<|endoftext|>"] {

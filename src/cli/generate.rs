@@ -86,6 +86,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if args.max_new_tokens == 0 {
         anyhow::bail!("--max-new-tokens must be at least 1 (0 generates nothing)");
     }
+    crate::io::check_output_file(&args.output)?;
     let mut stop_token_ids = args.stop_ids.clone();
     let device = args.backend.device()?;
     let model = load_model(&args.model, &device, args.quant, args.activations)?;
@@ -118,7 +119,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if args.samples == 0 {
         anyhow::bail!("--samples must be at least 1");
     }
-    let tokenizer = Tokenizer::load_optional(&args.model)?;
+    let tokenizer = Tokenizer::load_for(&args.model, &model.config)?;
     if !params.stop_strings.is_empty() && tokenizer.is_none() {
         anyhow::bail!(
             "{}: no tokenizer.json, so --stop strings cannot be matched; use --stop-id",

@@ -17,8 +17,24 @@ pub struct ImportGgufArgs {
 pub fn run(args: ImportGgufArgs) -> anyhow::Result<()> {
     // Into a temporary sibling, renamed on success: a failed import leaves no half-written directory and
     // never mixes new weights with an old config or tokenizer.
-    let s =
-        crate::io::write_dir_atomic(&args.output, |tmp| import_gguf(&args.file, tmp, args.dtype))?;
+    let s = crate::io::write_dir_atomic(&args.output, |tmp| {
+        let s = import_gguf(&args.file, tmp, args.dtype)?;
+        // Metadata that disagrees with the tensors, or values no model can use, would otherwise make a
+        // directory that every later command refuses: it is loaded once before it is moved into place.
+        let device = crate::ops::BackendKind::Flex.device()?;
+        crate::model::Decoder::load(tmp, &device).map_err(|e| {
+            // The message names the temporary folder's files; they would have been the output's.
+            let why = e.to_string().replace(
+                &tmp.display().to_string(),
+                &args.output.display().to_string(),
+            );
+            anyhow::anyhow!(
+                "{}: the imported model would not load ({why}); nothing was written",
+                args.file.display()
+            )
+        })?;
+        Ok(s)
+    })?;
     let types: Vec<String> = s
         .source_types
         .iter()

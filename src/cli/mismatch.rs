@@ -77,6 +77,8 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.limit >= 1, "--limit must be at least 1, got 0");
     // The Markdown table goes beside the JSON, as `.md`: an output named `.md` would be overwritten by it.
     if let Some(out) = &args.output {
+        crate::io::check_output_file(out)?;
+        crate::io::check_output_file(&out.with_extension("md"))?;
         anyhow::ensure!(
             out.extension().is_none_or(|e| e != "md"),
             "--output {}: the JSON would be overwritten by the Markdown table written beside it as .md; \
@@ -103,8 +105,8 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     let template = Template::Chat {
         system: args.system.clone(),
     };
-    let full = super::load_model(&args.model, &device, None, Activations::F32)?;
-    let tok = Tokenizer::load_optional(&args.model)?
+    let full = Decoder::load_full_precision(&args.model, &device)?;
+    let tok = Tokenizer::load_for(&args.model, &full.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     let prompts: Vec<Vec<u32>> = records
         .iter()

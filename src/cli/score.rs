@@ -51,6 +51,7 @@ struct ScoreOutput {
 
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let input: ScoreInput = read_json(&args.input)?;
+    crate::io::check_output_file(&args.output)?;
     let device = args.backend.device()?;
     let model = load_model(&args.model, &device, args.quant, args.activations)?;
     model

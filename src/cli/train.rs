@@ -100,7 +100,8 @@ pub fn run_sft(args: SftArgs) -> anyhow::Result<()> {
     }
     train::apply_process_modes(&cfg);
     let device = cfg.train.backend.device()?.autodiff();
-    std::fs::create_dir_all(&cfg.run_dir)?;
+    std::fs::create_dir_all(&cfg.run_dir)
+        .map_err(crate::io::failed(&cfg.run_dir, "cannot create `run_dir`"))?;
     let mut log = train::metrics::MetricsLog::open(&cfg.run_dir.join("sft_metrics.jsonl"))?;
     train::prepare_model(&cfg, &device, &mut log, args.quiet)?;
     println!("model: {}", cfg.model.dir.display());

@@ -437,6 +437,20 @@ impl ModelConfig {
 
         let vocab_size = k.positive(&["vocab_size"])?;
         let num_hidden_layers = k.positive(&["num_hidden_layers"])?;
+        // transformers ignores an index past the last layer; it is a typo or another model's list.
+        if let Some(&l) = moe
+            .as_ref()
+            .and_then(|m| m.mlp_only_layers.iter().find(|&&l| l >= num_hidden_layers))
+        {
+            return Err(LoadError::InvalidConfig {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "`mlp_only_layers` names layer {l}, but `num_hidden_layers` is {num_hidden_layers} \
+                     (layers 0 to {})",
+                    num_hidden_layers - 1
+                ),
+            });
+        }
 
         // A dense layer with a zero-width MLP would add nothing and run without a word: the width must be
         // positive wherever a layer is dense. Only a MoE model whose layers are all sparse needs none.

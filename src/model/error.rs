@@ -56,6 +56,12 @@ pub enum LoadError {
     Tokenizer { path: PathBuf, msg: String },
     #[error("{path}: {what}, where a file was expected")]
     NotAFile { path: PathBuf, what: &'static str },
+    #[error(
+        "{}: the checkpoint is quantized ({scheme}), but this needs the full-precision model it was \
+         quantized from (training updates full-precision weights; comparing precisions quantizes them)",
+        dir.display()
+    )]
+    QuantizedCheckpoint { dir: PathBuf, scheme: String },
 }
 
 /// Errors of putting a model's weights in a precision: one weight that cannot be quantized (named), or a

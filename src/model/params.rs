@@ -201,6 +201,21 @@ impl Decoder {
         Self::from_checkpoint(config, &ckpt, device)
     }
 
+    /// [`Decoder::load`] for work on the full-precision weights (training updates them; a command that
+    /// compares precisions quantizes them itself): a quantized checkpoint is refused, since its full
+    /// precision would be its dequantized codes, passed off as the model's.
+    pub fn load_full_precision(dir: impl AsRef<Path>, device: &Device) -> Result<Self, LoadError> {
+        let dir = dir.as_ref();
+        let model = Self::load(dir, device)?;
+        match &model.config.quantization {
+            None => Ok(model),
+            Some(q) => Err(LoadError::QuantizedCheckpoint {
+                dir: dir.to_path_buf(),
+                scheme: q.scheme.name().to_string(),
+            }),
+        }
+    }
+
     /// Builds the model from an open checkpoint, failing on any missing, mis-shaped or extra tensor: a
     /// [`Decoder::lazy`] model of `config`, each part then read under its name ([`super::params`]).
     pub fn from_checkpoint(

@@ -55,6 +55,37 @@ impl Tokenizer {
         Ok(Some(Self { inner, path }))
     }
 
+    /// [`Self::load_optional`] for the model `config` of the same directory, refusing a tokenizer with ids
+    /// that the model has no embedding row for: any text holding such a token would index past the
+    /// embedding in the middle of a run (a vocabulary smaller than the tokenizer's is a mismatched pair,
+    /// e.g. tokens added to `tokenizer.json` without resizing the model).
+    pub fn load_for(
+        dir: impl AsRef<Path>,
+        config: &super::ModelConfig,
+    ) -> Result<Option<Self>, LoadError> {
+        let Some(tok) = Self::load_optional(&dir)? else {
+            return Ok(None);
+        };
+        let beyond = tok
+            .inner
+            .get_vocab(true)
+            .into_iter()
+            .filter(|&(_, id)| id as usize >= config.vocab_size)
+            .max_by_key(|&(_, id)| id);
+        match beyond {
+            None => Ok(Some(tok)),
+            Some((token, id)) => Err(LoadError::Tokenizer {
+                path: tok.path,
+                msg: format!(
+                    "token {token:?} has id {id}, but the model's `vocab_size` ({}) is {}: the \
+                     tokenizer does not belong to this model's embedding",
+                    dir.as_ref().join("config.json").display(),
+                    config.vocab_size
+                ),
+            }),
+        }
+    }
+
     /// Token ids of `text`, without adding special tokens (prompts carry their own template).
     pub fn encode(&self, text: &str) -> anyhow::Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(|e| {

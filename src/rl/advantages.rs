@@ -71,6 +71,17 @@ impl AdvantageConfig {
         }
     }
 
+    /// The same config with GRPO's defaults (`std = "sample"`, `eps` [`GRPO_STD_EPS`]) written out where
+    /// the estimator is GRPO (the other estimators take neither): what `qarl config show` prints.
+    pub fn with_defaults(&self) -> Self {
+        let mut filled = self.clone();
+        if self.estimator == AdvantageEstimator::Grpo {
+            filled.std.get_or_insert_with(StdKind::default);
+            filled.eps.get_or_insert(GRPO_STD_EPS);
+        }
+        filled
+    }
+
     /// Checks that the GRPO-only fields are not set on another estimator and that `eps` is usable.
     pub fn validate(&self) -> Result<(), RlError> {
         if self.estimator != AdvantageEstimator::Grpo {
@@ -84,9 +95,10 @@ impl AdvantageConfig {
             }
         }
         if let Some(eps) = self.eps {
-            if !(eps.is_finite() && eps >= 0.0) {
+            // A group of equal rewards has std 0 and deviations 0: with eps 0 its advantages are 0 / 0.
+            if !(eps.is_finite() && eps > 0.0) {
                 return Err(RlError::Config(format!(
-                    "advantage `eps` must be finite and >= 0, got {eps}"
+                    "advantage `eps` must be finite and > 0 (a group of equal rewards has std 0), got {eps}"
                 )));
             }
         }
@@ -154,7 +166,8 @@ pub fn group_advantages(
 
 /// DAPO dynamic sampling: the indices of the groups whose rewards are not all equal. A group where every
 /// response got the same reward has zero advantage everywhere and only dilutes the batch; the trainer drops it
-/// and samples more prompts until the batch is full again. "Equal" is exact float equality, which is what
+/// (it does not sample more prompts to refill the batch: a step trains on the groups left, as
+/// `docs/objectives.md` says). "Equal" is exact float equality, which is what
 /// verl's `std > 0` test amounts to for the usual 0/1 rewards.
 pub fn groups_with_signal(rewards: &[f32], group_size: usize) -> Result<Vec<usize>, RlError> {
     check_groups(rewards, group_size)?;
@@ -173,4 +186,26 @@ pub fn responses_of_groups(groups: &[usize], group_size: usize) -> Vec<usize> {
         .iter()
         .flat_map(|&g| g * group_size..(g + 1) * group_size)
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn with_defaults_writes_grpo_defaults_only_for_grpo() {
+        let grpo = AdvantageConfig::grpo().with_defaults();
+        assert_eq!(
+            (grpo.std, grpo.eps),
+            (Some(StdKind::Sample), Some(GRPO_STD_EPS))
+        );
+        let rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0];
+        assert_eq!(
+            group_advantages(&rewards, 3, &grpo).unwrap(),
+            group_advantages(&rewards, 3, &AdvantageConfig::grpo()).unwrap()
+        );
+        let rloo = AdvantageConfig::new(AdvantageEstimator::Rloo);
+        assert_eq!(rloo.with_defaults(), rloo);
+        rloo.with_defaults().validate().unwrap();
+    }
 }

@@ -9,7 +9,10 @@ use serde::{Deserialize, Serialize};
 /// given); each message names the parameter, the caller the place it was set (config key or flag).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RolloutError {
-    #[error("temperature must be a finite number >= 0, got {0}")]
+    #[error(
+        "temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:e} (below it the logits \
+         divided by it overflow), got {0:e}"
+    )]
     Temperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]
     TopP(f32),
@@ -21,6 +24,11 @@ pub enum RolloutError {
     )]
     NonFinite { token: usize, row: usize },
 }
+
+/// The smallest sampling temperature above 0 (vLLM's threshold for greedy decoding): the logits are
+/// divided by it, and a temperature such as 1e-45 turns every logit infinite, which then reads as a model
+/// gone non-finite.
+pub const MIN_TEMPERATURE: f32 = 1e-5;
 
 /// How to sample continuations. `temperature = 0` is greedy decoding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -64,7 +72,8 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Range checks; the error names the offending parameter.
     pub fn validate(&self) -> Result<(), RolloutError> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+        let t = self.temperature;
+        if !(t == 0.0 || (t.is_finite() && t >= MIN_TEMPERATURE)) {
             return Err(RolloutError::Temperature(self.temperature));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {

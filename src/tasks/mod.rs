@@ -58,7 +58,8 @@ pub enum TaskError {
     #[error("task config: {0}")]
     Arithmetic(ArithmeticError),
     #[error(
-        "task config: {task}: eval_fraction must be in (0, 1) when there is no eval_path, got {eval_fraction}"
+        "task config: {task}: `task.eval_fraction` must be in (0, 1) when there is no `task.eval_path`, got \
+         {eval_fraction}"
     )]
     EvalFraction {
         task: &'static str,
@@ -177,6 +178,19 @@ pub struct DatasetConfig {
     /// Remove GSM8K calculator annotations `<<a*b=c>>` from the solutions (default true).
     #[serde(default = "default_true")]
     pub strip_calculator_annotations: bool,
+}
+
+impl DatasetConfig {
+    /// The checks that need no file: a held-out fraction that leaves both sets non-empty in principle.
+    pub fn check(&self, task: &'static str) -> Result<(), TaskError> {
+        if self.eval_path.is_none() && !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
+            return Err(TaskError::EvalFraction {
+                task,
+                eval_fraction: self.eval_fraction,
+            });
+        }
+        Ok(())
+    }
 }
 
 fn default_eval_fraction() -> f64 {
@@ -305,12 +319,7 @@ impl Task {
                 (train, eval)
             }
             None => {
-                if !(d.eval_fraction > 0.0 && d.eval_fraction < 1.0) {
-                    return Err(TaskError::EvalFraction {
-                        task: name,
-                        eval_fraction: d.eval_fraction,
-                    });
-                }
+                d.check(name)?;
                 let cut = (d.eval_fraction * 1_000_000.0) as u64;
                 let (eval, train): (Vec<Record>, Vec<Record>) = all
                     .into_iter()

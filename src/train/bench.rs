@@ -74,8 +74,8 @@ pub fn bench_steps(
         let _ = std::fs::remove_dir_all(&scratch);
         made?;
     }
-    let mut model = Decoder::load(&cfg.model.dir, device)?;
-    let tok = Tokenizer::load_optional(&cfg.model.dir)?
+    let mut model = Decoder::load_full_precision(&cfg.model.dir, device)?;
+    let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
     let task = Task::from_config(&cfg.task)?;

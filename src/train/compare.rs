@@ -44,6 +44,9 @@ impl std::fmt::Display for EvalRow {
 pub struct Evaluation {
     /// The source as the user named it (a file, or `RUN_DIR@ROW`), for messages.
     pub source: String,
+    /// What was read, however it was named: the canonical path (with a run's step), so that one
+    /// evaluation given twice under two spellings (`run`, `./run/`) is recognised as one.
+    pub identity: String,
     /// The precision it was evaluated in, where known (`qarl eval` files record it since it was written).
     pub precision: Option<String>,
     pub questions: Vec<String>,
@@ -107,6 +110,14 @@ struct EvalSummary {
     precision: Option<String>,
 }
 
+/// `path` with links and `.`/`..` resolved (as given where it cannot be), for [`Evaluation::identity`].
+fn canonical(path: &Path) -> String {
+    std::fs::canonicalize(path)
+        .unwrap_or_else(|_| path.to_path_buf())
+        .display()
+        .to_string()
+}
+
 /// A `qarl eval --output` file; refused when it records another precision than an asked one.
 fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Result<Evaluation> {
     let out: EvalOutput = crate::io::read_json(path).map_err(|e| {
@@ -131,6 +142,7 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         .unzip();
     Ok(Evaluation {
         source: spec.to_string(),
+        identity: canonical(path),
         precision: recorded,
         questions,
         correct,
@@ -196,6 +208,7 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
     }
     Ok(Evaluation {
         source: format!("{}@{step}", dir.display()),
+        identity: format!("{}@{step}", canonical(dir)),
         precision: Some(precision),
         questions,
         correct,

@@ -300,6 +300,32 @@ pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");
 pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/models/qwen3-moe-arith.json");
 
 impl TrainConfig {
+    /// The same config with the defaults that its loss and advantage tables leave implicit written out
+    /// ([`LossConfig::with_defaults`], [`AdvantageConfig::with_defaults`]): `qarl config show` prints
+    /// this, so every value a run uses is on the page. It resolves to the same run.
+    pub fn with_defaults(&self) -> Self {
+        let mut filled = self.clone();
+        filled.train.loss = self.train.loss.with_defaults();
+        filled.train.advantage = self.train.advantage.with_defaults();
+        filled
+    }
+
+    /// The keys (dotted paths) of options that are off unless given and are not set here: what
+    /// [`Self::with_defaults`] cannot write, since TOML has no "unset".
+    pub fn unset_options(&self) -> Vec<String> {
+        let mut unset: Vec<String> = self
+            .train
+            .loss
+            .unset_options()
+            .into_iter()
+            .map(|name| format!("train.loss.{name}"))
+            .collect();
+        if self.verify.format_reward.is_none() {
+            unset.push("verify.format_reward".into());
+        }
+        unset
+    }
+
     /// Parses TOML text; errors name `origin`, the full key path and the reason, and suggest the closest
     /// valid key for a misspelt one.
     pub fn from_toml(text: &str, origin: &str) -> anyhow::Result<Self> {
@@ -448,10 +474,13 @@ impl TrainConfig {
             ">= 1",
         )?;
         check(
-            pos_f32(r.temperature),
+            r.temperature.is_finite() && r.temperature >= crate::rollout::sampler::MIN_TEMPERATURE,
             "rollout.temperature",
             r.temperature,
-            "a finite number > 0",
+            &format!(
+                "a finite number >= {:e}",
+                crate::rollout::sampler::MIN_TEMPERATURE
+            ),
         )?;
         check(
             r.top_p > 0.0 && r.top_p <= 1.0,
@@ -532,8 +561,12 @@ impl TrainConfig {
         self.verify
             .validate()
             .map_err(|e| anyhow::anyhow!("`verify`: {e}"))?;
-        if let crate::tasks::TaskConfig::Arithmetic(a) = &self.task {
-            a.validate().map_err(|e| anyhow::anyhow!("`task`: {e}"))?;
+        match &self.task {
+            crate::tasks::TaskConfig::Arithmetic(a) => {
+                a.validate().map_err(|e| anyhow::anyhow!("`task`: {e}"))?
+            }
+            crate::tasks::TaskConfig::Gsm8k(d) => d.check("gsm8k")?,
+            crate::tasks::TaskConfig::Math(d) => d.check("math")?,
         }
         if let Some(s) = &self.sft {
             check(s.steps >= 1, "sft.steps", s.steps, ">= 1")?;
@@ -568,10 +601,13 @@ impl TrainConfig {
             ">= 1",
         )?;
         check(
-            pos_f32(e.temperature),
+            e.temperature.is_finite() && e.temperature >= crate::rollout::sampler::MIN_TEMPERATURE,
             "eval.temperature",
             e.temperature,
-            "a finite number > 0",
+            &format!(
+                "a finite number >= {:e}",
+                crate::rollout::sampler::MIN_TEMPERATURE
+            ),
         )?;
         Ok(())
     }

@@ -41,6 +41,9 @@ pub struct ExperimentConfig {
     pub variants: Vec<Variant>,
 }
 
+/// What an experiment writes in its results folder beside the variants' folders.
+const RESULT_FILES: [&str; 3] = ["report.md", "comparison.png", CLAIMS_FILE];
+
 impl ExperimentConfig {
     /// Reads and checks an experiment file; errors name it.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
@@ -75,6 +78,31 @@ impl ExperimentConfig {
             }
             if !names.insert(v.name.as_str()) {
                 bail!("{}: two variants are named {:?}", path.display(), v.name);
+            }
+            if RESULT_FILES.contains(&v.name.as_str()) {
+                bail!(
+                    "{}: variant name {:?} is the name of a file the experiment writes beside the \
+                     variants' folders ({}); rename the variant",
+                    path.display(),
+                    v.name,
+                    RESULT_FILES.join(", ")
+                );
+            }
+            // The experiment sets these itself for every run; a variant's value would be overwritten.
+            for (key, why) in [
+                ("seed", "the experiment's `seeds` choose it"),
+                (
+                    "run_dir",
+                    "each run's folder is <results>/<variant>/seed<N>",
+                ),
+            ] {
+                if v.set.contains_key(key) {
+                    bail!(
+                        "{}: variant {:?} sets `{key}`, which an experiment sets for every run ({why})",
+                        path.display(),
+                        v.name
+                    );
+                }
             }
         }
         Ok(exp)

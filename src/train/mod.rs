@@ -65,6 +65,68 @@ pub fn prepare_model(
     prepare_model_locked(cfg, device, log, quiet, true)
 }
 
+/// Refuses a `model.dir` that exists without being a model (a file, or a folder of other things) before
+/// any work: the finished model is moved into its place at the end, which would then fail, or take what
+/// is there for a model.
+fn check_model_dir_is_free(dir: &Path) -> anyhow::Result<()> {
+    let what = match std::fs::read_dir(dir).map(|mut entries| entries.next().is_none()) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Ok(true) => return Ok(()),
+        Ok(false) => "a folder without a config.json",
+        Err(_) if dir.exists() => "not a folder",
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot read", dir.display())),
+    };
+    anyhow::bail!(
+        "`model.dir` {}: {what}; it must be a model directory, or not exist yet (to be created there)",
+        dir.display()
+    )
+}
+
+/// Marks a staging folder as this program's, so that a leftover one is removed only when it is ours.
+const STAGING_MARK: &str = ".qarl-staging";
+
+/// An empty folder beside `dir` (`<dir>.qarl-init`) where the new model is assembled before it is moved into
+/// place; a leftover from a stopped attempt is removed first, but only one that carries [`STAGING_MARK`]:
+/// anything else there is the user's, and is refused rather than deleted.
+fn fresh_staging_dir(dir: &Path) -> anyhow::Result<PathBuf> {
+    let mut name = dir.file_name().unwrap_or(dir.as_os_str()).to_os_string();
+    name.push(".qarl-init");
+    let staging = dir.with_file_name(name);
+    if staging.join(STAGING_MARK).is_file() {
+        std::fs::remove_dir_all(&staging).with_context(|| {
+            format!(
+                "{}: cannot remove the old staging folder",
+                staging.display()
+            )
+        })?;
+    } else if staging.exists() {
+        anyhow::bail!(
+            "{}: exists and is not a staging folder of qarl's (no {STAGING_MARK} in it); move it, or \
+             choose another `model.dir`",
+            staging.display()
+        );
+    }
+    std::fs::create_dir_all(&staging)
+        .with_context(|| format!("{}: cannot create", staging.display()))?;
+    std::fs::write(staging.join(STAGING_MARK), b"")
+        .with_context(|| format!("{}: cannot write", staging.join(STAGING_MARK).display()))?;
+    Ok(staging)
+}
+
+/// A model made from `model.init_config` is paired with the character tokenizer: its vocabulary must hold
+/// the tokenizer's ids.
+fn check_fits_char_tokenizer(init: &Path) -> anyhow::Result<()> {
+    let vocab = crate::model::ModelConfig::from_file(init)?.vocab_size;
+    let chars = crate::tasks::char_tokenizer::VOCAB_SIZE;
+    anyhow::ensure!(
+        vocab >= chars,
+        "`model.init_config` {}: vocab_size {vocab} is smaller than the character tokenizer's {chars} ids \
+         that a model made from it uses (set vocab_size >= {chars})",
+        init.display()
+    );
+    Ok(())
+}
+
 /// [`prepare_model`] in a run directory this process has locked; with `resume`, the warm start continues
 /// from its newest checkpoint (otherwise its checkpoints are removed and it starts over).
 fn prepare_model_locked(
@@ -84,8 +146,8 @@ fn prepare_model_locked(
         }
         return Ok(());
     }
-    let staging = dir.with_extension("init");
-    let _ = std::fs::remove_dir_all(&staging);
+    check_model_dir_is_free(dir)?;
+    let staging = fresh_staging_dir(dir)?;
     // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
     let weights_dir = match (&cfg.model.base, &cfg.model.init_config) {
         (Some(base), _) => {
@@ -93,6 +155,7 @@ fn prepare_model_locked(
             base.clone()
         }
         (None, Some(init)) => {
+            check_fits_char_tokenizer(init)?;
             crate::model::init::write_random_checkpoint(init, &staging, cfg.seed, cfg.model.init_std)?;
             crate::tasks::char_tokenizer::save(&staging)?;
             staging.clone()
@@ -103,9 +166,9 @@ fn prepare_model_locked(
         ),
     };
     if let Some(sft) = &cfg.sft {
-        let model = Decoder::load(&weights_dir, device)?;
-        let tok =
-            Tokenizer::load_optional(&staging)?.context("the staged model has no tokenizer")?;
+        let model = Decoder::load_full_precision(&weights_dir, device)?;
+        let tok = Tokenizer::load_for(&staging, &model.config)?
+            .context("the staged model has no tokenizer")?;
         let eos = eos_id(&tok, &model)?;
         let json: serde_json::Value = crate::io::read_json(&weights_dir.join("config.json"))?;
         let ck = sft::SftCheckpoints {
@@ -119,6 +182,8 @@ fn prepare_model_locked(
         tracing::info!(loss, "sft finished");
         crate::model::save::save_pretrained(&model, &json, &staging)?;
     }
+    std::fs::remove_file(staging.join(STAGING_MARK))
+        .with_context(|| format!("{}: cannot remove", staging.join(STAGING_MARK).display()))?;
     std::fs::rename(&staging, dir)
         .with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
     if sft_root.exists() {
@@ -400,10 +465,10 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 p.display()
             )
         })?,
-        None => Decoder::load(&model_dir, &device)?,
+        None => Decoder::load_full_precision(&model_dir, &device)?,
     };
     let config_json: serde_json::Value = crate::io::read_json(&model_dir.join("config.json"))?;
-    let tok = Tokenizer::load_optional(&cfg.model.dir)?
+    let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
     if cfg.train.routing_replay && model.config.moe.is_none() {
@@ -545,12 +610,15 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 .unwrap_or(f64::NAN),
         ));
         bar.inc(1);
-        if tc.max_nonfinite_steps > 0 && state.consecutive_nonfinite >= tc.max_nonfinite_steps {
+        // A run no longer than the limit stops when every step was skipped: it learned nothing.
+        let limit = tc.max_nonfinite_steps.min(tc.steps);
+        if tc.max_nonfinite_steps > 0 && state.consecutive_nonfinite >= limit {
             bar.abandon();
             let ckpt = save(&model, &optim, &state)?;
             anyhow::bail!(
                 "stopping the run: {} consecutive RL steps (steps {}..={step}) had a NaN or infinite loss \
-                 or gradient, so their updates were skipped (`train.max_nonfinite_steps` = {}). The last \
+                 or gradient, so their updates were skipped (`train.max_nonfinite_steps` = {}, or every step of \
+                 a shorter run). The last \
                  good weights are in {}; lower `train.lr`, set `train.grad_clip`, or check the data, then \
                  `--resume`.",
                 state.consecutive_nonfinite,

@@ -214,10 +214,12 @@ pub fn run_sft_with(
             );
             log.write(&serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/nonfinite": 1}))?;
             let max = train.train.max_nonfinite_steps;
-            if max > 0 && nonfinite >= max {
+            // A warm start no longer than the limit stops when every step was skipped.
+            if max > 0 && nonfinite >= max.min(cfg.steps) {
                 anyhow::bail!(
                     "stopping SFT: {nonfinite} consecutive steps, from step {} to step {step}, had a NaN or \
-                     infinite loss or gradient (`train.max_nonfinite_steps` = {max}); lower `sft.lr`, or check \
+                     infinite loss or gradient (`train.max_nonfinite_steps` = {max}, or every step of a \
+                     shorter warm start); lower `sft.lr`, or check \
                      the data and the initial weights (`model.init_std`)",
                     step + 1 - nonfinite
                 );

@@ -143,11 +143,22 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
                 path.display()
             );
         };
+        anyhow::ensure!(
+            !rows.is_empty(),
+            "{}: a table without rows (its run measured nothing)",
+            path.display()
+        );
+        let Some(copy) = doc["copy_gb_per_s"].as_f64() else {
+            anyhow::bail!(
+                "{}: no `copy_gb_per_s` (the yardstick of the decode rows; not a `qarl bench kernels \
+                 --json` table)",
+                path.display()
+            );
+        };
         println!(
-            "{} ({}), copy {:.0} GB/s:",
+            "{} ({}), copy {copy:.0} GB/s:",
             doc["device"].as_str().unwrap_or("unknown device"),
             doc["runtime"].as_str().unwrap_or("?"),
-            doc["copy_gb_per_s"].as_f64().unwrap_or(f64::NAN)
         );
         if doc["complete"] == serde_json::json!(false) {
             println!(

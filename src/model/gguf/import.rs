@@ -181,6 +181,25 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
             )));
         }
     }
+    // Llama applies RoPE to the whole head; a file that rotates only part of it is another model.
+    if let Some(d) = opt_u64("llama.rope.dimension_count")? {
+        if d != head_dim {
+            bail!(f.error(format!(
+                "rope.dimension_count {d} != the head dimension {head_dim} (partial RoPE is not supported)"
+            )));
+        }
+    }
+    // Positive numbers (a NaN would be written to config.json as null, and then read as missing).
+    let positive = |key: &str, value: f64| -> anyhow::Result<f64> {
+        if !(value.is_finite() && value > 0.0) {
+            bail!(f.error(format!("`{key}` is {value}; it must be a positive number")));
+        }
+        Ok(value)
+    };
+    let eps_key = "llama.attention.layer_norm_rms_epsilon";
+    let eps = positive(eps_key, f.get_f64(eps_key)?)?;
+    let theta_key = "llama.rope.freq_base";
+    let rope_theta = positive(theta_key, opt_f64(theta_key)?.unwrap_or(10000.0))?;
     let config = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -191,8 +210,8 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": f.get_f64("llama.attention.layer_norm_rms_epsilon")?,
-        "rope_theta": opt_f64("llama.rope.freq_base")?.unwrap_or(10000.0),
+        "rms_norm_eps": eps,
+        "rope_theta": rope_theta,
         "max_position_embeddings": opt_u64("llama.context_length")?.unwrap_or(2048),
         "vocab_size": vocab,
         "attention_bias": false,

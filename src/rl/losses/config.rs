@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::params::ObjectiveParams;
 use super::registry::ObjectiveName;
-use super::spec::{LossAggMode, Objective, ParamValue, Params};
+use super::spec::{LossAggMode, Objective, ParamKind, ParamValue, Params};
 use crate::rl::corrections::CorrectionConfig;
 use crate::rl::RlError;
 
@@ -82,6 +82,45 @@ impl LossConfig {
         self
     }
 
+    /// The same config with every default [`Self::resolve`] would fill in written out: the objective's
+    /// own fields, its `loss_agg_mode`, `kl_coef` 0 and (for `seq-mean-token-sum`) the divisor 1. What
+    /// `qarl config show` prints, so that a user sees the values a run uses without reading the
+    /// objective's code. Resolving it gives the same loss. Fields without a default (options that stay off
+    /// unless given) are left out: [`Self::unset_options`] names them.
+    pub fn with_defaults(&self) -> Self {
+        let spec = self.objective.spec();
+        let mut filled = self.clone();
+        for field in spec.params {
+            if self.params.iter().any(|(key, _)| field.answers_to(key)) {
+                continue;
+            }
+            match field.kind {
+                ParamKind::Float {
+                    default: Some(x), ..
+                } => filled.params.set(field.name, ParamValue::shortest(x)),
+                ParamKind::Flag { default } => filled.params.set(field.name, default),
+                ParamKind::Float { default: None, .. } => {}
+            }
+        }
+        let agg = *filled.loss_agg_mode.get_or_insert(spec.default_agg);
+        if agg == LossAggMode::SeqMeanTokenSum {
+            filled.loss_agg_divisor.get_or_insert(1.0);
+        }
+        filled.kl_coef.get_or_insert(0.0);
+        filled
+    }
+
+    /// The chosen objective's fields that have no default and are not set (off unless given).
+    pub fn unset_options(&self) -> Vec<&'static str> {
+        let spec = self.objective.spec();
+        spec.params
+            .iter()
+            .filter(|f| matches!(f.kind, ParamKind::Float { default: None, .. }))
+            .filter(|f| !self.params.iter().any(|(key, _)| f.answers_to(key)))
+            .map(|f| f.name)
+            .collect()
+    }
+
     /// Builds the objective from its fields (defaults filled, ranges checked, fields that it does not take
     /// rejected), then checks the common fields.
     pub fn resolve(&self) -> Result<PolicyLoss, RlError> {
@@ -118,5 +157,65 @@ impl LossConfig {
             kl_coef,
             corrections: self.corrections.clone(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rl::losses::registered_names;
+
+    fn config(name: &str) -> LossConfig {
+        LossConfig::new(name.parse().unwrap())
+    }
+
+    /// Written-out defaults are the ones `resolve` fills in: the same loss, and nothing left implicit but
+    /// the options without a default.
+    #[test]
+    fn with_defaults_resolves_to_the_same_loss_for_every_objective() {
+        for name in registered_names() {
+            let bare = config(name);
+            let filled = bare.with_defaults();
+            assert_eq!(filled.resolve().unwrap(), bare.resolve().unwrap(), "{name}");
+            assert!(
+                filled.loss_agg_mode.is_some() && filled.kl_coef == Some(0.0),
+                "{name}"
+            );
+            for field in bare.objective.spec().params {
+                let written = filled.params.get(field.name).is_some();
+                let optional = bare.unset_options().contains(&field.name);
+                assert!(written != optional, "{name}: `{}`", field.name);
+            }
+            assert_eq!(
+                filled.with_defaults(),
+                filled,
+                "{name}: filling twice changes nothing"
+            );
+        }
+    }
+
+    #[test]
+    fn with_defaults_keeps_what_was_set_even_under_an_alias() {
+        let set = config("gspo").with("seq_clip_ratio_high", 5e-3);
+        let filled = set.with_defaults();
+        assert_eq!(
+            filled.params.get("seq_eps_high"),
+            None,
+            "an alias set is not written again"
+        );
+        assert_eq!(filled.resolve().unwrap(), set.resolve().unwrap());
+        let token_sum = LossConfig {
+            loss_agg_mode: Some(LossAggMode::SeqMeanTokenSum),
+            ..config("grpo")
+        };
+        assert_eq!(token_sum.with_defaults().loss_agg_divisor, Some(1.0));
+        assert_eq!(config("grpo").with_defaults().loss_agg_divisor, None);
+    }
+
+    #[test]
+    fn defaults_are_written_as_their_shortest_decimal() {
+        assert_eq!(ParamValue::shortest(4e-4), ParamValue::Float(0.0004));
+        assert_eq!(ParamValue::shortest(0.2), ParamValue::Float(0.2));
+        assert_eq!(config("ppo_clip").unset_options(), ["dual_clip_c"]);
     }
 }

@@ -183,6 +183,14 @@ impl ParamValue {
     }
 }
 
+impl ParamValue {
+    /// `x` as the shortest decimal that reads back as `x` (`4e-4`, not `0.0003999999898951501`): what a
+    /// TOML writer should print for an `f32` default.
+    pub fn shortest(x: f32) -> Self {
+        ParamValue::Float(x.to_string().parse().unwrap_or(f64::from(x)))
+    }
+}
+
 impl fmt::Display for ParamValue {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
