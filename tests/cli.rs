@@ -246,7 +246,8 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
         assert!(text.contains(key), "`{key}` is shown: {text}");
     }
     let default =
-        qarl::train::TrainConfig::from_toml(qarl::train::DEFAULT_CONFIG, "default").unwrap();
+        qarl::train::TrainConfig::from_toml(qarl::train::config::DEFAULT_CONFIG, "default")
+            .unwrap();
     assert_eq!(
         cfg.train.loss.resolve().unwrap(),
         default.train.loss.resolve().unwrap()
@@ -767,7 +768,14 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
         "{text}"
     );
     let err = error_of(qarl().args(["compare", "--a", &a, &a, "--b", &b]));
-    assert!(err.contains("given twice"), "{err}");
+    assert!(err.contains("are the same evaluation"), "{err}");
+    // Also under two spellings of one path.
+    let dotted = tmp.path().join(".").join("a.json").display().to_string();
+    let err = error_of(qarl().args(["compare", "--a", &a, &dotted, "--b", &b]));
+    assert!(
+        err.contains(&format!("{a} and {dotted} are the same evaluation")),
+        "{err}"
+    );
     let err = error_of(qarl().args(["compare", "--a", &a, "--b", &other]));
     assert!(
         err.contains("other.json") && err.contains("problem 2 is \"b?\""),
@@ -777,6 +785,148 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
     assert!(
         err.contains("differ on 1 problem(s) (first: problem 1)"),
         "{err}"
+    );
+}
+
+/// An experiment sets each run's `seed` and `run_dir` itself, and writes `report.md`, `comparison.png` and
+/// `claims.md` beside the variants' folders: a variant that sets either key, or is named like one of those
+/// files, is refused before any run (the value would be overwritten; the folder would collide).
+#[test]
+fn experiment_variants_cannot_set_what_the_experiment_sets() {
+    let tmp = tempfile::tempdir().unwrap();
+    let exp = tmp.path().join("exp.toml");
+    for (variant, want) in [
+        (
+            "name = \"a\"\nset = { seed = 7 }",
+            "variant \"a\" sets `seed`",
+        ),
+        (
+            "name = \"a\"\nset = { run_dir = \"x\" }",
+            "variant \"a\" sets `run_dir`",
+        ),
+        (
+            "name = \"report.md\"",
+            "variant name \"report.md\" is the name of a file",
+        ),
+    ] {
+        let text = format!(
+            "name = \"e\"\nbase = \"base.toml\"\nseeds = [1]\nresults_dir = {:?}\n[[variant]]\n{variant}\n",
+            tmp.path().join("results").display().to_string()
+        );
+        std::fs::write(&exp, &text).unwrap();
+        let err = error_of(qarl().arg("experiment").arg(&exp));
+        assert!(
+            err.contains("exp.toml") && err.contains(want),
+            "{variant}: {err}"
+        );
+        assert!(
+            !tmp.path().join("results").exists(),
+            "{variant}: nothing runs"
+        );
+    }
+}
+
+/// Files a command writes at its end are checked before its work: a folder where the file would go is
+/// refused first (here before the model is even read: the model named does not exist). `--system` with
+/// the plain template, which has no system turn, and a folder given as a config are refused by name.
+#[test]
+fn outputs_are_checked_before_the_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let folder = tmp.path().display().to_string();
+    let data = fixtures_dir()
+        .join("../gsm8k_slice.jsonl")
+        .display()
+        .to_string();
+    let missing = tmp.path().join("no-model").display().to_string();
+    for args in [
+        vec![
+            "eval", "--model", &missing, "--data", &data, "--output", &folder,
+        ],
+        vec![
+            "generate",
+            "--model",
+            &missing,
+            "--prompt-ids",
+            "[[1]]",
+            "--output",
+            &folder,
+        ],
+        vec!["bench", "rollout", "--model", &missing, "--json", &folder],
+    ] {
+        let err = error_of(qarl().args(&args));
+        assert!(
+            err.contains(&format!("{folder}: is a folder")),
+            "{args:?}: {err}"
+        );
+    }
+    let file = tmp.path().join("file");
+    std::fs::write(&file, "x").unwrap();
+    let below_file = file.join("out.json").display().to_string();
+    let err = error_of(qarl().args([
+        "eval",
+        "--model",
+        &missing,
+        "--data",
+        &data,
+        "--output",
+        &below_file,
+    ]));
+    assert!(err.contains("is not a folder"), "{err}");
+    let model = fixtures_dir().join("qwen3").display().to_string();
+    let err = error_of(qarl().args([
+        "eval",
+        "--model",
+        &model,
+        "--data",
+        &data,
+        "--template",
+        "plain",
+        "--system",
+        "hi",
+    ]));
+    assert!(err.contains("`--template plain` has none"), "{err}");
+    let err = error_of(qarl().args(["config", "show", &folder]));
+    assert!(err.contains("is a folder"), "{err}");
+}
+
+/// A quantized checkpoint where the full-precision model is needed (a command that quantizes it itself,
+/// or training) is refused by name instead of passing its dequantized codes off as full precision.
+#[test]
+fn quantized_checkpoints_are_refused_where_full_precision_is_needed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let q = tmp.path().join("q");
+    let st = qarl()
+        .args(["quantize", "--scheme", "int4-g32", "--model"])
+        .arg(fixtures_dir().join("qwen3"))
+        .arg("--output")
+        .arg(&q)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let err = error_of(
+        qarl()
+            .args(["bench", "rollout", "--schemes", "f32", "--model"])
+            .arg(&q),
+    );
+    assert!(
+        err.contains("the checkpoint is quantized (int4-g32)"),
+        "{err}"
+    );
+    let device = qarl::ops::BackendKind::Flex.device().unwrap();
+    let err = qarl::model::Decoder::load_full_precision(&q, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("the checkpoint is quantized (int4-g32)"),
+        "{err}"
+    );
+    assert!(
+        qarl::model::Decoder::load(&q, &device).is_ok(),
+        "the plain load keeps working"
     );
 }
 

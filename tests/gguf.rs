@@ -239,32 +239,49 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
     }
 }
 
+/// A GGUF key/value: key length (u64), key, value type, value.
+fn kv(key: &str, ty: u32, value: &[u8]) -> Vec<u8> {
+    let mut b = (key.len() as u64).to_le_bytes().to_vec();
+    b.extend(key.as_bytes());
+    b.extend(ty.to_le_bytes());
+    b.extend(value);
+    b
+}
+
+/// A string key/value (type 8: length (u64), bytes).
+fn kv_str(key: &str, value: &str) -> Vec<u8> {
+    let mut v = (value.len() as u64).to_le_bytes().to_vec();
+    v.extend(value.as_bytes());
+    kv(key, 8, &v)
+}
+
+/// Inserts key/values after the header, padded with a filler key to a multiple of the data alignment (32)
+/// so that the aligned data section moves by whole blocks.
+fn with_kvs(b: &mut Vec<u8>, kvs: &[Vec<u8>]) {
+    let mut add: Vec<u8> = kvs.concat();
+    let filler = kv_str("test.filler", "");
+    let pad = (32 - (add.len() + filler.len()) % 32) % 32;
+    add.extend(kv_str("test.filler", &"x".repeat(pad)));
+    assert_eq!(add.len() % 32, 0);
+    let count = u64::from_le_bytes(b[16..24].try_into().unwrap());
+    let added = kvs.len() as u64 + 1;
+    b[16..24].copy_from_slice(&(count + added).to_le_bytes());
+    b.splice(24..24, add);
+}
+
+/// Renames the file's own `key` (its last letter becomes `_`), where it has one, so that an inserted
+/// value is the only one.
+fn rename_key(b: &mut [u8], key: &str) {
+    let key = key.as_bytes();
+    if let Some(at) = b.windows(key.len()).position(|w| w == key) {
+        b[at + key.len() - 1] = b'_';
+    }
+}
+
 /// Metadata values in errors are plain text: an unsupported `llama.rope.scaling.type` is reported as
 /// `linear`, not in debug formatting (`String("linear")`), and so is a wrong-typed number.
 #[test]
 fn gguf_metadata_values_in_errors_are_plain_text() {
-    // GGUF string key/value: key length (u64), key, type 8 (string), value length (u64), value.
-    fn kv(key: &str, value: &str) -> Vec<u8> {
-        let mut b = (key.len() as u64).to_le_bytes().to_vec();
-        b.extend(key.as_bytes());
-        b.extend(8u32.to_le_bytes());
-        b.extend((value.len() as u64).to_le_bytes());
-        b.extend(value.as_bytes());
-        b
-    }
-    // Inserts string key/values after the header, padded with a filler key to a multiple of the data
-    // alignment (32) so that the aligned data section moves by whole blocks.
-    fn with_kvs(b: &mut Vec<u8>, kvs: &[(&str, &str)]) {
-        let mut add: Vec<u8> = kvs.iter().flat_map(|(k, v)| kv(k, v)).collect();
-        let filler = kv("test.filler", "");
-        let pad = (32 - (add.len() + filler.len()) % 32) % 32;
-        add.extend(kv("test.filler", &"x".repeat(pad)));
-        assert_eq!(add.len() % 32, 0);
-        let count = u64::from_le_bytes(b[16..24].try_into().unwrap());
-        let added = kvs.len() as u64 + 1;
-        b[16..24].copy_from_slice(&(count + added).to_le_bytes());
-        b.splice(24..24, add);
-    }
     let tmp = tempfile::tempdir().unwrap();
     let d = tmp.path();
     // The insertion itself keeps the file importable.
@@ -272,7 +289,7 @@ fn gguf_metadata_values_in_errors_are_plain_text() {
     import_gguf(&padded, &d.join("padded"), OutputDtype::F32).unwrap();
 
     let scaled = edited(d, "scaled.gguf", |b| {
-        with_kvs(b, &[("llama.rope.scaling.type", "linear")])
+        with_kvs(b, &[kv_str("llama.rope.scaling.type", "linear")])
     });
     let err = import_gguf(&scaled, &d.join("scaled"), OutputDtype::F32)
         .unwrap_err()
@@ -287,10 +304,8 @@ fn gguf_metadata_values_in_errors_are_plain_text() {
     // A present value of the wrong type is an error, not the default (10000 for the RoPE base): the file's
     // own `llama.rope.freq_base` (an f32) is renamed away and a string one inserted.
     let typed = edited(d, "typed.gguf", |b| {
-        let key = b"llama.rope.freq_base";
-        let at = b.windows(key.len()).position(|w| w == key).unwrap();
-        b[at + key.len() - 1] = b'_';
-        with_kvs(b, &[("llama.rope.freq_base", "ten thousand")])
+        rename_key(b, "llama.rope.freq_base");
+        with_kvs(b, &[kv_str("llama.rope.freq_base", "ten thousand")])
     });
     let err = import_gguf(&typed, &d.join("typed"), OutputDtype::F32)
         .unwrap_err()
@@ -302,6 +317,64 @@ fn gguf_metadata_values_in_errors_are_plain_text() {
     );
     assert!(!d.join("typed").exists());
     assert!(!err.contains("String("), "debug formatting in: {err}");
+}
+
+/// Metadata a Llama cannot use is refused at import, naming the key, instead of writing a directory that
+/// every later command refuses: RoPE over part of the head, a non-positive or NaN epsilon (a NaN became
+/// `null` in config.json, read back as a missing key), metadata that disagrees with the tensors (the
+/// imported model is loaded once before it is moved into place).
+#[test]
+fn metadata_a_llama_cannot_use_is_refused_at_import() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let qarl = || std::process::Command::new(env!("CARGO_BIN_EXE_qarl"));
+    let import = |file: &Path, out: &Path| {
+        let got = qarl()
+            .arg("import-gguf")
+            .arg(file)
+            .arg("--output")
+            .arg(out)
+            .output()
+            .unwrap();
+        assert!(!got.status.success(), "{} was imported", file.display());
+        assert!(!out.exists(), "{}: nothing is written", file.display());
+        String::from_utf8_lossy(&got.stderr).into_owned()
+    };
+    let u32_kv = |key: &str, v: u32| kv(key, 4, &v.to_le_bytes());
+    let f32_kv = |key: &str, v: f32| kv(key, 6, &v.to_le_bytes());
+    let cases: [(&str, Vec<u8>, &str); 4] = [
+        (
+            "llama.rope.dimension_count",
+            u32_kv("llama.rope.dimension_count", 2),
+            "partial RoPE is not supported",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            f32_kv("llama.attention.layer_norm_rms_epsilon", f32::NAN),
+            "`llama.attention.layer_norm_rms_epsilon` is NaN; it must be a positive number",
+        ),
+        (
+            "llama.attention.layer_norm_rms_epsilon",
+            f32_kv("llama.attention.layer_norm_rms_epsilon", 0.0),
+            "is 0; it must be a positive number",
+        ),
+        (
+            "llama.feed_forward_length",
+            u32_kv("llama.feed_forward_length", 7),
+            "the imported model would not load",
+        ),
+    ];
+    for (i, (key, value, want)) in cases.into_iter().enumerate() {
+        let file = edited(d, &format!("case{i}.gguf"), |b| {
+            rename_key(b, key);
+            with_kvs(b, &[value]);
+        });
+        let err = import(&file, &d.join(format!("out{i}")));
+        assert!(
+            err.contains(&format!("case{i}.gguf")) && err.contains(want),
+            "{key}: {err}"
+        );
+    }
 }
 
 /// The real SmolLM2-135M-Instruct (Q4_1 GGUF, fetched by scripts/fetch_smollm2.sh): it answers coherently —

@@ -153,6 +153,15 @@ fn moe_intermediate_size_is_needed_only_with_a_dense_layer() {
         e.contains("`intermediate_size` must be positive, found 0"),
         "{e}"
     );
+    // An index past the last layer, which transformers would ignore: a typo or another model's list.
+    let layers = base("qwen3_moe")["num_hidden_layers"].as_u64().unwrap();
+    let e = refused("qwen3_moe", "mlp_only_layers", json!([layers]));
+    assert!(
+        e.contains(&format!(
+            "`mlp_only_layers` names layer {layers}, but `num_hidden_layers` is {layers}"
+        )),
+        "{e}"
+    );
 }
 
 #[test]

@@ -1,6 +1,8 @@
 //! A `tokenizer.json` the tokenizers library cannot use is reported with the problem by name (its own
 //! message for these is about "untagged enum" variants).
 
+mod common;
+
 use qarl::model::Tokenizer;
 
 fn load_err(text: &str) -> String {
@@ -110,4 +112,69 @@ fn text_that_encodes_to_no_tokens_names_the_tokenizer() {
     qarl::tasks::char_tokenizer::save(&chars).unwrap();
     let tok = Tokenizer::load_optional(&chars).unwrap().unwrap();
     assert_eq!(tok.encode("1+1").unwrap().len(), 3);
+}
+
+/// A tokenizer with ids past the model's embedding is refused when it is paired with the model (the ids
+/// would index past the embedding in the middle of a run), naming the token, its id and both files;
+/// `qarl eval` says so instead of panicking.
+#[test]
+fn a_tokenizer_with_ids_beyond_the_vocabulary_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("model");
+    common::copy_model(&common::fixtures_dir().join("qwen3"), &model);
+    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    let fixture = qarl::model::ModelConfig::from_file(&model).unwrap();
+    let chars = qarl::tasks::char_tokenizer::VOCAB_SIZE;
+    assert!(Tokenizer::load_for(&model, &fixture).unwrap().is_some());
+    let small = qarl::model::ModelConfig {
+        vocab_size: chars - 1,
+        ..fixture
+    };
+    let err = match Tokenizer::load_for(&model, &small) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!(
+            "a tokenizer of {chars} ids was paired with a vocabulary of {}",
+            chars - 1
+        ),
+    };
+    assert!(
+        err.contains("tokenizer.json")
+            && err.contains(&format!("has id {}", chars - 1))
+            && err.contains("config.json")
+            && err.contains(&format!("is {}", chars - 1)),
+        "{err}"
+    );
+    // The same pair on the command line: the model's config.json shrunk to the tokenizer's size less one.
+    let config = model.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    json["vocab_size"] = serde_json::json!(chars - 1);
+    let shrunk = dir.path().join("shrunk");
+    common::copy_model(&model, &shrunk);
+    std::fs::write(shrunk.join("config.json"), json.to_string()).unwrap();
+    let weights = common::read_tensors(&shrunk.join("model.safetensors"));
+    let cut: std::collections::BTreeMap<_, _> = weights
+        .into_iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            if name.contains("embed_tokens") || name.contains("lm_head") {
+                let row = bytes.len() / shape[0];
+                let kept = (chars - 1) * row;
+                (
+                    name,
+                    (dtype, vec![chars - 1, shape[1]], bytes[..kept].to_vec()),
+                )
+            } else {
+                (name, (dtype, shape, bytes))
+            }
+        })
+        .collect();
+    common::write_tensors(&shrunk.join("model.safetensors"), &cut);
+    let err = common::error_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+            .args(["eval", "--template", "plain", "--limit", "1", "--model"])
+            .arg(&shrunk)
+            .arg("--data")
+            .arg(common::fixtures_dir().join("../gsm8k_slice.jsonl")),
+    );
+    assert!(err.contains("has id") && !err.contains("panicked"), "{err}");
 }

@@ -56,6 +56,21 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         ("rollout.precision=int3", "int3"),
         ("seed.x=1", "not a table"),
         ("train.loss.kl_coef=0.1", "keeps no reference policy"),
+        // A group of equal rewards has std 0: with eps 0 its advantages would be 0 / 0.
+        (
+            "train.advantage={estimator=\"grpo\", eps=0}",
+            "`eps` must be finite and > 0",
+        ),
+        // Logits divided by a subnormal temperature are all infinite.
+        (
+            "rollout.temperature=1e-45",
+            "must be a finite number >= 1e-5",
+        ),
+        ("eval.temperature=1e-6", "`eval.temperature`"),
+        (
+            "task={kind=\"gsm8k\", path=\"x.jsonl\", eval_fraction=1.5}",
+            "`task.eval_fraction` must be in (0, 1)",
+        ),
     ] {
         let err = format!(
             "{:#}",
@@ -63,6 +78,85 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         );
         assert!(err.contains(want), "`{bad}`: expected `{want}` in: {err}");
     }
+}
+
+/// The warm start's checks before any work: a `model.dir` that holds something else than a model, an
+/// `init_config` whose vocabulary cannot hold the character tokenizer's ids; and its staging folder is
+/// its own (`<model.dir>.qarl-init`, marked): a user's folder of a similar name is left alone, or refused
+/// where it would be the staging folder. A warm start whose every step was skipped for a non-finite loss
+/// stops with an error even when it is shorter than `max_nonfinite_steps`.
+#[test]
+fn the_warm_start_checks_its_folders_and_stops_when_nothing_was_learned() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let qarl = || std::process::Command::new(env!("CARGO_BIN_EXE_qarl"));
+    let toml = d.join("tiny.toml");
+    std::fs::write(&toml, common::tiny_train_toml(d, "aligned", 1)).unwrap();
+    let sft = |sets: &[&str]| {
+        let mut cmd = qarl();
+        cmd.args(["sft", "--quiet", "--config"]).arg(&toml);
+        for s in sets {
+            cmd.args(["--set", s]);
+        }
+        cmd
+    };
+    // A folder beside the model whose name the old staging rule (`model.init`) would have taken.
+    std::fs::create_dir_all(d.join("model.init")).unwrap();
+    std::fs::write(d.join("model.init/notes.txt"), "mine").unwrap();
+    // The staging folder's own name, not made by qarl: refused, not emptied.
+    std::fs::create_dir_all(d.join("model.qarl-init")).unwrap();
+    std::fs::write(d.join("model.qarl-init/notes.txt"), "mine too").unwrap();
+    let err = common::error_of(&mut sft(&[]));
+    assert!(
+        err.contains("model.qarl-init: exists and is not a staging folder"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(d.join("model.qarl-init/notes.txt")).unwrap(),
+        "mine too"
+    );
+    std::fs::remove_dir_all(d.join("model.qarl-init")).unwrap();
+    // A model.dir with other things in it, or a file: refused before the warm start runs.
+    std::fs::create_dir_all(d.join("other")).unwrap();
+    std::fs::write(d.join("other/x.txt"), "x").unwrap();
+    let other = format!("model.dir=\"{}\"", d.join("other").display());
+    let err = common::error_of(&mut sft(&[&other]));
+    assert!(err.contains("a folder without a config.json"), "{err}");
+    // An init config whose vocabulary is smaller than the character tokenizer's.
+    let init = d.join("small_vocab.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(qarl::train::config::DEFAULT_MODEL_CONFIG).unwrap();
+    json["vocab_size"] = serde_json::json!(10);
+    std::fs::write(&init, json.to_string()).unwrap();
+    let err = common::error_of(&mut sft(&[&format!(
+        "model.init_config=\"{}\"",
+        init.display()
+    )]));
+    assert!(
+        err.contains("vocab_size 10 is smaller than the character tokenizer's"),
+        "{err}"
+    );
+    // Weights of 1e30: every step non-finite; 2 steps, fewer than the default limit of 5.
+    let (nan_run, nan_model) = (d.join("run_nan"), d.join("model_nan"));
+    let err = common::error_of(&mut sft(&[
+        "model.init_std=1e30",
+        "sft.steps=2",
+        &format!("run_dir=\"{}\"", nan_run.display()),
+        &format!("model.dir=\"{}\"", nan_model.display()),
+    ]));
+    assert!(
+        err.contains("stopping SFT: 2 consecutive steps") && err.contains("every step"),
+        "{err}"
+    );
+    // The warm start that works leaves the user's folder as it was and no staging folder behind.
+    assert!(common::stdout_of(&mut sft(&[])).contains("model:"));
+    assert!(d.join("model/config.json").is_file());
+    assert_eq!(
+        std::fs::read_to_string(d.join("model.init/notes.txt")).unwrap(),
+        "mine"
+    );
+    assert!(!d.join("model.qarl-init").exists());
+    assert!(!d.join("model/.qarl-staging").exists());
 }
 
 /// `train.tensor_cores` is refused, naming the key and the reason, wherever the tiles cannot run as asked:
