@@ -89,6 +89,10 @@ pub(super) fn parse_switch_list(
     if parsed.is_empty() {
         anyhow::bail!("{flag} is empty: give {choices}");
     }
+    super::refuse_repeats(flag, &parsed, |&on| {
+        let same = |s: &&String| parse(s).is_ok_and(|p| p == on);
+        values.iter().find(same).cloned().unwrap_or_default()
+    })?;
     Ok(parsed)
 }
 
@@ -301,6 +305,7 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     if formats.is_empty() {
         anyhow::bail!("--schemes is empty: name at least one of f32, int4-g128, ...");
     }
+    super::refuse_repeats("--schemes", &formats, |p| p.to_string())?;
     for (name, v) in [
         ("--batch", args.batch),
         ("--prompt-len", args.prompt_len),

@@ -120,6 +120,8 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
             .map(|v| parse_variant(v))
             .collect::<anyhow::Result<_>>()?
     };
+    let labels: Vec<&String> = variants.iter().map(|(label, _)| label).collect();
+    super::refuse_repeats("--variant", &labels, |label| format!("the label `{label}`"))?;
     // Every config is read and validated before anything runs.
     let configs = variants
         .iter()

@@ -67,6 +67,7 @@ pub struct GenerateArgs {
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct PromptFile {
     #[serde(alias = "prompt_ids")]
     input_ids: Vec<Vec<u32>>,

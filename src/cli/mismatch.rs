@@ -129,6 +129,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     anyhow::ensure!(!args.activations.is_empty(), "--activations is empty");
+    super::refuse_repeats("--activations", &args.activations, |a| a.to_string())?;
     let mut rows = Vec::new();
     for &act in &args.activations {
         let mut model = full.clone();

@@ -85,6 +85,21 @@ pub fn load_model(
     Ok(model)
 }
 
+/// Refuses a list flag that names one value twice (`--schemes f32,f32`): it would be measured twice, in
+/// two rows that read as two things.
+pub(crate) fn refuse_repeats<T: PartialEq>(
+    flag: &str,
+    items: &[T],
+    name: impl Fn(&T) -> String,
+) -> anyhow::Result<()> {
+    for (i, item) in items.iter().enumerate() {
+        if items[..i].contains(item) {
+            anyhow::bail!("{flag} names {} twice", name(item));
+        }
+    }
+    Ok(())
+}
+
 /// Parses the command line and runs the command.
 pub fn run() -> anyhow::Result<()> {
     let cli = Cli::parse();

@@ -160,8 +160,11 @@ pub fn write_random_checkpoint(
     };
     let text = std::fs::read_to_string(&config_file)
         .with_context(|| format!("{}: cannot read", config_file.display()))?;
+    if out_dir.exists() && !out_dir.is_dir() {
+        anyhow::bail!("{}: exists and is not a folder", out_dir.display());
+    }
     std::fs::create_dir_all(out_dir)
-        .with_context(|| format!("{}: cannot create directory", out_dir.display()))?;
+        .map_err(crate::io::failed(out_dir, "cannot create the folder"))?;
     // A sharded checkpoint left in the directory would be shadowed by the single file; refuse to mix them.
     let index = out_dir.join(super::checkpoint::INDEX_FILE);
     if index.exists() {

@@ -10,10 +10,11 @@ use serde::{Deserialize, Serialize};
 use super::RlError;
 
 /// Which baseline (and scale) turns a group's rewards into advantages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvantageEstimator {
     /// GRPO: `A_i = (R_i - mean R) / (std R + eps)`.
+    #[default]
     Grpo,
     /// Dr.GRPO: `A_i = R_i - mean R`. Dropping the std removes GRPO's bias towards groups that are almost all
     /// right or all wrong; this is what "std-free GRPO" means too, hence the alias.
@@ -39,7 +40,9 @@ pub enum StdKind {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct AdvantageConfig {
-    /// `grpo`, `dr_grpo` (alias `std_free`) or `rloo`.
+    /// `grpo` (the default, also where the table sets only `std` or `eps`), `dr_grpo` (alias `std_free`)
+    /// or `rloo`.
+    #[serde(default)]
     pub estimator: AdvantageEstimator,
     /// GRPO only: `sample` (default, verl) or `population`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

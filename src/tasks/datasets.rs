@@ -179,6 +179,9 @@ fn load_jsonl(
         path: path.to_path_buf(),
         io,
     })?;
+    // A byte-order mark, as some Windows editors write at the start of UTF-8 text, is not part of the
+    // first record.
+    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
     let mut out = Vec::new();
     for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;

@@ -273,7 +273,9 @@ impl Arm<'_> {
             .iter()
             .map(|e| e.precision.as_deref().unwrap_or("precision not recorded"))
             .collect();
-        precisions.dedup();
+        // Each precision once, in the order of the seeds (`dedup` alone keeps `a / b / a`).
+        let mut seen = std::collections::BTreeSet::new();
+        precisions.retain(|p| seen.insert(*p));
         format!(
             "{} ({} seed{}, {}): per seed {}{clustered}",
             self.name,

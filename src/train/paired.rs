@@ -170,9 +170,9 @@ pub struct ArmComparison {
     /// Problems where `a_i > b_i`, and where `a_i < b_i`.
     pub a_better: usize,
     pub b_better: usize,
-    /// Exact two-sided sign test over the problems that differ ([`mcnemar_exact`] of the two counts; with one
-    /// seed per arm this is McNemar's test).
+    /// Two-sided p-value of "the arms are equally accurate" ([`Self::test`] says which test).
     pub p_value: f64,
+    pub test: PairedTest,
     /// Standard error of the difference from the seed-to-seed spread of the arms' accuracies (Welch:
     /// `sqrt(s_a^2 / n_a + s_b^2 / n_b)` over the seeds' accuracies on these problems); `None` unless both
     /// arms have two seeds or more. [`Self::diff_se`] treats the trained models as fixed (the problems are
@@ -189,9 +189,18 @@ impl ArmComparison {
             return None;
         }
         let d: Vec<f64> = ma.iter().zip(&mb).map(|(x, y)| x - y).collect();
-        let (_, diff_se) = mean_and_se(&d);
+        let (mean_d, diff_se) = mean_and_se(&d);
         let a_better = d.iter().filter(|&&x| x > 0.0).count();
         let b_better = d.iter().filter(|&&x| x < 0.0).count();
+        let test = if a.len() == b.len() {
+            PairedTest::Sign
+        } else {
+            PairedTest::PairedT
+        };
+        let p_value = match test {
+            PairedTest::Sign => mcnemar_exact(a_better, b_better),
+            PairedTest::PairedT => paired_t_p(mean_d, diff_se, d.len()),
+        };
         Some(Self {
             problems: d.len(),
             seeds_a: a.len(),
@@ -201,7 +210,8 @@ impl ArmComparison {
             diff_se,
             a_better,
             b_better,
-            p_value: mcnemar_exact(a_better, b_better),
+            p_value,
+            test,
             seed_se: welch_se(&seed_accuracies(a), &seed_accuracies(b)),
         })
     }
@@ -230,11 +240,15 @@ impl ArmComparison {
     }
 
     /// `+0.020 ± 0.009 (11 vs 5 problems; p 2.1e-1)`: the difference with its SE over problems, the problems
-    /// where each arm is ahead and the sign test.
+    /// where each arm is ahead and the test's p-value (`t-test p` where the seed counts differ).
     pub fn problems_text(&self) -> String {
+        let test = match self.test {
+            PairedTest::Sign => "",
+            PairedTest::PairedT => "t-test ",
+        };
         format!(
-            "{:+.3} ± {:.3} ({} vs {} problems; p {:.1e})",
-            self.diff(),
+            "{} ± {:.3} ({} vs {} problems; {test}p {:.1e})",
+            signed3(self.diff()),
             self.diff_se,
             self.a_better,
             self.b_better,
@@ -247,12 +261,51 @@ impl ArmComparison {
     pub fn problems_and_seeds_text(&self) -> Option<String> {
         let (both, seeds) = self.problems_and_seeds_se().zip(self.seed_se)?;
         Some(format!(
-            "{:+.3} ± {both:.3} ({} vs {} seeds; seeds alone ± {seeds:.3})",
-            self.diff(),
+            "{} ± {both:.3} ({} vs {} seeds; seeds alone ± {seeds:.3})",
+            signed3(self.diff()),
             self.seeds_a,
             self.seeds_b
         ))
     }
+}
+
+/// The test behind [`ArmComparison::p_value`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PairedTest {
+    /// Exact two-sided sign test over the problems that differ ([`mcnemar_exact`] of the two counts; with one
+    /// seed per arm this is McNemar's test). Valid where the arms have as many seeds: then, if they are
+    /// equally good, `a_i - b_i` is as likely positive as negative.
+    Sign,
+    /// Paired t-test on `a_i - b_i` (`n - 1` degrees of freedom), where the seed counts differ: the arm with
+    /// fewer seeds has the noisier per-problem mean, which wins the signs on easy problems and loses them on
+    /// hard ones even between equally good arms (simulated at 193 problems, 1 seed against 3 with per-problem
+    /// success rates from Beta(3, 1): the sign test rejected at the 5% level 42% of the time, a test on the
+    /// mean difference 4-6%).
+    PairedT,
+}
+
+/// Two-sided p-value of a paired t-test: `mean` of `n` differences with standard error `se`. 1 where it
+/// cannot tell (fewer than 2 differences, or all equal to 0); 0 where every difference is the same
+/// non-zero value.
+fn paired_t_p(mean: f64, se: f64, n: usize) -> f64 {
+    use statrs::distribution::{ContinuousCDF, StudentsT};
+    if n < 2 || mean == 0.0 {
+        return 1.0;
+    }
+    if se == 0.0 {
+        return 0.0;
+    }
+    match StudentsT::new(0.0, 1.0, (n - 1) as f64) {
+        Ok(t) => (2.0 * t.sf((mean / se).abs())).min(1.0),
+        Err(_) => 1.0,
+    }
+}
+
+/// `x` to 3 decimals with its sign, a value that rounds to zero as `+0.000` (a difference of two equal
+/// accuracies summed in another order can be -6e-17).
+fn signed3(x: f64) -> String {
+    let x = if (x * 1000.0).round() == 0.0 { 0.0 } else { x };
+    format!("{x:+.3}")
 }
 
 /// Each seed's accuracy over its problems.
@@ -308,6 +361,79 @@ pub fn decode(s: &str) -> Option<Vec<bool>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn outcomes(rows: &[&[u8]]) -> Vec<Vec<bool>> {
+        rows.iter()
+            .map(|r| r.iter().map(|&x| x == 1).collect())
+            .collect()
+    }
+
+    /// Arms with as many seeds take the sign test; with unequal counts the paired t-test, whose p-value
+    /// here is scipy's `ttest_1samp(d, 0).pvalue` for d = [0.5, 1, -0.5, 0, 1]: 0.24198153056802096.
+    #[test]
+    fn the_test_follows_the_seed_counts() {
+        let a = outcomes(&[&[1, 1, 0, 1, 1]]);
+        let b = outcomes(&[&[1, 0, 0, 1, 0], &[0, 0, 1, 1, 0]]);
+        let c = ArmComparison::new(&a, &b).unwrap();
+        assert_eq!(c.test, PairedTest::PairedT);
+        assert!(
+            (c.p_value - 0.24198153056802096).abs() < 1e-12,
+            "{}",
+            c.p_value
+        );
+        assert!(
+            c.problems_text().contains("t-test p 2.4e-1"),
+            "{}",
+            c.problems_text()
+        );
+        let same = ArmComparison::new(&a, &b[..1]).unwrap();
+        assert_eq!(same.test, PairedTest::Sign);
+        assert_eq!(same.p_value, mcnemar_exact(same.a_better, same.b_better));
+        // A difference that rounds to zero (equal accuracies summed in another order give -6e-17) prints
+        // as +0.000, never -0.000.
+        assert_eq!(signed3(-5.6e-17), "+0.000");
+        assert_eq!(signed3(-4e-4), "+0.000");
+        assert_eq!(signed3(-6e-4), "-0.001");
+        assert_eq!(paired_t_p(0.0, 0.0, 5), 1.0);
+        assert_eq!(paired_t_p(0.5, 0.0, 5), 0.0);
+        assert_eq!(paired_t_p(0.5, 0.1, 1), 1.0);
+    }
+
+    /// Under the null (both arms' models share each problem's success rate), 1 seed against 3: the
+    /// comparison's test rejects at the 5% level about 5% of the time, where the sign test on the same
+    /// differences would reject far more often (the reason the test changes with the seed counts).
+    #[test]
+    fn unequal_seed_counts_keep_the_false_positive_rate() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        let (trials, problems) = (400, 193);
+        let (mut t_rejects, mut sign_rejects) = (0, 0);
+        for _ in 0..trials {
+            // Beta(3, 1) success rates (mostly easy problems): the inverse of its CDF x^3.
+            let rates: Vec<f64> = (0..problems).map(|_| rng.random::<f64>().cbrt()).collect();
+            let mut draw = |seeds: usize| -> Vec<Vec<bool>> {
+                (0..seeds)
+                    .map(|_| rates.iter().map(|&p| rng.random::<f64>() < p).collect())
+                    .collect()
+            };
+            let (a, b) = (draw(1), draw(3));
+            let c = ArmComparison::new(&a, &b).unwrap();
+            t_rejects += usize::from(c.p_value < 0.05);
+            sign_rejects += usize::from(mcnemar_exact(c.a_better, c.b_better) < 0.05);
+        }
+        let (t_rate, sign_rate) = (
+            t_rejects as f64 / trials as f64,
+            sign_rejects as f64 / trials as f64,
+        );
+        assert!(
+            (0.02..=0.09).contains(&t_rate),
+            "t-test false positives {t_rate}"
+        );
+        assert!(
+            sign_rate > 0.2,
+            "the sign test's {sign_rate}: the case this guards against"
+        );
+    }
 
     #[test]
     fn mcnemar_matches_hand_computed_binomial_tails() {
@@ -385,7 +511,9 @@ mod tests {
         // A (2 seeds): [1,1,0,0,1] and [1,0,0,0,1] -> per problem [1, .5, 0, 0, 1], acc 0.5.
         // B (1 seed):  [1,0,0,0,0]                 -> acc 0.2.
         // d = [0, .5, 0, 0, 1], mean 0.3, deviations [-.3, .2, -.3, -.3, .7], sum of squares 0.8:
-        // SE = sqrt(0.8 / 4 / 5) = 0.2. A better on 2 problems, B on none: p = 2 / 2^2 = 0.5.
+        // SE = sqrt(0.8 / 4 / 5) = 0.2. A better on 2 problems, B on none. The seed counts differ, so the
+        // p-value is the paired t-test's: t = 0.3 / 0.2 = 1.5 on 4 degrees of freedom, p = 0.208 (scipy's
+        // ttest_1samp; the sign test would give 2 / 2^2 = 0.5).
         let a = [
             vec![true, true, false, false, true],
             vec![true, false, false, false, true],
@@ -396,7 +524,8 @@ mod tests {
         assert!(close(c.acc_a, 0.5) && close(c.acc_b, 0.2) && close(c.diff(), 0.3));
         assert!(close(c.diff_se, 0.2), "{}", c.diff_se);
         assert_eq!((c.a_better, c.b_better), (2, 0));
-        assert!(close(c.p_value, 0.5));
+        assert_eq!(c.test, PairedTest::PairedT);
+        assert!((c.p_value - 0.208).abs() < 1e-9, "{}", c.p_value);
         // Antisymmetric.
         let r = ArmComparison::new(&b, &a).unwrap();
         assert!(close(r.diff(), -0.3) && close(r.diff_se, 0.2));
