@@ -9,6 +9,7 @@ pub mod eval;
 pub mod experiment;
 pub mod lock;
 pub mod metrics;
+mod model_dir;
 pub mod paired;
 pub mod plot;
 pub mod progress;
@@ -65,68 +66,6 @@ pub fn prepare_model(
     prepare_model_locked(cfg, device, log, quiet, true)
 }
 
-/// Refuses a `model.dir` that exists without being a model (a file, or a folder of other things) before
-/// any work: the finished model is moved into its place at the end, which would then fail, or take what
-/// is there for a model.
-fn check_model_dir_is_free(dir: &Path) -> anyhow::Result<()> {
-    let what = match std::fs::read_dir(dir).map(|mut entries| entries.next().is_none()) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Ok(true) => return Ok(()),
-        Ok(false) => "a folder without a config.json",
-        Err(_) if dir.exists() => "not a folder",
-        Err(e) => return Err(e).with_context(|| format!("{}: cannot read", dir.display())),
-    };
-    anyhow::bail!(
-        "`model.dir` {}: {what}; it must be a model directory, or not exist yet (to be created there)",
-        dir.display()
-    )
-}
-
-/// Marks a staging folder as this program's, so that a leftover one is removed only when it is ours.
-const STAGING_MARK: &str = ".qarl-staging";
-
-/// An empty folder beside `dir` (`<dir>.qarl-init`) where the new model is assembled before it is moved into
-/// place; a leftover from a stopped attempt is removed first, but only one that carries [`STAGING_MARK`]:
-/// anything else there is the user's, and is refused rather than deleted.
-fn fresh_staging_dir(dir: &Path) -> anyhow::Result<PathBuf> {
-    let mut name = dir.file_name().unwrap_or(dir.as_os_str()).to_os_string();
-    name.push(".qarl-init");
-    let staging = dir.with_file_name(name);
-    if staging.join(STAGING_MARK).is_file() {
-        std::fs::remove_dir_all(&staging).with_context(|| {
-            format!(
-                "{}: cannot remove the old staging folder",
-                staging.display()
-            )
-        })?;
-    } else if staging.exists() {
-        anyhow::bail!(
-            "{}: exists and is not a staging folder of qarl's (no {STAGING_MARK} in it); move it, or \
-             choose another `model.dir`",
-            staging.display()
-        );
-    }
-    std::fs::create_dir_all(&staging)
-        .with_context(|| format!("{}: cannot create", staging.display()))?;
-    std::fs::write(staging.join(STAGING_MARK), b"")
-        .with_context(|| format!("{}: cannot write", staging.join(STAGING_MARK).display()))?;
-    Ok(staging)
-}
-
-/// A model made from `model.init_config` is paired with the character tokenizer: its vocabulary must hold
-/// the tokenizer's ids.
-fn check_fits_char_tokenizer(init: &Path) -> anyhow::Result<()> {
-    let vocab = crate::model::ModelConfig::from_file(init)?.vocab_size;
-    let chars = crate::tasks::char_tokenizer::VOCAB_SIZE;
-    anyhow::ensure!(
-        vocab >= chars,
-        "`model.init_config` {}: vocab_size {vocab} is smaller than the character tokenizer's {chars} ids \
-         that a model made from it uses (set vocab_size >= {chars})",
-        init.display()
-    );
-    Ok(())
-}
-
 /// [`prepare_model`] in a run directory this process has locked; with `resume`, the warm start continues
 /// from its newest checkpoint (otherwise its checkpoints are removed and it starts over).
 fn prepare_model_locked(
@@ -146,16 +85,16 @@ fn prepare_model_locked(
         }
         return Ok(());
     }
-    check_model_dir_is_free(dir)?;
-    let staging = fresh_staging_dir(dir)?;
+    model_dir::check_free(dir)?;
+    let staging = model_dir::fresh_staging(dir)?;
     // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
     let weights_dir = match (&cfg.model.base, &cfg.model.init_config) {
         (Some(base), _) => {
-            stage_base_files(base, &staging)?;
+            model_dir::stage_base_files(base, &staging)?;
             base.clone()
         }
         (None, Some(init)) => {
-            check_fits_char_tokenizer(init)?;
+            model_dir::check_fits_char_tokenizer(init)?;
             crate::model::init::write_random_checkpoint(init, &staging, cfg.seed, cfg.model.init_std)?;
             crate::tasks::char_tokenizer::save(&staging)?;
             staging.clone()
@@ -182,50 +121,10 @@ fn prepare_model_locked(
         tracing::info!(loss, "sft finished");
         crate::model::save::save_pretrained(&model, &json, &staging)?;
     }
-    std::fs::remove_file(staging.join(STAGING_MARK))
-        .with_context(|| format!("{}: cannot remove", staging.join(STAGING_MARK).display()))?;
-    std::fs::rename(&staging, dir)
-        .with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
+    model_dir::move_into_place(&staging, dir)?;
     if sft_root.exists() {
         std::fs::remove_dir_all(&sft_root)
             .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
-    }
-    Ok(())
-}
-
-/// Copies the files of the pretrained `base` that are not its weights (tokenizer, chat template, generation
-/// config) into `staging`; the fine-tuned weights and `config.json` are written there after the warm start.
-fn stage_base_files(base: &Path, staging: &Path) -> anyhow::Result<()> {
-    let is_weights = |name: &str| {
-        name == "config.json"
-            || [
-                ".safetensors",
-                ".safetensors.index.json",
-                ".bin",
-                ".gguf",
-                ".pt",
-                ".pth",
-            ]
-            .iter()
-            .any(|ext| name.ends_with(ext))
-    };
-    let entries = std::fs::read_dir(base)
-        .with_context(|| format!("{}: cannot read `model.base`", base.display()))?;
-    std::fs::create_dir_all(staging)
-        .with_context(|| format!("{}: cannot create", staging.display()))?;
-    for entry in entries {
-        let entry = entry.map_err(crate::io::failed(base, "cannot read"))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if !entry.path().is_file() || is_weights(&name) {
-            continue;
-        }
-        std::fs::copy(entry.path(), staging.join(&name)).with_context(|| {
-            format!(
-                "{}: cannot copy into {}",
-                entry.path().display(),
-                staging.display()
-            )
-        })?;
     }
     Ok(())
 }
