@@ -895,22 +895,30 @@ fn outputs_are_checked_before_the_work() {
 fn quantized_checkpoints_are_refused_where_full_precision_is_needed() {
     let tmp = tempfile::tempdir().unwrap();
     let q = tmp.path().join("q");
-    let st = qarl()
-        .args(["quantize", "--scheme", "int4-g32", "--model"])
-        .arg(fixtures_dir().join("qwen3"))
-        .arg("--output")
-        .arg(&q)
-        .output()
-        .unwrap();
-    assert!(
-        st.status.success(),
-        "{}",
-        String::from_utf8_lossy(&st.stderr)
+    stdout_of(
+        qarl()
+            .args(["quantize", "--scheme", "int4-g32", "--model"])
+            .arg(fixtures_dir().join("qwen3"))
+            .arg("--output")
+            .arg(&q),
     );
     let err = error_of(
         qarl()
             .args(["bench", "rollout", "--schemes", "f32", "--model"])
             .arg(&q),
+    );
+    assert!(
+        err.contains("the checkpoint is quantized (int4-g32)"),
+        "{err}"
+    );
+    // Training on it: its full-precision masters would be the dequantized codes.
+    let toml = tmp.path().join("train.toml");
+    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let err = error_of(
+        qarl()
+            .args(["train", "--quiet", "--config"])
+            .arg(&toml)
+            .args(["--set", &format!("model.dir=\"{}\"", q.display())]),
     );
     assert!(
         err.contains("the checkpoint is quantized (int4-g32)"),
