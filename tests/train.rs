@@ -32,6 +32,8 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         "task.ops=[\"add\"]",
         "train.loss.objective = \"gspo\"",
         "train.error_tokens.min_span=7",
+        // A key of a table the config leaves out (`[train.advantage]`), whose other keys default.
+        "train.advantage.eps=1e-5",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -47,11 +49,20 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
     assert_eq!(on_wgpu.train.backend, qarl::ops::BackendKind::Wgpu);
     assert_eq!(cfg.rollout.precision.to_string(), "fp8-b128");
     assert_eq!(cfg.train.error_tokens.min_span, 7);
+    assert_eq!(cfg.train.advantage.eps, Some(1e-5));
+    assert_eq!(
+        cfg.train.advantage.estimator,
+        qarl::rl::advantages::AdvantageEstimator::Grpo
+    );
     let base = train::load_config(None, &[]).unwrap();
     assert_ne!(cfg.train.loss, base.train.loss);
     for (bad, want) in [
         ("train.lrr=1e-4", "lrr"),
         ("train.lr", "key.path=value"),
+        (
+            "train.lr=1e400",
+            "`1e400` is out of the range of a TOML number",
+        ),
         ("train..lr=1", "dotted path"),
         ("rollout.precision=int3", "int3"),
         ("seed.x=1", "not a table"),

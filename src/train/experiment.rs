@@ -148,11 +148,19 @@ pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
         bail!("--set `{text}`: the key `{key}` is not a dotted path like `train.lr`");
     }
     let raw = raw.trim();
-    let value = toml::from_str::<toml::Table>(&format!("v = {raw}"))
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.to_string()));
-    Ok((key.to_string(), value))
+    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t.remove("v"),
+        Err(_) => None,
+    };
+    match value {
+        Some(v) => Ok((key.to_string(), v)),
+        // A number TOML cannot hold (`1e400`, an integer past i64) would otherwise become a string, and
+        // the error would say "invalid type: string".
+        None if raw.parse::<f64>().is_ok() => {
+            bail!("--set `{text}`: `{raw}` is out of the range of a TOML number")
+        }
+        None => Ok((key.to_string(), toml::Value::String(raw.to_string()))),
+    }
 }
 
 fn marker(run_dir: &Path) -> PathBuf {
