@@ -105,6 +105,14 @@ pub fn write_safetensors(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
+    // The safetensors crate indexes out of bounds on a repeated name instead of refusing it.
+    let mut names = std::collections::HashSet::new();
+    if let Some((dup, ..)) = tensors.iter().find(|(n, ..)| !names.insert(n.as_str())) {
+        anyhow::bail!(
+            "{}: not written: tensor `{dup}` would be in it twice",
+            path.display()
+        );
+    }
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
         .map(|(n, d, s, b)| {
@@ -271,5 +279,35 @@ pub fn os_error_text(e: &std::io::Error) -> String {
                 None => text,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A name given twice is refused before anything is written (the safetensors crate indexed out of
+    /// bounds on it), and an earlier file at the path stays as it was.
+    #[test]
+    fn write_safetensors_refuses_a_repeated_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        std::fs::write(&path, b"before").unwrap();
+        let bytes = [0u8; 4];
+        let t = |name: &str| {
+            (
+                name.to_string(),
+                safetensors::Dtype::F32,
+                vec![1],
+                &bytes[..],
+            )
+        };
+        let err = write_safetensors(&path, &[t("a"), t("b"), t("a")]).unwrap_err();
+        assert!(
+            err.to_string().contains("tensor `a` would be in it twice"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), b"before");
+        write_safetensors(&path, &[t("a"), t("b")]).unwrap();
     }
 }

@@ -290,6 +290,10 @@ fn runs_lists_run_directories_with_their_status() {
             "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
         ),
         ("half", "{\"phase\":\"rl\",\"step\":0}\nnot json\n"),
+        // A step at the top of u64 (a damaged log): shown, not an overflow.
+        ("huge", "{\"phase\":\"rl\",\"step\":18446744073709551615}\n"),
+        // A checkpoint whose trainer state names another step than its folder: not offered for resuming.
+        ("edited", "{\"phase\":\"rl\",\"step\":0}\n"),
         // Not UTF-8: nothing in it can be read, whatever `finished.json` says.
         ("garbled", "\u{0}"),
     ] {
@@ -302,9 +306,10 @@ fn runs_lists_run_directories_with_their_status() {
             std::fs::write(dir.join("metrics.jsonl"), rows).unwrap();
         }
         qarl::io::write_json_atomic(&dir.join("config.json"), &cfg).unwrap();
+        let state_step = if name == "edited" { 7 } else { 0 };
         qarl::io::write_json_atomic(
             &dir.join("checkpoints/step_000000/trainer_state.json"),
-            &qarl::train::checkpoint::TrainerState::after_step(0, 1),
+            &qarl::train::checkpoint::TrainerState::after_step(state_step, 1),
         )
         .unwrap();
     }
@@ -327,6 +332,11 @@ fn runs_lists_run_directories_with_their_status() {
     );
     assert!(
         line("garbled").contains("metrics unreadable") && !line("garbled").contains("finished"),
+        "{text}"
+    );
+    assert!(line("huge").contains("18446744073709551615/2"), "{text}");
+    assert!(
+        line("edited").contains("incomplete (no checkpoint)"),
         "{text}"
     );
     error_of(qarl().args(["runs", "/no/such/dir"]));
@@ -922,6 +932,25 @@ fn quantized_checkpoints_are_refused_where_full_precision_is_needed() {
     );
     assert!(
         err.contains("the checkpoint is quantized (int4-g32)"),
+        "{err}"
+    );
+    // A checkpoint that holds a quantized tensor beside the weight it would be made from: refused by
+    // name (the writer was handed the name twice and indexed out of bounds).
+    let half = tmp.path().join("half");
+    common::copy_model(&fixtures_dir().join("qwen3"), &half);
+    let mut tensors = common::read_tensors(&half.join("model.safetensors"));
+    let stray = tensors["model.layers.0.mlp.up_proj.weight"].clone();
+    tensors.insert("model.layers.0.mlp.up_proj.qweight".into(), stray);
+    common::write_tensors(&half.join("model.safetensors"), &tensors);
+    let err = error_of(
+        qarl()
+            .args(["quantize", "--scheme", "int8-pc", "--model"])
+            .arg(&half)
+            .arg("--output")
+            .arg(tmp.path().join("half_q")),
+    );
+    assert!(
+        err.contains("`model.layers.0.mlp.up_proj.qweight` is already in the checkpoint"),
         "{err}"
     );
     let device = qarl::ops::BackendKind::Flex.device().unwrap();

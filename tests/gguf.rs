@@ -216,6 +216,15 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
             "overlap",
         ),
         (
+            // Two tensor infos under one name (the safetensors writer would index out of bounds on it).
+            edited(d, "dup_name.gguf", |b| {
+                let name = b"blk.1.attn_norm.weight";
+                let at = b.windows(name.len()).position(|w| w == name).unwrap();
+                b[at + 4] = b'0';
+            }),
+            "tensor `blk.0.attn_norm.weight` is listed twice",
+        ),
+        (
             // The last tensor (`output.weight`, Q8_0) ends the file: its last block's f16 scale as NaN.
             edited(d, "nan_scale.gguf", |b| {
                 let at = b.len() - 34;

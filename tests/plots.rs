@@ -23,3 +23,37 @@ fn metrics_render_to_a_png() {
         bytes.len()
     );
 }
+
+/// A damaged log whose values or steps span more than an f64 (here +-1e308) left the chart library placing
+/// ticks on an infinite axis forever: such a panel is now left empty (with a warning) and the plot written.
+#[test]
+#[ignore = "needs a TrueType font (fonts-dejavu-core, or QARL_FONT=/path/to/font.ttf); .ci/run installs it and runs --include-ignored"]
+fn values_beyond_an_f64_span_leave_their_panel_empty() {
+    train::plot::register_font().unwrap();
+    for (name, rows) in [
+        ("values", [(0.0, 1e308), (1.0, -1e308)]),
+        ("steps", [(-1e308, 1.0), (1e308, 2.0)]),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let log: String = rows
+            .iter()
+            .map(|(step, r)| {
+                format!("{{\"phase\":\"rl\",\"step\":{step:e},\"critic/rewards/mean\":{r:e}}}\n")
+            })
+            .collect();
+        std::fs::write(dir.join("metrics.jsonl"), log).unwrap();
+        let (done, wait) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = done.send(train::plot::plot_run(&dir).map_err(|e| e.to_string()));
+        });
+        let png = wait
+            .recv_timeout(std::time::Duration::from_secs(120))
+            .unwrap_or_else(|_| panic!("{name}: the plot did not finish in 2 minutes"))
+            .unwrap();
+        assert!(
+            std::fs::read(&png).unwrap().starts_with(b"\x89PNG"),
+            "{name}"
+        );
+    }
+}

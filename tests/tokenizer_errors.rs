@@ -178,3 +178,22 @@ fn a_tokenizer_with_ids_beyond_the_vocabulary_is_refused() {
     );
     assert!(err.contains("has id") && !err.contains("panicked"), "{err}");
 }
+
+/// A prompt that encodes to no token (an empty question under a template with empty prefixes) is refused,
+/// naming it: the rollout starts from a prompt's last token, and an empty one underflowed there.
+#[test]
+fn an_empty_prompt_is_refused_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    qarl::tasks::char_tokenizer::save(dir.path()).unwrap();
+    let tok = Tokenizer::load_optional(dir.path()).unwrap().unwrap();
+    let err = tok.encode_prompt("").unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer.json: the prompt \"\" encodes to no tokens"),
+        "{err}"
+    );
+    assert!(!tok.encode_prompt("1+2=").unwrap().is_empty());
+    assert!(
+        tok.encode("").unwrap().is_empty(),
+        "plain encoding of nothing is allowed"
+    );
+}

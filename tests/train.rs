@@ -91,6 +91,34 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
     }
 }
 
+/// The rollout's and the evaluation's sizes are checked before any prompt is drawn: a huge
+/// `rollout.prompts_per_step` or `eval.problems` is refused by name (it was an allocation failure after
+/// the first evaluation, or a loop drawing problems for hours).
+#[test]
+fn step_sizes_are_checked_before_any_prompt_is_drawn() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toml = tmp.path().join("tiny.toml");
+    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    for (set, want) in [
+        (
+            "rollout.prompts_per_step=100000000000000000",
+            "rollout.prompts_per_step / samples_per_prompt",
+        ),
+        ("eval.problems=100000000000000000", "eval.problems / eval.k"),
+    ] {
+        let err = common::error_of(
+            std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+                .args(["train", "--quiet", "--overwrite", "--config"])
+                .arg(&toml)
+                .args(["--set", set]),
+        );
+        assert!(
+            err.contains(want) && err.contains("KV cache"),
+            "{set}: {err}"
+        );
+    }
+}
+
 /// The warm start's checks before any work: a `model.dir` that holds something else than a model, an
 /// `init_config` whose vocabulary cannot hold the character tokenizer's ids; and its staging folder is
 /// its own (`<model.dir>.qarl-init`, marked): a user's folder of a similar name is left alone, or refused

@@ -142,7 +142,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     args.model.display()
                 )
             })?;
-            let ids = tok.encode(text)?;
+            let ids = tok.encode_prompt(text)?;
             model
                 .check_prompts(std::slice::from_ref(&ids))
                 .context("--prompt")?;

@@ -110,7 +110,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     let prompts: Vec<Vec<u32>> = records
         .iter()
-        .map(|r| tok.encode(&template.render_prompt(&r.question)))
+        .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)))
         .collect::<anyhow::Result<_>>()?;
     crate::rollout::check_rollout_size(
         &full.config,

@@ -83,13 +83,13 @@ pub fn inspect(dir: &Path) -> RunInfo {
     let steps = cfg.as_ref().map(|c| c.train.steps);
     let ckpt = checkpoint::latest(dir);
     let finished = dir.join("finished.json").is_file()
-        || matches!((accuracy, steps, last_step), (Some((_, s)), Some(n), Some(l)) if s as usize == n && l + 1 == n as u64);
+        || matches!((accuracy, steps, last_step), (Some((_, s)), Some(n), Some(l)) if s as usize == n && l.saturating_add(1) == n as u64);
     let status = if let Some(e) = unreadable {
         format!("metrics unreadable ({e})")
     } else if finished {
         "finished".to_string()
     } else if let Some((_, st)) = &ckpt {
-        format!("resumable from step {}", st.step + 1)
+        format!("resumable from step {}", st.step.saturating_add(1))
     } else {
         "incomplete (no checkpoint)".to_string()
     };
@@ -149,8 +149,8 @@ pub fn run(args: RunsArgs) -> anyhow::Result<()> {
     );
     for r in runs {
         let step = match (r.last_step, r.steps) {
-            (Some(l), Some(n)) => format!("{}/{n}", l + 1),
-            (Some(l), None) => format!("{}", l + 1),
+            (Some(l), Some(n)) => format!("{}/{n}", l.saturating_add(1)),
+            (Some(l), None) => format!("{}", l.saturating_add(1)),
             (None, Some(n)) => format!("0/{n}"),
             (None, None) => "-".into(),
         };

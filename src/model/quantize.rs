@@ -167,6 +167,16 @@ pub fn quantize_checkpoint(
         let prefix = name.strip_suffix(WEIGHT).and_then(|p| p.strip_suffix('.'));
         match prefix {
             Some(prefix) if shape.len() == 2 && sel.selects(&name) => {
+                for part in [QWEIGHT, SCALES] {
+                    let made = tensor_name(prefix, part);
+                    if ckpt.stored(&made).is_some() {
+                        bail!(
+                            "{}: `{made}` is already in the checkpoint beside `{name}`, which this would \
+                             quantize into it: a damaged or half-quantized checkpoint",
+                            src.display()
+                        );
+                    }
+                }
                 let (out, inn) = (shape[0], shape[1]);
                 let w = ckpt.read_f32(&name, &shape)?;
                 let q = QuantizedTensor::quantize(&w, out, inn, cfg.scheme)

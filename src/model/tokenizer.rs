@@ -105,6 +105,21 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// [`Self::encode`] for a prompt, which a model must be given at least one token of (the rollout starts
+    /// from the prompt's last token): an empty question under a template without prefixes is refused here,
+    /// naming it, instead of reaching the rollout as an empty row.
+    pub fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let ids = self.encode(text)?;
+        if ids.is_empty() {
+            anyhow::bail!(
+                "{}: the prompt {text:?} encodes to no tokens (an empty question under a template with \
+                 empty prefixes?)",
+                self.path.display()
+            );
+        }
+        Ok(ids)
+    }
+
     /// Text of `ids`, special tokens kept.
     pub fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         self.inner

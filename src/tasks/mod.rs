@@ -381,7 +381,8 @@ impl Task {
             Task::Dataset(d) => {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
                 let mut idx: Vec<usize> = (0..d.train.len()).collect();
-                let mut out = Vec::with_capacity(n);
+                // Not `n` itself: the size checks that bound it run on the prompts drawn here.
+                let mut out = Vec::with_capacity(n.min(1 << 16));
                 while out.len() < n {
                     idx.shuffle(&mut rng);
                     for &i in idx.iter().take(n - out.len()) {
@@ -398,7 +399,7 @@ impl Task {
     pub fn eval_set(&self, n: usize) -> Vec<Example> {
         match self {
             Task::Arithmetic(cfg) => {
-                let mut out = Vec::with_capacity(n);
+                let mut out = Vec::with_capacity(n.min(1 << 16));
                 let mut seen = HashSet::new();
                 let cap = n.saturating_mul(200).saturating_add(20_000);
                 for p in cfg.stream(ARITHMETIC_EVAL_SEED).take(cap) {

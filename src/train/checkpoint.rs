@@ -263,8 +263,17 @@ pub fn list(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
 pub fn list_in(root: &Path) -> Vec<(PathBuf, TrainerState)> {
     let mut all: Vec<(PathBuf, TrainerState)> = step_dirs(root)
         .into_iter()
-        .filter_map(|(_, p)| {
+        .filter_map(|(named, p)| {
             let state = crate::io::read_json::<TrainerState>(&p.join(STATE_FILE)).ok()?;
+            // A state whose step is not its folder's was edited or damaged: not a checkpoint to resume.
+            if state.step != named {
+                tracing::warn!(
+                    checkpoint = %p.display(),
+                    step = state.step,
+                    "the trainer state's step is not its folder's; the checkpoint is left out"
+                );
+                return None;
+            }
             Some((p, state))
         })
         .collect();

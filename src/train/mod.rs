@@ -172,6 +172,29 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     )
 }
 
+/// The rollout's and the evaluation's sizes against the model's positions and the machine's memory, before
+/// any prompt is drawn (with one-token prompts: a lower bound; each step checks its real prompts again): a
+/// `rollout.prompts_per_step` or `eval.problems` far too large is refused by name, not met as an
+/// allocation failure after the first evaluation.
+fn check_step_sizes(cfg: &TrainConfig, model: &crate::model::ModelConfig) -> anyhow::Result<()> {
+    let (r, e) = (&cfg.rollout, &cfg.eval);
+    crate::rollout::check_rollout_size(
+        model,
+        "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
+        r.prompts_per_step.saturating_mul(r.samples_per_prompt),
+        1,
+        r.max_new_tokens,
+    )?;
+    crate::rollout::check_rollout_size(
+        model,
+        "eval.problems / eval.k / eval.max_new_tokens",
+        e.problems.saturating_mul(e.k.max(1)),
+        1,
+        e.max_new_tokens,
+    )?;
+    Ok(())
+}
+
 /// Sets what `cfg` decides for the whole process: deterministic mode (`train.deterministic`) and the order of
 /// its low-bit products (`train.tensor_cores`, on the kernels `train.tensor_core_kernel` names, their
 /// scale groups split as `train.fragment_group_splits` says). Every command that computes from a training config calls it
@@ -337,7 +360,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         metrics::truncate_after(&metrics_path, "rl", state.step)?;
         // The evaluation after the checkpoint's step is logged before the checkpoint is written; the final
         // one of a finished run is redone.
-        let last_eval = if state.step + 1 < cfg.train.steps {
+        let last_eval = if state.step.saturating_add(1) < cfg.train.steps {
             state.step + 1
         } else {
             state.step
@@ -370,6 +393,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
+    check_step_sizes(cfg, &model.config)?;
     if cfg.train.routing_replay && model.config.moe.is_none() {
         anyhow::bail!(
             "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no routing \
@@ -394,7 +418,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         optim = checkpoint::load_optimizer(optim, p)?;
         state = saved.clone();
         state.seed = Some(cfg.seed);
-        state.next_step = saved.step + 1;
+        state.next_step = saved.step.saturating_add(1);
         tracing::info!(checkpoint = %p.display(), next_step = state.next_step, "resuming");
     }
     let start = state.next_step;
@@ -521,7 +545,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                  good weights are in {}; lower `train.lr`, set `train.grad_clip`, or check the data, then \
                  `--resume`.",
                 state.consecutive_nonfinite,
-                step + 1 - state.consecutive_nonfinite,
+                (step + 1).saturating_sub(state.consecutive_nonfinite),
                 tc.max_nonfinite_steps,
                 ckpt.display()
             );

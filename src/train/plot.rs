@@ -167,6 +167,11 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(out)
 }
 
+/// Whether a point can be drawn.
+fn finite(p: &(f64, f64)) -> bool {
+    p.0.is_finite() && p.1.is_finite()
+}
+
 /// Draws the panels two per row, 300 pixels high each, to `out` (PNG).
 fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
     {
@@ -175,7 +180,11 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
         root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
         let areas = root.split_evenly((rows, 2));
         for (area, (title, lines)) in areas.iter().zip(panels) {
-            let pts: Vec<&(f64, f64)> = lines.iter().flat_map(|(_, s)| s.iter()).collect();
+            let pts: Vec<&(f64, f64)> = lines
+                .iter()
+                .flat_map(|(_, s)| s.iter())
+                .filter(|p| finite(p))
+                .collect();
             if pts.is_empty() {
                 continue;
             }
@@ -192,6 +201,16 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
             } else {
                 (y0.abs() * 0.05).max(0.5)
             };
+            // Values that span more than an f64 (steps or rewards of +-1e308 in a damaged log) would make
+            // the axis infinite, and the chart library loop forever placing its ticks.
+            if !((x1 - x0).is_finite() && (y1 - y0 + 2.0 * pad).is_finite()) {
+                tracing::warn!(
+                    panel = *title,
+                    "its values span beyond what can be plotted ({y0:e} to {y1:e} over steps {x0:e} to \
+                     {x1:e}); the panel is left empty"
+                );
+                continue;
+            }
             let mut chart = ChartBuilder::on(area)
                 .caption(*title, ("sans-serif", 20))
                 .margin(10)
@@ -207,7 +226,10 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
             for (i, (name, s)) in lines.iter().enumerate() {
                 let color = Palette99::pick(i).to_rgba();
                 chart
-                    .draw_series(LineSeries::new(s.iter().copied(), color.stroke_width(2)))
+                    .draw_series(LineSeries::new(
+                        s.iter().copied().filter(finite),
+                        color.stroke_width(2),
+                    ))
                     .map_err(|e| anyhow::anyhow!("{e}"))?
                     .label(name.clone())
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));

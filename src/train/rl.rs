@@ -118,7 +118,7 @@ pub fn collect(
     );
     let prompts: Vec<Vec<u32>> = examples
         .iter()
-        .map(|e| tok.encode(&e.prompt))
+        .map(|e| tok.encode_prompt(&e.prompt))
         .collect::<anyhow::Result<_>>()?;
 
     // Rollout on a plain-device view of the model: it shares the packed weights of this weight version.

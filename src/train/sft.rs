@@ -23,7 +23,7 @@ pub fn encode_example(
     ex: &Example,
     eos: u32,
 ) -> anyhow::Result<(Vec<u32>, usize)> {
-    let prompt = tok.encode(&ex.prompt)?;
+    let prompt = tok.encode_prompt(&ex.prompt)?;
     let solution = ex
         .solution
         .as_deref()
@@ -221,7 +221,7 @@ pub fn run_sft_with(
                      infinite loss or gradient (`train.max_nonfinite_steps` = {max}, or every step of a \
                      shorter warm start); lower `sft.lr`, or check \
                      the data and the initial weights (`model.init_std`)",
-                    step + 1 - nonfinite
+                    (step + 1).saturating_sub(nonfinite)
                 );
             }
         } else {

@@ -290,11 +290,18 @@ impl GgufFile {
             let key = c.string("metadata key")?;
             let ty = c.u32("metadata type")?;
             let v = c.value(ty, &format!("metadata `{key}`"), 0)?;
+            if metadata.contains_key(&key) {
+                return Err(c.err(format!("metadata `{key}` is listed twice")));
+            }
             metadata.insert(key, v);
         }
         let mut raw = Vec::with_capacity(n_tensors as usize);
+        let mut names = std::collections::HashSet::new();
         for _ in 0..n_tensors {
             let name = c.string("tensor name")?;
+            if !names.insert(name.clone()) {
+                return Err(c.err(format!("tensor `{name}` is listed twice")));
+            }
             let nd = c.u32(&format!("tensor `{name}` rank"))?;
             if nd == 0 || nd > MAX_DIMS {
                 return Err(c.err(format!("tensor `{name}`: rank {nd}")));
