@@ -294,6 +294,8 @@ fn runs_lists_run_directories_with_their_status() {
         ("huge", "{\"phase\":\"rl\",\"step\":18446744073709551615}\n"),
         // A checkpoint whose trainer state names another step than its folder: not offered for resuming.
         ("edited", "{\"phase\":\"rl\",\"step\":0}\n"),
+        // A warm start stopped part-way (its checkpoint under checkpoints/sft), no RL checkpoint yet.
+        ("warm", "{\"phase\":\"sft\",\"step\":9}\n"),
         // Not UTF-8: nothing in it can be read, whatever `finished.json` says.
         ("garbled", "\u{0}"),
     ] {
@@ -307,6 +309,15 @@ fn runs_lists_run_directories_with_their_status() {
         }
         qarl::io::write_json_atomic(&dir.join("config.json"), &cfg).unwrap();
         let state_step = if name == "edited" { 7 } else { 0 };
+        if name == "warm" {
+            std::fs::remove_dir_all(dir.join("checkpoints/step_000000")).unwrap();
+            qarl::io::write_json_atomic(
+                &dir.join("checkpoints/sft/step_000009/trainer_state.json"),
+                &qarl::train::checkpoint::TrainerState::after_step(9, 1),
+            )
+            .unwrap();
+            continue;
+        }
         qarl::io::write_json_atomic(
             &dir.join("checkpoints/step_000000/trainer_state.json"),
             &qarl::train::checkpoint::TrainerState::after_step(state_step, 1),
@@ -335,6 +346,10 @@ fn runs_lists_run_directories_with_their_status() {
         "{text}"
     );
     assert!(line("huge").contains("18446744073709551615/2"), "{text}");
+    assert!(
+        line("warm").contains("resumable: the warm start from its step 10"),
+        "{text}"
+    );
     assert!(
         line("edited").contains("incomplete (no checkpoint)"),
         "{text}"

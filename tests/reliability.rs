@@ -277,6 +277,8 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
         checkpoint::latest(&cfg.run_dir).is_some(),
         "the refusal lost a checkpoint"
     );
+    let sft_rows = rows(&cfg.run_dir, &["sft"]).len();
+    assert!(sft_rows > 0);
     train::run_with(
         &cfg,
         &RunOptions {
@@ -287,6 +289,8 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     )
     .unwrap();
     assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
+    // The model is kept and used again, and with it the rows of its warm start.
+    assert_eq!(rows(&cfg.run_dir, &["sft"]).len(), sft_rows);
     let mut other = cfg.clone();
     other.run_dir = tmp.path().join("new");
     train::run(&other, true, true).unwrap();

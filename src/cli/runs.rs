@@ -90,6 +90,14 @@ pub fn inspect(dir: &Path) -> RunInfo {
         "finished".to_string()
     } else if let Some((_, st)) = &ckpt {
         format!("resumable from step {}", st.step.saturating_add(1))
+    } else if let Some((_, st)) =
+        checkpoint::list_in(&crate::train::sft::checkpoints_root(dir)).pop()
+    {
+        // A warm start stopped part-way: `qarl train --resume` continues it.
+        format!(
+            "resumable: the warm start from its step {}",
+            st.step.saturating_add(1)
+        )
     } else {
         "incomplete (no checkpoint)".to_string()
     };

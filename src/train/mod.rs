@@ -83,6 +83,14 @@ fn prepare_model_locked(
             std::fs::remove_dir_all(&sft_root)
                 .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
         }
+        // A changed `[sft]` section would otherwise seem to be taken.
+        if cfg.sft.is_some() && !quiet {
+            eprintln!(
+                "model: {} exists, so the [sft] warm start does not run (remove the folder to warm-start \
+                 again)",
+                dir.display()
+            );
+        }
         return Ok(());
     }
     model_dir::check_free(dir)?;
@@ -276,7 +284,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let resumed = if resume {
         let found = checkpoint::latest_checked(&cfg.run_dir)?;
         if found.is_none() {
-            tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no RL checkpoint yet, starting RL from step 0");
+            tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no RL checkpoint yet, so RL starts at step 0 (after the warm start, where it has one to finish)");
         }
         found
     } else {
@@ -348,10 +356,12 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         check_resumed_config(cfg)?;
     }
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
-    if resumed.is_none() && resume {
-        // `--resume` before the first checkpoint: RL starts over from step 0, but the warm start's rows stay
-        // (they used to be deleted with the file): all of them when it finished, those up to its checkpoint
-        // when it resumes (`prepare_model_locked` drops the rest).
+    let model_made = cfg.model.dir.join("config.json").is_file();
+    if resumed.is_none() && (resume || model_made) {
+        // RL starts over from step 0, but the warm start's rows stay (they used to be deleted with the
+        // file): with `--resume` before the first checkpoint, all of them when it finished, those up to its
+        // checkpoint when it resumes (`prepare_model_locked` drops the rest); with `--overwrite`, those of
+        // the model that is kept and used again.
         metrics::retain_rows(&metrics_path, |row| row["phase"].as_str() == Some("sft"))?;
     } else if resumed.is_none() && metrics_path.exists() {
         std::fs::remove_file(&metrics_path)?;

@@ -107,7 +107,7 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
                 .collect(),
         ),
         (
-            "rollout_corr/k3_kl (log10)",
+            "rollout_corr/k3_kl (log10; an exact 0 at -30)",
             vec![(
                 "k3".into(),
                 series(&rows, "rl", "rollout_corr/k3_kl")
@@ -221,6 +221,8 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
             chart
                 .configure_mesh()
                 .x_desc("step")
+                // Steps are whole numbers; the axis would print them as 10.0.
+                .x_label_formatter(&|x| format!("{x:.0}"))
                 .draw()
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             for (i, (name, s)) in lines.iter().enumerate() {

@@ -184,7 +184,9 @@ pub fn run_sft_with(
     }
     crate::rollout::check_training_size(&model.config, "sft.batch_size", cfg.batch_size, longest)?;
     let bar = progress_bar(cfg.steps as u64, "sft", quiet);
-    bar.inc(start as u64);
+    bar.set_position(start as u64);
+    // The rate and the ETA count the steps of this process only (a resumed bar jumped to millions/s).
+    bar.reset_eta();
     for step in start..cfg.steps {
         let step_seed = train.seed.wrapping_mul(7919).wrapping_add(step as u64);
         let examples = task.sample_prompts(cfg.batch_size, step_seed);
