@@ -437,7 +437,7 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     .unwrap();
     let output = tmp.path().join("mismatch.json");
     let out = qarl()
-        .args(["mismatch", "--model"])
+        .args(["mismatch", "--template", "plain", "--model"])
         .arg(&model)
         .arg("--data")
         .arg(&data)
@@ -912,6 +912,32 @@ fn outputs_are_checked_before_the_work() {
     assert!(err.contains("`--template plain` has none"), "{err}");
     let err = error_of(qarl().args(["config", "show", &folder]));
     assert!(err.contains("is a folder"), "{err}");
+}
+
+/// The chat template on a model that declares none is applied only where its tokenizer has ChatML's
+/// tokens: a character tokenizer would spell `<|im_start|>` out as text the model never saw.
+#[test]
+fn the_chat_template_needs_a_template_or_its_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    common::copy_model(&fixtures_dir().join("qwen3"), &model);
+    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    let data = fixtures_dir().join("../gsm8k_slice.jsonl");
+    for cmd in ["eval", "mismatch"] {
+        let err = error_of(
+            qarl()
+                .args([cmd, "--limit", "1", "--model"])
+                .arg(&model)
+                .arg("--data")
+                .arg(&data),
+        );
+        assert!(
+            err.contains(
+                "no chat template, and its tokenizer has no <|im_start|> or <|im_end|> token"
+            ),
+            "{cmd}: {err}"
+        );
+    }
 }
 
 /// A quantized checkpoint where the full-precision model is needed (a command that quantizes it itself,

@@ -57,6 +57,52 @@ pub struct EvalArgs {
     pub backend: BackendKind,
 }
 
+/// The prompt template `--template NAME` (with `--system`) names for the model in `dir`: `chat`, the
+/// model's ChatML template (any other template the model declares is refused), or `plain`
+/// (`Question: ...\nAnswer:`), which has no system turn.
+pub(crate) fn prompt_template(
+    dir: &std::path::Path,
+    name: &str,
+    system: Option<String>,
+) -> anyhow::Result<Template> {
+    match name {
+        "chat" => {
+            Template::chat_from_model_dir(dir)?;
+            Ok(Template::Chat { system })
+        }
+        "plain" => {
+            anyhow::ensure!(
+                system.is_none(),
+                "--system is the chat template's system turn; `--template plain` has none (drop --system)"
+            );
+            Ok(Template::default())
+        }
+        other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
+    }
+}
+
+/// The ChatML template on a model that declares no chat template of its own is a guess: taken where its
+/// tokenizer has ChatML's tokens (an instruct model whose files left the template out), refused where it
+/// has not (the markers would be spelt out as plain text the model never saw).
+pub(crate) fn check_chatml_tokens(dir: &std::path::Path, tok: &Tokenizer) -> anyhow::Result<()> {
+    use crate::tasks::template::{chat_template_of_model, IM_END, IM_START};
+    if chat_template_of_model(dir)?.is_some() {
+        return Ok(());
+    }
+    let missing: Vec<&str> = [IM_START, IM_END]
+        .into_iter()
+        .filter(|t| tok.token_to_id(t).is_none())
+        .collect();
+    anyhow::ensure!(
+        missing.is_empty(),
+        "{}: no chat template, and its tokenizer has no {} token: the chat template cannot apply \
+         (use --template plain)",
+        dir.display(),
+        missing.join(" or ")
+    );
+    Ok(())
+}
+
 /// The environment variable naming the directory that holds GSM8K's `test.jsonl` and `train.jsonl`.
 pub(crate) const GSM8K_DIR_ENV: &str = "QARL_GSM8K_DIR";
 
@@ -93,25 +139,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
-    let template = match args.template.as_str() {
-        "chat" => {
-            Template::chat_from_model_dir(&args.model)?;
-            Template::Chat {
-                system: args.system.clone(),
-            }
-        }
-        "plain" => {
-            anyhow::ensure!(
-                args.system.is_none(),
-                "--system is the chat template's system turn; `--template plain` has none (drop --system)"
-            );
-            Template::default()
-        }
-        other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
-    };
+    let template = prompt_template(&args.model, &args.template, args.system.clone())?;
     let model = super::load_model(&args.model, &device, args.quant, args.activations)?;
     let tok = Tokenizer::load_for(&args.model, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
+    if matches!(template, Template::Chat { .. }) {
+        check_chatml_tokens(&args.model, &tok)?;
+    }
     let mut stop_ids: Vec<u32> = model.config.eos_token_ids.clone();
     for s in ["<|im_end|>", "<|endoftext|>"] {
         if let Some(id) = tok.token_to_id(s) {

@@ -46,6 +46,9 @@ pub struct MismatchArgs {
     pub max_new_tokens: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`, for a base model).
+    #[arg(long, default_value = "chat")]
+    pub template: String,
     /// System turn of the chat template.
     #[arg(long)]
     pub system: Option<String>,
@@ -101,13 +104,13 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
-    Template::chat_from_model_dir(&args.model)?;
-    let template = Template::Chat {
-        system: args.system.clone(),
-    };
+    let template = super::eval::prompt_template(&args.model, &args.template, args.system.clone())?;
     let full = Decoder::load_full_precision(&args.model, &device)?;
     let tok = Tokenizer::load_for(&args.model, &full.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
+    if matches!(template, Template::Chat { .. }) {
+        super::eval::check_chatml_tokens(&args.model, &tok)?;
+    }
     let prompts: Vec<Vec<u32>> = records
         .iter()
         .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)))
