@@ -512,7 +512,9 @@ mod tests {
         let load = |p: &Path| Evaluation::load(&p.display().to_string(), None).unwrap();
         let (a, b) = ([load(&run)], [load(&e1), load(&e2)]);
         // B per problem: [0, .5, 0, 0]; A - B = [1, .5, 0, 1], mean 0.625, sample variance
-        // (0.140625 + 0.015625 + 0.390625 + 0.140625) / 3 = 0.229167, SE sqrt(0.229167 / 4) = 0.239.
+        // (0.140625 + 0.015625 + 0.390625 + 0.140625) / 3 = 0.229167, SE sqrt(0.229167 / 4) = 0.239. One
+        // seed against two: the paired t-test, t = 0.625 / 0.239 on 3 degrees of freedom, p = 0.0796
+        // (scipy's ttest_1samp).
         let text = compare(("run", &a), ("evals", &b), false).unwrap();
         assert!(
             text.contains("run (1 seed, int4-g32): per seed 0.750"),
@@ -525,7 +527,7 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("run − evals: +0.625 ± 0.239 (3 vs 0 problems; p 2.5e-1)"),
+            text.contains("run − evals: +0.625 ± 0.239 (3 vs 0 problems; t-test p 8.0e-2)"),
             "{text}"
         );
         assert!(

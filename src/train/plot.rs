@@ -89,7 +89,7 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .collect();
-    let panels: Vec<Panel> = vec![
+    let mut panels: Vec<Panel> = vec![
         (
             "reward (mean)",
             vec![("rl".into(), series(&rows, "rl", "critic/rewards/mean"))],
@@ -162,6 +162,14 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
             vec![("step s".into(), series(&rows, "rl", "perf/step_s"))],
         ),
     ];
+    // The warm start's loss, where the run made its model (its steps count SFT steps, not RL steps).
+    let sft_loss = series(&rows, "sft", "sft/loss");
+    if !sft_loss.is_empty() {
+        panels.push((
+            "sft/loss (warm start; SFT steps)",
+            vec![("loss".into(), sft_loss)],
+        ));
+    }
     let out = run_dir.join("plots.png");
     draw_panels(&out, &panels)?;
     Ok(out)
