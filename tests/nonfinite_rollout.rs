@@ -210,6 +210,8 @@ fn nan_logits_fail_eval_and_mismatch() {
             "model",
             "--data",
             "problems.jsonl",
+            "--template",
+            "plain",
             "--max-new-tokens",
             "4",
             "--schemes",

@@ -109,6 +109,8 @@ fn eval_mismatch_and_train_budgets_are_checked_against_the_model() {
         model,
         "--data",
         data,
+        "--template",
+        "plain",
         "--samples",
         "100000000",
         "--max-new-tokens",
