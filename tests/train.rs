@@ -63,6 +63,11 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
             "train.lr=1e400",
             "`1e400` is out of the range of a TOML number",
         ),
+        (
+            "seed=99999999999999999999",
+            "out of the range of a TOML number",
+        ),
+        ("rollout.top_p=.5", "`.5` is not a number as TOML writes it"),
         ("train..lr=1", "dotted path"),
         ("rollout.precision=int3", "int3"),
         ("seed.x=1", "not a table"),
@@ -117,6 +122,31 @@ fn step_sizes_are_checked_before_any_prompt_is_drawn() {
             "{set}: {err}"
         );
     }
+}
+
+/// A data-set task prompting with the chat template on a model whose files declare none is taken only
+/// where the tokenizer has ChatML's tokens: the character tokenizer would spell the markers out.
+#[test]
+fn training_with_the_chat_template_needs_its_tokens() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toml = tmp.path().join("tiny.toml");
+    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let data = fixtures_dir().join("../gsm8k_slice.jsonl");
+    let task = format!(
+        "task={{kind=\"gsm8k\", path=\"{}\", eval_fraction=0.3, template={{kind=\"chat\"}}}}",
+        data.display()
+    );
+    let err = common::error_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+            .args(["train", "--quiet", "--config"])
+            .arg(&toml)
+            .args(["--set", &task]),
+    );
+    assert!(
+        err.contains("no chat template, and the tokenizer")
+            && err.contains("has no <|im_start|> or <|im_end|> token"),
+        "{err}"
+    );
 }
 
 /// The warm start's checks before any work: a `model.dir` that holds something else than a model, an

@@ -90,8 +90,12 @@ pub(super) fn parse_switch_list(
         anyhow::bail!("{flag} is empty: give {choices}");
     }
     super::refuse_repeats(flag, &parsed, |&on| {
-        let same = |s: &&String| parse(s).is_ok_and(|p| p == on);
-        values.iter().find(same).cloned().unwrap_or_default()
+        let spellings: Vec<&str> = values
+            .iter()
+            .filter(|s| parse(s).is_ok_and(|p| p == on))
+            .map(String::as_str)
+            .collect();
+        spellings.join(", ")
     })?;
     Ok(parsed)
 }

@@ -81,28 +81,6 @@ pub(crate) fn prompt_template(
     }
 }
 
-/// The ChatML template on a model that declares no chat template of its own is a guess: taken where its
-/// tokenizer has ChatML's tokens (an instruct model whose files left the template out), refused where it
-/// has not (the markers would be spelt out as plain text the model never saw).
-pub(crate) fn check_chatml_tokens(dir: &std::path::Path, tok: &Tokenizer) -> anyhow::Result<()> {
-    use crate::tasks::template::{chat_template_of_model, IM_END, IM_START};
-    if chat_template_of_model(dir)?.is_some() {
-        return Ok(());
-    }
-    let missing: Vec<&str> = [IM_START, IM_END]
-        .into_iter()
-        .filter(|t| tok.token_to_id(t).is_none())
-        .collect();
-    anyhow::ensure!(
-        missing.is_empty(),
-        "{}: no chat template, and its tokenizer has no {} token: the chat template cannot apply \
-         (use --template plain)",
-        dir.display(),
-        missing.join(" or ")
-    );
-    Ok(())
-}
-
 /// The environment variable naming the directory that holds GSM8K's `test.jsonl` and `train.jsonl`.
 pub(crate) const GSM8K_DIR_ENV: &str = "QARL_GSM8K_DIR";
 
@@ -144,7 +122,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::load_for(&args.model, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     if matches!(template, Template::Chat { .. }) {
-        check_chatml_tokens(&args.model, &tok)?;
+        tok.check_chatml(&args.model)?;
     }
     let mut stop_ids: Vec<u32> = model.config.eos_token_ids.clone();
     for s in ["<|im_end|>", "<|endoftext|>"] {

@@ -109,7 +109,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::load_for(&args.model, &full.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     if matches!(template, Template::Chat { .. }) {
-        super::eval::check_chatml_tokens(&args.model, &tok)?;
+        tok.check_chatml(&args.model)?;
     }
     let prompts: Vec<Vec<u32>> = records
         .iter()

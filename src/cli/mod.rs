@@ -94,7 +94,10 @@ pub(crate) fn refuse_repeats<T: PartialEq>(
 ) -> anyhow::Result<()> {
     for (i, item) in items.iter().enumerate() {
         if items[..i].contains(item) {
-            anyhow::bail!("{flag} names {} twice", name(item));
+            anyhow::bail!(
+                "{flag} names the same value twice ({}): it would be measured twice",
+                name(item)
+            );
         }
     }
     Ok(())

@@ -77,9 +77,8 @@ impl Tokenizer {
             Some((token, id)) => Err(LoadError::Tokenizer {
                 path: tok.path,
                 msg: format!(
-                    "token {token:?} has id {id}, but the model's `vocab_size` ({}) is {}: the \
-                     tokenizer does not belong to this model's embedding",
-                    dir.as_ref().join("config.json").display(),
+                    "token {token:?} has id {id}, but the model's `vocab_size` is {}: the tokenizer does \
+                     not belong to this model's embedding",
                     config.vocab_size
                 ),
             }),
@@ -118,6 +117,30 @@ impl Tokenizer {
             );
         }
         Ok(ids)
+    }
+
+    /// Whether this tokenizer can take the ChatML template where `declared_in` (a model directory)
+    /// declares no chat template of its own: then the template is a guess, taken where the tokenizer has
+    /// ChatML's tokens (an instruct model whose files left the template out) and refused where it has not
+    /// (the markers would be spelt out as plain text the model never saw).
+    pub fn check_chatml(&self, declared_in: &Path) -> anyhow::Result<()> {
+        use crate::tasks::template::{chat_template_of_model, IM_END, IM_START};
+        if chat_template_of_model(declared_in)?.is_some() {
+            return Ok(());
+        }
+        let missing: Vec<&str> = [IM_START, IM_END]
+            .into_iter()
+            .filter(|t| self.token_to_id(t).is_none())
+            .collect();
+        anyhow::ensure!(
+            missing.is_empty(),
+            "{}: no chat template, and the tokenizer {} has no {} token: the chat template cannot apply \
+             (use the plain template)",
+            declared_in.display(),
+            self.path.display(),
+            missing.join(" or ")
+        );
+        Ok(())
     }
 
     /// Text of `ids`, special tokens kept.

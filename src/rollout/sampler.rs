@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RolloutError {
     #[error(
-        "temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:e} (below it the logits \
-         divided by it overflow), got {0:e}"
+        "temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:e} (vLLM's threshold for \
+         greedy decoding; near 0 the logits divided by it overflow), got {0:e}"
     )]
     Temperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]

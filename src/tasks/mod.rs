@@ -104,6 +104,17 @@ impl Default for TaskConfig {
 }
 
 impl TaskConfig {
+    /// The chat template of a data-set task that prompts with one (`None`: arithmetic, or plain).
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        match self {
+            TaskConfig::Gsm8k(d) | TaskConfig::Math(d) => match &d.template {
+                TemplateConfig::Chat(chat) => Some(chat),
+                TemplateConfig::Plain(_) => None,
+            },
+            TaskConfig::Arithmetic(_) => None,
+        }
+    }
+
     /// Resolves relative dataset and model paths against `base` (e.g. the directory of the config file).
     pub fn with_base_dir(mut self, base: &Path) -> Self {
         let fix = |p: &mut PathBuf| {

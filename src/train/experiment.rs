@@ -152,14 +152,21 @@ pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
         Ok(mut t) => t.remove("v"),
         Err(_) => None,
     };
-    match value {
-        Some(v) => Ok((key.to_string(), v)),
-        // A number TOML cannot hold (`1e400`, an integer past i64) would otherwise become a string, and
-        // the error would say "invalid type: string".
-        None if raw.parse::<f64>().is_ok() => {
+    // A number TOML does not read (`1e400`, an integer past i64, `.5`, `007`) would otherwise become a
+    // string, and the error would say "invalid type: string". Words (`NaN`, `int4-g32`) stay strings.
+    let digits = raw.trim_start_matches(['+', '-']);
+    let numeric = digits.starts_with(|c: char| c.is_ascii_digit() || c == '.');
+    match (value, raw.parse::<f64>()) {
+        (Some(v), _) => Ok((key.to_string(), v)),
+        (None, Ok(x))
+            if numeric && (x.is_infinite() || digits.bytes().all(|b| b.is_ascii_digit())) =>
+        {
             bail!("--set `{text}`: `{raw}` is out of the range of a TOML number")
         }
-        None => Ok((key.to_string(), toml::Value::String(raw.to_string()))),
+        (None, Ok(_)) if numeric => {
+            bail!("--set `{text}`: `{raw}` is not a number as TOML writes it (e.g. 0.5, 5.0, 7)")
+        }
+        (None, _) => Ok((key.to_string(), toml::Value::String(raw.to_string()))),
     }
 }
 

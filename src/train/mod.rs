@@ -116,6 +116,9 @@ fn prepare_model_locked(
         let model = Decoder::load_full_precision(&weights_dir, device)?;
         let tok = Tokenizer::load_for(&staging, &model.config)?
             .context("the staged model has no tokenizer")?;
+        if let Some(chat) = cfg.task.chat_template() {
+            tok.check_chatml(chat.model_dir.as_deref().unwrap_or(&staging))?;
+        }
         let eos = eos_id(&tok, &model)?;
         let json: serde_json::Value = crate::io::read_json(&weights_dir.join("config.json"))?;
         let ck = sft::SftCheckpoints {
@@ -180,11 +183,15 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     )
 }
 
-/// The rollout's and the evaluation's sizes against the model's positions and the machine's memory, before
-/// any prompt is drawn (with one-token prompts: a lower bound; each step checks its real prompts again): a
-/// `rollout.prompts_per_step` or `eval.problems` far too large is refused by name, not met as an
-/// allocation failure after the first evaluation.
-fn check_step_sizes(cfg: &TrainConfig, model: &crate::model::ModelConfig) -> anyhow::Result<()> {
+/// The rollout's (and with `evaluation`, the evaluation's) sizes against the model's positions and the
+/// machine's memory, before any prompt is drawn (with one-token prompts: a lower bound; each step checks
+/// its real prompts again): a `rollout.prompts_per_step` or `eval.problems` far too large is refused by
+/// name, not met as an allocation failure after the first evaluation.
+fn check_step_sizes(
+    cfg: &TrainConfig,
+    model: &crate::model::ModelConfig,
+    evaluation: bool,
+) -> anyhow::Result<()> {
     let (r, e) = (&cfg.rollout, &cfg.eval);
     crate::rollout::check_rollout_size(
         model,
@@ -193,6 +200,9 @@ fn check_step_sizes(cfg: &TrainConfig, model: &crate::model::ModelConfig) -> any
         1,
         r.max_new_tokens,
     )?;
+    if !evaluation {
+        return Ok(());
+    }
     crate::rollout::check_rollout_size(
         model,
         "eval.problems / eval.k / eval.max_new_tokens",
@@ -250,8 +260,14 @@ fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
     if !path.is_file() {
         return Ok(());
     }
+    // With the implicit defaults written out on both sides: a config saved from `qarl config show` (every
+    // default written) continues a run made from the file it came from.
     let old: serde_json::Value = crate::io::read_json(&path)?;
-    let new = serde_json::to_value(cfg)?;
+    let old = match serde_json::from_value::<TrainConfig>(old.clone()) {
+        Ok(c) => serde_json::to_value(c.with_defaults())?,
+        Err(_) => old,
+    };
+    let new = serde_json::to_value(cfg.with_defaults())?;
     let changed: Vec<&str> = RUN_IDENTITY
         .into_iter()
         .filter(|k| old.pointer(k) != new.pointer(k))
@@ -280,6 +296,19 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
     // The task's data too: a data set that cannot be read must not cost the run directory its files.
     let task = Task::from_config(&cfg.task)?;
+    // And the step's sizes, against the config of the model the run starts from (the one there, or the
+    // one it will be made from; a missing one is `prepare_model`'s to report).
+    let model_config = [
+        Some(&cfg.model.dir),
+        cfg.model.init_config.as_ref(),
+        cfg.model.base.as_ref(),
+    ]
+    .into_iter()
+    .flatten()
+    .find_map(|p| crate::model::ModelConfig::from_file(p).ok());
+    if let Some(model_config) = &model_config {
+        check_step_sizes(cfg, model_config, true)?;
+    }
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = if resume {
         let found = checkpoint::latest_checked(&cfg.run_dir)?;
@@ -403,7 +432,9 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
-    check_step_sizes(cfg, &model.config)?;
+    if let Some(chat) = cfg.task.chat_template() {
+        tok.check_chatml(chat.model_dir.as_deref().unwrap_or(&cfg.model.dir))?;
+    }
     if cfg.train.routing_replay && model.config.moe.is_none() {
         anyhow::bail!(
             "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no routing \

@@ -11,12 +11,22 @@ use anyhow::Context;
 /// any work: the finished model is moved into its place at the end, which would then fail, or take what
 /// is there for a model.
 pub(super) fn check_free(dir: &Path) -> anyhow::Result<()> {
-    let what = match std::fs::read_dir(dir).map(|mut entries| entries.next().is_none()) {
+    let what = match std::fs::symlink_metadata(dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Ok(true) => return Ok(()),
-        Ok(false) => "a folder without a config.json",
-        Err(_) if dir.exists() => "not a folder",
-        Err(e) => return Err(e).with_context(|| format!("{}: cannot read", dir.display())),
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot examine", dir.display())),
+        // The finished model is renamed onto `model.dir`, which cannot replace a link.
+        Ok(m) if m.file_type().is_symlink() => {
+            "a link (give the folder it points to, or a path that does not exist yet)"
+        }
+        Ok(m) if !m.is_dir() => "not a folder",
+        Ok(_) => {
+            let mut entries =
+                std::fs::read_dir(dir).map_err(crate::io::failed(dir, "cannot read"))?;
+            if entries.next().is_none() {
+                return Ok(());
+            }
+            "a folder without a config.json"
+        }
     };
     anyhow::bail!(
         "`model.dir` {}: {what}; it must be a model directory, or not exist yet (to be created there)",
@@ -69,12 +79,13 @@ pub(super) fn check_fits_char_tokenizer(init: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Moves the finished staging folder onto `dir` (absent or empty, [`check_free`]), without its mark.
+/// Moves the finished staging folder onto `dir` (absent or empty, [`check_free`]), then drops its mark: a
+/// rename that fails leaves the staging folder marked as qarl's, for the next attempt to remove.
 pub(super) fn move_into_place(staging: &Path, dir: &Path) -> anyhow::Result<()> {
-    let mark = staging.join(STAGING_MARK);
-    std::fs::remove_file(&mark).with_context(|| format!("{}: cannot remove", mark.display()))?;
     std::fs::rename(staging, dir)
-        .with_context(|| format!("{}: cannot move the model into place", dir.display()))
+        .with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
+    let mark = dir.join(STAGING_MARK);
+    std::fs::remove_file(&mark).with_context(|| format!("{}: cannot remove", mark.display()))
 }
 
 /// Copies the files of the pretrained `base` that are not its weights (tokenizer, chat template, generation

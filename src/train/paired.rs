@@ -199,7 +199,8 @@ impl ArmComparison {
         };
         let p_value = match test {
             PairedTest::Sign => mcnemar_exact(a_better, b_better),
-            PairedTest::PairedT => paired_t_p(mean_d, diff_se, d.len()),
+            PairedTest::PairedT => paired_t_p(mean_d, diff_se, d.len())
+                .unwrap_or_else(|| mcnemar_exact(a_better, b_better)),
         };
         Some(Self {
             problems: d.len(),
@@ -280,25 +281,21 @@ pub enum PairedTest {
     /// fewer seeds has the noisier per-problem mean, which wins the signs on easy problems and loses them on
     /// hard ones even between equally good arms (simulated at 193 problems, 1 seed against 3 with per-problem
     /// success rates from Beta(3, 1): the sign test rejected at the 5% level 42% of the time, a test on the
-    /// mean difference 4-6%).
+    /// mean difference 4-6%). Where the differences have no spread (all equal), the sign test stands in.
     PairedT,
 }
 
-/// Two-sided p-value of a paired t-test: `mean` of `n` differences with standard error `se`. 1 where it
-/// cannot tell (fewer than 2 differences, or all equal to 0); 0 where every difference is the same
-/// non-zero value.
-fn paired_t_p(mean: f64, se: f64, n: usize) -> f64 {
+/// Two-sided p-value of a paired t-test: `mean` of `n` differences with standard error `se`; `None` where
+/// the test has nothing to go on (fewer than 2 differences, or all of them equal: no spread), for the
+/// caller to fall back to the sign test (which gives 1 when they are all 0, and 2^(1-n) when all favour
+/// one arm, where t would claim p = 0).
+fn paired_t_p(mean: f64, se: f64, n: usize) -> Option<f64> {
     use statrs::distribution::{ContinuousCDF, StudentsT};
-    if n < 2 || mean == 0.0 {
-        return 1.0;
+    if n < 2 || se == 0.0 {
+        return None;
     }
-    if se == 0.0 {
-        return 0.0;
-    }
-    match StudentsT::new(0.0, 1.0, (n - 1) as f64) {
-        Ok(t) => (2.0 * t.sf((mean / se).abs())).min(1.0),
-        Err(_) => 1.0,
-    }
+    let t = StudentsT::new(0.0, 1.0, (n - 1) as f64).ok()?;
+    Some((2.0 * t.sf((mean / se).abs())).min(1.0))
 }
 
 /// `x` to 3 decimals with its sign, a value that rounds to zero as `+0.000` (a difference of two equal
@@ -395,9 +392,14 @@ mod tests {
         assert_eq!(signed3(-5.6e-17), "+0.000");
         assert_eq!(signed3(-4e-4), "+0.000");
         assert_eq!(signed3(-6e-4), "-0.001");
-        assert_eq!(paired_t_p(0.0, 0.0, 5), 1.0);
-        assert_eq!(paired_t_p(0.5, 0.0, 5), 0.0);
-        assert_eq!(paired_t_p(0.5, 0.1, 1), 1.0);
+        assert_eq!(paired_t_p(0.0, 0.0, 5), None);
+        assert_eq!(paired_t_p(0.5, 0.0, 5), None);
+        assert_eq!(paired_t_p(0.5, 0.1, 1), None);
+        // Every problem won by A in every seed: no spread, so the sign test's 2 / 2^3, not t's p = 0.
+        let all = outcomes(&[&[1, 1, 1]]);
+        let none = outcomes(&[&[0, 0, 0], &[0, 0, 0]]);
+        let c = ArmComparison::new(&all, &none).unwrap();
+        assert_eq!(c.p_value, 0.25);
     }
 
     /// Under the null (both arms' models share each problem's success rate), 1 seed against 3: the

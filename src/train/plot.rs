@@ -229,8 +229,15 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
             chart
                 .configure_mesh()
                 .x_desc("step")
-                // Steps are whole numbers; the axis would print them as 10.0.
-                .x_label_formatter(&|x| format!("{x:.0}"))
+                // Steps are whole numbers, which the axis would print as 10.0 (over a few steps its
+                // ticks fall between them, and keep their decimals).
+                .x_label_formatter(&|x| {
+                    if x1 - x0 >= 10.0 {
+                        format!("{x:.0}")
+                    } else {
+                        format!("{x}")
+                    }
+                })
                 .draw()
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             for (i, (name, s)) in lines.iter().enumerate() {
