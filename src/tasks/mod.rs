@@ -405,6 +405,15 @@ impl Task {
         }
     }
 
+    /// How many examples [`Self::eval_set`]`(n)` holds at most: `n`, or fewer where a data set holds out
+    /// fewer (found without building them, for the size checks before a run).
+    pub fn eval_size_at_most(&self, n: usize) -> usize {
+        match self {
+            Task::Arithmetic(_) => n,
+            Task::Dataset(d) => n.min(d.eval.len()),
+        }
+    }
+
     /// The first `n` held-out examples (deduplicated; fewer when the held-out set is smaller). The same for
     /// every call.
     pub fn eval_set(&self, n: usize) -> Vec<Example> {

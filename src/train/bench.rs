@@ -78,7 +78,7 @@ pub fn bench_steps(
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
-    super::check_step_sizes(cfg, &model.config, false)?;
+    super::check_step_sizes(cfg, &model.config, None)?;
     let task = Task::from_config(&cfg.task)?;
     let mut optim = optimizer(&cfg.train);
     model.set_precision(cfg.rollout.precision)?;

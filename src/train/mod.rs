@@ -183,14 +183,15 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     )
 }
 
-/// The rollout's (and with `evaluation`, the evaluation's) sizes against the model's positions and the
-/// machine's memory, before any prompt is drawn (with one-token prompts: a lower bound; each step checks
-/// its real prompts again): a `rollout.prompts_per_step` or `eval.problems` far too large is refused by
-/// name, not met as an allocation failure after the first evaluation.
+/// The rollout's sizes (and, given the task, its evaluation's: `eval.problems`, or the fewer problems a
+/// data set holds out) against the model's positions and the machine's memory, before any prompt is drawn
+/// (with one-token prompts: a lower bound; each step checks its real prompts again): a
+/// `rollout.prompts_per_step` or `eval.problems` far too large is refused by name, not met as an
+/// allocation failure after the first evaluation.
 fn check_step_sizes(
     cfg: &TrainConfig,
     model: &crate::model::ModelConfig,
-    evaluation: bool,
+    evaluation: Option<&Task>,
 ) -> anyhow::Result<()> {
     let (r, e) = (&cfg.rollout, &cfg.eval);
     crate::rollout::check_rollout_size(
@@ -200,13 +201,14 @@ fn check_step_sizes(
         1,
         r.max_new_tokens,
     )?;
-    if !evaluation {
+    let Some(task) = evaluation else {
         return Ok(());
-    }
+    };
     crate::rollout::check_rollout_size(
         model,
         "eval.problems / eval.k / eval.max_new_tokens",
-        e.problems.saturating_mul(e.k.max(1)),
+        task.eval_size_at_most(e.problems)
+            .saturating_mul(e.k.max(1)),
         1,
         e.max_new_tokens,
     )?;
@@ -307,7 +309,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     .flatten()
     .find_map(|p| crate::model::ModelConfig::from_file(p).ok());
     if let Some(model_config) = &model_config {
-        check_step_sizes(cfg, model_config, true)?;
+        check_step_sizes(cfg, model_config, Some(&task))?;
     }
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = if resume {
