@@ -323,6 +323,11 @@ fn tensor_cores_are_refused_where_the_tiles_cannot_run() {
 fn default_config_parses_and_bad_configs_are_named() {
     let cfg = train::load_config(None, &[]).unwrap();
     assert_eq!(cfg.rollout.precision.to_string(), "int4-g32");
+    // `qarl train` writes the embedded model file there where it is absent: the two must agree.
+    assert_eq!(
+        cfg.model.init_config.as_deref(),
+        Some(Path::new(train::config::DEFAULT_MODEL_CONFIG_PATH))
+    );
     let good =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/default.toml"))
             .unwrap();

@@ -50,13 +50,9 @@ fn load(
 ) -> anyhow::Result<TrainConfig> {
     let cfg = train::load_config_on(path, overrides, backend)?;
     // Only the default's own path: another (`--set model.init_config=...`, a typo) is the user's to give.
-    let default = train::load_config_on(None, &[], None)?.model.init_config;
-    if path.is_none() && cfg.model.init_config == default {
-        if let Some(init) = &cfg.model.init_config {
-            if !init.is_file() {
-                crate::io::write_atomic(init, config::DEFAULT_MODEL_CONFIG.as_bytes())?;
-            }
-        }
+    let default = std::path::Path::new(config::DEFAULT_MODEL_CONFIG_PATH);
+    if path.is_none() && cfg.model.init_config.as_deref() == Some(default) && !default.is_file() {
+        crate::io::write_atomic(default, config::DEFAULT_MODEL_CONFIG.as_bytes())?;
     }
     Ok(cfg)
 }

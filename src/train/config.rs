@@ -298,6 +298,8 @@ fn default_keep_checkpoints() -> usize {
 pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");
 /// The model it starts from.
 pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/models/qwen3-moe-arith.json");
+/// Where the default config names that model file (its `model.init_config`).
+pub const DEFAULT_MODEL_CONFIG_PATH: &str = "configs/models/qwen3-moe-arith.json";
 
 impl TrainConfig {
     /// The same config with the defaults that its loss and advantage tables leave implicit written out

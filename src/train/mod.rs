@@ -183,6 +183,13 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
     )
 }
 
+/// Whether `consecutive` skipped (non-finite) steps in a row stop a loop of `steps` steps under
+/// `train.max_nonfinite_steps = max` (0: never): at `max` of them, or, for a loop no longer than that,
+/// when every step was skipped (it learned nothing). The RL loop and the warm start share the rule.
+pub(crate) fn nonfinite_limit_reached(consecutive: usize, max: usize, steps: usize) -> bool {
+    max > 0 && consecutive >= max.min(steps)
+}
+
 /// The rollout's sizes (and, given the task, its evaluation's: `eval.problems`, or the fewer problems a
 /// data set holds out) against the model's positions and the machine's memory, before any prompt is drawn
 /// (with one-token prompts: a lower bound; each step checks its real prompts again): a
@@ -576,9 +583,11 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 .unwrap_or(f64::NAN),
         ));
         bar.inc(1);
-        // A run no longer than the limit stops when every step was skipped: it learned nothing.
-        let limit = tc.max_nonfinite_steps.min(tc.steps);
-        if tc.max_nonfinite_steps > 0 && state.consecutive_nonfinite >= limit {
+        if nonfinite_limit_reached(
+            state.consecutive_nonfinite,
+            tc.max_nonfinite_steps,
+            tc.steps,
+        ) {
             bar.abandon();
             let ckpt = save(&model, &optim, &state)?;
             anyhow::bail!(
