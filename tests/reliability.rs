@@ -291,6 +291,25 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
     // The model is kept and used again, and with it the rows of its warm start.
     assert_eq!(rows(&cfg.run_dir, &["sft"]).len(), sft_rows);
+    // Another model (a copy made elsewhere) under the same run directory: the rows of the first model's
+    // warm start are not this run's.
+    let mut moved = cfg.clone();
+    moved.model.dir = tmp.path().join("copied-model");
+    std::fs::create_dir_all(&moved.model.dir).unwrap();
+    for entry in std::fs::read_dir(&cfg.model.dir).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), moved.model.dir.join(entry.file_name())).unwrap();
+        }
+    }
+    let overwrite = RunOptions {
+        quiet: true,
+        overwrite: true,
+        ..RunOptions::default()
+    };
+    train::run_with(&moved, &overwrite).unwrap();
+    assert_eq!(rows(&moved.run_dir, &["rl"]).len(), 1);
+    assert_eq!(rows(&moved.run_dir, &["sft"]).len(), 0);
     let mut other = cfg.clone();
     other.run_dir = tmp.path().join("new");
     train::run(&other, true, true).unwrap();

@@ -296,6 +296,19 @@ fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether the run directory's earlier config (if any) named `cfg`'s `model.dir`: only then are the
+/// warm start's rows in its metrics those of the model this run uses. A missing or unreadable earlier
+/// config says nothing of them, so they go.
+fn same_model_dir_as_before(cfg: &TrainConfig) -> bool {
+    let path = cfg.run_dir.join("config.json");
+    let Ok(old) = crate::io::read_json::<serde_json::Value>(&path) else {
+        return false;
+    };
+    let new = serde_json::to_value(cfg).ok();
+    let dir = |v: &serde_json::Value| v.pointer("/model/dir").cloned();
+    old.pointer("/model/dir").is_some() && dir(&old) == new.as_ref().and_then(dir)
+}
+
 /// Runs the RL loop of `cfg` with `opts`.
 pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
     let (resume, quiet) = (opts.resume, opts.quiet);
@@ -393,13 +406,14 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
         check_resumed_config(cfg)?;
     }
-    crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     let model_made = cfg.model.dir.join("config.json").is_file();
-    if resumed.is_none() && (resume || model_made) {
+    let keeps_sft_rows = resume || (model_made && same_model_dir_as_before(cfg));
+    crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
+    if resumed.is_none() && keeps_sft_rows {
         // RL starts over from step 0, but the warm start's rows stay (they used to be deleted with the
         // file): with `--resume` before the first checkpoint, all of them when it finished, those up to its
         // checkpoint when it resumes (`prepare_model_locked` drops the rest); with `--overwrite`, those of
-        // the model that is kept and used again.
+        // the model that is kept and used again (the earlier run named the same `model.dir`).
         metrics::retain_rows(&metrics_path, |row| row["phase"].as_str() == Some("sft"))?;
     } else if resumed.is_none() && metrics_path.exists() {
         std::fs::remove_file(&metrics_path)?;
