@@ -7,7 +7,9 @@ use std::io::{IsTerminal, Write};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
+use indicatif::{
+    HumanDuration, ProgressBar, ProgressDrawTarget, ProgressState, ProgressStyle, TermLike,
+};
 
 /// The shortest time between two plain progress lines (a step that takes longer gets one line each).
 pub const PLAIN_INTERVAL: Duration = Duration::from_secs(5);
@@ -21,7 +23,8 @@ pub fn progress_bar(len: u64, phase: &str, quiet: bool) -> ProgressBar {
         let style = ProgressStyle::with_template(&format!(
             "{phase} {{pos}}/{{len}} ({{percent}}%) {{per_sec}} elapsed {{elapsed}} eta {{eta}} {{msg}}"
         ))
-        .unwrap_or_else(|_| ProgressStyle::default_bar());
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .with_key("eta", eta_once_measured);
         bar.set_style(style);
         return bar;
     }
@@ -30,9 +33,21 @@ pub fn progress_bar(len: u64, phase: &str, quiet: bool) -> ProgressBar {
         "{phase:>5} [{{bar:30}}] {{pos}}/{{len}} {{per_sec}} eta {{eta}} {{msg}}"
     ))
     .unwrap_or_else(|_| ProgressStyle::default_bar())
-    .progress_chars("=> ");
+    .progress_chars("=> ")
+    .with_key("eta", eta_once_measured);
     bar.set_style(style);
     bar
+}
+
+/// The time left, `?` until the first item is done: before then indicatif has no rate and would print
+/// `0s`, which reads as "almost finished" at the start of an hour-long run.
+fn eta_once_measured(state: &ProgressState, w: &mut dyn std::fmt::Write) {
+    let known = state.pos() > 0 || state.len().is_some_and(|len| len == 0);
+    let _ = if known {
+        write!(w, "{:#}", HumanDuration(state.eta()))
+    } else {
+        w.write_str("?")
+    };
 }
 
 /// A spinner with elapsed time for work of unknown length (evaluation); hidden with `--quiet`. Off a
@@ -220,6 +235,36 @@ mod tests {
         let mut dedup = lines.clone();
         dedup.dedup();
         assert_eq!(lines, dedup, "repeated lines");
+    }
+
+    /// Before the first item the time left is unknown (`?`, not indicatif's `0s`); after it, a duration.
+    #[test]
+    fn eta_is_unknown_until_the_first_item_is_done() {
+        let out = Shared::default();
+        let target = ProgressDrawTarget::term_like_with_hz(
+            Box::new(PlainLines::new(out.clone(), Duration::ZERO)),
+            20,
+        );
+        let bar = ProgressBar::with_draw_target(Some(2), target);
+        bar.set_style(
+            ProgressStyle::with_template("rl {pos}/{len} eta {eta}")
+                .unwrap()
+                .with_key("eta", eta_once_measured),
+        );
+        bar.tick();
+        std::thread::sleep(Duration::from_millis(60));
+        bar.inc(1);
+        bar.finish();
+        drop(bar);
+        let t = text(&out);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.first(), Some(&"rl 0/2 eta ?"), "{t}");
+        let after = lines.iter().find(|l| l.starts_with("rl 1/2")).expect(&t);
+        let eta = after.trim_start_matches("rl 1/2 eta ");
+        assert!(
+            eta.ends_with('s') && eta.chars().next().is_some_and(|c| c.is_ascii_digit()),
+            "{t}"
+        );
     }
 
     /// Fast steps are throttled to one line per interval, and the final state is always written.
