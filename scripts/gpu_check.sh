@@ -155,7 +155,8 @@ for rt in ${QARL_GPU_CHECK_RUNTIMES:-cuda wgpu}; do
   # also bitwise against the same tokens one at a time, and timed against burn's bf16 matmul on the same
   # FLOPs (moe/mma-frag, -frag-c2: the same order on the fragment tiles, and their other layouts
   # -frag-pairs, -frag-ldm, -frag-m2, -frag-m2x64, -frag-m4, -frag-m4-db, -frag-m4-ldm, each with the
-  # count of values that differ from moe/mma's); at 1-64 tokens moe/decode-fused, moe/decode-split and
+  # count of values that differ from moe/mma's); at 1-64 tokens moe/decode-fused, moe/decode-split,
+  # -split-p4, -split-r and -split-p4-r (a tile's weights held in registers) and
   # moe/decode-graph (the split launches recorded once as a CUDA graph and replayed), and in the tensor-core
   # order moe/decode-mma, -mma-frag(-graph) and -mma-frag-s4(-graph) (the scale groups split among sets
   # of planes) are the decode target (% of copy, from ids on the device as a rollout routes them).

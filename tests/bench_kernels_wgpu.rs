@@ -79,6 +79,9 @@ fn bench_kernels_checks_and_writes_its_table_on_wgpu() {
     for want in [
         "linear/grouped-frag",
         "moe/decode-split",
+        // The tile's words held in registers (checked against moe/tiled, at 17 tokens across passes).
+        "moe/decode-split-r",
+        "moe/decode-split-p4-r",
         "moe/grouped-frag-m4-ldm",
         // The routing on the device, both launches (each checked against the host's table).
         "moe/route",

@@ -138,6 +138,9 @@ pub struct Kernels {
     /// Assignments the grouped GEMV takes at once; `None`: by [`Self::gemv_assignments_per_pass`]'s rule
     /// ([`Self::with_gemv_assignments_per_pass`]).
     gemv_per_pass: Option<usize>,
+    /// Whether the grouped GEMV holds a tile's weights in registers across its passes; `None`: by
+    /// [`Self::holds_gemv_words`]'s rule ([`Self::with_resident_gemv_words`]).
+    gemv_resident: Option<bool>,
     /// Whether routing on the device runs in three launches over blocks of ids; `None`: by
     /// [`Self::routes_in_blocks`]'s rule ([`Self::with_block_routing`]).
     block_routing: Option<bool>,
@@ -217,6 +220,7 @@ impl Kernels {
             staging: Staging::Default,
             fused_combine: None,
             gemv_per_pass: None,
+            gemv_resident: None,
             block_routing: None,
             fragment_tiles: false,
             fragment_chunk: None,

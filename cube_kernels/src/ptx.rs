@@ -34,7 +34,7 @@ use cubecl_llvm::nvptx::ptx_version::PtxVersion;
 use cubecl_llvm::shared::lowered_features::{restrict_features, GpuTarget};
 use cubecl_runtime::runtime::Runtime;
 
-use crate::context::moe::{fused_combine_shape, grouped_gemv_shape};
+use crate::context::moe::{fused_combine_shape, gemv_can_hold, grouped_gemv_shape};
 use crate::context::tile_stage_steps;
 use crate::kernels::mma::{self, MMA_PLANE, MMA_ROW_TILES, MMA_TOKEN_TILES};
 use crate::kernels::mma_frag;
@@ -586,14 +586,19 @@ pub fn compile_decode_kernels(
                 let shape = grouped_gemv_shape(inn, rows_out, swiglu, per_pass)
                     .expect("a grouped GEMV cube");
                 let dim = CubeDim::new_2d(shape.lanes as u32, shape.rows_per_cube as u32);
-                out.push(compile_dummy!(
-                    target,
-                    format!("grouped_gemv {kind} {} {dtype} p{per_pass}", format.name()), false,
-                    moe_kernels::grouped_gemv, dim;
-                    p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
-                    fmt, group, shape.lanes, shape.rows_per_cube, shape.chunks, per_pass, swiglu,
-                    swiglu, shape.stage_x, dtype.elem()
-                ));
+                // And with the tile's words held in registers, where the format allows it.
+                let can_hold = gemv_can_hold(format, shape.chunks, shape.lanes, swiglu);
+                for resident in [false, true].into_iter().filter(|&r| !r || can_hold) {
+                    let held = if resident { " held" } else { "" };
+                    out.push(compile_dummy!(
+                        target,
+                        format!("grouped_gemv {kind} {} {dtype} p{per_pass}{held}", format.name()),
+                        false, moe_kernels::grouped_gemv, dim;
+                        p(), p(), 0, p(), p(), p(), p(), p(), p(), 0, 0, 0, 0, 0, 0,
+                        fmt, group, shape.lanes, shape.rows_per_cube, shape.chunks, per_pass,
+                        swiglu, swiglu, shape.stage_x, resident, dtype.elem()
+                    ));
+                }
             }
         }
         for dtype in [ActDType::F32, ActDType::BF16, ActDType::F16] {

@@ -1861,9 +1861,12 @@ fn tile_stage_steps_do_not_change_the_bits() {
 /// computes bitwise what it computes one assignment at a time: every format, whole and partial chunks
 /// (hidden 200 = 6 x 32 + 8), passes that end past the tile (6-7 assignments per expert), staged input
 /// rows and, at 1100 inputs with 4 per pass, rows read from memory unstaged; f32 and f16 activations.
+/// And with each tile's packed words held in registers across its passes (`resident`), one and four
+/// assignments per pass: the cut-short last chunk (8 inputs) still read per pass, two chunks per lane
+/// at 1100 inputs, lanes past the row's chunks.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
-fn gemv_assignments_per_pass_do_not_change_the_bits() {
+fn gemv_assignments_per_pass_and_held_words_do_not_change_the_bits() {
     let Some(k) = kernels() else { return };
     let (experts, inter, tokens, top_k) = (4, 40, 9, 3);
     let ids: Vec<u32> = (0..tokens * top_k)
@@ -1902,19 +1905,31 @@ fn gemv_assignments_per_pass_do_not_change_the_bits() {
                     k.upload(&x, dtype).unwrap(),
                     k.upload(&route_w, dtype).unwrap(),
                 );
-                let run = |per_pass| {
-                    let kp = k.clone().with_gemv_assignments_per_pass(Some(per_pass));
+                let run = |per_pass, held| {
+                    let kp = k
+                        .clone()
+                        .with_gemv_assignments_per_pass(Some(per_pass))
+                        .with_resident_gemv_words(Some(held));
                     let y =
                         kp.moe_with(&dx, &routing, &dw, [&w[0], &w[1], &w[2]], MatmulPath::Gemv);
                     k.read_f32(&y.unwrap()).unwrap()
                 };
-                let one = run(1);
+                let one = run(1, false);
                 assert!(one.iter().any(|v| *v != 0.0), "{}: all zero", format.name());
                 for &per_pass in passes {
                     assert_eq!(
-                        bits(&run(per_pass)),
+                        bits(&run(per_pass, false)),
                         bits(&one),
                         "{} hidden {hidden} {dtype}: {per_pass} assignments per pass",
+                        format.name()
+                    );
+                }
+                // The tile's words held in registers across its passes, one and several at a time.
+                for per_pass in [1, 4] {
+                    assert_eq!(
+                        bits(&run(per_pass, true)),
+                        bits(&one),
+                        "{} hidden {hidden} {dtype}: {per_pass} per pass, words held",
                         format.name()
                     );
                 }

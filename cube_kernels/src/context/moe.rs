@@ -36,6 +36,25 @@ impl Kernels {
         self
     }
 
+    /// These kernels with the grouped GEMV holding each tile's packed weights in registers across its
+    /// passes (`Some(true)`: loaded once per tile, before the first pass's staging;
+    /// [`crate::kernels::moe::grouped_gemv`]'s `resident`), never (`Some(false)`), or by
+    /// [`Self::holds_gemv_words`]'s rule (`None`): the same bits every way; for tests, and for timing
+    /// the choice. Where a unit's words would pass [`moe_kernels::MAX_RESIDENT_WORDS`] or the format's
+    /// scales vary within a chunk, the kernel loads them per pass whatever this says.
+    pub fn with_resident_gemv_words(mut self, held: Option<bool>) -> Self {
+        self.gemv_resident = held;
+        self
+    }
+
+    /// Whether the grouped GEMV holds a tile's weights in registers, unless
+    /// [`Self::with_resident_gemv_words`] says: not yet, the kernel the H200 timed on 2026-12-04 loads
+    /// them per chunk and pass; `qarl bench kernels` times both (`moe/decode-split-r`) and the rule
+    /// follows what a GPU says.
+    pub fn holds_gemv_words(&self) -> bool {
+        self.gemv_resident.unwrap_or(false)
+    }
+
     /// Most assignments the grouped GEMV takes at once: a tile's 16 would leave a cube room for one row's
     /// sums at 2048 inputs with SwiGLU.
     pub const MAX_GEMV_ASSIGNMENTS_PER_PASS: usize = 4;
@@ -383,6 +402,7 @@ impl Kernels {
                 swiglu,
                 gather,
                 stage_x,
+                self.holds_gemv_words() && gemv_can_hold(a.format, chunks, lanes, swiglu),
                 input.dtype.elem(),
             );
             return;
@@ -504,6 +524,20 @@ pub(crate) struct GemvShape {
     pub per_pass: usize,
     /// Whether the pass's input rows are staged in shared memory.
     pub stage_x: bool,
+}
+
+/// Whether the grouped GEMV can hold a unit's packed words of `format` in registers for a cube of
+/// `lanes` lanes over `chunks` chunks ([`moe_kernels::grouped_gemv`]'s `resident`).
+pub(crate) fn gemv_can_hold(
+    format: WeightFormat,
+    chunks: usize,
+    lanes: usize,
+    swiglu: bool,
+) -> bool {
+    let fmt = format.kernel_code();
+    moe_kernels::holds_format(fmt, format.kernel_group())
+        && moe_kernels::resident_words(fmt, chunks, lanes, swiglu)
+            <= moe_kernels::MAX_RESIDENT_WORDS
 }
 
 /// The grouped GEMV's cube for rows of `inn` inputs, `out` rows (two projections with `swiglu`),

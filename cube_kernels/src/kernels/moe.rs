@@ -31,8 +31,9 @@
 use cubecl::prelude::*;
 
 use super::{
-    chunk_depth, chunk_dot, chunk_dots, stage_depth, stage_transposed, staged_row_floats,
-    sum_chunks, weight_at, BLOCK, STAGE_FLOATS, STAGE_STRIDE,
+    chunk_depth, chunk_dot, chunk_dots, code_flip, codes_per_word, input_at, scale_at, stage_depth,
+    stage_transposed, staged_row_floats, sum_chunks, weight_at, word_code_value, BLOCK, CHUNK,
+    STAGE_FLOATS, STAGE_STRIDE,
 };
 
 /// SwiGLU's `silu(g) * u = g / (1 + exp(-g)) * u` in f32, in that order of operations (the contract's step
@@ -217,6 +218,14 @@ pub fn grouped_matmul<X: Float>(
 /// for the pass's assignments ([`super::chunk_dots`]: one fused multiply-add per assignment and weight),
 /// where the decode is most of a GEMV's instructions per weight; each assignment's sums are the same.
 ///
+/// With `resident` ([`resident_words`] within [`MAX_RESIDENT_WORDS`], a format [`holds_format`]) a unit
+/// loads its row's packed words and scales of its whole chunks once per tile, into registers, before
+/// the first pass stages its inputs, and every pass decodes them from there ([`held_chunk_dots`]: the
+/// same decode and fused multiply-adds in the same order, so the same bits): one wait on memory per
+/// tile for the weights, overlapped with the first staging, instead of one per chunk, projection and
+/// pass (an H200 took ~2.3 us per assignment at 1-64 tokens, 2026-12-04, about 3x the bytes' time:
+/// each pass waited on its loads one chunk after another).
+///
 /// The barriers sit in a loop whose bounds come from the routing table: the same for every unit of the
 /// cube (one tile), so every unit reaches every barrier, but only at run time. CUDA, SPIR-V and naga
 /// (the wgpu runtime) accept that; a WGSL compiler that proves uniformity statically (Tint) would not.
@@ -247,6 +256,7 @@ pub fn grouped_gemv<X: Float>(
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
     #[comptime] stage_x: bool,
+    #[comptime] resident: bool,
     #[define(X)] _dtype: ElemType,
 ) {
     let sums = comptime!(per_pass * rows_per_cube * chunks);
@@ -261,6 +271,63 @@ pub fn grouped_gemv<X: Float>(
     let a_end = table[3 * tile + 2] as usize;
     let woff = expert * expert_words;
     let soff = expert * expert_scales;
+    let held = comptime!(if resident {
+        resident_words(fmt, chunks, lanes, swiglu)
+    } else {
+        1
+    });
+    let held_scale_count = comptime!(if resident {
+        resident_scales(fmt, chunks, lanes, swiglu)
+    } else {
+        1
+    });
+    let mut held_w = Array::<u32>::new(held);
+    let mut held_s = Array::<f32>::new(held_scale_count);
+    if comptime!(resident) {
+        let row = CUBE_POS_X as usize * rows_per_cube + UNIT_POS_Y as usize;
+        let lane = UNIT_POS_X as usize;
+        let live = a0 < a_end && row < n_out;
+        hold_row_words(
+            words_a,
+            scales_a,
+            &mut held_w,
+            &mut held_s,
+            woff,
+            soff,
+            row,
+            lane,
+            live,
+            inn,
+            wpr,
+            spr,
+            0usize,
+            fmt,
+            group,
+            lanes,
+            chunks,
+        );
+        if comptime!(swiglu) {
+            hold_row_words(
+                words_b,
+                scales_b,
+                &mut held_w,
+                &mut held_s,
+                woff,
+                soff,
+                row,
+                lane,
+                live,
+                inn,
+                wpr,
+                spr,
+                1usize,
+                fmt,
+                group,
+                lanes,
+                chunks,
+            );
+        }
+    }
     // Full passes, then (when a pass takes several) the tile's last assignments one at a time: a pass
     // never computes an assignment that is not there. (A tile of one assignment still runs in this
     // kernel's cube, sized for the larger pass; the launcher picks one per pass where experts average
@@ -280,6 +347,8 @@ pub fn grouped_gemv<X: Float>(
             &mut part_a,
             &mut part_b,
             &mut xs,
+            &held_w,
+            &held_s,
             n_out,
             inn,
             wpr,
@@ -296,6 +365,7 @@ pub fn grouped_gemv<X: Float>(
             swiglu,
             gather,
             stage_x,
+            resident,
         );
         first += per_pass;
     }
@@ -314,6 +384,8 @@ pub fn grouped_gemv<X: Float>(
                 &mut part_a,
                 &mut part_b,
                 &mut xs,
+                &held_w,
+                &held_s,
                 n_out,
                 inn,
                 wpr,
@@ -330,6 +402,7 @@ pub fn grouped_gemv<X: Float>(
                 swiglu,
                 gather,
                 stage_x,
+                resident,
             );
             first += 1;
         }
@@ -356,6 +429,8 @@ fn gemv_pass<X: Float>(
     part_a: &mut Shared<[f32]>,
     part_b: &mut Shared<[f32]>,
     xs: &mut Shared<[f32]>,
+    held_w: &Array<u32>,
+    held_s: &Array<f32>,
     n_out: usize,
     inn: usize,
     wpr: usize,
@@ -372,6 +447,7 @@ fn gemv_pass<X: Float>(
     #[comptime] swiglu: bool,
     #[comptime] gather: bool,
     #[comptime] stage_x: bool,
+    #[comptime] resident: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let local_row = UNIT_POS_Y as usize;
@@ -403,7 +479,51 @@ fn gemv_pass<X: Float>(
         }
     }
     sync_cube();
-    if row < n_out {
+    if comptime!(resident) {
+        if row < n_out {
+            #[unroll]
+            for i in 0..per_lane {
+                let c = lane + i * lanes;
+                if c < chunks {
+                    let k0 = c * 32;
+                    let depth = chunk_depth(c, inn);
+                    let mut parts = Array::<f32>::new(count);
+                    if depth == 32 {
+                        held_chunk_dots(
+                            x, &xoffs, &*xs, held_w, held_s, lut, k0, &mut parts, 0usize, i, count,
+                            fmt, lanes, chunks, stage_x,
+                        );
+                    } else {
+                        chunk_dots(
+                            x, &xoffs, &*xs, words_a, scales_a, lut, woff, soff, row, k0, depth,
+                            wpr, spr, &mut parts, count, fmt, group, chunks, stage_x,
+                        );
+                    }
+                    #[unroll]
+                    for p in 0..count {
+                        part_a[(p * rows_per_cube + local_row) * chunks + c] = parts[p];
+                    }
+                    if comptime!(swiglu) {
+                        if depth == 32 {
+                            held_chunk_dots(
+                                x, &xoffs, &*xs, held_w, held_s, lut, k0, &mut parts, 1usize, i,
+                                count, fmt, lanes, chunks, stage_x,
+                            );
+                        } else {
+                            chunk_dots(
+                                x, &xoffs, &*xs, words_b, scales_b, lut, woff, soff, row, k0,
+                                depth, wpr, spr, &mut parts, count, fmt, group, chunks, stage_x,
+                            );
+                        }
+                        #[unroll]
+                        for p in 0..count {
+                            part_b[(p * rows_per_cube + local_row) * chunks + c] = parts[p];
+                        }
+                    }
+                }
+            }
+        }
+    } else if row < n_out {
         for i in 0..per_lane {
             let c = lane + i * lanes;
             if c < chunks {
@@ -441,6 +561,145 @@ fn gemv_pass<X: Float>(
                 v = silu_times(v, sum_chunks(&*part_b, at, chunks));
             }
             y[(first + p) * n_out + row] = v;
+        }
+    }
+}
+
+/// Most packed words a unit of [`grouped_gemv`] holds with `resident` (registers: the kernel otherwise
+/// takes ~32 per unit).
+pub const MAX_RESIDENT_WORDS: usize = 32;
+
+/// Packed words a unit of [`grouped_gemv`] holds with `resident`: its chunks' (`chunks / lanes`,
+/// rounded up) words of each projection (two with SwiGLU).
+pub const fn resident_words(fmt: u32, chunks: usize, lanes: usize, swiglu: bool) -> usize {
+    chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * (CHUNK / codes_per_word(fmt))
+}
+
+/// Scales a unit of [`grouped_gemv`] holds with `resident`: one per chunk and projection, or one per
+/// word for fp4 (blocks of 16 or 32 inputs).
+pub const fn resident_scales(fmt: u32, chunks: usize, lanes: usize, swiglu: bool) -> usize {
+    let per_chunk = if fmt == 3 {
+        CHUNK / codes_per_word(fmt)
+    } else {
+        1
+    };
+    chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * per_chunk
+}
+
+/// Whether [`grouped_gemv`] can hold a format's weights (`fmt`, `group`): its whole chunks decode with
+/// one scale per chunk (int8; int4 and fp8 groups that are multiples of 32) or per word (fp4), as
+/// [`super::chunk_dots`]'s fast path does.
+pub const fn holds_format(fmt: u32, group: usize) -> bool {
+    fmt == 1 || fmt == 3 || group % 32 == 0
+}
+
+/// Loads, for projection `set` (0: `a`, 1: `b`), the packed words and scales of every whole chunk of
+/// `row` that `lane` sums into `held_w` / `held_s`, from the expert's words at `woff` and scales at
+/// `soff`. Where the cube has no tile or the row no place (`live` false), and for chunks past the
+/// row's end or a last chunk cut short, it loads the expert's first word and scale instead (never
+/// read: those sums take [`super::chunk_dots`] or nothing), so every load is in bounds and issued
+/// without a branch, all before the first use.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn hold_row_words(
+    words: &[u32],
+    scales: &[f32],
+    held_w: &mut Array<u32>,
+    held_s: &mut Array<f32>,
+    woff: usize,
+    soff: usize,
+    row: usize,
+    lane: usize,
+    live: bool,
+    inn: usize,
+    wpr: usize,
+    spr: usize,
+    #[comptime] set: usize,
+    #[comptime] fmt: u32,
+    #[comptime] group: usize,
+    #[comptime] lanes: usize,
+    #[comptime] chunks: usize,
+) {
+    let cpw = comptime!(codes_per_word(fmt));
+    let wpc = comptime!(CHUNK / codes_per_word(fmt));
+    let spc = comptime!(if fmt == 3 { wpc } else { 1 });
+    let per_lane = comptime!(chunks.div_ceil(lanes));
+    #[unroll]
+    for i in 0..per_lane {
+        let c = lane + i * lanes;
+        let ok = live && c < chunks && c * 32 + 32 <= inn;
+        let k0 = select(ok, c * 32, 0usize);
+        let r = select(ok, row, 0usize);
+        let base = woff + r * wpr + k0 / cpw;
+        #[unroll]
+        for w in 0..wpc {
+            held_w[(set * per_lane + i) * wpc + w] = words[select(ok, base + w, woff)];
+        }
+        #[unroll]
+        for q in 0..spc {
+            let k = select(ok, k0 + q * cpw, 0usize);
+            held_s[(set * per_lane + i) * spc + q] = scale_at(scales, soff, r, k, spr, fmt, group);
+        }
+    }
+}
+
+/// [`super::chunk_dots`]'s whole-chunk path on the words and scales [`hold_row_words`] loaded for
+/// projection `set`, chunk `i` of the lane: the same decode, scale and fused multiply-adds from 0.0 in
+/// `k` order for each of the `count` input rows, so the same bits.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn held_chunk_dots<X: Float>(
+    x: &[X],
+    xoffs: &Array<u32>,
+    xs: &Shared<[f32]>,
+    held_w: &Array<u32>,
+    held_s: &Array<f32>,
+    lut: &[f32],
+    k0: usize,
+    parts: &mut Array<f32>,
+    #[comptime] set: usize,
+    i: usize,
+    #[comptime] count: usize,
+    #[comptime] fmt: u32,
+    #[comptime] lanes: usize,
+    #[comptime] chunks: usize,
+    #[comptime] staged: bool,
+) {
+    let cpw = comptime!(codes_per_word(fmt));
+    let wpc = comptime!(CHUNK / codes_per_word(fmt));
+    let spc = comptime!(if fmt == 3 { wpc } else { 1 });
+    let per_lane = comptime!(chunks.div_ceil(lanes));
+    let first_word = (set * per_lane + i) * wpc;
+    let first_scale = (set * per_lane + i) * spc;
+    let row_floats = comptime!(staged_row_floats(chunks));
+    #[unroll]
+    for p in 0..count {
+        parts[p] = 0.0f32;
+    }
+    let mut s = held_s[first_scale];
+    #[unroll]
+    for w in 0..wpc {
+        let word = held_w[first_word + w] ^ code_flip(fmt);
+        if comptime!(fmt == 3) {
+            s = held_s[first_scale + w];
+        }
+        #[unroll]
+        for j in 0..cpw {
+            let v = word_code_value(word, j as u32, lut, fmt) * s;
+            #[unroll]
+            for p in 0..count {
+                let xv = input_at(
+                    x,
+                    xoffs[p] as usize,
+                    xs,
+                    p * row_floats,
+                    k0,
+                    w * cpw + j,
+                    chunks,
+                    staged,
+                );
+                parts[p] = fma(xv, v, parts[p]);
+            }
         }
     }
 }

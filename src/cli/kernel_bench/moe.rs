@@ -153,8 +153,9 @@ pub(super) fn bench(
         device: [&dg, &du, &dd],
     };
     // The decode rows' kernels: the down projection and the combine fused, and apart; the
-    // latter with the GEMV taking 4 assignments of a tile at once (`-p4`, the same bits), and
-    // recorded once and replayed as a graph.
+    // latter with the GEMV taking 4 assignments of a tile at once (`-p4`, the same bits), holding
+    // each tile's words in registers across its passes (`-r`, the same bits), and recorded once and
+    // replayed as a graph.
     let split = k.clone().with_decode_combine(Some(false));
     let per_pass = Kernels::MAX_GEMV_ASSIGNMENTS_PER_PASS;
     let gemv = MatmulPath::Gemv;
@@ -169,6 +170,22 @@ pub(super) fn bench(
         (
             "moe/decode-split-p4".to_string(),
             split.clone().with_gemv_assignments_per_pass(Some(per_pass)),
+            false,
+            gemv,
+        ),
+        // Each tile's words held in registers across its passes, one and several at a time.
+        (
+            "moe/decode-split-r".to_string(),
+            split.clone().with_resident_gemv_words(Some(true)),
+            false,
+            gemv,
+        ),
+        (
+            "moe/decode-split-p4-r".to_string(),
+            split
+                .clone()
+                .with_gemv_assignments_per_pass(Some(per_pass))
+                .with_resident_gemv_words(Some(true)),
             false,
             gemv,
         ),
