@@ -583,12 +583,14 @@ pub fn compile_decode_kernels(
                 ("down", 768, 2048)
             };
             for per_pass in [1, crate::Kernels::MAX_GEMV_ASSIGNMENTS_PER_PASS] {
-                let shape = grouped_gemv_shape(inn, rows_out, swiglu, per_pass)
-                    .expect("a grouped GEMV cube");
-                let dim = CubeDim::new_2d(shape.lanes as u32, shape.rows_per_cube as u32);
-                // And with the tile's words held in registers, where the format allows it.
-                let can_hold = gemv_can_hold(format, shape.chunks, shape.lanes, swiglu);
-                for resident in [false, true].into_iter().filter(|&r| !r || can_hold) {
+                // And with the tile's words held in registers (its own cube), where the format allows.
+                for resident in [false, true] {
+                    let shape = grouped_gemv_shape(inn, rows_out, swiglu, per_pass, resident)
+                        .expect("a grouped GEMV cube");
+                    if resident && !gemv_can_hold(format, shape.chunks, shape.lanes, swiglu) {
+                        continue;
+                    }
+                    let dim = CubeDim::new_2d(shape.lanes as u32, shape.rows_per_cube as u32);
                     let held = if resident { " held" } else { "" };
                     out.push(compile_dummy!(
                         target,

@@ -1862,8 +1862,8 @@ fn tile_stage_steps_do_not_change_the_bits() {
 /// (hidden 200 = 6 x 32 + 8), passes that end past the tile (6-7 assignments per expert), staged input
 /// rows and, at 1100 inputs with 4 per pass, rows read from memory unstaged; f32 and f16 activations.
 /// And with each tile's packed words held in registers across its passes (`resident`), one and four
-/// assignments per pass: the cut-short last chunk (8 inputs) still read per pass, two chunks per lane
-/// at 1100 inputs, lanes past the row's chunks.
+/// assignments per pass: the cut-short last chunk (8 inputs) still read per pass, and at 2100 inputs
+/// (int8: 32 words per unit) two chunks per lane, lanes past the row's chunks.
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn gemv_assignments_per_pass_and_held_words_do_not_change_the_bits() {
@@ -1874,9 +1874,12 @@ fn gemv_assignments_per_pass_and_held_words_do_not_change_the_bits() {
         .collect();
     let routing = MoeRouting::new(&ids, tokens, top_k, experts).unwrap();
     for (i, format) in FORMATS.into_iter().enumerate() {
-        for hidden in [200, 1100] {
+        for hidden in [200, 1100, 2100] {
             if hidden == 1100 && i % 3 != 0 {
                 continue; // the unstaged rows on three formats keep the test short on lavapipe
+            }
+            if hidden == 2100 && i != 3 {
+                continue; // two chunks per lane with words held (66 chunks over 64 lanes): int8
             }
             let seed = 1200 + 10 * i as u64 + hidden as u64;
             let w = [(inter, hidden), (inter, hidden), (hidden, inter)]

@@ -363,8 +363,10 @@ impl Kernels {
             .gemv_assignments_per_pass()
             .min(layout.assignments.div_ceil(routing.experts().max(1)))
             .max(1);
-        let shape = grouped_gemv_shape(a.inn, a.out, swiglu, per_pass)
-            .or_else(|| grouped_gemv_shape(a.inn, a.out, swiglu, 1));
+        let hold = self.holds_gemv_words()
+            && moe_kernels::holds_format(a.format.kernel_code(), a.format.kernel_group());
+        let shape = grouped_gemv_shape(a.inn, a.out, swiglu, per_pass, hold)
+            .or_else(|| grouped_gemv_shape(a.inn, a.out, swiglu, 1, hold));
         // The tiles fit one grid axis here: `check_moe` refuses more.
         if let Some(GemvShape {
             chunks,
@@ -402,7 +404,7 @@ impl Kernels {
                 swiglu,
                 gather,
                 stage_x,
-                self.holds_gemv_words() && gemv_can_hold(a.format, chunks, lanes, swiglu),
+                hold && gemv_can_hold(a.format, chunks, lanes, swiglu),
                 input.dtype.elem(),
             );
             return;
@@ -543,12 +545,17 @@ pub(crate) fn gemv_can_hold(
 /// The grouped GEMV's cube for rows of `inn` inputs, `out` rows (two projections with `swiglu`),
 /// `per_pass` assignments at a time: the chunk sums of a cube's rows (two sets with SwiGLU, one per
 /// assignment of a pass) within WebGPU's 16 KiB of shared memory, beside the pass's input rows staged
-/// when they fit; `None` when not even one row's sums fit (then the tiles run).
+/// when they fit; `None` when not even one row's sums fit (then the tiles run). A row's chunks are
+/// spread over up to 32 lanes, or with `held` (the tile's words held in registers) up to 64: a lane
+/// then holds one chunk per projection up to 2048 inputs, whose decoded weights the compiler keeps in
+/// registers across the passes (64 per unit with SwiGLU; at 32 lanes, 128 and ~200 registers per unit
+/// in the sm_90 assembly, one cube per multiprocessor).
 pub(crate) fn grouped_gemv_shape(
     inn: usize,
     out: usize,
     swiglu: bool,
     per_pass: usize,
+    held: bool,
 ) -> Option<GemvShape> {
     let chunks = inn.div_ceil(CHUNK).max(1);
     let sets = if swiglu { 2 } else { 1 } * per_pass;
@@ -562,7 +569,7 @@ pub(crate) fn grouped_gemv_shape(
     if per_pass == 0 || budget < chunks * sets {
         return None;
     }
-    let lanes = chunks.min(32);
+    let lanes = chunks.min(if held { 64 } else { 32 });
     let rows_per_cube = (256 / lanes).min(budget / (chunks * sets)).min(out).max(1);
     (out.div_ceil(rows_per_cube) <= MAX_GRID).then_some(GemvShape {
         chunks,
