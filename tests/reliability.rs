@@ -291,6 +291,16 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
     // The model is kept and used again, and with it the rows of its warm start.
     assert_eq!(rows(&cfg.run_dir, &["sft"]).len(), sft_rows);
+    // The same model spelt another way (`dir/.`): still its rows.
+    let mut respelt = cfg.clone();
+    respelt.model.dir = cfg.model.dir.join(".");
+    let overwrite = RunOptions {
+        quiet: true,
+        overwrite: true,
+        ..RunOptions::default()
+    };
+    train::run_with(&respelt, &overwrite).unwrap();
+    assert_eq!(rows(&cfg.run_dir, &["sft"]).len(), sft_rows);
     // Another model (a copy made elsewhere) under the same run directory: the rows of the first model's
     // warm start are not this run's.
     let mut moved = cfg.clone();
@@ -302,11 +312,6 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
             std::fs::copy(entry.path(), moved.model.dir.join(entry.file_name())).unwrap();
         }
     }
-    let overwrite = RunOptions {
-        quiet: true,
-        overwrite: true,
-        ..RunOptions::default()
-    };
     train::run_with(&moved, &overwrite).unwrap();
     assert_eq!(rows(&moved.run_dir, &["rl"]).len(), 1);
     assert_eq!(rows(&moved.run_dir, &["sft"]).len(), 0);

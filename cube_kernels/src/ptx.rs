@@ -587,7 +587,8 @@ pub fn compile_decode_kernels(
                 for resident in [false, true] {
                     let shape = grouped_gemv_shape(inn, rows_out, swiglu, per_pass, resident)
                         .expect("a grouped GEMV cube");
-                    if resident && !gemv_can_hold(format, shape.chunks, shape.lanes, swiglu) {
+                    if resident && !gemv_can_hold(format, inn, (shape.chunks, shape.lanes), swiglu)
+                    {
                         continue;
                     }
                     let dim = CubeDim::new_2d(shape.lanes as u32, shape.rows_per_cube as u32);

@@ -296,17 +296,26 @@ fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Whether the run directory's earlier config (if any) named `cfg`'s `model.dir`: only then are the
-/// warm start's rows in its metrics those of the model this run uses. A missing or unreadable earlier
-/// config says nothing of them, so they go.
-fn same_model_dir_as_before(cfg: &TrainConfig) -> bool {
-    let path = cfg.run_dir.join("config.json");
-    let Ok(old) = crate::io::read_json::<serde_json::Value>(&path) else {
-        return false;
-    };
-    let new = serde_json::to_value(cfg).ok();
-    let dir = |v: &serde_json::Value| v.pointer("/model/dir").cloned();
-    old.pointer("/model/dir").is_some() && dir(&old) == new.as_ref().and_then(dir)
+/// The `model.dir` the run directory's earlier config names, if it has a readable one: the model
+/// whose warm start the rows in its metrics are.
+fn earlier_model_dir(cfg: &TrainConfig) -> Option<PathBuf> {
+    let old: serde_json::Value = crate::io::read_json(&cfg.run_dir.join("config.json")).ok()?;
+    old.pointer("/model/dir")?.as_str().map(PathBuf::from)
+}
+
+/// Whether the warm start's rows in the run directory's metrics stay when RL starts over: they are
+/// the rows of the model this run uses only where the earlier config named the same `model.dir`
+/// (compared as directories: `m`, `./m` and its absolute path are one). With `--resume` they stay
+/// unless the earlier config names another; without, a made model keeps them only where it names
+/// this one (a missing or unreadable config says nothing of them, so they go).
+fn keeps_warm_start_rows(cfg: &TrainConfig, resume: bool, model_made: bool) -> bool {
+    let earlier = earlier_model_dir(cfg);
+    let same = |d: &PathBuf| crate::io::same_dir(d, &cfg.model.dir);
+    if resume {
+        earlier.as_ref().is_none_or(same)
+    } else {
+        model_made && earlier.as_ref().is_some_and(same)
+    }
 }
 
 /// Runs the RL loop of `cfg` with `opts`.
@@ -407,7 +416,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         check_resumed_config(cfg)?;
     }
     let model_made = cfg.model.dir.join("config.json").is_file();
-    let keeps_sft_rows = resume || (model_made && same_model_dir_as_before(cfg));
+    let keeps_sft_rows = keeps_warm_start_rows(cfg, resume, model_made);
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     if resumed.is_none() && keeps_sft_rows {
         // RL starts over from step 0, but the warm start's rows stay (they used to be deleted with the

@@ -39,10 +39,12 @@ pub fn progress_bar(len: u64, phase: &str, quiet: bool) -> ProgressBar {
     bar
 }
 
-/// The time left, `?` until the first item is done: before then indicatif has no rate and would print
-/// `0s`, which reads as "almost finished" at the start of an hour-long run.
+/// The time left, `?` while indicatif has no rate (before the first item, and after a resumed bar's
+/// `reset_eta`): it would print `0s`, which reads as "almost finished" at the start of an hour-long
+/// run.
 fn eta_once_measured(state: &ProgressState, w: &mut dyn std::fmt::Write) {
-    let known = state.pos() > 0 || state.len().is_some_and(|len| len == 0);
+    let left = state.len().is_some_and(|len| state.pos() < len);
+    let known = state.is_finished() || !left || state.per_sec() > 0.0;
     let _ = if known {
         write!(w, "{:#}", HumanDuration(state.eta()))
     } else {
@@ -237,9 +239,10 @@ mod tests {
         assert_eq!(lines, dedup, "repeated lines");
     }
 
-    /// Before the first item the time left is unknown (`?`, not indicatif's `0s`); after it, a duration.
+    /// Before the first item, and on a resumed bar before its next, the time left is unknown (`?`, not
+    /// indicatif's `0s`); after it, a duration.
     #[test]
-    fn eta_is_unknown_until_the_first_item_is_done() {
+    fn eta_is_unknown_until_a_rate_is_measured() {
         let out = Shared::default();
         let target = ProgressDrawTarget::term_like_with_hz(
             Box::new(PlainLines::new(out.clone(), Duration::ZERO)),
@@ -265,6 +268,24 @@ mod tests {
             eta.ends_with('s') && eta.chars().next().is_some_and(|c| c.is_ascii_digit()),
             "{t}"
         );
+        // A resumed bar (position set, rate reset) has no rate either.
+        let out = Shared::default();
+        let target = ProgressDrawTarget::term_like_with_hz(
+            Box::new(PlainLines::new(out.clone(), Duration::ZERO)),
+            20,
+        );
+        let bar = ProgressBar::with_draw_target(Some(3), target);
+        bar.set_style(
+            ProgressStyle::with_template("sft {pos}/{len} eta {eta}")
+                .unwrap()
+                .with_key("eta", eta_once_measured),
+        );
+        bar.set_position(1);
+        bar.reset_eta();
+        bar.tick();
+        drop(bar);
+        let t = text(&out);
+        assert_eq!(t.lines().last(), Some("sft 1/3 eta ?"), "{t}");
     }
 
     /// Fast steps are throttled to one line per interval, and the final state is always written.

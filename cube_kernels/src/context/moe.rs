@@ -55,6 +55,29 @@ impl Kernels {
         self.gemv_resident.unwrap_or(false)
     }
 
+    /// The grouped GEMV's cube for projection `a` at `per_pass` assignments a pass (one where that
+    /// has no cube), and whether it holds its words: the held cube where [`Self::holds_gemv_words`]
+    /// and [`gemv_can_hold`] on that cube, else the one that loads them per pass. `None`: no GEMV
+    /// cube (the tiles run).
+    fn gemv_launch_shape(
+        &self,
+        a: &DeviceWeights,
+        swiglu: bool,
+        per_pass: usize,
+    ) -> Option<(GemvShape, bool)> {
+        let shape = |held| {
+            grouped_gemv_shape(a.inn, a.out, swiglu, per_pass, held)
+                .or_else(|| grouped_gemv_shape(a.inn, a.out, swiglu, 1, held))
+        };
+        let held = shape(true).filter(|s| {
+            self.holds_gemv_words() && gemv_can_hold(a.format, a.inn, (s.chunks, s.lanes), swiglu)
+        });
+        match held {
+            Some(s) => Some((s, true)),
+            None => shape(false).map(|s| (s, false)),
+        }
+    }
+
     /// Most assignments the grouped GEMV takes at once: a tile's 16 would leave a cube room for one row's
     /// sums at 2048 inputs with SwiGLU.
     pub const MAX_GEMV_ASSIGNMENTS_PER_PASS: usize = 4;
@@ -363,18 +386,17 @@ impl Kernels {
             .gemv_assignments_per_pass()
             .min(layout.assignments.div_ceil(routing.experts().max(1)))
             .max(1);
-        let hold = self.holds_gemv_words()
-            && moe_kernels::holds_format(a.format.kernel_code(), a.format.kernel_group());
-        let shape = grouped_gemv_shape(a.inn, a.out, swiglu, per_pass, hold)
-            .or_else(|| grouped_gemv_shape(a.inn, a.out, swiglu, 1, hold));
         // The tiles fit one grid axis here: `check_moe` refuses more.
-        if let Some(GemvShape {
-            chunks,
-            lanes,
-            rows_per_cube,
-            per_pass,
-            stage_x,
-        }) = shape.filter(|_| gemv)
+        if let Some((
+            GemvShape {
+                chunks,
+                lanes,
+                rows_per_cube,
+                per_pass,
+                stage_x,
+            },
+            hold,
+        )) = self.gemv_launch_shape(a, swiglu, per_pass).filter(|_| gemv)
         {
             moe_kernels::grouped_gemv::launch(
                 &self.client,
@@ -404,7 +426,7 @@ impl Kernels {
                 swiglu,
                 gather,
                 stage_x,
-                hold && gemv_can_hold(a.format, chunks, lanes, swiglu),
+                hold,
                 input.dtype.elem(),
             );
             return;
@@ -528,16 +550,20 @@ pub(crate) struct GemvShape {
     pub stage_x: bool,
 }
 
-/// Whether the grouped GEMV can hold a unit's packed words of `format` in registers for a cube of
-/// `lanes` lanes over `chunks` chunks ([`moe_kernels::grouped_gemv`]'s `resident`).
+/// Whether the grouped GEMV can hold a unit's packed words of `format` in registers for rows of `inn`
+/// inputs in a cube of `lanes` lanes over `chunks` chunks ([`moe_kernels::grouped_gemv`]'s
+/// `resident`): a format whose scale is constant over a chunk or a word, at least one whole chunk (a
+/// projection of no inputs has no words to load), and no more than
+/// [`moe_kernels::MAX_RESIDENT_WORDS`] per unit.
 pub(crate) fn gemv_can_hold(
     format: WeightFormat,
-    chunks: usize,
-    lanes: usize,
+    inn: usize,
+    (chunks, lanes): (usize, usize),
     swiglu: bool,
 ) -> bool {
     let fmt = format.kernel_code();
     moe_kernels::holds_format(fmt, format.kernel_group())
+        && inn >= CHUNK
         && moe_kernels::resident_words(fmt, chunks, lanes, swiglu)
             <= moe_kernels::MAX_RESIDENT_WORDS
 }

@@ -223,7 +223,7 @@ pub fn grouped_matmul<X: Float>(
 /// the first pass stages its inputs, and every pass decodes them from there ([`held_chunk_dots`]: the
 /// same decode and fused multiply-adds in the same order, so the same bits): one wait on memory per
 /// tile for the weights, overlapped with the first staging, instead of one per chunk, projection and
-/// pass (an H200 took ~2.3 us per assignment at 1-64 tokens, 2026-12-04, about 3x the bytes' time:
+/// pass (an H200 took ~2.3 us per assignment at 1-64 tokens, 2026-12-04, about 3.4x the bytes' time:
 /// each pass waited on its loads one chunk after another).
 ///
 /// The barriers sit in a loop whose bounds come from the routing table: the same for every unit of the
@@ -259,6 +259,12 @@ pub fn grouped_gemv<X: Float>(
     #[comptime] resident: bool,
     #[define(X)] _dtype: ElemType,
 ) {
+    // Held only where the held path computes the same sums (the launcher asks for no more).
+    let resident = comptime!(
+        resident
+            && holds_format(fmt, group)
+            && resident_words(fmt, chunks, lanes, swiglu) <= MAX_RESIDENT_WORDS
+    );
     let sums = comptime!(per_pass * rows_per_cube * chunks);
     let mut part_a = Shared::<[f32]>::new_slice(sums);
     let mut part_b = Shared::<[f32]>::new_slice(comptime!(if swiglu { sums } else { 1 }));
