@@ -204,18 +204,32 @@ mod tests {
         String::from_utf8(s.0.lock().unwrap().clone()).unwrap()
     }
 
+    /// A bar of `len` items writing plain lines (at most one per `interval`) into the returned
+    /// buffer, styled by `style`.
+    fn plain_bar(len: u64, interval: Duration, style: ProgressStyle) -> (ProgressBar, Shared) {
+        let out = Shared::default();
+        let target = ProgressDrawTarget::term_like_with_hz(
+            Box::new(PlainLines::new(out.clone(), interval)),
+            20,
+        );
+        let bar = ProgressBar::with_draw_target(Some(len), target);
+        bar.set_style(style);
+        (bar, out)
+    }
+
+    /// `template` with the time left as the bars print it.
+    fn eta_style(template: &str) -> ProgressStyle {
+        ProgressStyle::with_template(template)
+            .unwrap()
+            .with_key("eta", eta_once_measured)
+    }
+
     /// Every step of a slow loop gets a line with its position, rate and ETA; no escape codes.
     #[test]
     fn plain_lines_have_one_line_per_step_without_escape_codes() {
-        let out = Shared::default();
-        let target = ProgressDrawTarget::term_like_with_hz(
-            Box::new(PlainLines::new(out.clone(), Duration::ZERO)),
-            20,
-        );
-        let bar = ProgressBar::with_draw_target(Some(3), target);
-        bar.set_style(
-            ProgressStyle::with_template("rl {pos}/{len} {per_sec} eta {eta} {msg}").unwrap(),
-        );
+        let style =
+            ProgressStyle::with_template("rl {pos}/{len} {per_sec} eta {eta} {msg}").unwrap();
+        let (bar, out) = plain_bar(3, Duration::ZERO, style);
         for i in 0..3 {
             std::thread::sleep(Duration::from_millis(60));
             bar.set_message(format!("reward {i}"));
@@ -243,17 +257,7 @@ mod tests {
     /// indicatif's `0s`); after it, a duration.
     #[test]
     fn eta_is_unknown_until_a_rate_is_measured() {
-        let out = Shared::default();
-        let target = ProgressDrawTarget::term_like_with_hz(
-            Box::new(PlainLines::new(out.clone(), Duration::ZERO)),
-            20,
-        );
-        let bar = ProgressBar::with_draw_target(Some(2), target);
-        bar.set_style(
-            ProgressStyle::with_template("rl {pos}/{len} eta {eta}")
-                .unwrap()
-                .with_key("eta", eta_once_measured),
-        );
+        let (bar, out) = plain_bar(2, Duration::ZERO, eta_style("rl {pos}/{len} eta {eta}"));
         bar.tick();
         std::thread::sleep(Duration::from_millis(60));
         bar.inc(1);
@@ -269,17 +273,7 @@ mod tests {
             "{t}"
         );
         // A resumed bar (position set, rate reset) has no rate either.
-        let out = Shared::default();
-        let target = ProgressDrawTarget::term_like_with_hz(
-            Box::new(PlainLines::new(out.clone(), Duration::ZERO)),
-            20,
-        );
-        let bar = ProgressBar::with_draw_target(Some(3), target);
-        bar.set_style(
-            ProgressStyle::with_template("sft {pos}/{len} eta {eta}")
-                .unwrap()
-                .with_key("eta", eta_once_measured),
-        );
+        let (bar, out) = plain_bar(3, Duration::ZERO, eta_style("sft {pos}/{len} eta {eta}"));
         bar.set_position(1);
         bar.reset_eta();
         bar.tick();
@@ -291,13 +285,8 @@ mod tests {
     /// Fast steps are throttled to one line per interval, and the final state is always written.
     #[test]
     fn fast_progress_is_throttled_and_ends_with_the_final_state() {
-        let out = Shared::default();
-        let target = ProgressDrawTarget::term_like_with_hz(
-            Box::new(PlainLines::new(out.clone(), Duration::from_secs(3600))),
-            20,
-        );
-        let bar = ProgressBar::with_draw_target(Some(1000), target);
-        bar.set_style(ProgressStyle::with_template("sft {pos}/{len}").unwrap());
+        let style = ProgressStyle::with_template("sft {pos}/{len}").unwrap();
+        let (bar, out) = plain_bar(1000, Duration::from_secs(3600), style);
         for _ in 0..1000 {
             bar.inc(1);
         }
