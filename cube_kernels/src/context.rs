@@ -263,7 +263,7 @@ impl Kernels {
     }
 
     /// Whether the tiles stage one K step per pair of barriers by default (on the instruction), rather
-    /// than as many as fit (the scalar twins; [`Self::stage_steps`] says why): what a benchmark timing
+    /// than as many as fit (the scalar twins; `Self::stage_steps` says why): what a benchmark timing
     /// "the other" staging beside the default needs to know.
     pub fn stages_one_step_by_default(tensor_cores: bool) -> bool {
         tensor_cores
@@ -453,8 +453,8 @@ impl Kernels {
     /// `u32::MAX`) rather than left as the memory pool hands it over, when `on`: a value a kernel fails
     /// to write then shows in a bitwise comparison instead of keeping what a freed buffer of the same
     /// size held (often the right answer, from the run just compared against). For tests and
-    /// debugging: one more launch per allocation ([`crate::kernels::fill_words`]; recorded graphs replay
-    /// it too).
+    /// debugging: one more launch per allocation
+    /// ([`crate::kernels::fill_words`](fn@crate::kernels::fill_words); recorded graphs replay it too).
     pub fn with_poisoned_outputs(mut self, on: bool) -> Self {
         self.poison_outputs = on;
         self

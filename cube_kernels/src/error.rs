@@ -20,7 +20,7 @@ pub enum KernelError {
     /// The runtime has no usable device (not linked, or no such device on this machine).
     #[error("no device: {0}")]
     NoDevice(String),
-    /// A kernel the compiler refused (the compile-only check of [`crate::ptx`] reports it this way).
+    /// A kernel the compiler refused (the compile-only check of `crate::ptx` reports it this way).
     #[error("compile error: {0}")]
     Compile(String),
     /// A launch or a read failed on the device.

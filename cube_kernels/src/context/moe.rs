@@ -27,9 +27,9 @@ impl Kernels {
     }
 
     /// These kernels with the grouped GEMV taking up to `Some(n)` assignments of a tile at once (each
-    /// weight decoded once for them, [`crate::kernels::chunk_dots`]; never more than the experts
-    /// average, so a step with one assignment per expert runs the one-per-pass kernel), or by
-    /// [`Self::gemv_assignments_per_pass`]'s rule (`None`): the same bits every way; for tests, and for
+    /// weight decoded once for them, [`crate::kernels::chunk_dots`](fn@crate::kernels::chunk_dots); never
+    /// more than the experts average, so a step with one assignment per expert runs the one-per-pass kernel),
+    /// or by [`Self::gemv_assignments_per_pass`]'s rule (`None`): the same bits every way; for tests, and for
     /// timing the choice.
     pub fn with_gemv_assignments_per_pass(mut self, n: Option<usize>) -> Self {
         self.gemv_per_pass = n.map(|n| n.clamp(1, Self::MAX_GEMV_ASSIGNMENTS_PER_PASS));
@@ -38,10 +38,10 @@ impl Kernels {
 
     /// These kernels with the grouped GEMV holding each tile's packed weights in registers across its
     /// passes (`Some(true)`: loaded once per tile, before the first pass's staging;
-    /// [`crate::kernels::moe::grouped_gemv`]'s `resident`), never (`Some(false)`), or by
-    /// [`Self::holds_gemv_words`]'s rule (`None`): the same bits every way; for tests, and for timing
-    /// the choice. Where a unit's words would pass [`moe_kernels::MAX_RESIDENT_WORDS`] or the format's
-    /// scales vary within a chunk, the kernel loads them per pass whatever this says.
+    /// [`crate::kernels::moe::grouped_gemv`](fn@crate::kernels::moe::grouped_gemv)'s `resident`), never
+    /// (`Some(false)`), or by [`Self::holds_gemv_words`]'s rule (`None`): the same bits every way; for tests,
+    /// and for timing the choice. Where a unit's words would pass [`moe_kernels::MAX_RESIDENT_WORDS`] or the
+    /// format's scales vary within a chunk, the kernel loads them per pass whatever this says.
     pub fn with_resident_gemv_words(mut self, held: Option<bool>) -> Self {
         self.gemv_resident = held;
         self

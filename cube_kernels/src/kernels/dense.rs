@@ -38,7 +38,8 @@ pub fn dequantize(
 /// `y[t, row] = sum_k x[t, k] w[row, k]` for few tokens: a cube holds `rows_per_cube` rows of one token
 /// (`CUBE_POS_Y`); the `lanes` units of a row sum chunks in parallel into shared memory, then lane 0 adds
 /// the chunk sums left to right (the canonical order). With `stage_x` the token's activations are first
-/// staged in shared memory ([`stage_transposed`]), where the lanes read them without bank conflicts.
+/// staged in shared memory ([`stage_transposed`](fn@stage_transposed)), where the lanes read them without
+/// bank conflicts.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn gemv<X: Float, Y: Float>(
@@ -210,8 +211,9 @@ pub fn gemm_blocked<X: Float, Y: Float>(
 
 /// `y[t, row] = sum_k x[t, k] w[row, k]` tiled: a cube computes a 16x16 (tokens x rows) tile, one output
 /// per unit, staging one 32-deep chunk of activations and dequantized weights in shared memory at a time.
-/// Four times the cubes of [`gemm_blocked`] for a shape: what a matrix too small to fill the device with
-/// 64 x 64 blocks runs (on an H200, [768, 2048] weights at 256 tokens: 165 us here, 201 us in 48 blocks).
+/// Four times the cubes of [`gemm_blocked`](fn@gemm_blocked) for a shape: what a matrix too small to fill the
+/// device with 64 x 64 blocks runs (on an H200, [768, 2048] weights at 256 tokens: 165 us here, 201 us in 48
+/// blocks).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_tile<X: Float, Y: Float>(
@@ -321,9 +323,9 @@ pub fn gemm_transposed<X: Float, Y: Float>(
     }
 }
 
-/// One weight's share of a transposed product tile ([`gemm_transposed`], the grouped MoE backward's
-/// `grouped_transposed`) for unit `(tx, ty)`: `sum_o g[start + ty, o] W[o, col0 + tx]` (`g` widened to f32;
-/// rows past `rows` read as 0)
+/// One weight's share of a transposed product tile ([`gemm_transposed`](fn@gemm_transposed), the grouped MoE
+/// backward's `grouped_transposed`) for unit `(tx, ty)`: `sum_o g[start + ty, o] W[o, col0 + tx]` (`g`
+/// widened to f32; rows past `rows` read as 0)
 /// over the `out` rows of the expert's weight at `woff`/`soff`, in 32-deep chunks (fused multiply-adds from
 /// 0 per chunk, chunk sums added left to right). Every unit of the cube calls it (it syncs the cube).
 #[cube]

@@ -1,6 +1,7 @@
 //! FP8 activation quantization (W8A8): per token per 128 inputs, `s = absmax / 448`, code = E4M3 of
 //! `x / s` (round to nearest even, saturating), and the dequantized value `e4m3(code) * s` the matmul reads.
-//! Both divisions are IEEE's correctly rounded quotient ([`div_rn`]), whatever the runtime's `/` does.
+//! Both divisions are IEEE's correctly rounded quotient ([`div_rn`](fn@div_rn)), whatever the runtime's `/`
+//! does.
 
 use cubecl::prelude::*;
 

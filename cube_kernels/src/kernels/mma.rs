@@ -24,15 +24,17 @@
 //! not depend on it; per group, the accumulators go through shared memory to the units, which scale and add them.
 //!
 //! **Staging.** A unit loads whole packed words (8 int4 or fp4 codes, 4 int8 or fp8 codes) and decodes
-//! them from a register without integer-to-float conversions ([`super::word_code_value`]); the loads of a
-//! chunk of steps go out a chunk ahead, into registers, while the tensor cores multiply the chunk before,
-//! and are written to shared memory after the next barrier ([`fetch_word`], [`store_word`]). Bounds are
-//! selects, not branches, so a step's loads issue together. The staged values, hence the bits, are the
-//! ones a per-code load and decode gives.
+//! them from a register without integer-to-float conversions
+//! ([`super::word_code_value`](fn@super::word_code_value)); the loads of a chunk of steps go out a chunk
+//! ahead, into registers, while the tensor cores multiply the chunk before, and are written to shared memory
+//! after the next barrier ([`fetch_word`](fn@fetch_word), [`store_word`](fn@store_word)). Bounds are selects,
+//! not branches, so a step's loads issue together. The staged values, hence the bits, are the ones a per-code
+//! load and decode gives.
 //!
-//! [`gemm_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs in
-//! place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
-//! reference and across batch sizes, which leaves only the instruction itself to the GPU check.
+//! [`gemm_tiles`](fn@gemm_tiles) without `tensor_cores` is the same tiling, staging and scale groups with
+//! scalar FMAs in place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on
+//! lavapipe against the host reference and across batch sizes, which leaves only the instruction itself to
+//! the GPU check.
 
 use cubecl::prelude::*;
 
@@ -52,8 +54,9 @@ pub const XS_STEP: usize = MMA_TOKEN_TILES * MMA * MMA;
 pub const WS_STEP: usize = MMA_ROW_TILES * MMA * MMA;
 const _: () = assert!(MMA_ROW_TILES * MMA == STAGED_ROWS);
 
-/// Shared memory [`gemm_tiles`] allocates with `stage_steps` staged steps of `operand_bytes`-byte operands
-/// (and, on tensor cores, the f32 accumulators' way to the units), alignment padding included.
+/// Shared memory [`gemm_tiles`](fn@gemm_tiles) allocates with `stage_steps` staged steps of
+/// `operand_bytes`-byte operands (and, on tensor cores, the f32 accumulators' way to the units), alignment
+/// padding included.
 pub fn gemm_tiles_shared_bytes(
     stage_steps: usize,
     operand_bytes: usize,
@@ -105,8 +108,8 @@ pub fn fetch_word(
 
 /// `word` with its codes at inputs `inn` and beyond cleared (`kw`: the word's first input), or 0 where
 /// not `live`: the mask keeps the bits of the codes before `inn` (at most a word's) and zeroes padding,
-/// and cleared codes are value 0 in every format (after [`code_flip`]). The tiles' and the fragment
-/// tiles' staging share it.
+/// and cleared codes are value 0 in every format (after [`code_flip`](fn@code_flip)). The tiles' and the
+/// fragment tiles' staging share it.
 #[cube]
 pub fn clear_past_inputs(
     word: u32,
@@ -122,12 +125,12 @@ pub fn clear_past_inputs(
     word & select(valid == cpw, 0xFFFF_FFFFu32, partial)
 }
 
-/// Decodes packed word `wl` of a staged step ([`fetch_word`]'s) into `ws[ws0..]` (`[row][k]`, 64 rows x
-/// 16, in the operand type `X`: exact, the codes are small integers, E4M3 or E2M1 values), each code from
-/// the register ([`word_code_value`]) instead of one load and one integer-to-float conversion per code.
-/// The codes are stored starting from a lane-dependent one, so the 2-byte stores of a plane's 32 units
-/// fall in 32 different banks at each step of the unrolled loop (plain order: 4 (int4) or 2 (int8)
-/// units per bank). Units with `wl` past the step store nothing.
+/// Decodes packed word `wl` of a staged step ([`fetch_word`](fn@fetch_word)'s) into `ws[ws0..]` (`[row][k]`,
+/// 64 rows x 16, in the operand type `X`: exact, the codes are small integers, E4M3 or E2M1 values), each
+/// code from the register ([`word_code_value`](fn@word_code_value)) instead of one load and one
+/// integer-to-float conversion per code. The codes are stored starting from a lane-dependent one, so the
+/// 2-byte stores of a plane's 32 units fall in 32 different banks at each step of the unrolled loop (plain
+/// order: 4 (int4) or 2 (int8) units per bank). Units with `wl` past the step store nothing.
 #[cube]
 pub fn store_word<X: Float>(
     word: u32,

@@ -5,9 +5,10 @@
 //! groups as in [`super::mma`]: per group an f32 accumulator takes the group's steps in order on tensor
 //! cores (the half operands times the weights' exact codes), then the group's sum times the f32 scale is
 //! added to the f32 total, groups left to right. Gate and up keep one accumulator each and end in
-//! `silu(gate) * up` ([`super::moe::silu_times`]), in f32. An assignment's row of the instruction never
-//! mixes with the other rows, and rows past the tile's last assignment are zeros, so an assignment gets
-//! the same bits whichever tile it shares, with how many tokens: a decode step computes a prefill's bits.
+//! `silu(gate) * up` ([`super::moe::silu_times`](fn@super::moe::silu_times)), in f32. An assignment's row of
+//! the instruction never mixes with the other rows, and rows past the tile's last assignment are zeros, so an
+//! assignment gets the same bits whichever tile it shares, with how many tokens: a decode step computes a
+//! prefill's bits.
 //!
 //! **Operands.** The instruction multiplies two operands of the operand type `X` (the activations' half
 //! type): the gate/up input is the activations, rounded to `X` as they are staged (exact for half values,
@@ -23,9 +24,10 @@
 //! table once per tile; per scale group the accumulators go through shared memory to the units, which
 //! scale and add them.
 //!
-//! [`grouped_tiles`] without `tensor_cores` is the same tiling, staging and scale groups with scalar FMAs
-//! in place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on lavapipe against the host
-//! reference and against one-token-at-a-time runs, which leaves only the instruction to the GPU check.
+//! [`grouped_tiles`](fn@grouped_tiles) without `tensor_cores` is the same tiling, staging and scale groups
+//! with scalar FMAs in place of the instruction (any runtime): `cube_kernels/tests/kernels.rs` checks it on
+//! lavapipe against the host reference and against one-token-at-a-time runs, which leaves only the
+//! instruction to the GPU check.
 
 use cubecl::prelude::*;
 
@@ -45,9 +47,9 @@ const TILE_VALUES: usize = MMA * MMA;
 const W_STEP: usize = MOE_MMA_ROW_TILES * TILE_VALUES;
 const _: () = assert!(MOE_MMA_ROW_TILES * MMA == STAGED_ROWS);
 
-/// Shared memory [`grouped_tiles`] allocates with `stage_steps` staged steps of `operand_bytes`-byte
-/// operands, two projections with `swiglu` (and, on tensor cores, the f32 accumulators' way to the
-/// units), alignment padding included.
+/// Shared memory [`grouped_tiles`](fn@grouped_tiles) allocates with `stage_steps` staged steps of
+/// `operand_bytes`-byte operands, two projections with `swiglu` (and, on tensor cores, the f32 accumulators'
+/// way to the units), alignment padding included.
 pub fn grouped_tiles_shared_bytes(
     stage_steps: usize,
     operand_bytes: usize,
@@ -337,9 +339,9 @@ fn store_assignments(
 /// else with scalar fused multiply-adds in place of the instruction (each group's sum over its inputs in
 /// order from 0; any runtime and operand type, f32 included; the same tiling, staging and scale groups,
 /// other bits than the instruction's, batch-invariant in the same way). Arguments as
-/// [`super::moe::grouped_matmul`]'s, with `steps = ceil(inn / 16)` and the scale group in steps. `I` is
-/// the input buffer's type, `X` the operands' (half for the instruction). Launch with `CubeDim (32, 4)`
-/// and `CubeCount (ceil(n_out / 64), tiles)`.
+/// [`super::moe::grouped_matmul`](fn@crate::kernels::moe::grouped_matmul)'s, with `steps = ceil(inn / 16)`
+/// and the scale group in steps. `I` is the input buffer's type, `X` the operands' (half for the
+/// instruction). Launch with `CubeDim (32, 4)` and `CubeCount (ceil(n_out / 64), tiles)`.
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_tiles<I: Float, X: Float>(

@@ -68,9 +68,9 @@ pub const STAGE_FLOATS: usize = 16 * STAGE_STRIDE;
 pub const E2M1_TWICE: u32 = 0xC864_3210;
 
 /// The value of an E2M1 code ([`crate::format::E2M1_VALUES`]), exactly: twice the magnitude from
-/// [`E2M1_TWICE`] as a float ([`small_uint_value`]), times 0.5, with the code's sign bit as the float's
-/// (each step exact, -0.0 for code 8). No integer-to-float conversion: on NVIDIA parts those issue at a
-/// fraction of the FMA rate, and the tiles decode one code per weight and tile.
+/// [`E2M1_TWICE`] as a float ([`small_uint_value`](fn@small_uint_value)), times 0.5, with the code's sign bit
+/// as the float's (each step exact, -0.0 for code 8). No integer-to-float conversion: on NVIDIA parts those
+/// issue at a fraction of the FMA rate, and the tiles decode one code per weight and tile.
 #[cube]
 pub fn e2m1_value(nib: u32) -> f32 {
     let twice = (0xC864_3210u32 >> ((nib & 7u32) * 4u32)) & 15u32;
@@ -86,8 +86,9 @@ pub fn small_uint_value(v: u32) -> f32 {
 }
 
 /// The XOR that turns a packed word's two's-complement integer codes into offset binary (int4: every
-/// nibble's top bit, int8: every byte's), so that [`word_code_value`] reads `q` as `(code ^ 8) - 8` (int4)
-/// or `(code ^ 128) - 128` (int8) with one float subtraction; 0 for the float formats.
+/// nibble's top bit, int8: every byte's), so that [`word_code_value`](fn@word_code_value) reads `q` as
+/// `(code ^ 8) - 8` (int4) or `(code ^ 128) - 128` (int8) with one float subtraction; 0 for the float
+/// formats.
 #[cube]
 pub fn code_flip(#[comptime] fmt: u32) -> u32 {
     if comptime!(fmt == 0) {
@@ -99,10 +100,10 @@ pub fn code_flip(#[comptime] fmt: u32) -> u32 {
     }
 }
 
-/// The value of code `j` of a packed word already XOR-ed with [`code_flip`], before its scale, exactly
-/// [`crate::format::WeightFormat::code_value`]: int4 and int8 integers (offset binary read as a float by
-/// [`small_uint_value`]'s construction, minus the offset and `2^23` in one exact subtraction), the E4M3
-/// value from the decode table `lut`, or [`e2m1_value`].
+/// The value of code `j` of a packed word already XOR-ed with [`code_flip`](fn@code_flip), before its scale,
+/// exactly [`crate::format::WeightFormat::code_value`]: int4 and int8 integers (offset binary read as a float
+/// by [`small_uint_value`](fn@small_uint_value)'s construction, minus the offset and `2^23` in one exact
+/// subtraction), the E4M3 value from the decode table `lut`, or [`e2m1_value`](fn@e2m1_value).
 #[cube]
 pub fn word_code_value(flipped: u32, j: u32, lut: &[f32], #[comptime] fmt: u32) -> f32 {
     if comptime!(fmt == 0) {
@@ -126,8 +127,8 @@ pub const fn codes_per_word(fmt: u32) -> usize {
 }
 
 /// The dequantized weight of row `row`, input `k` of the matrix starting at word `woff` / scale `soff`:
-/// `q as f32 * s` (fp8: `e4m3(code) * s` through the decode table `lut`, fp4: [`e2m1_value`]`(code) * s`),
-/// one f32 multiply, as the host reference computes it.
+/// `q as f32 * s` (fp8: `e4m3(code) * s` through the decode table `lut`, fp4:
+/// [`e2m1_value`](fn@e2m1_value)`(code) * s`), one f32 multiply, as the host reference computes it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn weight_at(
@@ -171,7 +172,8 @@ pub fn scale_at(
 }
 
 /// Input `k0 + j` of a product: `x[xoff + k0 + j]` widened to f32, or with `staged` its copy in `xs` from
-/// `xs_at`, laid out by [`stage_transposed`] for a row of `chunks` chunks (`k0` a multiple of 32).
+/// `xs_at`, laid out by [`stage_transposed`](fn@stage_transposed) for a row of `chunks` chunks (`k0` a
+/// multiple of 32).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn input_at<X: Float>(
@@ -191,15 +193,15 @@ pub fn input_at<X: Float>(
     }
 }
 
-/// Floats of one input row staged by [`stage_transposed`] for `chunks` chunks.
+/// Floats of one input row staged by [`stage_transposed`](fn@stage_transposed) for `chunks` chunks.
 pub const fn staged_row_floats(chunks: usize) -> usize {
     32 * (chunks + 1)
 }
 
 /// One chunk of the canonical order: `sum_k input(k) * weight(row, k)` for `k` in `k0..k0 + depth`, fused
-/// multiply-adds from 0.0 in `k` order, bit for bit what [`weight_at`] one input at a time gives. The
-/// inputs are `x` from `xoff`, or with `staged` their copy in `xs` ([`input_at`]): the same values, so the
-/// same bits. [`chunk_dots`] for one input row.
+/// multiply-adds from 0.0 in `k` order, bit for bit what [`weight_at`](fn@weight_at) one input at a time
+/// gives. The inputs are `x` from `xoff`, or with `staged` their copy in `xs` ([`input_at`](fn@input_at)):
+/// the same values, so the same bits. [`chunk_dots`](fn@chunk_dots) for one input row.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 pub fn chunk_dot<X: Float>(
@@ -231,11 +233,11 @@ pub fn chunk_dot<X: Float>(
     parts[0]
 }
 
-/// [`chunk_dot`] of one weight row with `count` input rows at once: row `p`'s inputs are `x` from
-/// `xoffs[p]`, or with `staged` their copy in `xs` from `p * staged_row_floats(chunks)`; `parts[p]` gets
+/// [`chunk_dot`](fn@chunk_dot) of one weight row with `count` input rows at once: row `p`'s inputs are `x`
+/// from `xoffs[p]`, or with `staged` their copy in `xs` from `p * staged_row_floats(chunks)`; `parts[p]` gets
 /// row `p`'s chunk sum. Each weight is decoded and scaled once and then meets each row in one fused
-/// multiply-add, in `k` order from 0.0 per row: every `parts[p]` is bit for bit [`chunk_dot`] of its row,
-/// and the decode, most of a GEMV's instructions per weight, is shared by the rows. A full chunk
+/// multiply-add, in `k` order from 0.0 per row: every `parts[p]` is bit for bit [`chunk_dot`](fn@chunk_dot)
+/// of its row, and the decode, most of a GEMV's instructions per weight, is shared by the rows. A full chunk
 /// (`depth == 32`, `k0` a multiple of 32) of a format whose scale is constant over it (int8; int4 and fp8
 /// groups that are multiples of 32) or over each word (fp4) loads each scale and each packed word once,
 /// and decodes the word's 8 (int4, fp4) or 4 (int8, fp8) codes from registers.
@@ -408,5 +410,6 @@ pub fn stage_transposed<X: Float>(
     }
 }
 
-/// Most loads [`stage_transposed`] keeps in flight per unit (registers per unit it holds for them).
+/// Most loads [`stage_transposed`](fn@stage_transposed) keeps in flight per unit (registers per unit it holds
+/// for them).
 pub const STAGE_LOAD_BATCH: usize = 8;

@@ -1,11 +1,11 @@
 //! The grouped MoE matmul: assignments (token, expert) sorted by expert, one launch over all experts.
 //!
 //! Each expert's run of sorted assignments is split into tiles of 16 ([`crate::moe::MoeRouting`] on the
-//! host, or [`route()`] on the device, from ids that never leave it); cube `(x, y)` of
-//! [`grouped_matmul`] computes output rows `64x..64x+64` for tile `y`, reading that tile's expert's
-//! weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products share the
-//! staged activations and the result is `silu(gate) * up`. Empty experts have no tiles; a table built on
-//! the device ends with empty tiles up to a bound (their cubes compute nothing).
+//! host, or [`route()`](fn@super::route::route) on the device, from ids that never leave it); cube `(x, y)`
+//! of [`grouped_matmul`](fn@grouped_matmul) computes output rows `64x..64x+64` for tile `y`, reading that
+//! tile's expert's weights at its word and scale offsets. Gate and up are fused (`swiglu`): both dot products
+//! share the staged activations and the result is `silu(gate) * up`. Empty experts have no tiles; a table
+//! built on the device ends with empty tiles up to a bound (their cubes compute nothing).
 //!
 //! The routing bookkeeping is one `u32` table ([`crate::moe::MoeRouting::table`], uploaded, or
 //! [`crate::moe::RoutingTable`], built on the device): per tile `(expert, first assignment, one past the
@@ -205,22 +205,23 @@ pub fn grouped_matmul<X: Float>(
     }
 }
 
-/// The decode-sized form of [`grouped_matmul`], the same values bit for bit: cube `(x, y)` computes rows
-/// `rows_per_cube * x..` for the assignments of tile `y` (expert `table[3 y]`, assignments
+/// The decode-sized form of [`grouped_matmul`](fn@grouped_matmul), the same values bit for bit: cube `(x, y)`
+/// computes rows `rows_per_cube * x..` for the assignments of tile `y` (expert `table[3 y]`, assignments
 /// `table[3 y + 1]..table[3 y + 2]`), `per_pass` assignments at a time, each row summed by `lanes` units
 /// in parallel chunks as the dense GEMV does (chunk sums in shared memory, added left to right by lane
 /// 0; with `stage_x` the pass's input rows are staged in shared memory first). A tile of
-/// [`grouped_matmul`] keeps 256 units on 64 rows x at most 16 assignments, so with one or two
-/// assignments per expert (decode) most of it is idle, while here every unit reads weights; and the
+/// [`grouped_matmul`](fn@grouped_matmul) keeps 256 units on 64 rows x at most 16 assignments, so with one or
+/// two assignments per expert (decode) most of it is idle, while here every unit reads weights; and the
 /// cube's rows of the expert's weights come from memory once per tile, not once per assignment: the
 /// later passes find them in the cache (a cube's rows are a few KiB), which matters from a few tokens
 /// up, where experts start to share assignments. With `per_pass > 1` a lane decodes each weight once
-/// for the pass's assignments ([`super::chunk_dots`]: one fused multiply-add per assignment and weight),
-/// where the decode is most of a GEMV's instructions per weight; each assignment's sums are the same.
+/// for the pass's assignments ([`super::chunk_dots`](fn@super::chunk_dots): one fused multiply-add per
+/// assignment and weight), where the decode is most of a GEMV's instructions per weight; each assignment's
+/// sums are the same.
 ///
 /// With `resident` ([`resident_words`] within [`MAX_RESIDENT_WORDS`], a format [`holds_format`]) a unit
 /// loads its row's packed words and scales of its whole chunks once per tile, into registers, before
-/// the first pass stages its inputs, and every pass decodes them from there ([`held_chunk_dots`]: the
+/// the first pass stages its inputs, and every pass decodes them from there (`held_chunk_dots`: the
 /// same decode and fused multiply-adds in the same order, so the same bits): one wait on memory per
 /// tile for the weights, overlapped with the first staging, instead of one per chunk, projection and
 /// pass (an H200 took ~2.3 us per assignment at 1-64 tokens, 2026-12-04, about 3.4x the bytes' time:
@@ -571,18 +572,18 @@ fn gemv_pass<X: Float>(
     }
 }
 
-/// Most packed words a unit of [`grouped_gemv`] holds with `resident` (registers: the kernel otherwise
-/// takes ~32 per unit).
+/// Most packed words a unit of [`grouped_gemv`](fn@grouped_gemv) holds with `resident` (registers: the kernel
+/// otherwise takes ~32 per unit).
 pub const MAX_RESIDENT_WORDS: usize = 32;
 
-/// Packed words a unit of [`grouped_gemv`] holds with `resident`: its chunks' (`chunks / lanes`,
-/// rounded up) words of each projection (two with SwiGLU).
+/// Packed words a unit of [`grouped_gemv`](fn@grouped_gemv) holds with `resident`: its chunks'
+/// (`chunks / lanes`, rounded up) words of each projection (two with SwiGLU).
 pub const fn resident_words(fmt: u32, chunks: usize, lanes: usize, swiglu: bool) -> usize {
     chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * (CHUNK / codes_per_word(fmt))
 }
 
-/// Scales a unit of [`grouped_gemv`] holds with `resident`: one per chunk and projection, or one per
-/// word for fp4 (blocks of 16 or 32 inputs).
+/// Scales a unit of [`grouped_gemv`](fn@grouped_gemv) holds with `resident`: one per chunk and projection, or
+/// one per word for fp4 (blocks of 16 or 32 inputs).
 pub const fn resident_scales(fmt: u32, chunks: usize, lanes: usize, swiglu: bool) -> usize {
     let per_chunk = if fmt == 3 {
         CHUNK / codes_per_word(fmt)
@@ -592,9 +593,9 @@ pub const fn resident_scales(fmt: u32, chunks: usize, lanes: usize, swiglu: bool
     chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * per_chunk
 }
 
-/// Whether [`grouped_gemv`] can hold a format's weights (`fmt`, `group`): its whole chunks decode with
-/// one scale per chunk (int8; int4 and fp8 groups that are multiples of 32) or per word (fp4), as
-/// [`super::chunk_dots`]'s fast path does.
+/// Whether [`grouped_gemv`](fn@grouped_gemv) can hold a format's weights (`fmt`, `group`): its whole chunks
+/// decode with one scale per chunk (int8; int4 and fp8 groups that are multiples of 32) or per word (fp4), as
+/// [`super::chunk_dots`](fn@super::chunk_dots)'s fast path does.
 pub const fn holds_format(fmt: u32, group: usize) -> bool {
     fmt == 1 || fmt == 3 || group % 32 == 0
 }
@@ -743,12 +744,12 @@ pub fn combine<F: Float>(
     }
 }
 
-/// The decode-sized down projection and combine in one launch, bit for bit [`grouped_gemv`] (down, `h`
-/// in sorted order) followed by [`combine`]: cube `(x, t)` computes output rows `rows_per_cube * x..` of
-/// token `t`. Unit `(lane, r, j)` sums chunks `lane, lane + lanes, ..` of row `r` for slot `j`'s
-/// assignment `a = positions[t * top_k + j]` (its expert at `experts[a]`) into shared memory; after the
-/// barrier one unit per row adds each slot's chunk sums left to right (the GEMV's `y_a`) and folds the
-/// slots in slot order, `acc = fma(route_w[t, j], y_a, acc)` from 0.0 (the combine's), rounding once to
+/// The decode-sized down projection and combine in one launch, bit for bit [`grouped_gemv`](fn@grouped_gemv)
+/// (down, `h` in sorted order) followed by [`combine`](fn@combine): cube `(x, t)` computes output rows
+/// `rows_per_cube * x..` of token `t`. Unit `(lane, r, j)` sums chunks `lane, lane + lanes, ..` of row `r`
+/// for slot `j`'s assignment `a = positions[t * top_k + j]` (its expert at `experts[a]`) into shared memory;
+/// after the barrier one unit per row adds each slot's chunk sums left to right (the GEMV's `y_a`) and folds
+/// the slots in slot order, `acc = fma(route_w[t, j], y_a, acc)` from 0.0 (the combine's), rounding once to
 /// `F` on the store. The slots run side by side (the `z` units) and no per-assignment output reaches
 /// memory: one launch instead of two for each MoE layer of a decode step, where the launch costs more
 /// than the arithmetic.

@@ -3,17 +3,18 @@
 //!
 //! The training forward computes the gate and up products with the grouped kernels of [`super::moe`] as two
 //! plain launches instead of the fused SwiGLU one (the same canonical dot products, so the same bits) and
-//! keeps them, then [`swiglu_rows`] forms `h = silu(g) * u` with the contract's own [`silu_times`]: the
-//! block's output is bit for bit the rollout's. The backward is free of the rollout contract but sums in
-//! fixed orders (never by scheduling or atomics), so a run repeats exactly:
-//! - [`combine_backward`], [`route_weight_grad`]: through the combine `out[t] = sum_j w[t, j] y[pos(t, j)]`;
-//! - [`swiglu_backward_rows`]: through `h = silu(g) * u`;
-//! - [`grouped_transposed`]: `dx_a = g_a · dequant(W_e)` per sorted assignment `a` of expert `e` (the
-//!   straight-through input gradient, from the same packed weights), optionally for two weights at once
-//!   (gate and up feed one input);
-//! - [`grouped_weight_grad`]: `dW_e = input_e^T g_e` over each expert's assignments (the straight-through
-//!   gradient of the f32 master, in its `[in, out]` layout);
-//! - [`sum_assignments`]: the sorted input gradients back to their tokens.
+//! keeps them, then [`swiglu_rows`](fn@swiglu_rows) forms `h = silu(g) * u` with the contract's own
+//! [`silu_times`](fn@silu_times): the block's output is bit for bit the rollout's. The backward is free of
+//! the rollout contract but sums in fixed orders (never by scheduling or atomics), so a run repeats exactly:
+//! - [`combine_backward`](fn@combine_backward), [`route_weight_grad`](fn@route_weight_grad): through the
+//!   combine `out[t] = sum_j w[t, j] y[pos(t, j)]`;
+//! - [`swiglu_backward_rows`](fn@swiglu_backward_rows): through `h = silu(g) * u`;
+//! - [`grouped_transposed`](fn@grouped_transposed): `dx_a = g_a · dequant(W_e)` per sorted assignment `a` of
+//!   expert `e` (the straight-through input gradient, from the same packed weights), optionally for two
+//!   weights at once (gate and up feed one input);
+//! - [`grouped_weight_grad`](fn@grouped_weight_grad): `dW_e = input_e^T g_e` over each expert's assignments
+//!   (the straight-through gradient of the f32 master, in its `[in, out]` layout);
+//! - [`sum_assignments`](fn@sum_assignments): the sorted input gradients back to their tokens.
 
 use cubecl::prelude::*;
 
@@ -21,7 +22,7 @@ use super::dense::transposed_share;
 use super::moe::silu_times;
 use super::{TILE_FLOATS, TILE_STRIDE};
 
-/// `h[i] = silu(g[i]) * u[i]` by [`silu_times`], the fused gate+up kernel's own arithmetic.
+/// `h[i] = silu(g[i]) * u[i]` by [`silu_times`](fn@silu_times), the fused gate+up kernel's own arithmetic.
 #[cube(launch, create_dummy_kernel)]
 pub fn swiglu_rows(g: &[f32], u: &[f32], h: &mut [f32], len: usize) {
     let id = ABSOLUTE_POS;

@@ -2,20 +2,22 @@
 //! [`crate::moe::MoeRouting::table`]) built from the router's expert ids without a read back, the same
 //! table as the host's on the same ids. It is a stable counting sort of the assignments by expert:
 //! count each expert's ids, turn the counts into offsets and cut each expert's run into tiles of at most
-//! [`TILE`](super::TILE), then give each assignment its place (the `n`-th of expert `e`'s ids goes to
+//! [`TILE`], then give each assignment its place (the `n`-th of expert `e`'s ids goes to
 //! `offsets[e] + n`).
 //!
 //! The ids are taken in rounds of [`ROUTE_UNITS`], one per unit: a unit's rank among the round's equal
 //! ids is a count over the round's ids in shared memory, and the last of an expert's ids in the round
 //! adds the round's count to the expert's running count (one writer per expert: no atomics, the same
-//! sums in any schedule). Small calls (a decode step) run all of it in one cube ([`route`]); larger
-//! ones split the ids into blocks of whole rounds and run three launches ([`route_count_blocks`]: each
-//! block's count per expert; [`route_offsets`]: one cube turns them into each block's first place per
-//! expert, the offsets and the tiles; [`route_scatter_blocks`]: each block places its ids), so the
-//! work spreads over the device's multiprocessors instead of every unit of one cube reading every id.
+//! sums in any schedule). Small calls (a decode step) run all of it in one cube ([`route`](fn@route)); larger
+//! ones split the ids into blocks of whole rounds and run three launches
+//! ([`route_count_blocks`](fn@route_count_blocks): each block's count per expert;
+//! [`route_offsets`](fn@route_offsets): one cube turns them into each block's first place per expert, the
+//! offsets and the tiles; [`route_scatter_blocks`](fn@route_scatter_blocks): each block places its ids), so
+//! the work spreads over the device's multiprocessors instead of every unit of one cube reading every id.
 //!
 //! The barriers sit in loops whose bounds come from the launch arguments and the cube's position: the
-//! same for every unit of a cube, as the grouped GEMV's ([`super::moe::grouped_gemv`]).
+//! same for every unit of a cube, as the grouped GEMV's
+//! ([`super::moe::grouped_gemv`](fn@super::moe::grouped_gemv)).
 
 use cubecl::prelude::*;
 
@@ -24,9 +26,10 @@ use super::TILE;
 /// Units of a routing cube: the ids of a round, one per unit.
 pub const ROUTE_UNITS: usize = 256;
 
-/// Blocks the three-launch routing aims for, about an H200's 132 multiprocessors: [`route_offsets`]
-/// adds each expert's block counts one after the other, so more blocks lengthen its one cube's loop;
-/// fewer leave multiprocessors idle. Past [`ROUTE_BLOCK_ROUNDS`] rounds a block, there are more.
+/// Blocks the three-launch routing aims for, about an H200's 132 multiprocessors:
+/// [`route_offsets`](fn@route_offsets) adds each expert's block counts one after the other, so more blocks
+/// lengthen its one cube's loop; fewer leave multiprocessors idle. Past [`ROUTE_BLOCK_ROUNDS`] rounds a
+/// block, there are more.
 pub const ROUTE_BLOCKS: usize = 128;
 
 /// Most rounds of ids a block takes: a unit ranks its id against up to 255 others per round, and
@@ -42,7 +45,7 @@ pub const fn route_shared_words(experts: usize) -> usize {
 }
 
 /// The whole routing in one cube (for up to a few rounds of ids: a decode step, where one launch
-/// costs more than the work): the counts, the offsets and tiles ([`write_offsets_and_tiles`]), the
+/// costs more than the work): the counts, the offsets and tiles (`write_offsets_and_tiles`), the
 /// places, each over all `assignments` ids. `experts` at most what [`route_shared_words`] fits.
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
@@ -119,7 +122,7 @@ pub fn route_count_blocks(
 /// Second launch, one cube: turns the `blocks` blocks' counts into the place each block's first id of
 /// expert `e` takes (`counts[b * experts + e]` becomes `offsets[e]` plus the expert's ids in blocks
 /// `0..b`), and writes the offsets, the tiles and the places no valid id takes
-/// ([`write_offsets_and_tiles`]).
+/// (`write_offsets_and_tiles`).
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn route_offsets(
@@ -167,8 +170,8 @@ pub fn route_offsets(
     }
 }
 
-/// Third launch: cube `b` places the ids of its block (as [`route_count_blocks`] cut them), starting
-/// each expert at `starts[b * experts + e]` ([`route_offsets`]).
+/// Third launch: cube `b` places the ids of its block (as [`route_count_blocks`](fn@route_count_blocks) cut
+/// them), starting each expert at `starts[b * experts + e]` ([`route_offsets`](fn@route_offsets)).
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn route_scatter_blocks(

@@ -14,15 +14,16 @@
 //! **Order.** The same as [`super::mma_moe`]'s: per assignment and output row, K steps of 16 inputs,
 //! scale groups of `steps_per_scale` steps; per group an f32 accumulator starts at 0 and takes the group's
 //! steps in order on tensor cores (each step one instruction over 16 inputs), then `total += sum * scale`,
-//! groups left to right; gate and up end in `silu(gate) * up` ([`super::moe::silu_times`]), in f32. An
-//! `m16n16k16` instruction is two `m16n8k16` ones on NVIDIA parts, so the two kernels are expected to give
-//! the same bits (`qarl bench kernels --check` counts the values that differ on the device); within this
-//! kernel, an assignment's row never mixes with the others and rows past the tile are zeros, so a decode
-//! step computes a prefill's bits.
+//! groups left to right; gate and up end in `silu(gate) * up`
+//! ([`super::moe::silu_times`](fn@super::moe::silu_times)), in f32. An `m16n16k16` instruction is two
+//! `m16n8k16` ones on NVIDIA parts, so the two kernels are expected to give the same bits
+//! (`qarl bench kernels --check` counts the values that differ on the device); within this kernel, an
+//! assignment's row never mixes with the others and rows past the tile are zeros, so a decode step computes a
+//! prefill's bits.
 //!
 //! **Cube.** A cube of 4 planes computes `16 m_tiles` assignments x `32 blocks` output rows per projection
 //! (`32 blocks / splits` with split groups; [`FragCube`]): plane `p` holds `blocks` blocks of 8 rows
-//! (the instruction's `n`; its plane of rows, [`row_plane`], with split groups), and each unit
+//! (the instruction's `n`; its plane of rows, `row_plane`, with split groups), and each unit
 //! decodes a block's B fragment once per K step for the `m_tiles` tiles of 16 assignments it multiplies
 //! (sharing a decoded weight across tiles: fewer decodes per instruction at prefill sizes). Per chunk
 //! the cube stages the inputs (as pairs of operand values, rounded to `X` as in [`super::mma_moe`]) and
@@ -31,15 +32,15 @@
 //! distinct banks, and whole chunks skip the end-of-inputs checks. int4 codes with half operands may be
 //! decoded two at a time ([`PairDecode`]), and the A fragments read by `ldmatrix`. Where a call's cubes
 //! are few (a decode step), the planes may instead form 2 or 4 sets over fewer rows, each set computing
-//! every second or fourth scale group, set 0 adding the groups' sums in order ([`split`]). No choice of
+//! every second or fourth scale group, set 0 adding the groups' sums in order (`split`). No choice of
 //! the cube changes a bit: every output keeps its order, and only which unit computes it changes, so a
 //! launcher may choose the cube per call.
 //!
-//! [`grouped_fragments`] without `tensor_cores` is the same staging, fragments and scale groups with the
-//! instruction emulated from the units' fragment registers (exchanged through shared memory, each output
-//! summed with scalar FMAs in K order from the accumulator): [`super::mma_moe::grouped_tiles`]' scalar
-//! twin's bits, which `cube_kernels/tests/kernels.rs` checks bitwise on lavapipe, leaving only the
-//! instruction to the GPU check.
+//! [`grouped_fragments`](fn@grouped_fragments) without `tensor_cores` is the same staging, fragments and
+//! scale groups with the instruction emulated from the units' fragment registers (exchanged through shared
+//! memory, each output summed with scalar FMAs in K order from the accumulator):
+//! [`super::mma_moe::grouped_tiles`](fn@super::mma_moe::grouped_tiles)' scalar twin's bits, which
+//! `cube_kernels/tests/kernels.rs` checks bitwise on lavapipe, leaving only the instruction to the GPU check.
 
 mod fragment;
 mod split;
@@ -72,7 +73,8 @@ pub const FRAG_MAX_CHUNK_STEPS: usize = 8;
 /// integers, exact in every operand type).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PairDecode {
-    /// Each code by itself, as an f32 integer converted to the operand type ([`super::word_code_value`]).
+    /// Each code by itself, as an f32 integer converted to the operand type
+    /// ([`super::word_code_value`](fn@super::word_code_value)).
     Scalar,
     /// Two int4 codes at once into an f16 pair: the codes under the exponent of 1024 (`0x6400`), then
     /// one packed subtraction of 1032 (`1024 + c - 1032 = c - 8`, exact).
@@ -107,18 +109,18 @@ impl PairDecode {
     }
 }
 
-/// The compile-time layout of one cube of [`grouped_fragments`]: `chunk_steps` K steps staged per pair of
-/// barriers ([`fragment_chunk_steps`]), `m_tiles` tiles of 16 assignments (tokens, for the dense product),
-/// `blocks` blocks of 8 output rows per plane and projection, the codes' [`PairDecode`], and whether
-/// every chunk is whole (`full_chunks`: the inputs a multiple of `16 chunk_steps` and the scale groups of
-/// `chunk_steps`, as in every Qwen3 projection; then the staging skips the checks of the inputs' end),
-/// and whether the staging has two buffers (`double_buffer`: one barrier per chunk instead of two, for
+/// The compile-time layout of one cube of [`grouped_fragments`](fn@grouped_fragments): `chunk_steps` K steps
+/// staged per pair of barriers ([`fragment_chunk_steps`]), `m_tiles` tiles of 16 assignments (tokens, for the
+/// dense product), `blocks` blocks of 8 output rows per plane and projection, the codes' [`PairDecode`], and
+/// whether every chunk is whole (`full_chunks`: the inputs a multiple of `16 chunk_steps` and the scale
+/// groups of `chunk_steps`, as in every Qwen3 projection; then the staging skips the checks of the inputs'
+/// end), and whether the staging has two buffers (`double_buffer`: one barrier per chunk instead of two, for
 /// twice the shared memory and a runtime buffer offset); and `splits`: the planes split the scale groups
 /// among themselves in `splits` sets (1: every plane takes every group of its own rows; 2 or 4: `4 /
 /// splits` planes of rows, set `q` taking groups `q, q + splits, ..`, with the inputs of all `whole_k`
 /// inputs staged once, `staged_rows` rows of them: at least the most assignments a tile of the call
 /// holds, a power of two up to 16, the instruction's other rows reading those rows again, as their
-/// outputs are never stored; [`split`]); and `ldmatrix`: on the instruction, each tile's A fragment
+/// outputs are never stored; `split`); and `ldmatrix`: on the instruction, each tile's A fragment
 /// read from shared memory by one `ldmatrix.x4` (the 4 registers of 8 x 8 operand matrices, rows
 /// addressed by the plane's lanes) instead of 4 loads of 4 bytes. The bits never depend on it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -206,17 +208,18 @@ fn fragment_index(
 }
 
 /// `y[a, row] = sum_k input[src(a), k] a_e[row, k]` (or `silu(.) * (. b_e)` with `swiglu`) for the
-/// assignments of the cube's tiles, in [`super::mma_moe`]'s order, with [`super::mma_moe::grouped_tiles`]'
-/// arguments, `offsets_at` where the table's expert offsets start, and the compile-time layout `cube`
-/// ([`FragCube`]; the bits do not depend on it). The cube of tile `CUBE_POS_Y` of the table covers it
-/// and the expert's next `m_tiles - 1` tiles when it is the first of them (its place in the expert a
-/// multiple of `16 m_tiles`), and nothing otherwise: the grid is the table's, whatever the cube. On the
-/// instruction with `tensor_cores` (half `X`), else emulated (any runtime and operand type). `y` is f32
-/// for the grouped products. With `dense`, the dense product `y[t, row] = sum_k input[t, k] w[row, k]`
-/// of [`super::mma::gemm_tiles`]' order instead: the cube covers tokens `16 m_tiles CUBE_POS_Y ..` of
-/// `tokens`, one matrix, no table (any buffer), `y` of the activations' type `Y`, rounded once. Launch
-/// with `CubeDim (32, 4)` and `CubeCount (ceil(n_out / rows), tiles)` (dense: `ceil(tokens / (16
-/// m_tiles))`).
+/// assignments of the cube's tiles, in [`super::mma_moe`](crate::kernels::mma_moe)'s order, with
+/// [`super::mma_moe::grouped_tiles`](fn@crate::kernels::mma_moe::grouped_tiles)' arguments, `offsets_at`
+/// where the table's expert offsets start, and the compile-time layout `cube` ([`FragCube`]; the bits do not
+/// depend on it). The cube of tile `CUBE_POS_Y` of the table covers it and the expert's next `m_tiles - 1`
+/// tiles when it is the first of them (its place in the expert a multiple of `16 m_tiles`), and nothing
+/// otherwise: the grid is the table's, whatever the cube. On the instruction with `tensor_cores` (half `X`),
+/// else emulated (any runtime and operand type). `y` is f32 for the grouped products. With `dense`, the dense
+/// product `y[t, row] = sum_k input[t, k] w[row, k]` of
+/// [`super::mma::gemm_tiles`](fn@crate::kernels::mma::gemm_tiles)' order instead: the cube covers tokens
+/// `16 m_tiles CUBE_POS_Y ..` of `tokens`, one matrix, no table (any buffer), `y` of the activations' type
+/// `Y`, rounded once. Launch with `CubeDim (32, 4)` and `CubeCount (ceil(n_out / rows), tiles)` (dense:
+/// `ceil(tokens / (16 m_tiles))`).
 #[cube(launch, create_dummy_kernel)]
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_fragments<I: Float, X: Float, Y: Float>(

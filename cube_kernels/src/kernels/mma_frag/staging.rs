@@ -96,8 +96,8 @@ pub(super) const fn partials_len(cube: FragCube, swiglu: bool) -> usize {
     (cube.splits - 1) * cube.row_planes() * MMA_PLANE * 2 * cube.fragments(swiglu)
 }
 
-/// Shared memory [`grouped_fragments`] allocates with the layout `cube` (its buffers of the staging, and
-/// with split groups the inputs staged whole and the sets' sums exchanged),
+/// Shared memory [`grouped_fragments`](fn@super::grouped_fragments) allocates with the layout `cube` (its
+/// buffers of the staging, and with split groups the inputs staged whole and the sets' sums exchanged),
 /// `operand_bytes`-byte operands, two projections with `swiglu`, and the scalar twin's exchange of the
 /// fragment registers (without `tensor_cores`), alignment padding included.
 pub fn grouped_fragments_shared_bytes(
@@ -119,7 +119,7 @@ pub fn grouped_fragments_shared_bytes(
 }
 
 /// The most K steps per chunk, a power of two, for the cube `layout` (its own `chunk_steps` aside): at
-/// most [`FRAG_MAX_CHUNK_STEPS`] and a scale group's `steps_per_scale`, holding at most [`MOST_HELD`]
+/// most [`FRAG_MAX_CHUNK_STEPS`] and a scale group's `steps_per_scale`, holding at most `MOST_HELD`
 /// values per unit (gate and up, the most a kernel holds), with the staging (its buffers) in
 /// `max_shared` bytes; `None` where not even one step fits.
 pub fn fragment_chunk_steps(
