@@ -264,7 +264,6 @@ pub fn chunk_dots<X: Float>(
     #[comptime] chunks: usize,
     #[comptime] staged: bool,
 ) {
-    let row_floats = comptime!(staged_row_floats(chunks));
     #[unroll]
     for p in 0..count {
         parts[p] = 0.0f32;
@@ -281,28 +280,24 @@ pub fn chunk_dots<X: Float>(
         let mut s = scale_at(scales, soff, row, k0, spr, fmt, group);
         #[unroll]
         for w in 0..comptime!(CHUNK / codes_per_word(fmt)) {
-            let word = words[base + w] ^ code_flip(fmt);
             if comptime!(fmt == 3) {
                 s = scale_at(scales, soff, row, k0 + w * cpw, spr, fmt, group);
             }
-            #[unroll]
-            for j in 0..cpw {
-                let v = word_code_value(word, j as u32, lut, fmt) * s;
-                #[unroll]
-                for p in 0..count {
-                    let xv = input_at(
-                        x,
-                        xoffs[p] as usize,
-                        xs,
-                        p * row_floats,
-                        k0,
-                        w * cpw + j,
-                        chunks,
-                        staged,
-                    );
-                    parts[p] = fma(xv, v, parts[p]);
-                }
-            }
+            word_dots(
+                x,
+                xoffs,
+                xs,
+                lut,
+                words[base + w],
+                s,
+                k0,
+                w,
+                parts,
+                count,
+                fmt,
+                chunks,
+                staged,
+            );
         }
     } else {
         for j in 0..depth {
@@ -319,21 +314,84 @@ pub fn chunk_dots<X: Float>(
                 fmt,
                 group,
             );
-            #[unroll]
-            for p in 0..count {
-                let xv = input_at(
-                    x,
-                    xoffs[p] as usize,
-                    xs,
-                    p * row_floats,
-                    k0,
-                    j,
-                    chunks,
-                    staged,
-                );
-                parts[p] = fma(xv, w, parts[p]);
-            }
+            fma_rows(x, xoffs, xs, w, k0, j, parts, count, chunks, staged);
         }
+    }
+}
+
+/// The fused multiply-adds of packed word `w` of a whole chunk (inputs `k0 + w * codes .. +codes`):
+/// each code decoded ([`word_code_value`](fn@word_code_value) after [`code_flip`](fn@code_flip)), times
+/// the scale `s`, then one fused multiply-add into `parts[p]` for each of the `count` input rows (as
+/// [`input_at`](fn@input_at) reads them), codes in order. The one place that arithmetic is written:
+/// every whole-chunk sum, from a word just loaded or one held in registers, runs it.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn word_dots<X: Float>(
+    x: &[X],
+    xoffs: &Array<u32>,
+    xs: &Shared<[f32]>,
+    lut: &[f32],
+    packed: u32,
+    s: f32,
+    k0: usize,
+    w: usize,
+    parts: &mut Array<f32>,
+    #[comptime] count: usize,
+    #[comptime] fmt: u32,
+    #[comptime] chunks: usize,
+    #[comptime] staged: bool,
+) {
+    let cpw = comptime!(codes_per_word(fmt));
+    let word = packed ^ code_flip(fmt);
+    #[unroll]
+    for j in 0..cpw {
+        let v = word_code_value(word, j as u32, lut, fmt) * s;
+        fma_rows(
+            x,
+            xoffs,
+            xs,
+            v,
+            k0,
+            w * cpw + j,
+            parts,
+            count,
+            chunks,
+            staged,
+        );
+    }
+}
+
+/// Weight `v` of input `k0 + j` into each of the `count` input rows' sums: `parts[p] = fma(x_p, v,
+/// parts[p])`, `x_p` as [`input_at`](fn@input_at) reads row `p` (from `xoffs[p]`, or staged at
+/// `p * staged_row_floats(chunks)`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub fn fma_rows<X: Float>(
+    x: &[X],
+    xoffs: &Array<u32>,
+    xs: &Shared<[f32]>,
+    v: f32,
+    k0: usize,
+    j: usize,
+    parts: &mut Array<f32>,
+    #[comptime] count: usize,
+    #[comptime] chunks: usize,
+    #[comptime] staged: bool,
+) {
+    let row_floats = comptime!(staged_row_floats(chunks));
+    #[unroll]
+    for p in 0..count {
+        let xv = input_at(
+            x,
+            xoffs[p] as usize,
+            xs,
+            p * row_floats,
+            k0,
+            j,
+            chunks,
+            staged,
+        );
+        parts[p] = fma(xv, v, parts[p]);
     }
 }
 

@@ -31,9 +31,8 @@
 use cubecl::prelude::*;
 
 use super::{
-    chunk_depth, chunk_dot, chunk_dots, code_flip, codes_per_word, input_at, scale_at, stage_depth,
-    stage_transposed, staged_row_floats, sum_chunks, weight_at, word_code_value, BLOCK, CHUNK,
-    STAGE_FLOATS, STAGE_STRIDE,
+    chunk_depth, chunk_dot, chunk_dots, codes_per_word, scale_at, stage_depth, stage_transposed,
+    staged_row_floats, sum_chunks, weight_at, word_dots, BLOCK, CHUNK, STAGE_FLOATS, STAGE_STRIDE,
 };
 
 /// SwiGLU's `silu(g) * u = g / (1 + exp(-g)) * u` in f32, in that order of operations (the contract's step
@@ -672,13 +671,11 @@ fn held_chunk_dots<X: Float>(
     #[comptime] chunks: usize,
     #[comptime] staged: bool,
 ) {
-    let cpw = comptime!(codes_per_word(fmt));
     let wpc = comptime!(CHUNK / codes_per_word(fmt));
     let spc = comptime!(if fmt == 3 { wpc } else { 1 });
     let per_lane = comptime!(chunks.div_ceil(lanes));
     let first_word = (set * per_lane + i) * wpc;
     let first_scale = (set * per_lane + i) * spc;
-    let row_floats = comptime!(staged_row_floats(chunks));
     #[unroll]
     for p in 0..count {
         parts[p] = 0.0f32;
@@ -686,28 +683,13 @@ fn held_chunk_dots<X: Float>(
     let mut s = held_s[first_scale];
     #[unroll]
     for w in 0..wpc {
-        let word = held_w[first_word + w] ^ code_flip(fmt);
         if comptime!(fmt == 3) {
             s = held_s[first_scale + w];
         }
-        #[unroll]
-        for j in 0..cpw {
-            let v = word_code_value(word, j as u32, lut, fmt) * s;
-            #[unroll]
-            for p in 0..count {
-                let xv = input_at(
-                    x,
-                    xoffs[p] as usize,
-                    xs,
-                    p * row_floats,
-                    k0,
-                    w * cpw + j,
-                    chunks,
-                    staged,
-                );
-                parts[p] = fma(xv, v, parts[p]);
-            }
-        }
+        let packed = held_w[first_word + w];
+        word_dots(
+            x, xoffs, xs, lut, packed, s, k0, w, parts, count, fmt, chunks, staged,
+        );
     }
 }
 
