@@ -22,6 +22,13 @@ pub fn print_summaries(base: &str, rows: &[Value]) {
             println!("  {line}");
         }
     }
+    let decode = decode_summary(rows);
+    if !decode.is_empty() {
+        println!("The canonical decode step's variants against moe/decode-split (-p4: 4 assignments a pass, -r: the tile's words held in registers, graph: the launches replayed, fused: down and combine in one launch), fastest first:");
+        for line in decode {
+            println!("  {line}");
+        }
+    }
 }
 
 /// The two summation orders a deterministic run takes ([`order_of`]): rollout and training must meet
@@ -165,12 +172,48 @@ fn print_summary(base: &str, lines: &[String]) {
     }
 }
 
+/// A family of rows ranked against one of them ([`ranked_against_default`]): for a call of `tokens`
+/// tokens, the default row's kernel and which kernels are ranked beside it, or `None` where the family
+/// has no rows at that size.
+type Family = fn(u64) -> Option<(&'static str, fn(&str) -> bool)>;
+
 /// For each MoE call above 64 tokens whose default fragment layout was timed (`moe/mma-frag`), every
 /// fragment row (`moe/mma-frag*`) and the tiles (`moe/mma`) as a ratio of the default's time, fastest
 /// first: which layout `FragmentShape`'s default should be at that size; and at 64 tokens or fewer the
 /// same for the decode step (`moe/decode-mma-frag*` and `moe/decode-mma` against
 /// `moe/decode-mma-frag`: whether to split the scale groups, and whether a graph pays).
 pub fn fragment_summary(rows: &[Value]) -> Vec<String> {
+    ranked_against_default(rows, |tokens| {
+        Some(if tokens > 64 {
+            ("moe/mma-frag", |k: &str| {
+                k == "moe/mma" || k.starts_with("moe/mma-frag")
+            })
+        } else {
+            ("moe/decode-mma-frag", |k: &str| {
+                k == "moe/decode-mma" || k.starts_with("moe/decode-mma-frag")
+            })
+        })
+    })
+}
+
+/// At 64 tokens or fewer, the canonical order's decode rows against its default (`moe/decode-split`:
+/// the two launches, one assignment a pass, the words loaded per pass): several assignments a pass
+/// (`-p4`), the tile's words held in registers (`-r`), the launches recorded as a graph
+/// (`moe/decode-graph`) and the down projection fused with the combine (`moe/decode-fused`), fastest
+/// first: what `Kernels::gemv_assignments_per_pass`, `holds_gemv_words` and `fuses_decode_combine`
+/// should say, and whether a rollout should replay its decode steps.
+pub fn decode_summary(rows: &[Value]) -> Vec<String> {
+    ranked_against_default(rows, |tokens| {
+        (tokens <= 64).then_some(("moe/decode-split", |k: &str| {
+            k.starts_with("moe/decode-split") || k == "moe/decode-graph" || k == "moe/decode-fused"
+        }))
+    })
+}
+
+/// For each row whose kernel is its size's default in `family`, the family's rows of the same format,
+/// activation type and token count as ratios of the default's time, fastest first; one line each, in
+/// the table's order.
+fn ranked_against_default(rows: &[Value], family: Family) -> Vec<String> {
     let text = |r: &Value, k: &str| r[k].as_str().unwrap_or_default().to_string();
     let micros = |r: &Value| r["micros"].as_f64().unwrap_or(f64::NAN);
     let key = |r: &Value| {
@@ -181,28 +224,17 @@ pub fn fragment_summary(rows: &[Value]) -> Vec<String> {
         )
     };
     let mut lines = Vec::new();
-    // The default row of a call's size, and the prefix of the rows ranked against it.
-    let family = |tokens: u64| {
-        if tokens > 64 {
-            ("moe/mma-frag", "moe/mma")
-        } else {
-            ("moe/decode-mma-frag", "moe/decode-mma")
+    for default in rows.iter() {
+        let Some((name, member)) = default["tokens"].as_u64().and_then(family) else {
+            continue;
+        };
+        if text(default, "kernel") != name {
+            continue;
         }
-    };
-    for default in rows.iter().filter(|r| {
-        r["tokens"]
-            .as_u64()
-            .is_some_and(|n| text(r, "kernel") == family(n).0)
-    }) {
         let base = micros(default);
-        let (frag, tiles) = family(default["tokens"].as_u64().unwrap_or(0));
         let mut others: Vec<(String, f64)> = rows
             .iter()
-            .filter(|r| key(r) == key(default))
-            .filter(|r| {
-                let kernel = text(r, "kernel");
-                kernel == tiles || kernel.starts_with(frag)
-            })
+            .filter(|r| key(r) == key(default) && member(&text(r, "kernel")))
             .map(|r| (text(r, "kernel"), micros(r) / base))
             .collect();
         others.sort_by(|a, b| a.1.total_cmp(&b.1));
@@ -311,5 +343,37 @@ mod tests {
             ]
         );
         assert!(fragment_summary(&rows[4..7]).is_empty());
+    }
+
+    /// The canonical decode's variants against the two launches, at 64 tokens or fewer only, each
+    /// call's rows apart, the tensor-core decode rows aside.
+    #[test]
+    fn decode_variants_are_ranked_against_the_two_launches() {
+        let row = |kernel: &str, tokens: u64, micros: f64| {
+            serde_json::json!({"kernel": kernel, "format": "int4-g128", "act_dtype": "bf16",
+                "tokens": tokens, "micros": micros})
+        };
+        let rows = [
+            row("moe/decode-fused", 16, 1000.0),
+            row("moe/decode-split", 16, 400.0),
+            row("moe/decode-split-p4", 16, 400.0),
+            row("moe/decode-split-r", 16, 200.0),
+            row("moe/decode-split-p4-r", 16, 100.0),
+            row("moe/decode-graph", 16, 300.0),
+            row("moe/decode-mma", 16, 50.0),
+            row("moe/decode-split", 64, 1000.0),
+            row("moe/decode-split-r", 64, 1500.0),
+            row("moe/decode-split", 256, 10.0),
+            row("moe/decode-split-r", 256, 5.0),
+        ];
+        assert_eq!(
+            decode_summary(&rows),
+            [
+                "int4-g128 bf16    16 tokens (400.0 us): decode-split-p4-r 0.25x, decode-split-r \
+              0.50x, decode-graph 0.75x, decode-split 1.00x, decode-split-p4 1.00x, decode-fused 2.50x",
+                "int4-g128 bf16    64 tokens (1000.0 us): decode-split 1.00x, decode-split-r 1.50x"
+            ]
+        );
+        assert!(decode_summary(&rows[6..7]).is_empty());
     }
 }
