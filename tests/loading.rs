@@ -9,11 +9,21 @@ use burn::tensor::Device;
 use common::{copy_model, fixtures_dir, read_tensors, write_tensors};
 use qarl::model::{Architecture, Checkpoint, Decoder, LoadError, ModelConfig};
 
+/// The load's error for a broken directory, which the check without reading weights
+/// (`Decoder::check_files`, what `qarl import-gguf` runs) must give word for word.
 fn load_err(dir: &Path) -> String {
-    match Decoder::load(dir, &Device::flex()) {
+    let err = match Decoder::load(dir, &Device::flex()) {
         Ok(_) => panic!("{} loaded although it is broken", dir.display()),
         Err(e) => e.to_string(),
+    };
+    match Decoder::check_files(dir, &Device::flex()) {
+        Ok(()) => panic!(
+            "{}: the files passed the check, the load failed: {err}",
+            dir.display()
+        ),
+        Err(e) => assert_eq!(e.to_string(), err, "{}", dir.display()),
     }
+    err
 }
 
 fn fixture(name: &str) -> std::path::PathBuf {
@@ -151,6 +161,23 @@ fn a_weights_file_that_is_no_file_is_named() {
             )),
             "{err}"
         );
+    }
+}
+
+/// The check without reading weights passes every fixture that loads.
+#[test]
+fn checking_the_files_passes_what_loads() {
+    for name in [
+        "llama",
+        "qwen2",
+        "qwen3",
+        "qwen3_f16",
+        "qwen3_moe",
+        "qwen3_moe_norm",
+    ] {
+        let dir = fixture(name);
+        Decoder::load(&dir, &Device::flex()).unwrap();
+        Decoder::check_files(&dir, &Device::flex()).unwrap();
     }
 }
 

@@ -20,9 +20,10 @@ pub fn run(args: ImportGgufArgs) -> anyhow::Result<()> {
     let s = crate::io::write_dir_atomic(&args.output, |tmp| {
         let s = import_gguf(&args.file, tmp, args.dtype)?;
         // Metadata that disagrees with the tensors, or values no model can use, would otherwise make a
-        // directory that every later command refuses: it is loaded once before it is moved into place.
+        // directory that every later command refuses: its files are checked as a load checks them
+        // (headers only, not the weights in f32) before it is moved into place.
         let device = crate::ops::BackendKind::Flex.device()?;
-        crate::model::Decoder::load(tmp, &device).map_err(|e| {
+        crate::model::Decoder::check_files(tmp, &device).map_err(|e| {
             // The message names the temporary folder's files; they would have been the output's.
             let why = e.to_string().replace(
                 &tmp.display().to_string(),

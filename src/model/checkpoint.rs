@@ -205,6 +205,21 @@ impl Checkpoint {
         ))
     }
 
+    /// Checks what [`Self::read_f32`] checks before it decodes (the tensor is there, of shape
+    /// `expected`, in a dtype it reads) and marks it as used, without reading its data.
+    pub fn check(&self, name: &str, expected: &[usize]) -> Result<(), LoadError> {
+        let (path, dtype, _) = self.locate(name, expected)?;
+        if !matches!(dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+            return Err(LoadError::UnsupportedDtype {
+                path,
+                name: name.to_string(),
+                dtype: format!("{dtype:?}"),
+            });
+        }
+        self.taken.borrow_mut().insert(name.to_string());
+        Ok(())
+    }
+
     /// Reads tensor `name` as f32, checking that its shape is `expected`, and marks it as used.
     pub fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
         let (path, dtype, bytes) = self.locate(name, expected)?;

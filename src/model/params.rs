@@ -178,7 +178,34 @@ impl PartMut<'_> {
 impl Decoder {
     /// Loads `config.json` and the safetensors weights of a Hugging Face model directory.
     pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self, LoadError> {
+        let (config, ckpt) = Self::open_checked(dir.as_ref())?;
+        Self::from_checkpoint(config, &ckpt, device)
+    }
+
+    /// Checks a full-precision model directory as [`Decoder::load`] does (its config, and every tensor
+    /// the config asks for under its name, with its shape and a dtype the loader reads, and no other)
+    /// without reading a weight: an importer's check before it moves a directory into place, in the
+    /// memory of the files' headers rather than of the model in f32. A quantized directory is loaded
+    /// (its codes and scales are checked as they are read).
+    pub fn check_files(dir: impl AsRef<Path>, device: &Device) -> Result<(), LoadError> {
         let dir = dir.as_ref();
+        let (config, ckpt) = Self::open_checked(dir)?;
+        if config.quantization.is_some() {
+            return Self::from_checkpoint(config, &ckpt, device).map(|_| ());
+        }
+        let model = Self::lazy(config, device);
+        model.check_dense_size(&ckpt)?;
+        model.try_visit_parts(|path, part| {
+            part.hf_shapes()
+                .into_iter()
+                .try_for_each(|(suffix, shape)| ckpt.check(&tensor_name(path, suffix), &shape))
+        })?;
+        model.finish_checkpoint(&ckpt)
+    }
+
+    /// A directory's config and open checkpoint, the quantization the config names checked against the
+    /// tensors.
+    fn open_checked(dir: &Path) -> Result<(ModelConfig, Checkpoint), LoadError> {
         let config = ModelConfig::from_file(dir)?;
         let mut ckpt = Checkpoint::open(dir)?;
         ckpt.quant_scheme = config.quantization.as_ref().map(|q| q.scheme);
@@ -198,7 +225,7 @@ impl Decoder {
                 });
             }
         }
-        Self::from_checkpoint(config, &ckpt, device)
+        Ok((config, ckpt))
     }
 
     /// [`Decoder::load`] for work on the full-precision weights (training updates them; a command that
@@ -224,23 +251,34 @@ impl Decoder {
         device: &Device,
     ) -> Result<Self, LoadError> {
         let mut model = Self::lazy(config, device);
-        let dense = model
+        model.check_dense_size(ckpt)?;
+        model.try_visit_parts_mut(|path, part| part.load(ckpt, path, device))?;
+        model.finish_checkpoint(ckpt)?;
+        Ok(model)
+    }
+
+    /// A dense feed-forward layer needs the config's `intermediate_size`.
+    fn check_dense_size(&self, ckpt: &Checkpoint) -> Result<(), LoadError> {
+        let dense = self
             .layers
             .iter()
             .any(|l| matches!(l.mlp, FeedForward::Dense(_)));
-        if dense && model.config.intermediate_size == 0 {
+        if dense && self.config.intermediate_size == 0 {
             return Err(LoadError::MissingKey {
                 path: ckpt.dir().join("config.json"),
                 key: "intermediate_size".into(),
             });
         }
-        model.try_visit_parts_mut(|path, part| part.load(ckpt, path, device))?;
-        if model.lm_head.is_none() {
+        Ok(())
+    }
+
+    /// After every part was read: no tensor of the checkpoint is left over.
+    fn finish_checkpoint(&self, ckpt: &Checkpoint) -> Result<(), LoadError> {
+        if self.lm_head.is_none() {
             // Some exports store the tied head anyway; it is the embedding matrix, so it is not an extra.
             ckpt.ignore(&tensor_name(LM_HEAD, WEIGHT));
         }
-        ckpt.ensure_all_used()?;
-        Ok(model)
+        ckpt.ensure_all_used()
     }
 
     /// Every linear layer (the order of [`Decoder::linears_mut`], without the names).
