@@ -1,11 +1,11 @@
 //! The lines `qarl bench kernels` ends its table with, read off the rows (`--json`'s `rows`; also
-//! `--summarize TABLE.json` for a saved table): the MoE block's two yardsticks, and the fragment tiles'
-//! layouts against their default.
+//! `--summarize TABLE.json` for a saved table): the MoE block's two yardsticks, the fragment tiles'
+//! layouts against their default, and the canonical decode's variants against its default.
 
 use serde_json::Value;
 
-/// Prints the MoE yardsticks ([`moe_summary`]) and the fragment layouts ([`fragment_summary`]) of
-/// `rows` under their headings (`base`: the baseline matmul's type). Rows during which a device task
+/// Prints the MoE yardsticks ([`moe_summary`]), the fragment layouts ([`fragment_summary`]) and the
+/// canonical decode's variants ([`decode_summary`]) of `rows` under their headings (`base`: the baseline matmul's type). Rows during which a device task
 /// failed (`device_failures`) are left out: their times are not to be trusted.
 pub fn print_summaries(base: &str, rows: &[Value]) {
     let trusted: Vec<Value> = rows

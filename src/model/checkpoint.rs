@@ -209,12 +209,8 @@ impl Checkpoint {
     /// `expected`, in a dtype it reads) and marks it as used, without reading its data.
     pub fn check(&self, name: &str, expected: &[usize]) -> Result<(), LoadError> {
         let (path, dtype, _) = self.locate(name, expected)?;
-        if !matches!(dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
-            return Err(LoadError::UnsupportedDtype {
-                path,
-                name: name.to_string(),
-                dtype: format!("{dtype:?}"),
-            });
+        if !READ_AS_F32.contains(&dtype) {
+            return Err(unsupported_dtype(path, name, dtype));
         }
         self.taken.borrow_mut().insert(name.to_string());
         Ok(())
@@ -236,13 +232,7 @@ impl Checkpoint {
                 .chunks_exact(2)
                 .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
                 .collect(),
-            other => {
-                return Err(LoadError::UnsupportedDtype {
-                    path,
-                    name: name.to_string(),
-                    dtype: format!("{other:?}"),
-                })
-            }
+            other => return Err(unsupported_dtype(path, name, other)),
         };
         if name.ends_with(&format!(".{}", super::names::SCALES)) {
             // Quantization scales: checked here, where the tensor and its file are known (a bad scale found
@@ -337,6 +327,18 @@ impl Checkpoint {
             path: self.path_of(extra[0]),
             names: format!("{}{more}", shown.join(", ")),
         })
+    }
+}
+
+/// The dtypes [`Checkpoint::read_f32`] decodes (and [`Checkpoint::check`] accepts).
+const READ_AS_F32: [Dtype; 3] = [Dtype::F32, Dtype::BF16, Dtype::F16];
+
+/// The error for tensor `name` of `path` stored as `dtype`, which the loader does not read as f32.
+fn unsupported_dtype(path: PathBuf, name: &str, dtype: Dtype) -> LoadError {
+    LoadError::UnsupportedDtype {
+        path,
+        name: name.to_string(),
+        dtype: format!("{dtype:?}"),
     }
 }
 

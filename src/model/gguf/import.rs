@@ -35,6 +35,28 @@ impl std::str::FromStr for OutputDtype {
     }
 }
 
+/// Refuses a tensor with a NaN or infinite value, or one that rounds to infinity in `dtype` (bf16 holds
+/// magnitudes up to about 3.39e38, f32 to 3.40e38), naming it, how many, and the first.
+fn check_storable(name: &str, values: &[f32], dtype: OutputDtype) -> Result<(), String> {
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        let bad = values.iter().filter(|v| !v.is_finite()).count();
+        return Err(format!(
+            "tensor `{name}` holds {bad} non-finite values (the first at element {i}: {})",
+            values[i]
+        ));
+    }
+    let overflows = |v: &f32| dtype == OutputDtype::Bf16 && !half::bf16::from_f32(*v).is_finite();
+    if let Some(i) = values.iter().position(overflows) {
+        let bad = values.iter().filter(|v| overflows(v)).count();
+        return Err(format!(
+            "tensor `{name}` holds {bad} values beyond bf16's range (the first at element {i}: {}); \
+             import with --dtype f32",
+            values[i]
+        ));
+    }
+    Ok(())
+}
+
 /// What an import wrote.
 #[derive(Debug, Clone)]
 pub struct ImportSummary {
@@ -80,14 +102,8 @@ pub fn import_gguf(
         let mut values = dequantize(t.ty, f.data(t))
             .map_err(|m| f.error(format!("tensor `{}`: {m}", t.name)))?;
         // A NaN or infinite weight is a damaged file: written on, every forward would fail later and
-        // blame its input.
-        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-            let bad = values.iter().filter(|v| !v.is_finite()).count();
-            return Err(anyhow::Error::from(f.error(format!(
-                "tensor `{}` holds {bad} non-finite values (the first at element {i}: {})",
-                t.name, values[i]
-            ))));
-        }
+        // blame its input. So is one the output's dtype cannot hold (bf16 rounds it to infinity).
+        check_storable(&t.name, &values, dtype).map_err(|m| f.error(m))?;
         let shape = t.shape();
         if t.name.ends_with("attn_q.weight") {
             values = unpermute_rows(&f, t, values, heads)?;
@@ -283,4 +299,32 @@ fn unpermute_rows(
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Non-finite values are refused for either dtype; values bf16 rounds to infinity only for bf16.
+    #[test]
+    fn values_the_output_cannot_hold_are_refused() {
+        let ok = [1.0f32, -3.0e38, 3.3e38];
+        assert!(check_storable("w", &ok, OutputDtype::Bf16).is_ok());
+        let nan = [0.0, f32::NAN, 1.0, f32::INFINITY];
+        for dtype in [OutputDtype::F32, OutputDtype::Bf16] {
+            let err = check_storable("w", &nan, dtype).unwrap_err();
+            assert!(
+                err.contains("holds 2 non-finite values (the first at element 1: NaN)"),
+                "{err}"
+            );
+        }
+        let big = [1.0, 3.4e38, -f32::MAX];
+        assert!(check_storable("w", &big, OutputDtype::F32).is_ok());
+        let err = check_storable("w", &big, OutputDtype::Bf16).unwrap_err();
+        assert!(
+            err.contains("`w` holds 2 values beyond bf16's range (the first at element 1: 340000000000000000000000000000000000000)")
+                && err.contains("--dtype f32"),
+            "{err}"
+        );
+    }
 }
