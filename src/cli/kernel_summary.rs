@@ -310,15 +310,17 @@ mod tests {
         );
     }
 
+    /// A timed row of int4-g128 weights and bf16 activations.
+    fn row(kernel: &str, tokens: u64, micros: f64) -> Value {
+        serde_json::json!({"kernel": kernel, "format": "int4-g128", "act_dtype": "bf16",
+            "tokens": tokens, "micros": micros})
+    }
+
     /// The layouts' lines: every fragment row and the tiles as a ratio of the default's time, fastest
     /// first; above 64 tokens the prefill rows, at 64 or fewer the decode step's tensor-core rows (a
     /// prefill row there, or the canonical decode, aside).
     #[test]
     fn fragment_layouts_are_ranked_against_the_default() {
-        let row = |kernel: &str, tokens: u64, micros: f64| {
-            serde_json::json!({"kernel": kernel, "format": "int4-g128", "act_dtype": "bf16",
-                "tokens": tokens, "micros": micros})
-        };
         let rows = [
             row("moe/mma", 4096, 4000.0),
             row("moe/mma-frag", 4096, 1000.0),
@@ -349,10 +351,6 @@ mod tests {
     /// call's rows apart, the tensor-core decode rows aside.
     #[test]
     fn decode_variants_are_ranked_against_the_two_launches() {
-        let row = |kernel: &str, tokens: u64, micros: f64| {
-            serde_json::json!({"kernel": kernel, "format": "int4-g128", "act_dtype": "bf16",
-                "tokens": tokens, "micros": micros})
-        };
         let rows = [
             row("moe/decode-fused", 16, 1000.0),
             row("moe/decode-split", 16, 400.0),
