@@ -69,9 +69,11 @@ impl Kernels {
             grouped_gemv_shape(a.inn, a.out, swiglu, per_pass, held)
                 .or_else(|| grouped_gemv_shape(a.inn, a.out, swiglu, 1, held))
         };
-        let held = shape(true).filter(|s| {
-            self.holds_gemv_words() && gemv_can_hold(a.format, a.inn, (s.chunks, s.lanes), swiglu)
-        });
+        let held = self
+            .holds_gemv_words()
+            .then(|| shape(true))
+            .flatten()
+            .filter(|s| gemv_can_hold(a.format, a.inn, (s.chunks, s.lanes), swiglu));
         match held {
             Some(s) => Some((s, true)),
             None => shape(false).map(|s| (s, false)),
@@ -550,22 +552,18 @@ pub(crate) struct GemvShape {
     pub stage_x: bool,
 }
 
-/// Whether the grouped GEMV can hold a unit's packed words of `format` in registers for rows of `inn`
-/// inputs in a cube of `lanes` lanes over `chunks` chunks ([`moe_kernels::grouped_gemv`]'s
-/// `resident`): a format whose scale is constant over a chunk or a word, at least one whole chunk (a
-/// projection of no inputs has no words to load), and no more than
-/// [`moe_kernels::MAX_RESIDENT_WORDS`] per unit.
+/// Whether the grouped GEMV holds a unit's packed words of `format` in registers for rows of `inn`
+/// inputs in a cube of `lanes` lanes over `chunks` chunks: where the kernel can
+/// ([`moe_kernels::can_hold`]) and the rows have a whole chunk (a projection of no inputs has no words
+/// to load).
 pub(crate) fn gemv_can_hold(
     format: WeightFormat,
     inn: usize,
     (chunks, lanes): (usize, usize),
     swiglu: bool,
 ) -> bool {
-    let fmt = format.kernel_code();
-    moe_kernels::holds_format(fmt, format.kernel_group())
-        && inn >= CHUNK
-        && moe_kernels::resident_words(fmt, chunks, lanes, swiglu)
-            <= moe_kernels::MAX_RESIDENT_WORDS
+    let (fmt, group) = (format.kernel_code(), format.kernel_group());
+    inn >= CHUNK && moe_kernels::can_hold(fmt, group, chunks, lanes, swiglu)
 }
 
 /// The grouped GEMV's cube for rows of `inn` inputs, `out` rows (two projections with `swiglu`),

@@ -126,6 +126,28 @@ pub const fn codes_per_word(fmt: u32) -> usize {
     }
 }
 
+/// Packed words of one chunk: 4 (int4, fp4) or 8 (int8, fp8).
+pub const fn words_per_chunk(fmt: u32) -> usize {
+    CHUNK / codes_per_word(fmt)
+}
+
+/// Whether a whole chunk of format `fmt` with groups (or blocks) of `group` inputs takes one scale, or
+/// for fp4 (blocks of 16 or 32 inputs, which divide a chunk or equal it) one per word: int8, fp4, and
+/// int4 and fp8 groups that are multiples of 32. Then [`chunk_dots`](fn@chunk_dots) decodes whole
+/// words with their scale loaded once ([`word_dots`](fn@word_dots)).
+pub const fn whole_chunk_scales(fmt: u32, group: usize) -> bool {
+    fmt == 1 || fmt == 3 || group % 32 == 0
+}
+
+/// Scales a whole chunk of format `fmt` takes where [`whole_chunk_scales`]: one per word for fp4, else one.
+pub const fn scales_per_chunk(fmt: u32) -> usize {
+    if fmt == 3 {
+        words_per_chunk(fmt)
+    } else {
+        1
+    }
+}
+
 /// The dequantized weight of row `row`, input `k` of the matrix starting at word `woff` / scale `soff`:
 /// `q as f32 * s` (fp8: `e4m3(code) * s` through the decode table `lut`, fp4:
 /// [`e2m1_value`](fn@e2m1_value)`(code) * s`), one f32 multiply, as the host reference computes it.
@@ -269,8 +291,7 @@ pub fn chunk_dots<X: Float>(
         parts[p] = 0.0f32;
     }
     let mut whole = false;
-    // fp4 blocks (16 or 32 inputs) divide a chunk or equal it: its scale is looked up per 8-input word.
-    if comptime!(fmt == 1 || fmt == 3 || group % 32 == 0) {
+    if comptime!(whole_chunk_scales(fmt, group)) {
         whole = depth == 32;
     }
     if whole {
@@ -279,7 +300,7 @@ pub fn chunk_dots<X: Float>(
         // Constant over the chunk but for fp4, whose blocks are looked up per word below.
         let mut s = scale_at(scales, soff, row, k0, spr, fmt, group);
         #[unroll]
-        for w in 0..comptime!(CHUNK / codes_per_word(fmt)) {
+        for w in 0..comptime!(words_per_chunk(fmt)) {
             if comptime!(fmt == 3) {
                 s = scale_at(scales, soff, row, k0 + w * cpw, spr, fmt, group);
             }

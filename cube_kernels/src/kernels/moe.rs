@@ -31,8 +31,9 @@
 use cubecl::prelude::*;
 
 use super::{
-    chunk_depth, chunk_dot, chunk_dots, codes_per_word, scale_at, stage_depth, stage_transposed,
-    staged_row_floats, sum_chunks, weight_at, word_dots, BLOCK, CHUNK, STAGE_FLOATS, STAGE_STRIDE,
+    chunk_depth, chunk_dot, chunk_dots, codes_per_word, scale_at, scales_per_chunk, stage_depth,
+    stage_transposed, staged_row_floats, sum_chunks, weight_at, whole_chunk_scales, word_dots,
+    words_per_chunk, BLOCK, STAGE_FLOATS, STAGE_STRIDE,
 };
 
 /// SwiGLU's `silu(g) * u = g / (1 + exp(-g)) * u` in f32, in that order of operations (the contract's step
@@ -218,13 +219,13 @@ pub fn grouped_matmul<X: Float>(
 /// assignment and weight), where the decode is most of a GEMV's instructions per weight; each assignment's
 /// sums are the same.
 ///
-/// With `resident` ([`resident_words`] within [`MAX_RESIDENT_WORDS`], a format [`holds_format`]) a unit
-/// loads its row's packed words and scales of its whole chunks once per tile, into registers, before
-/// the first pass stages its inputs, and every pass decodes them from there (`held_chunk_dots`: the
-/// same decode and fused multiply-adds in the same order, so the same bits): one wait on memory per
-/// tile for the weights, overlapped with the first staging, instead of one per chunk, projection and
-/// pass (an H200 took ~2.3 us per assignment at 1-64 tokens, 2026-12-04, about 3.4x the bytes' time:
-/// each pass waited on its loads one chunk after another).
+/// With `resident` (where [`can_hold`]: the scales of a whole chunk loaded once, [`resident_words`]
+/// within [`MAX_RESIDENT_WORDS`]) a unit loads its row's packed words and scales of its whole chunks
+/// once per tile, into registers, before the first pass stages its inputs, and every pass decodes them
+/// from there (`held_chunk_dots`: the same decode and fused multiply-adds in the same order, so the same
+/// bits): one wait on memory per tile for the weights, overlapped with the first staging, instead of
+/// one per chunk, projection and pass (an H200 took ~2.3 us per assignment at 1-64 tokens, 2026-12-04,
+/// about 3.4x the bytes' time: each pass waited on its loads one chunk after another).
 ///
 /// The barriers sit in a loop whose bounds come from the routing table: the same for every unit of the
 /// cube (one tile), so every unit reaches every barrier, but only at run time. CUDA, SPIR-V and naga
@@ -260,11 +261,7 @@ pub fn grouped_gemv<X: Float>(
     #[define(X)] _dtype: ElemType,
 ) {
     // Held only where the held path computes the same sums (the launcher asks for no more).
-    let resident = comptime!(
-        resident
-            && holds_format(fmt, group)
-            && resident_words(fmt, chunks, lanes, swiglu) <= MAX_RESIDENT_WORDS
-    );
+    let resident = comptime!(resident && can_hold(fmt, group, chunks, lanes, swiglu));
     let sums = comptime!(per_pass * rows_per_cube * chunks);
     let mut part_a = Shared::<[f32]>::new_slice(sums);
     let mut part_b = Shared::<[f32]>::new_slice(comptime!(if swiglu { sums } else { 1 }));
@@ -494,33 +491,21 @@ fn gemv_pass<X: Float>(
                     let k0 = c * 32;
                     let depth = chunk_depth(c, inn);
                     let mut parts = Array::<f32>::new(count);
-                    if depth == 32 {
-                        held_chunk_dots(
-                            x, &xoffs, &*xs, held_w, held_s, lut, k0, &mut parts, 0usize, i, count,
-                            fmt, lanes, chunks, stage_x,
-                        );
-                    } else {
-                        chunk_dots(
-                            x, &xoffs, &*xs, words_a, scales_a, lut, woff, soff, row, k0, depth,
-                            wpr, spr, &mut parts, count, fmt, group, chunks, stage_x,
-                        );
-                    }
+                    held_chunk_dots(
+                        x, &xoffs, &*xs, held_w, held_s, words_a, scales_a, lut, woff, soff, row,
+                        k0, depth, wpr, spr, &mut parts, 0usize, i, count, fmt, group, lanes,
+                        chunks, stage_x,
+                    );
                     #[unroll]
                     for p in 0..count {
                         part_a[(p * rows_per_cube + local_row) * chunks + c] = parts[p];
                     }
                     if comptime!(swiglu) {
-                        if depth == 32 {
-                            held_chunk_dots(
-                                x, &xoffs, &*xs, held_w, held_s, lut, k0, &mut parts, 1usize, i,
-                                count, fmt, lanes, chunks, stage_x,
-                            );
-                        } else {
-                            chunk_dots(
-                                x, &xoffs, &*xs, words_b, scales_b, lut, woff, soff, row, k0,
-                                depth, wpr, spr, &mut parts, count, fmt, group, chunks, stage_x,
-                            );
-                        }
+                        held_chunk_dots(
+                            x, &xoffs, &*xs, held_w, held_s, words_b, scales_b, lut, woff, soff,
+                            row, k0, depth, wpr, spr, &mut parts, 1usize, i, count, fmt, group,
+                            lanes, chunks, stage_x,
+                        );
                         #[unroll]
                         for p in 0..count {
                             part_b[(p * rows_per_cube + local_row) * chunks + c] = parts[p];
@@ -578,25 +563,23 @@ pub const MAX_RESIDENT_WORDS: usize = 32;
 /// Packed words a unit of [`grouped_gemv`](fn@grouped_gemv) holds with `resident`: its chunks'
 /// (`chunks / lanes`, rounded up) words of each projection (two with SwiGLU).
 pub const fn resident_words(fmt: u32, chunks: usize, lanes: usize, swiglu: bool) -> usize {
-    chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * (CHUNK / codes_per_word(fmt))
+    chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * words_per_chunk(fmt)
 }
 
 /// Scales a unit of [`grouped_gemv`](fn@grouped_gemv) holds with `resident`: one per chunk and projection, or
 /// one per word for fp4 (blocks of 16 or 32 inputs).
 pub const fn resident_scales(fmt: u32, chunks: usize, lanes: usize, swiglu: bool) -> usize {
-    let per_chunk = if fmt == 3 {
-        CHUNK / codes_per_word(fmt)
-    } else {
-        1
-    };
-    chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * per_chunk
+    chunks.div_ceil(lanes) * if swiglu { 2 } else { 1 } * scales_per_chunk(fmt)
 }
 
-/// Whether [`grouped_gemv`](fn@grouped_gemv) can hold a format's weights (`fmt`, `group`): its whole chunks
-/// decode with one scale per chunk (int8; int4 and fp8 groups that are multiples of 32) or per word (fp4), as
-/// [`super::chunk_dots`](fn@super::chunk_dots)'s fast path does.
-pub const fn holds_format(fmt: u32, group: usize) -> bool {
-    fmt == 1 || fmt == 3 || group % 32 == 0
+/// Whether [`grouped_gemv`](fn@grouped_gemv) can hold the weights of format `fmt` (groups of `group`)
+/// for a cube of `lanes` lanes over `chunks` chunks: their whole chunks decode with the scales
+/// [`super::chunk_dots`](fn@super::chunk_dots)'s fast path loads once ([`whole_chunk_scales`]), and a
+/// unit's words stay within [`MAX_RESIDENT_WORDS`]. The kernel holds them nowhere else, whatever it is
+/// asked.
+pub const fn can_hold(fmt: u32, group: usize, chunks: usize, lanes: usize, swiglu: bool) -> bool {
+    whole_chunk_scales(fmt, group)
+        && resident_words(fmt, chunks, lanes, swiglu) <= MAX_RESIDENT_WORDS
 }
 
 /// Loads, for projection `set` (0: `a`, 1: `b`), the packed words and scales of every whole chunk of
@@ -627,8 +610,8 @@ fn hold_row_words(
     #[comptime] chunks: usize,
 ) {
     let cpw = comptime!(codes_per_word(fmt));
-    let wpc = comptime!(CHUNK / codes_per_word(fmt));
-    let spc = comptime!(if fmt == 3 { wpc } else { 1 });
+    let wpc = comptime!(words_per_chunk(fmt));
+    let spc = comptime!(scales_per_chunk(fmt));
     let per_lane = comptime!(chunks.div_ceil(lanes));
     #[unroll]
     for i in 0..per_lane {
@@ -649,9 +632,10 @@ fn hold_row_words(
     }
 }
 
-/// [`super::chunk_dots`]'s whole-chunk path on the words and scales [`hold_row_words`] loaded for
-/// projection `set`, chunk `i` of the lane: the same decode, scale and fused multiply-adds from 0.0 in
-/// `k` order for each of the `count` input rows, so the same bits.
+/// Chunk `i` of the lane (inputs `k0..k0 + depth`) of projection `set`'s row (`words`, `scales`) for
+/// the pass's `count` input rows: a whole chunk ([`super::chunk_dots`]'s fast path) from the words and
+/// scales [`hold_row_words`] loaded, with the same decode, scale and fused multiply-adds from 0.0 in
+/// `k` order, so the same bits; a chunk cut short from memory ([`super::chunk_dots`] itself).
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn held_chunk_dots<X: Float>(
@@ -660,36 +644,52 @@ fn held_chunk_dots<X: Float>(
     xs: &Shared<[f32]>,
     held_w: &Array<u32>,
     held_s: &Array<f32>,
+    words: &[u32],
+    scales: &[f32],
     lut: &[f32],
+    woff: usize,
+    soff: usize,
+    row: usize,
     k0: usize,
+    depth: usize,
+    wpr: usize,
+    spr: usize,
     parts: &mut Array<f32>,
     #[comptime] set: usize,
     i: usize,
     #[comptime] count: usize,
     #[comptime] fmt: u32,
+    #[comptime] group: usize,
     #[comptime] lanes: usize,
     #[comptime] chunks: usize,
     #[comptime] staged: bool,
 ) {
-    let wpc = comptime!(CHUNK / codes_per_word(fmt));
-    let spc = comptime!(if fmt == 3 { wpc } else { 1 });
+    let wpc = comptime!(words_per_chunk(fmt));
+    let spc = comptime!(scales_per_chunk(fmt));
     let per_lane = comptime!(chunks.div_ceil(lanes));
-    let first_word = (set * per_lane + i) * wpc;
-    let first_scale = (set * per_lane + i) * spc;
-    #[unroll]
-    for p in 0..count {
-        parts[p] = 0.0f32;
-    }
-    let mut s = held_s[first_scale];
-    #[unroll]
-    for w in 0..wpc {
-        if comptime!(fmt == 3) {
-            s = held_s[first_scale + w];
-        }
-        let packed = held_w[first_word + w];
-        word_dots(
-            x, xoffs, xs, lut, packed, s, k0, w, parts, count, fmt, chunks, staged,
+    if depth < 32 {
+        chunk_dots(
+            x, xoffs, xs, words, scales, lut, woff, soff, row, k0, depth, wpr, spr, parts, count,
+            fmt, group, chunks, staged,
         );
+    } else {
+        let first_word = (set * per_lane + i) * wpc;
+        let first_scale = (set * per_lane + i) * spc;
+        #[unroll]
+        for p in 0..count {
+            parts[p] = 0.0f32;
+        }
+        let mut s = held_s[first_scale];
+        #[unroll]
+        for w in 0..wpc {
+            if comptime!(fmt == 3) {
+                s = held_s[first_scale + w];
+            }
+            let packed = held_w[first_word + w];
+            word_dots(
+                x, xoffs, xs, lut, packed, s, k0, w, parts, count, fmt, chunks, staged,
+            );
+        }
     }
 }
 
