@@ -121,9 +121,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let model = super::load_model(&args.model, &device, args.quant, args.activations)?;
     let tok = Tokenizer::load_for(&args.model, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
-    if matches!(template, Template::Chat { .. }) {
-        tok.check_chatml(&args.model)?;
-    }
+    tok.check_template(&template, &args.model)?;
     let mut stop_ids: Vec<u32> = model.config.eos_token_ids.clone();
     for s in ["<|im_end|>", "<|endoftext|>"] {
         if let Some(id) = tok.token_to_id(s) {

@@ -15,7 +15,6 @@ use crate::quant::{Precision, QuantScheme};
 use crate::rl::metrics::{error_token_metrics, names, rollout_mismatch_metrics, LoopRule};
 use crate::rollout::{generate, SamplingParams};
 use crate::tasks::datasets::{load_gsm8k, OnBadLine};
-use crate::tasks::template::Template;
 use crate::train::batch::SeqBatch;
 
 #[derive(Debug, clap::Args)]
@@ -108,9 +107,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     let full = Decoder::load_full_precision(&args.model, &device)?;
     let tok = Tokenizer::load_for(&args.model, &full.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
-    if matches!(template, Template::Chat { .. }) {
-        tok.check_chatml(&args.model)?;
-    }
+    tok.check_template(&template, &args.model)?;
     let prompts: Vec<Vec<u32>> = records
         .iter()
         .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)))

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use super::error::LoadError;
+use crate::tasks::template::Template;
 
 /// A loaded HF tokenizer.
 pub struct Tokenizer {
@@ -141,6 +142,14 @@ impl Tokenizer {
             missing.join(" or ")
         );
         Ok(())
+    }
+
+    /// [`Self::check_chatml`] where `template` is the chat template, for the model in `dir`.
+    pub fn check_template(&self, template: &Template, dir: &Path) -> anyhow::Result<()> {
+        match template {
+            Template::Chat { .. } => self.check_chatml(dir),
+            Template::Plain { .. } => Ok(()),
+        }
     }
 
     /// Text of `ids`, special tokens kept.

@@ -116,9 +116,7 @@ fn prepare_model_locked(
         let model = Decoder::load_full_precision(&weights_dir, device)?;
         let tok = Tokenizer::load_for(&staging, &model.config)?
             .context("the staged model has no tokenizer")?;
-        if let Some(chat) = cfg.task.chat_template() {
-            tok.check_chatml(chat.model_dir.as_deref().unwrap_or(&staging))?;
-        }
+        check_chat_tokens(cfg, &tok, &staging)?;
         let eos = eos_id(&tok, &model)?;
         let json: serde_json::Value = crate::io::read_json(&weights_dir.join("config.json"))?;
         let ck = sft::SftCheckpoints {
@@ -138,6 +136,15 @@ fn prepare_model_locked(
             .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
     }
     Ok(())
+}
+
+/// The task's chat template against `tok` ([`Tokenizer::check_chatml`]), where the template's own
+/// `model_dir`, else `model_dir`, declares none.
+fn check_chat_tokens(cfg: &TrainConfig, tok: &Tokenizer, model_dir: &Path) -> anyhow::Result<()> {
+    match cfg.task.chat_template() {
+        Some(chat) => tok.check_chatml(chat.model_dir.as_deref().unwrap_or(model_dir)),
+        None => Ok(()),
+    }
 }
 
 /// The RL optimizer of `tc`: AdamW with its weight decay and epsilon, and gradient clipping by norm.
@@ -341,6 +348,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         check_step_sizes(cfg, model_config, Some(&task))?;
     }
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
+    // Whether `model.dir` already holds a model (made by an earlier run's warm start, or given).
+    let model_made = cfg.model.dir.join("config.json").is_file();
     let resumed = if resume {
         let found = checkpoint::latest_checked(&cfg.run_dir)?;
         if found.is_none() {
@@ -365,8 +374,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             );
         }
         let sft_root = sft::checkpoints_root(&cfg.run_dir);
-        let warm_start_done = cfg.model.dir.join("config.json").is_file();
-        let unfinished_sft = if opts.overwrite || warm_start_done {
+        let unfinished_sft = if opts.overwrite || model_made {
             None
         } else {
             checkpoint::latest_checked_in(&sft_root)?
@@ -415,7 +423,6 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
         check_resumed_config(cfg)?;
     }
-    let model_made = cfg.model.dir.join("config.json").is_file();
     let keeps_sft_rows = keeps_warm_start_rows(cfg, resume, model_made);
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     if resumed.is_none() && keeps_sft_rows {
@@ -464,9 +471,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let eos = eos_id(&tok, &model)?;
-    if let Some(chat) = cfg.task.chat_template() {
-        tok.check_chatml(chat.model_dir.as_deref().unwrap_or(&cfg.model.dir))?;
-    }
+    check_chat_tokens(cfg, &tok, &cfg.model.dir)?;
     if cfg.train.routing_replay && model.config.moe.is_none() {
         anyhow::bail!(
             "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no routing \
