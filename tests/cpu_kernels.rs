@@ -240,9 +240,10 @@ fn f32_products_match_their_reference_and_are_row_batch_invariant() {
         (1usize, 1usize, 7usize, 5usize),
         (1, 5, 160, 300),
         (3, 6, 40, 70),
-        (1, 9, 576, 1000),
-        (1, 3, 96, 200), // three rows in one pass over w
-        (1, 7, 33, 130), // four, then three, from the packed block
+        (1, 9, 576, 1000), // output rows split over tasks, a partial last task
+        (4, 5, 96, 400),   // products split over tasks, each writing its own slice of the output
+        (1, 3, 96, 200),   // three rows in one pass over w
+        (1, 7, 33, 130),   // four, then three, from the packed block
         (2, 1, 64, 129),
         (1, 300, 64, 130), // split in row chunks and 64-column blocks over threads
         (1, 8, 131, 1100), // streamed rows of w (m <= 8), a partial step of rows, tail columns

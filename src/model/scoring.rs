@@ -33,15 +33,34 @@ fn log_normaliser(row: &[f32], temperature: f32) -> f64 {
 /// The fixed-order log-softmax of one row at `temperature` (deterministic mode): element `i` is
 /// `(z_i as f64 - log_normaliser) as f32` with `z = row / temperature` in f32.
 pub fn log_softmax_row(row: &[f32], temperature: f32) -> Vec<f32> {
+    log_softmax_with(row, temperature, log_normaliser(row, temperature))
+}
+
+/// [`log_softmax_row`] given the row's normaliser at `temperature`.
+fn log_softmax_with(row: &[f32], temperature: f32, lse: f64) -> Vec<f32> {
+    row.iter()
+        .map(|&x| logprob_with(x, temperature, lse))
+        .collect()
+}
+
+/// [`log_softmax_row`] and, with `entropy`, [`entropy_row`] of the same row: the bits of the two functions,
+/// with the vocabulary-wide normaliser computed once where they share it (temperature 1, as RL rollouts
+/// sample): a decode step that records entropy otherwise runs `exp` over the vocabulary four times per row.
+pub fn log_softmax_and_entropy(
+    row: &[f32],
+    temperature: f32,
+    entropy: bool,
+) -> (Vec<f32>, Option<f32>) {
     let lse = log_normaliser(row, temperature);
-    let z = |x: f32| {
-        if temperature == 1.0 {
-            x
+    let h = entropy.then(|| {
+        let lse_1 = if temperature == 1.0 {
+            lse
         } else {
-            x / temperature
-        }
-    };
-    row.iter().map(|&x| (z(x) as f64 - lse) as f32).collect()
+            log_normaliser(row, 1.0)
+        };
+        entropy_with(row, lse_1)
+    });
+    (log_softmax_with(row, temperature, lse), h)
 }
 
 /// `log_softmax_row(row, temperature)[target]` without the rest of the row.
@@ -228,7 +247,11 @@ pub fn entropy_rows(logits: &[f32], v: usize) -> Vec<f32> {
 /// normaliser of [`log_softmax_row`], then the sum in f64 in index order. The rollout and the training
 /// forward both compute it with this function, so that equal logits give equal bits.
 pub fn entropy_row(row: &[f32]) -> f32 {
-    let lse = log_normaliser(row, 1.0);
+    entropy_with(row, log_normaliser(row, 1.0))
+}
+
+/// [`entropy_row`] given the row's normaliser at temperature 1.
+fn entropy_with(row: &[f32], lse: f64) -> f32 {
     let h: f64 = row
         .iter()
         .map(|&x| {
@@ -285,4 +308,37 @@ pub fn response_logprobs(
         .zip(lp)
         .map(|((s, &p), row)| row[p - 1..s.len() - 1].to_vec())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row() -> Vec<f32> {
+        (0..1000)
+            .map(|i| ((i * 7919 % 1013) as f32 * 0.013).sin() * 9.0 - (i % 17) as f32)
+            .collect()
+    }
+
+    #[test]
+    fn log_softmax_and_entropy_has_the_bits_of_the_two_functions() {
+        let row = row();
+        for t in [1.0f32, 0.7, 1.3] {
+            let (lp, h) = log_softmax_and_entropy(&row, t, true);
+            let want = log_softmax_row(&row, t);
+            assert!(lp
+                .iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            assert_eq!(h.map(f32::to_bits), Some(entropy_row(&row).to_bits()));
+            let (lp, h) = log_softmax_and_entropy(&row, t, false);
+            assert_eq!(lp, want);
+            assert_eq!(h, None);
+        }
+        // The entropy is at temperature 1 whatever the sampling temperature: a cooler row has less.
+        let cool: Vec<f32> = row.iter().map(|x| x / 0.5).collect();
+        assert!(entropy_row(&cool) < entropy_row(&row));
+        let h = entropy_row(&row);
+        assert!(h > 0.0 && (h as f64) < (row.len() as f64).ln());
+    }
 }

@@ -117,17 +117,11 @@ fn logprobs_at(
     if crate::ops::deterministic() {
         // The fixed-order host log-softmax the training forward's log-probs are computed with.
         let (host, routing) = rows_and_routing(Some(last), routing);
-        let logprobs = host
+        let (logprobs, entropy): (Vec<Vec<f32>>, Vec<Option<f32>>) = host
             .par_iter()
-            .map(|r| crate::model::scoring::log_softmax_row(r, temperature))
-            .collect();
-        let entropy = if entropy {
-            host.par_iter()
-                .map(|r| crate::model::scoring::entropy_row(r))
-                .collect()
-        } else {
-            Vec::new()
-        };
+            .map(|r| crate::model::scoring::log_softmax_and_entropy(r, temperature, entropy))
+            .unzip();
+        let entropy = entropy.into_iter().flatten().collect();
         return (NextToken { logprobs, entropy }, routing);
     }
     let last = if temperature == 1.0 {

@@ -1138,32 +1138,38 @@ pub fn f32_matmul_nt_on(
         panel_tiles(path, &psrc, xp, kp, m, yt);
     };
     let parallel = batch * m * n * kp >= PARALLEL_MIN_WORK / 4;
-    // One product: rows of `w` split over tasks when it is alone and large.
-    let one = |b: usize, yb: &mut [f32]| {
-        let xp = pad(&x[b * m * k..(b + 1) * m * k], m, k, kp);
-        let wp = pad(&w[b * n * k..(b + 1) * n * k], n, k, kp);
-        let mut yt = vec![0.0f32; n * m];
-        if parallel && batch == 1 {
-            yt.par_chunks_mut(FUSED_TASK_ROWS * m)
-                .enumerate()
-                .for_each(|(t, blk)| block(&xp, &wp, t * FUSED_TASK_ROWS, blk));
-        } else {
-            block(&xp, &wp, 0, &mut yt);
-        }
-        for (o, col) in yt.chunks(m).enumerate() {
-            for (i, v) in col.iter().enumerate() {
-                yb[i * n + o] = *v;
+    let out = OutPtr(y.as_mut_ptr());
+    // Output rows `o0..o0+rows` of product `b`, computed transposed into a task-local block and written to
+    // their own columns of `y` by the task itself (a large product, the tied lm_head at a decode step, used
+    // to transpose its whole `[n, m]` result on one thread after the parallel tiles).
+    let rows_of = |b: usize, xp: &[f32], wp: &[f32], o0: usize, rows: usize| {
+        let mut yt = vec![0.0f32; rows * m];
+        block(xp, wp, o0, &mut yt);
+        for (r, col) in yt.chunks(m).enumerate() {
+            for (i, &v) in col.iter().enumerate() {
+                // SAFETY: `y` holds batch * m * n elements and outlives the tasks; column o0 + r < n of
+                // product b belongs to this task alone.
+                unsafe { out.write(b * m * n + i * n + o0 + r, v) };
             }
         }
     };
+    // One product: rows of `w` split over tasks when it is alone and large.
+    let one = |b: usize| {
+        let xp = AlignedRows::of(&x[b * m * k..(b + 1) * m * k], m, k, kp);
+        let wp = pad(&w[b * n * k..(b + 1) * n * k], n, k, kp);
+        if parallel && batch == 1 {
+            (0..n.div_ceil(PANEL_ROWS)).into_par_iter().for_each(|t| {
+                let o0 = t * PANEL_ROWS;
+                rows_of(b, &xp, &wp, o0, PANEL_ROWS.min(n - o0));
+            });
+        } else {
+            rows_of(b, &xp, &wp, 0, n);
+        }
+    };
     if parallel && batch > 1 {
-        y.par_chunks_mut(m * n)
-            .enumerate()
-            .for_each(|(b, yb)| one(b, yb));
+        (0..batch).into_par_iter().for_each(one);
     } else {
-        y.chunks_mut(m * n)
-            .enumerate()
-            .for_each(|(b, yb)| one(b, yb));
+        (0..batch).for_each(one);
     }
     y
 }
