@@ -2,7 +2,7 @@
 //! (a crash never leaves a half-written result where a good one was).
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use serde::de::DeserializeOwned;
@@ -58,6 +58,29 @@ pub fn check_output_file(path: &Path) -> anyhow::Result<()> {
             "{}: cannot be written, since {} is not a folder",
             path.display(),
             dir.display()
+        );
+    }
+    Ok(())
+}
+
+/// Refuses, before any work, an output that names a file the command reads (`inputs`: its data, its
+/// prompt ids, the files of its model directory). Results are written atomically over whatever is there,
+/// so the input would be replaced by them: an evaluation's `--output` naming its data file, or the
+/// model's `config.json`, used to exit 0 with the data or the model gone.
+pub fn check_output_not_input(output: &Path, inputs: &[PathBuf]) -> anyhow::Result<()> {
+    let Ok(out) = output.canonicalize() else {
+        // Nothing there yet: it is no existing input.
+        return Ok(());
+    };
+    if let Some(input) = inputs
+        .iter()
+        .find(|i| i.canonicalize().is_ok_and(|i| i == out))
+    {
+        anyhow::bail!(
+            "{}: is also what this command reads ({}); writing the results there would replace it: give \
+             another output path",
+            output.display(),
+            input.display()
         );
     }
     Ok(())

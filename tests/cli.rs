@@ -849,6 +849,18 @@ fn experiment_variants_cannot_set_what_the_experiment_sets() {
             "{variant}: nothing runs"
         );
     }
+    // Without `results_dir` the name is the results folder's last part: "" or "../x" would put it elsewhere.
+    for name in ["", "../../elsewhere", "a/b"] {
+        let text = format!(
+            "name = {name:?}\nbase = \"base.toml\"\nseeds = [1]\n[[variant]]\nname = \"a\"\n"
+        );
+        std::fs::write(&exp, &text).unwrap();
+        let err = error_of(qarl().arg("experiment").arg(&exp));
+        assert!(
+            err.contains(&format!("name {name:?} must be one plain directory name")),
+            "{name}: {err}"
+        );
+    }
 }
 
 /// Files a command writes at its end are checked before its work: a folder where the file would go is
@@ -1307,4 +1319,103 @@ fn generate_refuses_options_it_would_ignore() {
         "{err}"
     );
     assert!(!out_json.exists());
+}
+
+/// An output naming a file the command reads (its data, its ids, a file of its model directory) is refused
+/// before any work, and the file stays as it was: results are written atomically over what is there.
+#[test]
+fn outputs_never_replace_what_the_command_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for entry in std::fs::read_dir(fixtures_dir().join("llama")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), model.join(entry.file_name())).unwrap();
+    }
+    let ids = tmp.path().join("ids.json");
+    std::fs::write(&ids, r#"{"input_ids": [[1, 2, 3]]}"#).unwrap();
+    let data = tmp.path().join("data.jsonl");
+    std::fs::copy(fixtures_dir().join("../gsm8k_slice.jsonl"), &data).unwrap();
+    let config = model.join("config.json");
+    let shard = model.join("model-00002-of-00004.safetensors");
+    let before: Vec<Vec<u8>> = [&ids, &data, &config, &shard]
+        .iter()
+        .map(|p| std::fs::read(p).unwrap())
+        .collect();
+    let (m, i, d) = (
+        model.display().to_string(),
+        ids.display().to_string(),
+        data.display().to_string(),
+    );
+    let (c, s) = (config.display().to_string(), shard.display().to_string());
+    for (args, replaced) in [
+        (
+            vec!["score", "--model", &m, "--input", &i, "--output", &i],
+            &i,
+        ),
+        (
+            vec!["score", "--model", &m, "--input", &i, "--output", &s],
+            &s,
+        ),
+        (
+            vec![
+                "generate",
+                "--model",
+                &m,
+                "--prompt-ids",
+                &i,
+                "--output",
+                &c,
+            ],
+            &c,
+        ),
+        (
+            vec!["eval", "--model", &m, "--data", &d, "--output", &d],
+            &d,
+        ),
+        (
+            vec!["mismatch", "--model", &m, "--data", &d, "--output", &c],
+            &c,
+        ),
+    ] {
+        let err = error_of(qarl().args(&args));
+        assert!(
+            err.contains(&format!("{replaced}: is also what this command reads")),
+            "{args:?}: {err}"
+        );
+    }
+    let after: Vec<Vec<u8>> = [&ids, &data, &config, &shard]
+        .iter()
+        .map(|p| std::fs::read(p).unwrap())
+        .collect();
+    assert_eq!(before, after);
+}
+
+/// `init-model` writes f32 weights: a quantized checkpoint's config (with `quantization_config`) is refused,
+/// where it used to write a directory that no loader would take.
+#[test]
+fn init_model_refuses_a_quantized_checkpoints_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let quantized = tmp.path().join("q");
+    let st = qarl()
+        .args(["quantize", "--scheme", "int4-g32", "--model"])
+        .arg(fixtures_dir().join("llama"))
+        .arg("--output")
+        .arg(&quantized)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let out = tmp.path().join("random");
+    let err = error_of(
+        qarl()
+            .args(["init-model", "--config"])
+            .arg(quantized.join("config.json"))
+            .arg("--output")
+            .arg(&out),
+    );
+    assert!(
+        err.contains("has a `quantization_config` (int4-g32)") && err.contains("qarl quantize"),
+        "{err}"
+    );
+    assert!(!out.join("model.safetensors").exists());
 }

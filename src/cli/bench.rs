@@ -220,8 +220,9 @@ pub fn time_rollout(
     let tokens = warm.generated_tokens();
     let host_reads_per_decode_step =
         (warm.decode_steps > 0).then(|| warm.decode_host_reads as f64 / warm.decode_steps as f64);
-    let mut full_runs = Vec::with_capacity(repeats);
-    let mut prefill_runs = Vec::with_capacity(repeats);
+    // Grown as the runs come (`--repeats` is the user's, unbounded: reserving it up front aborted on a huge value).
+    let mut full_runs = Vec::new();
+    let mut prefill_runs = Vec::new();
     for _ in 0..repeats {
         let start = Instant::now();
         let r = generate(model, prompts, 1, &params, None);

@@ -114,6 +114,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     }
     let device = args.backend.device()?;
     let path = data_path(&args.data)?;
+    if let Some(out) = &args.output {
+        crate::io::check_output_not_input(out, &super::inputs_with_model(&args.model, [&path]))?;
+    }
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());

@@ -88,6 +88,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         anyhow::bail!("--max-new-tokens must be at least 1 (0 generates nothing)");
     }
     crate::io::check_output_file(&args.output)?;
+    let inputs = super::inputs_with_model(&args.model, args.prompt_ids.iter());
+    crate::io::check_output_not_input(&args.output, &inputs)?;
     let mut stop_token_ids = args.stop_ids.clone();
     let device = args.backend.device()?;
     let model = load_model(&args.model, &device, args.quant, args.activations)?;

@@ -100,6 +100,11 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     )?;
     let device = args.backend.device()?;
     let path = super::eval::data_path(&args.data)?;
+    if let Some(out) = &args.output {
+        let inputs = super::inputs_with_model(&args.model, [&path]);
+        crate::io::check_output_not_input(out, &inputs)?;
+        crate::io::check_output_not_input(&out.with_extension("md"), &inputs)?;
+    }
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());

@@ -85,6 +85,17 @@ pub fn load_model(
     Ok(model)
 }
 
+/// What a command reads that its output must not replace (`crate::io::check_output_not_input`): the given
+/// files and the files of its model directory.
+pub(crate) fn inputs_with_model<'a>(
+    model: &std::path::Path,
+    files: impl IntoIterator<Item = &'a std::path::PathBuf>,
+) -> Vec<std::path::PathBuf> {
+    let mut inputs = crate::model::checkpoint::files_read(model);
+    inputs.extend(files.into_iter().cloned());
+    inputs
+}
+
 /// Refuses a list flag that names one value twice (`--schemes f32,f32`): it would be measured twice, in
 /// two rows that read as two things.
 pub(crate) fn refuse_repeats<T: PartialEq>(

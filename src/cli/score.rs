@@ -52,12 +52,23 @@ struct ScoreOutput {
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let input: ScoreInput = read_json(&args.input)?;
     crate::io::check_output_file(&args.output)?;
+    let inputs = super::inputs_with_model(&args.model, [&args.input]);
+    crate::io::check_output_not_input(&args.output, &inputs)?;
     let device = args.backend.device()?;
     let model = load_model(&args.model, &device, args.quant, args.activations)?;
     model
         .check_ids(&input.input_ids)
         .with_context(|| args.input.display().to_string())?;
     let ids = &input.input_ids;
+    let tokens = ids.first().map_or(0, Vec::len);
+    let what = args.input.display().to_string();
+    crate::rollout::budget::check_scoring_size(
+        &model.config,
+        &what,
+        ids.len(),
+        tokens,
+        !args.no_logits,
+    )?;
     let out = model.forward(ids, None, None, None);
     let [b, t, v] = out.logits.dims();
     let logprobs = if t > 1 {

@@ -66,6 +66,29 @@ fn open_shard(path: &Path) -> Result<ShardFile, LoadError> {
     })
 }
 
+/// The files of model directory `dir` that loading a model (and its tokenizer and chat template) reads,
+/// those that exist: what a command must not write its results over (`crate::io::check_output_not_input`).
+pub fn files_read(dir: &Path) -> Vec<PathBuf> {
+    const NAMED: [&str; 6] = [
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    ];
+    let mut files: Vec<PathBuf> = NAMED.iter().map(|n| dir.join(n)).collect();
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        files.extend(entries.flatten().map(|e| e.path()).filter(|p| {
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.ends_with(".safetensors") || n.ends_with(".safetensors.index.json")
+            })
+        }));
+    }
+    files.retain(|p| p.exists());
+    files
+}
+
 impl Checkpoint {
     /// Opens the weights of a model directory.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self, LoadError> {

@@ -153,6 +153,17 @@ pub fn write_random_checkpoint(
         anyhow::bail!("the standard deviation must be a number from 0 to 1e30, got {std}");
     }
     let cfg = ModelConfig::from_file(config_path)?;
+    // The config is copied beside f32 weights, and a `quantization_config` there (a quantized checkpoint's)
+    // would promise packed tensors the directory never holds: every loader would refuse it.
+    if let Some(q) = &cfg.quantization {
+        anyhow::bail!(
+            "{}: has a `quantization_config` ({}): the config of a quantized checkpoint, while random \
+             weights are written in f32; take the config without that block, and quantize the result with \
+             `qarl quantize` if packed weights are wanted",
+            config_path.display(),
+            q.scheme
+        );
+    }
     let config_file = if config_path.is_dir() {
         config_path.join("config.json")
     } else {

@@ -49,6 +49,44 @@ pub enum BudgetError {
         need_gb: f64,
         have_gb: f64,
     },
+    #[error(
+        "{what}: {rows} rows of {tokens} tokens need over {need_gb:.1} GB for their logits over the \
+         {vocab}-token vocabulary and their keys and values, more than the {have_gb:.1} GB of memory \
+         available; score fewer rows at a time"
+    )]
+    ScoreMemory {
+        what: String,
+        rows: usize,
+        tokens: usize,
+        vocab: usize,
+        need_gb: f64,
+        have_gb: f64,
+    },
+}
+
+/// Checks a full forward of `rows` rows of `tokens` tokens whose logits are kept at every position (`qarl
+/// score`): the f32 logits (twice when they are also copied out to be written) and the keys and values,
+/// against the memory available; `what` names the input. A batch too large aborted on the allocation.
+pub fn check_scoring_size(
+    config: &ModelConfig,
+    what: &str,
+    rows: usize,
+    tokens: usize,
+    logits_written: bool,
+) -> Result<(), BudgetError> {
+    let logits = rows as u128 * tokens as u128 * config.vocab_size as u128 * 4;
+    let need = logits * if logits_written { 2 } else { 1 } + kv_cache_bytes(config, rows, tokens);
+    match available_memory_bytes() {
+        Some(have) if need > have as u128 => Err(BudgetError::ScoreMemory {
+            what: what.to_string(),
+            rows,
+            tokens,
+            vocab: config.vocab_size,
+            need_gb: need as f64 / 1e9,
+            have_gb: have as f64 / 1e9,
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// Checks a training batch of `rows` sequences of up to `tokens` tokens (the SFT batch): the positions against
@@ -160,5 +198,22 @@ mod tests {
         assert!(check_training_size(&c, "sft.batch_size", 8, limit).is_ok());
         assert!(matches!(e, BudgetError::Memory { .. }), "{e}");
         assert!(e.to_string().starts_with("--samples: "), "{e}");
+    }
+
+    #[test]
+    fn scoring_more_logits_than_the_memory_is_refused() {
+        let c = config();
+        assert!(check_scoring_size(&c, "in.json", 2, 16, true).is_ok());
+        let e = check_scoring_size(&c, "in.json", usize::MAX / 1024, 16, false).unwrap_err();
+        assert!(matches!(e, BudgetError::ScoreMemory { .. }), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.starts_with("in.json: ") && text.contains("score fewer rows"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{}-token vocabulary", c.vocab_size)),
+            "{text}"
+        );
     }
 }

@@ -44,6 +44,15 @@ pub struct ExperimentConfig {
 /// What an experiment writes in its results folder beside the variants' folders.
 const RESULT_FILES: [&str; 3] = ["report.md", "comparison.png", CLAIMS_FILE];
 
+/// Whether `name` is one plain directory name: not empty, no separator, not `.` or `..`.
+fn plain_name(name: &str) -> bool {
+    let path = Path::new(name);
+    path.components().count() == 1
+        && path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+}
+
 impl ExperimentConfig {
     /// Reads and checks an experiment file; errors name it.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
@@ -62,13 +71,19 @@ impl ExperimentConfig {
         if let Some(s) = exp.seeds.iter().find(|&&s| !seeds.insert(s)) {
             bail!("{}: seed {s} is listed twice in `seeds`", path.display());
         }
+        // The name is the results directory's last part when `results_dir` is not given:
+        // `experiments/results/<name>`; "" or "../x" would put the study's runs and report elsewhere.
+        if exp.results_dir.is_none() && !plain_name(&exp.name) {
+            bail!(
+                "{}: name {:?} must be one plain directory name (the results go to \
+                 experiments/results/<name> unless `results_dir` says otherwise)",
+                path.display(),
+                exp.name
+            );
+        }
         let mut names = std::collections::BTreeSet::new();
         for v in &exp.variants {
-            let plain = Path::new(&v.name)
-                .components()
-                .all(|c| matches!(c, std::path::Component::Normal(_)))
-                && Path::new(&v.name).components().count() == 1;
-            if !plain {
+            if !plain_name(&v.name) {
                 bail!(
                     "{}: variant name {:?} must be one plain directory name (it names the variant's run \
                      directory under the results directory)",
