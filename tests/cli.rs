@@ -402,6 +402,16 @@ fn mismatch_refuses_zero_samples_and_temperature() {
             "--temperature must be a finite number > 0",
         ),
         ("--limit", "0", "--limit must be at least 1"),
+        (
+            "--schemes",
+            "int8-pc,int4-g32,int8-pc",
+            "--schemes names the same value twice (int8-pc)",
+        ),
+        (
+            "--activations",
+            "f32,f32",
+            "--activations names the same value twice (f32)",
+        ),
     ] {
         let err = error_of(qarl().args([
             "mismatch",

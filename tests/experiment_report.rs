@@ -310,3 +310,56 @@ fn an_experiment_refuses_shared_run_directories() {
         );
     }
 }
+
+/// What the report reads from an eval row is checked: an accuracy outside [0, 1], an outcome string of
+/// other characters and an accuracy its own outcomes contradict are errors naming the metrics file, the
+/// row and the key (they were averaged into the report, or dropped, without a word).
+#[test]
+fn damaged_evaluations_are_named_not_averaged() {
+    let exp: ExperimentConfig = toml::from_str(
+        "name = \"damaged\"\nbase = \"unused.toml\"\nseeds = [1]\n[[variant]]\nname = \"A\"\n",
+    )
+    .unwrap();
+    for (key, value, want) in [
+        (
+            "eval/int4-g32/pass@1_greedy",
+            serde_json::json!(1.7),
+            "`eval/int4-g32/pass@1_greedy` is 1.7, not an accuracy in [0, 1]",
+        ),
+        (
+            "eval/f32/mean@4",
+            serde_json::json!(-3.0),
+            "`eval/f32/mean@4` is -3.0, not an accuracy in [0, 1]",
+        ),
+        (
+            "eval/f32/greedy_correct",
+            serde_json::json!("10x0"),
+            "`eval/f32/greedy_correct` is not a string of 0s and 1s",
+        ),
+        (
+            "eval/int4-g32/pass@1_greedy",
+            serde_json::json!(0.25),
+            "`eval/int4-g32/pass@1_greedy` is 0.25 but its `greedy_correct` outcomes give 0.5",
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("A/seed1");
+        write_run(&run, Some("t"), "0100", "1100", rl_row(&[]));
+        let log = run.join("metrics.jsonl");
+        let mut rows: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        rows[2][key] = value;
+        let text: Vec<String> = rows.iter().map(|r| r.to_string()).collect();
+        std::fs::write(&log, text.join("\n") + "\n").unwrap();
+        let err = format!("{:#}", write_report(&exp, tmp.path()).unwrap_err());
+        assert!(
+            err.contains(&log.display().to_string())
+                && err.contains("the eval row of step 1")
+                && err.contains(want),
+            "{key}: {err}"
+        );
+    }
+}

@@ -351,7 +351,21 @@ fn metadata_a_llama_cannot_use_is_refused_at_import() {
     };
     let u32_kv = |key: &str, v: u32| kv(key, 4, &v.to_le_bytes());
     let f32_kv = |key: &str, v: f32| kv(key, 6, &v.to_le_bytes());
-    let cases: [(&str, Vec<u8>, &str); 4] = [
+    // An array of strings (type 9 of type 8): a merge of tokens the vocabulary does not have.
+    let merges = {
+        let merge = "zzq qqz";
+        let mut v = 8u32.to_le_bytes().to_vec();
+        v.extend(1u64.to_le_bytes());
+        v.extend((merge.len() as u64).to_le_bytes());
+        v.extend(merge.as_bytes());
+        kv("tokenizer.ggml.merges", 9, &v)
+    };
+    let cases: [(&str, Vec<u8>, &str); 5] = [
+        (
+            "tokenizer.ggml.merges",
+            merges,
+            "the tokenizer built from `tokenizer.ggml.*` does not load",
+        ),
         (
             "llama.rope.dimension_count",
             u32_kv("llama.rope.dimension_count", 2),

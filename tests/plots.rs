@@ -57,3 +57,19 @@ fn values_beyond_an_f64_span_leave_their_panel_empty() {
         );
     }
 }
+
+/// A metric no step logged takes no place in the grid (it left a blank panel): a log of rewards alone is
+/// one row of panels, 300 pixels high.
+#[test]
+#[ignore = "needs a TrueType font (fonts-dejavu-core, or QARL_FONT=/path/to/font.ttf); .ci/run installs it and runs --include-ignored"]
+fn panels_without_values_take_no_place() {
+    train::plot::register_font().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let log: String = (0..3)
+        .map(|s| format!("{{\"phase\":\"rl\",\"step\":{s},\"critic/rewards/mean\":0.{s}}}\n"))
+        .collect();
+    std::fs::write(tmp.path().join("metrics.jsonl"), log).unwrap();
+    let png = std::fs::read(train::plot::plot_run(tmp.path()).unwrap()).unwrap();
+    let height = u32::from_be_bytes(png[20..24].try_into().unwrap());
+    assert_eq!(height, 300);
+}

@@ -98,6 +98,9 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         "on, off or on,off",
         super::bench::parse_on_off,
     )?;
+    anyhow::ensure!(!args.activations.is_empty(), "--activations is empty");
+    super::refuse_repeats("--activations", &args.activations, |a| a.to_string())?;
+    super::refuse_repeats("--schemes", &args.schemes, |s| s.to_string())?;
     let device = args.backend.device()?;
     let path = super::eval::data_path(&args.data)?;
     if let Some(out) = &args.output {
@@ -133,8 +136,6 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         stop_token_ids: stop_ids,
         ..SamplingParams::default()
     };
-    anyhow::ensure!(!args.activations.is_empty(), "--activations is empty");
-    super::refuse_repeats("--activations", &args.activations, |a| a.to_string())?;
     let mut rows = Vec::new();
     for &act in &args.activations {
         let mut model = full.clone();

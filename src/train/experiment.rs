@@ -398,6 +398,47 @@ fn greedy_outcomes(row: &serde_json::Value, f32_view: bool) -> Option<Vec<bool>>
     super::paired::decode(eval_entry(row, "/greedy_correct", f32_view)?.as_str()?)
 }
 
+/// Checks what the report reads from an eval row: every accuracy (`pass@1_greedy`, `mean@k`) a number in
+/// [0, 1], every outcome string (`greedy_correct`) made of `0` and `1`, and the greedy accuracy the mean
+/// of its outcomes, as `qarl train` writes them. A damaged or edited metrics file is named instead of being
+/// averaged into the report (an accuracy of 1.7 was, and an unreadable outcome string was dropped).
+fn check_eval_row(path: &Path, row: &serde_json::Value) -> anyhow::Result<()> {
+    let Some(entries) = row.as_object() else {
+        return Ok(());
+    };
+    let at = || format!("{}, the eval row of step {}", path.display(), row["step"]);
+    let evals = || entries.iter().filter(|(k, _)| k.starts_with("eval/"));
+    for (key, v) in evals() {
+        if key.ends_with("/pass@1_greedy") || key.contains("/mean@") {
+            let ok = v.as_f64().is_some_and(|x| (0.0..=1.0).contains(&x));
+            anyhow::ensure!(ok, "{}: `{key}` is {v}, not an accuracy in [0, 1]", at());
+        }
+    }
+    for (key, v) in evals() {
+        if let Some(precision) = key
+            .strip_prefix("eval/")
+            .and_then(|k| k.strip_suffix("/greedy_correct"))
+        {
+            let outcomes = v.as_str().and_then(super::paired::decode);
+            let Some(outcomes) = outcomes else {
+                anyhow::bail!("{}: `{key}` is not a string of 0s and 1s", at());
+            };
+            let accuracy = entries
+                .get(&format!("eval/{precision}/pass@1_greedy"))
+                .and_then(serde_json::Value::as_f64);
+            let mean =
+                outcomes.iter().filter(|&&c| c).count() as f64 / outcomes.len().max(1) as f64;
+            if let Some(a) = accuracy.filter(|a| (a - mean).abs() > 1e-9) {
+                anyhow::bail!(
+                    "{}: `eval/{precision}/pass@1_greedy` is {a} but its `greedy_correct` outcomes give {mean}",
+                    at()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Mean of `key` over the RL rows that logged it; `None` when none did (a missing metric is not 0).
 fn rl_average(rl: &[&serde_json::Value], key: &str) -> Option<f64> {
     let xs: Vec<f64> = rl.iter().filter_map(|r| r[key].as_f64()).collect();
@@ -412,6 +453,10 @@ fn summarize_run(run_dir: &Path) -> anyhow::Result<RunSummary> {
         eval_set: EvalSet::of_run(run_dir, &evals),
         ..RunSummary::default()
     };
+    let metrics_file = run_dir.join("metrics.jsonl");
+    for e in &evals {
+        check_eval_row(&metrics_file, e)?;
+    }
     if let (Some(first), Some(last)) = (evals.first(), evals.last()) {
         for (col, e, suffix, f32_view) in [
             ("acc0_roll", first, "/pass@1_greedy", false),

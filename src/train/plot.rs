@@ -180,14 +180,20 @@ fn finite(p: &(f64, f64)) -> bool {
     p.0.is_finite() && p.1.is_finite()
 }
 
-/// Draws the panels two per row, 300 pixels high each, to `out` (PNG).
+/// Draws the panels two per row, 300 pixels high each, to `out` (PNG). A panel with no finite point (a
+/// metric no run logged, such as the error-token criteria of logs older than them) takes no place: it left
+/// a blank in the grid.
 fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
+    let panels: Vec<&Panel> = panels
+        .iter()
+        .filter(|(_, lines)| lines.iter().any(|(_, s)| s.iter().any(finite)))
+        .collect();
     {
         let rows = panels.len().div_ceil(2).max(1);
         let root = BitMapBackend::new(out, (1200, 300 * rows as u32)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
         let areas = root.split_evenly((rows, 2));
-        for (area, (title, lines)) in areas.iter().zip(panels) {
+        for (area, &(title, lines)) in areas.iter().zip(&panels) {
             let pts: Vec<&(f64, f64)> = lines
                 .iter()
                 .flat_map(|(_, s)| s.iter())

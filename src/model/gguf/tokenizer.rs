@@ -118,6 +118,22 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
             "vocab": vocab, "merges": merges,
         },
     });
+    // Loaded here as every command will load it: merges that name tokens missing from the vocabulary (a
+    // damaged file) were written out, and only the first command on the imported model failed.
+    let text = tokenizer.to_string();
+    match crate::host::catch_quietly(|| text.parse::<tokenizers::Tokenizer>()) {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => {
+            return Err(f.error(format!(
+                "the tokenizer built from `tokenizer.ggml.*` does not load: {e}"
+            )))
+        }
+        Err(_) => return Err(f.error(
+            "the tokenizer built from `tokenizer.ggml.*` does not load (the tokenizers library \
+                 failed on it)"
+                .to_string(),
+        )),
+    }
     let mut config = json!({
         "add_bos_token": add_bos,
         "model_max_length": f.metadata.get("llama.context_length").and_then(Value::as_u64).unwrap_or(2048),
