@@ -72,4 +72,12 @@ fn panels_without_values_take_no_place() {
     let png = std::fs::read(train::plot::plot_run(tmp.path()).unwrap()).unwrap();
     let height = u32::from_be_bytes(png[20..24].try_into().unwrap());
     assert_eq!(height, 300);
+    // A folder where the picture goes is named as such.
+    std::fs::remove_file(tmp.path().join("plots.png")).unwrap();
+    std::fs::create_dir(tmp.path().join("plots.png")).unwrap();
+    let err = train::plot::plot_run(tmp.path()).unwrap_err().to_string();
+    assert!(
+        err.ends_with("plots.png: is a folder; give the path of a file to write"),
+        "{err}"
+    );
 }

@@ -184,6 +184,8 @@ fn finite(p: &(f64, f64)) -> bool {
 /// metric no run logged, such as the error-token criteria of logs older than them) takes no place: it left
 /// a blank in the grid.
 fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
+    // Named here: the drawing library reports a folder in the way as a nested debug-printed I/O error.
+    crate::io::check_output_file(out)?;
     let panels: Vec<&Panel> = panels
         .iter()
         .filter(|(_, lines)| lines.iter().any(|(_, s)| s.iter().any(finite)))
