@@ -433,6 +433,30 @@ fn errors_inside_task_tables_name_the_key_and_its_line() {
     for task in good {
         TrainConfig::from_toml(&format!("{base}{task}"), "my.toml").unwrap();
     }
+    // A missing top-level key is named at the top level, also when the file starts with a table (toml
+    // points such an error at the document's start, the first table's header), and a missing key of a
+    // table still with its table.
+    let body = default
+        .lines()
+        .filter(|l| !l.starts_with("run_dir"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let table_first = &body[body.find("\n[model]").unwrap() + 1..];
+    for text in [table_first, &body] {
+        let err = TrainConfig::from_toml(text, "my.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(": missing key `run_dir`"), "{err}");
+    }
+    let no_dir: String = default
+        .lines()
+        .filter(|l| !l.starts_with("dir = "))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let err = TrainConfig::from_toml(&no_dir, "my.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(": missing key `model.dir`"), "{err}");
 }
 
 #[test]

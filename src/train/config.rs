@@ -675,7 +675,15 @@ fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str, lines: bool
         .strip_prefix("missing field `")
         .and_then(|r| r.split('`').next())
     {
-        out.push_str(&format!(": missing key `{}`", with(&path, field)));
+        // toml points a missing top-level key at the document's start, which is the first table's header
+        // when the file starts with one ("missing key `model.run_dir`"): a top-level key the document's top
+        // level lacks is named there.
+        let top_level = TOP_LEVEL_REQUIRED.contains(&field)
+            && text
+                .parse::<toml::Table>()
+                .is_ok_and(|t| !t.contains_key(field));
+        let parent = if top_level { &[][..] } else { &path[..] };
+        out.push_str(&format!(": missing key `{}`", with(parent, field)));
     } else if !path.is_empty() {
         out.push_str(&format!(": `{}`: {msg}", dotted(&path)));
     } else {
@@ -687,6 +695,9 @@ fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str, lines: bool
         anyhow::anyhow!("{out}")
     }
 }
+
+/// The keys a run config must give at its top level (the fields of [`TrainConfig`] without a default).
+const TOP_LEVEL_REQUIRED: [&str; 6] = ["run_dir", "model", "task", "rollout", "train", "eval"];
 
 fn list(names: &[String]) -> String {
     names
