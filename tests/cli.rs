@@ -1387,6 +1387,7 @@ fn outputs_never_replace_what_the_command_reads() {
             vec!["mismatch", "--model", &m, "--data", &d, "--output", &c],
             &c,
         ),
+        (vec!["bench", "rollout", "--model", &m, "--json", &c], &c),
     ] {
         let err = error_of(qarl().args(&args));
         assert!(

@@ -301,6 +301,8 @@ fn format_table(results: &[SchemeResult]) -> String {
 fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     if let Some(json) = &args.json {
         crate::io::check_output_file(json)?;
+        let no_files: [&std::path::PathBuf; 0] = [];
+        crate::io::check_output_not_input(json, &super::inputs_with_model(&args.model, no_files))?;
     }
     let formats = args
         .schemes
