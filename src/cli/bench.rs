@@ -301,8 +301,8 @@ fn format_table(results: &[SchemeResult]) -> String {
 fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     if let Some(json) = &args.json {
         crate::io::check_output_file(json)?;
-        let no_files: [&std::path::PathBuf; 0] = [];
-        crate::io::check_output_not_input(json, &super::inputs_with_model(&args.model, no_files))?;
+        let model_files = crate::model::checkpoint::files_read(&args.model);
+        crate::io::check_output_not_input(json, &model_files)?;
     }
     let formats = args
         .schemes

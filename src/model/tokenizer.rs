@@ -28,32 +28,38 @@ impl Tokenizer {
         };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| err(format!("cannot read ({})", crate::io::os_error_text(&e))))?;
+        let inner = Self::parse(&text).map_err(err)?;
+        Ok(Some(Self { inner, path }))
+    }
+
+    /// The text of a `tokenizer.json` as the tokenizers library reads it, or what is wrong with it: what
+    /// [`Self::load_optional`] reads, and what the GGUF importer checks the file it builds with.
+    pub(crate) fn parse(text: &str) -> Result<tokenizers::Tokenizer, String> {
         // Check the JSON first: the tokenizers crate panics on some malformed files (a truncated one, for
         // example) instead of returning an error, and a panic is caught below as a last resort. Its own
         // message for a missing or misspelt model section is about "untagged enum" variants, so the
         // sections it needs are checked here, by name.
-        let json = serde_json::from_str::<serde_json::Value>(&text)
-            .map_err(|e| err(format!("not valid JSON: {e}")))?;
+        let json = serde_json::from_str::<serde_json::Value>(text)
+            .map_err(|e| format!("not valid JSON: {e}"))?;
         if !json.is_object() {
-            return Err(err("not a JSON object".into()));
+            return Err("not a JSON object".into());
         }
         let model = &json["model"];
         if !model.is_object() {
-            return Err(err("no `model` object (the vocabulary and its kind)".into()));
+            return Err("no `model` object (the vocabulary and its kind)".into());
         }
         if let Some(kind) = model.get("type").and_then(|t| t.as_str()) {
             const KINDS: [&str; 4] = ["BPE", "WordPiece", "WordLevel", "Unigram"];
             if !KINDS.contains(&kind) {
-                return Err(err(format!(
+                return Err(format!(
                     "`model.type` is `{kind}`; supported: {}",
                     KINDS.join(", ")
-                )));
+                ));
             }
         }
-        let parsed = crate::host::catch_quietly(|| text.parse::<tokenizers::Tokenizer>())
-            .map_err(|_| err("the tokenizers library could not read this file".into()))?;
-        let inner = parsed.map_err(|e| err(e.to_string()))?;
-        Ok(Some(Self { inner, path }))
+        crate::host::catch_quietly(|| text.parse::<tokenizers::Tokenizer>())
+            .map_err(|_| "the tokenizers library could not read this file".to_string())?
+            .map_err(|e| e.to_string())
     }
 
     /// [`Self::load_optional`] for the model `config` of the same directory, refusing a tokenizer with ids

@@ -76,8 +76,8 @@ pub fn check_scoring_size(
 ) -> Result<(), BudgetError> {
     let logits = rows as u128 * tokens as u128 * config.vocab_size as u128 * 4;
     let need = logits * if logits_written { 2 } else { 1 } + kv_cache_bytes(config, rows, tokens);
-    match available_memory_bytes() {
-        Some(have) if need > have as u128 => Err(BudgetError::ScoreMemory {
+    match short_of(need) {
+        Some(have) => Err(BudgetError::ScoreMemory {
             what: what.to_string(),
             rows,
             tokens,
@@ -85,7 +85,7 @@ pub fn check_scoring_size(
             need_gb: need as f64 / 1e9,
             have_gb: have as f64 / 1e9,
         }),
-        _ => Ok(()),
+        None => Ok(()),
     }
 }
 
@@ -106,15 +106,15 @@ pub fn check_training_size(
         });
     }
     let need = kv_cache_bytes(config, rows, tokens);
-    match available_memory_bytes() {
-        Some(have) if need > have as u128 => Err(BudgetError::TrainMemory {
+    match short_of(need) {
+        Some(have) => Err(BudgetError::TrainMemory {
             what: what.to_string(),
             rows,
             tokens,
             need_gb: need as f64 / 1e9,
             have_gb: have as f64 / 1e9,
         }),
-        _ => Ok(()),
+        None => Ok(()),
     }
 }
 
@@ -144,18 +144,22 @@ pub fn check_rollout_size(
         });
     }
     let need = kv_cache_bytes(config, rows, reach);
-    if let Some(have) = available_memory_bytes() {
-        if need > have as u128 {
-            return Err(BudgetError::Memory {
-                what: what.to_string(),
-                rows,
-                tokens: reach,
-                need_gb: need as f64 / 1e9,
-                have_gb: have as f64 / 1e9,
-            });
-        }
+    match short_of(need) {
+        Some(have) => Err(BudgetError::Memory {
+            what: what.to_string(),
+            rows,
+            tokens: reach,
+            need_gb: need as f64 / 1e9,
+            have_gb: have as f64 / 1e9,
+        }),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The bytes of memory available, where `need` exceeds them (`None` where it fits, or where the kernel
+/// does not say).
+fn short_of(need: u128) -> Option<u64> {
+    available_memory_bytes().filter(|&have| need > have as u128)
 }
 
 /// `MemAvailable` of `/proc/meminfo` in bytes (`None` where the kernel does not report it).

@@ -67,7 +67,7 @@ impl Evaluation {
     }
 
     pub fn accuracy(&self) -> f64 {
-        self.correct.iter().filter(|&&c| c).count() as f64 / self.correct.len().max(1) as f64
+        super::paired::accuracy(&self.correct)
     }
 }
 

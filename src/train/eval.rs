@@ -66,7 +66,7 @@ pub fn evaluate(
         }
         Ok((correct, len as f64 / out.ids.len().max(1) as f64))
     };
-    let mean = |v: &[bool]| v.iter().filter(|&&c| c).count() as f64 / v.len().max(1) as f64;
+    let mean = super::paired::accuracy;
     let tag = precision.to_string();
     let mut metrics = BTreeMap::new();
     let (greedy_correct, len) = accuracy(1, 0.0)?;

@@ -426,8 +426,7 @@ fn check_eval_row(path: &Path, row: &serde_json::Value) -> anyhow::Result<()> {
             let accuracy = entries
                 .get(&format!("eval/{precision}/pass@1_greedy"))
                 .and_then(serde_json::Value::as_f64);
-            let mean =
-                outcomes.iter().filter(|&&c| c).count() as f64 / outcomes.len().max(1) as f64;
+            let mean = super::paired::accuracy(&outcomes);
             if let Some(a) = accuracy.filter(|a| (a - mean).abs() > 1e-9) {
                 anyhow::bail!(
                     "{}: `eval/{precision}/pass@1_greedy` is {a} but its `greedy_correct` outcomes give {mean}",
@@ -447,13 +446,13 @@ fn rl_average(rl: &[&serde_json::Value], key: &str) -> Option<f64> {
 
 /// Reads a finished run's metrics and config.
 fn summarize_run(run_dir: &Path) -> anyhow::Result<RunSummary> {
-    let rows = read_rows(&run_dir.join("metrics.jsonl"), BadLines::TornLastOnly)?;
+    let metrics_file = run_dir.join("metrics.jsonl");
+    let rows = read_rows(&metrics_file, BadLines::TornLastOnly)?;
     let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
     let mut s = RunSummary {
         eval_set: EvalSet::of_run(run_dir, &evals),
         ..RunSummary::default()
     };
-    let metrics_file = run_dir.join("metrics.jsonl");
     for e in &evals {
         check_eval_row(&metrics_file, e)?;
     }

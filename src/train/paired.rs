@@ -305,12 +305,15 @@ fn signed3(x: f64) -> String {
     format!("{x:+.3}")
 }
 
+/// The fraction of `outcomes` that are right (0 for none): an evaluation's accuracy, as `qarl train`
+/// logs it and every report and comparison reads it back.
+pub fn accuracy(outcomes: &[bool]) -> f64 {
+    outcomes.iter().filter(|&&c| c).count() as f64 / outcomes.len().max(1) as f64
+}
+
 /// Each seed's accuracy over its problems.
 fn seed_accuracies(outcomes: &[Vec<bool>]) -> Vec<f64> {
-    outcomes
-        .iter()
-        .map(|o| o.iter().filter(|&&c| c).count() as f64 / o.len().max(1) as f64)
-        .collect()
+    outcomes.iter().map(|o| accuracy(o)).collect()
 }
 
 /// Welch's standard error of `mean(a) - mean(b)` (sample variances); `None` unless both have 2 values or more.

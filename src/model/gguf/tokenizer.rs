@@ -120,19 +120,10 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
     });
     // Loaded here as every command will load it: merges that name tokens missing from the vocabulary (a
     // damaged file) were written out, and only the first command on the imported model failed.
-    let text = tokenizer.to_string();
-    match crate::host::catch_quietly(|| text.parse::<tokenizers::Tokenizer>()) {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => {
-            return Err(f.error(format!(
-                "the tokenizer built from `tokenizer.ggml.*` does not load: {e}"
-            )))
-        }
-        Err(_) => return Err(f.error(
-            "the tokenizer built from `tokenizer.ggml.*` does not load (the tokenizers library \
-                 failed on it)"
-                .to_string(),
-        )),
+    if let Err(why) = crate::model::Tokenizer::parse(&tokenizer.to_string()) {
+        return Err(f.error(format!(
+            "the tokenizer built from `tokenizer.ggml.*` does not load: {why}"
+        )));
     }
     let mut config = json!({
         "add_bos_token": add_bos,

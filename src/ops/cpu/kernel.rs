@@ -591,14 +591,9 @@ impl KernelWeights {
                 } else {
                     self.panel_block(path, &src, &xp, m, o0, block, panel);
                 }
-                // Activation row by activation row: each writes `rows` consecutive floats of `y`.
-                for i in 0..m {
-                    for r in 0..rows {
-                        // SAFETY: `y` has m * out elements and outlives the tasks; row o0 + r < out belongs to
-                        // this task alone, so no two tasks write the same element.
-                        unsafe { yp.write(i * out + o0 + r, block[r * m + i]) };
-                    }
-                }
+                // SAFETY: `y` has m * out elements and outlives the tasks; rows o0.. < out belong to this
+                // task alone, so no two tasks write the same element.
+                unsafe { yp.write_columns(0, out, o0, m, block) };
             });
         };
         let tasks = out.div_ceil(task_rows);
@@ -857,11 +852,21 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
+    /// Writes `block` (output columns `o0..o0 + rows` of an `[m, n]` product, computed transposed as
+    /// `[rows, m]`) into that product, which starts at element `base` of the buffer: activation row by
+    /// activation row, each writing `rows` consecutive floats.
+    ///
     /// # Safety
-    /// `at` is inside the buffer and no other thread accesses that element concurrently.
-    unsafe fn write(self, at: usize, v: f32) {
-        // SAFETY: the caller's contract.
-        unsafe { *self.0.add(at) = v };
+    /// The product's elements are inside the buffer, and no other thread accesses those columns
+    /// concurrently.
+    unsafe fn write_columns(self, base: usize, n: usize, o0: usize, m: usize, block: &[f32]) {
+        let rows = block.len() / m.max(1);
+        for i in 0..m {
+            for r in 0..rows {
+                // SAFETY: the caller's contract.
+                unsafe { *self.0.add(base + i * n + o0 + r) = block[r * m + i] };
+            }
+        }
     }
 }
 
@@ -1145,13 +1150,9 @@ pub fn f32_matmul_nt_on(
     let rows_of = |b: usize, xp: &[f32], wp: &[f32], o0: usize, rows: usize| {
         let mut yt = vec![0.0f32; rows * m];
         block(xp, wp, o0, &mut yt);
-        for (r, col) in yt.chunks(m).enumerate() {
-            for (i, &v) in col.iter().enumerate() {
-                // SAFETY: `y` holds batch * m * n elements and outlives the tasks; column o0 + r < n of
-                // product b belongs to this task alone.
-                unsafe { out.write(b * m * n + i * n + o0 + r, v) };
-            }
-        }
+        // SAFETY: `y` holds batch * m * n elements and outlives the tasks; columns o0.. < n of product
+        // b belong to this task alone.
+        unsafe { out.write_columns(b * m * n, n, o0, m, &yt) };
     };
     // One product: rows of `w` split over tasks when it is alone and large.
     let one = |b: usize| {
