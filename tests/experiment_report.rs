@@ -363,3 +363,51 @@ fn damaged_evaluations_are_named_not_averaged() {
         );
     }
 }
+
+/// Two experiments given one results directory: the second would count the first's finished runs of a
+/// variant with the same name as its own (trained under another base) and overwrite its report. The
+/// first to run or report marks the directory; the other is refused, naming both experiments.
+#[test]
+fn a_results_directory_belongs_to_one_experiment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let results = tmp.path().join("shared");
+    let exp = |name: &str| -> ExperimentConfig {
+        toml::from_str(&format!(
+            "name = {name:?}\nbase = \"unused.toml\"\nseeds = [1]\n[[variant]]\nname = \"A\"\n"
+        ))
+        .unwrap()
+    };
+    let first = exp("first");
+    first
+        .claim_results(Path::new("first.toml"), &results)
+        .unwrap();
+    let stamp: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(results.join("experiment.json")).unwrap())
+            .unwrap();
+    assert_eq!(stamp["name"], "first");
+    // Its own later runs and reports go on.
+    first
+        .claim_results(Path::new("first.toml"), &results)
+        .unwrap();
+    let err = format!(
+        "{:#}",
+        exp("second")
+            .claim_results(Path::new("second.toml"), &results)
+            .unwrap_err()
+    );
+    assert!(
+        err.starts_with("second.toml:")
+            && err.contains("holds the results of experiment \"first\"")
+            && err.contains("its own `results_dir`"),
+        "{err}"
+    );
+    // A damaged mark is named, not taken for a free directory.
+    std::fs::write(results.join("experiment.json"), "{}").unwrap();
+    let err = format!(
+        "{:#}",
+        first
+            .claim_results(Path::new("first.toml"), &results)
+            .unwrap_err()
+    );
+    assert!(err.contains("experiment.json: no experiment `name`"), "{err}");
+}

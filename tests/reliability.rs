@@ -451,6 +451,19 @@ fn bad_configs_are_named_with_their_key_path() {
             edit("lr = 3e-5", "lr = nan"),
             &["`train.lr` = NaN"],
         ),
+        (
+            "a weight decay too small for f32 (was stored as 0)",
+            edit("lr = 3e-5", "lr = 3e-5\nweight_decay = 1e-300"),
+            &["`train.weight_decay` = 1e-300", "stored as 0"],
+        ),
+        (
+            "a correction's cap too large for f32 (was stored as inf)",
+            edit(
+                "objective = \"tbpo\"",
+                "objective = \"tbpo\"\ncorrections = [{ kind = \"token_tis\", cap = 1e300 }]",
+            ),
+            &["`train.loss.corrections[0].cap` = 1e300", "stored as inf"],
+        ),
         ("TOML syntax", edit("[eval]", "[eval"), &["line"]),
         (
             "run files over the model's own",

@@ -133,6 +133,7 @@ pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
                 results.display()
             );
         }
+        exp.claim_results(&args.file, &results)?;
         train::experiment::write_report(&exp, &results)?
     } else {
         train::experiment::run_experiment(&args.file, args.quiet, args.backend)?

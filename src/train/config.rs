@@ -341,6 +341,9 @@ impl TrainConfig {
     }
 
     fn parse(text: &str, origin: &str, lines: bool) -> anyhow::Result<Self> {
+        if let Ok(doc) = text.parse::<toml::Table>() {
+            check_float_range(&doc, &mut Vec::new()).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+        }
         let cfg: Self = toml::from_str(text).map_err(|e| {
             let e = locate_in_task(text, &e).unwrap_or(e);
             explain_toml_error(&e, text, origin, lines)
@@ -694,6 +697,56 @@ fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str, lines: bool
     } else {
         anyhow::anyhow!("{out}")
     }
+}
+
+/// Refuses a float whose magnitude lies outside f32's normal range (nonzero and below 1.2e-38, or finite
+/// above 3.4e38): most float settings are kept as f32, where such a value would silently become 0 (a
+/// weight decay, a clip range turned off) or infinity, and no setting means anything at such magnitudes.
+/// Non-finite values are left to [`TrainConfig::validate`], which names each key's rule.
+fn check_float_range(table: &toml::Table, path: &mut Vec<String>) -> anyhow::Result<()> {
+    for (key, value) in table {
+        path.push(key.clone());
+        check_value_range(value, path)?;
+        path.pop();
+    }
+    Ok(())
+}
+
+fn check_value_range(value: &toml::Value, path: &mut Vec<String>) -> anyhow::Result<()> {
+    match value {
+        toml::Value::Float(v) => {
+            let magnitude = v.abs();
+            let representable = magnitude == 0.0
+                || !magnitude.is_finite()
+                || (f32::MIN_POSITIVE as f64..=f32::MAX as f64).contains(&magnitude);
+            if !representable {
+                bail!(
+                    "`{}` = {v:e}: outside the range of a float setting (magnitudes from {:.1e} to {:.1e}, or 0): \
+                     it would be stored as {}",
+                    path.iter().fold(String::new(), |mut out, part| {
+                        if !out.is_empty() && !part.starts_with('[') {
+                            out.push('.');
+                        }
+                        out.push_str(part);
+                        out
+                    }),
+                    f32::MIN_POSITIVE,
+                    f32::MAX,
+                    *v as f32
+                );
+            }
+        }
+        toml::Value::Table(t) => check_float_range(t, path)?,
+        toml::Value::Array(items) => {
+            for (i, item) in items.iter().enumerate() {
+                path.push(format!("[{i}]"));
+                check_value_range(item, path)?;
+                path.pop();
+            }
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 /// The keys a run config must give at its top level (the fields of [`TrainConfig`] without a default).

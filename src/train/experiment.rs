@@ -42,7 +42,10 @@ pub struct ExperimentConfig {
 }
 
 /// What an experiment writes in its results folder beside the variants' folders.
-const RESULT_FILES: [&str; 3] = ["report.md", "comparison.png", CLAIMS_FILE];
+const RESULT_FILES: [&str; 4] = ["report.md", "comparison.png", CLAIMS_FILE, OWNER_FILE];
+
+/// Names the experiment a results folder belongs to (`{"name": ...}`), written by its first run or report.
+pub const OWNER_FILE: &str = "experiment.json";
 
 /// Whether `name` is one plain directory name: not empty, no separator, not `.` or `..`.
 fn plain_name(name: &str) -> bool {
@@ -121,6 +124,34 @@ impl ExperimentConfig {
             }
         }
         Ok(exp)
+    }
+
+    /// Marks `results` as this experiment's (its [`OWNER_FILE`]), or refuses where another experiment's
+    /// results are there: its finished runs of a variant with the same name would be counted as this
+    /// experiment's (trained under another base config) and its report overwritten. `file` is this
+    /// experiment's file, for the message.
+    pub fn claim_results(&self, file: &Path, results: &Path) -> anyhow::Result<()> {
+        let owner = results.join(OWNER_FILE);
+        if owner.is_file() {
+            let stamp: serde_json::Value = crate::io::read_json(&owner)?;
+            let name = stamp.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
+                anyhow::anyhow!("{}: no experiment `name` (a string) in it", owner.display())
+            })?;
+            if name != self.name {
+                bail!(
+                    "{}: {} holds the results of experiment {name:?} (its {OWNER_FILE}); experiment {:?} \
+                     would count that experiment's finished runs as its own and overwrite its report: give \
+                     it its own `results_dir`",
+                    file.display(),
+                    results.display(),
+                    self.name
+                );
+            }
+            return Ok(());
+        }
+        std::fs::create_dir_all(results)
+            .map_err(crate::io::failed(results, "cannot create the results directory"))?;
+        crate::io::write_json_atomic(&owner, &serde_json::json!({ "name": self.name }))
     }
 
     /// Where the runs and the report go: `results_dir`, by default `experiments/results/<name>`.
@@ -206,6 +237,7 @@ pub fn run_experiment(
     let results = exp.results();
     // One experiment process per results directory (each run directory is locked by its run as well).
     let _lock = super::lock::RunLock::acquire(&results)?;
+    exp.claim_results(path, &results)?;
     // Every run's config, built and checked before the first run starts: a mistake in the last variant
     // is reported before hours of the first ones, not after.
     let config_of = |v: &Variant, seed: u64, run_dir: &Path| -> anyhow::Result<TrainConfig> {
