@@ -409,5 +409,8 @@ fn a_results_directory_belongs_to_one_experiment() {
             .claim_results(Path::new("first.toml"), &results)
             .unwrap_err()
     );
-    assert!(err.contains("experiment.json: no experiment `name`"), "{err}");
+    assert!(
+        err.contains("experiment.json: no experiment `name`"),
+        "{err}"
+    );
 }

@@ -12,6 +12,10 @@ use crate::rl::losses::LossConfig;
 use crate::tasks::verify::VerifyConfig;
 use crate::tasks::TaskConfig;
 
+mod toml_errors;
+use toml_errors::{check_float_range, explain_toml_error, locate_in_task};
+pub use toml_errors::{closest, edit_distance};
+
 /// Which weights the learner's forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -342,7 +346,8 @@ impl TrainConfig {
 
     fn parse(text: &str, origin: &str, lines: bool) -> anyhow::Result<Self> {
         if let Ok(doc) = text.parse::<toml::Table>() {
-            check_float_range(&doc, &mut Vec::new()).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+            check_float_range(&doc, &mut Vec::new())
+                .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
         }
         let cfg: Self = toml::from_str(text).map_err(|e| {
             let e = locate_in_task(text, &e).unwrap_or(e);
@@ -616,222 +621,6 @@ impl TrainConfig {
         )?;
         Ok(())
     }
-}
-
-/// The error `e` again, pointing at the key at fault, where it points at the `[task]` table or its
-/// `template` (tagged by `kind`, which hides the key from toml: [`TaskConfig::locate_error`]).
-fn locate_in_task(text: &str, e: &toml::de::Error) -> Option<toml::de::Error> {
-    let doc = toml::de::DeTable::parse(text).ok()?;
-    let task = doc.get_ref().get("task")?;
-    let template = task.get_ref().get("template");
-    let at = |t: &toml::Spanned<toml::de::DeValue<'_>>| e.span() == Some(t.span());
-    if !at(task) && !template.is_some_and(at) {
-        return None;
-    }
-    let mut located = TaskConfig::locate_error(task)?;
-    located.set_input(Some(text));
-    Some(located)
-}
-
-/// Turns a TOML/serde error into one that names the file, the line, the full key path and the reason, and
-/// suggests the closest valid key or value for a misspelt one.
-fn explain_toml_error(e: &toml::de::Error, text: &str, origin: &str, lines: bool) -> anyhow::Error {
-    let msg = e.message().trim();
-    let pos = e.span().map(|s| s.start.min(text.len()));
-    let line = pos
-        .filter(|_| lines)
-        .map(|p| text[..p].matches('\n').count() + 1);
-    // The key path of the line the error points at: the enclosing table and the key on the line.
-    let path = pos.map(|p| key_path_at(text, p)).unwrap_or_default();
-    let dotted = |parts: &[String]| parts.join(".");
-    let with = |parts: &[String], last: &str| {
-        let mut v = parts.to_vec();
-        v.push(last.to_string());
-        dotted(&v)
-    };
-    let mut out = origin.to_string();
-    if let Some(l) = line {
-        out.push_str(&format!(", line {l}"));
-    }
-    if let Some((bad, expected)) = unknown_name(msg, "unknown field") {
-        // The line names the unknown key itself (`bad = ...` or a `[table.bad]` header) or its table.
-        let parent: Vec<String> = if path.last() == Some(&bad) {
-            path[..path.len() - 1].to_vec()
-        } else {
-            path.clone()
-        };
-        out.push_str(&format!(": unknown key `{}`", with(&parent, &bad)));
-        match closest(&bad, &expected) {
-            Some(best) => out.push_str(&format!("; did you mean `{}`?", with(&parent, best))),
-            None => out.push_str(&format!("; valid keys here: {}", list(&expected))),
-        }
-    } else if let Some((bad, expected)) = unknown_name(msg, "unknown variant") {
-        out.push_str(&format!(
-            ": `{}` = \"{bad}\" is not a valid value",
-            dotted(&path)
-        ));
-        match closest(&bad, &expected) {
-            Some(best) => out.push_str(&format!("; did you mean \"{best}\"?")),
-            None => out.push_str(&format!("; expected one of {}", list(&expected))),
-        }
-    } else if let Some(field) = msg
-        .strip_prefix("missing field `")
-        .and_then(|r| r.split('`').next())
-    {
-        // toml points a missing top-level key at the document's start, which is the first table's header
-        // when the file starts with one ("missing key `model.run_dir`"): a top-level key the document's top
-        // level lacks is named there.
-        let top_level = TOP_LEVEL_REQUIRED.contains(&field)
-            && text
-                .parse::<toml::Table>()
-                .is_ok_and(|t| !t.contains_key(field));
-        let parent = if top_level { &[][..] } else { &path[..] };
-        out.push_str(&format!(": missing key `{}`", with(parent, field)));
-    } else if !path.is_empty() {
-        out.push_str(&format!(": `{}`: {msg}", dotted(&path)));
-    } else {
-        out.push_str(&format!(": {msg}"));
-    }
-    if lines {
-        anyhow::anyhow!("{out}\n{e}")
-    } else {
-        anyhow::anyhow!("{out}")
-    }
-}
-
-/// Refuses a float whose magnitude lies outside f32's normal range (nonzero and below 1.2e-38, or finite
-/// above 3.4e38): most float settings are kept as f32, where such a value would silently become 0 (a
-/// weight decay, a clip range turned off) or infinity, and no setting means anything at such magnitudes.
-/// Non-finite values are left to [`TrainConfig::validate`], which names each key's rule.
-fn check_float_range(table: &toml::Table, path: &mut Vec<String>) -> anyhow::Result<()> {
-    for (key, value) in table {
-        path.push(key.clone());
-        check_value_range(value, path)?;
-        path.pop();
-    }
-    Ok(())
-}
-
-fn check_value_range(value: &toml::Value, path: &mut Vec<String>) -> anyhow::Result<()> {
-    match value {
-        toml::Value::Float(v) => {
-            let magnitude = v.abs();
-            let representable = magnitude == 0.0
-                || !magnitude.is_finite()
-                || (f32::MIN_POSITIVE as f64..=f32::MAX as f64).contains(&magnitude);
-            if !representable {
-                bail!(
-                    "`{}` = {v:e}: outside the range of a float setting (magnitudes from {:.1e} to {:.1e}, or 0): \
-                     it would be stored as {}",
-                    path.iter().fold(String::new(), |mut out, part| {
-                        if !out.is_empty() && !part.starts_with('[') {
-                            out.push('.');
-                        }
-                        out.push_str(part);
-                        out
-                    }),
-                    f32::MIN_POSITIVE,
-                    f32::MAX,
-                    *v as f32
-                );
-            }
-        }
-        toml::Value::Table(t) => check_float_range(t, path)?,
-        toml::Value::Array(items) => {
-            for (i, item) in items.iter().enumerate() {
-                path.push(format!("[{i}]"));
-                check_value_range(item, path)?;
-                path.pop();
-            }
-        }
-        _ => {}
-    }
-    Ok(())
-}
-
-/// The keys a run config must give at its top level (the fields of [`TrainConfig`] without a default).
-const TOP_LEVEL_REQUIRED: [&str; 6] = ["run_dir", "model", "task", "rollout", "train", "eval"];
-
-fn list(names: &[String]) -> String {
-    names
-        .iter()
-        .map(|n| format!("`{n}`"))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-/// `(name, expected names)` from serde's "unknown field `x`, expected one of `a`, `b`" (or variant).
-fn unknown_name(msg: &str, what: &str) -> Option<(String, Vec<String>)> {
-    let rest = msg.split_once(&format!("{what} `"))?.1;
-    let (bad, tail) = rest.split_once('`')?;
-    let expected = tail
-        .split('`')
-        .skip(1)
-        .step_by(2)
-        .map(str::to_string)
-        .collect();
-    Some((bad.to_string(), expected))
-}
-
-/// The key path of the TOML line around byte `pos`: a `[header]` line's table, or the nearest header
-/// above followed by the key before `=`.
-fn key_path_at(text: &str, pos: usize) -> Vec<String> {
-    let line_start = text[..pos].rfind('\n').map_or(0, |i| i + 1);
-    let line_end = text[pos..].find('\n').map_or(text.len(), |i| pos + i);
-    let split = |s: &str| -> Vec<String> {
-        s.split('.')
-            .map(|p| p.trim().trim_matches('"').trim_matches('\'').to_string())
-            .filter(|p| !p.is_empty())
-            .collect()
-    };
-    let header = |l: &str| -> Option<Vec<String>> {
-        let l = l.trim();
-        if !l.starts_with('[') {
-            return None;
-        }
-        let inner = l.trim_start_matches('[');
-        Some(split(inner.split(']').next().unwrap_or("")))
-    };
-    let line = &text[line_start..line_end];
-    if let Some(h) = header(line) {
-        return h;
-    }
-    let mut path = text[..line_start]
-        .lines()
-        .rev()
-        .find_map(header)
-        .unwrap_or_default();
-    if let Some((k, _)) = line.split_once('=') {
-        path.extend(split(k));
-    }
-    path
-}
-
-/// Edit distance between two strings (Levenshtein, by characters).
-pub fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1; b.len() + 1];
-        for (j, &cb) in b.iter().enumerate() {
-            cur[j + 1] = (prev[j] + usize::from(ca != cb))
-                .min(prev[j + 1] + 1)
-                .min(cur[j] + 1);
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
-/// The candidate closest to `name`, when it is close enough to be a likely typo.
-pub fn closest<'a>(name: &str, candidates: &'a [String]) -> Option<&'a str> {
-    let lower = name.to_lowercase();
-    candidates
-        .iter()
-        .map(|c| (edit_distance(&lower, &c.to_lowercase()), c))
-        .filter(|(d, c)| *d <= (c.chars().count().max(name.chars().count()) / 3).max(2))
-        .min_by_key(|(d, _)| *d)
-        .map(|(_, c)| c.as_str())
 }
 
 /// Learning rate at `step` (0-based) of `total` with linear warm-up.

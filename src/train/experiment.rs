@@ -149,8 +149,10 @@ impl ExperimentConfig {
             }
             return Ok(());
         }
-        std::fs::create_dir_all(results)
-            .map_err(crate::io::failed(results, "cannot create the results directory"))?;
+        std::fs::create_dir_all(results).map_err(crate::io::failed(
+            results,
+            "cannot create the results directory",
+        ))?;
         crate::io::write_json_atomic(&owner, &serde_json::json!({ "name": self.name }))
     }
 
