@@ -65,11 +65,21 @@ fn hidden_act_other_than_silu_is_refused_by_name() {
 #[test]
 fn non_positive_or_non_finite_floats_are_refused() {
     for key in ["rms_norm_eps", "rope_theta"] {
+        // 1e-50 is above zero, but 0 in the f32 forward; 1e300 infinite there.
+        for bad in [json!(1e-50), json!(1e300)] {
+            let e = refused("qwen3", key, bad);
+            assert!(
+                e.contains(&format!(
+                    "`{key}` must be a finite number above zero, within f32's normal range"
+                )),
+                "{e}"
+            );
+        }
         for bad in [json!(-1), json!(0), json!(0.0), json!(-1e-6), json!("1e-6")] {
             let e = refused("qwen3", key, bad.clone());
             assert!(
                 e.contains(&format!(
-                    "`{key}` must be a finite number above zero, found {bad}"
+                    "`{key}` must be a finite number above zero, within f32's normal range, found {bad}"
                 )),
                 "{e}"
             );

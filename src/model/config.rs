@@ -160,8 +160,9 @@ impl<'a> Keys<'a> {
         Ok(v)
     }
 
-    /// A finite number above zero (`rms_norm_eps`, `rope_theta`): zero, negative or non-finite values run
-    /// but give NaN or meaningless outputs, so they are refused here.
+    /// A finite number above zero (`rms_norm_eps`, `rope_theta`) that f32 holds: zero, negative or
+    /// non-finite values run but give NaN or meaningless outputs, and the forward computes in f32, where
+    /// an `rms_norm_eps` of 1e-50 is 0 again, so they are refused here.
     fn positive_f64(&self, names: &[&str]) -> Result<f64, LoadError> {
         // The key that was found is named (`rope_parameters.rope_theta` is not `rope_theta`).
         let (name, v) = names
@@ -169,8 +170,14 @@ impl<'a> Keys<'a> {
             .find_map(|&n| self.find(&[n]).map(|v| (n, v)))
             .ok_or_else(|| self.missing(names))?;
         v.as_f64()
-            .filter(|x| x.is_finite() && *x > 0.0)
-            .ok_or_else(|| self.bad(name, "a finite number above zero", v))
+            .filter(|x| (f32::MIN_POSITIVE as f64..=f32::MAX as f64).contains(x))
+            .ok_or_else(|| {
+                self.bad(
+                    name,
+                    "a finite number above zero, within f32's normal range",
+                    v,
+                )
+            })
     }
 
     fn bool_or(&self, names: &[&str], default: bool) -> Result<bool, LoadError> {
