@@ -726,6 +726,33 @@ fn every_computing_command_takes_a_backend() {
     assert!(err.contains("vulkan") && err.contains("wgpu"), "{err}");
 }
 
+/// `qarl bench step --json` naming its own config or a record of the run it benches is refused before
+/// any work (it replaced the config with its table and exited 0).
+#[test]
+fn bench_step_json_is_no_file_it_reads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("run.toml");
+    let text = common::tiny_train_toml(tmp.path(), "aligned", 1);
+    std::fs::write(&cfg, &text).unwrap();
+    let metrics = tmp.path().join("run").join("metrics.jsonl");
+    std::fs::create_dir_all(metrics.parent().unwrap()).unwrap();
+    std::fs::write(&metrics, "{}\n").unwrap();
+    for out in [&cfg, &metrics] {
+        let err = error_of(
+            qarl()
+                .args(["bench", "step", "--quiet", "--steps", "1", "--warmup", "0"])
+                .arg("--config")
+                .arg(&cfg)
+                .arg("--json")
+                .arg(out),
+        );
+        assert!(err.contains("is also what this command reads"), "{err}");
+    }
+    assert_eq!(std::fs::read_to_string(&cfg).unwrap(), text);
+    assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "{}\n");
+    assert!(!tmp.path().join("model").exists());
+}
+
 /// `qarl bench step` with two variants: each is timed in its own process (so its peak memory is its own),
 /// and the JSON report holds both, with the timed steps and the phase keys the table is built from.
 #[test]

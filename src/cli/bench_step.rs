@@ -132,6 +132,11 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("variant {label}: {e}"))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    if let Some(json) = &a.json {
+        let mut inputs: Vec<PathBuf> = a.config.iter().cloned().collect();
+        inputs.extend(configs.iter().flat_map(|(_, c)| c.files_in_use()));
+        crate::io::check_output_not_input(json, &inputs)?;
+    }
     // Every backend is checked before the (slow) machine probes.
     let devices = configs
         .iter()

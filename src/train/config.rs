@@ -332,6 +332,27 @@ impl TrainConfig {
         unset
     }
 
+    /// The files a run of this config reads or keeps (the model's and the base model's files, the model
+    /// config it may be created from, the task's data, the run directory's records), those that exist:
+    /// what a command's output beside the run (`qarl bench step --json`) must not replace.
+    pub fn files_in_use(&self) -> Vec<PathBuf> {
+        use crate::model::checkpoint::files_read;
+        let mut files = files_read(&self.model.dir);
+        files.extend(self.model.base.iter().flat_map(|b| files_read(b)));
+        files.extend(self.model.init_config.iter().cloned());
+        if let TaskConfig::Gsm8k(d) | TaskConfig::Math(d) = &self.task {
+            files.push(d.path.clone());
+            files.extend(d.eval_path.iter().cloned());
+        }
+        files.extend(
+            ["config.json", "metrics.jsonl", "sft_metrics.jsonl"]
+                .iter()
+                .map(|name| self.run_dir.join(name)),
+        );
+        files.retain(|p| p.exists());
+        files
+    }
+
     /// Parses TOML text; errors name `origin`, the full key path and the reason, and suggest the closest
     /// valid key for a misspelt one.
     pub fn from_toml(text: &str, origin: &str) -> anyhow::Result<Self> {
