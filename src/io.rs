@@ -173,6 +173,32 @@ pub fn same_dir(a: &Path, b: &Path) -> bool {
     }
 }
 
+/// Whether `path` is `dir` or lies inside it, links resolved as far as the path exists (a model directory
+/// under a run's `checkpoints/`, which `--overwrite` deletes).
+pub fn within(path: &Path, dir: &Path) -> bool {
+    resolved(path).starts_with(resolved(dir))
+}
+
+/// `p` made absolute with its longest existing prefix resolved through the file system (links followed)
+/// and the rest taken lexically.
+fn resolved(p: &Path) -> std::path::PathBuf {
+    let Ok(abs) = std::path::absolute(p) else {
+        return p.to_path_buf();
+    };
+    let abs = normal(&abs);
+    let mut existing = abs.as_path();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            let rest = abs.strip_prefix(existing).unwrap_or(Path::new(""));
+            return real.join(rest);
+        }
+        match existing.parent() {
+            Some(parent) => existing = parent,
+            None => return abs,
+        }
+    }
+}
+
 /// `p` without `.` components and with each `..` taking its parent away (lexically).
 fn normal(p: &Path) -> std::path::PathBuf {
     use std::path::Component;
@@ -308,6 +334,24 @@ pub fn os_error_text(e: &std::io::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `within` sees through `..` and links, and a path that does not exist yet is still placed.
+    #[test]
+    fn within_resolves_dots_and_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("run");
+        std::fs::create_dir_all(run.join("checkpoints")).unwrap();
+        let ckpt = run.join("checkpoints");
+        assert!(within(&ckpt.join("step_000001"), &ckpt));
+        assert!(within(&tmp.path().join("x/../run/checkpoints/a"), &ckpt));
+        assert!(!within(&run.join("model"), &ckpt));
+        assert!(!within(&tmp.path().join("run/checkpoints2"), &ckpt));
+        #[cfg(unix)]
+        {
+            std::os::unix::fs::symlink(&ckpt, tmp.path().join("link")).unwrap();
+            assert!(within(&tmp.path().join("link/step_000001"), &ckpt));
+        }
+    }
 
     /// A name given twice is refused before anything is written (the safetensors crate indexed out of
     /// bounds on it), and an earlier file at the path stays as it was.

@@ -474,6 +474,18 @@ fn bad_configs_are_named_with_their_key_path() {
             &["`run_dir`", "is `model.dir`", "overwrite the model's files"],
         ),
         (
+            "a model inside the run's checkpoints (--overwrite deleted it)",
+            edit(
+                "run_dir = \"runs/default\"",
+                "run_dir = \"runs/x/../default\"",
+            )
+            .replace(
+                "dir = \"runs/default/model-sft\"",
+                "dir = \"runs/default/checkpoints/step_000001\"",
+            ),
+            &["`model.dir`", "inside the run's checkpoints"],
+        ),
+        (
             "run files into the working directory",
             edit("run_dir = \"runs/default\"", "run_dir = \"\""),
             &["`run_dir` = \"\"", "must name a directory"],

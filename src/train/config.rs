@@ -450,6 +450,22 @@ impl TrainConfig {
                 self.run_dir.display().to_string()
             );
         }
+        // `--overwrite` deletes the run's checkpoints before the model is read (or created again).
+        let checkpoints = self.run_dir.join("checkpoints");
+        for (key, dir) in [
+            ("model.dir", Some(&self.model.dir)),
+            ("model.base", self.model.base.as_ref()),
+        ] {
+            if let Some(dir) = dir.filter(|d| crate::io::within(d, &checkpoints)) {
+                bail!(
+                    "`{key}` = {:?} is inside the run's checkpoints ({}), which a fresh run \
+                     (`--overwrite`) deletes and checkpoint pruning removes: copy the model elsewhere, or \
+                     continue that run with `--resume`",
+                    dir.display().to_string(),
+                    checkpoints.display()
+                );
+            }
+        }
         let loops = &self.train.error_tokens;
         check(
             (1..=64).contains(&loops.max_pattern),

@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value as Json};
 
 use super::dequant::dequantize;
-use super::reader::{GgufFile, TensorInfo, Value};
+use super::reader::{GgufFile, TensorInfo};
 
 /// How the imported weights are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -160,37 +160,21 @@ pub fn import_gguf(
 fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
     let hidden = f.get_u64("llama.embedding_length")?;
     let heads = f.get_u64("llama.attention.head_count")?;
-    let kv_heads = match f.metadata.get("llama.attention.head_count_kv") {
-        Some(v) => v
-            .as_u64()
-            .ok_or_else(|| f.error("`llama.attention.head_count_kv` is not an integer"))?,
-        None => heads,
-    };
+    let kv_heads = f.opt_u64("llama.attention.head_count_kv")?.unwrap_or(heads);
     if heads == 0 || kv_heads == 0 || hidden % heads != 0 || heads % kv_heads != 0 {
         bail!(f.error(format!(
             "embedding_length {hidden}, head_count {heads}, head_count_kv {kv_heads}: inconsistent"
         )));
     }
-    if let Some(v) = f.metadata.get("llama.rope.scaling.type") {
-        if v.as_str() != Some("none") {
-            bail!(f.error(format!(
-                "`llama.rope.scaling.type` = {v} is not supported (supported: none, i.e. no scaling)"
-            )));
-        }
-    }
-    let vocab = match f
-        .metadata
-        .get("tokenizer.ggml.tokens")
-        .and_then(Value::as_array)
-    {
+    check_no_rope_scaling(f)?;
+    let vocab = match f.opt_array("tokenizer.ggml.tokens")? {
         Some(t) => t.len() as u64,
         None => f.get_u64("llama.vocab_size")?,
     };
     let head_dim = hidden / heads;
-    // Optional keys: absent is the default, present but of another type is an error (it was the default).
-    let opt_u64 = |k: &str| f.metadata.get(k).map(|_| f.get_u64(k)).transpose();
-    let opt_f64 = |k: &str| f.metadata.get(k).map(|_| f.get_f64(k)).transpose();
-    if let Some(k) = opt_u64("llama.attention.key_length")? {
+    // Optional keys (`opt_*`): absent is the default, present but of another type is an error (it was the
+    // default).
+    if let Some(k) = f.opt_u64("llama.attention.key_length")? {
         if k != head_dim {
             bail!(f.error(format!(
                 "attention.key_length {k} != embedding_length / head_count = {head_dim} (not supported)"
@@ -198,7 +182,7 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
         }
     }
     // Llama applies RoPE to the whole head; a file that rotates only part of it is another model.
-    if let Some(d) = opt_u64("llama.rope.dimension_count")? {
+    if let Some(d) = f.opt_u64("llama.rope.dimension_count")? {
         if d != head_dim {
             bail!(f.error(format!(
                 "rope.dimension_count {d} != the head dimension {head_dim} (partial RoPE is not supported)"
@@ -215,7 +199,7 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
     let eps_key = "llama.attention.layer_norm_rms_epsilon";
     let eps = positive(eps_key, f.get_f64(eps_key)?)?;
     let theta_key = "llama.rope.freq_base";
-    let rope_theta = positive(theta_key, opt_f64(theta_key)?.unwrap_or(10000.0))?;
+    let rope_theta = positive(theta_key, f.opt_f64(theta_key)?.unwrap_or(10000.0))?;
     let config = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -228,15 +212,52 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
         "hidden_act": "silu",
         "rms_norm_eps": eps,
         "rope_theta": rope_theta,
-        "max_position_embeddings": opt_u64("llama.context_length")?.unwrap_or(2048),
+        "max_position_embeddings": f.opt_u64("llama.context_length")?.unwrap_or(2048),
         "vocab_size": vocab,
         "attention_bias": false,
         "mlp_bias": false,
-        "bos_token_id": opt_u64("tokenizer.ggml.bos_token_id")?,
-        "eos_token_id": opt_u64("tokenizer.ggml.eos_token_id")?,
-        "pad_token_id": opt_u64("tokenizer.ggml.padding_token_id")?,
+        "bos_token_id": f.opt_u64("tokenizer.ggml.bos_token_id")?,
+        "eos_token_id": f.opt_u64("tokenizer.ggml.eos_token_id")?,
+        "pad_token_id": f.opt_u64("tokenizer.ggml.padding_token_id")?,
     });
     Ok((config, heads as usize, kv_heads as usize))
+}
+
+/// Refuses RoPE scaling, which the imported config cannot express, as llama.cpp's loader (`load_hparams` in
+/// src/llama-model.cpp, and the context's setup) reads it: `rope.scaling.type` defaults to `linear` when the
+/// key is absent; the factor is `rope.scaling.factor`, else the older `rope.scale_linear`, and a factor of 0
+/// means 1 (frequency scale 1 / factor); a type of `none` never scales, whatever the factor. So a factor
+/// other than 0 or 1 without a type is linear scaling, refused as an explicit `linear` is; and
+/// `rope.scaling.attn_factor` (default 1) multiplies the rotated queries and keys whatever the type.
+fn check_no_rope_scaling(f: &GgufFile) -> anyhow::Result<()> {
+    let type_key = "llama.rope.scaling.type";
+    let scaling_type = f.opt_str(type_key)?;
+    // The factor llama.cpp reads: the first of the two keys present (the other one is never read).
+    let factor = ["llama.rope.scaling.factor", "llama.rope.scale_linear"]
+        .into_iter()
+        .find(|k| f.metadata.contains_key(*k))
+        .map(|k| f.get_f64(k).map(|v| (k, v)))
+        .transpose()?;
+    match (scaling_type, factor) {
+        (Some("none"), _) | (None, None) => {}
+        (None, Some((_, v))) if v == 0.0 || v == 1.0 => {}
+        (None, Some((k, v))) => bail!(f.error(format!(
+            "`{k}` = {v} without `{type_key}` is linear RoPE scaling (llama.cpp's default type), which is \
+             not supported (supported: no scaling, i.e. no factor, or a factor of 0 or 1)"
+        ))),
+        (Some(other), _) => bail!(f.error(format!(
+            "`{type_key}` = {other} is not supported (supported: none, i.e. no scaling)"
+        ))),
+    }
+    let attn_key = "llama.rope.scaling.attn_factor";
+    if let Some(a) = f.opt_f64(attn_key)? {
+        if a != 1.0 {
+            bail!(f.error(format!(
+                "`{attn_key}` = {a} is not supported (it scales the rotated queries and keys; supported: 1)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The Hugging Face name of a llama.cpp tensor name.

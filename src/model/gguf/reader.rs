@@ -111,6 +111,29 @@ impl Value {
             _ => None,
         }
     }
+
+    /// The value's GGUF type as gguf-py names it, lower-cased, for messages (`uint8`, `string`; an array by
+    /// its first item's type, `array of int32`, since an empty array keeps no item type here).
+    pub fn type_name(&self) -> String {
+        match self {
+            Value::U8(_) => "uint8".into(),
+            Value::I8(_) => "int8".into(),
+            Value::U16(_) => "uint16".into(),
+            Value::I16(_) => "int16".into(),
+            Value::U32(_) => "uint32".into(),
+            Value::I32(_) => "int32".into(),
+            Value::U64(_) => "uint64".into(),
+            Value::I64(_) => "int64".into(),
+            Value::F32(_) => "float32".into(),
+            Value::F64(_) => "float64".into(),
+            Value::Bool(_) => "bool".into(),
+            Value::String(_) => "string".into(),
+            Value::Array(a) => match a.first() {
+                Some(v) => format!("array of {}", v.type_name()),
+                None => "array (empty)".into(),
+            },
+        }
+    }
 }
 
 /// One tensor's entry in the file.
@@ -397,21 +420,90 @@ impl GgufFile {
             .ok_or_else(|| self.error(format!("metadata `{key}` is missing")))
     }
 
+    /// The error for metadata `key` = `v` that is not `expected` (`an unsigned integer`): the value and its
+    /// GGUF type, so that a number stored as a string (`1`) is told apart from the number.
+    pub fn wrong_type(&self, key: &str, v: &Value, expected: &str) -> GgufError {
+        self.error(format!(
+            "metadata `{key}` = {v} is not {expected} (its GGUF type is {})",
+            v.type_name()
+        ))
+    }
+
+    /// The error for item `i` of the array `key`: as [`Self::wrong_type`].
+    pub fn wrong_item(&self, key: &str, i: usize, v: &Value, expected: &str) -> GgufError {
+        self.error(format!(
+            "metadata `{key}` item {i} = {v} is not {expected} (its GGUF type is {})",
+            v.type_name()
+        ))
+    }
+
     pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self.get(key)?;
         v.as_u64()
-            .ok_or_else(|| self.error(format!("metadata `{key}` = {v} is not an unsigned integer")))
+            .ok_or_else(|| self.wrong_type(key, v, "an unsigned integer"))
     }
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
         let v = self.get(key)?;
-        v.as_f64()
-            .ok_or_else(|| self.error(format!("metadata `{key}` = {v} is not a number")))
+        v.as_f64().ok_or_else(|| self.wrong_type(key, v, "a number"))
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
         let v = self.get(key)?;
-        v.as_str()
-            .ok_or_else(|| self.error(format!("metadata `{key}` is not a string")))
+        v.as_str().ok_or_else(|| self.wrong_type(key, v, "a string"))
+    }
+
+    pub fn get_bool(&self, key: &str) -> Result<bool, GgufError> {
+        let v = self.get(key)?;
+        v.as_bool().ok_or_else(|| self.wrong_type(key, v, "a boolean"))
+    }
+
+    pub fn get_array(&self, key: &str) -> Result<&[Value], GgufError> {
+        let v = self.get(key)?;
+        v.as_array().ok_or_else(|| self.wrong_type(key, v, "an array"))
+    }
+
+    /// An array of strings, each item checked.
+    pub fn get_strings(&self, key: &str) -> Result<Vec<&str>, GgufError> {
+        self.get_array(key)?
+            .iter()
+            .enumerate()
+            .map(|(i, v)| v.as_str().ok_or_else(|| self.wrong_item(key, i, v, "a string")))
+            .collect()
+    }
+
+    // Optional keys: absent is `None` (the caller's default); present but of another type is an error, never
+    // the default.
+
+    pub fn opt_u64(&self, key: &str) -> Result<Option<u64>, GgufError> {
+        self.optional(key, Self::get_u64)
+    }
+
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>, GgufError> {
+        self.optional(key, Self::get_f64)
+    }
+
+    pub fn opt_str(&self, key: &str) -> Result<Option<&str>, GgufError> {
+        self.optional(key, Self::get_str)
+    }
+
+    pub fn opt_bool(&self, key: &str) -> Result<Option<bool>, GgufError> {
+        self.optional(key, Self::get_bool)
+    }
+
+    pub fn opt_array(&self, key: &str) -> Result<Option<&[Value]>, GgufError> {
+        self.optional(key, Self::get_array)
+    }
+
+    fn optional<'a, T>(
+        &'a self,
+        key: &str,
+        get: impl FnOnce(&'a Self, &str) -> Result<T, GgufError>,
+    ) -> Result<Option<T>, GgufError> {
+        if self.metadata.contains_key(key) {
+            get(self, key).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 }
