@@ -394,12 +394,18 @@ fn mismatch_refuses_zero_samples_and_temperature() {
         (
             "--temperature",
             "0",
-            "--temperature must be a finite number > 0",
+            "--temperature must be a finite number >= 1e-5",
         ),
         (
             "--temperature",
             "nan",
-            "--temperature must be a finite number > 0",
+            "--temperature must be a finite number >= 1e-5",
+        ),
+        // Greedy's distribution in all but name: every KL read 0.
+        (
+            "--temperature",
+            "1e-6",
+            "--temperature must be a finite number >= 1e-5",
         ),
         ("--limit", "0", "--limit must be at least 1"),
         (
@@ -848,6 +854,38 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
         err.contains("differ on 1 problem(s) (first: problem 1)"),
         "{err}"
     );
+}
+
+/// Two variants sharing `model.dir` whose warm starts differ (here only `sft.lr`): the first would make the
+/// model and the second train on it while the report credits its own `[sft]`. Refused before any run,
+/// naming both variants and the key; seeds of one variant share a warm start as before.
+#[test]
+fn experiment_variants_sharing_a_model_must_make_it_alike() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("base.toml"),
+        common::tiny_train_toml(tmp.path(), "aligned", 1),
+    )
+    .unwrap();
+    let exp = tmp.path().join("exp.toml");
+    let results = tmp.path().join("results");
+    std::fs::write(
+        &exp,
+        format!(
+            "name = \"e\"\nbase = \"base.toml\"\nseeds = [1, 2]\nresults_dir = {:?}\n\
+             [[variant]]\nname = \"a\"\n[[variant]]\nname = \"b\"\nset = {{ \"sft.lr\" = 5e-3 }}\n",
+            results.display().to_string()
+        ),
+    )
+    .unwrap();
+    let err = error_of(qarl().arg("experiment").arg(&exp).arg("--quiet"));
+    assert!(
+        err.contains("exp.toml: variants \"a\" and \"b\" share `model.dir`")
+            && err.contains("(`sft.lr`)")
+            && err.contains("give each its own `model.dir`"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("model").exists(), "nothing ran");
 }
 
 /// An experiment sets each run's `seed` and `run_dir` itself, and writes `report.md`, `comparison.png` and
@@ -1355,6 +1393,23 @@ fn generate_refuses_options_it_would_ignore() {
         err.contains("--stop-id 999999") && err.contains("vocabulary"),
         "{err}"
     );
+    // Temperature 0 is `--greedy` by another name: top-p and top-k were ignored there too.
+    for (flag, value) in [("--top-p", "0.5"), ("--top-k", "5")] {
+        let err = error_of(
+            qarl()
+                .args(["generate", "--model"])
+                .arg(&dir)
+                .arg("--prompt-ids")
+                .arg(&prompts)
+                .args(["--temperature", "0", flag, value, "--max-new-tokens", "2"])
+                .arg("--output")
+                .arg(&out_json),
+        );
+        assert!(
+            err.contains("temperature 0 is greedy decoding, which takes no top_p"),
+            "{flag}: {err}"
+        );
+    }
     assert!(!out_json.exists());
 }
 
@@ -1453,6 +1508,19 @@ fn init_model_refuses_a_quantized_checkpoints_config() {
     );
     assert!(
         err.contains("has a `quantization_config` (int4-g32)") && err.contains("qarl quantize"),
+        "{err}"
+    );
+    assert!(!out.join("model.safetensors").exists());
+    // A standard deviation of 0 (all-zero matrices) is refused, as `model.init_std = 0` is.
+    let err = error_of(
+        qarl()
+            .args(["init-model", "--std", "0", "--config"])
+            .arg(fixtures_dir().join("llama").join("config.json"))
+            .arg("--output")
+            .arg(&out),
+    );
+    assert!(
+        err.contains("standard deviation must be a number above 0"),
         "{err}"
     );
     assert!(!out.join("model.safetensors").exists());

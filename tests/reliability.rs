@@ -335,7 +335,19 @@ fn a_resume_with_another_experiment_is_refused() {
     other.train.steps = 2;
     let err = format!("{:#}", train::run(&other, true, true).unwrap_err());
     assert!(
-        err.contains("`rollout`") && err.contains("--overwrite"),
+        err.contains("`rollout.precision`") && err.contains("--overwrite"),
+        "{err}"
+    );
+    assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
+    // The learner's settings too (the learning rate went from 1e-4 to 1 mid-run, config.json rewritten):
+    // every key that differs is named.
+    let mut other = cfg.clone();
+    other.train.lr = 1.0;
+    other.train.activations = qarl::model::Activations::Bf16;
+    other.train.steps = 2;
+    let err = format!("{:#}", train::run(&other, true, true).unwrap_err());
+    assert!(
+        err.contains("`train.activations`, `train.lr` settings"),
         "{err}"
     );
     assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);

@@ -77,10 +77,15 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
             "train.advantage={estimator=\"grpo\", eps=0}",
             "`eps` must be finite and > 0",
         ),
-        // Logits divided by a subnormal temperature are all infinite.
+        // Logits divided by a tiny temperature are all infinite.
+        (
+            "rollout.temperature=1e-30",
+            "must be a finite number >= 1e-5",
+        ),
+        // A subnormal one is not even kept as written.
         (
             "rollout.temperature=1e-45",
-            "must be a finite number >= 1e-5",
+            "`rollout.temperature` = 1e-45: outside the range of a float setting",
         ),
         ("eval.temperature=1e-6", "`eval.temperature`"),
         (

@@ -72,8 +72,10 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     // Checked before anything is loaded: 0 samples used to panic, temperature 0 to print a NaN KL.
     anyhow::ensure!(args.samples >= 1, "--samples must be at least 1, got 0");
     anyhow::ensure!(
-        args.temperature.is_finite() && args.temperature > 0.0,
-        "--temperature must be a finite number > 0 (log-probs of sampled tokens are compared), got {}",
+        args.temperature.is_finite() && args.temperature >= crate::rollout::sampler::MIN_TEMPERATURE,
+        "--temperature must be a finite number >= {:e} (log-probs of sampled tokens are compared; below, \
+         the distribution is greedy's and every KL reads 0, or the logits divided by it overflow), got {:e}",
+        crate::rollout::sampler::MIN_TEMPERATURE,
         args.temperature
     );
     anyhow::ensure!(args.limit >= 1, "--limit must be at least 1, got 0");

@@ -148,9 +148,10 @@ pub fn write_random_checkpoint(
     std: f32,
 ) -> anyhow::Result<()> {
     // Draws reach several standard deviations: beyond 1e30 some would overflow f32 to infinity and the
-    // checkpoint would hold non-finite weights.
-    if !(std.is_finite() && (0.0..=1e30).contains(&std)) {
-        anyhow::bail!("the standard deviation must be a number from 0 to 1e30, got {std}");
+    // checkpoint would hold non-finite weights. 0 makes every matrix zero: a model whose outputs ignore
+    // its inputs (`model.init_std` refuses it too).
+    if !(std.is_finite() && std > 0.0 && std <= 1e30) {
+        anyhow::bail!("the standard deviation must be a number above 0 and at most 1e30, got {std}");
     }
     let cfg = ModelConfig::from_file(config_path)?;
     // The config is copied beside f32 weights, and a `quantization_config` there (a quantized checkpoint's)

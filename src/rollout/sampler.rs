@@ -16,6 +16,11 @@ pub enum RolloutError {
     Temperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]
     TopP(f32),
+    #[error(
+        "temperature 0 is greedy decoding, which takes no top_p (got {top_p}) or top_k (got {top_k}): they \
+         would be ignored"
+    )]
+    GreedyWithSampling { top_p: f32, top_k: usize },
     #[error("stop strings must not be empty")]
     EmptyStopString,
     #[error(
@@ -78,6 +83,12 @@ impl SamplingParams {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(RolloutError::TopP(self.top_p));
+        }
+        if t == 0.0 && (self.top_p != 1.0 || self.top_k != 0) {
+            return Err(RolloutError::GreedyWithSampling {
+                top_p: self.top_p,
+                top_k: self.top_k,
+            });
         }
         if self.stop_strings.iter().any(String::is_empty) {
             return Err(RolloutError::EmptyStopString);

@@ -660,6 +660,44 @@ impl TrainConfig {
     }
 }
 
+/// The dotted keys where two configs (as JSON) differ: objects key by key, anything else (arrays
+/// included) whole.
+pub fn differing_keys(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {
+    let mut out = Vec::new();
+    differing_keys_at(a, b, "", &mut out);
+    out
+}
+
+fn differing_keys_at(
+    a: &serde_json::Value,
+    b: &serde_json::Value,
+    at: &str,
+    out: &mut Vec<String>,
+) {
+    use serde_json::Value::Object;
+    match (a, b) {
+        (Object(x), Object(y)) => {
+            let keys: std::collections::BTreeSet<&String> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                let null = serde_json::Value::Null;
+                let path = if at.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{at}.{k}")
+                };
+                differing_keys_at(
+                    x.get(k).unwrap_or(&null),
+                    y.get(k).unwrap_or(&null),
+                    &path,
+                    out,
+                );
+            }
+        }
+        _ if a != b => out.push(at.to_string()),
+        _ => {}
+    }
+}
+
 /// Learning rate at `step` (0-based) of `total` with linear warm-up.
 pub fn lr_at(base: f64, schedule: LrSchedule, warmup: usize, step: usize, total: usize) -> f64 {
     if step < warmup {

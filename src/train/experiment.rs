@@ -218,6 +218,51 @@ pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
     }
 }
 
+/// What makes a run's model when its `model.dir` does not exist yet: the model table but its path, the
+/// warm start and the task it trains on (the seed aside: seeds share a warm start, made with the first
+/// one's).
+fn warm_start_of(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
+    let mut model = serde_json::to_value(&cfg.model)?;
+    if let Some(m) = model.as_object_mut() {
+        m.remove("dir");
+    }
+    Ok(serde_json::json!({
+        "model": model,
+        "sft": serde_json::to_value(&cfg.sft)?,
+        "task": serde_json::to_value(&cfg.task)?,
+    }))
+}
+
+/// Refuses runs that share a `model.dir` but would make it differently: the first to run makes the model,
+/// the others find it there and skip their own warm start, so a variant that differs only in `[sft]`
+/// trained the other variant's model while the report credited its own settings.
+fn check_shared_warm_starts(
+    path: &Path,
+    runs: &[(&Variant, u64, PathBuf, TrainConfig)],
+) -> anyhow::Result<()> {
+    for (i, (va, _, _, a)) in runs.iter().enumerate() {
+        for (vb, _, _, b) in &runs[i + 1..] {
+            if !crate::io::same_dir(&a.model.dir, &b.model.dir) {
+                continue;
+            }
+            let differ = super::config::differing_keys(&warm_start_of(a)?, &warm_start_of(b)?);
+            if !differ.is_empty() {
+                bail!(
+                    "{}: variants {:?} and {:?} share `model.dir` = {:?} but would make it differently (`{}`): \
+                     the first to run makes the model and the other trains on it; give each its own \
+                     `model.dir`",
+                    path.display(),
+                    va.name,
+                    vb.name,
+                    a.model.dir.display().to_string(),
+                    differ.join("`, `")
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 fn marker(run_dir: &Path) -> PathBuf {
     run_dir.join("finished.json")
 }
@@ -281,6 +326,7 @@ pub fn run_experiment(
             }
         }
     }
+    check_shared_warm_starts(path, &runs)?;
     for (v, seed, run_dir, cfg) in runs {
         if !quiet {
             eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());

@@ -257,20 +257,29 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
     });
 }
 
-/// What a resumed run must share with the run it continues (JSON pointers into the run's config.json):
-/// the rollouts, the training forward and objective, the task and its verifier. Anything else (more
-/// steps, evaluation, checkpointing, the backend) may change on resume.
-const RUN_IDENTITY: [&str; 5] = [
-    "/rollout",
-    "/train/forward",
-    "/train/loss",
-    "/task",
-    "/verify",
+/// What a resume may change against the run it continues (JSON pointers into the run's config.json):
+/// how far it goes, what it evaluates and keeps, where it runs and from which paths, and the knobs that
+/// change memory or checks but not what is computed. Everything else (the rollouts, the learner's
+/// settings, the objective, the task, the verifier, the warm start, the seed, the metrics' definitions)
+/// is the run's identity: rows after the checkpoint made under other values would be another experiment
+/// under the same run's name, and its config.json would misstate how the earlier rows were made.
+const RESUME_MAY_CHANGE: [&str; 12] = [
+    "/run_dir",
+    "/model",
+    "/train/steps",
+    "/train/backend",
+    "/train/micro_batch_size",
+    "/train/max_nonfinite_steps",
+    "/train/lp_old_check",
+    "/train/tensor_core_kernel",
+    "/train/fragment_group_splits",
+    "/eval",
+    "/checkpoint_every",
+    "/keep_checkpoints",
 ];
 
-/// Refuses a resume whose config differs from the run's own (its `config.json`) where
-/// [`RUN_IDENTITY`] says: the rows after the checkpoint would come from another experiment than the
-/// rows before it, under one run's name.
+/// Refuses a resume whose config differs from the run's own (its `config.json`) anywhere outside
+/// [`RESUME_MAY_CHANGE`], naming every key that differs.
 fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
     let path = cfg.run_dir.join("config.json");
     if !path.is_file() {
@@ -279,28 +288,47 @@ fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
     // With the implicit defaults written out on both sides: a config saved from `qarl config show` (every
     // default written) continues a run made from the file it came from.
     let old: serde_json::Value = crate::io::read_json(&path)?;
-    let old = match serde_json::from_value::<TrainConfig>(old.clone()) {
+    let mut old = match serde_json::from_value::<TrainConfig>(old.clone()) {
         Ok(c) => serde_json::to_value(c.with_defaults())?,
         Err(_) => old,
     };
-    let new = serde_json::to_value(cfg.with_defaults())?;
-    let changed: Vec<&str> = RUN_IDENTITY
-        .into_iter()
-        .filter(|k| old.pointer(k) != new.pointer(k))
-        .collect();
+    let mut new = serde_json::to_value(cfg.with_defaults())?;
+    for pointer in RESUME_MAY_CHANGE {
+        for v in [&mut old, &mut new] {
+            remove_pointer(v, pointer);
+        }
+    }
+    let changed = config::differing_keys(&old, &new);
     if !changed.is_empty() {
-        let keys: Vec<String> = changed
-            .iter()
-            .map(|k| k.trim_start_matches('/').replace('/', "."))
-            .collect();
         anyhow::bail!(
             "{}: the run was made with other `{}` settings than this config's; resuming would mix two \
-             experiments in one run (restore them, start over with --overwrite, or choose another `run_dir`)",
+             experiments in one run (restore them, start over with --overwrite, or choose another `run_dir`; \
+             a resume may change only {})",
             path.display(),
-            keys.join("`, `")
+            changed.join("`, `"),
+            RESUME_MAY_CHANGE
+                .iter()
+                .map(|p| format!("`{}`", p.trim_start_matches('/').replace('/', ".")))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
     }
     Ok(())
+}
+
+/// Removes the value at `pointer` (`/a/b`) from `v`, if there is one.
+fn remove_pointer(v: &mut serde_json::Value, pointer: &str) {
+    let Some((parent, key)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    let parent = if parent.is_empty() {
+        Some(v)
+    } else {
+        v.pointer_mut(parent)
+    };
+    if let Some(serde_json::Value::Object(map)) = parent {
+        map.remove(key);
+    }
 }
 
 /// The `model.dir` the run directory's earlier config names, if it has a readable one: the model

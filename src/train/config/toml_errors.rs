@@ -125,7 +125,10 @@ fn check_value_range(value: &toml::Value, path: &mut Vec<String>) -> anyhow::Res
                     }),
                     f32::MIN_POSITIVE,
                     f32::MAX,
-                    *v as f32
+                    match *v as f32 {
+                        0.0 => "0".to_string(),
+                        stored => format!("{stored:e}"),
+                    }
                 );
             }
         }
