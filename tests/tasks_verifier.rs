@@ -527,6 +527,11 @@ fn bad_lines_name_file_and_line() {
             r#####"{"question": "q", "answer": "#### 2\\sqrt{2}"}"#####,
             "not a number",
         ),
+        // The gold would be 2 (after the last marker), a response's copy of it read as 1 (after its first).
+        (
+            r#####"{"question": "q", "answer": "x #### 1 ##### 2"}"#####,
+            "field `answer` has 2 `####` markers",
+        ),
     ];
     for (i, (bad, want)) in cases.iter().enumerate() {
         let path = dir.path().join(format!("bad{i}.jsonl"));

@@ -92,6 +92,11 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
             "task={kind=\"gsm8k\", path=\"x.jsonl\", eval_fraction=1.5}",
             "`task.eval_fraction` must be in (0, 1)",
         ),
+        // Beside a held-out file nothing of `path` is held out: the fraction was ignored.
+        (
+            "task={kind=\"gsm8k\", path=\"x.jsonl\", eval_path=\"y.jsonl\", eval_fraction=0.3}",
+            "`task.eval_fraction` = 0.3 beside `task.eval_path`",
+        ),
     ] {
         let err = format!(
             "{:#}",

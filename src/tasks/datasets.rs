@@ -66,6 +66,10 @@ pub enum LineError {
     NotString(&'static str),
     #[error("field `answer` has no final answer after `####`")]
     NoFinalAnswer,
+    /// The gold answer is read after the last `####`, a response's after its first: a solution with two
+    /// would teach (in the warm start) answers the verifier reads differently from the gold.
+    #[error("field `answer` has {0} `####` markers: which one ends the solution is ambiguous (GSM8K has one)")]
+    SeveralFinalAnswers(usize),
     /// The verifier compares a GSM8K answer as a number: a word there (`#### four`) would make every
     /// response wrong without a word.
     #[error("the final answer after `####` is `{0}`, not a number (GSM8K answers are numbers like `18`, `-3`, `1,200` or `2.5`)")]
@@ -80,6 +84,13 @@ pub fn gsm8k_final_answer(answer: &str) -> Option<&str> {
     let rest = answer[pos + 4..].trim_start_matches('#');
     let line = rest.split('\n').next().unwrap_or("").trim();
     (!line.is_empty()).then_some(line)
+}
+
+/// How many final-answer markers `text` holds: runs of four or more `#` (`#####` is one).
+fn final_answer_markers(text: &str) -> usize {
+    text.split(|c| c != '#')
+        .filter(|run| run.len() >= 4)
+        .count()
 }
 
 /// Removes GSM8K calculator annotations `<<48/2=24>>`.
@@ -121,6 +132,10 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
     let question = string_field(&v, "question")?;
     let solution = string_field(&v, "answer")?;
+    let markers = final_answer_markers(&solution);
+    if markers > 1 {
+        return Err(LineError::SeveralFinalAnswers(markers));
+    }
     let answer = gsm8k_final_answer(&solution)
         .ok_or(LineError::NoFinalAnswer)?
         .to_string();

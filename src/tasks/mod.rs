@@ -66,6 +66,14 @@ pub enum TaskError {
         eval_fraction: f64,
     },
     #[error(
+        "task config: {task}: `task.eval_fraction` = {eval_fraction} beside `task.eval_path`: the held-out set \
+         is that file and nothing of `task.path` is held out, so the fraction would be ignored; remove one"
+    )]
+    EvalFractionWithPath {
+        task: &'static str,
+        eval_fraction: f64,
+    },
+    #[error(
         "task config: {task}: no training records left in {path} after holding out the eval set"
     )]
     NoTrainingRecords { task: &'static str, path: PathBuf },
@@ -112,6 +120,16 @@ impl TaskConfig {
                 TemplateConfig::Plain(_) => None,
             },
             TaskConfig::Arithmetic(_) => None,
+        }
+    }
+
+    /// The same config with a data set's held-out fraction written out where it applies
+    /// ([`DatasetConfig::with_defaults`]).
+    pub fn with_defaults(&self) -> Self {
+        match self {
+            TaskConfig::Gsm8k(d) => TaskConfig::Gsm8k(d.with_defaults()),
+            TaskConfig::Math(d) => TaskConfig::Math(d.with_defaults()),
+            TaskConfig::Arithmetic(_) => self.clone(),
         }
     }
 
@@ -177,9 +195,10 @@ pub struct DatasetConfig {
     /// Held-out file; when absent, `eval_fraction` of `path` (chosen by a hash of the question) is held out.
     #[serde(default)]
     pub eval_path: Option<PathBuf>,
-    /// Fraction of `path` held out when there is no `eval_path` (default 0.1).
-    #[serde(default = "default_eval_fraction")]
-    pub eval_fraction: f64,
+    /// Fraction of `path` held out when there is no `eval_path` ([`DEFAULT_EVAL_FRACTION`] when not
+    /// given; refused beside `eval_path`, where nothing is held out of `path`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_fraction: Option<f64>,
     /// Prompt template (default plain `Question: {q}\nAnswer:`).
     #[serde(default)]
     pub template: TemplateConfig,
@@ -191,21 +210,44 @@ pub struct DatasetConfig {
     pub strip_calculator_annotations: bool,
 }
 
-impl DatasetConfig {
-    /// The checks that need no file: a held-out fraction that leaves both sets non-empty in principle.
-    pub fn check(&self, task: &'static str) -> Result<(), TaskError> {
-        if self.eval_path.is_none() && !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
-            return Err(TaskError::EvalFraction {
-                task,
-                eval_fraction: self.eval_fraction,
-            });
-        }
-        Ok(())
-    }
-}
+/// The fraction of the training file held out when neither `eval_path` nor `eval_fraction` is given.
+pub const DEFAULT_EVAL_FRACTION: f64 = 0.1;
 
-fn default_eval_fraction() -> f64 {
-    0.1
+impl DatasetConfig {
+    /// The checks that need no file: a held-out fraction that leaves both sets non-empty in principle,
+    /// and none beside a held-out file (it would be ignored).
+    pub fn check(&self, task: &'static str) -> Result<(), TaskError> {
+        match (&self.eval_path, self.eval_fraction) {
+            (Some(_), Some(eval_fraction)) => Err(TaskError::EvalFractionWithPath {
+                task,
+                eval_fraction,
+            }),
+            (None, _) if !(self.held_out_fraction() > 0.0 && self.held_out_fraction() < 1.0) => {
+                Err(TaskError::EvalFraction {
+                    task,
+                    eval_fraction: self.held_out_fraction(),
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The fraction of `path` held out (without `eval_path`).
+    pub fn held_out_fraction(&self) -> f64 {
+        self.eval_fraction.unwrap_or(DEFAULT_EVAL_FRACTION)
+    }
+
+    /// The same config with the held-out fraction written out where it applies (`qarl config show`), and
+    /// dropped where it does not (the config.json of runs made before it was refused beside `eval_path`
+    /// holds one, which a resume compares as absent).
+    pub fn with_defaults(&self) -> Self {
+        let mut filled = self.clone();
+        filled.eval_fraction = match filled.eval_path {
+            None => Some(self.held_out_fraction()),
+            Some(_) => None,
+        };
+        filled
+    }
 }
 
 fn default_true() -> bool {
@@ -316,6 +358,7 @@ impl Task {
         d: &DatasetConfig,
         load: fn(&Path, OnBadLine) -> Result<Vec<Record>, DatasetError>,
     ) -> Result<Self, TaskError> {
+        d.check(name)?;
         let template = Template::from_config(&d.template)?;
         let all = load(&d.path, d.on_bad_line)?;
         let (train, eval_all) = match &d.eval_path {
@@ -330,8 +373,7 @@ impl Task {
                 (train, eval)
             }
             None => {
-                d.check(name)?;
-                let cut = (d.eval_fraction * 1_000_000.0) as u64;
+                let cut = (d.held_out_fraction() * 1_000_000.0) as u64;
                 let (eval, train): (Vec<Record>, Vec<Record>) = all
                     .into_iter()
                     .partition(|r| stable_hash(&r.question) % 1_000_000 < cut);
@@ -354,7 +396,7 @@ impl Task {
                 task: name,
                 path: d.path.clone(),
                 records: train.len(),
-                eval_fraction: d.eval_fraction,
+                eval_fraction: d.held_out_fraction(),
             });
         }
         Ok(Task::Dataset(DatasetTask {

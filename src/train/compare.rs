@@ -183,7 +183,9 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         .as_str()
         .and_then(super::paired::decode)
         .with_context(|| format!("{at} has no `{key}`"))?;
-    let task = Task::from_config(&cfg.task).with_context(|| {
+    // Normalised as a resume compares it: runs made before `eval_fraction` was refused beside
+    // `eval_path` recorded the default one there.
+    let task = Task::from_config(&cfg.task.with_defaults()).with_context(|| {
         format!("{}: its task (the held-out questions) does not load; run from the directory the run was started in", dir.display())
     })?;
     let questions = task.eval_questions(cfg.eval.problems);
@@ -392,7 +394,7 @@ mod tests {
         cfg.task = TaskConfig::Gsm8k(DatasetConfig {
             path: dir.join("train.jsonl"),
             eval_path: Some(data),
-            eval_fraction: 0.1,
+            eval_fraction: None,
             template: Default::default(),
             on_bad_line: Default::default(),
             strip_calculator_annotations: true,

@@ -306,13 +306,15 @@ pub const DEFAULT_MODEL_CONFIG: &str = include_str!("../../configs/models/qwen3-
 pub const DEFAULT_MODEL_CONFIG_PATH: &str = "configs/models/qwen3-moe-arith.json";
 
 impl TrainConfig {
-    /// The same config with the defaults that its loss and advantage tables leave implicit written out
-    /// ([`LossConfig::with_defaults`], [`AdvantageConfig::with_defaults`]): `qarl config show` prints
+    /// The same config with the defaults that its loss, advantage and task tables leave implicit written
+    /// out ([`LossConfig::with_defaults`], [`AdvantageConfig::with_defaults`],
+    /// [`TaskConfig::with_defaults`]): `qarl config show` prints
     /// this, so every value a run uses is on the page. It resolves to the same run.
     pub fn with_defaults(&self) -> Self {
         let mut filled = self.clone();
         filled.train.loss = self.train.loss.with_defaults();
         filled.train.advantage = self.train.advantage.with_defaults();
+        filled.task = self.task.with_defaults();
         filled
     }
 
