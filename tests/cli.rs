@@ -266,6 +266,23 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
         err.contains("did you mean `rollout.samples_per_prompt`"),
         "{err}"
     );
+    // A table given to `--set` replaces the table there (how `task` switches kind), and says which keys
+    // went back to their defaults (`eval.k` was 8 in the file, 0 after, without a word).
+    let out = qarl()
+        .args(["config", "show", "--set"])
+        .arg("eval={every=5,problems=2,max_new_tokens=4}")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let (shown, warned) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(shown.contains("k = 0"), "{shown}");
+    assert!(
+        warned.contains("replaces `eval` as a whole") && warned.contains("k = 8"),
+        "{warned}"
+    );
     let err = error_of(qarl().args(["config", "show", "no/such.toml"]));
     assert!(err.contains("no/such.toml: no such config file"), "{err}");
     // `qarl train` names it too, without the OS's own text.

@@ -455,3 +455,277 @@ fn smollm2_greedy_continuation_matches_transformers() {
     println!("SmolLM2 greedy: {:?}", tok.decode(new).unwrap());
     assert_eq!(new, want, "transformers: {}", r["greedy_text"]);
 }
+
+/// A GGUF array key/value (type 9): item type, count, items (each already encoded).
+fn kv_array(key: &str, item_ty: u32, items: &[Vec<u8>]) -> Vec<u8> {
+    let mut v = item_ty.to_le_bytes().to_vec();
+    v.extend((items.len() as u64).to_le_bytes());
+    v.extend(items.concat());
+    kv(key, 9, &v)
+}
+
+/// An encoded GGUF string (length, bytes), as an array item.
+fn gguf_string(s: &str) -> Vec<u8> {
+    let mut v = (s.len() as u64).to_le_bytes().to_vec();
+    v.extend(s.as_bytes());
+    v
+}
+
+/// The fixture's vocabulary size (`tokenizer.ggml.tokens`).
+fn fixture_vocab() -> usize {
+    let f = GgufFile::open(fixtures().join("tiny_llama.gguf")).unwrap();
+    f.metadata["tokenizer.ggml.tokens"]
+        .as_array()
+        .unwrap()
+        .len()
+}
+
+/// RoPE scaling as llama.cpp's loader reads it: `rope.scaling.type` defaults to `linear`, the factor is
+/// `rope.scaling.factor`, else the older `rope.scale_linear`, and 0 means 1. A factor other than 0 or 1
+/// without a type is linear scaling, refused as an explicit `linear` is (it was imported as plain RoPE); a
+/// factor of 0 or 1, or a type of `none` (which never scales), imports as plain RoPE.
+#[test]
+fn a_rope_scaling_factor_without_a_type_is_linear_scaling() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let f32_kv = |key: &str, v: f32| kv(key, 6, &v.to_le_bytes());
+    let factor = "llama.rope.scaling.factor";
+    let linear = "llama.rope.scale_linear";
+    let refused: Vec<(Vec<Vec<u8>>, &str)> = vec![
+        (
+            vec![f32_kv(factor, 4.0)],
+            "`llama.rope.scaling.factor` = 4 without `llama.rope.scaling.type` is linear RoPE scaling",
+        ),
+        (
+            vec![f32_kv(linear, 4.0)],
+            "`llama.rope.scale_linear` = 4 without `llama.rope.scaling.type` is linear RoPE scaling",
+        ),
+        (
+            vec![kv(factor, 12, &0.5f64.to_le_bytes())],
+            "`llama.rope.scaling.factor` = 0.5 without",
+        ),
+        // `rope.scaling.factor` is read first: the older key is not.
+        (
+            vec![f32_kv(factor, 2.0), f32_kv(linear, 1.0)],
+            "`llama.rope.scaling.factor` = 2 without",
+        ),
+        (
+            vec![kv_str(factor, "4")],
+            "metadata `llama.rope.scaling.factor` = 4 is not a number (its GGUF type is string)",
+        ),
+        (
+            vec![kv_str("llama.rope.scaling.type", "linear"), f32_kv(factor, 1.0)],
+            "`llama.rope.scaling.type` = linear is not supported",
+        ),
+        (
+            vec![kv("llama.rope.scaling.type", 4, &1u32.to_le_bytes())],
+            "metadata `llama.rope.scaling.type` = 1 is not a string (its GGUF type is uint32)",
+        ),
+        (
+            vec![f32_kv("llama.rope.scaling.attn_factor", 2.0)],
+            "`llama.rope.scaling.attn_factor` = 2 is not supported",
+        ),
+    ];
+    for (i, (kvs, want)) in refused.into_iter().enumerate() {
+        let name = format!("rope_refused{i}.gguf");
+        let file = edited(d, &name, |b| with_kvs(b, &kvs));
+        let out = d.join(format!("refused{i}"));
+        let err = import_gguf(&file, &out, OutputDtype::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&name) && err.contains(want), "{name}: {err}");
+        assert!(!out.exists(), "{name}: nothing is written");
+    }
+    let accepted: Vec<Vec<Vec<u8>>> = vec![
+        vec![f32_kv(factor, 1.0)],
+        vec![f32_kv(factor, 0.0)],
+        vec![f32_kv(linear, 1.0)],
+        vec![f32_kv(factor, 1.0), f32_kv(linear, 4.0)],
+        vec![
+            kv_str("llama.rope.scaling.type", "none"),
+            f32_kv(factor, 4.0),
+        ],
+        vec![f32_kv("llama.rope.scaling.attn_factor", 1.0)],
+    ];
+    for (i, kvs) in accepted.into_iter().enumerate() {
+        let file = edited(d, &format!("rope_plain{i}.gguf"), |b| with_kvs(b, &kvs));
+        let out = d.join(format!("plain{i}"));
+        import_gguf(&file, &out, OutputDtype::F32).unwrap();
+        let cfg = read_json(&out.join("config.json"));
+        assert_eq!(cfg["rope_theta"], 10000.0, "case {i}");
+        assert!(cfg.get("rope_scaling").is_none(), "case {i}: {cfg}");
+    }
+}
+
+/// `tokenizer.ggml.*` keys present with another GGUF type, or with an impossible value, are errors naming
+/// the file, the key, what it holds and what was expected — they were read as the default (`add_bos_token`
+/// stored as the integer 1 became `false`, an integer `pre` the default pre-tokenizer, string token types
+/// `normal`, a padding id beyond the vocabulary no pad token).
+#[test]
+fn tokenizer_metadata_of_the_wrong_type_or_value_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let n = fixture_vocab();
+    let u32_kv = |key: &str, v: u32| kv(key, 4, &v.to_le_bytes());
+    let types = "tokenizer.ggml.token_type";
+    let mut bad_type = vec![1i32; n];
+    bad_type[5] = 99;
+    // (keys of the fixture renamed away, key/values inserted, the expected message)
+    type Case = (Vec<&'static str>, Vec<Vec<u8>>, String);
+    let cases: Vec<Case> = vec![
+        (
+            vec!["tokenizer.ggml.add_bos_token"],
+            vec![kv("tokenizer.ggml.add_bos_token", 0, &[1])],
+            "metadata `tokenizer.ggml.add_bos_token` = 1 is not a boolean (its GGUF type is uint8)".into(),
+        ),
+        (
+            vec![],
+            vec![kv("tokenizer.ggml.add_eos_token", 5, &1i32.to_le_bytes())],
+            "metadata `tokenizer.ggml.add_eos_token` = 1 is not a boolean (its GGUF type is int32)".into(),
+        ),
+        (
+            vec!["tokenizer.ggml.pre"],
+            vec![u32_kv("tokenizer.ggml.pre", 7)],
+            "metadata `tokenizer.ggml.pre` = 7 is not a string (its GGUF type is uint32)".into(),
+        ),
+        (
+            vec![types],
+            vec![kv_array(types, 8, &vec![gguf_string("normal"); n])],
+            "metadata `tokenizer.ggml.token_type` item 0 = normal is not an integer token type from 0 to \
+             6 (its GGUF type is string)"
+                .into(),
+        ),
+        (
+            vec![types],
+            vec![kv_array(
+                types,
+                5,
+                &bad_type
+                    .iter()
+                    .map(|t| t.to_le_bytes().to_vec())
+                    .collect::<Vec<_>>(),
+            )],
+            "metadata `tokenizer.ggml.token_type` item 5 = 99 is not an integer token type".into(),
+        ),
+        (
+            vec![types],
+            vec![kv(types, 4, &3u32.to_le_bytes())],
+            "metadata `tokenizer.ggml.token_type` = 3 is not an array (its GGUF type is uint32)".into(),
+        ),
+        (
+            vec!["tokenizer.ggml.padding_token_id"],
+            vec![u32_kv("tokenizer.ggml.padding_token_id", n as u32)],
+            format!(
+                "metadata `tokenizer.ggml.padding_token_id` = {n} is not a token id: the vocabulary \
+                 (`tokenizer.ggml.tokens`) has {n} tokens (ids 0 to {})",
+                n - 1
+            ),
+        ),
+        (
+            vec!["tokenizer.ggml.unknown_token_id"],
+            vec![kv(
+                "tokenizer.ggml.unknown_token_id",
+                10,
+                &(1u64 << 40).to_le_bytes(),
+            )],
+            "metadata `tokenizer.ggml.unknown_token_id` = 1099511627776 is not a token id".into(),
+        ),
+        (
+            vec!["tokenizer.ggml.bos_token_id"],
+            vec![kv_str("tokenizer.ggml.bos_token_id", "1")],
+            "metadata `tokenizer.ggml.bos_token_id` = 1 is not an unsigned integer (its GGUF type is \
+             string)"
+                .into(),
+        ),
+        (
+            vec!["tokenizer.ggml.eos_token_id"],
+            vec![kv("tokenizer.ggml.eos_token_id", 5, &(-1i32).to_le_bytes())],
+            "metadata `tokenizer.ggml.eos_token_id` = -1 is not an unsigned integer (its GGUF type is \
+             int32)"
+                .into(),
+        ),
+        (
+            vec!["tokenizer.ggml.merges"],
+            vec![kv_array(
+                "tokenizer.ggml.merges",
+                4,
+                &[7u32.to_le_bytes().to_vec()],
+            )],
+            "metadata `tokenizer.ggml.merges` item 0 = 7 is not a string (its GGUF type is uint32)".into(),
+        ),
+        (
+            vec!["tokenizer.chat_template"],
+            vec![u32_kv("tokenizer.chat_template", 3)],
+            "metadata `tokenizer.chat_template` = 3 is not a string (its GGUF type is uint32)".into(),
+        ),
+        // BOS added to every text, but no BOS token named (llama.cpp would add its default id).
+        (
+            vec![
+                "tokenizer.ggml.add_bos_token",
+                "tokenizer.ggml.bos_token_id",
+            ],
+            vec![kv("tokenizer.ggml.add_bos_token", 7, &[1])],
+            "metadata `tokenizer.ggml.add_bos_token` is true, but `tokenizer.ggml.bos_token_id` is \
+             missing"
+                .into(),
+        ),
+    ];
+    for (i, (renamed, kvs, want)) in cases.into_iter().enumerate() {
+        let name = format!("tok{i}.gguf");
+        let file = edited(d, &name, |b| {
+            for key in &renamed {
+                rename_key(b, key);
+            }
+            with_kvs(b, &kvs);
+        });
+        let out = d.join(format!("tok{i}"));
+        let err = import_gguf(&file, &out, OutputDtype::F32)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&name) && err.contains(&want), "{name}: {err}");
+        assert!(!out.exists(), "{name}: nothing is written");
+    }
+}
+
+/// `tokenizer.ggml.add_eos_token` (ignored, so the imported tokenizer added no EOS) and `add_bos_token`
+/// shape the imported tokenizer's post-processor and tokenizer_config.json, in transformers' Llama layout.
+#[test]
+fn add_bos_and_add_eos_tokens_are_imported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let bool_kv = |key: &str, v: bool| kv(key, 7, &[v as u8]);
+    let encode = |dir: &Path, text: &str| -> Vec<u32> {
+        let tok = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        tok.encode(text, true).unwrap().get_ids().to_vec()
+    };
+    let plain = imported_tiny_llama(d);
+    let ids = encode(&plain, "hello");
+    // The fixture: BOS `<|im_start|>` = 1, EOS `<|im_end|>` = 2, add_bos_token false.
+    for (i, (bos, eos)) in [(false, true), (true, true), (true, false)]
+        .into_iter()
+        .enumerate()
+    {
+        let file = edited(d, &format!("adds{i}.gguf"), |b| {
+            rename_key(b, "tokenizer.ggml.add_bos_token");
+            with_kvs(
+                b,
+                &[
+                    bool_kv("tokenizer.ggml.add_bos_token", bos),
+                    bool_kv("tokenizer.ggml.add_eos_token", eos),
+                ],
+            );
+        });
+        let out = d.join(format!("adds{i}"));
+        import_gguf(&file, &out, OutputDtype::F32).unwrap();
+        let want: Vec<u32> = bos
+            .then_some(1)
+            .into_iter()
+            .chain(ids.iter().copied())
+            .chain(eos.then_some(2))
+            .collect();
+        assert_eq!(encode(&out, "hello"), want, "add_bos {bos}, add_eos {eos}");
+        let tc = read_json(&out.join("tokenizer_config.json"));
+        assert_eq!(tc["add_bos_token"], bos);
+        assert_eq!(tc["add_eos_token"], eos);
+    }
+}

@@ -181,7 +181,24 @@ pub fn set_dotted(doc: &mut toml::Value, key: &str, value: toml::Value) -> anyho
     let table = cur
         .as_table_mut()
         .with_context(|| format!("override `{key}`: parent is not a table"))?;
-    table.insert(parts[parts.len() - 1].to_string(), value);
+    let replaced = table.insert(parts[parts.len() - 1].to_string(), value.clone());
+    // A table replaces the table there as a whole (TOML's meaning, and how one switches a tagged table
+    // such as `task` to another kind), so the keys it leaves out go back to their defaults: said aloud,
+    // since `eval={every=5}` reads like an edit of one key.
+    if let (Some(toml::Value::Table(old)), toml::Value::Table(new)) = (replaced, &value) {
+        let dropped: Vec<String> = old
+            .iter()
+            .filter(|(k, _)| !new.contains_key(*k))
+            .map(|(k, v)| format!("{k} = {v}"))
+            .collect();
+        if !dropped.is_empty() {
+            tracing::warn!(
+                "override `{key}`: the table given replaces `{key}` as a whole, so what it leaves out goes \
+                 back to its default: {} (to change one key, set `{key}.<name>`)",
+                dropped.join(", ")
+            );
+        }
+    }
     Ok(())
 }
 

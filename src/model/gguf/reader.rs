@@ -445,22 +445,26 @@ impl GgufFile {
 
     pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
         let v = self.get(key)?;
-        v.as_f64().ok_or_else(|| self.wrong_type(key, v, "a number"))
+        v.as_f64()
+            .ok_or_else(|| self.wrong_type(key, v, "a number"))
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
         let v = self.get(key)?;
-        v.as_str().ok_or_else(|| self.wrong_type(key, v, "a string"))
+        v.as_str()
+            .ok_or_else(|| self.wrong_type(key, v, "a string"))
     }
 
     pub fn get_bool(&self, key: &str) -> Result<bool, GgufError> {
         let v = self.get(key)?;
-        v.as_bool().ok_or_else(|| self.wrong_type(key, v, "a boolean"))
+        v.as_bool()
+            .ok_or_else(|| self.wrong_type(key, v, "a boolean"))
     }
 
     pub fn get_array(&self, key: &str) -> Result<&[Value], GgufError> {
         let v = self.get(key)?;
-        v.as_array().ok_or_else(|| self.wrong_type(key, v, "an array"))
+        v.as_array()
+            .ok_or_else(|| self.wrong_type(key, v, "an array"))
     }
 
     /// An array of strings, each item checked.
@@ -468,7 +472,10 @@ impl GgufFile {
         self.get_array(key)?
             .iter()
             .enumerate()
-            .map(|(i, v)| v.as_str().ok_or_else(|| self.wrong_item(key, i, v, "a string")))
+            .map(|(i, v)| {
+                v.as_str()
+                    .ok_or_else(|| self.wrong_item(key, i, v, "a string"))
+            })
             .collect()
     }
 

@@ -4,54 +4,58 @@
 
 use serde_json::{json, Map, Value as Json};
 
-use super::reader::{GgufError, GgufFile, Value};
+use super::reader::{GgufError, GgufFile};
 
-/// GGUF token types (llama.cpp `llama_token_type`).
+/// GGUF token types (llama.cpp `llama_token_type`: 0 undefined, 1 normal, 2 unknown, 3 control, 4 user
+/// defined, 5 unused, 6 byte).
+const NORMAL: u64 = 1;
 const CONTROL: u64 = 3;
 const USER_DEFINED: u64 = 4;
+const MAX_TOKEN_TYPE: u64 = 6;
 
 /// (tokenizer.json, tokenizer_config.json).
+///
+/// Every `tokenizer.ggml.*` key read here is checked: an absent optional key takes its default, one present
+/// with another GGUF type (`add_bos_token` as the integer 1, `pre` as a number) or an impossible value (a
+/// token id beyond the vocabulary, a token type llama.cpp does not define) is an error naming the key and
+/// what it holds, never the default.
 pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
     let model = f.get_str("tokenizer.ggml.model")?;
     if model != "gpt2" {
         return Err(f.error(format!(
-            "tokenizer model `{model}` is not supported (byte-level BPE `gpt2` is)"
+            "metadata `tokenizer.ggml.model` = {model}: this tokenizer model is not supported (byte-level \
+             BPE `gpt2` is)"
         )));
     }
-    let strings = |key: &str| -> Result<Vec<&str>, GgufError> {
-        f.get(key)?
-            .as_array()
-            .ok_or_else(|| f.error(format!("`{key}` is not an array")))?
+    let tokens_key = "tokenizer.ggml.tokens";
+    let tokens = f.get_strings(tokens_key)?;
+    let merges = f.get_strings("tokenizer.ggml.merges")?;
+    let types_key = "tokenizer.ggml.token_type";
+    let types: Vec<u64> = match f.opt_array(types_key)? {
+        Some(types) => types
             .iter()
-            .map(|v| {
-                v.as_str()
-                    .ok_or_else(|| f.error(format!("`{key}` holds a non-string")))
+            .enumerate()
+            .map(|(i, v)| {
+                v.as_u64().filter(|&t| t <= MAX_TOKEN_TYPE).ok_or_else(|| {
+                    f.wrong_item(
+                        types_key,
+                        i,
+                        v,
+                        &format!("an integer token type from 0 to {MAX_TOKEN_TYPE}"),
+                    )
+                })
             })
-            .collect()
-    };
-    let tokens = strings("tokenizer.ggml.tokens")?;
-    let merges = strings("tokenizer.ggml.merges")?;
-    let types: Vec<u64> = match f.metadata.get("tokenizer.ggml.token_type") {
-        Some(v) => v
-            .as_array()
-            .ok_or_else(|| f.error("`tokenizer.ggml.token_type` is not an array"))?
-            .iter()
-            .map(|t| t.as_u64().unwrap_or(1))
-            .collect(),
-        None => vec![1; tokens.len()],
+            .collect::<Result<_, _>>()?,
+        None => vec![NORMAL; tokens.len()],
     };
     if types.len() != tokens.len() {
         return Err(f.error(format!(
-            "{} token types for {} tokens",
+            "{} token types (`{types_key}`) for {} tokens (`{tokens_key}`)",
             types.len(),
             tokens.len()
         )));
     }
-    let pre = f
-        .metadata
-        .get("tokenizer.ggml.pre")
-        .and_then(Value::as_str)
-        .unwrap_or("default");
+    let pre = f.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre_tokenizer = match pre {
         "default" | "gpt2" => byte_level.clone(),
@@ -62,16 +66,18 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
         ]}),
         other => {
             return Err(f.error(format!(
-                "pre-tokenizer `{other}` is not supported (default, gpt2, smollm)"
+                "metadata `tokenizer.ggml.pre` = {other}: this pre-tokenizer is not supported (default, \
+                 gpt2, smollm)"
             )))
         }
     };
     let mut vocab = Map::new();
     for (id, t) in tokens.iter().enumerate() {
-        vocab.insert((*t).to_string(), json!(id));
-    }
-    if vocab.len() != tokens.len() {
-        return Err(f.error("`tokenizer.ggml.tokens` holds duplicate tokens"));
+        if let Some(first) = vocab.insert((*t).to_string(), json!(id)) {
+            return Err(f.error(format!(
+                "metadata `{tokens_key}` holds the token {t:?} twice (items {first} and {id})"
+            )));
+        }
     }
     let added: Vec<Json> = tokens
         .iter()
@@ -83,25 +89,75 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
                    "normalized": false, "special": true})
         })
         .collect();
-    let token_of = |key: &str| -> Option<&str> {
-        let id = f.metadata.get(key)?.as_u64()? as usize;
-        tokens.get(id).copied()
-    };
-    let add_bos = f
-        .metadata
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
-    let post_processor = match (add_bos, token_of("tokenizer.ggml.bos_token_id")) {
-        (true, Some(bos)) => {
-            let bos_id = f.get_u64("tokenizer.ggml.bos_token_id")?;
-            json!({"type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"SpecialToken": {"id": bos, "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}}],
-                "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}})
+    // A special token's id, when the key is present: an unsigned integer naming a token of the vocabulary.
+    // (llama.cpp warns about an id beyond the vocabulary and falls back to its default id: the imported
+    // tokenizer would name no token, or another one.)
+    let special = |key: &str| -> Result<Option<(u64, &str)>, GgufError> {
+        let Some(id) = f.opt_u64(key)? else {
+            return Ok(None);
+        };
+        match usize::try_from(id).ok().and_then(|i| tokens.get(i)) {
+            Some(t) => Ok(Some((id, *t))),
+            None => Err(f.error(format!(
+                "metadata `{key}` = {id} is not a token id: the vocabulary (`{tokens_key}`) has {} tokens{}",
+                tokens.len(),
+                match tokens.len() {
+                    0 => String::new(),
+                    n => format!(" (ids 0 to {})", n - 1),
+                }
+            ))),
         }
-        _ => Json::Null,
+    };
+    let bos_key = "tokenizer.ggml.bos_token_id";
+    let eos_key = "tokenizer.ggml.eos_token_id";
+    let bos = special(bos_key)?;
+    let eos = special(eos_key)?;
+    let pad = special("tokenizer.ggml.padding_token_id")?;
+    let unk = special("tokenizer.ggml.unknown_token_id")?;
+    // Whether encoding adds BOS before / EOS after the text (llama.cpp's `add_bos_token` / `add_eos_token`):
+    // the token to add must be named.
+    let adds = |key: &str, id_key: &str, named: bool| -> Result<bool, GgufError> {
+        let on = f.opt_bool(key)?.unwrap_or(false);
+        if on && !named {
+            return Err(f.error(format!(
+                "metadata `{key}` is true, but `{id_key}` is missing: no token to add"
+            )));
+        }
+        Ok(on)
+    };
+    let add_bos = if adds("tokenizer.ggml.add_bos_token", bos_key, bos.is_some())? {
+        bos
+    } else {
+        None
+    };
+    let add_eos = if adds("tokenizer.ggml.add_eos_token", eos_key, eos.is_some())? {
+        eos
+    } else {
+        None
+    };
+    // Transformers' Llama layout: `<bos> $A <eos>`, and `<bos> $A <eos> <bos> $B <eos>` for a pair.
+    let post_processor = if add_bos.is_none() && add_eos.is_none() {
+        Json::Null
+    } else {
+        let piece = |seq: &str, type_id: u32| -> Vec<Json> {
+            let special =
+                |(_, t): (u64, &str)| json!({"SpecialToken": {"id": t, "type_id": type_id}});
+            add_bos
+                .map(special)
+                .into_iter()
+                .chain([json!({"Sequence": {"id": seq, "type_id": type_id}})])
+                .chain(add_eos.map(special))
+                .collect()
+        };
+        let pair = [piece("A", 0), piece("B", 1)].concat();
+        let mut special_tokens = Map::new();
+        for (id, t) in add_bos.into_iter().chain(add_eos) {
+            special_tokens.insert(t.to_string(), json!({"id": t, "ids": [id], "tokens": [t]}));
+        }
+        json!({"type": "TemplateProcessing",
+            "single": piece("A", 0),
+            "pair": pair,
+            "special_tokens": special_tokens})
     };
     let tokenizer = json!({
         "version": "1.0",
@@ -126,24 +182,21 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
         )));
     }
     let mut config = json!({
-        "add_bos_token": add_bos,
-        "model_max_length": f.metadata.get("llama.context_length").and_then(Value::as_u64).unwrap_or(2048),
+        "add_bos_token": add_bos.is_some(),
+        "add_eos_token": add_eos.is_some(),
+        "model_max_length": f.opt_u64("llama.context_length")?.unwrap_or(2048),
     });
-    for (key, name) in [
-        ("tokenizer.ggml.bos_token_id", "bos_token"),
-        ("tokenizer.ggml.eos_token_id", "eos_token"),
-        ("tokenizer.ggml.padding_token_id", "pad_token"),
-        ("tokenizer.ggml.unknown_token_id", "unk_token"),
+    for (token, name) in [
+        (bos, "bos_token"),
+        (eos, "eos_token"),
+        (pad, "pad_token"),
+        (unk, "unk_token"),
     ] {
-        if let Some(t) = token_of(key) {
+        if let Some((_, t)) = token {
             config[name] = json!(t);
         }
     }
-    if let Some(t) = f
-        .metadata
-        .get("tokenizer.chat_template")
-        .and_then(Value::as_str)
-    {
+    if let Some(t) = f.opt_str("tokenizer.chat_template")? {
         config["chat_template"] = json!(t);
     }
     Ok((tokenizer, config))
