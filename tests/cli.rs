@@ -861,6 +861,9 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
         err.contains(&format!("{a} and {dotted} are the same evaluation")),
         "{err}"
     );
+    // One evaluation in both arms: a model compared with itself.
+    let err = error_of(qarl().args(["compare", "--a", &a, "--b", &dotted]));
+    assert!(err.contains(&format!("{dotted} is in both arms")), "{err}");
     let err = error_of(qarl().args(["compare", "--a", &a, "--b", &other]));
     assert!(
         err.contains("other.json") && err.contains("problem 2 is \"b?\""),

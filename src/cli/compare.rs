@@ -55,6 +55,18 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
             println!("{name}: {}", e.source);
         }
     }
+    // One evaluation in both arms compares a model with itself: the difference is 0 by construction.
+    if let Some(e) = b
+        .iter()
+        .find(|e| a.iter().any(|o| o.identity == e.identity))
+    {
+        anyhow::bail!(
+            "{} is in both arms ({} and {}): an arm compared with itself differs by 0 by construction",
+            e.source,
+            args.name_a,
+            args.name_b
+        );
+    }
     if args.require_identical {
         check_identical(&a.iter().chain(&b).collect::<Vec<_>>())?;
     }

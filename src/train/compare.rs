@@ -49,7 +49,12 @@ pub struct Evaluation {
     pub identity: String,
     /// The precision it was evaluated in, where known (`qarl eval` files record it since it was written).
     pub precision: Option<String>,
+    /// The activations' type it ran in, where known (`f32`, `bf16`, `f16`).
+    pub activations: Option<String>,
     pub questions: Vec<String>,
+    /// Each problem's gold answer, where the source records them (`qarl eval` files): two evaluations of
+    /// one question against other golds are of two data sets.
+    pub golds: Option<Vec<String>>,
     pub correct: Vec<bool>,
 }
 
@@ -103,11 +108,17 @@ struct EvalOutput {
 struct EvalProblem {
     question: String,
     correct: bool,
+    #[serde(default)]
+    gold: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct EvalSummary {
     precision: Option<String>,
+    #[serde(default)]
+    activations: Option<String>,
+    #[serde(default)]
+    accuracy: Option<f64>,
 }
 
 /// `path` with links and `.`/`..` resolved (as given where it cannot be), for [`Evaluation::identity`].
@@ -126,7 +137,10 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
-    let recorded = out.summary.and_then(|s| s.precision);
+    let (recorded, activations, summary_accuracy) = match out.summary {
+        Some(s) => (s.precision, s.activations, s.accuracy),
+        None => (None, None, None),
+    };
     if let (Some(asked), Some(have)) = (precision, &recorded) {
         if asked != have {
             bail!(
@@ -135,16 +149,29 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
             );
         }
     }
-    let (questions, correct) = out
+    let golds: Option<Vec<String>> = out.problems.iter().map(|p| p.gold.clone()).collect();
+    let (questions, correct): (Vec<String>, Vec<bool>) = out
         .problems
         .into_iter()
         .map(|p| (p.question, p.correct))
         .unzip();
+    // The summary's accuracy and the outcomes compared are one measurement: a file edited in one place
+    // and not the other is refused, not read either way.
+    let outcome_accuracy = super::paired::accuracy(&correct);
+    if let Some(acc) = summary_accuracy.filter(|a| (a - outcome_accuracy).abs() > 1e-9) {
+        bail!(
+            "{}: its summary's accuracy {acc} is not that of its problems' outcomes ({outcome_accuracy}): \
+             the file was changed after `qarl eval` wrote it",
+            path.display()
+        );
+    }
     Ok(Evaluation {
         source: spec.to_string(),
         identity: canonical(path),
         precision: recorded,
+        activations,
         questions,
+        golds,
         correct,
     })
 }
@@ -212,7 +239,9 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         source: format!("{}@{step}", dir.display()),
         identity: format!("{}@{step}", canonical(dir)),
         precision: Some(precision),
+        activations: Some(cfg.train.activations.to_string()),
         questions,
+        golds: None,
         correct,
     })
 }
@@ -245,6 +274,32 @@ pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
             );
         }
     }
+    check_same_golds(evals)
+}
+
+/// Fails where two evaluations that record gold answers give one problem different golds.
+fn check_same_golds(evals: &[&Evaluation]) -> anyhow::Result<()> {
+    let with_golds: Vec<(&Evaluation, &Vec<String>)> = evals
+        .iter()
+        .filter_map(|e| e.golds.as_ref().map(|g| (*e, g)))
+        .collect();
+    let Some((first, golds)) = with_golds.first() else {
+        return Ok(());
+    };
+    for (e, other) in &with_golds[1..] {
+        if let Some(i) = (0..golds.len().min(other.len())).find(|&i| golds[i] != other[i]) {
+            bail!(
+                "{} and {} grade problem {} ({:?}) against different gold answers ({:?} and {:?}): \
+                 evaluations of two data sets",
+                first.source,
+                e.source,
+                i + 1,
+                first.questions[i],
+                golds[i],
+                other[i]
+            );
+        }
+    }
     Ok(())
 }
 
@@ -270,14 +325,20 @@ impl Arm<'_> {
         let clustered = c.map_or_else(String::new, |c| {
             format!("; {:.3} ± {:.3} over {} problems", c.mean, c.se, c.problems)
         });
-        let mut precisions: Vec<&str> = self
+        let mut precisions: Vec<String> = self
             .seeds
             .iter()
-            .map(|e| e.precision.as_deref().unwrap_or("precision not recorded"))
+            .map(|e| {
+                let precision = e.precision.as_deref().unwrap_or("precision not recorded");
+                match e.activations.as_deref() {
+                    Some(a) if a != "f32" => format!("{precision} with {a} activations"),
+                    _ => precision.to_string(),
+                }
+            })
             .collect();
         // Each precision once, in the order of the seeds (`dedup` alone keeps `a / b / a`).
         let mut seen = std::collections::BTreeSet::new();
-        precisions.retain(|p| seen.insert(*p));
+        precisions.retain(|p| seen.insert(p.clone()));
         format!(
             "{} ({} seed{}, {}): per seed {}{clustered}",
             self.name,
@@ -594,6 +655,57 @@ mod tests {
         assert!(
             e.contains("e3.json") && e.contains("expected a `qarl eval --output` file"),
             "{e}"
+        );
+    }
+
+    /// What an eval file records beside its outcomes is read: golds that differ between evaluations of one
+    /// question (two data sets), a summary accuracy its outcomes contradict (an edited file), and the
+    /// activations, which the arm's label shows.
+    #[test]
+    fn eval_files_are_checked_against_what_they_record() {
+        let tmp = tempfile::tempdir().unwrap();
+        let write = |name: &str, golds: [&str; 2], accuracy: f64, activations: &str| {
+            let path = tmp.path().join(name);
+            let problems: Vec<serde_json::Value> =
+                [("1 + 1?", golds[0], true), ("2 + 2?", golds[1], false)]
+                    .iter()
+                    .map(|(q, g, c)| serde_json::json!({"question": q, "gold": g, "correct": c}))
+                    .collect();
+            let summary = serde_json::json!({"precision": "int4-g32", "activations": activations,
+                "accuracy": accuracy});
+            std::fs::write(
+                &path,
+                serde_json::json!({"summary": summary, "problems": problems}).to_string(),
+            )
+            .unwrap();
+            path.display().to_string()
+        };
+        let a = Evaluation::load(&write("a.json", ["2", "4"], 0.5, "f32"), None).unwrap();
+        let b = Evaluation::load(&write("b.json", ["2", "5"], 0.5, "bf16"), None).unwrap();
+        let e = compare(("a", &[a.clone()]), ("b", &[b]), false)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "grade problem 2 (\"2 + 2?\") against different gold answers (\"4\" and \"5\")"
+            ),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            Evaluation::load(&write("c.json", ["2", "4"], 1.0, "f32"), None).unwrap_err()
+        );
+        assert!(
+            e.contains(
+                "c.json: its summary's accuracy 1 is not that of its problems' outcomes (0.5)"
+            ),
+            "{e}"
+        );
+        let bf16 = Evaluation::load(&write("d.json", ["2", "4"], 0.5, "bf16"), None).unwrap();
+        let text = compare(("a", &[a]), ("b", &[bf16]), false).unwrap();
+        assert!(
+            text.contains("b (1 seed, int4-g32 with bf16 activations)"),
+            "{text}"
         );
     }
 }
