@@ -315,11 +315,20 @@ fn runs_lists_run_directories_with_their_status() {
         ("warm", "{\"phase\":\"sft\",\"step\":9}\n"),
         // Not UTF-8: nothing in it can be read, whatever `finished.json` says.
         ("garbled", "\u{0}"),
+        // Finished, but a line in the middle is no row: a report would refuse the log, so the listing
+        // says so beside the status.
+        (
+            "damaged",
+            "{\"phase\":\"rl\",\"step\":0}\nnot json\n{\"phase\":\"rl\",\"step\":1}\n",
+        ),
     ] {
         let dir = runs.join(name);
         std::fs::create_dir_all(dir.join("checkpoints/step_000000")).unwrap();
         if name == "garbled" {
             std::fs::write(dir.join("metrics.jsonl"), [0xff, 0xfe, b'\n']).unwrap();
+            std::fs::write(dir.join("finished.json"), "{}").unwrap();
+        } else if name == "damaged" {
+            std::fs::write(dir.join("metrics.jsonl"), rows).unwrap();
             std::fs::write(dir.join("finished.json"), "{}").unwrap();
         } else {
             std::fs::write(dir.join("metrics.jsonl"), rows).unwrap();
@@ -363,6 +372,11 @@ fn runs_lists_run_directories_with_their_status() {
         "{text}"
     );
     assert!(line("huge").contains("18446744073709551615/2"), "{text}");
+    assert!(
+        line("damaged").contains("finished; its log does not read back")
+            && line("damaged").contains("line 2 is not a metrics row"),
+        "{text}"
+    );
     assert!(
         line("warm").contains("resumable: the warm start from its step 10"),
         "{text}"

@@ -54,6 +54,15 @@ pub fn inspect(dir: &Path) -> RunInfo {
     // says so rather than what `finished.json` or the empty rows would.
     let read = metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::Skip);
     let unreadable = read.as_ref().err().map(|e| format!("{e:#}"));
+    // Rows a report, a comparison or a plot would refuse (a damaged line in the middle, a repeated step):
+    // the listing reads on, and says so beside the status.
+    let damaged = read
+        .is_ok()
+        .then(|| {
+            metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::TornLastOnly).err()
+        })
+        .flatten()
+        .map(|e| format!("{e:#}"));
     let rows = read.unwrap_or_default();
     let (mut last_step, mut accuracy) = (None, None);
     let want = cfg
@@ -100,6 +109,10 @@ pub fn inspect(dir: &Path) -> RunInfo {
         )
     } else {
         "incomplete (no checkpoint)".to_string()
+    };
+    let status = match damaged {
+        Some(e) => format!("{status}; its log does not read back ({e})"),
+        None => status,
     };
     RunInfo {
         dir: dir.to_path_buf(),

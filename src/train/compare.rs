@@ -206,10 +206,18 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         .as_u64()
         .map_or("?".into(), |s| s.to_string());
     let at = format!("{}: the evaluation at step {step}", metrics.display());
-    let correct = picked[key.as_str()]
-        .as_str()
-        .and_then(super::paired::decode)
-        .with_context(|| format!("{at} has no `{key}`"))?;
+    let correct = match picked.get(key.as_str()) {
+        None => bail!("{at} has no `{key}`"),
+        Some(v) => v
+            .as_str()
+            .and_then(super::paired::decode)
+            .with_context(|| {
+                let shown: String = v.to_string().chars().take(40).collect();
+                format!(
+                    "{at} has `{key}` = {shown}, not an outcome string (one 0 or 1 per problem)"
+                )
+            })?,
+    };
     // Normalised as a resume compares it: runs made before `eval_fraction` was refused beside
     // `eval_path` recorded the default one there.
     let task = Task::from_config(&cfg.task.with_defaults()).with_context(|| {
@@ -520,6 +528,13 @@ mod tests {
         assert!(err(format!("{spec}@later"), None)
             .contains("expected `@first`, `@last` or a step number"));
         assert!(err(spec.clone(), Some("f32")).contains("has no `eval/f32/greedy_correct`"));
+        // A value that is there but no outcome string is named as such, not as missing.
+        let metrics = run.join("metrics.jsonl");
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        std::fs::write(&metrics, text.replace("\"1101\"", "\"0x10\"")).unwrap();
+        assert!(err(spec.clone(), None)
+            .contains("has `eval/int4-g32/greedy_correct` = \"0x10\", not an outcome string"));
+        std::fs::write(&metrics, text).unwrap();
         assert!(err(format!("{spec}/missing.json"), None).contains("no such file"));
         std::fs::create_dir_all(tmp.path().join("empty")).unwrap();
         let empty = tmp.path().join("empty").display().to_string();

@@ -100,8 +100,22 @@ pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::V
     let lines: Vec<_> = parse_lines(&text).collect();
     let last = lines.last().map(|(n, _, _)| *n);
     let mut rows = Vec::with_capacity(lines.len());
+    // (phase, step) -> line: a log holds one row per phase and step (a resume drops the rows it redoes).
+    let mut seen = std::collections::HashMap::new();
     for (n, line, row) in lines {
         match row {
+            Some(row) if bad == BadLines::TornLastOnly => {
+                let (phase, step) = row_position(&row)
+                    .map_err(|what| anyhow::anyhow!("{}: line {n}: {what}", path.display()))?;
+                if let Some(first) = seen.insert((phase.to_string(), step), n) {
+                    anyhow::bail!(
+                        "{}: line {n} is a second `{phase}` row for step {step} (the first is line {first}): a \
+                         log holds one row per phase and step, and which one counts would be a guess",
+                        path.display()
+                    );
+                }
+                rows.push(row)
+            }
             Some(row) => rows.push(row),
             None if bad == BadLines::Skip || Some(n) == last => {}
             None => anyhow::bail!(
@@ -112,6 +126,20 @@ pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::V
         }
     }
     Ok(rows)
+}
+
+/// A row's `phase` (a string) and `step` (a non-negative integer), or what is wrong with them.
+fn row_position(row: &serde_json::Value) -> Result<(&str, u64), String> {
+    let phase = row["phase"]
+        .as_str()
+        .ok_or_else(|| format!("`phase` is {}, not a phase name (a string)", row["phase"]))?;
+    let step = row["step"].as_u64().ok_or_else(|| {
+        format!(
+            "`step` is {}, not a step number (a non-negative integer)",
+            row["step"]
+        )
+    })?;
+    Ok((phase, step))
 }
 
 /// Keeps only the lines of `phase` whose `step` is at most `last_step` (for a resumed run), and every line of
@@ -187,19 +215,27 @@ mod tests {
     fn reading_back_leaves_out_only_what_the_policy_allows() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("metrics.jsonl");
-        std::fs::write(&path, "{\"step\":0}\n\n{\"step\":1}\n{\"st").unwrap();
+        std::fs::write(
+            &path,
+            "{\"phase\":\"rl\",\"step\":0}\n\n{\"phase\":\"rl\",\"step\":1}\n{\"st",
+        )
+        .unwrap();
         for bad in [BadLines::TornLastOnly, BadLines::Skip] {
             let rows = read_rows(&path, bad).unwrap();
             assert_eq!(
                 rows,
                 [
-                    serde_json::json!({"step": 0}),
-                    serde_json::json!({"step": 1})
+                    serde_json::json!({"phase": "rl", "step": 0}),
+                    serde_json::json!({"phase": "rl", "step": 1})
                 ]
             );
         }
         // A damaged line (and a line that is JSON but not an object) in the middle.
-        std::fs::write(&path, "{\"step\":0}\n{\"st\n[1]\n{\"step\":2}\n").unwrap();
+        std::fs::write(
+            &path,
+            "{\"phase\":\"rl\",\"step\":0}\n{\"st\n[1]\n{\"phase\":\"rl\",\"step\":2}\n",
+        )
+        .unwrap();
         let err = read_rows(&path, BadLines::TornLastOnly)
             .unwrap_err()
             .to_string();
@@ -211,19 +247,49 @@ mod tests {
         assert_eq!(
             rows,
             [
-                serde_json::json!({"step": 0}),
-                serde_json::json!({"step": 2})
+                serde_json::json!({"phase": "rl", "step": 0}),
+                serde_json::json!({"phase": "rl", "step": 2})
             ]
         );
         // Line numbers are the file's, blank lines counted.
-        std::fs::write(&path, "{\"step\":0}\n\n\nnot json\n{\"step\":2}\n").unwrap();
+        std::fs::write(
+            &path,
+            "{\"phase\":\"rl\",\"step\":0}\n\n\nnot json\n{\"phase\":\"rl\",\"step\":2}\n",
+        )
+        .unwrap();
         let err = read_rows(&path, BadLines::TornLastOnly)
             .unwrap_err()
             .to_string();
         assert!(err.contains("line 4 is not a metrics row"), "{err}");
-        std::fs::write(&path, "{\"step\":0}\n[1]\n").unwrap();
+        std::fs::write(&path, "{\"phase\":\"rl\",\"step\":0}\n[1]\n").unwrap();
         assert_eq!(read_rows(&path, BadLines::TornLastOnly).unwrap().len(), 1);
         let missing = read_rows(&dir.path().join("none.jsonl"), BadLines::Skip).unwrap_err();
         assert!(missing.to_string().contains("none.jsonl"), "{missing}");
+    }
+    /// A row read back for a report, a comparison or a plot has a phase and a step number, and no other row
+    /// of its phase has that step: a second evaluation at one step (the report took the last, `qarl runs`
+    /// the first) or a step of -1 or 0.5 is an error naming the file and the line.
+    #[test]
+    fn rows_are_one_per_phase_and_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        for (text, want) in [
+            (
+                "{\"phase\":\"eval\",\"step\":2}\n{\"phase\":\"rl\",\"step\":2}\n{\"phase\":\"eval\",\"step\":2}\n",
+                "line 3 is a second `eval` row for step 2 (the first is line 1)",
+            ),
+            ("{\"phase\":\"rl\",\"step\":-1}\n", "line 1: `step` is -1, not a step number"),
+            ("{\"phase\":\"rl\",\"step\":0.5}\n", "line 1: `step` is 0.5"),
+            ("{\"phase\":7,\"step\":1}\n", "line 1: `phase` is 7, not a phase name"),
+            ("{\"step\":1}\n", "line 1: `phase` is null"),
+        ] {
+            std::fs::write(&path, text).unwrap();
+            let err = read_rows(&path, BadLines::TornLastOnly)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("metrics.jsonl: ") && err.contains(want), "{err}");
+            // Listing runs reads on (one damaged log must not hide the others).
+            assert!(read_rows(&path, BadLines::Skip).is_ok());
+        }
     }
 }
