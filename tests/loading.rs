@@ -237,7 +237,10 @@ fn unsupported_dtype_is_named() {
         e.0 = safetensors::Dtype::I32;
     });
     let err = load_err(tmp.path());
-    assert!(err.contains(Q) && err.contains("I32"), "{err}");
+    assert!(
+        err.contains(Q) && err.contains("I32") && err.contains("supported here: F32, BF16, F16"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -414,4 +417,30 @@ fn random_checkpoint_tensors_keep_their_numbering() {
     want.push(("model.norm.weight".into(), vec![64]));
     want.push(("lm_head.weight".into(), vec![256, 64]));
     assert_eq!(qarl::model::init::tensor_specs(&cfg), want);
+}
+
+/// Packed codes stored in another dtype than their layout's: the error says what this tensor may be
+/// (it said "supported: F32, BF16, F16", the dtypes of weights read as f32, which a packed tensor is not).
+#[test]
+fn packed_codes_of_another_dtype_name_theirs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let q = tmp.path().join("q");
+    qarl::model::quantize::quantize_checkpoint(
+        &fixture("qwen3_moe"),
+        &q,
+        &qarl::quant::QuantConfig::new("int8-pc".parse().unwrap()),
+    )
+    .unwrap();
+    let file = q.join("model.safetensors");
+    let mut tensors = read_tensors(&file);
+    let name = "model.layers.0.self_attn.q_proj.qweight";
+    tensors.get_mut(name).expect(name).0 = safetensors::Dtype::I8;
+    write_tensors(&file, &tensors);
+    let err = load_err(&q);
+    assert!(
+        err.contains(name)
+            && err.contains("has dtype I8; supported here: U8 (the packed layout")
+            && !err.contains("F32"),
+        "{err}"
+    );
 }

@@ -300,7 +300,8 @@ impl Checkpoint {
             return Err(LoadError::UnsupportedDtype {
                 path,
                 name: name.to_string(),
-                dtype: format!("{stored:?} (expected {dtype:?})"),
+                dtype: format!("{stored:?}"),
+                supported: format!("{dtype:?} (the packed layout of a quantized checkpoint)"),
             });
         }
         // Packed codes of a one-byte-per-input format (int8, E4M3): checked here, where the tensor and its
@@ -362,6 +363,7 @@ fn unsupported_dtype(path: PathBuf, name: &str, dtype: Dtype) -> LoadError {
         path,
         name: name.to_string(),
         dtype: format!("{dtype:?}"),
+        supported: READ_AS_F32.map(|d| format!("{d:?}")).join(", "),
     }
 }
 

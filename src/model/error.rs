@@ -44,11 +44,14 @@ pub enum LoadError {
         expected: Vec<usize>,
         got: Vec<usize>,
     },
-    #[error("{path}: tensor `{name}` has dtype {dtype}; supported: F32, BF16, F16")]
+    #[error("{path}: tensor `{name}` has dtype {dtype}; supported here: {supported}")]
     UnsupportedDtype {
         path: PathBuf,
         name: String,
         dtype: String,
+        /// What this tensor may be stored as (`F32, BF16, F16` for weights read as f32, one dtype for
+        /// packed codes and scales).
+        supported: String,
     },
     #[error("{path}: unexpected tensor(s) the model does not use: {names}")]
     UnexpectedTensors { path: PathBuf, names: String },
