@@ -804,6 +804,7 @@ fn verifier_rewards() {
         correct_reward: 1.0,
         wrong_reward: 0.0,
         format_reward: Some(-0.5),
+        ..Default::default()
     };
     assert_eq!(score("#### 4", "4", &fmt).reward, 1.0);
     assert_eq!(score("#### 5", "4", &fmt).reward, 0.0);
@@ -819,6 +820,64 @@ fn verifier_rewards() {
     .validate()
     .is_err());
     assert!(pm.validate().is_ok());
+}
+
+/// `answer_from = "marked"` takes a final answer only from `\boxed{}` or `####` (verl's strict GSM8K
+/// score); `truncated = "wrong"` gives a response the token limit cut off no answer, whatever it holds
+/// (the last number of a cut sentence, `Sam has 3 + 20`, was read as the answer 20).
+#[test]
+fn verifier_strictness_options() {
+    use verify::{score_response, AnswerFrom, Truncated};
+    let any = VerifyConfig::default();
+    let marked = VerifyConfig {
+        answer_from: AnswerFrom::Marked,
+        format_reward: Some(-0.5),
+        ..Default::default()
+    };
+    for (response, any_correct, marked_correct) in [
+        ("Sam has 3 + 20", true, false),
+        ("The answer is 20", true, false),
+        ("so #### 20", true, true),
+        ("\\boxed{20}", true, true),
+        ("#### 21", false, false),
+    ] {
+        assert_eq!(
+            score(response, "20", &any).correct,
+            any_correct,
+            "{response}"
+        );
+        let v = score(response, "20", &marked);
+        assert_eq!(v.correct, marked_correct, "{response}");
+        // An unmarked answer is no answer: the format reward applies.
+        let unmarked = !response.contains("####") && !response.contains("boxed");
+        assert_eq!(v.extracted.is_none(), unmarked, "{response}");
+        assert_eq!(
+            v.reward,
+            if marked_correct {
+                1.0
+            } else if unmarked {
+                -0.5
+            } else {
+                0.0
+            }
+        );
+    }
+    let cut = VerifyConfig {
+        truncated: Truncated::Wrong,
+        ..Default::default()
+    };
+    assert!(score_response("Sam has 3 + 20", true, "20", &any).correct);
+    let v = score_response("Sam has 3 + 20", true, "20", &cut);
+    assert!(!v.correct && v.extracted.is_none() && v.reward == 0.0);
+    // Finished responses are judged as before.
+    assert!(score_response("#### 20", false, "20", &cut).correct);
+    let c: VerifyConfig =
+        serde_json::from_str(r#"{"answer_from": "marked", "truncated": "wrong"}"#).unwrap();
+    assert_eq!(
+        (c.answer_from, c.truncated),
+        (AnswerFrom::Marked, Truncated::Wrong)
+    );
+    assert!(serde_json::from_str::<VerifyConfig>(r#"{"answer_from": "strict"}"#).is_err());
 }
 
 #[test]

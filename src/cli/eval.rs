@@ -10,10 +10,10 @@ use anyhow::Context;
 use crate::model::Tokenizer;
 use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
-use crate::rollout::{generate, SamplingParams};
+use crate::rollout::{generate, FinishReason, SamplingParams};
 use crate::tasks::datasets::{load_gsm8k, OnBadLine};
 use crate::tasks::template::Template;
-use crate::tasks::verify::{score, VerifyConfig};
+use crate::tasks::verify::{score_response, AnswerFrom, Truncated, VerifyConfig};
 
 #[derive(Debug, clap::Args)]
 pub struct EvalArgs {
@@ -46,6 +46,13 @@ pub struct EvalArgs {
     /// Prompts decoded together.
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
+    /// Where a response's final answer may come from (`verify.answer_from`): `any` (boxed, `####`,
+    /// `Answer:`, else the last number) or `marked` (a `\boxed{}` or a `####` line only).
+    #[arg(long, value_enum, default_value_t = AnswerFrom::Any)]
+    pub answer_from: AnswerFrom,
+    /// A response cut off at `--max-new-tokens` (`verify.truncated`): `scored` as written, or `wrong`.
+    #[arg(long, value_enum, default_value_t = Truncated::Scored)]
+    pub truncated: Truncated,
     /// Write per-problem results (question, gold, response, correct) and the summary here as JSON.
     #[arg(long)]
     pub output: Option<PathBuf>,
@@ -138,7 +145,11 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         stop_strings: template.stop_strings(),
         ..SamplingParams::default()
     };
-    let verify = VerifyConfig::default();
+    let verify = VerifyConfig {
+        answer_from: args.answer_from,
+        truncated: args.truncated,
+        ..VerifyConfig::default()
+    };
     let bar = crate::train::progress::progress_bar(records.len() as u64, "eval", args.quiet);
     let (mut correct, mut tokens, mut decode_s) = (0usize, 0usize, 0.0f64);
     let mut rows = Vec::new();
@@ -169,11 +180,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                 .filter(|id| !stop_ids.contains(id))
                 .collect();
             let text = tok.decode(&body)?;
-            let v = score(&text, &r.answer, &verify);
+            let cut_off = out.finish_reasons[i] == FinishReason::Length;
+            let v = score_response(&text, cut_off, &r.answer, &verify);
             correct += usize::from(v.correct);
             rows.push(
                 serde_json::json!({"line": r.line, "question": r.question, "gold": r.answer,
-                "response": text, "extracted": v.extracted, "correct": v.correct}),
+                "response": text, "cut_off": cut_off, "extracted": v.extracted, "correct": v.correct}),
             );
         }
         bar.inc(chunk.len() as u64);
@@ -188,6 +200,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let summary = serde_json::json!({
         "model": args.model, "data": path, "problems": records.len(), "precision": precision,
         "activations": args.activations.to_string(),
+        "verify": {"answer_from": verify.answer_from, "truncated": verify.truncated},
         "accuracy": correct as f64 / n, "mean_response_tokens": tokens as f64 / n,
         "decode_tokens_per_s": tokens as f64 / decode_s.max(1e-9),
     });

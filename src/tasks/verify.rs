@@ -9,6 +9,10 @@
 //!    empty, the next non-empty line);
 //! 4. the last number in the response (`-12`, `1,234.5`, `3/4`).
 //!
+//! [`VerifyConfig::answer_from`] `= "marked"` keeps sources 1 and 2 only (an answer must be stated), and
+//! [`VerifyConfig::truncated`] `= "wrong"` gives a response cut off at the token limit no answer
+//! ([`score_response`]).
+//!
 //! **Normalisation** ([`parse_answer`]): LaTeX wrappers are dropped (`$`, `\(`, `\[`, `\text{..}`/`\mathrm{..}`
 //! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac` -> `\frac`); only what follows
 //! the last `=` is kept (`x = 5`); leading words (`The total is`) and trailing words/units/punctuation
@@ -46,6 +50,32 @@ pub struct VerifyConfig {
     pub wrong_reward: f32,
     /// Added to the reward when no answer can be extracted (or parsed); negative for a format penalty.
     pub format_reward: Option<f32>,
+    /// Where a response's final answer may come from: `"any"` (the default: the module's four sources, the
+    /// last number included) or `"marked"` (a `\boxed{}` or a `####` line only, as verl's strict GSM8K
+    /// score: a response that never states its answer has none).
+    pub answer_from: AnswerFrom,
+    /// A response cut off at the token limit (no end of sequence, no stop string): `"scored"` (the default:
+    /// judged as written) or `"wrong"` (no answer, whatever it holds: the last number of a sentence the
+    /// limit cut, `Sam has 3 + 20`, is no answer, and scoring it rewards rambling into the limit).
+    pub truncated: Truncated,
+}
+
+/// [`VerifyConfig::answer_from`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AnswerFrom {
+    #[default]
+    Any,
+    Marked,
+}
+
+/// [`VerifyConfig::truncated`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Truncated {
+    #[default]
+    Scored,
+    Wrong,
 }
 
 impl Default for VerifyConfig {
@@ -54,6 +84,8 @@ impl Default for VerifyConfig {
             correct_reward: 1.0,
             wrong_reward: 0.0,
             format_reward: None,
+            answer_from: AnswerFrom::Any,
+            truncated: Truncated::Scored,
         }
     }
 }
@@ -64,7 +96,7 @@ impl VerifyConfig {
         Self {
             correct_reward: 1.0,
             wrong_reward: -1.0,
-            format_reward: None,
+            ..Self::default()
         }
     }
 
@@ -117,9 +149,19 @@ pub enum AnswerSource {
     LastNumber,
 }
 
-/// Scores `response` against `gold` (see the module documentation). Never panics.
+/// Scores a finished `response` (it stopped by itself) against `gold` (see the module documentation).
+/// Never panics.
 pub fn score(response: &str, gold: &str, cfg: &VerifyConfig) -> Verdict {
-    let (correct, extracted) = judge(response, gold);
+    score_response(response, false, gold, cfg)
+}
+
+/// [`score`] for a response that may have been `cut_off` at the token limit ([`VerifyConfig::truncated`]).
+pub fn score_response(response: &str, cut_off: bool, gold: &str, cfg: &VerifyConfig) -> Verdict {
+    let (correct, extracted) = if cut_off && cfg.truncated == Truncated::Wrong {
+        (false, None)
+    } else {
+        judge(response, gold, cfg.answer_from)
+    };
     let mut reward = if correct {
         cfg.correct_reward
     } else {
@@ -149,8 +191,12 @@ pub fn answers_equal(a: &str, b: &str) -> bool {
     }
 }
 
-fn judge<'a>(response: &'a str, gold: &str) -> (bool, Option<&'a str>) {
-    let Some((_, candidate)) = extract_candidate(response) else {
+fn judge<'a>(response: &'a str, gold: &str, from: AnswerFrom) -> (bool, Option<&'a str>) {
+    let marked =
+        |source: &AnswerSource| matches!(source, AnswerSource::Boxed | AnswerSource::Hashes);
+    let Some((_, candidate)) =
+        extract_candidate(response).filter(|(source, _)| from == AnswerFrom::Any || marked(source))
+    else {
         return (false, None);
     };
     match parse_answer(gold) {

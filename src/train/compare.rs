@@ -52,6 +52,9 @@ pub struct Evaluation {
     /// The activations' type it ran in, where known (`f32`, `bf16`, `f16`).
     pub activations: Option<String>,
     pub questions: Vec<String>,
+    /// How answers were judged (`answer_from`, `truncated`), where the source records it: outcomes judged
+    /// under other rules are not one measurement.
+    pub verify: Option<serde_json::Value>,
     /// Each problem's gold answer, where the source records them (`qarl eval` files): two evaluations of
     /// one question against other golds are of two data sets.
     pub golds: Option<Vec<String>>,
@@ -119,6 +122,8 @@ struct EvalSummary {
     activations: Option<String>,
     #[serde(default)]
     accuracy: Option<f64>,
+    #[serde(default)]
+    verify: Option<serde_json::Value>,
 }
 
 /// `path` with links and `.`/`..` resolved (as given where it cannot be), for [`Evaluation::identity`].
@@ -137,9 +142,9 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
-    let (recorded, activations, summary_accuracy) = match out.summary {
-        Some(s) => (s.precision, s.activations, s.accuracy),
-        None => (None, None, None),
+    let (recorded, activations, summary_accuracy, verify) = match out.summary {
+        Some(s) => (s.precision, s.activations, s.accuracy, s.verify),
+        None => (None, None, None, None),
     };
     if let (Some(asked), Some(have)) = (precision, &recorded) {
         if asked != have {
@@ -170,6 +175,7 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         identity: canonical(path),
         precision: recorded,
         activations,
+        verify,
         questions,
         golds,
         correct,
@@ -248,6 +254,10 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         identity: format!("{}@{step}", canonical(dir)),
         precision: Some(precision),
         activations: Some(cfg.train.activations.to_string()),
+        verify: Some(serde_json::json!({
+            "answer_from": cfg.verify.answer_from,
+            "truncated": cfg.verify.truncated,
+        })),
         questions,
         golds: None,
         correct,
@@ -282,7 +292,27 @@ pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
             );
         }
     }
-    check_same_golds(evals)
+    check_same_golds(evals)?;
+    check_same_verifier(evals)
+}
+
+/// Fails where two evaluations that record how they judged answers judged them differently.
+fn check_same_verifier(evals: &[&Evaluation]) -> anyhow::Result<()> {
+    let recorded: Vec<(&Evaluation, &serde_json::Value)> = evals
+        .iter()
+        .filter_map(|e| e.verify.as_ref().map(|v| (*e, v)))
+        .collect();
+    if let Some(((first, v), (e, w))) = recorded
+        .first()
+        .and_then(|f| recorded.iter().find(|(_, w)| *w != f.1).map(|o| (f, o)))
+    {
+        bail!(
+            "{} and {} judged answers under different rules ({v} and {w}): outcomes of two verifiers",
+            first.source,
+            e.source
+        );
+    }
+    Ok(())
 }
 
 /// Fails where two evaluations that record gold answers give one problem different golds.
@@ -716,6 +746,17 @@ mod tests {
             ),
             "{e}"
         );
+        // Outcomes judged under other verifier rules are two measurements.
+        let mut strict = a.clone();
+        strict.source = "strict.json".into();
+        strict.identity = "strict.json".into();
+        strict.verify = Some(serde_json::json!({"answer_from": "marked", "truncated": "scored"}));
+        let mut flexible = a.clone();
+        flexible.verify = Some(serde_json::json!({"answer_from": "any", "truncated": "scored"}));
+        let e = compare(("a", &[flexible]), ("b", &[strict]), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("judged answers under different rules"), "{e}");
         let bf16 = Evaluation::load(&write("d.json", ["2", "4"], 0.5, "bf16"), None).unwrap();
         let text = compare(("a", &[a]), ("b", &[bf16]), false).unwrap();
         assert!(

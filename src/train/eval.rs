@@ -4,8 +4,8 @@ use std::collections::BTreeMap;
 
 use super::config::{EvalConfig, Precision};
 use crate::model::{Decoder, Tokenizer};
-use crate::rollout::{generate, SamplingParams};
-use crate::tasks::verify::{score, VerifyConfig};
+use crate::rollout::{generate, FinishReason, SamplingParams};
+use crate::tasks::verify::{score_response, VerifyConfig};
 use crate::tasks::Example;
 
 /// One evaluation: the metrics and which problems the greedy answer got right (for paired comparisons).
@@ -62,7 +62,10 @@ pub fn evaluate(
             let resp = out.response(r);
             len += resp.len();
             let text = tok.decode(resp.strip_suffix(&[eos]).unwrap_or(resp))?;
-            correct.push(score(&text, &examples[r / samples].answer, verify).correct);
+            let cut_off = out.finish_reasons[r] == FinishReason::Length;
+            correct.push(
+                score_response(&text, cut_off, &examples[r / samples].answer, verify).correct,
+            );
         }
         Ok((correct, len as f64 / out.ids.len().max(1) as f64))
     };

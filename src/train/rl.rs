@@ -19,7 +19,7 @@ use crate::model::{Decoder, Tokenizer};
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
 use crate::rl::metrics::{error_token_metrics, response_length_metrics, rollout_mismatch_metrics};
 use crate::rollout::{generate, FinishReason, Rollout, SamplingParams};
-use crate::tasks::verify::score as score_answer;
+use crate::tasks::verify::score_response as score_answer;
 use crate::tasks::Task;
 
 /// Everything one step produced for the log.
@@ -156,7 +156,8 @@ pub fn collect(
     for r in 0..out.ids.len() {
         let resp = out.response(r);
         let text = tok.decode(resp.strip_suffix(&[eos]).unwrap_or(resp))?;
-        let v = score_answer(&text, &examples[r / g].answer, &cfg.verify);
+        let cut_off = out.finish_reasons[r] == FinishReason::Length;
+        let v = score_answer(&text, cut_off, &examples[r / g].answer, &cfg.verify);
         correct += usize::from(v.correct);
         rewards.push(v.reward);
     }
