@@ -688,6 +688,28 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
         .unwrap_err()
         .to_string();
     assert!(err.contains("trian"), "{err}");
+    // An unfinished run is resumed, and a base changed since is refused by the resume's check, named
+    // with the variant and the way to start it over (`qarl experiment` has no --overwrite).
+    let good = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("\"trian.forward\"", "\"train.forward\"");
+    std::fs::write(&path, good).unwrap();
+    let mut changed = tiny_config(&tmp.path().join("shared"), "full", 1);
+    changed.train.lr *= 2.0;
+    std::fs::write(
+        tmp.path().join("base.toml"),
+        toml::to_string(&changed).unwrap(),
+    )
+    .unwrap();
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(
+        err.contains("variant \"full\" seed 5; the experiment resumes an unfinished run")
+            && err.contains("`train.lr`"),
+        "{err}"
+    );
 }
 
 /// Gradient descent on every objective's loss raises the log-probs of a positive-advantage response and

@@ -727,7 +727,7 @@ mod tests {
         };
         let a = Evaluation::load(&write("a.json", ["2", "4"], 0.5, "f32"), None).unwrap();
         let b = Evaluation::load(&write("b.json", ["2", "5"], 0.5, "bf16"), None).unwrap();
-        let e = compare(("a", &[a.clone()]), ("b", &[b]), false)
+        let e = compare(("a", std::slice::from_ref(&a)), ("b", &[b]), false)
             .unwrap_err()
             .to_string();
         assert!(

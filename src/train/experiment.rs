@@ -359,7 +359,19 @@ pub fn run_experiment(
                 overwrite: !resume,
                 ..super::RunOptions::default()
             },
-        )?;
+        )
+        .with_context(|| {
+            let again = if resume {
+                format!(
+                    "; the experiment resumes an unfinished run from its checkpoints: to run it from the \
+                     start instead, remove {}",
+                    run_dir.display()
+                )
+            } else {
+                String::new()
+            };
+            format!("{}: variant {:?} seed {seed}{again}", path.display(), v.name)
+        })?;
         crate::io::write_json_atomic(
             &marker(&run_dir),
             &serde_json::json!({
