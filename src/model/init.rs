@@ -151,7 +151,9 @@ pub fn write_random_checkpoint(
     // checkpoint would hold non-finite weights. 0 makes every matrix zero: a model whose outputs ignore
     // its inputs (`model.init_std` refuses it too).
     if !(std.is_finite() && std > 0.0 && std <= 1e30) {
-        anyhow::bail!("the standard deviation must be a number above 0 and at most 1e30, got {std}");
+        anyhow::bail!(
+            "the standard deviation must be a number above 0 and at most 1e30, got {std}"
+        );
     }
     let cfg = ModelConfig::from_file(config_path)?;
     // The config is copied beside f32 weights, and a `quantization_config` there (a quantized checkpoint's)
