@@ -414,3 +414,30 @@ fn a_results_directory_belongs_to_one_experiment() {
         "{err}"
     );
 }
+
+/// Runs of one data set task made before and after `eval_fraction` was refused beside `eval_path`: the
+/// earlier config.json recorded the default fraction there, the later one nothing. The same held-out
+/// problems, so the report still clusters and pairs them.
+#[test]
+fn configs_recorded_before_and_after_eval_fraction_changed_still_pair() {
+    let tmp = tempfile::tempdir().unwrap();
+    let results = tmp.path();
+    let exp: ExperimentConfig = toml::from_str(
+        "name = \"versions\"\nbase = \"unused.toml\"\nseeds = [1, 2]\n[[variant]]\nname = \"A\"\n",
+    )
+    .unwrap();
+    for seed in 1..=2 {
+        let dir = results.join("A").join(format!("seed{seed}"));
+        write_run(&dir, Some("t"), "0100", "1100", rl_row(&[]));
+        let mut task = serde_json::json!({"kind": "gsm8k", "path": "train.jsonl",
+            "eval_path": "test.jsonl"});
+        if seed == 1 {
+            task["eval_fraction"] = serde_json::json!(0.1);
+        }
+        let cfg = serde_json::json!({"task": task, "eval": {"problems": 4}});
+        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    }
+    let report = std::fs::read_to_string(write_report(&exp, results).unwrap()).unwrap();
+    let a = report.lines().find(|l| l.starts_with("| A |")).unwrap();
+    assert!(!a.contains("over seeds"), "clustered by problem: {a}");
+}

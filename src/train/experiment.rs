@@ -448,7 +448,14 @@ impl EvalSet {
             serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).ok()?)
                 .ok()?;
         let problems = cfg.get("eval")?.get("problems")?;
-        let config = serde_json::json!([cfg.get("task")?, problems]).to_string();
+        // Normalised as a resume compares it (`TaskConfig::with_defaults`): runs made before
+        // `eval_fraction` was refused beside `eval_path` recorded the default there, later ones nothing.
+        let task = cfg.get("task")?;
+        let task = serde_json::from_value::<crate::tasks::TaskConfig>(task.clone())
+            .ok()
+            .and_then(|t| serde_json::to_value(t.with_defaults()).ok())
+            .unwrap_or_else(|| task.clone());
+        let config = serde_json::json!([task, problems]).to_string();
         let mut logged = evals
             .iter()
             .filter_map(|r| r[names::EVAL_QUESTIONS_FINGERPRINT].as_str());
