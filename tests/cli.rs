@@ -920,6 +920,26 @@ fn experiment_variants_sharing_a_model_must_make_it_alike() {
         "{err}"
     );
     assert!(!tmp.path().join("model").exists(), "nothing ran");
+    // A variant added after another finished: checked against the finished run's own config (it trained
+    // on the finished variant's model without a word).
+    let only_a = format!(
+        "name = \"e\"\nbase = \"base.toml\"\nseeds = [1]\nresults_dir = {:?}\n[[variant]]\nname = \"a\"\n",
+        results.display().to_string()
+    );
+    std::fs::write(&exp, &only_a).unwrap();
+    stdout_of(qarl().arg("experiment").arg(&exp).arg("--quiet"));
+    assert!(results.join("a/seed1/finished.json").is_file());
+    std::fs::write(
+        &exp,
+        only_a + "[[variant]]\nname = \"b\"\nset = { \"sft.lr\" = 5e-3 }\n",
+    )
+    .unwrap();
+    let err = error_of(qarl().arg("experiment").arg(&exp).arg("--quiet"));
+    assert!(
+        err.contains("variants \"b\" and \"a\" share `model.dir`") && err.contains("(`sft.lr`)"),
+        "{err}"
+    );
+    assert!(!results.join("b").exists(), "b did not run");
 }
 
 /// An experiment sets each run's `seed` and `run_dir` itself, and writes `report.md`, `comparison.png` and

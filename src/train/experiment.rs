@@ -246,19 +246,24 @@ fn warm_start_of(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
     Ok(serde_json::json!({
         "model": model,
         "sft": serde_json::to_value(&cfg.sft)?,
-        "task": serde_json::to_value(&cfg.task)?,
+        "task": serde_json::to_value(cfg.task.with_defaults())?,
     }))
 }
 
 /// Refuses runs that share a `model.dir` but would make it differently: the first to run makes the model,
 /// the others find it there and skip their own warm start, so a variant that differs only in `[sft]`
-/// trained the other variant's model while the report credited its own settings.
+/// trained the other variant's model while the report credited its own settings. Each run still to do
+/// is checked against the others and against the finished ones (`finished`: their recorded configs; a
+/// variant added later would otherwise train on a finished variant's model).
 fn check_shared_warm_starts(
     path: &Path,
     runs: &[(&Variant, u64, PathBuf, TrainConfig)],
+    finished: &[(&Variant, TrainConfig)],
 ) -> anyhow::Result<()> {
+    let done = finished.iter().map(|(v, c)| (*v, c));
     for (i, (va, _, _, a)) in runs.iter().enumerate() {
-        for (vb, _, _, b) in &runs[i + 1..] {
+        let later = runs[i + 1..].iter().map(|(v, _, _, c)| (*v, c));
+        for (vb, b) in later.chain(done.clone()) {
             if !crate::io::same_dir(&a.model.dir, &b.model.dir) {
                 continue;
             }
@@ -334,16 +339,22 @@ pub fn run_experiment(
     // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
     // span sessions) already compares all its arms on the same seeds. Finished runs are skipped here,
     // so their configs are not rebuilt (a base edited since must not stop the report).
+    // The finished runs' own configs (as they ran), for the check of shared warm starts.
+    let mut finished = Vec::new();
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
             if !marker(&run_dir).is_file() {
                 let cfg = config_of(v, seed, &run_dir)?;
                 runs.push((v, seed, run_dir, cfg));
+            } else if let Ok(cfg) =
+                crate::io::read_json::<TrainConfig>(&run_dir.join("config.json"))
+            {
+                finished.push((v, cfg));
             }
         }
     }
-    check_shared_warm_starts(path, &runs)?;
+    check_shared_warm_starts(path, &runs, &finished)?;
     for (v, seed, run_dir, cfg) in runs {
         if !quiet {
             eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());
