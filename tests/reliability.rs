@@ -355,6 +355,15 @@ fn a_resume_with_another_experiment_is_refused() {
     more.train.steps = 2;
     train::run(&more, true, true).unwrap();
     assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 2);
+    // Fewer steps than done: the final evaluation would have been logged again at step 1, a second
+    // row there, labelling the weights after 2 steps as step 1's.
+    let before = bytes(&cfg.run_dir.join("metrics.jsonl"));
+    let err = format!("{:#}", train::run(&cfg, true, true).unwrap_err());
+    assert!(
+        err.contains("the run has done 2 RL steps, but `train.steps` = 1"),
+        "{err}"
+    );
+    assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
 }
 
 /// An earlier run's results in a run directory without checkpoints (a run stopped before its first, or

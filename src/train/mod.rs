@@ -449,6 +449,17 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 cfg.seed
             );
         }
+        // The checkpoint holds the weights after `state.step + 1` steps: fewer steps would end the run
+        // before where it already is, labelling those weights with an earlier step.
+        let done = state.step.saturating_add(1);
+        if done > cfg.train.steps {
+            anyhow::bail!(
+                "{}: the run has done {done} RL steps, but `train.steps` = {}: a resume only goes further \
+                 (set `train.steps` >= {done}; for an earlier step's model, take its checkpoint)",
+                p.display(),
+                cfg.train.steps
+            );
+        }
         check_resumed_config(cfg)?;
     }
     let keeps_sft_rows = keeps_warm_start_rows(cfg, resume, model_made);
