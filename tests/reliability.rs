@@ -364,6 +364,44 @@ fn a_resume_with_another_experiment_is_refused() {
         "{err}"
     );
     assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
+    // Asked for (a lower learning rate after a divergence): it goes on, and the earlier config stays
+    // beside the new one.
+    let mut lower = cfg.clone();
+    lower.train.lr = 5e-5;
+    lower.train.steps = 3;
+    let earlier = std::fs::read_to_string(cfg.run_dir.join("config.json")).unwrap();
+    train::run_with(
+        &lower,
+        &train::RunOptions {
+            resume: true,
+            quiet: true,
+            accept_changes: true,
+            ..train::RunOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 3);
+    let kept = std::fs::read_to_string(cfg.run_dir.join("config.before_step_2.json")).unwrap();
+    assert_eq!(kept, earlier);
+    let now: train::TrainConfig = qarl::io::read_json(&cfg.run_dir.join("config.json")).unwrap();
+    assert_eq!(now.train.lr, 5e-5);
+    // A config.json this version does not read (a key removed since): said so, not compared key by key
+    // (which listed keys that had not changed).
+    let path = cfg.run_dir.join("config.json");
+    let text = std::fs::read_to_string(&path).unwrap().replacen(
+        "\"train\":{",
+        "\"train\":{\"old_knob\":1,",
+        1,
+    );
+    std::fs::write(&path, text).unwrap();
+    lower.train.steps = 4;
+    let err = format!("{:#}", train::run(&lower, true, true).unwrap_err());
+    assert!(
+        err.contains("the run's config does not read as a config of this version")
+            && err.contains("old_knob")
+            && !err.contains("settings than this config's"),
+        "{err}"
+    );
 }
 
 /// An earlier run's results in a run directory without checkpoints (a run stopped before its first, or

@@ -14,6 +14,11 @@ pub struct TrainArgs {
     /// Start over in a run directory that already has checkpoints (they and its metrics are deleted).
     #[arg(long, conflicts_with = "resume")]
     pub overwrite: bool,
+    /// With --resume: go on although the config differs from the run's in settings a resume keeps (a
+    /// lower learning rate after a divergence); the run's earlier config is kept as
+    /// `config.before_step_N.json` beside the new one.
+    #[arg(long, requires = "resume")]
+    pub accept_changes: bool,
     /// Override one config value, e.g. `--set train.lr=3e-5 --set rollout.precision=fp8-b128`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -65,6 +70,7 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
             resume: args.resume,
             quiet: args.quiet,
             overwrite: args.overwrite,
+            accept_changes: args.accept_changes,
             ..train::RunOptions::default()
         },
     )?;

@@ -371,17 +371,19 @@ pub fn run_experiment(
                 ..super::RunOptions::default()
             },
         )
-        .with_context(|| {
-            let again = if resume {
+        .map_err(|e| {
+            // A resume refused for changed settings: the experiment resumed on the user's behalf, and
+            // has no --overwrite; say how to start that run over.
+            let again = if e.downcast_ref::<super::ResumeChanged>().is_some() {
                 format!(
                     "; the experiment resumes an unfinished run from its checkpoints: to run it from the \
-                     start instead, remove {}",
+                     start with the settings now given, remove {}",
                     run_dir.display()
                 )
             } else {
                 String::new()
             };
-            format!("{}: variant {:?} seed {seed}{again}", path.display(), v.name)
+            e.context(format!("{}: variant {:?} seed {seed}{again}", path.display(), v.name))
         })?;
         crate::io::write_json_atomic(
             &marker(&run_dir),

@@ -173,6 +173,25 @@ pub struct RunOptions {
     /// Without `resume`, start over in a run directory that has checkpoints (deleting them); otherwise
     /// such a run is refused, so a typo'd command never destroys a run.
     pub overwrite: bool,
+    /// With `resume`: go on although settings outside [`RESUME_MAY_CHANGE`] differ from the run's (a
+    /// lower learning rate after a divergence). The run's earlier config is kept beside the new one
+    /// (`config.before_step_N.json`) and the changed keys are logged, so the record of how the earlier
+    /// rows were made stays.
+    pub accept_changes: bool,
+}
+
+/// A resume refused because the config differs from the run's own outside [`RESUME_MAY_CHANGE`]
+/// (callers that resume on the user's behalf, `qarl experiment`, say how to start the run over).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{path}: the run was made with other `{keys}` settings than this config's; resuming would mix two \
+     experiments in one run (restore them, go on anyway with --resume --accept-changes, start over with \
+     --overwrite, or choose another `run_dir`; a resume may change only {allowed})"
+)]
+pub struct ResumeChanged {
+    pub path: PathBuf,
+    pub keys: String,
+    pub allowed: String,
 }
 
 /// A step whose gradient norm exceeds this multiple of the moving average is logged as a spike.
@@ -273,24 +292,33 @@ const RESUME_MAY_CHANGE: [&str; 12] = [
     "/train/lp_old_check",
     "/train/tensor_core_kernel",
     "/train/fragment_group_splits",
-    "/eval",
+    "/eval/every",
     "/checkpoint_every",
     "/keep_checkpoints",
 ];
 
 /// Refuses a resume whose config differs from the run's own (its `config.json`) anywhere outside
-/// [`RESUME_MAY_CHANGE`], naming every key that differs.
-fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
+/// [`RESUME_MAY_CHANGE`], naming every key that differs ([`ResumeChanged`]); with `accept`, keeps the
+/// earlier config as `config.before_step_{done}.json` and logs the changes instead.
+fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow::Result<()> {
     let path = cfg.run_dir.join("config.json");
     if !path.is_file() {
         return Ok(());
     }
     // With the implicit defaults written out on both sides: a config saved from `qarl config show` (every
     // default written) continues a run made from the file it came from.
-    let old: serde_json::Value = crate::io::read_json(&path)?;
-    let mut old = match serde_json::from_value::<TrainConfig>(old.clone()) {
+    let raw: serde_json::Value = crate::io::read_json(&path)?;
+    let mut old = match serde_json::from_value::<TrainConfig>(raw.clone()) {
         Ok(c) => serde_json::to_value(c.with_defaults())?,
-        Err(_) => old,
+        // Compared key by key, a config this version no longer reads would list keys that did not
+        // change (defaults filled in on one side only): say what is wrong instead.
+        Err(e) if !accept => anyhow::bail!(
+            "{}: the run's config does not read as a config of this version ({e}), so the resume cannot \
+             check that it continues the same experiment: go on anyway with --resume --accept-changes, or \
+             start over with --overwrite",
+            path.display()
+        ),
+        Err(_) => raw.clone(),
     };
     let mut new = serde_json::to_value(cfg.with_defaults())?;
     for pointer in RESUME_MAY_CHANGE {
@@ -299,19 +327,29 @@ fn check_resumed_config(cfg: &TrainConfig) -> anyhow::Result<()> {
         }
     }
     let changed = config::differing_keys(&old, &new);
-    if !changed.is_empty() {
-        anyhow::bail!(
-            "{}: the run was made with other `{}` settings than this config's; resuming would mix two \
-             experiments in one run (restore them, start over with --overwrite, or choose another `run_dir`; \
-             a resume may change only {})",
-            path.display(),
+    if !changed.is_empty() && accept {
+        let kept = cfg.run_dir.join(format!("config.before_step_{done}.json"));
+        let bytes = std::fs::read(&path).map_err(crate::io::failed(&path, "cannot read"))?;
+        crate::io::write_atomic(&kept, &bytes)?;
+        tracing::warn!(
+            "resuming with other settings than the run's (`{}`, --accept-changes): its earlier config is \
+             kept in {}",
             changed.join("`, `"),
-            RESUME_MAY_CHANGE
+            kept.display()
+        );
+        return Ok(());
+    }
+    if !changed.is_empty() {
+        return Err(ResumeChanged {
+            path,
+            keys: changed.join("`, `"),
+            allowed: RESUME_MAY_CHANGE
                 .iter()
                 .map(|p| format!("`{}`", p.trim_start_matches('/').replace('/', ".")))
                 .collect::<Vec<_>>()
-                .join(", ")
-        );
+                .join(", "),
+        }
+        .into());
     }
     Ok(())
 }
@@ -460,7 +498,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 cfg.train.steps
             );
         }
-        check_resumed_config(cfg)?;
+        check_resumed_config(cfg, opts.accept_changes, done)?;
     }
     let keeps_sft_rows = keeps_warm_start_rows(cfg, resume, model_made);
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
@@ -661,8 +699,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 "stopping the run: {} consecutive RL steps (steps {}..={step}) had a NaN or infinite loss \
                  or gradient, so their updates were skipped (`train.max_nonfinite_steps` = {}, or every step of \
                  a shorter run). The last \
-                 good weights are in {}; lower `train.lr`, set `train.grad_clip`, or check the data, then \
-                 `--resume`.",
+                 good weights are in {}; check the data, or lower `train.lr` or set `train.grad_clip` and go \
+                 on with `--resume --accept-changes` (the run keeps its earlier config beside the new one).",
                 state.consecutive_nonfinite,
                 (step + 1).saturating_sub(state.consecutive_nonfinite),
                 tc.max_nonfinite_steps,
