@@ -513,7 +513,7 @@ fn bad_configs_are_named_with_their_key_path() {
         (
             "a weight decay too small for f32 (was stored as 0)",
             edit("lr = 3e-5", "lr = 3e-5\nweight_decay = 1e-300"),
-            &["`train.weight_decay` = 1e-300", "stored as 0"],
+            &["`train.weight_decay` = 1e-300", "it would be 0"],
         ),
         (
             "a correction's cap too large for f32 (was stored as inf)",
@@ -521,7 +521,7 @@ fn bad_configs_are_named_with_their_key_path() {
                 "objective = \"tbpo\"",
                 "objective = \"tbpo\"\ncorrections = [{ kind = \"token_tis\", cap = 1e300 }]",
             ),
-            &["`train.loss.corrections[0].cap` = 1e300", "stored as inf"],
+            &["`train.loss.corrections[0].cap` = 1e300", "it would be inf"],
         ),
         ("TOML syntax", edit("[eval]", "[eval"), &["line"]),
         (

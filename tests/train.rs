@@ -82,10 +82,10 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
             "rollout.temperature=1e-30",
             "must be a finite number >= 1e-5",
         ),
-        // A subnormal one is not even kept as written.
+        // One f32 cannot hold at all (it would be 0).
         (
-            "rollout.temperature=1e-45",
-            "`rollout.temperature` = 1e-45: outside the range of a float setting",
+            "rollout.temperature=1e-46",
+            "`rollout.temperature` = 1e-46: no float setting can hold it",
         ),
         ("eval.temperature=1e-6", "`eval.temperature`"),
         (
