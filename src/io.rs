@@ -179,22 +179,22 @@ pub fn within(path: &Path, dir: &Path) -> bool {
     resolved(path).starts_with(resolved(dir))
 }
 
-/// `p` made absolute with its longest existing prefix resolved through the file system (links followed)
-/// and the rest taken lexically.
+/// `p` made absolute with its longest existing prefix resolved through the file system (links followed,
+/// and `..` after a link taken from the link's target, as the file system takes it) and the rest, which
+/// holds no link, taken lexically.
 fn resolved(p: &Path) -> std::path::PathBuf {
     let Ok(abs) = std::path::absolute(p) else {
         return p.to_path_buf();
     };
-    let abs = normal(&abs);
     let mut existing = abs.as_path();
     loop {
         if let Ok(real) = existing.canonicalize() {
             let rest = abs.strip_prefix(existing).unwrap_or(Path::new(""));
-            return real.join(rest);
+            return normal(&real.join(rest));
         }
         match existing.parent() {
             Some(parent) => existing = parent,
-            None => return abs,
+            None => return normal(&abs),
         }
     }
 }
@@ -350,6 +350,10 @@ mod tests {
         {
             std::os::unix::fs::symlink(&ckpt, tmp.path().join("link")).unwrap();
             assert!(within(&tmp.path().join("link/step_000001"), &ckpt));
+            // `..` after a link goes to the target's parent: `s/../m` is `checkpoints/m` here.
+            std::fs::create_dir_all(ckpt.join("sub")).unwrap();
+            std::os::unix::fs::symlink(ckpt.join("sub"), tmp.path().join("s")).unwrap();
+            assert!(within(&tmp.path().join("s/../m"), &ckpt));
         }
     }
 

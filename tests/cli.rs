@@ -283,6 +283,14 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
         warned.contains("replaces `eval` as a whole") && warned.contains("k = 8"),
         "{warned}"
     );
+    // Switching a tagged table to another kind drops the old kind's keys by design: no warning.
+    let out = qarl()
+        .args(["config", "show", "--set"])
+        .arg("task={kind=\"gsm8k\", path=\"x.jsonl\"}")
+        .output()
+        .unwrap();
+    let warned = String::from_utf8_lossy(&out.stderr);
+    assert!(!warned.contains("as a whole"), "{warned}");
     let err = error_of(qarl().args(["config", "show", "no/such.toml"]));
     assert!(err.contains("no/such.toml: no such config file"), "{err}");
     // `qarl train` names it too, without the OS's own text.

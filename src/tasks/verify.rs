@@ -51,8 +51,9 @@ pub struct VerifyConfig {
     /// Added to the reward when no answer can be extracted (or parsed); negative for a format penalty.
     pub format_reward: Option<f32>,
     /// Where a response's final answer may come from: `"any"` (the default: the module's four sources, the
-    /// last number included) or `"marked"` (a `\boxed{}` or a `####` line only, as verl's strict GSM8K
-    /// score: a response that never states its answer has none).
+    /// last number included) or `"marked"` (a `\boxed{}` or a `####` line only: a response that never
+    /// states its answer has none; in the spirit of verl's strict GSM8K score, which reads the last `####`
+    /// only, where this takes the first and `\boxed{}` too).
     pub answer_from: AnswerFrom,
     /// A response cut off at the token limit (no end of sequence, no stop string): `"scored"` (the default:
     /// judged as written) or `"wrong"` (no answer, whatever it holds: the last number of a sentence the

@@ -186,6 +186,14 @@ pub fn set_dotted(doc: &mut toml::Value, key: &str, value: toml::Value) -> anyho
     // such as `task` to another kind), so the keys it leaves out go back to their defaults: said aloud,
     // since `eval={every=5}` reads like an edit of one key.
     if let (Some(toml::Value::Table(old)), toml::Value::Table(new)) = (replaced, &value) {
+        // A tagged table switched to another kind (`task={kind="gsm8k",...}`) drops the old kind's keys
+        // by design.
+        if old
+            .get("kind")
+            .is_some_and(|k| new.get("kind").is_some_and(|n| n != k))
+        {
+            return Ok(());
+        }
         let dropped: Vec<String> = old
             .iter()
             .filter(|(k, _)| !new.contains_key(*k))

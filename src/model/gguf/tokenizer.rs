@@ -112,8 +112,20 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
     let eos_key = "tokenizer.ggml.eos_token_id";
     let bos = special(bos_key)?;
     let eos = special(eos_key)?;
-    let pad = special("tokenizer.ggml.padding_token_id")?;
-    let unk = special("tokenizer.ggml.unknown_token_id")?;
+    // Padding and unknown tokens the encoding never adds (byte-level BPE has no unknown): one beyond the
+    // vocabulary is left out with a warning, as llama.cpp loads such files with a warning (a file it loads
+    // imports); a wrong type is still an error.
+    let optional = |key: &str| -> Result<Option<(u64, &str)>, GgufError> {
+        match special(key) {
+            Err(e) if f.opt_u64(key).is_ok() => {
+                tracing::warn!("{e}; the imported tokenizer names no such token");
+                Ok(None)
+            }
+            other => other,
+        }
+    };
+    let pad = optional("tokenizer.ggml.padding_token_id")?;
+    let unk = optional("tokenizer.ggml.unknown_token_id")?;
     // Whether encoding adds BOS before / EOS after the text (llama.cpp's `add_bos_token` / `add_eos_token`):
     // the token to add must be named.
     let adds = |key: &str, id_key: &str, named: bool| -> Result<bool, GgufError> {
