@@ -545,6 +545,14 @@ fn bad_configs_are_named_with_their_key_path() {
             &["`model.dir`", "inside the run's checkpoints"],
         ),
         (
+            "a warm start from model.dir into itself (it never ran)",
+            edit(
+                "init_config = \"configs/models/qwen3-moe-arith.json\"",
+                "base = \"runs/default/./model-sft\"",
+            ),
+            &["`model.base`", "is `model.dir`", "would never run"],
+        ),
+        (
             "run files into the working directory",
             edit("run_dir = \"runs/default\"", "run_dir = \"\""),
             &["`run_dir` = \"\"", "must name a directory"],

@@ -90,7 +90,54 @@ fn a_kill_during_sft_resumes_sft_bitwise_identically() {
         ],
     );
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("sft.json"), "{err}");
+    assert!(!out.status.success() && err.contains("`sft.lr`"), "{err}");
+    // Another task or model config: refused too (the task by the run's config.json, which the resume of
+    // a warm start now checks as well; the model's config by the warm start's own identity, even where
+    // the run's config is told to accept changes: it wrote a model whose config.json was not its weights').
+    let out = qarl(
+        &killed_dir,
+        &[
+            "train",
+            "--quiet",
+            "--resume",
+            "--config",
+            "run.toml",
+            "--set",
+            "task.max_digits=2",
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("`task.max_digits`"),
+        "{err}"
+    );
+    let other_model = killed_dir.join("other_model.json");
+    let mut model_cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(cfg.model.init_config.as_ref().unwrap()).unwrap(),
+    )
+    .unwrap();
+    model_cfg["num_hidden_layers"] = serde_json::json!(1);
+    std::fs::write(&other_model, model_cfg.to_string()).unwrap();
+    let set_model = format!("model.init_config={:?}", other_model.display().to_string());
+    let out = qarl(
+        &killed_dir,
+        &[
+            "train",
+            "--quiet",
+            "--resume",
+            "--accept-changes",
+            "--config",
+            "run.toml",
+            "--set",
+            &set_model,
+        ],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("sft.json") && err.contains("model_config"),
+        "{err}"
+    );
+    assert!(!cfg.model.dir.exists(), "no model was written");
 
     let out = qarl(
         &killed_dir,
@@ -243,6 +290,13 @@ fn qarl_sft_fine_tunes_a_pretrained_base() {
     );
     let (random_start, base_end) = first_loss(&base.run_dir);
     let base_weights = std::fs::read(base.model.dir.join("model.safetensors")).unwrap();
+    // A base that says it holds bfloat16 (its weights read the same): the tuned model's f32 weights must
+    // not inherit the claim.
+    let base_config = base.model.dir.join("config.json");
+    let mut claimed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&base_config).unwrap()).unwrap();
+    claimed["torch_dtype"] = serde_json::json!("bfloat16");
+    std::fs::write(&base_config, claimed.to_string()).unwrap();
 
     let tuned_dir = tmp.path().join("tuned");
     std::fs::create_dir_all(&tuned_dir).unwrap();
@@ -276,11 +330,14 @@ fn qarl_sft_fine_tunes_a_pretrained_base() {
     for file in ["tokenizer.json", "config.json"] {
         let read = |dir: &Path| std::fs::read_to_string(dir.join(file)).unwrap();
         let json = |s: String| serde_json::from_str::<serde_json::Value>(&s).unwrap();
-        assert_eq!(
-            json(read(&base.model.dir)),
-            json(read(&tuned.model.dir)),
-            "{file}"
-        );
+        let (mut from_base, mut tuned_json) =
+            (json(read(&base.model.dir)), json(read(&tuned.model.dir)));
+        if file == "config.json" {
+            assert_eq!(tuned_json["torch_dtype"], "float32");
+            from_base["torch_dtype"] = serde_json::Value::Null;
+            tuned_json["torch_dtype"] = serde_json::Value::Null;
+        }
+        assert_eq!(from_base, tuned_json, "{file}");
     }
     let tuned_weights = std::fs::read(tuned.model.dir.join("model.safetensors")).unwrap();
     assert_eq!(tuned_weights.len(), base_weights.len());

@@ -502,6 +502,15 @@ impl TrainConfig {
                     base.display().to_string()
                 );
             }
+            // The warm start writes its result to `model.dir`, and runs only where that is missing: the
+            // base itself is always there, so `[sft]` would never run.
+            if crate::io::same_dir(base, &self.model.dir) {
+                bail!(
+                    "`model.base` = {:?} is `model.dir`: the warm start writes its model to `model.dir` and \
+                     runs only where none is there, so it would never run; give `model.dir` a new folder",
+                    base.display().to_string()
+                );
+            }
         }
         let r = &self.rollout;
         check(

@@ -83,9 +83,10 @@ fn prepare_model_locked(
             std::fs::remove_dir_all(&sft_root)
                 .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
         }
-        // A changed `[sft]` section would otherwise seem to be taken.
-        if cfg.sft.is_some() && !quiet {
-            eprintln!(
+        // A changed `[sft]` section would otherwise seem to be taken: said whatever `quiet` says (it
+        // silences progress, not what the run does).
+        if cfg.sft.is_some() {
+            tracing::warn!(
                 "model: {} exists, so the [sft] warm start does not run (remove the folder to warm-start \
                  again)",
                 dir.display()
@@ -114,9 +115,16 @@ fn prepare_model_locked(
     };
     if let Some(sft) = &cfg.sft {
         let model = Decoder::load_full_precision(&weights_dir, device)?;
-        let tok = Tokenizer::load_for(&staging, &model.config)?
-            .context("the staged model has no tokenizer")?;
-        check_chat_tokens(cfg, &tok, &staging)?;
+        // The files the user gave: the base's, or (random weights) the model folder to be; the staging
+        // folder is the warm start's own.
+        let named = cfg.model.base.as_deref().unwrap_or(dir);
+        let tok = Tokenizer::load_for(&staging, &model.config)?.with_context(|| {
+            format!(
+                "{}: `model.base` has no tokenizer.json; the warm start trains on the task's text and needs one",
+                named.display()
+            )
+        })?;
+        check_chat_tokens(cfg, &tok, named)?;
         let eos = eos_id(&tok, &model)?;
         let json: serde_json::Value = crate::io::read_json(&weights_dir.join("config.json"))?;
         let ck = sft::SftCheckpoints {
@@ -128,6 +136,16 @@ fn prepare_model_locked(
         };
         let (model, loss) = sft::run_sft_with(model, &tok, eos, cfg, sft, log, quiet, Some(&ck))?;
         tracing::info!(loss, "sft finished");
+        // The warm start writes f32 weights whatever the base held: a base's `torch_dtype` of bfloat16
+        // kept beside them would have loaders cast the fine-tuned weights back down.
+        let mut json = json;
+        if let Some(m) = json.as_object_mut() {
+            for key in ["torch_dtype", "dtype"] {
+                if m.contains_key(key) {
+                    m.insert(key.into(), serde_json::json!("float32"));
+                }
+            }
+        }
         crate::model::save::save_pretrained(&model, &json, &staging)?;
     }
     model_dir::move_into_place(&staging, dir)?;
@@ -499,6 +517,10 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             );
         }
         check_resumed_config(cfg, opts.accept_changes, done)?;
+    } else if resume {
+        // No RL checkpoint yet (a warm start or the first RL steps were interrupted): the run's config
+        // still says how its warm-start rows were made, and would be overwritten below.
+        check_resumed_config(cfg, opts.accept_changes, 0)?;
     }
     let keeps_sft_rows = keeps_warm_start_rows(cfg, resume, model_made);
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;

@@ -91,12 +91,22 @@ pub fn run_sft(
     run_sft_with(model, tok, eos, train, cfg, log, quiet, None)
 }
 
-/// The warm start's identity in its checkpoints (the pretrained base it starts from, if any).
-fn identity(train: &TrainConfig, cfg: &SftConfig, last: f32) -> serde_json::Value {
+/// The warm start's identity in its checkpoints: what it trains (the model's config, from the base or
+/// `init_config`, and the base it starts from) on what (the task) and how (`[sft]`, the seed, the
+/// initialisation's std).
+fn identity(
+    train: &TrainConfig,
+    cfg: &SftConfig,
+    model_config: &serde_json::Value,
+    last: f32,
+) -> serde_json::Value {
     serde_json::json!({
         "seed": train.seed,
         "sft": cfg,
         "base": train.model.base,
+        "model_config": model_config,
+        "init_std": train.model.init_std,
+        "task": train.task.with_defaults(),
         "last_loss_bits": last.to_bits(),
     })
 }
@@ -120,13 +130,25 @@ fn resume_point(
     };
     let path = p.join(SFT_STATE_FILE);
     let saved: serde_json::Value = crate::io::read_json(&path)?;
-    let want = identity(train, cfg, 0.0);
-    if saved["seed"] != want["seed"] || saved["sft"] != want["sft"] || saved["base"] != want["base"]
-    {
+    // Compared on the keys both record: checkpoints written before a key joined the identity lack it.
+    let want = identity(train, cfg, ck.config_json, 0.0);
+    let recorded = |v: &serde_json::Value| -> serde_json::Value {
+        let mut v = v.clone();
+        if let Some(m) = v.as_object_mut() {
+            m.retain(|k, _| {
+                k != "last_loss_bits" && saved.get(k).is_some() && want.get(k).is_some()
+            });
+        }
+        v
+    };
+    let differ = super::config::differing_keys(&recorded(&saved), &recorded(&want));
+    if !differ.is_empty() {
         anyhow::bail!(
-            "{}: written by a warm start with another `[sft]` section, seed or `model.base` than this config's, so resuming \
-             would not continue it; delete {} to start the warm start over",
+            "{}: written by a warm start with other `{}` than this config's (the model's config, the base, \
+             the task, `[sft]`, the seed and `model.init_std` make a warm start), so resuming would not \
+             continue it; restore them, or delete {} to start the warm start over",
             path.display(),
+            differ.join("`, `"),
             ck.root.display()
         );
     }
@@ -247,7 +269,7 @@ pub fn run_sft_with(
             if step + 1 < cfg.steps {
                 let mut state = TrainerState::after_step(step, train.seed);
                 state.consecutive_nonfinite = nonfinite;
-                let extra = [(SFT_STATE_FILE, identity(train, cfg, last))];
+                let extra = [(SFT_STATE_FILE, identity(train, cfg, ck.config_json, last))];
                 let parts = super::checkpoint::Parts {
                     model: &model,
                     config_json: ck.config_json,
