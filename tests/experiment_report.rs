@@ -285,6 +285,12 @@ fn an_experiment_refuses_shared_run_directories() {
     let variant = |name: &str| format!("[[variant]]\nname = {name:?}\nset = {{}}\n");
     let cases = [
         ("seeds = [1, 1]", variant("a"), "seed 1 is listed twice"),
+        // It was reported as seed -1 when the run's config was built.
+        (
+            "seeds = [18446744073709551615]",
+            variant("a"),
+            "seed 18446744073709551615 in `seeds` is beyond a TOML integer's range",
+        ),
         (
             "seeds = [1]",
             variant("lr") + &variant("lr"),

@@ -37,8 +37,9 @@ pub struct EvalArgs {
     /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`).
     #[arg(long, default_value = "chat")]
     pub template: String,
-    /// System turn of the chat template (SmolLM2's own default: "You are a helpful AI assistant named
-    /// SmolLM, trained by Hugging Face").
+    /// System turn of the chat template. Without it the prompt has no system turn, which is not what
+    /// every model's own template renders: SmolLM2's adds "You are a helpful AI assistant named SmolLM,
+    /// trained by Hugging Face" when none is given; pass that text to reproduce it.
     #[arg(long)]
     pub system: Option<String>,
     #[arg(long, default_value_t = 256)]

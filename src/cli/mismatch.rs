@@ -48,7 +48,8 @@ pub struct MismatchArgs {
     /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`, for a base model).
     #[arg(long, default_value = "chat")]
     pub template: String,
-    /// System turn of the chat template.
+    /// System turn of the chat template (without it, none: a model's own template may add a default
+    /// one, SmolLM2's does).
     #[arg(long)]
     pub system: Option<String>,
     /// Write the table as JSON here (and as Markdown next to it, `.md`).

@@ -74,6 +74,14 @@ impl ExperimentConfig {
         if let Some(s) = exp.seeds.iter().find(|&&s| !seeds.insert(s)) {
             bail!("{}: seed {s} is listed twice in `seeds`", path.display());
         }
+        // A run's seed goes into its TOML config, whose integers are i64.
+        if let Some(s) = exp.seeds.iter().find(|&&s| i64::try_from(s).is_err()) {
+            bail!(
+                "{}: seed {s} in `seeds` is beyond a TOML integer's range (at most {})",
+                path.display(),
+                i64::MAX
+            );
+        }
         // The name is the results directory's last part when `results_dir` is not given:
         // `experiments/results/<name>`; "" or "../x" would put the study's runs and report elsewhere.
         if exp.results_dir.is_none() && !plain_name(&exp.name) {
@@ -320,7 +328,8 @@ pub fn run_experiment(
     let config_of = |v: &Variant, seed: u64, run_dir: &Path| -> anyhow::Result<TrainConfig> {
         let mut doc = base.clone();
         for (k, val) in &v.set {
-            set_dotted(&mut doc, k, val.clone())?;
+            set_dotted(&mut doc, k, val.clone())
+                .with_context(|| format!("{}: variant {:?}", path.display(), v.name))?;
         }
         set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
         if let Some(b) = backend {
