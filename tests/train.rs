@@ -926,3 +926,40 @@ fn assert_gradients_close(
         assert!(norm > 0.0, "{what}: {name} has no gradient");
     }
 }
+
+/// A warm start on a data set checks every training record against the position limit before its first
+/// step: each step draws its own records, so a long one passed whenever the first step missed it.
+#[test]
+fn a_warm_start_checks_every_record_against_the_position_limit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("train.jsonl");
+    let mut lines: Vec<String> = (0..9)
+        .map(|i| {
+            serde_json::json!({"question": format!("{i}+1?"), "answer": format!("#### {}", i + 1)})
+                .to_string()
+        })
+        .collect();
+    let long = "1+".repeat(150) + "1?";
+    lines.push(serde_json::json!({"question": long, "answer": "#### 151"}).to_string());
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let eval = tmp.path().join("eval.jsonl");
+    std::fs::write(&eval, "{\"question\": \"2+2?\", \"answer\": \"#### 4\"}\n").unwrap();
+    for seed in [1, 2, 3] {
+        let mut cfg = tiny_config(&tmp.path().join(format!("s{seed}")), "full", 1);
+        cfg.seed = seed;
+        cfg.task = serde_json::from_value(
+            serde_json::json!({"kind": "gsm8k", "path": data, "eval_path": eval}),
+        )
+        .unwrap();
+        if let Some(sft) = cfg.sft.as_mut() {
+            sft.batch_size = 1;
+            sft.steps = 2;
+        }
+        let err = format!("{:#}", train::run(&cfg, false, true).unwrap_err());
+        assert!(
+            err.contains("longer than the model's max_position_embeddings (256)"),
+            "seed {seed}: {err}"
+        );
+        assert!(!cfg.model.dir.exists(), "seed {seed}: no model was made");
+    }
+}

@@ -447,6 +447,15 @@ impl Task {
         }
     }
 
+    /// Every training example of a data set (`None` for arithmetic, whose problems are drawn afresh):
+    /// what a warm start's size checks look at before its first step, since each step draws its own.
+    pub fn training_examples(&self) -> Option<Vec<Example>> {
+        match self {
+            Task::Arithmetic(_) => None,
+            Task::Dataset(d) => Some(d.train.iter().map(|r| d.example(r)).collect()),
+        }
+    }
+
     /// How many examples [`Self::eval_set`]`(n)` holds at most: `n`, or fewer where a data set holds out
     /// fewer (found without building them, for the size checks before a run).
     pub fn eval_size_at_most(&self, n: usize) -> usize {

@@ -197,9 +197,12 @@ pub fn run_sft_with(
     } else {
         log.retain(|r| r["phase"] != "sft")?;
     }
-    // The batch size against the memory and the position limit, before a batch is built: the first step's
-    // examples (up to 256 of them) stand for the length of all.
-    let probe = task.sample_prompts(cfg.batch_size.min(256), train.seed.wrapping_mul(7919));
+    // The batch size against the memory and the position limit, before a batch is built: every training
+    // record of a data set (each step draws its own, so the first step's say nothing of a long record
+    // later), and the first step's examples (up to 256) of a generated task, whose lengths its knobs bound.
+    let probe = task.training_examples().unwrap_or_else(|| {
+        task.sample_prompts(cfg.batch_size.min(256), train.seed.wrapping_mul(7919))
+    });
     let mut longest = 0;
     for ex in &probe {
         longest = longest.max(encode_example(tok, ex, eos)?.0.len());
