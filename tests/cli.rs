@@ -380,6 +380,21 @@ fn runs_lists_run_directories_with_their_status() {
         "{text}"
     );
     assert!(line("huge").contains("18446744073709551615/2"), "{text}");
+    // The same tree given twice, and through a link: each run listed once.
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(runs.join("done"), tmp.path().join("done-link")).unwrap();
+    let twice = stdout_of(
+        qarl()
+            .arg("runs")
+            .arg(&runs)
+            .arg(&runs)
+            .arg(tmp.path().join("done-link")),
+    );
+    assert_eq!(
+        twice.lines().filter(|l| l.contains("done")).count(),
+        1,
+        "{twice}"
+    );
     assert!(
         line("damaged").contains("finished; its log does not read back")
             && line("damaged").contains("line 2 is not a metrics row"),
@@ -1216,6 +1231,11 @@ fn bench_kernels_refuses_impossible_sizes() {
         (vec!["--hidden", "0"], "--hidden 0: must be at least 1"),
         // Names as well, before any device is sought (they were refused after the rooflines).
         (vec!["--formats", "int5"], "--formats int5"),
+        // A runtime that does not exist is named as such (it was told to rebuild with a feature).
+        (
+            vec!["--runtime", "foo"],
+            "--runtime foo`: not a CubeCL runtime",
+        ),
     ] {
         let err = error_of(qarl().args(["bench", "kernels"]).args(&args));
         assert!(err.contains(want), "{args:?}: {err}");

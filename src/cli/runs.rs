@@ -129,6 +129,9 @@ pub fn list(roots: &[PathBuf]) -> Vec<RunInfo> {
     for r in roots {
         find(r, 3, &mut dirs);
     }
+    // One run reached twice (a root given twice, a link to a run among the roots) is listed once.
+    let mut seen = std::collections::HashSet::new();
+    dirs.retain(|d| seen.insert(d.canonicalize().unwrap_or_else(|_| d.clone())));
     dirs.iter().map(|d| inspect(d)).collect()
 }
 

@@ -171,6 +171,11 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     args.check_sizes()?;
+    anyhow::ensure!(
+        matches!(args.runtime.as_str(), "wgpu" | "cuda"),
+        "`bench kernels --runtime {}`: not a CubeCL runtime (wgpu or cuda)",
+        args.runtime
+    );
     #[cfg(any(feature = "wgpu", feature = "cuda"))]
     {
         bench::run(args)
