@@ -1607,3 +1607,40 @@ fn init_model_refuses_a_quantized_checkpoints_config() {
     );
     assert!(!out.join("model.safetensors").exists());
 }
+
+/// Logits that overflow f16's range (a model whose activations grow past 65504) are reported with that
+/// cause under `--activations f16`: the same model scores in bf16, so "its weights hold non-finite
+/// values" alone pointed at the wrong thing.
+#[test]
+fn f16_overflow_is_named_as_such() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("m");
+    let st = qarl()
+        .args(["init-model", "--std", "300", "--config"])
+        .arg(fixtures_dir().join("llama").join("config.json"))
+        .arg("--output")
+        .arg(&model)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let ids = tmp.path().join("ids.json");
+    std::fs::write(&ids, r#"{"input_ids": [[1, 2, 3, 4]]}"#).unwrap();
+    let score = |act: &str| {
+        qarl()
+            .args(["score", "--activations", act, "--model"])
+            .arg(&model)
+            .arg("--input")
+            .arg(&ids)
+            .arg("--output")
+            .arg(tmp.path().join(format!("{act}.json")))
+            .output()
+            .unwrap()
+    };
+    let f16 = score("f16");
+    let err = String::from_utf8_lossy(&f16.stderr);
+    assert!(
+        !f16.status.success() && err.contains("with f16 activations any value beyond 65504"),
+        "{err}"
+    );
+    assert!(score("bf16").status.success());
+}

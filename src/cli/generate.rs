@@ -161,9 +161,13 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         args.max_new_tokens,
     )?;
     let rollout = generate(&model, &prompts, args.samples, &params, tokenizer.as_ref());
-    rollout
-        .ensure_finite()
-        .map_err(|e| anyhow::anyhow!("{}: {e}", args.model.display()))?;
+    rollout.ensure_finite().map_err(|e| {
+        anyhow::anyhow!(
+            "{}: {e}{}",
+            args.model.display(),
+            args.activations.nonfinite_hint()
+        )
+    })?;
     let text = match &tokenizer {
         Some(t) => Some(
             rollout

@@ -88,9 +88,10 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
     let bad = bad_logits.or_else(|| first_nonfinite(&logprobs, |v: &f32| v.is_finite()));
     if let Some((r, p)) = bad {
         anyhow::bail!(
-            "{}: the logits at position {p} of row {r} of {} are not finite (NaN or infinite)",
+            "{}: the logits at position {p} of row {r} of {} are not finite (NaN or infinite){}",
             args.model.display(),
-            args.input.display()
+            args.input.display(),
+            args.activations.nonfinite_hint()
         );
     }
     write_json_atomic(&args.output, &ScoreOutput { logits, logprobs })

@@ -40,6 +40,17 @@ impl std::fmt::Display for Activations {
 }
 
 impl Activations {
+    /// What to add to a report of non-finite values: f16's range ends at 65504, so a model whose
+    /// activations grow past it is finite in f32 and bf16 and infinite here (the weights are not at fault).
+    pub fn nonfinite_hint(self) -> &'static str {
+        match self {
+            Self::F16 => {
+                " (with f16 activations any value beyond 65504 is infinite: bf16 or f32 keep the range)"
+            }
+            Self::F32 | Self::Bf16 => "",
+        }
+    }
+
     /// The tensor type.
     pub fn dtype(self) -> DType {
         match self {
