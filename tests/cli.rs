@@ -1125,6 +1125,16 @@ fn quantized_checkpoints_are_refused_where_full_precision_is_needed() {
         err.contains("the checkpoint is quantized (int4-g32)"),
         "{err}"
     );
+    // The experts' path of a dense model: nothing it names would run.
+    let err = error_of(
+        qarl()
+            .args(["bench", "rollout", "--moe-experts", "loop", "--model"])
+            .arg(fixtures_dir().join("qwen3")),
+    );
+    assert!(
+        err.contains("--moe-experts loop") && err.contains("is a dense model"),
+        "{err}"
+    );
     // Training on it: its full-precision masters would be the dequantized codes.
     let toml = tmp.path().join("train.toml");
     std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();

@@ -345,6 +345,14 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
         args.prompt_len,
         args.new_tokens,
     )?;
+    // A dense model has no experts: the column would name a path that never ran.
+    if model.config.moe.is_none() && expert_paths != [true] {
+        anyhow::bail!(
+            "--moe-experts {}: {} is a dense model (no `moe` experts), so only the default applies",
+            args.moe_experts.join(","),
+            args.model.display()
+        );
+    }
     let params = model.num_params();
     eprintln!(
         "loaded {} ({:.1}M parameters) in {:.1} s",
