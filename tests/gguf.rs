@@ -677,6 +677,14 @@ fn tokenizer_metadata_of_the_wrong_type_or_value_is_refused() {
             "unk_token"
         };
         assert!(!config.contains(&format!("\"{field}\"")), "{key}: {config}");
+        // Nor does the model's config.json name it (transformers refuses a padding index beyond the
+        // embedding).
+        let model: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        if key.contains("padding") {
+            assert!(model["pad_token_id"].is_null(), "{key}: {model}");
+        }
     }
     for (i, (renamed, kvs, want)) in cases.into_iter().enumerate() {
         let name = format!("tok{i}.gguf");

@@ -119,6 +119,7 @@ fn a_kill_during_sft_resumes_sft_bitwise_identically() {
     model_cfg["num_hidden_layers"] = serde_json::json!(1);
     std::fs::write(&other_model, model_cfg.to_string()).unwrap();
     let set_model = format!("model.init_config={:?}", other_model.display().to_string());
+    let run_config = std::fs::read(cfg.run_dir.join("config.json")).unwrap();
     let out = qarl(
         &killed_dir,
         &[
@@ -136,6 +137,11 @@ fn a_kill_during_sft_resumes_sft_bitwise_identically() {
     assert!(
         !out.status.success() && err.contains("sft.json") && err.contains("model_config"),
         "{err}"
+    );
+    // Refused before the run's config.json was rewritten (the restored config was then refused).
+    assert_eq!(
+        std::fs::read(cfg.run_dir.join("config.json")).unwrap(),
+        run_config
     );
     assert!(!cfg.model.dir.exists(), "no model was written");
 

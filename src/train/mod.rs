@@ -346,7 +346,16 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow:
     }
     let changed = config::differing_keys(&old, &new);
     if !changed.is_empty() && accept {
-        let kept = cfg.run_dir.join(format!("config.before_step_{done}.json"));
+        // A name of its own: a second accepted change at the same step keeps the first record too.
+        let kept = (0..)
+            .map(|i| match i {
+                0 => cfg.run_dir.join(format!("config.before_step_{done}.json")),
+                i => cfg
+                    .run_dir
+                    .join(format!("config.before_step_{done}.{i}.json")),
+            })
+            .find(|p| !p.exists())
+            .expect("an unused name");
         let bytes = std::fs::read(&path).map_err(crate::io::failed(&path, "cannot read"))?;
         crate::io::write_atomic(&kept, &bytes)?;
         tracing::warn!(
@@ -518,9 +527,9 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
         check_resumed_config(cfg, opts.accept_changes, done)?;
     } else if resume {
-        // No RL checkpoint yet (a warm start or the first RL steps were interrupted): the run's config
-        // still says how its warm-start rows were made, and would be overwritten below.
-        check_resumed_config(cfg, opts.accept_changes, 0)?;
+        // No RL checkpoint yet: RL starts over (its settings may change), but an unfinished warm start
+        // continues, and must be this config's; checked before the run's config.json is rewritten below.
+        sft::check_warm_start_resume(cfg)?;
     }
     let keeps_sft_rows = keeps_warm_start_rows(cfg, resume, model_made);
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;

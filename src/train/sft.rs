@@ -100,15 +100,123 @@ fn identity(
     model_config: &serde_json::Value,
     last: f32,
 ) -> serde_json::Value {
+    // `init_std` only draws random weights: a base's start ignores it.
+    let init_std = train.model.base.is_none().then_some(train.model.init_std);
     serde_json::json!({
         "seed": train.seed,
         "sft": cfg,
         "base": train.model.base,
         "model_config": model_config,
-        "init_std": train.model.init_std,
+        "init_std": init_std,
         "task": train.task.with_defaults(),
         "last_loss_bits": last.to_bits(),
     })
+}
+
+/// `v` as written to and read back from a file: f32 values widened to f64 print with 17 digits, which
+/// serde_json reads back one step off for some values (0.03), so a fresh identity is compared after the
+/// same trip.
+fn as_read_back(v: &serde_json::Value) -> anyhow::Result<serde_json::Value> {
+    Ok(serde_json::from_str(&serde_json::to_string(v)?)?)
+}
+
+/// A recorded `[sft]` or task table read as this version reads it (defaults of fields added since filled
+/// in), where it parses; as recorded otherwise.
+fn as_this_version<T: serde::de::DeserializeOwned + serde::Serialize>(
+    v: &serde_json::Value,
+) -> serde_json::Value {
+    serde_json::from_value::<T>(v.clone())
+        .ok()
+        .and_then(|t| serde_json::to_value(t).ok())
+        .unwrap_or_else(|| v.clone())
+}
+
+/// Refuses a resume point (`sft.json` at `path`, read as `saved`) that another warm start wrote: the keys
+/// of the identity that both record must agree.
+fn check_identity(
+    path: &Path,
+    root: &Path,
+    saved: &serde_json::Value,
+    want: &serde_json::Value,
+) -> anyhow::Result<()> {
+    // The fresh identity through the file's trip that the saved one made, then both tables read as this
+    // version reads them (defaults of fields added since filled in).
+    let want = as_read_back(want)?;
+    let normalize = |v: &serde_json::Value| -> anyhow::Result<serde_json::Value> {
+        let mut v = v.clone();
+        if let Some(m) = v.as_object_mut() {
+            if let Some(t) = m.get("task").cloned() {
+                let t = serde_json::from_value::<crate::tasks::TaskConfig>(t.clone())
+                    .map_or(t, |t| {
+                        serde_json::to_value(t.with_defaults()).unwrap_or_default()
+                    });
+                m.insert("task".into(), t);
+            }
+            if let Some(c) = m.get("sft").cloned() {
+                m.insert("sft".into(), as_this_version::<SftConfig>(&c));
+            }
+        }
+        Ok(v)
+    };
+    let (saved, want) = (normalize(saved)?, normalize(&want)?);
+    // Compared on the keys both record: checkpoints written before a key joined the identity lack it.
+    let recorded = |v: &serde_json::Value| -> serde_json::Value {
+        let mut v = v.clone();
+        if let Some(m) = v.as_object_mut() {
+            m.retain(|k, _| {
+                k != "last_loss_bits" && saved.get(k).is_some() && want.get(k).is_some()
+            });
+        }
+        v
+    };
+    let differ = super::config::differing_keys(&recorded(&saved), &recorded(&want));
+    if !differ.is_empty() {
+        anyhow::bail!(
+            "{}: written by a warm start with other `{}` than this config's (the model's config, the base, \
+             the task, `[sft]`, the seed and `model.init_std` make a warm start), so resuming would not \
+             continue it; restore them, or delete {} to start the warm start over",
+            path.display(),
+            differ.join("`, `"),
+            root.display()
+        );
+    }
+    Ok(())
+}
+
+/// The model config a warm start of `train` trains (the base's, or the `init_config` it copies): what
+/// its resume point records.
+fn model_config_json(train: &TrainConfig) -> anyhow::Result<Option<serde_json::Value>> {
+    let file = match (&train.model.base, &train.model.init_config) {
+        (Some(base), _) => base.join("config.json"),
+        (None, Some(init)) if init.is_dir() => init.join("config.json"),
+        (None, Some(init)) => init.clone(),
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(crate::io::read_json(&file)?))
+}
+
+/// Before anything of the run directory changes: refuses a resume whose unfinished warm start (its
+/// newest resume point under `run_dir`) another warm start wrote, as [`run_sft_with`] would once the
+/// model is staged, by when `qarl train` has already rewritten the run's config.json.
+pub fn check_warm_start_resume(train: &TrainConfig) -> anyhow::Result<()> {
+    let (Some(cfg), false) = (&train.sft, train.model.dir.exists()) else {
+        return Ok(());
+    };
+    let root = checkpoints_root(&train.run_dir);
+    let Some((p, _)) = super::checkpoint::latest_checked_in(&root)? else {
+        return Ok(());
+    };
+    let Some(model_config) = model_config_json(train)? else {
+        return Ok(());
+    };
+    let path = p.join(SFT_STATE_FILE);
+    let saved: serde_json::Value = crate::io::read_json(&path)?;
+    check_identity(
+        &path,
+        &root,
+        &saved,
+        &identity(train, cfg, &model_config, 0.0),
+    )
 }
 
 /// The checkpoint to resume from, checked to belong to this warm start; without `resume`, the old
@@ -130,28 +238,12 @@ fn resume_point(
     };
     let path = p.join(SFT_STATE_FILE);
     let saved: serde_json::Value = crate::io::read_json(&path)?;
-    // Compared on the keys both record: checkpoints written before a key joined the identity lack it.
-    let want = identity(train, cfg, ck.config_json, 0.0);
-    let recorded = |v: &serde_json::Value| -> serde_json::Value {
-        let mut v = v.clone();
-        if let Some(m) = v.as_object_mut() {
-            m.retain(|k, _| {
-                k != "last_loss_bits" && saved.get(k).is_some() && want.get(k).is_some()
-            });
-        }
-        v
-    };
-    let differ = super::config::differing_keys(&recorded(&saved), &recorded(&want));
-    if !differ.is_empty() {
-        anyhow::bail!(
-            "{}: written by a warm start with other `{}` than this config's (the model's config, the base, \
-             the task, `[sft]`, the seed and `model.init_std` make a warm start), so resuming would not \
-             continue it; restore them, or delete {} to start the warm start over",
-            path.display(),
-            differ.join("`, `"),
-            ck.root.display()
-        );
-    }
+    check_identity(
+        &path,
+        &ck.root,
+        &saved,
+        &identity(train, cfg, ck.config_json, 0.0),
+    )?;
     let last = saved["last_loss_bits"]
         .as_u64()
         .and_then(|b| u32::try_from(b).ok())
@@ -287,4 +379,47 @@ pub fn run_sft_with(
     }
     bar.finish();
     Ok((model, last))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A warm start's identity read back from its resume point matches the fresh one for every f32
+    /// setting: serde_json reads some 17-digit numbers one step off (`model.init_std = 0.03`, which made
+    /// an interrupted warm start impossible to resume), so the fresh one is compared after the same trip.
+    #[test]
+    fn identities_compare_after_the_files_trip() {
+        let mut train = TrainConfig::from_toml(super::super::config::DEFAULT_CONFIG, "d").unwrap();
+        let model_config = serde_json::json!({"rms_norm_eps": 1e-6, "hidden_size": 64});
+        let root = Path::new("ck");
+        for std in [0.03f32, 0.015, 0.014, 0.0039, 0.0098, 0.02] {
+            train.model.init_std = std;
+            let sft = train.sft.clone().unwrap();
+            let mut sft_odd = sft.clone();
+            sft_odd.weight_decay = std;
+            for cfg in [&sft, &sft_odd] {
+                let written = identity(&train, cfg, &model_config, 1.5);
+                let saved: serde_json::Value =
+                    serde_json::from_str(&serde_json::to_string(&written).unwrap()).unwrap();
+                let fresh = identity(&train, cfg, &model_config, 0.0);
+                check_identity(Path::new("sft.json"), root, &saved, &fresh).unwrap();
+            }
+            // A real change is still named.
+            let mut other = train.clone();
+            other.model.init_std = std * 2.0;
+            let saved: serde_json::Value = serde_json::from_str(
+                &serde_json::to_string(&identity(&train, &sft, &model_config, 1.5)).unwrap(),
+            )
+            .unwrap();
+            let err = check_identity(
+                Path::new("sft.json"),
+                root,
+                &saved,
+                &identity(&other, &sft, &model_config, 0.0),
+            )
+            .unwrap_err();
+            assert!(err.to_string().contains("`init_std`"), "{err}");
+        }
+    }
 }

@@ -218,7 +218,11 @@ fn llama_config(f: &GgufFile) -> anyhow::Result<(Json, usize, usize)> {
         "mlp_bias": false,
         "bos_token_id": f.opt_u64("tokenizer.ggml.bos_token_id")?,
         "eos_token_id": f.opt_u64("tokenizer.ggml.eos_token_id")?,
-        "pad_token_id": f.opt_u64("tokenizer.ggml.padding_token_id")?,
+        // Left out where it names no token (the tokenizer leaves it out too): transformers' embedding
+        // refuses a padding index beyond the vocabulary.
+        "pad_token_id": f
+            .opt_u64("tokenizer.ggml.padding_token_id")?
+            .filter(|&id| id < vocab),
     });
     Ok((config, heads as usize, kv_heads as usize))
 }
