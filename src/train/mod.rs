@@ -87,8 +87,9 @@ fn prepare_model_locked(
         // silences progress, not what the run does).
         if cfg.sft.is_some() {
             tracing::warn!(
-                "model: {} exists, so the [sft] warm start does not run (remove the folder to warm-start \
-                 again)",
+                "model: {} exists, so the [sft] warm start does not run: its weights are used as they are \
+                 (expected where runs share a warm start; remove the folder to warm-start again with this \
+                 config's [sft])",
                 dir.display()
             );
         }
