@@ -301,7 +301,7 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
 /// settings, the objective, the task, the verifier, the warm start, the seed, the metrics' definitions)
 /// is the run's identity: rows after the checkpoint made under other values would be another experiment
 /// under the same run's name, and its config.json would misstate how the earlier rows were made.
-const RESUME_MAY_CHANGE: [&str; 12] = [
+pub const RESUME_MAY_CHANGE: [&str; 12] = [
     "/run_dir",
     "/model",
     "/train/steps",
