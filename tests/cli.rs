@@ -268,28 +268,25 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
     );
     // A table given to `--set` replaces the table there (how `task` switches kind), and says which keys
     // went back to their defaults (`eval.k` was 8 in the file, 0 after, without a word).
-    let out = qarl()
-        .args(["config", "show", "--set"])
-        .arg("eval={every=5,problems=2,max_new_tokens=4}")
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let (shown, warned) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
+    let show = |set: &str| {
+        let out = qarl()
+            .args(["config", "show", "--set", set])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{set}");
+        (
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (shown, warned) = show("eval={every=5,problems=2,max_new_tokens=4}");
     assert!(shown.contains("k = 0"), "{shown}");
     assert!(
         warned.contains("replaces `eval` as a whole") && warned.contains("k = 8"),
         "{warned}"
     );
     // Switching a tagged table to another kind drops the old kind's keys by design: no warning.
-    let out = qarl()
-        .args(["config", "show", "--set"])
-        .arg("task={kind=\"gsm8k\", path=\"x.jsonl\"}")
-        .output()
-        .unwrap();
-    let warned = String::from_utf8_lossy(&out.stderr);
+    let (_, warned) = show("task={kind=\"gsm8k\", path=\"x.jsonl\"}");
     assert!(!warned.contains("as a whole"), "{warned}");
     let err = error_of(qarl().args(["config", "show", "no/such.toml"]));
     assert!(err.contains("no/such.toml: no such config file"), "{err}");

@@ -77,40 +77,28 @@ fn a_kill_during_sft_resumes_sft_bitwise_identically() {
         !out.status.success() && err.contains("unfinished warm start"),
         "{err}"
     );
-    let out = qarl(
-        &killed_dir,
-        &[
-            "train",
-            "--quiet",
-            "--resume",
-            "--config",
-            "run.toml",
-            "--set",
-            "sft.lr=1e-3",
-        ],
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("`sft.lr`"), "{err}");
-    // Another task or model config: refused too (the task by the run's config.json, which the resume of
-    // a warm start now checks as well; the model's config by the warm start's own identity, even where
-    // the run's config is told to accept changes: it wrote a model whose config.json was not its weights').
-    let out = qarl(
-        &killed_dir,
-        &[
-            "train",
-            "--quiet",
-            "--resume",
-            "--config",
-            "run.toml",
-            "--set",
-            "task.max_digits=2",
-        ],
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("`task.max_digits`"),
-        "{err}"
-    );
+    // A resume with other settings: refused, naming the key, before the run's config.json changes.
+    let run_config = std::fs::read(cfg.run_dir.join("config.json")).unwrap();
+    let refused = |extra: &[&str], set: &str, want: &[&str]| {
+        let mut args = vec!["train", "--quiet", "--resume"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--config", "run.toml", "--set", set]);
+        let out = qarl(&killed_dir, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set}: {err}");
+        for w in want {
+            assert!(err.contains(w), "{set}: expected `{w}` in {err}");
+        }
+        assert_eq!(
+            std::fs::read(cfg.run_dir.join("config.json")).unwrap(),
+            run_config,
+            "{set}: config.json rewritten"
+        );
+    };
+    refused(&[], "sft.lr=1e-3", &["`sft.lr`"]);
+    // Another task or model config too (the warm start's identity: a changed model config wrote a model
+    // whose config.json was not its weights'), also where the run is told to accept changes.
+    refused(&[], "task.max_digits=2", &["`task.max_digits`"]);
     let other_model = killed_dir.join("other_model.json");
     let mut model_cfg: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(cfg.model.init_config.as_ref().unwrap()).unwrap(),
@@ -119,29 +107,10 @@ fn a_kill_during_sft_resumes_sft_bitwise_identically() {
     model_cfg["num_hidden_layers"] = serde_json::json!(1);
     std::fs::write(&other_model, model_cfg.to_string()).unwrap();
     let set_model = format!("model.init_config={:?}", other_model.display().to_string());
-    let run_config = std::fs::read(cfg.run_dir.join("config.json")).unwrap();
-    let out = qarl(
-        &killed_dir,
-        &[
-            "train",
-            "--quiet",
-            "--resume",
-            "--accept-changes",
-            "--config",
-            "run.toml",
-            "--set",
-            &set_model,
-        ],
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        !out.status.success() && err.contains("sft.json") && err.contains("model_config"),
-        "{err}"
-    );
-    // Refused before the run's config.json was rewritten (the restored config was then refused).
-    assert_eq!(
-        std::fs::read(cfg.run_dir.join("config.json")).unwrap(),
-        run_config
+    refused(
+        &["--accept-changes"],
+        &set_model,
+        &["sft.json", "model_config"],
     );
     assert!(!cfg.model.dir.exists(), "no model was written");
 
