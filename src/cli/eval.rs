@@ -201,7 +201,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let summary = serde_json::json!({
         "model": args.model, "data": path, "problems": records.len(), "precision": precision,
         "activations": args.activations.to_string(),
-        "verify": {"answer_from": verify.answer_from, "truncated": verify.truncated},
+        "verify": verify.judging_rules(),
         "accuracy": correct as f64 / n, "mean_response_tokens": tokens as f64 / n,
         "decode_tokens_per_s": tokens as f64 / decode_s.max(1e-9),
     });

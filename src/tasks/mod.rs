@@ -133,6 +133,16 @@ impl TaskConfig {
         }
     }
 
+    /// A recorded `task` table (a run's config.json, a warm start's resume point) as this version writes it
+    /// with [`Self::with_defaults`], so that tables recorded before and after a field changed compare
+    /// equal; as recorded where it does not read as a task config.
+    pub fn normalized_json(recorded: &serde_json::Value) -> serde_json::Value {
+        serde_json::from_value::<TaskConfig>(recorded.clone())
+            .ok()
+            .and_then(|t| serde_json::to_value(t.with_defaults()).ok())
+            .unwrap_or_else(|| recorded.clone())
+    }
+
     /// Resolves relative dataset and model paths against `base` (e.g. the directory of the config file).
     pub fn with_base_dir(mut self, base: &Path) -> Self {
         let fix = |p: &mut PathBuf| {

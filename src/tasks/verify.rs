@@ -101,6 +101,12 @@ impl VerifyConfig {
         }
     }
 
+    /// How answers are judged (`answer_from`, `truncated`; the rewards aside), as evaluations record it:
+    /// outcomes judged under other rules are not one measurement (`qarl compare` refuses to pair them).
+    pub fn judging_rules(&self) -> serde_json::Value {
+        serde_json::json!({"answer_from": self.answer_from, "truncated": self.truncated})
+    }
+
     /// Checks that every reward is finite.
     pub fn validate(&self) -> Result<(), VerifyError> {
         let mut all = vec![

@@ -162,12 +162,12 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         .unzip();
     // The summary's accuracy and the outcomes compared are one measurement: a file edited in one place
     // and not the other is refused, not read either way.
-    let outcome_accuracy = super::paired::accuracy(&correct);
-    if let Some(acc) = summary_accuracy.filter(|a| (a - outcome_accuracy).abs() > 1e-9) {
+    if let Some(acc) = summary_accuracy.filter(|&a| !super::paired::accuracy_agrees(a, &correct)) {
         bail!(
-            "{}: its summary's accuracy {acc} is not that of its problems' outcomes ({outcome_accuracy}): \
-             the file was changed after `qarl eval` wrote it",
-            path.display()
+            "{}: its summary's accuracy {acc} is not that of its problems' outcomes ({}): the file was \
+             changed after `qarl eval` wrote it",
+            path.display(),
+            super::paired::accuracy(&correct)
         );
     }
     Ok(Evaluation {
@@ -254,10 +254,7 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         identity: format!("{}@{step}", canonical(dir)),
         precision: Some(precision),
         activations: Some(cfg.train.activations.to_string()),
-        verify: Some(serde_json::json!({
-            "answer_from": cfg.verify.answer_from,
-            "truncated": cfg.verify.truncated,
-        })),
+        verify: Some(cfg.verify.judging_rules()),
         questions,
         golds: None,
         correct,

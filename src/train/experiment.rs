@@ -480,11 +480,7 @@ impl EvalSet {
         let problems = cfg.get("eval")?.get("problems")?;
         // Normalised as a resume compares it (`TaskConfig::with_defaults`): runs made before
         // `eval_fraction` was refused beside `eval_path` recorded the default there, later ones nothing.
-        let task = cfg.get("task")?;
-        let task = serde_json::from_value::<crate::tasks::TaskConfig>(task.clone())
-            .ok()
-            .and_then(|t| serde_json::to_value(t.with_defaults()).ok())
-            .unwrap_or_else(|| task.clone());
+        let task = crate::tasks::TaskConfig::normalized_json(cfg.get("task")?);
         let config = serde_json::json!([task, problems]).to_string();
         let mut logged = evals
             .iter()
@@ -572,11 +568,11 @@ fn check_eval_row(path: &Path, row: &serde_json::Value) -> anyhow::Result<()> {
             let accuracy = entries
                 .get(&format!("eval/{precision}/pass@1_greedy"))
                 .and_then(serde_json::Value::as_f64);
-            let mean = super::paired::accuracy(&outcomes);
-            if let Some(a) = accuracy.filter(|a| (a - mean).abs() > 1e-9) {
+            if let Some(a) = accuracy.filter(|&a| !super::paired::accuracy_agrees(a, &outcomes)) {
                 anyhow::bail!(
-                    "{}: `eval/{precision}/pass@1_greedy` is {a} but its `greedy_correct` outcomes give {mean}",
-                    at()
+                    "{}: `eval/{precision}/pass@1_greedy` is {a} but its `greedy_correct` outcomes give {}",
+                    at(),
+                    super::paired::accuracy(&outcomes)
                 );
             }
         }

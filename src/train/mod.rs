@@ -384,15 +384,11 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow:
 
 /// Removes the value at `pointer` (`/a/b`) from `v`, if there is one.
 fn remove_pointer(v: &mut serde_json::Value, pointer: &str) {
+    // `pointer_mut("")` is the document itself.
     let Some((parent, key)) = pointer.rsplit_once('/') else {
         return;
     };
-    let parent = if parent.is_empty() {
-        Some(v)
-    } else {
-        v.pointer_mut(parent)
-    };
-    if let Some(serde_json::Value::Object(map)) = parent {
+    if let Some(serde_json::Value::Object(map)) = v.pointer_mut(parent) {
         map.remove(key);
     }
 }

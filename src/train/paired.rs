@@ -311,6 +311,12 @@ pub fn accuracy(outcomes: &[bool]) -> f64 {
     outcomes.iter().filter(|&&c| c).count() as f64 / outcomes.len().max(1) as f64
 }
 
+/// Whether a recorded accuracy is the mean of the outcomes it was computed from (to rounding): a file
+/// edited in one place and not the other fails it.
+pub fn accuracy_agrees(recorded: f64, outcomes: &[bool]) -> bool {
+    (recorded - accuracy(outcomes)).abs() <= 1e-9
+}
+
 /// Each seed's accuracy over its problems.
 fn seed_accuracies(outcomes: &[Vec<bool>]) -> Vec<f64> {
     outcomes.iter().map(|o| accuracy(o)).collect()

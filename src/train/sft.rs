@@ -142,23 +142,21 @@ fn check_identity(
     // The fresh identity through the file's trip that the saved one made, then both tables read as this
     // version reads them (defaults of fields added since filled in).
     let want = as_read_back(want)?;
-    let normalize = |v: &serde_json::Value| -> anyhow::Result<serde_json::Value> {
+    let normalize = |v: &serde_json::Value| -> serde_json::Value {
         let mut v = v.clone();
         if let Some(m) = v.as_object_mut() {
-            if let Some(t) = m.get("task").cloned() {
-                let t = serde_json::from_value::<crate::tasks::TaskConfig>(t.clone())
-                    .map_or(t, |t| {
-                        serde_json::to_value(t.with_defaults()).unwrap_or_default()
-                    });
+            if let Some(t) = m.get("task") {
+                let t = crate::tasks::TaskConfig::normalized_json(t);
                 m.insert("task".into(), t);
             }
-            if let Some(c) = m.get("sft").cloned() {
-                m.insert("sft".into(), as_this_version::<SftConfig>(&c));
+            if let Some(c) = m.get("sft") {
+                let c = as_this_version::<SftConfig>(c);
+                m.insert("sft".into(), c);
             }
         }
-        Ok(v)
+        v
     };
-    let (saved, want) = (normalize(saved)?, normalize(&want)?);
+    let (saved, want) = (normalize(saved), normalize(&want));
     // Compared on the keys both record: checkpoints written before a key joined the identity lack it.
     let recorded = |v: &serde_json::Value| -> serde_json::Value {
         let mut v = v.clone();
