@@ -13,23 +13,24 @@
 //! `b^T` cost only their packing: the backward's `dW = x^T g` and `dx = g W^T` run here without a
 //! transposed copy.
 //!
-//! Blocking (BLIS-style): for each task's `MC x NC` block of the output, for each `KC` block of `k`: `b`'s
-//! `KC x NC` panel packed in `NR`-column strips, `a`'s `MC x KC` panel in `MR`-row strips, then an `MR x NR`
-//! register tile per strip pair (AVX-512: 12 x 32, 24 accumulators; AVX2: 6 x 16; portable and NEON:
-//! 4 x 16).
+//! Blocking (BLIS-style): for each `NC`-wide panel of the output's columns and each `KC` block of `k`,
+//! `b`'s `KC x NC` panel is packed once, in `NR`-column strips shared by every thread; then each task (a
+//! band of at most `MC` output rows, the unit of parallel work) packs its rows of `a` in `MR`-row strips
+//! and runs an `MR x NR` register tile per strip pair (AVX-512: 12 x 32, 24 accumulators; AVX2: 6 x 16;
+//! portable and NEON: 4 x 16). Each operand is packed once per panel and block (an earlier layout packed
+//! `a` again for every 128 output columns: its scattered copies took ~40% of the GEMM's time in the
+//! learner's backward).
 
 use rayon::prelude::*;
 
 use super::SimdPath;
 
-/// `k` per block: a packed `KC x 32` strip of `b` (16 KB) and a `KC x 12` strip of `a` (6 KB) stay in L1.
-const KC: usize = 128;
-/// Output rows per packed panel of `a` (a multiple of every `MR`).
+/// `k` per block: a packed `KC x 12` strip of `a` (12 KB) stays in L1 while `b`'s strips stream from L2.
+const KC: usize = 256;
+/// Output rows per task at most (a multiple of every `MR`).
 const MC: usize = 96;
-/// Output rows per task: `b`'s packed panel serves this many rows before the next is packed.
-const TASK_ROWS: usize = 480;
-/// Output columns per task (a multiple of every `NR`).
-const NC: usize = 128;
+/// Output columns per packed panel of `b` at most (a multiple of every `NR`): `KC x NC` floats, 4 MB.
+const NC: usize = 4096;
 /// Below this many multiply-adds the product runs on the calling thread.
 const PARALLEL_MIN_WORK: usize = 1 << 20;
 
@@ -64,6 +65,15 @@ impl<'a> Strided<'a> {
     fn at(&self, r: usize, c: usize) -> f32 {
         self.data[r * self.rs + c * self.cs]
     }
+
+    /// The transpose, read through swapped strides.
+    fn t(self) -> Self {
+        Self {
+            data: self.data,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
 }
 
 /// `y = a · b` (`a` is `m x k`, `b` is `k x n`, both through strides), `y` row-major `[m, n]`, on the
@@ -80,10 +90,7 @@ pub fn gemm_on(path: SimdPath, a: Strided, b: Strided, m: usize, k: usize, n: us
         path.name()
     );
     let mut y = vec![0.0f32; m * n];
-    if m == 0 || n == 0 {
-        return y;
-    }
-    if k == 0 {
+    if m == 0 || n == 0 || k == 0 {
         return y;
     }
     assert!(
@@ -91,88 +98,102 @@ pub fn gemm_on(path: SimdPath, a: Strided, b: Strided, m: usize, k: usize, n: us
             && (k - 1) * b.rs + (n - 1) * b.cs < b.data.len(),
         "gemm: operands too short for {m} x {k} x {n}"
     );
-    let (rt, ct) = (m.div_ceil(TASK_ROWS), n.div_ceil(NC));
-    let task = |t: usize| {
-        let (i0, j0) = ((t / ct) * TASK_ROWS, (t % ct) * NC);
-        let (mc, nc) = ((m - i0).min(TASK_ROWS), (n - j0).min(NC));
-        let mut out = vec![0.0f32; mc * nc];
-        block_on(path, a, b, k, i0, j0, mc, nc, &mut out);
-        (i0, j0, nc, out)
-    };
-    let blocks: Vec<(usize, usize, usize, Vec<f32>)> = if m * n * k >= PARALLEL_MIN_WORK {
-        (0..rt * ct).into_par_iter().map(task).collect()
-    } else {
-        (0..rt * ct).map(task).collect()
-    };
-    for (i0, j0, nc, out) in blocks {
-        for (r, row) in out.chunks(nc).enumerate() {
-            y[(i0 + r) * n + j0..(i0 + r) * n + j0 + nc].copy_from_slice(row);
-        }
+    let p = Product { a, b, m, k, n };
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx512 => p.run::<12, 32>(&mut y, |ap, bp, kc, c, ldc, rows, cols, first| {
+            // SAFETY: Avx512 is only chosen when the CPU has avx512f, avx2 and fma (`SimdPath::available`).
+            unsafe { tile_avx512(ap, bp, kc, c, ldc, rows, cols, first) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        SimdPath::Avx2 => p.run::<6, 16>(&mut y, |ap, bp, kc, c, ldc, rows, cols, first| {
+            // SAFETY: Avx2 is only chosen when the CPU has avx2 and fma.
+            unsafe { tile_avx2(ap, bp, kc, c, ldc, rows, cols, first) }
+        }),
+        _ => p.run::<4, 16>(&mut y, tile::<4, 16>),
     }
     y
 }
 
-#[allow(clippy::too_many_arguments)]
-fn block_on(
-    path: SimdPath,
-    a: Strided,
-    b: Strided,
+/// The operands and sizes of one product.
+#[derive(Clone, Copy)]
+struct Product<'a> {
+    a: Strided<'a>,
+    b: Strided<'a>,
+    m: usize,
     k: usize,
-    i0: usize,
-    j0: usize,
-    mc: usize,
-    nc: usize,
-    out: &mut [f32],
-) {
-    match path {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx512 is only chosen when the CPU has avx512f, avx2 and fma (`SimdPath::available`).
-        SimdPath::Avx512 => unsafe { block_avx512(a, b, k, i0, j0, mc, nc, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: Avx2 is only chosen when the CPU has avx2 and fma.
-        SimdPath::Avx2 => unsafe { block_avx2(a, b, k, i0, j0, mc, nc, out) },
-        _ => block::<4, 16>(a, b, k, i0, j0, mc, nc, out),
+    n: usize,
+}
+
+impl Product<'_> {
+    /// `y` (zeros, `[m, n]`) `= a · b` with an `MR x NR` register tile (arguments: packed `a` strip, packed
+    /// `b` strip, `kc`, the output at the tile, its row stride, the valid rows and columns, and whether the
+    /// chains start here).
+    fn run<const MR: usize, const NR: usize>(
+        self,
+        y: &mut [f32],
+        tile: impl Fn(&[f32], &[f32], usize, &mut [f32], usize, usize, usize, bool) + Sync,
+    ) {
+        let Product { a, b, m, k, n } = self;
+        let parallel = m * n * k >= PARALLEL_MIN_WORK;
+        // At least four bands per thread where `m` allows (the bands share `b`'s packed panel, so a
+        // thinner band costs nothing but its dispatch).
+        let threads = if parallel {
+            rayon::current_num_threads()
+        } else {
+            1
+        };
+        let band = m.div_ceil(4 * threads).next_multiple_of(MR).clamp(MR, MC);
+        let width = n.min(NC);
+        let mut bp = vec![0.0f32; width.div_ceil(NR) * NR * k.min(KC)];
+        for j0 in (0..n).step_by(NC) {
+            let nc = (n - j0).min(NC);
+            let strips = nc.div_ceil(NR);
+            for k0 in (0..k).step_by(KC) {
+                let kc = (k - k0).min(KC);
+                let panel = &mut bp[..strips * NR * kc];
+                let pack = |(s, strip): (usize, &mut [f32])| {
+                    pack_strip::<NR>(b, k0, kc, j0 + s * NR, j0 + nc, strip)
+                };
+                if parallel {
+                    panel.par_chunks_mut(NR * kc).enumerate().for_each(pack);
+                } else {
+                    panel.chunks_mut(NR * kc).enumerate().for_each(pack);
+                }
+                let panel = &bp[..strips * NR * kc];
+                let rows_band = |(t, out): (usize, &mut [f32])| {
+                    let (i0, mc) = (t * band, out.len() / n);
+                    let mut ap = vec![0.0f32; mc.div_ceil(MR) * MR * kc];
+                    for (s, strip) in ap.chunks_mut(MR * kc).enumerate() {
+                        pack_strip::<MR>(a.t(), k0, kc, i0 + s * MR, i0 + mc, strip);
+                    }
+                    for (sa, apanel) in ap.chunks(MR * kc).enumerate() {
+                        let rows = (mc - sa * MR).min(MR);
+                        for (sb, bpanel) in panel.chunks(NR * kc).enumerate() {
+                            let cols = (nc - sb * NR).min(NR);
+                            let c = &mut out[sa * MR * n + j0 + sb * NR..];
+                            tile(apanel, bpanel, kc, c, n, rows, cols, k0 == 0);
+                        }
+                    }
+                };
+                if parallel {
+                    y.par_chunks_mut(band * n).enumerate().for_each(rows_band);
+                } else {
+                    y.chunks_mut(band * n).enumerate().for_each(rows_band);
+                }
+            }
+        }
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn block_avx512(
-    a: Strided,
-    b: Strided,
-    k: usize,
-    i0: usize,
-    j0: usize,
-    mc: usize,
-    nc: usize,
-    out: &mut [f32],
-) {
-    block_with::<12, 32>(
-        a,
-        b,
-        k,
-        i0,
-        j0,
-        mc,
-        nc,
-        out,
-        |ap, bp, kc, c, ldc, rows, cols, first| {
-            // SAFETY: this function runs only with avx512f and fma (its own target features).
-            unsafe { tile_avx512(ap, bp, kc, c, ldc, rows, cols, first) }
-        },
-    )
-}
-
-/// [`tile`] for `MR = 12`, `NR = 32` in AVX-512 registers: 24 accumulators, two loads of `b` and twelve
-/// broadcasts of `a` per 24 fused multiply-adds (the generic body spilled its accumulators).
+/// [`tile`] for `MR = 12`, `NR = 32` in AVX-512 registers: a whole tile runs in place in `c`; an edge
+/// tile through a 12 x 32 buffer.
 ///
 /// # Safety
-/// The CPU has avx512f and fma; `ap` holds `kc * 12` and `bp` `kc * 32` values.
+/// The CPU has avx512f and fma.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::incompatible_msrv)] // AVX-512 intrinsics: see the note in `x86.rs`.
 unsafe fn tile_avx512(
     ap: &[f32],
     bp: &[f32],
@@ -183,21 +204,48 @@ unsafe fn tile_avx512(
     cols: usize,
     first: bool,
 ) {
-    use std::arch::x86_64::*;
     assert!(ap.len() >= kc * 12 && bp.len() >= kc * 32);
+    if rows == 12 && cols == 32 {
+        assert!(c.len() >= 11 * ldc + 32);
+        // SAFETY: the tile's 12 rows of 32 lie inside `c` (asserted), the panels hold `kc` steps.
+        unsafe { chains_avx512(ap, bp, kc, c.as_mut_ptr(), ldc, first) };
+        return;
+    }
     let mut buf = [[0.0f32; 32]; 12];
     if !first {
         for (r, row) in buf.iter_mut().enumerate().take(rows) {
             row[..cols].copy_from_slice(&c[r * ldc..r * ldc + cols]);
         }
     }
-    // SAFETY: every load reads `ap[kk * 12 + r]` / `bp[kk * 32 + 16 h ..]` with kk < kc (asserted above);
-    // `buf` is 12 x 32.
+    // SAFETY: `buf` is 12 rows of 32, the panels hold `kc` steps (asserted).
+    unsafe { chains_avx512(ap, bp, kc, buf.as_mut_ptr() as *mut f32, 32, false) };
+    for (r, row) in buf.iter().enumerate().take(rows) {
+        c[r * ldc..r * ldc + cols].copy_from_slice(&row[..cols]);
+    }
+}
+
+/// The 12 x 32 chains over `kc` steps in AVX-512 registers (24 accumulators, two loads of `b` and twelve
+/// broadcasts of `a` per 24 fused multiply-adds; the generic body spilled its accumulators), starting from
+/// `+0.0` (`first`) or from the values at `c` (rows `ldc` apart), the results stored there: in place, no
+/// staging copy (the copies cost ~5% of the GEMM at `KC` = 128).
+///
+/// # Safety
+/// The CPU has avx512f and fma; `ap` holds `kc * 12` and `bp` `kc * 32` values; `c` points at 12 rows of
+/// 32 writable floats `ldc` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::incompatible_msrv)] // AVX-512 intrinsics: see the note in `x86.rs`.
+unsafe fn chains_avx512(ap: &[f32], bp: &[f32], kc: usize, c: *mut f32, ldc: usize, first: bool) {
+    use std::arch::x86_64::*;
+    // SAFETY: the loads read `ap[kk * 12 + r]` / `bp[kk * 32 + 16 h ..]` with kk < kc and the 12 x 32
+    // floats at `c` (the caller's contract).
     unsafe {
         let mut acc = [[_mm512_setzero_ps(); 2]; 12];
-        for (r, row) in acc.iter_mut().enumerate() {
-            row[0] = _mm512_loadu_ps(buf[r].as_ptr());
-            row[1] = _mm512_loadu_ps(buf[r].as_ptr().add(16));
+        if !first {
+            for (r, row) in acc.iter_mut().enumerate() {
+                row[0] = _mm512_loadu_ps(c.add(r * ldc));
+                row[1] = _mm512_loadu_ps(c.add(r * ldc + 16));
+            }
         }
         let (pa, pb) = (ap.as_ptr(), bp.as_ptr());
         for kk in 0..kc {
@@ -210,135 +258,76 @@ unsafe fn tile_avx512(
             }
         }
         for (r, row) in acc.iter().enumerate() {
-            _mm512_storeu_ps(buf[r].as_mut_ptr(), row[0]);
-            _mm512_storeu_ps(buf[r].as_mut_ptr().add(16), row[1]);
+            _mm512_storeu_ps(c.add(r * ldc), row[0]);
+            _mm512_storeu_ps(c.add(r * ldc + 16), row[1]);
         }
-    }
-    for (r, row) in buf.iter().enumerate().take(rows) {
-        c[r * ldc..r * ldc + cols].copy_from_slice(&row[..cols]);
     }
 }
 
+/// The generic [`tile`] for `MR = 6`, `NR = 16`, compiled for AVX2 and FMA.
+///
+/// # Safety
+/// The CPU has avx2 and fma.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
-unsafe fn block_avx2(
-    a: Strided,
-    b: Strided,
-    k: usize,
-    i0: usize,
-    j0: usize,
-    mc: usize,
-    nc: usize,
-    out: &mut [f32],
+unsafe fn tile_avx2(
+    ap: &[f32],
+    bp: &[f32],
+    kc: usize,
+    c: &mut [f32],
+    ldc: usize,
+    rows: usize,
+    cols: usize,
+    first: bool,
 ) {
-    block::<6, 16>(a, b, k, i0, j0, mc, nc, out)
+    tile::<6, 16>(ap, bp, kc, c, ldc, rows, cols, first)
 }
 
-/// The `mc x nc` output block at `(i0, j0)` into `out` (`[mc, nc]`), `KC` rows of `k` at a time, with the
-/// generic register tile.
+/// One strip of `W` columns of `src[k0..k0+kc, c0..min(c0+W, end)]` into `strip` (`[kc, W]`, zeros past
+/// `end`). Row-major `src` copies runs of `W`; a transposed one reads its columns as runs (`a`'s strips
+/// are this function on `a`'s transpose).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn block<const MR: usize, const NR: usize>(
-    a: Strided,
-    b: Strided,
-    k: usize,
-    i0: usize,
-    j0: usize,
-    mc: usize,
-    nc: usize,
-    out: &mut [f32],
+fn pack_strip<const W: usize>(
+    src: Strided,
+    k0: usize,
+    kc: usize,
+    c0: usize,
+    end: usize,
+    strip: &mut [f32],
 ) {
-    block_with::<MR, NR>(a, b, k, i0, j0, mc, nc, out, tile::<MR, NR>)
-}
-
-/// [`block`] with a given register tile (arguments: packed `a` strip, packed `b` strip, `kc`, the output
-/// at the tile, its row stride, the valid rows and columns, and whether the chains start here).
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn block_with<const MR: usize, const NR: usize>(
-    a: Strided,
-    b: Strided,
-    k: usize,
-    i0: usize,
-    j0: usize,
-    mc: usize,
-    nc: usize,
-    out: &mut [f32],
-    tile: impl Fn(&[f32], &[f32], usize, &mut [f32], usize, usize, usize, bool),
-) {
-    let strips_b = nc.div_ceil(NR);
-    let mut ap = vec![0.0f32; MC.div_ceil(MR) * MR * KC];
-    let mut bp = vec![0.0f32; strips_b * NR * KC];
-    let mut k0 = 0;
-    while k0 < k {
-        let kc = (k - k0).min(KC);
-        pack_b::<NR>(b, k0, kc, j0, nc, &mut bp);
-        for ic in (0..mc).step_by(MC) {
-            let rows_c = (mc - ic).min(MC);
-            pack_a::<MR>(a, k0, kc, i0 + ic, rows_c, &mut ap);
-            for sa in 0..rows_c.div_ceil(MR) {
-                let rows = (rows_c - sa * MR).min(MR);
-                let apanel = &ap[sa * MR * KC..sa * MR * KC + kc * MR];
-                for sb in 0..strips_b {
-                    let cols = (nc - sb * NR).min(NR);
-                    let bpanel = &bp[sb * NR * KC..sb * NR * KC + kc * NR];
-                    let c = &mut out[(ic + sa * MR) * nc + sb * NR..];
-                    tile(apanel, bpanel, kc, c, nc, rows, cols, k0 == 0);
+    let cols = (end - c0).min(W);
+    let strip = &mut strip[..kc * W];
+    if src.cs == 1 {
+        for (kk, row) in strip.chunks_mut(W).enumerate() {
+            let at = (k0 + kk) * src.rs + c0;
+            row[..cols].copy_from_slice(&src.data[at..at + cols]);
+            row[cols..].fill(0.0);
+        }
+    } else if src.rs == 1 {
+        for j in 0..W {
+            if j < cols {
+                let at = (c0 + j) * src.cs + k0;
+                for (kk, &v) in src.data[at..at + kc].iter().enumerate() {
+                    strip[kk * W + j] = v;
+                }
+            } else {
+                for kk in 0..kc {
+                    strip[kk * W + j] = 0.0;
                 }
             }
         }
-        k0 += kc;
-    }
-}
-
-/// `b[k0..k0+kc, j0..j0+nc]` into strips of `NR` columns, each `[kc, NR]` (zeros past `nc`), strip `s` at
-/// `s * NR * KC`. Row-major `b` copies runs of `NR`; transposed `b` reads its columns as runs.
-#[inline(always)]
-fn pack_b<const NR: usize>(b: Strided, k0: usize, kc: usize, j0: usize, nc: usize, bp: &mut [f32]) {
-    for s in 0..nc.div_ceil(NR) {
-        let strip = &mut bp[s * NR * KC..s * NR * KC + kc * NR];
-        let cols = (nc - s * NR).min(NR);
-        let c0 = j0 + s * NR;
-        if b.cs == 1 {
-            for kk in 0..kc {
-                let at = (k0 + kk) * b.rs + c0;
-                strip[kk * NR..kk * NR + cols].copy_from_slice(&b.data[at..at + cols]);
-                strip[kk * NR + cols..(kk + 1) * NR].fill(0.0);
-            }
-        } else if b.rs == 1 {
-            for j in 0..NR {
-                if j < cols {
-                    let col = &b.data[(c0 + j) * b.cs + k0..(c0 + j) * b.cs + k0 + kc];
-                    for (kk, &v) in col.iter().enumerate() {
-                        strip[kk * NR + j] = v;
-                    }
+    } else {
+        for kk in 0..kc {
+            for j in 0..W {
+                strip[kk * W + j] = if j < cols {
+                    src.at(k0 + kk, c0 + j)
                 } else {
-                    for kk in 0..kc {
-                        strip[kk * NR + j] = 0.0;
-                    }
-                }
-            }
-        } else {
-            for kk in 0..kc {
-                for j in 0..NR {
-                    strip[kk * NR + j] = if j < cols { b.at(k0 + kk, c0 + j) } else { 0.0 };
-                }
+                    0.0
+                };
             }
         }
     }
-}
-
-/// `a[i0..i0+mc, k0..k0+kc]` into strips of `MR` rows, each `[kc, MR]` (zeros past `mc`), strip `s` at
-/// `s * MR * KC`: exactly [`pack_b`] of `a`'s transpose (`k x m`, the strides swapped).
-#[inline(always)]
-fn pack_a<const MR: usize>(a: Strided, k0: usize, kc: usize, i0: usize, mc: usize, ap: &mut [f32]) {
-    let at = Strided {
-        data: a.data,
-        rs: a.cs,
-        cs: a.rs,
-    };
-    pack_b::<MR>(at, k0, kc, i0, mc, ap)
 }
 
 /// One `MR x NR` register tile over `kc` rows of `k`: the chains start from `+0.0` (`first`) or from the
@@ -386,8 +375,9 @@ mod tests {
             .collect()
     }
 
-    /// Every path, plain and transposed operands, shapes off every block size (k across two `KC` blocks):
-    /// bitwise the one-chain reference.
+    /// Every path, plain and transposed operands, shapes off every block size (k across two or three `KC`
+    /// blocks, n across two `NC` panels, m across several bands, in parallel): bitwise the one-chain
+    /// reference.
     #[test]
     fn every_path_and_layout_is_the_chain_reference() {
         for (m, k, n) in [
@@ -396,6 +386,8 @@ mod tests {
             (97, 513, 33),
             (25, 7, 300),
             (2, 260, 1),
+            (13, 300, 4097),
+            (150, 600, 40),
         ] {
             let a = values(m * k, 1);
             let b = values(k * n, 2);
