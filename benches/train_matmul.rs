@@ -1,6 +1,9 @@
 //! The learner's matmuls on SmolLM2-135M shapes (hidden 576, intermediate 1536, 2048 tokens): burn flex's
 //! matmul (the `gemm` crate, blocking chosen from the detected caches) against ours (fixed-order kernels,
 //! the same bits on every machine), side by side in one run, with the FMA peak probed in the same run.
+//! A second table times the forward's own products, which the rollout shares bit for bit: the low-bit
+//! kernel on int4-g32 weights and the deterministic f32 `x · w^T`, at a rollout decode step's 64 rows and
+//! at 2048 (the learner's forward), against burn's f32 matmul of the same product.
 //!
 //! `cargo bench --bench train_matmul` (`QARL_BENCH_QUICK=1` for fewer repeats). Prints a table.
 
@@ -9,8 +12,9 @@ use std::time::Instant;
 
 use burn::tensor::{Device, Tensor, TensorData};
 use qarl::ops::cpu::kernel::gemm::{gemm, Strided};
-use qarl::ops::cpu::kernel::SimdPath;
+use qarl::ops::cpu::kernel::{f32_matmul_nt, KernelWeights, SimdPath};
 use qarl::ops::cpu::probe::fma_peak_gflops;
+use qarl::quant::{QuantScheme, QuantizedTensor};
 
 const TOKENS: usize = 2048;
 const HIDDEN: usize = 576;
@@ -110,5 +114,50 @@ fn main() {
             g_ours / g_burn,
             100.0 * g_ours / peak
         );
+    }
+    forward_products(repeats, peak, &device);
+}
+
+/// One timed product.
+type Product<'a> = Box<dyn Fn() -> Vec<f32> + 'a>;
+
+/// The forward's products `y = x · W^T` (`W` stored `[out, in]`) on the kernels the rollout shares.
+fn forward_products(repeats: usize, peak: f64, device: &Device) {
+    println!("\n| forward product (shared with the rollout) | m x in x out | burn flex (gemm) GFLOP/s | ours GFLOP/s | ours / gemm | ours % of peak |");
+    println!("|---|---|---:|---:|---:|---:|");
+    for (label, inn, out) in [("up", HIDDEN, INTER), ("down", INTER, HIDDEN)] {
+        let w = values(out * inn, 3);
+        let q =
+            QuantizedTensor::quantize(&w, out, inn, QuantScheme::Int4G32).expect("finite weights");
+        let kernel = KernelWeights::new(&q);
+        let wq = q.dequantize();
+        for m in [64, TOKENS] {
+            let x = values(m * inn, 4);
+            let tx = Tensor::<2>::from_data(TensorData::new(x.clone(), [m, inn]), device);
+            let tw = Tensor::<2>::from_data(TensorData::new(wq.clone(), [out, inn]), device);
+            let t_burn = median_secs(repeats, || {
+                black_box(tx.clone().matmul(tw.clone().transpose()).into_data());
+            });
+            let flops = 2.0 * (m * inn * out) as f64;
+            let g_burn = flops / t_burn / 1e9;
+            let rows: [(&str, Product); 2] = [
+                ("int4-g32", Box::new(|| kernel.matmul(&x, m))),
+                (
+                    "f32 x w^T",
+                    Box::new(|| f32_matmul_nt(&x, &wq, 1, m, inn, out)),
+                ),
+            ];
+            for (kind, run) in rows {
+                let t = median_secs(repeats, || {
+                    black_box(run());
+                });
+                let g = flops / t / 1e9;
+                println!(
+                    "| {kind} ({label}) | {m} x {inn} x {out} | {g_burn:.1} | {g:.1} | {:.2}x | {:.0}% |",
+                    g / g_burn,
+                    100.0 * g / peak
+                );
+            }
+        }
     }
 }
