@@ -23,7 +23,7 @@ use burn::tensor::TensorData;
 
 use rayon::prelude::*;
 
-use self::kernel::gemm::{gemm, Strided};
+use self::kernel::gemm::{gemm, gemm_rows, Strided};
 use super::switches::deterministic;
 use super::{backend_softmax, plain_matmul, ExpertWeights, KernelOps, PackedWeight};
 
@@ -131,8 +131,9 @@ impl KernelOps for Flex {
         FlexTensor::from_data(TensorData::new(y, shape))
     }
 
-    /// `g · dequant(Q(W))` on [`kernel::gemm`] (the weight decoded once per call), a fixed order like
-    /// every product of the backward.
+    /// `g · dequant(Q(W))` on [`kernel::gemm`], a fixed order like every product of the backward: the
+    /// weight decoded once per call, a block of rows at a time into the GEMM's packing (never a whole f32
+    /// copy: that was a fresh allocation of the weight's size per layer and micro-batch).
     fn quant_matmul_transposed(g: FloatTensor<Self>, packed: PackedWeight) -> FloatTensor<Self> {
         let (g, gd) = host_f32(g);
         let [out, inn] = packed.0.shape();
@@ -142,9 +143,9 @@ impl KernelOps for Flex {
             [m, out],
             "quant_matmul_transposed: gradient is {gd:?}, weight [{out}, {inn}]"
         );
-        let w = packed.0.dequantize();
         let gv: &[f32] = g.as_slice::<f32>().expect("contiguous f32 tensor");
-        let y = gemm(Strided::rows(gv, out), Strided::rows(&w, inn), m, out, inn);
+        let row = |r: usize, dst: &mut [f32]| packed.0.dequantize_row(r, dst);
+        let y = gemm_rows(Strided::rows(gv, out), &row, m, out, inn);
         FlexTensor::from_data(TensorData::new(y, [m, inn]))
     }
 

@@ -13,7 +13,7 @@
 //! `b^T` cost only their packing: the backward's `dW = x^T g` and `dx = g W^T` run here without a
 //! transposed copy.
 //!
-//! Blocking (BLIS-style): for each `NC`-wide panel of the output's columns and each `KC` block of `k`,
+//! Blocking (BLIS-style): for each `KC` block of `k` and each `NC`-wide panel of the output's columns,
 //! `b`'s `KC x NC` panel is packed once, in `NR`-column strips shared by every thread; then each task (a
 //! band of at most `MC` output rows, the unit of parallel work) packs its rows of `a` in `MR`-row strips
 //! and runs an `MR x NR` register tile per strip pair (AVX-512: 12 x 32, 24 accumulators; AVX2: 6 x 16;
@@ -84,6 +84,42 @@ pub fn gemm(a: Strided, b: Strided, m: usize, k: usize, n: usize) -> Vec<f32> {
 
 /// [`gemm`] on a given path (tests compare the paths; a path this machine lacks panics).
 pub fn gemm_on(path: SimdPath, a: Strided, b: Strided, m: usize, k: usize, n: usize) -> Vec<f32> {
+    if m > 0 && n > 0 && k > 0 {
+        assert!(
+            (k - 1) * b.rs + (n - 1) * b.cs < b.data.len(),
+            "gemm: b too short for {k} x {n}"
+        );
+    }
+    multiply(path, a, Rhs::Strided(b), m, k, n)
+}
+
+/// `y = a · b` where `b` (`k x n`) is given row by row: `row(r, dst)` writes row `r`'s `n` values (a
+/// quantized weight's decoder). Each `KC` block of rows is decoded once into a scratch of `KC x n` and
+/// packed from there, so the whole `b` never exists in f32. The same chains, bit for bit, as [`gemm`] on
+/// the materialised `b`.
+pub fn gemm_rows(
+    a: Strided,
+    row: &(dyn Fn(usize, &mut [f32]) + Sync),
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    gemm_rows_on(SimdPath::detect(), a, row, m, k, n)
+}
+
+/// [`gemm_rows`] on a given path.
+pub fn gemm_rows_on(
+    path: SimdPath,
+    a: Strided,
+    row: &(dyn Fn(usize, &mut [f32]) + Sync),
+    m: usize,
+    k: usize,
+    n: usize,
+) -> Vec<f32> {
+    multiply(path, a, Rhs::Rows(row), m, k, n)
+}
+
+fn multiply(path: SimdPath, a: Strided, b: Rhs, m: usize, k: usize, n: usize) -> Vec<f32> {
     assert!(
         path.is_available(),
         "SIMD path {} is not available on this machine",
@@ -94,9 +130,8 @@ pub fn gemm_on(path: SimdPath, a: Strided, b: Strided, m: usize, k: usize, n: us
         return y;
     }
     assert!(
-        (m - 1) * a.rs + (k - 1) * a.cs < a.data.len()
-            && (k - 1) * b.rs + (n - 1) * b.cs < b.data.len(),
-        "gemm: operands too short for {m} x {k} x {n}"
+        (m - 1) * a.rs + (k - 1) * a.cs < a.data.len(),
+        "gemm: a too short for {m} x {k}"
     );
     let p = Product { a, b, m, k, n };
     match path {
@@ -115,11 +150,19 @@ pub fn gemm_on(path: SimdPath, a: Strided, b: Strided, m: usize, k: usize, n: us
     y
 }
 
+/// Where `b`'s values come from.
+#[derive(Clone, Copy)]
+enum Rhs<'a> {
+    Strided(Strided<'a>),
+    /// Row `r`'s `n` values written by the function.
+    Rows(&'a (dyn Fn(usize, &mut [f32]) + Sync)),
+}
+
 /// The operands and sizes of one product.
 #[derive(Clone, Copy)]
 struct Product<'a> {
     a: Strided<'a>,
-    b: Strided<'a>,
+    b: Rhs<'a>,
     m: usize,
     k: usize,
     n: usize,
@@ -146,14 +189,32 @@ impl Product<'_> {
         let band = m.div_ceil(4 * threads).next_multiple_of(MR).clamp(MR, MC);
         let width = n.min(NC);
         let mut bp = vec![0.0f32; width.div_ceil(NR) * NR * k.min(KC)];
-        for j0 in (0..n).step_by(NC) {
-            let nc = (n - j0).min(NC);
-            let strips = nc.div_ceil(NR);
-            for k0 in (0..k).step_by(KC) {
-                let kc = (k - k0).min(KC);
+        let mut decoded = match b {
+            Rhs::Rows(_) => vec![0.0f32; k.min(KC) * n],
+            Rhs::Strided(_) => Vec::new(),
+        };
+        for k0 in (0..k).step_by(KC) {
+            let kc = (k - k0).min(KC);
+            // `b`'s rows `k0..k0 + kc` as a matrix whose row `base` is row `k0`.
+            let (src, base) = match b {
+                Rhs::Strided(s) => (s, k0),
+                Rhs::Rows(row) => {
+                    let rows = &mut decoded[..kc * n];
+                    let decode = |(r, dst): (usize, &mut [f32])| row(k0 + r, dst);
+                    if parallel {
+                        rows.par_chunks_mut(n).enumerate().for_each(decode);
+                    } else {
+                        rows.chunks_mut(n).enumerate().for_each(decode);
+                    }
+                    (Strided::rows(&decoded[..kc * n], n), 0)
+                }
+            };
+            for j0 in (0..n).step_by(NC) {
+                let nc = (n - j0).min(NC);
+                let strips = nc.div_ceil(NR);
                 let panel = &mut bp[..strips * NR * kc];
                 let pack = |(s, strip): (usize, &mut [f32])| {
-                    pack_strip::<NR>(b, k0, kc, j0 + s * NR, j0 + nc, strip)
+                    pack_strip::<NR>(src, base, kc, j0 + s * NR, j0 + nc, strip)
                 };
                 if parallel {
                     panel.par_chunks_mut(NR * kc).enumerate().for_each(pack);
@@ -378,6 +439,23 @@ mod tests {
     /// Every path, plain and transposed operands, shapes off every block size (k across two or three `KC`
     /// blocks, n across two `NC` panels, m across several bands, in parallel): bitwise the one-chain
     /// reference.
+    /// `b` given row by row (a quantized weight's decoder in the backward) gives the bits of the
+    /// materialised `b`, on every path, across `KC` blocks and `NC` panels.
+    #[test]
+    fn rows_given_one_by_one_are_the_materialised_product() {
+        for (m, k, n) in [(1, 1, 1), (37, 600, 45), (13, 300, 4097), (150, 257, 64)] {
+            let a = values(m * k, 3);
+            let b = values(k * n, 4);
+            let row = |r: usize, dst: &mut [f32]| dst.copy_from_slice(&b[r * n..(r + 1) * n]);
+            for path in SimdPath::available() {
+                let expect = gemm_on(path, Strided::rows(&a, k), Strided::rows(&b, n), m, k, n);
+                let y = gemm_rows_on(path, Strided::rows(&a, k), &row, m, k, n);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&y), bits(&expect), "{} {m}x{k}x{n}", path.name());
+            }
+        }
+    }
+
     #[test]
     fn every_path_and_layout_is_the_chain_reference() {
         for (m, k, n) in [
