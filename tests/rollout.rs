@@ -195,3 +195,40 @@ fn logits_at_positions_are_the_full_forwards_rows() {
         }
     }
 }
+
+/// Rows of different lengths write each new key at the row's own position; the cache's buffers stay as wide
+/// as the attention's key axis (a multiple of `KEY_BLOCK`) and grow once per key block, never by a slot
+/// per decode step (each such growth copied every layer's keys and values, and the attention copied them
+/// again to pad them to the mask's width).
+#[test]
+fn ragged_cache_buffers_grow_by_key_blocks() {
+    use qarl::model::decoder::KEY_BLOCK;
+    let model = Decoder::load(fixtures_dir().join("qwen3"), &Device::flex()).unwrap();
+    // Right-padded prompts of 5 and 2 real tokens.
+    let ids = vec![vec![1, 2, 3, 4, 5], vec![6, 7, 0, 0, 0]];
+    let mut cache = model.new_cache(2);
+    model.hidden_cached(Weights::Packed, &ids, &[5, 2], &mut cache, None, None);
+    let widths = |cache: &qarl::model::decoder::KvCache| -> Vec<usize> {
+        let kv = cache.layers.iter().flatten();
+        kv.flat_map(|l| [l.k.dims()[2], l.v.dims()[2]]).collect()
+    };
+    assert!(!widths(&cache).is_empty());
+    for step in 0..KEY_BLOCK {
+        model.hidden_cached(
+            Weights::Packed,
+            &[vec![8], vec![9]],
+            &[1, 1],
+            &mut cache,
+            None,
+            None,
+        );
+        let longest = 5 + step + 1;
+        let want = longest.div_ceil(KEY_BLOCK) * KEY_BLOCK;
+        for w in widths(&cache) {
+            assert_eq!(
+                w, want,
+                "decode step {step}: buffer {w} slots, key axis {want}"
+            );
+        }
+    }
+}

@@ -357,9 +357,12 @@ impl Decoder {
                         }
                     }
                 }
+                // The buffer kept `keys` slots wide, as `Append` keeps it: grown once per key block, and
+                // as wide as the mask, so a decode step copies neither the cache (growing it by a slot)
+                // nor a zero padding to the mask's width.
                 KvWrite::Scatter {
                     index: Tensor::from_data(TensorData::new(index, [b, kv, t, d]), &device),
-                    len: total,
+                    len: keys,
                 }
             }
         };
