@@ -173,6 +173,31 @@ fn bench_rollout_prints_a_row_per_scheme() {
     assert_eq!(results[0]["ratio_to_f32"], 1.0);
 }
 
+/// `--ragged` times prompts of different lengths (the KV cache's per-row path, which an RL batch takes):
+/// the report names their lengths, from `--prompt-len` down to half of it.
+#[test]
+fn bench_rollout_ragged_prompts_differ_in_length() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("tiny");
+    assert!(init_model(&tiny_config(), &dir, 0).status.success());
+    let json = tmp.path().join("bench.json");
+    let out = qarl()
+        .args(["bench", "rollout", "--model"])
+        .arg(&dir)
+        .args(["--schemes", "int4-g32", "--batch", "3", "--prompt-len", "6"])
+        .args(["--new-tokens", "3", "--repeats", "1", "--ragged", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
+    assert!(stdout.contains("prompts 3-6 tokens (ragged)"), "{stdout}");
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["prompt_lens"], serde_json::json!([6, 5, 3]));
+    assert_eq!(v["results"][0]["tokens"], 9);
+}
+
 #[test]
 fn bad_inputs_exit_1_naming_the_problem() {
     let tmp = tempfile::tempdir().unwrap();

@@ -40,9 +40,14 @@ pub struct RolloutBenchArgs {
     /// Prompts per generate call (one sample each).
     #[arg(long, default_value_t = 8)]
     pub batch: usize,
-    /// Tokens per prompt (random ids from the seed).
+    /// Tokens per prompt (random ids from the seed); with `--ragged`, the longest prompt.
     #[arg(long, default_value_t = 64)]
     pub prompt_len: usize,
+    /// Prompts of different lengths, spread evenly from `--prompt-len` down to half of it, as an RL batch's
+    /// differ: rows of different lengths take their own path through the KV cache (each row's keys
+    /// written at its own position), which equal lengths never run.
+    #[arg(long)]
+    pub ragged: bool,
     /// Tokens generated per prompt (no stop tokens: every row generates all of them).
     #[arg(long, default_value_t = 32)]
     pub new_tokens: usize,
@@ -164,6 +169,8 @@ struct BenchReport {
     backend: String,
     batch: usize,
     prompt_len: usize,
+    /// The prompts' lengths (`--ragged` spreads them).
+    prompt_lens: Vec<usize>,
     new_tokens: usize,
     repeats: usize,
     seed: u64,
@@ -181,15 +188,24 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// `batch` prompts of `len` random ids below `vocab`.
-pub fn random_prompts(batch: usize, len: usize, vocab: usize, seed: u64) -> Vec<Vec<u32>> {
+/// One prompt of random ids below `vocab` per length.
+fn prompts_of_lengths(lens: &[usize], vocab: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..batch)
-        .map(|_| {
+    lens.iter()
+        .map(|&len| {
             (0..len)
                 .map(|_| rng.random_range(0..vocab as u32))
                 .collect()
         })
+        .collect()
+}
+
+/// `batch` lengths spread evenly from `longest` down to half of it (at least 1), longest first.
+fn ragged_lengths(batch: usize, longest: usize) -> Vec<usize> {
+    let shortest = longest.div_ceil(2).max(1);
+    let span = longest - shortest;
+    (0..batch)
+        .map(|i| longest - if batch > 1 { i * span / (batch - 1) } else { 0 })
         .collect()
 }
 
@@ -360,12 +376,12 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
         params as f64 / 1e6,
         start.elapsed().as_secs_f64()
     );
-    let prompts = random_prompts(
-        args.batch,
-        args.prompt_len,
-        model.config.vocab_size,
-        args.seed,
-    );
+    let prompt_lens = if args.ragged {
+        ragged_lengths(args.batch, args.prompt_len)
+    } else {
+        vec![args.prompt_len; args.batch]
+    };
+    let prompts = prompts_of_lengths(&prompt_lens, model.config.vocab_size, args.seed);
     let mut results = Vec::with_capacity(formats.len());
     for f in &formats {
         let quantize_s = timed_set_precision(&mut model, *f)?;
@@ -406,13 +422,16 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
             }
         }
     }
+    let prompt = match (prompt_lens.iter().min(), prompt_lens.iter().max()) {
+        (Some(lo), Some(hi)) if lo != hi => format!("prompts {lo}-{hi} tokens (ragged)"),
+        _ => format!("prompt {} tokens", args.prompt_len),
+    };
     println!(
-        "rollout benchmark: {} ({:.1}M params, backend {}), batch {}, prompt {} tokens, {} new tokens, median of {} run(s)",
+        "rollout benchmark: {} ({:.1}M params, backend {}), batch {}, {prompt}, {} new tokens, median of {} run(s)",
         args.model.display(),
         params as f64 / 1e6,
         args.backend,
         args.batch,
-        args.prompt_len,
         args.new_tokens,
         args.repeats
     );
@@ -457,6 +476,7 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
                 backend: args.backend.to_string(),
                 batch: args.batch,
                 prompt_len: args.prompt_len,
+                prompt_lens,
                 new_tokens: args.new_tokens,
                 repeats: args.repeats,
                 seed: args.seed,
