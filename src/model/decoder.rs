@@ -52,7 +52,8 @@ pub struct KvCache {
     pub layers: Vec<Option<LayerKv>>,
     /// Real tokens cached per row.
     pub lens: Vec<usize>,
-    /// Slots in the buffers (>= every row's length).
+    /// Slots written so far, the longest row's end (>= every row's length; the buffers themselves are kept
+    /// as wide as the attention's key axis, a multiple of [`KEY_BLOCK`] at least this).
     pub capacity: usize,
 }
 

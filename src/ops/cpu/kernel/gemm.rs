@@ -25,7 +25,9 @@ use rayon::prelude::*;
 
 use super::SimdPath;
 
-/// `k` per block: a packed `KC x 12` strip of `a` (12 KB) stays in L1 while `b`'s strips stream from L2.
+/// `k` per block: a packed `KC x 12` strip of `a` (12 KB) stays in L1 while `b`'s strips stream from L2,
+/// or from L3 for panels wider than about 1000 columns (panels cut to 512 columns, to stay in a 1 MB L2,
+/// measured 5-15% slower on SmolLM2's shapes on a 2-core Zen 4: more passes, each with its own dispatch).
 const KC: usize = 256;
 /// Output rows per task at most (a multiple of every `MR`).
 const MC: usize = 96;
@@ -136,16 +138,20 @@ fn multiply(path: SimdPath, a: Strided, b: Rhs, m: usize, k: usize, n: usize) ->
     let p = Product { a, b, m, k, n };
     match path {
         #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx512 => p.run::<12, 32>(&mut y, |ap, bp, kc, c, ldc, rows, cols, first| {
-            // SAFETY: Avx512 is only chosen when the CPU has avx512f, avx2 and fma (`SimdPath::available`).
-            unsafe { tile_avx512(ap, bp, kc, c, ldc, rows, cols, first) }
+        SimdPath::Avx512 => p.run::<12, 32>(&mut y, |ap, bp, kc, c, rows, cols, first| {
+            // SAFETY: Avx512 is only chosen when the CPU has avx512f, avx2 and fma (`SimdPath::available`);
+            // the tile's elements are this task's alone (`Product::run`).
+            unsafe { tile_avx512(ap, bp, kc, c, rows, cols, first) }
         }),
         #[cfg(target_arch = "x86_64")]
-        SimdPath::Avx2 => p.run::<6, 16>(&mut y, |ap, bp, kc, c, ldc, rows, cols, first| {
-            // SAFETY: Avx2 is only chosen when the CPU has avx2 and fma.
-            unsafe { tile_avx2(ap, bp, kc, c, ldc, rows, cols, first) }
+        SimdPath::Avx2 => p.run::<6, 16>(&mut y, |ap, bp, kc, c, rows, cols, first| {
+            // SAFETY: Avx2 is only chosen when the CPU has avx2 and fma; the tile is this task's alone.
+            unsafe { tile_avx2(ap, bp, kc, c, rows, cols, first) }
         }),
-        _ => p.run::<4, 16>(&mut y, tile::<4, 16>),
+        _ => p.run::<4, 16>(&mut y, |ap, bp, kc, c, rows, cols, first| {
+            // SAFETY: the tile's elements are this task's alone (`Product::run`).
+            unsafe { tile::<4, 16>(ap, bp, kc, c, rows, cols, first) }
+        }),
     }
     y
 }
@@ -175,24 +181,28 @@ impl Product<'_> {
     fn run<const MR: usize, const NR: usize>(
         self,
         y: &mut [f32],
-        tile: impl Fn(&[f32], &[f32], usize, &mut [f32], usize, usize, usize, bool) + Sync,
+        tile: impl Fn(&[f32], &[f32], usize, OutTile, usize, usize, bool) + Sync,
     ) {
         let Product { a, b, m, k, n } = self;
+        assert_eq!(y.len(), m * n);
         let parallel = m * n * k >= PARALLEL_MIN_WORK;
-        // At least four bands per thread where `m` allows (the bands share `b`'s packed panel, so a
-        // thinner band costs nothing but its dispatch).
         let threads = if parallel {
             rayon::current_num_threads()
         } else {
             1
         };
+        // Tasks are bands of output rows (at least four per thread where `m` allows: the bands share
+        // `b`'s packed panel, so a thinner band costs only its dispatch), times groups of `b`'s strips
+        // where the bands are too few to keep the threads busy (each group packs the band's `a` again).
         let band = m.div_ceil(4 * threads).next_multiple_of(MR).clamp(MR, MC);
+        let bands = m.div_ceil(band);
         let width = n.min(NC);
         let mut bp = vec![0.0f32; width.div_ceil(NR) * NR * k.min(KC)];
         let mut decoded = match b {
             Rhs::Rows(_) => vec![0.0f32; k.min(KC) * n],
             Rhs::Strided(_) => Vec::new(),
         };
+        let out = OutPtr(y.as_mut_ptr());
         for k0 in (0..k).step_by(KC) {
             let kc = (k - k0).min(KC);
             // `b`'s rows `k0..k0 + kc` as a matrix whose row `base` is row `k0`.
@@ -222,66 +232,112 @@ impl Product<'_> {
                     panel.chunks_mut(NR * kc).enumerate().for_each(pack);
                 }
                 let panel = &bp[..strips * NR * kc];
-                let rows_band = |(t, out): (usize, &mut [f32])| {
-                    let (i0, mc) = (t * band, out.len() / n);
+                let groups = (2 * threads).div_ceil(bands).clamp(1, strips);
+                let per_group = strips.div_ceil(groups);
+                let task = |t: usize| {
+                    let (i0, g) = ((t / groups) * band, t % groups);
+                    let mc = (m - i0).min(band);
                     let mut ap = vec![0.0f32; mc.div_ceil(MR) * MR * kc];
                     for (s, strip) in ap.chunks_mut(MR * kc).enumerate() {
                         pack_strip::<MR>(a.t(), k0, kc, i0 + s * MR, i0 + mc, strip);
                     }
+                    let mine = g * per_group..((g + 1) * per_group).min(strips);
                     for (sa, apanel) in ap.chunks(MR * kc).enumerate() {
                         let rows = (mc - sa * MR).min(MR);
-                        for (sb, bpanel) in panel.chunks(NR * kc).enumerate() {
+                        for sb in mine.clone() {
                             let cols = (nc - sb * NR).min(NR);
-                            let c = &mut out[sa * MR * n + j0 + sb * NR..];
-                            tile(apanel, bpanel, kc, c, n, rows, cols, k0 == 0);
+                            let bpanel = &panel[sb * NR * kc..(sb + 1) * NR * kc];
+                            let at = (i0 + sa * MR) * n + j0 + sb * NR;
+                            // The task's own elements: rows `i0..i0 + mc` of its band, columns of its
+                            // strips; no other task of this pass writes them.
+                            let c = OutTile {
+                                out,
+                                at,
+                                ldc: n,
+                                len: m * n,
+                            };
+                            tile(apanel, bpanel, kc, c, rows, cols, k0 == 0);
                         }
                     }
                 };
                 if parallel {
-                    y.par_chunks_mut(band * n).enumerate().for_each(rows_band);
+                    (0..bands * groups).into_par_iter().for_each(task);
                 } else {
-                    y.chunks_mut(band * n).enumerate().for_each(rows_band);
+                    (0..bands * groups).for_each(task);
                 }
             }
         }
     }
 }
 
-/// [`tile`] for `MR = 12`, `NR = 32` in AVX-512 registers: a whole tile runs in place in `c`; an edge
-/// tile through a 12 x 32 buffer.
+/// The output of a product shared by its tasks, each writing its own elements.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+
+// SAFETY: the tasks sharing an `OutPtr` write disjoint elements (`Product::run`), and the output outlives
+// them.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// One register tile's place in the output: element `at` of an output of `len` floats, rows `ldc` apart.
+#[derive(Clone, Copy)]
+struct OutTile {
+    out: OutPtr,
+    at: usize,
+    ldc: usize,
+    len: usize,
+}
+
+impl OutTile {
+    /// Row `r`'s first `cols` elements of the tile. Panics outside the output.
+    ///
+    /// # Safety
+    /// No other reference to those elements is alive, and no other thread accesses them meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, r: usize, cols: usize) -> &mut [f32] {
+        let start = self.at + r * self.ldc;
+        assert!(start + cols <= self.len, "tile row outside the output");
+        // SAFETY: inside the output (asserted); exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.out.0.add(start), cols) }
+    }
+}
+
+/// [`tile`] for `MR = 12`, `NR = 32` in AVX-512 registers: a whole tile runs in place in the output; an
+/// edge tile through a 12 x 32 buffer.
 ///
 /// # Safety
-/// The CPU has avx512f and fma.
+/// The CPU has avx512f and fma; the tile's `rows x cols` elements of the output are the caller's alone.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tile_avx512(
     ap: &[f32],
     bp: &[f32],
     kc: usize,
-    c: &mut [f32],
-    ldc: usize,
+    c: OutTile,
     rows: usize,
     cols: usize,
     first: bool,
 ) {
     assert!(ap.len() >= kc * 12 && bp.len() >= kc * 32);
     if rows == 12 && cols == 32 {
-        assert!(c.len() >= 11 * ldc + 32);
-        // SAFETY: the tile's 12 rows of 32 lie inside `c` (asserted), the panels hold `kc` steps.
-        unsafe { chains_avx512(ap, bp, kc, c.as_mut_ptr(), ldc, first) };
+        assert!(c.at + 11 * c.ldc + 32 <= c.len, "tile outside the output");
+        // SAFETY: the tile's 12 rows of 32 lie inside the output (asserted) and are the caller's alone;
+        // the panels hold `kc` steps (asserted).
+        unsafe { chains_avx512(ap, bp, kc, c.out.0.add(c.at), c.ldc, first) };
         return;
     }
     let mut buf = [[0.0f32; 32]; 12];
     if !first {
         for (r, row) in buf.iter_mut().enumerate().take(rows) {
-            row[..cols].copy_from_slice(&c[r * ldc..r * ldc + cols]);
+            // SAFETY: the caller's contract.
+            row[..cols].copy_from_slice(unsafe { c.row(r, cols) });
         }
     }
     // SAFETY: `buf` is 12 rows of 32, the panels hold `kc` steps (asserted).
     unsafe { chains_avx512(ap, bp, kc, buf.as_mut_ptr() as *mut f32, 32, false) };
     for (r, row) in buf.iter().enumerate().take(rows) {
-        c[r * ldc..r * ldc + cols].copy_from_slice(&row[..cols]);
+        // SAFETY: the caller's contract.
+        unsafe { c.row(r, cols) }.copy_from_slice(&row[..cols]);
     }
 }
 
@@ -328,21 +384,20 @@ unsafe fn chains_avx512(ap: &[f32], bp: &[f32], kc: usize, c: *mut f32, ldc: usi
 /// The generic [`tile`] for `MR = 6`, `NR = 16`, compiled for AVX2 and FMA.
 ///
 /// # Safety
-/// The CPU has avx2 and fma.
+/// The CPU has avx2 and fma; the tile's elements of the output are the caller's alone.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
 unsafe fn tile_avx2(
     ap: &[f32],
     bp: &[f32],
     kc: usize,
-    c: &mut [f32],
-    ldc: usize,
+    c: OutTile,
     rows: usize,
     cols: usize,
     first: bool,
 ) {
-    tile::<6, 16>(ap, bp, kc, c, ldc, rows, cols, first)
+    // SAFETY: forwarded contract.
+    unsafe { tile::<6, 16>(ap, bp, kc, c, rows, cols, first) }
 }
 
 /// One strip of `W` columns of `src[k0..k0+kc, c0..min(c0+W, end)]` into `strip` (`[kc, W]`, zeros past
@@ -392,15 +447,16 @@ fn pack_strip<const W: usize>(
 }
 
 /// One `MR x NR` register tile over `kc` rows of `k`: the chains start from `+0.0` (`first`) or from the
-/// values the previous `KC` block left in `c` (row stride `ldc`); the `rows x cols` valid part is stored.
+/// values the previous `KC` block left in the output; the `rows x cols` valid part is stored.
+///
+/// # Safety
+/// The tile's `rows x cols` elements of the output are the caller's alone.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn tile<const MR: usize, const NR: usize>(
+unsafe fn tile<const MR: usize, const NR: usize>(
     ap: &[f32],
     bp: &[f32],
     kc: usize,
-    c: &mut [f32],
-    ldc: usize,
+    c: OutTile,
     rows: usize,
     cols: usize,
     first: bool,
@@ -408,7 +464,8 @@ fn tile<const MR: usize, const NR: usize>(
     let mut acc = [[0.0f32; NR]; MR];
     if !first {
         for (r, row) in acc.iter_mut().enumerate().take(rows) {
-            row[..cols].copy_from_slice(&c[r * ldc..r * ldc + cols]);
+            // SAFETY: the caller's contract.
+            row[..cols].copy_from_slice(unsafe { c.row(r, cols) });
         }
     }
     for kk in 0..kc {
@@ -421,7 +478,8 @@ fn tile<const MR: usize, const NR: usize>(
         }
     }
     for (r, row) in acc.iter().enumerate().take(rows) {
-        c[r * ldc..r * ldc + cols].copy_from_slice(&row[..cols]);
+        // SAFETY: the caller's contract.
+        unsafe { c.row(r, cols) }.copy_from_slice(&row[..cols]);
     }
 }
 
@@ -450,6 +508,32 @@ mod tests {
             for path in SimdPath::available() {
                 let expect = gemm_on(path, Strided::rows(&a, k), Strided::rows(&b, n), m, k, n);
                 let y = gemm_rows_on(path, Strided::rows(&a, k), &row, m, k, n);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&y), bits(&expect), "{} {m}x{k}x{n}", path.name());
+            }
+        }
+    }
+
+    /// On a pool of 7 threads the few-row products split their columns among tasks as well as their rows
+    /// (groups of `b`'s strips): the same bits as the reference.
+    #[test]
+    fn column_groups_on_many_threads_are_the_chain_reference() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(7)
+            .build()
+            .unwrap();
+        for (m, k, n) in [
+            (13, 300, 4097),
+            (40, 100, 900),
+            (1, 2000, 700),
+            (100, 257, 330),
+        ] {
+            let a = values(m * k, 5);
+            let b = values(k * n, 6);
+            let expect = f32_matmul_reference(&a, &b, 1, m, k, n);
+            for path in SimdPath::available() {
+                let y = pool
+                    .install(|| gemm_on(path, Strided::rows(&a, k), Strided::rows(&b, n), m, k, n));
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&y), bits(&expect), "{} {m}x{k}x{n}", path.name());
             }
