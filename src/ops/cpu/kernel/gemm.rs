@@ -488,15 +488,16 @@ mod tests {
     use super::super::f32_matmul_reference;
     use super::*;
 
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len)
             .map(|i| (((i * 7919 + seed * 104_729) % 1999) as f32 - 999.0) / 257.0)
             .collect()
     }
 
-    /// Every path, plain and transposed operands, shapes off every block size (k across two or three `KC`
-    /// blocks, n across two `NC` panels, m across several bands, in parallel): bitwise the one-chain
-    /// reference.
     /// `b` given row by row (a quantized weight's decoder in the backward) gives the bits of the
     /// materialised `b`, on every path, across `KC` blocks and `NC` panels.
     #[test]
@@ -508,7 +509,6 @@ mod tests {
             for path in SimdPath::available() {
                 let expect = gemm_on(path, Strided::rows(&a, k), Strided::rows(&b, n), m, k, n);
                 let y = gemm_rows_on(path, Strided::rows(&a, k), &row, m, k, n);
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&y), bits(&expect), "{} {m}x{k}x{n}", path.name());
             }
         }
@@ -534,12 +534,14 @@ mod tests {
             for path in SimdPath::available() {
                 let y = pool
                     .install(|| gemm_on(path, Strided::rows(&a, k), Strided::rows(&b, n), m, k, n));
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&y), bits(&expect), "{} {m}x{k}x{n}", path.name());
             }
         }
     }
 
+    /// Every path, plain and transposed operands, shapes off every block size (k across two or three `KC`
+    /// blocks, n across two `NC` panels, m across several bands, in parallel): bitwise the one-chain
+    /// reference.
     #[test]
     fn every_path_and_layout_is_the_chain_reference() {
         for (m, k, n) in [
@@ -574,7 +576,6 @@ mod tests {
                 ];
                 for (case, (sa, sb)) in cases.into_iter().enumerate() {
                     let y = gemm_on(path, sa, sb, m, k, n);
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                     assert_eq!(
                         bits(&y),
                         bits(&expect),
