@@ -50,19 +50,20 @@ fn find(root: &Path, depth: usize, out: &mut Vec<PathBuf>) {
 /// Reads what a run directory says about itself; unreadable lines and files are skipped, not fatal.
 pub fn inspect(dir: &Path) -> RunInfo {
     let cfg: Option<TrainConfig> = crate::io::read_json(&dir.join("config.json")).ok();
-    // A log that cannot be read at all (not UTF-8, a directory) says nothing about the run: its status
-    // says so rather than what `finished.json` or the empty rows would.
-    let read = metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::Skip);
+    // Read as a report, a comparison or a plot reads it; where that refuses the log (a damaged line in the
+    // middle, a repeated step), the listing reads on past the damage and says so beside the status. A log
+    // that cannot be read at all (not UTF-8, a directory) says nothing about the run: its status says so
+    // rather than what `finished.json` or the empty rows would.
+    let log = dir.join("metrics.jsonl");
+    let (read, damaged) = match metrics::read_rows(&log, metrics::BadLines::TornLastOnly) {
+        Ok(rows) => (Ok(rows), None),
+        Err(e) => {
+            let read = metrics::read_rows(&log, metrics::BadLines::Skip);
+            let damaged = read.is_ok().then(|| format!("{e:#}"));
+            (read, damaged)
+        }
+    };
     let unreadable = read.as_ref().err().map(|e| format!("{e:#}"));
-    // Rows a report, a comparison or a plot would refuse (a damaged line in the middle, a repeated step):
-    // the listing reads on, and says so beside the status.
-    let damaged = read
-        .is_ok()
-        .then(|| {
-            metrics::read_rows(&dir.join("metrics.jsonl"), metrics::BadLines::TornLastOnly).err()
-        })
-        .flatten()
-        .map(|e| format!("{e:#}"));
     let rows = read.unwrap_or_default();
     let (mut last_step, mut accuracy) = (None, None);
     let want = cfg

@@ -266,6 +266,7 @@ mod tests {
         let missing = read_rows(&dir.path().join("none.jsonl"), BadLines::Skip).unwrap_err();
         assert!(missing.to_string().contains("none.jsonl"), "{missing}");
     }
+
     /// A row read back for a report, a comparison or a plot has a phase and a step number, and no other row
     /// of its phase has that step: a second evaluation at one step (the report took the last, `qarl runs`
     /// the first) or a step of -1 or 0.5 is an error naming the file and the line.
