@@ -446,6 +446,65 @@ fn a_fresh_run_keeps_an_earlier_runs_metrics_and_checks_its_data_first() {
     assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
 }
 
+/// With `--overwrite`, bad model input is refused before anything in the run directory changes: a missing
+/// `model.init_config`, a quantized checkpoint as `model.dir`, and held-out prompts that with
+/// `eval.max_new_tokens` pass the model's positions (the one-token bound fits, the real prompts do not).
+/// The earlier run's checkpoints, metrics and config stay, and no staging folder is left behind.
+#[test]
+fn an_overwrite_with_bad_model_input_changes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny(tmp.path(), 1);
+    train::run(&cfg, false, true).unwrap();
+    let (metrics, config) = (
+        bytes(&cfg.run_dir.join("metrics.jsonl")),
+        bytes(&cfg.run_dir.join("config.json")),
+    );
+    let quantized = tmp.path().join("quantized");
+    let scheme = "int4-g32".parse().unwrap();
+    qarl::model::quantize::quantize_checkpoint(
+        &cfg.model.dir,
+        &quantized,
+        &qarl::quant::QuantConfig::new(scheme),
+    )
+    .unwrap();
+    let overwrite = RunOptions {
+        quiet: true,
+        overwrite: true,
+        ..RunOptions::default()
+    };
+    let mut no_init = cfg.clone();
+    no_init.model.dir = tmp.path().join("new-model");
+    no_init.model.init_config = Some(tmp.path().join("no_such_config.json"));
+    let mut from_quantized = cfg.clone();
+    from_quantized.model.dir = quantized;
+    let mut long_eval = cfg.clone();
+    long_eval.eval.max_new_tokens = 255;
+    for (bad, expect) in [
+        (&no_init, "`model.init_config`"),
+        (&from_quantized, "quantized"),
+        (&long_eval, "eval.max_new_tokens"),
+    ] {
+        let err = format!("{:#}", train::run_with(bad, &overwrite).unwrap_err());
+        assert!(err.contains(expect), "{err}");
+        assert!(
+            checkpoint::latest(&cfg.run_dir).is_some(),
+            "{expect}: checkpoint lost"
+        );
+        assert_eq!(
+            bytes(&cfg.run_dir.join("metrics.jsonl")),
+            metrics,
+            "{expect}"
+        );
+        assert_eq!(bytes(&cfg.run_dir.join("config.json")), config, "{expect}");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("qarl-init"))
+        .collect();
+    assert!(leftovers.is_empty(), "staging folders left: {leftovers:?}");
+}
+
 /// Bad configs: every error names the file, the key path and the reason (printed as the table of the
 /// closing note with `--nocapture`).
 #[test]

@@ -712,6 +712,39 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
     );
 }
 
+/// An experiment whose variant does not make a valid config is refused before its results directory is
+/// made or claimed: nothing is left that a corrected experiment, or another one, would have to explain.
+#[test]
+fn a_refused_experiment_leaves_no_results_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = toml::to_string(&tiny_config(&tmp.path().join("shared"), "full", 1)).unwrap();
+    std::fs::write(tmp.path().join("base.toml"), base).unwrap();
+    let results = tmp.path().join("results");
+    let exp = format!(
+        r#"
+name = "refused"
+base = "base.toml"
+seeds = [1]
+results_dir = "{}"
+[[variant]]
+name = "typo"
+set = {{ "train.lr" = "fast" }}
+"#,
+        results.display()
+    );
+    let path = tmp.path().join("exp.toml");
+    std::fs::write(&path, exp).unwrap();
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(
+        err.contains("variant typo") && err.contains("train.lr"),
+        "{err}"
+    );
+    assert!(!results.exists(), "{} was made", results.display());
+}
+
 /// Gradient descent on every objective's loss raises the log-probs of a positive-advantage response and
 /// lowers those of a negative one (on-policy, ratios 1).
 #[test]

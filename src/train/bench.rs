@@ -10,7 +10,8 @@ use burn::tensor::Device;
 
 use super::config::TrainConfig;
 use super::metrics::MetricsLog;
-use super::{eos_id, optimizer, prepare_model, rl};
+use super::model_dir::{eos_id, prepare_model};
+use super::{optimizer, rl};
 use crate::model::{Decoder, Tokenizer};
 use crate::tasks::Task;
 
@@ -77,8 +78,8 @@ pub fn bench_steps(
     let mut model = Decoder::load_full_precision(&cfg.model.dir, device)?;
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
-    let eos = eos_id(&tok, &model)?;
-    super::check_step_sizes(cfg, &model.config, None)?;
+    let eos = eos_id(&tok, &model.config)?;
+    super::run::check_step_sizes(cfg, &model.config, None, None)?;
     let task = Task::from_config(&cfg.task)?;
     let mut optim = optimizer(&cfg.train);
     model.set_precision(cfg.rollout.precision)?;

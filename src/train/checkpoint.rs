@@ -43,6 +43,17 @@ pub struct TrainerState {
 }
 
 impl TrainerState {
+    /// The state of a run with `seed` that has done no RL step yet.
+    pub fn fresh(seed: u64) -> Self {
+        Self {
+            step: 0,
+            seed: Some(seed),
+            next_step: 0,
+            consecutive_nonfinite: 0,
+            grad_norm_ema_bits: None,
+        }
+    }
+
     /// The state after step `step` of a run with `seed`.
     pub fn after_step(step: usize, seed: u64) -> Self {
         Self {

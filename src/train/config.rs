@@ -12,6 +12,7 @@ use crate::rl::losses::LossConfig;
 use crate::tasks::verify::VerifyConfig;
 use crate::tasks::TaskConfig;
 
+pub mod overrides;
 mod toml_errors;
 use toml_errors::{check_float_range, explain_toml_error, locate_in_task};
 pub use toml_errors::{closest, edit_distance};
@@ -707,6 +708,13 @@ fn differing_keys_at(
         _ if a != b => out.push(at.to_string()),
         _ => {}
     }
+}
+
+/// Whether `consecutive` skipped (non-finite) steps in a row stop a loop of `steps` steps under
+/// `train.max_nonfinite_steps = max` (0: never): at `max` of them, or, for a loop no longer than that,
+/// when every step was skipped (it learned nothing). The RL loop and the warm start share the rule.
+pub(crate) fn nonfinite_limit_reached(consecutive: usize, max: usize, steps: usize) -> bool {
+    max > 0 && consecutive >= max.min(steps)
 }
 
 /// Learning rate at `step` (0-based) of `total` with linear warm-up.

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
+use super::config::overrides::set_dotted;
 use super::config::TrainConfig;
 use super::metrics::{read_rows, BadLines};
 use super::paired::ArmComparison;
@@ -172,85 +173,6 @@ impl ExperimentConfig {
     }
 }
 
-/// Sets `key` (dotted path such as `rollout.precision`) in a TOML document, creating missing tables on the
-/// way (`sft.steps` on a config without `[sft]`); a misspelt key is then rejected by the config's own parse,
-/// which names the unknown field.
-pub fn set_dotted(doc: &mut toml::Value, key: &str, value: toml::Value) -> anyhow::Result<()> {
-    let parts: Vec<&str> = key.split('.').collect();
-    let mut cur = doc;
-    for p in &parts[..parts.len() - 1] {
-        let table = cur.as_table_mut().with_context(|| {
-            format!("override `{key}`: `{p}` is inside a value that is not a table")
-        })?;
-        cur = table
-            .entry(p.to_string())
-            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
-    }
-    let table = cur
-        .as_table_mut()
-        .with_context(|| format!("override `{key}`: parent is not a table"))?;
-    let replaced = table.insert(parts[parts.len() - 1].to_string(), value.clone());
-    // A table replaces the table there as a whole (TOML's meaning, and how one switches a tagged table
-    // such as `task` to another kind), so the keys it leaves out go back to their defaults: said aloud,
-    // since `eval={every=5}` reads like an edit of one key.
-    if let (Some(toml::Value::Table(old)), toml::Value::Table(new)) = (replaced, &value) {
-        // A tagged table switched to another kind (`task={kind="gsm8k",...}`) drops the old kind's keys
-        // by design.
-        if old
-            .get("kind")
-            .is_some_and(|k| new.get("kind").is_some_and(|n| n != k))
-        {
-            return Ok(());
-        }
-        let dropped: Vec<String> = old
-            .iter()
-            .filter(|(k, _)| !new.contains_key(*k))
-            .map(|(k, v)| format!("{k} = {v}"))
-            .collect();
-        if !dropped.is_empty() {
-            tracing::warn!(
-                "override `{key}`: the table given replaces `{key}` as a whole, so what it leaves out goes \
-                 back to its default: {} (to change one key, set `{key}.<name>`)",
-                dropped.join(", ")
-            );
-        }
-    }
-    Ok(())
-}
-
-/// Parses one `--set key.path=value` override. The value is read as a TOML value (`3e-4`, `true`,
-/// `["add","mul"]`, `"int4-g32"`); anything that is not valid TOML is taken as a bare string (`int4-g32`).
-pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
-    let (key, raw) = text
-        .split_once('=')
-        .with_context(|| format!("--set `{text}`: expected key.path=value"))?;
-    let key = key.trim();
-    if key.is_empty() || key.split('.').any(str::is_empty) {
-        bail!("--set `{text}`: the key `{key}` is not a dotted path like `train.lr`");
-    }
-    let raw = raw.trim();
-    let value = match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
-        Ok(mut t) => t.remove("v"),
-        Err(_) => None,
-    };
-    // A number TOML does not read (`1e400`, an integer past i64, `.5`, `007`) would otherwise become a
-    // string, and the error would say "invalid type: string". Words (`NaN`, `int4-g32`) stay strings.
-    let digits = raw.trim_start_matches(['+', '-']);
-    let numeric = digits.starts_with(|c: char| c.is_ascii_digit() || c == '.');
-    match (value, raw.parse::<f64>()) {
-        (Some(v), _) => Ok((key.to_string(), v)),
-        (None, Ok(x))
-            if numeric && (x.is_infinite() || digits.bytes().all(|b| b.is_ascii_digit())) =>
-        {
-            bail!("--set `{text}`: `{raw}` is out of the range of a TOML number")
-        }
-        (None, Ok(_)) if numeric => {
-            bail!("--set `{text}`: `{raw}` is not a number as TOML writes it (e.g. 0.5, 5.0, 7)")
-        }
-        (None, _) => Ok((key.to_string(), toml::Value::String(raw.to_string()))),
-    }
-}
-
 /// What makes a run's model when its `model.dir` does not exist yet: the model table but its path, the
 /// warm start and the task it trains on (the seed aside: seeds share a warm start, made with the first
 /// one's).
@@ -320,11 +242,9 @@ pub fn run_experiment(
     let base: toml::Value =
         toml::from_str(&base_text).map_err(|e| anyhow::anyhow!("{}: {e}", base_path.display()))?;
     let results = exp.results();
-    // One experiment process per results directory (each run directory is locked by its run as well).
-    let _lock = super::lock::RunLock::acquire(&results)?;
-    exp.claim_results(path, &results)?;
-    // Every run's config, built and checked before the first run starts: a mistake in the last variant
-    // is reported before hours of the first ones, not after.
+    // Every run's config, built and checked before the first run starts (and before the results directory
+    // is made or claimed): a mistake in the last variant is reported before hours of the first ones, not
+    // after, and leaves nothing behind.
     let config_of = |v: &Variant, seed: u64, run_dir: &Path| -> anyhow::Result<TrainConfig> {
         let mut doc = base.clone();
         for (k, val) in &v.set {
@@ -372,6 +292,9 @@ pub fn run_experiment(
         }
     }
     check_shared_warm_starts(path, &runs, &finished)?;
+    // One experiment process per results directory (each run directory is locked by its run as well).
+    let _lock = super::lock::RunLock::acquire(&results)?;
+    exp.claim_results(path, &results)?;
     for (v, seed, run_dir, cfg) in runs {
         if !quiet {
             eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());

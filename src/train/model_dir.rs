@@ -6,6 +6,12 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
+use burn::tensor::Device;
+
+use super::config::TrainConfig;
+use super::metrics::MetricsLog;
+use super::{lock, sft};
+use crate::model::{Decoder, ModelConfig, Tokenizer};
 
 /// Refuses a `model.dir` that exists without being a model (a file, or a folder of other things) before
 /// any work: the finished model is moved into its place at the end, which would then fail, or take what
@@ -123,4 +129,167 @@ pub(super) fn stage_base_files(base: &Path, staging: &Path) -> anyhow::Result<()
         })?;
     }
     Ok(())
+}
+
+/// The id a training example ends with and a rollout stops at: the tokenizer's `<eos>`, `<|im_end|>` or
+/// `<|endoftext|>`, else the first `eos_token_id` of config.json.
+pub(crate) fn eos_id(tok: &Tokenizer, config: &ModelConfig) -> anyhow::Result<u32> {
+    tok.token_to_id("<eos>")
+        .or_else(|| tok.token_to_id("<|im_end|>"))
+        .or_else(|| tok.token_to_id("<|endoftext|>"))
+        .or_else(|| config.eos_token_ids.first().copied())
+        .context("the tokenizer has no end-of-sequence token and config.json no eos_token_id")
+}
+
+/// The config of the model a run starts from, read strictly before anything in the run directory changes:
+/// `model.dir`'s when it holds a model (which must be a full-precision one), else the one it will be made
+/// from (`model.base`, or `model.init_config` with the character tokenizer; `model.dir` must then be free
+/// for it). A missing or unreadable source is refused here, naming its key, rather than after an
+/// `--overwrite` has removed the run's earlier results.
+pub(super) fn check_sources(cfg: &TrainConfig, model_made: bool) -> anyhow::Result<ModelConfig> {
+    let read = |key: &str, path: &Path| {
+        ModelConfig::from_file(path).with_context(|| format!("`{key}` {}", path.display()))
+    };
+    if model_made {
+        let config = read("model.dir", &cfg.model.dir)?;
+        if let Some(q) = &config.quantization {
+            return Err(crate::model::LoadError::QuantizedCheckpoint {
+                dir: cfg.model.dir.clone(),
+                scheme: q.scheme.name().to_string(),
+            }
+            .into());
+        }
+        return Ok(config);
+    }
+    check_free(&cfg.model.dir)?;
+    match (&cfg.model.base, &cfg.model.init_config) {
+        (Some(base), _) => read("model.base", base),
+        (None, Some(init)) => {
+            let config = read("model.init_config", init)?;
+            check_fits_char_tokenizer(init)?;
+            Ok(config)
+        }
+        (None, None) => anyhow::bail!(
+            "{}: no model there and neither `model.init_config` nor `model.base` to create one from",
+            cfg.model.dir.display()
+        ),
+    }
+}
+
+/// Makes sure `cfg.model.dir` holds a model: created from `init_config` with random weights and the task's
+/// character tokenizer, or from the pretrained `base`, then warm-started with `[sft]`, when it does not
+/// exist yet. Locks the run directory
+/// while it works; a warm start that was stopped continues from its newest checkpoint.
+pub fn prepare_model(
+    cfg: &TrainConfig,
+    device: &Device,
+    log: &mut MetricsLog,
+    quiet: bool,
+) -> anyhow::Result<()> {
+    let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
+    prepare_model_locked(cfg, device, log, quiet, true)
+}
+
+/// [`prepare_model`] in a run directory this process has locked; with `resume`, the warm start continues
+/// from its newest checkpoint (otherwise its checkpoints are removed and it starts over).
+pub(super) fn prepare_model_locked(
+    cfg: &TrainConfig,
+    device: &Device,
+    log: &mut MetricsLog,
+    quiet: bool,
+    resume: bool,
+) -> anyhow::Result<()> {
+    let dir = &cfg.model.dir;
+    let sft_root = sft::checkpoints_root(&cfg.run_dir);
+    if dir.join("config.json").is_file() {
+        // The resume points of a warm start that finished (a kill can come between the two steps).
+        if sft_root.exists() {
+            std::fs::remove_dir_all(&sft_root)
+                .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
+        }
+        // A changed `[sft]` section would otherwise seem to be taken: said whatever `quiet` says (it
+        // silences progress, not what the run does).
+        if cfg.sft.is_some() {
+            tracing::warn!(
+                "model: {} exists, so the [sft] warm start does not run: its weights are used as they are \
+                 (expected where runs share a warm start; remove the folder to warm-start again with this \
+                 config's [sft])",
+                dir.display()
+            );
+        }
+        return Ok(());
+    }
+    check_free(dir)?;
+    let staging = fresh_staging(dir)?;
+    // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
+    let weights_dir = match (&cfg.model.base, &cfg.model.init_config) {
+        (Some(base), _) => {
+            stage_base_files(base, &staging)?;
+            base.clone()
+        }
+        (None, Some(init)) => {
+            check_fits_char_tokenizer(init)?;
+            crate::model::init::write_random_checkpoint(init, &staging, cfg.seed, cfg.model.init_std)?;
+            crate::tasks::char_tokenizer::save(&staging)?;
+            staging.clone()
+        }
+        (None, None) => anyhow::bail!(
+            "{}: no model there and neither `model.init_config` nor `model.base` to create one from",
+            dir.display()
+        ),
+    };
+    if let Some(sft) = &cfg.sft {
+        let model = Decoder::load_full_precision(&weights_dir, device)?;
+        // The files the user gave: the base's, or (random weights) the model folder to be; the staging
+        // folder is the warm start's own.
+        let named = cfg.model.base.as_deref().unwrap_or(dir);
+        let tok = Tokenizer::load_for(&staging, &model.config)?.with_context(|| {
+            format!(
+                "{}: `model.base` has no tokenizer.json; the warm start trains on the task's text and needs one",
+                named.display()
+            )
+        })?;
+        check_chat_tokens(cfg, &tok, named)?;
+        let eos = eos_id(&tok, &model.config)?;
+        let json: serde_json::Value = crate::io::read_json(&weights_dir.join("config.json"))?;
+        let ck = sft::SftCheckpoints {
+            root: sft_root.clone(),
+            every: cfg.checkpoint_every,
+            resume,
+            config_json: &json,
+            tok_dir: &staging,
+        };
+        let (model, loss) = sft::run_sft_with(model, &tok, eos, cfg, sft, log, quiet, Some(&ck))?;
+        tracing::info!(loss, "sft finished");
+        // The warm start writes f32 weights whatever the base held: a base's `torch_dtype` of bfloat16
+        // kept beside them would have loaders cast the fine-tuned weights back down.
+        let mut json = json;
+        if let Some(m) = json.as_object_mut() {
+            for key in ["torch_dtype", "dtype"] {
+                if m.contains_key(key) {
+                    m.insert(key.into(), serde_json::json!("float32"));
+                }
+            }
+        }
+        crate::model::save::save_pretrained(&model, &json, &staging)?;
+    }
+    move_into_place(&staging, dir)?;
+    if sft_root.exists() {
+        std::fs::remove_dir_all(&sft_root)
+            .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
+    }
+    Ok(())
+}
+
+/// The task's chat template against `tok` ([`Tokenizer::check_chatml`]), where the template's own
+/// `model_dir`, else `model_dir`, declares none.
+pub(super) fn check_chat_tokens(
+    cfg: &TrainConfig,
+    tok: &Tokenizer,
+    model_dir: &Path,
+) -> anyhow::Result<()> {
+    match cfg.task.chat_template() {
+        Some(chat) => tok.check_chatml(chat.model_dir.as_deref().unwrap_or(model_dir)),
+        None => Ok(()),
+    }
 }

@@ -331,7 +331,7 @@ pub fn run_sft_with(
             );
             log.write(&serde_json::json!({"phase": "sft", "step": step, "sft/loss": last, "sft/nonfinite": 1}))?;
             let max = train.train.max_nonfinite_steps;
-            if super::nonfinite_limit_reached(nonfinite, max, cfg.steps) {
+            if super::config::nonfinite_limit_reached(nonfinite, max, cfg.steps) {
                 anyhow::bail!(
                     "stopping SFT: {nonfinite} consecutive steps, from step {} to step {step}, had a NaN or \
                      infinite loss or gradient (`train.max_nonfinite_steps` = {max}, or every step of a \

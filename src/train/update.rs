@@ -7,15 +7,27 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 
 use super::batch::{ForwardOptions, ResponseForward, SeqBatch};
-use super::config::{lr_at, TrainConfig, TrainForward};
+use super::config::{lr_at, RlConfig, TrainConfig, TrainForward};
 use super::scored::{split_responses, ForwardStats, Scored};
 use crate::host::{tensor_from_vec, to_f32_vec};
 use crate::model::Decoder;
 use crate::rl::losses::{LossAggMode, LossMetrics, PolicyLoss, PolicyLossInputs};
+
+/// The RL optimizer of `tc`: AdamW with its weight decay and epsilon, and gradient clipping by norm.
+pub fn optimizer(tc: &RlConfig) -> burn::optim::ModuleOptimizer {
+    let mut optim_cfg = AdamWConfig::new()
+        .with_weight_decay(tc.weight_decay)
+        .with_epsilon(tc.adam_eps);
+    if tc.grad_clip > 0.0 {
+        optim_cfg = optim_cfg.with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)));
+    }
+    optim_cfg.init()
+}
 
 /// The global L2 norm of the gradients of `model`'s float parameters (NaN/inf when any entry is).
 pub fn grad_norm(model: &Decoder, grads: &GradientsParams) -> f64 {

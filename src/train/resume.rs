@@ -1,0 +1,299 @@
+//! Where an RL run starts: over, refusing to destroy what a run directory holds unasked, or from its newest
+//! checkpoint, refusing a config that would make the continued rows another experiment's.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+
+use super::checkpoint::{self, TrainerState};
+use super::config::{self, TrainConfig};
+use super::metrics;
+use super::sft;
+
+/// A resume refused because the config differs from the run's own outside [`RESUME_MAY_CHANGE`]
+/// (callers that resume on the user's behalf, `qarl experiment`, say how to start the run over).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "{path}: the run was made with other `{keys}` settings than this config's; resuming would mix two \
+     experiments in one run (restore them, go on anyway with --resume --accept-changes, start over with \
+     --overwrite, or choose another `run_dir`; a resume may change only {allowed})"
+)]
+pub struct ResumeChanged {
+    pub path: PathBuf,
+    pub keys: String,
+    pub allowed: String,
+}
+
+/// What a resume may change against the run it continues (JSON pointers into the run's config.json):
+/// how far it goes, what it evaluates and keeps, where it runs and from which paths, and the knobs that
+/// change memory or checks but not what is computed. Everything else (the rollouts, the learner's
+/// settings, the objective, the task, the verifier, the warm start, the seed, the metrics' definitions)
+/// is the run's identity: rows after the checkpoint made under other values would be another experiment
+/// under the same run's name, and its config.json would misstate how the earlier rows were made.
+pub const RESUME_MAY_CHANGE: [&str; 12] = [
+    "/run_dir",
+    "/model",
+    "/train/steps",
+    "/train/backend",
+    "/train/micro_batch_size",
+    "/train/max_nonfinite_steps",
+    "/train/lp_old_check",
+    "/train/tensor_core_kernel",
+    "/train/fragment_group_splits",
+    "/eval/every",
+    "/checkpoint_every",
+    "/keep_checkpoints",
+];
+
+/// Refuses a resume whose config differs from the run's own (its `config.json`) anywhere outside
+/// [`RESUME_MAY_CHANGE`], naming every key that differs ([`ResumeChanged`]); with `accept`, keeps the
+/// earlier config as `config.before_step_{done}.json` and logs the changes instead.
+fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow::Result<()> {
+    let path = cfg.run_dir.join("config.json");
+    if !path.is_file() {
+        return Ok(());
+    }
+    // With the implicit defaults written out on both sides: a config saved from `qarl config show` (every
+    // default written) continues a run made from the file it came from.
+    let raw: serde_json::Value = crate::io::read_json(&path)?;
+    let mut old = match serde_json::from_value::<TrainConfig>(raw.clone()) {
+        Ok(c) => serde_json::to_value(c.with_defaults())?,
+        // Compared key by key, a config this version no longer reads would list keys that did not
+        // change (defaults filled in on one side only): say what is wrong instead.
+        Err(e) if !accept => anyhow::bail!(
+            "{}: the run's config does not read as a config of this version ({e}), so the resume cannot \
+             check that it continues the same experiment: go on anyway with --resume --accept-changes, or \
+             start over with --overwrite",
+            path.display()
+        ),
+        Err(_) => raw.clone(),
+    };
+    let mut new = serde_json::to_value(cfg.with_defaults())?;
+    for pointer in RESUME_MAY_CHANGE {
+        for v in [&mut old, &mut new] {
+            remove_pointer(v, pointer);
+        }
+    }
+    let changed = config::differing_keys(&old, &new);
+    if !changed.is_empty() && accept {
+        // A name of its own: a second accepted change at the same step keeps the first record too.
+        let kept = (0..)
+            .map(|i| match i {
+                0 => cfg.run_dir.join(format!("config.before_step_{done}.json")),
+                i => cfg
+                    .run_dir
+                    .join(format!("config.before_step_{done}.{i}.json")),
+            })
+            .find(|p| !p.exists())
+            .expect("an unused name");
+        let bytes = std::fs::read(&path).map_err(crate::io::failed(&path, "cannot read"))?;
+        crate::io::write_atomic(&kept, &bytes)?;
+        tracing::warn!(
+            "resuming with other settings than the run's (`{}`, --accept-changes): its earlier config is \
+             kept in {}",
+            changed.join("`, `"),
+            kept.display()
+        );
+        return Ok(());
+    }
+    if !changed.is_empty() {
+        return Err(ResumeChanged {
+            path,
+            keys: changed.join("`, `"),
+            allowed: RESUME_MAY_CHANGE
+                .iter()
+                .map(|p| format!("`{}`", p.trim_start_matches('/').replace('/', ".")))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Removes the value at `pointer` (`/a/b`) from `v`, if there is one.
+fn remove_pointer(v: &mut serde_json::Value, pointer: &str) {
+    // `pointer_mut("")` is the document itself.
+    let Some((parent, key)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    if let Some(serde_json::Value::Object(map)) = v.pointer_mut(parent) {
+        map.remove(key);
+    }
+}
+
+/// The `model.dir` the run directory's earlier config names, if it has a readable one: the model
+/// whose warm start the rows in its metrics are.
+fn earlier_model_dir(cfg: &TrainConfig) -> Option<PathBuf> {
+    let old: serde_json::Value = crate::io::read_json(&cfg.run_dir.join("config.json")).ok()?;
+    old.pointer("/model/dir")?.as_str().map(PathBuf::from)
+}
+
+/// Whether the warm start's rows in the run directory's metrics stay when RL starts over: they are
+/// the rows of the model this run uses only where the earlier config named the same `model.dir`
+/// (compared as directories: `m`, `./m` and its absolute path are one). With `--resume` they stay
+/// unless the earlier config names another; without, a made model keeps them only where it names
+/// this one (a missing or unreadable config says nothing of them, so they go).
+pub(super) fn keeps_warm_start_rows(cfg: &TrainConfig, resume: bool, model_made: bool) -> bool {
+    let earlier = earlier_model_dir(cfg);
+    let same = |d: &PathBuf| crate::io::same_dir(d, &cfg.model.dir);
+    if resume {
+        earlier.as_ref().is_none_or(same)
+    } else {
+        model_made && earlier.as_ref().is_some_and(same)
+    }
+}
+
+/// How a run takes its run directory: starting over (with `overwrite`, removing an earlier run's
+/// checkpoints and metrics; without, refusing them) or resuming its newest checkpoint (with
+/// `accept_changes`, under a config that differs outside [`RESUME_MAY_CHANGE`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Start {
+    Over { overwrite: bool },
+    Resume { accept_changes: bool },
+}
+
+/// The checkpoint an RL run continues from (`--resume`), or `None` when RL starts at step 0, after the
+/// checks that keep a run directory's results from being lost or mixed: without `--resume`, checkpoints,
+/// an unfinished warm start or earlier RL rows there are refused unless `--overwrite` (which removes the
+/// checkpoints); with it, the checkpoint must be this run's (seed, `train.steps`, the config outside
+/// [`RESUME_MAY_CHANGE`]). `model_made`: `model.dir` already holds a model.
+pub(super) fn start_point(
+    cfg: &TrainConfig,
+    start: Start,
+    model_made: bool,
+    metrics_path: &Path,
+) -> anyhow::Result<Option<(PathBuf, TrainerState)>> {
+    let accept_changes = match start {
+        Start::Over { overwrite } => {
+            refuse_earlier_results(cfg, overwrite, model_made, metrics_path)?;
+            let dir = checkpoint::checkpoints_dir(&cfg.run_dir);
+            if overwrite && dir.exists() {
+                std::fs::remove_dir_all(&dir)
+                    .with_context(|| format!("{}: cannot remove", dir.display()))?;
+            }
+            return Ok(None);
+        }
+        Start::Resume { accept_changes } => accept_changes,
+    };
+    let Some((p, state)) = checkpoint::latest_checked(&cfg.run_dir)? else {
+        tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no RL checkpoint yet, so RL starts at step 0 (after the warm start, where it has one to finish)");
+        // RL starts over (its settings may change), but an unfinished warm start continues, and must be
+        // this config's; checked before the run's config.json is rewritten.
+        sft::check_warm_start_resume(cfg)?;
+        return Ok(None);
+    };
+    if let Some(seed) = state.seed.filter(|&s| s != cfg.seed) {
+        anyhow::bail!(
+            "{}: written by a run with seed {seed}, but the config has seed {}; resuming would not \
+             continue the same run (set `seed = {seed}`, or choose another `run_dir` for a new run)",
+            p.display(),
+            cfg.seed
+        );
+    }
+    // The checkpoint holds the weights after `state.step + 1` steps: fewer steps would end the run
+    // before where it already is, labelling those weights with an earlier step.
+    let done = state.step.saturating_add(1);
+    if done > cfg.train.steps {
+        anyhow::bail!(
+            "{}: the run has done {done} RL steps, but `train.steps` = {}: a resume only goes further \
+             (set `train.steps` >= {done}; for an earlier step's model, take its checkpoint)",
+            p.display(),
+            cfg.train.steps
+        );
+    }
+    check_resumed_config(cfg, accept_changes, done)?;
+    Ok(Some((p, state)))
+}
+
+/// A run starting over refuses a run directory with an earlier run's checkpoints, an unfinished warm start
+/// (where `model.dir` is not made yet) or RL and evaluation rows, unless `overwrite`: each is someone's
+/// results, never deleted unasked. With `overwrite` nothing there is read (a damaged checkpoint must not
+/// block starting over).
+fn refuse_earlier_results(
+    cfg: &TrainConfig,
+    overwrite: bool,
+    model_made: bool,
+    metrics_path: &Path,
+) -> anyhow::Result<()> {
+    if overwrite {
+        return Ok(());
+    }
+    if let Some((p, st)) = checkpoint::latest_checked(&cfg.run_dir)? {
+        anyhow::bail!(
+            "{}: this run directory already has checkpoints (newest: step {}, {}); pass --resume to \
+             continue it, --overwrite to start over (deleting its checkpoints and metrics), or choose \
+             another `run_dir`",
+            cfg.run_dir.display(),
+            st.step,
+            p.display()
+        );
+    }
+    let sft_root = sft::checkpoints_root(&cfg.run_dir);
+    let unfinished_sft = if model_made {
+        None
+    } else {
+        checkpoint::latest_checked_in(&sft_root)?
+    };
+    if let Some((p, st)) = unfinished_sft {
+        anyhow::bail!(
+            "{}: this run directory has a checkpoint of an unfinished warm start (SFT step {}, {}); pass \
+             --resume to continue it, --overwrite to start over, or choose another `run_dir`",
+            cfg.run_dir.display(),
+            st.step,
+            p.display()
+        );
+    }
+    // An earlier run's RL or evaluation rows without a checkpoint (one stopped before its first, or
+    // finished with checkpoints pruned away).
+    if metrics_path.is_file() {
+        let rows = metrics::read_rows(metrics_path, metrics::BadLines::Skip)?;
+        let earlier = rows
+            .iter()
+            .filter(|r| matches!(r["phase"].as_str(), Some("rl" | "eval")))
+            .count();
+        if earlier > 0 {
+            anyhow::bail!(
+                "{}: holds {earlier} RL and evaluation rows of an earlier run (and no checkpoint to \
+                 resume from); pass --overwrite to start over (deleting them), --resume to keep the \
+                 warm start's rows and start RL over, or choose another `run_dir`",
+                metrics_path.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The metrics log as the run's start needs it: a resumed run drops the rows after its checkpoint (the
+/// evaluation after the checkpoint's step is logged before the checkpoint is written; a finished run's
+/// final one is redone); a run starting over keeps the warm start's rows where `keeps_sft_rows`
+/// ([`keeps_warm_start_rows`]) and otherwise starts a new log.
+pub(super) fn reset_metrics(
+    cfg: &TrainConfig,
+    resumed: Option<&TrainerState>,
+    keeps_sft_rows: bool,
+    metrics_path: &Path,
+) -> anyhow::Result<()> {
+    match resumed {
+        Some(state) => {
+            metrics::truncate_after(metrics_path, "rl", state.step)?;
+            let last_eval = if state.step.saturating_add(1) < cfg.train.steps {
+                state.step + 1
+            } else {
+                state.step
+            };
+            metrics::truncate_after(metrics_path, "eval", last_eval)?;
+        }
+        // RL starts over from step 0, but the warm start's rows stay (they used to be deleted with the
+        // file): with `--resume` before the first checkpoint, all of them when it finished, those up to its
+        // checkpoint when it resumes (`prepare_model_locked` drops the rest); with `--overwrite`, those of
+        // the model that is kept and used again (the earlier run named the same `model.dir`).
+        None if keeps_sft_rows => {
+            metrics::retain_rows(metrics_path, |row| row["phase"].as_str() == Some("sft"))?;
+        }
+        None if metrics_path.exists() => std::fs::remove_file(metrics_path)
+            .with_context(|| format!("{}: cannot remove", metrics_path.display()))?,
+        None => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,529 @@
+//! The RL run: a run directory taken (locked, checked, resumed or started over), the model made or loaded,
+//! then the steps, each logged, with the evaluations and checkpoints `cfg` asks for between them.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::tensor::Device;
+
+use super::checkpoint::{self, TrainerState};
+use super::config::{self, nonfinite_limit_reached, TrainConfig};
+use super::metrics::MetricsLog;
+use super::model_dir::{self, check_chat_tokens, eos_id};
+use super::rl::{self, StepOutcome};
+use super::update::optimizer;
+use super::{eval, lock, paired, progress, resume};
+use crate::model::{Decoder, Tokenizer};
+use crate::tasks::{Example, Task};
+
+/// What a finished run reports.
+#[derive(Debug, Clone)]
+pub struct RunSummary {
+    pub run_dir: PathBuf,
+    pub metrics_path: PathBuf,
+    pub accuracy_before: Option<f64>,
+    pub accuracy_after: Option<f64>,
+    /// Greedy accuracy before vs after RL in the rollout precision, problem by problem (`None` when the
+    /// run stopped early or the evaluation before RL is not in the metrics log).
+    pub paired: Option<paired::PairedComparison>,
+}
+
+/// How to run the RL loop.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Continue from the newest checkpoint of the run directory.
+    pub resume: bool,
+    /// No progress bars.
+    pub quiet: bool,
+    /// Stop right after this step (and its checkpoint, when one is due) as if the process had been
+    /// killed: no final evaluation or checkpoint (for tests of `resume`).
+    pub stop_after_step: Option<usize>,
+    /// Steps whose loss is made NaN (fault injection for tests of the non-finite guard).
+    pub inject_nonfinite_steps: Vec<usize>,
+    /// Without `resume`, start over in a run directory that has checkpoints (deleting them); otherwise
+    /// such a run is refused, so a typo'd command never destroys a run.
+    pub overwrite: bool,
+    /// With `resume`: go on although settings outside [`RESUME_MAY_CHANGE`] differ from the run's (a
+    /// lower learning rate after a divergence). The run's earlier config is kept beside the new one
+    /// (`config.before_step_N.json`) and the changed keys are logged, so the record of how the earlier
+    /// rows were made stays.
+    pub accept_changes: bool,
+}
+
+/// A step whose gradient norm exceeds this multiple of the moving average is logged as a spike.
+pub const GRAD_NORM_SPIKE_FACTOR: f64 = 10.0;
+
+/// Runs (or, with `resume`, continues) the RL run of `cfg`.
+pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSummary> {
+    run_with(
+        cfg,
+        &RunOptions {
+            resume,
+            quiet,
+            ..RunOptions::default()
+        },
+    )
+}
+
+/// Runs the RL loop of `cfg` with `opts`.
+pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
+    apply_process_modes(cfg);
+    warn_truncated_sampling(cfg);
+    let device = cfg.train.backend.device()?.autodiff();
+    // Before anything in the run directory changes: a second process there stops here.
+    let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
+    // Then everything the run reads, so that bad input never costs the run directory its files (an
+    // `--overwrite` removes them): the task's data, the model's sources, the step's sizes, and a model that
+    // is there already, whole.
+    let task = Task::from_config(&cfg.task)?;
+    // Whether `model.dir` already holds a model (made by an earlier run's warm start, or given).
+    let model_made = cfg.model.dir.join("config.json").is_file();
+    let model_config = model_dir::check_sources(cfg, model_made)?;
+    let start = if opts.resume {
+        resume::Start::Resume {
+            accept_changes: opts.accept_changes,
+        }
+    } else {
+        resume::Start::Over {
+            overwrite: opts.overwrite,
+        }
+    };
+    let given = match start {
+        resume::Start::Over { .. } if model_made => Some(Policy::load(cfg, None, &device)?),
+        _ => None,
+    };
+    check_step_sizes(
+        cfg,
+        &model_config,
+        Some(&task),
+        given.as_ref().map(|p| &p.tok),
+    )?;
+    let metrics_path = cfg.run_dir.join("metrics.jsonl");
+    let resumed = resume::start_point(cfg, start, model_made, &metrics_path)?;
+    let keeps_sft_rows = resume::keeps_warm_start_rows(cfg, opts.resume, model_made);
+    crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
+    resume::reset_metrics(
+        cfg,
+        resumed.as_ref().map(|r| &r.1),
+        keeps_sft_rows,
+        &metrics_path,
+    )?;
+    let mut log = MetricsLog::open(&metrics_path)?;
+    model_dir::prepare_model_locked(cfg, &device, &mut log, opts.quiet, opts.resume)?;
+
+    let mut policy = match given {
+        Some(policy) => policy,
+        None => Policy::load(cfg, resumed.as_ref(), &device)?,
+    };
+    let evaluator = Evaluator::new(cfg, &task, &policy.tok, policy.eos, opts.quiet);
+    let (mut optim, mut state) = match &resumed {
+        Some((p, saved)) => {
+            let optim = checkpoint::load_optimizer(optimizer(&cfg.train), p)?;
+            let state = TrainerState {
+                seed: Some(cfg.seed),
+                next_step: saved.step.saturating_add(1),
+                ..saved.clone()
+            };
+            tracing::info!(checkpoint = %p.display(), next_step = state.next_step, "resuming");
+            (optim, state)
+        }
+        None => (optimizer(&cfg.train), TrainerState::fresh(cfg.seed)),
+    };
+    let start = state.next_step;
+    let before = if start == 0 {
+        Some(evaluator.evaluate(&policy.model, 0, &mut log)?)
+    } else {
+        before_rl_outcomes(log.path(), cfg.rollout.precision)
+    };
+    let steps = cfg.train.steps;
+    let bar = progress::progress_bar(steps.saturating_sub(start) as u64, "rl", opts.quiet);
+    for step in start..steps {
+        let inject = opts.inject_nonfinite_steps.contains(&step);
+        let out = rl::rl_step(
+            &mut policy.model,
+            &mut optim,
+            &task,
+            &policy.tok,
+            policy.eos,
+            cfg,
+            step,
+            inject,
+        )?;
+        log.write(&step_row(&mut state, step, &out))?;
+        bar.set_message(progress_message(&out));
+        bar.inc(1);
+        if nonfinite_limit_reached(
+            state.consecutive_nonfinite,
+            cfg.train.max_nonfinite_steps,
+            steps,
+        ) {
+            bar.abandon();
+            let ckpt = policy.save(cfg, &optim, &state)?;
+            return Err(nonfinite_stop(cfg, &state, step, &ckpt));
+        }
+        if (step + 1) % cfg.eval.every == 0 && step + 1 < steps {
+            evaluator.evaluate(&policy.model, step + 1, &mut log)?;
+        }
+        if cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 {
+            policy.save(cfg, &optim, &state)?;
+        }
+        if opts.stop_after_step == Some(step) {
+            bar.abandon();
+            return Ok(RunSummary {
+                run_dir: cfg.run_dir.clone(),
+                metrics_path,
+                accuracy_before: before.map(|b| b.0),
+                accuracy_after: None,
+                paired: None,
+            });
+        }
+    }
+    bar.finish();
+    let after = evaluator.evaluate(&policy.model, steps, &mut log)?;
+    // The last step's checkpoint, unless the loop just wrote it.
+    let just_saved = cfg.checkpoint_every > 0 && steps % cfg.checkpoint_every == 0;
+    if steps > 0 && start < steps && !just_saved {
+        policy.save(cfg, &optim, &state)?;
+    }
+    let paired = before
+        .as_ref()
+        .and_then(|b| paired::PairedComparison::new(&b.1, &after.1));
+    Ok(RunSummary {
+        run_dir: cfg.run_dir.clone(),
+        metrics_path,
+        accuracy_before: before.map(|b| b.0),
+        accuracy_after: Some(after.0),
+        paired,
+    })
+}
+
+/// Says that top-k / top-p sampling is not in the importance ratios: the sampler records each token's
+/// log-prob under the whole (temperature-scaled) distribution, as verl records it, while it draws from the
+/// truncated one; the ratios of the corrections and of TBPO's mismatch weight, and the `rollout_corr/*`
+/// metrics, compare the learner with the untruncated distribution.
+fn warn_truncated_sampling(cfg: &TrainConfig) {
+    let r = &cfg.rollout;
+    if r.top_p < 1.0 || r.top_k > 0 {
+        tracing::warn!(
+            "rollout.top_p = {} / top_k = {}: the recorded log-probs (lp_roll) are those of the whole \
+             distribution, as verl records them, not of the truncated one the tokens are drawn from, so the \
+             importance ratios, TBPO's mismatch weight and rollout_corr/* leave the truncation out",
+            r.top_p,
+            r.top_k
+        );
+    }
+}
+
+/// The policy a run trains: the model (from `model.dir`, or the checkpoint it resumes), set to the rollout's
+/// precision and activations, its tokenizer and end-of-sequence id, and the `config.json` its checkpoints
+/// carry.
+struct Policy {
+    model: Decoder,
+    tok: Tokenizer,
+    eos: u32,
+    config_json: serde_json::Value,
+}
+
+impl Policy {
+    fn load(
+        cfg: &TrainConfig,
+        resumed: Option<&(PathBuf, TrainerState)>,
+        device: &Device,
+    ) -> anyhow::Result<Self> {
+        let model_dir = resumed.map_or(cfg.model.dir.clone(), |(p, _)| p.clone());
+        let mut model = match resumed {
+            Some((p, st)) => checkpoint::load_model(p, device)
+                .with_context(|| unloadable_checkpoint(cfg, p, st.step))?,
+            None => Decoder::load_full_precision(&model_dir, device)?,
+        };
+        let config_json: serde_json::Value = crate::io::read_json(&model_dir.join("config.json"))?;
+        let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
+            .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
+        let eos = eos_id(&tok, &model.config)?;
+        check_chat_tokens(cfg, &tok, &cfg.model.dir)?;
+        if cfg.train.routing_replay && model.config.moe.is_none() {
+            anyhow::bail!(
+                "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no \
+                 routing to replay (set it false for a dense model)",
+                model_dir.display()
+            );
+        }
+        model.set_precision(cfg.rollout.precision)?;
+        model.set_activations(cfg.train.activations)?;
+        Ok(Self {
+            model,
+            tok,
+            eos,
+            config_json,
+        })
+    }
+
+    /// A checkpoint of the weights, the optimizer and the trainer's state after `state.step`.
+    fn save(
+        &self,
+        cfg: &TrainConfig,
+        optim: &ModuleOptimizer,
+        state: &TrainerState,
+    ) -> anyhow::Result<PathBuf> {
+        checkpoint::save(
+            &cfg.run_dir,
+            state,
+            &self.model,
+            &self.config_json,
+            optim,
+            &cfg.model.dir,
+            cfg.keep_checkpoints,
+        )
+    }
+}
+
+/// What a newest checkpoint that cannot be loaded leaves the user: the checkpoint before it, or starting
+/// over.
+fn unloadable_checkpoint(cfg: &TrainConfig, path: &Path, step: usize) -> String {
+    let previous = checkpoint::list(&cfg.run_dir)
+        .iter()
+        .rev()
+        .find(|(_, s)| s.step < step)
+        .map_or("start over with --overwrite".to_string(), |(q, s)| {
+            format!("resume from step {} ({})", s.step, q.display())
+        });
+    format!(
+        "{}: the newest checkpoint cannot be loaded; move it away to {previous}",
+        path.display()
+    )
+}
+
+/// The run's greedy evaluation on the task's held-out problems, in the rollout precision and (for a
+/// quantized rollout) in f32, logged as one `eval` row.
+struct Evaluator<'a> {
+    cfg: &'a TrainConfig,
+    tok: &'a Tokenizer,
+    eos: u32,
+    problems: Vec<Example>,
+    fingerprint: String,
+    quiet: bool,
+}
+
+impl<'a> Evaluator<'a> {
+    fn new(cfg: &'a TrainConfig, task: &Task, tok: &'a Tokenizer, eos: u32, quiet: bool) -> Self {
+        Self {
+            cfg,
+            tok,
+            eos,
+            problems: task.eval_set(cfg.eval.problems),
+            fingerprint: crate::tasks::questions_fingerprint(
+                &task.eval_questions(cfg.eval.problems),
+            ),
+            quiet,
+        }
+    }
+
+    /// Evaluates `model` at `step` and logs the row; returns the greedy accuracy in the rollout precision
+    /// and its per-problem outcomes.
+    fn evaluate(
+        &self,
+        model: &Decoder,
+        step: usize,
+        log: &mut MetricsLog,
+    ) -> anyhow::Result<(f64, Vec<bool>)> {
+        let cfg = self.cfg;
+        let spinner = progress::spinner(&format!("eval at step {step}"), self.quiet);
+        let plain = model.valid();
+        let mut row = serde_json::json!({"phase": "eval", "step": step,
+            (crate::rl::metrics::names::EVAL_QUESTIONS_FINGERPRINT): self.fingerprint});
+        let mut rollout_acc = (0.0, Vec::new());
+        let mut precisions = vec![cfg.rollout.precision];
+        if cfg.rollout.precision != config::Precision::F32 {
+            precisions.push(config::Precision::F32);
+        }
+        for p in precisions {
+            spinner.set_message(format!("{p}"));
+            let m = eval::evaluate(
+                &plain,
+                p,
+                self.tok,
+                &self.problems,
+                self.eos,
+                &cfg.eval,
+                &cfg.verify,
+                cfg.seed,
+            )?;
+            row[format!("eval/{p}/greedy_correct")] =
+                serde_json::json!(paired::encode(&m.greedy_correct));
+            if p == cfg.rollout.precision {
+                rollout_acc = (
+                    m.metrics[&format!("eval/{p}/pass@1_greedy")],
+                    m.greedy_correct,
+                );
+            }
+            for (k, v) in m.metrics {
+                row[k] = serde_json::json!(v);
+            }
+        }
+        spinner.finish_and_clear();
+        log.write(&row)?;
+        Ok(rollout_acc)
+    }
+}
+
+/// The metrics row of RL step `step`, after `state` took in its outcome: the count of non-finite steps in a
+/// row, and the gradient norm's moving average, against which a spike is flagged (and warned about).
+fn step_row(state: &mut TrainerState, step: usize, out: &StepOutcome) -> serde_json::Value {
+    state.step = step;
+    state.next_step = step + 1;
+    if out.nonfinite_updates > 0 {
+        state.consecutive_nonfinite += 1;
+    } else {
+        state.consecutive_nonfinite = 0;
+    }
+    let mut row = serde_json::json!({"phase": "rl", "step": step});
+    for (k, v) in &out.metrics {
+        row[k.as_str()] = serde_json::json!(v);
+    }
+    row["train/consecutive_nonfinite"] = serde_json::json!(state.consecutive_nonfinite);
+    if let Some(g) = out.grad_norm {
+        let ema = state.grad_norm_ema_bits.map(f64::from_bits);
+        let spike = ema.is_some_and(|e| g > GRAD_NORM_SPIKE_FACTOR * e);
+        if spike {
+            tracing::warn!(
+                step,
+                grad_norm = g,
+                average = ema.unwrap_or_default(),
+                "gradient-norm spike"
+            );
+        }
+        row["train/grad_norm_spike"] = serde_json::json!(u8::from(spike));
+        let next = ema.map_or(g, |e| 0.9 * e + 0.1 * g);
+        state.grad_norm_ema_bits = Some(next.to_bits());
+    }
+    row
+}
+
+/// The progress bar's line for a step: reward, accuracy and the rollout/learner mismatch.
+fn progress_message(out: &StepOutcome) -> String {
+    let get = |k: &str| out.metrics.get(k).copied().unwrap_or(f64::NAN);
+    format!(
+        "reward {:.3} acc {:.2} k3 {:.1e}",
+        get("critic/rewards/mean"),
+        get("train/accuracy"),
+        get("rollout_corr/k3_kl"),
+    )
+}
+
+/// The error that stops a run after `state.consecutive_nonfinite` skipped steps in a row, pointing at the
+/// checkpoint of the last good weights.
+fn nonfinite_stop(
+    cfg: &TrainConfig,
+    state: &TrainerState,
+    step: usize,
+    ckpt: &Path,
+) -> anyhow::Error {
+    anyhow::anyhow!(
+        "stopping the run: {} consecutive RL steps (steps {}..={step}) had a NaN or infinite loss \
+         or gradient, so their updates were skipped (`train.max_nonfinite_steps` = {}, or every step of \
+         a shorter run). The last \
+         good weights are in {}; check the data, or lower `train.lr` or set `train.grad_clip` and go \
+         on with `--resume --accept-changes` (the run keeps its earlier config beside the new one).",
+        state.consecutive_nonfinite,
+        (step + 1).saturating_sub(state.consecutive_nonfinite),
+        cfg.train.max_nonfinite_steps,
+        ckpt.display()
+    )
+}
+
+/// The evaluation before RL as the metrics log recorded it (a resumed run did not redo it): greedy
+/// accuracy in `precision` and the per-problem outcomes.
+fn before_rl_outcomes(metrics: &Path, precision: config::Precision) -> Option<(f64, Vec<bool>)> {
+    let text = std::fs::read_to_string(metrics).ok()?;
+    let row = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|r| r["phase"] == "eval" && r["step"].as_u64() == Some(0))?;
+    let acc = row[format!("eval/{precision}/pass@1_greedy")].as_f64()?;
+    let outcomes = paired::decode(row[format!("eval/{precision}/greedy_correct")].as_str()?)?;
+    Some((acc, outcomes))
+}
+
+/// The rollout's sizes (and, given the task, its evaluation's: `eval.problems`, or the fewer problems a
+/// data set holds out) against the model's positions and the machine's memory, before any prompt is drawn:
+/// a `rollout.prompts_per_step` or `eval.problems` far too large is refused by name, not met as an
+/// allocation failure after the first evaluation. With the tokenizer, the prompts' lengths are the real
+/// longest ones (the held-out problems', and the training set's where the task has one); without, one
+/// token (a lower bound: each step checks its real prompts again).
+pub(super) fn check_step_sizes(
+    cfg: &TrainConfig,
+    model: &crate::model::ModelConfig,
+    evaluation: Option<&Task>,
+    tok: Option<&Tokenizer>,
+) -> anyhow::Result<()> {
+    let (r, e) = (&cfg.rollout, &cfg.eval);
+    let longest = |examples: &[Example]| -> anyhow::Result<usize> {
+        let mut longest = 1;
+        if let Some(tok) = tok {
+            for ex in examples {
+                longest = longest.max(tok.encode_prompt(&ex.prompt)?.len());
+            }
+        }
+        Ok(longest)
+    };
+    let rollout = |prompt: usize| {
+        crate::rollout::check_rollout_size(
+            model,
+            "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
+            r.prompts_per_step.saturating_mul(r.samples_per_prompt),
+            prompt,
+            r.max_new_tokens,
+        )
+    };
+    // The one-token bound first: it refuses a count far too large before any prompt is made.
+    rollout(1)?;
+    let Some(task) = evaluation else {
+        return Ok(());
+    };
+    let eval = |prompt: usize| {
+        crate::rollout::check_rollout_size(
+            model,
+            "eval.problems / eval.k / eval.max_new_tokens",
+            task.eval_size_at_most(e.problems)
+                .saturating_mul(e.k.max(1)),
+            prompt,
+            e.max_new_tokens,
+        )
+    };
+    eval(1)?;
+    if tok.is_some() {
+        rollout(longest(&task.training_examples().unwrap_or_default())?)?;
+        eval(longest(&task.eval_set(e.problems))?)?;
+    }
+    Ok(())
+}
+
+/// Sets what `cfg` decides for the whole process: deterministic mode (`train.deterministic`) and the order of
+/// its low-bit products (`train.tensor_cores`, on the kernels `train.tensor_core_kernel` names, their
+/// scale groups split as `train.fragment_group_splits` says). Every command that computes from a training config calls it
+/// first (train, sft, bench step), so the warm start, the RL steps and the evaluations of a run all take
+/// the same mode.
+pub fn apply_process_modes(cfg: &TrainConfig) {
+    crate::ops::set_deterministic(cfg.train.deterministic);
+    if cfg.train.tensor_cores && cfg.rollout.precision.scheme().is_none() {
+        tracing::warn!(
+            "train.tensor_cores with rollout.precision = \"f32\": no low-bit product runs, so the setting \
+             changes nothing"
+        );
+    }
+    crate::ops::set_tensor_tiles(
+        cfg.train
+            .tensor_cores
+            .then(|| cfg.train.activations.dtype()),
+    );
+    let fragments = cfg.train.tensor_cores
+        && cfg.train.tensor_core_kernel == config::TensorCoreKernel::Fragments;
+    crate::ops::set_fragment_tiles(fragments);
+    crate::ops::set_fragment_group_splits(if fragments {
+        cfg.train.fragment_group_splits
+    } else {
+        1
+    });
+}
