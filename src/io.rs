@@ -39,7 +39,8 @@ pub fn write_json_atomic<T: Serialize>(path: &Path, value: &T) -> anyhow::Result
 }
 
 /// Checks, before any work, that a file can be written at `path` later (by [`write_atomic`] and its kin):
-/// no folder there, and the nearest part of its folder that exists is a folder. An evaluation or a
+/// nothing but a regular file there (a folder, or a device, pipe or socket the write would replace), and
+/// the nearest part of its folder that exists is a folder a file can be created in. An evaluation or a
 /// benchmark would otherwise run to its end and only then fail to save what it computed.
 pub fn check_output_file(path: &Path) -> anyhow::Result<()> {
     if path.is_dir() {
@@ -48,6 +49,7 @@ pub fn check_output_file(path: &Path) -> anyhow::Result<()> {
             path.display()
         );
     }
+    refuse_special_file(path)?;
     let existing = path
         .ancestors()
         .skip(1)
@@ -60,7 +62,31 @@ pub fn check_output_file(path: &Path) -> anyhow::Result<()> {
             dir.display()
         );
     }
+    // A file made and removed at once: whether this process may create files there (permissions, a
+    // read-only or virtual file system) is only known by trying.
+    let dir = existing.unwrap_or(Path::new("."));
+    if let Err(e) = tempfile::NamedTempFile::new_in(dir) {
+        anyhow::bail!(
+            "{}: cannot be written: no file can be created in {} ({e})",
+            path.display(),
+            dir.display()
+        );
+    }
     Ok(())
+}
+
+/// Refuses a `path` that exists and is neither a regular file nor a folder (a device, a pipe, a socket;
+/// links followed): results are written to a temporary file that is then renamed over `path`, which would
+/// replace `/dev/null` with a file of results.
+fn refuse_special_file(path: &Path) -> anyhow::Result<()> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_file() && !m.is_dir() => anyhow::bail!(
+            "{}: is not a regular file (a device, a pipe or a socket), which writing the results would \
+             replace; give the path of a file to write",
+            path.display()
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Refuses, before any work, an output that names a file the command reads (`inputs`: its data, its
@@ -100,6 +126,7 @@ fn write_through_temp(
     write: impl FnOnce(&mut std::fs::File) -> std::io::Result<()>,
 ) -> anyhow::Result<()> {
     crate::device_failures::check().with_context(|| format!("{}: not written", path.display()))?;
+    refuse_special_file(path)?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -124,6 +151,7 @@ pub fn write_safetensors(
     tensors: &[(String, safetensors::Dtype, Vec<usize>, &[u8])],
 ) -> anyhow::Result<()> {
     crate::device_failures::check().with_context(|| format!("{}: not written", path.display()))?;
+    refuse_special_file(path)?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -380,5 +408,52 @@ mod tests {
         );
         assert_eq!(std::fs::read(&path).unwrap(), b"before");
         write_safetensors(&path, &[t("a"), t("b")]).unwrap();
+    }
+
+    /// A device, pipe or socket at an output path is refused before any work and by the writers, and stays
+    /// what it was (results were renamed over it: `--output /dev/null` as root replaced the device).
+    #[cfg(unix)]
+    #[test]
+    fn outputs_refuse_special_files() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("out.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let err = check_output_file(&socket).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
+        let err = write_atomic(&socket, b"results").unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
+        let err = write_safetensors(&socket, &[]).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
+        let kind = std::fs::symlink_metadata(&socket).unwrap().file_type();
+        assert!(kind.is_socket(), "the socket was replaced");
+        #[cfg(target_os = "linux")]
+        {
+            let err = check_output_file(Path::new("/dev/null"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("not a regular file"), "{err}");
+        }
+        // A regular file and a path to be created are fine.
+        let file = dir.path().join("out.json");
+        check_output_file(&file).unwrap();
+        std::fs::write(&file, b"{}").unwrap();
+        check_output_file(&file).unwrap();
+        check_output_file(&dir.path().join("new/sub/out.json")).unwrap();
+    }
+
+    /// A folder no file can be created in is refused before any work, naming the folder (`/proc` refuses
+    /// new files even to root, where permission bits would not).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn outputs_in_a_folder_without_room_for_files_are_refused_first() {
+        let err = check_output_file(Path::new("/proc/qarl-output.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no file can be created in /proc"), "{err}");
+        let err = check_output_file(Path::new("/proc/qarl-missing/sub/out.json"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no file can be created in /proc"), "{err}");
     }
 }
