@@ -211,6 +211,33 @@ fn rope_scaling_kind_is_plain_text_with_the_supported_ones() {
     accepted("qwen3", "rope_scaling", json!({}));
 }
 
+/// A `partial_rotary_factor` below 1 (RoPE over part of each head, as transformers applies it) is refused
+/// wherever config.json puts it; 1.0 is plain RoPE and loads.
+#[test]
+fn partial_rotary_factor_other_than_one_is_refused() {
+    for (section, body, want) in [
+        (
+            "partial_rotary_factor",
+            json!(0.25),
+            "`partial_rotary_factor` = 0.25 is not supported",
+        ),
+        (
+            "rope_parameters",
+            json!({"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+            "`rope_parameters.partial_rotary_factor` = 0.5 is not supported",
+        ),
+        (
+            "partial_rotary_factor",
+            json!("half"),
+            "`partial_rotary_factor` must be a number",
+        ),
+    ] {
+        let e = refused("qwen3", section, body);
+        assert!(e.contains(want), "expected `{want}` in: {e}");
+    }
+    accepted("qwen3", "partial_rotary_factor", json!(1.0));
+}
+
 #[test]
 fn qarl_simd_names_an_unknown_or_unavailable_path() {
     use SimdPath::*;

@@ -289,6 +289,32 @@ fn check_rope_kind(k: &Keys) -> Result<(), LoadError> {
     Ok(())
 }
 
+/// Refuses a `partial_rotary_factor` other than 1 (top level, or in `rope_parameters` / `rope_scaling` as
+/// transformers 5.x writes it): transformers then rotates only that fraction of each head's dimensions, and
+/// this decoder, which rotates all of them, would run such a model with other positions than it was
+/// trained with, without an error.
+fn check_partial_rotary(k: &Keys) -> Result<(), LoadError> {
+    for key in [
+        "partial_rotary_factor",
+        "rope_parameters.partial_rotary_factor",
+        "rope_scaling.partial_rotary_factor",
+    ] {
+        match k.find(&[key]) {
+            None => {}
+            Some(v) if v.as_f64() == Some(1.0) => {}
+            Some(v) if v.is_number() => return Err(LoadError::InvalidConfig {
+                path: k.path.to_path_buf(),
+                msg: format!(
+                    "`{key}` = {v} is not supported (RoPE over part of each head's dimensions); \
+                         only 1.0"
+                ),
+            }),
+            Some(v) => return Err(k.bad(key, "a number (only 1.0 is supported)", v)),
+        }
+    }
+    Ok(())
+}
+
 /// The `hidden_act` values the decoder's gated MLP implements (`swish` is transformers' other name of SiLU).
 pub const SUPPORTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
 
@@ -385,6 +411,7 @@ impl ModelConfig {
 
         let rope_theta = k.positive_f64(&["rope_theta", "rope_parameters.rope_theta"])?;
         check_rope_kind(&k)?;
+        check_partial_rotary(&k)?;
         check_activation(&k)?;
 
         if k.bool_or(&["use_sliding_window"], false)? {
