@@ -39,7 +39,7 @@ pub enum BudgetError {
         limit: usize,
     },
     #[error(
-        "{what}: {rows} sequences of up to {tokens} tokens need over {need_gb:.1} GB for the keys and values \
+        "{what}: {rows} sequences of up to {tokens} tokens need over {need_gb:.1} GB for the activations \
          the backward keeps, more than the {have_gb:.1} GB of memory available; use a smaller batch"
     )]
     TrainMemory {
@@ -89,9 +89,10 @@ pub fn check_scoring_size(
     }
 }
 
-/// Checks a training batch of `rows` sequences of up to `tokens` tokens (the SFT batch): the positions against
-/// `max_position_embeddings`, and the keys and values of every layer, which the backward keeps at the least,
-/// against the memory available. `what` names the config key.
+/// Checks a training batch of `rows` sequences of up to `tokens` tokens (the SFT batch, an RL micro-batch):
+/// the positions against `max_position_embeddings`, and the activations the backward keeps
+/// ([`training_activation_bytes`], a lower bound) against the memory available. `what` names the config
+/// key. Counting the keys and values alone, a batch 20x too large passed and was killed by the kernel.
 pub fn check_training_size(
     config: &ModelConfig,
     what: &str,
@@ -105,7 +106,7 @@ pub fn check_training_size(
             limit: config.max_position_embeddings,
         });
     }
-    let need = kv_cache_bytes(config, rows, tokens);
+    let need = training_activation_bytes(config, rows, tokens);
     match short_of(need) {
         Some(have) => Err(BudgetError::TrainMemory {
             what: what.to_string(),
@@ -116,6 +117,28 @@ pub fn check_training_size(
         }),
         None => Ok(()),
     }
+}
+
+/// A lower bound of the f32 bytes a training forward of `rows` sequences of `tokens` tokens keeps for its
+/// backward: per token and layer, the inputs of its products (the attention's input, shared by the query,
+/// key and value projections; the heads' output, the output projection's input; the MLP's input; the
+/// gated activation, the down projection's input, per routed expert for a mixture of experts) and the
+/// keys and values, plus each head's attention probabilities over the sequence's keys, plus the logits.
+/// Every one of them is a tensor the backward reads; the rest the autodiff graph keeps (norms, the
+/// gate and up projections, softmax outputs) is left out, so the real peak is higher (about 1.8x on the
+/// 4-layer MoE of `configs/models/qwen3-moe-arith.json` at SFT batches of 256-1024).
+pub fn training_activation_bytes(config: &ModelConfig, rows: usize, tokens: usize) -> u128 {
+    let c = config;
+    let mlp = match &c.moe {
+        Some(m) => (m.num_experts_per_tok * m.moe_intermediate_size).min(c.intermediate_size),
+        None => c.intermediate_size,
+    } as u128;
+    let heads_out = (c.num_attention_heads * c.head_dim) as u128;
+    let per_token_layer = 2 * c.hidden_size as u128 + heads_out + mlp;
+    let tokens_all = rows as u128 * tokens as u128;
+    let probs = c.num_attention_heads as u128 * tokens as u128;
+    let per_token = c.num_hidden_layers as u128 * (per_token_layer + probs) + c.vocab_size as u128;
+    tokens_all * per_token * 4 + kv_cache_bytes(config, rows, tokens)
 }
 
 /// Bytes of the f32 KV cache of `rows` rows of `tokens` positions.
@@ -202,6 +225,33 @@ mod tests {
         assert!(check_training_size(&c, "sft.batch_size", 8, limit).is_ok());
         assert!(matches!(e, BudgetError::Memory { .. }), "{e}");
         assert!(e.to_string().starts_with("--samples: "), "{e}");
+    }
+
+    /// The training check counts the activations the backward keeps, not only the keys and values: a
+    /// batch whose cache fits the memory many times over but whose activations do not is refused (the
+    /// KV-only count let such an SFT batch through to the kernel's out-of-memory killer).
+    #[test]
+    fn a_training_batch_is_measured_by_its_activations() {
+        let c = config();
+        let tokens = 64;
+        let kv_row = kv_cache_bytes(&c, 1, tokens);
+        let act_row = training_activation_bytes(&c, 1, tokens);
+        assert!(act_row > 4 * kv_row, "{act_row} vs {kv_row}");
+        // Linear in the rows, and growing faster than the tokens (the attention probabilities).
+        assert_eq!(training_activation_bytes(&c, 3, tokens), 3 * act_row);
+        assert!(training_activation_bytes(&c, 1, 2 * tokens) > 2 * act_row);
+        let Some(have) = available_memory_bytes() else {
+            return;
+        };
+        // Rows whose cache takes a quarter of the memory but whose activations take more than all of it.
+        let rows = (have as u128 / 4 / kv_row) as usize;
+        assert!(rows as u128 * act_row > have as u128);
+        let e = check_training_size(&c, "sft.batch_size", rows, tokens).unwrap_err();
+        assert!(matches!(e, BudgetError::TrainMemory { .. }), "{e}");
+        assert!(
+            e.to_string().contains("activations the backward keeps"),
+            "{e}"
+        );
     }
 
     #[test]
