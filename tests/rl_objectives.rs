@@ -1186,6 +1186,60 @@ fn k3_kl_to_reference_adds_to_the_loss() {
     assert_close(grad[0], -0.25, 1e-5, "k3 gradient");
 }
 
+/// verl's safety clamps, reached: a token log-ratio beyond 20 is taken as 20 (the ratio e^20, with exactly
+/// no gradient through the clamp), and the k3 KL of a token is at most 10 (no gradient beyond). Without
+/// them one token with log-ratio 25 would give a loss and a gradient of 7.2e10.
+#[test]
+fn log_ratio_and_k3_clamps_bound_the_loss() {
+    let mut one = Batch::new(1, 1);
+    one.adv = vec![-1.0];
+    one.lp_old = vec![-30.0];
+    one.lp_roll = vec![-30.0];
+    one.lp_theta = vec![-5.0];
+    let one = one.rounded();
+    let loss = PolicyLoss::new(
+        Objective::ppo_clip(token_clip(0.2, 0.28, None)),
+        LossAggMode::TokenMean,
+    );
+    let (out, grad) = run(&loss, &one);
+    // A < 0: max(-A r, -A clip(r)) = r = e^20 once the log-ratio 25 is clamped.
+    assert_close(loss_value(&out), 20f64.exp(), 1e-5, "clamped ratio");
+    assert_eq!(grad[0], 0.0, "no gradient through the clamped log-ratio");
+    // Just inside the bound the ratio is unclamped, and so is its gradient (-A r).
+    let mut inside = one.clone();
+    inside.lp_theta = vec![-30.0 + 19.5];
+    let (out, grad) = run(&loss, &inside.rounded());
+    assert_close(
+        loss_value(&out),
+        19.5f64.exp(),
+        1e-5,
+        "ratio inside the bound",
+    );
+    assert_close(grad[0], 19.5f64.exp(), 1e-5, "gradient inside the bound");
+
+    // k3 alone (A = 0): ref - theta = 3 gives e^3 - 4 = 16.1, capped at 10 with no gradient; 25 is first
+    // clamped to 20, then capped; 2 gives e^2 - 3 = 4.39 and the gradient kl_coef (1 - e^2).
+    let mut loss = loss;
+    loss.kl_coef = 0.25;
+    for (gap, want, want_grad) in [
+        (3.0, 10.0, 0.0),
+        (25.0, 10.0, 0.0),
+        (2.0, 2f64.exp() - 3.0, 0.25 * (1.0 - 2f64.exp())),
+    ] {
+        let mut b = Batch::new(1, 1);
+        b.adv = vec![0.0];
+        b.lp_ref = Some(vec![-1.0 + gap]);
+        let (out, grad) = run(&loss, &b.rounded());
+        assert_close(
+            out.metrics.kl_loss.unwrap(),
+            want,
+            1e-5,
+            &format!("k3 at {gap}"),
+        );
+        assert_close(grad[0], want_grad, 1e-4, &format!("k3 gradient at {gap}"));
+    }
+}
+
 #[test]
 fn padding_values_never_reach_the_loss_or_the_gradient() {
     let clean = {

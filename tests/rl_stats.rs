@@ -1,9 +1,8 @@
 //! Advantages, DAPO's filter and the section-5 metrics of `qarl::rl` against values worked out by hand (and, for
 //! the loop detector and RLOO, against brute-force definitions).
 
-use burn::tensor::Device;
 use proptest::prelude::*;
-use qarl::host::{tensor_from_vec, to_f32_vec};
+
 use qarl::rl::advantages::{
     group_advantages, groups_with_signal, responses_of_groups, AdvantageConfig, AdvantageEstimator,
     StdKind,
@@ -11,7 +10,7 @@ use qarl::rl::advantages::{
 use qarl::rl::metrics::{
     error_token_metrics, is_low_probability, is_ratio_error, masked_mean, names,
     repetition_loop_mask, response_length_metrics, rollout_mismatch_metrics, routing_disagreement,
-    token_entropy, LoopRule, RoutingDisagreement,
+    LoopRule, RoutingDisagreement,
 };
 use qarl::rl::RlError;
 
@@ -274,11 +273,8 @@ fn entropy_matches_hand_values() {
         ln(0.25) + 3.0,
         -1e4,
     ];
-    let h = to_f32_vec(token_entropy(tensor_from_vec(
-        logits,
-        [2, 1, 4],
-        &Device::flex(),
-    )));
+    // The function whose per-token values `actor/entropy` averages (rollout and learner alike).
+    let h = qarl::model::scoring::entropy_rows(&logits, 4);
     assert_close(f64::from(h[0]), 4f64.ln(), 1e-6, "uniform");
     assert_close(f64::from(h[1]), 1.5 * 2f64.ln(), 1e-6, "skewed");
     assert_close(

@@ -7,9 +7,6 @@
 
 use std::collections::BTreeMap;
 
-use burn::tensor::activation::log_softmax;
-use burn::tensor::Tensor;
-
 use super::RlError;
 
 /// Metric names, so that a typo is a compile error rather than a missing curve.
@@ -106,8 +103,7 @@ pub fn pearson(x: &[f64], y: &[f64]) -> f64 {
     }
 }
 
-/// Mean of `values` over the positions where `mask` is true (NaN when there are none): `actor/entropy` from
-/// [`token_entropy`]'s output, for instance.
+/// Mean of `values` over the positions where `mask` is true (NaN when there are none).
 pub fn masked_mean(values: &[f32], mask: &[bool]) -> f64 {
     mean(
         values
@@ -116,16 +112,6 @@ pub fn masked_mean(values: &[f32], mask: &[bool]) -> f64 {
             .filter(|(_, &m)| m)
             .map(|(&v, _)| f64::from(v)),
     )
-}
-
-/// Per-token entropy `-sum_v p log p` of the next-token distribution, `[B, T, V]` logits -> `[B, T]`. Its
-/// masked mean is `actor/entropy`; under quantized rollout it rises late in training (docs/method.md).
-pub fn token_entropy(logits: Tensor<3>) -> Tensor<2> {
-    let log_p = log_softmax(logits, 2);
-    (log_p.clone().exp() * log_p)
-        .sum_dim(2)
-        .squeeze_dim::<2>(2)
-        .neg()
 }
 
 /// `rollout_corr/*` and `training/rollout_*` between the learner at the start of the step (`lp_old`) and the
