@@ -133,12 +133,9 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::load_for(&args.model, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     tok.check_template(&template, &args.model)?;
-    let mut stop_ids: Vec<u32> = model.config.eos_token_ids.clone();
-    for s in ["<|im_end|>", "<|endoftext|>"] {
-        if let Some(id) = tok.token_to_id(s) {
-            stop_ids.push(id);
-        }
-    }
+    let stop_ids = crate::model::EndTokens::of(&tok, &model.config)?
+        .stops()
+        .to_vec();
     let params = SamplingParams {
         temperature: 0.0,
         max_new_tokens: args.max_new_tokens,

@@ -130,8 +130,9 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         prompts.iter().map(Vec::len).max().unwrap_or(0),
         args.max_new_tokens,
     )?;
-    let mut stop_ids = full.config.eos_token_ids.clone();
-    stop_ids.extend(tok.token_to_id("<|im_end|>"));
+    let stop_ids = crate::model::EndTokens::of(&tok, &full.config)?
+        .stops()
+        .to_vec();
     let params = SamplingParams {
         temperature: args.temperature,
         max_new_tokens: args.max_new_tokens,

@@ -302,13 +302,15 @@ fn check_partial_rotary(k: &Keys) -> Result<(), LoadError> {
         match k.find(&[key]) {
             None => {}
             Some(v) if v.as_f64() == Some(1.0) => {}
-            Some(v) if v.is_number() => return Err(LoadError::InvalidConfig {
-                path: k.path.to_path_buf(),
-                msg: format!(
-                    "`{key}` = {v} is not supported (RoPE over part of each head's dimensions); \
-                         only 1.0"
-                ),
-            }),
+            Some(v) if v.is_number() => {
+                return Err(LoadError::InvalidConfig {
+                    path: k.path.to_path_buf(),
+                    msg: format!(
+                        "`{key}` = {v} is not supported (RoPE over part of each head's \
+                         dimensions); only 1.0"
+                    ),
+                })
+            }
             Some(v) => return Err(k.bad(key, "a number (only 1.0 is supported)", v)),
         }
     }

@@ -169,4 +169,14 @@ impl Tokenizer {
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+
+    /// The `tokenizer.json` it was read from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The folder of its `tokenizer.json`, where the model's other tokenizer and generation files are.
+    pub fn dir(&self) -> &Path {
+        self.path.parent().unwrap_or(Path::new("."))
+    }
 }

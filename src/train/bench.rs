@@ -10,7 +10,7 @@ use burn::tensor::Device;
 
 use super::config::TrainConfig;
 use super::metrics::MetricsLog;
-use super::model_dir::{eos_id, prepare_model};
+use super::model_dir::prepare_model;
 use super::{optimizer, rl};
 use crate::model::{Decoder, Tokenizer};
 use crate::tasks::Task;
@@ -78,7 +78,7 @@ pub fn bench_steps(
     let mut model = Decoder::load_full_precision(&cfg.model.dir, device)?;
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
-    let eos = eos_id(&tok, &model.config)?;
+    let end = crate::model::EndTokens::of(&tok, &model.config)?;
     super::run::check_step_sizes(cfg, &model.config, None, None)?;
     let task = Task::from_config(&cfg.task)?;
     let mut optim = optimizer(&cfg.train);
@@ -97,7 +97,7 @@ pub fn bench_steps(
     );
     let mut timed = Vec::with_capacity(steps);
     for step in 0..warmup + steps {
-        let out = rl::rl_step(&mut model, &mut optim, &task, &tok, eos, cfg, step, false)?;
+        let out = rl::rl_step(&mut model, &mut optim, &task, &tok, &end, cfg, step, false)?;
         let phase = if step < warmup { "warm-up" } else { "timed" };
         if !quiet {
             eprintln!(

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use super::config::{EvalConfig, Precision};
-use crate::model::{Decoder, Tokenizer};
+use crate::model::{Decoder, EndTokens, Tokenizer};
 use crate::rollout::{generate, FinishReason, SamplingParams};
 use crate::tasks::verify::{score_response, VerifyConfig};
 use crate::tasks::Example;
@@ -23,7 +23,7 @@ pub fn evaluate(
     precision: Precision,
     tok: &Tokenizer,
     examples: &[Example],
-    eos: u32,
+    end: &EndTokens,
     cfg: &EvalConfig,
     verify: &VerifyConfig,
     seed: u64,
@@ -50,7 +50,7 @@ pub fn evaluate(
             temperature,
             max_new_tokens: cfg.max_new_tokens,
             seed,
-            stop_token_ids: vec![eos],
+            stop_token_ids: end.stops().to_vec(),
             ..SamplingParams::default()
         };
         let out = generate(&m, &prompts, samples, &p, Some(tok));
@@ -61,7 +61,7 @@ pub fn evaluate(
         for r in 0..out.ids.len() {
             let resp = out.response(r);
             len += resp.len();
-            let text = tok.decode(resp.strip_suffix(&[eos]).unwrap_or(resp))?;
+            let text = tok.decode(end.strip(resp))?;
             let cut_off = out.finish_reasons[r] == FinishReason::Length;
             correct.push(
                 score_response(&text, cut_off, &examples[r / samples].answer, verify).correct,

@@ -11,7 +11,7 @@ use burn::tensor::Device;
 use super::config::TrainConfig;
 use super::metrics::MetricsLog;
 use super::{lock, sft};
-use crate::model::{Decoder, ModelConfig, Tokenizer};
+use crate::model::{Decoder, EndTokens, ModelConfig, Tokenizer};
 
 /// Refuses a `model.dir` that exists without being a model (a file, or a folder of other things) before
 /// any work: the finished model is moved into its place at the end, which would then fail, or take what
@@ -131,16 +131,6 @@ pub(super) fn stage_base_files(base: &Path, staging: &Path) -> anyhow::Result<()
     Ok(())
 }
 
-/// The id a training example ends with and a rollout stops at: the tokenizer's `<eos>`, `<|im_end|>` or
-/// `<|endoftext|>`, else the first `eos_token_id` of config.json.
-pub(crate) fn eos_id(tok: &Tokenizer, config: &ModelConfig) -> anyhow::Result<u32> {
-    tok.token_to_id("<eos>")
-        .or_else(|| tok.token_to_id("<|im_end|>"))
-        .or_else(|| tok.token_to_id("<|endoftext|>"))
-        .or_else(|| config.eos_token_ids.first().copied())
-        .context("the tokenizer has no end-of-sequence token and config.json no eos_token_id")
-}
-
 /// The config of the model a run starts from, read strictly before anything in the run directory changes:
 /// `model.dir`'s when it holds a model (which must be a full-precision one), else the one it will be made
 /// from (`model.base`, or `model.init_config` with the character tokenizer; `model.dir` must then be free
@@ -250,7 +240,7 @@ pub(super) fn prepare_model_locked(
             )
         })?;
         check_chat_tokens(cfg, &tok, named)?;
-        let eos = eos_id(&tok, &model.config)?;
+        let eos = EndTokens::of(&tok, &model.config)?.primary();
         let json: serde_json::Value = crate::io::read_json(&weights_dir.join("config.json"))?;
         let ck = sft::SftCheckpoints {
             root: sft_root.clone(),

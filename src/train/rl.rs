@@ -15,7 +15,7 @@ use super::config::{TrainConfig, TrainForward};
 use super::scored::{split_responses, ForwardStats, Scored};
 use super::update::{update, UpdateOutcome};
 use crate::host::to_f32_vec;
-use crate::model::{Decoder, Tokenizer};
+use crate::model::{Decoder, EndTokens, Tokenizer};
 use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_groups};
 use crate::rl::metrics::{error_token_metrics, response_length_metrics, rollout_mismatch_metrics};
 use crate::rollout::{generate, FinishReason, Rollout, SamplingParams};
@@ -41,13 +41,13 @@ pub fn rl_step(
     optim: &mut ModuleOptimizer,
     task: &Task,
     tok: &Tokenizer,
-    eos: u32,
+    end: &EndTokens,
     cfg: &TrainConfig,
     step: usize,
     inject_nonfinite: bool,
 ) -> anyhow::Result<StepOutcome> {
     let t0 = Instant::now();
-    let collected = collect(model, task, tok, eos, cfg, step)?;
+    let collected = collect(model, task, tok, end, cfg, step)?;
     let mut m = collected.metrics.clone();
     let mut outcome = UpdateOutcome::default();
     if !collected.rows.is_empty() {
@@ -104,7 +104,7 @@ pub fn collect(
     model: &Decoder,
     task: &Task,
     tok: &Tokenizer,
-    eos: u32,
+    end: &EndTokens,
     cfg: &TrainConfig,
     step: usize,
 ) -> anyhow::Result<Collected> {
@@ -129,7 +129,7 @@ pub fn collect(
         top_k: rc.top_k,
         max_new_tokens: rc.max_new_tokens,
         seed: cfg.seed.wrapping_mul(31).wrapping_add(step as u64),
-        stop_token_ids: vec![eos],
+        stop_token_ids: end.stops().to_vec(),
         stop_strings: vec![],
         // The learner's entropy metric, when its forward would compute the rollout's bits.
         record_entropy: lp_old_is_the_rollout_record(cfg, 0),
@@ -155,7 +155,7 @@ pub fn collect(
     let mut correct = 0usize;
     for r in 0..out.ids.len() {
         let resp = out.response(r);
-        let text = tok.decode(resp.strip_suffix(&[eos]).unwrap_or(resp))?;
+        let text = tok.decode(end.strip(resp))?;
         let cut_off = out.finish_reasons[r] == FinishReason::Length;
         let v = score_answer(&text, cut_off, &examples[r / g].answer, &cfg.verify);
         correct += usize::from(v.correct);

@@ -11,11 +11,11 @@ use burn::tensor::Device;
 use super::checkpoint::{self, TrainerState};
 use super::config::{self, nonfinite_limit_reached, TrainConfig};
 use super::metrics::MetricsLog;
-use super::model_dir::{self, check_chat_tokens, eos_id};
+use super::model_dir::{self, check_chat_tokens};
 use super::rl::{self, StepOutcome};
 use super::update::optimizer;
 use super::{eval, lock, paired, progress, resume};
-use crate::model::{Decoder, Tokenizer};
+use crate::model::{Decoder, EndTokens, Tokenizer};
 use crate::tasks::{Example, Task};
 
 /// What a finished run reports.
@@ -117,7 +117,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         Some(policy) => policy,
         None => Policy::load(cfg, resumed.as_ref(), &device)?,
     };
-    let evaluator = Evaluator::new(cfg, &task, &policy.tok, policy.eos, opts.quiet);
+    let evaluator = Evaluator::new(cfg, &task, &policy.tok, &policy.end, opts.quiet);
     let (mut optim, mut state) = match &resumed {
         Some((p, saved)) => {
             let optim = checkpoint::load_optimizer(optimizer(&cfg.train), p)?;
@@ -146,7 +146,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             &mut optim,
             &task,
             &policy.tok,
-            policy.eos,
+            &policy.end,
             cfg,
             step,
             inject,
@@ -217,12 +217,12 @@ fn warn_truncated_sampling(cfg: &TrainConfig) {
 }
 
 /// The policy a run trains: the model (from `model.dir`, or the checkpoint it resumes), set to the rollout's
-/// precision and activations, its tokenizer and end-of-sequence id, and the `config.json` its checkpoints
+/// precision and activations, its tokenizer and end tokens, and the `config.json` its checkpoints
 /// carry.
 struct Policy {
     model: Decoder,
     tok: Tokenizer,
-    eos: u32,
+    end: EndTokens,
     config_json: serde_json::Value,
 }
 
@@ -241,7 +241,7 @@ impl Policy {
         let config_json: serde_json::Value = crate::io::read_json(&model_dir.join("config.json"))?;
         let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
             .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
-        let eos = eos_id(&tok, &model.config)?;
+        let end = EndTokens::of(&tok, &model.config)?;
         check_chat_tokens(cfg, &tok, &cfg.model.dir)?;
         if cfg.train.routing_replay && model.config.moe.is_none() {
             anyhow::bail!(
@@ -255,7 +255,7 @@ impl Policy {
         Ok(Self {
             model,
             tok,
-            eos,
+            end,
             config_json,
         })
     }
@@ -300,19 +300,34 @@ fn unloadable_checkpoint(cfg: &TrainConfig, path: &Path, step: usize) -> String 
 struct Evaluator<'a> {
     cfg: &'a TrainConfig,
     tok: &'a Tokenizer,
-    eos: u32,
+    end: &'a EndTokens,
     problems: Vec<Example>,
     fingerprint: String,
     quiet: bool,
 }
 
 impl<'a> Evaluator<'a> {
-    fn new(cfg: &'a TrainConfig, task: &Task, tok: &'a Tokenizer, eos: u32, quiet: bool) -> Self {
+    fn new(
+        cfg: &'a TrainConfig,
+        task: &Task,
+        tok: &'a Tokenizer,
+        end: &'a EndTokens,
+        quiet: bool,
+    ) -> Self {
+        let problems = task.eval_set(cfg.eval.problems);
+        if problems.len() < cfg.eval.problems {
+            tracing::warn!(
+                "eval.problems = {}, but the task holds out {} distinct problems: the evaluations use those {}",
+                cfg.eval.problems,
+                problems.len(),
+                problems.len()
+            );
+        }
         Self {
             cfg,
             tok,
-            eos,
-            problems: task.eval_set(cfg.eval.problems),
+            end,
+            problems,
             fingerprint: crate::tasks::questions_fingerprint(
                 &task.eval_questions(cfg.eval.problems),
             ),
@@ -345,7 +360,7 @@ impl<'a> Evaluator<'a> {
                 p,
                 self.tok,
                 &self.problems,
-                self.eos,
+                self.end,
                 &cfg.eval,
                 &cfg.verify,
                 cfg.seed,

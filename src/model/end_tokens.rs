@@ -1,0 +1,248 @@
+//! The tokens that end a model's answer, read once from the model's files: what a warm-start example ends
+//! with, and where the RL rollouts, their evaluations, `qarl eval` and `qarl mismatch` stop sampling. One
+//! home, so that a run's training and its evaluation stop at the same tokens, and those are the ones the
+//! model's own files name, as transformers' `generate` and vLLM read them.
+
+use std::path::Path;
+
+use anyhow::Context;
+use serde_json::Value;
+
+use super::{ModelConfig, Tokenizer};
+
+/// Tokens that end a text or a turn under their usual names, tried in this order for the token a training
+/// example ends with ([`EndTokens::primary`]).
+const END_NAMES: [&str; 3] = ["<eos>", "<|im_end|>", "<|endoftext|>"];
+
+/// The end-of-sequence tokens of a model with a tokenizer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndTokens {
+    primary: u32,
+    stops: Vec<u32>,
+}
+
+impl EndTokens {
+    /// The end tokens of `tok`'s model (config `config`), from the files beside its `tokenizer.json`:
+    ///
+    /// - the primary one: the tokenizer's `<eos>`, `<|im_end|>` or `<|endoftext|>`, else config.json's
+    ///   first `eos_token_id`;
+    /// - the stops: the primary one, every `eos_token_id` of config.json and of `generation_config.json`,
+    ///   and `tokenizer_config.json`'s `eos_token`, each once.
+    ///
+    /// A chat model's turn end and its base model's text end are often two tokens (Qwen3: `<|im_end|>` and
+    /// `<|endoftext|>`, both in its generation_config.json); stopping at only the first let a base model
+    /// trained with the chat template run on past its answer to `max_new_tokens`. A stop list that cannot
+    /// be read, or that names a token the model does not have, is an error naming the file.
+    pub fn of(tok: &Tokenizer, config: &ModelConfig) -> anyhow::Result<Self> {
+        let primary = END_NAMES
+            .iter()
+            .find_map(|name| tok.token_to_id(name))
+            .or_else(|| config.eos_token_ids.first().copied())
+            .context(
+                "the tokenizer has no end-of-sequence token (<eos>, <|im_end|>, <|endoftext|>) and \
+                 config.json no eos_token_id",
+            )?;
+        let mut stops = vec![primary];
+        let dir = tok.dir();
+        let listed = config
+            .eos_token_ids
+            .iter()
+            .copied()
+            .chain(generation_config_eos(
+                &dir.join("generation_config.json"),
+                config.vocab_size,
+            )?)
+            .chain(tokenizer_config_eos(
+                &dir.join("tokenizer_config.json"),
+                tok,
+            )?);
+        for id in listed {
+            if !stops.contains(&id) {
+                stops.push(id);
+            }
+        }
+        Ok(Self { primary, stops })
+    }
+
+    /// The token a training example ends with (and the first stop).
+    pub fn primary(&self) -> u32 {
+        self.primary
+    }
+
+    /// Every token at which sampling stops.
+    pub fn stops(&self) -> &[u32] {
+        &self.stops
+    }
+
+    /// `response` without its last token when that is a stop (the text the verifier reads).
+    pub fn strip<'a>(&self, response: &'a [u32]) -> &'a [u32] {
+        match response.split_last() {
+            Some((last, rest)) if self.stops.contains(last) => rest,
+            _ => response,
+        }
+    }
+}
+
+/// The `eos_token_id` of a `generation_config.json` (a token id, a list of them, or none): nothing when the
+/// file is absent; each id must be below `vocab_size`.
+fn generation_config_eos(path: &Path, vocab_size: usize) -> anyhow::Result<Vec<u32>> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let doc: Value = crate::io::read_json(path)?;
+    let bad = |what: String| anyhow::anyhow!("{}: `eos_token_id` {what}", path.display());
+    let ids: Vec<&Value> = match doc.get("eos_token_id") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(ids)) => ids.iter().collect(),
+        Some(id) => vec![id],
+    };
+    ids.into_iter()
+        .map(|v| match v.as_u64() {
+            Some(id) if (id as usize) < vocab_size => Ok(id as u32),
+            Some(id) => Err(bad(format!(
+                "{id} is not below the model's vocab_size ({vocab_size})"
+            ))),
+            None => Err(bad(format!(
+                "must be a token id or a list of them, found {v}"
+            ))),
+        })
+        .collect()
+}
+
+/// The id of a `tokenizer_config.json`'s `eos_token` (a string, or an object with its `content`): nothing
+/// when the file or the key is absent; the token must be in the tokenizer's vocabulary.
+fn tokenizer_config_eos(path: &Path, tok: &Tokenizer) -> anyhow::Result<Option<u32>> {
+    if !path.exists() {
+        return Ok(None);
+    }
+    let doc: Value = crate::io::read_json(path)?;
+    let token = match doc.get("eos_token") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) => s.as_str(),
+        Some(Value::Object(o)) => match o.get("content") {
+            Some(Value::String(s)) => s.as_str(),
+            _ => anyhow::bail!("{}: `eos_token` has no `content` string", path.display()),
+        },
+        Some(v) => anyhow::bail!(
+            "{}: `eos_token` must be a string, found {v}",
+            path.display()
+        ),
+    };
+    match tok.token_to_id(token) {
+        Some(id) => Ok(Some(id)),
+        None => anyhow::bail!(
+            "{}: `eos_token` {token:?} is not a token of {}",
+            path.display(),
+            tok.path().display()
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tasks::char_tokenizer;
+
+    /// The character tokenizer's model (`<eos>` = 1) in a fresh folder, with `config.json`'s eos ids.
+    fn model_dir(eos: &[u32]) -> (tempfile::TempDir, ModelConfig) {
+        let dir = tempfile::tempdir().unwrap();
+        char_tokenizer::save(dir.path()).unwrap();
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("configs/models/qwen3-moe-arith.json");
+        let mut config = ModelConfig::from_file(&path).unwrap();
+        config.eos_token_ids = eos.to_vec();
+        (dir, config)
+    }
+
+    fn end_tokens(dir: &Path, config: &ModelConfig) -> anyhow::Result<EndTokens> {
+        let tok = Tokenizer::load_for(dir, config).unwrap().unwrap();
+        EndTokens::of(&tok, config)
+    }
+
+    /// The stops gather config.json's, generation_config.json's and tokenizer_config.json's end tokens
+    /// after the primary one, each once; `strip` removes a final stop only.
+    #[test]
+    fn stops_are_every_end_token_the_model_files_name() {
+        let (dir, config) = model_dir(&[1, 7]);
+        let only = end_tokens(dir.path(), &config).unwrap();
+        assert_eq!(only.primary(), char_tokenizer::EOS_ID);
+        assert_eq!(only.stops(), &[1, 7]);
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"eos_token_id": [7, 9, 1]}"#,
+        )
+        .unwrap();
+        let end = end_tokens(dir.path(), &config).unwrap();
+        assert_eq!(end.stops(), &[1, 7, 9]);
+        assert_eq!(end.strip(&[5, 6, 9]), &[5, 6]);
+        assert_eq!(end.strip(&[5, 6, 1]), &[5, 6]);
+        assert_eq!(end.strip(&[5, 6]), &[5, 6]);
+        assert_eq!(end.strip(&[]), &[] as &[u32]);
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"eos_token_id": 11}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            end_tokens(dir.path(), &config).unwrap().stops(),
+            &[1, 7, 11]
+        );
+    }
+
+    /// Without any end token by name the primary one is config.json's first; with none at all, an error.
+    #[test]
+    fn the_primary_token_falls_back_to_config_json() {
+        let (dir, config) = model_dir(&[]);
+        let text = std::fs::read_to_string(dir.path().join("tokenizer.json")).unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer.json"),
+            text.replace("\"<eos>\"", "\"<end>\""),
+        )
+        .unwrap();
+        std::fs::remove_file(dir.path().join("tokenizer_config.json")).unwrap();
+        let err = end_tokens(dir.path(), &config).unwrap_err().to_string();
+        assert!(err.contains("no end-of-sequence token"), "{err}");
+        let mut config = config;
+        config.eos_token_ids = vec![1];
+        assert_eq!(end_tokens(dir.path(), &config).unwrap().primary(), 1);
+    }
+
+    /// An end token list that names no token of the model, or is not one, is an error naming the file.
+    #[test]
+    fn bad_end_token_lists_are_refused_by_file() {
+        let (dir, config) = model_dir(&[1]);
+        let generation = dir.path().join("generation_config.json");
+        for (text, want) in [
+            (
+                r#"{"eos_token_id": 100}"#,
+                "100 is not below the model's vocab_size (100)",
+            ),
+            (
+                r#"{"eos_token_id": "2"}"#,
+                "must be a token id or a list of them",
+            ),
+            (
+                r#"{"eos_token_id": [1, -3]}"#,
+                "must be a token id or a list of them",
+            ),
+            ("{", "generation_config.json"),
+        ] {
+            std::fs::write(&generation, text).unwrap();
+            let err = format!("{:#}", end_tokens(dir.path(), &config).unwrap_err());
+            assert!(
+                err.contains("generation_config.json") && err.contains(want),
+                "{err}"
+            );
+        }
+        std::fs::remove_file(&generation).unwrap();
+        let tokenizer_config = dir.path().join("tokenizer_config.json");
+        std::fs::write(&tokenizer_config, r#"{"eos_token": "<|im_end|>"}"#).unwrap();
+        let err = format!("{:#}", end_tokens(dir.path(), &config).unwrap_err());
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("\"<|im_end|>\" is not a token"),
+            "{err}"
+        );
+        std::fs::write(&tokenizer_config, r#"{"eos_token": {"content": "<eos>"}}"#).unwrap();
+        assert_eq!(end_tokens(dir.path(), &config).unwrap().stops(), &[1]);
+    }
+}
