@@ -519,6 +519,11 @@ fn bad_lines_name_file_and_line() {
         ),
         (r#"{"question": "q", "answer": "no marker"}"#, "####"),
         ("[1, 2]", "not a JSON object"),
+        // serde_json would keep the second question without a word.
+        (
+            r#####"{"question": "q", "answer": "#### 1", "question": "other"}"#####,
+            "field `question` appears twice",
+        ),
         (
             r#####"{"question": "q", "answer": "work\n#### four"}"#####,
             "the final answer after `####` is `four`, not a number",

@@ -60,6 +60,10 @@ pub enum LineError {
     NotJson(serde_json::Error),
     #[error("not a JSON object")]
     NotObject,
+    /// JSON readers keep one of the values of a repeated key (serde_json the last): which question or
+    /// answer the record means is ambiguous.
+    #[error("field `{0}` appears twice")]
+    RepeatedField(String),
     #[error("missing field `{0}`")]
     MissingField(&'static str),
     #[error("field `{0}` is not a string")]
@@ -123,7 +127,42 @@ fn parse_object(line: &str) -> Result<serde_json::Value, LineError> {
     if !v.is_object() {
         return Err(LineError::NotObject);
     }
-    Ok(v)
+    // The object again, as its keys were written (serde_json's map keeps one value per key).
+    let keys: KeysOnce = serde_json::from_str(line).map_err(LineError::NotJson)?;
+    match keys.0 {
+        Some(key) => Err(LineError::RepeatedField(key)),
+        None => Ok(v),
+    }
+}
+
+/// The first top-level key of a JSON object that appears twice, if any.
+struct KeysOnce(Option<String>);
+
+impl<'de> Deserialize<'de> for KeysOnce {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = KeysOnce;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<KeysOnce, A::Error> {
+                let mut seen = std::collections::HashSet::new();
+                let mut repeated = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    map.next_value::<serde::de::IgnoredAny>()?;
+                    if !seen.insert(key.clone()) && repeated.is_none() {
+                        repeated = Some(key);
+                    }
+                }
+                Ok(KeysOnce(repeated))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
 }
 
 /// Parses one GSM8K line (`{"question": ..., "answer": "... #### 18"}`); the final answer must be a number
