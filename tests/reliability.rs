@@ -69,6 +69,33 @@ fn resume_is_bitwise_identical_to_an_uninterrupted_run() {
     );
     assert_eq!(a.len(), 4 + 2);
     assert_eq!(a, b, "metrics differ after resume");
+    // The worst response of every step with error tokens, the same after the resume (the rows after the
+    // checkpoint dropped and redone).
+    let with_errors = a
+        .iter()
+        .filter(|r| r["phase"] == "rl" && r["error_tokens/any_frac"].as_f64().unwrap() > 0.0)
+        .count();
+    let examples = |run: &Path| {
+        let path = run.join(train::metrics::WORST_RESPONSES_FILE);
+        if path.exists() {
+            metrics_without_timing(&path)
+        } else {
+            Vec::new()
+        }
+    };
+    let (ea, eb) = (examples(&straight.run_dir), examples(&split.run_dir));
+    println!("worst responses: {} of 4 steps had error tokens", ea.len());
+    assert_eq!(ea.len(), with_errors);
+    assert_eq!(ea, eb, "worst responses differ after resume");
+    for e in &ea {
+        let tokens = e["error_tokens"].as_array().unwrap();
+        assert!(e["response"].is_string() && e["prompt"].is_string(), "{e}");
+        assert!(e["error_token_frac"].as_f64().unwrap() > 0.0, "{e}");
+        assert!(!tokens.is_empty(), "{e}");
+        assert!(tokens
+            .iter()
+            .all(|t| !t["criteria"].as_array().unwrap().is_empty()));
+    }
     println!(
         "resume exactness: 4 RL steps, weights and {} metric rows identical",
         a.len()

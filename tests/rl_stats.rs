@@ -448,6 +448,18 @@ fn error_token_metrics_match_hand_counts() {
     assert_close(report.any_frac, 6.0 / 8.0, 1e-12, "any");
     assert_eq!(report.worst_row, Some(0));
     assert_close(report.worst_row_frac, 5.0 / 5.0, 1e-12, "worst row");
+    // The worst row's criteria token by token, the example the logs show.
+    let flags: Vec<Vec<&str>> = report.worst_row_tokens.iter().map(|f| f.names()).collect();
+    assert_eq!(
+        flags,
+        [
+            vec!["ratio"],
+            vec!["repetition"],
+            vec!["low_prob", "repetition"],
+            vec!["repetition"],
+            vec!["low_prob"],
+        ]
+    );
     let map = report.to_map();
     for (key, value) in [
         (names::REPETITION_FRAC, 3.0 / 8.0),
@@ -489,6 +501,7 @@ fn error_token_metrics_match_hand_counts() {
     )
     .unwrap();
     assert_eq!((clean.any_frac, clean.worst_row), (0.0, None));
+    assert!(clean.worst_row_tokens.is_empty());
     assert!(
         error_token_metrics(&ids[..14], &lp_old, &lp_roll, &mask, 5, LoopRule::default()).is_err()
     );

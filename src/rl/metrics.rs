@@ -317,6 +317,36 @@ pub struct ErrorTokenReport {
     pub worst_row: Option<usize>,
     /// `error_tokens/worst_response_frac`: that row's fraction (0 when there is none).
     pub worst_row_frac: f64,
+    /// The criteria each response token of that row meets, in order (empty when there is none): the
+    /// example the logs show ([`crate::train`] writes it to `worst_responses.jsonl`).
+    pub worst_row_tokens: Vec<TokenErrors>,
+}
+
+/// The error-token criteria one response token meets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TokenErrors {
+    pub repetition: bool,
+    pub low_prob: bool,
+    pub ratio: bool,
+}
+
+impl TokenErrors {
+    /// Whether it meets any criterion.
+    pub fn any(self) -> bool {
+        self.repetition || self.low_prob || self.ratio
+    }
+
+    /// The names of the criteria it meets (`ratio`, `low_prob`, `repetition`), as the metric names say them.
+    pub fn names(self) -> Vec<&'static str> {
+        [
+            (self.ratio, "ratio"),
+            (self.low_prob, "low_prob"),
+            (self.repetition, "repetition"),
+        ]
+        .into_iter()
+        .filter_map(|(on, name)| on.then_some(name))
+        .collect()
+    }
 }
 
 impl ErrorTokenReport {
@@ -365,7 +395,7 @@ pub fn error_token_metrics(
         row_len,
     )?;
     let mut total = ErrorCounts::default();
-    let (mut worst_row, mut worst_row_frac) = (None, 0.0);
+    let (mut worst_row, mut worst_row_frac, mut worst_row_tokens) = (None, 0.0, Vec::new());
     for b in 0..rows {
         let positions: Vec<usize> = (b * row_len..(b + 1) * row_len)
             .filter(|&i| mask[i])
@@ -379,18 +409,26 @@ pub fn error_token_metrics(
             tokens: positions.len(),
             ..ErrorCounts::default()
         };
-        for (k, &i) in positions.iter().enumerate() {
-            let low = is_low_probability(lp_old[i]);
-            let ratio = is_ratio_error(lp_old[i], lp_roll[i]);
-            row.repetition += usize::from(loops[k]);
-            row.low_prob += usize::from(low);
-            row.ratio += usize::from(ratio);
-            row.any += usize::from(loops[k] || low || ratio);
+        let flags: Vec<TokenErrors> = positions
+            .iter()
+            .zip(&loops)
+            .map(|(&i, &repetition)| TokenErrors {
+                repetition,
+                low_prob: is_low_probability(lp_old[i]),
+                ratio: is_ratio_error(lp_old[i], lp_roll[i]),
+            })
+            .collect();
+        for f in &flags {
+            row.repetition += usize::from(f.repetition);
+            row.low_prob += usize::from(f.low_prob);
+            row.ratio += usize::from(f.ratio);
+            row.any += usize::from(f.any());
         }
         let frac = row.any as f64 / row.tokens as f64;
         if row.any > 0 && frac > worst_row_frac {
             worst_row = Some(b);
             worst_row_frac = frac;
+            worst_row_tokens = flags;
         }
         total.tokens += row.tokens;
         total.repetition += row.repetition;
@@ -409,6 +447,7 @@ pub fn error_token_metrics(
         any_frac: frac(total.any),
         worst_row,
         worst_row_frac,
+        worst_row_tokens,
     })
 }
 

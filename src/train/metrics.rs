@@ -6,6 +6,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
+/// The file of a run directory beside `metrics.jsonl` where each RL step's worst response (the kept
+/// response with the highest fraction of error tokens) is written, one JSON row per step with error tokens
+/// (`phase`, `step`, then the example: docs/metrics.md, "Error tokens").
+pub const WORST_RESPONSES_FILE: &str = "worst_responses.jsonl";
+
 pub struct MetricsLog {
     path: PathBuf,
     /// `None` until the first row when the file did not exist: a command that stops before logging anything

@@ -267,7 +267,8 @@ fn refuse_earlier_results(
 /// The metrics log as the run's start needs it: a resumed run drops the rows after its checkpoint (the
 /// evaluation after the checkpoint's step is logged before the checkpoint is written; a finished run's
 /// final one is redone); a run starting over keeps the warm start's rows where `keeps_sft_rows`
-/// ([`keeps_warm_start_rows`]) and otherwise starts a new log.
+/// ([`keeps_warm_start_rows`]) and otherwise starts a new log. The same for the RL rows of
+/// [`metrics::WORST_RESPONSES_FILE`].
 pub(super) fn reset_metrics(
     cfg: &TrainConfig,
     resumed: Option<&TrainerState>,
@@ -293,6 +294,15 @@ pub(super) fn reset_metrics(
         }
         None if metrics_path.exists() => std::fs::remove_file(metrics_path)
             .with_context(|| format!("{}: cannot remove", metrics_path.display()))?,
+        None => {}
+    }
+    // The worst responses follow the RL rows: those after the checkpoint go, and all of them when RL
+    // starts over.
+    let examples = cfg.run_dir.join(metrics::WORST_RESPONSES_FILE);
+    match resumed {
+        Some(state) => metrics::truncate_after(&examples, "rl", state.step)?,
+        None if examples.exists() => std::fs::remove_file(&examples)
+            .with_context(|| format!("{}: cannot remove", examples.display()))?,
         None => {}
     }
     Ok(())

@@ -29,6 +29,9 @@ pub struct StepOutcome {
     pub nonfinite_updates: usize,
     /// Global L2 norm of the gradient, averaged over the step's applied updates (before clipping).
     pub grad_norm: Option<f64>,
+    /// The kept response with the most error tokens, for `worst_responses.jsonl`
+    /// ([`worst_response_example`]).
+    pub worst_response: Option<serde_json::Value>,
 }
 
 /// Runs RL step `step` on `model` (autodiff device; its quantized state is the rollout's weight version):
@@ -50,10 +53,12 @@ pub fn rl_step(
     let collected = collect(model, task, tok, end, cfg, step)?;
     let mut m = collected.metrics.clone();
     let mut outcome = UpdateOutcome::default();
+    let mut worst_response = None;
     if !collected.rows.is_empty() {
         let t_score = Instant::now();
         let scored = score(model, &collected, cfg, &mut m)?;
         m.insert("perf/lp_old_s".into(), t_score.elapsed().as_secs_f64());
+        worst_response = worst_response_example(tok, end, &collected, &scored)?;
         outcome = update(model, optim, &scored, cfg, step, inject_nonfinite, &mut m)?;
     }
     m.insert(
@@ -84,12 +89,58 @@ pub fn rl_step(
         metrics: m,
         nonfinite_updates: outcome.nonfinite_updates,
         grad_norm,
+        worst_response,
     })
+}
+
+/// Error tokens listed per example, at most (the rest are counted in `error_token_count`).
+const EXAMPLE_ERROR_TOKENS: usize = 64;
+
+/// The step's kept response with the highest fraction of error tokens, as the logs show it: its prompt and
+/// response text, reward and advantage, and each error token with its text, position, log-probs and the
+/// criteria it meets (docs/metrics.md, "Error tokens"). `None` when no response has an error token.
+fn worst_response_example(
+    tok: &Tokenizer,
+    end: &EndTokens,
+    c: &Collected,
+    s: &Scored,
+) -> anyhow::Result<Option<serde_json::Value>> {
+    let Some((b, frac, flags)) = &s.worst else {
+        return Ok(None);
+    };
+    let r = c.rows[*b];
+    let out = &c.rollout;
+    let response = out.response(r);
+    let mut tokens = Vec::new();
+    for (k, f) in flags.iter().enumerate().filter(|(_, f)| f.any()) {
+        if tokens.len() == EXAMPLE_ERROR_TOKENS {
+            break;
+        }
+        tokens.push(serde_json::json!({
+            "at": k,
+            "token": tok.decode(&response[k..=k])?,
+            "lp_old": s.lp_old[*b].get(k),
+            "lp_roll": s.lp_roll[*b].get(k),
+            "criteria": f.names(),
+        }));
+    }
+    Ok(Some(serde_json::json!({
+        "row": r,
+        "error_token_frac": frac,
+        "error_token_count": flags.iter().filter(|f| f.any()).count(),
+        "reward": c.rewards[r],
+        "advantage": c.advantages[r],
+        "prompt": tok.decode(&out.ids[r][..out.prompt_lens[r]])?,
+        "response": tok.decode(end.strip(response))?,
+        "error_tokens": tokens,
+    })))
 }
 
 /// What the rollout phase of a step produced.
 pub struct Collected {
     pub rollout: Rollout,
+    /// The verifier's reward of each sampled sequence.
+    pub rewards: Vec<f32>,
     /// One advantage per sampled sequence.
     pub advantages: Vec<f32>,
     /// The sequences the update trains on (all, or those of groups with a reward signal).
@@ -218,6 +269,7 @@ pub fn collect(
     m.insert("train/kept_sequences".into(), rows.len() as f64);
     Ok(Collected {
         rollout: out,
+        rewards,
         advantages,
         rows,
         metrics: m,
@@ -313,6 +365,9 @@ pub fn score<'a>(
     )?;
     m.extend(err.to_map());
     m.insert("train/lp_old_reused".into(), f64::from(u8::from(reuse)));
+    let worst = err
+        .worst_row
+        .map(|b| (b, err.worst_row_frac, err.worst_row_tokens));
     Ok(Scored {
         batch,
         records,
@@ -323,6 +378,7 @@ pub fn score<'a>(
         advantages: c.rows.iter().map(|&r| c.advantages[r]).collect(),
         lp_old_reused: reuse,
         top_k,
+        worst,
     })
 }
 

@@ -10,7 +10,7 @@ use burn::tensor::Device;
 
 use super::checkpoint::{self, TrainerState};
 use super::config::{self, nonfinite_limit_reached, TrainConfig};
-use super::metrics::MetricsLog;
+use super::metrics::{MetricsLog, WORST_RESPONSES_FILE};
 use super::model_dir::{self, check_chat_tokens};
 use super::rl::{self, StepOutcome};
 use super::update::optimizer;
@@ -111,6 +111,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         &metrics_path,
     )?;
     let mut log = MetricsLog::open(&metrics_path)?;
+    let mut worst_responses = MetricsLog::open(&cfg.run_dir.join(WORST_RESPONSES_FILE))?;
     model_dir::prepare_model_locked(cfg, &device, &mut log, opts.quiet, opts.resume)?;
 
     let mut policy = match given {
@@ -152,6 +153,13 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             inject,
         )?;
         log.write(&step_row(&mut state, step, &out))?;
+        if let Some(example) = &out.worst_response {
+            let mut row = serde_json::json!({"phase": "rl", "step": step});
+            for (k, v) in example.as_object().into_iter().flatten() {
+                row[k] = v.clone();
+            }
+            worst_responses.write(&row)?;
+        }
         bar.set_message(progress_message(&out));
         bar.inc(1);
         if nonfinite_limit_reached(

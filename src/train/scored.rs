@@ -8,7 +8,7 @@ use anyhow::Context;
 
 use super::batch::{replay_routing, ResponseForward, SeqBatch};
 use crate::model::mlp::routing_to_host;
-use crate::rl::metrics::{routing_disagreement, RoutingDisagreement};
+use crate::rl::metrics::{routing_disagreement, RoutingDisagreement, TokenErrors};
 
 /// The kept sequences as the learner sees them at the start of the step.
 pub struct Scored<'a> {
@@ -30,6 +30,9 @@ pub struct Scored<'a> {
     pub lp_old_reused: bool,
     /// Experts per token of the model's MoE layers (0 for a dense model).
     pub top_k: usize,
+    /// The kept response with the highest fraction of error tokens (its index in `batch`), that fraction,
+    /// and the criteria each of its tokens meets; `None` when no response has an error token.
+    pub worst: Option<(usize, f64, Vec<TokenErrors>)>,
 }
 
 impl Scored<'_> {

@@ -648,6 +648,7 @@ mod tests {
                 advantages: advantages.to_vec(),
                 lp_old_reused: reused,
                 top_k: 0,
+                worst: None,
             }
         }
     }
