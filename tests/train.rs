@@ -745,6 +745,50 @@ set = {{ "train.lr" = "fast" }}
     assert!(!results.exists(), "{} was made", results.display());
 }
 
+/// Dynamic sampling with refills (DAPO): a step samples more rounds of new prompts until it keeps
+/// `prompts_per_step` groups with a reward signal, or runs out of rounds; every kept group has one; a
+/// refill is refused without dynamic sampling.
+#[test]
+fn dynamic_sampling_refills_the_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(tmp.path(), "aligned", 6);
+    cfg.train.dynamic_sampling = true;
+    cfg.train.refill_rounds = 3;
+    train::run(&cfg, false, true).unwrap();
+    let rows: Vec<_> = metrics(&cfg.run_dir.join("metrics.jsonl"))
+        .into_iter()
+        .filter(|r| r["phase"] == "rl")
+        .collect();
+    assert_eq!(rows.len(), 6);
+    let (prompts, g) = (cfg.rollout.prompts_per_step, cfg.rollout.samples_per_prompt);
+    let mut refilled = 0;
+    for r in &rows {
+        let rounds = r["train/refill_rounds"].as_f64().unwrap() as usize;
+        let sampled = r["train/sampled_groups"].as_f64().unwrap() as usize;
+        let kept = r["train/kept_sequences"].as_f64().unwrap() as usize;
+        assert!(rounds <= 3, "{r}");
+        assert_eq!(sampled, (rounds + 1) * prompts, "{r}");
+        assert!(kept <= prompts * g && kept % g == 0, "{r}");
+        // Fewer kept groups than asked for only after the last round.
+        assert!(kept == prompts * g || rounds == 3, "{r}");
+        assert_eq!(
+            r["perf/generated_tokens"].as_f64().unwrap() as usize >= sampled * g,
+            true,
+            "{r}"
+        );
+        refilled += usize::from(rounds > 0);
+    }
+    assert!(refilled > 0, "no step refilled: the test shows nothing");
+    println!("{refilled} of 6 steps refilled");
+    let mut plain = cfg.clone();
+    plain.train.dynamic_sampling = false;
+    let err = format!("{:#}", plain.validate().unwrap_err());
+    assert!(
+        err.contains("`train.refill_rounds` = 3 needs `train.dynamic_sampling`"),
+        "{err}"
+    );
+}
+
 /// Gradient descent on every objective's loss raises the log-probs of a positive-advantage response and
 /// lowers those of a negative one (on-policy, ratios 1).
 #[test]

@@ -58,6 +58,27 @@ pub struct Rollout {
 }
 
 impl Rollout {
+    /// `other`'s rows after these (prompt-major order kept), and its times and counts added: the rounds of
+    /// a step's sampling as one rollout.
+    pub fn append(&mut self, other: Rollout) {
+        if self.nonfinite.is_none() {
+            self.nonfinite = other
+                .nonfinite
+                .map(|(token, row)| (token, row + self.ids.len()));
+        }
+        self.ids.extend(other.ids);
+        self.prompt_lens.extend(other.prompt_lens);
+        self.logprobs.extend(other.logprobs);
+        self.entropy.extend(other.entropy);
+        self.finish_reasons.extend(other.finish_reasons);
+        self.routing.extend(other.routing);
+        self.prefill_s += other.prefill_s;
+        self.decode_s += other.decode_s;
+        self.decode_steps += other.decode_steps;
+        self.decode_tokens += other.decode_tokens;
+        self.decode_host_reads += other.decode_host_reads;
+    }
+
     /// The generated part of row `r`.
     pub fn response(&self, r: usize) -> &[u32] {
         &self.ids[r][self.prompt_lens[r]..]

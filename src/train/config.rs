@@ -220,6 +220,11 @@ pub struct RlConfig {
     /// DAPO dynamic sampling: drop groups whose rewards are all equal.
     #[serde(default)]
     pub dynamic_sampling: bool,
+    /// With `dynamic_sampling`: how many more rounds of `rollout.prompts_per_step` new prompts a step may
+    /// sample to keep `prompts_per_step` groups with a reward signal (DAPO's refill; verl's
+    /// `filter_groups.max_num_gen_batches` minus one). 0 (the default): no refill.
+    #[serde(default)]
+    pub refill_rounds: usize,
     #[serde(default = "AdvantageConfig::grpo")]
     pub advantage: AdvantageConfig,
     pub loss: LossConfig,
@@ -590,6 +595,13 @@ impl TrainConfig {
                 "`train.fragment_group_splits` = {} needs `train.tensor_core_kernel` = \"fragments\": \
                  only the fragment tiles split their scale groups",
                 t.fragment_group_splits
+            );
+        }
+        if t.refill_rounds > 0 && !t.dynamic_sampling {
+            anyhow::bail!(
+                "`train.refill_rounds` = {} needs `train.dynamic_sampling` = true: a refill replaces the \
+                 groups dynamic sampling drops",
+                t.refill_rounds
             );
         }
         if t.tensor_cores {

@@ -150,7 +150,10 @@ pub struct Collected {
 }
 
 /// Samples the step's prompts with the model's current weight version, scores the responses with the
-/// verifier and computes the group advantages.
+/// verifier and computes the group advantages. With dynamic sampling, the groups whose rewards all agree
+/// are dropped, and up to `train.refill_rounds` more rounds of `rollout.prompts_per_step` new prompts are
+/// sampled until `prompts_per_step` groups with a reward signal are kept (DAPO's refill; verl's
+/// `filter_groups.max_num_gen_batches`); the kept groups are the first ones, in sampling order.
 pub fn collect(
     model: &Decoder,
     task: &Task,
@@ -159,13 +162,155 @@ pub fn collect(
     cfg: &TrainConfig,
     step: usize,
 ) -> anyhow::Result<Collected> {
+    let (rc, tc) = (&cfg.rollout, &cfg.train);
+    let g = rc.samples_per_prompt;
+    let rounds = if tc.dynamic_sampling {
+        tc.refill_rounds + 1
+    } else {
+        1
+    };
+    let mut all: Option<Round> = None;
+    let mut kept = Vec::new();
+    let mut used = 0;
+    for round in 0..rounds {
+        let next = sample_round(model, task, tok, end, cfg, step, round)?;
+        used += 1;
+        let all = match all.as_mut() {
+            Some(all) => {
+                all.append(next);
+                all
+            }
+            None => all.insert(next),
+        };
+        if !tc.dynamic_sampling {
+            break;
+        }
+        kept = groups_with_signal(&all.rewards, g)?;
+        if kept.len() >= rc.prompts_per_step {
+            kept.truncate(rc.prompts_per_step);
+            break;
+        }
+    }
+    let all = all.expect("at least one round");
+    let advantages = group_advantages(&all.rewards, g, &tc.advantage)?;
+    let rows: Vec<usize> = if tc.dynamic_sampling {
+        responses_of_groups(&kept, g)
+    } else {
+        (0..all.rollout.ids.len()).collect()
+    };
+    let mut m = all.metrics(model, cfg);
+    m.insert("train/kept_sequences".into(), rows.len() as f64);
+    if tc.dynamic_sampling {
+        m.insert("train/refill_rounds".into(), (used - 1) as f64);
+        m.insert(
+            "train/sampled_groups".into(),
+            (all.rollout.ids.len() / g) as f64,
+        );
+    }
+    Ok(Collected {
+        rollout: all.rollout,
+        rewards: all.rewards,
+        advantages,
+        rows,
+        metrics: m,
+    })
+}
+
+/// One round of a step's sampling: `rollout.prompts_per_step` prompts, `G` responses each, scored by the
+/// verifier; rounds after the first are dynamic sampling's refills ([`collect`]).
+struct Round {
+    rollout: Rollout,
+    rewards: Vec<f32>,
+    correct: usize,
+    rollout_s: f64,
+    reward_s: f64,
+    prefill_gflop: f64,
+}
+
+impl Round {
+    /// `next`'s sequences after this round's, and its times added.
+    fn append(&mut self, next: Round) {
+        self.rollout.append(next.rollout);
+        self.rewards.extend(next.rewards);
+        self.correct += next.correct;
+        self.rollout_s += next.rollout_s;
+        self.reward_s += next.reward_s;
+        self.prefill_gflop += next.prefill_gflop;
+    }
+
+    /// Reward, length and rollout-speed metrics over every sampled sequence.
+    fn metrics(&self, model: &Decoder, cfg: &TrainConfig) -> BTreeMap<String, f64> {
+        let out = &self.rollout;
+        let mut m = BTreeMap::new();
+        m.insert("perf/reward_s".into(), self.reward_s);
+        m.insert("perf/rollout_prefill_s".into(), out.prefill_s);
+        m.insert("perf/rollout_decode_s".into(), out.decode_s);
+        m.insert("perf/rollout_decode_steps".into(), out.decode_steps as f64);
+        if out.decode_steps > 0 {
+            m.insert(
+                "perf/host_reads_per_decode_step".into(),
+                out.decode_host_reads as f64 / out.decode_steps as f64,
+            );
+        }
+        m.insert("perf/rollout_prefill_gflop".into(), self.prefill_gflop);
+        let per_token = model.config.forward_flops(1, 1, 0, 1).total();
+        m.insert(
+            "perf/rollout_decode_gflop".into(),
+            per_token * out.decode_tokens as f64 / 1e9,
+        );
+        m.insert(
+            "perf/rollout_decode_weight_gb".into(),
+            (out.decode_steps * model.weight_bytes()) as f64 / 1e9,
+        );
+        let n = out.ids.len() as f64;
+        m.insert(
+            "critic/rewards/mean".into(),
+            self.rewards.iter().map(|&r| r as f64).sum::<f64>() / n,
+        );
+        m.insert("train/accuracy".into(), self.correct as f64 / n);
+        let lens: Vec<usize> = (0..out.ids.len()).map(|r| out.response(r).len()).collect();
+        m.extend(response_length_metrics(&lens, cfg.rollout.max_new_tokens));
+        m.insert(
+            "response/stop_frac".into(),
+            out.finish_reasons
+                .iter()
+                .filter(|&&f| f == FinishReason::Stop)
+                .count() as f64
+                / n,
+        );
+        let gen_tokens = out.generated_tokens();
+        m.insert(
+            "perf/rollout_tokens_per_s".into(),
+            gen_tokens as f64 / self.rollout_s.max(1e-9),
+        );
+        m.insert("perf/rollout_s".into(), self.rollout_s);
+        m.insert("perf/generated_tokens".into(), gen_tokens as f64);
+        m
+    }
+}
+
+/// Round `round` of step `step`'s sampling ([`Round`]). Round 0's prompts and sampling seeds are those of a
+/// step without refills; each refill draws other prompts and other samples, the same on every rerun.
+fn sample_round(
+    model: &Decoder,
+    task: &Task,
+    tok: &Tokenizer,
+    end: &EndTokens,
+    cfg: &TrainConfig,
+    step: usize,
+    round: usize,
+) -> anyhow::Result<Round> {
     let rc = &cfg.rollout;
     let g = rc.samples_per_prompt;
+    // A refill's seeds: the step's, moved by the round into the upper half of the seed (steps stay far
+    // below 2^32), so that no two (step, round) pairs share one.
+    let salt = (round as u64) << 32;
     let examples = task.sample_prompts(
         rc.prompts_per_step,
         cfg.seed
             .wrapping_mul(1_000_003)
-            .wrapping_add(step as u64 + 1),
+            .wrapping_add(step as u64 + 1)
+            .wrapping_add(salt),
     );
     let prompts: Vec<Vec<u32>> = examples
         .iter()
@@ -179,7 +324,11 @@ pub fn collect(
         top_p: rc.top_p,
         top_k: rc.top_k,
         max_new_tokens: rc.max_new_tokens,
-        seed: cfg.seed.wrapping_mul(31).wrapping_add(step as u64),
+        seed: cfg
+            .seed
+            .wrapping_mul(31)
+            .wrapping_add(step as u64)
+            .wrapping_add(salt),
         stop_token_ids: end.stops().to_vec(),
         stop_strings: vec![],
         // The learner's entropy metric, when its forward would compute the rollout's bits.
@@ -198,81 +347,27 @@ pub fn collect(
     out.ensure_finite()
         .with_context(|| format!("RL step {step}, rollout"))?;
     let rollout_s = t_roll.elapsed().as_secs_f64();
-    let gen_tokens = out.generated_tokens();
 
-    // Rewards and advantages.
     let t_reward = Instant::now();
     let mut rewards = Vec::with_capacity(out.ids.len());
     let mut correct = 0usize;
     for r in 0..out.ids.len() {
-        let resp = out.response(r);
-        let text = tok.decode(end.strip(resp))?;
+        let text = tok.decode(end.strip(out.response(r)))?;
         let cut_off = out.finish_reasons[r] == FinishReason::Length;
         let v = score_answer(&text, cut_off, &examples[r / g].answer, &cfg.verify);
         correct += usize::from(v.correct);
         rewards.push(v.reward);
     }
-    let tc = &cfg.train;
-    let advantages = group_advantages(&rewards, g, &tc.advantage)?;
-    let rows: Vec<usize> = if tc.dynamic_sampling {
-        responses_of_groups(&groups_with_signal(&rewards, g)?, g)
-    } else {
-        (0..out.ids.len()).collect()
-    };
-
-    let mut m = BTreeMap::new();
-    m.insert("perf/reward_s".into(), t_reward.elapsed().as_secs_f64());
-    m.insert("perf/rollout_prefill_s".into(), out.prefill_s);
-    m.insert("perf/rollout_decode_s".into(), out.decode_s);
-    m.insert("perf/rollout_decode_steps".into(), out.decode_steps as f64);
-    if out.decode_steps > 0 {
-        m.insert(
-            "perf/host_reads_per_decode_step".into(),
-            out.decode_host_reads as f64 / out.decode_steps as f64,
-        );
-    }
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let mc = &model.config;
-    let prefill = mc.forward_flops(prompts.len(), longest, longest, prompts.len());
-    m.insert("perf/rollout_prefill_gflop".into(), prefill.total() / 1e9);
-    let per_token = mc.forward_flops(1, 1, 0, 1).total();
-    m.insert(
-        "perf/rollout_decode_gflop".into(),
-        per_token * out.decode_tokens as f64 / 1e9,
-    );
-    m.insert(
-        "perf/rollout_decode_weight_gb".into(),
-        (out.decode_steps * model.weight_bytes()) as f64 / 1e9,
-    );
-    let n = out.ids.len() as f64;
-    m.insert(
-        "critic/rewards/mean".into(),
-        rewards.iter().map(|&r| r as f64).sum::<f64>() / n,
-    );
-    m.insert("train/accuracy".into(), correct as f64 / n);
-    let lens: Vec<usize> = (0..out.ids.len()).map(|r| out.response(r).len()).collect();
-    m.extend(response_length_metrics(&lens, rc.max_new_tokens));
-    m.insert(
-        "response/stop_frac".into(),
-        out.finish_reasons
-            .iter()
-            .filter(|&&f| f == FinishReason::Stop)
-            .count() as f64
-            / n,
-    );
-    m.insert(
-        "perf/rollout_tokens_per_s".into(),
-        gen_tokens as f64 / rollout_s.max(1e-9),
-    );
-    m.insert("perf/rollout_s".into(), rollout_s);
-    m.insert("perf/generated_tokens".into(), gen_tokens as f64);
-    m.insert("train/kept_sequences".into(), rows.len() as f64);
-    Ok(Collected {
+    let prefill = model
+        .config
+        .forward_flops(prompts.len(), longest, longest, prompts.len());
+    Ok(Round {
         rollout: out,
         rewards,
-        advantages,
-        rows,
-        metrics: m,
+        correct,
+        rollout_s,
+        reward_s: t_reward.elapsed().as_secs_f64(),
+        prefill_gflop: prefill.total() / 1e9,
     })
 }
 
