@@ -122,6 +122,9 @@ struct EvalSummary {
     activations: Option<String>,
     #[serde(default)]
     accuracy: Option<f64>,
+    /// How many problems `qarl eval` scored (`problems`' length).
+    #[serde(default)]
+    problems: Option<serde_json::Value>,
     #[serde(default)]
     verify: Option<serde_json::Value>,
 }
@@ -143,7 +146,10 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         bail!("{}: no problems", path.display());
     }
     let (recorded, activations, summary_accuracy, verify) = match out.summary {
-        Some(s) => (s.precision, s.activations, s.accuracy, s.verify),
+        Some(s) => {
+            check_summary_count(path, s.problems.as_ref(), out.problems.len())?;
+            (s.precision, s.activations, s.accuracy, s.verify)
+        }
         None => (None, None, None, None),
     };
     if let (Some(asked), Some(have)) = (precision, &recorded) {
@@ -180,6 +186,24 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         golds,
         correct,
     })
+}
+
+/// The summary's problem count (when it has one) against the problems listed: an edited or damaged file
+/// is refused, as for the accuracy.
+fn check_summary_count(
+    path: &Path,
+    count: Option<&serde_json::Value>,
+    listed: usize,
+) -> anyhow::Result<()> {
+    match count {
+        None => Ok(()),
+        Some(v) if v.as_u64() == Some(listed as u64) => Ok(()),
+        Some(v) => bail!(
+            "{}: its summary counts {v} problems but lists {listed}: the file was changed after `qarl \
+             eval` wrote it",
+            path.display()
+        ),
+    }
 }
 
 /// The eval rows of a metrics log ([`BadLines::TornLastOnly`]: a last line cut short is left out, as
@@ -743,6 +767,23 @@ mod tests {
             ),
             "{e}"
         );
+        // So is a problem count the list contradicts (a summary edited to -1, or a list cut short).
+        for count in [serde_json::json!(-1), serde_json::json!(3)] {
+            let path = tmp.path().join("counted.json");
+            let mut doc: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(tmp.path().join("a.json")).unwrap())
+                    .unwrap();
+            doc["summary"]["problems"] = count.clone();
+            std::fs::write(&path, doc.to_string()).unwrap();
+            let e = format!(
+                "{:#}",
+                Evaluation::load(&path.display().to_string(), None).unwrap_err()
+            );
+            assert!(
+                e.contains(&format!("its summary counts {count} problems but lists 2")),
+                "{e}"
+            );
+        }
         // Outcomes judged under other verifier rules are two measurements.
         let mut strict = a.clone();
         strict.source = "strict.json".into();
