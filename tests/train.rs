@@ -771,9 +771,8 @@ fn dynamic_sampling_refills_the_batch() {
         assert!(kept <= prompts * g && kept % g == 0, "{r}");
         // Fewer kept groups than asked for only after the last round.
         assert!(kept == prompts * g || rounds == 3, "{r}");
-        assert_eq!(
+        assert!(
             r["perf/generated_tokens"].as_f64().unwrap() as usize >= sampled * g,
-            true,
             "{r}"
         );
         refilled += usize::from(rounds > 0);
