@@ -750,6 +750,57 @@ fn verifier_hand_cases() {
         ("#### banana", "5", false, None),
         ("#### 1/0", "5", false, None),
         ("####\n", "5", false, None),
+        // A `####` line that goes on in prose after its number (verl's strict GSM8K score reads the number
+        // right after the marker); a space and a digit or a backslash still continue the value.
+        ("#### 18 (6 apples + 12 pears)", "18", true, Some("18")),
+        ("#### 18 because she bought 3 more", "18", true, Some("18")),
+        ("#### 20. Tom has 20 pencils now.", "20", true, Some("20")),
+        ("#### 2 \\sqrt{2}", "2", false, None),
+        ("#### 1 200", "1200", false, None),
+        // Markdown headings are no marker: their step numbers are no answer.
+        (
+            "#### Step 1: Add the apples\n6 + 12 = 18. So she has 18.",
+            "1",
+            false,
+            Some("18"),
+        ),
+        (
+            "#### Step 1: Add the apples\n6 + 12 = 18. So she has 18.",
+            "18",
+            true,
+            Some("18"),
+        ),
+        (
+            "#### Final Answer\nJanet makes 18 dollars.",
+            "18",
+            true,
+            Some("18"),
+        ),
+        ("#### Plan\nadd them\n#### 7", "7", true, Some("7")),
+        ("#### x = 5", "5", true, Some("x = 5")),
+        (
+            "#### The answer is 18",
+            "18",
+            true,
+            Some("The answer is 18"),
+        ),
+        // Units with a slash or a power.
+        ("#### $15/hour", "15", true, Some("$15/hour")),
+        (
+            "\\boxed{60 \\text{ km/h}}",
+            "60",
+            true,
+            Some("60 \\text{ km/h}"),
+        ),
+        (
+            "\\boxed{25 \\text{ cm}^2}",
+            "25",
+            true,
+            Some("25 \\text{ cm}^2"),
+        ),
+        ("#### 25 m\u{b2}", "25", true, Some("25 m\u{b2}")),
+        ("#### 3/4 cup", "0.75", true, Some("3/4 cup")),
+        ("#### 5 ^2", "5", false, None),
         // Answer: / answer is
         ("Answer: 42", "42", true, Some("42")),
         ("The answer is 42.", "42", true, Some("42.")),
@@ -757,6 +808,14 @@ fn verifier_hand_cases() {
         ("**Answer:** 12", "12", true, Some("12")),
         ("Answer:\n\n  17 apples\n", "17", true, Some("17 apples")),
         ("The answer is 3 apples and 4 pears", "3", false, None),
+        // An answer phrase's sentence ends after its value, or a parenthesis follows it.
+        (
+            "The answer is 20. Tom now has 20 pencils.",
+            "20",
+            true,
+            Some("20"),
+        ),
+        ("Answer: 20 (13 + 7)", "20", true, Some("20")),
         (
             "I think the answer is 5 but wait, 6 is the answer is 6",
             "6",
@@ -772,6 +831,13 @@ fn verifier_hand_cases() {
             Some("1,000,000"),
         ),
         ("it is -12 degrees", "-12", true, Some("-12")),
+        (
+            "the temperature drops to \u{2212}3 degrees",
+            "-3",
+            true,
+            Some("\u{2212}3"),
+        ),
+        ("3\u{2212}1 leaves 2", "2", true, Some("2")),
         ("10-3 leaves 7-", "7", true, Some("7")),
         ("x-3", "3", true, Some("3")),
         ("the ratio is 3/4.", "0.75", true, Some("3/4")),

@@ -4,10 +4,11 @@
 //! **Extraction** (first source that yields a non-empty candidate wins):
 //! 1. the content of the last well-formed `\boxed{...}` (or `\fbox{...}`), nested braces handled;
 //! 2. the rest of the line after the *first* `####` (GSM8K's terminal marker: what follows the first one, e.g. a
-//!    run-on generation of a new question, is not part of the answer);
+//!    run-on generation of a new question, is not part of the answer) that is not a Markdown heading
+//!    (`#### Step 1: Add the apples`: a word first, neither `x = ...` nor an answer phrase);
 //! 3. the rest of the line after the last `Answer:` / `answer is` (ASCII case-insensitive; when that line is
 //!    empty, the next non-empty line);
-//! 4. the last number in the response (`-12`, `1,234.5`, `3/4`).
+//! 4. the last number in the response (`-12`, `−12`, `1,234.5`, `3/4`).
 //!
 //! [`VerifyConfig::answer_from`] `= "marked"` keeps sources 1 and 2 only (an answer must be stated), and
 //! [`VerifyConfig::truncated`] `= "wrong"` gives a response cut off at the token limit no answer
@@ -17,7 +18,10 @@
 //! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac` -> `\frac`); only what follows
 //! the last `=` is kept (`x = 5`); leading words (`The total is`) and trailing words/units/punctuation
 //! (`dollars`, `cm`, `.`) are ignored, but anything else with a digit, a backslash or a brace beside the number
-//! makes the candidate unparseable (so `2\sqrt{2}` is not read as 2). Numbers: an optional sign (`-`, `+`,
+//! makes the candidate unparseable (so `2\sqrt{2}` is not read as 2); a unit's slash or power after a letter
+//! (`$15/hour`, `km/h`, `cm^2`) is a unit. A marker's line that does not parse but states its value first and
+//! then goes on (`#### 18 (6 apples + 12 pears)`, `The answer is 20. Tom has 20 pencils.`) is read up to where
+//! the value ends: a sentence end or `(`, and on a `####` line also a space and a word. Numbers: an optional sign (`-`, `+`,
 //! U+2212), digits with optional thousands separators in groups of three (`1,000`), an optional decimal part
 //! (`0.750` = 3/4), optionally `/ denominator`, or `\frac{a}{b}` / `\frac ab`. More than [`MAX_DIGITS`] digits
 //! in one number, or a zero denominator, is unparseable.
@@ -201,14 +205,14 @@ pub fn answers_equal(a: &str, b: &str) -> bool {
 fn judge<'a>(response: &'a str, gold: &str, from: AnswerFrom) -> (bool, Option<&'a str>) {
     let marked =
         |source: &AnswerSource| matches!(source, AnswerSource::Boxed | AnswerSource::Hashes);
-    let Some((_, candidate)) =
+    let Some((source, candidate)) =
         extract_candidate(response).filter(|(source, _)| from == AnswerFrom::Any || marked(source))
     else {
         return (false, None);
     };
     match parse_answer(gold) {
-        Some(g) => match parse_answer(candidate) {
-            Some(v) => (v == g, Some(candidate)),
+        Some(g) => match numeric_candidate(source, candidate) {
+            Some((v, text)) => (v == g, Some(text)),
             None => (false, None),
         },
         None => {
@@ -220,6 +224,57 @@ fn judge<'a>(response: &'a str, gold: &str, from: AnswerFrom) -> (bool, Option<&
             }
         }
     }
+}
+
+/// The value of a numeric candidate and the text it was read from: the whole candidate, or, where that
+/// does not parse and the candidate is a marker's line, the value it starts with ([`leading_clause`]):
+/// `#### 18 (6 apples + 12 pears)` and `The answer is 20. Tom now has 20 pencils.` state their answers
+/// first and go on in prose, which made the whole line unparseable.
+fn numeric_candidate(source: AnswerSource, candidate: &str) -> Option<(BigRational, &str)> {
+    if let Some(v) = parse_answer(candidate) {
+        return Some((v, candidate));
+    }
+    let prose = match source {
+        AnswerSource::Hashes => true,
+        AnswerSource::AnswerMarker => false,
+        AnswerSource::Boxed | AnswerSource::LastNumber => return None,
+    };
+    let clause = leading_clause(candidate, prose)?;
+    parse_answer(clause).map(|v| (v, clause))
+}
+
+/// The start of a marker's line up to where its first value ends and other text begins: after the first
+/// digit, the first sentence end (`.`, `!`, `?` or `;` followed by a space or the end of the line) or `(`;
+/// with `prose` (a `####` line, where GSM8K's answer is the number right after the marker) also a space
+/// followed by a word. A space followed by anything else (a digit, a backslash: `2 \sqrt{2}`) continues
+/// the value, so `2\sqrt{2}` and `1 200` stay unparseable rather than read as 2 and 1.
+fn leading_clause(s: &str, prose: bool) -> Option<&str> {
+    let first = s.find(|c: char| c.is_ascii_digit())?;
+    let mut spaced = false;
+    for (k, c) in s[first..].char_indices() {
+        let i = first + k;
+        let after = &s[i + c.len_utf8()..];
+        // Only a run's first space looks past the run (linear in the line).
+        let run_start = c.is_whitespace() && !spaced;
+        spaced = c.is_whitespace();
+        let ends = match c {
+            '.' | '!' | '?' | ';' => after.chars().next().is_none_or(char::is_whitespace),
+            '(' => true,
+            _ if run_start => {
+                prose
+                    && after
+                        .trim_start()
+                        .chars()
+                        .next()
+                        .is_some_and(|n| n.is_alphabetic() || n == '(')
+            }
+            _ => false,
+        };
+        if ends {
+            return Some(s[..i].trim_end());
+        }
+    }
+    None
 }
 
 /// The extracted final answer of `response` (trimmed), without judging it.
@@ -235,17 +290,36 @@ pub fn extract_candidate(response: &str) -> Option<(AnswerSource, &str)> {
             return Some((AnswerSource::Boxed, b));
         }
     }
-    if let Some(pos) = response.find("####") {
-        let rest = response[pos + 4..].trim_start_matches('#');
+    let mut from = 0;
+    while let Some(pos) = response[from..].find("####") {
+        let rest = response[from + pos + 4..].trim_start_matches('#');
         let line = rest.split('\n').next().unwrap_or("").trim();
-        if !line.is_empty() {
+        if !line.is_empty() && !is_markdown_heading(line) {
             return Some((AnswerSource::Hashes, line));
         }
+        from = response.len() - rest.len();
     }
     if let Some(s) = after_answer_marker(response) {
         return Some((AnswerSource::AnswerMarker, s));
     }
     last_number(response).map(|s| (AnswerSource::LastNumber, s))
+}
+
+/// Whether the text after a `####` is a Markdown heading (`#### Step 1: Add the apples`, `#### Final Answer`)
+/// rather than GSM8K's answer marker: it starts with a word, and is neither an assignment (`x = 5`) nor an
+/// answer phrase (`The answer is 18`). A heading's step number is no answer.
+fn is_markdown_heading(line: &str) -> bool {
+    if !line.chars().next().is_some_and(char::is_alphabetic) {
+        return false;
+    }
+    let word_end = line
+        .find(|c: char| !c.is_alphanumeric() && c != '_')
+        .unwrap_or(line.len());
+    if line[word_end..].trim_start().starts_with('=') {
+        return false;
+    }
+    let lower = line.to_lowercase();
+    !(lower.contains("answer is") || lower.contains("answer:"))
 }
 
 fn after_answer_marker(response: &str) -> Option<&str> {
@@ -321,7 +395,7 @@ fn boxed_command_len(b: &[u8]) -> Option<usize> {
     None
 }
 
-/// The last number of `text`: optional `-` sign (when it does not follow a digit, letter or `)`), digits with
+/// The last number of `text`: optional `-` or U+2212 sign (when it does not follow a digit, letter or `)`), digits with
 /// optional `,ddd` groups, optional `.digits`, optional `/digits`.
 fn last_number(text: &str) -> Option<&str> {
     let b = text.as_bytes();
@@ -335,10 +409,18 @@ fn last_number(text: &str) -> Option<&str> {
             continue;
         }
         let mut start = i;
-        if i > 0 && b[i - 1] == b'-' {
-            let before = if i >= 2 { Some(b[i - 2]) } else { None };
+        // `-`, or U+2212 (3 bytes: E2 88 92), as a sign.
+        let sign = if i > 0 && b[i - 1] == b'-' {
+            1
+        } else if i >= 3 && b[i - 3..i] == [0xE2, 0x88, 0x92] {
+            3
+        } else {
+            0
+        };
+        if sign > 0 {
+            let before = (i > sign).then(|| b[i - sign - 1]);
             if before.is_none_or(|c| !(c.is_ascii_alphanumeric() || c == b')' || c == b'_')) {
-                start = i - 1;
+                start = i - sign;
             }
         }
         let mut j = scan_digits_grouped(b, i);
@@ -547,7 +629,11 @@ fn parse_value(s: &str) -> Option<BigRational> {
     } else {
         let (num, q) = parse_decimal(&cs, p)?;
         let r = skip_spaces(&cs, q);
-        if r < cs.len() && cs[r] == '/' {
+        // `15/hour`: a unit's slash, not a fraction.
+        let unit = cs
+            .get(skip_spaces(&cs, r + 1))
+            .is_some_and(|c| c.is_alphabetic());
+        if r < cs.len() && cs[r] == '/' && !unit {
             let r = skip_spaces(&cs, r + 1);
             let (den, r) = parse_decimal(&cs, r)?;
             (divide(num, den)?, r)
@@ -556,15 +642,40 @@ fn parse_value(s: &str) -> Option<BigRational> {
         }
     };
     while p < cs.len() {
-        if !is_trailing_junk(cs[p]) {
-            return None;
-        }
-        p += 1;
+        p = skip_trailing(&cs, p)?;
     }
     if negative {
         value = -value;
     }
     Some(value)
+}
+
+/// Past the trailing character at `p` (words, units, punctuation: [`is_trailing_junk`]), or past a unit's
+/// slash or power (`km/h`, `$/hour`, `cm^2`, `cm^{2}`, `m²`: after a letter); `None` for anything else
+/// (a digit, a backslash, an operator), which makes the candidate unparseable.
+fn skip_trailing(cs: &[char], p: usize) -> Option<usize> {
+    let c = cs[p];
+    if is_trailing_junk(c) {
+        return Some(p + 1);
+    }
+    let after_letter = p > 0 && cs[p - 1].is_alphabetic();
+    match c {
+        '/' if cs.get(p + 1).is_some_and(|n| n.is_alphabetic()) => Some(p + 1),
+        '²' | '³' if after_letter => Some(p + 1),
+        '^' if after_letter => {
+            let mut q = p + 1;
+            let braced = cs.get(q) == Some(&'{');
+            q += usize::from(braced);
+            let digits = cs[q..].iter().take_while(|d| d.is_ascii_digit()).count();
+            q += digits;
+            if braced {
+                (cs.get(q) == Some(&'}')).then_some(())?;
+                q += 1;
+            }
+            (digits > 0).then_some(q)
+        }
+        _ => None,
+    }
 }
 
 fn starts_with(cs: &[char], p: usize, pat: &str) -> bool {
