@@ -656,6 +656,16 @@ fn chat_template_from_model_dir() {
         system: None,
     });
     assert!(Template::from_config(&cfg).is_ok());
+    // A model folder that is not there is refused, not read as "no template": ChatML.
+    let missing = TemplateConfig::Chat(ChatTemplate {
+        model_dir: Some(dir.path().join("no-such-model")),
+        system: None,
+    });
+    let err = Template::from_config(&missing).unwrap_err().to_string();
+    assert!(
+        err.contains("no-such-model") && err.contains("`task.template.model_dir` is not a folder"),
+        "{err}"
+    );
     // Llama-3 style: a clear error naming the file
     let llama = r#"{"chat_template": "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}"}"#;
     std::fs::write(dir.path().join("tokenizer_config.json"), llama).unwrap();

@@ -138,6 +138,16 @@ impl Template {
             }),
             TemplateConfig::Chat(ChatTemplate { model_dir, system }) => {
                 if let Some(dir) = model_dir {
+                    // A folder that is not there has no chat template to check against: the prompts would
+                    // silently follow ChatML whatever the model's own template is.
+                    if !dir.is_dir() {
+                        return Err(TemplateError::Invalid {
+                            path: dir.clone(),
+                            msg: "`task.template.model_dir` is not a folder (the model whose chat \
+                                  template the prompts follow)"
+                                .into(),
+                        });
+                    }
                     chat_template_of_model(dir)?;
                 }
                 Ok(Template::Chat {
