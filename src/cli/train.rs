@@ -54,6 +54,8 @@ fn load(
     backend: Option<BackendKind>,
 ) -> anyhow::Result<TrainConfig> {
     let cfg = train::load_config_on(path, overrides, backend)?;
+    // A backend this build cannot run is refused before anything is written.
+    cfg.train.backend.device()?;
     // Only the default's own path: another (`--set model.init_config=...`, a typo) is the user's to give.
     let default = std::path::Path::new(config::DEFAULT_MODEL_CONFIG_PATH);
     if path.is_none() && cfg.model.init_config.as_deref() == Some(default) && !default.is_file() {

@@ -238,12 +238,13 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
                 .configure_mesh()
                 .x_desc("step")
                 // Steps are whole numbers, which the axis would print as 10.0 (over a few steps its
-                // ticks fall between them, and keep their decimals).
+                // ticks fall between them: two decimals at most, not 0.30000000000000004).
                 .x_label_formatter(&|x| {
                     if x1 - x0 >= 10.0 {
                         format!("{x:.0}")
                     } else {
-                        format!("{x}")
+                        let t = format!("{x:.2}");
+                        t.trim_end_matches('0').trim_end_matches('.').to_string()
                     }
                 })
                 .draw()
@@ -258,6 +259,17 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
                     .map_err(|e| anyhow::anyhow!("{e}"))?
                     .label(name.clone())
                     .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
+                // A line needs two points: a run of one step shows its one as a dot.
+                if s.iter().filter(|p| finite(p)).count() == 1 {
+                    chart
+                        .draw_series(
+                            s.iter()
+                                .copied()
+                                .filter(finite)
+                                .map(|p| Circle::new(p, 4, color.filled())),
+                        )
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
+                }
             }
             if lines.len() > 1 {
                 chart
