@@ -474,8 +474,9 @@ fn a_fresh_run_keeps_an_earlier_runs_metrics_and_checks_its_data_first() {
 }
 
 /// With `--overwrite`, bad model input is refused before anything in the run directory changes: a missing
-/// `model.init_config`, a quantized checkpoint as `model.dir`, and held-out prompts that with
-/// `eval.max_new_tokens` pass the model's positions (the one-token bound fits, the real prompts do not).
+/// `model.init_config`, a quantized checkpoint as `model.dir`, and held-out or first-step prompts that with
+/// `eval.max_new_tokens` / `rollout.max_new_tokens` pass the model's positions (the one-token bound fits,
+/// the real prompts do not).
 /// The earlier run's checkpoints, metrics and config stay, and no staging folder is left behind.
 #[test]
 fn an_overwrite_with_bad_model_input_changes_nothing() {
@@ -506,10 +507,13 @@ fn an_overwrite_with_bad_model_input_changes_nothing() {
     from_quantized.model.dir = quantized;
     let mut long_eval = cfg.clone();
     long_eval.eval.max_new_tokens = 255;
+    let mut long_rollout = cfg.clone();
+    long_rollout.rollout.max_new_tokens = 255;
     for (bad, expect) in [
         (&no_init, "`model.init_config`"),
         (&from_quantized, "quantized"),
         (&long_eval, "eval.max_new_tokens"),
+        (&long_rollout, "rollout.prompts_per_step"),
     ] {
         let err = format!("{:#}", train::run_with(bad, &overwrite).unwrap_err());
         assert!(err.contains(expect), "{err}");

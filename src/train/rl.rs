@@ -20,7 +20,7 @@ use crate::rl::advantages::{group_advantages, groups_with_signal, responses_of_g
 use crate::rl::metrics::{error_token_metrics, response_length_metrics, rollout_mismatch_metrics};
 use crate::rollout::{generate, FinishReason, Rollout, SamplingParams};
 use crate::tasks::verify::score_response as score_answer;
-use crate::tasks::Task;
+use crate::tasks::{Example, Task};
 
 /// Everything one step produced for the log.
 pub struct StepOutcome {
@@ -289,6 +289,23 @@ impl Round {
     }
 }
 
+/// A refill's seeds: the step's, moved by the round into the upper half of the seed (steps stay far below
+/// 2^32), so that no two (step, round) pairs share one; 0 for a step's first round.
+fn round_salt(round: usize) -> u64 {
+    (round as u64) << 32
+}
+
+/// The prompts of round `round` of step `step` (a function of the run's seed, the step and the round).
+pub fn round_prompts(task: &Task, cfg: &TrainConfig, step: usize, round: usize) -> Vec<Example> {
+    task.sample_prompts(
+        cfg.rollout.prompts_per_step,
+        cfg.seed
+            .wrapping_mul(1_000_003)
+            .wrapping_add(step as u64 + 1)
+            .wrapping_add(round_salt(round)),
+    )
+}
+
 /// Round `round` of step `step`'s sampling ([`Round`]). Round 0's prompts and sampling seeds are those of a
 /// step without refills; each refill draws other prompts and other samples, the same on every rerun.
 fn sample_round(
@@ -302,16 +319,8 @@ fn sample_round(
 ) -> anyhow::Result<Round> {
     let rc = &cfg.rollout;
     let g = rc.samples_per_prompt;
-    // A refill's seeds: the step's, moved by the round into the upper half of the seed (steps stay far
-    // below 2^32), so that no two (step, round) pairs share one.
-    let salt = (round as u64) << 32;
-    let examples = task.sample_prompts(
-        rc.prompts_per_step,
-        cfg.seed
-            .wrapping_mul(1_000_003)
-            .wrapping_add(step as u64 + 1)
-            .wrapping_add(salt),
-    );
+    let salt = round_salt(round);
+    let examples = round_prompts(task, cfg, step, round);
     let prompts: Vec<Vec<u32>> = examples
         .iter()
         .map(|e| tok.encode_prompt(&e.prompt))

@@ -473,8 +473,8 @@ fn before_rl_outcomes(metrics: &Path, precision: config::Precision) -> Option<(f
 /// data set holds out) against the model's positions and the machine's memory, before any prompt is drawn:
 /// a `rollout.prompts_per_step` or `eval.problems` far too large is refused by name, not met as an
 /// allocation failure after the first evaluation. With the tokenizer, the prompts' lengths are the real
-/// longest ones (the held-out problems', and the training set's where the task has one); without, one
-/// token (a lower bound: each step checks its real prompts again).
+/// longest ones (the held-out problems', the first step's, and the training set's where the task has one);
+/// without, one token (a lower bound: each step checks its real prompts again).
 pub(super) fn check_step_sizes(
     cfg: &TrainConfig,
     model: &crate::model::ModelConfig,
@@ -517,7 +517,9 @@ pub(super) fn check_step_sizes(
     };
     eval(1)?;
     if tok.is_some() {
-        rollout(longest(&task.training_examples().unwrap_or_default())?)?;
+        let mut training = task.training_examples().unwrap_or_default();
+        training.extend(super::rl::round_prompts(task, cfg, 0, 0));
+        rollout(longest(&training)?)?;
         eval(longest(&task.eval_set(e.problems))?)?;
     }
     Ok(())
