@@ -443,6 +443,15 @@ fn errors_inside_task_tables_name_the_key_and_its_line() {
     for task in good {
         TrainConfig::from_toml(&format!("{base}{task}"), "my.toml").unwrap();
     }
+    // A value out of its range, found after the parse, is named with its line too.
+    let at = default.find("samples_per_prompt = 8").unwrap();
+    let line = default[..at].matches('\n').count() + 1;
+    let bad = default.replacen("samples_per_prompt = 8", "samples_per_prompt = 1", 1);
+    let err = TrainConfig::from_toml(&bad, "my.toml")
+        .unwrap_err()
+        .to_string();
+    let want = format!("my.toml, line {line}: `rollout.samples_per_prompt` = 1: must be >= 2");
+    assert!(err.contains(&want), "expected `{want}` in: {err}");
     // A missing top-level key is named at the top level, also when the file starts with a table (toml
     // points such an error at the document's start, the first table's header), and a missing key of a
     // table still with its table.

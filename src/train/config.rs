@@ -14,7 +14,9 @@ use crate::tasks::TaskConfig;
 
 pub mod overrides;
 mod toml_errors;
-use toml_errors::{check_float_range, explain_toml_error, locate_in_task};
+use toml_errors::{
+    check_float_range, explain_toml_error, key_named_in, line_of_key, locate_in_task,
+};
 pub use toml_errors::{closest, edit_distance};
 
 /// Which weights the learner's forward uses.
@@ -374,16 +376,25 @@ impl TrainConfig {
     }
 
     fn parse(text: &str, origin: &str, lines: bool) -> anyhow::Result<Self> {
+        // A value out of range, found after TOML's own checks, named with its line where the text has one.
+        let located = |e: anyhow::Error| {
+            let message = e.to_string();
+            let line = key_named_in(&message)
+                .filter(|_| lines)
+                .and_then(|key| line_of_key(text, key));
+            match line {
+                Some(l) => anyhow::anyhow!("{origin}, line {l}: {message}"),
+                None => anyhow::anyhow!("{origin}: {message}"),
+            }
+        };
         if let Ok(doc) = text.parse::<toml::Table>() {
-            check_float_range(&doc, &mut Vec::new())
-                .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+            check_float_range(&doc, &mut Vec::new()).map_err(located)?;
         }
         let cfg: Self = toml::from_str(text).map_err(|e| {
             let e = locate_in_task(text, &e).unwrap_or(e);
             explain_toml_error(&e, text, origin, lines)
         })?;
-        cfg.validate()
-            .map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+        cfg.validate().map_err(located)?;
         Ok(cfg)
     }
 

@@ -21,6 +21,29 @@ pub(super) fn locate_in_task(text: &str, e: &toml::de::Error) -> Option<toml::de
     Some(located)
 }
 
+/// The line (from 1) of dotted `key` in TOML `text`, where the text writes it (as `key = ...` in its table,
+/// or as a table header): for the range checks, which run on the parsed config and know only the key.
+pub(super) fn line_of_key(text: &str, key: &str) -> Option<usize> {
+    let doc = toml::de::DeTable::parse(text).ok()?;
+    let mut parts = key.split('.');
+    let mut value = doc.get_ref().get(parts.next()?)?;
+    for part in parts {
+        value = value.get_ref().get(part)?;
+    }
+    let at = value.span().start.min(text.len());
+    Some(text[..at].matches('\n').count() + 1)
+}
+
+/// The first backtick-quoted dotted key of a range check's message (`rollout.top_p`), if it names one.
+pub(super) fn key_named_in(message: &str) -> Option<&str> {
+    let key = message.split('`').nth(1)?;
+    let is_key = !key.is_empty()
+        && key
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_' || c == '.');
+    is_key.then_some(key)
+}
+
 /// Turns a TOML/serde error into one that names the file, the line, the full key path and the reason, and
 /// suggests the closest valid key or value for a misspelt one.
 pub(super) fn explain_toml_error(
