@@ -734,6 +734,32 @@ fn verifier_hand_cases() {
             Some("\\frac{\\sqrt{3}}{2}"),
         ),
         ("\\boxed{2\\sqrt{2}}", "2", false, None),
+        // A letter glued to a number, a name glued to a sign, a factorial: expressions, not numbers (on
+        // either side: a gold `3x` is compared as text).
+        ("\\boxed{3}", "3x", false, Some("3")),
+        ("\\boxed{3x}", "3x", true, Some("3x")),
+        ("\\boxed{5x}", "5", false, None),
+        ("\\boxed{x+5}", "5", false, None),
+        ("\\boxed{n-1}", "-1", false, None),
+        ("\\boxed{5!}", "5", false, None),
+        ("\\boxed{2i}", "2", false, None),
+        ("The answer is 42!", "42", true, Some("42")),
+        // Non-numeric golds: one-character LaTeX arguments braced, a leading assignment dropped.
+        ("\\boxed{\\sqrt2}", "\\sqrt{2}", true, Some("\\sqrt2")),
+        (
+            "\\boxed{\\frac{\\sqrt3}{2}}",
+            "\\frac{\\sqrt{3}}{2}",
+            true,
+            Some("\\frac{\\sqrt3}{2}"),
+        ),
+        (
+            "\\boxed{x = \\sqrt{2}}",
+            "\\sqrt{2}",
+            true,
+            Some("x = \\sqrt{2}"),
+        ),
+        ("\\boxed{y = 2x+3}", "2x+3", true, Some("y = 2x+3")),
+        ("\\boxed{\\sqrt{3}}", "\\sqrt{2}", false, Some("\\sqrt{3}")),
         ("\\boxed{(1, 2)}", "(1,2)", true, Some("(1, 2)")),
         ("\\boxed{5", "5", true, Some("5")), // unclosed box: falls through to the last number
         ("\\boxed{} the total is 9", "9", true, Some("9")),

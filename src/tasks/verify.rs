@@ -18,7 +18,9 @@
 //! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac` -> `\frac`); only what follows
 //! the last `=` is kept (`x = 5`); leading words (`The total is`) and trailing words/units/punctuation
 //! (`dollars`, `cm`, `.`) are ignored, but anything else with a digit, a backslash or a brace beside the number
-//! makes the candidate unparseable (so `2\sqrt{2}` is not read as 2); a unit's slash or power after a letter
+//! makes the candidate unparseable (so `2\sqrt{2}` is not read as 2), and so do one letter glued to the
+//! number (`3x`, `2i`: units of two letters or more, `5cm`, stay units), a name glued to a sign (`x+1`)
+//! and a factorial (`5!`), which are expressions (a gold such as `3x` is then compared as text, below); a unit's slash or power after a letter
 //! (`$15/hour`, `km/h`, `cm^2`) is a unit. A marker's line that does not parse but states its value first and
 //! then goes on (`#### 18 (6 apples + 12 pears)`, `The answer is 20. Tom has 20 pencils.`) is read up to where
 //! the value ends: a sentence end or `(`, and on a `####` line also a space and a word. Numbers: an optional sign (`-`, `+`,
@@ -28,8 +30,8 @@
 //!
 //! **Comparison**: when the gold answer parses as a number the candidate must parse to the same rational
 //! ([`BigRational`], exact); a candidate that does not parse counts as "no answer" (`extracted: None`). When the
-//! gold answer is not a number (MATH's `(1,2)`, `\sqrt{2}`), the normalised strings (whitespace removed) must be
-//! equal.
+//! gold answer is not a number (MATH's `(1,2)`, `\sqrt{2}`), the normalised strings (whitespace removed, a
+//! leading `x =` dropped, `\sqrt2` and `\frac12` braced) must be equal.
 //!
 //! Everything here is linear in the input (no recursion, no backtracking) and never panics.
 
@@ -576,11 +578,68 @@ fn unwrap_commands(s: &str) -> String {
     out
 }
 
-/// Normalised text for comparing non-numeric answers: LaTeX cleanup, whitespace removed, trailing `.` removed.
+/// Normalised text for comparing non-numeric answers: LaTeX cleanup, whitespace removed, trailing `.` removed,
+/// a leading assignment to one name dropped (`x=\sqrt{2}` is `\sqrt{2}`), and the one-character arguments
+/// of `\sqrt` and `\frac` braced (`\sqrt2` is `\sqrt{2}`, `\frac12` is `\frac{1}{2}`).
 fn normalize_symbolic(text: &str) -> String {
     let s = normalize_latex(text);
     let s: String = s.chars().filter(|c| !c.is_whitespace()).collect();
-    s.trim_end_matches('.').to_string()
+    let s = s.trim_end_matches('.');
+    brace_short_arguments(without_assignment(s))
+}
+
+/// `s` without a leading `name=` (a name of ASCII letters, digits and `_` starting with a letter), where
+/// the rest has no other `=` (an equation such as `y=2x+3=0` stays whole).
+fn without_assignment(s: &str) -> &str {
+    let Some((name, rest)) = s.split_once('=') else {
+        return s;
+    };
+    let is_name = name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if is_name && !rest.is_empty() && !rest.contains('=') {
+        rest
+    } else {
+        s
+    }
+}
+
+/// Braces the unbraced one-character arguments of `\sqrt` (one) and `\frac` (two), as LaTeX reads them.
+fn brace_short_arguments(s: &str) -> String {
+    let cs: Vec<char> = s.chars().collect();
+    let mut out = String::with_capacity(s.len() + 8);
+    let mut i = 0;
+    while i < cs.len() {
+        let args = if starts_with(&cs, i, "\\sqrt")
+            && !cs.get(i + 5).is_some_and(char::is_ascii_alphabetic)
+        {
+            out.push_str("\\sqrt");
+            i += 5;
+            1
+        } else if starts_with(&cs, i, "\\frac")
+            && !cs.get(i + 5).is_some_and(char::is_ascii_alphabetic)
+        {
+            out.push_str("\\frac");
+            i += 5;
+            2
+        } else {
+            out.push(cs[i]);
+            i += 1;
+            continue;
+        };
+        for _ in 0..args {
+            match cs.get(i) {
+                Some(&c) if c.is_ascii_alphanumeric() => {
+                    out.push('{');
+                    out.push(c);
+                    out.push('}');
+                    i += 1;
+                }
+                // A braced (or other) argument is copied as it comes.
+                _ => break,
+            }
+        }
+    }
+    out
 }
 
 fn is_leading_junk(c: char) -> bool {
@@ -619,6 +678,10 @@ fn parse_value(s: &str) -> Option<BigRational> {
     while p < cs.len() && is_leading_junk(cs[p]) {
         p += 1;
     }
+    // A name glued to a sign is an expression (`x+1`, `n-1`), not words before a number.
+    if p > 0 && cs[p - 1].is_alphabetic() && cs.get(p).is_some_and(|&c| is_minus(c) || c == '+') {
+        return None;
+    }
     let mut negative = false;
     if p < cs.len() && (is_minus(cs[p]) || cs[p] == '+') {
         negative = is_minus(cs[p]);
@@ -641,6 +704,14 @@ fn parse_value(s: &str) -> Option<BigRational> {
             (num, q)
         }
     };
+    // One letter glued to the number is a variable or a unit of one letter that reads as one (`3x`, `2i`,
+    // `5n`), and `!` a factorial: an expression, not the number. Units of two letters or more (`5cm`)
+    // and words after a space stay units.
+    let glued = cs[p..].iter().take_while(|c| c.is_alphabetic()).count();
+    let after = cs.get(p + glued);
+    if (glued == 1 && after.is_none_or(|c| !c.is_alphanumeric())) || cs.get(p) == Some(&'!') {
+        return None;
+    }
     while p < cs.len() {
         p = skip_trailing(&cs, p)?;
     }
