@@ -30,7 +30,7 @@ pub struct StepOutcome {
     /// Global L2 norm of the gradient, averaged over the step's applied updates (before clipping).
     pub grad_norm: Option<f64>,
     /// The kept response with the most error tokens, for `worst_responses.jsonl`
-    /// ([`worst_response_example`]).
+    /// (`worst_response_example`).
     pub worst_response: Option<serde_json::Value>,
 }
 

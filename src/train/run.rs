@@ -45,8 +45,9 @@ pub struct RunOptions {
     /// Without `resume`, start over in a run directory that has checkpoints (deleting them); otherwise
     /// such a run is refused, so a typo'd command never destroys a run.
     pub overwrite: bool,
-    /// With `resume`: go on although settings outside [`RESUME_MAY_CHANGE`] differ from the run's (a
-    /// lower learning rate after a divergence). The run's earlier config is kept beside the new one
+    /// With `resume`: go on although settings outside
+    /// [`RESUME_MAY_CHANGE`](super::RESUME_MAY_CHANGE) differ from the run's (a lower learning rate after a
+    /// divergence). The run's earlier config is kept beside the new one
     /// (`config.before_step_N.json`) and the changed keys are logged, so the record of how the earlier
     /// rows were made stays.
     pub accept_changes: bool,
