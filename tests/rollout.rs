@@ -304,6 +304,32 @@ fn samples_follow_the_filtered_distribution() {
             }
         }
     }
+    // Tokens tied with the k-th are kept, as HF and vLLM keep them: logits (2, 1, 1, 0) with k = 2 draw
+    // from the first three, e^2 : e : e.
+    let logprobs: Vec<f32> = {
+        let l = [2.0f64, 1.0, 1.0, 0.0];
+        let lse = l.iter().map(|x| x.exp()).sum::<f64>().ln();
+        l.iter().map(|x| (x - lse) as f32).collect()
+    };
+    let top2 = SamplingParams {
+        top_k: 2,
+        ..SamplingParams::default()
+    };
+    let n = 40_000;
+    let mut counts = [0usize; 4];
+    for i in 0..n {
+        counts[sample(&logprobs, &top2, &mut sequence_rng(5, i)) as usize] += 1;
+    }
+    let e = std::f64::consts::E;
+    let kept = e * e + 2.0 * e;
+    for (token, want) in [(0, e * e / kept), (1, e / kept), (2, e / kept), (3, 0.0)] {
+        let freq = counts[token] as f64 / n as f64;
+        let se = (want * (1.0 - want) / n as f64).sqrt().max(1e-12);
+        assert!(
+            (freq - want).abs() <= 5.0 * se,
+            "tied top-k: token {token} drawn {freq:.4} of the time, want {want:.4}"
+        );
+    }
     let greedy = SamplingParams {
         temperature: 0.0,
         ..SamplingParams::default()

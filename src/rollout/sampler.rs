@@ -181,8 +181,9 @@ pub fn sample(logprobs: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -
     order[0]
 }
 
-/// The ids of the `top_k` most likely tokens (all of them for 0), most likely first, ties by smaller id: the
-/// order of `logprobs[b].total_cmp(&logprobs[a]).then(a.cmp(&b))`, fully determined.
+/// The ids of the `top_k` most likely tokens and of every token tied with the k-th (all of them for 0),
+/// most likely first, ties by smaller id: the order of `logprobs[b].total_cmp(&logprobs[a]).then(a.cmp(&b))`,
+/// fully determined.
 ///
 /// Sorted as one `u64` per token, the log-prob's bits mapped to an integer in `total_cmp`'s order and
 /// inverted above the id, instead of by that comparator, which reads two log-probs through their ids in
@@ -198,7 +199,10 @@ pub fn most_likely_first(logprobs: &[f32], top_k: usize) -> Vec<u32> {
         .collect();
     if top_k > 0 && top_k < keys.len() {
         keys.select_nth_unstable(top_k - 1);
-        keys.truncate(top_k);
+        // Tokens tied with the k-th most likely stay, as HF's and vLLM's top-k keep them (their mask is
+        // "below the k-th value"): which of equal tokens to drop would otherwise be decided by id.
+        let bound = keys[top_k - 1] >> 32;
+        keys.retain(|&key| key >> 32 <= bound);
     }
     keys.sort_unstable();
     keys.into_iter().map(|key| key as u32).collect()
@@ -224,8 +228,13 @@ mod tests {
                 .total_cmp(&logprobs[a as usize])
                 .then(a.cmp(&b))
         });
-        if top_k > 0 {
-            order.truncate(top_k.min(order.len()));
+        if top_k > 0 && top_k < order.len() {
+            let kth = logprobs[order[top_k - 1] as usize];
+            let tied = order[top_k..]
+                .iter()
+                .take_while(|&&i| logprobs[i as usize].total_cmp(&kth).is_eq())
+                .count();
+            order.truncate(top_k + tied);
         }
         order
     }
