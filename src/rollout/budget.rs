@@ -120,15 +120,26 @@ pub fn check_training_size(
 }
 
 /// A lower bound of the f32 bytes a training forward of `rows` sequences of `tokens` tokens keeps for its
-/// backward: the tensors the backward of each operation reads, per token and layer: both norms' inputs and
-/// outputs (the residual stream, and the projections' input), the queries, keys and values, each head's
-/// attention probabilities over the sequence's keys, the heads' output (the output projection's input), and
-/// the MLP's gate and up outputs, the gate's activation and their product (per routed expert for a mixture
-/// of experts); plus the logits and their log-softmax. What else the autodiff graph keeps (the norms'
-/// statistics, rotary tables, the router's scores) is left out, so the real peak is higher: 1.2x at SFT
-/// batches of 256-2048 on the 4-layer MoE of `configs/models/qwen3-moe-arith.json` (peak resident memory,
-/// AMD EPYC Zen 4, the marginal cost of a sequence of 51 tokens 1.64 MB against 1.36 MB estimated).
+/// backward: tensors that every implementation's backward reads, per token and layer: the inputs of the
+/// projections (the normed attention and MLP inputs, the heads' output), the keys and values, the MLP's
+/// gate and up outputs and their gated product (per routed expert for a mixture of experts), and each
+/// head's attention probabilities over the sequence's keys. What else is kept depends on the path (the
+/// norms' inputs, the queries, the logits; fused SwiGLU and chunked LM-head backwards keep less, the
+/// grouped MoE more) and is left out, so the real peak is higher. Measured (peak resident memory over
+/// SFT steps of different batch sizes, AMD EPYC Zen 4; the marginal cost of a sequence): the 4-layer
+/// arithmetic MoE (`configs/models/qwen3-moe-arith.json`, batches 256/1024/2048 of up to 51 tokens)
+/// 1.64 MB against 0.90 MB estimated; SmolLM2-135M (batches 4/32 of up to 74 tokens) 79 MB against
+/// 66 MB.
 pub fn training_activation_bytes(config: &ModelConfig, rows: usize, tokens: usize) -> u128 {
+    let all = rows as u128 * tokens as u128;
+    all * activation_bytes_per_token(config)
+        + rows as u128 * attention_bytes(config, tokens, tokens)
+}
+
+/// [`training_activation_bytes`]' part that grows with the tokens computed: per token and layer the
+/// projections' inputs (two normed inputs and the heads' output), the keys and values, and the MLP's gate
+/// and up outputs and their gated product.
+fn activation_bytes_per_token(config: &ModelConfig) -> u128 {
     let c = config;
     let mlp = match &c.moe {
         Some(m) => (m.num_experts_per_tok * m.moe_intermediate_size).min(c.intermediate_size),
@@ -136,11 +147,43 @@ pub fn training_activation_bytes(config: &ModelConfig, rows: usize, tokens: usiz
     } as u128;
     let heads = (c.num_attention_heads * c.head_dim) as u128;
     let kv = 2 * (c.num_key_value_heads * c.head_dim) as u128;
-    let per_token_layer = 4 * c.hidden_size as u128 + 2 * heads + kv + 4 * mlp;
-    let probs = c.num_attention_heads as u128 * tokens as u128;
-    let per_token =
-        c.num_hidden_layers as u128 * (per_token_layer + probs) + 2 * c.vocab_size as u128;
-    rows as u128 * tokens as u128 * per_token * 4
+    let per_token_layer = 2 * c.hidden_size as u128 + heads + kv + 3 * mlp;
+    c.num_hidden_layers as u128 * per_token_layer * 4
+}
+
+/// The attention probabilities of `queries` tokens over `keys` keys, every head and layer, in f32.
+fn attention_bytes(config: &ModelConfig, queries: usize, keys: usize) -> u128 {
+    let c = config;
+    (c.num_hidden_layers * c.num_attention_heads) as u128 * queries as u128 * keys as u128 * 4
+}
+
+/// Checks one learner forward of an RL update, whose sequences are `(prompt, response)` token counts (a
+/// micro-batch, or the whole minibatch with `train.micro_batch_size = 0`): a lower bound of what its backward
+/// keeps ([`training_activation_bytes`]' tensors, for every response token and one prompt, since the
+/// learner may compute a group's shared prompt once; each response token's probabilities over its
+/// sequence) against the memory available.
+pub fn check_learner_size(
+    config: &ModelConfig,
+    what: &str,
+    sequences: &[(usize, usize)],
+) -> Result<(), BudgetError> {
+    let responses: usize = sequences.iter().map(|&(_, r)| r).sum();
+    let prompt = sequences.iter().map(|&(p, _)| p).max().unwrap_or(0);
+    let probs: u128 = sequences
+        .iter()
+        .map(|&(p, r)| attention_bytes(config, r, p + r))
+        .sum();
+    let need = (responses + prompt) as u128 * activation_bytes_per_token(config) + probs;
+    match short_of(need) {
+        Some(have) => Err(BudgetError::TrainMemory {
+            what: what.to_string(),
+            rows: sequences.len(),
+            tokens: sequences.iter().map(|&(p, r)| p + r).max().unwrap_or(0),
+            need_gb: need as f64 / 1e9,
+            have_gb: have as f64 / 1e9,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Bytes of the f32 KV cache of `rows` rows of `tokens` positions.
@@ -254,6 +297,34 @@ mod tests {
             e.to_string().contains("activations the backward keeps"),
             "{e}"
         );
+    }
+
+    /// The learner's bound: one sequence without a prompt is the training bound; a group's prompt counts
+    /// once (the learner may compute it once), and its responses' attention over prompt and response;
+    /// a pass far too large is refused naming the setting to change.
+    #[test]
+    fn a_learner_pass_is_measured_by_its_responses_and_one_prompt() {
+        let c = config();
+        let per_token = activation_bytes_per_token(&c);
+        let need = |seqs: &[(usize, usize)]| {
+            let r: usize = seqs.iter().map(|s| s.1).sum();
+            let p = seqs.iter().map(|s| s.0).max().unwrap_or(0);
+            (r + p) as u128 * per_token
+                + seqs
+                    .iter()
+                    .map(|&(p, r)| attention_bytes(&c, r, p + r))
+                    .sum::<u128>()
+        };
+        assert_eq!(need(&[(0, 40)]), training_activation_bytes(&c, 1, 40));
+        assert!(need(&[(30, 10), (30, 10)]) < training_activation_bytes(&c, 2, 40));
+        assert!(check_learner_size(&c, "train.micro_batch_size", &[(30, 10), (30, 10)]).is_ok());
+        let Some(have) = available_memory_bytes() else {
+            return;
+        };
+        let rows = (have as u128 / need(&[(0, 64)]) + 1) as usize;
+        let e = check_learner_size(&c, "train.micro_batch_size", &vec![(0, 64); rows]).unwrap_err();
+        assert!(matches!(e, BudgetError::TrainMemory { .. }), "{e}");
+        assert!(e.to_string().starts_with("train.micro_batch_size: "), "{e}");
     }
 
     #[test]

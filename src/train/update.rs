@@ -218,6 +218,23 @@ impl Pass<'_, '_> {
             0 => chunk.len(),
             n => n,
         };
+        // Each forward's activations against the memory, before the first: a minibatch too large for one
+        // pass is refused with the setting to change, not met by the kernel's out-of-memory killer.
+        let batch = &self.s.batch;
+        for rows in chunk.chunks(micro.max(1)) {
+            let sequences: Vec<(usize, usize)> = rows
+                .iter()
+                .map(|&r| {
+                    let prompt = batch.prompt_lens[r];
+                    (prompt, batch.seqs[r].len().saturating_sub(prompt))
+                })
+                .collect();
+            crate::rollout::check_learner_size(
+                &self.model.config,
+                "train.micro_batch_size (0: a whole minibatch per pass)",
+                &sequences,
+            )?;
+        }
         if micro >= chunk.len() {
             return self.one_pass(chunk, &inert, perf, stats);
         }
