@@ -82,7 +82,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // Whether `model.dir` already holds a model (made by an earlier run's warm start, or given).
     let model_made = cfg.model.dir.join("config.json").is_file();
     let model_config = model_dir::check_sources(cfg, model_made)?;
-    let start = if opts.resume {
+    let how = if opts.resume {
         resume::Start::Resume {
             accept_changes: opts.accept_changes,
         }
@@ -91,7 +91,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             overwrite: opts.overwrite,
         }
     };
-    let given = match start {
+    let given = match how {
         resume::Start::Over { .. } if model_made => Some(Policy::load(cfg, None, &device)?),
         _ => None,
     };
@@ -102,7 +102,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         given.as_ref().map(|p| &p.tok),
     )?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
-    let resumed = resume::start_point(cfg, start, model_made, &metrics_path)?;
+    let resumed = resume::start_point(cfg, how, model_made, &metrics_path)?;
     let keeps_sft_rows = resume::keeps_warm_start_rows(cfg, opts.resume, model_made);
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     resume::reset_metrics(
