@@ -71,10 +71,10 @@ pub(super) fn fresh_staging(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(staging)
 }
 
-/// A model made from `model.init_config` is paired with the character tokenizer: its vocabulary must hold
-/// the tokenizer's ids.
-pub(super) fn check_fits_char_tokenizer(init: &Path) -> anyhow::Result<()> {
-    let vocab = crate::model::ModelConfig::from_file(init)?.vocab_size;
+/// A model made from `model.init_config` (its config `config`) is paired with the character tokenizer: its
+/// vocabulary must hold the tokenizer's ids.
+fn check_fits_char_tokenizer(init: &Path, config: &ModelConfig) -> anyhow::Result<()> {
+    let vocab = config.vocab_size;
     let chars = crate::tasks::char_tokenizer::VOCAB_SIZE;
     anyhow::ensure!(
         vocab >= chars,
@@ -137,33 +137,50 @@ pub(super) fn stage_base_files(base: &Path, staging: &Path) -> anyhow::Result<()
 /// for it). A missing or unreadable source is refused here, naming its key, rather than after an
 /// `--overwrite` has removed the run's earlier results.
 pub(super) fn check_sources(cfg: &TrainConfig, model_made: bool) -> anyhow::Result<ModelConfig> {
-    let read = |key: &str, path: &Path| {
-        ModelConfig::from_file(path).with_context(|| format!("`{key}` {}", path.display()))
-    };
-    if model_made {
-        let config = read("model.dir", &cfg.model.dir)?;
-        if let Some(q) = &config.quantization {
-            return Err(crate::model::LoadError::QuantizedCheckpoint {
-                dir: cfg.model.dir.clone(),
-                scheme: q.scheme.name().to_string(),
-            }
-            .into());
-        }
-        return Ok(config);
+    if !model_made {
+        return source_of(cfg).map(|(_, config)| config);
     }
+    let config = read_config("model.dir", &cfg.model.dir)?;
+    if let Some(q) = &config.quantization {
+        return Err(crate::model::LoadError::QuantizedCheckpoint {
+            dir: cfg.model.dir.clone(),
+            scheme: q.scheme.name().to_string(),
+        }
+        .into());
+    }
+    Ok(config)
+}
+
+/// What a `model.dir` that holds no model yet is made from.
+enum Source<'a> {
+    /// The pretrained `model.base`.
+    Base(&'a Path),
+    /// Random weights of `model.init_config`, with the character tokenizer.
+    Init(&'a Path),
+}
+
+/// The source of a `model.dir` that holds no model yet, and its config, read strictly; `model.dir` must be
+/// free for the model ([`check_free`]). The one place that chooses between `model.base` and
+/// `model.init_config`: the check before a run and the warm start that makes the model.
+fn source_of(cfg: &TrainConfig) -> anyhow::Result<(Source<'_>, ModelConfig)> {
     check_free(&cfg.model.dir)?;
     match (&cfg.model.base, &cfg.model.init_config) {
-        (Some(base), _) => read("model.base", base),
+        (Some(base), _) => Ok((Source::Base(base), read_config("model.base", base)?)),
         (None, Some(init)) => {
-            let config = read("model.init_config", init)?;
-            check_fits_char_tokenizer(init)?;
-            Ok(config)
+            let config = read_config("model.init_config", init)?;
+            check_fits_char_tokenizer(init, &config)?;
+            Ok((Source::Init(init), config))
         }
         (None, None) => anyhow::bail!(
             "{}: no model there and neither `model.init_config` nor `model.base` to create one from",
             cfg.model.dir.display()
         ),
     }
+}
+
+/// The model config at `path` (a folder or a config.json), an error naming the config key `key`.
+fn read_config(key: &str, path: &Path) -> anyhow::Result<ModelConfig> {
+    ModelConfig::from_file(path).with_context(|| format!("`{key}` {}", path.display()))
 }
 
 /// Makes sure `cfg.model.dir` holds a model: created from `init_config` with random weights and the task's
@@ -209,24 +226,24 @@ pub(super) fn prepare_model_locked(
         }
         return Ok(());
     }
-    check_free(dir)?;
+    let (source, _) = source_of(cfg)?;
     let staging = fresh_staging(dir)?;
     // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
-    let weights_dir = match (&cfg.model.base, &cfg.model.init_config) {
-        (Some(base), _) => {
+    let weights_dir = match source {
+        Source::Base(base) => {
             stage_base_files(base, &staging)?;
-            base.clone()
+            base.to_path_buf()
         }
-        (None, Some(init)) => {
-            check_fits_char_tokenizer(init)?;
-            crate::model::init::write_random_checkpoint(init, &staging, cfg.seed, cfg.model.init_std)?;
+        Source::Init(init) => {
+            crate::model::init::write_random_checkpoint(
+                init,
+                &staging,
+                cfg.seed,
+                cfg.model.init_std,
+            )?;
             crate::tasks::char_tokenizer::save(&staging)?;
             staging.clone()
         }
-        (None, None) => anyhow::bail!(
-            "{}: no model there and neither `model.init_config` nor `model.base` to create one from",
-            dir.display()
-        ),
     };
     if let Some(sft) = &cfg.sft {
         let model = Decoder::load_full_precision(&weights_dir, device)?;
