@@ -89,7 +89,8 @@ pub fn check_scoring_size(
     }
 }
 
-/// Checks a training batch of `rows` sequences of up to `tokens` tokens (the SFT batch, an RL micro-batch):
+/// Checks a training batch of `rows` sequences of up to `tokens` tokens (the SFT batch; an RL learner pass
+/// is [`check_learner_size`]'s):
 /// the positions against `max_position_embeddings`, and the activations the backward keeps
 /// ([`training_activation_bytes`], a lower bound) against the memory available. `what` names the config
 /// key. Counting the keys and values alone, a batch 20x too large passed and was killed by the kernel.
@@ -106,7 +107,22 @@ pub fn check_training_size(
             limit: config.max_position_embeddings,
         });
     }
-    let need = training_activation_bytes(config, rows, tokens);
+    train_memory_fits(
+        what,
+        rows,
+        tokens,
+        training_activation_bytes(config, rows, tokens),
+    )
+}
+
+/// [`BudgetError::TrainMemory`] when a training pass of `rows` sequences of up to `tokens` tokens needs
+/// `need` bytes, more than the memory available.
+fn train_memory_fits(
+    what: &str,
+    rows: usize,
+    tokens: usize,
+    need: u128,
+) -> Result<(), BudgetError> {
     match short_of(need) {
         Some(have) => Err(BudgetError::TrainMemory {
             what: what.to_string(),
@@ -174,16 +190,8 @@ pub fn check_learner_size(
         .map(|&(p, r)| attention_bytes(config, r, p + r))
         .sum();
     let need = (responses + prompt) as u128 * activation_bytes_per_token(config) + probs;
-    match short_of(need) {
-        Some(have) => Err(BudgetError::TrainMemory {
-            what: what.to_string(),
-            rows: sequences.len(),
-            tokens: sequences.iter().map(|&(p, r)| p + r).max().unwrap_or(0),
-            need_gb: need as f64 / 1e9,
-            have_gb: have as f64 / 1e9,
-        }),
-        None => Ok(()),
-    }
+    let longest = sequences.iter().map(|&(p, r)| p + r).max().unwrap_or(0);
+    train_memory_fits(what, sequences.len(), longest, need)
 }
 
 /// Bytes of the f32 KV cache of `rows` rows of `tokens` positions.
