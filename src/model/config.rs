@@ -208,6 +208,39 @@ impl<'a> Keys<'a> {
                 .ok_or_else(|| self.bad(name, "a token id or a list of ids", v)),
         }
     }
+
+    /// [`Self::ids`], each below `vocab_size`: a special token outside the vocabulary is never generated, so
+    /// a stop at it would never happen.
+    fn ids_below(&self, name: &str, vocab_size: usize) -> Result<Vec<u32>, LoadError> {
+        let ids = self.ids(name)?;
+        for &id in &ids {
+            self.check_below(name, id, vocab_size)?;
+        }
+        Ok(ids)
+    }
+
+    fn check_below(&self, name: &str, id: u32, vocab_size: usize) -> Result<(), LoadError> {
+        if id as usize >= vocab_size {
+            return Err(self.bad(
+                name,
+                &format!("a token id below vocab_size ({vocab_size})"),
+                &Value::from(id),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The token ids under `name` of a Hugging Face JSON document read from `path` (`eos_token_id` of
+/// config.json or generation_config.json: a token id or a list of them), each below `vocab_size`; errors name
+/// the file and the key, as config.json's own.
+pub(crate) fn special_token_ids(
+    root: &Value,
+    path: &Path,
+    name: &str,
+    vocab_size: usize,
+) -> Result<Vec<u32>, LoadError> {
+    Keys { path, root }.ids_below(name, vocab_size)
 }
 
 /// `quantization_config` of a checkpoint: only qarl's own packed format is understood.
@@ -523,21 +556,10 @@ impl ModelConfig {
             });
         }
 
-        // A special token outside the vocabulary is never generated: a stop at it would never happen.
+        let eos_token_ids = k.ids_below("eos_token_id", vocab_size)?;
         let bos_token_id = k.ids("bos_token_id")?.first().copied();
-        let eos_token_ids = k.ids("eos_token_id")?;
-        for (key, id) in eos_token_ids
-            .iter()
-            .map(|&id| ("eos_token_id", id))
-            .chain(bos_token_id.map(|id| ("bos_token_id", id)))
-        {
-            if id as usize >= vocab_size {
-                return Err(k.bad(
-                    key,
-                    &format!("a token id below vocab_size ({vocab_size})"),
-                    &Value::from(id),
-                ));
-            }
+        if let Some(id) = bos_token_id {
+            k.check_below("bos_token_id", id, vocab_size)?;
         }
         Ok(Self {
             architecture,

@@ -84,29 +84,18 @@ impl EndTokens {
 }
 
 /// The `eos_token_id` of a `generation_config.json` (a token id, a list of them, or none): nothing when the
-/// file is absent; each id must be below `vocab_size`.
+/// file is absent; each id must be below `vocab_size` (read as config.json's own).
 fn generation_config_eos(path: &Path, vocab_size: usize) -> anyhow::Result<Vec<u32>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
     let doc: Value = crate::io::read_json(path)?;
-    let bad = |what: String| anyhow::anyhow!("{}: `eos_token_id` {what}", path.display());
-    let ids: Vec<&Value> = match doc.get("eos_token_id") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(ids)) => ids.iter().collect(),
-        Some(id) => vec![id],
-    };
-    ids.into_iter()
-        .map(|v| match v.as_u64() {
-            Some(id) if (id as usize) < vocab_size => Ok(id as u32),
-            Some(id) => Err(bad(format!(
-                "{id} is not below the model's vocab_size ({vocab_size})"
-            ))),
-            None => Err(bad(format!(
-                "must be a token id or a list of them, found {v}"
-            ))),
-        })
-        .collect()
+    Ok(super::config::special_token_ids(
+        &doc,
+        path,
+        "eos_token_id",
+        vocab_size,
+    )?)
 }
 
 /// The id of a `tokenizer_config.json`'s `eos_token` (a string, or an object with its `content`): nothing
@@ -215,15 +204,15 @@ mod tests {
         for (text, want) in [
             (
                 r#"{"eos_token_id": 100}"#,
-                "100 is not below the model's vocab_size (100)",
+                "`eos_token_id` must be a token id below vocab_size (100), found 100",
             ),
             (
                 r#"{"eos_token_id": "2"}"#,
-                "must be a token id or a list of them",
+                "`eos_token_id` must be a token id or a list of ids, found \"2\"",
             ),
             (
                 r#"{"eos_token_id": [1, -3]}"#,
-                "must be a token id or a list of them",
+                "`eos_token_id` must be a token id or a list of ids, found -3",
             ),
             ("{", "generation_config.json"),
         ] {
