@@ -164,47 +164,31 @@ pub fn collect(
 ) -> anyhow::Result<Collected> {
     let (rc, tc) = (&cfg.rollout, &cfg.train);
     let g = rc.samples_per_prompt;
-    let rounds = if tc.dynamic_sampling {
-        tc.refill_rounds + 1
-    } else {
-        1
-    };
-    let mut all: Option<Round> = None;
-    let mut kept = Vec::new();
-    let mut used = 0;
-    for round in 0..rounds {
-        let next = sample_round(model, task, tok, end, cfg, step, round)?;
-        used += 1;
-        let all = match all.as_mut() {
-            Some(all) => {
-                all.append(next);
-                all
-            }
-            None => all.insert(next),
-        };
-        if !tc.dynamic_sampling {
-            break;
-        }
-        kept = groups_with_signal(&all.rewards, g)?;
-        if kept.len() >= rc.prompts_per_step {
-            kept.truncate(rc.prompts_per_step);
-            break;
-        }
-    }
-    let all = all.expect("at least one round");
-    let advantages = group_advantages(&all.rewards, g, &tc.advantage)?;
+    let mut all = sample_round(model, task, tok, end, cfg, step, 0)?;
     let rows: Vec<usize> = if tc.dynamic_sampling {
+        let mut kept = groups_with_signal(&all.rewards, g)?;
+        for round in 1..=tc.refill_rounds {
+            if kept.len() >= rc.prompts_per_step {
+                break;
+            }
+            all.append(sample_round(model, task, tok, end, cfg, step, round)?);
+            kept = groups_with_signal(&all.rewards, g)?;
+        }
+        kept.truncate(rc.prompts_per_step);
         responses_of_groups(&kept, g)
     } else {
         (0..all.rollout.ids.len()).collect()
     };
+    let advantages = group_advantages(&all.rewards, g, &tc.advantage)?;
     let mut m = all.metrics(model, cfg);
     m.insert("train/kept_sequences".into(), rows.len() as f64);
     if tc.dynamic_sampling {
-        m.insert("train/refill_rounds".into(), (used - 1) as f64);
+        // Every round samples `prompts_per_step` groups.
+        let sampled = all.rollout.ids.len() / g;
+        m.insert("train/sampled_groups".into(), sampled as f64);
         m.insert(
-            "train/sampled_groups".into(),
-            (all.rollout.ids.len() / g) as f64,
+            "train/refill_rounds".into(),
+            (sampled / rc.prompts_per_step - 1) as f64,
         );
     }
     Ok(Collected {
