@@ -492,6 +492,17 @@ mod tests {
         v.iter().map(|x| x.to_bits()).collect()
     }
 
+    /// The `cols x rows` transpose of row-major `rows x cols` `v`.
+    fn transposed(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+        let mut t = vec![0.0f32; rows * cols];
+        for r in 0..rows {
+            for c in 0..cols {
+                t[c * rows + r] = v[r * cols + c];
+            }
+        }
+        t
+    }
+
     fn values(len: usize, seed: usize) -> Vec<f32> {
         (0..len)
             .map(|i| (((i * 7919 + seed * 104_729) % 1999) as f32 - 999.0) / 257.0)
@@ -556,18 +567,7 @@ mod tests {
             let a = values(m * k, 1);
             let b = values(k * n, 2);
             let expect = f32_matmul_reference(&a, &b, 1, m, k, n);
-            let mut at = vec![0.0f32; m * k];
-            for i in 0..m {
-                for kk in 0..k {
-                    at[kk * m + i] = a[i * k + kk];
-                }
-            }
-            let mut bt = vec![0.0f32; k * n];
-            for kk in 0..k {
-                for o in 0..n {
-                    bt[o * k + kk] = b[kk * n + o];
-                }
-            }
+            let (at, bt) = (transposed(&a, m, k), transposed(&b, k, n));
             for path in SimdPath::available() {
                 let cases = [
                     (Strided::rows(&a, k), Strided::rows(&b, n)),
