@@ -17,6 +17,7 @@ mod resume;
 pub mod rl;
 mod run;
 pub mod scored;
+pub mod seeds;
 pub mod sft;
 pub mod update;
 

@@ -13,6 +13,7 @@ use burn::optim::ModuleOptimizer;
 use super::batch::{replay_routing, ForwardOptions, SeqBatch};
 use super::config::{TrainConfig, TrainForward};
 use super::scored::{split_responses, ForwardStats, Scored};
+use super::seeds::{rl_seed, RlStream};
 use super::update::{update, UpdateOutcome};
 use crate::host::to_f32_vec;
 use crate::model::{Decoder, EndTokens, Tokenizer};
@@ -273,20 +274,11 @@ impl Round {
     }
 }
 
-/// A refill's seeds: the step's, moved by the round into the upper half of the seed (steps stay far below
-/// 2^32), so that no two (step, round) pairs share one; 0 for a step's first round.
-fn round_salt(round: usize) -> u64 {
-    (round as u64) << 32
-}
-
 /// The prompts of round `round` of step `step` (a function of the run's seed, the step and the round).
 pub fn round_prompts(task: &Task, cfg: &TrainConfig, step: usize, round: usize) -> Vec<Example> {
     task.sample_prompts(
         cfg.rollout.prompts_per_step,
-        cfg.seed
-            .wrapping_mul(1_000_003)
-            .wrapping_add(step as u64 + 1)
-            .wrapping_add(round_salt(round)),
+        rl_seed(cfg.seed, RlStream::Prompts, step, round),
     )
 }
 
@@ -303,7 +295,6 @@ fn sample_round(
 ) -> anyhow::Result<Round> {
     let rc = &cfg.rollout;
     let g = rc.samples_per_prompt;
-    let salt = round_salt(round);
     let examples = round_prompts(task, cfg, step, round);
     let prompts: Vec<Vec<u32>> = examples
         .iter()
@@ -317,11 +308,7 @@ fn sample_round(
         top_p: rc.top_p,
         top_k: rc.top_k,
         max_new_tokens: rc.max_new_tokens,
-        seed: cfg
-            .seed
-            .wrapping_mul(31)
-            .wrapping_add(step as u64)
-            .wrapping_add(salt),
+        seed: rl_seed(cfg.seed, RlStream::Sampling, step, round),
         stop_token_ids: end.stops().to_vec(),
         stop_strings: vec![],
         // The learner's entropy metric, when its forward would compute the rollout's bits.

@@ -291,7 +291,10 @@ pub fn run_sft_with(
     // record of a data set (each step draws its own, so the first step's say nothing of a long record
     // later), and the first step's examples (up to 256) of a generated task, whose lengths its knobs bound.
     let probe = task.training_examples().unwrap_or_else(|| {
-        task.sample_prompts(cfg.batch_size.min(256), train.seed.wrapping_mul(7919))
+        task.sample_prompts(
+            cfg.batch_size.min(256),
+            super::seeds::sft_step_seed(train.seed, 0),
+        )
     });
     let mut longest = 0;
     for ex in &probe {
@@ -303,7 +306,7 @@ pub fn run_sft_with(
     // The rate and the ETA count the steps of this process only (a resumed bar jumped to millions/s).
     bar.reset_eta();
     for step in start..cfg.steps {
-        let step_seed = train.seed.wrapping_mul(7919).wrapping_add(step as u64);
+        let step_seed = super::seeds::sft_step_seed(train.seed, step);
         let examples = task.sample_prompts(cfg.batch_size, step_seed);
         let examples = with_answer_only(&task, examples, cfg.answer_only_frac, step_seed);
         let (seqs, lens): (Vec<_>, Vec<_>) = examples
