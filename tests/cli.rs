@@ -253,12 +253,12 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
         default.train.loss.resolve().unwrap()
     );
     assert!(
-        text.contains("# unset, so off: verify.format_reward\n"),
+        text.contains("# unset, so off: train.loss.corrections, verify.format_reward\n"),
         "{text}"
     );
     let ppo = stdout_of(qarl().args(["config", "show", "--set", "train.loss.objective=ppo_clip"]));
     assert!(
-        ppo.contains("# unset, so off: train.loss.dual_clip_c, verify.format_reward\n"),
+        ppo.contains("# unset, so off: train.loss.dual_clip_c, train.loss.corrections, verify.format_reward\n"),
         "{ppo}"
     );
     let err = error_of(qarl().args(["config", "show", "--set", "rollout.sample_per_prompt=4"]));

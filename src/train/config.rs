@@ -336,6 +336,10 @@ impl TrainConfig {
             .into_iter()
             .map(|name| format!("train.loss.{name}"))
             .collect();
+        if self.train.loss.corrections.is_empty() {
+            // An empty array of tables has no TOML form, so the printed config cannot show it.
+            unset.push("train.loss.corrections".into());
+        }
         if self.verify.format_reward.is_none() {
             unset.push("verify.format_reward".into());
         }
