@@ -345,15 +345,23 @@ pub fn run_experiment(
     Ok(report)
 }
 
-fn mean_std(xs: &[f64]) -> (f64, f64) {
+/// The mean and the sample standard deviation of `xs`; no deviation for a single value (undefined, not 0).
+fn mean_std(xs: &[f64]) -> (f64, Option<f64>) {
     let n = xs.len().max(1) as f64;
     let m = xs.iter().sum::<f64>() / n;
-    let v = if xs.len() > 1 {
-        xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)
-    } else {
-        0.0
-    };
-    (m, v.sqrt())
+    let sd = (xs.len() > 1)
+        .then(|| (xs.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (n - 1.0)).sqrt());
+    (m, sd)
+}
+
+/// `mean ± sd` over seeds with `prec` decimals (`prec` 99: scientific), the mean alone for one seed.
+fn mean_sd_text(xs: &[f64], prec: usize) -> String {
+    match (mean_std(xs), prec) {
+        ((m, Some(s)), 99) => format!("{m:.2e} ± {s:.1e}"),
+        ((m, None), 99) => format!("{m:.2e}"),
+        ((m, Some(s)), _) => format!("{m:.prec$} ± {s:.prec$}"),
+        ((m, None), _) => format!("{m:.prec$}"),
+    }
 }
 
 /// A column of the mismatch table: its header and how the value is printed.
@@ -591,8 +599,10 @@ fn accuracy_cell(shared: Option<&Vec<Vec<bool>>>, per_seed: &[f64]) -> String {
     if per_seed.is_empty() {
         return "-".into();
     }
-    let (m, s) = mean_std(per_seed);
-    format!("{m:.3} (sd {s:.3} over seeds)")
+    match mean_std(per_seed) {
+        (m, Some(s)) => format!("{m:.3} (sd {s:.3} over seeds)"),
+        (m, None) => format!("{m:.3} (1 seed)"),
+    }
 }
 
 /// Each seed's final accuracy, rollout precision then f32 (`0.824 0.798; 0.948 0.829`), or `-`.
@@ -614,6 +624,23 @@ fn comparison_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> St
     a.zip(b)
         .and_then(|(a, b)| ArmComparison::new(a, b))
         .map_or_else(|| "-".into(), |c| c.problems_text())
+}
+
+/// The RL gain: the final outcomes against those before RL, paired by problem, or `-`. Where every seed
+/// started from one warm start (the same outcomes before RL in every run), B is that one model, not a sample
+/// of seeds: its copies would make the comparison look like S seeds against S, whose sign test rejects far
+/// too often when one side is a single model ([`super::paired::PairedTest::PairedT`]).
+fn rl_gain_cell(after: Option<&Vec<Vec<bool>>>, before: Option<&Vec<Vec<bool>>>) -> String {
+    let Some((after, before)) = after.zip(before) else {
+        return "-".into();
+    };
+    let one_start = before.windows(2).all(|w| w[0] == w[1]);
+    let c = if one_start && !before.is_empty() {
+        ArmComparison::against_fixed(after, &before[..1])
+    } else {
+        ArmComparison::new(after, before)
+    };
+    c.map_or_else(|| "-".into(), |c| c.problems_text())
 }
 
 /// One variant's finished runs, read back.
@@ -668,7 +695,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         writeln!(md, "The paper's claims, one by one, against these numbers: [{CLAIMS_FILE}]({CLAIMS_FILE}).\n")?;
     }
     writeln!(md, "Seeds: {:?}. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (T = 1), before and at the end of RL, in the rollout precision.\n", exp.seeds)?;
-    writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the exact sign-test p-value. The SE over problems treats the trained models as fixed: it says how well the held-out problems pin down these models' accuracies, not how far other training seeds would move them; the per-seed column shows that spread. mean@k: mean ± sample std over seeds.\n")?;
+    writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the p-value (an exact sign test where the seed counts match; a paired t-test where every seed started from one warm start and several seeds are compared with it, `t-test p`). The SE over problems treats the trained models as fixed: it says how well the held-out problems pin down these models' accuracies, not how far other training seeds would move them; the per-seed column shows that spread. mean@k: mean ± sample std over seeds (the mean alone for one seed).\n")?;
     writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | final acc per seed (rollout prec.; f32) | RL gain, paired by problem | mean@k before RL | mean@k (rollout prec.) |")?;
     writeln!(md, "|---|---|---|---|---|---|---|---|---|")?;
     for v in &variants {
@@ -677,8 +704,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
             if xs.is_empty() {
                 "-".into()
             } else {
-                let (m, s) = mean_std(&xs);
-                format!("{m:.3} ± {s:.3}")
+                mean_sd_text(&xs, 3)
             }
         };
         writeln!(
@@ -691,7 +717,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
             accuracy_cell(v.after_roll.as_ref().map(|o| &o.1), &v.column("acc_roll")),
             accuracy_cell(v.after_f32.as_ref().map(|o| &o.1), &v.column("acc_f32")),
             per_seed_cell(&v.column("acc_roll"), &v.column("acc_f32")),
-            comparison_cell(
+            rl_gain_cell(
                 v.after_roll.as_ref().map(|o| &o.1),
                 v.before.as_ref().map(|o| &o.1)
             ),
@@ -712,12 +738,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
                 if xs.is_empty() {
                     return "-".into();
                 }
-                let (m, s) = mean_std(&xs);
-                if prec == 99 {
-                    format!("{m:.2e} ± {s:.1e}")
-                } else {
-                    format!("{m:.prec$} ± {s:.prec$}")
-                }
+                mean_sd_text(&xs, prec)
             })
             .collect();
         writeln!(md, "| {} | {} |", v.variant.name, cells.join(" | "))?;
@@ -852,6 +873,37 @@ mod tests {
     fn per_seed_cell_lists_both_precisions() {
         assert_eq!(per_seed_cell(&[], &[]), "-");
         assert_eq!(per_seed_cell(&[0.5, 0.25], &[1.0]), "0.500 0.250; 1.000");
+    }
+
+    #[test]
+    fn one_seed_has_a_mean_and_no_spread() {
+        assert_eq!(mean_sd_text(&[0.689], 3), "0.689");
+        assert_eq!(mean_sd_text(&[0.5, 0.7], 2), "0.60 ± 0.14");
+        assert_eq!(mean_sd_text(&[2e-3], 99), "2.00e-3");
+        assert_eq!(accuracy_cell(None, &[0.25]), "0.250 (1 seed)");
+        assert_eq!(
+            accuracy_cell(None, &[0.5, 0.5]),
+            "0.500 (sd 0.000 over seeds)"
+        );
+    }
+
+    #[test]
+    fn the_rl_gain_of_seeds_from_one_warm_start_is_tested_against_one_model() {
+        let rows = |rs: &[&str]| -> Vec<Vec<bool>> {
+            rs.iter()
+                .map(|r| r.bytes().map(|b| b == b'1').collect())
+                .collect()
+        };
+        let after = rows(&["1100", "1110", "1100"]);
+        // One warm start: 3 seeds against one model, the t-test.
+        let shared = rows(&["0100", "0100", "0100"]);
+        let cell = rl_gain_cell(Some(&after), Some(&shared));
+        assert!(cell.contains("(2 vs 0 problems; t-test p"), "{cell}");
+        // A warm start per seed: 3 seeds against 3, the sign test (3 gained, 0 lost: p = 2 / 2^3).
+        let own = rows(&["0100", "0000", "0100"]);
+        let cell = rl_gain_cell(Some(&after), Some(&own));
+        assert!(cell.ends_with("(3 vs 0 problems; p 2.5e-1)"), "{cell}");
+        assert_eq!(rl_gain_cell(None, Some(&own)), "-");
     }
 
     #[test]

@@ -192,15 +192,13 @@ impl ArmComparison {
         let (mean_d, diff_se) = mean_and_se(&d);
         let a_better = d.iter().filter(|&&x| x > 0.0).count();
         let b_better = d.iter().filter(|&&x| x < 0.0).count();
-        let test = if a.len() == b.len() {
-            PairedTest::Sign
-        } else {
-            PairedTest::PairedT
-        };
-        let p_value = match test {
-            PairedTest::Sign => mcnemar_exact(a_better, b_better),
-            PairedTest::PairedT => paired_t_p(mean_d, diff_se, d.len())
-                .unwrap_or_else(|| mcnemar_exact(a_better, b_better)),
+        // Equal seed counts take the sign test; unequal ones the t-test, unless it has nothing to go on.
+        let t_p = (a.len() != b.len())
+            .then(|| paired_t_p(mean_d, diff_se, d.len()))
+            .flatten();
+        let (p_value, test) = match t_p {
+            Some(p) => (p, PairedTest::PairedT),
+            None => (mcnemar_exact(a_better, b_better), PairedTest::Sign),
         };
         Some(Self {
             problems: d.len(),
@@ -275,7 +273,8 @@ impl ArmComparison {
 pub enum PairedTest {
     /// Exact two-sided sign test over the problems that differ ([`mcnemar_exact`] of the two counts; with one
     /// seed per arm this is McNemar's test). Valid where the arms have as many seeds: then, if they are
-    /// equally good, `a_i - b_i` is as likely positive as negative.
+    /// equally good, `a_i - b_i` is as likely positive as negative. Also what stands in for the t-test where
+    /// the differences have no spread.
     Sign,
     /// Paired t-test on `a_i - b_i` (`n - 1` degrees of freedom), where the seed counts differ: the arm with
     /// fewer seeds has the noisier per-problem mean, which wins the signs on easy problems and loses them on
@@ -291,7 +290,8 @@ pub enum PairedTest {
 /// one arm, where t would claim p = 0).
 fn paired_t_p(mean: f64, se: f64, n: usize) -> Option<f64> {
     use statrs::distribution::{ContinuousCDF, StudentsT};
-    if n < 2 || se == 0.0 {
+    // Equal differences that are not binary fractions (all 1/3) leave a rounding residue of ~1e-17, not 0.
+    if n < 2 || se <= 1e-12 * mean.abs().max(1.0) {
         return None;
     }
     let t = StudentsT::new(0.0, 1.0, (n - 1) as f64).ok()?;
@@ -409,6 +409,20 @@ mod tests {
         let none = outcomes(&[&[0, 0, 0], &[0, 0, 0]]);
         let c = ArmComparison::new(&all, &none).unwrap();
         assert!((c.p_value - 0.25).abs() < 1e-12, "{}", c.p_value);
+        // ... and says so: the p-value is the sign test's, not a t-test's.
+        assert_eq!(c.test, PairedTest::Sign);
+        assert!(
+            c.problems_text().ends_with("; p 2.5e-1)"),
+            "{}",
+            c.problems_text()
+        );
+        // Every difference 1/3 (one seed right on all 10 problems, three seeds right twice in three): no
+        // spread either, though the mean of ten 1/3s leaves a rounding residue in the standard error.
+        let all10 = outcomes(&[&[1; 10]]);
+        let two_of_three = outcomes(&[&[1; 10], &[1; 10], &[0; 10]]);
+        let c = ArmComparison::new(&all10, &two_of_three).unwrap();
+        assert_eq!(c.test, PairedTest::Sign);
+        assert!((c.p_value - 2.0 / 1024.0).abs() < 1e-15, "{}", c.p_value);
     }
 
     /// Under the null (both arms' models share each problem's success rate), 1 seed against 3: the
