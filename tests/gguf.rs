@@ -740,6 +740,15 @@ fn add_bos_and_add_eos_tokens_are_imported() {
             .chain(eos.then_some(2))
             .collect();
         assert_eq!(encode(&out, "hello"), want, "add_bos {bos}, add_eos {eos}");
+        // qarl's prompts: the BOS the tokenizer adds, once, never the EOS (a prompt is continued).
+        let tok = qarl::model::Tokenizer::load_optional(&out)
+            .unwrap()
+            .unwrap();
+        let prompt: Vec<u32> = bos.then_some(1).into_iter().chain(ids.clone()).collect();
+        assert_eq!(tok.encode_prompt("hello").unwrap(), prompt, "add_bos {bos}");
+        // A template that writes the BOS itself (`{{ bos_token }}...`) does not get a second one.
+        let bos_text: Vec<u32> = [1].into_iter().chain(ids.clone()).collect();
+        assert_eq!(tok.encode_prompt("<|im_start|>hello").unwrap(), bos_text);
         let tc = read_json(&out.join("tokenizer_config.json"));
         assert_eq!(tc["add_bos_token"], bos);
         assert_eq!(tc["add_eos_token"], eos);

@@ -518,6 +518,11 @@ fn bad_lines_name_file_and_line() {
             "`question` is not a string",
         ),
         (r#"{"question": "q", "answer": "no marker"}"#, "####"),
+        // An empty question would be prompted as an empty user turn.
+        (
+            r#####"{"question": " \n ", "answer": "#### 1"}"#####,
+            "field `question` is empty",
+        ),
         ("[1, 2]", "not a JSON object"),
         // serde_json would keep the second question without a word.
         (

@@ -62,6 +62,15 @@ impl Tokenizer {
             .map_err(|e| e.to_string())
     }
 
+    /// A tokenizer from the text of a `tokenizer.json` (for tests that need no folder).
+    #[cfg(test)]
+    pub(crate) fn from_json_text(text: &str) -> Self {
+        Self {
+            inner: Self::parse(text).unwrap(),
+            path: PathBuf::from("tokenizer.json"),
+        }
+    }
+
     /// [`Self::load_optional`] for the model `config` of the same directory, refusing a tokenizer with ids
     /// that the model has no embedding row for: any text holding such a token would index past the
     /// embedding in the middle of a run (a vocabulary smaller than the tokenizer's is a mismatched pair,
@@ -114,8 +123,18 @@ impl Tokenizer {
     /// [`Self::encode`] for a prompt, which a model must be given at least one token of (the rollout starts
     /// from the prompt's last token): an empty question under a template without prefixes is refused here,
     /// naming it, instead of reaching the rollout as an empty row.
+    ///
+    /// A prompt starts with the special tokens the tokenizer's post-processor puts before a text (a BOS,
+    /// as transformers, vLLM and llama.cpp add it for Llama-family models), once: a chat template that
+    /// writes the BOS itself does not get a second one. Special tokens it would put after the text (an
+    /// EOS) are left out: a prompt is continued, not ended.
     pub fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        let ids = self.encode(text)?;
+        let mut ids = self.leading_special_tokens(text)?;
+        let body = self.encode(text)?;
+        if !ids.is_empty() && body.starts_with(&ids) {
+            ids.clear();
+        }
+        ids.extend(body);
         if ids.is_empty() {
             anyhow::bail!(
                 "{}: the prompt {text:?} encodes to no tokens (an empty question under a template with \
@@ -124,6 +143,16 @@ impl Tokenizer {
             );
         }
         Ok(ids)
+    }
+
+    /// The special tokens the post-processor adds before `text` (none for most tokenizers; Llama's BOS).
+    fn leading_special_tokens(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let enc = self.inner.encode(text, true).map_err(|e| {
+            anyhow::anyhow!("{}: could not encode the text: {e}", self.path.display())
+        })?;
+        let added = enc.get_special_tokens_mask();
+        let lead = added.iter().take_while(|&&m| m == 1).count();
+        Ok(enc.get_ids()[..lead].to_vec())
     }
 
     /// Whether this tokenizer can take the ChatML template where `declared_in` (a model directory)

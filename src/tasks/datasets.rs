@@ -68,6 +68,10 @@ pub enum LineError {
     MissingField(&'static str),
     #[error("field `{0}` is not a string")]
     NotString(&'static str),
+    /// An empty question would be prompted as an empty user turn (a chat template's markers are never
+    /// empty, so the prompt's own check would not see it).
+    #[error("field `{0}` is empty")]
+    EmptyField(&'static str),
     #[error("field `answer` has no final answer after `####`")]
     NoFinalAnswer,
     /// The gold answer is read after the last `####`, a response's after its first: a solution with two
@@ -112,6 +116,15 @@ pub fn strip_calculator_annotations(text: &str) -> String {
     }
     out.push_str(rest);
     out
+}
+
+/// [`string_field`] that must hold more than whitespace.
+fn text_field(obj: &serde_json::Value, key: &'static str) -> Result<String, LineError> {
+    let s = string_field(obj, key)?;
+    if s.trim().is_empty() {
+        return Err(LineError::EmptyField(key));
+    }
+    Ok(s)
 }
 
 fn string_field(obj: &serde_json::Value, key: &'static str) -> Result<String, LineError> {
@@ -169,7 +182,7 @@ impl<'de> Deserialize<'de> for KeysOnce {
 /// the verifier reads ([`super::verify::parse_answer`]).
 pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
-    let question = string_field(&v, "question")?;
+    let question = text_field(&v, "question")?;
     let solution = string_field(&v, "answer")?;
     let markers = final_answer_markers(&solution);
     if markers > 1 {
@@ -194,7 +207,7 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
 /// `\boxed{}`, a string `answer` field is used if present.
 pub fn parse_math_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
-    let question = string_field(&v, "problem")?;
+    let question = text_field(&v, "problem")?;
     let solution = string_field(&v, "solution")?;
     let answer = match last_boxed(&solution)
         .map(str::trim)

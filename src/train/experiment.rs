@@ -619,13 +619,6 @@ fn per_seed_cell(roll: &[f64], f32: &[f64]) -> String {
     format!("{}; {}", list(roll), list(f32))
 }
 
-/// [`ArmComparison::problems_text`] of two arms' outcomes, or `-`.
-fn comparison_cell(a: Option<&Vec<Vec<bool>>>, b: Option<&Vec<Vec<bool>>>) -> String {
-    a.zip(b)
-        .and_then(|(a, b)| ArmComparison::new(a, b))
-        .map_or_else(|| "-".into(), |c| c.problems_text())
-}
-
 /// The RL gain: the final outcomes against those before RL, paired by problem, or `-`. Where every seed
 /// started from one warm start (the same outcomes before RL in every run), B is that one model, not a sample
 /// of seeds: its copies would make the comparison look like S seeds against S, whose sign test rejects far

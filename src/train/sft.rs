@@ -17,7 +17,10 @@ use crate::tasks::{Example, Task};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// Prompt ids and prompt + solution + EOS ids of one example.
+/// Prompt ids and prompt + solution + EOS ids of one example. A completion that already ends with the EOS
+/// (a chat template closes the turn with it: `<|im_end|>` is the EOS of Qwen and SmolLM2) does not get a
+/// second one, which would train a meaningless `<|im_end|>` after `<|im_end|>` (TRL appends it likewise only
+/// where it is missing).
 pub fn encode_example(
     tok: &Tokenizer,
     ex: &Example,
@@ -30,7 +33,9 @@ pub fn encode_example(
         .context("the task has no worked solutions for SFT")?;
     let mut ids = prompt.clone();
     ids.extend(tok.encode(solution)?);
-    ids.push(eos);
+    if ids.last() != Some(&eos) {
+        ids.push(eos);
+    }
     Ok((ids, prompt.len()))
 }
 
@@ -385,6 +390,30 @@ pub fn run_sft_with(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A chat completion closes its turn with `<|im_end|>`, the EOS of Qwen and SmolLM2: one end token, not
+    /// two; a plain completion gets the EOS appended.
+    #[test]
+    fn an_example_ends_with_one_eos() {
+        let tok = Tokenizer::from_json_text(
+            r#"{"version": "1.0", "truncation": null, "padding": null,
+                "added_tokens": [{"id": 0, "content": "<|im_end|>", "single_word": false, "lstrip": false,
+                                  "rstrip": false, "normalized": false, "special": true}],
+                "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+                "decoder": null,
+                "model": {"type": "WordLevel", "vocab": {"<|im_end|>": 0, "a": 1, "b": 2, "[UNK]": 3},
+                          "unk_token": "[UNK]"}}"#,
+        );
+        let example = |solution: &str| Example {
+            prompt: "a".into(),
+            answer: "b".into(),
+            solution: Some(solution.into()),
+        };
+        for solution in ["b<|im_end|>", "b"] {
+            let (ids, prompt_len) = encode_example(&tok, &example(solution), 0).unwrap();
+            assert_eq!((ids, prompt_len), (vec![1, 2, 0], 1), "{solution}");
+        }
+    }
 
     /// A warm start's identity read back from its resume point matches the fresh one for every f32
     /// setting: serde_json reads some 17-digit numbers one step off (`model.init_std = 0.03`, which made
