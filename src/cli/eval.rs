@@ -34,14 +34,17 @@ pub struct EvalArgs {
     /// Activations' type (`f32`, or mixed precision: `bf16`, `f16`; weights stay f32 or packed).
     #[arg(long, value_enum, default_value_t = crate::model::Activations::F32)]
     pub activations: crate::model::Activations,
-    /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`).
+    /// `chat` (the model's own chat template, ChatML where it has none) or `plain` (`Question: ...\nAnswer:`).
     #[arg(long, default_value = "chat")]
     pub template: String,
-    /// System turn of the chat template. Without it the prompt has no system turn, which is not what
-    /// every model's own template renders: SmolLM2's adds "You are a helpful AI assistant named SmolLM,
-    /// trained by Hugging Face" when none is given; pass that text to reproduce it.
+    /// System turn of the chat template. Without it, the model's template decides (SmolLM2's writes "You
+    /// are a helpful AI assistant named SmolLM, trained by Hugging Face"; ChatML writes none).
     #[arg(long)]
     pub system: Option<String>,
+    /// The chat template's `enable_thinking` switch (Qwen3: `false` opens the answer with an empty
+    /// `<think>` block); refused for a template that does not read it.
+    #[arg(long)]
+    pub enable_thinking: Option<bool>,
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
     /// Prompts decoded together.
@@ -65,20 +68,22 @@ pub struct EvalArgs {
     pub backend: BackendKind,
 }
 
-/// The prompt template `--template NAME` (with `--system`) names for the model in `dir`: `chat`, the
-/// model's ChatML template (any other template the model declares is refused), or `plain`
+/// The prompt template `--template NAME` (with `--system` and `--enable-thinking`) names for the model in
+/// `dir`: `chat`, the model's own chat template (ChatML where it declares none), or `plain`
 /// (`Question: ...\nAnswer:`), which has no system turn.
 pub(crate) fn prompt_template(
     dir: &std::path::Path,
     name: &str,
     system: Option<String>,
+    enable_thinking: Option<bool>,
 ) -> anyhow::Result<Template> {
     match name {
-        "chat" => {
-            Template::chat_from_model_dir(dir)?;
-            Ok(Template::Chat { system })
-        }
+        "chat" => Ok(Template::chat_for_model(dir, system, enable_thinking)?),
         "plain" => {
+            anyhow::ensure!(
+                enable_thinking.is_none(),
+                "--enable-thinking is a switch of the model's chat template; `--template plain` has none"
+            );
             anyhow::ensure!(
                 system.is_none(),
                 "--system is the chat template's system turn; `--template plain` has none (drop --system)"
@@ -128,7 +133,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
-    let template = prompt_template(&args.model, &args.template, args.system.clone())?;
+    let template = prompt_template(
+        &args.model,
+        &args.template,
+        args.system.clone(),
+        args.enable_thinking,
+    )?;
     let model = super::load_model(&args.model, &device, args.quant, args.activations)?;
     let tok = Tokenizer::load_for(&args.model, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
@@ -153,7 +163,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let prompts: Vec<Vec<u32>> = records
         .iter()
-        .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)))
+        .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)?))
         .collect::<anyhow::Result<_>>()?;
     let batch = args.batch;
     crate::rollout::check_rollout_size(

@@ -45,13 +45,18 @@ pub struct MismatchArgs {
     pub max_new_tokens: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// `chat` (the model's ChatML template) or `plain` (`Question: ...\nAnswer:`, for a base model).
+    /// `chat` (the model's own chat template, ChatML where it has none) or `plain`
+    /// (`Question: ...\nAnswer:`, for a base model).
     #[arg(long, default_value = "chat")]
     pub template: String,
-    /// System turn of the chat template (without it, none: a model's own template may add a default
-    /// one, SmolLM2's does).
+    /// System turn of the chat template (without it, the model's template decides: SmolLM2's writes a
+    /// default one, ChatML none).
     #[arg(long)]
     pub system: Option<String>,
+    /// The chat template's `enable_thinking` switch (Qwen3: `false` opens the answer with an empty
+    /// `<think>` block); refused for a template that does not read it.
+    #[arg(long)]
+    pub enable_thinking: Option<bool>,
     /// Write the table as JSON here (and as Markdown next to it, `.md`).
     #[arg(long)]
     pub output: Option<PathBuf>,
@@ -114,14 +119,19 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     let mut records = load_gsm8k(&path, OnBadLine::Error)?;
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
-    let template = super::eval::prompt_template(&args.model, &args.template, args.system.clone())?;
+    let template = super::eval::prompt_template(
+        &args.model,
+        &args.template,
+        args.system.clone(),
+        args.enable_thinking,
+    )?;
     let full = Decoder::load_full_precision(&args.model, &device)?;
     let tok = Tokenizer::load_for(&args.model, &full.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     tok.check_template(&template, &args.model)?;
     let prompts: Vec<Vec<u32>> = records
         .iter()
-        .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)))
+        .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)?))
         .collect::<anyhow::Result<_>>()?;
     crate::rollout::check_rollout_size(
         &full.config,

@@ -22,6 +22,7 @@
 
 pub mod arithmetic;
 pub mod char_tokenizer;
+pub mod chat_template;
 pub mod datasets;
 pub mod template;
 pub mod verify;
@@ -42,6 +43,8 @@ pub use verify::{score, Verdict, VerifyConfig, VerifyError};
 /// One prompt with its gold answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Example {
+    /// The question as the data set or the generator states it (before the template).
+    pub question: String,
     /// The rendered prompt (template applied).
     pub prompt: String,
     /// The gold final answer (compare with [`verify::score`]).
@@ -277,8 +280,11 @@ pub struct DatasetTask {
     name: &'static str,
     train: Vec<Record>,
     eval: Vec<Record>,
+    /// `train` and `eval` with the template applied, rendered once when the task is built: a record the
+    /// template cannot render is reported then, naming its line, not in the middle of a run.
+    train_examples: Vec<Example>,
+    eval_examples: Vec<Example>,
     template: Template,
-    strip_annotations: bool,
 }
 
 impl DatasetTask {
@@ -296,19 +302,40 @@ impl DatasetTask {
     pub fn template(&self) -> &Template {
         &self.template
     }
+}
 
-    fn example(&self, r: &Record) -> Example {
-        let sol = if self.strip_annotations {
-            datasets::strip_calculator_annotations(&r.solution)
-        } else {
-            r.solution.clone()
-        };
-        Example {
-            prompt: self.template.render_prompt(&r.question),
-            answer: r.answer.clone(),
-            solution: Some(self.template.render_completion(&sol)),
-        }
-    }
+/// `records` of the data set in `path` as examples under `template` (the solutions without calculator
+/// annotations where `strip_annotations`).
+fn render_examples(
+    records: &[Record],
+    template: &Template,
+    strip_annotations: bool,
+    path: &Path,
+) -> Result<Vec<Example>, TaskError> {
+    records
+        .iter()
+        .map(|r| {
+            let sol = if strip_annotations {
+                datasets::strip_calculator_annotations(&r.solution)
+            } else {
+                r.solution.clone()
+            };
+            let at_line = |e: TemplateError| TemplateError::Invalid {
+                path: path.to_path_buf(),
+                msg: format!("line {}: {e}", r.line),
+            };
+            Ok(Example {
+                question: r.question.clone(),
+                prompt: template.render_prompt(&r.question).map_err(at_line)?,
+                answer: r.answer.clone(),
+                solution: Some(
+                    template
+                        .render_completion(&r.question, &sol)
+                        .map_err(at_line)?,
+                ),
+            })
+        })
+        .collect()
 }
 
 /// Seed of the arithmetic held-out stream.
@@ -344,6 +371,7 @@ fn arithmetic_is_eval(prompt: &str) -> bool {
 
 fn problem_example(p: Problem) -> Example {
     Example {
+        question: p.prompt.clone(),
         prompt: p.prompt,
         answer: p.answer,
         solution: Some(p.solution),
@@ -409,12 +437,15 @@ impl Task {
                 eval_fraction: d.held_out_fraction(),
             });
         }
+        let strip = d.strip_calculator_annotations;
+        let eval_path = d.eval_path.as_deref().unwrap_or(&d.path);
         Ok(Task::Dataset(DatasetTask {
             name,
+            train_examples: render_examples(&train, &template, strip, &d.path)?,
+            eval_examples: render_examples(&eval, &template, strip, eval_path)?,
             train,
             eval,
             template,
-            strip_annotations: d.strip_calculator_annotations,
         }))
     }
 
@@ -449,7 +480,7 @@ impl Task {
                 while out.len() < n {
                     idx.shuffle(&mut rng);
                     for &i in idx.iter().take(n - out.len()) {
-                        out.push(d.example(&d.train[i]));
+                        out.push(d.train_examples[i].clone());
                     }
                 }
                 out
@@ -462,7 +493,7 @@ impl Task {
     pub fn training_examples(&self) -> Option<Vec<Example>> {
         match self {
             Task::Arithmetic(_) => None,
-            Task::Dataset(d) => Some(d.train.iter().map(|r| d.example(r)).collect()),
+            Task::Dataset(d) => Some(d.train_examples.clone()),
         }
     }
 
@@ -493,7 +524,7 @@ impl Task {
                 }
                 out
             }
-            Task::Dataset(d) => d.eval.iter().take(n).map(|r| d.example(r)).collect(),
+            Task::Dataset(d) => d.eval_examples.iter().take(n).cloned().collect(),
         }
     }
 
@@ -519,16 +550,16 @@ impl Task {
     /// The answer-only completion of `example`: its final-answer line with no working (` #### 7` for
     /// arithmetic and GSM8K, `\boxed{7}` for MATH), rendered like a worked solution. A warm start that mixes
     /// these in (`sft.answer_only_frac`) learns two ways of answering, as models pretrained on real text do.
-    pub fn answer_only_solution(&self, example: &Example) -> String {
+    pub fn answer_only_solution(&self, example: &Example) -> Result<String, TemplateError> {
         match self {
-            Task::Arithmetic(_) => format!(" #### {}\n", example.answer),
+            Task::Arithmetic(_) => Ok(format!(" #### {}\n", example.answer)),
             Task::Dataset(d) => {
                 let line = if d.name == "math" {
                     format!("\\boxed{{{}}}", example.answer)
                 } else {
                     format!("#### {}", example.answer)
                 };
-                d.template.render_completion(&line)
+                d.template.render_completion(&example.question, &line)
             }
         }
     }

@@ -1,16 +1,18 @@
-//! Prompt templates: `plain` (`Question: {q}\nAnswer:`, both parts configurable) and `chat` (ChatML:
-//! `<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n`, optionally after a system turn).
-//!
-//! A chat template can be checked against a model directory: its `tokenizer_config.json` `chat_template` (or a
-//! `chat_template.jinja` file) must be the ChatML form (Qwen2/2.5/3 are); any other template is a clear error,
-//! since rendering arbitrary Jinja is not supported. A directory without a chat template gets ChatML.
+//! Prompt templates: `plain` (`Question: {q}\nAnswer:`, both parts configurable) and `chat`: the model's own
+//! chat template ([`ModelChatTemplate`], rendered as transformers renders it) where the model's folder
+//! declares one, else ChatML (`<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n`, optionally after
+//! a system turn).
 //!
 //! [`Template::render_completion`] gives the text that follows the prompt for supervised training: plain adds
-//! a space after an answer prefix that does not end in whitespace; chat closes the turn with `<|im_end|>`.
+//! a space after an answer prefix that does not end in whitespace; chat closes the turn as the template
+//! closes an assistant's turn (ChatML: `<|im_end|>`).
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+
+pub use super::chat_template::ModelChatTemplate;
+use super::chat_template::Turn;
 
 pub const IM_START: &str = "<|im_start|>";
 pub const IM_END: &str = "<|im_end|>";
@@ -23,11 +25,6 @@ pub enum TemplateError {
     Io { path: PathBuf, io: std::io::Error },
     #[error("{path}: {msg}")]
     Invalid { path: PathBuf, msg: String },
-    #[error(
-        "{path}: the chat template is not the ChatML form (`<|im_start|>role\\n...<|im_end|>`); only ChatML is \
-         supported: use a ChatML model or the `plain` template"
-    )]
-    NotChatMl { path: PathBuf },
 }
 
 /// Serde form of a template: `{ kind = "plain", question_prefix = "...", answer_prefix = "..." }` or
@@ -55,12 +52,17 @@ pub struct PlainTemplate {
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatTemplate {
-    /// Model directory whose chat template must be ChatML (checked when the template is built).
+    /// Model directory whose chat template the prompts follow (ChatML where it declares none, or where no
+    /// directory is given).
     #[serde(default)]
     pub model_dir: Option<PathBuf>,
-    /// Optional system turn.
+    /// Optional system turn (without one, the model's template may write its own default).
     #[serde(default)]
     pub system: Option<String>,
+    /// The template's `enable_thinking` switch (Qwen3: `false` closes an empty `<think>` block after the
+    /// assistant's opening); refused for a template that does not read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enable_thinking: Option<bool>,
 }
 
 fn default_question_prefix() -> String {
@@ -107,8 +109,13 @@ pub enum Template {
         question_prefix: String,
         answer_prefix: String,
     },
-    /// ChatML with an optional system turn.
-    Chat { system: Option<String> },
+    /// A chat: the model's own template (`model`), else ChatML, with an optional system turn.
+    Chat {
+        system: Option<String>,
+        model: Option<ModelChatTemplate>,
+        /// `enable_thinking` for the model's template (only with `model`, and only one that reads it).
+        enable_thinking: Option<bool>,
+    },
 }
 
 impl Default for Template {
@@ -123,10 +130,14 @@ impl Default for Template {
 impl Template {
     /// ChatML without a system turn.
     pub fn chatml() -> Self {
-        Template::Chat { system: None }
+        Template::Chat {
+            system: None,
+            model: None,
+            enable_thinking: None,
+        }
     }
 
-    /// Builds a template from its config (a chat template with `model_dir` is checked against the model).
+    /// Builds a template from its config (a chat template with `model_dir` follows that model's template).
     pub fn from_config(cfg: &TemplateConfig) -> Result<Self, TemplateError> {
         match cfg {
             TemplateConfig::Plain(PlainTemplate {
@@ -136,41 +147,91 @@ impl Template {
                 question_prefix: question_prefix.clone(),
                 answer_prefix: answer_prefix.clone(),
             }),
-            TemplateConfig::Chat(ChatTemplate { model_dir, system }) => {
-                if let Some(dir) = model_dir {
-                    // A folder that is not there has no chat template to check against: the prompts would
-                    // silently follow ChatML whatever the model's own template is.
-                    if !dir.is_dir() {
+            TemplateConfig::Chat(ChatTemplate {
+                model_dir,
+                system,
+                enable_thinking,
+            }) => {
+                let Some(dir) = model_dir else {
+                    if enable_thinking.is_some() {
                         return Err(TemplateError::Invalid {
-                            path: dir.clone(),
-                            msg: "`task.template.model_dir` is not a folder (the model whose chat \
-                                  template the prompts follow)"
-                                .into(),
+                            path: "task.template".into(),
+                            msg:
+                                "`enable_thinking` is a switch of a model's own chat template: set \
+                                  `model_dir` to the model whose template reads it"
+                                    .into(),
                         });
                     }
-                    chat_template_of_model(dir)?;
+                    return Ok(Template::Chat {
+                        system: system.clone(),
+                        model: None,
+                        enable_thinking: None,
+                    });
+                };
+                // A folder that is not there has no chat template to follow: the prompts would silently
+                // be ChatML whatever the model's own template is.
+                if !dir.is_dir() {
+                    return Err(TemplateError::Invalid {
+                        path: dir.clone(),
+                        msg: "`task.template.model_dir` is not a folder (the model whose chat \
+                              template the prompts follow)"
+                            .into(),
+                    });
                 }
-                Ok(Template::Chat {
-                    system: system.clone(),
-                })
+                Self::chat_for_model(dir, system.clone(), *enable_thinking)
             }
         }
     }
 
-    /// The chat template of a model directory (see the module documentation), without a system turn.
+    /// The chat template of the model in `dir` (its own, else ChatML) with `system` and `enable_thinking`,
+    /// checked by rendering a probe conversation: a template that cannot render one, or that
+    /// `enable_thinking` would be set for nothing, is refused here, naming its file.
+    pub fn chat_for_model(
+        dir: &Path,
+        system: Option<String>,
+        enable_thinking: Option<bool>,
+    ) -> Result<Self, TemplateError> {
+        let model = ModelChatTemplate::of_model(dir)?;
+        match (&model, enable_thinking) {
+            (None, Some(_)) => return Err(TemplateError::Invalid {
+                path: dir.to_path_buf(),
+                msg: "`enable_thinking` is set, but the model declares no chat template to read it"
+                    .into(),
+            }),
+            (Some(m), Some(_)) if !m.reads("enable_thinking") => {
+                return Err(TemplateError::Invalid {
+                    path: m.path.clone(),
+                    msg: "`enable_thinking` is set, but this chat template never reads it".into(),
+                })
+            }
+            _ => {}
+        }
+        let template = Template::Chat {
+            system,
+            model,
+            enable_thinking,
+        };
+        template.render_completion("What is 2 + 3?", "2 + 3 = 5. #### 5")?;
+        Ok(template)
+    }
+
+    /// The chat template of the model in `dir`, without a system turn.
     pub fn chat_from_model_dir(dir: impl AsRef<Path>) -> Result<Self, TemplateError> {
-        chat_template_of_model(dir.as_ref())?;
-        Ok(Template::chatml())
+        Self::chat_for_model(dir.as_ref(), None, None)
     }
 
     /// The prompt for `question`.
-    pub fn render_prompt(&self, question: &str) -> String {
+    pub fn render_prompt(&self, question: &str) -> Result<String, TemplateError> {
         match self {
             Template::Plain {
                 question_prefix,
                 answer_prefix,
-            } => format!("{question_prefix}{question}{answer_prefix}"),
-            Template::Chat { system } => {
+            } => Ok(format!("{question_prefix}{question}{answer_prefix}")),
+            Template::Chat {
+                system,
+                model: None,
+                ..
+            } => {
                 let mut s = String::new();
                 if let Some(sys) = system {
                     s.push_str(&format!("{IM_START}system\n{sys}{IM_END}\n"));
@@ -178,22 +239,80 @@ impl Template {
                 s.push_str(&format!(
                     "{IM_START}user\n{question}{IM_END}\n{IM_START}assistant\n"
                 ));
-                s
+                Ok(s)
+            }
+            Template::Chat { model: Some(m), .. } => {
+                m.render(&self.turns(question, None), true, &self.variables())
             }
         }
     }
 
-    /// The completion that follows the prompt for a worked `solution` (supervised text = prompt + this).
-    pub fn render_completion(&self, solution: &str) -> String {
+    /// The completion that follows the prompt of `question` for a worked `solution` (supervised text =
+    /// prompt + this). A model's template renders the whole conversation with the assistant's turn, and the
+    /// completion is what follows the prompt, up to the end of the turn (whitespace after its end marker
+    /// left out), as transformers' SFT splits it; a template whose conversation does not start with its
+    /// prompt cannot be split and is refused.
+    pub fn render_completion(
+        &self,
+        question: &str,
+        solution: &str,
+    ) -> Result<String, TemplateError> {
         match self {
-            Template::Plain { answer_prefix, .. } => {
+            Template::Plain { answer_prefix, .. } => Ok(
                 if answer_prefix.is_empty() || answer_prefix.ends_with(char::is_whitespace) {
                     solution.to_string()
                 } else {
                     format!(" {solution}")
+                },
+            ),
+            Template::Chat { model: None, .. } => Ok(format!("{solution}{IM_END}")),
+            Template::Chat { model: Some(m), .. } => {
+                let prompt = self.render_prompt(question)?;
+                let whole = m.render(
+                    &self.turns(question, Some(solution)),
+                    false,
+                    &self.variables(),
+                )?;
+                match whole.strip_prefix(&prompt) {
+                    Some(rest) => Ok(rest.trim_end().to_string()),
+                    None => Err(TemplateError::Invalid {
+                        path: m.path.clone(),
+                        msg: "the chat template renders a conversation that does not start with its \
+                              prompt (the prompt with `add_generation_prompt`), so a worked solution \
+                              cannot be split from it"
+                            .into(),
+                    }),
                 }
             }
-            Template::Chat { .. } => format!("{solution}{IM_END}"),
+        }
+    }
+
+    fn turns<'a>(&'a self, question: &'a str, answer: Option<&'a str>) -> Vec<Turn<'a>> {
+        let Template::Chat { system, .. } = self else {
+            return vec![];
+        };
+        let system = system.as_deref().map(|content| Turn {
+            role: "system",
+            content,
+        });
+        let user = Some(Turn {
+            role: "user",
+            content: question,
+        });
+        let assistant = answer.map(|content| Turn {
+            role: "assistant",
+            content,
+        });
+        [system, user, assistant].into_iter().flatten().collect()
+    }
+
+    fn variables(&self) -> Vec<(&'static str, serde_json::Value)> {
+        match self {
+            Template::Chat {
+                enable_thinking: Some(on),
+                ..
+            } => vec![("enable_thinking", serde_json::Value::Bool(*on))],
+            _ => vec![],
         }
     }
 
@@ -210,73 +329,14 @@ impl Template {
                     vec![format!("\n{q}")]
                 }
             }
-            Template::Chat { .. } => vec![IM_END.to_string()],
+            Template::Chat { model: None, .. } => vec![IM_END.to_string()],
+            Template::Chat { model: Some(m), .. } => m.turn_ends(),
         }
     }
 }
 
-/// Reads the chat template of a model directory and checks that it is ChatML. `Ok(None)` when the directory
-/// has none (then ChatML is used).
+/// Whether the model in `dir` declares a chat template (its text, read as [`ModelChatTemplate::of_model`]
+/// reads it); `Ok(None)` when it has none (then ChatML is used).
 pub fn chat_template_of_model(dir: &Path) -> Result<Option<String>, TemplateError> {
-    let cfg_path = dir.join("tokenizer_config.json");
-    let mut found: Option<(PathBuf, String)> = None;
-    if cfg_path.is_file() {
-        let text = std::fs::read_to_string(&cfg_path).map_err(|io| TemplateError::Io {
-            path: cfg_path.clone(),
-            io,
-        })?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| TemplateError::Invalid {
-                path: cfg_path.clone(),
-                msg: format!("not valid JSON: {e}"),
-            })?;
-        match v.get("chat_template") {
-            None | Some(serde_json::Value::Null) => {}
-            Some(serde_json::Value::String(s)) => found = Some((cfg_path.clone(), s.clone())),
-            Some(serde_json::Value::Array(list)) => {
-                // [{"name": "default", "template": "..."}, ...]
-                let pick = list
-                    .iter()
-                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                    .or_else(|| list.first())
-                    .and_then(|t| t.get("template"))
-                    .and_then(|t| t.as_str());
-                match pick {
-                    Some(s) => found = Some((cfg_path.clone(), s.to_string())),
-                    None => {
-                        return Err(TemplateError::Invalid {
-                            path: cfg_path,
-                            msg: "`chat_template` is a list without a `template` string".into(),
-                        })
-                    }
-                }
-            }
-            Some(_) => {
-                return Err(TemplateError::Invalid {
-                    path: cfg_path,
-                    msg: "`chat_template` is neither a string nor a list of named templates".into(),
-                })
-            }
-        }
-    }
-    if found.is_none() {
-        let jinja = dir.join("chat_template.jinja");
-        if jinja.is_file() {
-            let s = std::fs::read_to_string(&jinja).map_err(|io| TemplateError::Io {
-                path: jinja.clone(),
-                io,
-            })?;
-            found = Some((jinja, s));
-        }
-    }
-    match found {
-        None => Ok(None),
-        Some((path, t)) => {
-            if t.contains(IM_START) && t.contains(IM_END) && t.contains("assistant") {
-                Ok(Some(t))
-            } else {
-                Err(TemplateError::NotChatMl { path })
-            }
-        }
-    }
+    Ok(ModelChatTemplate::of_model(dir)?.map(|m| m.source))
 }

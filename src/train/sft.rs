@@ -46,18 +46,18 @@ pub fn with_answer_only(
     mut examples: Vec<Example>,
     frac: f64,
     seed: u64,
-) -> Vec<Example> {
+) -> anyhow::Result<Vec<Example>> {
     if frac <= 0.0 {
-        return examples;
+        return Ok(examples);
     }
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(1);
     for ex in &mut examples {
         if rng.random::<f64>() < frac {
-            ex.solution = Some(task.answer_only_solution(ex));
+            ex.solution = Some(task.answer_only_solution(ex)?);
         }
     }
-    examples
+    Ok(examples)
 }
 
 /// Where the warm start of a run keeps its checkpoints (beside the RL ones, which never look there).
@@ -313,7 +313,7 @@ pub fn run_sft_with(
     for step in start..cfg.steps {
         let step_seed = super::seeds::sft_step_seed(train.seed, step);
         let examples = task.sample_prompts(cfg.batch_size, step_seed);
-        let examples = with_answer_only(&task, examples, cfg.answer_only_frac, step_seed);
+        let examples = with_answer_only(&task, examples, cfg.answer_only_frac, step_seed)?;
         let (seqs, lens): (Vec<_>, Vec<_>) = examples
             .iter()
             .map(|ex| encode_example(tok, ex, eos))
@@ -405,6 +405,7 @@ mod tests {
                           "unk_token": "[UNK]"}}"#,
         );
         let example = |solution: &str| Example {
+            question: "a".into(),
             prompt: "a".into(),
             answer: "b".into(),
             solution: Some(solution.into()),

@@ -1,0 +1,220 @@
+//! A model's own chat template: the Jinja text its files declare, rendered as transformers'
+//! `apply_chat_template` renders it, so that a prompt is the one the model was tuned on, whatever the
+//! template (a default system turn, a `<think>` block, a BOS written by the template itself).
+//!
+//! Where the template comes from follows transformers: `chat_template.jinja` wins over the
+//! `chat_template` of `tokenizer_config.json` (a re-saved checkpoint keeps its new template there). The
+//! environment is transformers': blocks trimmed and left-stripped, loop controls, `raise_exception`, the
+//! special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) of `tokenizer_config.json`, and
+//! Python's string methods (`.strip()`, `.split()`, `.startswith()`). `strftime_now` is left undefined: a
+//! template that asks for today's date (Llama 3.1) takes its own fixed fallback, so a prompt does not
+//! change with the day a run is started or resumed.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::{json, Map, Value};
+
+use super::template::TemplateError;
+
+/// The special tokens a template may write, as transformers passes them.
+const SPECIAL_TOKENS: [&str; 4] = ["bos_token", "eos_token", "unk_token", "pad_token"];
+
+/// A model's chat template with the special tokens it is rendered with.
+#[derive(Clone)]
+pub struct ModelChatTemplate {
+    /// The file it was read from (named in every error).
+    pub path: PathBuf,
+    pub source: String,
+    /// `(name, token)` of [`SPECIAL_TOKENS`] that `tokenizer_config.json` sets.
+    specials: Vec<(String, String)>,
+    /// The parsed template, shared by every prompt (a data set's examples are rendered at once).
+    env: Arc<minijinja::Environment<'static>>,
+}
+
+impl PartialEq for ModelChatTemplate {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.path, &self.source, &self.specials) == (&other.path, &other.source, &other.specials)
+    }
+}
+
+impl Eq for ModelChatTemplate {}
+
+impl std::fmt::Debug for ModelChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelChatTemplate")
+            .field("path", &self.path)
+            .field("specials", &self.specials)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One turn of a conversation.
+#[derive(Clone, Copy, Debug)]
+pub struct Turn<'a> {
+    pub role: &'a str,
+    pub content: &'a str,
+}
+
+impl ModelChatTemplate {
+    /// The chat template of the model in `dir`; `None` where its files declare none.
+    pub fn of_model(dir: &Path) -> Result<Option<Self>, TemplateError> {
+        let cfg_path = dir.join("tokenizer_config.json");
+        let config = if cfg_path.is_file() {
+            Some(read_json(&cfg_path)?)
+        } else {
+            None
+        };
+        let specials = config.as_ref().map(special_tokens).unwrap_or_default();
+        let jinja = dir.join("chat_template.jinja");
+        let (path, source) = if jinja.is_file() {
+            (jinja.clone(), read_text(&jinja)?)
+        } else {
+            match config.as_ref().map(|c| template_in_config(&cfg_path, c)) {
+                Some(Ok(Some(source))) => (cfg_path, source),
+                Some(Err(e)) => return Err(e),
+                Some(Ok(None)) | None => return Ok(None),
+            }
+        };
+        // A template that does not parse is reported where the model is named, not at the first prompt.
+        let env = Arc::new(environment(&source).map_err(|e| error(&path, &e))?);
+        Ok(Some(Self {
+            path,
+            source,
+            specials,
+            env,
+        }))
+    }
+
+    /// The strings that end an assistant's turn under this template: ChatML's `<|im_end|>` where the
+    /// template writes it, and the EOS token of `tokenizer_config.json`.
+    pub fn turn_ends(&self) -> Vec<String> {
+        let mut ends = Vec::new();
+        if self.source.contains(super::template::IM_END) {
+            ends.push(super::template::IM_END.to_string());
+        }
+        let eos = self.specials.iter().find(|(name, _)| name == "eos_token");
+        if let Some((_, token)) = eos {
+            if !token.is_empty() && !ends.contains(token) {
+                ends.push(token.clone());
+            }
+        }
+        ends
+    }
+
+    /// Whether the template reads the variable `name` (`enable_thinking`): a switch it never reads would be
+    /// set for nothing.
+    pub fn reads(&self, name: &str) -> bool {
+        self.source.contains(name)
+    }
+
+    /// The template's text for `turns`, with the assistant's opening where `add_generation_prompt`, and
+    /// `variables` (such as `enable_thinking`) beside the messages and the special tokens.
+    pub fn render(
+        &self,
+        turns: &[Turn<'_>],
+        add_generation_prompt: bool,
+        variables: &[(&str, Value)],
+    ) -> Result<String, TemplateError> {
+        let mut ctx = Map::new();
+        let messages: Vec<Value> = turns
+            .iter()
+            .map(|t| json!({"role": t.role, "content": t.content}))
+            .collect();
+        ctx.insert("messages".into(), Value::Array(messages));
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Value::Bool(add_generation_prompt),
+        );
+        for (name, token) in &self.specials {
+            ctx.insert(name.clone(), Value::String(token.clone()));
+        }
+        for (name, value) in variables {
+            ctx.insert((*name).to_string(), value.clone());
+        }
+        let ctx = minijinja::value::Serde(Value::Object(ctx));
+        let render = || self.env.get_template("chat")?.render(ctx);
+        render().map_err(|e| error(&self.path, &e))
+    }
+}
+
+/// transformers' Jinja environment (`ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+/// extensions=[loopcontrols])` with `raise_exception`) holding `source` as the template `chat`.
+fn environment(source: &str) -> Result<minijinja::Environment<'static>, minijinja::Error> {
+    let mut env = minijinja::Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()?,
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<String, _> {
+        Err(minijinja::Error::new(
+            minijinja::ErrorKind::InvalidOperation,
+            msg,
+        ))
+    });
+    env.add_template_owned("chat", source.to_string())?;
+    Ok(env)
+}
+
+fn error(path: &Path, e: &minijinja::Error) -> TemplateError {
+    TemplateError::Invalid {
+        path: path.to_path_buf(),
+        msg: format!("the chat template does not render: {e}"),
+    }
+}
+
+fn read_text(path: &Path) -> Result<String, TemplateError> {
+    std::fs::read_to_string(path).map_err(|io| TemplateError::Io {
+        path: path.to_path_buf(),
+        io,
+    })
+}
+
+fn read_json(path: &Path) -> Result<Value, TemplateError> {
+    serde_json::from_str(&read_text(path)?).map_err(|e| TemplateError::Invalid {
+        path: path.to_path_buf(),
+        msg: format!("not valid JSON: {e}"),
+    })
+}
+
+/// The `chat_template` of a `tokenizer_config.json`: a string, or a list of named templates (the one named
+/// `default`, else the first).
+fn template_in_config(path: &Path, config: &Value) -> Result<Option<String>, TemplateError> {
+    let invalid = |msg: &str| TemplateError::Invalid {
+        path: path.to_path_buf(),
+        msg: msg.into(),
+    };
+    match config.get("chat_template") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Array(list)) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template"))
+            .and_then(Value::as_str)
+            .map(|s| Some(s.to_string()))
+            .ok_or_else(|| invalid("`chat_template` is a list without a `template` string")),
+        Some(_) => Err(invalid(
+            "`chat_template` is neither a string nor a list of named templates",
+        )),
+    }
+}
+
+/// The special tokens of a `tokenizer_config.json`: each a string or an added-token object with `content`.
+fn special_tokens(config: &Value) -> Vec<(String, String)> {
+    SPECIAL_TOKENS
+        .iter()
+        .filter_map(|&name| {
+            let token = match config.get(name)? {
+                Value::String(s) => s.clone(),
+                Value::Object(o) => o.get("content")?.as_str()?.to_string(),
+                _ => return None,
+            };
+            Some((name.to_string(), token))
+        })
+        .collect()
+}

@@ -1,0 +1,212 @@
+//! Chat templates against transformers: each fixture template rendered by qarl equals what
+//! `apply_chat_template` rendered for the same conversation (`tests/fixtures/chat_templates/expected.json`,
+//! written by `make_expected.py` there), and the prompts and SFT completions qarl builds from them split
+//! those texts where transformers' SFT would.
+
+use std::path::{Path, PathBuf};
+
+use qarl::tasks::chat_template::{ModelChatTemplate, Turn};
+use qarl::tasks::Template;
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat_templates")
+}
+
+fn cases() -> Vec<Value> {
+    let text = std::fs::read_to_string(fixtures().join("expected.json")).unwrap();
+    serde_json::from_str::<Value>(&text)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+/// A model folder whose `tokenizer_config.json` holds `template` and `specials`, as transformers saves one.
+fn model_dir(root: &Path, template: &str, specials: &Value) -> PathBuf {
+    let dir = root.join(template.replace('.', "_"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config = specials.as_object().unwrap().clone();
+    let source = std::fs::read_to_string(fixtures().join(template)).unwrap();
+    config.insert("chat_template".into(), Value::String(source));
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        serde_json::to_string_pretty(&config).unwrap(),
+    )
+    .unwrap();
+    dir
+}
+
+fn turns(messages: &Value) -> Vec<Turn<'_>> {
+    messages
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| Turn {
+            role: m["role"].as_str().unwrap(),
+            content: m["content"].as_str().unwrap(),
+        })
+        .collect()
+}
+
+#[test]
+fn templates_render_as_transformers_renders_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = cases();
+    assert_eq!(cases.len(), 25);
+    for case in &cases {
+        let name = case["template"].as_str().unwrap();
+        let dir = model_dir(tmp.path(), name, &case["specials"]);
+        let template = ModelChatTemplate::of_model(&dir).unwrap().unwrap();
+        let vars: Vec<(&str, Value)> = match case["enable_thinking"] {
+            Value::Bool(b) => vec![("enable_thinking", Value::Bool(b))],
+            _ => vec![],
+        };
+        let got = template
+            .render(
+                &turns(&case["messages"]),
+                case["add_generation_prompt"].as_bool().unwrap(),
+                &vars,
+            )
+            .unwrap();
+        assert_eq!(
+            got,
+            case["expected"].as_str().unwrap(),
+            "{name}, {}, enable_thinking {}",
+            case["conversation"],
+            case["enable_thinking"]
+        );
+    }
+}
+
+/// qarl's prompt for a question is transformers' prompt, and prompt + SFT completion is transformers'
+/// whole conversation up to the end of the assistant's turn.
+#[test]
+fn prompts_and_completions_split_the_conversation() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = cases();
+    let mut checked = 0;
+    for whole in cases
+        .iter()
+        .filter(|c| !c["add_generation_prompt"].as_bool().unwrap())
+    {
+        let name = whole["template"].as_str().unwrap();
+        let messages = whole["messages"].as_array().unwrap();
+        let system = messages
+            .iter()
+            .find(|m| m["role"] == "system")
+            .map(|m| m["content"].as_str().unwrap().to_string());
+        let question = messages.iter().find(|m| m["role"] == "user").unwrap()["content"]
+            .as_str()
+            .unwrap();
+        let answer = messages.last().unwrap()["content"].as_str().unwrap();
+        let thinking = whole["enable_thinking"].as_bool();
+        // The prompt case of the same template, system turn and switch.
+        let prompt_case = cases
+            .iter()
+            .find(|c| {
+                c["template"] == whole["template"]
+                    && c["enable_thinking"] == whole["enable_thinking"]
+                    && c["conversation"]
+                        == if system.is_some() {
+                            "system_user"
+                        } else {
+                            "user"
+                        }
+            })
+            .unwrap();
+        let dir = model_dir(tmp.path(), name, &whole["specials"]);
+        let template = Template::chat_for_model(&dir, system, thinking).unwrap();
+        let prompt = template.render_prompt(question).unwrap();
+        assert_eq!(prompt, prompt_case["expected"].as_str().unwrap(), "{name}");
+        let completion = template.render_completion(question, answer).unwrap();
+        assert_eq!(
+            format!("{prompt}{completion}"),
+            whole["expected"].as_str().unwrap().trim_end(),
+            "{name}, enable_thinking {thinking:?}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 10);
+}
+
+/// transformers reads `chat_template.jinja` over the config's `chat_template`; so does qarl.
+#[test]
+fn the_jinja_file_wins_over_the_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let specials = serde_json::json!({"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"});
+    let dir = model_dir(tmp.path(), "smollm2.jinja", &specials);
+    std::fs::copy(
+        fixtures().join("llama3_style.jinja"),
+        dir.join("chat_template.jinja"),
+    )
+    .unwrap();
+    let template = Template::chat_for_model(&dir, None, None).unwrap();
+    let prompt = template.render_prompt("2 + 3?").unwrap();
+    assert!(
+        prompt.starts_with("<|begin_of_text|><|start_header_id|>system"),
+        "{prompt}"
+    );
+    assert_eq!(template.stop_strings(), ["<|eot_id|>"]);
+}
+
+/// What a template cannot do is refused where the template is built, naming its file.
+#[test]
+fn template_errors_name_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let smollm2 = model_dir(
+        tmp.path(),
+        "smollm2.jinja",
+        &serde_json::json!({"eos_token": "<|im_end|>"}),
+    );
+    // A switch the template never reads.
+    let err = Template::chat_for_model(&smollm2, None, Some(false))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("never reads it"),
+        "{err}"
+    );
+    // A template's own exception.
+    let llama = model_dir(
+        tmp.path(),
+        "llama3_style.jinja",
+        &serde_json::json!({"bos_token": "<s>"}),
+    );
+    let template = ModelChatTemplate::of_model(&llama).unwrap().unwrap();
+    let lone = [Turn {
+        role: "assistant",
+        content: "hi",
+    }];
+    let err = template.render(&lone, false, &[]).unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("Conversation roles must alternate"),
+        "{err}"
+    );
+    // A template that does not parse.
+    let broken = tmp.path().join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(
+        broken.join("chat_template.jinja"),
+        "{% for m in messages %}",
+    )
+    .unwrap();
+    let err = Template::chat_for_model(&broken, None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template.jinja") && err.contains("does not render"),
+        "{err}"
+    );
+    // No template at all: ChatML, which has no switch.
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir_all(&bare).unwrap();
+    assert_eq!(
+        Template::chat_for_model(&bare, None, None).unwrap(),
+        Template::chatml()
+    );
+    let err = Template::chat_for_model(&bare, None, Some(true))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("declares no chat template"), "{err}");
+}
