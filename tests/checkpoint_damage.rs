@@ -33,8 +33,16 @@ fn resume_error(base: &TrainConfig, name: &str, damage: impl Fn(&Path)) -> Strin
     cfg.run_dir = base.run_dir.with_file_name(name);
     copy_dir(&base.run_dir, &cfg.run_dir);
     damage(&ckpt(&cfg.run_dir, 1));
+    let files = ["config.json", "metrics.jsonl", "worst_responses.jsonl"];
+    let read = |f: &str| std::fs::read(cfg.run_dir.join(f)).ok();
+    let before: Vec<_> = files.iter().map(|f| read(f)).collect();
     let err = format!("{:#}", train::run(&cfg, true, true).unwrap_err());
     println!("{name}: {err}");
+    // A refused resume leaves the run as it was: its config and its rows (the final evaluation of a
+    // finished run among them), for a resume from the older checkpoint.
+    for (f, was) in files.iter().zip(before) {
+        assert!(read(f) == was, "{name}: the refused resume changed {f}");
+    }
     err
 }
 
@@ -63,6 +71,14 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         std::fs::remove_file(d.join("optimizer.bpk")).unwrap()
     });
     assert!(err.contains("step_000001/optimizer.bpk: missing"), "{err}");
+    // Without the parameter ids the Adam moments would silently restart.
+    let err = resume_error(&cfg, "no_param_ids", |d| {
+        std::fs::remove_file(d.join(checkpoint::PARAM_IDS_FILE)).unwrap()
+    });
+    assert!(
+        err.contains("step_000001/param_ids.json: missing") && err.contains("older checkpoint"),
+        "{err}"
+    );
     let err = resume_error(&cfg, "short_optimizer", |d| {
         let p = d.join("optimizer.bpk");
         let bytes = std::fs::read(&p).unwrap();

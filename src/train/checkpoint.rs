@@ -108,12 +108,15 @@ pub fn restore_param_ids(model: Decoder, ids: &[u64]) -> anyhow::Result<Decoder>
 pub fn load_model(dir: &Path, device: &burn::tensor::Device) -> anyhow::Result<Decoder> {
     let model = Decoder::load(dir, device)?;
     let ids_path = dir.join(PARAM_IDS_FILE);
+    // Every checkpoint is written with it: without it the Adam moments would silently restart, and the
+    // resumed run would differ from an uninterrupted one.
     if !ids_path.is_file() {
-        tracing::warn!(
-            checkpoint = %dir.display(),
-            "no {PARAM_IDS_FILE}: the optimizer state cannot be matched and restarts"
+        anyhow::bail!(
+            "{}: missing, so the optimizer state cannot be matched to the parameters and the checkpoint is \
+             incomplete; move {} away to resume from an older checkpoint",
+            ids_path.display(),
+            dir.display()
         );
-        return Ok(model);
     }
     let ids: Vec<u64> = crate::io::read_json(&ids_path)?;
     restore_param_ids(model, &ids).with_context(|| format!("{}", ids_path.display()))

@@ -157,23 +157,33 @@ pub fn truncate_after(path: &Path, phase: &str, last_step: usize) -> anyhow::Res
 }
 
 /// Keeps only the lines of a metrics file whose row `keep` accepts, written back atomically (nothing to do
-/// when the file does not exist). A line that is not a JSON object (the half-written last row of a killed
-/// run) is dropped with a warning naming it, so that the rows appended after it stay readable.
+/// when the file does not exist). A last line that is not a JSON object (the half-written row of a killed
+/// run) is dropped with a warning naming it, so that the rows appended after it stay readable; such a line
+/// anywhere else is damage, an error naming the file and the line ([`BadLines::TornLastOnly`]), since
+/// dropping it would leave a gap that every later reader takes for a whole log.
 pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok(());
     };
+    let lines: Vec<_> = parse_lines(&text).collect();
+    let last = lines.last().map(|(n, _, _)| *n);
     let mut kept: Vec<&str> = Vec::new();
-    for (n, l, row) in parse_lines(&text) {
+    for (n, l, row) in lines {
         match row {
             Some(row) => {
                 if keep(&row) {
                     kept.push(l);
                 }
             }
-            None => tracing::warn!(
-                "{}:{n}: dropped a line that is not a metrics row (a row cut short by a kill?)",
+            None if Some(n) == last => tracing::warn!(
+                "{}:{n}: dropped a last line that is not a metrics row (a row cut short by a kill?)",
                 path.display()
+            ),
+            None => anyhow::bail!(
+                "{}: line {n} is not a metrics row (a JSON object), and it is not the last line (a row cut \
+                 short by a kill): the log is damaged; repair or remove the line to go on: {}",
+                path.display(),
+                l.chars().take(80).collect::<String>()
             ),
         }
     }
@@ -212,6 +222,15 @@ mod tests {
             std::fs::read_to_string(&path).unwrap(),
             "{\"phase\":\"sft\",\"step\":0}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n"
         );
+        // A damaged line in the middle is not a kill's: refused, naming it, and the file is left as it was.
+        let damaged = "{\"phase\":\"rl\",\"step\":0}\n{\"pha\n{\"phase\":\"rl\",\"step\":1}\n";
+        std::fs::write(&path, damaged).unwrap();
+        let err = truncate_after(&path, "rl", 0).unwrap_err().to_string();
+        assert!(
+            err.contains("metrics.jsonl: line 2 is not a metrics row"),
+            "{err}"
+        );
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), damaged);
     }
 
     /// Reading back: a torn last line is left out under either policy; one in the middle is an error

@@ -103,6 +103,16 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     )?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = resume::start_point(cfg, how, model_made, &metrics_path)?;
+    // A resume loads its checkpoint before the run directory changes: one that does not load leaves the
+    // run as it was (its config.json, its rows), for a resume from an older checkpoint.
+    let loaded = match (&resumed, model_made) {
+        (Some((p, saved)), true) => Some((
+            Policy::load(cfg, resumed.as_ref(), &device)?,
+            checkpoint::load_optimizer(optimizer(&cfg.train), p)?,
+            resumed_state(cfg, p, saved),
+        )),
+        _ => None,
+    };
     let keeps_sft_rows = resume::keeps_warm_start_rows(cfg, opts.resume, model_made);
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     resume::reset_metrics(
@@ -115,24 +125,24 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let mut worst_responses = MetricsLog::open(&cfg.run_dir.join(WORST_RESPONSES_FILE))?;
     model_dir::prepare_model_locked(cfg, &device, &mut log, opts.quiet, opts.resume)?;
 
-    let mut policy = match given {
-        Some(policy) => policy,
-        None => Policy::load(cfg, resumed.as_ref(), &device)?,
+    let (mut policy, mut optim, mut state) = match loaded {
+        Some(loaded) => loaded,
+        None => {
+            let policy = match given {
+                Some(policy) => policy,
+                None => Policy::load(cfg, resumed.as_ref(), &device)?,
+            };
+            let (optim, state) = match &resumed {
+                Some((p, saved)) => (
+                    checkpoint::load_optimizer(optimizer(&cfg.train), p)?,
+                    resumed_state(cfg, p, saved),
+                ),
+                None => (optimizer(&cfg.train), TrainerState::fresh(cfg.seed)),
+            };
+            (policy, optim, state)
+        }
     };
     let evaluator = Evaluator::new(cfg, &task, &policy.tok, &policy.end, opts.quiet);
-    let (mut optim, mut state) = match &resumed {
-        Some((p, saved)) => {
-            let optim = checkpoint::load_optimizer(optimizer(&cfg.train), p)?;
-            let state = TrainerState {
-                seed: Some(cfg.seed),
-                next_step: saved.step.saturating_add(1),
-                ..saved.clone()
-            };
-            tracing::info!(checkpoint = %p.display(), next_step = state.next_step, "resuming");
-            (optim, state)
-        }
-        None => (optimizer(&cfg.train), TrainerState::fresh(cfg.seed)),
-    };
     let start = state.next_step;
     let before = if start == 0 {
         Some(evaluator.evaluate(&policy.model, 0, &mut log)?)
@@ -389,6 +399,16 @@ impl<'a> Evaluator<'a> {
         spinner.finish_and_clear();
         log.write(&row)?;
         Ok(rollout_acc)
+    }
+}
+
+/// The trainer state a resume from checkpoint `p` (saved after `saved.step`) continues with.
+fn resumed_state(cfg: &TrainConfig, p: &Path, saved: &TrainerState) -> TrainerState {
+    tracing::info!(checkpoint = %p.display(), next_step = saved.step + 1, "resuming");
+    TrainerState {
+        seed: Some(cfg.seed),
+        next_step: saved.step.saturating_add(1),
+        ..saved.clone()
     }
 }
 
