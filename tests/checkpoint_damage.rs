@@ -71,6 +71,15 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         std::fs::remove_file(d.join("optimizer.bpk")).unwrap()
     });
     assert!(err.contains("step_000001/optimizer.bpk: missing"), "{err}");
+    // A log behind its checkpoint (deleted, or rows a power loss kept from the disk).
+    let err = resume_error(&cfg, "no_log", |d| {
+        let run = d.parent().unwrap().parent().unwrap();
+        std::fs::remove_file(run.join("metrics.jsonl")).unwrap()
+    });
+    assert!(
+        err.contains("metrics.jsonl: has no RL row for step 0") && err.contains("step_000001"),
+        "{err}"
+    );
     // Without the parameter ids the Adam moments would silently restart.
     let err = resume_error(&cfg, "no_param_ids", |d| {
         std::fs::remove_file(d.join(checkpoint::PARAM_IDS_FILE)).unwrap()

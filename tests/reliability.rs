@@ -311,6 +311,12 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     );
     let sft_rows = rows(&cfg.run_dir, &["sft"]).len();
     assert!(sft_rows > 0);
+    // What the earlier run left beside its rows: an experiment's mark that it finished, its plots, a
+    // config kept by an accepted change. Kept, they would describe it beside the new run's rows.
+    let earlier = ["finished.json", "plots.png", "config.before_step_1.json"];
+    for f in earlier {
+        std::fs::write(cfg.run_dir.join(f), "{}").unwrap();
+    }
     train::run_with(
         &cfg,
         &RunOptions {
@@ -320,6 +326,9 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
         },
     )
     .unwrap();
+    for f in earlier {
+        assert!(!cfg.run_dir.join(f).exists(), "--overwrite kept {f}");
+    }
     assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
     // The model is kept and used again, and with it the rows of its warm start.
     assert_eq!(rows(&cfg.run_dir, &["sft"]).len(), sft_rows);
@@ -383,6 +392,17 @@ fn a_resume_with_another_experiment_is_refused() {
         "{err}"
     );
     assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
+    // More steps stretch a cosine schedule over them: the learning rate would rise again mid-run.
+    let mut cosine = cfg.clone();
+    cosine.run_dir = tmp.path().join("cosine");
+    cosine.train.lr_schedule = train::config::LrSchedule::Cosine;
+    train::run(&cosine, false, true).unwrap();
+    cosine.train.steps = 2;
+    let err = format!("{:#}", train::run(&cosine, true, true).unwrap_err());
+    assert!(
+        err.contains("`train.steps (under the cosine schedule)` settings"),
+        "{err}"
+    );
     let mut more = cfg.clone();
     more.train.steps = 2;
     train::run(&more, true, true).unwrap();

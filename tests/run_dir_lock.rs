@@ -95,6 +95,13 @@ fn a_lock_left_by_a_dead_process_is_taken_over() {
     let l = RunLock::acquire(tmp.path()).unwrap();
     assert_eq!(lock::read_pid(l.path()), Some(std::process::id()));
     drop(l);
+    // A lock with this process's own pid that this process does not hold: left by an earlier process
+    // with the same pid (pids start over when a container restarts).
+    let me = std::process::id();
+    std::fs::write(tmp.path().join(lock::LOCK_FILE), format!("{me}\n")).unwrap();
+    let l = RunLock::acquire(tmp.path()).unwrap();
+    assert_eq!(lock::read_pid(l.path()), Some(me));
+    drop(l);
     // An unreadable lock file (not a pid) is taken over too.
     std::fs::write(tmp.path().join(lock::LOCK_FILE), "").unwrap();
     let l = RunLock::acquire(tmp.path()).unwrap();

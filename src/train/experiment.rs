@@ -223,7 +223,8 @@ fn check_shared_warm_starts(
     Ok(())
 }
 
-fn marker(run_dir: &Path) -> PathBuf {
+/// The file that marks a run of an experiment finished (its final evaluation summarized).
+pub fn marker(run_dir: &Path) -> PathBuf {
     run_dir.join("finished.json")
 }
 

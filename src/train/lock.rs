@@ -31,9 +31,16 @@ impl RunLock {
         // A few tries: each failed one removed a stale lock or waited for one being written.
         for _ in 0..16 {
             if try_create(dir, &path, me)? {
+                held_here().push(path.clone());
                 return Ok(Self { path, pid: me });
             }
             match read_pid(&path) {
+                // Our own pid on a lock this process does not hold: a lock left by an earlier process
+                // that had the same pid (a container restarted: pids start over).
+                Some(pid) if pid == me && !held_here().contains(&path) => {
+                    tracing::warn!(lock = %path.display(), pid, "taking over a lock left by an earlier process with this process's pid");
+                    remove_stale(&path)?;
+                }
                 Some(pid) if is_alive(pid) => anyhow::bail!(
                     "{}: in use by another qarl process (pid {pid}, lock file {}); wait for it to finish or stop \
                      it (if no process {pid} is running, delete the lock file)",
@@ -68,8 +75,16 @@ impl RunLock {
     }
 }
 
+/// The lock files this process holds: what tells our own live lock from a stale one with our pid.
+fn held_here() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    static HELD: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    HELD.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Drop for RunLock {
     fn drop(&mut self) {
+        held_here().retain(|p| p != &self.path);
         // Only our own lock: never one another process took over in the meantime.
         if read_pid(&self.path) == Some(self.pid) {
             let _ = std::fs::remove_file(&self.path);

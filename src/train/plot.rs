@@ -73,6 +73,11 @@ fn error_token_series(rows: &[serde_json::Value]) -> Vec<(&'static str, String)>
     ]
 }
 
+/// Where [`plot_run`] draws a run's plots.
+pub fn run_plots(run_dir: &Path) -> PathBuf {
+    run_dir.join("plots.png")
+}
+
 /// Renders `run_dir/metrics.jsonl` to `run_dir/plots.png`; returns the path.
 pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
     let metrics = run_dir.join("metrics.jsonl");
@@ -170,7 +175,7 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
             vec![("loss".into(), sft_loss)],
         ));
     }
-    let out = run_dir.join("plots.png");
+    let out = run_plots(run_dir);
     draw_panels(&out, &panels)?;
     Ok(out)
 }

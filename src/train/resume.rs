@@ -74,7 +74,15 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow:
             remove_pointer(v, pointer);
         }
     }
-    let changed = config::differing_keys(&old, &new);
+    let mut changed = config::differing_keys(&old, &new);
+    // `train.steps` may grow, except under a schedule that spans the steps: a cosine decay stretched over
+    // more steps would raise the learning rate again mid-run, a schedule no uninterrupted run has.
+    let old_steps = raw.pointer("/train/steps").and_then(|v| v.as_u64());
+    if cfg.train.lr_schedule == config::LrSchedule::Cosine
+        && old_steps.is_some_and(|s| s != cfg.train.steps as u64)
+    {
+        changed.push("train.steps (under the cosine schedule)".into());
+    }
     if !changed.is_empty() && accept {
         // A name of its own: a second accepted change at the same step keeps the first record too.
         let kept = (0..)
@@ -167,10 +175,8 @@ pub(super) fn start_point(
     let accept_changes = match start {
         Start::Over { overwrite } => {
             refuse_earlier_results(cfg, overwrite, model_made, metrics_path)?;
-            let dir = checkpoint::checkpoints_dir(&cfg.run_dir);
-            if overwrite && dir.exists() {
-                std::fs::remove_dir_all(&dir)
-                    .with_context(|| format!("{}: cannot remove", dir.display()))?;
+            if overwrite {
+                remove_earlier_outputs(&cfg.run_dir)?;
             }
             return Ok(None);
         }
@@ -203,7 +209,65 @@ pub(super) fn start_point(
         );
     }
     check_resumed_config(cfg, accept_changes, done)?;
+    check_log_reaches(metrics_path, &p, state.step)?;
     Ok(Some((p, state)))
+}
+
+/// Refuses a resume whose metrics log lacks an RL row up to the checkpoint's step (a log deleted or cut
+/// back, or rows that a power loss kept from the disk while the checkpoint reached it): the continued run
+/// would read as whole with rows missing, and its first evaluation before RL with them.
+fn check_log_reaches(metrics_path: &Path, checkpoint: &Path, step: usize) -> anyhow::Result<()> {
+    let rows = if metrics_path.is_file() {
+        metrics::read_rows(metrics_path, metrics::BadLines::TornLastOnly)?
+    } else {
+        Vec::new()
+    };
+    let logged: std::collections::HashSet<u64> = rows
+        .iter()
+        .filter(|r| r["phase"] == "rl")
+        .filter_map(|r| r["step"].as_u64())
+        .collect();
+    if let Some(missing) = (0..=step as u64).find(|s| !logged.contains(s)) {
+        anyhow::bail!(
+            "{}: has no RL row for step {missing}, but {} holds the weights after step {step}: the log \
+             lost rows of this run (restore it, or start over with --overwrite)",
+            metrics_path.display(),
+            checkpoint.display()
+        );
+    }
+    Ok(())
+}
+
+/// What `--overwrite` removes of an earlier run besides its rows ([`reset_metrics`]): its checkpoints, the
+/// experiment's mark that it finished, its plots and the configs kept by accepted changes. Left behind, they
+/// would describe the earlier run beside the new one's rows (a new run killed early would still read as
+/// finished).
+fn remove_earlier_outputs(run_dir: &Path) -> anyhow::Result<()> {
+    let dir = checkpoint::checkpoints_dir(run_dir);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir)
+            .with_context(|| format!("{}: cannot remove", dir.display()))?;
+    }
+    let kept_configs = std::fs::read_dir(run_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("config.before_step_") && n.ends_with(".json"))
+        });
+    let files = [
+        super::experiment::marker(run_dir),
+        super::plot::run_plots(run_dir),
+    ];
+    for f in files.into_iter().chain(kept_configs) {
+        if f.is_file() {
+            std::fs::remove_file(&f).with_context(|| format!("{}: cannot remove", f.display()))?;
+        }
+    }
+    Ok(())
 }
 
 /// A run starting over refuses a run directory with an earlier run's checkpoints, an unfinished warm start
