@@ -626,7 +626,18 @@ fn fuzz_metrics_jsonl() {
             let path = run.join("metrics.jsonl");
             std::fs::write(&path, lines.join("\n")).unwrap();
             let _ = qarl::cli::runs::inspect(&run);
-            train::metrics::truncate_after(&path, "rl", keep).unwrap();
+            // A torn last line is dropped; damage before it is an error naming the file and the line,
+            // and leaves the file as it was.
+            let before = std::fs::read(&path).unwrap();
+            if let Err(e) = train::metrics::truncate_after(&path, "rl", keep) {
+                let msg = e.to_string();
+                assert!(
+                    msg.starts_with(&format!("{}: line ", path.display()))
+                        && msg.contains("is not a metrics row"),
+                    "{msg}"
+                );
+                assert_eq!(std::fs::read(&path).unwrap(), before);
+            }
         },
     );
 }

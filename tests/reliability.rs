@@ -392,6 +392,17 @@ fn a_resume_with_another_experiment_is_refused() {
         "{err}"
     );
     assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
+    // A model folder that is gone (or a new path): the resume would warm-start again for nothing.
+    let mut moved = cfg.clone();
+    moved.model.dir = tmp.path().join("gone");
+    moved.train.steps = 2;
+    let err = format!("{:#}", train::run(&moved, true, true).unwrap_err());
+    assert!(
+        err.contains("gone: holds no model") && err.contains("resumes from"),
+        "{err}"
+    );
+    assert!(!moved.model.dir.exists());
+    assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
     // More steps stretch a cosine schedule over them: the learning rate would rise again mid-run.
     let mut cosine = cfg.clone();
     cosine.run_dir = tmp.path().join("cosine");
@@ -887,4 +898,29 @@ fn sigkill_before_the_first_rl_checkpoint_loses_no_metrics_rows() {
         metrics_without_timing(&straight.run_dir.join("metrics.jsonl")),
         "the killed and resumed run's metrics differ from an uninterrupted run's"
     );
+}
+
+/// Two runs sharing a `model.dir` not made yet: while one warm-starts it, the other is refused instead of
+/// removing the first one's staging folder; once it is made, the model is used, and no guard is left.
+#[test]
+fn one_run_at_a_time_makes_a_shared_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny(tmp.path(), 1);
+    assert!(!cfg.model.dir.exists());
+    let guard = cfg.model.dir.with_file_name(format!(
+        "{}.qarl-init.lock",
+        cfg.model.dir.file_name().unwrap().to_string_lossy()
+    ));
+    // The other run (this process holding the guard stands for it).
+    let other = qarl::train::lock::RunLock::acquire(&guard).unwrap();
+    let err = format!("{:#}", train::run(&cfg, false, true).unwrap_err());
+    assert!(
+        err.contains("another run is making this model") && err.contains("in use"),
+        "{err}"
+    );
+    assert!(!cfg.model.dir.exists());
+    drop(other);
+    train::run(&cfg, false, true).unwrap();
+    assert!(cfg.model.dir.join("config.json").is_file());
+    assert!(!guard.exists(), "{} was left", guard.display());
 }

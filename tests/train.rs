@@ -710,6 +710,18 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
         toml::to_string(&changed).unwrap(),
     )
     .unwrap();
+    // The finished run of the other variant was made with the old learning rate: reported as it ran or
+    // joined by new seeds, it would stand for settings it never had.
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(
+        err.contains("finished runs were made with other settings")
+            && err.contains("aligned-tbpo/seed5 (`train.lr`)"),
+        "{err}"
+    );
+    std::fs::remove_file(tmp.path().join("results/aligned-tbpo/seed5/finished.json")).unwrap();
     let err = format!(
         "{:#}",
         train::experiment::run_experiment(&path, true, None).unwrap_err()

@@ -275,10 +275,11 @@ pub fn run_experiment(
     };
     let mut runs = Vec::new();
     // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
-    // span sessions) already compares all its arms on the same seeds. Finished runs are skipped here,
-    // so their configs are not rebuilt (a base edited since must not stop the report).
-    // The finished runs' own configs (as they ran), for the check of shared warm starts.
+    // span sessions) already compares all its arms on the same seeds. Finished runs are not run again;
+    // their own configs (as they ran) are checked against the experiment file's now, and kept for the
+    // check of shared warm starts.
     let mut finished = Vec::new();
+    let mut drifted = Vec::new();
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
@@ -288,9 +289,27 @@ pub fn run_experiment(
             } else if let Ok(cfg) =
                 crate::io::read_json::<TrainConfig>(&run_dir.join("config.json"))
             {
+                // A base that no longer builds stops only the runs still to do (none, if all finished).
+                if let Ok(now) = config_of(v, seed, &run_dir) {
+                    let mut ran = serde_json::to_value(cfg.with_defaults())?;
+                    let keys = super::resume::identity_changes(&mut ran, &now)?;
+                    if !keys.is_empty() {
+                        drifted.push(format!("{}/seed{seed} (`{}`)", v.name, keys.join("`, `")));
+                    }
+                }
                 finished.push((v, cfg));
             }
         }
+    }
+    // The report would describe those runs by settings they did not run with, and a seed added to their
+    // variant would average two experiments in one arm.
+    if !drifted.is_empty() {
+        anyhow::bail!(
+            "{}: finished runs were made with other settings than the experiment's now: {}; restore the \
+             experiment and base files, or give the edited experiment another `results_dir`",
+            path.display(),
+            drifted.join(", ")
+        );
     }
     check_shared_warm_starts(path, &runs, &finished)?;
     // One experiment process per results directory (each run directory is locked by its run as well).

@@ -71,6 +71,13 @@ pub(super) fn fresh_staging(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(staging)
 }
 
+/// The folder whose lock makes one run at a time assemble the model of `dir` (`<dir>.qarl-init.lock`).
+fn staging_guard(dir: &Path) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or(dir.as_os_str()).to_os_string();
+    name.push(".qarl-init.lock");
+    dir.with_file_name(name)
+}
+
 /// A model made from `model.init_config` (its config `config`) is paired with the character tokenizer: its
 /// vocabulary must hold the tokenizer's ids.
 fn check_fits_char_tokenizer(init: &Path, config: &ModelConfig) -> anyhow::Result<()> {
@@ -227,6 +234,15 @@ pub(super) fn prepare_model_locked(
         return Ok(());
     }
     let (source, _) = source_of(cfg)?;
+    // Runs that share a `model.dir` not made yet (runs whose configs differ in `run_dir` alone) would
+    // each remove the other's staging folder: the second is refused while the first warm-starts.
+    let guard = staging_guard(dir);
+    let staging_lock = lock::RunLock::acquire(&guard).with_context(|| {
+        format!(
+            "{}: another run is making this model (its warm start); wait for it, then start this one",
+            dir.display()
+        )
+    })?;
     let staging = fresh_staging(dir)?;
     // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
     let weights_dir = match source {
@@ -285,6 +301,9 @@ pub(super) fn prepare_model_locked(
         std::fs::remove_dir_all(&sft_root)
             .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
     }
+    drop(staging_lock);
+    // The guard's folder is empty once its lock is gone (another run may have taken it since: then not).
+    let _ = std::fs::remove_dir(&guard);
     Ok(())
 }
 

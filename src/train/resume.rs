@@ -68,13 +68,7 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow:
         ),
         Err(_) => raw.clone(),
     };
-    let mut new = serde_json::to_value(cfg.with_defaults())?;
-    for pointer in RESUME_MAY_CHANGE {
-        for v in [&mut old, &mut new] {
-            remove_pointer(v, pointer);
-        }
-    }
-    let mut changed = config::differing_keys(&old, &new);
+    let mut changed = identity_changes(&mut old, cfg)?;
     // `train.steps` may grow, except under a schedule that spans the steps: a cosine decay stretched over
     // more steps would raise the learning rate again mid-run, a schedule no uninterrupted run has.
     let old_steps = raw.pointer("/train/steps").and_then(|v| v.as_u64());
@@ -117,6 +111,21 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow:
         .into());
     }
     Ok(())
+}
+
+/// The keys where `cfg` differs from `old` (a run's config as JSON, its defaults written out) outside
+/// [`RESUME_MAY_CHANGE`]: the settings that make a run another experiment. `old` loses those keys.
+pub(super) fn identity_changes(
+    old: &mut serde_json::Value,
+    cfg: &TrainConfig,
+) -> anyhow::Result<Vec<String>> {
+    let mut new = serde_json::to_value(cfg.with_defaults())?;
+    for pointer in RESUME_MAY_CHANGE {
+        for v in [&mut *old, &mut new] {
+            remove_pointer(v, pointer);
+        }
+    }
+    Ok(config::differing_keys(old, &new))
 }
 
 /// Removes the value at `pointer` (`/a/b`) from `v`, if there is one.

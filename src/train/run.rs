@@ -103,6 +103,16 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     )?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = resume::start_point(cfg, how, model_made, &metrics_path)?;
+    // The weights come from the checkpoint, but the tokenizer and the end tokens from `model.dir`: a
+    // warm start run again there would take minutes, write its rows after the RL rows, and be thrown away.
+    if let (Some((p, _)), false) = (&resumed, model_made) {
+        anyhow::bail!(
+            "{}: holds no model, but the run resumes from {}, which needs the model's folder for its \
+             tokenizer and end tokens: restore the folder, or set `model.dir` to where it is now",
+            cfg.model.dir.display(),
+            p.display()
+        );
+    }
     // A resume loads its checkpoint before the run directory changes: one that does not load leaves the
     // run as it was (its config.json, its rows), for a resume from an older checkpoint.
     let loaded = match (&resumed, model_made) {
