@@ -895,6 +895,20 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
         err.contains(&format!("{a} and {dotted} are the same evaluation")),
         "{err}"
     );
+    // A copy of one evaluation under another name is warned about: it would count as a second seed.
+    let copy = tmp.path().join("a-copy.json");
+    std::fs::copy(&a, &copy).unwrap();
+    let copy = copy.display().to_string();
+    let out = qarl()
+        .args(["compare", "--a", &a, &copy, "--b", &b])
+        .output()
+        .unwrap();
+    let warned = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success()
+            && warned.contains(&format!("{a} and {copy} hold the same evaluation")),
+        "{warned}"
+    );
     // One evaluation in both arms: a model compared with itself.
     let err = error_of(qarl().args(["compare", "--a", &a, "--b", &dotted]));
     assert!(err.contains(&format!("{dotted} is in both arms")), "{err}");

@@ -52,6 +52,15 @@ pub fn run(args: CompareArgs) -> anyhow::Result<()> {
                     e.source
                 );
             }
+            // Two seeds' evaluations differ in their responses (and timings): the same bytes are a copy.
+            if let Some(copy) = arm[..i].iter().find(|o| o.content == e.content) {
+                tracing::warn!(
+                    "{name}: {} and {} hold the same evaluation, byte for byte: a copy counts as a \
+                     second seed (pass each seed's own evaluation once)",
+                    copy.source,
+                    e.source
+                );
+            }
             println!("{name}: {}", e.source);
         }
     }

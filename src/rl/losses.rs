@@ -143,7 +143,9 @@ pub fn aggregate(loss: Tensor<2>, mask: &Tensor<2>, mode: LossAggMode, divisor: 
 }
 
 /// The k3 estimator of KL(pi_theta || pi_ref) per token: `exp(lp_ref - lp_theta) - (lp_ref - lp_theta) - 1`,
-/// always >= 0 and unbiased, with verl's safety clamps (log-ratio to +-20, value to at most 10).
+/// always >= 0, with verl's safety clamps (log-ratio to +-20, value to at most 10). Unbiased only for
+/// tokens sampled from pi_theta and without the clamps; here the tokens are the rollout's (as in verl's
+/// `low_var_kl`).
 pub fn k3_kl(lp_theta: Tensor<2>, lp_ref: Tensor<2>) -> Tensor<2> {
     let log_ratio = (lp_ref - lp_theta).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND);
     (log_ratio.clone().exp() - log_ratio - 1.0).clamp_max(10.0)

@@ -47,6 +47,9 @@ pub struct Evaluation {
     /// What was read, however it was named: the canonical path (with a run's step), so that one
     /// evaluation given twice under two spellings (`run`, `./run/`) is recognised as one.
     pub identity: String,
+    /// A hash of what was read (an eval file's bytes, a run's evaluation row): equal for a copy of one
+    /// evaluation under another name, which would count as a second seed.
+    pub content: u64,
     /// The precision it was evaluated in, where known (`qarl eval` files record it since it was written).
     pub precision: Option<String>,
     /// The activations' type it ran in, where known (`f32`, `bf16`, `f16`).
@@ -176,9 +179,11 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
             super::paired::accuracy(&correct)
         );
     }
+    let bytes = std::fs::read(path).map_err(crate::io::failed(path, "cannot read"))?;
     Ok(Evaluation {
         source: spec.to_string(),
         identity: canonical(path),
+        content: crate::tasks::stable_hash(&String::from_utf8_lossy(&bytes)),
         precision: recorded,
         activations,
         verify,
@@ -276,6 +281,7 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
     Ok(Evaluation {
         source: format!("{}@{step}", dir.display()),
         identity: format!("{}@{step}", canonical(dir)),
+        content: crate::tasks::stable_hash(&picked.to_string()),
         precision: Some(precision),
         activations: Some(cfg.train.activations.to_string()),
         verify: Some(cfg.verify.judging_rules()),

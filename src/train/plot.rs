@@ -195,9 +195,19 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
         .iter()
         .filter(|(_, lines)| lines.iter().any(|(_, s)| s.iter().any(finite)))
         .collect();
+    // Drawn beside `out` and moved over it whole: a plot stopped half-way never replaces the last one.
+    let dir = out
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let tmp = tempfile::Builder::new()
+        .prefix(".qarl-plot-")
+        .suffix(".png")
+        .tempfile_in(dir)
+        .map_err(crate::io::failed(dir, "cannot create a temporary file"))?;
     {
         let rows = panels.len().div_ceil(2).max(1);
-        let root = BitMapBackend::new(out, (1200, 300 * rows as u32)).into_drawing_area();
+        let root = BitMapBackend::new(tmp.path(), (1200, 300 * rows as u32)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
         let areas = root.split_evenly((rows, 2));
         for (area, &(title, lines)) in areas.iter().zip(&panels) {
@@ -288,6 +298,9 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
         root.present()
             .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
     }
+    crate::io::set_usual_permissions(tmp.path());
+    tmp.persist(out)
+        .map_err(|e| crate::io::failed(out, "cannot move into place")(e.error))?;
     Ok(())
 }
 

@@ -56,6 +56,15 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
         )));
     }
     let pre = f.opt_str("tokenizer.ggml.pre")?.unwrap_or("default");
+    if pre == "default" {
+        // llama.cpp's `default` splits punctuation, digit runs and three-digit groups by regexes of its own;
+        // the import splits as GPT-2 does, which may part numbers and punctuation otherwise.
+        tracing::warn!(
+            "`tokenizer.ggml.pre` is missing or `default`: the tokenizer is imported with GPT-2's \
+             pre-tokenizer, which may split numbers and punctuation otherwise than llama.cpp and the \
+             model's original tokenizer; check its ids against the original tokenizer.json"
+        );
+    }
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre_tokenizer = match pre {
         "default" | "gpt2" => byte_level.clone(),
