@@ -1085,6 +1085,36 @@ fn outputs_are_checked_before_the_work() {
         "hi",
     ]));
     assert!(err.contains("`--template plain` has none"), "{err}");
+    for (template, refused) in [
+        ("chatml", "`--template chatml` has none"),
+        ("plain", "`--template plain` has none"),
+    ] {
+        let err = error_of(qarl().args([
+            "eval",
+            "--model",
+            &model,
+            "--data",
+            &data,
+            "--template",
+            template,
+            "--enable-thinking",
+            "false",
+        ]));
+        assert!(err.contains(refused), "{err}");
+    }
+    let err = error_of(qarl().args([
+        "eval",
+        "--model",
+        &model,
+        "--data",
+        &data,
+        "--template",
+        "jinja",
+    ]));
+    assert!(
+        err.contains("expected `chat`, `chatml` or `plain`"),
+        "{err}"
+    );
     let err = error_of(qarl().args(["config", "show", &folder]));
     assert!(err.contains("is a folder"), "{err}");
 }

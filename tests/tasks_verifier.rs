@@ -591,6 +591,29 @@ fn bad_lines_name_file_and_line() {
         datasets::load_math(&path, OnBadLine::Error).unwrap()[0].answer,
         "7"
     );
+    // Both, agreeing (MATH-500: the field is the box, perhaps written otherwise): the box is the gold.
+    std::fs::write(
+        &path,
+        r#"{"problem": "p", "solution": "so \\boxed{\\frac{1}{2}}", "answer": "1/2"}"#,
+    )
+    .unwrap();
+    assert_eq!(
+        datasets::load_math(&path, OnBadLine::Error).unwrap()[0].answer,
+        "\\frac{1}{2}"
+    );
+    // Both, disagreeing: which is the gold would be a silent choice.
+    std::fs::write(
+        &path,
+        r#"{"problem": "p", "solution": "so \\boxed{4}", "answer": "5"}"#,
+    )
+    .unwrap();
+    let err = datasets::load_math(&path, OnBadLine::Error)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(":1:") && err.contains("field `answer` is `5` but the solution's last"),
+        "{err}"
+    );
     // all lines bad + skip -> empty is an error; missing file names the file
     std::fs::write(&path, "garbage\n").unwrap();
     let err = datasets::load_math(&path, OnBadLine::Skip)

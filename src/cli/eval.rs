@@ -34,7 +34,8 @@ pub struct EvalArgs {
     /// Activations' type (`f32`, or mixed precision: `bf16`, `f16`; weights stay f32 or packed).
     #[arg(long, value_enum, default_value_t = crate::model::Activations::F32)]
     pub activations: crate::model::Activations,
-    /// `chat` (the model's own chat template, ChatML where it has none) or `plain` (`Question: ...\nAnswer:`).
+    /// `chat` (the model's own chat template, ChatML where it has none), `chatml` (ChatML whatever the
+    /// model declares) or `plain` (`Question: ...\nAnswer:`).
     #[arg(long, default_value = "chat")]
     pub template: String,
     /// System turn of the chat template. Without it, the model's template decides (SmolLM2's writes "You
@@ -69,8 +70,9 @@ pub struct EvalArgs {
 }
 
 /// The prompt template `--template NAME` (with `--system` and `--enable-thinking`) names for the model in
-/// `dir`: `chat`, the model's own chat template (ChatML where it declares none), or `plain`
-/// (`Question: ...\nAnswer:`), which has no system turn.
+/// `dir`: `chat`, the model's own chat template (ChatML where it declares none), `chatml` (ChatML whatever
+/// the model declares: how `qarl eval` prompted before it rendered the model's template, with no default
+/// system turn), or `plain` (`Question: ...\nAnswer:`), which has no system turn.
 pub(crate) fn prompt_template(
     dir: &std::path::Path,
     name: &str,
@@ -79,6 +81,17 @@ pub(crate) fn prompt_template(
 ) -> anyhow::Result<Template> {
     match name {
         "chat" => Ok(Template::chat_for_model(dir, system, enable_thinking)?),
+        "chatml" => {
+            anyhow::ensure!(
+                enable_thinking.is_none(),
+                "--enable-thinking is a switch of the model's chat template; `--template chatml` has none"
+            );
+            Ok(Template::Chat {
+                system,
+                model: None,
+                enable_thinking: None,
+            })
+        }
         "plain" => {
             anyhow::ensure!(
                 enable_thinking.is_none(),
@@ -90,7 +103,7 @@ pub(crate) fn prompt_template(
             );
             Ok(Template::default())
         }
-        other => anyhow::bail!("--template `{other}`: expected `chat` or `plain`"),
+        other => anyhow::bail!("--template `{other}`: expected `chat`, `chatml` or `plain`"),
     }
 }
 

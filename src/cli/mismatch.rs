@@ -45,8 +45,8 @@ pub struct MismatchArgs {
     pub max_new_tokens: usize,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// `chat` (the model's own chat template, ChatML where it has none) or `plain`
-    /// (`Question: ...\nAnswer:`, for a base model).
+    /// `chat` (the model's own chat template, ChatML where it has none), `chatml` (ChatML whatever the
+    /// model declares) or `plain` (`Question: ...\nAnswer:`, for a base model).
     #[arg(long, default_value = "chat")]
     pub template: String,
     /// System turn of the chat template (without it, the model's template decides: SmolLM2's writes a

@@ -84,6 +84,8 @@ pub enum LineError {
     NotANumber(String),
     #[error("field `solution` has no well-formed `\\boxed{{...}}` (and no `answer` field)")]
     NoBoxed,
+    #[error("field `answer` is `{field}` but the solution's last `\\boxed{{}}` is `{boxed}`: which is the gold is ambiguous")]
+    AnswersDisagree { boxed: String, field: String },
 }
 
 /// The final answer of a GSM8K `answer` field: the rest of the line after the last `####`, trimmed.
@@ -204,20 +206,29 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
 }
 
 /// Parses one MATH-style line (`{"problem": ..., "solution": "... \boxed{42} ..."}`). When the solution has no
-/// `\boxed{}`, a string `answer` field is used if present.
+/// `\boxed{}`, a string `answer` field is used if present; where it has both, they must agree (MATH-500's
+/// `answer` is its solution's box): which one is the gold would otherwise be a silent choice.
 pub fn parse_math_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
     let question = text_field(&v, "problem")?;
     let solution = string_field(&v, "solution")?;
-    let answer = match last_boxed(&solution)
+    let field = match v.get("answer") {
+        Some(serde_json::Value::String(a)) if !a.trim().is_empty() => Some(a.trim()),
+        _ => None,
+    };
+    let boxed = last_boxed(&solution)
         .map(str::trim)
-        .filter(|s| !s.is_empty())
-    {
-        Some(a) => a.to_string(),
-        None => match v.get("answer") {
-            Some(serde_json::Value::String(a)) if !a.trim().is_empty() => a.trim().to_string(),
-            _ => return Err(LineError::NoBoxed),
-        },
+        .filter(|s| !s.is_empty());
+    let answer = match (boxed, field) {
+        (Some(b), Some(a)) if !super::verify::answers_equal(b, a) => {
+            return Err(LineError::AnswersDisagree {
+                boxed: b.chars().take(40).collect(),
+                field: a.chars().take(40).collect(),
+            })
+        }
+        (Some(b), _) => b.to_string(),
+        (None, Some(a)) => a.to_string(),
+        (None, None) => return Err(LineError::NoBoxed),
     };
     Ok(Record {
         question,
