@@ -80,7 +80,7 @@ fn templates_render_as_transformers_renders_them() {
 }
 
 /// qarl's prompt for a question is transformers' prompt, and prompt + SFT completion is transformers'
-/// whole conversation up to the end of the assistant's turn.
+/// whole conversation (TRL's split of a conversational prompt-completion example).
 #[test]
 fn prompts_and_completions_split_the_conversation() {
     let tmp = tempfile::tempdir().unwrap();
@@ -122,9 +122,10 @@ fn prompts_and_completions_split_the_conversation() {
         let completion = template.render_completion(question, answer).unwrap();
         assert_eq!(
             format!("{prompt}{completion}"),
-            whole["expected"].as_str().unwrap().trim_end(),
+            whole["expected"].as_str().unwrap(),
             "{name}, enable_thinking {thinking:?}"
         );
+        assert!(template.completion_closes_turn());
         checked += 1;
     }
     assert_eq!(checked, 10);
@@ -183,6 +184,26 @@ fn template_errors_name_the_file() {
         err.contains("tokenizer_config.json") && err.contains("Conversation roles must alternate"),
         "{err}"
     );
+    // A reasoning model's template (its prompt opens a `<think>` block that past turns leave out): prompts
+    // render (evaluation, RL), but no SFT completion can be split from a conversation.
+    let think = tmp.path().join("think");
+    std::fs::create_dir_all(&think).unwrap();
+    std::fs::write(
+        think.join("chat_template.jinja"),
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+    )
+    .unwrap();
+    let template = Template::chat_for_model(&think, None, None).unwrap();
+    assert!(template
+        .render_prompt("2 + 3?")
+        .unwrap()
+        .ends_with("<think>\n"));
+    let err = template
+        .render_completion("2 + 3?", "5")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("does not start with its prompt"), "{err}");
     // A template that does not parse.
     let broken = tmp.path().join("broken");
     std::fs::create_dir_all(&broken).unwrap();
@@ -209,4 +230,61 @@ fn template_errors_name_the_file() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("declares no chat template"), "{err}");
+}
+
+/// A data set under a reasoning model's template: the task builds (its prompts serve evaluation and RL),
+/// and a warm start, which needs completions, is told why there are none.
+#[test]
+fn a_template_without_completions_serves_prompts_only() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("chat_template.jinja"),
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+         {% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+    )
+    .unwrap();
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gsm8k_slice.jsonl");
+    let cfg: qarl::tasks::TaskConfig = serde_json::from_value(serde_json::json!({
+        "kind": "gsm8k", "path": data, "eval_fraction": 0.3,
+        "template": {"kind": "chat", "model_dir": tmp.path()}
+    }))
+    .unwrap();
+    let task = qarl::tasks::Task::from_config(&cfg).unwrap();
+    let ex = &task.eval_set(1)[0];
+    assert!(ex.prompt.ends_with("<|im_start|>assistant\n<think>\n") && !ex.with_bos);
+    assert!(ex.solution.is_none());
+    let err = task.check_completions().unwrap_err().to_string();
+    assert!(
+        err.contains("a warm start needs worked solutions")
+            && err.contains("gsm8k_slice.jsonl")
+            && err.contains("does not start with its prompt"),
+        "{err}"
+    );
+}
+
+/// Tool-calling templates (gpt-oss, Qwen3-Coder, Hermes) define macros and read `loop.previtem`.
+#[test]
+fn macros_and_adjacent_loop_items_render() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("chat_template.jinja"),
+        "{% macro turn(m) %}<{{ m.role }}>{{ m.content }}{% endmacro %}\
+         {% for m in messages %}{% if loop.previtem %}|{% endif %}{{ turn(m) }}{% endfor %}",
+    )
+    .unwrap();
+    let template = ModelChatTemplate::of_model(tmp.path()).unwrap().unwrap();
+    let turns = [
+        Turn {
+            role: "system",
+            content: "s",
+        },
+        Turn {
+            role: "user",
+            content: "q",
+        },
+    ];
+    assert_eq!(
+        template.render(&turns, false, &[]).unwrap(),
+        "<system>s|<user>q"
+    );
 }

@@ -745,10 +745,19 @@ fn add_bos_and_add_eos_tokens_are_imported() {
             .unwrap()
             .unwrap();
         let prompt: Vec<u32> = bos.then_some(1).into_iter().chain(ids.clone()).collect();
-        assert_eq!(tok.encode_prompt("hello").unwrap(), prompt, "add_bos {bos}");
+        assert_eq!(
+            tok.encode_prompt("hello", true).unwrap(),
+            prompt,
+            "add_bos {bos}"
+        );
+        // A chat template's prompt is encoded as written (it writes its own BOS, if any).
+        assert_eq!(tok.encode_prompt("hello", false).unwrap(), ids);
         // A template that writes the BOS itself (`{{ bos_token }}...`) does not get a second one.
         let bos_text: Vec<u32> = [1].into_iter().chain(ids.clone()).collect();
-        assert_eq!(tok.encode_prompt("<|im_start|>hello").unwrap(), bos_text);
+        assert_eq!(
+            tok.encode_prompt("<|im_start|>hello", true).unwrap(),
+            bos_text
+        );
         let tc = read_json(&out.join("tokenizer_config.json"));
         assert_eq!(tc["add_bos_token"], bos);
         assert_eq!(tc["add_eos_token"], eos);

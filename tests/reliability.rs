@@ -403,6 +403,16 @@ fn a_resume_with_another_experiment_is_refused() {
     );
     assert!(!moved.model.dir.exists());
     assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
+    // ... also where other settings were accepted: a refused resume keeps no earlier config.
+    moved.train.lr = 5e-5;
+    let accept = train::RunOptions {
+        resume: true,
+        quiet: true,
+        accept_changes: true,
+        ..train::RunOptions::default()
+    };
+    assert!(train::run_with(&moved, &accept).is_err());
+    assert!(!cfg.run_dir.join("config.before_step_1.json").exists());
     // More steps stretch a cosine schedule over them: the learning rate would rise again mid-run.
     let mut cosine = cfg.clone();
     cosine.run_dir = tmp.path().join("cosine");

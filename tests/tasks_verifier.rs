@@ -688,9 +688,10 @@ fn chat_template_from_model_dir() {
         from_dir.render_prompt("2+2?").unwrap(),
         Template::chatml().render_prompt("2+2?").unwrap()
     );
+    // The whole turn as TRL splits it (its end marker and the newline the template writes after it).
     assert_eq!(
         from_dir.render_completion("2+2?", "4").unwrap(),
-        "4<|im_end|>"
+        "4<|im_end|>\n"
     );
     let cfg = TemplateConfig::Chat(ChatTemplate {
         model_dir: Some(dir.path().to_path_buf()),
@@ -709,10 +710,15 @@ fn chat_template_from_model_dir() {
         err.contains("no-such-model") && err.contains("`task.template.model_dir` is not a folder"),
         "{err}"
     );
-    // A template that renders no prompt the conversation starts with cannot be split for SFT.
+    // A template that renders no prompt the conversation starts with: its prompts render, its SFT
+    // completions cannot be split.
     let odd = r#"{"chat_template": "{% if not add_generation_prompt %}X{% endif %}{{ messages[0].content }}"}"#;
     std::fs::write(dir.path().join("tokenizer_config.json"), odd).unwrap();
-    let err = Template::from_config(&cfg).unwrap_err().to_string();
+    let template = Template::from_config(&cfg).unwrap();
+    let err = template
+        .render_completion("2+2?", "4")
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("tokenizer_config.json") && err.contains("does not start with its prompt"),
         "{err}"

@@ -185,12 +185,12 @@ fn an_empty_prompt_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     qarl::tasks::char_tokenizer::save(dir.path()).unwrap();
     let tok = Tokenizer::load_optional(dir.path()).unwrap().unwrap();
-    let err = tok.encode_prompt("").unwrap_err().to_string();
+    let err = tok.encode_prompt("", true).unwrap_err().to_string();
     assert!(
         err.contains("tokenizer.json: the prompt \"\" encodes to no tokens"),
         "{err}"
     );
-    assert!(!tok.encode_prompt("1+2=").unwrap().is_empty());
+    assert!(!tok.encode_prompt("1+2=", true).unwrap().is_empty());
     assert!(
         tok.encode("").unwrap().is_empty(),
         "plain encoding of nothing is allowed"

@@ -686,6 +686,27 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
         before,
         "a finished run was redone"
     );
+    // More steps in the base: the finished runs are shorter than the experiment says (new seeds would
+    // average both lengths in one arm).
+    let longer = tiny_config(&tmp.path().join("shared"), "full", 2);
+    std::fs::write(
+        tmp.path().join("base.toml"),
+        toml::to_string(&longer).unwrap(),
+    )
+    .unwrap();
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(
+        err.contains("full/seed5 (`train.steps`)") && err.contains("aligned-tbpo/seed5"),
+        "{err}"
+    );
+    std::fs::write(
+        tmp.path().join("base.toml"),
+        toml::to_string(&tiny_config(&tmp.path().join("shared"), "full", 1)).unwrap(),
+    )
+    .unwrap();
     // A typo in an override is an error naming it.
     let bad = std::fs::read_to_string(&path).unwrap().replace(
         "\"train.forward\" = \"full\"",

@@ -176,7 +176,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let prompts: Vec<Vec<u32>> = records
         .iter()
-        .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)?))
+        .map(|r| {
+            tok.encode_prompt(
+                &template.render_prompt(&r.question)?,
+                template.prompt_takes_bos(),
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
     let batch = args.batch;
     crate::rollout::check_rollout_size(

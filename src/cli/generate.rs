@@ -144,7 +144,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     args.model.display()
                 )
             })?;
-            let ids = tok.encode_prompt(text)?;
+            let ids = tok.encode_prompt(text, true)?;
             model
                 .check_prompts(std::slice::from_ref(&ids))
                 .context("--prompt")?;

@@ -131,7 +131,12 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     tok.check_template(&template, &args.model)?;
     let prompts: Vec<Vec<u32>> = records
         .iter()
-        .map(|r| tok.encode_prompt(&template.render_prompt(&r.question)?))
+        .map(|r| {
+            tok.encode_prompt(
+                &template.render_prompt(&r.question)?,
+                template.prompt_takes_bos(),
+            )
+        })
         .collect::<anyhow::Result<_>>()?;
     crate::rollout::check_rollout_size(
         &full.config,

@@ -124,12 +124,18 @@ impl Tokenizer {
     /// from the prompt's last token): an empty question under a template without prefixes is refused here,
     /// naming it, instead of reaching the rollout as an empty row.
     ///
-    /// A prompt starts with the special tokens the tokenizer's post-processor puts before a text (a BOS,
-    /// as transformers, vLLM and llama.cpp add it for Llama-family models), once: a chat template that
-    /// writes the BOS itself does not get a second one. Special tokens it would put after the text (an
-    /// EOS) are left out: a prompt is continued, not ended.
-    pub fn encode_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
-        let mut ids = self.leading_special_tokens(text)?;
+    /// With `with_bos` (a plain prompt: what [`Template::prompt_takes_bos`] says), the prompt starts with
+    /// the special tokens the tokenizer's post-processor puts before a text (a BOS, as transformers, vLLM
+    /// and llama.cpp add it for Llama-family models), once: a text that begins with the BOS itself does
+    /// not get a second one. Special tokens it would put after the text (an EOS) are left out: a prompt
+    /// is continued, not ended. A chat template's prompt is encoded as written (transformers'
+    /// `apply_chat_template` encodes it without special tokens: the template writes its own BOS).
+    pub fn encode_prompt(&self, text: &str, with_bos: bool) -> anyhow::Result<Vec<u32>> {
+        let mut ids = if with_bos {
+            self.leading_special_tokens(text)?
+        } else {
+            Vec::new()
+        };
         let body = self.encode(text)?;
         if !ids.is_empty() && body.starts_with(&ids) {
             ids.clear();

@@ -47,6 +47,8 @@ pub struct Example {
     pub question: String,
     /// The rendered prompt (template applied).
     pub prompt: String,
+    /// Whether the prompt starts with the tokenizer's BOS ([`Template::prompt_takes_bos`]).
+    pub with_bos: bool,
     /// The gold final answer (compare with [`verify::score`]).
     pub answer: String,
     /// The completion that follows `prompt` for supervised training (worked solution; no EOS token).
@@ -285,6 +287,9 @@ pub struct DatasetTask {
     train_examples: Vec<Example>,
     eval_examples: Vec<Example>,
     template: Template,
+    /// Why the training records have no SFT completions, where the template could not split one from its
+    /// conversation (a reasoning model's): only a warm start needs them, and it reports this.
+    completion_error: Option<String>,
 }
 
 impl DatasetTask {
@@ -305,37 +310,53 @@ impl DatasetTask {
 }
 
 /// `records` of the data set in `path` as examples under `template` (the solutions without calculator
-/// annotations where `strip_annotations`).
+/// annotations where `strip_annotations`), and the first completion the template could not render (then
+/// no example has a solution: only a warm start needs them, and it reports the error).
 fn render_examples(
     records: &[Record],
     template: &Template,
     strip_annotations: bool,
     path: &Path,
-) -> Result<Vec<Example>, TaskError> {
-    records
-        .iter()
-        .map(|r| {
-            let sol = if strip_annotations {
-                datasets::strip_calculator_annotations(&r.solution)
-            } else {
-                r.solution.clone()
-            };
-            let at_line = |e: TemplateError| TemplateError::Invalid {
-                path: path.to_path_buf(),
-                msg: format!("line {}: {e}", r.line),
-            };
-            Ok(Example {
-                question: r.question.clone(),
-                prompt: template.render_prompt(&r.question).map_err(at_line)?,
-                answer: r.answer.clone(),
-                solution: Some(
-                    template
-                        .render_completion(&r.question, &sol)
-                        .map_err(at_line)?,
-                ),
-            })
-        })
-        .collect()
+) -> Result<(Vec<Example>, Option<String>), TaskError> {
+    let at_line = |r: &Record, e: TemplateError| TemplateError::Invalid {
+        path: path.to_path_buf(),
+        msg: format!("line {}: {e}", r.line),
+    };
+    let mut completion_error = None;
+    let mut examples = Vec::with_capacity(records.len());
+    for r in records {
+        let sol = if strip_annotations {
+            datasets::strip_calculator_annotations(&r.solution)
+        } else {
+            r.solution.clone()
+        };
+        let solution = if completion_error.is_some() {
+            None
+        } else {
+            match template.render_completion(&r.question, &sol) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    completion_error = Some(at_line(r, e).to_string());
+                    None
+                }
+            }
+        };
+        examples.push(Example {
+            question: r.question.clone(),
+            prompt: template
+                .render_prompt(&r.question)
+                .map_err(|e| at_line(r, e))?,
+            with_bos: template.prompt_takes_bos(),
+            answer: r.answer.clone(),
+            solution,
+        });
+    }
+    if completion_error.is_some() {
+        for ex in &mut examples {
+            ex.solution = None;
+        }
+    }
+    Ok((examples, completion_error))
 }
 
 /// Seed of the arithmetic held-out stream.
@@ -373,6 +394,7 @@ fn problem_example(p: Problem) -> Example {
     Example {
         question: p.prompt.clone(),
         prompt: p.prompt,
+        with_bos: true,
         answer: p.answer,
         solution: Some(p.solution),
     }
@@ -439,13 +461,17 @@ impl Task {
         }
         let strip = d.strip_calculator_annotations;
         let eval_path = d.eval_path.as_deref().unwrap_or(&d.path);
+        let (train_examples, completion_error) =
+            render_examples(&train, &template, strip, &d.path)?;
+        let (eval_examples, _) = render_examples(&eval, &template, strip, eval_path)?;
         Ok(Task::Dataset(DatasetTask {
             name,
-            train_examples: render_examples(&train, &template, strip, &d.path)?,
-            eval_examples: render_examples(&eval, &template, strip, eval_path)?,
+            train_examples,
+            eval_examples,
             train,
             eval,
             template,
+            completion_error,
         }))
     }
 
@@ -562,6 +588,27 @@ impl Task {
                 d.template.render_completion(&example.question, &line)
             }
         }
+    }
+
+    /// Whether the training examples can be trained on (SFT): a data set whose template could not split a
+    /// worked solution from its conversation cannot.
+    pub fn check_completions(&self) -> Result<(), TaskError> {
+        match self {
+            Task::Dataset(DatasetTask {
+                completion_error: Some(e),
+                ..
+            }) => Err(TaskError::Template(TemplateError::Invalid {
+                path: "task.template".into(),
+                msg: format!("a warm start needs worked solutions after the prompts: {e}"),
+            })),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether a supervised completion ends the assistant's turn itself (a model's chat template writes
+    /// the turn's end), so that it gets no EOS after it ([`Template::completion_closes_turn`]).
+    pub fn completion_closes_turn(&self) -> bool {
+        matches!(self, Task::Dataset(d) if d.template.completion_closes_turn())
     }
 
     /// Scores `response` (the completion only) against `example`'s gold answer.

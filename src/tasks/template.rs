@@ -184,8 +184,9 @@ impl Template {
     }
 
     /// The chat template of the model in `dir` (its own, else ChatML) with `system` and `enable_thinking`,
-    /// checked by rendering a probe conversation: a template that cannot render one, or that
-    /// `enable_thinking` would be set for nothing, is refused here, naming its file.
+    /// checked by rendering a probe prompt: a template that cannot render one, or that `enable_thinking`
+    /// would be set for nothing, is refused here, naming its file (a template whose conversations cannot
+    /// be split for SFT is refused where a warm start asks for its completions).
     pub fn chat_for_model(
         dir: &Path,
         system: Option<String>,
@@ -211,13 +212,21 @@ impl Template {
             model,
             enable_thinking,
         };
-        template.render_completion("What is 2 + 3?", "2 + 3 = 5. #### 5")?;
+        template.render_prompt("What is 2 + 3?")?;
         Ok(template)
     }
 
     /// The chat template of the model in `dir`, without a system turn.
     pub fn chat_from_model_dir(dir: impl AsRef<Path>) -> Result<Self, TemplateError> {
         Self::chat_for_model(dir.as_ref(), None, None)
+    }
+
+    /// Whether a prompt of this template starts with the tokenizer's BOS ([`Tokenizer::encode_prompt`]):
+    /// a plain prompt is a text, encoded as transformers encodes a text; a chat template writes its own.
+    ///
+    /// [`Tokenizer::encode_prompt`]: crate::model::Tokenizer::encode_prompt
+    pub fn prompt_takes_bos(&self) -> bool {
+        matches!(self, Template::Plain { .. })
     }
 
     /// The prompt for `question`.
@@ -249,9 +258,11 @@ impl Template {
 
     /// The completion that follows the prompt of `question` for a worked `solution` (supervised text =
     /// prompt + this). A model's template renders the whole conversation with the assistant's turn, and the
-    /// completion is what follows the prompt, up to the end of the turn (whitespace after its end marker
-    /// left out), as transformers' SFT splits it; a template whose conversation does not start with its
-    /// prompt cannot be split and is refused.
+    /// completion is all that follows the prompt (the turn's end marker and what the template writes after
+    /// it), as TRL splits a conversational prompt-completion example (it appends no EOS to it either:
+    /// [`Self::completion_closes_turn`]); a template whose conversation does not start with its prompt (a
+    /// reasoning model's, whose prompt opens a `<think>` block that past turns leave out) cannot be split
+    /// and is refused.
     pub fn render_completion(
         &self,
         question: &str,
@@ -274,7 +285,7 @@ impl Template {
                     &self.variables(),
                 )?;
                 match whole.strip_prefix(&prompt) {
-                    Some(rest) => Ok(rest.trim_end().to_string()),
+                    Some(rest) => Ok(rest.to_string()),
                     None => Err(TemplateError::Invalid {
                         path: m.path.clone(),
                         msg: "the chat template renders a conversation that does not start with its \
@@ -285,6 +296,12 @@ impl Template {
                 }
             }
         }
+    }
+
+    /// Whether a completion of this template ends the assistant's turn itself (a model's template writes
+    /// the turn's end): then a supervised example gets no EOS after it.
+    pub fn completion_closes_turn(&self) -> bool {
+        matches!(self, Template::Chat { model: Some(_), .. })
     }
 
     fn turns<'a>(&'a self, question: &'a str, answer: Option<&'a str>) -> Vec<Turn<'a>> {

@@ -35,7 +35,7 @@ pub fn evaluate(
     }
     let prompts: Vec<Vec<u32>> = examples
         .iter()
-        .map(|e| tok.encode_prompt(&e.prompt))
+        .map(|e| tok.encode_prompt(&e.prompt, e.with_bos))
         .collect::<anyhow::Result<_>>()?;
     crate::rollout::check_rollout_size(
         &m.config,

@@ -223,6 +223,25 @@ fn check_shared_warm_starts(
     Ok(())
 }
 
+/// What the experiment file may change under a finished run without making it another experiment's (JSON
+/// pointers): where it ran and from which paths, and the knobs that leave its results alone. Unlike a
+/// resume's ([`super::RESUME_MAY_CHANGE`]), not `train.steps` (a finished run is not run further: longer
+/// new seeds would share an arm with it) nor the warm start's settings.
+const FINISHED_MAY_CHANGE: [&str; 12] = [
+    "/run_dir",
+    "/model/dir",
+    "/model/base",
+    "/model/init_config",
+    "/train/backend",
+    "/train/micro_batch_size",
+    "/train/max_nonfinite_steps",
+    "/train/lp_old_check",
+    "/train/tensor_core_kernel",
+    "/train/fragment_group_splits",
+    "/checkpoint_every",
+    "/keep_checkpoints",
+];
+
 /// The file that marks a run of an experiment finished (its final evaluation summarized).
 pub fn marker(run_dir: &Path) -> PathBuf {
     run_dir.join("finished.json")
@@ -292,7 +311,8 @@ pub fn run_experiment(
                 // A base that no longer builds stops only the runs still to do (none, if all finished).
                 if let Ok(now) = config_of(v, seed, &run_dir) {
                     let mut ran = serde_json::to_value(cfg.with_defaults())?;
-                    let keys = super::resume::identity_changes(&mut ran, &now)?;
+                    let keys =
+                        super::resume::identity_changes(&mut ran, &now, &FINISHED_MAY_CHANGE)?;
                     if !keys.is_empty() {
                         drifted.push(format!("{}/seed{seed} (`{}`)", v.name, keys.join("`, `")));
                     }

@@ -12,6 +12,7 @@ use super::config::TrainConfig;
 use super::metrics::MetricsLog;
 use super::{lock, sft};
 use crate::model::{Decoder, EndTokens, ModelConfig, Tokenizer};
+use crate::tasks::Template;
 
 /// Refuses a `model.dir` that exists without being a model (a file, or a folder of other things) before
 /// any work: the finished model is moved into its place at the end, which would then fail, or take what
@@ -307,15 +308,84 @@ pub(super) fn prepare_model_locked(
     Ok(())
 }
 
-/// The task's chat template against `tok` ([`Tokenizer::check_chatml`]), where the template's own
-/// `model_dir`, else `model_dir`, declares none.
+/// The task's chat template against the model: with its own `model_dir`, the template is that model's
+/// own, whatever it is. Without one, the prompts are ChatML: where the model in `model_dir` declares a
+/// template, ChatML must render what it renders (a system turn given, say, for SmolLM2's), or the prompts
+/// would not be the model's; where it declares none, its tokenizer must have ChatML's tokens
+/// ([`Tokenizer::check_chatml`]).
 pub(super) fn check_chat_tokens(
     cfg: &TrainConfig,
     tok: &Tokenizer,
     model_dir: &Path,
 ) -> anyhow::Result<()> {
-    match cfg.task.chat_template() {
-        Some(chat) => tok.check_chatml(chat.model_dir.as_deref().unwrap_or(model_dir)),
-        None => Ok(()),
+    let Some(chat) = cfg.task.chat_template() else {
+        return Ok(());
+    };
+    if chat.model_dir.is_some() {
+        return Ok(());
+    }
+    let Some(own) = crate::tasks::template::ModelChatTemplate::of_model(model_dir)? else {
+        return tok.check_chatml(model_dir);
+    };
+    let probe = "What is 2 + 3?";
+    let system = chat.system.clone();
+    let chatml = Template::Chat {
+        system: system.clone(),
+        model: None,
+        enable_thinking: None,
+    };
+    let model = Template::chat_for_model(model_dir, system, None)?;
+    anyhow::ensure!(
+        chatml.render_prompt(probe)? == model.render_prompt(probe)?,
+        "{}: the model's chat template renders other prompts than ChatML, which `task.template` without \
+         `model_dir` stands for; set `task.template.model_dir` to the model's folder to prompt with its own \
+         template",
+        own.path.display()
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A task's `{ kind = "chat" }` without `model_dir` prompts with ChatML: taken for a model whose own
+    /// template renders the same prompts (SmolLM2's, given a system turn), refused where it would not
+    /// (SmolLM2's without one writes its default system turn).
+    #[test]
+    fn chatml_stands_in_only_for_a_template_that_renders_it() {
+        let model = tempfile::tempdir().unwrap();
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat_templates");
+        std::fs::copy(
+            fixtures.join("smollm2.jinja"),
+            model.path().join("chat_template.jinja"),
+        )
+        .unwrap();
+        let tok = Tokenizer::from_json_text(
+            r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null, "pre_tokenizer": null, "post_processor": null, "decoder": null,
+                "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}}"#,
+        );
+        let mut cfg =
+            TrainConfig::from_toml(super::super::config::DEFAULT_CONFIG, "default").unwrap();
+        let task = |template: serde_json::Value| {
+            serde_json::from_value(serde_json::json!({
+                "kind": "gsm8k", "path": "data.jsonl", "template": template
+            }))
+            .unwrap()
+        };
+        cfg.task = task(serde_json::json!({"kind": "chat", "system": "Be brief."}));
+        check_chat_tokens(&cfg, &tok, model.path()).unwrap();
+        cfg.task = task(serde_json::json!({"kind": "chat"}));
+        let err = check_chat_tokens(&cfg, &tok, model.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("chat_template.jinja") && err.contains("set `task.template.model_dir`"),
+            "{err}"
+        );
+        // With the model's folder named, its own template is used, whatever it renders.
+        cfg.task = task(serde_json::json!({"kind": "chat", "model_dir": model.path()}));
+        check_chat_tokens(&cfg, &tok, model.path()).unwrap();
     }
 }

@@ -46,16 +46,44 @@ pub const RESUME_MAY_CHANGE: [&str; 12] = [
 ];
 
 /// Refuses a resume whose config differs from the run's own (its `config.json`) anywhere outside
-/// [`RESUME_MAY_CHANGE`], naming every key that differs ([`ResumeChanged`]); with `accept`, keeps the
-/// earlier config as `config.before_step_{done}.json` and logs the changes instead.
-fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow::Result<()> {
+/// [`RESUME_MAY_CHANGE`], naming every key that differs ([`ResumeChanged`]); with `accept`, logs the
+/// changes instead ([`keep_earlier_config`] keeps the earlier config once the checkpoint has loaded).
+fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::Result<()> {
     let path = cfg.run_dir.join("config.json");
-    if !path.is_file() {
+    let changed = resume_changes(cfg, &path, accept)?;
+    if changed.is_empty() {
         return Ok(());
+    }
+    if accept {
+        tracing::warn!(
+            "resuming with other settings than the run's (`{}`, --accept-changes): its earlier config is \
+             kept beside the new one once the checkpoint has loaded",
+            changed.join("`, `")
+        );
+        return Ok(());
+    }
+    Err(ResumeChanged {
+        path,
+        keys: changed.join("`, `"),
+        allowed: RESUME_MAY_CHANGE
+            .iter()
+            .map(|p| format!("`{}`", p.trim_start_matches('/').replace('/', ".")))
+            .collect::<Vec<_>>()
+            .join(", "),
+    }
+    .into())
+}
+
+/// The settings where `cfg` differs from the run's own config at `path` in a way a resume may not change
+/// unasked (none where the run has no config yet). A config this version does not read is an error unless
+/// `accept` (then compared as JSON).
+fn resume_changes(cfg: &TrainConfig, path: &Path, accept: bool) -> anyhow::Result<Vec<String>> {
+    if !path.is_file() {
+        return Ok(Vec::new());
     }
     // With the implicit defaults written out on both sides: a config saved from `qarl config show` (every
     // default written) continues a run made from the file it came from.
-    let raw: serde_json::Value = crate::io::read_json(&path)?;
+    let raw: serde_json::Value = crate::io::read_json(path)?;
     let mut old = match serde_json::from_value::<TrainConfig>(raw.clone()) {
         Ok(c) => serde_json::to_value(c.with_defaults())?,
         // Compared key by key, a config this version no longer reads would list keys that did not
@@ -68,7 +96,7 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow:
         ),
         Err(_) => raw.clone(),
     };
-    let mut changed = identity_changes(&mut old, cfg)?;
+    let mut changed = identity_changes(&mut old, cfg, &RESUME_MAY_CHANGE)?;
     // `train.steps` may grow, except under a schedule that spans the steps: a cosine decay stretched over
     // more steps would raise the learning rate again mid-run, a schedule no uninterrupted run has.
     let old_steps = raw.pointer("/train/steps").and_then(|v| v.as_u64());
@@ -77,50 +105,43 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool, done: usize) -> anyhow:
     {
         changed.push("train.steps (under the cosine schedule)".into());
     }
-    if !changed.is_empty() && accept {
-        // A name of its own: a second accepted change at the same step keeps the first record too.
-        let kept = (0..)
-            .map(|i| match i {
-                0 => cfg.run_dir.join(format!("config.before_step_{done}.json")),
-                i => cfg
-                    .run_dir
-                    .join(format!("config.before_step_{done}.{i}.json")),
-            })
-            .find(|p| !p.exists())
-            .expect("an unused name");
-        let bytes = std::fs::read(&path).map_err(crate::io::failed(&path, "cannot read"))?;
-        crate::io::write_atomic(&kept, &bytes)?;
-        tracing::warn!(
-            "resuming with other settings than the run's (`{}`, --accept-changes): its earlier config is \
-             kept in {}",
-            changed.join("`, `"),
-            kept.display()
-        );
+    Ok(changed)
+}
+
+/// Keeps the run's config.json as `config.before_step_{done}.json` where a resume with --accept-changes
+/// continues it under other settings: called once the checkpoint has loaded and before config.json is
+/// rewritten, so that a refused resume leaves nothing behind.
+pub(super) fn keep_earlier_config(cfg: &TrainConfig, done: usize) -> anyhow::Result<()> {
+    let path = cfg.run_dir.join("config.json");
+    if resume_changes(cfg, &path, true)?.is_empty() {
         return Ok(());
     }
-    if !changed.is_empty() {
-        return Err(ResumeChanged {
-            path,
-            keys: changed.join("`, `"),
-            allowed: RESUME_MAY_CHANGE
-                .iter()
-                .map(|p| format!("`{}`", p.trim_start_matches('/').replace('/', ".")))
-                .collect::<Vec<_>>()
-                .join(", "),
-        }
-        .into());
-    }
+    // A name of its own: a second accepted change at the same step keeps the first record too.
+    let kept = (0..)
+        .map(|i| match i {
+            0 => cfg.run_dir.join(format!("config.before_step_{done}.json")),
+            i => cfg
+                .run_dir
+                .join(format!("config.before_step_{done}.{i}.json")),
+        })
+        .find(|p| !p.exists())
+        .expect("an unused name");
+    let bytes = std::fs::read(&path).map_err(crate::io::failed(&path, "cannot read"))?;
+    crate::io::write_atomic(&kept, &bytes)?;
+    tracing::warn!("the run's earlier config is kept in {}", kept.display());
     Ok(())
 }
 
 /// The keys where `cfg` differs from `old` (a run's config as JSON, its defaults written out) outside
-/// [`RESUME_MAY_CHANGE`]: the settings that make a run another experiment. `old` loses those keys.
+/// `may_change` (JSON pointers; [`RESUME_MAY_CHANGE`] for a resume): the settings that make a run another
+/// experiment. `old` loses those keys.
 pub(super) fn identity_changes(
     old: &mut serde_json::Value,
     cfg: &TrainConfig,
+    may_change: &[&str],
 ) -> anyhow::Result<Vec<String>> {
     let mut new = serde_json::to_value(cfg.with_defaults())?;
-    for pointer in RESUME_MAY_CHANGE {
+    for pointer in may_change {
         for v in [&mut *old, &mut new] {
             remove_pointer(v, pointer);
         }
@@ -217,7 +238,7 @@ pub(super) fn start_point(
             cfg.train.steps
         );
     }
-    check_resumed_config(cfg, accept_changes, done)?;
+    check_resumed_config(cfg, accept_changes)?;
     check_log_reaches(metrics_path, &p, state.step)?;
     Ok(Some((p, state)))
 }

@@ -298,7 +298,7 @@ fn sample_round(
     let examples = round_prompts(task, cfg, step, round);
     let prompts: Vec<Vec<u32>> = examples
         .iter()
-        .map(|e| tok.encode_prompt(&e.prompt))
+        .map(|e| tok.encode_prompt(&e.prompt, e.with_bos))
         .collect::<anyhow::Result<_>>()?;
 
     // Rollout on a plain-device view of the model: it shares the packed weights of this weight version.

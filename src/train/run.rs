@@ -124,6 +124,9 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         _ => None,
     };
     let keeps_sft_rows = resume::keeps_warm_start_rows(cfg, opts.resume, model_made);
+    if let (Some((_, saved)), true) = (&resumed, opts.accept_changes) {
+        resume::keep_earlier_config(cfg, saved.step + 1)?;
+    }
     crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), cfg)?;
     resume::reset_metrics(
         cfg,
@@ -517,7 +520,7 @@ pub(super) fn check_step_sizes(
         let mut longest = 1;
         if let Some(tok) = tok {
             for ex in examples {
-                longest = longest.max(tok.encode_prompt(&ex.prompt)?.len());
+                longest = longest.max(tok.encode_prompt(&ex.prompt, ex.with_bos)?.len());
             }
         }
         Ok(longest)

@@ -17,23 +17,23 @@ use crate::tasks::{Example, Task};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-/// Prompt ids and prompt + solution + EOS ids of one example. A completion that already ends with the EOS
-/// (a chat template closes the turn with it: `<|im_end|>` is the EOS of Qwen and SmolLM2) does not get a
-/// second one, which would train a meaningless `<|im_end|>` after `<|im_end|>` (TRL appends it likewise only
-/// where it is missing).
+/// Prompt ids and prompt + solution + EOS ids of one example. `eos` is `None` where the completion ends the
+/// assistant's turn itself (a model's chat template: TRL appends nothing to such an example either); a
+/// completion that already ends with the EOS (ChatML's `<|im_end|>`, the EOS of Qwen and SmolLM2) does not
+/// get a second one, which would train a meaningless `<|im_end|>` after `<|im_end|>`.
 pub fn encode_example(
     tok: &Tokenizer,
     ex: &Example,
-    eos: u32,
+    eos: Option<u32>,
 ) -> anyhow::Result<(Vec<u32>, usize)> {
-    let prompt = tok.encode_prompt(&ex.prompt)?;
+    let prompt = tok.encode_prompt(&ex.prompt, ex.with_bos)?;
     let solution = ex
         .solution
         .as_deref()
         .context("the task has no worked solutions for SFT")?;
     let mut ids = prompt.clone();
     ids.extend(tok.encode(solution)?);
-    if ids.last() != Some(&eos) {
+    if let Some(eos) = eos.filter(|e| ids.last() != Some(e)) {
         ids.push(eos);
     }
     Ok((ids, prompt.len()))
@@ -295,6 +295,9 @@ pub fn run_sft_with(
     // The batch size against the memory and the position limit, before a batch is built: every training
     // record of a data set (each step draws its own, so the first step's say nothing of a long record
     // later), and the first step's examples (up to 256) of a generated task, whose lengths its knobs bound.
+    task.check_completions()?;
+    // A model's chat template closes the turn in the completion itself.
+    let eos = (!task.completion_closes_turn()).then_some(eos);
     let probe = task.training_examples().unwrap_or_else(|| {
         task.sample_prompts(
             cfg.batch_size.min(256),
@@ -407,11 +410,12 @@ mod tests {
         let example = |solution: &str| Example {
             question: "a".into(),
             prompt: "a".into(),
+            with_bos: true,
             answer: "b".into(),
             solution: Some(solution.into()),
         };
         for solution in ["b<|im_end|>", "b"] {
-            let (ids, prompt_len) = encode_example(&tok, &example(solution), 0).unwrap();
+            let (ids, prompt_len) = encode_example(&tok, &example(solution), Some(0)).unwrap();
             assert_eq!((ids, prompt_len), (vec![1, 2, 0], 1), "{solution}");
         }
     }
