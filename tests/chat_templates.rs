@@ -149,6 +149,16 @@ fn the_jinja_file_wins_over_the_config() {
         "{prompt}"
     );
     assert_eq!(template.stop_strings(), ["<|eot_id|>"]);
+    // A template whose turn end is not its EOS (Gemma's `<end_of_turn>`): read from what it writes.
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{% for m in messages %}<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n\
+         {{ m.content }}<end_of_turn>\n{% endfor %}\
+         {% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+    )
+    .unwrap();
+    let gemma = Template::chat_for_model(&dir, None, None).unwrap();
+    assert_eq!(gemma.stop_strings(), ["<end_of_turn>", "<|eot_id|>"]);
 }
 
 /// What a template cannot do is refused where the template is built, naming its file.

@@ -347,7 +347,23 @@ impl Template {
                 }
             }
             Template::Chat { model: None, .. } => vec![IM_END.to_string()],
-            Template::Chat { model: Some(m), .. } => m.turn_ends(),
+            Template::Chat { model: Some(m), .. } => {
+                // What the template writes after an answer to close the turn (`<|eot_id|>`,
+                // `<end_of_turn>`), where a probe conversation shows it; else its ChatML and EOS tokens.
+                const ANSWER: &str = "ANSWER-4f1c";
+                let closing = self
+                    .render_completion("What is 2 + 3?", ANSWER)
+                    .ok()
+                    .and_then(|c| {
+                        let end = c[c.find(ANSWER)? + ANSWER.len()..].trim().to_string();
+                        (!end.is_empty()).then_some(end)
+                    });
+                let mut ends = m.turn_ends();
+                if let Some(end) = closing.filter(|e| !ends.contains(e)) {
+                    ends.insert(0, end);
+                }
+                ends
+            }
         }
     }
 }
