@@ -244,6 +244,12 @@ pub(super) fn prepare_model_locked(
             dir.display()
         )
     })?;
+    // Made by another run between the first look and the lock: used as it is.
+    if dir.join("config.json").is_file() {
+        drop(staging_lock);
+        let _ = std::fs::remove_dir(&guard);
+        return Ok(());
+    }
     let staging = fresh_staging(dir)?;
     // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
     let weights_dir = match source {
