@@ -1695,3 +1695,45 @@ fn f16_overflow_is_named_as_such() {
     );
     assert!(score("bf16").status.success());
 }
+
+/// Every checkpoint keeps the build that wrote it (`qarl --version`); a resume by another build says so,
+/// since other code may sum or sample otherwise.
+#[test]
+fn a_resume_by_another_build_is_said() {
+    let version = stdout_of(qarl().arg("--version"));
+    let build = version.trim().strip_prefix("qarl ").unwrap().to_string();
+    assert!(
+        build.starts_with(env!("CARGO_PKG_VERSION")) && build.len() > 6,
+        "{version}"
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let toml = tmp.path().join("tiny.toml");
+    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let cfg =
+        qarl::train::TrainConfig::from_toml(&std::fs::read_to_string(&toml).unwrap(), "t").unwrap();
+    let train = |extra: &[&str]| {
+        qarl()
+            .args(["train", "--quiet", "--config"])
+            .arg(&toml)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    assert!(train(&[]).status.success());
+    let state = qarl::train::checkpoint::latest(&cfg.run_dir)
+        .unwrap()
+        .0
+        .join("trainer_state.json");
+    let text = std::fs::read_to_string(&state).unwrap();
+    assert!(text.contains(&format!("\"build\":\"{build}\"")), "{text}");
+    std::fs::write(&state, text.replace(&build, "0.0.0+old")).unwrap();
+    let out = train(&["--resume", "--set", "train.steps=2"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success()
+            && err.contains(&format!(
+                "written by qarl 0.0.0+old, resumed by qarl {build}"
+            )),
+        "{err}"
+    );
+}

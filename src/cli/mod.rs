@@ -20,7 +20,7 @@ use clap::{Parser, Subcommand};
 
 /// qarl: reinforcement learning of LLMs with quantized rollouts aligned with training.
 #[derive(Debug, Parser)]
-#[command(name = "qarl", version, about, long_about = None)]
+#[command(name = "qarl", version = crate::train::checkpoint::BUILD, about, long_about = None)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

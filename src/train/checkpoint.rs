@@ -22,6 +22,9 @@ use crate::model::Decoder;
 /// process in the middle of a write (`tests/reliability.rs`). Not meant for users.
 pub const TEST_PAUSE_ENV: &str = "QARL_TEST_PAUSE_IN_CHECKPOINT_MS";
 
+/// The version and commit of this build (`0.1.0+1a2b3c4d5e6f`), kept with every checkpoint.
+pub const BUILD: &str = concat!(env!("CARGO_PKG_VERSION"), "+", env!("QARL_BUILD_COMMIT"));
+
 /// What is needed to continue a run besides weights and optimizer moments.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
@@ -40,6 +43,9 @@ pub struct TrainerState {
     /// Exponential moving average of the gradient norm (f64 bits, exact through JSON), for spike detection.
     #[serde(default)]
     pub grad_norm_ema_bits: Option<u64>,
+    /// The build that wrote the checkpoint ([`BUILD`]; absent in checkpoints written before it was kept).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
 }
 
 impl TrainerState {
@@ -51,6 +57,7 @@ impl TrainerState {
             next_step: 0,
             consecutive_nonfinite: 0,
             grad_norm_ema_bits: None,
+            build: Some(BUILD.to_string()),
         }
     }
 
@@ -62,6 +69,7 @@ impl TrainerState {
             next_step: step + 1,
             consecutive_nonfinite: 0,
             grad_norm_ema_bits: None,
+            build: Some(BUILD.to_string()),
         }
     }
 }

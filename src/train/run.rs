@@ -416,11 +416,22 @@ impl<'a> Evaluator<'a> {
 }
 
 /// The trainer state a resume from checkpoint `p` (saved after `saved.step`) continues with.
+/// A checkpoint written by another build is said: other code may sum or sample otherwise, so the
+/// continued steps need not be bitwise those of an uninterrupted run.
 fn resumed_state(cfg: &TrainConfig, p: &Path, saved: &TrainerState) -> TrainerState {
     tracing::info!(checkpoint = %p.display(), next_step = saved.step + 1, "resuming");
+    if let Some(other) = saved.build.as_deref().filter(|&b| b != checkpoint::BUILD) {
+        tracing::warn!(
+            checkpoint = %p.display(),
+            "written by qarl {other}, resumed by qarl {}: the steps from here on may differ from an \
+             uninterrupted run's in their last bits (or more, where the code changed what is computed)",
+            checkpoint::BUILD
+        );
+    }
     TrainerState {
         seed: Some(cfg.seed),
         next_step: saved.step.saturating_add(1),
+        build: Some(checkpoint::BUILD.to_string()),
         ..saved.clone()
     }
 }
