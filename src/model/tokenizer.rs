@@ -166,8 +166,8 @@ impl Tokenizer {
     /// ChatML's tokens (an instruct model whose files left the template out) and refused where it has not
     /// (the markers would be spelt out as plain text the model never saw).
     pub fn check_chatml(&self, declared_in: &Path) -> anyhow::Result<()> {
-        use crate::tasks::template::{chat_template_of_model, IM_END, IM_START};
-        if chat_template_of_model(declared_in)?.is_some() {
+        use crate::tasks::template::{ModelChatTemplate, IM_END, IM_START};
+        if ModelChatTemplate::of_model(declared_in)?.is_some() {
             return Ok(());
         }
         let missing: Vec<&str> = [IM_START, IM_END]

@@ -15,7 +15,20 @@ use std::sync::Arc;
 
 use serde_json::{json, Map, Value};
 
-use super::template::TemplateError;
+/// ChatML's turn markers: the template used where a model declares none, and a turn end that a model's
+/// template may write.
+pub const IM_START: &str = "<|im_start|>";
+pub const IM_END: &str = "<|im_end|>";
+
+/// Errors of the chat templates and of the prompt templates built on them; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    /// The I/O error is in the message, not a `source`: anyhow's `{:#}` would print it twice.
+    #[error("{path}: {io}")]
+    Io { path: PathBuf, io: std::io::Error },
+    #[error("{path}: {msg}")]
+    Invalid { path: PathBuf, msg: String },
+}
 
 /// The special tokens a template may write, as transformers passes them.
 const SPECIAL_TOKENS: [&str; 4] = ["bos_token", "eos_token", "unk_token", "pad_token"];
@@ -90,8 +103,8 @@ impl ModelChatTemplate {
     /// template writes it, and the EOS token of `tokenizer_config.json`.
     pub fn turn_ends(&self) -> Vec<String> {
         let mut ends = Vec::new();
-        if self.source.contains(super::template::IM_END) {
-            ends.push(super::template::IM_END.to_string());
+        if self.source.contains(IM_END) {
+            ends.push(IM_END.to_string());
         }
         let eos = self.specials.iter().find(|(name, _)| name == "eos_token");
         if let Some((_, token)) = eos {

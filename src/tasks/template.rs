@@ -11,21 +11,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-pub use super::chat_template::ModelChatTemplate;
 use super::chat_template::Turn;
-
-pub const IM_START: &str = "<|im_start|>";
-pub const IM_END: &str = "<|im_end|>";
-
-/// Errors of the templates; each names the file.
-#[derive(Debug, thiserror::Error)]
-pub enum TemplateError {
-    /// The I/O error is in the message, not a `source`: anyhow's `{:#}` would print it twice.
-    #[error("{path}: {io}")]
-    Io { path: PathBuf, io: std::io::Error },
-    #[error("{path}: {msg}")]
-    Invalid { path: PathBuf, msg: String },
-}
+pub use super::chat_template::{ModelChatTemplate, TemplateError, IM_END, IM_START};
 
 /// Serde form of a template: `{ kind = "plain", question_prefix = "...", answer_prefix = "..." }` or
 /// `{ kind = "chat", model_dir = "...", system = "..." }`. Each kind's fields are a struct of their own,
@@ -366,10 +353,4 @@ impl Template {
             }
         }
     }
-}
-
-/// Whether the model in `dir` declares a chat template (its text, read as [`ModelChatTemplate::of_model`]
-/// reads it); `Ok(None)` when it has none (then ChatML is used).
-pub fn chat_template_of_model(dir: &Path) -> Result<Option<String>, TemplateError> {
-    Ok(ModelChatTemplate::of_model(dir)?.map(|m| m.source))
 }
