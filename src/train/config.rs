@@ -699,6 +699,48 @@ impl TrainConfig {
     }
 }
 
+/// The knobs that change memory, checks or the kernels' layout but not what a run computes beyond the
+/// summation order (JSON pointers into a config): neither a resume ([`super::RESUME_MAY_CHANGE`]) nor an
+/// experiment's finished runs count them as another experiment.
+pub const RESULT_NEUTRAL_KEYS: [&str; 8] = [
+    "/train/backend",
+    "/train/micro_batch_size",
+    "/train/max_nonfinite_steps",
+    "/train/lp_old_check",
+    "/train/tensor_core_kernel",
+    "/train/fragment_group_splits",
+    "/checkpoint_every",
+    "/keep_checkpoints",
+];
+
+/// The keys where `cfg` differs from `old` (a run's config as JSON, its defaults written out) outside
+/// `may_change` (JSON pointers) and [`RESULT_NEUTRAL_KEYS`]: the settings that make a run another
+/// experiment. `old` loses those keys.
+pub fn identity_changes(
+    old: &mut serde_json::Value,
+    cfg: &TrainConfig,
+    may_change: &[&str],
+) -> anyhow::Result<Vec<String>> {
+    let mut new = serde_json::to_value(cfg.with_defaults())?;
+    for pointer in may_change.iter().chain(&RESULT_NEUTRAL_KEYS) {
+        for v in [&mut *old, &mut new] {
+            remove_pointer(v, pointer);
+        }
+    }
+    Ok(differing_keys(old, &new))
+}
+
+/// Removes the value at `pointer` (`/a/b`) from `v`, if there is one.
+fn remove_pointer(v: &mut serde_json::Value, pointer: &str) {
+    // `pointer_mut("")` is the document itself.
+    let Some((parent, key)) = pointer.rsplit_once('/') else {
+        return;
+    };
+    if let Some(serde_json::Value::Object(map)) = v.pointer_mut(parent) {
+        map.remove(key);
+    }
+}
+
 /// The dotted keys where two configs (as JSON) differ: objects key by key, anything else (arrays
 /// included) whole.
 pub fn differing_keys(a: &serde_json::Value, b: &serde_json::Value) -> Vec<String> {

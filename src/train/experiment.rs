@@ -224,22 +224,15 @@ fn check_shared_warm_starts(
 }
 
 /// What the experiment file may change under a finished run without making it another experiment's (JSON
-/// pointers): where it ran and from which paths, and the knobs that leave its results alone. Unlike a
-/// resume's ([`super::RESUME_MAY_CHANGE`]), not `train.steps` (a finished run is not run further: longer
-/// new seeds would share an arm with it) nor the warm start's settings.
-const FINISHED_MAY_CHANGE: [&str; 12] = [
+/// pointers), besides the knobs that leave its results alone ([`super::config::RESULT_NEUTRAL_KEYS`]):
+/// where it ran and from which paths. Unlike a resume's ([`super::RESUME_MAY_CHANGE`]), not `train.steps`
+/// (a finished run is not run further: longer new seeds would share an arm with it), `eval.every` nor the
+/// warm start's settings.
+const FINISHED_MAY_CHANGE: [&str; 4] = [
     "/run_dir",
     "/model/dir",
     "/model/base",
     "/model/init_config",
-    "/train/backend",
-    "/train/micro_batch_size",
-    "/train/max_nonfinite_steps",
-    "/train/lp_old_check",
-    "/train/tensor_core_kernel",
-    "/train/fragment_group_splits",
-    "/checkpoint_every",
-    "/keep_checkpoints",
 ];
 
 /// The file that marks a run of an experiment finished (its final evaluation summarized).
@@ -312,7 +305,7 @@ pub fn run_experiment(
                 if let Ok(now) = config_of(v, seed, &run_dir) {
                     let mut ran = serde_json::to_value(cfg.with_defaults())?;
                     let keys =
-                        super::resume::identity_changes(&mut ran, &now, &FINISHED_MAY_CHANGE)?;
+                        super::config::identity_changes(&mut ran, &now, &FINISHED_MAY_CHANGE)?;
                     if !keys.is_empty() {
                         drifted.push(format!("{}/seed{seed} (`{}`)", v.name, keys.join("`, `")));
                     }

@@ -24,29 +24,17 @@ pub struct ResumeChanged {
     pub allowed: String,
 }
 
-/// What a resume may change against the run it continues (JSON pointers into the run's config.json):
-/// how far it goes, what it evaluates and keeps, where it runs and from which paths, and the knobs that
-/// change memory or checks but not what is computed. Everything else (the rollouts, the learner's
-/// settings, the objective, the task, the verifier, the warm start, the seed, the metrics' definitions)
-/// is the run's identity: rows after the checkpoint made under other values would be another experiment
-/// under the same run's name, and its config.json would misstate how the earlier rows were made.
-pub const RESUME_MAY_CHANGE: [&str; 12] = [
-    "/run_dir",
-    "/model",
-    "/train/steps",
-    "/train/backend",
-    "/train/micro_batch_size",
-    "/train/max_nonfinite_steps",
-    "/train/lp_old_check",
-    "/train/tensor_core_kernel",
-    "/train/fragment_group_splits",
-    "/eval/every",
-    "/checkpoint_every",
-    "/keep_checkpoints",
-];
+/// What a resume may change against the run it continues (JSON pointers into the run's config.json),
+/// besides the knobs that change memory or checks but not what is computed
+/// ([`config::RESULT_NEUTRAL_KEYS`]): how far it goes, how often it evaluates, where it runs and from
+/// which paths. Everything else (the rollouts, the learner's settings, the objective, the task, the
+/// verifier, the warm start, the seed, the metrics' definitions) is the run's identity: rows after the
+/// checkpoint made under other values would be another experiment under the same run's name, and its
+/// config.json would misstate how the earlier rows were made.
+pub const RESUME_MAY_CHANGE: [&str; 4] = ["/run_dir", "/model", "/train/steps", "/eval/every"];
 
 /// Refuses a resume whose config differs from the run's own (its `config.json`) anywhere outside
-/// [`RESUME_MAY_CHANGE`], naming every key that differs ([`ResumeChanged`]); with `accept`, logs the
+/// [`RESUME_MAY_CHANGE`] and [`config::RESULT_NEUTRAL_KEYS`], naming every key that differs ([`ResumeChanged`]); with `accept`, logs the
 /// changes instead ([`keep_earlier_config`] keeps the earlier config once the checkpoint has loaded).
 fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::Result<()> {
     let path = cfg.run_dir.join("config.json");
@@ -67,6 +55,7 @@ fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::Result<()> {
         keys: changed.join("`, `"),
         allowed: RESUME_MAY_CHANGE
             .iter()
+            .chain(&config::RESULT_NEUTRAL_KEYS)
             .map(|p| format!("`{}`", p.trim_start_matches('/').replace('/', ".")))
             .collect::<Vec<_>>()
             .join(", "),
@@ -96,7 +85,7 @@ fn resume_changes(cfg: &TrainConfig, path: &Path, accept: bool) -> anyhow::Resul
         ),
         Err(_) => raw.clone(),
     };
-    let mut changed = identity_changes(&mut old, cfg, &RESUME_MAY_CHANGE)?;
+    let mut changed = config::identity_changes(&mut old, cfg, &RESUME_MAY_CHANGE)?;
     // `train.steps` may grow, except under a schedule that spans the steps: a cosine decay stretched over
     // more steps would raise the learning rate again mid-run, a schedule no uninterrupted run has.
     let old_steps = raw.pointer("/train/steps").and_then(|v| v.as_u64());
@@ -130,34 +119,6 @@ pub(super) fn keep_earlier_config(cfg: &TrainConfig, done: usize) -> anyhow::Res
     crate::io::write_atomic(&kept, &bytes)?;
     tracing::warn!("the run's earlier config is kept in {}", kept.display());
     Ok(())
-}
-
-/// The keys where `cfg` differs from `old` (a run's config as JSON, its defaults written out) outside
-/// `may_change` (JSON pointers; [`RESUME_MAY_CHANGE`] for a resume): the settings that make a run another
-/// experiment. `old` loses those keys.
-pub(super) fn identity_changes(
-    old: &mut serde_json::Value,
-    cfg: &TrainConfig,
-    may_change: &[&str],
-) -> anyhow::Result<Vec<String>> {
-    let mut new = serde_json::to_value(cfg.with_defaults())?;
-    for pointer in may_change {
-        for v in [&mut *old, &mut new] {
-            remove_pointer(v, pointer);
-        }
-    }
-    Ok(config::differing_keys(old, &new))
-}
-
-/// Removes the value at `pointer` (`/a/b`) from `v`, if there is one.
-fn remove_pointer(v: &mut serde_json::Value, pointer: &str) {
-    // `pointer_mut("")` is the document itself.
-    let Some((parent, key)) = pointer.rsplit_once('/') else {
-        return;
-    };
-    if let Some(serde_json::Value::Object(map)) = v.pointer_mut(parent) {
-        map.remove(key);
-    }
 }
 
 /// The `model.dir` the run directory's earlier config names, if it has a readable one: the model
