@@ -10,8 +10,15 @@ use serde::Serialize;
 
 /// Reads and parses a JSON file; the error names the file and the problem.
 pub fn read_json<T: DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
+    Ok(read_json_and_text(path)?.0)
+}
+
+/// [`read_json`], with the text it was read from (for a fingerprint of the file, without reading it twice).
+pub fn read_json_and_text<T: DeserializeOwned>(path: &Path) -> anyhow::Result<(T, String)> {
     let text = std::fs::read_to_string(path).map_err(failed(path, "cannot read"))?;
-    serde_json::from_str(&text).with_context(|| format!("{}: invalid content", path.display()))
+    let value = serde_json::from_str(&text)
+        .with_context(|| format!("{}: invalid content", path.display()))?;
+    Ok((value, text))
 }
 
 /// Gives a file or directory written under a temporary name the permissions of an ordinary new one (0644,

@@ -142,7 +142,7 @@ fn canonical(path: &Path) -> String {
 
 /// A `qarl eval --output` file; refused when it records another precision than an asked one.
 fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Result<Evaluation> {
-    let out: EvalOutput = crate::io::read_json(path).map_err(|e| {
+    let (out, text): (EvalOutput, String) = crate::io::read_json_and_text(path).map_err(|e| {
         anyhow::anyhow!("{e:#} (expected a `qarl eval --output` file: `problems` with `question` and `correct`)")
     })?;
     if out.problems.is_empty() {
@@ -179,11 +179,10 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
             super::paired::accuracy(&correct)
         );
     }
-    let bytes = std::fs::read(path).map_err(crate::io::failed(path, "cannot read"))?;
     Ok(Evaluation {
         source: spec.to_string(),
         identity: canonical(path),
-        content: crate::tasks::stable_hash(&String::from_utf8_lossy(&bytes)),
+        content: crate::tasks::stable_hash(&text),
         precision: recorded,
         activations,
         verify,

@@ -333,20 +333,19 @@ pub(super) fn check_chat_tokens(
     let Some(own) = crate::tasks::template::ModelChatTemplate::of_model(model_dir)? else {
         return tok.check_chatml(model_dir);
     };
-    let probe = "What is 2 + 3?";
-    let system = chat.system.clone();
-    let chatml = Template::Chat {
-        system: system.clone(),
-        model: None,
+    let path = own.path.clone();
+    let with = |model| Template::Chat {
+        system: chat.system.clone(),
+        model,
         enable_thinking: None,
     };
-    let model = Template::chat_for_model(model_dir, system, None)?;
+    let probe = "What is 2 + 3?";
     anyhow::ensure!(
-        chatml.render_prompt(probe)? == model.render_prompt(probe)?,
+        with(None).render_prompt(probe)? == with(Some(own)).render_prompt(probe)?,
         "{}: the model's chat template renders other prompts than ChatML, which `task.template` without \
          `model_dir` stands for; set `task.template.model_dir` to the model's folder to prompt with its own \
          template",
-        own.path.display()
+        path.display()
     );
     Ok(())
 }
