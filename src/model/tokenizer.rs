@@ -11,6 +11,10 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The `tokenizer.json` it was read from (named in encoding errors).
     path: PathBuf,
+    /// The id and text of the vocabulary's unknown token, where it has one: a text it encodes to that
+    /// id (for characters outside the vocabulary) is refused, not read as `<unk>` (byte-level BPE
+    /// vocabularies, Qwen's, Llama's and SmolLM2's, have none and encode every text).
+    unknown: Option<(u32, String)>,
 }
 
 impl Tokenizer {
@@ -29,7 +33,7 @@ impl Tokenizer {
         let text = std::fs::read_to_string(&path)
             .map_err(|e| err(format!("cannot read ({})", crate::io::os_error_text(&e))))?;
         let inner = Self::parse(&text).map_err(err)?;
-        Ok(Some(Self { inner, path }))
+        Ok(Some(Self::new(inner, path)))
     }
 
     /// The text of a `tokenizer.json` as the tokenizers library reads it, or what is wrong with it: what
@@ -62,13 +66,19 @@ impl Tokenizer {
             .map_err(|e| e.to_string())
     }
 
+    fn new(inner: tokenizers::Tokenizer, path: PathBuf) -> Self {
+        let unknown = unknown_token(&inner);
+        Self {
+            inner,
+            path,
+            unknown,
+        }
+    }
+
     /// A tokenizer from the text of a `tokenizer.json` (for tests that need no folder).
     #[cfg(test)]
     pub(crate) fn from_json_text(text: &str) -> Self {
-        Self {
-            inner: Self::parse(text).unwrap(),
-            path: PathBuf::from("tokenizer.json"),
-        }
+        Self::new(Self::parse(text).unwrap(), PathBuf::from("tokenizer.json"))
     }
 
     /// [`Self::load_optional`] for the model `config` of the same directory, refusing a tokenizer with ids
@@ -117,7 +127,40 @@ impl Tokenizer {
                 self.path.display()
             );
         }
+        self.refuse_unknown(text, &enc)?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Refuses a text whose encoding holds the unknown token where the text does not spell that token:
+    /// the model would read (and SFT would train it to write) `<unk>` in place of the characters, and the
+    /// verifier would then compare an answer that no longer says what the data set says (the char
+    /// tokenizer has no `−`, U+2212, so `−3` read as `<unk>3`).
+    fn refuse_unknown(&self, text: &str, enc: &tokenizers::Encoding) -> anyhow::Result<()> {
+        let Some((unk, spelt)) = &self.unknown else {
+            return Ok(());
+        };
+        let unknown = enc
+            .get_ids()
+            .iter()
+            .zip(enc.get_offsets())
+            .filter(|&(id, _)| id == unk)
+            .filter_map(|(_, &(start, end))| text.get(start..end))
+            .find(|piece| piece != spelt);
+        let Some(piece) = unknown else {
+            return Ok(());
+        };
+        let codes: Vec<String> = piece
+            .chars()
+            .map(|c| format!("U+{:04X}", c as u32))
+            .collect();
+        let shown: String = text.chars().take(60).collect();
+        let more = if text.chars().count() > 60 { "..." } else { "" };
+        anyhow::bail!(
+            "{}: the text {shown:?}{more} has {piece:?} ({}), which the tokenizer has no token for: it \
+             would read as {spelt} (rewrite the text, or use a tokenizer that covers it)",
+            self.path.display(),
+            codes.join(" ")
+        )
     }
 
     /// [`Self::encode`] for a prompt, which a model must be given at least one token of (the rollout starts
@@ -213,5 +256,61 @@ impl Tokenizer {
     /// The folder of its `tokenizer.json`, where the model's other tokenizer and generation files are.
     pub fn dir(&self) -> &Path {
         self.path.parent().unwrap_or(Path::new("."))
+    }
+}
+
+/// The id and text of the vocabulary's unknown token (`model.unk_token`, or a Unigram's `unk_id`), where
+/// the vocabulary holds it.
+fn unknown_token(tok: &tokenizers::Tokenizer) -> Option<(u32, String)> {
+    use tokenizers::models::ModelWrapper;
+    let spelt = match tok.get_model() {
+        ModelWrapper::BPE(m) => m.unk_token.clone()?,
+        ModelWrapper::WordPiece(m) => m.unk_token.clone(),
+        ModelWrapper::WordLevel(m) => m.unk_token.clone(),
+        // A Unigram's `unk_id` is not public: read back from its own serialization.
+        ModelWrapper::Unigram(m) => {
+            let id = serde_json::to_value(m).ok()?["unk_id"].as_u64()?;
+            return Some((id as u32, tok.id_to_token(id as u32)?));
+        }
+    };
+    Some((tok.token_to_id(&spelt)?, spelt))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tasks::char_tokenizer;
+
+    fn char_tokenizer() -> Tokenizer {
+        Tokenizer::from_json_text(&char_tokenizer::tokenizer_json().to_string())
+    }
+
+    #[test]
+    fn characters_outside_the_vocabulary_are_refused_by_name() {
+        let tok = char_tokenizer();
+        let err = tok.encode("12 + −3 = ?").unwrap_err().to_string();
+        assert!(err.contains("\"−\" (U+2212)"), "{err}");
+        assert!(err.contains("12 + −3 = ?"), "{err}");
+        assert!(err.contains("<unk>"), "{err}");
+        let err = tok.encode_prompt("café", false).unwrap_err().to_string();
+        assert!(err.contains("U+00E9"), "{err}");
+    }
+
+    #[test]
+    fn covered_text_and_the_unknown_token_spelt_out_encode() {
+        let tok = char_tokenizer();
+        assert_eq!(tok.unknown, Some((3, "<unk>".to_string())));
+        let ids = tok.encode("12 + 3 = 15").unwrap();
+        assert_eq!(tok.decode(&ids).unwrap(), "12 + 3 = 15");
+        // A text that writes the unknown token itself asks for it.
+        assert!(tok.encode("a <unk> b").unwrap().contains(&3));
+    }
+
+    #[test]
+    fn a_vocabulary_without_an_unknown_token_checks_nothing() {
+        let mut json = char_tokenizer::tokenizer_json();
+        json["model"]["unk_token"] = serde_json::json!("<missing>");
+        let tok = Tokenizer::from_json_text(&json.to_string());
+        assert_eq!(tok.unknown, None);
     }
 }

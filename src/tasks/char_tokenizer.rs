@@ -3,8 +3,8 @@
 //!
 //! Vocabulary (fixed, [`VOCAB_SIZE`] = 100 ids): `<pad>` = 0, `<eos>` = 1, `<bos>` = 2, `<unk>` = 3, `\n` = 4,
 //! then the printable ASCII characters from space (5) to `~` (99) in code-point order. Any ASCII text (the
-//! arithmetic prompts and solutions, the plain template) is therefore covered; other characters become
-//! `<unk>`.
+//! arithmetic prompts and solutions, the plain template) is therefore covered; a text with other characters is
+//! refused by [`crate::model::Tokenizer::encode`], naming them (the vocabulary maps them to `<unk>`).
 //!
 //! The model is `WordLevel` behind a `Split` pre-tokenizer that isolates every character, with the `Fuse`
 //! decoder, so decoding concatenates the characters exactly (no spaces added): `decode(encode(t)) == t`.
