@@ -227,6 +227,8 @@ fn the_warm_start_checks_its_folders_and_stops_when_nothing_was_learned() {
         err.contains("stopping SFT: 2 consecutive steps") && err.contains("every step"),
         "{err}"
     );
+    // The failed warm start released its guard and removed the guard's folder.
+    assert!(!d.join("model_nan.qarl-init.lock").exists());
     // The warm start that works leaves the user's folder as it was and no staging folder behind.
     assert!(common::stdout_of(&mut sft(&[])).contains("model:"));
     assert!(d.join("model/config.json").is_file());

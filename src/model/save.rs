@@ -34,8 +34,11 @@ pub fn hf_tensors(model: &Decoder) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     out
 }
 
-/// Writes `model` to `dir` as config.json (the given JSON, with any `quantization_config` removed: the
-/// weights written are the full-precision masters) and model.safetensors, each through a temporary file.
+/// Writes `model` to `dir` as config.json (the given JSON, with any `quantization_config` removed and its
+/// `torch_dtype` / `dtype` set to float32: the weights written are the full-precision f32 masters) and
+/// model.safetensors, each through a temporary file. A base's `"torch_dtype": "bfloat16"` kept beside them
+/// would have transformers and vLLM (which load in the config's dtype) round the trained weights back to
+/// bf16, losing every update below its spacing: the model they ran would not be the one qarl evaluated.
 pub fn save_pretrained(model: &Decoder, config_json: &Value, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     let tensors = hf_tensors(model);
@@ -52,6 +55,47 @@ pub fn save_pretrained(model: &Decoder, config_json: &Value, dir: &Path) -> anyh
     let mut cfg = config_json.clone();
     if let Some(obj) = cfg.as_object_mut() {
         obj.remove("quantization_config");
+        for key in ["torch_dtype", "dtype"] {
+            if obj.contains_key(key) {
+                obj.insert(key.into(), Value::from("float32"));
+            }
+        }
     }
     crate::io::write_json_atomic(&dir.join("config.json"), &cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An RL checkpoint of a bf16 base states the f32 its weights are in (transformers and vLLM load in
+    /// the config's dtype), and drops the quantization config of packed weights it does not hold.
+    #[test]
+    fn saved_configs_state_the_f32_weights() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen3");
+        let model = Decoder::load(&fixture, &burn::tensor::Device::flex()).unwrap();
+        let mut json: Value =
+            serde_json::from_str(&std::fs::read_to_string(fixture.join("config.json")).unwrap())
+                .unwrap();
+        json["torch_dtype"] = Value::from("bfloat16");
+        json["dtype"] = Value::from("float16");
+        json["quantization_config"] = serde_json::json!({"quant_method": "qarl"});
+        let out = tempfile::tempdir().unwrap();
+        save_pretrained(&model, &json, out.path()).unwrap();
+        let saved: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+                .unwrap();
+        assert_eq!(saved["torch_dtype"], "float32");
+        assert_eq!(saved["dtype"], "float32");
+        assert!(saved.get("quantization_config").is_none());
+        assert_eq!(saved["hidden_size"], json["hidden_size"]);
+        // A config that states no dtype gets none (loaders then take f32).
+        json.as_object_mut().unwrap().remove("torch_dtype");
+        json.as_object_mut().unwrap().remove("dtype");
+        save_pretrained(&model, &json, out.path()).unwrap();
+        let saved: Value =
+            serde_json::from_str(&std::fs::read_to_string(out.path().join("config.json")).unwrap())
+                .unwrap();
+        assert!(saved.get("torch_dtype").is_none() && saved.get("dtype").is_none());
+    }
 }

@@ -64,6 +64,18 @@ impl MetricsLog {
         &self.path
     }
 
+    /// Puts the rows written so far on the disk (`fsync`), before a checkpoint that depends on them is
+    /// written: rows are only flushed as they are written, so after a power loss the checkpoint could
+    /// otherwise be on the disk without the rows of its steps (a log the resume then refuses).
+    pub fn sync(&self) -> anyhow::Result<()> {
+        match &self.file {
+            Some(file) => file
+                .sync_data()
+                .with_context(|| format!("{}: cannot sync", self.path.display())),
+            None => Ok(()),
+        }
+    }
+
     /// Keeps only the rows `keep` accepts (see [`retain_rows`]) and goes on appending to the rewritten file
     /// (the rewrite replaces the file, so the old handle would write into the replaced one).
     pub fn retain(&mut self, keep: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {

@@ -72,11 +72,38 @@ pub(super) fn fresh_staging(dir: &Path) -> anyhow::Result<PathBuf> {
     Ok(staging)
 }
 
-/// The folder whose lock makes one run at a time assemble the model of `dir` (`<dir>.qarl-init.lock`).
-fn staging_guard(dir: &Path) -> PathBuf {
-    let mut name = dir.file_name().unwrap_or(dir.as_os_str()).to_os_string();
-    name.push(".qarl-init.lock");
-    dir.with_file_name(name)
+/// The lock that makes one run at a time assemble the model of a `model.dir`, in its own folder beside it
+/// (`<dir>.qarl-init.lock`). Dropping it releases the lock and removes the folder, whether the warm start
+/// finished or failed (the folder holds nothing but the lock; another run that took it since keeps it).
+struct StagingGuard {
+    lock: Option<lock::RunLock>,
+    folder: PathBuf,
+}
+
+impl StagingGuard {
+    fn acquire(dir: &Path) -> anyhow::Result<Self> {
+        let mut name = dir.file_name().unwrap_or(dir.as_os_str()).to_os_string();
+        name.push(".qarl-init.lock");
+        let folder = dir.with_file_name(name);
+        let lock = lock::RunLock::acquire(&folder).with_context(|| {
+            format!(
+                "{}: another run is making this model (its warm start); wait for it, then start this one",
+                dir.display()
+            )
+        })?;
+        Ok(Self {
+            lock: Some(lock),
+            folder,
+        })
+    }
+}
+
+impl Drop for StagingGuard {
+    fn drop(&mut self) {
+        drop(self.lock.take());
+        // Empty once the lock is gone, unless another run has taken it since: then not removed.
+        let _ = std::fs::remove_dir(&self.folder);
+    }
 }
 
 /// A model made from `model.init_config` (its config `config`) is paired with the character tokenizer: its
@@ -237,17 +264,9 @@ pub(super) fn prepare_model_locked(
     let (source, _) = source_of(cfg)?;
     // Runs that share a `model.dir` not made yet (runs whose configs differ in `run_dir` alone) would
     // each remove the other's staging folder: the second is refused while the first warm-starts.
-    let guard = staging_guard(dir);
-    let staging_lock = lock::RunLock::acquire(&guard).with_context(|| {
-        format!(
-            "{}: another run is making this model (its warm start); wait for it, then start this one",
-            dir.display()
-        )
-    })?;
+    let _guard = StagingGuard::acquire(dir)?;
     // Made by another run between the first look and the lock: used as it is.
     if dir.join("config.json").is_file() {
-        drop(staging_lock);
-        let _ = std::fs::remove_dir(&guard);
         return Ok(());
     }
     let staging = fresh_staging(dir)?;
@@ -291,16 +310,6 @@ pub(super) fn prepare_model_locked(
         };
         let (model, loss) = sft::run_sft_with(model, &tok, eos, cfg, sft, log, quiet, Some(&ck))?;
         tracing::info!(loss, "sft finished");
-        // The warm start writes f32 weights whatever the base held: a base's `torch_dtype` of bfloat16
-        // kept beside them would have loaders cast the fine-tuned weights back down.
-        let mut json = json;
-        if let Some(m) = json.as_object_mut() {
-            for key in ["torch_dtype", "dtype"] {
-                if m.contains_key(key) {
-                    m.insert(key.into(), serde_json::json!("float32"));
-                }
-            }
-        }
         crate::model::save::save_pretrained(&model, &json, &staging)?;
     }
     move_into_place(&staging, dir)?;
@@ -308,9 +317,6 @@ pub(super) fn prepare_model_locked(
         std::fs::remove_dir_all(&sft_root)
             .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
     }
-    drop(staging_lock);
-    // The guard's folder is empty once its lock is gone (another run may have taken it since: then not).
-    let _ = std::fs::remove_dir(&guard);
     Ok(())
 }
 

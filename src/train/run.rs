@@ -192,14 +192,14 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             steps,
         ) {
             bar.abandon();
-            let ckpt = policy.save(cfg, &optim, &state)?;
+            let ckpt = policy.save(cfg, &optim, &state, &log)?;
             return Err(nonfinite_stop(cfg, &state, step, &ckpt));
         }
         if (step + 1) % cfg.eval.every == 0 && step + 1 < steps {
             evaluator.evaluate(&policy.model, step + 1, &mut log)?;
         }
         if cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 {
-            policy.save(cfg, &optim, &state)?;
+            policy.save(cfg, &optim, &state, &log)?;
         }
         if opts.stop_after_step == Some(step) {
             bar.abandon();
@@ -217,7 +217,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // The last step's checkpoint, unless the loop just wrote it.
     let just_saved = cfg.checkpoint_every > 0 && steps % cfg.checkpoint_every == 0;
     if steps > 0 && start < steps && !just_saved {
-        policy.save(cfg, &optim, &state)?;
+        policy.save(cfg, &optim, &state, &log)?;
     }
     let paired = before
         .as_ref()
@@ -292,13 +292,16 @@ impl Policy {
         })
     }
 
-    /// A checkpoint of the weights, the optimizer and the trainer's state after `state.step`.
+    /// A checkpoint of the weights, the optimizer and the trainer's state after `state.step`, written
+    /// after `log`'s rows are on the disk (a checkpoint never gets ahead of the log it resumes with).
     fn save(
         &self,
         cfg: &TrainConfig,
         optim: &ModuleOptimizer,
         state: &TrainerState,
+        log: &MetricsLog,
     ) -> anyhow::Result<PathBuf> {
+        log.sync()?;
         checkpoint::save(
             &cfg.run_dir,
             state,

@@ -382,6 +382,7 @@ pub fn run_sft_with(
                     extra: &extra,
                 };
                 // Only the newest is kept: the checkpoints of a warm start are resume points, not results.
+                log.sync()?;
                 super::checkpoint::save_in(&ck.root, &state, &parts, 1)?;
             }
         }
