@@ -64,6 +64,19 @@ fn hidden_act_other_than_silu_is_refused_by_name() {
 
 #[test]
 fn non_positive_or_non_finite_floats_are_refused() {
+    // The fixture's RoPE base is in `rope_parameters`, which would win over a top-level `rope_theta`: this
+    // test's model states it at the top level only.
+    let refused = |model: &str, key: &str, bad: Value| {
+        let e = load_edited(model, |v| {
+            if key == "rope_theta" {
+                v.as_object_mut().unwrap().remove("rope_parameters");
+            }
+            v[key] = bad.clone();
+        })
+        .expect_err(&format!("`{key}` = {bad} was accepted"));
+        assert!(e.contains("m/config.json"), "no file in: {e}");
+        e
+    };
     for key in ["rms_norm_eps", "rope_theta"] {
         // 1e-50 is above zero, but 0 in the f32 forward; 1e300 infinite there.
         for bad in [json!(1e-50), json!(1e300)] {
@@ -207,8 +220,20 @@ fn rope_scaling_kind_is_plain_text_with_the_supported_ones() {
         assert!(e.contains(want), "expected `{want}` in: {e}");
         assert!(!e.contains("String("), "debug formatting in: {e}");
     }
-    accepted("qwen3", "rope_scaling", json!({"rope_type": "default"}));
+    let c = accepted(
+        "qwen3",
+        "rope_scaling",
+        json!({"rope_type": "default", "rope_theta": 5e5}),
+    );
+    assert_eq!(c.rope_theta, 5e5);
     accepted("qwen3", "rope_scaling", json!({}));
+    // A `rope_scaling` without a base hides `rope_parameters`' from transformers, which then takes its
+    // class default (1e4) whatever `rope_parameters` says: refused, naming where the base may be.
+    let e = refused("qwen3", "rope_scaling", json!({"rope_type": "default"}));
+    assert!(
+        e.contains("missing key `rope_scaling.rope_theta` or `rope_theta`"),
+        "{e}"
+    );
 }
 
 /// A `partial_rotary_factor` below 1 (RoPE over part of each head, as transformers applies it) is refused
@@ -312,4 +337,104 @@ fn special_tokens_outside_the_vocabulary_are_refused() {
     assert!(e.contains(&format!("found {}", vocab + 5)), "{e}");
     let ok = accepted("qwen3", "eos_token_id", json!([1, vocab - 1]));
     assert_eq!(ok.eos_token_ids, vec![1, vocab as u32 - 1]);
+}
+
+/// The config of `name` with `edit` applied (loaded, or the error).
+fn load_edited(name: &str, edit: impl FnOnce(&mut Value)) -> Result<ModelConfig, String> {
+    let mut v = base(name);
+    edit(&mut v);
+    ModelConfig::from_json_str(&v.to_string(), Path::new("m/config.json"))
+        .map_err(|e| e.to_string())
+}
+
+/// What transformers 5.25's `AutoConfig` reads where config.json leaves a key out or states it twice
+/// (each value below printed by it): the defaults of each model class, and the RoPE base of a section
+/// winning over the top-level one.
+#[test]
+fn absent_keys_and_doubled_rope_bases_read_as_transformers_reads_them() {
+    let without = |name: &str, key: &str| {
+        load_edited(name, |v| {
+            v.as_object_mut().unwrap().remove(key);
+        })
+        .unwrap()
+    };
+    // Qwen3Config: head_dim 128 (not hidden / heads); Qwen3-MoE and Llama divide.
+    assert_eq!(without("qwen3", "head_dim").head_dim, 128);
+    let moe = base("qwen3_moe");
+    let divided =
+        moe["hidden_size"].as_u64().unwrap() / moe["num_attention_heads"].as_u64().unwrap();
+    assert_eq!(without("qwen3_moe", "head_dim").head_dim as u64, divided);
+    // Qwen3MoeConfig: 4 key/value heads; the others as many as the query heads.
+    let c = load_edited("qwen3_moe", |v| {
+        v.as_object_mut().unwrap().remove("num_key_value_heads");
+        v["num_attention_heads"] = json!(8);
+    })
+    .unwrap();
+    assert_eq!(c.num_key_value_heads, 4);
+    let q3 = without("qwen3", "num_key_value_heads");
+    assert_eq!(q3.num_key_value_heads, q3.num_attention_heads);
+    // LlamaConfig: 2048 positions; Qwen's 32768.
+    assert_eq!(
+        without("llama", "max_position_embeddings").max_position_embeddings,
+        2048
+    );
+    assert_eq!(
+        without("qwen3", "max_position_embeddings").max_position_embeddings,
+        32768
+    );
+    // A theta in `rope_scaling` or `rope_parameters` wins over the top-level one; `rope_scaling`'s over
+    // `rope_parameters`'.
+    let theta = |sections: Value| {
+        load_edited("qwen3", |v| {
+            v["rope_theta"] = json!(1e6);
+            for (key, section) in sections.as_object().unwrap() {
+                v[key.as_str()] = section.clone();
+            }
+        })
+        .unwrap()
+        .rope_theta
+    };
+    let section = |t: f64| json!({"rope_type": "default", "rope_theta": t});
+    assert_eq!(theta(json!({"rope_parameters": section(1e4)})), 1e4);
+    assert_eq!(theta(json!({"rope_scaling": section(1e4)})), 1e4);
+    assert_eq!(
+        theta(json!({"rope_scaling": section(1e4), "rope_parameters": section(5e5)})),
+        1e4
+    );
+    assert_eq!(
+        theta(json!({"rope_scaling": {"rope_type": "default"}})),
+        1e6
+    );
+}
+
+/// A `model_type` that is not the architecture's is refused (transformers builds the model from
+/// `model_type`); RoPE parameters nested per layer type are refused; `mlp_bias` counts for Llama only.
+#[test]
+fn model_type_nested_rope_and_mlp_bias_follow_transformers() {
+    let e = load_edited("llama", |v| v["model_type"] = json!("mistral")).unwrap_err();
+    assert!(
+        e.contains("m/config.json")
+            && e.contains("`model_type` is `mistral` but `architectures[0]` is `LlamaForCausalLM`"),
+        "{e}"
+    );
+    for (name, ty) in [
+        ("llama", "llama"),
+        ("qwen2", "qwen2"),
+        ("qwen3", "qwen3"),
+        ("qwen3_moe", "qwen3_moe"),
+    ] {
+        load_edited(name, |v| v["model_type"] = json!(ty)).unwrap();
+    }
+    let e = load_edited("qwen3", |v| {
+        v["rope_parameters"] = json!({"full_attention": {"rope_type": "yarn", "factor": 4.0}});
+    })
+    .unwrap_err();
+    assert!(
+        e.contains("`rope_parameters` holds RoPE parameters per layer type (full_attention)"),
+        "{e}"
+    );
+    assert!(accepted("llama", "mlp_bias", json!(true)).mlp_bias);
+    for name in ["qwen2", "qwen3", "qwen3_moe"] {
+        assert!(!accepted(name, "mlp_bias", json!(true)).mlp_bias, "{name}");
+    }
 }

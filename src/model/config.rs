@@ -272,6 +272,77 @@ fn parse_quantization(k: &Keys) -> Result<Option<QuantConfig>, LoadError> {
         })
 }
 
+/// transformers' `Qwen3Config.head_dim` where config.json has none.
+const QWEN3_DEFAULT_HEAD_DIM: usize = 128;
+/// transformers' `Qwen3MoeConfig.num_key_value_heads` where config.json has none.
+const QWEN3_MOE_DEFAULT_KV_HEADS: usize = 4;
+
+/// The `model_type` transformers builds each architecture as.
+fn model_type_of(architecture: Architecture) -> &'static str {
+    match architecture {
+        Architecture::Llama => "llama",
+        Architecture::Qwen2 => "qwen2",
+        Architecture::Qwen3 => "qwen3",
+        Architecture::Qwen3Moe => "qwen3_moe",
+    }
+}
+
+/// Refuses a `model_type` that is not `architectures[0]`'s: transformers builds the model from
+/// `model_type` (a `mistral` labelled `LlamaForCausalLM` is a Mistral, with its sliding window), so the
+/// decoder the architecture names would run another model without an error.
+fn check_model_type(k: &Keys, architecture: Architecture) -> Result<(), LoadError> {
+    let Some(found) = k.find(&["model_type"]) else {
+        return Ok(());
+    };
+    let expected = model_type_of(architecture);
+    match found.as_str() {
+        Some(t) if t == expected => Ok(()),
+        Some(t) => Err(LoadError::InvalidConfig {
+            path: k.path.to_path_buf(),
+            msg: format!(
+                "`model_type` is `{t}` but `architectures[0]` is `{}` (model_type `{expected}`): \
+                 transformers builds the model from `model_type`, which qarl does not implement",
+                architecture.hf_name()
+            ),
+        }),
+        None => Err(k.bad("model_type", "a string", found)),
+    }
+}
+
+/// `mlp_bias`, which only transformers' Llama reads: its Qwen2, Qwen3 and Qwen3-MoE build their MLPs
+/// without biases whatever the key says, so here too (a warning says so where it is set).
+fn mlp_bias(k: &Keys, architecture: Architecture) -> Result<bool, LoadError> {
+    let set = k.bool_or(&["mlp_bias"], false)?;
+    if architecture == Architecture::Llama {
+        return Ok(set);
+    }
+    if set {
+        tracing::warn!(
+            "{}: `mlp_bias` = true is ignored: transformers' {} has no MLP biases",
+            k.path.display(),
+            architecture.hf_name()
+        );
+    }
+    Ok(false)
+}
+
+/// The RoPE base as transformers reads it: the RoPE section is `rope_scaling` where it holds anything,
+/// else `rope_parameters`; its `rope_theta` wins over the top-level one, which fills in only where the
+/// section has none (so a section with another base than the top level's silently ran with the top
+/// level's before).
+fn rope_theta(k: &Keys) -> Result<f64, LoadError> {
+    let section = ["rope_scaling", "rope_parameters"].into_iter().find(|key| {
+        k.find(&[key])
+            .and_then(Value::as_object)
+            .is_some_and(|o| !o.is_empty())
+    });
+    match section {
+        Some(section) => k.positive_f64(&[&format!("{section}.rope_theta"), "rope_theta"]),
+        // (`rope_parameters.rope_theta` is absent here: named in the error as where the base may be.)
+        None => k.positive_f64(&["rope_theta", "rope_parameters.rope_theta"]),
+    }
+}
+
 /// The `rope_scaling` / `rope_parameters` kinds this decoder implements.
 pub const SUPPORTED_ROPE_TYPES: [&str; 1] = ["default"];
 
@@ -305,6 +376,23 @@ fn check_rope_kind(k: &Keys) -> Result<(), LoadError> {
                     &format!("a string (supported: {supported})"),
                     v,
                 ))
+            }
+            // Parameters per layer type (`{"full_attention": {...}, "sliding_attention": {...}}`, as
+            // transformers 5.x nests them for models that mix attention kinds): not one RoPE for every layer.
+            None if obj.values().any(Value::is_object) => {
+                let nested: Vec<&str> = obj
+                    .iter()
+                    .filter(|(_, v)| v.is_object())
+                    .map(|(name, _)| name.as_str())
+                    .collect();
+                return Err(LoadError::InvalidConfig {
+                    path: k.path.to_path_buf(),
+                    msg: format!(
+                        "`{key}` holds RoPE parameters per layer type ({}): not supported (one RoPE for \
+                         every layer)",
+                        nested.join(", ")
+                    ),
+                });
             }
             // `rope_parameters` (transformers 5.x) may hold only `rope_theta`: plain RoPE. A `rope_scaling`
             // with settings but no kind cannot be told apart from a scaled one, so it is refused.
@@ -411,11 +499,18 @@ impl ModelConfig {
             }
         })?;
 
+        check_model_type(&k, architecture)?;
+
         let hidden_size = k.positive(&["hidden_size"])?;
         let num_attention_heads = k.positive(&["num_attention_heads"])?;
-        let num_key_value_heads = k
-            .usize_opt(&["num_key_value_heads"])?
-            .unwrap_or(num_attention_heads);
+        // Absent: transformers' class default (Qwen3-MoE's is 4 key/value heads, the others' the query heads).
+        let num_key_value_heads = k.usize_opt(&["num_key_value_heads"])?.unwrap_or(
+            if architecture == Architecture::Qwen3Moe {
+                QWEN3_MOE_DEFAULT_KV_HEADS
+            } else {
+                num_attention_heads
+            },
+        );
         if num_key_value_heads == 0 {
             return Err(k.bad("num_key_value_heads", "positive", &Value::from(0)));
         }
@@ -429,6 +524,8 @@ impl ModelConfig {
         }
         let head_dim = match k.usize_opt(&["head_dim"])? {
             Some(d) => d,
+            // transformers' Qwen3Config sets 128 where the key is absent (Qwen3-MoE, Qwen2 and Llama divide).
+            None if architecture == Architecture::Qwen3 => QWEN3_DEFAULT_HEAD_DIM,
             None => {
                 if hidden_size % num_attention_heads != 0 {
                     return Err(k.missing(&["head_dim"]));
@@ -444,8 +541,8 @@ impl ModelConfig {
             ));
         }
 
-        let rope_theta = k.positive_f64(&["rope_theta", "rope_parameters.rope_theta"])?;
         check_rope_kind(&k)?;
+        let rope_theta = rope_theta(&k)?;
         check_partial_rotary(&k)?;
         check_activation(&k)?;
 
@@ -573,6 +670,8 @@ impl ModelConfig {
             rms_norm_eps: k.positive_f64(&["rms_norm_eps"])?,
             rope_theta,
             max_position_embeddings: match k.usize_opt(&["max_position_embeddings"])? {
+                // transformers' class defaults.
+                None if architecture == Architecture::Llama => 2048,
                 None => 32768,
                 Some(0) => {
                     return Err(k.bad("max_position_embeddings", "positive", &Value::from(0)))
@@ -582,7 +681,7 @@ impl ModelConfig {
             tie_word_embeddings: k.bool_or(&["tie_word_embeddings"], false)?,
             qkv_bias,
             o_bias,
-            mlp_bias: k.bool_or(&["mlp_bias"], false)?,
+            mlp_bias: mlp_bias(&k, architecture)?,
             qk_norm,
             moe,
             quantization: parse_quantization(&k)?,
