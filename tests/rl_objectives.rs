@@ -7,7 +7,7 @@
 
 use burn::tensor::{Device, Tensor};
 use qarl::host::{tensor_from_vec, to_f32_vec};
-use qarl::rl::corrections::{mismatch_correction, CorrectionConfig};
+use qarl::rl::corrections::{mismatch_correction, CorrectionConfig, Rejected};
 use qarl::rl::losses::{
     registered_names, LossAggMode, LossConfig, Objective, ObjectiveName, ParamKind, ParamSpec,
     ParamValue, PolicyLoss, PolicyLossInputs, PolicyLossOutput, Range, SeqClip, TokenClip,
@@ -170,9 +170,20 @@ enum RefAgg {
 enum RefCorrection {
     TokenTis(f64),
     SeqTis(f64),
-    TokenMis { low: f64, high: f64, weighted: bool },
-    SeqMis { cap: f64, weighted: bool },
-    GeoRs { low: f64, high: f64 },
+    TokenMis {
+        low: f64,
+        high: f64,
+        weighted: bool,
+        zero_weight: bool,
+    },
+    SeqMis {
+        cap: f64,
+        weighted: bool,
+    },
+    GeoRs {
+        low: f64,
+        high: f64,
+    },
 }
 
 fn clip(x: f64, lo: f64, hi: f64) -> f64 {
@@ -201,9 +212,14 @@ fn ref_corrections(batch: &Batch, corrections: &[RefCorrection]) -> (Vec<f64>, V
                         low,
                         high,
                         weighted,
+                        zero_weight,
                     } => {
                         if !(low..=high).contains(&rho) {
-                            keep[i] = 0.0;
+                            if zero_weight {
+                                weight[i] = 0.0;
+                            } else {
+                                keep[i] = 0.0;
+                            }
                         }
                         if weighted {
                             weight[i] *= rho;
@@ -978,6 +994,7 @@ fn corrections_match_hand_values() {
         low: 0.5,
         high: 5.0,
         importance_weight: true,
+        rejected: Rejected::Dropped,
     }]);
     assert_eq!(&k[..7], &[1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
     assert_all_close(
@@ -990,8 +1007,23 @@ fn corrections_match_hand_values() {
         low: 0.5,
         high: 5.0,
         importance_weight: false,
+        rejected: Rejected::Dropped,
     }]);
     assert_eq!(w, ones, "pure rejection has no weight");
+    // verl's IcePop: the same band gives the rejected tokens weight 0 and keeps them in the loss mask.
+    let (w, k) = apply(&[CorrectionConfig::TokenMis {
+        low: 0.5,
+        high: 5.0,
+        importance_weight: true,
+        rejected: Rejected::ZeroWeight,
+    }]);
+    assert_eq!(k, ones, "zero-weight rejection keeps every token");
+    assert_all_close(
+        &w[..7],
+        &[0.55, 3.0, 0.0, 0.0, 1.25, 1.6, 1.0],
+        1e-5,
+        "icepop zero weight",
+    );
     // Sequence MIS, C = 3: row 1 (3.96) dropped, row 2 (2.0) kept with weight 2.
     let (w, k) = apply(&[CorrectionConfig::SeqMis {
         cap: 3.0,
@@ -1022,7 +1054,7 @@ fn corrections_match_hand_values() {
 fn corrections_compose_with_every_objective() {
     let token_batch = token_level_batch(11);
     let seq_batch = sequence_level_batch(12);
-    let corrections: [(Vec<CorrectionConfig>, Vec<RefCorrection>); 5] = [
+    let corrections: [(Vec<CorrectionConfig>, Vec<RefCorrection>); 6] = [
         (
             vec![CorrectionConfig::TokenTis { cap: 2.0 }],
             vec![RefCorrection::TokenTis(2.0)],
@@ -1036,11 +1068,27 @@ fn corrections_compose_with_every_objective() {
                 low: 0.5,
                 high: 1.8,
                 importance_weight: true,
+                rejected: Rejected::Dropped,
             }],
             vec![RefCorrection::TokenMis {
                 low: 0.5,
                 high: 1.8,
                 weighted: true,
+                zero_weight: false,
+            }],
+        ),
+        (
+            vec![CorrectionConfig::TokenMis {
+                low: 0.5,
+                high: 1.8,
+                importance_weight: true,
+                rejected: Rejected::ZeroWeight,
+            }],
+            vec![RefCorrection::TokenMis {
+                low: 0.5,
+                high: 1.8,
+                weighted: true,
+                zero_weight: true,
             }],
         ),
         (
@@ -1114,6 +1162,7 @@ fn corrections_compose_with_every_objective() {
         low: 0.5,
         high: 1.8,
         importance_weight: true,
+        rejected: Rejected::Dropped,
     }];
     let (out, _) = run(&loss, &token_batch);
     let (_, keep) = ref_corrections(
@@ -1122,6 +1171,7 @@ fn corrections_compose_with_every_objective() {
             low: 0.5,
             high: 1.8,
             weighted: true,
+            zero_weight: false,
         }],
     );
     let kept = (0..keep.len())
@@ -1344,7 +1394,8 @@ fn config_resolves_defaults_and_rejects_unknown_names() {
             CorrectionConfig::TokenMis {
                 low: 0.5,
                 high: 5.0,
-                importance_weight: true
+                importance_weight: true,
+                rejected: Rejected::Dropped
             },
             CorrectionConfig::SeqTis { cap: 3.0 }
         ]

@@ -46,9 +46,11 @@ pub enum CorrectionConfig {
         #[serde(default = "default_cap")]
         cap: f32,
     },
-    /// Token MIS / IcePop: tokens with `rho_t` outside `[low, high]` (default `[0.5, 5]`) are dropped; the kept
-    /// ones are weighted by `rho_t` when `importance_weight` (default, as in the MIS and IcePop papers) or left
-    /// unweighted (pure rejection, verl's `rollout_rs = "token"`). `low = 0` gives the one-sided MIS of Yao et al.
+    /// Token MIS / IcePop: tokens with `rho_t` outside `[low, high]` (default `[0.5, 5]`) are rejected; the
+    /// kept ones are weighted by `rho_t` when `importance_weight` (default, as in the MIS and IcePop papers) or
+    /// left unweighted (pure rejection). `low = 0` gives the one-sided MIS of Yao et al. How a rejected token
+    /// leaves the loss is `rejected`: dropped from the loss mask and its denominators (default), or given
+    /// weight 0 while it still counts in them (verl's IcePop, `rollout_is_threshold = "low_high"`).
     #[serde(alias = "icepop")]
     TokenMis {
         #[serde(default = "default_icepop_low")]
@@ -57,6 +59,8 @@ pub enum CorrectionConfig {
         high: f32,
         #[serde(default = "default_true")]
         importance_weight: bool,
+        #[serde(default)]
+        rejected: Rejected,
     },
     /// Sequence MIS: sequences with `prod_t rho_t > cap` are dropped; kept ones are weighted by `prod_t rho_t`
     /// when `importance_weight` (default).
@@ -75,6 +79,21 @@ pub enum CorrectionConfig {
         #[serde(default = "default_geo_high")]
         high: f32,
     },
+}
+
+/// How a token that a band rejects leaves the loss. The two differ in every denominator of the
+/// aggregation (`token-mean`'s token count, `seq-mean-token-mean`'s per-sequence counts), so in the loss's
+/// scale and in the metrics averaged over the loss mask: with four tokens of loss 1, one rejected, `dropped`
+/// gives a token mean of 3/3 = 1 and `zero_weight` 3/4 = 0.75.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rejected {
+    /// Out of the loss mask and its denominators (verl's rejection sampling, `rollout_rs`, edits the
+    /// response mask the same way).
+    #[default]
+    Dropped,
+    /// Weight 0, still in the loss mask (verl's IcePop weights).
+    ZeroWeight,
 }
 
 impl CorrectionConfig {
@@ -166,8 +185,13 @@ pub fn mismatch_correction(
                 low,
                 high,
                 importance_weight,
+                rejected,
             } => {
-                keep = keep * inside(log_rho.clone(), low, high);
+                let inside = inside(log_rho.clone(), low, high);
+                match rejected {
+                    Rejected::Dropped => keep = keep * inside,
+                    Rejected::ZeroWeight => weight = weight * inside,
+                }
                 if importance_weight {
                     weight = weight * bounded_exp(log_rho.clone());
                 }
