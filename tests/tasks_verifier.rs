@@ -1025,6 +1025,78 @@ fn verifier_strictness_options() {
     assert!(serde_json::from_str::<VerifyConfig>(r#"{"answer_from": "strict"}"#).is_err());
 }
 
+/// Silent wrong answers a review against verl's reward functions found (2026-12-06), each now read as a
+/// reader would: numbered or bold Markdown headings after `####` are headings; a note with an `=` after
+/// the stated value does not replace it; `x - 3`, `n + 1`, `a_5` are expressions; a list of assignments is
+/// no single value.
+#[test]
+fn verifier_reads_headings_notes_and_expressions_as_a_reader_would() {
+    let cfg = VerifyConfig::default();
+    let marked = VerifyConfig {
+        answer_from: verify::AnswerFrom::Marked,
+        ..VerifyConfig::default()
+    };
+    // (response, gold, correct under `any`, correct under `marked`)
+    let cases: &[(&str, &str, bool, bool)] = &[
+        (
+            "#### 1. Count the apples\nThere are 18.\n#### 18",
+            "18",
+            true,
+            true,
+        ),
+        (
+            "#### 1. Count the apples\nThere are 18.\n#### 18",
+            "1",
+            false,
+            false,
+        ),
+        ("#### 2) Add\n#### 18", "18", true, true),
+        (
+            "#### **Step 1: Count**\n16 + 2 = 18\n#### 18",
+            "18",
+            true,
+            true,
+        ),
+        (
+            "#### **Step 1: Count**\n16 + 2 = 18\n#### 18",
+            "1",
+            false,
+            false,
+        ),
+        ("#### **18**", "18", true, true),
+        ("#### 18.", "18", true, true),
+        ("#### 2.5 apples", "2.5", true, true),
+        ("#### 18 (16 - 3 - 4 = 9 eggs)", "18", true, true),
+        ("#### 18 (16 - 3 - 4 = 9 eggs)", "9", false, false),
+        ("The answer is 18 (since 2 = 2).", "18", true, false),
+        ("#### 5 + 13 = 18", "18", true, true),
+        ("#### x = 2 + 3 = 5", "5", true, true),
+        ("\\boxed{x - 3}", "-3", false, false),
+        ("\\boxed{-3}", "x - 3", false, false),
+        ("\\boxed{x-3}", "x - 3", true, true),
+        ("\\boxed{n + 1}", "1", false, false),
+        ("\\boxed{y = x + 3}", "3", false, false),
+        ("The answer is -3", "-3", true, false),
+        ("#### - 5", "-5", true, true),
+        ("\\boxed{x=2, x=5}", "5", false, false),
+        ("\\boxed{x = 2 \\text{ or } x = 5}", "5", false, false),
+        ("\\boxed{a_5}", "5", false, false),
+        ("\\boxed{_5_}", "5", true, true),
+    ];
+    for &(response, gold, any, only_marked) in cases {
+        assert_eq!(
+            score(response, gold, &cfg).correct,
+            any,
+            "{response:?} against {gold:?} (any)"
+        );
+        assert_eq!(
+            score(response, gold, &marked).correct,
+            only_marked,
+            "{response:?} against {gold:?} (marked)"
+        );
+    }
+}
+
 #[test]
 fn verifier_hostile_inputs() {
     let cfg = VerifyConfig::default();
@@ -1056,6 +1128,9 @@ fn verifier_hostile_inputs() {
     let _ = score(&many, "1", &cfg);
     let digits = "1,000,".repeat(100_000);
     let _ = score(&digits, "1", &cfg);
+    // Heading-like markers on one line: each line is looked at once (was quadratic).
+    let headings = "####a".repeat(40_000);
+    assert!(!score(&headings, "1", &cfg).correct);
     assert!(t.elapsed().as_secs() < 20, "{:?}", t.elapsed());
     // extracted text is capped
     let long = format!("#### 5{}", " apples".repeat(1000));

@@ -5,7 +5,8 @@
 //! 1. the content of the last well-formed `\boxed{...}` (or `\fbox{...}`), nested braces handled;
 //! 2. the rest of the line after the *first* `####` (GSM8K's terminal marker: what follows the first one, e.g. a
 //!    run-on generation of a new question, is not part of the answer) that is not a Markdown heading
-//!    (`#### Step 1: Add the apples`: a word first, neither `x = ...` nor an answer phrase);
+//!    (`#### Step 1: Add the apples`, `#### 1. Count`, `#### **Step 1**`: after bold/italic markers a word
+//!    or a list number first, neither `x = ...` nor an answer phrase; a heading is its whole line);
 //! 3. the rest of the line after the last `Answer:` / `answer is` (ASCII case-insensitive; when that line is
 //!    empty, the next non-empty line);
 //! 4. the last number in the response (`-12`, `−12`, `1,234.5`, `3/4`).
@@ -16,11 +17,14 @@
 //!
 //! **Normalisation** ([`parse_answer`]): LaTeX wrappers are dropped (`$`, `\(`, `\[`, `\text{..}`/`\mathrm{..}`
 //! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac` -> `\frac`); only what follows
-//! the last `=` is kept (`x = 5`); leading words (`The total is`) and trailing words/units/punctuation
+//! the last `=` is kept (`x = 5`; a list of assignments, `x=2, x=5` or `x = 2 or x = 5`, is no value, and a
+//! marker's line that states its value before a note, `#### 18 (16 - 3 - 4 = 9 eggs)`, is read from the
+//! value); leading words (`The total is`) and trailing words/units/punctuation
 //! (`dollars`, `cm`, `.`) are ignored, but anything else with a digit, a backslash or a brace beside the number
 //! makes the candidate unparseable (so `2\sqrt{2}` is not read as 2), and so do one letter glued to the
-//! number (`3x`, `2i`: units of two letters or more, `5cm`, stay units), a name glued to a sign (`x+1`)
-//! and a factorial (`5!`), which are expressions (a gold such as `3x` is then compared as text, below); a unit's slash or power after a letter
+//! number (`3x`, `2i`: units of two letters or more, `5cm`, stay units), a name glued to a sign (`x+1`) or
+//! before a spaced operator (`x - 3`, `n + 1`; `is -3` is a sign), a subscript (`a_5`) and a factorial
+//! (`5!`), which are expressions (a gold such as `3x` is then compared as text, below); a unit's slash or power after a letter
 //! (`$15/hour`, `km/h`, `cm^2`) is a unit. A marker's line that does not parse but states its value first and
 //! then goes on (`#### 18 (6 apples + 12 pears)`, `The answer is 20. Tom has 20 pencils.`) is read up to where
 //! the value ends: a sentence end or `(`, and on a `####` line also a space and a word. Numbers: an optional sign (`-`, `+`,
@@ -232,16 +236,26 @@ fn judge<'a>(response: &'a str, gold: &str, from: AnswerFrom) -> (bool, Option<&
 /// does not parse and the candidate is a marker's line, the value it starts with ([`leading_clause`]):
 /// `#### 18 (6 apples + 12 pears)` and `The answer is 20. Tom now has 20 pencils.` state their answers
 /// first and go on in prose, which made the whole line unparseable.
+///
+/// A marker's line whose value comes before a note with an `=` in it (`#### 18 (16 - 3 - 4 = 9 eggs)`) is
+/// read from its leading value: the note's `=` would otherwise make the note's result the answer.
 fn numeric_candidate(source: AnswerSource, candidate: &str) -> Option<(BigRational, &str)> {
+    let prose = match source {
+        AnswerSource::Hashes => Some(true),
+        AnswerSource::AnswerMarker => Some(false),
+        AnswerSource::Boxed | AnswerSource::LastNumber => None,
+    };
+    let clause = prose.and_then(|prose| leading_clause(candidate, prose));
+    if let Some(clause) = clause.filter(|c| !c.contains('=') && candidate[c.len()..].contains('='))
+    {
+        if let Some(v) = parse_answer(clause) {
+            return Some((v, clause));
+        }
+    }
     if let Some(v) = parse_answer(candidate) {
         return Some((v, candidate));
     }
-    let prose = match source {
-        AnswerSource::Hashes => true,
-        AnswerSource::AnswerMarker => false,
-        AnswerSource::Boxed | AnswerSource::LastNumber => return None,
-    };
-    let clause = leading_clause(candidate, prose)?;
+    let clause = clause?;
     parse_answer(clause).map(|v| (v, clause))
 }
 
@@ -295,11 +309,14 @@ pub fn extract_candidate(response: &str) -> Option<(AnswerSource, &str)> {
     let mut from = 0;
     while let Some(pos) = response[from..].find("####") {
         let rest = response[from + pos + 4..].trim_start_matches('#');
-        let line = rest.split('\n').next().unwrap_or("").trim();
+        let raw_line = rest.split('\n').next().unwrap_or("");
+        let line = raw_line.trim();
         if !line.is_empty() && !is_markdown_heading(line) {
             return Some((AnswerSource::Hashes, line));
         }
-        from = response.len() - rest.len();
+        // A heading is its whole line: markers later on it are the heading's text (and looking at each of
+        // them again would make a line of `####a####a...` quadratic).
+        from = response.len() - rest.len() + if line.is_empty() { 0 } else { raw_line.len() };
     }
     if let Some(s) = after_answer_marker(response) {
         return Some((AnswerSource::AnswerMarker, s));
@@ -307,10 +324,16 @@ pub fn extract_candidate(response: &str) -> Option<(AnswerSource, &str)> {
     last_number(response).map(|s| (AnswerSource::LastNumber, s))
 }
 
-/// Whether the text after a `####` is a Markdown heading (`#### Step 1: Add the apples`, `#### Final Answer`)
-/// rather than GSM8K's answer marker: it starts with a word, and is neither an assignment (`x = 5`) nor an
-/// answer phrase (`The answer is 18`). A heading's step number is no answer.
+/// Whether the text after a `####` is a Markdown heading (`#### Step 1: Add the apples`, `#### Final Answer`,
+/// `#### 1. Count the apples`, `#### **Step 1: Count**`) rather than GSM8K's answer marker: after any bold
+/// or italic markers it starts with a word or with a list number (`1.` or `1)` followed by a space and a
+/// word), and is neither an assignment (`x = 5`) nor an answer phrase (`The answer is 18`). A heading's
+/// step number is no answer.
 fn is_markdown_heading(line: &str) -> bool {
+    let line = line.trim_start_matches(['*', '_']).trim_start();
+    if is_numbered_heading(line) {
+        return true;
+    }
     if !line.chars().next().is_some_and(char::is_alphabetic) {
         return false;
     }
@@ -322,6 +345,19 @@ fn is_markdown_heading(line: &str) -> bool {
     }
     let lower = line.to_lowercase();
     !(lower.contains("answer is") || lower.contains("answer:"))
+}
+
+/// `1. Count the apples`, `2) Add`: a list number, `.` or `)`, a space, then a word.
+fn is_numbered_heading(line: &str) -> bool {
+    let digits = line.len() - line.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+    let rest = &line[digits..];
+    digits > 0
+        && (rest.starts_with(". ") || rest.starts_with(") "))
+        && rest[2..]
+            .trim_start()
+            .chars()
+            .next()
+            .is_some_and(char::is_alphabetic)
 }
 
 fn after_answer_marker(response: &str) -> Option<&str> {
@@ -464,11 +500,28 @@ fn scan_digits_grouped(b: &[u8], i: usize) -> usize {
 /// it is not a number.
 pub fn parse_answer(text: &str) -> Option<BigRational> {
     let t = normalize_latex(text);
+    if lists_several_values(&t) {
+        return None;
+    }
     let t = match t.rfind('=') {
         Some(p) => &t[p + 1..],
         None => &t[..],
     };
     parse_value(t.trim())
+}
+
+/// Whether `text` states several assignments (`x=2, x=5`, `x = 2 or x = 5`) rather than one chain
+/// (`5 + 13 = 18`, `x = 2 + 3 = 5`): a `,`, `;` or a word `or` / `and` between its last two `=`. Such a
+/// list is no single value: reading the last one would accept any list that ends with the gold answer.
+fn lists_several_values(text: &str) -> bool {
+    let mut parts = text.rsplit('=');
+    let (Some(_), Some(between), Some(_)) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    between.contains([',', ';'])
+        || between
+            .split(|c: char| !c.is_alphabetic())
+            .any(|w| w.eq_ignore_ascii_case("or") || w.eq_ignore_ascii_case("and"))
 }
 
 const UNWRAP_COMMANDS: &[&str] = &[
@@ -678,8 +731,21 @@ fn parse_value(s: &str) -> Option<BigRational> {
     while p < cs.len() && is_leading_junk(cs[p]) {
         p += 1;
     }
-    // A name glued to a sign is an expression (`x+1`, `n-1`), not words before a number.
-    if p > 0 && cs[p - 1].is_alphabetic() && cs.get(p).is_some_and(|&c| is_minus(c) || c == '+') {
+    let sign_at_p = cs.get(p).is_some_and(|&c| is_minus(c) || c == '+');
+    // A name glued to a sign is an expression (`x+1`, `n-1`), not words before a number; so is a name,
+    // a space and a sign followed by a space (`x - 3`, `n + 1`: a binary operator; `is -3` is a sign).
+    if p > 0 && cs[p - 1].is_alphabetic() && sign_at_p {
+        return None;
+    }
+    let last_word = cs[..p].iter().rev().find(|c| !c.is_whitespace());
+    if sign_at_p
+        && last_word.is_some_and(|c| c.is_alphabetic())
+        && cs.get(p + 1).is_some_and(|c| c.is_whitespace())
+    {
+        return None;
+    }
+    // A name with a subscript (`a_5`) is not the number 5.
+    if p >= 2 && cs[p - 1] == '_' && cs[p - 2].is_alphanumeric() {
         return None;
     }
     let mut negative = false;
