@@ -30,8 +30,11 @@ pub struct Rollout {
     pub ids: Vec<Vec<u32>>,
     /// Length of the prompt part of each row.
     pub prompt_lens: Vec<usize>,
-    /// Log-prob of each generated token under the temperature-scaled distribution it was sampled from
-    /// (`log_softmax(logits / T)` over the whole vocabulary, before top-k/top-p, as verl records it).
+    /// Log-prob of each generated token under the temperature-scaled distribution (`log_softmax(logits / T)`
+    /// over the whole vocabulary, before top-k/top-p): the learner's log-prob of the same token, bitwise in
+    /// deterministic mode. With top-k/top-p on, the token was drawn from the filtered, renormalised
+    /// distribution, whose log-prob is this one minus the log of the kept mass; verl (vLLM's
+    /// `processed_logprobs`, its default since 2026-01) records that one instead (docs/verl.md).
     pub logprobs: Vec<Vec<f32>>,
     /// The entropy (temperature 1) of the distribution each generated token was sampled from, when
     /// [`SamplingParams::record_entropy`] asked for it in deterministic mode (else empty rows): bitwise
