@@ -1737,3 +1737,53 @@ fn a_resume_by_another_build_is_said() {
         "{err}"
     );
 }
+
+/// `qarl generate --stop-at-eos` stops at the end tokens training and evaluation stop at (here the char
+/// tokenizer's `<eos>`, which config.json does not name): a row holding one ends with it, as a stop; without
+/// a tokenizer and without config.json's ids nothing would stop a row, which is refused.
+#[test]
+fn generate_stops_at_the_end_tokens_of_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let init = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("configs/models/qwen3-moe-arith.json");
+    qarl::model::init::write_random_checkpoint(&init, &model, 3, 1.0).unwrap();
+    let config = model.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    json.as_object_mut().unwrap().remove("eos_token_id");
+    std::fs::write(&config, json.to_string()).unwrap();
+    let output = tmp.path().join("gen.json");
+    let generate = |model: &std::path::Path| {
+        let mut cmd = qarl();
+        cmd.args(["generate", "--stop-at-eos", "--temperature", "3"])
+            .args(["--samples", "16", "--max-new-tokens", "100", "--seed", "5"])
+            .arg("--model")
+            .arg(model)
+            .arg("--output")
+            .arg(&output);
+        cmd
+    };
+    // No tokenizer yet: config.json names no end token either.
+    let prompts = tmp.path().join("prompts.json");
+    std::fs::write(&prompts, r#"{"input_ids": [[5, 6, 7]]}"#).unwrap();
+    let err = common::error_of(generate(&model).arg("--prompt-ids").arg(&prompts));
+    assert!(err.contains("names no eos_token_id"), "{err}");
+    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    let eos = qarl::tasks::char_tokenizer::EOS_ID;
+    let v = run_qarl_json(generate(&model).args(["--prompt", "1+2="]), &output);
+    let ids: Vec<Vec<u32>> = serde_json::from_value(v["ids"].clone()).unwrap();
+    let reasons: Vec<String> = serde_json::from_value(v["finish_reasons"].clone()).unwrap();
+    let mut stopped = 0;
+    for (row, reason) in ids.iter().zip(&reasons) {
+        match row.iter().position(|&t| t == eos) {
+            Some(at) if at >= 4 => {
+                assert_eq!(at, row.len() - 1, "tokens after <eos>: {row:?}");
+                assert_eq!(reason, "stop");
+                stopped += 1;
+            }
+            _ => assert_eq!(reason, "length", "{row:?}"),
+        }
+    }
+    assert!(stopped > 0, "no row reached <eos> in 16 x 100 tokens");
+}

@@ -42,7 +42,9 @@ pub struct GenerateArgs {
     /// Seed: the same seed and inputs give the same tokens.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Stop a row at the model's end-of-sequence token(s) (from config.json).
+    /// Stop a row at the model's end tokens: with a tokenizer, the ones `qarl train` and `qarl eval` stop
+    /// at (config.json's, generation_config.json's and tokenizer_config.json's end-of-sequence ids, and
+    /// the first of `<eos>`, `<|im_end|>`, `<|endoftext|>` the tokenizer has); without, config.json's.
     #[arg(long)]
     pub stop_at_eos: bool,
     /// Extra stop token ids (repeatable).
@@ -93,14 +95,23 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let mut stop_token_ids = args.stop_ids.clone();
     let device = args.backend.device()?;
     let model = load_model(&args.model, &device, args.quant, args.activations)?;
+    let tokenizer = Tokenizer::load_for(&args.model, &model.config)?;
     if args.stop_at_eos {
-        anyhow::ensure!(
-            !model.config.eos_token_ids.is_empty(),
-            "--stop-at-eos: {}/config.json names no eos_token_id, so nothing would stop a row; pass \
-             --stop-id or --stop",
-            args.model.display()
-        );
-        stop_token_ids.extend(&model.config.eos_token_ids);
+        match &tokenizer {
+            // One home for a model's end tokens: the same stops as training and evaluation.
+            Some(tok) => {
+                stop_token_ids.extend(crate::model::EndTokens::of(tok, &model.config)?.stops())
+            }
+            None => {
+                anyhow::ensure!(
+                    !model.config.eos_token_ids.is_empty(),
+                    "--stop-at-eos: {}/config.json names no eos_token_id (and there is no tokenizer.json), \
+                     so nothing would stop a row; pass --stop-id or --stop",
+                    args.model.display()
+                );
+                stop_token_ids.extend(&model.config.eos_token_ids);
+            }
+        }
     }
     let vocab = model.config.vocab_size;
     if let Some(id) = args.stop_ids.iter().find(|&&id| id as usize >= vocab) {
@@ -122,7 +133,6 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if args.samples == 0 {
         anyhow::bail!("--samples must be at least 1");
     }
-    let tokenizer = Tokenizer::load_for(&args.model, &model.config)?;
     if !params.stop_strings.is_empty() && tokenizer.is_none() {
         anyhow::bail!(
             "{}: no tokenizer.json, so --stop strings cannot be matched; use --stop-id",
