@@ -7,7 +7,6 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::grad_clipping::GradientClippingConfig;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 
@@ -18,15 +17,33 @@ use crate::host::{tensor_from_vec, to_f32_vec};
 use crate::model::Decoder;
 use crate::rl::losses::{LossAggMode, LossMetrics, PolicyLoss, PolicyLossInputs};
 
-/// The RL optimizer of `tc`: AdamW with its weight decay and epsilon, and gradient clipping by norm.
+/// The RL optimizer of `tc`: AdamW with its weight decay and epsilon. `train.grad_clip` is applied before
+/// it, to the global norm ([`clip_to_global_norm`]): burn's own clipping (`GradientClipping::Norm`) clips
+/// each tensor by its own norm, another update than torch's and verl's.
 pub fn optimizer(tc: &RlConfig) -> burn::optim::ModuleOptimizer {
-    let mut optim_cfg = AdamWConfig::new()
+    AdamWConfig::new()
         .with_weight_decay(tc.weight_decay)
-        .with_epsilon(tc.adam_eps);
-    if tc.grad_clip > 0.0 {
-        optim_cfg = optim_cfg.with_grad_clipping(Some(GradientClippingConfig::Norm(tc.grad_clip)));
+        .with_epsilon(tc.adam_eps)
+        .init()
+}
+
+/// torch's `clip_grad_norm_` over every parameter at once (verl's `actor.grad_clip`, HF Trainer's
+/// `max_grad_norm`): every gradient times `min(1, max_norm / (norm + 1e-6))`, where `norm` is the global L2
+/// norm of all of them ([`grad_norm`]). Off for `max_norm <= 0`. Returns the factor applied.
+pub fn clip_to_global_norm(
+    model: &Decoder,
+    grads: &mut GradientsParams,
+    norm: f64,
+    max_norm: f32,
+) -> f64 {
+    if max_norm <= 0.0 {
+        return 1.0;
     }
-    optim_cfg.init()
+    let factor = (max_norm as f64 / (norm + 1e-6)).min(1.0);
+    if factor < 1.0 {
+        scale_gradients(model, grads, factor as f32);
+    }
+    factor
 }
 
 /// The global L2 norm of the gradients of `model`'s float parameters (NaN/inf when any entry is).
@@ -159,7 +176,9 @@ pub fn update(
                 *loss_metrics.entry(k).or_default() += v;
             }
             let t_optim = Instant::now();
-            let stepped = optim.step(lr, model.clone(), g.grads);
+            let mut grads = g.grads;
+            clip_to_global_norm(model, &mut grads, norm, tc.grad_clip);
+            let stepped = optim.step(lr, model.clone(), grads);
             *model = stepped;
             perf.optim_s += t_optim.elapsed().as_secs_f64();
             updates += 1;
@@ -696,6 +715,61 @@ mod tests {
         let diff: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
         let norm: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
         ((diff / norm).sqrt(), norm)
+    }
+
+    /// `train.grad_clip` scales every gradient by one factor, `max / (global norm + 1e-6)` (torch's
+    /// `clip_grad_norm_`), so the global norm lands on the limit and each tensor keeps its direction and
+    /// its share; under the limit nothing changes. (burn's per-tensor clipping left the small tensors
+    /// whole and cut only the big ones: a global norm above the limit and another direction.)
+    #[test]
+    fn grad_clip_scales_the_global_norm_to_the_limit() {
+        let f = fixture();
+        let device = f.model.device();
+        let lp = f.batch.logprobs(&f.model, Weights::Packed, 1.0, None).0;
+        let mask = f.batch.mask(&device);
+        let grads = (lp * mask).sum().backward();
+        let grads = GradientsParams::from_grads(grads, &f.model);
+        let norm = grad_norm(&f.model, &grads);
+        let q = |g: &GradientsParams| {
+            to_f32_vec(
+                g.get::<2>(f.model.layers[0].self_attn.q_proj.weight.id)
+                    .unwrap(),
+            )
+        };
+        let q_before = q(&grads);
+        let q_norm: f64 = q_before
+            .iter()
+            .map(|&x| (x as f64).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!(norm > 1.0 && q_norm < norm, "norm {norm}, q_proj {q_norm}");
+        // Under the limit (or off): the same gradients.
+        let mut same = GradientsParams::from_grads(
+            (f.batch.logprobs(&f.model, Weights::Packed, 1.0, None).0 * f.batch.mask(&device))
+                .sum()
+                .backward(),
+            &f.model,
+        );
+        assert_eq!(
+            clip_to_global_norm(&f.model, &mut same, norm, (2.0 * norm) as f32),
+            1.0
+        );
+        assert_eq!(clip_to_global_norm(&f.model, &mut same, norm, 0.0), 1.0);
+        assert_eq!(bits(&q(&same)), bits(&q_before));
+        // Over it: one factor for every tensor, the global norm at the limit.
+        let limit = (norm / 4.0) as f32;
+        let mut clipped = grads;
+        let factor = clip_to_global_norm(&f.model, &mut clipped, norm, limit);
+        let want = limit as f64 / (norm + 1e-6);
+        assert!((factor - want).abs() < 1e-12, "{factor} vs {want}");
+        let after = grad_norm(&f.model, &clipped);
+        assert!(
+            (after - limit as f64).abs() < 1e-4 * limit as f64,
+            "{after} vs {limit}"
+        );
+        for (a, b) in q(&clipped).iter().zip(&q_before) {
+            assert!((*a as f64 - *b as f64 * factor).abs() <= 1e-6 * (1.0 + b.abs() as f64));
+        }
     }
 
     /// Rows with zero advantage skipped from the graph (their grid rows `lp_old`) give the grid of the full
