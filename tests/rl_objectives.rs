@@ -892,7 +892,9 @@ fn sequence_objectives_match_reference_and_finite_differences() {
     let batch = sequence_level_batch(3);
     let band = TrustBand::PAPER;
     let tbpo_ref = |band: TrustBand| RefObjective::Tbpo {
-        lo: 1.0 - f64::from(band.eps_low),
+        // The paper's lower clip of positive sequences, which TBPO leaves out: it never binds for A >= 0,
+        // so the reference with it must give TBPO's loss and gradient.
+        lo: 1.0 - 3e-4,
         hi: 1.0 + f64::from(band.eps_high),
         lo_neg: 1.0 - f64::from(band.eps_low_neg),
         hi_neg: 1.0 + f64::from(band.eps_high_neg),
@@ -1430,6 +1432,22 @@ fn config_resolves_defaults_and_rejects_unknown_names() {
     assert!(config_err(r#"{"objective": "gspo", "dual_clip_c": 3}"#)
         .contains("`dual_clip_c` does not apply to objective `gspo`"));
     assert!(config_err(r#"{"objective": "cispo", "dual_clip_c": 3}"#).contains("dual_clip_c"));
+    // A positive sequence's lower clip never binds: TBPO and positive-only do not take GSPO's lower width.
+    for objective in ["tbpo", "positive_only"] {
+        let err = config_err(&format!(
+            r#"{{"objective": "{objective}", "seq_eps_low": 1e-3}}"#
+        ));
+        assert!(
+            err.contains(&format!(
+                "`seq_eps_low` does not apply to objective `{objective}`"
+            )),
+            "{err}"
+        );
+    }
+    assert!(parse(r#"{"objective": "gspo", "seq_eps_low": 1e-3}"#)
+        .unwrap()
+        .resolve()
+        .is_ok());
     assert!(
         config_err(r#"{"objective": "ppo_clip", "seq_eps_high": 1e-3}"#).contains("seq_eps_high")
     );
@@ -1697,8 +1715,9 @@ fn positive_only_matches_hand_values_and_negatives_get_exactly_no_gradient() {
         .unwrap();
     assert_eq!(
         loss.objective,
+        // No lower clip (at 0): for A > 0 one could change nothing.
         Objective::positive_only(SeqClip {
-            eps_low: 3e-4,
+            eps_low: 1.0,
             eps_high: 4e-4
         })
     );

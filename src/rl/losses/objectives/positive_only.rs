@@ -5,7 +5,7 @@
 //! and nothing for `A_i <= 0`:
 //!
 //! ```text
-//! A_i > 0:   l_i = max(-A_i s_i, -A_i clip(s_i, 1 - seq_eps_low, 1 + seq_eps_high))
+//! A_i > 0:   l_i = max(-A_i s_i, -A_i min(s_i, 1 + seq_eps_high))
 //! A_i <= 0:  l_i = 0            (no value, exactly no gradient)
 //! ```
 //!
@@ -21,19 +21,24 @@ use crate::rl::losses::spec::{Objective, ObjectiveSpec, ObjectiveTerms};
 use crate::rl::tensor_ops::{over_tokens, select};
 use crate::rl::RlError;
 
-use super::gspo::{SeqClip, SEQ_EPS_HIGH, SEQ_EPS_LOW};
+use super::gspo::{SeqClip, SEQ_EPS_HIGH};
 use super::{pessimistic_clip, seq_ratio};
 
-/// GSPO's fields and defaults (3e-4 / 4e-4, `seq_clip_ratio_high` accepted), GSPO's aggregation.
+/// GSPO's upper field and default (4e-4, `seq_clip_ratio_high` accepted), GSPO's aggregation. GSPO's
+/// `seq_eps_low` is not one of its fields: for `A_i > 0` the lower clip never binds (set, it is refused).
 pub const POSITIVE_ONLY: ObjectiveSpec = ObjectiveSpec {
     name: "positive_only",
-    params: &[SEQ_EPS_LOW, SEQ_EPS_HIGH],
+    params: &[SEQ_EPS_HIGH],
     default_agg: LossAggMode::SeqMeanTokenMean,
     build,
 };
 
 fn build(p: &Params) -> Result<Objective, RlError> {
-    SeqClip::from_params(p).map(Objective::positive_only)
+    Ok(Objective::positive_only(SeqClip {
+        // A lower clip at 0 (ratios are positive): none.
+        eps_low: 1.0,
+        eps_high: p.float(SEQ_EPS_HIGH.name)?,
+    }))
 }
 
 impl Objective {
@@ -46,7 +51,7 @@ impl Objective {
 }
 
 /// GSPO's clipped sequence loss where `A_i > 0`, 0 elsewhere; `clipped` counts only positive sequences, and
-/// there is no lower clip. The zero is selected, not multiplied in, so a non-finite term of a negative
+/// there is no lower clip (`clip.eps_low` can change nothing where `A_i > 0`). The zero is selected, not multiplied in, so a non-finite term of a negative
 /// sequence can not leak into the loss or its gradient.
 pub fn positive_only(
     lp_theta: Tensor<2>,

@@ -9,7 +9,7 @@ use crate::rl::losses::spec::{ParamSpec, Params, Range};
 use crate::rl::tensor_ops::{bounded_exp, masked_row_mean, over_tokens, select};
 use crate::rl::RlError;
 
-use super::gspo::{SEQ_EPS_HIGH, SEQ_EPS_LOW};
+use super::gspo::SEQ_EPS_HIGH;
 use super::{pessimistic_clip, seq_ratio};
 
 const PAPER: TrustBand = TrustBand::PAPER;
@@ -33,11 +33,12 @@ pub const SEQ_MISMATCH_TWO_SIDED: ParamSpec =
 pub const SEQ_MISMATCH_DROP: ParamSpec =
     ParamSpec::flag("seq_mismatch_drop", PAPER.drop_outside_cap);
 
-/// The positive sequences' clip is GSPO's fields (whose defaults are the paper's 3e-4 / 4e-4).
+/// The positive sequences' clip is GSPO's upper field (the paper's 4e-4). GSPO's `seq_eps_low` is not one of
+/// TBPO's: for `A_i >= 0` the lower clip is never the pessimistic branch, so it could change nothing (set
+/// with `tbpo`, it is refused as a field TBPO does not read).
 pub const TBPO: ObjectiveSpec = ObjectiveSpec {
     name: "tbpo",
     params: &[
-        SEQ_EPS_LOW,
         SEQ_EPS_HIGH,
         SEQ_EPS_LOW_NEG,
         SEQ_EPS_HIGH_NEG,
@@ -52,8 +53,7 @@ pub const TBPO: ObjectiveSpec = ObjectiveSpec {
 /// TBPO's parameters (docs/objectives.md, "TBPO").
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TrustBand {
-    /// Clip of positive sequences, `[1 - eps_low, 1 + eps_high]`.
-    pub eps_low: f32,
+    /// Clip of positive sequences from above, `1 + eps_high` (no clip from below: it never binds there).
     pub eps_high: f32,
     /// Trust band of negative sequences, `[1 - eps_low_neg, 1 + eps_high_neg]`: outside it, no gradient.
     pub eps_low_neg: f32,
@@ -67,9 +67,9 @@ pub struct TrustBand {
 }
 
 impl TrustBand {
-    /// The paper's hyper-parameters: 3e-4 / 4e-4 (positive), 3e-4 / 7e-4 (negative), cap 2.
+    /// The paper's hyper-parameters: 4e-4 (positive; its 3e-4 below never binds), 3e-4 / 7e-4 (negative),
+    /// cap 2.
     pub const PAPER: TrustBand = TrustBand {
-        eps_low: 3e-4,
         eps_high: 4e-4,
         eps_low_neg: 3e-4,
         eps_high_neg: 7e-4,
@@ -81,7 +81,6 @@ impl TrustBand {
 
 fn build(p: &Params) -> Result<Objective, RlError> {
     Ok(Objective::tbpo(TrustBand {
-        eps_low: p.float(SEQ_EPS_LOW.name)?,
         eps_high: p.float(SEQ_EPS_HIGH.name)?,
         eps_low_neg: p.float(SEQ_EPS_LOW_NEG.name)?,
         eps_high_neg: p.float(SEQ_EPS_HIGH_NEG.name)?,
@@ -100,7 +99,7 @@ impl Objective {
     }
 }
 
-/// TBPO (docs/objectives.md): GSPO's sequence ratio `s_i`, clipped as GSPO for `A_i >= 0`; for `A_i < 0` the
+/// TBPO (docs/objectives.md): GSPO's sequence ratio `s_i`, clipped from above as GSPO for `A_i >= 0`; for `A_i < 0` the
 /// whole term is `clip(s_i, 1 - eps_low_neg, 1 + eps_high_neg) A_i`, a trust band on both sides, so a negative
 /// sequence whose ratio has left the band contributes no gradient at all (the dual clip that keeps error-token
 /// sequences from dominating). Each sequence is weighted by `w_i = sg(min(exp(mean_t(lp_old - lp_roll)), C))`
@@ -116,12 +115,9 @@ pub fn tbpo(
 ) -> ObjectiveTerms {
     let [_, t] = lp_theta.dims();
     let s = seq_ratio(lp_theta, lp_old.clone(), mask);
-    let (positive_loss, positive_clipped) = pessimistic_clip(
-        s.clone(),
-        adv.clone(),
-        1.0 - band.eps_low,
-        1.0 + band.eps_high,
-    );
+    // Lower bound 0: ratios are positive, so only the upper clip can bind (as GSPO's for `A_i >= 0`).
+    let (positive_loss, positive_clipped) =
+        pessimistic_clip(s.clone(), adv.clone(), 0.0, 1.0 + band.eps_high);
     let (lo_neg, hi_neg) = (1.0 - band.eps_low_neg, 1.0 + band.eps_high_neg);
     let out_of_band = s
         .clone()
