@@ -240,9 +240,41 @@ fn the_warm_start_checks_its_folders_and_stops_when_nothing_was_learned() {
     assert!(!d.join("model/.qarl-staging").exists());
 }
 
+/// `train.lp_old_check` is refused where `lp_old` is never the rollout's record (it would check nothing),
+/// naming what stops the reuse; accepted in the default run's setup.
+#[test]
+fn lp_old_check_is_refused_where_there_is_nothing_to_check() {
+    let load = |extra: &[&str]| {
+        let mut sets = vec!["train.lp_old_check=true".to_string()];
+        sets.extend(extra.iter().map(|s| s.to_string()));
+        train::load_config(None, &sets)
+    };
+    assert!(load(&[]).unwrap().train.lp_old_check);
+    for (extra, want) in [
+        ("train.forward=full", "`train.forward` is \"full\""),
+        (
+            "train.deterministic=false",
+            "`train.deterministic` is false",
+        ),
+        ("train.epochs=2", "`train.epochs` is 2"),
+        (
+            "train.minibatch_size=1",
+            "`train.minibatch_size` 1 is below",
+        ),
+    ] {
+        let err = format!("{:#}", load(&[extra]).unwrap_err());
+        assert!(
+            err.contains("train.lp_old_check")
+                && err.contains(want)
+                && err.contains("check nothing"),
+            "{extra}: expected `{want}` in: {err}"
+        );
+    }
+}
+
 /// `train.tensor_cores` is refused, naming the key and the reason, wherever the tiles cannot run as asked:
 /// f32 activations, outside deterministic mode, on the CPU, with a rollout format that quantizes the
-/// activations; accepted with half activations on a CubeCL backend.
+/// activations or an f32 rollout (no low-bit product); accepted with half activations on a CubeCL backend.
 #[test]
 fn tensor_cores_are_refused_where_the_tiles_cannot_run() {
     let load = |sets: &[&str]| {
@@ -264,6 +296,10 @@ fn tensor_cores_are_refused_where_the_tiles_cannot_run() {
         (
             vec!["train.activations=bf16", "rollout.precision=fp8-b128"],
             "quantizes the activations",
+        ),
+        (
+            vec!["train.activations=bf16", "rollout.precision=f32"],
+            "runs no low-bit product",
         ),
     ] {
         let sets = [on.as_slice(), &extra].concat();

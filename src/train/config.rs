@@ -434,16 +434,48 @@ impl TrainConfig {
                     .into(),
             );
         }
-        if let Some(scheme) = self.rollout.precision.scheme() {
-            if scheme.quantizes_activations() {
-                return refuse(format!(
-                    "`rollout.precision` = \"{}\" quantizes the activations too; the tiles take \
-                     weight-only formats",
-                    scheme.name()
-                ));
-            }
+        match self.rollout.precision.scheme() {
+            Some(scheme) if scheme.quantizes_activations() => refuse(format!(
+                "`rollout.precision` = \"{}\" quantizes the activations too; the tiles take \
+                 weight-only formats",
+                scheme.name()
+            )),
+            Some(_) => Ok(()),
+            None => refuse(
+                "`rollout.precision` = \"f32\" runs no low-bit product, so the tiles would change \
+                 nothing; choose a weight-only format (int4-g*, int8-pc, nvfp4, mxfp4)"
+                    .into(),
+            ),
         }
-        Ok(())
+    }
+
+    /// `train.lp_old_check`'s requirement: a run where `lp_old` is the rollout's record
+    /// ([`crate::train::rl::lp_old_is_the_rollout_record`]: the aligned forward, deterministic mode, one
+    /// update per step over every row; RL rollouts sample at a temperature > 0, checked apart). Elsewhere
+    /// `lp_old` is always recomputed
+    /// and there is nothing to check: the setting would pass without checking anything.
+    fn check_lp_old_check(&self) -> anyhow::Result<()> {
+        let t = &self.train;
+        let rows = self.rollout.prompts_per_step * self.rollout.samples_per_prompt;
+        let why = if t.forward != TrainForward::Aligned {
+            "`train.forward` is \"full\"".to_string()
+        } else if !t.deterministic {
+            "`train.deterministic` is false".to_string()
+        } else if t.epochs != 1 {
+            format!("`train.epochs` is {}", t.epochs)
+        } else if t.minibatch_size != 0 && t.minibatch_size < rows {
+            format!(
+                "`train.minibatch_size` {} is below a step's {rows} responses",
+                t.minibatch_size
+            )
+        } else {
+            return Ok(());
+        };
+        anyhow::bail!(
+            "`train.lp_old_check` = true checks the rollout's record reused as `lp_old`, which only the \
+             aligned forward in deterministic mode, with one update per step over every response, reuses: \
+             {why}, so it would check nothing"
+        )
     }
 
     /// Range checks the type system cannot express; errors name the key path, its value and the rule.
@@ -618,6 +650,9 @@ impl TrainConfig {
                  groups dynamic sampling drops",
                 t.refill_rounds
             );
+        }
+        if t.lp_old_check {
+            self.check_lp_old_check()?;
         }
         if t.tensor_cores {
             self.check_tensor_cores()?;

@@ -580,12 +580,6 @@ pub(super) fn check_step_sizes(
 /// the same mode.
 pub fn apply_process_modes(cfg: &TrainConfig) {
     crate::ops::set_deterministic(cfg.train.deterministic);
-    if cfg.train.tensor_cores && cfg.rollout.precision.scheme().is_none() {
-        tracing::warn!(
-            "train.tensor_cores with rollout.precision = \"f32\": no low-bit product runs, so the setting \
-             changes nothing"
-        );
-    }
     crate::ops::set_tensor_tiles(
         cfg.train
             .tensor_cores
