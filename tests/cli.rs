@@ -1252,6 +1252,16 @@ fn experiment_report_only_names_what_is_missing() {
         err.contains("exp.toml: no results of this experiment yet"),
         "{err}"
     );
+    // `--backend` runs nothing there: refused, not ignored.
+    let err = common::usage_error_of(
+        qarl()
+            .args(["experiment", "--report-only", "--backend", "flex"])
+            .arg(&exp),
+    );
+    assert!(
+        err.contains("--backend") && err.contains("--report-only"),
+        "{err}"
+    );
     assert!(!err.contains("os error"), "{err}");
     let (code, err) = report_only(&tmp.path().join("absent.toml"));
     assert_eq!(code, Some(1), "{err}");
@@ -1308,6 +1318,13 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
     );
     let text = stdout_of(qarl().args(["bench", "kernels", "--summarize", table]));
     assert!(text.contains("copy 3759 GB/s"), "{text}");
+    // A measurement's options beside it are refused (they would be ignored).
+    let err =
+        common::usage_error_of(qarl().args(["bench", "kernels", "--check", "--summarize", table]));
+    assert!(
+        err.contains("--check") && err.contains("--summarize"),
+        "{err}"
+    );
     assert!(
         text.contains(
             "int4-g128 bf16  4096 tokens, tensor-core: moe/mma-x1 4.86x the baseline's time (beyond 1.3x)"

@@ -122,8 +122,8 @@ pub struct ExperimentArgs {
     #[arg(long)]
     pub report_only: bool,
     /// Compute backend (flex, wgpu, cuda) of every run; overrides `train.backend` of the base config and
-    /// the variants.
-    #[arg(long, value_enum)]
+    /// the variants. (`--report-only` runs nothing: refused beside it.)
+    #[arg(long, value_enum, conflicts_with = "report_only")]
     pub backend: Option<BackendKind>,
     /// No progress bars.
     #[arg(long)]

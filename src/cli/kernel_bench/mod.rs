@@ -59,8 +59,11 @@ pub struct KernelBenchArgs {
     #[arg(long)]
     pub json: Option<PathBuf>,
     /// Measure nothing: print the MoE block summary of a table written earlier with `--json` (any
-    /// build, no device needed).
-    #[arg(long, value_name = "JSON")]
+    /// build, no device needed). The options of a measurement are refused beside it.
+    #[arg(long, value_name = "JSON", conflicts_with_all = [
+        "runtime", "formats", "tokens", "hidden", "inter", "experts", "top_k", "iters", "matmul_size",
+        "copy_mib", "act_dtype", "check", "json", "parts", "only",
+    ])]
     pub summarize: Option<PathBuf>,
     /// Which parts of the table to run: `dense` (one expert's gate projection on every path) and `moe`
     /// (the MoE block, the decode step among its rows). The GPU check's MoE table takes `moe` alone.
