@@ -337,3 +337,64 @@ fn samples_follow_the_filtered_distribution() {
     let tied = [-1.0f32, -0.5, -0.5, -2.0];
     assert_eq!(sample(&tied, &greedy, &mut sequence_rng(1, 0)), 1);
 }
+
+/// `processed_logprobs`: the recorded log-prob of a sampled token is the renormalised filtered
+/// distribution's (vLLM's `processed_logprobs`): probabilities [0.5, 0.3, 0.2] under top-p 0.7 keep the
+/// first two, so token 0 records ln(0.5 / 0.8) = -0.470 (the full vocabulary's -0.693); without a filter
+/// the kept mass is exactly 1 and the record is the full log-prob, bit for bit.
+#[test]
+fn processed_logprobs_are_the_filtered_distributions() {
+    use qarl::rollout::sampler::{sample_with_kept_mass, sequence_rng};
+    let logprobs: Vec<f32> = [0.5f64, 0.3, 0.2].iter().map(|p| p.ln() as f32).collect();
+    let top_p = SamplingParams {
+        top_p: 0.7,
+        ..SamplingParams::default()
+    };
+    for i in 0..200 {
+        let (tok, log_kept) = sample_with_kept_mass(&logprobs, &top_p, &mut sequence_rng(3, i));
+        assert!(tok < 2, "token {tok} outside the nucleus");
+        assert!((log_kept - 0.8f64.ln()).abs() < 1e-7, "{log_kept}");
+    }
+    let processed = logprobs[0] as f64 - 0.8f64.ln();
+    assert!((processed - (0.5f64 / 0.8).ln()).abs() < 1e-7 && (processed + 0.470).abs() < 1e-3);
+    for params in [
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 0.0,
+            ..top_p.clone()
+        },
+    ] {
+        let (_, log_kept) = sample_with_kept_mass(&logprobs, &params, &mut sequence_rng(3, 0));
+        assert_eq!(log_kept, 0.0);
+    }
+    // Through the engine: with a filter every record is at least the full one (ln of a mass <= 1 taken
+    // off), and above it where the filter cut; without one the records are the same bits.
+    let device = Device::flex();
+    let model = Decoder::load(fixtures_dir().join("qwen3"), &device).unwrap();
+    let run = |top_p: f32, processed: bool| {
+        let params = SamplingParams {
+            top_p,
+            max_new_tokens: 6,
+            seed: 9,
+            processed_logprobs: processed,
+            ..SamplingParams::default()
+        };
+        generate(&model, &prompts(), 2, &params, None)
+    };
+    let (full, proc) = (run(0.8, false), run(0.8, true));
+    assert_eq!(full.ids, proc.ids, "the record changes nothing drawn");
+    let pairs: Vec<(f32, f32)> = full
+        .logprobs
+        .iter()
+        .flatten()
+        .copied()
+        .zip(proc.logprobs.iter().flatten().copied())
+        .collect();
+    assert!(pairs.iter().all(|(f, p)| p >= f), "{pairs:?}");
+    assert!(pairs.iter().any(|(f, p)| p > f), "{pairs:?}");
+    let (full, proc) = (run(1.0, false), run(1.0, true));
+    let bits = |r: &qarl::rollout::Rollout| -> Vec<u32> {
+        r.logprobs.iter().flatten().map(|x| x.to_bits()).collect()
+    };
+    assert_eq!(bits(&full), bits(&proc));
+}

@@ -272,6 +272,50 @@ fn lp_old_check_is_refused_where_there_is_nothing_to_check() {
     }
 }
 
+/// `rollout.logprobs = "processed"` under top-p records the filtered distribution's log-probs: `lp_old`
+/// is then recomputed (never the record), and the aligned forward's k3 against the rollout is the filter's
+/// (> 0), where the full record gives exactly 0 on the same samples. `lp_old_check` is refused there.
+#[test]
+fn processed_rollout_logprobs_are_never_reused_as_lp_old() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, logprobs: &str| {
+        let mut cfg = tiny_config(&tmp.path().join("shared"), "aligned", 1);
+        cfg.run_dir = tmp.path().join(name);
+        cfg.rollout.top_p = 0.9;
+        cfg.rollout.logprobs = serde_json::from_value(serde_json::json!(logprobs)).unwrap();
+        train::run(&cfg, false, true).unwrap();
+        metrics(&cfg.run_dir.join("metrics.jsonl"))
+            .into_iter()
+            .find(|r| r["phase"] == "rl")
+            .unwrap()
+    };
+    let full = run("full", "full");
+    let processed = run("processed", "processed");
+    assert_eq!(full["train/lp_old_reused"], 1.0, "{full}");
+    assert_eq!(full["rollout_corr/k3_kl"], 0.0, "{full}");
+    assert_eq!(processed["train/lp_old_reused"], 0.0, "{processed}");
+    assert!(
+        processed["rollout_corr/k3_kl"].as_f64().unwrap() > 0.0,
+        "{processed}"
+    );
+    let sets = |extra: &str| {
+        train::load_config(
+            None,
+            &[
+                "train.lp_old_check=true".to_string(),
+                "rollout.logprobs=\"processed\"".to_string(),
+                extra.to_string(),
+            ],
+        )
+    };
+    let err = format!("{:#}", sets("rollout.top_p=0.9").unwrap_err());
+    assert!(err.contains("`rollout.logprobs` is \"processed\""), "{err}");
+    assert!(
+        sets("rollout.top_p=1.0").is_ok(),
+        "no filter: the record is the learner's"
+    );
+}
+
 /// `train.tensor_cores` is refused, naming the key and the reason, wherever the tiles cannot run as asked:
 /// f32 activations, outside deterministic mode, on the CPU, with a rollout format that quantizes the
 /// activations or an f32 rollout (no low-bit product); accepted with half activations on a CubeCL backend.

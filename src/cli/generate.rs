@@ -128,6 +128,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         stop_token_ids,
         stop_strings: args.stop_strings.clone(),
         record_entropy: false,
+        processed_logprobs: false,
     };
     params.validate().context("invalid sampling options")?;
     if args.samples == 0 {

@@ -9,7 +9,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::sampler::{sample, sequence_rng, SamplingParams};
+use super::sampler::{sample_with_kept_mass, sequence_rng, SamplingParams};
 use crate::model::mlp::{rows_and_routing, DeviceRouting, Routing};
 use crate::model::{Decoder, Tokenizer};
 
@@ -33,8 +33,8 @@ pub struct Rollout {
     /// Log-prob of each generated token under the temperature-scaled distribution (`log_softmax(logits / T)`
     /// over the whole vocabulary, before top-k/top-p): the learner's log-prob of the same token, bitwise in
     /// deterministic mode. With top-k/top-p on, the token was drawn from the filtered, renormalised
-    /// distribution, whose log-prob is this one minus the log of the kept mass; verl (vLLM's
-    /// `processed_logprobs`, its default since 2026-01) records that one instead (docs/verl.md).
+    /// distribution, whose log-prob is this one minus the log of the kept mass: recorded instead with
+    /// [`SamplingParams::processed_logprobs`] (vLLM's `processed_logprobs`, verl's default; docs/verl.md).
     pub logprobs: Vec<Vec<f32>>,
     /// The entropy (temperature 1) of the distribution each generated token was sampled from, when
     /// [`SamplingParams::record_entropy`] asked for it in deterministic mode (else empty rows): bitwise
@@ -302,14 +302,19 @@ fn generate_in_pool(
             .filter(|(row, _)| active.binary_search(row).is_ok())
             .map(|(_, rng)| rng)
             .collect();
-        let toks: Vec<u32> = active_rngs
+        let toks: Vec<(u32, f64)> = active_rngs
             .into_par_iter()
             .enumerate()
-            .map(|(slot, rng)| sample(&lp_rows[slot], params, rng))
+            .map(|(slot, rng)| sample_with_kept_mass(&lp_rows[slot], params, rng))
             .collect();
         for (slot, &row) in active.iter().enumerate() {
-            let tok = toks[slot];
-            out.logprobs[row].push(lp_rows[slot][tok as usize]);
+            let (tok, log_kept) = toks[slot];
+            let lp = lp_rows[slot][tok as usize];
+            out.logprobs[row].push(if params.processed_logprobs && log_kept != 0.0 {
+                (lp as f64 - log_kept) as f32
+            } else {
+                lp
+            });
             if let Some(&h) = entropy_rows.get(slot) {
                 out.entropy[row].push(h);
             }

@@ -57,6 +57,11 @@ pub struct SamplingParams {
     /// deterministic mode only, where it is bitwise the training forward's): the learner then needs no
     /// forward for its entropy metric.
     pub record_entropy: bool,
+    /// Record each token's log-prob under the distribution it was drawn from, after top-k / top-p and
+    /// renormalisation (vLLM's `processed_logprobs`, verl's default): the full vocabulary's log-prob minus
+    /// the log of the kept mass. Off (the default): the full vocabulary's, which is the learner's. Without
+    /// top-k / top-p the two are the same bits.
+    pub processed_logprobs: bool,
 }
 
 impl Default for SamplingParams {
@@ -70,6 +75,7 @@ impl Default for SamplingParams {
             stop_token_ids: vec![],
             stop_strings: vec![],
             record_entropy: false,
+            processed_logprobs: false,
         }
     }
 }
@@ -132,8 +138,19 @@ pub fn argmax(row: &[f32]) -> u32 {
 /// Samples a token from `logprobs` (the log-softmax of the temperature-scaled logits) after top-k / top-p
 /// filtering and renormalisation.
 pub fn sample(logprobs: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> u32 {
+    sample_with_kept_mass(logprobs, params, rng).0
+}
+
+/// [`sample`], and the log of the probability mass the filters kept (`ln sum_kept exp(logprob)`; exactly 0
+/// where no filter runs, greedy included): the drawn token's log-prob under the renormalised distribution
+/// is its `logprob` minus it.
+pub fn sample_with_kept_mass(
+    logprobs: &[f32],
+    params: &SamplingParams,
+    rng: &mut ChaCha8Rng,
+) -> (u32, f64) {
     if params.is_greedy() {
-        return argmax(logprobs);
+        return (argmax(logprobs), 0.0);
     }
     let u: f64 = rng.random::<f64>();
     if params.top_k == 0 && params.top_p >= 1.0 {
@@ -147,10 +164,10 @@ pub fn sample(logprobs: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -
         for (i, &p) in probs.iter().enumerate() {
             acc += p;
             if acc > target {
-                return i as u32;
+                return (i as u32, 0.0);
             }
         }
-        return argmax(logprobs);
+        return (argmax(logprobs), 0.0);
     }
     let order = most_likely_first(logprobs, params.top_k);
     let probs: Vec<f64> = order
@@ -175,10 +192,10 @@ pub fn sample(logprobs: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -
     for n in 0..keep {
         acc += probs[n];
         if acc > target {
-            return order[n];
+            return (order[n], total.ln());
         }
     }
-    order[0]
+    (order[0], total.ln())
 }
 
 /// The ids of the `top_k` most likely tokens and of every token tied with the k-th (all of them for 0),

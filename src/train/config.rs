@@ -105,6 +105,30 @@ pub struct RolloutConfig {
     #[serde(default)]
     pub top_k: usize,
     pub max_new_tokens: usize,
+    /// Which log-prob of a sampled token is recorded as `lp_roll` (docs/config.md).
+    #[serde(default)]
+    pub logprobs: RolloutLogprobs,
+}
+
+impl RolloutConfig {
+    /// Whether `lp_roll` is the full vocabulary's log-prob, the learner's: always under
+    /// [`RolloutLogprobs::Full`], and under `Processed` where no top-k / top-p filter runs.
+    pub fn records_learner_logprobs(&self) -> bool {
+        self.logprobs == RolloutLogprobs::Full || (self.top_k == 0 && self.top_p >= 1.0)
+    }
+}
+
+/// `rollout.logprobs`: the log-prob recorded for each sampled token.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RolloutLogprobs {
+    /// `log_softmax(logits / T)` over the whole vocabulary: what the learner computes (its bits in
+    /// deterministic mode, so `lp_old` can be the record).
+    #[default]
+    Full,
+    /// Under the distribution the token was drawn from, after top-k / top-p and renormalisation (vLLM's
+    /// `processed_logprobs`, verl's default): the mismatch metrics and corrections then see the filter too.
+    Processed,
 }
 
 fn one() -> f32 {
@@ -463,6 +487,8 @@ impl TrainConfig {
             "`train.deterministic` is false".to_string()
         } else if t.epochs != 1 {
             format!("`train.epochs` is {}", t.epochs)
+        } else if !self.rollout.records_learner_logprobs() {
+            "`rollout.logprobs` is \"processed\" under a top-k / top-p filter".to_string()
         } else if t.minibatch_size != 0 && t.minibatch_size < rows {
             format!(
                 "`train.minibatch_size` {} is below a step's {rows} responses",

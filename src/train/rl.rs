@@ -313,6 +313,7 @@ fn sample_round(
         stop_strings: vec![],
         // The learner's entropy metric, when its forward would compute the rollout's bits.
         record_entropy: lp_old_is_the_rollout_record(cfg, 0),
+        processed_logprobs: rc.logprobs == super::config::RolloutLogprobs::Processed,
     };
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     crate::rollout::check_rollout_size(
@@ -354,10 +355,12 @@ fn sample_round(
 /// Whether `lp_old` equals the rollout's recorded log-probs bit for bit, so that no forward is needed: where
 /// the backend reproduces the rollout ([`crate::ops::BackendKind::reproduces_rollout`]: deterministic mode
 /// on the CPU) the aligned training forward computes the rollout's bits, and with one update per
-/// step nothing has changed the weights before the update's own forward.
+/// step nothing has changed the weights before the update's own forward; and the record is the full
+/// vocabulary's log-prob (`rollout.logprobs`: a processed record under a filter is another number).
 pub fn lp_old_is_the_rollout_record(cfg: &TrainConfig, rows: usize) -> bool {
     let tc = &cfg.train;
     tc.backend.reproduces_rollout()
+        && cfg.rollout.records_learner_logprobs()
         && tc.forward == TrainForward::Aligned
         && tc.epochs == 1
         && (tc.minibatch_size == 0 || tc.minibatch_size >= rows)

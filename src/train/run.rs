@@ -231,17 +231,21 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     })
 }
 
-/// Says that top-k / top-p sampling is not in the importance ratios: the sampler records each token's
-/// log-prob under the whole (temperature-scaled) distribution, as verl records it, while it draws from the
-/// truncated one; the ratios of the corrections and of TBPO's mismatch weight, and the `rollout_corr/*`
-/// metrics, compare the learner with the untruncated distribution.
+/// Says that top-k / top-p sampling is not in the importance ratios under `rollout.logprobs = "full"`: the
+/// sampler then records each token's log-prob under the whole (temperature-scaled) distribution, the
+/// learner's, while it draws from the truncated one; the ratios of the corrections and of TBPO's mismatch
+/// weight, and the `rollout_corr/*` metrics, compare the learner with the untruncated distribution.
 fn warn_truncated_sampling(cfg: &TrainConfig) {
     let r = &cfg.rollout;
+    if !r.records_learner_logprobs() {
+        return;
+    }
     if r.top_p < 1.0 || r.top_k > 0 {
         tracing::warn!(
             "rollout.top_p = {} / top_k = {}: the recorded log-probs (lp_roll) are those of the whole \
-             distribution, as verl records them, not of the truncated one the tokens are drawn from, so the \
-             importance ratios, TBPO's mismatch weight and rollout_corr/* leave the truncation out",
+             distribution, not of the truncated one the tokens are drawn from, so the importance ratios, \
+             TBPO's mismatch weight and rollout_corr/* leave the truncation out (rollout.logprobs = \
+             \"processed\" records the truncated one's, as verl does)",
             r.top_p,
             r.top_k
         );
