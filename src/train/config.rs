@@ -111,10 +111,15 @@ pub struct RolloutConfig {
 }
 
 impl RolloutConfig {
+    /// Whether a top-k or top-p filter truncates the distribution the tokens are drawn from.
+    pub fn truncates(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0
+    }
+
     /// Whether `lp_roll` is the full vocabulary's log-prob, the learner's: always under
-    /// [`RolloutLogprobs::Full`], and under `Processed` where no top-k / top-p filter runs.
+    /// [`RolloutLogprobs::Full`], and under `Processed` where no filter truncates.
     pub fn records_learner_logprobs(&self) -> bool {
-        self.logprobs == RolloutLogprobs::Full || (self.top_k == 0 && self.top_p >= 1.0)
+        self.logprobs == RolloutLogprobs::Full || !self.truncates()
     }
 }
 
@@ -473,15 +478,14 @@ impl TrainConfig {
         }
     }
 
-    /// `train.lp_old_check`'s requirement: a run where `lp_old` is the rollout's record
-    /// ([`crate::train::rl::lp_old_is_the_rollout_record`]: the aligned forward, deterministic mode, one
-    /// update per step over every row; RL rollouts sample at a temperature > 0, checked apart). Elsewhere
-    /// `lp_old` is always recomputed
-    /// and there is nothing to check: the setting would pass without checking anything.
-    fn check_lp_old_check(&self) -> anyhow::Result<()> {
+    /// What keeps `lp_old` from being the rollout's record for a step of `rows` responses, or `None` where
+    /// the learner's forward computes the record's bits: the aligned forward in deterministic mode, one
+    /// update per step over every response, a sampling temperature, and a record of the full vocabulary's
+    /// log-probs. The one rule of [`crate::train::rl::lp_old_is_the_rollout_record`] and of
+    /// `train.lp_old_check`'s validation.
+    pub fn lp_old_reuse_blocker(&self, rows: usize) -> Option<String> {
         let t = &self.train;
-        let rows = self.rollout.prompts_per_step * self.rollout.samples_per_prompt;
-        let why = if t.forward != TrainForward::Aligned {
+        Some(if t.forward != TrainForward::Aligned {
             "`train.forward` is \"full\"".to_string()
         } else if !t.deterministic {
             "`train.deterministic` is false".to_string()
@@ -494,7 +498,19 @@ impl TrainConfig {
                 "`train.minibatch_size` {} is below a step's {rows} responses",
                 t.minibatch_size
             )
+        } else if self.rollout.temperature <= 0.0 {
+            "`rollout.temperature` is 0".to_string()
         } else {
+            return None;
+        })
+    }
+
+    /// `train.lp_old_check`'s requirement: a run where `lp_old` is the rollout's record
+    /// ([`Self::lp_old_reuse_blocker`] with a step's full batch). Elsewhere `lp_old` is always recomputed
+    /// and the setting would pass without checking anything.
+    fn check_lp_old_check(&self) -> anyhow::Result<()> {
+        let rows = self.rollout.prompts_per_step * self.rollout.samples_per_prompt;
+        let Some(why) = self.lp_old_reuse_blocker(rows) else {
             return Ok(());
         };
         anyhow::bail!(

@@ -11,7 +11,7 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 
 use super::batch::{replay_routing, ForwardOptions, SeqBatch};
-use super::config::{TrainConfig, TrainForward};
+use super::config::TrainConfig;
 use super::scored::{split_responses, ForwardStats, Scored};
 use super::seeds::{rl_seed, RlStream};
 use super::update::{update, UpdateOutcome};
@@ -353,18 +353,12 @@ fn sample_round(
 }
 
 /// Whether `lp_old` equals the rollout's recorded log-probs bit for bit, so that no forward is needed: where
-/// the backend reproduces the rollout ([`crate::ops::BackendKind::reproduces_rollout`]: deterministic mode
-/// on the CPU) the aligned training forward computes the rollout's bits, and with one update per
-/// step nothing has changed the weights before the update's own forward; and the record is the full
-/// vocabulary's log-prob (`rollout.logprobs`: a processed record under a filter is another number).
+/// the backend reproduces the rollout ([`crate::ops::BackendKind::reproduces_rollout`]: deterministic mode)
+/// and nothing in the config blocks it ([`TrainConfig::lp_old_reuse_blocker`]: the aligned forward computes
+/// the rollout's bits, one update per step has not changed the weights before the update's own forward,
+/// and the record is the full vocabulary's log-prob).
 pub fn lp_old_is_the_rollout_record(cfg: &TrainConfig, rows: usize) -> bool {
-    let tc = &cfg.train;
-    tc.backend.reproduces_rollout()
-        && cfg.rollout.records_learner_logprobs()
-        && tc.forward == TrainForward::Aligned
-        && tc.epochs == 1
-        && (tc.minibatch_size == 0 || tc.minibatch_size >= rows)
-        && cfg.rollout.temperature > 0.0
+    cfg.train.backend.reproduces_rollout() && cfg.lp_old_reuse_blocker(rows).is_none()
 }
 
 /// `lp_old` of the kept sequences (the rollout's record where it is provably the same, else one no-gradient

@@ -237,10 +237,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
 /// weight, and the `rollout_corr/*` metrics, compare the learner with the untruncated distribution.
 fn warn_truncated_sampling(cfg: &TrainConfig) {
     let r = &cfg.rollout;
-    if !r.records_learner_logprobs() {
-        return;
-    }
-    if r.top_p < 1.0 || r.top_k > 0 {
+    if r.logprobs == config::RolloutLogprobs::Full && r.truncates() {
         tracing::warn!(
             "rollout.top_p = {} / top_k = {}: the recorded log-probs (lp_roll) are those of the whole \
              distribution, not of the truncated one the tokens are drawn from, so the importance ratios, \
