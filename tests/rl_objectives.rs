@@ -1715,11 +1715,8 @@ fn positive_only_matches_hand_values_and_negatives_get_exactly_no_gradient() {
         .unwrap();
     assert_eq!(
         loss.objective,
-        // No lower clip (at 0): for A > 0 one could change nothing.
-        Objective::positive_only(SeqClip {
-            eps_low: 1.0,
-            eps_high: 4e-4
-        })
+        // No lower clip: for A > 0 one could change nothing.
+        Objective::positive_only(4e-4)
     );
     assert_eq!(loss.agg, LossAggMode::SeqMeanTokenMean);
     let (out, grad) = run(&loss, &batch);
@@ -1769,22 +1766,19 @@ fn positive_only_matches_hand_values_and_negatives_get_exactly_no_gradient() {
 #[test]
 fn positive_only_matches_reference_and_finite_differences() {
     let batch = sequence_level_batch(4);
-    let clip = SeqClip {
-        eps_low: 3e-4,
-        eps_high: 4e-4,
-    };
+    // The reference keeps GSPO's lower clip, which must never bind for A > 0.
     let reference = RefObjective::PositiveOnly {
         lo: 1.0 - 3e-4,
         hi: 1.0 + 4e-4,
     };
     for (agg, ref_agg, divisor) in all_aggs() {
-        let mut loss = PolicyLoss::new(Objective::positive_only(clip), agg);
+        let mut loss = PolicyLoss::new(Objective::positive_only(4e-4), agg);
         loss.agg_divisor = divisor;
         let what = format!("positive_only {agg:?}");
         check_against_reference(&loss, &batch, reference, ref_agg, &[], &what);
     }
     let mut loss = PolicyLoss::new(
-        Objective::positive_only(clip),
+        Objective::positive_only(4e-4),
         LossAggMode::SeqMeanTokenMean,
     );
     loss.corrections = vec![CorrectionConfig::SeqTis { cap: 2.0 }];

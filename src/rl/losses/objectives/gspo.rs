@@ -23,7 +23,7 @@ pub const GSPO: ObjectiveSpec = ObjectiveSpec {
     build,
 };
 
-/// Sequence-level clip parameters (GSPO, and the positive sequences of TBPO-like objectives).
+/// GSPO's sequence-level clip (TBPO and positive-only clip their positive sequences from above alone).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SeqClip {
     pub eps_low: f32,

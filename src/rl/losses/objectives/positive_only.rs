@@ -21,7 +21,7 @@ use crate::rl::losses::spec::{Objective, ObjectiveSpec, ObjectiveTerms};
 use crate::rl::tensor_ops::{over_tokens, select};
 use crate::rl::RlError;
 
-use super::gspo::{SeqClip, SEQ_EPS_HIGH};
+use super::gspo::SEQ_EPS_HIGH;
 use super::{pessimistic_clip, seq_ratio};
 
 /// GSPO's upper field and default (4e-4, `seq_clip_ratio_high` accepted), GSPO's aggregation. GSPO's
@@ -34,35 +34,33 @@ pub const POSITIVE_ONLY: ObjectiveSpec = ObjectiveSpec {
 };
 
 fn build(p: &Params) -> Result<Objective, RlError> {
-    Ok(Objective::positive_only(SeqClip {
-        // A lower clip at 0 (ratios are positive): none.
-        eps_low: 1.0,
-        eps_high: p.float(SEQ_EPS_HIGH.name)?,
-    }))
+    Ok(Objective::positive_only(p.float(SEQ_EPS_HIGH.name)?))
 }
 
 impl Objective {
-    /// Positive-only with this sequence clip.
-    pub fn positive_only(clip: SeqClip) -> Self {
-        Self::new("positive_only", clip, |clip, x| {
-            positive_only(x.lp_theta, x.lp_old, x.mask, x.adv, clip)
+    /// Positive-only with this upper width of the sequence clip.
+    pub fn positive_only(eps_high: f32) -> Self {
+        Self::new("positive_only", eps_high, |&eps_high, x| {
+            positive_only(x.lp_theta, x.lp_old, x.mask, x.adv, eps_high)
         })
     }
 }
 
 /// GSPO's clipped sequence loss where `A_i > 0`, 0 elsewhere; `clipped` counts only positive sequences, and
-/// there is no lower clip (`clip.eps_low` can change nothing where `A_i > 0`). The zero is selected, not multiplied in, so a non-finite term of a negative
-/// sequence can not leak into the loss or its gradient.
+/// there is no lower clip (as TBPO's positive branch: one could change nothing where `A_i > 0`). The zero
+/// is selected, not multiplied in, so a non-finite term of a negative sequence can not leak into the loss
+/// or its gradient.
 pub fn positive_only(
     lp_theta: Tensor<2>,
     lp_old: Tensor<2>,
     mask: &Tensor<2>,
     adv: Tensor<2>,
-    clip: &SeqClip,
+    eps_high: f32,
 ) -> ObjectiveTerms {
     let [_, t] = lp_theta.dims();
     let s = seq_ratio(lp_theta, lp_old, mask);
-    let (loss, clipped) = pessimistic_clip(s, adv.clone(), 1.0 - clip.eps_low, 1.0 + clip.eps_high);
+    // Lower bound 0: ratios are positive, so only the upper clip can bind.
+    let (loss, clipped) = pessimistic_clip(s, adv.clone(), 0.0, 1.0 + eps_high);
     let positive = adv.greater_elem(0.0);
     let zeros = clipped.zeros_like();
     ObjectiveTerms {
