@@ -310,7 +310,8 @@ fn generate_in_pool(
         for (slot, &row) in active.iter().enumerate() {
             let (tok, log_kept) = toks[slot];
             let lp = lp_rows[slot][tok as usize];
-            out.logprobs[row].push(if params.processed_logprobs && log_kept != 0.0 {
+            // Without a filter `log_kept` is exactly 0: the processed record is then `lp`'s bits.
+            out.logprobs[row].push(if params.processed_logprobs {
                 (lp as f64 - log_kept) as f32
             } else {
                 lp

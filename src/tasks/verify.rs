@@ -731,17 +731,17 @@ fn parse_value(s: &str) -> Option<BigRational> {
     while p < cs.len() && is_leading_junk(cs[p]) {
         p += 1;
     }
+    // A name before a sign is an expression, not words before a number, where the sign is glued to the
+    // name (`x+1`, `n-1`) or spaced as a binary operator (`x - 3`, `n + 1`; `is -3` is a sign).
     let sign_at_p = cs.get(p).is_some_and(|&c| is_minus(c) || c == '+');
-    // A name glued to a sign is an expression (`x+1`, `n-1`), not words before a number; so is a name,
-    // a space and a sign followed by a space (`x - 3`, `n + 1`: a binary operator; `is -3` is a sign).
-    if p > 0 && cs[p - 1].is_alphabetic() && sign_at_p {
-        return None;
-    }
-    let last_word = cs[..p].iter().rev().find(|c| !c.is_whitespace());
-    if sign_at_p
-        && last_word.is_some_and(|c| c.is_alphabetic())
-        && cs.get(p + 1).is_some_and(|c| c.is_whitespace())
-    {
+    let after_name = cs[..p]
+        .iter()
+        .rev()
+        .find(|c| !c.is_whitespace())
+        .is_some_and(|c| c.is_alphabetic());
+    let glued = p > 0 && cs[p - 1].is_alphabetic();
+    let spaced_operator = cs.get(p + 1).is_some_and(|c| c.is_whitespace());
+    if sign_at_p && after_name && (glued || spaced_operator) {
         return None;
     }
     // A name with a subscript (`a_5`) is not the number 5.
