@@ -1073,44 +1073,24 @@ fn outputs_are_checked_before_the_work() {
     ]));
     assert!(err.contains("is not a folder"), "{err}");
     let model = fixtures_dir().join("qwen3").display().to_string();
-    let err = error_of(qarl().args([
-        "eval",
-        "--model",
-        &model,
-        "--data",
-        &data,
-        "--template",
-        "plain",
-        "--system",
-        "hi",
-    ]));
+    // `qarl eval` on the fixture model and the data with `extra` options: its error.
+    let eval_error = |extra: &[&str]| {
+        error_of(
+            qarl()
+                .args(["eval", "--model", &model, "--data", &data])
+                .args(extra),
+        )
+    };
+    let err = eval_error(&["--template", "plain", "--system", "hi"]);
     assert!(err.contains("`--template plain` has none"), "{err}");
     for (template, refused) in [
         ("chatml", "`--template chatml` has none"),
         ("plain", "`--template plain` has none"),
     ] {
-        let err = error_of(qarl().args([
-            "eval",
-            "--model",
-            &model,
-            "--data",
-            &data,
-            "--template",
-            template,
-            "--enable-thinking",
-            "false",
-        ]));
+        let err = eval_error(&["--template", template, "--enable-thinking", "false"]);
         assert!(err.contains(refused), "{err}");
     }
-    let err = error_of(qarl().args([
-        "eval",
-        "--model",
-        &model,
-        "--data",
-        &data,
-        "--template",
-        "jinja",
-    ]));
+    let err = eval_error(&["--template", "jinja"]);
     assert!(
         err.contains("expected `chat`, `chatml` or `plain`"),
         "{err}"
