@@ -341,4 +341,45 @@ fn eval_of_a_quantized_checkpoint_names_its_scheme() {
     };
     assert_eq!(summary["precision"], "int4-g32", "{doc}");
     assert_eq!(summary["activations"], "f32", "{doc}");
+    // And where its responses stopped besides the end tokens: the template's stop string by default,
+    // nothing with `--stop end-tokens` (a training run's default), so `qarl compare` can tell them apart.
+    assert_eq!(
+        summary["stop_strings"],
+        serde_json::json!(["\nQuestion:"]),
+        "{doc}"
+    );
+    let (code, stdout, err) = qarl(
+        tmp.path(),
+        &os(&[
+            "eval",
+            "--model",
+            "model-q",
+            "--data",
+            "problems.jsonl",
+            "--template",
+            "plain",
+            "--max-new-tokens",
+            "4",
+            "--quiet",
+            "--stop",
+            "end-tokens",
+            "--output",
+            "eval-end.json",
+        ]),
+    );
+    assert_eq!(code, Some(0), "{stdout}{err}");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("eval-end.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        doc["summary"]["stop_strings"],
+        serde_json::json!([]),
+        "{doc}"
+    );
+    let (code, _, err) = qarl(
+        tmp.path(),
+        &os(&["compare", "--a", "eval.json", "--b", "eval-end.json"]),
+    );
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("besides the end tokens"), "{err}");
 }

@@ -34,6 +34,7 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         "train.error_tokens.min_span=7",
         // A key of a table the config leaves out (`[train.advantage]`), whose other keys default.
         "train.advantage.eps=1e-5",
+        "rollout.stop=\"template\"",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -50,6 +51,7 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
     assert_eq!(cfg.rollout.precision.to_string(), "fp8-b128");
     assert_eq!(cfg.train.error_tokens.min_span, 7);
     assert_eq!(cfg.train.advantage.eps, Some(1e-5));
+    assert_eq!(cfg.rollout.stop, qarl::train::config::RolloutStop::Template);
     assert_eq!(
         cfg.train.advantage.estimator,
         qarl::rl::advantages::AdvantageEstimator::Grpo
@@ -70,6 +72,7 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         ("rollout.top_p=.5", "`.5` is not a number as TOML writes it"),
         ("train..lr=1", "dotted path"),
         ("rollout.precision=int3", "int3"),
+        ("rollout.stop=\"strings\"", "`rollout.stop` = \"strings\" is not a valid value; expected one of `end_tokens`, `template`"),
         ("seed.x=1", "not a table"),
         ("train.loss.kl_coef=0.1", "keeps no reference policy"),
         // A group of equal rewards has std 0: with eps 0 its advantages would be 0 / 0.
@@ -1162,4 +1165,48 @@ fn a_warm_start_checks_every_record_against_the_position_limit() {
         );
         assert!(!cfg.model.dir.exists(), "seed {seed}: no model was made");
     }
+}
+
+/// `rollout.stop = "template"` ends each rollout at the task's stop string (arithmetic's: the newline
+/// after the answer line), every response the prefix of the one `"end_tokens"` samples with the same seeds
+/// up to its first newline; a random model writes newlines mid-answer, so the rule has rows to cut.
+#[test]
+fn template_stop_ends_rollouts_at_the_tasks_stop_string() {
+    use qarl::model::{EndTokens, Tokenizer};
+    use qarl::train::config::RolloutStop;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    let init = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
+    qarl::model::init::write_random_checkpoint(&init, &dir, 7, 0.02).unwrap();
+    qarl::tasks::char_tokenizer::save(&dir).unwrap();
+    let mut cfg = tiny_config(tmp.path(), "aligned", 1);
+    cfg.rollout.max_new_tokens = 40;
+    let model = Decoder::load(&dir, &Device::flex()).unwrap();
+    let tok = Tokenizer::load_for(&dir, &model.config).unwrap().unwrap();
+    let end = EndTokens::of(&tok, &model.config).unwrap();
+    let task = qarl::tasks::Task::from_config(&cfg.task.with_defaults()).unwrap();
+    let mut responses = |stop: RolloutStop| -> Vec<String> {
+        cfg.rollout.stop = stop;
+        let c = train::rl::collect(&model, &task, &tok, &end, &cfg, 0).unwrap();
+        (0..c.rollout.ids.len())
+            .map(|r| tok.decode(c.rollout.response(r)).unwrap())
+            .collect()
+    };
+    let whole = responses(RolloutStop::EndTokens);
+    let cut = responses(RolloutStop::Template);
+    assert_eq!(whole.len(), cut.len());
+    let mut shortened = 0;
+    for (w, c) in whole.iter().zip(&cut) {
+        match w.find('\n') {
+            Some(i) => {
+                assert_eq!(c, &w[..=i], "cut at the first newline");
+                shortened += usize::from(c.len() < w.len());
+            }
+            None => assert_eq!(c, w),
+        }
+    }
+    assert!(
+        shortened > 0,
+        "no response went on past a newline: the test shows nothing ({whole:?})"
+    );
 }

@@ -14,6 +14,7 @@ use crate::rollout::{generate, FinishReason, SamplingParams};
 use crate::tasks::datasets::{load_gsm8k, OnBadLine};
 use crate::tasks::template::Template;
 use crate::tasks::verify::{score_response, AnswerFrom, Truncated, VerifyConfig};
+use crate::train::config::RolloutStop;
 
 #[derive(Debug, clap::Args)]
 pub struct EvalArgs {
@@ -48,6 +49,12 @@ pub struct EvalArgs {
     pub enable_thinking: Option<bool>,
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
+    /// What ends a response besides `--max-new-tokens`: `template`, the model's end tokens and the
+    /// template's stop string (`\nQuestion:` for `plain`, the turn's end for a chat template), or
+    /// `end-tokens`, the end tokens alone (a training run's default, `rollout.stop`): `qarl compare`
+    /// refuses evaluations stopped by different rules.
+    #[arg(long, value_enum, default_value_t = RolloutStop::Template)]
+    pub stop: RolloutStop,
     /// Prompts decoded together.
     #[arg(long, default_value_t = 16)]
     pub batch: usize,
@@ -159,11 +166,15 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let stop_ids = crate::model::EndTokens::of(&tok, &model.config)?
         .stops()
         .to_vec();
+    let stop_strings = match args.stop {
+        RolloutStop::Template => template.stop_strings(),
+        RolloutStop::EndTokens => vec![],
+    };
     let params = SamplingParams {
         temperature: 0.0,
         max_new_tokens: args.max_new_tokens,
         stop_token_ids: stop_ids.clone(),
-        stop_strings: template.stop_strings(),
+        stop_strings: stop_strings.clone(),
         ..SamplingParams::default()
     };
     let verify = VerifyConfig {
@@ -226,7 +237,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let summary = serde_json::json!({
         "model": args.model, "data": path, "problems": records.len(), "precision": precision,
         "activations": args.activations.to_string(),
-        "verify": verify.judging_rules(),
+        "verify": verify.judging_rules(), "stop_strings": stop_strings,
         "accuracy": correct as f64 / n, "mean_response_tokens": tokens as f64 / n,
         "decode_tokens_per_s": tokens as f64 / decode_s.max(1e-9),
     });

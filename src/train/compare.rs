@@ -58,6 +58,10 @@ pub struct Evaluation {
     /// How answers were judged (`answer_from`, `truncated`), where the source records it: outcomes judged
     /// under other rules are not one measurement.
     pub verify: Option<serde_json::Value>,
+    /// The strings that ended its responses besides the model's end tokens, where the source records them
+    /// (a run's config, `rollout.stop`; `qarl eval` files since 2026-12-06): a response that runs on past
+    /// its answer is scored on other text where one stopped it and the other did not.
+    pub stop_strings: Option<Vec<String>>,
     /// Each problem's gold answer, where the source records them (`qarl eval` files): two evaluations of
     /// one question against other golds are of two data sets.
     pub golds: Option<Vec<String>>,
@@ -130,6 +134,8 @@ struct EvalSummary {
     problems: Option<serde_json::Value>,
     #[serde(default)]
     verify: Option<serde_json::Value>,
+    #[serde(default)]
+    stop_strings: Option<Vec<String>>,
 }
 
 /// `path` with links and `.`/`..` resolved (as given where it cannot be), for [`Evaluation::identity`].
@@ -148,12 +154,18 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
-    let (recorded, activations, summary_accuracy, verify) = match out.summary {
+    let (recorded, activations, summary_accuracy, verify, stop_strings) = match out.summary {
         Some(s) => {
             check_summary_count(path, s.problems.as_ref(), out.problems.len())?;
-            (s.precision, s.activations, s.accuracy, s.verify)
+            (
+                s.precision,
+                s.activations,
+                s.accuracy,
+                s.verify,
+                s.stop_strings,
+            )
         }
-        None => (None, None, None, None),
+        None => (None, None, None, None, None),
     };
     if let (Some(asked), Some(have)) = (precision, &recorded) {
         if asked != have {
@@ -186,6 +198,7 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         precision: recorded,
         activations,
         verify,
+        stop_strings,
         questions,
         golds,
         correct,
@@ -284,6 +297,7 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         precision: Some(precision),
         activations: Some(cfg.train.activations.to_string()),
         verify: Some(cfg.verify.judging_rules()),
+        stop_strings: Some(cfg.rollout.stop.strings(&task)),
         questions,
         golds: None,
         correct,
@@ -319,7 +333,28 @@ pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
         }
     }
     check_same_golds(evals)?;
-    check_same_verifier(evals)
+    check_same_verifier(evals)?;
+    check_same_stops(evals)
+}
+
+/// Fails where two evaluations that record where their responses stopped stopped them at other strings.
+fn check_same_stops(evals: &[&Evaluation]) -> anyhow::Result<()> {
+    let recorded: Vec<(&Evaluation, &Vec<String>)> = evals
+        .iter()
+        .filter_map(|e| e.stop_strings.as_ref().map(|s| (*e, s)))
+        .collect();
+    if let Some(((first, a), (e, b))) = recorded
+        .first()
+        .and_then(|f| recorded.iter().find(|(_, b)| *b != f.1).map(|o| (f, o)))
+    {
+        bail!(
+            "{} stopped its responses at {a:?} and {} at {b:?} besides the end tokens: a response that runs \
+             on past its answer is scored on other text (`qarl eval --stop`, a run's `rollout.stop`)",
+            first.source,
+            e.source
+        );
+    }
+    Ok(())
 }
 
 /// Fails where two evaluations that record how they judged answers judged them differently.
@@ -800,6 +835,27 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("judged answers under different rules"), "{e}");
+        // So are responses stopped at other strings; a source that does not record them is not refused.
+        let mut stopped = a.clone();
+        stopped.source = "stopped.json".into();
+        stopped.identity = "stopped.json".into();
+        stopped.stop_strings = Some(vec!["\nQuestion:".into()]);
+        let mut unstopped = a.clone();
+        unstopped.stop_strings = Some(vec![]);
+        let e = compare(
+            ("a", &[unstopped.clone()]),
+            ("b", &[stopped.clone()]),
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("stopped.json at [\"\\nQuestion:\"]") && e.contains("a.json stopped"),
+            "{e}"
+        );
+        let mut unrecorded = stopped.clone();
+        unrecorded.stop_strings = None;
+        assert!(compare(("a", &[unstopped]), ("b", &[unrecorded]), false).is_ok());
         let bf16 = Evaluation::load(&write("d.json", ["2", "4"], 0.5, "bf16"), None).unwrap();
         let text = compare(("a", &[a]), ("b", &[bf16]), false).unwrap();
         assert!(

@@ -108,6 +108,10 @@ pub struct RolloutConfig {
     /// Which log-prob of a sampled token is recorded as `lp_roll` (docs/config.md).
     #[serde(default)]
     pub logprobs: RolloutLogprobs,
+    /// Where a response ends besides `max_new_tokens`: the model's end tokens, or also the task's stop
+    /// strings. The held-out evaluations stop where the rollouts do.
+    #[serde(default)]
+    pub stop: RolloutStop,
 }
 
 impl RolloutConfig {
@@ -134,6 +138,30 @@ pub enum RolloutLogprobs {
     /// Under the distribution the token was drawn from, after top-k / top-p and renormalisation (vLLM's
     /// `processed_logprobs`, verl's default): the mismatch metrics and corrections then see the filter too.
     Processed,
+}
+
+/// `rollout.stop`: what ends a rollout's (and a held-out evaluation's) response before `max_new_tokens`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutStop {
+    /// The model's end tokens only (`model::EndTokens`; verl's rollouts stop at EOS alone too).
+    #[default]
+    #[value(alias = "end_tokens")]
+    EndTokens,
+    /// Also the task's stop strings ([`crate::tasks::Task::stop_strings`]: `"\n"` after arithmetic's answer
+    /// line, `"\nQuestion:"` for the plain template, where a base model goes on with a question of its
+    /// own, the turn's end under a chat template), as `qarl eval` stops by default.
+    Template,
+}
+
+impl RolloutStop {
+    /// The strings that end a response of `task` under this rule.
+    pub fn strings(self, task: &crate::tasks::Task) -> Vec<String> {
+        match self {
+            RolloutStop::EndTokens => vec![],
+            RolloutStop::Template => task.stop_strings(),
+        }
+    }
 }
 
 fn one() -> f32 {

@@ -16,7 +16,9 @@ pub struct Evaluation {
     pub greedy_correct: Vec<bool>,
 }
 
-/// Accuracy of `model` (plain device) on `examples` with its weights in `precision`.
+/// Accuracy of `model` (plain device) on `examples` with its weights in `precision`; responses end at
+/// `end`'s tokens and at `stop_strings` (`rollout.stop`'s, so that held-out answers end as the rollouts'
+/// do).
 #[allow(clippy::too_many_arguments)]
 pub fn evaluate(
     model: &Decoder,
@@ -24,6 +26,7 @@ pub fn evaluate(
     tok: &Tokenizer,
     examples: &[Example],
     end: &EndTokens,
+    stop_strings: &[String],
     cfg: &EvalConfig,
     verify: &VerifyConfig,
     seed: u64,
@@ -51,6 +54,7 @@ pub fn evaluate(
             max_new_tokens: cfg.max_new_tokens,
             seed,
             stop_token_ids: end.stops().to_vec(),
+            stop_strings: stop_strings.to_vec(),
             ..SamplingParams::default()
         };
         let out = generate(&m, &prompts, samples, &p, Some(tok));

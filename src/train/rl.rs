@@ -310,7 +310,7 @@ fn sample_round(
         max_new_tokens: rc.max_new_tokens,
         seed: rl_seed(cfg.seed, RlStream::Sampling, step, round),
         stop_token_ids: end.stops().to_vec(),
-        stop_strings: vec![],
+        stop_strings: rc.stop.strings(task),
         // The learner's entropy metric, when its forward would compute the rollout's bits.
         record_entropy: lp_old_is_the_rollout_record(cfg, 0),
         processed_logprobs: rc.logprobs == super::config::RolloutLogprobs::Processed,

@@ -337,6 +337,8 @@ struct Evaluator<'a> {
     cfg: &'a TrainConfig,
     tok: &'a Tokenizer,
     end: &'a EndTokens,
+    /// `rollout.stop`'s strings for the task.
+    stop_strings: Vec<String>,
     problems: Vec<Example>,
     fingerprint: String,
     quiet: bool,
@@ -363,6 +365,7 @@ impl<'a> Evaluator<'a> {
             cfg,
             tok,
             end,
+            stop_strings: cfg.rollout.stop.strings(task),
             problems,
             fingerprint: crate::tasks::questions_fingerprint(
                 &task.eval_questions(cfg.eval.problems),
@@ -397,6 +400,7 @@ impl<'a> Evaluator<'a> {
                 self.tok,
                 &self.problems,
                 self.end,
+                &self.stop_strings,
                 &cfg.eval,
                 &cfg.verify,
                 cfg.seed,
