@@ -783,6 +783,59 @@ fn every_computing_command_takes_a_backend() {
     assert!(err.contains("vulkan") && err.contains("wgpu"), "{err}");
 }
 
+/// `train.routing_replay` on a dense model is refused by `qarl train` and by `qarl bench step` alike
+/// (the bench loaded its model on its own and skipped the replay without a word).
+#[test]
+fn routing_replay_on_a_dense_model_is_refused_by_train_and_bench_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let moe_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("configs/models/qwen3-moe-arith.json");
+    let mut dense: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&moe_path).unwrap()).unwrap();
+    let obj = dense.as_object_mut().unwrap();
+    for key in [
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+    ] {
+        obj.remove(key);
+    }
+    obj.insert(
+        "architectures".into(),
+        serde_json::json!(["Qwen3ForCausalLM"]),
+    );
+    obj.insert("model_type".into(), serde_json::json!("qwen3"));
+    let dense_path = tmp.path().join("dense.json");
+    std::fs::write(&dense_path, dense.to_string()).unwrap();
+    let text = common::tiny_train_toml(tmp.path(), "aligned", 1)
+        .replace("[sft]\nsteps = 8", "[sft]\nsteps = 1")
+        .replace("lr = 1e-4\n", "lr = 1e-4\nrouting_replay = true\n");
+    let text = text.replace(
+        &moe_path.display().to_string(),
+        &dense_path.display().to_string(),
+    );
+    assert!(
+        text.contains("routing_replay = true") && text.contains("dense.json"),
+        "{text}"
+    );
+    let cfg = tmp.path().join("run.toml");
+    std::fs::write(&cfg, text).unwrap();
+    for args in [
+        vec!["train", "--quiet"],
+        vec!["bench", "step", "--quiet", "--steps", "1", "--warmup", "0"],
+    ] {
+        let err = error_of(qarl().args(&args).arg("--config").arg(&cfg));
+        assert!(
+            err.contains("`train.routing_replay` = true, but")
+                && err.contains("no mixture-of-experts layer"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 /// `qarl bench step --json` naming its own config or a record of the run it benches is refused before
 /// any work (it replaced the config with its table and exited 0).
 #[test]

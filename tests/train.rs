@@ -91,6 +91,15 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
             "`rollout.temperature` = 1e-46: no float setting can hold it",
         ),
         ("eval.temperature=1e-6", "`eval.temperature`"),
+        // Settings that would do nothing are refused, not ignored.
+        (
+            "eval={every=20, problems=200, max_new_tokens=40, temperature=0.7}",
+            "`eval.temperature` = 0.7 with `eval.k` = 0: only the sampled mean@k uses it",
+        ),
+        (
+            "model={dir=\"m\", base=\"b\", init_std=0.1}",
+            "`model.init_std` = 0.1 beside `model.base` = \"b\"",
+        ),
         (
             "task={kind=\"gsm8k\", path=\"x.jsonl\", eval_fraction=1.5}",
             "`task.eval_fraction` must be in (0, 1)",

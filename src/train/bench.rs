@@ -79,6 +79,7 @@ pub fn bench_steps(
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
     let end = crate::model::EndTokens::of(&tok, &model.config)?;
+    super::run::check_model_for_config(cfg, &model.config, &tok, &cfg.model.dir)?;
     super::run::check_step_sizes(cfg, &model.config, None, None)?;
     let task = Task::from_config(&cfg.task)?;
     let mut optim = optimizer(&cfg.train);

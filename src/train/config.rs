@@ -611,6 +611,15 @@ impl TrainConfig {
             "a finite number > 0",
         )?;
         if let Some(base) = &self.model.base {
+            // Pretrained weights are not drawn: a value other than the default was set for nothing.
+            if self.model.init_std != default_init_std() {
+                bail!(
+                    "`model.init_std` = {} beside `model.base` = {:?}: the warm start starts from the base's \
+                     weights, and only random ones (`model.init_config`) are drawn with it",
+                    self.model.init_std,
+                    base.display().to_string()
+                );
+            }
             if self.model.init_config.is_some() {
                 bail!(
                     "`model.base` = {:?} and `model.init_config` both given: the warm start starts from one \
@@ -800,6 +809,14 @@ impl TrainConfig {
                 crate::rollout::sampler::MIN_TEMPERATURE
             ),
         )?;
+        // Greedy pass@1 has no temperature: only mean@k samples. A value other than the default was set.
+        if e.k == 0 && e.temperature != one() {
+            bail!(
+                "`eval.temperature` = {} with `eval.k` = 0: only the sampled mean@k uses it (greedy pass@1 has \
+                 no temperature); set `eval.k` or drop `eval.temperature`",
+                e.temperature
+            );
+        }
         Ok(())
     }
 }
@@ -889,6 +906,18 @@ fn differing_keys_at(
 /// when every step was skipped (it learned nothing). The RL loop and the warm start share the rule.
 pub(crate) fn nonfinite_limit_reached(consecutive: usize, max: usize, steps: usize) -> bool {
     max > 0 && consecutive >= max.min(steps)
+}
+
+/// Says where a warm-up outlasts its schedule (`section` is `train` or `sft`): the learning rate then
+/// peaks below its `lr` at the last step. Not refused: `--set train.steps=2` on a config with a longer
+/// warm-up is how a change is tried in a short run.
+pub fn warn_long_warmup(section: &str, warmup: usize, steps: usize) {
+    if warmup > steps {
+        tracing::warn!(
+            "`{section}.warmup_steps` = {warmup} > `{section}.steps` = {steps}: the learning rate never \
+             reaches `{section}.lr` (it ends at {steps}/{warmup} of it)"
+        );
+    }
 }
 
 /// Learning rate at `step` (0-based) of `total` with linear warm-up.

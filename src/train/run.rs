@@ -72,6 +72,7 @@ pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSu
 pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSummary> {
     apply_process_modes(cfg);
     warn_truncated_sampling(cfg);
+    config::warn_long_warmup("train", cfg.train.warmup_steps, cfg.train.steps);
     let device = cfg.train.backend.device()?.autodiff();
     // Before anything in the run directory changes: a second process there stops here.
     let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
@@ -275,14 +276,7 @@ impl Policy {
         let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
             .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
         let end = EndTokens::of(&tok, &model.config)?;
-        check_chat_tokens(cfg, &tok, &cfg.model.dir)?;
-        if cfg.train.routing_replay && model.config.moe.is_none() {
-            anyhow::bail!(
-                "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no \
-                 routing to replay (set it false for a dense model)",
-                model_dir.display()
-            );
-        }
+        check_model_for_config(cfg, &model.config, &tok, &model_dir)?;
         model.set_precision(cfg.rollout.precision)?;
         model.set_activations(cfg.train.activations)?;
         Ok(Self {
@@ -528,6 +522,26 @@ fn before_rl_outcomes(metrics: &Path, precision: config::Precision) -> Option<(f
 /// allocation failure after the first evaluation. With the tokenizer, the prompts' lengths are the real
 /// longest ones (the held-out problems', the first step's, and the training set's where the task has one);
 /// without, one token (a lower bound: each step checks its real prompts again).
+/// What the config asks of the model in `model_dir` beyond sizes: the chat template's tokens in its
+/// tokenizer, and a mixture of experts where routing is replayed. Shared by a run and `qarl bench step`,
+/// so that neither quietly skips what the config says.
+pub(super) fn check_model_for_config(
+    cfg: &TrainConfig,
+    model: &crate::model::ModelConfig,
+    tok: &Tokenizer,
+    model_dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    check_chat_tokens(cfg, tok, &cfg.model.dir)?;
+    if cfg.train.routing_replay && model.moe.is_none() {
+        anyhow::bail!(
+            "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no \
+             routing to replay (set it false for a dense model)",
+            model_dir.display()
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn check_step_sizes(
     cfg: &TrainConfig,
     model: &crate::model::ModelConfig,

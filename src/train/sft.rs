@@ -268,6 +268,7 @@ pub fn run_sft_with(
     quiet: bool,
     ck: Option<&SftCheckpoints>,
 ) -> anyhow::Result<(Decoder, f32)> {
+    super::config::warn_long_warmup("sft", cfg.warmup_steps, cfg.steps);
     let task = Task::from_config(&train.task)?;
     let device: Device = model.device();
     let mut optim = AdamWConfig::new()
