@@ -90,7 +90,10 @@ fn a_lock_left_by_a_dead_process_is_taken_over() {
     let mut child = Command::new("true").spawn().unwrap();
     let dead = child.id();
     child.wait().unwrap();
-    assert!(!lock::is_alive(dead), "pid {dead} still exists");
+    assert!(
+        !Path::new("/proc").join(dead.to_string()).exists(),
+        "pid {dead} still exists"
+    );
     std::fs::write(tmp.path().join(lock::LOCK_FILE), format!("{dead}\n")).unwrap();
     let l = RunLock::acquire(tmp.path()).unwrap();
     assert_eq!(lock::read_pid(l.path()), Some(std::process::id()));
@@ -113,4 +116,37 @@ fn a_lock_left_by_a_dead_process_is_taken_over() {
         .map(|e| e.file_name().to_string_lossy().to_string())
         .collect();
     assert_eq!(names, vec![lock::LOCK_FILE.to_string()]);
+}
+
+/// Runs starting at once in a directory whose lock a killed run left behind: exactly one of them takes it
+/// (a check-then-remove takeover let a second one remove the first one's fresh lock and run beside it).
+#[test]
+fn runs_starting_at_once_take_a_stale_lock_one_at_a_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    for round in 0..20 {
+        std::fs::write(tmp.path().join(lock::LOCK_FILE), "4194303\n").unwrap();
+        let start = std::sync::Barrier::new(8);
+        let held = std::sync::atomic::AtomicUsize::new(0);
+        let most = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    start.wait();
+                    if let Ok(l) = RunLock::acquire(tmp.path()) {
+                        let now = held.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                        most.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        held.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                        drop(l);
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            most.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "round {round}: two holders at once"
+        );
+        assert!(!tmp.path().join(lock::LOCK_FILE).exists(), "round {round}");
+    }
 }

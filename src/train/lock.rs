@@ -1,12 +1,14 @@
 //! One process per run directory. Two trainers in one directory would interleave their metrics rows and
-//! overwrite each other's checkpoints, so the directory holds a lock file with the holder's pid while a run
-//! uses it: a second process gets an error naming that pid and changes nothing, and a lock left by a process
-//! that no longer exists (killed with SIGKILL, a crashed machine) is taken over.
+//! overwrite each other's checkpoints, so the directory holds a lock file while a run uses it: a second
+//! process gets an error naming the holder's pid and changes nothing.
 //!
-//! The lock file appears with its content in one step (written to a temporary file, then hard-linked under
-//! the lock's name, which fails when the name exists), so a reader never sees an empty lock.
+//! The exclusion is the operating system's file lock on that file (`flock`), not the file's existence: the
+//! kernel releases it when its holder exits however it ends (SIGKILL, a crash), so a lock left behind is
+//! taken over by the next run without a check-then-remove step two starting processes could both pass
+//! (each removing the other's fresh lock). The pid in the file only names the holder in messages.
 
-use std::io::Write;
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::{Read, Seek, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -14,53 +16,55 @@ use anyhow::Context;
 /// The lock file inside a locked directory.
 pub const LOCK_FILE: &str = ".qarl.lock";
 
-/// Held while a run uses its directory; the lock file is removed on drop.
+/// Held while a run uses its directory; the lock file is removed and the lock released on drop.
 #[derive(Debug)]
 pub struct RunLock {
     path: PathBuf,
-    pid: u32,
+    file: File,
 }
 
 impl RunLock {
-    /// Locks `dir` (created when absent) for this process, or says which process holds it.
+    /// Locks `dir` (created when absent) for this process, or says which process holds it. A second
+    /// lock of one directory in this process is refused too (each open file is its own holder).
     pub fn acquire(dir: &Path) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("{}: cannot create the directory", dir.display()))?;
         let path = dir.join(LOCK_FILE);
-        let me = std::process::id();
-        // A few tries: each failed one removed a stale lock or waited for one being written.
+        // A few tries: each failed one found the file (or a lock's own folder, which its holder removes
+        // when done: `model_dir`'s staging guard) removed by a holder that was finishing.
         for _ in 0..16 {
-            if try_create(dir, &path, me)? {
-                held_here().push(path.clone());
-                return Ok(Self { path, pid: me });
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("{}: cannot create the directory", dir.display()))?;
+            let mut file = match OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+            {
+                Ok(f) => f,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(crate::io::failed(&path, "cannot open the lock file")(e)),
+            };
+            match file.try_lock() {
+                Ok(()) => {}
+                Err(TryLockError::WouldBlock) => return Err(in_use(dir, &path)),
+                Err(TryLockError::Error(e)) => {
+                    return Err(crate::io::failed(
+                        &path,
+                        "cannot lock the lock file (does this file system support file locks?)",
+                    )(e))
+                }
             }
-            match read_pid(&path) {
-                // Our own pid on a lock this process does not hold: a lock left by an earlier process
-                // that had the same pid (a container restarted: pids start over).
-                Some(pid) if pid == me && !held_here().contains(&path) => {
-                    tracing::warn!(lock = %path.display(), pid, "taking over a lock left by an earlier process with this process's pid");
-                    remove_stale(&path)?;
-                }
-                Some(pid) if is_alive(pid) => anyhow::bail!(
-                    "{}: in use by another qarl process (pid {pid}, lock file {}); wait for it to finish or stop \
-                     it (if no process {pid} is running, delete the lock file)",
-                    dir.display(),
-                    path.display()
-                ),
-                Some(pid) => {
-                    tracing::warn!(lock = %path.display(), pid, "taking over the lock of a process that no longer runs");
-                    remove_stale(&path)?;
-                }
-                None if is_young(&path) => {
-                    // Perhaps being written right now (a file system without hard links): look again.
-                    std::thread::sleep(std::time::Duration::from_millis(200));
-                }
-                None if path.exists() => {
-                    tracing::warn!(lock = %path.display(), "taking over an unreadable lock file");
-                    remove_stale(&path)?;
-                }
-                None => {} // released between our two looks: try again
+            // The holder before us removes the file before it unlocks: a lock on a file no longer under
+            // the lock's name locks nothing anyone else sees.
+            if !still_named(&file, &path) {
+                continue;
             }
+            let earlier = read_text(&mut file);
+            if let Ok(pid) = earlier.trim().parse::<u32>() {
+                tracing::warn!(lock = %path.display(), pid, "taking over the lock left by a process that ended without releasing its directory");
+            }
+            write_pid(&mut file, &path)?;
+            return Ok(Self { path, file });
         }
         anyhow::bail!(
             "{}: cannot lock the directory (its lock file {} keeps changing); is another qarl process starting there?",
@@ -75,89 +79,62 @@ impl RunLock {
     }
 }
 
-/// The lock files this process holds: what tells our own live lock from a stale one with our pid.
-fn held_here() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
-    static HELD: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
-    HELD.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 impl Drop for RunLock {
     fn drop(&mut self) {
-        held_here().retain(|p| p != &self.path);
-        // Only our own lock: never one another process took over in the meantime.
-        if read_pid(&self.path) == Some(self.pid) {
-            let _ = std::fs::remove_file(&self.path);
-        }
+        // Removed while still locked, so no process can lock the file between its unlock and its removal
+        // and then hold a lock on a name that no longer exists (see `still_named`).
+        let _ = std::fs::remove_file(&self.path);
+        let _ = self.file.unlock();
     }
 }
 
-/// Creates the lock file holding `pid`; false when it already exists.
-fn try_create(dir: &Path, path: &Path, pid: u32) -> anyhow::Result<bool> {
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".qarl.lock-")
-        .tempfile_in(dir)
-        .with_context(|| format!("{}: cannot create the lock file", dir.display()))?;
-    writeln!(tmp, "{pid}")
-        .and_then(|()| tmp.as_file().sync_all())
-        .with_context(|| format!("{}: cannot write the lock file", dir.display()))?;
-    match std::fs::hard_link(tmp.path(), path) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-        // A file system without hard links: create the lock in place (a reader may then, for an instant,
-        // see it empty; an empty lock is taken over only once it is a second old, see `is_young`).
-        Err(_) => create_in_place(path, pid),
-    }
+/// The error for a directory another holder has locked, naming its pid where the file says it (it is
+/// written just after the lock is taken, so for an instant it may not).
+fn in_use(dir: &Path, path: &Path) -> anyhow::Error {
+    let pid = read_pid(path);
+    let holder = pid.map_or("another qarl process".to_string(), |p| {
+        format!("another qarl process (pid {p})")
+    });
+    anyhow::anyhow!(
+        "{}: in use by {holder}, lock file {}; wait for it to finish or stop it",
+        dir.display(),
+        path.display()
+    )
 }
 
-fn create_in_place(path: &Path, pid: u32) -> anyhow::Result<bool> {
-    match std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(path)
+/// Whether `path` still names the file `file` has open (the same inode).
+fn still_named(file: &File, path: &Path) -> bool {
+    #[cfg(unix)]
     {
-        Ok(mut f) => {
-            writeln!(f, "{pid}")
-                .and_then(|()| f.sync_all())
-                .map_err(crate::io::failed(path, "cannot write the lock file"))?;
-            Ok(true)
+        use std::os::unix::fs::MetadataExt;
+        match (file.metadata(), std::fs::metadata(path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
         }
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(false),
-        Err(e) => Err(crate::io::failed(path, "cannot create the lock file")(e)),
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = file;
+        path.exists()
     }
 }
 
-fn remove_stale(path: &Path) -> anyhow::Result<()> {
-    match std::fs::remove_file(path) {
-        Ok(()) => Ok(()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(crate::io::failed(path, "cannot remove the stale lock file")(e)),
-    }
+fn read_text(file: &mut File) -> String {
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    text
 }
 
-/// Whether a lock file was modified less than a second ago.
-fn is_young(path: &Path) -> bool {
-    std::fs::metadata(path)
-        .and_then(|m| m.modified())
-        .ok()
-        .and_then(|t| t.elapsed().ok())
-        .is_some_and(|age| age < std::time::Duration::from_secs(1))
+/// Replaces the file's content with this process's pid.
+fn write_pid(file: &mut File, path: &Path) -> anyhow::Result<()> {
+    file.set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| writeln!(file, "{}", std::process::id()))
+        .and_then(|()| file.sync_all())
+        .map_err(crate::io::failed(path, "cannot write the lock file"))
 }
 
 /// The pid in a lock file (`None` when absent or not a pid).
 pub fn read_pid(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
-}
-
-/// Whether process `pid` exists. On Linux through `/proc`; elsewhere every pid counts as alive (a stale lock
-/// is then deleted by hand, as the error says).
-pub fn is_alive(pid: u32) -> bool {
-    if pid == std::process::id() {
-        return true;
-    }
-    let proc = Path::new("/proc");
-    if cfg!(target_os = "linux") && proc.join("self").exists() {
-        return proc.join(pid.to_string()).exists();
-    }
-    true
 }
