@@ -388,7 +388,7 @@ fn device_routing_is_the_host_routing() {
         (0..n)
             .map(|_| {
                 let r = rng.next();
-                (if r % 4 == 0 {
+                (if r.is_multiple_of(4) {
                     r / 4 % experts
                 } else {
                     r / 4 % 3

@@ -697,7 +697,7 @@ impl ModelConfig {
             Some(m) => {
                 !m.mlp_only_layers.contains(&layer)
                     && m.num_experts > 0
-                    && (layer + 1) % m.decoder_sparse_step == 0
+                    && (layer + 1).is_multiple_of(m.decoder_sparse_step)
             }
         }
     }

@@ -117,7 +117,7 @@ fn check_groups(rewards: &[f32], group_size: usize) -> Result<(), RlError> {
             "group-relative advantages need at least 2 responses per prompt, got group size {group_size}"
         )));
     }
-    if rewards.len() % group_size != 0 {
+    if !rewards.len().is_multiple_of(group_size) {
         return Err(RlError::Input(format!(
             "{} rewards do not split into groups of {group_size}",
             rewards.len()

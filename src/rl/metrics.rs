@@ -48,7 +48,7 @@ const LOG_RATIO_BOUND: f64 = 20.0;
 
 /// Checks that the flat arrays describe the same `[B, row_len]` batch.
 fn check_batch(lens: &[(&str, usize)], mask: &[bool], row_len: usize) -> Result<usize, RlError> {
-    if row_len == 0 || mask.len() % row_len != 0 {
+    if row_len == 0 || !mask.len().is_multiple_of(row_len) {
         return Err(RlError::Input(format!(
             "mask of {} values is not a whole number of rows of {row_len}",
             mask.len()

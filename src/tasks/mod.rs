@@ -387,7 +387,7 @@ pub fn questions_fingerprint(questions: &[String]) -> String {
 }
 
 fn arithmetic_is_eval(prompt: &str) -> bool {
-    stable_hash(prompt) % ARITHMETIC_EVAL_MODULUS == 0
+    stable_hash(prompt).is_multiple_of(ARITHMETIC_EVAL_MODULUS)
 }
 
 fn problem_example(p: Problem) -> Example {

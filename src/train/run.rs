@@ -216,7 +216,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     bar.finish();
     let after = evaluator.evaluate(&policy.model, steps, &mut log)?;
     // The last step's checkpoint, unless the loop just wrote it.
-    let just_saved = cfg.checkpoint_every > 0 && steps % cfg.checkpoint_every == 0;
+    let just_saved = cfg.checkpoint_every > 0 && steps.is_multiple_of(cfg.checkpoint_every);
     if steps > 0 && start < steps && !just_saved {
         policy.save(cfg, &optim, &state, &log)?;
     }

@@ -136,7 +136,7 @@ pub const fn words_per_chunk(fmt: u32) -> usize {
 /// int4 and fp8 groups that are multiples of 32. Then [`chunk_dots`](fn@chunk_dots) decodes whole
 /// words with their scale loaded once ([`word_dots`](fn@word_dots)).
 pub const fn whole_chunk_scales(fmt: u32, group: usize) -> bool {
-    fmt == 1 || fmt == 3 || group % 32 == 0
+    fmt == 1 || fmt == 3 || group.is_multiple_of(32)
 }
 
 /// Scales a whole chunk of format `fmt` takes where [`whole_chunk_scales`]: one per word for fp4, else one.

@@ -109,7 +109,7 @@ impl GgmlType {
     /// Bytes of a tensor of `elements` values whose rows have `row` values (rows hold whole blocks).
     pub fn bytes_for(self, row: u64, elements: u64) -> Result<u64, DequantError> {
         let (be, bb) = self.block();
-        if row % be != 0 {
+        if !row.is_multiple_of(be) {
             return Err(DequantError::PartialRow { row, block: be });
         }
         (elements / be)
@@ -141,7 +141,7 @@ fn h(b: &[u8]) -> f32 {
 pub fn dequantize(ty: GgmlType, data: &[u8]) -> Result<Vec<f32>, DequantError> {
     let (be, bb) = ty.block();
     let (be, bb) = (be as usize, bb as usize);
-    if data.len() % bb != 0 {
+    if !data.len().is_multiple_of(bb) {
         return Err(DequantError::PartialBlock {
             ty: ty.name(),
             len: data.len(),

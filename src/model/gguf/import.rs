@@ -306,7 +306,7 @@ fn unpermute_rows(
         [r, c] => (*r, *c),
         _ => bail!(f.error(format!("tensor `{}` is not 2-D: {shape:?}", t.name))),
     };
-    if rows % heads != 0 || (rows / heads) % 2 != 0 {
+    if rows % heads != 0 || !(rows / heads).is_multiple_of(2) {
         bail!(f.error(format!(
             "tensor `{}`: {rows} rows do not split into {heads} heads of even size",
             t.name

@@ -798,7 +798,7 @@ enum AlignedRows<'a> {
 impl<'a> AlignedRows<'a> {
     /// `src` is `[rows, k]`; `kp >= k`.
     fn of(src: &'a [f32], rows: usize, k: usize, kp: usize) -> Self {
-        if k == kp && (src.as_ptr() as usize) % 64 == 0 {
+        if k == kp && (src.as_ptr() as usize).is_multiple_of(64) {
             return Self::Borrowed(src);
         }
         let len = rows * kp;

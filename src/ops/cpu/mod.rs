@@ -48,7 +48,7 @@ fn rope_shape(
 ) -> Option<rope::RopeShape> {
     let table = [dims.first()?, dims.get(1)?, &1, dims.get(3)?].map(|&v| v);
     let ok = dims.len() == 4
-        && dims[3] % 2 == 0
+        && dims[3].is_multiple_of(2)
         && cos.shape().dims::<4>() == table
         && sin.shape().dims::<4>() == table;
     ok.then_some(rope::RopeShape {

@@ -179,7 +179,7 @@ impl FragCube {
     /// Whether every chunk of `chunk_steps` K steps over `inn` inputs in scale groups of
     /// `steps_per_scale` steps is whole (what `full_chunks` says).
     pub const fn whole_chunks(chunk_steps: usize, inn: usize, steps_per_scale: usize) -> bool {
-        inn % (MMA * chunk_steps) == 0 && steps_per_scale % chunk_steps == 0
+        inn.is_multiple_of(MMA * chunk_steps) && steps_per_scale.is_multiple_of(chunk_steps)
     }
 
     /// Assignments (dense: tokens) the cube covers: `16 m_tiles`.
@@ -443,6 +443,8 @@ pub fn grouped_fragments<I: Float, X: Float, Y: Float>(
 
 /// The cube's expert and assignments `a0 .. a_end` (dense: its tokens); an empty range where the cube
 /// has nothing to do (an empty or malformed tile, or a tile another cube covers with its first).
+// Kernel code: `#[cube]` expands the `%` operator, not `usize::is_multiple_of`.
+#[allow(clippy::manual_is_multiple_of)]
 #[cube]
 fn cube_assignments(
     table: &[u32],

@@ -238,7 +238,7 @@ unsafe fn tile512<const S: u8, const MB: usize, const OB: usize>(
     // One chunk: prefetch, activations, then one row's weights at a time into every activation row's sums
     // (only two decoded registers live at once; decoding every row first spilled at 2x4 tiles).
     // A four-row int4 tile that starts a group reads one line per chunk for all its rows.
-    let group_tile = nibbles(S) && o0 % super::INT4_ROWS == 0;
+    let group_tile = nibbles(S) && o0.is_multiple_of(super::INT4_ROWS);
     // One row's 32 decoded weights `w` into every activation row's sums (`xv`: the chunk's activations).
     macro_rules! accumulate {
         ($xv:ident, $r:expr, $w:expr) => {{
