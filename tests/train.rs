@@ -1219,3 +1219,33 @@ fn template_stop_ends_rollouts_at_the_tasks_stop_string() {
         "no response went on past a newline: the test shows nothing ({whole:?})"
     );
 }
+
+/// The embedding row of `pad_token_id` takes no gradient through the input lookup, as transformers'
+/// `nn.Embedding(padding_idx = pad_token_id)` trains it, where the pad token is a real input (SmolLM2's
+/// `<|im_end|>`); any other input row does, and without a pad token so does that one. The logits are the
+/// same bits either way.
+#[test]
+fn the_pad_tokens_input_row_takes_no_gradient_as_in_transformers() {
+    let ad = Device::flex().autodiff();
+    // Untied, so the row's gradient comes from the lookup alone.
+    let dir = common::fixtures_dir().join("llama");
+    let (pad, other) = (42u32, 17u32);
+    let seq = vec![vec![3u32, other, pad, 99, pad, 7]];
+    let run = |pad_token: Option<u32>| {
+        let mut model = Decoder::load(&dir, &ad).unwrap();
+        assert!(!model.config.tie_word_embeddings);
+        model.config.pad_token_id = pad_token;
+        let logits = model.forward(&seq, None, None, None).logits;
+        let grads = (logits.clone() * logits.clone()).sum().backward();
+        let g = to_f32_vec(model.embed_tokens.val().grad(&grads).unwrap());
+        let h = model.config.hidden_size;
+        let row = |id: u32| g[id as usize * h..(id as usize + 1) * h].to_vec();
+        (to_f32_vec(logits.detach()), row(pad), row(other))
+    };
+    let (logits, pad_row, other_row) = run(Some(pad));
+    assert!(pad_row.iter().all(|&x| x == 0.0), "{pad_row:?}");
+    assert!(other_row.iter().any(|&x| x != 0.0));
+    let (logits_none, pad_row_none, _) = run(None);
+    assert!(pad_row_none.iter().any(|&x| x != 0.0));
+    assert_eq!(logits, logits_none);
+}

@@ -90,6 +90,9 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    /// `pad_token_id`: transformers builds the input embedding with it as `padding_idx`, so its row takes
+    /// no gradient through the input lookup ([`super::Decoder`] does the same).
+    pub pad_token_id: Option<u32>,
     /// Set for checkpoints written by `qarl quantize` (`quantization_config` with `quant_method: "qarl"`).
     pub quantization: Option<QuantConfig>,
 }
@@ -658,6 +661,11 @@ impl ModelConfig {
         if let Some(id) = bos_token_id {
             k.check_below("bos_token_id", id, vocab_size)?;
         }
+        // transformers refuses a `padding_idx` outside the embedding too.
+        let pad_token_id = k.ids("pad_token_id")?.first().copied();
+        if let Some(id) = pad_token_id {
+            k.check_below("pad_token_id", id, vocab_size)?;
+        }
         Ok(Self {
             architecture,
             vocab_size,
@@ -687,6 +695,7 @@ impl ModelConfig {
             quantization: parse_quantization(&k)?,
             bos_token_id,
             eos_token_ids,
+            pad_token_id,
         })
     }
 

@@ -94,6 +94,7 @@ mod tests {
             moe: None,
             bos_token_id: None,
             eos_token_ids: vec![],
+            pad_token_id: None,
             quantization: None,
         }
     }

@@ -1,7 +1,7 @@
 //! The config-driven decoder-only transformer shared by Llama, Qwen2, Qwen3 and Qwen3-MoE.
 
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 
 use super::activations::Activations;
 use crate::ops::dtype::as_dtype;
@@ -385,12 +385,13 @@ impl Decoder {
         let rope = self.rope.tables(&positions, &device);
 
         let flat: Vec<i64> = ids.iter().flatten().map(|&x| x as i64).collect();
-        let idx = Tensor::<1, Int>::from_data(TensorData::new(flat, [b * t]), &device);
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(flat.clone(), [b * t]), &device);
         let x = self
             .embed_tokens
             .val()
             .select(0, idx)
             .reshape([b, t, cfg.hidden_size]);
+        let x = without_pad_gradient(x, &flat, cfg.pad_token_id);
         let mut x = as_dtype(x, self.activations.dtype());
 
         let top_k = cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
@@ -453,4 +454,24 @@ impl Decoder {
     pub fn new_cache(&self, batch: usize) -> KvCache {
         KvCache::new(self.layers.len(), batch)
     }
+}
+
+/// The embedded inputs `x` (`[b, t, hidden]`, from the ids `flat`) with no gradient into the rows of
+/// `pad_token_id` through this lookup, as transformers' `nn.Embedding(padding_idx = pad_token_id)` (and
+/// so verl's actor and TRL) trains: where the pad token is a real one (SmolLM2-Instruct's is its
+/// `<|im_end|>`, in every chat prompt) its input row stays as it is; a tied output projection still
+/// updates it, as there. The values are unchanged.
+fn without_pad_gradient(x: Tensor<3>, flat: &[i64], pad: Option<u32>) -> Tensor<3> {
+    let Some(pad) = pad.map(i64::from) else {
+        return x;
+    };
+    if !x.is_tracked() || !flat.contains(&pad) {
+        return x;
+    }
+    let dims = x.dims();
+    let is_pad: Vec<bool> = flat.iter().map(|&id| id == pad).collect();
+    let mask = Tensor::<1, Bool>::from_data(TensorData::new(is_pad, [flat.len()]), &x.device())
+        .reshape([dims[0], dims[1], 1])
+        .expand(dims);
+    x.clone().mask_where(mask, x.detach())
 }
