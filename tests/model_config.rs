@@ -339,6 +339,44 @@ fn special_tokens_outside_the_vocabulary_are_refused() {
     assert_eq!(ok.eos_token_ids, vec![1, vocab as u32 - 1]);
 }
 
+/// `pad_token_id` reads as torch's `padding_idx`: absent or null is none, a negative id counts from the end
+/// of the vocabulary (early LLaMA conversions write -1), and an id outside it or a list is refused.
+#[test]
+fn pad_token_id_reads_as_torchs_padding_idx() {
+    let vocab = base("qwen3")["vocab_size"].as_i64().unwrap();
+    assert_eq!(
+        accepted("qwen3", "pad_token_id", json!(null)).pad_token_id,
+        None
+    );
+    assert_eq!(
+        accepted("qwen3", "pad_token_id", json!(7)).pad_token_id,
+        Some(7)
+    );
+    assert_eq!(
+        accepted("qwen3", "pad_token_id", json!(-1)).pad_token_id,
+        Some(vocab as u32 - 1)
+    );
+    assert_eq!(
+        accepted("qwen3", "pad_token_id", json!(-vocab)).pad_token_id,
+        Some(0)
+    );
+    for bad in [
+        json!(vocab),
+        json!(-vocab - 1),
+        json!([3]),
+        json!("3"),
+        json!(1.5),
+    ] {
+        let e = refused("qwen3", "pad_token_id", bad.clone());
+        assert!(
+            e.contains(&format!(
+                "`pad_token_id` must be one token id in [-{vocab}, {vocab})"
+            )),
+            "{bad}: {e}"
+        );
+    }
+}
+
 /// The config of `name` with `edit` applied (loaded, or the error).
 fn load_edited(name: &str, edit: impl FnOnce(&mut Value)) -> Result<ModelConfig, String> {
     let mut v = base(name);

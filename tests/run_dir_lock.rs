@@ -90,10 +90,7 @@ fn a_lock_left_by_a_dead_process_is_taken_over() {
     let mut child = Command::new("true").spawn().unwrap();
     let dead = child.id();
     child.wait().unwrap();
-    assert!(
-        !Path::new("/proc").join(dead.to_string()).exists(),
-        "pid {dead} still exists"
-    );
+    assert!(!lock::is_alive(dead), "pid {dead} still exists");
     std::fs::write(tmp.path().join(lock::LOCK_FILE), format!("{dead}\n")).unwrap();
     let l = RunLock::acquire(tmp.path()).unwrap();
     assert_eq!(lock::read_pid(l.path()), Some(std::process::id()));
@@ -116,6 +113,26 @@ fn a_lock_left_by_a_dead_process_is_taken_over() {
         .map(|e| e.file_name().to_string_lossy().to_string())
         .collect();
     assert_eq!(names, vec![lock::LOCK_FILE.to_string()]);
+    drop(l);
+    // A lock file naming a running process that holds no file lock (a qarl from before file locks) is
+    // refused, not taken over, and left as it was.
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let text = format!("{}\n", sleeper.id());
+    std::fs::write(tmp.path().join(lock::LOCK_FILE), &text).unwrap();
+    let err = format!("{:#}", RunLock::acquire(tmp.path()).unwrap_err());
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    assert!(
+        err.contains(&format!(
+            "names process {}, which is running but holds no file lock",
+            sleeper.id()
+        )),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join(lock::LOCK_FILE)).unwrap(),
+        text
+    );
 }
 
 /// Runs starting at once in a directory whose lock a killed run left behind: exactly one of them takes it

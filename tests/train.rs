@@ -74,7 +74,7 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         ("rollout.precision=int3", "int3"),
         ("rollout.stop=\"strings\"", "`rollout.stop` = \"strings\" is not a valid value; expected one of `end_tokens`, `template`"),
         ("seed.x=1", "not a table"),
-        ("train.loss.kl_coef=0.1", "keeps no reference policy"),
+        ("train.loss.kl_coef=-0.1", "`kl_coef` must be finite and >= 0"),
         // A group of equal rewards has std 0: with eps 0 its advantages would be 0 / 0.
         (
             "train.advantage={estimator=\"grpo\", eps=0}",
@@ -1245,7 +1245,84 @@ fn the_pad_tokens_input_row_takes_no_gradient_as_in_transformers() {
     let (logits, pad_row, other_row) = run(Some(pad));
     assert!(pad_row.iter().all(|&x| x == 0.0), "{pad_row:?}");
     assert!(other_row.iter().any(|&x| x != 0.0));
-    let (logits_none, pad_row_none, _) = run(None);
+    let (logits_none, pad_row_none, other_row_none) = run(None);
     assert!(pad_row_none.iter().any(|&x| x != 0.0));
+    assert_eq!(
+        other_row, other_row_none,
+        "only the pad row's gradient changes"
+    );
     assert_eq!(logits, logits_none);
+}
+
+/// `train.loss.kl_coef > 0`: the reference is the run's starting model under the learner's forward, so the
+/// k3 KL of step 0's single update is exactly 0 (the aligned forward computes the starting policy's bits)
+/// and grows once the policy moved; a run stopped after step 1 and resumed loads the same reference from
+/// `model.dir` and logs the uninterrupted run's rows bit for bit.
+#[test]
+fn the_kl_term_is_measured_against_the_starting_policy_across_a_resume() {
+    let tmp = tempfile::tempdir().unwrap();
+    let with_kl = |dir: &Path| {
+        let mut cfg = tiny_config(dir, "aligned", 4);
+        cfg.train.loss.kl_coef = Some(0.5);
+        cfg.train.lr = 3e-3;
+        // A reward signal the barely warm-started model earns (an answer marker or none), so it moves.
+        cfg.verify.format_reward = Some(-1.0);
+        cfg
+    };
+    let whole = with_kl(&tmp.path().join("a"));
+    train::run(&whole, false, true).unwrap();
+    let rows = common::metrics_without_timing(&whole.run_dir.join("metrics.jsonl"));
+    let rl: Vec<_> = rows.iter().filter(|r| r["phase"] == "rl").collect();
+    assert_eq!(rl.len(), 4);
+    // Exactly 0 while no update has moved the policy (a step whose groups all earned one reward has
+    // no gradient), above 0 after.
+    let mut moved = false;
+    for r in &rl {
+        assert_eq!(r["actor/kl_coef"].as_f64(), Some(0.5));
+        let kl = r["actor/kl_loss"].as_f64().unwrap();
+        assert!(if moved { kl > 0.0 } else { kl == 0.0 }, "{r}");
+        moved |= r["actor/grad_norm"].as_f64().unwrap() > 0.0;
+    }
+    assert!(
+        rl.last().unwrap()["actor/kl_loss"].as_f64().unwrap() > 0.0,
+        "the policy never moved: the test shows nothing"
+    );
+    let parted = with_kl(&tmp.path().join("b"));
+    let stop = train::RunOptions {
+        quiet: true,
+        stop_after_step: Some(1),
+        ..Default::default()
+    };
+    train::run_with(&parted, &stop).unwrap();
+    train::run(&parted, true, true).unwrap();
+    let resumed = common::metrics_without_timing(&parted.run_dir.join("metrics.jsonl"));
+    assert_eq!(resumed, rows);
+}
+
+/// The held-out evaluations stop by `rollout.stop` too and log the strings they stopped at, which `qarl
+/// compare` reads back from the run (a run that logs none stopped at none).
+#[test]
+fn evaluations_follow_rollout_stop_and_log_their_stop_strings() {
+    use qarl::train::compare::Evaluation;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(tmp.path(), "aligned", 1);
+    cfg.rollout.stop = qarl::train::config::RolloutStop::Template;
+    train::run(&cfg, false, true).unwrap();
+    let rows = metrics(&cfg.run_dir.join("metrics.jsonl"));
+    let evals: Vec<_> = rows.iter().filter(|r| r["phase"] == "eval").collect();
+    assert_eq!(evals.len(), 2);
+    for r in &evals {
+        assert_eq!(r["eval/stop_strings"], serde_json::json!(["\n"]), "{r}");
+    }
+    let run = cfg.run_dir.display().to_string();
+    let e = Evaluation::load(&run, None).unwrap();
+    assert_eq!(e.stop_strings, Some(vec!["\n".to_string()]));
+    // The same log without the key (written before runs logged it) reads as no stop strings.
+    let log = cfg.run_dir.join("metrics.jsonl");
+    let text = std::fs::read_to_string(&log).unwrap();
+    std::fs::write(&log, text.replace(",\"eval/stop_strings\":[\"\\n\"]", "")).unwrap();
+    assert_eq!(
+        Evaluation::load(&run, None).unwrap().stop_strings,
+        Some(vec![])
+    );
 }

@@ -163,13 +163,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let tok = Tokenizer::load_for(&args.model, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     tok.check_template(&template, &args.model)?;
-    let stop_ids = crate::model::EndTokens::of(&tok, &model.config)?
-        .stops()
-        .to_vec();
+
+    let end = crate::model::EndTokens::of(&tok, &model.config)?;
     let stop_strings = match args.stop {
-        RolloutStop::Template => template.stop_strings(),
+        RolloutStop::Template => end.beyond_stops(&tok, template.stop_strings()),
         RolloutStop::EndTokens => vec![],
     };
+    let stop_ids = end.stops().to_vec();
     let params = SamplingParams {
         temperature: 0.0,
         max_new_tokens: args.max_new_tokens,

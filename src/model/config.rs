@@ -234,6 +234,23 @@ impl<'a> Keys<'a> {
     }
 }
 
+/// `pad_token_id` as torch's `nn.Embedding(padding_idx = pad_token_id)` takes it, which transformers builds
+/// the input embedding with: one id, a negative one counting from the end of the vocabulary (early LLaMA
+/// conversions write -1), refused outside it or as a list, as torch refuses them.
+fn padding_idx(k: &Keys, vocab_size: usize) -> Result<Option<u32>, LoadError> {
+    let Some(v) = k.find(&["pad_token_id"]) else {
+        return Ok(None);
+    };
+    let want = format!("one token id in [-{vocab_size}, {vocab_size}) (torch's padding_idx)");
+    let id = v.as_i64().ok_or_else(|| k.bad("pad_token_id", &want, v))?;
+    let from_end = id.checked_add(vocab_size as i64).unwrap_or(-1);
+    match id {
+        0.. if (id as u64) < vocab_size as u64 => Ok(Some(id as u32)),
+        ..0 if from_end >= 0 => Ok(Some(from_end as u32)),
+        _ => Err(k.bad("pad_token_id", &want, v)),
+    }
+}
+
 /// The token ids under `name` of a Hugging Face JSON document read from `path` (`eos_token_id` of
 /// config.json or generation_config.json: a token id or a list of them), each below `vocab_size`; errors name
 /// the file and the key, as config.json's own.
@@ -661,11 +678,7 @@ impl ModelConfig {
         if let Some(id) = bos_token_id {
             k.check_below("bos_token_id", id, vocab_size)?;
         }
-        // transformers refuses a `padding_idx` outside the embedding too.
-        let pad_token_id = k.ids("pad_token_id")?.first().copied();
-        if let Some(id) = pad_token_id {
-            k.check_below("pad_token_id", id, vocab_size)?;
-        }
+        let pad_token_id = padding_idx(&k, vocab_size)?;
         Ok(Self {
             architecture,
             vocab_size,

@@ -74,6 +74,18 @@ impl EndTokens {
         &self.stops
     }
 
+    /// `strings` without those that are the text of one of the stop tokens (a chat template's turn end,
+    /// `<|im_end|>`, is usually one): sampling stops at the token before its text could match, so the
+    /// string adds nothing, and two evaluations that stopped at the same tokens record the same strings.
+    pub fn beyond_stops(&self, tok: &Tokenizer, strings: Vec<String>) -> Vec<String> {
+        let texts: Vec<String> = self
+            .stops
+            .iter()
+            .filter_map(|&id| tok.decode(&[id]).ok())
+            .collect();
+        strings.into_iter().filter(|s| !texts.contains(s)).collect()
+    }
+
     /// `response` without its last token when that is a stop (the text the verifier reads).
     pub fn strip<'a>(&self, response: &'a [u32]) -> &'a [u32] {
         match response.split_last() {

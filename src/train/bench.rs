@@ -96,9 +96,20 @@ pub fn bench_steps(
             m.num_experts, m.num_experts_per_tok
         ))
     );
+    let reference = super::reference::Reference::load(cfg, device)?;
     let mut timed = Vec::with_capacity(steps);
     for step in 0..warmup + steps {
-        let out = rl::rl_step(&mut model, &mut optim, &task, &tok, &end, cfg, step, false)?;
+        let out = rl::rl_step(
+            &mut model,
+            &mut optim,
+            &task,
+            &tok,
+            &end,
+            reference.as_ref(),
+            cfg,
+            step,
+            false,
+        )?;
         let phase = if step < warmup { "warm-up" } else { "timed" };
         if !quiet {
             eprintln!(

@@ -297,11 +297,25 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         precision: Some(precision),
         activations: Some(cfg.train.activations.to_string()),
         verify: Some(cfg.verify.judging_rules()),
-        stop_strings: Some(cfg.rollout.stop.strings(&task)),
+        stop_strings: logged_stop_strings(picked, &at)?,
         questions,
         golds: None,
         correct,
     })
+}
+
+/// The stop strings an eval row logged; a row without them (logs from before 2026-12-06, when runs stopped
+/// at end tokens alone) stopped at none.
+fn logged_stop_strings(row: &serde_json::Value, at: &str) -> anyhow::Result<Option<Vec<String>>> {
+    match row.get(names::EVAL_STOP_STRINGS) {
+        None => Ok(Some(Vec::new())),
+        Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|_| {
+            anyhow::anyhow!(
+                "{at} has `{}` = {v}, not a list of strings",
+                names::EVAL_STOP_STRINGS
+            )
+        }),
+    }
 }
 
 /// Fails unless every evaluation lists the first one's questions in its order; names the first evaluation

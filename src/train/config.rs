@@ -155,11 +155,17 @@ pub enum RolloutStop {
 }
 
 impl RolloutStop {
-    /// The strings that end a response of `task` under this rule.
-    pub fn strings(self, task: &crate::tasks::Task) -> Vec<String> {
+    /// The strings that end a response of `task` under this rule besides the end tokens `end` (none that is
+    /// the text of an end token: [`crate::model::EndTokens::beyond_stops`]).
+    pub fn strings(
+        self,
+        task: &crate::tasks::Task,
+        end: &crate::model::EndTokens,
+        tok: &crate::model::Tokenizer,
+    ) -> Vec<String> {
         match self {
             RolloutStop::EndTokens => vec![],
-            RolloutStop::Template => task.stop_strings(),
+            RolloutStop::Template => end.beyond_stops(tok, task.stop_strings()),
         }
     }
 }
@@ -742,15 +748,6 @@ impl TrainConfig {
                 t.tensor_core_kernel
             );
         }
-        // The KL term needs a reference policy's log-probs, which the trainer does not compute: a positive
-        // coefficient would fail at the first update (or, worse, be silently ignored), so it is refused here.
-        let kl_coef = t.loss.kl_coef.unwrap_or(0.0);
-        check(
-            kl_coef == 0.0,
-            "train.loss.kl_coef",
-            kl_coef,
-            "0: `qarl train` keeps no reference policy, so the k3 KL term is not available",
-        )?;
         t.loss
             .clone()
             .resolve()

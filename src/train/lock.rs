@@ -61,6 +61,16 @@ impl RunLock {
             }
             let earlier = read_text(&mut file);
             if let Ok(pid) = earlier.trim().parse::<u32>() {
+                // qarl before 2026-12-06 held its lock by the file alone, without a file lock.
+                if pid != std::process::id() && is_alive(pid) {
+                    anyhow::bail!(
+                        "{}: its lock file {} names process {pid}, which is running but holds no file lock: \
+                         a qarl from before 2026-12-06 at work there, or another program that reused the pid \
+                         of a run that was killed (then delete the lock file)",
+                        dir.display(),
+                        path.display()
+                    );
+                }
                 tracing::warn!(lock = %path.display(), pid, "taking over the lock left by a process that ended without releasing its directory");
             }
             write_pid(&mut file, &path)?;
@@ -137,4 +147,11 @@ fn write_pid(file: &mut File, path: &Path) -> anyhow::Result<()> {
 /// The pid in a lock file (`None` when absent or not a pid).
 pub fn read_pid(path: &Path) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
+/// Whether process `pid` exists, through `/proc` on Linux; elsewhere no pid counts as alive (the file lock
+/// alone then decides).
+pub fn is_alive(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    cfg!(target_os = "linux") && proc.join("self").exists() && proc.join(pid.to_string()).exists()
 }

@@ -13,6 +13,7 @@ mod model_dir;
 pub mod paired;
 pub mod plot;
 pub mod progress;
+pub mod reference;
 mod resume;
 pub mod rl;
 mod run;

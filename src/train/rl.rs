@@ -12,6 +12,7 @@ use burn::optim::ModuleOptimizer;
 
 use super::batch::{replay_routing, ForwardOptions, SeqBatch};
 use super::config::TrainConfig;
+use super::reference::Reference;
 use super::scored::{split_responses, ForwardStats, Scored};
 use super::seeds::{rl_seed, RlStream};
 use super::update::{update, UpdateOutcome};
@@ -36,9 +37,10 @@ pub struct StepOutcome {
 }
 
 /// Runs RL step `step` on `model` (autodiff device; its quantized state is the rollout's weight version):
-/// [`collect`] (rollout, rewards, advantages), [`score`] (`lp_old` and the mismatch metrics), [`update`]
-/// (the policy updates). An update whose loss or gradient is not finite is skipped (the weights and
-/// optimizer state stay); `inject_nonfinite` makes every loss NaN (fault injection for tests).
+/// [`collect`] (rollout, rewards, advantages), [`score`] (`lp_old`, `lp_ref` under `reference` where the
+/// KL term is on, and the mismatch metrics), [`update`] (the policy updates). An update whose loss or
+/// gradient is not finite is skipped (the weights and optimizer state stay); `inject_nonfinite` makes
+/// every loss NaN (fault injection for tests).
 #[allow(clippy::too_many_arguments)]
 pub fn rl_step(
     model: &mut Decoder,
@@ -46,6 +48,7 @@ pub fn rl_step(
     task: &Task,
     tok: &Tokenizer,
     end: &EndTokens,
+    reference: Option<&Reference>,
     cfg: &TrainConfig,
     step: usize,
     inject_nonfinite: bool,
@@ -57,8 +60,21 @@ pub fn rl_step(
     let mut worst_response = None;
     if !collected.rows.is_empty() {
         let t_score = Instant::now();
-        let scored = score(model, &collected, cfg, &mut m)?;
+        let mut scored = score(model, &collected, cfg, &mut m)?;
         m.insert("perf/lp_old_s".into(), t_score.elapsed().as_secs_f64());
+        if let Some(reference) = reference {
+            let t_ref = Instant::now();
+            scored.lp_ref = Some(reference.logprobs(
+                &scored.batch,
+                cfg.rollout.temperature,
+                scored.replay.as_deref(),
+            ));
+            m.insert("perf/lp_ref_s".into(), t_ref.elapsed().as_secs_f64());
+            m.insert(
+                "actor/kl_coef".into(),
+                f64::from(cfg.train.loss.kl_coef.unwrap_or(0.0)),
+            );
+        }
         worst_response = worst_response_example(tok, end, &collected, &scored)?;
         outcome = update(model, optim, &scored, cfg, step, inject_nonfinite, &mut m)?;
     }
@@ -310,7 +326,7 @@ fn sample_round(
         max_new_tokens: rc.max_new_tokens,
         seed: rl_seed(cfg.seed, RlStream::Sampling, step, round),
         stop_token_ids: end.stops().to_vec(),
-        stop_strings: rc.stop.strings(task),
+        stop_strings: rc.stop.strings(task, end, tok),
         // The learner's entropy metric, when its forward would compute the rollout's bits.
         record_entropy: lp_old_is_the_rollout_record(cfg, 0),
         processed_logprobs: rc.logprobs == super::config::RolloutLogprobs::Processed,
@@ -446,6 +462,7 @@ pub fn score<'a>(
         replay,
         lp_old,
         lp_roll,
+        lp_ref: None,
         entropy_roll,
         advantages: c.rows.iter().map(|&r| c.advantages[r]).collect(),
         lp_old_reused: reuse,

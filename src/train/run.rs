@@ -12,6 +12,7 @@ use super::checkpoint::{self, TrainerState};
 use super::config::{self, nonfinite_limit_reached, TrainConfig};
 use super::metrics::{MetricsLog, WORST_RESPONSES_FILE};
 use super::model_dir::{self, check_chat_tokens};
+use super::reference::Reference;
 use super::rl::{self, StepOutcome};
 use super::update::optimizer;
 use super::{eval, lock, paired, progress, resume};
@@ -156,6 +157,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             (policy, optim, state)
         }
     };
+    // After the warm start: the reference is the model it made (or the one given), on every resume too.
+    let reference = Reference::load(cfg, &device)?;
     let evaluator = Evaluator::new(cfg, &task, &policy.tok, &policy.end, opts.quiet);
     let start = state.next_step;
     let before = if start == 0 {
@@ -173,6 +176,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             &task,
             &policy.tok,
             &policy.end,
+            reference.as_ref(),
             cfg,
             step,
             inject,
@@ -359,7 +363,7 @@ impl<'a> Evaluator<'a> {
             cfg,
             tok,
             end,
-            stop_strings: cfg.rollout.stop.strings(task),
+            stop_strings: cfg.rollout.stop.strings(task, end, tok),
             problems,
             fingerprint: crate::tasks::questions_fingerprint(
                 &task.eval_questions(cfg.eval.problems),
@@ -380,7 +384,8 @@ impl<'a> Evaluator<'a> {
         let spinner = progress::spinner(&format!("eval at step {step}"), self.quiet);
         let plain = model.valid();
         let mut row = serde_json::json!({"phase": "eval", "step": step,
-            (crate::rl::metrics::names::EVAL_QUESTIONS_FINGERPRINT): self.fingerprint});
+            (crate::rl::metrics::names::EVAL_QUESTIONS_FINGERPRINT): self.fingerprint,
+            (crate::rl::metrics::names::EVAL_STOP_STRINGS): self.stop_strings});
         let mut rollout_acc = (0.0, Vec::new());
         let mut precisions = vec![cfg.rollout.precision];
         if cfg.rollout.precision != config::Precision::F32 {
@@ -516,12 +521,6 @@ fn before_rl_outcomes(metrics: &Path, precision: config::Precision) -> Option<(f
     Some((acc, outcomes))
 }
 
-/// The rollout's sizes (and, given the task, its evaluation's: `eval.problems`, or the fewer problems a
-/// data set holds out) against the model's positions and the machine's memory, before any prompt is drawn:
-/// a `rollout.prompts_per_step` or `eval.problems` far too large is refused by name, not met as an
-/// allocation failure after the first evaluation. With the tokenizer, the prompts' lengths are the real
-/// longest ones (the held-out problems', the first step's, and the training set's where the task has one);
-/// without, one token (a lower bound: each step checks its real prompts again).
 /// What the config asks of the model in `model_dir` beyond sizes: the chat template's tokens in its
 /// tokenizer, and a mixture of experts where routing is replayed. Shared by a run and `qarl bench step`,
 /// so that neither quietly skips what the config says.
@@ -542,6 +541,12 @@ pub(super) fn check_model_for_config(
     Ok(())
 }
 
+/// The rollout's sizes (and, given the task, its evaluation's: `eval.problems`, or the fewer problems a
+/// data set holds out) against the model's positions and the machine's memory, before any prompt is drawn:
+/// a `rollout.prompts_per_step` or `eval.problems` far too large is refused by name, not met as an
+/// allocation failure after the first evaluation. With the tokenizer, the prompts' lengths are the real
+/// longest ones (the held-out problems', the first step's, and the training set's where the task has one);
+/// without, one token (a lower bound: each step checks its real prompts again).
 pub(super) fn check_step_sizes(
     cfg: &TrainConfig,
     model: &crate::model::ModelConfig,

@@ -21,6 +21,9 @@ pub struct Scored<'a> {
     pub lp_old: Vec<Vec<f32>>,
     /// The rollout's recorded log-probs of each kept response.
     pub lp_roll: Vec<Vec<f32>>,
+    /// The reference policy's log-probs of each kept response, where the KL term is on
+    /// ([`super::reference::Reference`]).
+    pub lp_ref: Option<Vec<Vec<f32>>>,
     /// The rollout's recorded entropy at each response token (empty rows when not recorded): where
     /// `lp_old` is the rollout's record, bitwise the learner forward's entropy.
     pub entropy_roll: Vec<Vec<f32>>,

@@ -359,6 +359,10 @@ impl Pass<'_, '_> {
         let sub = s.subset(rows, 0).0;
         let old: Vec<Vec<f32>> = rows.iter().map(|&i| s.lp_old[i].clone()).collect();
         let roll: Vec<Vec<f32>> = rows.iter().map(|&i| s.lp_roll[i].clone()).collect();
+        let reference: Option<Vec<Vec<f32>>> = s
+            .lp_ref
+            .as_ref()
+            .map(|r| rows.iter().map(|&i| r[i].clone()).collect());
         let advs: Vec<f32> = rows.iter().map(|&i| s.advantages[i]).collect();
         PolicyLossInputs {
             lp_theta,
@@ -366,7 +370,7 @@ impl Pass<'_, '_> {
             lp_roll: sub.grid(&roll, &device),
             mask: sub.mask(&device),
             advantages: tensor_from_vec(advs, [rows.len()], &device),
-            lp_ref: None,
+            lp_ref: reference.map(|r| sub.grid(&r, &device)),
         }
     }
 
@@ -680,6 +684,7 @@ mod tests {
                 replay: None,
                 lp_old: self.lp_old.clone(),
                 lp_roll: self.lp_old.clone(),
+                lp_ref: None,
                 entropy_roll: vec![Vec::new(); n],
                 advantages: advantages.to_vec(),
                 lp_old_reused: reused,
