@@ -94,8 +94,13 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         // Settings that would do nothing are refused, not ignored.
         (
             "eval={every=20, problems=200, max_new_tokens=40, temperature=0.7}",
-            "`eval.temperature` = 0.7 with `eval.k` = 0: only the sampled mean@k uses it",
+            "`eval.temperature` is set with `eval.k` = 0: only the sampled mean@k uses it",
         ),
+        (
+            "eval={every=20, problems=200, max_new_tokens=40, top_k=5}",
+            "`eval.top_k` is set with `eval.k` = 0",
+        ),
+        ("eval.top_p=0", "`eval.top_p` = 0: must be in (0, 1]"),
         (
             "model={dir=\"m\", base=\"b\", init_std=0.1}",
             "`model.init_std` = 0.1 beside `model.base` = \"b\"",

@@ -228,11 +228,12 @@ fn run_child(a: &StepBenchArgs, out: &std::path::Path) -> anyhow::Result<()> {
 }
 
 /// The phases of a step: label and `perf/*` key of their seconds.
-const PHASES: [(&str, &str); 9] = [
+const PHASES: [(&str, &str); 10] = [
     ("rollout prefill", "perf/rollout_prefill_s"),
     ("rollout decode", "perf/rollout_decode_s"),
     ("reward", "perf/reward_s"),
     ("lp_old", "perf/lp_old_s"),
+    ("lp_ref", "perf/lp_ref_s"),
     ("learner forward", "perf/learner_forward_s"),
     ("learner backward", "perf/learner_backward_s"),
     ("optimizer", "perf/optim_s"),

@@ -337,6 +337,12 @@ pub struct EvalConfig {
     pub k: usize,
     #[serde(default = "one")]
     pub temperature: f32,
+    /// Nucleus filter of the mean@k samples (1 = off; verl's `val_kwargs.top_p`).
+    #[serde(default = "one")]
+    pub top_p: f32,
+    /// Top-k filter of the mean@k samples (0 = off; verl's `val_kwargs.top_k`, -1 there).
+    #[serde(default)]
+    pub top_k: usize,
     pub max_new_tokens: usize,
 }
 
@@ -806,13 +812,25 @@ impl TrainConfig {
                 crate::rollout::sampler::MIN_TEMPERATURE
             ),
         )?;
-        // Greedy pass@1 has no temperature: only mean@k samples. A value other than the default was set.
-        if e.k == 0 && e.temperature != one() {
-            bail!(
-                "`eval.temperature` = {} with `eval.k` = 0: only the sampled mean@k uses it (greedy pass@1 has \
-                 no temperature); set `eval.k` or drop `eval.temperature`",
-                e.temperature
-            );
+        check(
+            e.top_p > 0.0 && e.top_p <= 1.0,
+            "eval.top_p",
+            e.top_p,
+            "in (0, 1] (1 = off)",
+        )?;
+        // Greedy pass@1 has no temperature or filter: only mean@k samples. A value other than the default
+        // was set for nothing.
+        for (key, set) in [
+            ("eval.temperature", e.temperature != one()),
+            ("eval.top_p", e.top_p != one()),
+            ("eval.top_k", e.top_k != 0),
+        ] {
+            if e.k == 0 && set {
+                bail!(
+                    "`{key}` is set with `eval.k` = 0: only the sampled mean@k uses it (greedy pass@1 \
+                     samples nothing); set `eval.k` or drop `{key}`"
+                );
+            }
         }
         Ok(())
     }

@@ -47,10 +47,14 @@ pub fn evaluate(
         prompts.iter().map(Vec::len).max().unwrap_or(0),
         cfg.max_new_tokens,
     )?;
-    // Per sample: correct or not; and the mean response length.
-    let accuracy = |samples: usize, temperature: f32| -> anyhow::Result<(Vec<bool>, f64)> {
+    // Per sample: correct or not; and the mean response length. `(temperature, top_p, top_k)`.
+    let accuracy = |samples: usize,
+                    (temperature, top_p, top_k): (f32, f32, usize)|
+     -> anyhow::Result<(Vec<bool>, f64)> {
         let p = SamplingParams {
             temperature,
+            top_p,
+            top_k,
             max_new_tokens: cfg.max_new_tokens,
             seed,
             stop_token_ids: end.stops().to_vec(),
@@ -76,11 +80,11 @@ pub fn evaluate(
     let mean = super::paired::accuracy;
     let tag = precision.to_string();
     let mut metrics = BTreeMap::new();
-    let (greedy_correct, len) = accuracy(1, 0.0)?;
+    let (greedy_correct, len) = accuracy(1, (0.0, 1.0, 0))?;
     metrics.insert(format!("eval/{tag}/pass@1_greedy"), mean(&greedy_correct));
     metrics.insert(format!("eval/{tag}/response_length"), len);
     if cfg.k > 0 {
-        let (sampled, _) = accuracy(cfg.k, cfg.temperature)?;
+        let (sampled, _) = accuracy(cfg.k, (cfg.temperature, cfg.top_p, cfg.top_k))?;
         metrics.insert(format!("eval/{tag}/mean@{}", cfg.k), mean(&sampled));
     }
     Ok(Evaluation {
