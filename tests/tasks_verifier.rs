@@ -967,6 +967,32 @@ fn verifier_rewards() {
     assert!(pm.validate().is_ok());
 }
 
+/// DAPO's soft overlong punishment, as verl's DAPO reward manager computes it: with a limit of 20 tokens
+/// and a buffer of 4, nothing up to 16 tokens, then a linear penalty reaching `overlong_penalty` at 20.
+#[test]
+fn overlong_reward_is_dapos_soft_punishment() {
+    let off = VerifyConfig::default();
+    assert_eq!(off.overlong_reward(20, 20), 0.0);
+    let dapo = VerifyConfig {
+        overlong_buffer: 4,
+        ..Default::default()
+    };
+    for (tokens, want) in [(10, 0.0), (16, 0.0), (17, -0.25), (18, -0.5), (20, -1.0)] {
+        assert_eq!(dapo.overlong_reward(tokens, 20), want, "{tokens} tokens");
+    }
+    let half = VerifyConfig {
+        overlong_penalty: 0.5,
+        ..dapo
+    };
+    assert_eq!(half.overlong_reward(18, 20), -0.25);
+    assert!(VerifyConfig {
+        overlong_penalty: f32::INFINITY,
+        ..Default::default()
+    }
+    .validate()
+    .is_err());
+}
+
 /// `answer_from = "marked"` takes a final answer only from `\boxed{}` or `####` (verl's strict GSM8K
 /// score); `truncated = "wrong"` gives a response the token limit cut off no answer, whatever it holds
 /// (the last number of a cut sentence, `Sam has 3 + 20`, was read as the answer 20).

@@ -102,6 +102,14 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         ),
         ("eval.top_p=0", "`eval.top_p` = 0: must be in (0, 1]"),
         (
+            "verify.overlong_buffer=40",
+            "`verify.overlong_buffer` = 40: must be < `rollout.max_new_tokens` = 40",
+        ),
+        (
+            "verify.overlong_penalty=0.5",
+            "`verify.overlong_penalty` = 0.5 without `verify.overlong_buffer`",
+        ),
+        (
             "model={dir=\"m\", base=\"b\", init_std=0.1}",
             "`model.init_std` = 0.1 beside `model.base` = \"b\"",
         ),
@@ -1330,4 +1338,21 @@ fn evaluations_follow_rollout_stop_and_log_their_stop_strings() {
         Evaluation::load(&run, None).unwrap().stop_strings,
         Some(vec![])
     );
+}
+
+/// With DAPO's overlong buffer, each rollout reward is the verifier's plus the overlong penalty: the step's
+/// mean reward is its accuracy (rewards 1 / 0) plus the mean penalty, which long responses make negative.
+#[test]
+fn rl_rewards_take_the_overlong_penalty() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(tmp.path(), "aligned", 1);
+    cfg.verify.overlong_buffer = 6;
+    train::run(&cfg, false, true).unwrap();
+    let rows = metrics(&cfg.run_dir.join("metrics.jsonl"));
+    let r = rows.iter().find(|r| r["phase"] == "rl").unwrap();
+    let get = |k: &str| r[k].as_f64().unwrap_or_else(|| panic!("no {k}: {r}"));
+    let penalty = get("critic/overlong_reward/mean");
+    assert!(penalty < 0.0 && get("response/overlong_frac") > 0.0, "{r}");
+    let want = get("train/accuracy") + penalty;
+    assert!((get("critic/rewards/mean") - want).abs() < 1e-6, "{r}");
 }

@@ -69,6 +69,12 @@ pub struct VerifyConfig {
     /// judged as written) or `"wrong"` (no answer, whatever it holds: the last number of a sentence the
     /// limit cut, `Sam has 3 + 20`, is no answer, and scoring it rewards rambling into the limit).
     pub truncated: Truncated,
+    /// DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer.len`): a response longer than
+    /// `max_new_tokens - overlong_buffer` tokens loses `overlong_penalty` times the fraction of the buffer
+    /// it used (0 = off). RL rewards only; evaluations judge correctness.
+    pub overlong_buffer: usize,
+    /// The penalty at the token limit (verl's `overlong_buffer.penalty_factor`, default 1.0).
+    pub overlong_penalty: f32,
 }
 
 /// [`VerifyConfig::answer_from`].
@@ -97,6 +103,8 @@ impl Default for VerifyConfig {
             format_reward: None,
             answer_from: AnswerFrom::Any,
             truncated: Truncated::Scored,
+            overlong_buffer: 0,
+            overlong_penalty: 1.0,
         }
     }
 }
@@ -117,11 +125,24 @@ impl VerifyConfig {
         serde_json::json!({"answer_from": self.answer_from, "truncated": self.truncated})
     }
 
+    /// DAPO's overlong reward of a response of `tokens` tokens (its end token included, as verl counts its
+    /// response mask) under a limit of `max_new_tokens`: `min(-(tokens - (max_new_tokens - buffer)) /
+    /// buffer * penalty, 0)`, 0 when the buffer is off.
+    pub fn overlong_reward(&self, tokens: usize, max_new_tokens: usize) -> f32 {
+        if self.overlong_buffer == 0 {
+            return 0.0;
+        }
+        let expected = max_new_tokens.saturating_sub(self.overlong_buffer) as f64;
+        let exceed = tokens as f64 - expected;
+        (-exceed / self.overlong_buffer as f64 * f64::from(self.overlong_penalty)).min(0.0) as f32
+    }
+
     /// Checks that every reward is finite.
     pub fn validate(&self) -> Result<(), VerifyError> {
         let mut all = vec![
             ("correct_reward", self.correct_reward),
             ("wrong_reward", self.wrong_reward),
+            ("overlong_penalty", self.overlong_penalty),
         ];
         if let Some(f) = self.format_reward {
             all.push(("format_reward", f));

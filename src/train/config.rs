@@ -794,6 +794,31 @@ impl TrainConfig {
                 "in [0, 1)",
             )?;
         }
+        let v = &self.verify;
+        if v.overlong_buffer > 0 {
+            check(
+                v.overlong_buffer < self.rollout.max_new_tokens,
+                "verify.overlong_buffer",
+                v.overlong_buffer,
+                &format!(
+                    "< `rollout.max_new_tokens` = {} (the penalty starts at max_new_tokens - overlong_buffer \
+                     tokens)",
+                    self.rollout.max_new_tokens
+                ),
+            )?;
+            check(
+                v.overlong_penalty >= 0.0,
+                "verify.overlong_penalty",
+                v.overlong_penalty,
+                ">= 0",
+            )?;
+        } else if v.overlong_penalty != 1.0 {
+            bail!(
+                "`verify.overlong_penalty` = {} without `verify.overlong_buffer`: the penalty applies \
+                 within the buffer, which is off (0)",
+                v.overlong_penalty
+            );
+        }
         let e = &self.eval;
         check(e.every >= 1, "eval.every", e.every, ">= 1")?;
         check(e.problems >= 1, "eval.problems", e.problems, ">= 1")?;

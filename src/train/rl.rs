@@ -271,6 +271,20 @@ impl Round {
         m.insert("train/accuracy".into(), self.correct as f64 / n);
         let lens: Vec<usize> = (0..out.ids.len()).map(|r| out.response(r).len()).collect();
         m.extend(response_length_metrics(&lens, cfg.rollout.max_new_tokens));
+        if cfg.verify.overlong_buffer > 0 {
+            let overlong: Vec<f64> = lens
+                .iter()
+                .map(|&l| f64::from(cfg.verify.overlong_reward(l, cfg.rollout.max_new_tokens)))
+                .collect();
+            m.insert(
+                "critic/overlong_reward/mean".into(),
+                overlong.iter().sum::<f64>() / n,
+            );
+            m.insert(
+                "response/overlong_frac".into(),
+                overlong.iter().filter(|&&p| p < 0.0).count() as f64 / n,
+            );
+        }
         m.insert(
             "response/stop_frac".into(),
             out.finish_reasons
@@ -353,7 +367,10 @@ fn sample_round(
         let cut_off = out.finish_reasons[r] == FinishReason::Length;
         let v = score_answer(&text, cut_off, &examples[r / g].answer, &cfg.verify);
         correct += usize::from(v.correct);
-        rewards.push(v.reward);
+        let overlong = cfg
+            .verify
+            .overlong_reward(out.response(r).len(), rc.max_new_tokens);
+        rewards.push(v.reward + overlong);
     }
     let prefill = model
         .config
