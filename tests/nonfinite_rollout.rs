@@ -313,32 +313,32 @@ fn eval_of_a_quantized_checkpoint_names_its_scheme() {
     assert_eq!(code, Some(0), "{err}");
     // The tokenizer travels with the weights.
     assert!(tmp.path().join("model-q/tokenizer.json").exists());
-    let (code, stdout, err) = qarl(
-        tmp.path(),
-        &os(&[
-            "eval",
-            "--model",
-            "model-q",
-            "--data",
-            "problems.jsonl",
-            "--template",
-            "plain",
-            "--max-new-tokens",
-            "4",
-            "--quiet",
-            "--output",
-            "eval.json",
-        ]),
-    );
-    assert_eq!(code, Some(0), "{stdout}{err}");
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("eval.json")).unwrap())
-            .unwrap();
-    let summary = if doc["summary"].is_object() {
-        &doc["summary"]
-    } else {
-        &doc
+    // `qarl eval` of the quantized model with `extra` arguments, writing `out`: its JSON.
+    let eval = |extra: &[&str], out: &str| -> serde_json::Value {
+        let args = [
+            &[
+                "eval",
+                "--model",
+                "model-q",
+                "--data",
+                "problems.jsonl",
+                "--template",
+                "plain",
+                "--max-new-tokens",
+                "4",
+                "--quiet",
+                "--output",
+                out,
+            ][..],
+            extra,
+        ]
+        .concat();
+        let (code, stdout, err) = qarl(tmp.path(), &os(&args));
+        assert_eq!(code, Some(0), "{stdout}{err}");
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join(out)).unwrap()).unwrap()
     };
+    let doc = eval(&[], "eval.json");
+    let summary = &doc["summary"];
     assert_eq!(summary["precision"], "int4-g32", "{doc}");
     assert_eq!(summary["activations"], "f32", "{doc}");
     // And where its responses stopped besides the end tokens: the template's stop string by default,
@@ -348,29 +348,7 @@ fn eval_of_a_quantized_checkpoint_names_its_scheme() {
         serde_json::json!(["\nQuestion:"]),
         "{doc}"
     );
-    let (code, stdout, err) = qarl(
-        tmp.path(),
-        &os(&[
-            "eval",
-            "--model",
-            "model-q",
-            "--data",
-            "problems.jsonl",
-            "--template",
-            "plain",
-            "--max-new-tokens",
-            "4",
-            "--quiet",
-            "--stop",
-            "end-tokens",
-            "--output",
-            "eval-end.json",
-        ]),
-    );
-    assert_eq!(code, Some(0), "{stdout}{err}");
-    let doc: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("eval-end.json")).unwrap())
-            .unwrap();
+    let doc = eval(&["--stop", "end-tokens"], "eval-end.json");
     assert_eq!(
         doc["summary"]["stop_strings"],
         serde_json::json!([]),

@@ -353,14 +353,7 @@ pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
 
 /// Fails where two evaluations that record where their responses stopped stopped them at other strings.
 fn check_same_stops(evals: &[&Evaluation]) -> anyhow::Result<()> {
-    let recorded: Vec<(&Evaluation, &Vec<String>)> = evals
-        .iter()
-        .filter_map(|e| e.stop_strings.as_ref().map(|s| (*e, s)))
-        .collect();
-    if let Some(((first, a), (e, b))) = recorded
-        .first()
-        .and_then(|f| recorded.iter().find(|(_, b)| *b != f.1).map(|o| (f, o)))
-    {
+    if let Some(((first, a), (e, b))) = first_disagreement(evals, |e| e.stop_strings.as_ref()) {
         bail!(
             "{} stopped its responses at {a:?} and {} at {b:?} besides the end tokens: a response that runs \
              on past its answer is scored on other text (`qarl eval --stop`, a run's `rollout.stop`)",
@@ -373,14 +366,7 @@ fn check_same_stops(evals: &[&Evaluation]) -> anyhow::Result<()> {
 
 /// Fails where two evaluations that record how they judged answers judged them differently.
 fn check_same_verifier(evals: &[&Evaluation]) -> anyhow::Result<()> {
-    let recorded: Vec<(&Evaluation, &serde_json::Value)> = evals
-        .iter()
-        .filter_map(|e| e.verify.as_ref().map(|v| (*e, v)))
-        .collect();
-    if let Some(((first, v), (e, w))) = recorded
-        .first()
-        .and_then(|f| recorded.iter().find(|(_, w)| *w != f.1).map(|o| (f, o)))
-    {
+    if let Some(((first, v), (e, w))) = first_disagreement(evals, |e| e.verify.as_ref()) {
         bail!(
             "{} and {} judged answers under different rules ({v} and {w}): outcomes of two verifiers",
             first.source,
@@ -388,6 +374,22 @@ fn check_same_verifier(evals: &[&Evaluation]) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Two evaluations with the values they record ([`first_disagreement`]).
+type Disagreement<'e, T> = ((&'e Evaluation, &'e T), (&'e Evaluation, &'e T));
+
+/// The first evaluation that records `what` and the first one after it that records another value, each
+/// with its value; evaluations that record nothing are passed over.
+fn first_disagreement<'e, T: PartialEq>(
+    evals: &[&'e Evaluation],
+    what: impl Fn(&'e Evaluation) -> Option<&'e T>,
+) -> Option<Disagreement<'e, T>> {
+    let mut recorded = evals.iter().filter_map(|&e| what(e).map(|v| (e, v)));
+    let first = recorded.next()?;
+    recorded
+        .find(|(_, v)| *v != first.1)
+        .map(|other| (first, other))
 }
 
 /// Fails where two evaluations that record gold answers give one problem different golds.
