@@ -506,13 +506,14 @@ fn pad_columns(x: Tensor<2>, width: usize, device: &Device) -> Tensor<2> {
 
 /// The rows of `chunk` whose loss and gradient are provably zero and whose forward would give `lp_old`
 /// bit for bit, so that it need not run with a graph: zero advantage (every objective's loss is
-/// proportional to the advantage, and no KL or entropy term exists), in the learner's first forward when
+/// proportional to the advantage; none where the KL term is on, whose gradient a zero-advantage row
+/// still has once the policy left the reference), in the learner's first forward when
 /// that forward computes the rollout's bits (`lp_old` is the rollout's record). Dense models only: a MoE
 /// expert that only inert rows reach would then get no gradient at all, and AdamW skips a parameter without
 /// one (no decay, no momentum step), where with the zero gradient it would move. Never every row: an
 /// update with no active row still runs (the optimizer still steps).
 fn inert_rows(s: &Scored, chunk: &[usize], first_forward: bool) -> Vec<usize> {
-    if !(first_forward && s.lp_old_reused && s.top_k == 0) {
+    if !(first_forward && s.lp_old_reused && s.top_k == 0 && s.lp_ref.is_none()) {
         return Vec::new();
     }
     let zero: Vec<usize> = chunk
@@ -820,6 +821,10 @@ mod tests {
         let (lp_skip, g_skip, h_skip, skipped) = run(true);
         let (lp_full, g_full, h_full, none) = run(false);
         assert_eq!((skipped, none), (2, 0));
+        // With the KL term on, a zero-advantage row still has a gradient: none is inert.
+        let mut with_ref = f.scored(&advantages, true);
+        with_ref.lp_ref = Some(with_ref.lp_old.clone());
+        assert!(inert_rows(&with_ref, &chunk, true).is_empty());
         assert_eq!(bits(&lp_skip), bits(&lp_full));
         assert_eq!(h_skip.to_bits(), h_full.to_bits());
         let (rel, norm) = relative_difference(&g_skip, &g_full);
