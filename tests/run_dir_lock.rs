@@ -114,25 +114,57 @@ fn a_lock_left_by_a_dead_process_is_taken_over() {
         .collect();
     assert_eq!(names, vec![lock::LOCK_FILE.to_string()]);
     drop(l);
-    // A lock file naming a running process that holds no file lock (a qarl from before file locks) is
-    // refused, not taken over, and left as it was.
-    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
-    let text = format!("{}\n", sleeper.id());
-    std::fs::write(tmp.path().join(lock::LOCK_FILE), &text).unwrap();
-    let err = format!("{:#}", RunLock::acquire(tmp.path()).unwrap_err());
-    sleeper.kill().unwrap();
-    sleeper.wait().unwrap();
-    assert!(
-        err.contains(&format!(
-            "names process {}, which is running but holds no file lock",
-            sleeper.id()
-        )),
-        "{err}"
-    );
-    assert_eq!(
-        std::fs::read_to_string(tmp.path().join(lock::LOCK_FILE)).unwrap(),
-        text
-    );
+    // A lock file naming a running qarl that holds no file lock (one from before file locks) is refused,
+    // not taken over, and left as it was; another program under that pid (reused after a crash) is not a
+    // holder.
+    let bin = tempfile::tempdir().unwrap();
+    let old_qarl = bin.path().join("qarl-old");
+    std::fs::copy(which_sleep(), &old_qarl).unwrap();
+    for (program, refused) in [(old_qarl, true), (which_sleep(), false)] {
+        let mut holder = Command::new(&program).arg("30").spawn().unwrap();
+        // Until the child runs its program (a holder in earnest has run for a while).
+        let name = program.file_name().unwrap().to_str().unwrap();
+        let comm = format!("/proc/{}/comm", holder.id());
+        for _ in 0..100 {
+            if std::fs::read_to_string(&comm).is_ok_and(|c| c.trim_end() == name) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let text = format!("{}\n", holder.id());
+        std::fs::write(tmp.path().join(lock::LOCK_FILE), &text).unwrap();
+        let got = RunLock::acquire(tmp.path());
+        holder.kill().unwrap();
+        holder.wait().unwrap();
+        match got {
+            Err(e) => {
+                let err = format!("{e:#}");
+                assert!(refused, "{program:?}: {err}");
+                assert!(
+                    err.contains(&format!(
+                        "names process {}, a qarl that is running",
+                        holder.id()
+                    )),
+                    "{err}"
+                );
+                let left = std::fs::read_to_string(tmp.path().join(lock::LOCK_FILE)).unwrap();
+                assert_eq!(left, text);
+            }
+            Ok(l) => {
+                assert!(!refused, "{program:?} was taken over");
+                assert_eq!(lock::read_pid(l.path()), Some(std::process::id()));
+            }
+        }
+    }
+}
+
+/// The `sleep` program's path.
+fn which_sleep() -> PathBuf {
+    ["/usr/bin/sleep", "/bin/sleep"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .expect("a sleep program")
 }
 
 /// Runs starting at once in a directory whose lock a killed run left behind: exactly one of them takes it

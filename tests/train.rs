@@ -1310,6 +1310,39 @@ fn the_kl_term_is_measured_against_the_starting_policy_across_a_resume() {
     train::run(&parted, true, true).unwrap();
     let resumed = common::metrics_without_timing(&parted.run_dir.join("metrics.jsonl"));
     assert_eq!(resumed, rows);
+    // `model.dir` may move (a copy of the same files is the same reference), but not change: a resume
+    // against other files is refused before the run directory changes.
+    let copy_model = |to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(&parted.model.dir).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_file() {
+                std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+            }
+        }
+    };
+    let edited = tmp.path().join("edited-model");
+    copy_model(&edited);
+    let config = edited.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(&config, format!("{text}\n")).unwrap();
+    let mut longer = parted.clone();
+    longer.train.steps = 5;
+    longer.model.dir = edited.clone();
+    let before = std::fs::read(parted.run_dir.join("metrics.jsonl")).unwrap();
+    let err = format!("{:#}", train::run(&longer, true, true).unwrap_err());
+    assert!(
+        err.contains("not the model this run started from") && err.contains("edited-model"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(parted.run_dir.join("metrics.jsonl")).unwrap(),
+        before
+    );
+    let moved = tmp.path().join("moved-model");
+    copy_model(&moved);
+    longer.model.dir = moved;
+    train::run(&longer, true, true).unwrap();
 }
 
 /// The held-out evaluations stop by `rollout.stop` too and log the strings they stopped at, which `qarl
@@ -1330,10 +1363,20 @@ fn evaluations_follow_rollout_stop_and_log_their_stop_strings() {
     let run = cfg.run_dir.display().to_string();
     let e = Evaluation::load(&run, None).unwrap();
     assert_eq!(e.stop_strings, Some(vec!["\n".to_string()]));
-    // The same log without the key (written before runs logged it) reads as no stop strings.
+    // The same log without the key (written before runs logged it): not known under `"template"`, none
+    // under `"end_tokens"` (every run before `rollout.stop`).
     let log = cfg.run_dir.join("metrics.jsonl");
     let text = std::fs::read_to_string(&log).unwrap();
     std::fs::write(&log, text.replace(",\"eval/stop_strings\":[\"\\n\"]", "")).unwrap();
+    assert_eq!(Evaluation::load(&run, None).unwrap().stop_strings, None);
+    let config = cfg.run_dir.join("config.json");
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("\"stop\":\"template\""), "{text}");
+    std::fs::write(
+        &config,
+        text.replace("\"stop\":\"template\"", "\"stop\":\"end_tokens\""),
+    )
+    .unwrap();
     assert_eq!(
         Evaluation::load(&run, None).unwrap().stop_strings,
         Some(vec![])

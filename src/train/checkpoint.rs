@@ -46,6 +46,10 @@ pub struct TrainerState {
     /// The build that wrote the checkpoint ([`BUILD`]; absent in checkpoints written before it was kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub build: Option<String>,
+    /// The KL term's reference model, by its files' fingerprint
+    /// ([`super::reference::files_fingerprint`]), where the run has one: a resume must find the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
 }
 
 impl TrainerState {
@@ -58,6 +62,7 @@ impl TrainerState {
             consecutive_nonfinite: 0,
             grad_norm_ema_bits: None,
             build: Some(BUILD.to_string()),
+            reference: None,
         }
     }
 
@@ -70,6 +75,7 @@ impl TrainerState {
             consecutive_nonfinite: 0,
             grad_norm_ema_bits: None,
             build: Some(BUILD.to_string()),
+            reference: None,
         }
     }
 }

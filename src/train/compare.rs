@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use serde::Deserialize;
 
+use super::config::RolloutStop;
 use super::metrics::{read_rows, BadLines};
 use super::paired::{ArmComparison, ClusteredMean};
 use super::TrainConfig;
@@ -297,18 +298,23 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         precision: Some(precision),
         activations: Some(cfg.train.activations.to_string()),
         verify: Some(cfg.verify.judging_rules()),
-        stop_strings: logged_stop_strings(picked, &at)?,
+        stop_strings: logged_stop_strings(picked, &at, cfg.rollout.stop)?,
         questions,
         golds: None,
         correct,
     })
 }
 
-/// The stop strings an eval row logged; a row without them (logs from before 2026-12-06, when runs stopped
-/// at end tokens alone) stopped at none.
-fn logged_stop_strings(row: &serde_json::Value, at: &str) -> anyhow::Result<Option<Vec<String>>> {
+/// The stop strings an eval row logged. A row without them stopped at none where its run's `rule` has none
+/// (every run before `rollout.stop`); under `"template"` they are not known (`None`: not compared).
+fn logged_stop_strings(
+    row: &serde_json::Value,
+    at: &str,
+    rule: RolloutStop,
+) -> anyhow::Result<Option<Vec<String>>> {
     match row.get(names::EVAL_STOP_STRINGS) {
-        None => Ok(Some(Vec::new())),
+        None if rule == RolloutStop::EndTokens => Ok(Some(Vec::new())),
+        None => Ok(None),
         Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|_| {
             anyhow::anyhow!(
                 "{at} has `{}` = {v}, not a list of strings",

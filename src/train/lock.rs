@@ -61,12 +61,13 @@ impl RunLock {
             }
             let earlier = read_text(&mut file);
             if let Ok(pid) = earlier.trim().parse::<u32>() {
-                // qarl before 2026-12-06 held its lock by the file alone, without a file lock.
-                if pid != std::process::id() && is_alive(pid) {
+                // qarl before 2026-12-06 held its lock by the file alone, without a file lock. Another
+                // program under the pid (reused after a crash or a container restart) holds nothing.
+                if pid != std::process::id() && is_qarl(pid) {
                     anyhow::bail!(
-                        "{}: its lock file {} names process {pid}, which is running but holds no file lock: \
-                         a qarl from before 2026-12-06 at work there, or another program that reused the pid \
-                         of a run that was killed (then delete the lock file)",
+                        "{}: its lock file {} names process {pid}, a qarl that is running but holds no file \
+                         lock: a qarl from before 2026-12-06 at work there (if it is not, delete the lock \
+                         file)",
                         dir.display(),
                         path.display()
                     );
@@ -154,4 +155,11 @@ pub fn read_pid(path: &Path) -> Option<u32> {
 pub fn is_alive(pid: u32) -> bool {
     let proc = Path::new("/proc");
     cfg!(target_os = "linux") && proc.join("self").exists() && proc.join(pid.to_string()).exists()
+}
+
+/// Whether process `pid` is running a program named `qarl...` (its `/proc/PID/comm`, Linux only).
+fn is_qarl(pid: u32) -> bool {
+    is_alive(pid)
+        && std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("comm"))
+            .is_ok_and(|name| name.trim_end().starts_with("qarl"))
 }

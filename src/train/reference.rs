@@ -3,8 +3,14 @@
 //! the aligned forward on its rollout-precision packed weights, or the f32 masters), so that the KL is 0
 //! at the first update of step 0 and grows only as training moves the policy, not with the quantization
 //! noise between the two forwards (k3 0.71 between SmolLM2's int4 and f32 forwards on GSM8K prompts).
-//! A resume loads it from `model.dir` again: the same weights, so the same bits.
+//! A resume loads it from `model.dir` again, and refuses a folder whose files are not the ones the run
+//! started from (their fingerprint is in every checkpoint's trainer state): a resume may point `model.dir`
+//! elsewhere (the folder moved), but the KL's target must stay the run's.
 
+use std::io::Read;
+use std::path::Path;
+
+use anyhow::Context;
 use burn::module::Module;
 
 use super::batch::{ForwardOptions, SeqBatch};
@@ -16,6 +22,7 @@ use crate::model::{Decoder, Weights};
 pub struct Reference {
     model: Decoder,
     weights: Weights,
+    fingerprint: String,
 }
 
 impl Reference {
@@ -31,7 +38,13 @@ impl Reference {
         Ok(Some(Self {
             model: model.valid(),
             weights: cfg.train.forward.weights(),
+            fingerprint: files_fingerprint(&cfg.model.dir)?,
         }))
+    }
+
+    /// What identifies the reference's files: their fingerprint ([`files_fingerprint`]).
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// `lp_ref` of each response of `batch` at `temperature`, with the learner's routing replay (when on):
@@ -51,4 +64,75 @@ impl Reference {
         );
         batch.responses_of(&to_f32_vec(lp))
     }
+}
+
+/// A fingerprint of a model folder's weights and config: FNV-1a (64-bit) over `config.json` and every
+/// `*.safetensors` file in name order, each name, length and content (as little-endian 64-bit words), as 16
+/// hex digits. Stable across builds and machines, unlike std's hasher.
+pub fn files_fingerprint(dir: &Path) -> anyhow::Result<String> {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .with_context(|| format!("{}: cannot list", dir.display()))?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n == "config.json" || n.ends_with(".safetensors"))
+        .collect();
+    names.sort();
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut mix = |word: u64| {
+        h ^= word;
+        h = h.wrapping_mul(PRIME);
+    };
+    let mut buf = vec![0u8; 1 << 20];
+    for name in &names {
+        name.bytes().for_each(|b| mix(u64::from(b)));
+        let path = dir.join(name);
+        let mut file =
+            std::fs::File::open(&path).map_err(crate::io::failed(&path, "cannot open"))?;
+        let mut len = 0u64;
+        loop {
+            let n = fill(&mut file, &mut buf).map_err(crate::io::failed(&path, "cannot read"))?;
+            if n == 0 {
+                break;
+            }
+            len += n as u64;
+            // Whole buffers until the last, so words start at the same offsets however the reads split the
+            // file; the last one's short tail is padded with zeros (the length keeps files apart).
+            for word in buf[..n].chunks(8) {
+                let mut w = [0u8; 8];
+                w[..word.len()].copy_from_slice(word);
+                mix(u64::from_le_bytes(w));
+            }
+        }
+        mix(len);
+    }
+    Ok(format!("{h:016x}"))
+}
+
+/// Reads into `buf` until it is full or the file ends; how many bytes it holds.
+fn fill(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// Refuses a `model_dir` other than the reference a resumed run's checkpoint names (`saved`: absent in
+/// checkpoints of runs without the KL term), before the resume changes anything in the run directory.
+pub fn check_resumed(saved: Option<&str>, model_dir: &Path) -> anyhow::Result<()> {
+    let Some(saved) = saved else {
+        return Ok(());
+    };
+    let now = files_fingerprint(model_dir)?;
+    anyhow::ensure!(
+        now == saved,
+        "{}: not the model this run started from (files fingerprint {now}, its checkpoint names {saved}): \
+         the KL term's reference must stay the run's starting model; point `model.dir` at that folder, or \
+         start over with --overwrite",
+        model_dir.display()
+    );
+    Ok(())
 }

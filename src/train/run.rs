@@ -125,6 +125,10 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         )),
         _ => None,
     };
+    let has_reference = cfg.train.loss.kl_coef.unwrap_or(0.0) > 0.0;
+    if let (Some((_, saved)), true) = (&resumed, model_made && has_reference) {
+        super::reference::check_resumed(saved.reference.as_deref(), &cfg.model.dir)?;
+    }
     let keeps_sft_rows = resume::keeps_warm_start_rows(cfg, opts.resume, model_made);
     if let (Some((_, saved)), true) = (&resumed, opts.accept_changes) {
         resume::keep_earlier_config(cfg, saved.step + 1)?;
@@ -159,6 +163,9 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     };
     // After the warm start: the reference is the model it made (or the one given), on every resume too.
     let reference = Reference::load(cfg, &device)?;
+    if let Some(r) = &reference {
+        state.reference = Some(r.fingerprint().to_string());
+    }
     let evaluator = Evaluator::new(cfg, &task, &policy.tok, &policy.end, opts.quiet);
     let start = state.next_step;
     let before = if start == 0 {

@@ -876,16 +876,42 @@ mod tests {
     #[test]
     fn micro_batches_give_the_single_pass_loss_and_gradient() {
         let f = fixture();
-        let advantages = vec![0.5f32, -0.5, 0.0, 0.0, 1.0];
         let chunk: Vec<usize> = (0..5).collect();
-        for agg in ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] {
+        // The KL term too, against a reference the policy has left (every log-prob 0.1 above), and with
+        // every advantage 0, where the KL's gradient is all there is.
+        let with_kl = |adv: &[f32]| {
+            let mut s = f.scored(adv, true);
+            s.lp_ref = Some(
+                s.lp_old
+                    .iter()
+                    .map(|r| r.iter().map(|x| x + 0.1).collect())
+                    .collect(),
+            );
+            s
+        };
+        let cases = [
+            ("no KL", vec![0.5f32, -0.5, 0.0, 0.0, 1.0], None),
+            ("KL", vec![0.5, -0.5, 0.0, 0.0, 1.0], Some(0.3)),
+            ("KL alone", vec![0.0; 5], Some(0.3)),
+        ];
+        for (agg, (what, advantages, kl)) in
+            ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+                .into_iter()
+                .flat_map(|agg| cases.iter().map(move |c| (agg, c)))
+        {
             let mut cfg = crate::train::load_config(None, &[]).unwrap();
             cfg.train.loss.loss_agg_mode = Some(serde_json::from_value(agg.into()).unwrap());
+            cfg.train.loss.kl_coef = *kl;
             let loss_fn = cfg.train.loss.clone().resolve().unwrap();
+            let agg = format!("{agg}, {what}");
             let run = |micro: usize| {
                 let mut cfg = cfg.clone();
                 cfg.train.micro_batch_size = micro;
-                let s = f.scored(&advantages, true);
+                let s = if kl.is_some() {
+                    with_kl(advantages)
+                } else {
+                    f.scored(advantages, true)
+                };
                 let pass = first_pass(&f.model, &s, &cfg, &loss_fn);
                 let (mut perf, mut stats) = (PhaseTimes::default(), ForwardStats::default());
                 let g = pass.gradients(&chunk, &mut perf, &mut stats).unwrap();
