@@ -32,13 +32,15 @@ impl Reference {
         if cfg.train.loss.kl_coef.unwrap_or(0.0) <= 0.0 {
             return Ok(None);
         }
+        // Before the weights are read, so that files changed meanwhile never pass for the ones recorded.
+        let fingerprint = files_fingerprint(&cfg.model.dir)?;
         let mut model = Decoder::load_full_precision(&cfg.model.dir, device)?;
         model.set_precision(cfg.rollout.precision)?;
         model.set_activations(cfg.train.activations)?;
         Ok(Some(Self {
             model: model.valid(),
             weights: cfg.train.forward.weights(),
-            fingerprint: files_fingerprint(&cfg.model.dir)?,
+            fingerprint,
         }))
     }
 
@@ -66,9 +68,9 @@ impl Reference {
     }
 }
 
-/// A fingerprint of a model folder's weights and config: FNV-1a (64-bit) over `config.json` and every
-/// `*.safetensors` file in name order, each name, length and content (as little-endian 64-bit words), as 16
-/// hex digits. Stable across builds and machines, unlike std's hasher.
+/// A fingerprint of a model folder's weights and config: FNV-1a (64-bit, each product folded by a shift)
+/// over `config.json` and every `*.safetensors` file in name order, each name, length and content (as
+/// little-endian 64-bit words), as 16 hex digits. Stable across builds and machines, unlike std's hasher.
 pub fn files_fingerprint(dir: &Path) -> anyhow::Result<String> {
     const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -78,9 +80,12 @@ pub fn files_fingerprint(dir: &Path) -> anyhow::Result<String> {
         .collect();
     names.sort();
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    // FNV-1a on whole words, with a shift after each product: a product only carries bits upwards, so
+    // without it the hash's low bits would never see a word's high bits.
     let mut mix = |word: u64| {
         h ^= word;
         h = h.wrapping_mul(PRIME);
+        h ^= h >> 32;
     };
     let mut buf = vec![0u8; 1 << 20];
     for name in &names {
@@ -124,6 +129,11 @@ fn fill(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
 /// checkpoints of runs without the KL term), before the resume changes anything in the run directory.
 pub fn check_resumed(saved: Option<&str>, model_dir: &Path) -> anyhow::Result<()> {
     let Some(saved) = saved else {
+        tracing::warn!(
+            model = %model_dir.display(),
+            "the checkpoint names no KL reference (the KL term was off until now): the reference is this \
+             folder's model from here on"
+        );
         return Ok(());
     };
     let now = files_fingerprint(model_dir)?;

@@ -183,13 +183,13 @@ pub fn collect(
     let g = rc.samples_per_prompt;
     let mut all = sample_round(model, task, tok, end, cfg, step, 0)?;
     let rows: Vec<usize> = if tc.dynamic_sampling {
-        let mut kept = groups_with_signal(&all.scores, g)?;
+        let mut kept = groups_with_signal(&all.rewards, g)?;
         for round in 1..=tc.refill_rounds {
             if kept.len() >= rc.prompts_per_step {
                 break;
             }
             all.append(sample_round(model, task, tok, end, cfg, step, round)?);
-            kept = groups_with_signal(&all.scores, g)?;
+            kept = groups_with_signal(&all.rewards, g)?;
         }
         kept.truncate(rc.prompts_per_step);
         responses_of_groups(&kept, g)
@@ -222,9 +222,6 @@ pub fn collect(
 struct Round {
     rollout: Rollout,
     rewards: Vec<f32>,
-    /// The verifier's rewards, before the overlong penalty (`verify.overlong_buffer`): what dynamic
-    /// sampling looks for a signal in (verl's `filter_groups.metric = "score"`).
-    scores: Vec<f32>,
     correct: usize,
     rollout_s: f64,
     reward_s: f64,
@@ -236,7 +233,6 @@ impl Round {
     fn append(&mut self, next: Round) {
         self.rollout.append(next.rollout);
         self.rewards.extend(next.rewards);
-        self.scores.extend(next.scores);
         self.correct += next.correct;
         self.rollout_s += next.rollout_s;
         self.reward_s += next.reward_s;
@@ -365,7 +361,6 @@ fn sample_round(
 
     let t_reward = Instant::now();
     let mut rewards = Vec::with_capacity(out.ids.len());
-    let mut scores = Vec::with_capacity(out.ids.len());
     let mut correct = 0usize;
     for r in 0..out.ids.len() {
         let text = tok.decode(end.strip(out.response(r)))?;
@@ -376,7 +371,6 @@ fn sample_round(
             .verify
             .overlong_reward(out.response(r).len(), rc.max_new_tokens);
         rewards.push(v.reward + overlong);
-        scores.push(v.reward);
     }
     let prefill = model
         .config
@@ -384,7 +378,6 @@ fn sample_round(
     Ok(Round {
         rollout: out,
         rewards,
-        scores,
         correct,
         rollout_s,
         reward_s: t_reward.elapsed().as_secs_f64(),
