@@ -175,23 +175,7 @@ fn nan_logits_fail_eval_and_mismatch() {
     let model = tmp.path().join("model");
     arith_model(&model, true);
     problems(tmp.path());
-    let (code, stdout, err) = qarl(
-        tmp.path(),
-        &os(&[
-            "eval",
-            "--model",
-            "model",
-            "--data",
-            "problems.jsonl",
-            "--template",
-            "plain",
-            "--max-new-tokens",
-            "4",
-            "--quiet",
-            "--output",
-            "eval.json",
-        ]),
-    );
+    let (code, stdout, err) = qarl(tmp.path(), &os(&eval_args("model", "eval.json")));
     assert_eq!(code, Some(1), "{stdout}{err}");
     assert!(
         err.contains("model: ")
@@ -296,6 +280,24 @@ fn nan_losses_stop_sft_naming_the_steps() {
     );
 }
 
+/// `qarl eval` of `model` on `problems.jsonl` (plain template, 4 new tokens, quiet), writing `out`.
+fn eval_args<'a>(model: &'a str, out: &'a str) -> Vec<&'a str> {
+    vec![
+        "eval",
+        "--model",
+        model,
+        "--data",
+        "problems.jsonl",
+        "--template",
+        "plain",
+        "--max-new-tokens",
+        "4",
+        "--quiet",
+        "--output",
+        out,
+    ]
+}
+
 /// `qarl eval` on a checkpoint `qarl quantize` wrote records the checkpoint's scheme as its precision
 /// (it said f32, so `qarl compare --precision int4-g32` refused it and `--precision f32` took it), and
 /// the activations' type beside it.
@@ -315,24 +317,7 @@ fn eval_of_a_quantized_checkpoint_names_its_scheme() {
     assert!(tmp.path().join("model-q/tokenizer.json").exists());
     // `qarl eval` of the quantized model with `extra` arguments, writing `out`: its JSON.
     let eval = |extra: &[&str], out: &str| -> serde_json::Value {
-        let args = [
-            &[
-                "eval",
-                "--model",
-                "model-q",
-                "--data",
-                "problems.jsonl",
-                "--template",
-                "plain",
-                "--max-new-tokens",
-                "4",
-                "--quiet",
-                "--output",
-                out,
-            ][..],
-            extra,
-        ]
-        .concat();
+        let args = [&eval_args("model-q", out)[..], extra].concat();
         let (code, stdout, err) = qarl(tmp.path(), &os(&args));
         assert_eq!(code, Some(0), "{stdout}{err}");
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join(out)).unwrap()).unwrap()
