@@ -1238,6 +1238,60 @@ fn k3_kl_to_reference_adds_to_the_loss() {
     assert_close(grad[0], -0.25, 1e-5, "k3 gradient");
 }
 
+/// verl's other `kl_loss_type`s on one token with `d = lp_theta - lp_ref = -ln 2` and `kl_coef` 0.25: k1
+/// is `d` (gradient 0.25), abs `|d|` (gradient -0.25), k2 `d^2 / 2` (gradient 0.25 d); verl's names read
+/// as the same estimators, and a type other than the default with the term off is refused.
+#[test]
+fn kl_types_are_verls_estimators() {
+    use qarl::rl::losses::{KlType, LossConfig};
+    let d = -f64::ln(2.0);
+    let mut one = Batch::new(1, 1);
+    one.adv = vec![0.0];
+    one.lp_ref = Some(vec![-1.0 - d]);
+    let one = one.rounded();
+    for (kind, value, slope) in [
+        (KlType::K1, d, 1.0),
+        (KlType::Abs, -d, -1.0),
+        (KlType::K2, d * d / 2.0, d),
+    ] {
+        let mut loss = PolicyLoss::new(
+            Objective::ppo_clip(token_clip(0.2, 0.28, None)),
+            LossAggMode::TokenMean,
+        );
+        loss.kl_coef = 0.25;
+        loss.kl_type = kind;
+        let (out, grad) = run(&loss, &one);
+        assert_close(
+            out.metrics.kl_loss.unwrap(),
+            value,
+            1e-6,
+            &format!("{kind} value"),
+        );
+        assert_close(grad[0], 0.25 * slope, 1e-5, &format!("{kind} gradient"));
+    }
+    let parse = |kl: &str| -> LossConfig {
+        toml::from_str(&format!(
+            "objective = \"tbpo\"\nkl_coef = 0.1\nkl_type = \"{kl}\""
+        ))
+        .unwrap()
+    };
+    for (verl, ours) in [
+        ("kl", KlType::K1),
+        ("mse", KlType::K2),
+        ("low_var_kl", KlType::K3),
+        ("abs", KlType::Abs),
+    ] {
+        assert_eq!(parse(verl).resolve().unwrap().kl_type, ours, "{verl}");
+    }
+    let mut off = parse("k2");
+    off.kl_coef = Some(0.0);
+    let err = off.resolve().unwrap_err().to_string();
+    assert!(
+        err.contains("`kl_type` = \"k2\" with `kl_coef` = 0"),
+        "{err}"
+    );
+}
+
 /// verl's safety clamps, reached: a token log-ratio beyond 20 is taken as 20 (the ratio e^20, with exactly
 /// no gradient through the clamp), and the k3 KL of a token is at most 10 (no gradient beyond). Without
 /// them one token with log-ratio 25 would give a loss and a gradient of 7.2e10.

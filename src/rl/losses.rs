@@ -38,8 +38,8 @@ pub use objectives::{seq_ratio, REGISTRY};
 pub use params::ObjectiveParams;
 pub use registry::{known_fields, lookup, registered_names, ObjectiveName};
 pub use spec::{
-    LossAggMode, Objective, ObjectiveInputs, ObjectiveSpec, ObjectiveTerms, ParamKind, ParamSpec,
-    ParamValue, Params, Range, TermsFn, COMMON_FIELDS,
+    KlType, LossAggMode, Objective, ObjectiveInputs, ObjectiveSpec, ObjectiveTerms, ParamKind,
+    ParamSpec, ParamValue, Params, Range, TermsFn, COMMON_FIELDS,
 };
 
 use super::corrections::mismatch_correction;
@@ -151,6 +151,17 @@ pub fn k3_kl(lp_theta: Tensor<2>, lp_ref: Tensor<2>) -> Tensor<2> {
     (log_ratio.clone().exp() - log_ratio - 1.0).clamp_max(10.0)
 }
 
+/// The per-token KL estimate of `kind` (verl's `kl_penalty`): with `d = lp_theta - lp_ref`, `d` (k1), `|d|`
+/// (abs), `d^2 / 2` (k2), or [`k3_kl`].
+pub fn kl_estimate(kind: KlType, lp_theta: Tensor<2>, lp_ref: Tensor<2>) -> Tensor<2> {
+    match kind {
+        KlType::K1 => lp_theta - lp_ref,
+        KlType::Abs => (lp_theta - lp_ref).abs(),
+        KlType::K2 => (lp_theta - lp_ref).powi_scalar(2) * 0.5,
+        KlType::K3 => k3_kl(lp_theta, lp_ref),
+    }
+}
+
 fn same_dims(name: &str, got: [usize; 2], want: [usize; 2]) -> Result<(), RlError> {
     if got == want {
         Ok(())
@@ -222,7 +233,7 @@ impl PolicyLoss {
         let kl_loss = lp_ref.map(|lp_ref| {
             let lp_ref = zero_outside(lp_ref.detach(), &mask);
             aggregate(
-                k3_kl(lp_theta.clone(), lp_ref),
+                kl_estimate(self.kl_type, lp_theta.clone(), lp_ref),
                 &loss_mask,
                 self.agg,
                 self.agg_divisor,

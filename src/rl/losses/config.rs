@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::params::ObjectiveParams;
 use super::registry::ObjectiveName;
-use super::spec::{LossAggMode, Objective, ParamKind, ParamValue, Params};
+use super::spec::{KlType, LossAggMode, Objective, ParamKind, ParamValue, Params};
 use crate::rl::corrections::CorrectionConfig;
 use crate::rl::RlError;
 
@@ -26,9 +26,12 @@ pub struct LossConfig {
     /// Constant divisor of `seq-mean-token-sum` (default 1: a plain token sum).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub loss_agg_divisor: Option<f32>,
-    /// Weight of the k3 KL to a reference policy (default 0: off; needs `lp_ref` when > 0).
+    /// Weight of the KL to a reference policy (default 0: off; needs `lp_ref` when > 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kl_coef: Option<f32>,
+    /// The KL's per-token estimator (default `k3`, verl's `low_var_kl`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_type: Option<KlType>,
     /// The objective's own fields (`eps_high`, `seq_eps_low_neg`, ...), written flat beside the common ones.
     /// Before `corrections` so that a TOML writer emits these values before that array of tables.
     #[serde(flatten)]
@@ -45,8 +48,10 @@ pub struct PolicyLoss {
     pub agg: LossAggMode,
     /// Divisor of `seq-mean-token-sum` (1 for the other modes, where it is unused).
     pub agg_divisor: f32,
-    /// k3 KL weight; 0 disables it.
+    /// KL weight; 0 disables it.
     pub kl_coef: f32,
+    /// The KL's per-token estimator.
+    pub kl_type: KlType,
     pub corrections: Vec<CorrectionConfig>,
 }
 
@@ -58,6 +63,7 @@ impl PolicyLoss {
             agg,
             agg_divisor: 1.0,
             kl_coef: 0.0,
+            kl_type: KlType::K3,
             corrections: Vec::new(),
         }
     }
@@ -71,6 +77,7 @@ impl LossConfig {
             loss_agg_mode: None,
             loss_agg_divisor: None,
             kl_coef: None,
+            kl_type: None,
             params: ObjectiveParams::default(),
             corrections: Vec::new(),
         }
@@ -107,6 +114,7 @@ impl LossConfig {
             filled.loss_agg_divisor.get_or_insert(1.0);
         }
         filled.kl_coef.get_or_insert(0.0);
+        filled.kl_type.get_or_insert(KlType::K3);
         filled
     }
 
@@ -147,6 +155,12 @@ impl LossConfig {
                 "`kl_coef` must be finite and >= 0, got {kl_coef}"
             )));
         }
+        let kl_type = self.kl_type.unwrap_or_default();
+        if kl_coef == 0.0 && kl_type != KlType::K3 {
+            return Err(RlError::Config(format!(
+                "`kl_type` = \"{kl_type}\" with `kl_coef` = 0: the KL term is off"
+            )));
+        }
         for correction in &self.corrections {
             correction.validate()?;
         }
@@ -155,6 +169,7 @@ impl LossConfig {
             agg,
             agg_divisor,
             kl_coef,
+            kl_type,
             corrections: self.corrections.clone(),
         })
     }

@@ -32,13 +32,44 @@ pub enum LossAggMode {
 
 /// The fields of `[train.loss]` that every objective takes; the objective's own fields are declared in its file
 /// (src/rl/losses/objectives/).
-pub const COMMON_FIELDS: [&str; 5] = [
+pub const COMMON_FIELDS: [&str; 6] = [
     "objective",
     "loss_agg_mode",
     "loss_agg_divisor",
     "kl_coef",
+    "kl_type",
     "corrections",
 ];
+
+/// The per-token estimator of KL(pi_theta || pi_ref) of the KL term (verl's `kl_loss_type`, under its names
+/// too), with `d = lp_theta - lp_ref`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KlType {
+    /// `d` (verl's `kl`).
+    #[serde(alias = "kl")]
+    K1,
+    /// `|d|`.
+    Abs,
+    /// `d^2 / 2` (verl's `mse`).
+    #[serde(alias = "mse")]
+    K2,
+    /// `exp(-d) + d - 1`, clamped as verl's `low_var_kl` (the default there and here).
+    #[default]
+    #[serde(alias = "low_var_kl")]
+    K3,
+}
+
+impl fmt::Display for KlType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            KlType::K1 => "k1",
+            KlType::Abs => "abs",
+            KlType::K2 => "k2",
+            KlType::K3 => "k3",
+        })
+    }
+}
 
 /// One registered objective: everything the config needs to know about it.
 #[derive(Debug)]
