@@ -106,7 +106,7 @@ pub struct LossMetrics {
     /// Fraction of response tokens kept by the rejections (1 when nothing rejects).
     #[serde(rename = "actor/kept_token_frac")]
     pub kept_token_frac: f64,
-    /// Aggregated k3 KL to the reference, when enabled.
+    /// Aggregated KL estimate to the reference (`kl_type`), when enabled.
     #[serde(rename = "actor/kl_loss", skip_serializing_if = "Option::is_none")]
     pub kl_loss: Option<f64>,
     /// Response tokens in the loss, the `token-mean` denominator (to rescale when accumulating micro-batches).
