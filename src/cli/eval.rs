@@ -165,10 +165,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     tok.check_template(&template, &args.model)?;
 
     let end = crate::model::EndTokens::of(&tok, &model.config)?;
-    let stop_strings = match args.stop {
-        RolloutStop::Template => end.beyond_stops(&tok, template.stop_strings()),
-        RolloutStop::EndTokens => vec![],
-    };
+    let stop_strings = args.stop.strings(&end, &tok, || template.stop_strings());
     let stop_ids = end.stops().to_vec();
     let params = SamplingParams {
         temperature: 0.0,

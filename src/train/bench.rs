@@ -96,7 +96,7 @@ pub fn bench_steps(
             m.num_experts, m.num_experts_per_tok
         ))
     );
-    let reference = super::reference::Reference::load(cfg, device)?;
+    let reference = super::reference::Reference::load(cfg, device, None)?;
     let mut timed = Vec::with_capacity(steps);
     for step in 0..warmup + steps {
         let out = rl::rl_step(

@@ -155,17 +155,18 @@ pub enum RolloutStop {
 }
 
 impl RolloutStop {
-    /// The strings that end a response of `task` under this rule besides the end tokens `end` (none that is
-    /// the text of an end token: [`crate::model::EndTokens::beyond_stops`]).
+    /// The strings that end a response under this rule besides the end tokens `end`: none, or the
+    /// template's (`template_strings`: a task's or `qarl eval`'s prompt template's) without those that are
+    /// the text of an end token ([`crate::model::EndTokens::beyond_stops`]).
     pub fn strings(
         self,
-        task: &crate::tasks::Task,
         end: &crate::model::EndTokens,
         tok: &crate::model::Tokenizer,
+        template_strings: impl FnOnce() -> Vec<String>,
     ) -> Vec<String> {
         match self {
             RolloutStop::EndTokens => vec![],
-            RolloutStop::Template => end.beyond_stops(tok, task.stop_strings()),
+            RolloutStop::Template => end.beyond_stops(tok, template_strings()),
         }
     }
 }

@@ -27,13 +27,21 @@ pub struct Reference {
 
 impl Reference {
     /// The reference of `cfg` where its KL term is on (`None` otherwise), loaded from `model.dir` onto the
-    /// plain view of `device` (one more copy of the model's weights in memory).
-    pub fn load(cfg: &TrainConfig, device: &burn::tensor::Device) -> anyhow::Result<Option<Self>> {
-        if cfg.train.loss.kl_coef.unwrap_or(0.0) <= 0.0 {
+    /// plain view of `device` (one more copy of the model's weights in memory). `fingerprint`: the folder's
+    /// [`files_fingerprint`] where the caller took it already ([`check_resumed`]), else it is taken here.
+    pub fn load(
+        cfg: &TrainConfig,
+        device: &burn::tensor::Device,
+        fingerprint: Option<String>,
+    ) -> anyhow::Result<Option<Self>> {
+        if cfg.train.loss.kl_weight() <= 0.0 {
             return Ok(None);
         }
         // Before the weights are read, so that files changed meanwhile never pass for the ones recorded.
-        let fingerprint = files_fingerprint(&cfg.model.dir)?;
+        let fingerprint = match fingerprint {
+            Some(f) => f,
+            None => files_fingerprint(&cfg.model.dir)?,
+        };
         let mut model = Decoder::load_full_precision(&cfg.model.dir, device)?;
         model.set_precision(cfg.rollout.precision)?;
         model.set_activations(cfg.train.activations)?;
@@ -127,14 +135,15 @@ fn fill(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
 
 /// Refuses a `model_dir` other than the reference a resumed run's checkpoint names (`saved`: absent in
 /// checkpoints of runs without the KL term), before the resume changes anything in the run directory.
-pub fn check_resumed(saved: Option<&str>, model_dir: &Path) -> anyhow::Result<()> {
+/// Returns the fingerprint it took, for [`Reference::load`].
+pub fn check_resumed(saved: Option<&str>, model_dir: &Path) -> anyhow::Result<Option<String>> {
     let Some(saved) = saved else {
         tracing::warn!(
             model = %model_dir.display(),
             "the checkpoint names no KL reference (the KL term was off until now): the reference is this \
              folder's model from here on"
         );
-        return Ok(());
+        return Ok(None);
     };
     let now = files_fingerprint(model_dir)?;
     anyhow::ensure!(
@@ -144,5 +153,5 @@ pub fn check_resumed(saved: Option<&str>, model_dir: &Path) -> anyhow::Result<()
          start over with --overwrite",
         model_dir.display()
     );
-    Ok(())
+    Ok(Some(now))
 }

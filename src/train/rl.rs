@@ -72,7 +72,7 @@ pub fn rl_step(
             m.insert("perf/lp_ref_s".into(), t_ref.elapsed().as_secs_f64());
             m.insert(
                 "actor/kl_coef".into(),
-                f64::from(cfg.train.loss.kl_coef.unwrap_or(0.0)),
+                f64::from(cfg.train.loss.kl_weight()),
             );
         }
         worst_response = worst_response_example(tok, end, &collected, &scored)?;
@@ -340,7 +340,7 @@ fn sample_round(
         max_new_tokens: rc.max_new_tokens,
         seed: rl_seed(cfg.seed, RlStream::Sampling, step, round),
         stop_token_ids: end.stops().to_vec(),
-        stop_strings: rc.stop.strings(task, end, tok),
+        stop_strings: rc.stop.strings(end, tok, || task.stop_strings()),
         // The learner's entropy metric, when its forward would compute the rollout's bits.
         record_entropy: lp_old_is_the_rollout_record(cfg, 0),
         processed_logprobs: rc.logprobs == super::config::RolloutLogprobs::Processed,

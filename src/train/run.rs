@@ -125,10 +125,13 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         )),
         _ => None,
     };
-    let has_reference = cfg.train.loss.kl_coef.unwrap_or(0.0) > 0.0;
-    if let (Some((_, saved)), true) = (&resumed, model_made && has_reference) {
-        super::reference::check_resumed(saved.reference.as_deref(), &cfg.model.dir)?;
-    }
+    let has_reference = cfg.train.loss.kl_weight() > 0.0;
+    let reference_files = match (&resumed, model_made && has_reference) {
+        (Some((_, saved)), true) => {
+            super::reference::check_resumed(saved.reference.as_deref(), &cfg.model.dir)?
+        }
+        _ => None,
+    };
     let keeps_sft_rows = resume::keeps_warm_start_rows(cfg, opts.resume, model_made);
     if let (Some((_, saved)), true) = (&resumed, opts.accept_changes) {
         resume::keep_earlier_config(cfg, saved.step + 1)?;
@@ -162,7 +165,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
     };
     // After the warm start: the reference is the model it made (or the one given), on every resume too.
-    let reference = Reference::load(cfg, &device)?;
+    let reference = Reference::load(cfg, &device, reference_files)?;
     if let Some(r) = &reference {
         state.reference = Some(r.fingerprint().to_string());
     }
@@ -370,7 +373,7 @@ impl<'a> Evaluator<'a> {
             cfg,
             tok,
             end,
-            stop_strings: cfg.rollout.stop.strings(task, end, tok),
+            stop_strings: cfg.rollout.stop.strings(end, tok, || task.stop_strings()),
             problems,
             fingerprint: crate::tasks::questions_fingerprint(
                 &task.eval_questions(cfg.eval.problems),

@@ -83,6 +83,11 @@ impl LossConfig {
         }
     }
 
+    /// The KL term's weight (`kl_coef`, 0 when unset: off).
+    pub fn kl_weight(&self) -> f32 {
+        self.kl_coef.unwrap_or(0.0)
+    }
+
     /// The same config with the objective field `key` (a name or alias) set; checked by [`Self::resolve`].
     pub fn with(mut self, key: &str, value: impl Into<ParamValue>) -> Self {
         self.params.set(key, value);
@@ -149,7 +154,7 @@ impl LossConfig {
                 ))
             }
         };
-        let kl_coef = self.kl_coef.unwrap_or(0.0);
+        let kl_coef = self.kl_weight();
         if !(kl_coef.is_finite() && kl_coef >= 0.0) {
             return Err(RlError::Config(format!(
                 "`kl_coef` must be finite and >= 0, got {kl_coef}"
