@@ -1239,8 +1239,10 @@ fn k3_kl_to_reference_adds_to_the_loss() {
 }
 
 /// verl's other `kl_loss_type`s on one token with `d = lp_theta - lp_ref = -ln 2` and `kl_coef` 0.25: k1
-/// is `d` (gradient 0.25), abs `|d|` (gradient -0.25), k2 `d^2 / 2` (gradient 0.25 d); verl's names read
-/// as the same estimators, and a type other than the default with the term off is refused.
+/// is `d` (gradient 0.25), abs `|d|` (gradient -0.25), k2 `d^2 / 2` (gradient 0.25 d); the straight-through
+/// `+` types have k1's, abs's or k3's value and k2's gradient (k3's own would be -0.25, see above); verl's
+/// names read as the same estimators (its `k2+` is k2), and a type other than the default with the term
+/// off is refused.
 #[test]
 fn kl_types_are_verls_estimators() {
     use qarl::rl::losses::{KlType, LossConfig};
@@ -1253,6 +1255,9 @@ fn kl_types_are_verls_estimators() {
         (KlType::K1, d, 1.0),
         (KlType::Abs, -d, -1.0),
         (KlType::K2, d * d / 2.0, d),
+        (KlType::K1StraightThrough, d, d),
+        (KlType::AbsStraightThrough, -d, d),
+        (KlType::K3StraightThrough, 1.0 - f64::ln(2.0), d),
     ] {
         let mut loss = PolicyLoss::new(
             Objective::ppo_clip(token_clip(0.2, 0.28, None)),
@@ -1280,6 +1285,13 @@ fn kl_types_are_verls_estimators() {
         ("mse", KlType::K2),
         ("low_var_kl", KlType::K3),
         ("abs", KlType::Abs),
+        ("k1+", KlType::K1StraightThrough),
+        ("kl+", KlType::K1StraightThrough),
+        ("abs+", KlType::AbsStraightThrough),
+        ("k3+", KlType::K3StraightThrough),
+        ("low_var_kl+", KlType::K3StraightThrough),
+        ("k2+", KlType::K2),
+        ("mse+", KlType::K2),
     ] {
         assert_eq!(parse(verl).resolve().unwrap().kl_type, ours, "{verl}");
     }

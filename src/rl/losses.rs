@@ -152,14 +152,21 @@ pub fn k3_kl(lp_theta: Tensor<2>, lp_ref: Tensor<2>) -> Tensor<2> {
 }
 
 /// The per-token KL estimate of `kind` (verl's `kl_penalty`): with `d = lp_theta - lp_ref`, `d` (k1), `|d|`
-/// (abs), `d^2 / 2` (k2), or [`k3_kl`].
+/// (abs), `d^2 / 2` (k2), or [`k3_kl`]; a straight-through kind has its value estimator's value and k2's
+/// gradient (`k2 - detach(k2) + detach(value)`: the value's bits, since `k2 - detach(k2)` is exactly 0).
 pub fn kl_estimate(kind: KlType, lp_theta: Tensor<2>, lp_ref: Tensor<2>) -> Tensor<2> {
-    match kind {
-        KlType::K1 => lp_theta - lp_ref,
-        KlType::Abs => (lp_theta - lp_ref).abs(),
-        KlType::K2 => (lp_theta - lp_ref).powi_scalar(2) * 0.5,
-        KlType::K3 => k3_kl(lp_theta, lp_ref),
+    let k2 = |lp_theta: Tensor<2>, lp_ref: Tensor<2>| (lp_theta - lp_ref).powi_scalar(2) * 0.5;
+    let value = match kind {
+        KlType::K1 | KlType::K1StraightThrough => lp_theta.clone() - lp_ref.clone(),
+        KlType::Abs | KlType::AbsStraightThrough => (lp_theta.clone() - lp_ref.clone()).abs(),
+        KlType::K2 => k2(lp_theta.clone(), lp_ref.clone()),
+        KlType::K3 | KlType::K3StraightThrough => k3_kl(lp_theta.clone(), lp_ref.clone()),
+    };
+    if !kind.straight_through() {
+        return value;
     }
+    let gradient = k2(lp_theta, lp_ref);
+    gradient.clone() - gradient.detach() + value.detach()
 }
 
 fn same_dims(name: &str, got: [usize; 2], want: [usize; 2]) -> Result<(), RlError> {

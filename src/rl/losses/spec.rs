@@ -42,22 +42,43 @@ pub const COMMON_FIELDS: [&str; 6] = [
 ];
 
 /// The per-token estimator of KL(pi_theta || pi_ref) of the KL term (verl's `kl_loss_type`, under its names
-/// too), with `d = lp_theta - lp_ref`.
+/// too), with `d = lp_theta - lp_ref`. A `+` suffix (verl's straight-through types) keeps the estimator's
+/// value and takes the gradient of k2, `d`: k1's and k3's expectations are the KL, their expected gradients
+/// are not, k2's is (Schulman, "Approximating KL divergence"; verl's `kl_penalty`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
 pub enum KlType {
     /// `d` (verl's `kl`).
-    #[serde(alias = "kl")]
+    #[serde(rename = "k1", alias = "kl")]
     K1,
     /// `|d|`.
+    #[serde(rename = "abs")]
     Abs,
-    /// `d^2 / 2` (verl's `mse`).
-    #[serde(alias = "mse")]
+    /// `d^2 / 2` (verl's `mse`; its `k2+` and `mse+` are k2 too, whose gradient is already its own).
+    #[serde(rename = "k2", alias = "mse", alias = "k2+", alias = "mse+")]
     K2,
     /// `exp(-d) + d - 1`, clamped as verl's `low_var_kl` (the default there and here).
     #[default]
-    #[serde(alias = "low_var_kl")]
+    #[serde(rename = "k3", alias = "low_var_kl")]
     K3,
+    /// k1's value with k2's gradient (verl's `k1+`, `kl+`).
+    #[serde(rename = "k1+", alias = "kl+")]
+    K1StraightThrough,
+    /// abs's value with k2's gradient (verl's `abs+`).
+    #[serde(rename = "abs+")]
+    AbsStraightThrough,
+    /// k3's value with k2's gradient (verl's `k3+`, `low_var_kl+`).
+    #[serde(rename = "k3+", alias = "low_var_kl+")]
+    K3StraightThrough,
+}
+
+impl KlType {
+    /// Whether the gradient is k2's rather than the value estimator's own (a `+` type).
+    pub fn straight_through(self) -> bool {
+        matches!(
+            self,
+            KlType::K1StraightThrough | KlType::AbsStraightThrough | KlType::K3StraightThrough
+        )
+    }
 }
 
 impl fmt::Display for KlType {
@@ -67,6 +88,9 @@ impl fmt::Display for KlType {
             KlType::Abs => "abs",
             KlType::K2 => "k2",
             KlType::K3 => "k3",
+            KlType::K1StraightThrough => "k1+",
+            KlType::AbsStraightThrough => "abs+",
+            KlType::K3StraightThrough => "k3+",
         })
     }
 }
