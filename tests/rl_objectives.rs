@@ -245,7 +245,9 @@ fn ref_corrections(batch: &Batch, corrections: &[RefCorrection]) -> (Vec<f64>, V
     (weight, keep)
 }
 
-/// The loss as a function of `theta` (the CISPO weights are taken at `theta_sg`, they are stop-gradient).
+/// The loss as a function of `theta` (the CISPO weights are taken at `theta_sg`, they are stop-gradient; so is
+/// the sequence ratio of GSPO, TBPO and positive-only, which each token carries times its own ratio change,
+/// verl's per-token form: a per-token correction weight then scales that token's gradient alone).
 fn ref_loss(
     batch: &Batch,
     theta: &[f64],
@@ -265,7 +267,13 @@ fn ref_loss(
             .filter(|&i| mask[i] > 0.5)
             .collect();
         let n = idx.len().max(1) as f64;
-        let s = (idx.iter().map(|&i| theta[i] - batch.lp_old[i]).sum::<f64>() / n).exp();
+        // The sequence ratio in verl's per-token form: `s_i` at `theta_sg`, times token i's own ratio change.
+        let s_sg = (idx
+            .iter()
+            .map(|&i| theta_sg[i] - batch.lp_old[i])
+            .sum::<f64>()
+            / n)
+            .exp();
         let mismatch = (idx
             .iter()
             .map(|&i| batch.lp_old[i] - batch.lp_roll[i])
@@ -274,6 +282,7 @@ fn ref_loss(
             .exp();
         for i in row * t..(row + 1) * t {
             let r = (theta[i] - batch.lp_old[i]).exp();
+            let s = s_sg * (theta[i] - theta_sg[i]).exp();
             per_token[i] = match objective {
                 RefObjective::Ppo { lo, hi, c } => {
                     let mut obj = (r * a).min(clip(r, lo, hi) * a);
@@ -1147,6 +1156,19 @@ fn corrections_compose_with_every_objective() {
                     hi: 1.0 + 4e-4,
                 },
             ),
+            (
+                &seq_batch,
+                Objective::tbpo(TrustBand::PAPER),
+                RefObjective::Tbpo {
+                    lo: 0.0,
+                    hi: 1.0 + f64::from(TrustBand::PAPER.eps_high),
+                    lo_neg: 1.0 - f64::from(TrustBand::PAPER.eps_low_neg),
+                    hi_neg: 1.0 + f64::from(TrustBand::PAPER.eps_high_neg),
+                    cap: f64::from(TrustBand::PAPER.mismatch_cap),
+                    two_sided: TrustBand::PAPER.two_sided,
+                    drop: TrustBand::PAPER.drop_outside_cap,
+                },
+            ),
         ];
         for (batch, objective, reference) in objectives {
             let mut loss = PolicyLoss::new(objective.clone(), LossAggMode::TokenMean);
@@ -1188,6 +1210,56 @@ fn corrections_compose_with_every_objective() {
         1e-6,
         "kept fraction",
     );
+}
+
+/// verl's per-token form of the sequence ratio: a per-token correction weight scales its own token's gradient.
+/// One sequence of 2 tokens, `A = +1`, `rho = exp(lp_old - lp_roll)` 1 and e^-1.9; IcePop with zero weight
+/// (`[0.5, 5]`) rejects the second token. Under GSPO, TBPO and positive-only it gets exactly no gradient and the
+/// first gets its share of the sequence's, `-A s w / n = -0.5` (TBPO: times its sequence weight). Repeating
+/// `l_i(s_i)` on both tokens would give each the mean weight: -0.25 and -0.25.
+#[test]
+fn a_token_icepop_rejects_gets_no_gradient_under_sequence_objectives() {
+    let mut one = Batch::new(1, 2);
+    one.lp_theta = vec![-1.0, -3.0];
+    one.lp_old = vec![-1.0, -3.0];
+    one.lp_roll = vec![-1.0, -1.1];
+    let one = one.rounded();
+    let objectives = [
+        Objective::gspo(SeqClip {
+            eps_low: 3e-4,
+            eps_high: 4e-4,
+        }),
+        Objective::positive_only(4e-4),
+        Objective::tbpo(TrustBand::PAPER),
+    ];
+    for objective in objectives {
+        let mut loss = PolicyLoss::new(objective.clone(), LossAggMode::SeqMeanTokenMean);
+        loss.corrections = vec![CorrectionConfig::TokenMis {
+            low: 0.5,
+            high: 5.0,
+            importance_weight: true,
+            rejected: Rejected::ZeroWeight,
+        }];
+        let (_, grad) = run(&loss, &one);
+        assert_eq!(grad[1], 0.0, "{objective:?}: the rejected token");
+        let seq_weight = if objective.name() == "tbpo" {
+            let mismatch = (-1.9f64 / 2.0).exp();
+            let cap = f64::from(TrustBand::PAPER.mismatch_cap);
+            if TrustBand::PAPER.two_sided {
+                mismatch.clamp(1.0 / cap, cap)
+            } else {
+                mismatch.min(cap)
+            }
+        } else {
+            1.0
+        };
+        assert_close(
+            grad[0],
+            -0.5 * seq_weight,
+            1e-6,
+            &format!("{objective:?}: the kept token"),
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

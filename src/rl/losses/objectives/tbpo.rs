@@ -10,7 +10,7 @@ use crate::rl::tensor_ops::{bounded_exp, masked_row_mean, over_tokens, select};
 use crate::rl::RlError;
 
 use super::gspo::SEQ_EPS_HIGH;
-use super::{pessimistic_clip, seq_ratio};
+use super::{pessimistic_clip, seq_ratio, seq_ratio_on_tokens};
 
 const PAPER: TrustBand = TrustBand::PAPER;
 
@@ -114,20 +114,10 @@ pub fn tbpo(
     band: &TrustBand,
 ) -> ObjectiveTerms {
     let [_, t] = lp_theta.dims();
-    let s = seq_ratio(lp_theta, lp_old.clone(), mask);
-    // Lower bound 0: ratios are positive, so only the upper clip can bind (as GSPO's for `A_i >= 0`).
-    let (positive_loss, positive_clipped) =
-        pessimistic_clip(s.clone(), adv.clone(), 0.0, 1.0 + band.eps_high);
-    let (lo_neg, hi_neg) = (1.0 - band.eps_low_neg, 1.0 + band.eps_high_neg);
-    let out_of_band = s
-        .clone()
-        .lower_elem(lo_neg)
-        .bool_or(s.clone().greater_elem(hi_neg));
-    let negative_loss = adv.clone().neg() * s.clamp(lo_neg, hi_neg);
-    let negative = adv.lower_elem(0.0);
-    let loss = select(negative.clone(), negative_loss, positive_loss);
-    let clipped_lower = negative.clone().bool_and(out_of_band).float();
-    let clipped = select(negative, clipped_lower.clone(), positive_clipped);
+    let s = seq_ratio(lp_theta.clone(), lp_old.clone(), mask).detach();
+    let (_, clipped, clipped_lower) = band_terms(s, adv.clone(), band);
+    let r = seq_ratio_on_tokens(lp_theta, lp_old.clone(), mask);
+    let (loss, _, _) = band_terms(r, over_tokens(adv, t), band);
 
     let mismatch = bounded_exp(masked_row_mean(lp_old - lp_roll, mask)).detach();
     let cap = band.mismatch_cap;
@@ -144,10 +134,29 @@ pub fn tbpo(
             .float()
     });
     ObjectiveTerms {
-        loss: over_tokens(loss, t),
+        loss,
         clipped,
         clipped_lower,
         seq_weight: Some(seq_weight),
         seq_keep,
     }
+}
+
+/// TBPO's loss, clip and lower-clip indicators for the ratio `s` and the advantage `adv` of the same shape
+/// (`[B, 1]` per sequence, or `[B, T]` with the ratio on every token).
+fn band_terms(s: Tensor<2>, adv: Tensor<2>, band: &TrustBand) -> (Tensor<2>, Tensor<2>, Tensor<2>) {
+    // Lower bound 0: ratios are positive, so only the upper clip can bind (as GSPO's for `A_i >= 0`).
+    let (positive_loss, positive_clipped) =
+        pessimistic_clip(s.clone(), adv.clone(), 0.0, 1.0 + band.eps_high);
+    let (lo_neg, hi_neg) = (1.0 - band.eps_low_neg, 1.0 + band.eps_high_neg);
+    let out_of_band = s
+        .clone()
+        .lower_elem(lo_neg)
+        .bool_or(s.clone().greater_elem(hi_neg));
+    let negative_loss = adv.clone().neg() * s.clamp(lo_neg, hi_neg);
+    let negative = adv.lower_elem(0.0);
+    let loss = select(negative.clone(), negative_loss, positive_loss);
+    let clipped_lower = negative.clone().bool_and(out_of_band).float();
+    let clipped = select(negative, clipped_lower.clone(), positive_clipped);
+    (loss, clipped, clipped_lower)
 }
