@@ -924,6 +924,33 @@ fn verifier_hand_cases() {
         ("\u{1F600}\u{0663}", "3", false, None),
         ("five", "5", false, None),
         ("6", "5", false, Some("6")),
+        // A letter x between values is a times sign, and an equation on the marker's line is read at its
+        // result; a note's `=` in parentheses or after a sentence end is not the line's.
+        ("#### 3 x 4 = 12", "12", true, Some("3 x 4 = 12")),
+        ("#### 4 x $5 = $20", "20", true, Some("4 x $5 = $20")),
+        (
+            "#### 5 x 4 = 20 apples",
+            "20",
+            true,
+            Some("5 x 4 = 20 apples"),
+        ),
+        (
+            "#### 5 apples + 7 apples = 12 apples",
+            "12",
+            true,
+            Some("5 apples + 7 apples = 12 apples"),
+        ),
+        ("#### 18 eggs (16 - 3 - 4 = 9 eggs)", "18", true, Some("18")),
+        ("#### 20. So 4 x 5 = 20", "20", true, Some("20")),
+        ("#### 12 = 3 x 4", "3", false, None),
+        // An inequality states no value.
+        ("\\boxed{x >= 5}", "5", false, None),
+        ("\\boxed{x<=5}", "5", false, None),
+        ("\\boxed{x != 5}", "5", false, None),
+        // Display math on the lines after the marker; an empty box after the answer hides nothing.
+        ("The answer is:\n$$\n18\n$$", "18", true, Some("18")),
+        ("The answer is:\n\\[\n18\n\\]", "18", true, Some("18")),
+        ("\\boxed{18}. Check: \\boxed{}", "18", true, Some("18")),
         // gold formats
         ("#### 1000", "1,000", true, Some("1000")),
         ("#### 5", "$5.00", true, Some("5")),

@@ -215,7 +215,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
                 .collect();
             let text = tok.decode(&body)?;
             let cut_off = out.finish_reasons[i] == FinishReason::Length;
-            let v = score_response(&text, cut_off, &r.answer, &verify);
+            let v = score_response(
+                &tok.decode_without_special(&body)?,
+                cut_off,
+                &r.answer,
+                &verify,
+            );
             correct += usize::from(v.correct);
             rows.push(
                 serde_json::json!({"line": r.line, "question": r.question, "gold": r.answer,

@@ -243,6 +243,15 @@ impl Tokenizer {
             .map_err(|e| anyhow::anyhow!("tokenizer could not decode ids: {e}"))
     }
 
+    /// The text a verifier reads: special tokens (a chat turn's end, padding) left out, as verl's reward
+    /// managers decode (`skip_special_tokens=True`). A turn end that is not a stop id (a model that runs on
+    /// past it, or a template's stop string) would otherwise be glued to the answer: `#### 18<|eot_id|>`.
+    pub fn decode_without_special(&self, ids: &[u32]) -> anyhow::Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| anyhow::anyhow!("tokenizer could not decode ids: {e}"))
+    }
+
     /// The id of a token string such as `<|im_end|>`.
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
@@ -304,6 +313,23 @@ mod tests {
         assert_eq!(tok.decode(&ids).unwrap(), "12 + 3 = 15");
         // A text that writes the unknown token itself asks for it.
         assert!(tok.encode("a <unk> b").unwrap().contains(&3));
+    }
+
+    /// A special token glued to the answer (a turn end the model ran past) hides it from the verifier in
+    /// the text with special tokens kept; the verifier's text leaves it out.
+    #[test]
+    fn the_verifiers_text_leaves_special_tokens_out() {
+        use crate::tasks::verify::{score_response, VerifyConfig};
+        let tok = char_tokenizer();
+        let mut ids = tok.encode("#### 18").unwrap();
+        ids.extend([char_tokenizer::PAD_ID, char_tokenizer::BOS_ID]);
+        let kept = tok.decode(&ids).unwrap();
+        assert_eq!(kept, "#### 18<pad><bos>");
+        let cfg = VerifyConfig::default();
+        assert!(!score_response(&kept, false, "18", &cfg).correct);
+        let text = tok.decode_without_special(&ids).unwrap();
+        assert_eq!(text, "#### 18");
+        assert!(score_response(&text, false, "18", &cfg).correct);
     }
 
     #[test]

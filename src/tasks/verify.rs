@@ -2,13 +2,13 @@
 //! as a rational number, and turn the result into a reward.
 //!
 //! **Extraction** (first source that yields a non-empty candidate wins):
-//! 1. the content of the last well-formed `\boxed{...}` (or `\fbox{...}`), nested braces handled;
+//! 1. the content of the last well-formed, non-empty `\boxed{...}` (or `\fbox{...}`), nested braces handled;
 //! 2. the rest of the line after the *first* `####` (GSM8K's terminal marker: what follows the first one, e.g. a
 //!    run-on generation of a new question, is not part of the answer) that is not a Markdown heading
 //!    (`#### Step 1: Add the apples`, `#### 1. Count`, `#### **Step 1**`: after bold/italic markers a word
 //!    or a list number first, neither `x = ...` nor an answer phrase; a heading is its whole line);
 //! 3. the rest of the line after the last `Answer:` / `answer is` (ASCII case-insensitive; when that line is
-//!    empty, the next non-empty line);
+//!    empty, the next non-empty line that is not a display-math opener, `$$`, `\[` or `\(`);
 //! 4. the last number in the response (`-12`, `−12`, `1,234.5`, `3/4`).
 //!
 //! [`VerifyConfig::answer_from`] `= "marked"` keeps sources 1 and 2 only (an answer must be stated), and
@@ -17,9 +17,10 @@
 //!
 //! **Normalisation** ([`parse_answer`]): LaTeX wrappers are dropped (`$`, `\(`, `\[`, `\text{..}`/`\mathrm{..}`
 //! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac` -> `\frac`); only what follows
-//! the last `=` is kept (`x = 5`; a list of assignments, `x=2, x=5` or `x = 2 or x = 5`, is no value, and a
-//! marker's line that states its value before a note, `#### 18 (16 - 3 - 4 = 9 eggs)`, is read from the
-//! value); leading words (`The total is`) and trailing words/units/punctuation
+//! the last `=` is kept (`x = 5`; a list of assignments, `x=2, x=5` or `x = 2 or x = 5`, and an inequality,
+//! `x >= 5`, `x != 5`, are no value, and a marker's line that states its value before a note whose `=` is in
+//! parentheses or after a sentence end, `#### 18 (16 - 3 - 4 = 9 eggs)`, is read from the value, while its own
+//! equation, `#### 5 apples + 7 apples = 12 apples`, is read at its result); leading words (`The total is`) and trailing words/units/punctuation
 //! (`dollars`, `cm`, `.`) are ignored, but anything else with a digit, a backslash or a brace beside the number
 //! makes the candidate unparseable (so `2\sqrt{2}` is not read as 2), and so do one letter glued to the
 //! number (`3x`, `2i`: units of two letters or more, `5cm`, stay units), a name glued to a sign (`x+1`) or
@@ -27,7 +28,8 @@
 //! (`5!`), which are expressions (a gold such as `3x` is then compared as text, below); a unit's slash or power after a letter
 //! (`$15/hour`, `km/h`, `cm^2`) is a unit. A marker's line that does not parse but states its value first and
 //! then goes on (`#### 18 (6 apples + 12 pears)`, `The answer is 20. Tom has 20 pencils.`) is read up to where
-//! the value ends: a sentence end or `(`, and on a `####` line also a space and a word. Numbers: an optional sign (`-`, `+`,
+//! the value ends: a sentence end or `(`, and on a `####` line also a space and a word (not the letter `x` as a
+//! times sign between values: `#### 3 x 4 = 12`). Numbers: an optional sign (`-`, `+`,
 //! U+2212), digits with optional thousands separators in groups of three (`1,000`), an optional decimal part
 //! (`0.750` = 3/4), optionally `/ denominator`, or `\frac{a}{b}` / `\frac ab`. More than [`MAX_DIGITS`] digits
 //! in one number, or a zero denominator, is unparseable.
@@ -267,8 +269,7 @@ fn numeric_candidate(source: AnswerSource, candidate: &str) -> Option<(BigRation
         AnswerSource::Boxed | AnswerSource::LastNumber => None,
     };
     let clause = prose.and_then(|prose| leading_clause(candidate, prose));
-    if let Some(clause) = clause.filter(|c| !c.contains('=') && candidate[c.len()..].contains('='))
-    {
+    if let Some(clause) = clause.filter(|c| !c.contains('=') && is_note(&candidate[c.len()..])) {
         if let Some(v) = parse_answer(clause) {
             return Some((v, clause));
         }
@@ -278,6 +279,20 @@ fn numeric_candidate(source: AnswerSource, candidate: &str) -> Option<(BigRation
     }
     let clause = clause?;
     parse_answer(clause).map(|v| (v, clause))
+}
+
+/// Whether the text after a marker line's leading value is a note whose `=` is not the line's: the first `=`
+/// comes inside a parenthesis or after a sentence end (`18 (16 - 3 - 4 = 9 eggs)`, `20. So 4 x 5 = 20`), not
+/// in the line's own equation (`5 apples + 7 apples = 12 apples`, whose value is its result).
+fn is_note(rest: &str) -> bool {
+    let Some(eq) = rest.find('=') else {
+        return false;
+    };
+    let before = &rest[..eq];
+    before.contains('(')
+        || before
+            .char_indices()
+            .any(|(i, c)| matches!(c, '.' | '!' | '?' | ';') && before[i + 1..].starts_with(' '))
 }
 
 /// The start of a marker's line up to where its first value ends and other text begins: after the first
@@ -298,9 +313,10 @@ fn leading_clause(s: &str, prose: bool) -> Option<&str> {
             '.' | '!' | '?' | ';' => after.chars().next().is_none_or(char::is_whitespace),
             '(' => true,
             _ if run_start => {
+                let next = after.trim_start();
                 prose
-                    && after
-                        .trim_start()
+                    && !is_times_sign(next)
+                    && next
                         .chars()
                         .next()
                         .is_some_and(|n| n.is_alphabetic() || n == '(')
@@ -312,6 +328,17 @@ fn leading_clause(s: &str, prose: bool) -> Option<&str> {
         }
     }
     None
+}
+
+/// Whether `text` starts with the letter `x` written as a times sign between values (`x 4`, `x $5`), not
+/// a word.
+fn is_times_sign(text: &str) -> bool {
+    text.strip_prefix(['x', 'X']).is_some_and(|rest| {
+        rest.starts_with(char::is_whitespace)
+            && rest
+                .trim_start()
+                .starts_with(|c: char| c.is_ascii_digit() || c == '$')
+    })
 }
 
 /// The extracted final answer of `response` (trimmed), without judging it.
@@ -392,13 +419,16 @@ fn after_answer_marker(response: &str) -> Option<&str> {
     // `start` follows an ASCII match in a byte-for-byte lowercase copy, so it is a char boundary here.
     let rest = response.get(start..)?;
     let rest = rest.trim_start_matches([' ', '\t', ':', '*']);
-    rest.split('\n')
-        .map(|l| l.trim())
-        .find(|l| !l.is_empty() && !l.chars().all(|c| c == '*' || c == ':'))
+    rest.split('\n').map(|l| l.trim()).find(|l| {
+        !l.is_empty()
+            && !l.chars().all(|c| c == '*' || c == ':')
+            && !matches!(*l, "$$" | "\\[" | "\\(")
+    })
 }
 
-/// The content of the last well-formed `\boxed{...}` or `\fbox{...}` of `text` (nested braces handled, escaped
-/// braces `\{`/`\}` ignored). One pass, no recursion.
+/// The content of the last well-formed, non-empty `\boxed{...}` or `\fbox{...}` of `text` (nested braces
+/// handled, escaped braces `\{`/`\}` ignored; an empty `\boxed{}` after the answer, a template's leftover,
+/// does not hide it). One pass, no recursion.
 pub fn last_boxed(text: &str) -> Option<&str> {
     let b = text.as_bytes();
     let mut stack: Vec<(usize, bool)> = Vec::new();
@@ -432,7 +462,8 @@ pub fn last_boxed(text: &str) -> Option<&str> {
             }
             b'}' => {
                 if let Some((open, true)) = stack.pop() {
-                    if best.is_none_or(|(s, _)| open + 1 > s) {
+                    let filled = b[open + 1..i].iter().any(|c| !c.is_ascii_whitespace());
+                    if filled && best.is_none_or(|(s, _)| open + 1 > s) {
                         best = Some((open + 1, i));
                     }
                 }
@@ -525,6 +556,8 @@ pub fn parse_answer(text: &str) -> Option<BigRational> {
         return None;
     }
     let t = match t.rfind('=') {
+        // `x >= 5`, `x <= 5`, `x != 5`: an inequality states no value.
+        Some(p) if t[..p].ends_with(['<', '>', '!']) => return None,
         Some(p) => &t[p + 1..],
         None => &t[..],
     };

@@ -69,7 +69,7 @@ pub fn evaluate(
         for r in 0..out.ids.len() {
             let resp = out.response(r);
             len += resp.len();
-            let text = tok.decode(end.strip(resp))?;
+            let text = tok.decode_without_special(end.strip(resp))?;
             let cut_off = out.finish_reasons[r] == FinishReason::Length;
             correct.push(
                 score_response(&text, cut_off, &examples[r / samples].answer, verify).correct,

@@ -363,7 +363,7 @@ fn sample_round(
     let mut rewards = Vec::with_capacity(out.ids.len());
     let mut correct = 0usize;
     for r in 0..out.ids.len() {
-        let text = tok.decode(end.strip(out.response(r)))?;
+        let text = tok.decode_without_special(end.strip(out.response(r)))?;
         let cut_off = out.finish_reasons[r] == FinishReason::Length;
         let v = score_answer(&text, cut_off, &examples[r / g].answer, &cfg.verify);
         correct += usize::from(v.correct);
