@@ -778,6 +778,23 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
         "{text}"
     );
     assert!(text.contains("acc before RL"), "{text}");
+    assert!(text.contains("| full | aligned-tbpo |"), "{text}");
+    // Arms judged under other verifier rules are not paired (as `qarl compare` refuses them); the report
+    // says which pairs it left out.
+    let cfg_path = tmp.path().join("results/aligned-tbpo/seed5/config.json");
+    let saved = std::fs::read_to_string(&cfg_path).unwrap();
+    let mut judged: serde_json::Value = serde_json::from_str(&saved).unwrap();
+    judged["verify"]["answer_from"] = "marked".into();
+    std::fs::write(&cfg_path, judged.to_string()).unwrap();
+    let exp_cfg = train::experiment::ExperimentConfig::load(&path).unwrap();
+    let apart = train::experiment::write_report(&exp_cfg, &tmp.path().join("results")).unwrap();
+    let apart = std::fs::read_to_string(apart).unwrap();
+    assert!(
+        apart.contains("Not compared") && apart.contains("full / aligned-tbpo"),
+        "{apart}"
+    );
+    assert!(!apart.contains("| full | aligned-tbpo |"), "{apart}");
+    std::fs::write(&cfg_path, saved).unwrap();
     if train::plot::register_font().is_ok() {
         let png = std::fs::read(tmp.path().join("results/comparison.png")).unwrap();
         assert_eq!(&png[1..4], b"PNG");
@@ -849,6 +866,14 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
             && err.contains("aligned-tbpo/seed5 (`train.lr`)"),
         "{err}"
     );
+    // A report of the finished runs alone (`--report-only`) is refused the same way: it would credit their
+    // numbers to the settings the files now state.
+    let exp_cfg = train::experiment::ExperimentConfig::load(&path).unwrap();
+    let err = format!(
+        "{:#}",
+        train::experiment::check_report(&path, &exp_cfg).unwrap_err()
+    );
+    assert!(err.contains("aligned-tbpo/seed5 (`train.lr`)"), "{err}");
     std::fs::remove_file(tmp.path().join("results/aligned-tbpo/seed5/finished.json")).unwrap();
     let err = format!(
         "{:#}",

@@ -141,6 +141,7 @@ pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
                 results.display()
             );
         }
+        train::experiment::check_report(&args.file, &exp)?;
         exp.claim_results(&args.file, &results)?;
         train::experiment::write_report(&exp, &results)?
     } else {

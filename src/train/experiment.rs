@@ -240,32 +240,67 @@ pub fn marker(run_dir: &Path) -> PathBuf {
     run_dir.join("finished.json")
 }
 
-/// Runs every (variant, seed) not finished yet, then writes `report.md`; `backend`, when given, replaces
-/// every run's `train.backend`.
-pub fn run_experiment(
+/// `e` in the context of the experiment's run; a resume refused for changed settings says how to start that
+/// run over (the experiment resumes on the user's behalf and has no `--overwrite`).
+fn resume_refused(
+    e: anyhow::Error,
     path: &Path,
-    quiet: bool,
+    v: &Variant,
+    seed: u64,
+    run_dir: &Path,
+) -> anyhow::Error {
+    let again = if e.downcast_ref::<super::ResumeChanged>().is_some() {
+        format!(
+            "; the experiment resumes an unfinished run from its checkpoints: to run it from the start \
+             with the settings now given, remove {}",
+            run_dir.display()
+        )
+    } else {
+        String::new()
+    };
+    e.context(format!(
+        "{}: variant {:?} seed {seed}{again}",
+        path.display(),
+        v.name
+    ))
+}
+
+/// Builds the config each (variant, seed) runs with: the experiment's base file with the variant's `set`,
+/// the seed, the run directory and (when given) the backend applied.
+struct RunConfigs<'a> {
+    path: &'a Path,
+    base: toml::Value,
     backend: Option<crate::ops::BackendKind>,
-) -> anyhow::Result<PathBuf> {
-    let exp = ExperimentConfig::load(path)?;
-    let base_dir = path.parent().unwrap_or(Path::new("."));
-    let base_path = base_dir.join(&exp.base);
-    let base_text = std::fs::read_to_string(&base_path)
-        .map_err(crate::io::failed(&base_path, "cannot read"))?;
-    let base: toml::Value =
-        toml::from_str(&base_text).map_err(|e| anyhow::anyhow!("{}: {e}", base_path.display()))?;
-    let results = exp.results();
-    // Every run's config, built and checked before the first run starts (and before the results directory
-    // is made or claimed): a mistake in the last variant is reported before hours of the first ones, not
-    // after, and leaves nothing behind.
-    let config_of = |v: &Variant, seed: u64, run_dir: &Path| -> anyhow::Result<TrainConfig> {
-        let mut doc = base.clone();
+}
+
+impl<'a> RunConfigs<'a> {
+    /// Reads the base file of the experiment at `path`.
+    fn load(
+        path: &'a Path,
+        exp: &ExperimentConfig,
+        backend: Option<crate::ops::BackendKind>,
+    ) -> anyhow::Result<Self> {
+        let base_path = path.parent().unwrap_or(Path::new(".")).join(&exp.base);
+        let base_text = std::fs::read_to_string(&base_path)
+            .map_err(crate::io::failed(&base_path, "cannot read"))?;
+        let base = toml::from_str(&base_text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", base_path.display()))?;
+        Ok(Self {
+            path,
+            base,
+            backend,
+        })
+    }
+
+    /// The config of `v` at `seed` in `run_dir`.
+    fn config(&self, v: &Variant, seed: u64, run_dir: &Path) -> anyhow::Result<TrainConfig> {
+        let mut doc = self.base.clone();
         for (k, val) in &v.set {
             set_dotted(&mut doc, k, val.clone())
-                .with_context(|| format!("{}: variant {:?}", path.display(), v.name))?;
+                .with_context(|| format!("{}: variant {:?}", self.path.display(), v.name))?;
         }
         set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
-        if let Some(b) = backend {
+        if let Some(b) = self.backend {
             set_dotted(
                 &mut doc,
                 "train.backend",
@@ -280,29 +315,42 @@ pub fn run_experiment(
         let origin = format!(
             "{} (variant {}, seed {seed}; line numbers are of the variant's config, the base with its \
              `set` applied)",
-            path.display(),
+            self.path.display(),
             v.name
         );
         TrainConfig::from_toml(&toml::to_string(&doc)?, &origin)
-    };
-    let mut runs = Vec::new();
-    // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
-    // span sessions) already compares all its arms on the same seeds. Finished runs are not run again;
-    // their own configs (as they ran) are checked against the experiment file's now, and kept for the
-    // check of shared warm starts.
+    }
+}
+
+/// The finished runs of the experiment at `path`, each with its own config as it ran, checked against the
+/// experiment file's now (`configs`): the report would describe a run by settings it did not run with, and
+/// a seed added to its variant would average two experiments in one arm, so a difference is refused. Where
+/// the experiment's configs cannot be built (`configs` `None`, or a base this version no longer reads), the
+/// runs are kept unchecked with a warning: an older experiment's results can still be reported.
+fn check_finished_runs<'e>(
+    path: &Path,
+    exp: &'e ExperimentConfig,
+    configs: Option<&RunConfigs>,
+) -> anyhow::Result<Vec<(&'e Variant, TrainConfig)>> {
+    let results = exp.results();
     let mut finished = Vec::new();
     let mut drifted = Vec::new();
+    let mut unchecked = Vec::new();
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
             if !marker(&run_dir).is_file() {
-                let cfg = config_of(v, seed, &run_dir)?;
-                runs.push((v, seed, run_dir, cfg));
-            } else if let Ok(cfg) =
-                crate::io::read_json::<TrainConfig>(&run_dir.join("config.json"))
-            {
-                // A base that no longer builds stops only the runs still to do (none, if all finished).
-                if let Ok(now) = config_of(v, seed, &run_dir) {
+                continue;
+            }
+            let Ok(cfg) = crate::io::read_json::<TrainConfig>(&run_dir.join("config.json")) else {
+                unchecked.push(format!(
+                    "{}/seed{seed} (its config.json is unreadable here)",
+                    v.name
+                ));
+                continue;
+            };
+            match configs.map(|c| c.config(v, seed, &run_dir)) {
+                Some(Ok(now)) => {
                     let mut ran = serde_json::to_value(cfg.with_defaults())?;
                     let keys =
                         super::config::identity_changes(&mut ran, &now, &FINISHED_MAY_CHANGE)?;
@@ -310,19 +358,72 @@ pub fn run_experiment(
                         drifted.push(format!("{}/seed{seed} (`{}`)", v.name, keys.join("`, `")));
                     }
                 }
-                finished.push((v, cfg));
+                Some(Err(e)) => unchecked.push(format!("{}/seed{seed} ({e:#})", v.name)),
+                None => unchecked.push(format!("{}/seed{seed}", v.name)),
             }
+            finished.push((v, cfg));
         }
     }
-    // The report would describe those runs by settings they did not run with, and a seed added to their
-    // variant would average two experiments in one arm.
     if !drifted.is_empty() {
-        anyhow::bail!(
+        bail!(
             "{}: finished runs were made with other settings than the experiment's now: {}; restore the \
              experiment and base files, or give the edited experiment another `results_dir`",
             path.display(),
             drifted.join(", ")
         );
+    }
+    if !unchecked.is_empty() {
+        tracing::warn!(
+            "{}: finished runs not checked against the experiment's settings now: {}",
+            path.display(),
+            unchecked.join(", ")
+        );
+    }
+    Ok(finished)
+}
+
+/// The checks of [`run_experiment`] before a report of finished runs alone (`--report-only`): their settings
+/// against the experiment file's ([`check_finished_runs`]; a base that cannot be read leaves them unchecked,
+/// with a warning) and the warm starts they share.
+pub fn check_report(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
+    let configs = RunConfigs::load(path, exp, None)
+        .map_err(|e| tracing::warn!("{e:#}"))
+        .ok();
+    let finished = check_finished_runs(path, exp, configs.as_ref())?;
+    check_shared_warm_starts(path, &[], &finished)
+}
+
+/// Runs every (variant, seed) not finished yet, then writes `report.md`; `backend`, when given, replaces
+/// every run's `train.backend`.
+pub fn run_experiment(
+    path: &Path,
+    quiet: bool,
+    backend: Option<crate::ops::BackendKind>,
+) -> anyhow::Result<PathBuf> {
+    let exp = ExperimentConfig::load(path)?;
+    let results = exp.results();
+    // Every run's config, built and checked before the first run starts (and before the results directory
+    // is made or claimed): a mistake in the last variant is reported before hours of the first ones, not
+    // after, and leaves nothing behind.
+    let configs = RunConfigs::load(path, &exp, backend)?;
+    let finished = check_finished_runs(path, &exp, Some(&configs))?;
+    let mut runs = Vec::new();
+    // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
+    // span sessions) already compares all its arms on the same seeds.
+    for &seed in &exp.seeds {
+        for v in &exp.variants {
+            let run_dir = results.join(&v.name).join(format!("seed{seed}"));
+            if !marker(&run_dir).is_file() {
+                let cfg = configs.config(v, seed, &run_dir)?;
+                // An unfinished run resumes from its checkpoints: settings it cannot resume under are
+                // refused now, not when its turn comes after hours of the runs before it.
+                if run_dir.join("checkpoints").is_dir() {
+                    super::resume::check_resumed_config(&cfg, false)
+                        .map_err(|e| resume_refused(e, path, v, seed, &run_dir))?;
+                }
+                runs.push((v, seed, run_dir, cfg));
+            }
+        }
     }
     check_shared_warm_starts(path, &runs, &finished)?;
     // One experiment process per results directory (each run directory is locked by its run as well).
@@ -344,20 +445,7 @@ pub fn run_experiment(
                 ..super::RunOptions::default()
             },
         )
-        .map_err(|e| {
-            // A resume refused for changed settings: the experiment resumed on the user's behalf, and
-            // has no --overwrite; say how to start that run over.
-            let again = if e.downcast_ref::<super::ResumeChanged>().is_some() {
-                format!(
-                    "; the experiment resumes an unfinished run from its checkpoints: to run it from the \
-                     start with the settings now given, remove {}",
-                    run_dir.display()
-                )
-            } else {
-                String::new()
-            };
-            e.context(format!("{}: variant {:?} seed {seed}{again}", path.display(), v.name))
-        })?;
+        .map_err(|e| resume_refused(e, path, v, seed, &run_dir))?;
         crate::io::write_json_atomic(
             &marker(&run_dir),
             &serde_json::json!({
@@ -432,6 +520,9 @@ struct RunSummary {
 struct EvalSet {
     config: String,
     fingerprint: Option<String>,
+    /// How its answers were judged: the verifier's rules, the stop rule and the token limit of the held-out
+    /// evaluations (keys an older config lacks read as their defaults).
+    judged: String,
 }
 
 impl EvalSet {
@@ -446,6 +537,19 @@ impl EvalSet {
         // `eval_fraction` was refused beside `eval_path` recorded the default there, later ones nothing.
         let task = crate::tasks::TaskConfig::normalized_json(cfg.get("task")?);
         let config = serde_json::json!([task, problems]).to_string();
+        let or = |pointer: &str, default: serde_json::Value| {
+            cfg.pointer(pointer)
+                .filter(|v| !v.is_null())
+                .cloned()
+                .unwrap_or(default)
+        };
+        let judged = serde_json::json!([
+            or("/verify/answer_from", "any".into()),
+            or("/verify/truncated", "scored".into()),
+            or("/rollout/stop", "end_tokens".into()),
+            or("/eval/max_new_tokens", serde_json::Value::Null),
+        ])
+        .to_string();
         let mut logged = evals
             .iter()
             .filter_map(|r| r[names::EVAL_QUESTIONS_FINGERPRINT].as_str());
@@ -456,14 +560,17 @@ impl EvalSet {
         Some(Self {
             config,
             fingerprint,
+            judged,
         })
     }
 
-    /// Whether runs of these sets were evaluated on the same problems in the same order, the condition for
-    /// clustering and pairing by problem: the same task and count, and the same fingerprint where both
-    /// logged one.
+    /// Whether runs of these sets were evaluated on the same problems in the same order and judged alike,
+    /// the condition for clustering and pairing by problem: the same task and count, the same fingerprint
+    /// where both logged one, and the same verifier rules, stop rule and token limit (as `qarl compare`
+    /// refuses outcomes of two verifiers).
     fn same_problems(&self, other: &Self) -> bool {
         self.config == other.config
+            && self.judged == other.judged
             && match (&self.fingerprint, &other.fingerprint) {
                 (Some(a), Some(b)) => a == b,
                 _ => true,
@@ -800,6 +907,7 @@ fn overrides_text(set: &BTreeMap<String, toml::Value>) -> String {
 /// problem (each problem averaged over each arm's seeds), in the rollout precision and in f32.
 fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow::Result<()> {
     let mut lines = Vec::new();
+    let mut apart = Vec::new();
     for (i, a) in variants.iter().enumerate() {
         for b in &variants[i + 1..] {
             // Each comparison once per precision, only where both arms saw the same problems.
@@ -814,6 +922,10 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
             };
             let roll = compare(&a.after_roll, &b.after_roll);
             let f32 = compare(&a.after_f32, &b.after_f32);
+            let evaluated = |v: &VariantSummary| v.after_roll.is_some() || v.after_f32.is_some();
+            if roll.is_none() && f32.is_none() && evaluated(a) && evaluated(b) {
+                apart.push(format!("{} / {}", a.variant.name, b.variant.name));
+            }
             if roll.is_some() || f32.is_some() {
                 let cell = |c: &Option<ArmComparison>,
                             text: fn(&ArmComparison) -> Option<String>| {
@@ -831,6 +943,14 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
                 ));
             }
         }
+    }
+    if !apart.is_empty() {
+        writeln!(
+            md,
+            "\nNot compared (evaluated on other problems, or judged under other verifier rules, stop rules or \
+             token limits): {}.",
+            apart.join(", ")
+        )?;
     }
     if lines.is_empty() {
         return Ok(());

@@ -36,7 +36,7 @@ pub const RESUME_MAY_CHANGE: [&str; 4] = ["/run_dir", "/model", "/train/steps", 
 /// Refuses a resume whose config differs from the run's own (its `config.json`) anywhere outside
 /// [`RESUME_MAY_CHANGE`] and [`config::RESULT_NEUTRAL_KEYS`], naming every key that differs ([`ResumeChanged`]); with `accept`, logs the
 /// changes instead ([`keep_earlier_config`] keeps the earlier config once the checkpoint has loaded).
-fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::Result<()> {
+pub(super) fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::Result<()> {
     let path = cfg.run_dir.join("config.json");
     let changed = resume_changes(cfg, &path, accept)?;
     if changed.is_empty() {
