@@ -1395,6 +1395,8 @@ fn log_ratio_and_k3_clamps_bound_the_loss() {
     // A < 0: max(-A r, -A clip(r)) = r = e^20 once the log-ratio 25 is clamped.
     assert_close(loss_value(&out), 20f64.exp(), 1e-5, "clamped ratio");
     assert_eq!(grad[0], 0.0, "no gradient through the clamped log-ratio");
+    // `actor/ppo_kl` is the mean of the same clamped log-ratio (verl's): -20, not -25.
+    assert_close(out.metrics.ppo_kl, -20.0, 1e-6, "clamped ppo_kl");
     // Just inside the bound the ratio is unclamped, and so is its gradient (-A r).
     let mut inside = one.clone();
     inside.lp_theta = vec![-30.0 + 19.5];

@@ -264,7 +264,11 @@ impl PolicyLoss {
             pg_loss.detach(),
             per_seq(terms.clipped),
             per_seq(terms.clipped_lower),
-            masked_mean(lp_old.clone() - theta.clone(), &loss_mask),
+            // verl's `ppo_kl`: the mean of the clamped log-ratio its ratio is built from.
+            masked_mean(
+                (lp_old.clone() - theta.clone()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND),
+                &loss_mask,
+            ),
             mean_over_valid_rows(
                 bounded_exp(masked_row_mean(theta - lp_old, &loss_mask)),
                 &loss_mask,
