@@ -470,7 +470,7 @@ fn step_row(state: &mut TrainerState, step: usize, out: &StepOutcome) -> serde_j
     row["train/consecutive_nonfinite"] = serde_json::json!(state.consecutive_nonfinite);
     if let Some(g) = out.grad_norm {
         let ema = state.grad_norm_ema_bits.map(f64::from_bits);
-        let spike = ema.is_some_and(|e| g > GRAD_NORM_SPIKE_FACTOR * e);
+        let spike = grad_norm_spike(&mut state.grad_norm_ema_bits, g);
         if spike {
             tracing::warn!(
                 step,
@@ -480,10 +480,21 @@ fn step_row(state: &mut TrainerState, step: usize, out: &StepOutcome) -> serde_j
             );
         }
         row["train/grad_norm_spike"] = serde_json::json!(u8::from(spike));
-        let next = ema.map_or(g, |e| 0.9 * e + 0.1 * g);
-        state.grad_norm_ema_bits = Some(next.to_bits());
     }
     row
+}
+
+/// Whether the norm `g` is a spike against the moving average (kept as f64 bits in the checkpointed state),
+/// which it then updates. A norm of exactly 0 (every advantage 0: no group had a reward signal) says nothing
+/// about the gradients' scale and leaves the average alone: started or pulled down by it, the average would
+/// flag the next real norm.
+fn grad_norm_spike(ema_bits: &mut Option<u64>, g: f64) -> bool {
+    let ema = ema_bits.map(f64::from_bits);
+    let spike = ema.is_some_and(|e| g > GRAD_NORM_SPIKE_FACTOR * e);
+    if g > 0.0 {
+        *ema_bits = Some(ema.map_or(g, |e| 0.9 * e + 0.1 * g).to_bits());
+    }
+    spike
 }
 
 /// The progress bar's line for a step: reward, accuracy and the rollout/learner mismatch.
@@ -627,4 +638,23 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
     } else {
         1
     });
+}
+
+#[cfg(test)]
+mod tests {
+    /// A step without reward signal (norm 0) neither starts nor lowers the average: the norms after it are
+    /// no spikes; a norm above 10x the average is.
+    #[test]
+    fn zero_gradient_norms_leave_the_spike_average_alone() {
+        let mut ema = None;
+        let spikes: Vec<bool> = [0.0, 0.5, 0.0, 0.6, 7.0]
+            .iter()
+            .map(|&g| super::grad_norm_spike(&mut ema, g))
+            .collect();
+        assert_eq!(spikes, [false, false, false, false, true]);
+        assert_eq!(
+            ema.map(f64::from_bits),
+            Some(0.9 * (0.9 * 0.5 + 0.06) + 0.7)
+        );
+    }
 }

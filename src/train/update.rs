@@ -129,11 +129,7 @@ pub fn update(
     let tc = &cfg.train;
     let rows = s.batch.seqs.len();
     let loss_fn: PolicyLoss = tc.loss.clone().resolve()?;
-    let mb = if tc.minibatch_size == 0 {
-        rows
-    } else {
-        tc.minibatch_size.min(rows)
-    };
+    let minibatches = minibatches(rows, tc.minibatch_size, cfg.rollout.samples_per_prompt);
     let lr = lr_at(tc.lr, tc.lr_schedule, tc.warmup_steps, step, tc.steps);
     let mut loss_metrics: BTreeMap<String, f64> = BTreeMap::new();
     let mut outcome = UpdateOutcome::default();
@@ -141,7 +137,7 @@ pub fn update(
     let t_train = Instant::now();
     let mut perf = PhaseTimes::default();
     for _epoch in 0..tc.epochs {
-        for chunk in (0..rows).collect::<Vec<_>>().chunks(mb) {
+        for chunk in &minibatches {
             // One update covering every kept row at the step's weights: its forward is the learner's
             // forward at the step's start, whose metrics it then supplies.
             let first_forward = s.lp_old_reused && updates == 0 && outcome.nonfinite_updates == 0;
@@ -488,6 +484,36 @@ impl Pass<'_, '_> {
 
 /// The count a minibatch loss of aggregation `agg` divides by: loss tokens (`token-mean`) or sequences
 /// with a token in the loss (`seq-mean-*`).
+/// The rows of each optimizer update: `ceil(rows / minibatch_size)` updates (one where `minibatch_size` is 0)
+/// over consecutive rows, of near-equal sizes, each of whole groups of `group` rows where a minibatch holds a
+/// group (as verl counts its minibatches in prompts). A step that keeps fewer responses than it sampled
+/// (dynamic sampling) then makes no small tail update: 5 kept groups of 8 with `minibatch_size` 32 give 24 +
+/// 16 rows, not 32 + 8, whose update would weigh one group's sequences as much as four's (Adam's step does
+/// not shrink with the batch).
+fn minibatches(rows: usize, minibatch_size: usize, group: usize) -> Vec<Vec<usize>> {
+    let size = if minibatch_size == 0 {
+        rows
+    } else {
+        minibatch_size.min(rows)
+    };
+    let count = rows.div_ceil(size.max(1));
+    let unit = if group > 0 && size >= group && rows.is_multiple_of(group) {
+        group
+    } else {
+        1
+    };
+    let units = rows / unit;
+    let mut start = 0;
+    (0..count)
+        .map(|i| {
+            let take = (units / count + usize::from(i < units % count)) * unit;
+            let rows: Vec<usize> = (start..start + take).collect();
+            start += take;
+            rows
+        })
+        .collect()
+}
+
 fn loss_count(agg: LossAggMode, metrics: &LossMetrics) -> f64 {
     match agg {
         LossAggMode::TokenMean => metrics.loss_tokens,
@@ -641,6 +667,26 @@ fn update_lp_delta_metrics(
 
 #[cfg(test)]
 mod tests {
+    /// Minibatches cover every row once, in order, in whole groups, with sizes at most one group apart; a
+    /// full batch splits as plain chunks did.
+    #[test]
+    fn minibatches_are_balanced_whole_groups() {
+        let sizes = |rows, mb, g| -> Vec<usize> {
+            let m = super::minibatches(rows, mb, g);
+            let flat: Vec<usize> = m.iter().flatten().copied().collect();
+            assert_eq!(flat, (0..rows).collect::<Vec<_>>(), "{rows} {mb} {g}");
+            m.iter().map(Vec::len).collect()
+        };
+        assert_eq!(sizes(128, 32, 8), [32, 32, 32, 32]);
+        assert_eq!(sizes(40, 32, 8), [24, 16]);
+        assert_eq!(sizes(88, 32, 8), [32, 32, 24]);
+        assert_eq!(sizes(24, 32, 8), [24]);
+        assert_eq!(sizes(40, 0, 8), [40]);
+        // A minibatch smaller than a group splits rows.
+        assert_eq!(sizes(16, 3, 8), [3, 3, 3, 3, 2, 2]);
+        assert_eq!(sizes(0, 32, 8), Vec::<usize>::new());
+    }
+
     use super::*;
     use crate::model::Weights;
 
