@@ -1368,6 +1368,27 @@ fn the_kl_term_is_measured_against_the_starting_policy_across_a_resume() {
     copy_model(&moved);
     longer.model.dir = moved;
     train::run(&longer, true, true).unwrap();
+    // Nor may the moved folder hold another tokenizer: the weights come from the checkpoint, the prompts'
+    // tokens from `model.dir`.
+    let retok = tmp.path().join("retokenized-model");
+    copy_model(&retok);
+    let tok_path = retok.join("tokenizer.json");
+    let mut tok: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tok_path).unwrap()).unwrap();
+    tok["added_tokens"][0]["content"] = "<pad2>".into();
+    std::fs::write(&tok_path, tok.to_string()).unwrap();
+    longer.model.dir = retok;
+    longer.train.steps = 6;
+    let before = std::fs::read(parted.run_dir.join("metrics.jsonl")).unwrap();
+    let err = format!("{:#}", train::run(&longer, true, true).unwrap_err());
+    assert!(
+        err.contains("not the tokenizer.json the run was made with"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read(parted.run_dir.join("metrics.jsonl")).unwrap(),
+        before
+    );
 }
 
 /// The held-out evaluations stop by `rollout.stop` too and log the strings they stopped at, which `qarl

@@ -287,6 +287,9 @@ impl Policy {
             None => Decoder::load_full_precision(&model_dir, device)?,
         };
         let config_json: serde_json::Value = crate::io::read_json(&model_dir.join("config.json"))?;
+        if let Some((p, _)) = resumed {
+            check_same_tokenizer(&cfg.model.dir, p)?;
+        }
         let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
             .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
         let end = EndTokens::of(&tok, &model.config)?;
@@ -325,6 +328,34 @@ impl Policy {
 
 /// What a newest checkpoint that cannot be loaded leaves the user: the checkpoint before it, or starting
 /// over.
+/// Refuses a resume whose `model.dir` holds another tokenizer than the run's (the copy in its checkpoint):
+/// the weights come from the checkpoint, but prompts, end tokens and the chat template from `model.dir`, so
+/// a resume may move the model folder (`model.dir` may change) but not swap its tokenizer. Compared as JSON,
+/// so a copy written with other whitespace or key order passes.
+fn check_same_tokenizer(model_dir: &Path, checkpoint: &Path) -> anyhow::Result<()> {
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        let (saved, now) = (checkpoint.join(f), model_dir.join(f));
+        if !saved.is_file() {
+            continue;
+        }
+        let read = |p: &Path| -> anyhow::Result<Option<serde_json::Value>> {
+            if !p.is_file() {
+                return Ok(None);
+            }
+            crate::io::read_json(p).map(Some)
+        };
+        if read(&saved)? != read(&now)? {
+            anyhow::bail!(
+                "{}: not the {f} the run was made with ({}): its prompts would be tokenized or templated \
+                 differently after the resume; point `model.dir` at the run's model",
+                now.display(),
+                saved.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 fn unloadable_checkpoint(cfg: &TrainConfig, path: &Path, step: usize) -> String {
     let previous = checkpoint::list(&cfg.run_dir)
         .iter()
