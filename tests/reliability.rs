@@ -248,6 +248,7 @@ fn nonfinite_updates_are_skipped_logged_and_stop_the_run() {
     stop.run_dir = tmp.path().join("stop");
     stop.train.steps = 5;
     stop.train.max_nonfinite_steps = 2;
+    stop.eval.every = 2;
     let err = train::run_with(
         &stop,
         &RunOptions {
@@ -265,6 +266,13 @@ fn nonfinite_updates_are_skipped_logged_and_stop_the_run() {
     );
     assert_eq!(checkpoint::latest(&stop.run_dir).unwrap().1.step, 1);
     assert_eq!(rows(&stop.run_dir, &["rl"]).len(), 2);
+    // The evaluation due after the last step is made before the stop: a resume starts at the next step
+    // and would never make it.
+    let evals: Vec<u64> = rows(&stop.run_dir, &["eval"])
+        .iter()
+        .map(|r| r["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evals, vec![0, 2]);
 }
 
 #[test]

@@ -201,6 +201,11 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
         bar.set_message(progress_message(&out));
         bar.inc(1);
+        // The evaluation due after this step before a stop for non-finite steps: a resume starts at the
+        // next step and would never make it.
+        if (step + 1) % cfg.eval.every == 0 && step + 1 < steps {
+            evaluator.evaluate(&policy.model, step + 1, &mut log)?;
+        }
         if nonfinite_limit_reached(
             state.consecutive_nonfinite,
             cfg.train.max_nonfinite_steps,
@@ -209,9 +214,6 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             bar.abandon();
             let ckpt = policy.save(cfg, &optim, &state, &log)?;
             return Err(nonfinite_stop(cfg, &state, step, &ckpt));
-        }
-        if (step + 1) % cfg.eval.every == 0 && step + 1 < steps {
-            evaluator.evaluate(&policy.model, step + 1, &mut log)?;
         }
         if cfg.checkpoint_every > 0 && (step + 1) % cfg.checkpoint_every == 0 {
             policy.save(cfg, &optim, &state, &log)?;
@@ -539,8 +541,8 @@ fn progress_message(out: &StepOutcome) -> String {
     )
 }
 
-/// The error that stops a run after `state.consecutive_nonfinite` skipped steps in a row, pointing at the
-/// checkpoint of the last good weights.
+/// The error that stops a run after `state.consecutive_nonfinite` steps in a row with a skipped update,
+/// pointing at the checkpoint of the weights the applied updates left.
 fn nonfinite_stop(
     cfg: &TrainConfig,
     state: &TrainerState,
@@ -549,9 +551,9 @@ fn nonfinite_stop(
 ) -> anyhow::Error {
     anyhow::anyhow!(
         "stopping the run: {} consecutive RL steps (steps {}..={step}) had a NaN or infinite loss \
-         or gradient, so their updates were skipped (`train.max_nonfinite_steps` = {}, or every step of \
-         a shorter run). The last \
-         good weights are in {}; check the data, or lower `train.lr` or set `train.grad_clip` and go \
+         or gradient, and each such update was skipped (`train.max_nonfinite_steps` = {}, or every step \
+         of a shorter run). The weights after the updates that did apply (none where a step has one \
+         update) are in {}; check the data, or lower `train.lr` or set `train.grad_clip` and go \
          on with `--resume --accept-changes` (the run keeps its earlier config beside the new one).",
         state.consecutive_nonfinite,
         (step + 1).saturating_sub(state.consecutive_nonfinite),
