@@ -1,4 +1,4 @@
-//! Held-out evaluation: greedy pass@1 and sampled mean@k, in a given precision.
+//! Held-out evaluation: greedy pass@1 and sampled mean@k and pass@k, in a given precision.
 
 use std::collections::BTreeMap;
 
@@ -86,9 +86,36 @@ pub fn evaluate(
     if cfg.k > 0 {
         let (sampled, _) = accuracy(cfg.k, (cfg.temperature, cfg.top_p, cfg.top_k))?;
         metrics.insert(format!("eval/{tag}/mean@{}", cfg.k), mean(&sampled));
+        metrics.insert(
+            format!("eval/{tag}/pass@{}", cfg.k),
+            pass_at_k(&sampled, cfg.k),
+        );
     }
     Ok(Evaluation {
         metrics,
         greedy_correct,
     })
+}
+
+/// The fraction of problems with at least one correct answer among their `k` samples (`outcomes` problem by
+/// problem, `k` each): pass@k, which with exactly `k` samples per problem is Chen et al.'s unbiased
+/// estimator `1 - C(n - c, k) / C(n, k)` at `n = k`.
+pub fn pass_at_k(outcomes: &[bool], k: usize) -> f64 {
+    let problems = outcomes.chunks(k.max(1));
+    let n = problems.len();
+    let solved = problems.filter(|p| p.iter().any(|&c| c)).count();
+    solved as f64 / n.max(1) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    /// Problems of 2 samples: (0, 1), (0, 0), (0, 0), (1, 1): 2 of 4 solved at least once; of 4 samples: (0 1 0
+    /// 0), (0 0 1 1): both.
+    #[test]
+    fn pass_at_k_counts_problems_with_a_correct_sample() {
+        let outcomes = [false, true, false, false, false, false, true, true];
+        assert_eq!(super::pass_at_k(&outcomes, 2), 0.5);
+        assert_eq!(super::pass_at_k(&outcomes, 4), 1.0);
+        assert_eq!(super::pass_at_k(&[], 4), 0.0);
+    }
 }
