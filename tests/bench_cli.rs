@@ -250,3 +250,32 @@ fn bad_inputs_exit_1_naming_the_problem() {
         text(&out.stderr)
     );
 }
+
+/// A 4-bit layer of 2 inputs packs its row into 1 byte, as an 8-bit layer of 1 input does: the check of
+/// one-byte-per-input codes took it for one (its high nibble, the second input, read as padding that must be
+/// 0), so a checkpoint `qarl quantize` wrote did not load.
+#[test]
+fn a_four_bit_layer_of_two_inputs_round_trips() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny_config()).unwrap()).unwrap();
+    json["moe_intermediate_size"] = 2.into();
+    let config = tmp.path().join("narrow.json");
+    std::fs::write(&config, json.to_string()).unwrap();
+    let dense = tmp.path().join("dense");
+    let out = init_model(&config, &dense, 5);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    for scheme in ["int4-g32", "nvfp4", "mxfp4"] {
+        let packed = tmp.path().join(scheme);
+        let out = qarl()
+            .args(["quantize", "--scheme", scheme, "--model"])
+            .arg(&dense)
+            .arg("--output")
+            .arg(&packed)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{scheme}: {}", text(&out.stderr));
+        Decoder::load(&packed, &Device::flex())
+            .unwrap_or_else(|e| panic!("{scheme}: its own checkpoint does not load: {e}"));
+    }
+}

@@ -73,6 +73,22 @@ fn qwen2_gets_qkv_bias_and_no_qk_norm() {
     assert!(c.qkv_bias && !c.o_bias && !c.qk_norm && c.moe.is_none() && c.tie_word_embeddings);
 }
 
+/// A config without `rope_theta` or `rms_norm_eps` (older Llama conversions) reads transformers' class
+/// defaults, 10000 and 1e-6, as transformers loads it; a stated value is still checked.
+#[test]
+fn missing_rope_theta_and_rms_norm_eps_take_transformers_defaults() {
+    let text = CLASSIC_MOE
+        .replace("\"rope_theta\": 1000000.0,", "")
+        .replace("\"rms_norm_eps\": 1e-6,", "");
+    let c = ModelConfig::from_json_str(&text, Path::new("config.json")).unwrap();
+    assert_eq!((c.rope_theta, c.rms_norm_eps), (10000.0, 1e-6));
+    let bad = CLASSIC_MOE.replace("\"rope_theta\": 1000000.0", "\"rope_theta\": -1");
+    let err = ModelConfig::from_json_str(&bad, Path::new("config.json"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("`rope_theta`"), "{err}");
+}
+
 #[test]
 fn config_errors_name_the_file_and_key() {
     let p = Path::new("m/config.json");
@@ -84,10 +100,6 @@ fn config_errors_name_the_file_and_key() {
         (
             CLASSIC_MOE.replace("\"hidden_size\": 64,", ""),
             "missing key `hidden_size`",
-        ),
-        (
-            CLASSIC_MOE.replace("\"rope_theta\": 1000000.0,", ""),
-            "missing key `rope_theta` or `rope_parameters.rope_theta`",
         ),
         (
             CLASSIC_MOE.replace("\"num_experts\": 8,", ""),
@@ -441,6 +453,32 @@ fn packed_codes_of_another_dtype_name_theirs() {
         err.contains(name)
             && err.contains("has dtype I8; supported here: U8 (the packed layout")
             && !err.contains("F32"),
+        "{err}"
+    );
+}
+
+/// A tied model that stores its head anyway loads where the head is the embedding matrix (dropped, as every
+/// loader agrees), and is refused, naming the head and the way out, where it is not: transformers 5 would
+/// use the stored head, vLLM and transformers 4 the embedding.
+#[test]
+fn a_tied_models_stored_head_must_be_its_embedding() {
+    const EMBED: &str = "model.embed_tokens.weight";
+    let same = broken_copy("qwen3", |t| {
+        let embed = t[EMBED].clone();
+        t.insert("lm_head.weight".into(), embed);
+    });
+    Decoder::load(same.path(), &Device::flex()).expect("the embedding's copy loads");
+    Decoder::check_files(same.path(), &Device::flex()).expect("and passes the check");
+    let other = broken_copy("qwen3", |t| {
+        let mut head = t[EMBED].clone();
+        head.2[0] ^= 0x40;
+        t.insert("lm_head.weight".into(), head);
+    });
+    let err = load_err(other.path());
+    assert!(
+        err.contains("lm_head.weight")
+            && err.contains("1 of its")
+            && err.contains("tie_word_embeddings"),
         "{err}"
     );
 }

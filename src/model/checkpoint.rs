@@ -307,7 +307,8 @@ impl Checkpoint {
         // Packed codes of a one-byte-per-input format (int8, E4M3): checked here, where the tensor and its
         // file are known. Formats packing several inputs per byte are checked when the layer is built.
         if let (Some(scheme), Some(&row_bytes)) = (self.quant_scheme, expected.get(1)) {
-            let one_byte_per_input = scheme.row_bytes(row_bytes) == row_bytes;
+            // From the format, not from sizes: a 4-bit row of 2 inputs is also 1 byte.
+            let one_byte_per_input = scheme.kind().bits() == 8;
             if name.ends_with(&format!(".{}", super::names::QWEIGHT)) && one_byte_per_input {
                 if let Some(bad) = scheme.kind().invalid_code(row_bytes, bytes) {
                     return Err(LoadError::BadTensor {

@@ -183,6 +183,14 @@ impl<'a> Keys<'a> {
             })
     }
 
+    /// [`Self::positive_f64`], or `default` where none of `names` is present (transformers' class default).
+    fn positive_f64_or(&self, names: &[&str], default: f64) -> Result<f64, LoadError> {
+        if names.iter().all(|&n| self.find(&[n]).is_none()) {
+            return Ok(default);
+        }
+        self.positive_f64(names)
+    }
+
     fn bool_or(&self, names: &[&str], default: bool) -> Result<bool, LoadError> {
         match self.find(names) {
             None => Ok(default),
@@ -357,11 +365,24 @@ fn rope_theta(k: &Keys) -> Result<f64, LoadError> {
             .is_some_and(|o| !o.is_empty())
     });
     match section {
-        Some(section) => k.positive_f64(&[&format!("{section}.rope_theta"), "rope_theta"]),
+        Some(section) => k.positive_f64_or(
+            &[&format!("{section}.rope_theta"), "rope_theta"],
+            DEFAULT_ROPE_THETA,
+        ),
         // (`rope_parameters.rope_theta` is absent here: named in the error as where the base may be.)
-        None => k.positive_f64(&["rope_theta", "rope_parameters.rope_theta"]),
+        None => k.positive_f64_or(
+            &["rope_theta", "rope_parameters.rope_theta"],
+            DEFAULT_ROPE_THETA,
+        ),
     }
 }
+
+/// transformers' default RoPE base of Llama, Qwen2, Qwen3 and Qwen3-MoE configs (`rope_parameters.rope_theta`
+/// of a config that states none: older Llama conversions).
+const DEFAULT_ROPE_THETA: f64 = 10000.0;
+
+/// transformers' default `rms_norm_eps` of the same four configs.
+const DEFAULT_RMS_NORM_EPS: f64 = 1e-6;
 
 /// The `rope_scaling` / `rope_parameters` kinds this decoder implements.
 pub const SUPPORTED_ROPE_TYPES: [&str; 1] = ["default"];
@@ -688,7 +709,7 @@ impl ModelConfig {
             num_attention_heads,
             num_key_value_heads,
             head_dim,
-            rms_norm_eps: k.positive_f64(&["rms_norm_eps"])?,
+            rms_norm_eps: k.positive_f64_or(&["rms_norm_eps"], DEFAULT_RMS_NORM_EPS)?,
             rope_theta,
             max_position_embeddings: match k.usize_opt(&["max_position_embeddings"])? {
                 // transformers' class defaults.

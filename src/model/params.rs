@@ -275,7 +275,8 @@ impl Decoder {
     /// After every part was read: no tensor of the checkpoint is left over.
     fn finish_checkpoint(&self, ckpt: &Checkpoint) -> Result<(), LoadError> {
         if self.lm_head.is_none() {
-            // Some exports store the tied head anyway; it is the embedding matrix, so it is not an extra.
+            // Some exports store the tied head anyway; as the embedding matrix it is not an extra.
+            check_stored_tied_head(ckpt)?;
             ckpt.ignore(&tensor_name(LM_HEAD, WEIGHT));
         }
         ckpt.ensure_all_used()
@@ -303,4 +304,39 @@ impl Decoder {
         });
         out
     }
+}
+/// Refuses a tied model's stored `lm_head.weight` that is not its embedding matrix: the head would be
+/// dropped silently, while transformers 5 unties the two and uses the stored head (vLLM and transformers 4
+/// drop it), so the same files would give other log-probs there. Where both are stored, they are compared
+/// value by value (a stored copy in another dtype passes when it rounds to the same values).
+fn check_stored_tied_head(ckpt: &Checkpoint) -> Result<(), LoadError> {
+    let head = tensor_name(LM_HEAD, WEIGHT);
+    let embed = tensor_name("model.embed_tokens", WEIGHT);
+    let (Some(shape), true) = (ckpt.shape(&embed), ckpt.contains(&head)) else {
+        return Ok(());
+    };
+    let (Ok(e), Ok(h)) = (ckpt.read_f32(&embed, &shape), ckpt.read_f32(&head, &shape)) else {
+        return Err(LoadError::BadTensor {
+            path: ckpt.path_of(&head),
+            name: head,
+            msg: format!(
+                "the model ties its head to the embedding (`tie_word_embeddings`), but the stored head is \
+                 not an f32/bf16/f16 matrix of the embedding's shape {shape:?}"
+            ),
+        });
+    };
+    let differ = e.iter().zip(&h).filter(|(a, b)| a != b).count();
+    if differ == 0 {
+        return Ok(());
+    }
+    Err(LoadError::BadTensor {
+        path: ckpt.path_of(&head),
+        name: head,
+        msg: format!(
+            "{differ} of its {} values differ from `{embed}`, while config.json ties the head to the \
+             embedding (`tie_word_embeddings`): transformers 5 would use this head, vLLM and transformers 4 \
+             the embedding; set `tie_word_embeddings` to false to use it, or remove it from the checkpoint",
+            h.len()
+        ),
+    })
 }

@@ -67,7 +67,8 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
     }
     let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
     let pre_tokenizer = match pre {
-        "default" | "gpt2" => byte_level.clone(),
+        // llama.cpp's converter writes `gpt-2` (`llama-vocab.cpp`); `gpt2` kept for files that spell it so.
+        "default" | "gpt-2" | "gpt2" => byte_level.clone(),
         // SmolLM's tokenizer splits every digit before the byte-level split.
         "smollm" => json!({"type": "Sequence", "pretokenizers": [
             {"type": "Digits", "individual_digits": true},
