@@ -1837,3 +1837,58 @@ fn generate_stops_at_the_end_tokens_of_training() {
     }
     assert!(stopped > 0, "no row reached <eos> in 16 x 100 tokens");
 }
+
+/// A task too small to hold any problem out is refused before anything runs: its evaluations would log an
+/// accuracy of 0 over no problem (exit 0, listed as a finished run).
+#[test]
+fn a_task_that_holds_out_no_problem_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("run.toml");
+    std::fs::write(&cfg, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let err = error_of(qarl().args(["train", "--config"]).arg(&cfg).args([
+        "--set",
+        "task.min_terms=1",
+        "--set",
+        "task.max_terms=1",
+    ]));
+    assert!(
+        err.contains("holds out no problem for the evaluations"),
+        "{err}"
+    );
+    assert!(!tmp.path().join("model").exists(), "the warm start ran");
+}
+
+/// Real-number flags: a value that reads as 0 in f32 is refused (`--temperature 1e-50` decoded greedily), and
+/// a negative one reaches the range check instead of clap's "unexpected argument '-1'".
+#[test]
+fn real_number_flags_refuse_underflow_and_name_the_range_of_negatives() {
+    let model = common::fixtures_dir().join("qwen3");
+    let out = tempfile::tempdir().unwrap();
+    let generate = |flag: &str, value: &str| {
+        usage_or_error(
+            qarl()
+                .args(["generate", "--prompt-ids", "1,2", "--model"])
+                .arg(&model)
+                .arg("--output")
+                .arg(out.path().join("g.json"))
+                .arg(flag)
+                .arg(value),
+        )
+    };
+    let err = generate("--temperature", "1e-50");
+    assert!(err.contains("would read as 0"), "{err}");
+    let err = generate("--temperature", "-1");
+    assert!(
+        err.contains("temperature must be 0") && !err.contains("unexpected argument"),
+        "{err}"
+    );
+    let err = generate("--top-p", "-0.5");
+    assert!(err.contains("top_p must be in (0, 1]"), "{err}");
+}
+
+/// The stderr of a command that must fail (a usage error or a refusal alike).
+fn usage_or_error(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    assert!(!out.status.success(), "it succeeded");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}

@@ -39,7 +39,7 @@ pub struct MismatchArgs {
         value_delimiter = ','
     )]
     pub schemes: Vec<QuantScheme>,
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag, allow_negative_numbers = true)]
     pub temperature: f32,
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,

@@ -81,6 +81,15 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // `--overwrite` removes them): the task's data, the model's sources, the step's sizes, and a model that
     // is there already, whole.
     let task = Task::from_config(&cfg.task)?;
+    // An evaluation of no problem would log an accuracy of 0 and pass for a result.
+    if cfg.eval.problems > 0 && task.eval_set(1).is_empty() {
+        anyhow::bail!(
+            "task config: the task holds out no problem for the evaluations (`eval.problems` = {}): its \
+             problems are too few to hold any out; widen the task (more terms or digits, or a data set \
+             with `eval_path` / a larger `eval_fraction`)",
+            cfg.eval.problems
+        );
+    }
     // Whether `model.dir` already holds a model (made by an earlier run's warm start, or given).
     let model_made = cfg.model.dir.join("config.json").is_file();
     let model_config = model_dir::check_sources(cfg, model_made)?;
