@@ -1892,3 +1892,14 @@ fn usage_or_error(cmd: &mut Command) -> String {
     assert!(!out.status.success(), "it succeeded");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
+
+/// An experiment file given to `qarl train` is named as one, with the command that runs it.
+#[test]
+fn an_experiment_file_given_to_train_points_at_qarl_experiment() {
+    let file = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments/paper_mini.toml");
+    let err = error_of(qarl().args(["train", "--config"]).arg(&file));
+    assert!(
+        err.contains("an experiment file") && err.contains("qarl experiment"),
+        "{err}"
+    );
+}

@@ -462,6 +462,13 @@ impl TrainConfig {
             }
         };
         if let Ok(doc) = text.parse::<toml::Table>() {
+            // An experiment file given where a run's config is expected: say so, not "unknown key `base`".
+            if doc.contains_key("variant") && doc.contains_key("base") {
+                anyhow::bail!(
+                    "{origin}: an experiment file (`base`, `[[variant]]`), not a run's config: run it with \
+                     `qarl experiment {origin}`"
+                );
+            }
             check_float_range(&doc, &mut Vec::new()).map_err(located)?;
         }
         let cfg: Self = toml::from_str(text).map_err(|e| {
