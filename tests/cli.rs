@@ -833,6 +833,11 @@ fn routing_replay_on_a_dense_model_is_refused_by_train_and_bench_step() {
                 && err.contains("no mixture-of-experts layer"),
             "{args:?}: {err}"
         );
+        // Known from the config the warm start would build from: refused before it runs.
+        assert!(
+            !tmp.path().join("model").exists(),
+            "{args:?}: the warm start ran first"
+        );
     }
 }
 

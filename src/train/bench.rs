@@ -65,7 +65,12 @@ pub fn bench_steps(
 ) -> anyhow::Result<StepTimings> {
     anyhow::ensure!(steps > 0, "--steps must be at least 1");
     super::apply_process_modes(cfg);
-    if !cfg.model.dir.join("config.json").is_file() {
+    let model_made = cfg.model.dir.join("config.json").is_file();
+    // What the config asks of the model, known from the config the warm start builds from: refused
+    // before the warm start runs.
+    let planned = super::model_dir::check_sources(cfg, model_made)?;
+    super::run::check_routing_replay(cfg, &planned, &cfg.model.dir)?;
+    if !model_made {
         // The warm start's own metrics go to a scratch file: the bench leaves the run directory alone.
         let scratch = std::env::temp_dir().join(format!("qarl-bench-{}", std::process::id()));
         std::fs::create_dir_all(&scratch)

@@ -112,6 +112,8 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         Some(&task),
         given.as_ref().map(|p| &p.tok),
     )?;
+    // Known from the config the warm start will build from: refused before it runs, not after.
+    check_routing_replay(cfg, &model_config, &cfg.model.dir)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = resume::start_point(cfg, how, model_made, &metrics_path)?;
     // The weights come from the checkpoint, but the tokenizer and the end tokens from `model.dir`: a
@@ -594,6 +596,16 @@ pub(super) fn check_model_for_config(
     model_dir: &std::path::Path,
 ) -> anyhow::Result<()> {
     check_chat_tokens(cfg, tok, &cfg.model.dir)?;
+    check_routing_replay(cfg, model, model_dir)
+}
+
+/// `train.routing_replay` needs a mixture of experts in `model` (the config of the model in `model_dir`, or
+/// of the one its warm start will make).
+pub(super) fn check_routing_replay(
+    cfg: &TrainConfig,
+    model: &crate::model::ModelConfig,
+    model_dir: &std::path::Path,
+) -> anyhow::Result<()> {
     if cfg.train.routing_replay && model.moe.is_none() {
         anyhow::bail!(
             "`train.routing_replay` = true, but {} has no mixture-of-experts layer: there is no \
