@@ -240,6 +240,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "model": args.model, "data": path, "problems": records.len(), "precision": precision,
         "activations": args.activations.to_string(),
         "verify": verify.judging_rules(), "stop_strings": stop_strings,
+        "max_new_tokens": args.max_new_tokens,
         "accuracy": correct as f64 / n, "mean_response_tokens": tokens as f64 / n,
         "decode_tokens_per_s": tokens as f64 / decode_s.max(1e-9),
     });

@@ -63,6 +63,10 @@ pub struct Evaluation {
     /// (a run's config, `rollout.stop`; `qarl eval` files since 2026-12-06): a response that runs on past
     /// its answer is scored on other text where one stopped it and the other did not.
     pub stop_strings: Option<Vec<String>>,
+    /// The most tokens a response could have, where the source records it (a run's `eval.max_new_tokens`;
+    /// `qarl eval --max-new-tokens` in files written since 2026-12-06): an answer the shorter limit cut off
+    /// is no answer there.
+    pub max_new_tokens: Option<usize>,
     /// Each problem's gold answer, where the source records them (`qarl eval` files): two evaluations of
     /// one question against other golds are of two data sets.
     pub golds: Option<Vec<String>>,
@@ -137,6 +141,8 @@ struct EvalSummary {
     verify: Option<serde_json::Value>,
     #[serde(default)]
     stop_strings: Option<Vec<String>>,
+    #[serde(default)]
+    max_new_tokens: Option<usize>,
 }
 
 /// `path` with links and `.`/`..` resolved (as given where it cannot be), for [`Evaluation::identity`].
@@ -155,19 +161,21 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
-    let (recorded, activations, summary_accuracy, verify, stop_strings) = match out.summary {
-        Some(s) => {
-            check_summary_count(path, s.problems.as_ref(), out.problems.len())?;
-            (
-                s.precision,
-                s.activations,
-                s.accuracy,
-                s.verify,
-                s.stop_strings,
-            )
-        }
-        None => (None, None, None, None, None),
-    };
+    let (recorded, activations, summary_accuracy, verify, stop_strings, max_new_tokens) =
+        match out.summary {
+            Some(s) => {
+                check_summary_count(path, s.problems.as_ref(), out.problems.len())?;
+                (
+                    s.precision,
+                    s.activations,
+                    s.accuracy,
+                    s.verify,
+                    s.stop_strings,
+                    s.max_new_tokens,
+                )
+            }
+            None => (None, None, None, None, None, None),
+        };
     if let (Some(asked), Some(have)) = (precision, &recorded) {
         if asked != have {
             bail!(
@@ -200,6 +208,7 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         activations,
         verify,
         stop_strings,
+        max_new_tokens,
         questions,
         golds,
         correct,
@@ -299,6 +308,7 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         activations: Some(cfg.train.activations.to_string()),
         verify: Some(cfg.verify.judging_rules()),
         stop_strings: logged_stop_strings(picked, &at, cfg.rollout.stop)?,
+        max_new_tokens: Some(cfg.eval.max_new_tokens),
         questions,
         golds: None,
         correct,
@@ -354,7 +364,21 @@ pub fn check_same_problems(evals: &[&Evaluation]) -> anyhow::Result<()> {
     }
     check_same_golds(evals)?;
     check_same_verifier(evals)?;
-    check_same_stops(evals)
+    check_same_stops(evals)?;
+    check_same_token_limit(evals)
+}
+
+/// Fails where two evaluations that record their responses' token limit had different ones.
+fn check_same_token_limit(evals: &[&Evaluation]) -> anyhow::Result<()> {
+    if let Some(((first, a), (e, b))) = first_disagreement(evals, |e| e.max_new_tokens.as_ref()) {
+        bail!(
+            "{} let its responses run to {a} tokens and {} to {b}: an answer the shorter limit cut off is \
+             no answer there (`qarl eval --max-new-tokens`, a run's `eval.max_new_tokens`)",
+            first.source,
+            e.source
+        );
+    }
+    Ok(())
 }
 
 /// Fails where two evaluations that record where their responses stopped stopped them at other strings.
@@ -878,6 +902,19 @@ mod tests {
         let mut unrecorded = stopped.clone();
         unrecorded.stop_strings = None;
         assert!(compare(("a", &[unstopped]), ("b", &[unrecorded]), false).is_ok());
+        // And responses allowed other token limits; a source that does not record its limit is not refused.
+        let mut short = a.clone();
+        short.source = "short.json".into();
+        short.identity = "short.json".into();
+        short.max_new_tokens = Some(4);
+        let mut long = a.clone();
+        long.max_new_tokens = Some(8);
+        let e = compare(("a", &[long.clone()]), ("b", &[short.clone()]), false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("to 8 tokens and short.json to 4"), "{e}");
+        short.max_new_tokens = None;
+        assert!(compare(("a", &[long]), ("b", &[short]), false).is_ok());
         let bf16 = Evaluation::load(&write("d.json", ["2", "4"], 0.5, "bf16"), None).unwrap();
         let text = compare(("a", &[a]), ("b", &[bf16]), false).unwrap();
         assert!(
