@@ -1908,3 +1908,61 @@ fn an_experiment_file_given_to_train_points_at_qarl_experiment() {
         "{err}"
     );
 }
+
+/// The processes whose command line holds `needle` (Linux's /proc).
+#[cfg(target_os = "linux")]
+fn processes_with(needle: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(e.path().join("cmdline")).ok()?;
+            String::from_utf8_lossy(&cmdline)
+                .contains(needle)
+                .then_some(pid)
+        })
+        .collect()
+}
+
+/// A killed `qarl bench step` takes its variant's process with it: the child ran on under PID 1 (a warm start
+/// of minutes) and a bench under `timeout` left it behind.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_killed_bench_step_stops_its_variant_process() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("run.toml");
+    let text = common::tiny_train_toml(tmp.path(), "aligned", 1)
+        .replace("[sft]\nsteps = 8", "[sft]\nsteps = 1000000");
+    assert!(text.contains("steps = 1000000"), "{text}");
+    std::fs::write(&cfg, text).unwrap();
+    let mut parent = qarl()
+        .args(["bench", "step", "--quiet", "--steps", "1", "--config"])
+        .arg(&cfg)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let needle = "--variant-child";
+    let config = cfg.display().to_string();
+    let children = || -> Vec<u32> {
+        processes_with(&config)
+            .into_iter()
+            .filter(|&p| processes_with(needle).contains(&p))
+            .collect()
+    };
+    let wait_for = |want: bool| {
+        (0..300).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            children().is_empty() != want
+        })
+    };
+    assert!(wait_for(true), "no variant process started");
+    parent.kill().unwrap();
+    parent.wait().unwrap();
+    assert!(
+        wait_for(false),
+        "the variant process outlived its parent: {:?}",
+        children()
+    );
+}

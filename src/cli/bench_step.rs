@@ -212,14 +212,33 @@ fn time_in_child(a: &StepBenchArgs, sets: &[String]) -> anyhow::Result<StepTimin
         cmd.arg("--quiet");
     }
     cmd.arg("--variant-child").arg(out.path());
-    let status = cmd.status()?;
+    // The child's stdin is a pipe this process holds open: killed, it closes, and the child stops too
+    // instead of running on (a warm start of minutes) under PID 1.
+    cmd.env(EXIT_WITH_PARENT, "1")
+        .stdin(std::process::Stdio::piped());
+    let mut child = cmd.spawn()?;
+    // Held here, not by `child`: `Child::wait` closes the stdin it holds before waiting.
+    let pipe = child.stdin.take();
+    let status = child.wait()?;
+    drop(pipe);
     anyhow::ensure!(status.success(), "its process failed ({status})");
     let text = std::fs::read_to_string(out.path())?;
     Ok(serde_json::from_str(&text)?)
 }
 
+/// Set by [`time_in_child`] for its child: exit when stdin, the parent's pipe, ends.
+const EXIT_WITH_PARENT: &str = "QARL_BENCH_EXIT_WITH_PARENT";
+
 /// The child side of [`time_in_child`]: the steps of the one config, written to `out`.
 fn run_child(a: &StepBenchArgs, out: &std::path::Path) -> anyhow::Result<()> {
+    if std::env::var_os(EXIT_WITH_PARENT).is_some() {
+        // Nothing is ever written to the pipe: its end is the parent's.
+        std::thread::spawn(|| {
+            let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+            eprintln!("qarl bench step: the parent process ended; stopping this variant");
+            std::process::exit(130);
+        });
+    }
     let cfg = load_config_on(a.config.as_deref(), &a.set, a.backend)?;
     let device = cfg.train.backend.device()?.autodiff();
     probe::reset_peak_resident();
