@@ -1966,3 +1966,24 @@ fn a_killed_bench_step_stops_its_variant_process() {
         children()
     );
 }
+
+/// `QARL_FONT` naming no file is an error that says so, not a silent fall-back to another font.
+#[test]
+fn a_missing_qarl_font_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("metrics.jsonl"),
+        "{\"phase\":\"rl\",\"step\":0,\"critic/rewards/mean\":0.5}\n",
+    )
+    .unwrap();
+    let err = error_of(
+        qarl()
+            .env("QARL_FONT", "/nonexistent/font.ttf")
+            .arg("plot")
+            .arg(tmp.path()),
+    );
+    assert!(
+        err.contains("QARL_FONT=/nonexistent/font.ttf: no such file"),
+        "{err}"
+    );
+}

@@ -32,7 +32,8 @@ pub struct TrainArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct SftArgs {
-    /// TOML config with `[model]` (`dir`, `init_config`) and `[sft]`; without it, the embedded default.
+    /// A run's TOML config (the whole of it, as `qarl train` reads it: `[rollout]`, `[train]` and `[eval]`
+    /// are required too, though SFT uses `[model]`, `[task]` and `[sft]`); without it, the embedded default.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Override one config value, e.g. `--set sft.steps=500`.

@@ -21,6 +21,10 @@ const FONT_CANDIDATES: &[&str] = &[
 /// Registers a TrueType font for chart text; the error says how to provide one.
 pub fn register_font() -> anyhow::Result<()> {
     let env = std::env::var("QARL_FONT").ok();
+    // A font asked for by name and not there is an error, not a silent fall-back to another font.
+    if let Some(asked) = env.as_deref().filter(|p| !Path::new(p).is_file()) {
+        anyhow::bail!("QARL_FONT={asked}: no such file");
+    }
     let path = env
         .iter()
         .map(String::as_str)
