@@ -383,7 +383,7 @@ fn check_finished_runs<'e>(
 }
 
 /// The checks of [`run_experiment`] before a report of finished runs alone (`--report-only`): their settings
-/// against the experiment file's ([`check_finished_runs`]; a base that cannot be read leaves them unchecked,
+/// against the experiment file's (`check_finished_runs`; a base that cannot be read leaves them unchecked,
 /// with a warning) and the warm starts they share.
 pub fn check_report(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
     let configs = RunConfigs::load(path, exp, None)
