@@ -60,9 +60,9 @@ pub enum Command {
     ImportGguf(import_gguf::ImportGgufArgs),
 }
 
-/// A real-number flag read as f32: finite, and refused where a value other than 0 would read as 0 (`1e-50`
-/// would silently mean greedy decoding as a temperature). Negative numbers reach it (the flags take
-/// `allow_negative_numbers`), so a range check after it names the range rather than clap calling `-1` an
+/// A real-number flag read as f32, refused where a value other than 0 would read as 0 (`1e-50` would silently
+/// mean greedy decoding as a temperature). Negative and non-finite numbers reach the command's own range check
+/// (the flags take `allow_negative_numbers`), which names the range, rather than clap calling `-1` an
 /// unexpected argument.
 pub fn f32_flag(text: &str) -> Result<f32, String> {
     let v: f64 = text
@@ -70,9 +70,6 @@ pub fn f32_flag(text: &str) -> Result<f32, String> {
         .parse()
         .map_err(|_| format!("`{text}` is not a number"))?;
     let x = v as f32;
-    if !x.is_finite() {
-        return Err(format!("`{text}` is not a finite f32"));
-    }
     if v != 0.0 && x == 0.0 {
         return Err(format!(
             "`{text}` is too small for an f32: it would read as 0"
