@@ -235,10 +235,9 @@ const FINISHED_MAY_CHANGE: [&str; 4] = [
     "/model/init_config",
 ];
 
-/// The file that marks a run of an experiment finished (its final evaluation summarized).
-pub fn marker(run_dir: &Path) -> PathBuf {
-    run_dir.join("finished.json")
-}
+/// The file that marks a run of an experiment finished (its final evaluation summarized); kept where a run
+/// starting over removes it.
+pub use super::resume::finished_marker as marker;
 
 /// `e` in the context of the experiment's run; a resume refused for changed settings says how to start that
 /// run over (the experiment resumes on the user's behalf and has no `--overwrite`).

@@ -249,16 +249,19 @@ fn remove_earlier_outputs(run_dir: &Path) -> anyhow::Result<()> {
                 .and_then(|n| n.to_str())
                 .is_some_and(|n| n.starts_with("config.before_step_") && n.ends_with(".json"))
         });
-    let files = [
-        super::experiment::marker(run_dir),
-        super::plot::run_plots(run_dir),
-    ];
+    let files = [finished_marker(run_dir), super::plot::run_plots(run_dir)];
     for f in files.into_iter().chain(kept_configs) {
         if f.is_file() {
             std::fs::remove_file(&f).with_context(|| format!("{}: cannot remove", f.display()))?;
         }
     }
     Ok(())
+}
+
+/// The file that marks a run of an experiment finished (its final evaluation summarized): written by
+/// `qarl experiment`, removed here when the run starts over.
+pub fn finished_marker(run_dir: &Path) -> PathBuf {
+    run_dir.join("finished.json")
 }
 
 /// A run starting over refuses a run directory with an earlier run's checkpoints, an unfinished warm start
