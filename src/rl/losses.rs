@@ -34,7 +34,7 @@ pub use objectives::cispo::cispo;
 pub use objectives::gspo::{gspo, SeqClip};
 pub use objectives::ppo_clip::{ppo_clip, TokenClip};
 pub use objectives::tbpo::{tbpo, TrustBand};
-pub use objectives::{seq_ratio, REGISTRY};
+pub use objectives::{seq_ratios, REGISTRY};
 pub use params::ObjectiveParams;
 pub use registry::{known_fields, lookup, registered_names, ObjectiveName};
 pub use spec::{

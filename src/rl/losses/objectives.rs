@@ -6,7 +6,7 @@
 //! [`ParamSpec`](super::ParamSpec)), an [`ObjectiveSpec`] that reads them, a typed constructor on
 //! [`Objective`](super::Objective) and a pure function from log-probs and advantages to a per-token loss
 //! (`-objective`) plus the clip indicators the metrics need. Sequence-level objectives put their sequence
-//! ratio on every token in verl's per-token form ([`seq_ratio_on_tokens`]): each token's loss has the
+//! ratio on every token in verl's per-token form ([`seq_ratios`]): each token's loss has the
 //! sequence's value and the gradient of its own log-prob alone, so a per-token correction weight (token TIS,
 //! MIS, IcePop) scales its own token's gradient, as in verl. Aggregated with `seq-mean-token-mean` the loss is
 //! exactly `mean_i l_i`, and with weight 1 everywhere every aggregation has the gradient of the sequence loss
@@ -34,24 +34,28 @@ pub static REGISTRY: &[&ObjectiveSpec] = &[
     &positive_only::POSITIVE_ONLY,
 ];
 
-/// GSPO's and TBPO's sequence ratio `s_i = exp(mean_t(lp_theta - lp_old))`, `[B, 1]`: the geometric mean of the
-/// token ratios, so its size does not grow with the response length.
-pub fn seq_ratio(lp_theta: Tensor<2>, lp_old: Tensor<2>, mask: &Tensor<2>) -> Tensor<2> {
-    bounded_exp(masked_row_mean(lp_theta - lp_old, mask))
-}
-
-/// The sequence ratio in verl's per-token form (its `compute_policy_loss_gspo`), `[B, T]`:
-/// `exp(sg(log s_i) + lp_theta_t - sg(lp_theta_t))`, bounded as [`seq_ratio`]. Its value on every token is
-/// `s_i`, bit for bit (`lp_theta_t - sg(lp_theta_t)` is exactly 0); its gradient on token `t` is
-/// `s_i d lp_theta_t`, the token's own share of `d s_i` times the length. Aggregated, the per-token copies give
-/// the sequence loss's gradient, and a per-token weight lands on its own token instead of being averaged over
-/// the sequence (the form that repeats `l_i(s_i)` on every token would give every token the mean weight, so
-/// a token IcePop rejected would still be trained).
-pub fn seq_ratio_on_tokens(lp_theta: Tensor<2>, lp_old: Tensor<2>, mask: &Tensor<2>) -> Tensor<2> {
+/// GSPO's and TBPO's sequence ratio `s_i = exp(mean_t(lp_theta - lp_old))` (the geometric mean of the token
+/// ratios, so its size does not grow with the response length), bounded as a log-ratio, from one row mean:
+/// - per sequence, `[B, 1]`, detached: what the clip indicators read;
+/// - on every token in verl's per-token form (its `compute_policy_loss_gspo`), `[B, T]`:
+///   `exp(sg(log s_i) + lp_theta_t - sg(lp_theta_t))`, whose value on every token is `s_i` bit for bit
+///   (`lp_theta_t - sg(lp_theta_t)` is exactly 0) and whose gradient on token `t` is `s_i d lp_theta_t`, the
+///   token's own share of `d s_i` times the length. Aggregated, the per-token copies give the sequence loss's
+///   gradient, and a per-token weight lands on its own token instead of being averaged over the sequence (the
+///   form that repeats `l_i(s_i)` on every token would give every token the mean weight, so a token IcePop
+///   rejected would still be trained).
+pub fn seq_ratios(
+    lp_theta: Tensor<2>,
+    lp_old: Tensor<2>,
+    mask: &Tensor<2>,
+) -> (Tensor<2>, Tensor<2>) {
     let [b, t] = lp_theta.dims();
     let log_s = masked_row_mean(lp_theta.clone() - lp_old, mask).detach();
     let own = lp_theta.clone() - lp_theta.detach();
-    bounded_exp(log_s.expand([b, t]) + own)
+    (
+        bounded_exp(log_s.clone()),
+        bounded_exp(log_s.expand([b, t]) + own),
+    )
 }
 
 /// `max(-A r, -A clip(r, lo, hi))`, i.e. `-min(r A, clip(r) A)`, and where the clipped branch won (strictly:

@@ -8,7 +8,7 @@ use crate::rl::losses::spec::{ParamSpec, Params, Range};
 use crate::rl::tensor_ops::over_tokens;
 use crate::rl::RlError;
 
-use super::{pessimistic_clip, seq_ratio, seq_ratio_on_tokens};
+use super::{pessimistic_clip, seq_ratios};
 
 /// Sequence clip, lower width: `s_i` clipped to `[1 - seq_eps_low, 1 + seq_eps_high]` (GSPO's 3e-4 / 4e-4).
 pub const SEQ_EPS_LOW: ParamSpec = ParamSpec::float("seq_eps_low", 3e-4, Range::Unit);
@@ -63,10 +63,9 @@ pub fn gspo(
 ) -> ObjectiveTerms {
     let [_, t] = lp_theta.dims();
     let (lo, hi) = (1.0 - clip.eps_low, 1.0 + clip.eps_high);
-    let s = seq_ratio(lp_theta.clone(), lp_old.clone(), mask).detach();
+    let (s, r) = seq_ratios(lp_theta, lp_old, mask);
     let (_, clipped) = pessimistic_clip(s, adv.clone(), lo, hi);
     let clipped_lower = clipped.zeros_like();
-    let r = seq_ratio_on_tokens(lp_theta, lp_old, mask);
     let (loss, _) = pessimistic_clip(r, over_tokens(adv, t), lo, hi);
     ObjectiveTerms {
         loss,

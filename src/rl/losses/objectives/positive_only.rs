@@ -22,7 +22,7 @@ use crate::rl::tensor_ops::{over_tokens, select};
 use crate::rl::RlError;
 
 use super::gspo::SEQ_EPS_HIGH;
-use super::{pessimistic_clip, seq_ratio, seq_ratio_on_tokens};
+use super::{pessimistic_clip, seq_ratios};
 
 /// GSPO's upper field and default (4e-4, `seq_clip_ratio_high` accepted), GSPO's aggregation. GSPO's
 /// `seq_eps_low` is not one of its fields: for `A_i > 0` the lower clip never binds (set, it is refused).
@@ -58,11 +58,10 @@ pub fn positive_only(
     eps_high: f32,
 ) -> ObjectiveTerms {
     let [_, t] = lp_theta.dims();
-    let s = seq_ratio(lp_theta.clone(), lp_old.clone(), mask).detach();
+    let (s, r) = seq_ratios(lp_theta, lp_old, mask);
     // Lower bound 0: ratios are positive, so only the upper clip can bind.
     let (_, clipped) = pessimistic_clip(s, adv.clone(), 0.0, 1.0 + eps_high);
     let adv_tokens = over_tokens(adv.clone(), t);
-    let r = seq_ratio_on_tokens(lp_theta, lp_old, mask);
     let (loss, _) = pessimistic_clip(r, adv_tokens.clone(), 0.0, 1.0 + eps_high);
     let positive = adv.greater_elem(0.0);
     let zeros = clipped.zeros_like();

@@ -10,7 +10,7 @@ use crate::rl::tensor_ops::{bounded_exp, masked_row_mean, over_tokens, select};
 use crate::rl::RlError;
 
 use super::gspo::SEQ_EPS_HIGH;
-use super::{pessimistic_clip, seq_ratio, seq_ratio_on_tokens};
+use super::{pessimistic_clip, seq_ratios};
 
 const PAPER: TrustBand = TrustBand::PAPER;
 
@@ -114,9 +114,8 @@ pub fn tbpo(
     band: &TrustBand,
 ) -> ObjectiveTerms {
     let [_, t] = lp_theta.dims();
-    let s = seq_ratio(lp_theta.clone(), lp_old.clone(), mask).detach();
+    let (s, r) = seq_ratios(lp_theta, lp_old.clone(), mask);
     let (_, clipped, clipped_lower) = band_terms(s, adv.clone(), band);
-    let r = seq_ratio_on_tokens(lp_theta, lp_old.clone(), mask);
     let (loss, _, _) = band_terms(r, over_tokens(adv, t), band);
 
     let mismatch = bounded_exp(masked_row_mean(lp_old - lp_roll, mask)).detach();
