@@ -536,17 +536,22 @@ impl EvalSet {
         // `eval_fraction` was refused beside `eval_path` recorded the default there, later ones nothing.
         let task = crate::tasks::TaskConfig::normalized_json(cfg.get("task")?);
         let config = serde_json::json!([task, problems]).to_string();
-        let or = |pointer: &str, default: serde_json::Value| {
+        // As `qarl compare` reads a run's (`VerifyConfig::judging_rules`), keys an older config lacks at
+        // their defaults.
+        let section = |pointer: &str| {
             cfg.pointer(pointer)
                 .filter(|v| !v.is_null())
                 .cloned()
-                .unwrap_or(default)
+                .unwrap_or_else(|| serde_json::json!({}))
         };
+        let verify: crate::tasks::verify::VerifyConfig =
+            serde_json::from_value(section("/verify")).ok()?;
+        let stop: super::config::RolloutStop =
+            serde_json::from_value(section("/rollout/stop")).unwrap_or_default();
         let judged = serde_json::json!([
-            or("/verify/answer_from", "any".into()),
-            or("/verify/truncated", "scored".into()),
-            or("/rollout/stop", "end_tokens".into()),
-            or("/eval/max_new_tokens", serde_json::Value::Null),
+            verify.judging_rules(),
+            stop,
+            cfg.pointer("/eval/max_new_tokens"),
         ])
         .to_string();
         let mut logged = evals
