@@ -134,13 +134,9 @@ fn write_through_temp(
 ) -> anyhow::Result<()> {
     crate::device_failures::check().with_context(|| format!("{}: not written", path.display()))?;
     refuse_special_file(path)?;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let dir = folder_of(path);
     std::fs::create_dir_all(dir).map_err(failed(dir, "cannot create the directory"))?;
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)
-        .map_err(failed(dir, "cannot create a temporary file"))?;
+    let mut tmp = temp_file_for(path)?;
     write(tmp.as_file_mut())
         .and_then(|()| tmp.as_file().sync_all())
         .map_err(failed(path, "cannot write"))?;
@@ -159,10 +155,6 @@ pub fn write_safetensors(
 ) -> anyhow::Result<()> {
     crate::device_failures::check().with_context(|| format!("{}: not written", path.display()))?;
     refuse_special_file(path)?;
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
     // The safetensors crate indexes out of bounds on a repeated name instead of refusing it.
     let mut names = std::collections::HashSet::new();
     if let Some((dup, ..)) = tensors.iter().find(|(n, ..)| !names.insert(n.as_str())) {
@@ -181,18 +173,19 @@ pub fn write_safetensors(
         })
         .collect::<Result<_, safetensors::SafeTensorError>>()
         .with_context(|| format!("{}: inconsistent tensor", path.display()))?;
-    let tmp = tempfile::NamedTempFile::new_in(dir)
-        .map_err(failed(dir, "cannot create a temporary file"))?;
-    safetensors::serialize_to_file(views, None, tmp.path()).map_err(|e| match e {
+    // serialize_to_file writes its own temporary file beside the name it is given: inside a temporary
+    // directory of ours, so that a kill leaves nothing a later write cannot recognize and remove.
+    let space = temp_dir_for(path)?;
+    let tmp = space.path().join("tensors");
+    safetensors::serialize_to_file(views, None, &tmp).map_err(|e| match e {
         safetensors::SafeTensorError::IoError(io) => failed(path, "cannot write")(io),
         other => anyhow::anyhow!("{}: cannot write ({other})", path.display()),
     })?;
-    tmp.as_file()
-        .sync_all()
+    std::fs::File::open(&tmp)
+        .and_then(|f| f.sync_all())
         .map_err(failed(path, "cannot write"))?;
-    set_usual_permissions(tmp.path());
-    tmp.persist(path)
-        .map_err(|e| failed(path, "cannot move into place")(e.error))?;
+    set_usual_permissions(&tmp);
+    std::fs::rename(&tmp, path).map_err(failed(path, "cannot move into place"))?;
     Ok(())
 }
 
@@ -305,19 +298,10 @@ pub fn write_dir_atomic<T>(
             dst.display()
         );
     }
-    let parent = dst
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
+    let parent = folder_of(dst);
     std::fs::create_dir_all(parent)
         .with_context(|| format!("{}: cannot create the directory", parent.display()))?;
-    let name = dst
-        .file_name()
-        .map_or("output".into(), |n| n.to_string_lossy().to_string());
-    let tmp = tempfile::Builder::new()
-        .prefix(&format!(".{name}.partial-"))
-        .tempdir_in(parent)
-        .with_context(|| format!("{}: cannot create a temporary directory", parent.display()))?;
+    let tmp = temp_dir_for(dst)?;
     let out = fill(tmp.path())?;
     set_usual_permissions(tmp.path());
     if dst.exists() {
@@ -334,6 +318,96 @@ pub fn write_dir_atomic<T>(
     std::fs::rename(&kept, dst)
         .with_context(|| format!("{}: cannot move the result into place", dst.display()))?;
     Ok(out)
+}
+
+/// The start of the name of every temporary file or directory written for `name`, with this process's
+/// id: `.{name}.partial-{pid}-`. A kill leaves such an entry behind (a model directory's worth of bytes for
+/// `qarl quantize`); the next write of the same name removes those whose process is gone
+/// ([`remove_stale_temporaries`]).
+fn temp_prefix(name: &str) -> String {
+    format!(".{name}.partial-{}-", std::process::id())
+}
+
+/// The file name `path` ends in, for [`temp_prefix`].
+fn name_of(path: &Path) -> String {
+    path.file_name()
+        .map_or("output".into(), |n| n.to_string_lossy().to_string())
+}
+
+/// The folder `path` is written in (`.` for a bare file name).
+fn folder_of(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// A temporary file beside `path`, under [`temp_prefix`] and ending in `path`'s extension (a plot's
+/// drawing backend picks the format by it), after removing the stale ones of that name.
+pub fn temp_file_for(path: &Path) -> anyhow::Result<tempfile::NamedTempFile> {
+    let dir = folder_of(path);
+    let name = name_of(path);
+    remove_stale_temporaries(dir, &name);
+    let suffix = path
+        .extension()
+        .map_or(String::new(), |e| format!(".{}", e.to_string_lossy()));
+    tempfile::Builder::new()
+        .prefix(&temp_prefix(&name))
+        .suffix(&suffix)
+        .tempfile_in(dir)
+        .map_err(failed(dir, "cannot create a temporary file"))
+}
+
+/// A temporary directory beside `path`, under [`temp_prefix`], after removing the stale ones of that name.
+pub fn temp_dir_for(path: &Path) -> anyhow::Result<tempfile::TempDir> {
+    let dir = folder_of(path);
+    let name = name_of(path);
+    remove_stale_temporaries(dir, &name);
+    tempfile::Builder::new()
+        .prefix(&temp_prefix(&name))
+        .tempdir_in(dir)
+        .with_context(|| format!("{}: cannot create a temporary directory", dir.display()))
+}
+
+/// Removes the temporary files and directories that writes of `name` in `dir` left behind when their
+/// process was killed: those under [`temp_prefix`] whose process id no longer runs. Where the system
+/// cannot say whether a process runs (no `/proc`), nothing is removed; a process id reused since is taken
+/// as running (the entry stays). Says what it removed on standard error.
+pub fn remove_stale_temporaries(dir: &Path, name: &str) {
+    let start = format!(".{name}.partial-");
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let file_name = e.file_name().to_string_lossy().to_string();
+        let Some(pid) = file_name
+            .strip_prefix(&start)
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if process_may_run(pid) {
+            continue;
+        }
+        let path = e.path();
+        let removed = if path.is_dir() && !path.is_symlink() {
+            std::fs::remove_dir_all(&path)
+        } else {
+            std::fs::remove_file(&path)
+        };
+        if removed.is_ok() {
+            eprintln!(
+                "{}: removed; an interrupted write of {name} left it (its process {pid} is gone)",
+                path.display()
+            );
+        }
+    }
+}
+
+/// Whether process `pid` may still run: false only where `/proc` lists processes and not this one.
+fn process_may_run(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    !(proc.join("self").exists() && !proc.join(pid.to_string()).exists())
 }
 
 /// Turns an I/O error on `path` into one sentence: the path, what could not be done and why, in words
@@ -390,6 +464,59 @@ mod tests {
             std::os::unix::fs::symlink(ckpt.join("sub"), tmp.path().join("s")).unwrap();
             assert!(within(&tmp.path().join("s/../m"), &ckpt));
         }
+    }
+
+    /// What a killed write left (a temporary file of a process that is gone, and a temporary directory of
+    /// a killed `write_dir_atomic`) is removed by the next write of the same name; the temporaries of a
+    /// running process, of another name, and anything else stay.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_write_removes_what_killed_writes_of_its_name_left() {
+        let dir = tempfile::tempdir().unwrap();
+        // Above Linux's largest process id (2^22), so no process has it.
+        let gone = 4_194_305u32;
+        let mine = std::process::id();
+        let stale_file = dir.path().join(format!(".a.json.partial-{gone}-x1.json"));
+        let stale_dir = dir.path().join(format!(".a.json.partial-{gone}-x2"));
+        let running = dir.path().join(format!(".a.json.partial-{mine}-x3"));
+        let other_name = dir.path().join(format!(".b.json.partial-{gone}-x4"));
+        let unrelated = dir.path().join(".a.json.partial-notapid");
+        std::fs::write(&stale_file, "half").unwrap();
+        std::fs::create_dir(&stale_dir).unwrap();
+        std::fs::write(stale_dir.join("tensors"), "half").unwrap();
+        std::fs::write(&running, "writing").unwrap();
+        std::fs::write(&other_name, "half").unwrap();
+        std::fs::write(&unrelated, "x").unwrap();
+        write_json_atomic(&dir.path().join("a.json"), &1).unwrap();
+        assert!(!stale_file.exists() && !stale_dir.exists());
+        assert!(running.exists() && other_name.exists() && unrelated.exists());
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        names.sort();
+        assert_eq!(names.len(), 4, "{names:?}");
+        assert!(names.contains(&"a.json".to_string()));
+    }
+
+    /// A directory written through `write_dir_atomic` whose filling fails leaves neither the output nor a
+    /// temporary directory; one that succeeds leaves only the output.
+    #[test]
+    fn write_dir_atomic_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("model");
+        let failed = write_dir_atomic(&out, |tmp| -> anyhow::Result<()> {
+            std::fs::write(tmp.join("config.json"), "{}")?;
+            anyhow::bail!("stopped")
+        });
+        assert!(failed.is_err() && !out.exists());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        write_dir_atomic(&out, |tmp| {
+            Ok(std::fs::write(tmp.join("config.json"), "{}")?)
+        })
+        .unwrap();
+        assert!(out.join("config.json").is_file());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     /// A name given twice is refused before anything is written (the safetensors crate indexed out of

@@ -47,7 +47,11 @@ pub fn run(args: InitModelArgs) -> anyhow::Result<()> {
         );
     }
     let start = std::time::Instant::now();
-    write_random_checkpoint(&args.config, &args.output, args.seed, args.std)?;
+    // Written in a temporary sibling and moved into place whole: a kill leaves no half-written model (and
+    // the next write of this output removes what the killed one left).
+    crate::io::write_dir_atomic(&args.output, |tmp| {
+        write_random_checkpoint(&args.config, tmp, args.seed, args.std)
+    })?;
     let n = param_count(&cfg);
     println!(
         "{}: {} {} parameters ({:.1}M, {:.2} GB f32), seed {}, std {}, written in {:.1} s",

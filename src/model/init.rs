@@ -206,17 +206,9 @@ pub fn write_random_checkpoint(
     // tensor for its bytes only while writing it.
     safetensors::serialize_to_file(tensors, None, &weights)
         .with_context(|| format!("{}: cannot write", weights.display()))?;
-    // Both files come from temporary files (mode 0600): give them an ordinary file's permissions.
+    // Written from a temporary file (mode 0600): give it an ordinary file's permissions.
     crate::io::set_usual_permissions(&weights);
-    let config_out = out_dir.join("config.json");
-    let mut tmp = tempfile::NamedTempFile::new_in(out_dir)
-        .with_context(|| format!("{}: cannot create a temporary file", out_dir.display()))?;
-    std::io::Write::write_all(&mut tmp, text.as_bytes())
-        .with_context(|| format!("{}: cannot write", config_out.display()))?;
-    crate::io::set_usual_permissions(tmp.path());
-    tmp.persist(&config_out)
-        .with_context(|| format!("{}: cannot move into place", config_out.display()))?;
-    Ok(())
+    crate::io::write_atomic(&out_dir.join("config.json"), text.as_bytes())
 }
 
 #[cfg(test)]

@@ -199,9 +199,7 @@ pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> an
             ),
         }
     }
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir)
-        .with_context(|| format!("{}: cannot create a temporary file", dir.display()))?;
+    let mut tmp = crate::io::temp_file_for(path)?;
     for l in kept {
         writeln!(tmp, "{l}").with_context(|| format!("{}: cannot write", path.display()))?;
     }

@@ -200,15 +200,7 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
         .filter(|(_, lines)| lines.iter().any(|(_, s)| s.iter().any(finite)))
         .collect();
     // Drawn beside `out` and moved over it whole: a plot stopped half-way never replaces the last one.
-    let dir = out
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let tmp = tempfile::Builder::new()
-        .prefix(".qarl-plot-")
-        .suffix(".png")
-        .tempfile_in(dir)
-        .map_err(crate::io::failed(dir, "cannot create a temporary file"))?;
+    let tmp = crate::io::temp_file_for(out)?;
     {
         let rows = panels.len().div_ceil(2).max(1);
         let root = BitMapBackend::new(tmp.path(), (1200, 300 * rows as u32)).into_drawing_area();
