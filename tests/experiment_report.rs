@@ -142,9 +142,11 @@ name = "D"
     );
 
     // A − B per problem: [1/3, 1, 0, 0], mean 1/3, SE sqrt((6/9) / 3 / 4) = 0.236; A ahead on 2, behind on
-    // none: p = 2 / 2^2 = 0.5. The same in f32 (same outcomes).
+    // none; 3 seeds per arm take the paired t-test: t = 1.414 on 3 degrees of freedom, p = 0.252 (scipy's
+    // ttest_1samp; A's seeds all end alike, where the sign test's 0.5 would be anti-conservative at scale).
+    // The same in f32 (same outcomes).
     let ab = line("| A | B |");
-    let cell = "+0.333 ± 0.236 (2 vs 0 problems; p 5.0e-1)";
+    let cell = "+0.333 ± 0.236 (2 vs 0 problems; t-test p 2.5e-1)";
     // Over seeds: A's accuracies [1/2, 1/2, 1/2], B's [1/4, 1/4, 0] (sd sqrt(3) / 12): Welch SE
     // sqrt(0 / 3 + (3 / 144) / 3) = 1/12; with the SE over problems sqrt(0.236^2 + 1/144) = 0.250.
     let seeds = "+0.333 ± 0.250 (3 vs 3 seeds; seeds alone ± 0.083)";

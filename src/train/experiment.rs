@@ -763,21 +763,14 @@ fn per_seed_cell(roll: &[f64], f32: &[f64]) -> String {
     format!("{}; {}", list(roll), list(f32))
 }
 
-/// The RL gain: the final outcomes against those before RL, paired by problem, or `-`. Where every seed
-/// started from one warm start (the same outcomes before RL in every run), B is that one model, not a sample
-/// of seeds: its copies would make the comparison look like S seeds against S, whose sign test rejects far
-/// too often when one side is a single model ([`super::paired::PairedTest::PairedT`]).
+/// The RL gain: the final outcomes against those before RL, paired by problem, or `-`. With several seeds
+/// the test is the paired t-test whether the seeds share one warm start (the same outcomes before RL: its
+/// copies average to itself) or not ([`super::paired::PairedTest::PairedT`]).
 fn rl_gain_cell(after: Option<&Vec<Vec<bool>>>, before: Option<&Vec<Vec<bool>>>) -> String {
     let Some((after, before)) = after.zip(before) else {
         return "-".into();
     };
-    let one_start = before.windows(2).all(|w| w[0] == w[1]);
-    let c = if one_start && !before.is_empty() {
-        ArmComparison::against_fixed(after, &before[..1])
-    } else {
-        ArmComparison::new(after, before)
-    };
-    c.map_or_else(|| "-".into(), |c| c.problems_text())
+    ArmComparison::new(after, before).map_or_else(|| "-".into(), |c| c.problems_text())
 }
 
 /// One variant's finished runs, read back.
@@ -832,7 +825,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         writeln!(md, "The paper's claims, one by one, against these numbers: [{CLAIMS_FILE}]({CLAIMS_FILE}).\n")?;
     }
     writeln!(md, "Seeds: {:?}. Accuracy: held-out greedy pass@1 before RL (the warm start) and at the end of RL, in the rollout precision and in f32; mean@k: the fraction of k sampled answers per held-out problem that are right (sampled at `eval.temperature`, `top_p`, `top_k`: T = 1 and no filter unless the config says otherwise), before and at the end of RL, in the rollout precision.\n", exp.seeds)?;
-    writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the p-value (an exact sign test where the seed counts match; a paired t-test where every seed started from one warm start and several seeds are compared with it, `t-test p`). The SE over problems treats the trained models as fixed: it says how well the held-out problems pin down these models' accuracies, not how far other training seeds would move them; the per-seed column shows that spread. mean@k: mean ± sample std over seeds (the mean alone for one seed).\n")?;
+    writeln!(md, "Uncertainty (`train::paired`): when a variant's seeds were evaluated on the same problems, an accuracy is the mean over problems of the per-problem mean over seeds, ± its standard error over problems (clustered by problem: the seeds of a problem are not independent observations); otherwise the mean over seeds with the sample std over seeds. RL gain: per problem, the seed-averaged final outcome minus the seed-averaged outcome before RL, mean ± SE over problems, with the problems that gained vs lost and the p-value (with one seed, McNemar's exact test; with several, a paired t-test on the per-problem differences, `t-test p`). The SE over problems and the p-value treat the trained models as fixed: they say how well the held-out problems pin down these models' accuracies, not how far other training seeds would move them; the per-seed column shows that spread. mean@k: mean ± sample std over seeds (the mean alone for one seed).\n")?;
     writeln!(md, "| variant | seeds done | acc before RL (rollout prec.) | acc (rollout prec.) | acc (f32) | final acc per seed (rollout prec.; f32) | RL gain, paired by problem | mean@k before RL | mean@k (rollout prec.) |")?;
     writeln!(md, "|---|---|---|---|---|---|---|---|---|")?;
     for v in &variants {
@@ -959,7 +952,7 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     if lines.is_empty() {
         return Ok(());
     }
-    writeln!(md, "\nArms compared by final accuracy, paired by problem (`train::paired::ArmComparison`): per problem, A's seed-averaged final greedy outcome minus B's; mean ± SE over problems; the problems where A is ahead vs behind, and the exact sign-test p-value (where the arms' seed counts differ, a paired t-test's, marked `t-test`: the arm with fewer seeds has the noisier per-problem means, which makes the signs lean its way on easy and hard problems even between equally good arms). Only pairs evaluated on the same problems. The SE over problems treats each arm's trained models as fixed; the last two columns add the seed-to-seed spread of the arms' final accuracies (Welch, `sqrt(s_A^2 / n_A + s_B^2 / n_B)`, rough with 2-3 seeds; shown alone and combined with the SE over problems, `sqrt(SE_problems^2 + SE_seeds^2)`): where they are much wider, the effect depends on which training seeds ran. An arm evaluated only in f32 (an f32 arm) enters the rollout-precision columns with its f32 accuracy.\n")?;
+    writeln!(md, "\nArms compared by final accuracy, paired by problem (`train::paired::ArmComparison`): per problem, A's seed-averaged final greedy outcome minus B's; mean ± SE over problems; the problems where A is ahead vs behind, and the p-value: McNemar's exact test where each arm has one seed, a paired t-test on the per-problem differences (marked `t-test`) where either has several (a sign test on seed-averaged outcomes rejects a true null far too often when one arm's per-problem means are noisier than the other's: fewer seeds, or seeds that barely differ). Only pairs evaluated on the same problems. The SE over problems and the p-value treat each arm's trained models as fixed (a test of these models on more problems, not of the method over training seeds); the last two columns add the seed-to-seed spread of the arms' final accuracies (Welch, `sqrt(s_A^2 / n_A + s_B^2 / n_B)`, rough with 2-3 seeds; shown alone and combined with the SE over problems, `sqrt(SE_problems^2 + SE_seeds^2)`): where they are much wider, the effect depends on which training seeds ran. An arm evaluated only in f32 (an f32 arm) enters the rollout-precision columns with its f32 accuracy.\n")?;
     writeln!(
         md,
         "| arm A | arm B | A − B (rollout prec. of each) | A − B (f32) | A − B, problems and seeds (rollout prec.) | A − B, problems and seeds (f32) |"
@@ -1038,7 +1031,7 @@ mod tests {
     }
 
     #[test]
-    fn the_rl_gain_of_seeds_from_one_warm_start_is_tested_against_one_model() {
+    fn the_rl_gain_of_several_seeds_takes_the_t_test() {
         let rows = |rs: &[&str]| -> Vec<Vec<bool>> {
             rs.iter()
                 .map(|r| r.bytes().map(|b| b == b'1').collect())
@@ -1049,10 +1042,14 @@ mod tests {
         let shared = rows(&["0100", "0100", "0100"]);
         let cell = rl_gain_cell(Some(&after), Some(&shared));
         assert!(cell.contains("(2 vs 0 problems; t-test p"), "{cell}");
-        // A warm start per seed: 3 seeds against 3, the sign test (3 gained, 0 lost: p = 2 / 2^3).
+        // A warm start per seed: 3 seeds against 3, the t-test too (the sign test would give 2 / 2^3):
+        // d = [1, 1/3, 1/3, 0], t = 1.987 on 3 degrees of freedom, p 0.141 (scipy's ttest_1samp).
         let own = rows(&["0100", "0000", "0100"]);
         let cell = rl_gain_cell(Some(&after), Some(&own));
-        assert!(cell.ends_with("(3 vs 0 problems; p 2.5e-1)"), "{cell}");
+        assert!(
+            cell.ends_with("(3 vs 0 problems; t-test p 1.4e-1)"),
+            "{cell}"
+        );
         assert_eq!(rl_gain_cell(None, Some(&own)), "-");
     }
 
