@@ -439,7 +439,11 @@ fn dataset_tasks() {
     assert!(eval[0]
         .prompt
         .ends_with("<|im_end|>\n<|im_start|>assistant\n"));
-    assert!(eval[0].solution.as_deref().unwrap().ends_with("<|im_end|>"));
+    assert!(eval[0]
+        .solution
+        .as_deref()
+        .unwrap()
+        .ends_with("<|im_end|>\n"));
     let train = task.sample_prompts(9, 0);
     assert!(train
         .iter()
@@ -656,7 +660,12 @@ fn templates_render() {
         chat.render_prompt("2+2?").unwrap(),
         "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
     );
-    assert_eq!(chat.render_completion("2+2?", "4").unwrap(), "4<|im_end|>");
+    // The whole turn, as a ChatML model's own template closes it (the next test's).
+    assert_eq!(
+        chat.render_completion("2+2?", "4").unwrap(),
+        "4<|im_end|>\n"
+    );
+    assert!(chat.completion_closes_turn() && !plain.completion_closes_turn());
     let sys = Template::from_config(&TemplateConfig::Chat(ChatTemplate {
         model_dir: None,
         system: Some("Be brief.".into()),

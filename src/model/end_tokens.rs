@@ -11,7 +11,7 @@ use serde_json::Value;
 use super::{ModelConfig, Tokenizer};
 
 /// Tokens that end a text or a turn under their usual names, tried in this order for the token a training
-/// example ends with ([`EndTokens::primary`]).
+/// example ends with ([`EndTokens::primary`]) where `tokenizer_config.json` names none.
 const END_NAMES: [&str; 3] = ["<eos>", "<|im_end|>", "<|endoftext|>"];
 
 /// The end-of-sequence tokens of a model with a tokenizer.
@@ -24,38 +24,39 @@ pub struct EndTokens {
 impl EndTokens {
     /// The end tokens of `tok`'s model (config `config`), from the files beside its `tokenizer.json`:
     ///
-    /// - the primary one: the tokenizer's `<eos>`, `<|im_end|>` or `<|endoftext|>`, else config.json's
-    ///   first `eos_token_id`;
-    /// - the stops: the primary one, every `eos_token_id` of config.json and of `generation_config.json`,
-    ///   and `tokenizer_config.json`'s `eos_token`, each once.
+    /// - the primary one: `tokenizer_config.json`'s `eos_token` (what transformers' `tokenizer.eos_token`
+    ///   and TRL's supervised trainer end an example with: a base model's `<|endoftext|>`, where
+    ///   `<|im_end|>` would teach it to end its text with a token transformers' `generate` does not stop
+    ///   at), else the tokenizer's `<eos>`, `<|im_end|>` or `<|endoftext|>`, else config.json's first
+    ///   `eos_token_id`;
+    /// - the stops: the primary one, the first of those usual names the tokenizer has, every
+    ///   `eos_token_id` of config.json and of `generation_config.json`, and `tokenizer_config.json`'s
+    ///   `eos_token`, each once.
     ///
     /// A chat model's turn end and its base model's text end are often two tokens (Qwen3: `<|im_end|>` and
     /// `<|endoftext|>`, both in its generation_config.json); stopping at only the first let a base model
     /// trained with the chat template run on past its answer to `max_new_tokens`. A stop list that cannot
     /// be read, or that names a token the model does not have, is an error naming the file.
     pub fn of(tok: &Tokenizer, config: &ModelConfig) -> anyhow::Result<Self> {
-        let primary = END_NAMES
-            .iter()
-            .find_map(|name| tok.token_to_id(name))
+        let dir = tok.dir();
+        let named_eos = tokenizer_config_eos(&dir.join("tokenizer_config.json"), tok)?;
+        let by_name = END_NAMES.iter().find_map(|name| tok.token_to_id(name));
+        let primary = named_eos
+            .or(by_name)
             .or_else(|| config.eos_token_ids.first().copied())
             .context(
                 "the tokenizer has no end-of-sequence token (<eos>, <|im_end|>, <|endoftext|>) and \
                  config.json no eos_token_id",
             )?;
         let mut stops = vec![primary];
-        let dir = tok.dir();
-        let listed = config
-            .eos_token_ids
-            .iter()
-            .copied()
+        let listed = by_name
+            .into_iter()
+            .chain(config.eos_token_ids.iter().copied())
             .chain(generation_config_eos(
                 &dir.join("generation_config.json"),
                 config.vocab_size,
             )?)
-            .chain(tokenizer_config_eos(
-                &dir.join("tokenizer_config.json"),
-                tok,
-            )?);
+            .chain(named_eos);
         for id in listed {
             if !stops.contains(&id) {
                 stops.push(id);
@@ -188,6 +189,24 @@ mod tests {
             end_tokens(dir.path(), &config).unwrap().stops(),
             &[1, 7, 11]
         );
+    }
+
+    /// `tokenizer_config.json`'s `eos_token` comes first: a base model whose tokenizer also has a chat turn's
+    /// end (SmolLM2, Qwen2.5: `<|im_end|>` beside `<|endoftext|>`) ends its examples with its own end
+    /// token, as TRL's trainer does, not with the first of the usual names the tokenizer has.
+    #[test]
+    fn the_primary_token_is_the_tokenizer_configs_eos() {
+        // config.json lists no end token: `<eos>` (1) stays a stop by its name alone (a base model trained
+        // on ChatML still stops at its turn's end).
+        let (dir, config) = model_dir(&[]);
+        let cfg_path = dir.path().join("tokenizer_config.json");
+        let mut doc: Value = crate::io::read_json(&cfg_path).unwrap();
+        // `<pad>` (0) stands for the base model's own end token beside `<eos>`.
+        doc["eos_token"] = "<pad>".into();
+        std::fs::write(&cfg_path, doc.to_string()).unwrap();
+        let end = end_tokens(dir.path(), &config).unwrap();
+        assert_eq!(end.primary(), 0);
+        assert_eq!(end.stops(), &[0, 1]);
     }
 
     /// Without any end token by name the primary one is config.json's first; with none at all, an error.

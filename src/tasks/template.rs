@@ -5,7 +5,7 @@
 //!
 //! [`Template::render_completion`] gives the text that follows the prompt for supervised training: plain adds
 //! a space after an answer prefix that does not end in whitespace; chat closes the turn as the template
-//! closes an assistant's turn (ChatML: `<|im_end|>`).
+//! closes an assistant's turn (ChatML: `<|im_end|>\n`).
 
 use std::path::{Path, PathBuf};
 
@@ -263,7 +263,10 @@ impl Template {
                     format!(" {solution}")
                 },
             ),
-            Template::Chat { model: None, .. } => Ok(format!("{solution}{IM_END}")),
+            // The whole turn, as a ChatML model's own template writes it and TRL splits it: the end marker
+            // and the newline after it (an example without the newline trained one token less than the
+            // same model's template renders, and logged another loss).
+            Template::Chat { model: None, .. } => Ok(format!("{solution}{IM_END}\n")),
             Template::Chat { model: Some(m), .. } => {
                 let prompt = self.render_prompt(question)?;
                 let whole = m.render(
@@ -288,7 +291,7 @@ impl Template {
     /// Whether a completion of this template ends the assistant's turn itself (a model's template writes
     /// the turn's end): then a supervised example gets no EOS after it.
     pub fn completion_closes_turn(&self) -> bool {
-        matches!(self, Template::Chat { model: Some(_), .. })
+        matches!(self, Template::Chat { .. })
     }
 
     fn turns<'a>(&'a self, question: &'a str, answer: Option<&'a str>) -> Vec<Turn<'a>> {

@@ -18,9 +18,15 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// Prompt ids and prompt + solution + EOS ids of one example. `eos` is `None` where the completion ends the
-/// assistant's turn itself (a model's chat template: TRL appends nothing to such an example either); a
-/// completion that already ends with the EOS (ChatML's `<|im_end|>`, the EOS of Qwen and SmolLM2) does not
-/// get a second one, which would train a meaningless `<|im_end|>` after `<|im_end|>`.
+/// assistant's turn itself (a chat template: TRL appends nothing to such an example either); a completion
+/// that already ends with the EOS does not get a second one, which would train a meaningless `<|im_end|>`
+/// after `<|im_end|>`.
+///
+/// The solution's ids are those that follow the prompt's in the encoding of the whole text, as TRL splits
+/// them: a tokenizer that marks the start of a text (SentencePiece's `▁`, Llama 2's legacy normalizer)
+/// would otherwise start every solution with a word start the whole text never has, training sequences the
+/// tokenizer never produces. Where a token spans the boundary (the whole text's ids do not start with the
+/// prompt's), the solution is encoded alone.
 pub fn encode_example(
     tok: &Tokenizer,
     ex: &Example,
@@ -31,8 +37,14 @@ pub fn encode_example(
         .solution
         .as_deref()
         .context("the task has no worked solutions for SFT")?;
-    let mut ids = prompt.clone();
-    ids.extend(tok.encode(solution)?);
+    let whole = tok
+        .encode_prompt(&format!("{}{solution}", ex.prompt), ex.with_bos)
+        .ok()
+        .filter(|w| w.len() > prompt.len() && w.starts_with(&prompt));
+    let mut ids = match whole {
+        Some(whole) => whole,
+        None => [prompt.clone(), tok.encode(solution)?].concat(),
+    };
     if let Some(eos) = eos.filter(|e| ids.last() != Some(e)) {
         ids.push(eos);
     }
@@ -420,6 +432,33 @@ mod tests {
             let (ids, prompt_len) = encode_example(&tok, &example(solution), Some(0)).unwrap();
             assert_eq!((ids, prompt_len), (vec![1, 2, 0], 1), "{solution}");
         }
+    }
+
+    /// A tokenizer that marks the start of every text (Llama 2's legacy `Prepend("▁")` normalizer) encodes
+    /// a solution alone with a word start it never has after its prompt (` b` alone is `▁▁ b`, after `a`
+    /// it is `▁b`): the example takes the whole text's ids, as TRL does (the ids the Python `tokenizers`
+    /// library gives for this tokenizer: `a` [3, 1], ` b` [4, 2], `a b` [3, 1, 5]).
+    #[test]
+    fn a_solution_is_encoded_as_it_follows_its_prompt() {
+        let tok = Tokenizer::from_json_text(
+            r#"{"version":"1.0","truncation":null,"padding":null,"added_tokens":[],
+                "normalizer":{"type":"Sequence","normalizers":[{"type":"Prepend","prepend":"▁"},
+                    {"type":"Replace","pattern":{"String":" "},"content":"▁"}]},
+                "pre_tokenizer":null,"post_processor":null,"decoder":null,
+                "model":{"type":"BPE","dropout":null,"unk_token":"<unk>","continuing_subword_prefix":null,
+                    "end_of_word_suffix":null,"fuse_unk":false,"byte_fallback":false,"ignore_merges":false,
+                    "vocab":{"<unk>":0,"a":1,"b":2,"▁":3,"▁▁":4,"▁b":5},"merges":[["▁","▁"],["▁","b"]]}}"#,
+        );
+        let ex = Example {
+            question: "a".into(),
+            prompt: "a".into(),
+            with_bos: false,
+            answer: "b".into(),
+            solution: Some(" b".into()),
+        };
+        assert_eq!(tok.encode(" b").unwrap(), vec![4, 2]);
+        let (ids, prompt_len) = encode_example(&tok, &ex, None).unwrap();
+        assert_eq!((ids, prompt_len), (vec![3, 1, 5], 2));
     }
 
     /// A warm start's identity read back from its resume point matches the fresh one for every f32
