@@ -39,12 +39,37 @@ pub fn load_config(path: Option<&Path>, overrides: &[String]) -> anyhow::Result<
     }
     let mut doc: toml::Value =
         toml::from_str(&text).map_err(|e| anyhow::anyhow!("{origin}: {e}"))?;
+    let mut unquoted = Vec::new();
     for o in overrides {
         let (key, value) = parse_override(o)?;
+        if !value.is_str() {
+            unquoted.push((key.clone(), value.to_string()));
+        }
         set_dotted(&mut doc, &key, value)?;
     }
     let text = toml::to_string(&doc)?;
     TrainConfig::from_generated_toml(&text, &format!("{origin} with --set overrides"))
+        .map_err(|e| with_quoting_hint(e, &unquoted))
+}
+
+/// Adds to a config error where a string was expected how to pass one for the overrides whose values read
+/// as something else (`--set run_dir=2024` reads 2024 as a number: the error alone says "invalid type:
+/// integer `2024`, expected path string").
+fn with_quoting_hint(e: anyhow::Error, unquoted: &[(String, String)]) -> anyhow::Error {
+    let text = format!("{e:#}");
+    if !text.contains("expected") || !text.contains("string") {
+        return e;
+    }
+    let Some((key, value)) = unquoted
+        .iter()
+        .find(|(key, value)| text.contains(&format!("`{value}`")) || text.contains(key.as_str()))
+    else {
+        return e;
+    };
+    anyhow::anyhow!(
+        "{text} (a --set value is read as TOML, so `{value}` is not a string: quote it for one, as \
+         --set '{key}=\"{value}\"')"
+    )
 }
 
 /// Sets `key` (dotted path such as `rollout.precision`) in a TOML document, creating missing tables on the
@@ -123,5 +148,33 @@ pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
             bail!("--set `{text}`: `{raw}` is not a number as TOML writes it (e.g. 0.5, 5.0, 7)")
         }
         (None, _) => Ok((key.to_string(), toml::Value::String(raw.to_string()))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A value TOML reads as a number where the config wants a string gets the quoting spelled out; the
+    /// quoted value is taken.
+    #[test]
+    fn a_number_given_for_a_string_says_how_to_quote_it() {
+        let err = format!(
+            "{:#}",
+            load_config(None, &["run_dir=2024".into()]).unwrap_err()
+        );
+        assert!(
+            err.contains("invalid type: integer `2024`")
+                && err.contains(r#"--set 'run_dir="2024"'"#),
+            "{err}"
+        );
+        let cfg = load_config(None, &[r#"run_dir="2024""#.into()]).unwrap();
+        assert_eq!(cfg.run_dir, std::path::PathBuf::from("2024"));
+        // Other errors are left as they are.
+        let err = format!(
+            "{:#}",
+            load_config(None, &["train.lr=fast".into()]).unwrap_err()
+        );
+        assert!(!err.contains("quote it"), "{err}");
     }
 }
