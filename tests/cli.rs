@@ -311,6 +311,12 @@ fn runs_lists_run_directories_with_their_status() {
             "done",
             "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
         ),
+        // The rows of a finished run, but its last checkpoint is of step 0: killed between the final
+        // evaluation and the last save (possible before 2026-12-07), so the weights are not on disk.
+        (
+            "unsaved",
+            "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
+        ),
         ("half", "{\"phase\":\"rl\",\"step\":0}\nnot json\n"),
         // A step at the top of u64 (a damaged log): shown, not an overflow.
         ("huge", "{\"phase\":\"rl\",\"step\":18446744073709551615}\n"),
@@ -328,7 +334,13 @@ fn runs_lists_run_directories_with_their_status() {
         ),
     ] {
         let dir = runs.join(name);
-        std::fs::create_dir_all(dir.join("checkpoints/step_000000")).unwrap();
+        // The finished run's checkpoint is of its last step.
+        let ckpt = if name == "done" {
+            "checkpoints/step_000001"
+        } else {
+            "checkpoints/step_000000"
+        };
+        std::fs::create_dir_all(dir.join(ckpt)).unwrap();
         if name == "garbled" {
             std::fs::write(dir.join("metrics.jsonl"), [0xff, 0xfe, b'\n']).unwrap();
             std::fs::write(dir.join("finished.json"), "{}").unwrap();
@@ -339,7 +351,11 @@ fn runs_lists_run_directories_with_their_status() {
             std::fs::write(dir.join("metrics.jsonl"), rows).unwrap();
         }
         qarl::io::write_json_atomic(&dir.join("config.json"), &cfg).unwrap();
-        let state_step = if name == "edited" { 7 } else { 0 };
+        let state_step = match name {
+            "edited" => 7,
+            "done" => 1,
+            _ => 0,
+        };
         if name == "warm" {
             std::fs::remove_dir_all(dir.join("checkpoints/step_000000")).unwrap();
             qarl::io::write_json_atomic(
@@ -350,7 +366,7 @@ fn runs_lists_run_directories_with_their_status() {
             continue;
         }
         qarl::io::write_json_atomic(
-            &dir.join("checkpoints/step_000000/trainer_state.json"),
+            &dir.join(ckpt).join("trainer_state.json"),
             &qarl::train::checkpoint::TrainerState::after_step(state_step, 1),
         )
         .unwrap();
@@ -370,6 +386,10 @@ fn runs_lists_run_directories_with_their_status() {
     );
     assert!(
         line("half").contains("1/2") && line("half").contains("resumable from step 1"),
+        "{text}"
+    );
+    assert!(
+        line("unsaved").contains("resumable from step 1") && !line("unsaved").contains("finished"),
         "{text}"
     );
     assert!(

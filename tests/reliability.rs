@@ -432,6 +432,22 @@ fn a_resume_with_another_experiment_is_refused() {
         err.contains("`train.steps (under the cosine schedule)` settings"),
         "{err}"
     );
+    // A run whose config.json is gone (a copied or edited run directory): nothing to check the resume
+    // against, so it is refused rather than any settings passing.
+    let config = cfg.run_dir.join("config.json");
+    let kept_config = bytes(&config);
+    std::fs::remove_file(&config).unwrap();
+    let mut other = cfg.clone();
+    other.train.lr = 1.0;
+    other.train.steps = 2;
+    let err = format!("{:#}", train::run(&other, true, true).unwrap_err());
+    assert!(
+        err.contains("config.json: missing, though the run has checkpoints")
+            && err.contains("--accept-changes"),
+        "{err}"
+    );
+    assert_eq!(bytes(&cfg.run_dir.join("metrics.jsonl")), before);
+    std::fs::write(&config, kept_config).unwrap();
     let mut more = cfg.clone();
     more.train.steps = 2;
     train::run(&more, true, true).unwrap();

@@ -162,6 +162,25 @@ fn refuses_only_a_running_qarl(dir: &Path) {
             }
         }
     }
+    // A lock file written under a file lock names a qarl that ended: a running qarl that got its pid
+    // since (another run) holds nothing here, and the lock is taken over.
+    let qarl = bin.path().join("qarl-other-run");
+    std::fs::copy(which_sleep(), &qarl).unwrap();
+    let mut other = Command::new(&qarl).arg("30").spawn().unwrap();
+    let comm = format!("/proc/{}/comm", other.id());
+    for _ in 0..100 {
+        if std::fs::read_to_string(&comm).is_ok_and(|c| c.trim_end() == "qarl-other-run") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::fs::write(dir.join(lock::LOCK_FILE), format!("{} flock\n", other.id())).unwrap();
+    let got = RunLock::acquire(dir);
+    other.kill().unwrap();
+    other.wait().unwrap();
+    let l = got.unwrap();
+    assert_eq!(lock::read_pid(l.path()), Some(std::process::id()));
+    assert!(std::fs::read_to_string(l.path()).unwrap().contains("flock"));
 }
 
 /// The `sleep` program's path.
@@ -205,4 +224,25 @@ fn runs_starting_at_once_take_a_stale_lock_one_at_a_time() {
         );
         assert!(!tmp.path().join(lock::LOCK_FILE).exists(), "round {round}");
     }
+}
+
+/// A directory the lock created goes with the lock where nothing else was written in it (a run refused
+/// before it wrote anything leaves no empty run directory); one that held something, or existed before,
+/// stays.
+#[test]
+fn a_run_directory_the_lock_made_goes_with_it_when_empty() {
+    let tmp = tempfile::tempdir().unwrap();
+    let new = tmp.path().join("runs/new");
+    drop(RunLock::acquire(&new).unwrap());
+    assert!(!new.exists());
+    assert!(tmp.path().join("runs").is_dir());
+    let used = tmp.path().join("runs/used");
+    let l = RunLock::acquire(&used).unwrap();
+    std::fs::write(used.join("config.json"), "{}").unwrap();
+    drop(l);
+    assert!(used.join("config.json").is_file());
+    let existing = tmp.path().join("runs/existing");
+    std::fs::create_dir_all(&existing).unwrap();
+    drop(RunLock::acquire(&existing).unwrap());
+    assert!(existing.is_dir());
 }

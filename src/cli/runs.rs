@@ -92,8 +92,12 @@ pub fn inspect(dir: &Path) -> RunInfo {
     }
     let steps = cfg.as_ref().map(|c| c.train.steps);
     let ckpt = checkpoint::latest(dir);
+    // From the rows: the final evaluation and the last step, and the last step's weights on disk (a run
+    // killed between its final evaluation and its last checkpoint, as runs before 2026-12-07 could be,
+    // is not finished: its accuracy is of weights nobody can load).
+    let last_saved = ckpt.as_ref().map(|(_, st)| st.step.saturating_add(1));
     let finished = dir.join("finished.json").is_file()
-        || matches!((accuracy, steps, last_step), (Some((_, s)), Some(n), Some(l)) if s as usize == n && l.saturating_add(1) == n as u64);
+        || matches!((accuracy, steps, last_step, last_saved), (Some((_, s)), Some(n), Some(l), Some(c)) if s as usize == n && l.saturating_add(1) == n as u64 && c == n);
     let status = if let Some(e) = unreadable {
         format!("metrics unreadable ({e})")
     } else if finished {

@@ -260,8 +260,9 @@ const STEP_PREFIX: &str = "step_";
 /// leaves a partial directory under a valid `step_*` name.
 const PRUNED_PREFIX: &str = ".pruned-step_";
 
-/// Removes what a killed writer left behind (temporary, set-aside and half-pruned directories).
-fn remove_leftovers(root: &Path) {
+/// Removes what a killed writer left behind (temporary, set-aside and half-pruned directories) under a
+/// checkpoints folder `root`; call with the run's lock held.
+pub fn remove_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };

@@ -21,6 +21,9 @@ pub const LOCK_FILE: &str = ".qarl.lock";
 pub struct RunLock {
     path: PathBuf,
     file: File,
+    /// The directory, where this lock created it: removed on drop if nothing else was written there (a
+    /// run refused before it wrote anything leaves no empty run directory behind).
+    created: Option<PathBuf>,
 }
 
 impl RunLock {
@@ -28,6 +31,7 @@ impl RunLock {
     /// lock of one directory in this process is refused too (each open file is its own holder).
     pub fn acquire(dir: &Path) -> anyhow::Result<Self> {
         let path = dir.join(LOCK_FILE);
+        let created = (!dir.exists()).then(|| dir.to_path_buf());
         // A few tries: each failed one found the file (or a lock's own folder, which its holder removes
         // when done: `model_dir`'s staging guard) removed by a holder that was finishing.
         for _ in 0..16 {
@@ -60,10 +64,12 @@ impl RunLock {
                 continue;
             }
             let earlier = read_text(&mut file);
-            if let Ok(pid) = earlier.trim().parse::<u32>() {
-                // qarl before 2026-12-06 held its lock by the file alone, without a file lock. Another
-                // program under the pid (reused after a crash or a container restart) holds nothing.
-                if pid != std::process::id() && is_qarl(pid) {
+            if let Some(pid) = pid_of(&earlier) {
+                // qarl before 2026-12-06 held its lock by the file alone, without a file lock, and wrote a
+                // bare pid. Another program under the pid (reused after a crash or a container restart)
+                // holds nothing, and neither does a qarl under the pid of a file that says it was
+                // file-locked ([`FLOCK_MARK`]): that holder ended, and its pid went to another run.
+                if pid != std::process::id() && !earlier.contains(FLOCK_MARK) && is_qarl(pid) {
                     anyhow::bail!(
                         "{}: its lock file {} names process {pid}, a qarl that is running but holds no file \
                          lock: a qarl from before 2026-12-06 at work there (if it is not, delete the lock \
@@ -75,7 +81,11 @@ impl RunLock {
                 tracing::warn!(lock = %path.display(), pid, "taking over the lock left by a process that ended without releasing its directory");
             }
             write_pid(&mut file, &path)?;
-            return Ok(Self { path, file });
+            return Ok(Self {
+                path,
+                file,
+                created,
+            });
         }
         anyhow::bail!(
             "{}: cannot lock the directory (its lock file {} keeps changing); is another qarl process starting there?",
@@ -96,6 +106,11 @@ impl Drop for RunLock {
         // and then hold a lock on a name that no longer exists (see `still_named`).
         let _ = std::fs::remove_file(&self.path);
         let _ = self.file.unlock();
+        // Only an empty directory goes (`remove_dir`); one a starting holder has just put its lock file
+        // in stays, and a holder that finds it gone tries again.
+        if let Some(dir) = &self.created {
+            let _ = std::fs::remove_dir(dir);
+        }
     }
 }
 
@@ -136,18 +151,27 @@ fn read_text(file: &mut File) -> String {
     text
 }
 
-/// Replaces the file's content with this process's pid.
+/// What a lock file says after its pid since file locks hold it (2026-12-07): a pid without it was written
+/// by a qarl that held its lock by the file alone.
+const FLOCK_MARK: &str = "flock";
+
+/// Replaces the file's content with this process's pid and [`FLOCK_MARK`].
 fn write_pid(file: &mut File, path: &Path) -> anyhow::Result<()> {
     file.set_len(0)
         .and_then(|()| file.rewind())
-        .and_then(|()| writeln!(file, "{}", std::process::id()))
+        .and_then(|()| writeln!(file, "{} {FLOCK_MARK}", std::process::id()))
         .and_then(|()| file.sync_all())
         .map_err(crate::io::failed(path, "cannot write the lock file"))
 }
 
 /// The pid in a lock file (`None` when absent or not a pid).
 pub fn read_pid(path: &Path) -> Option<u32> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+    pid_of(&std::fs::read_to_string(path).ok()?)
+}
+
+/// The pid a lock file's text starts with: `123` (before file locks) or `123 flock`.
+fn pid_of(text: &str) -> Option<u32> {
+    text.split_whitespace().next()?.parse().ok()
 }
 
 /// Whether process `pid` exists, through `/proc` on Linux; elsewhere no pid counts as alive (the file lock

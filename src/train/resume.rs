@@ -38,6 +38,14 @@ pub const RESUME_MAY_CHANGE: [&str; 4] = ["/run_dir", "/model", "/train/steps", 
 /// changes instead ([`keep_earlier_config`] keeps the earlier config once the checkpoint has loaded).
 pub(super) fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::Result<()> {
     let path = cfg.run_dir.join("config.json");
+    // A run writes its config before its first checkpoint: one missing beside checkpoints was removed or
+    // left behind in a copy, and without it any settings would pass.
+    if !path.is_file() && !accept {
+        anyhow::bail!(
+            "{}: missing, though the run has checkpoints: the resume cannot check that it continues the same              experiment (the settings its steps so far were made with); restore the file, or go on under              this config with --resume --accept-changes",
+            path.display()
+        );
+    }
     let changed = resume_changes(cfg, &path, accept)?;
     if changed.is_empty() {
         return Ok(());
@@ -173,6 +181,9 @@ pub(super) fn start_point(
         }
         Start::Resume { accept_changes } => accept_changes,
     };
+    // What a killed checkpoint write or prune left (a finished run's last prune is never followed by
+    // another save, which would remove it).
+    checkpoint::remove_leftovers(&checkpoint::checkpoints_dir(&cfg.run_dir));
     let Some((p, state)) = checkpoint::latest_checked(&cfg.run_dir)? else {
         tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no RL checkpoint yet, so RL starts at step 0 (after the warm start, where it has one to finish)");
         // RL starts over (its settings may change), but an unfinished warm start continues, and must be

@@ -241,12 +241,14 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
     }
     bar.finish();
-    let after = evaluator.evaluate(&policy.model, steps, &mut log)?;
-    // The last step's checkpoint, unless the loop just wrote it.
+    // The last step's checkpoint, unless the loop just wrote it, before the final evaluation: a kill
+    // between the two then leaves no final accuracy logged for weights that are not on disk (`qarl runs`
+    // called such a run finished); a resume drops and redoes the final evaluation.
     let just_saved = cfg.checkpoint_every > 0 && steps.is_multiple_of(cfg.checkpoint_every);
     if steps > 0 && start < steps && !just_saved {
         policy.save(cfg, &optim, &state, &log)?;
     }
+    let after = evaluator.evaluate(&policy.model, steps, &mut log)?;
     let paired = before
         .as_ref()
         .and_then(|b| paired::PairedComparison::new(&b.1, &after.1));
