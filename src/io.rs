@@ -407,7 +407,7 @@ pub fn remove_stale_temporaries(dir: &Path, name: &str) {
 /// Whether process `pid` may still run: false only where `/proc` lists processes and not this one.
 fn process_may_run(pid: u32) -> bool {
     let proc = Path::new("/proc");
-    !(proc.join("self").exists() && !proc.join(pid.to_string()).exists())
+    !proc.join("self").exists() || proc.join(pid.to_string()).exists()
 }
 
 /// Turns an I/O error on `path` into one sentence: the path, what could not be done and why, in words

@@ -236,7 +236,8 @@ pub struct RlConfig {
     pub minibatch_size: usize,
     /// Sequences per forward/backward pass within a minibatch (0 = the whole minibatch in one pass). Smaller
     /// passes keep fewer activations alive (the peak memory of an update) and accumulate the gradient,
-    /// which then differs from the single pass's only by summation order; the loss and its metrics stay
+    /// which then differs from the single pass's only by summation order (and, under half-precision
+    /// activations, each pass's rounding of its gradient to them); the loss and its metrics stay
     /// bitwise the same. A multiple of `rollout.samples_per_prompt` keeps each prompt's forward shared by
     /// its samples.
     #[serde(default)]

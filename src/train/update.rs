@@ -289,7 +289,8 @@ impl Pass<'_, '_> {
     /// each micro-batch back-propagates its loss times its own count, and the summed gradient is divided by
     /// the total count once. The log-probs are the single pass's bits (the forward is batch-invariant), so
     /// the loss and its metrics, computed again over the whole minibatch from them, are the single pass's
-    /// too; the gradient differs from it only by summation order.
+    /// too; the gradient differs from it only by summation order (and each pass's rounding to half-precision
+    /// activations, where they are bf16 or f16).
     fn accumulated(
         &self,
         chunk: &[usize],

@@ -31,7 +31,7 @@ pub(super) fn time_decode_block(
     args: &KernelBenchArgs,
     k: &Kernels,
     block: &MoeBlock,
-    (ids, n, what): (&[u32], usize, &str),
+    (routings, n, what): (&[Vec<u32>], usize, &str),
     [dx, drw]: [&DeviceBuffer; 2],
     (graph, path): (bool, MatmulPath),
     failures: &mut Vec<String>,
@@ -42,25 +42,34 @@ pub(super) fn time_decode_block(
         let table = k.route(&inputs[1], n, args.top_k, experts)?;
         k.moe_routed(&inputs[0], &table, &inputs[2], [dg, du, dd], path)
     };
-    let inputs = vec![dx.clone(), k.upload_u32(ids), drw.clone()];
-    let recorded = if graph {
-        match k.record(inputs.clone(), decode) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                eprintln!("{what}: not timed ({e})");
-                return Ok(None);
+    let ids = &routings[0];
+    let inputs: Vec<Vec<DeviceBuffer>> = routings
+        .iter()
+        .map(|r| vec![dx.clone(), k.upload_u32(r), drw.clone()])
+        .collect();
+    let mut recorded = Vec::new();
+    if graph {
+        for i in &inputs {
+            match k.record(i.clone(), decode) {
+                Ok(r) => recorded.push(r),
+                Err(e) => {
+                    eprintln!("{what}: not timed ({e})");
+                    return Ok(None);
+                }
             }
         }
-    } else {
-        None
-    };
+    }
+    // The calls go round the routings, one each.
+    let next = std::cell::Cell::new(0usize);
     let run = || -> anyhow::Result<DeviceBuffer> {
-        Ok(match &recorded {
+        let i = next.get();
+        next.set((i + 1) % routings.len());
+        Ok(match recorded.get(i) {
             Some(r) => {
                 r.replay()?;
                 r.output().clone()
             }
-            None => decode(k, &inputs)?,
+            None => decode(k, &inputs[i])?,
         })
     };
     if args.check {
@@ -80,6 +89,7 @@ pub(super) fn time_decode_block(
         if k.fragment_shape().group_splits() > 1 {
             report_splits(k, block, (n, args.top_k), path.tiles(dx.dtype()), what)?;
         }
+        next.set(0);
         let differ = contract_mismatches(&k.read_f32(&run()?)?, &k.read_f32(&want)?, ActDType::F32);
         if differ > 0 {
             failures.push(format!(
@@ -99,6 +109,28 @@ pub(super) fn time_decode_block(
         || drop(run().expect("moe decode")),
         &sync,
     )))
+}
+
+/// Weights one round of a decode row's timed calls reads at least: 4x the L2 cache of an H200 (50 MB).
+const DECODE_CYCLE_BYTES: usize = 256 << 20;
+
+/// The routings a decode row's timed calls go round: `first`, then others drawn alike, until a round
+/// reads [`DECODE_CYCLE_BYTES`] of weights (`bytes_per_call` a call; at most 64 routings). One routing
+/// timed call after call reads its experts from the cache: at one token Qwen3-30B-A3B's block touches
+/// 8 experts, 20 MB, which an H200's L2 holds, while the next layer of a real decode step reads others. The
+/// row's bytes are the first routing's (at one token every routing touches as many experts; at more
+/// tokens a round needs fewer routings, whose touched counts differ by a few experts).
+fn decode_routings(
+    first: &[u32],
+    (n, top_k, experts): (usize, usize, usize),
+    bytes_per_call: usize,
+) -> Vec<Vec<u32>> {
+    let count = DECODE_CYCLE_BYTES
+        .div_ceil(bytes_per_call.max(1))
+        .clamp(1, 64);
+    std::iter::once(first.to_vec())
+        .chain((1..count).map(|i| random_routing(n, top_k, experts, 9001 + 131 * i as u64)))
+        .collect()
 }
 
 /// The sets of planes the fragment tiles split the block's scale groups among at `n` tokens routed
@@ -355,8 +387,9 @@ pub(super) fn bench(
             rows.push(row(kernel, name, dtype, n, t, bytes, flops, tb, copy_gbs));
         }
         if n <= Kernels::MOE_GEMV_MAX_TOKENS {
+            let cycle = decode_routings(&ids, (n, args.top_k, args.experts), touched * per_expert);
             for (what, kd, graph, path) in decode.iter().filter(|d| args.wants(&d.0)) {
-                let call = (ids.as_slice(), n, what.as_str());
+                let call = (cycle.as_slice(), n, what.as_str());
                 let inputs = [&dx, &drw];
                 let how = (*graph, *path);
                 let Some(t) = time_decode_block(args, kd, &block, call, inputs, how, failures)?
