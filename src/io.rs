@@ -328,7 +328,7 @@ fn temp_prefix(name: &str) -> String {
     format!(".{name}.partial-{}-", std::process::id())
 }
 
-/// The file name `path` ends in, for [`temp_prefix`].
+/// The file name `path` ends in, for `temp_prefix`.
 fn name_of(path: &Path) -> String {
     path.file_name()
         .map_or("output".into(), |n| n.to_string_lossy().to_string())
@@ -341,7 +341,7 @@ fn folder_of(path: &Path) -> &Path {
         .unwrap_or(Path::new("."))
 }
 
-/// A temporary file beside `path`, under [`temp_prefix`] and ending in `path`'s extension (a plot's
+/// A temporary file beside `path`, under `temp_prefix` and ending in `path`'s extension (a plot's
 /// drawing backend picks the format by it), after removing the stale ones of that name.
 pub fn temp_file_for(path: &Path) -> anyhow::Result<tempfile::NamedTempFile> {
     let dir = folder_of(path);
@@ -357,7 +357,7 @@ pub fn temp_file_for(path: &Path) -> anyhow::Result<tempfile::NamedTempFile> {
         .map_err(failed(dir, "cannot create a temporary file"))
 }
 
-/// A temporary directory beside `path`, under [`temp_prefix`], after removing the stale ones of that name.
+/// A temporary directory beside `path`, under `temp_prefix`, after removing the stale ones of that name.
 pub fn temp_dir_for(path: &Path) -> anyhow::Result<tempfile::TempDir> {
     let dir = folder_of(path);
     let name = name_of(path);
@@ -369,7 +369,7 @@ pub fn temp_dir_for(path: &Path) -> anyhow::Result<tempfile::TempDir> {
 }
 
 /// Removes the temporary files and directories that writes of `name` in `dir` left behind when their
-/// process was killed: those under [`temp_prefix`] whose process id no longer runs. Where the system
+/// process was killed: those under `temp_prefix` whose process id no longer runs. Where the system
 /// cannot say whether a process runs (no `/proc`), nothing is removed; a process id reused since is taken
 /// as running (the entry stays). Says what it removed on standard error.
 pub fn remove_stale_temporaries(dir: &Path, name: &str) {
