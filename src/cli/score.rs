@@ -50,7 +50,12 @@ struct ScoreOutput {
 }
 
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
-    let input: ScoreInput = read_json(&args.input)?;
+    let input: ScoreInput = read_json(&args.input).with_context(|| {
+        format!(
+            "{}: expected an object {{\"input_ids\": [[id, ...], ...]}} (rows of token ids of equal length)",
+            args.input.display()
+        )
+    })?;
     crate::io::check_output_file(&args.output)?;
     let inputs = super::inputs_with_model(&args.model, [&args.input]);
     crate::io::check_output_not_input(&args.output, &inputs)?;

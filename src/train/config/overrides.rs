@@ -105,12 +105,13 @@ pub fn set_dotted(doc: &mut toml::Value, key: &str, value: toml::Value) -> anyho
         let dropped: Vec<String> = old
             .iter()
             .filter(|(k, _)| !new.contains_key(*k))
-            .map(|(k, v)| format!("{k} = {v}"))
+            .map(|(k, v)| format!("{k} (was {v})"))
             .collect();
         if !dropped.is_empty() {
             tracing::warn!(
-                "override `{key}`: the table given replaces `{key}` as a whole, so what it leaves out goes \
-                 back to its default: {} (to change one key, set `{key}.<name>`)",
+                "override `{key}`: the table given replaces `{key}` as a whole, so the keys it leaves out are \
+                 dropped and take their defaults, or are missing where they have none: {} (to change one \
+                 key, set `{key}.<name>`)",
                 dropped.join(", ")
             );
         }
