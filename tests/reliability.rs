@@ -958,3 +958,90 @@ fn one_run_at_a_time_makes_a_shared_model() {
     assert!(cfg.model.dir.join("config.json").is_file());
     assert!(!guard.exists(), "{} was left", guard.display());
 }
+
+/// Every key a run writes to metrics.jsonl is documented in docs/metrics.md (the names in backticks;
+/// `{p}`, `{k}` stand for one path segment or part of one, and `/max` after `response_length/mean` for
+/// `response_length/max`): a new metric cannot land without its documentation. The tiny run's rows cover
+/// the warm start, RL steps with timing and evaluations in two precisions.
+#[test]
+fn every_metric_a_run_writes_is_documented() {
+    let doc =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/metrics.md"))
+            .unwrap();
+    let patterns = documented_names(&doc);
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny(tmp.path(), 2);
+    train::run(&cfg, false, true).unwrap();
+    let text = std::fs::read_to_string(cfg.run_dir.join("metrics.jsonl")).unwrap();
+    let mut undocumented = std::collections::BTreeSet::new();
+    let mut seen = 0;
+    for line in text.lines() {
+        let row: serde_json::Value = serde_json::from_str(line).unwrap();
+        for key in row.as_object().unwrap().keys() {
+            seen += 1;
+            if key != "phase" && key != "step" && !patterns.iter().any(|p| glob(p, key)) {
+                undocumented.insert(key.clone());
+            }
+        }
+    }
+    assert!(seen > 50, "the run wrote only {seen} keys");
+    assert!(
+        undocumented.is_empty(),
+        "not in docs/metrics.md: {undocumented:?}"
+    );
+    // The matcher can fail: a made-up key matches nothing.
+    assert!(!patterns.iter().any(|p| glob(p, "actor/made_up")));
+}
+
+/// The metric names of docs/metrics.md: every backticked word with a `/`, placeholders (`{p}`) as `*`,
+/// and a name starting with `/` completed with the previous name's prefix.
+fn documented_names(doc: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut prefix = String::new();
+    for (i, part) in doc.split('`').enumerate() {
+        // `actor/*` in the text names a family, not a metric.
+        if i % 2 == 0
+            || part.contains(char::is_whitespace)
+            || part.contains('*')
+            || !part.contains('/')
+        {
+            continue;
+        }
+        let name = match part.strip_prefix('/') {
+            Some(rest) => format!("{prefix}{rest}"),
+            None => part.to_string(),
+        };
+        prefix = name[..=name.rfind('/').unwrap()].to_string();
+        let mut glob = String::new();
+        let mut depth = 0;
+        for c in name.chars() {
+            match c {
+                '{' => {
+                    depth += 1;
+                    glob.push('*');
+                }
+                '}' => depth -= 1,
+                _ if depth == 0 => glob.push(c),
+                _ => {}
+            }
+        }
+        names.push(glob);
+    }
+    names
+}
+
+/// Whether `text` matches `pattern`, where `*` stands for any characters but `/`.
+fn glob(pattern: &str, text: &str) -> bool {
+    match pattern.split_once('*') {
+        None => pattern == text,
+        Some((head, tail)) => {
+            let Some(rest) = text.strip_prefix(head) else {
+                return false;
+            };
+            (0..=rest.len())
+                .take_while(|&n| !rest[..n].contains('/'))
+                .filter(|&n| rest.is_char_boundary(n))
+                .any(|n| glob(tail, &rest[n..]))
+        }
+    }
+}
