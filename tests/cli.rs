@@ -282,7 +282,7 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
     let (shown, warned) = show("eval={every=5,problems=2,max_new_tokens=4}");
     assert!(shown.contains("k = 0"), "{shown}");
     assert!(
-        warned.contains("replaces `eval` as a whole") && warned.contains("k = 8"),
+        warned.contains("replaces `eval` as a whole") && warned.contains("k (was 8)"),
         "{warned}"
     );
     // Switching a tagged table to another kind drops the old kind's keys by design: no warning.
