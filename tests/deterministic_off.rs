@@ -116,3 +116,50 @@ fn bf16_outside_deterministic_mode_takes_the_backends_matmul() {
         );
     }
 }
+
+/// fp8-b128 quantizes the activations too (W8A8): outside deterministic mode its quantized layers keep
+/// their own kernel at training sizes, where the backend's matmul on the dequantized weights would skip
+/// the activations' quantization (another function than the rollout's, not another rounding), while a
+/// weight-only format takes the backend's matmul there.
+#[test]
+fn fp8_keeps_its_activation_quantization_outside_deterministic_mode() {
+    let _one = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let device = Device::flex();
+    let rows = qarl::ops::packed::FAST_GEMM_MIN_ROWS + 6;
+    let (inn, out) = (256, 64);
+    let values = |n: usize, seed: u32| -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+            .collect()
+    };
+    let master = burn::tensor::Tensor::<2>::from_data(
+        burn::tensor::TensorData::new(values(inn * out, 7), [inn, out]),
+        &device,
+    );
+    let x = burn::tensor::Tensor::<2>::from_data(
+        burn::tensor::TensorData::new(values(rows * inn, 11), [rows, inn]),
+        &device,
+    )
+    .cast(burn::tensor::DType::BF16);
+    for (scheme, kept) in [
+        (QuantScheme::Fp8Block128, true),
+        (QuantScheme::Int8PerChannel, false),
+    ] {
+        let w = qarl::ops::packed::QuantizedWeight::from_master(master.clone(), scheme).unwrap();
+        let run = |deterministic: bool| {
+            qarl::ops::set_deterministic(deterministic);
+            let y = to_f32_vec(
+                w.matmul(x.clone(), master.clone())
+                    .cast(burn::tensor::DType::F32),
+            );
+            qarl::ops::set_deterministic(true);
+            y
+        };
+        let (on, off) = (run(true), run(false));
+        let same = on.iter().zip(&off).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert_eq!(
+            same, kept,
+            "{scheme:?}: deterministic on and off alike: {same}"
+        );
+    }
+}
