@@ -550,6 +550,14 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     );
     let v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&output).unwrap()).unwrap();
+    // How the prompts were rendered and where it ran: other templates give other prompts.
+    assert_eq!(
+        (&v["template"], &v["backend"]),
+        (&serde_json::json!("plain"), &serde_json::json!("flex")),
+        "{v}"
+    );
+    let md = std::fs::read_to_string(output.with_extension("md")).unwrap();
+    assert!(md.contains("template `plain`; backend flex"), "{md}");
     let rows = v["rows"].as_array().unwrap();
     let which: Vec<(&str, &str, &str)> = rows
         .iter()

@@ -173,12 +173,16 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         }
     }
     if let Some(out) = &args.output {
+        // How the prompts were rendered and where it ran: `--template chat` and `chatml` give other
+        // prompts (k3 0.376 against 0.433 on SmolLM2), so a result without them cannot be reproduced.
         let meta = serde_json::json!({"model": args.model, "data": path, "prompts": records.len(),
             "samples": args.samples, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-            "seed": args.seed, "rows": rows});
+            "seed": args.seed, "template": args.template, "system": args.system,
+            "enable_thinking": args.enable_thinking, "backend": args.backend.to_string(), "rows": rows});
         crate::io::write_json_atomic(out, &meta)?;
         let mut md = format!(
-            "Rollout/learner mismatch on {} ({} prompts x {} samples, T = {}, up to {} new tokens, seed {}). \
+            "Rollout/learner mismatch on {} ({} prompts x {} samples, T = {}, up to {} new tokens, seed {}; \
+             template `{}`{}{}; backend {}). \
              Rollout `f32` is the floor: the f32 sampler against the f32 forward. Error-token fractions \
              (docs/metrics.md): `ratio`, the sampler over 20x more confident than the learner; `low prob`, \
              learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n\
@@ -188,7 +192,11 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
              alike).\n\n\
              | activations | deterministic | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
              |---|---|---|---|---|---|---|---|---|---|---|---|\n",
-            path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed
+            path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed,
+            args.template,
+            args.system.as_deref().map_or(String::new(), |s| format!(", system {s:?}")),
+            args.enable_thinking.map_or(String::new(), |t| format!(", enable_thinking {t}")),
+            args.backend
         );
         for r in &rows {
             let v = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
