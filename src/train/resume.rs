@@ -42,7 +42,9 @@ pub(super) fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::R
     // left behind in a copy, and without it any settings would pass.
     if !path.is_file() && !accept {
         anyhow::bail!(
-            "{}: missing, though the run has checkpoints: the resume cannot check that it continues the same              experiment (the settings its steps so far were made with); restore the file, or go on under              this config with --resume --accept-changes",
+            "{}: missing, though the run has checkpoints: the resume cannot check that it continues the same \
+             experiment (the settings its steps so far were made with); restore the file, or go on under \
+             this config with --resume --accept-changes",
             path.display()
         );
     }
