@@ -22,12 +22,17 @@ use super::TrainConfig;
 use crate::rl::metrics::names;
 use crate::tasks::Task;
 
-/// Which of a run's held-out evaluations: the first (before RL), the last, or the one logged at a step.
+/// Which of a run's held-out evaluations: the first (before RL), the last, the one logged at a step, or
+/// (a run named without `@`) the one at the run's end, `train.steps`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EvalRow {
     First,
     Last,
     Step(u64),
+    /// The evaluation after the run's last step: a run still training, or stopped before its end, has
+    /// none, and is refused rather than represented by an earlier evaluation (its step-0 one, before RL,
+    /// pooled as a seed of the trained models).
+    Final,
 }
 
 impl std::fmt::Display for EvalRow {
@@ -36,6 +41,7 @@ impl std::fmt::Display for EvalRow {
             EvalRow::First => f.write_str("first"),
             EvalRow::Last => f.write_str("last"),
             EvalRow::Step(s) => write!(f, "at step {s}"),
+            EvalRow::Final => f.write_str("at the run's end"),
         }
     }
 }
@@ -94,7 +100,7 @@ impl Evaluation {
 /// `PATH` or `PATH@ROW`; a path that exists as written wins over the `@` reading (a file named `a@b`).
 fn split_spec(spec: &str) -> anyhow::Result<(PathBuf, EvalRow)> {
     if Path::new(spec).exists() {
-        return Ok((PathBuf::from(spec), EvalRow::Last));
+        return Ok((PathBuf::from(spec), EvalRow::Final));
     }
     let Some((path, row)) = spec.rsplit_once('@') else {
         bail!("{spec}: no such file or directory");
@@ -256,6 +262,22 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         EvalRow::First => evals.first(),
         EvalRow::Last => evals.last(),
         EvalRow::Step(s) => evals.iter().find(|v| v["step"].as_u64() == Some(s)),
+        EvalRow::Final => {
+            let end = cfg.train.steps as u64;
+            let found = evals.iter().find(|v| v["step"].as_u64() == Some(end));
+            if found.is_none() {
+                if let Some(last) = evals.last().and_then(|v| v["step"].as_u64()) {
+                    bail!(
+                        "{}: no evaluation at the run's end (step {end}, its `train.steps`): its last is at \
+                         step {last}, so the run is unfinished or stopped early; name the one to compare \
+                         ({}@{last}, or @last) to take it anyway",
+                        metrics.display(),
+                        dir.display()
+                    );
+                }
+            }
+            found
+        }
     }
     .with_context(|| format!("{}: no held-out evaluation ({row})", metrics.display()))?;
     let key = format!("eval/{precision}/greedy_correct");
@@ -611,6 +633,8 @@ mod tests {
         )
         .unwrap();
         cfg.eval.problems = 200;
+        // Its last evaluation (below) is the one at its end.
+        cfg.train.steps = 40;
         std::fs::write(
             dir.join("config.json"),
             serde_json::to_string(&cfg).unwrap(),
@@ -672,6 +696,26 @@ mod tests {
         assert!(err(spec.clone(), None)
             .contains("has `eval/int4-g32/greedy_correct` = \"0x10\", not an outcome string"));
         std::fs::write(&metrics, text).unwrap();
+        // A run without the evaluation at its end (still training, or stopped early: here `train.steps`
+        // is past its last evaluation) is refused under its bare name, not represented by an earlier
+        // evaluation; named by row, it is taken.
+        let config = run.join("config.json");
+        let saved = std::fs::read_to_string(&config).unwrap();
+        let mut cfg: serde_json::Value = serde_json::from_str(&saved).unwrap();
+        cfg["train"]["steps"] = 60.into();
+        std::fs::write(&config, cfg.to_string()).unwrap();
+        let refused = err(spec.clone(), None);
+        assert!(
+            refused.contains("no evaluation at the run's end (step 60")
+                && refused.contains("its last is at step 40")
+                && refused.contains(&format!("{spec}@40")),
+            "{refused}"
+        );
+        assert_eq!(
+            Evaluation::load(&format!("{spec}@last"), None).unwrap(),
+            last
+        );
+        std::fs::write(&config, saved).unwrap();
         assert!(err(format!("{spec}/missing.json"), None).contains("no such file"));
         std::fs::create_dir_all(tmp.path().join("empty")).unwrap();
         let empty = tmp.path().join("empty").display().to_string();
