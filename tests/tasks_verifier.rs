@@ -739,6 +739,13 @@ fn chat_template_from_model_dir() {
         err.contains("tokenizer_config.json") && err.contains("JSON"),
         "{err}"
     );
+    // JSON, but not an object: refused, not read as a file without a template (ChatML).
+    std::fs::write(dir.path().join("tokenizer_config.json"), "[1, 2]").unwrap();
+    let err = Template::from_config(&cfg).unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("must be a JSON object"),
+        "{err}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------------------

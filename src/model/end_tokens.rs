@@ -118,6 +118,9 @@ fn tokenizer_config_eos(path: &Path, tok: &Tokenizer) -> anyhow::Result<Option<u
         return Ok(None);
     }
     let doc: Value = crate::io::read_json(path)?;
+    if !doc.is_object() {
+        anyhow::bail!("{}: the top level must be a JSON object", path.display());
+    }
     let token = match doc.get("eos_token") {
         None | Some(Value::Null) => return Ok(None),
         Some(Value::String(s)) => s.as_str(),

@@ -186,11 +186,19 @@ fn read_text(path: &Path) -> Result<String, TemplateError> {
     })
 }
 
+/// A JSON object read from `path` (a `tokenizer_config.json`): anything else is an error, not a file
+/// without a template (`[1, 2]` read as "no `chat_template`" prompted with ChatML instead).
 fn read_json(path: &Path) -> Result<Value, TemplateError> {
-    serde_json::from_str(&read_text(path)?).map_err(|e| TemplateError::Invalid {
+    let invalid = |msg: String| TemplateError::Invalid {
         path: path.to_path_buf(),
-        msg: format!("not valid JSON: {e}"),
-    })
+        msg,
+    };
+    let value: Value = serde_json::from_str(&read_text(path)?)
+        .map_err(|e| invalid(format!("not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(invalid("the top level must be a JSON object".into()));
+    }
+    Ok(value)
 }
 
 /// The `chat_template` of a `tokenizer_config.json`: a string, or a list of named templates (the one named
