@@ -241,6 +241,8 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         "activations": args.activations.to_string(),
         "verify": verify.judging_rules(), "stop_strings": stop_strings,
         "max_new_tokens": args.max_new_tokens,
+        // How the prompts were rendered: another template asks other questions of the model.
+        "template": args.template, "system": args.system, "enable_thinking": args.enable_thinking,
         "accuracy": correct as f64 / n, "mean_response_tokens": tokens as f64 / n,
         "decode_tokens_per_s": tokens as f64 / decode_s.max(1e-9),
     });
