@@ -318,6 +318,8 @@ fn runs_lists_run_directories_with_their_status() {
             "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
         ),
         ("half", "{\"phase\":\"rl\",\"step\":0}\nnot json\n"),
+        // Its config.json damaged: said beside the status.
+        ("badcfg", "{\"phase\":\"rl\",\"step\":0}\n"),
         // A step at the top of u64 (a damaged log): shown, not an overflow.
         ("huge", "{\"phase\":\"rl\",\"step\":18446744073709551615}\n"),
         // A checkpoint whose trainer state names another step than its folder: not offered for resuming.
@@ -371,6 +373,7 @@ fn runs_lists_run_directories_with_their_status() {
         )
         .unwrap();
     }
+    std::fs::write(runs.join("badcfg/config.json"), "{").unwrap();
     let text = stdout_of(qarl().arg("runs").arg(&runs));
     let line = |n: &str| {
         text.lines()
@@ -390,6 +393,11 @@ fn runs_lists_run_directories_with_their_status() {
     );
     assert!(
         line("unsaved").contains("resumable from step 1") && !line("unsaved").contains("finished"),
+        "{text}"
+    );
+    assert!(
+        line("badcfg").contains("its config.json does not read")
+            && line("badcfg").contains("config.json"),
         "{text}"
     );
     assert!(

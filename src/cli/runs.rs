@@ -49,7 +49,15 @@ fn find(root: &Path, depth: usize, out: &mut Vec<PathBuf>) {
 
 /// Reads what a run directory says about itself; unreadable lines and files are skipped, not fatal.
 pub fn inspect(dir: &Path) -> RunInfo {
-    let cfg: Option<TrainConfig> = crate::io::read_json(&dir.join("config.json")).ok();
+    let cfg_read: anyhow::Result<TrainConfig> = crate::io::read_json(&dir.join("config.json"));
+    // A config that does not read leaves the run's length unknown (not "finished" from the rows), and a
+    // resume would refuse it: said beside the status.
+    let config_problem = cfg_read
+        .as_ref()
+        .err()
+        .filter(|_| dir.join("config.json").exists())
+        .map(|e| format!("{e:#}"));
+    let cfg = cfg_read.ok();
     // Read as a report, a comparison or a plot reads it; where that refuses the log (a damaged line in the
     // middle, a repeated step), the listing reads on past the damage and says so beside the status. A log
     // that cannot be read at all (not UTF-8, a directory) says nothing about the run: its status says so
@@ -117,6 +125,10 @@ pub fn inspect(dir: &Path) -> RunInfo {
     };
     let status = match damaged {
         Some(e) => format!("{status}; its log does not read back ({e})"),
+        None => status,
+    };
+    let status = match config_problem {
+        Some(e) => format!("{status}; its config.json does not read ({e})"),
         None => status,
     };
     RunInfo {
