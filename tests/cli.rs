@@ -2023,3 +2023,39 @@ fn a_missing_qarl_font_is_named() {
         "{err}"
     );
 }
+
+/// A held-out question too long for the model's positions is named by its file, line and start, not only
+/// by the flags whose sizes it exceeds.
+#[test]
+fn eval_names_the_question_too_long_for_the_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    let init = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("configs/models/qwen3-moe-arith.json");
+    qarl::model::init::write_random_checkpoint(&init, &model, 7, 0.02).unwrap();
+    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    let data = tmp.path().join("problems.jsonl");
+    let long = format!("{}?", "1+".repeat(300));
+    std::fs::write(
+        &data,
+        format!(
+            "{}\n{}\n",
+            serde_json::json!({"question": "1+2?", "answer": "#### 3"}),
+            serde_json::json!({"question": long, "answer": "#### 3"})
+        ),
+    )
+    .unwrap();
+    let err = error_of(
+        qarl()
+            .args(["eval", "--template", "plain", "--model"])
+            .arg(&model)
+            .arg("--data")
+            .arg(&data)
+            .args(["--max-new-tokens", "4"]),
+    );
+    assert!(
+        err.contains("problems.jsonl: line 2: the question \"1+1+")
+            && err.contains("max_position_embeddings (256)"),
+        "{err}"
+    );
+}

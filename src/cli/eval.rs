@@ -192,13 +192,31 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<_>>()?;
     let batch = args.batch;
+    // The longest prompt, so that one too long for the model is named by its line and question.
+    let (longest, longest_len) = prompts
+        .iter()
+        .map(Vec::len)
+        .enumerate()
+        .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
+        .unwrap_or((0, 0));
     crate::rollout::check_rollout_size(
         &model.config,
         "--batch / --max-new-tokens",
         batch.min(prompts.len()),
-        prompts.iter().map(Vec::len).max().unwrap_or(0),
+        longest_len,
         args.max_new_tokens,
-    )?;
+    )
+    .map_err(|e| match (&e, records.get(longest)) {
+        (crate::rollout::budget::BudgetError::Positions { .. }, Some(r)) => {
+            let shown: String = r.question.chars().take(60).collect();
+            anyhow::anyhow!(
+                "{}: line {}: the question {shown:?}...: {e}",
+                path.display(),
+                r.line
+            )
+        }
+        _ => e.into(),
+    })?;
     for (chunk, prompts) in records.chunks(batch).zip(prompts.chunks(batch)) {
         let t = Instant::now();
         let out = generate(&model, prompts, 1, &params, Some(&tok));
