@@ -1445,3 +1445,46 @@ fn rl_rewards_take_the_overlong_penalty() {
     let want = get("train/accuracy") + penalty;
     assert!((get("critic/rewards/mean") - want).abs() < 1e-6, "{r}");
 }
+
+/// A worked example too long for the model's positions is named by its question, not only by
+/// `sft.batch_size`.
+#[test]
+fn the_warm_start_names_the_example_too_long_for_the_model() {
+    let tmp = tempfile::tempdir().unwrap();
+    let toml = tmp.path().join("tiny.toml");
+    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let data = tmp.path().join("train.jsonl");
+    let long = format!("{} #### 3", "1+".repeat(300));
+    std::fs::write(
+        &data,
+        format!(
+            "{}\n{}\n{}\n",
+            serde_json::json!({"question": "1+2?", "answer": "1+2=3. #### 3"}),
+            serde_json::json!({"question": "long one?", "answer": long}),
+            serde_json::json!({"question": "2+2?", "answer": "2+2=4. #### 4"})
+        ),
+    )
+    .unwrap();
+    let held_out = tmp.path().join("test.jsonl");
+    std::fs::write(
+        &held_out,
+        serde_json::json!({"question": "3+3?", "answer": "#### 6"}).to_string() + "\n",
+    )
+    .unwrap();
+    let task = format!(
+        "task={{kind=\"gsm8k\", path=\"{}\", eval_path=\"{}\"}}",
+        data.display(),
+        held_out.display()
+    );
+    let err = common::error_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+            .args(["train", "--quiet", "--config"])
+            .arg(&toml)
+            .args(["--set", &task]),
+    );
+    assert!(
+        err.contains("the worked example of the question \"long one?\"")
+            && err.contains("max_position_embeddings (256)"),
+        "{err}"
+    );
+}

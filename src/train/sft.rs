@@ -317,11 +317,22 @@ pub fn run_sft_with(
             super::seeds::sft_step_seed(train.seed, 0),
         )
     });
-    let mut longest = 0;
+    let (mut longest, mut longest_question) = (0, "");
     for ex in &probe {
-        longest = longest.max(encode_example(tok, ex, eos)?.0.len());
+        let n = encode_example(tok, ex, eos)?.0.len();
+        if n > longest {
+            (longest, longest_question) = (n, ex.question.as_str());
+        }
     }
-    crate::rollout::check_training_size(&model.config, "sft.batch_size", cfg.batch_size, longest)?;
+    crate::rollout::check_training_size(&model.config, "sft.batch_size", cfg.batch_size, longest)
+        .map_err(|e| match e {
+        // Named by its question: which record of the data set is too long.
+        crate::rollout::BudgetError::TrainPositions { .. } => {
+            let shown: String = longest_question.chars().take(60).collect();
+            anyhow::anyhow!("the worked example of the question {shown:?}...: {e}")
+        }
+        e => e.into(),
+    })?;
     let bar = progress_bar(cfg.steps as u64, "sft", quiet);
     bar.set_position(start as u64);
     // The rate and the ETA count the steps of this process only (a resumed bar jumped to millions/s).
