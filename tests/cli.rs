@@ -1415,6 +1415,24 @@ fn bench_kernels_summarizes_a_saved_table_without_a_device() {
         std::fs::write(&path, doc.to_string()).unwrap();
         stdout_of(qarl().args(["bench", "kernels", "--summarize"]).arg(&path))
     };
+    // An edited table whose numbers a summary would misread is refused, naming the row or the field.
+    let refused = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut doc: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(table).unwrap()).unwrap();
+        edit(&mut doc);
+        let path = tmp.path().join("edited.json");
+        std::fs::write(&path, doc.to_string()).unwrap();
+        error_of(qarl().args(["bench", "kernels", "--summarize"]).arg(&path))
+    };
+    let err = refused(&|d| d["rows"][3]["micros"] = 0.into());
+    assert!(
+        err.contains("row 3: `micros` = 0: not a positive number"),
+        "{err}"
+    );
+    let err = refused(&|d| d["copy_gb_per_s"] = (-5).into());
+    assert!(err.contains("`copy_gb_per_s` = -5"), "{err}");
+    let err = refused(&|d| d["rows"][0] = "x".into());
+    assert!(err.contains("row 0: no `kernel` string"), "{err}");
     // A table a stopped run left (`"complete": false`, written after each row) is summarized as far as
     // it goes, and says that it is partial. Run 4's rows up to its MoE block at 64 tokens:
     let kept = 66;

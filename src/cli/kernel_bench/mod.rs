@@ -135,6 +135,30 @@ impl KernelBenchArgs {
     }
 }
 
+/// Refuses a saved table whose rows a summary would misread: each row an object with a `kernel`, a
+/// `format` and an `act_dtype` string, a whole `tokens` count, and positive finite times and rates
+/// (`micros` 0 read as "0.00x the baseline's time, within 1.3x").
+fn check_rows(path: &std::path::Path, rows: &[serde_json::Value]) -> anyhow::Result<()> {
+    for (i, r) in rows.iter().enumerate() {
+        let bad = |what: &str| anyhow::anyhow!("{}: row {i}: {what}", path.display());
+        for key in ["kernel", "format", "act_dtype"] {
+            if !r[key].is_string() {
+                return Err(bad(&format!("no `{key}` string")));
+            }
+        }
+        if r["tokens"].as_u64().is_none() {
+            return Err(bad("no whole `tokens` count"));
+        }
+        for key in ["micros", "bf16_micros", "bandwidth_fraction"] {
+            match r[key].as_f64() {
+                Some(x) if x.is_finite() && x > 0.0 => {}
+                _ => return Err(bad(&format!("`{key}` = {}: not a positive number", r[key]))),
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Runs the benchmark (an error naming the cargo feature when no CubeCL runtime is compiled in), or with
 /// `--summarize` prints the summary of a saved table.
 pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
@@ -158,6 +182,13 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
                 path.display()
             );
         };
+        anyhow::ensure!(
+            copy.is_finite() && copy > 0.0,
+            "{}: `copy_gb_per_s` = {copy}: no measured bandwidth (edited, or not a `qarl bench kernels \
+             --json` table)",
+            path.display()
+        );
+        check_rows(path, rows)?;
         println!(
             "{} ({}), copy {copy:.0} GB/s:",
             doc["device"].as_str().unwrap_or("unknown device"),
