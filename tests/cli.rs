@@ -2045,7 +2045,7 @@ fn a_missing_qarl_font_is_named() {
 /// A held-out question too long for the model's positions is named by its file, line and start, not only
 /// by the flags whose sizes it exceeds.
 #[test]
-fn eval_names_the_question_too_long_for_the_model() {
+fn eval_and_mismatch_name_the_question_too_long_for_the_model() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
     let init = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -2063,17 +2063,19 @@ fn eval_names_the_question_too_long_for_the_model() {
         ),
     )
     .unwrap();
-    let err = error_of(
-        qarl()
-            .args(["eval", "--template", "plain", "--model"])
-            .arg(&model)
-            .arg("--data")
-            .arg(&data)
-            .args(["--max-new-tokens", "4"]),
-    );
-    assert!(
-        err.contains("problems.jsonl: line 2: the question \"1+1+")
-            && err.contains("max_position_embeddings (256)"),
-        "{err}"
-    );
+    for cmd in ["eval", "mismatch"] {
+        let err = error_of(
+            qarl()
+                .args([cmd, "--template", "plain", "--model"])
+                .arg(&model)
+                .arg("--data")
+                .arg(&data)
+                .args(["--max-new-tokens", "4"]),
+        );
+        assert!(
+            err.contains("problems.jsonl: line 2: the question \"1+1+")
+                && err.contains("max_position_embeddings (256)"),
+            "{cmd}: {err}"
+        );
+    }
 }

@@ -192,31 +192,12 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<_>>()?;
     let batch = args.batch;
-    // The longest prompt, so that one too long for the model is named by its line and question.
-    let (longest, longest_len) = prompts
-        .iter()
-        .map(Vec::len)
-        .enumerate()
-        .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
-        .unwrap_or((0, 0));
-    crate::rollout::check_rollout_size(
+    check_prompt_sizes(
         &model.config,
-        "--batch / --max-new-tokens",
-        batch.min(prompts.len()),
-        longest_len,
+        ("--batch / --max-new-tokens", batch.min(prompts.len())),
+        (&prompts, &records, &path),
         args.max_new_tokens,
-    )
-    .map_err(|e| match (&e, records.get(longest)) {
-        (crate::rollout::budget::BudgetError::Positions { .. }, Some(r)) => {
-            let shown: String = r.question.chars().take(60).collect();
-            anyhow::anyhow!(
-                "{}: line {}: the question {shown:?}...: {e}",
-                path.display(),
-                r.line
-            )
-        }
-        _ => e.into(),
-    })?;
+    )?;
     for (chunk, prompts) in records.chunks(batch).zip(prompts.chunks(batch)) {
         let t = Instant::now();
         let out = generate(&model, prompts, 1, &params, Some(&tok));
@@ -279,4 +260,38 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// [`crate::rollout::check_rollout_size`] for `rows` rows of these prompts (`records`' questions, read
+/// from `path`) and `new` tokens each, naming the file, line and question of the longest where it is too
+/// long for the model's positions (the flags in `what` alone do not say which record).
+pub(super) fn check_prompt_sizes(
+    config: &crate::model::ModelConfig,
+    (what, rows): (&str, usize),
+    (prompts, records, path): (
+        &[Vec<u32>],
+        &[crate::tasks::datasets::Record],
+        &std::path::Path,
+    ),
+    new: usize,
+) -> anyhow::Result<()> {
+    let (longest, longest_len) = prompts
+        .iter()
+        .map(Vec::len)
+        .enumerate()
+        .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
+        .unwrap_or((0, 0));
+    crate::rollout::check_rollout_size(config, what, rows, longest_len, new).map_err(|e| {
+        match (&e, records.get(longest)) {
+            (crate::rollout::BudgetError::Positions { .. }, Some(r)) => {
+                let shown: String = r.question.chars().take(60).collect();
+                anyhow::anyhow!(
+                    "{}: line {}: the question {shown:?}...: {e}",
+                    path.display(),
+                    r.line
+                )
+            }
+            _ => e.into(),
+        }
+    })
 }

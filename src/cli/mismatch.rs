@@ -138,11 +138,13 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
             )
         })
         .collect::<anyhow::Result<_>>()?;
-    crate::rollout::check_rollout_size(
+    super::eval::check_prompt_sizes(
         &full.config,
-        "--limit / --samples / --max-new-tokens",
-        prompts.len().saturating_mul(args.samples),
-        prompts.iter().map(Vec::len).max().unwrap_or(0),
+        (
+            "--limit / --samples / --max-new-tokens",
+            prompts.len().saturating_mul(args.samples),
+        ),
+        (&prompts, &records, &path),
         args.max_new_tokens,
     )?;
     let stop_ids = crate::model::EndTokens::of(&tok, &full.config)?
