@@ -164,19 +164,12 @@ fn step_sizes_are_checked_before_any_prompt_is_drawn() {
 #[test]
 fn training_with_the_chat_template_needs_its_tokens() {
     let tmp = tempfile::tempdir().unwrap();
-    let toml = tmp.path().join("tiny.toml");
-    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
     let data = fixtures_dir().join("../gsm8k_slice.jsonl");
     let task = format!(
         "task={{kind=\"gsm8k\", path=\"{}\", eval_fraction=0.3, template={{kind=\"chat\"}}}}",
         data.display()
     );
-    let err = common::error_of(
-        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
-            .args(["train", "--quiet", "--config"])
-            .arg(&toml)
-            .args(["--set", &task]),
-    );
+    let err = tiny_train_error(tmp.path(), &task);
     assert!(
         err.contains("no chat template, and the tokenizer")
             && err.contains("has no <|im_start|> or <|im_end|> token"),
@@ -1451,8 +1444,6 @@ fn rl_rewards_take_the_overlong_penalty() {
 #[test]
 fn the_warm_start_names_the_example_too_long_for_the_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let toml = tmp.path().join("tiny.toml");
-    std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
     let data = tmp.path().join("train.jsonl");
     let long = format!("{} #### 3", "1+".repeat(300));
     std::fs::write(
@@ -1476,15 +1467,22 @@ fn the_warm_start_names_the_example_too_long_for_the_model() {
         data.display(),
         held_out.display()
     );
-    let err = common::error_of(
-        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
-            .args(["train", "--quiet", "--config"])
-            .arg(&toml)
-            .args(["--set", &task]),
-    );
+    let err = tiny_train_error(tmp.path(), &task);
     assert!(
         err.contains("the worked example of the question \"long one?\"")
             && err.contains("max_position_embeddings (256)"),
         "{err}"
     );
+}
+
+/// The error of `qarl train` on the tiny config (written into `dir`) with the task set to `task`.
+fn tiny_train_error(dir: &std::path::Path, task: &str) -> String {
+    let toml = dir.join("tiny.toml");
+    std::fs::write(&toml, common::tiny_train_toml(dir, "aligned", 1)).unwrap();
+    common::error_of(
+        std::process::Command::new(env!("CARGO_BIN_EXE_qarl"))
+            .args(["train", "--quiet", "--config"])
+            .arg(&toml)
+            .args(["--set", task]),
+    )
 }

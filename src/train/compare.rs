@@ -265,16 +265,15 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         EvalRow::Final => {
             let end = cfg.train.steps as u64;
             let found = evals.iter().find(|v| v["step"].as_u64() == Some(end));
-            if found.is_none() {
-                if let Some(last) = evals.last().and_then(|v| v["step"].as_u64()) {
-                    bail!(
-                        "{}: no evaluation at the run's end (step {end}, its `train.steps`): its last is at \
-                         step {last}, so the run is unfinished or stopped early; name the one to compare \
-                         ({}@{last}, or @last) to take it anyway",
-                        metrics.display(),
-                        dir.display()
-                    );
-                }
+            let last = evals.last().and_then(|v| v["step"].as_u64());
+            if let (None, Some(last)) = (found, last) {
+                bail!(
+                    "{}: no evaluation at the run's end (step {end}, its `train.steps`): its last is at \
+                     step {last}, so the run is unfinished or stopped early; name the one to compare \
+                     ({}@{last}, or @last) to take it anyway",
+                    metrics.display(),
+                    dir.display()
+                );
             }
             found
         }
