@@ -229,6 +229,22 @@ fn template_errors_name_the_file() {
         err.contains("chat_template.jinja") && err.contains("does not render"),
         "{err}"
     );
+    // A template that would loop for some 10^12 steps is stopped, not waited for (it hung for minutes).
+    let looping = tmp.path().join("looping");
+    std::fs::create_dir_all(&looping).unwrap();
+    std::fs::write(
+        looping.join("chat_template.jinja"),
+        "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100) %}\
+         {% endfor %}{% endfor %}{% endfor %}",
+    )
+    .unwrap();
+    let err = Template::chat_for_model(&looping, None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template.jinja") && err.contains("does not finish rendering within"),
+        "{err}"
+    );
     // No template at all: ChatML, which has no switch.
     let bare = tmp.path().join("bare");
     std::fs::create_dir_all(&bare).unwrap();

@@ -360,7 +360,7 @@ fn metadata_a_llama_cannot_use_is_refused_at_import() {
         v.extend(merge.as_bytes());
         kv("tokenizer.ggml.merges", 9, &v)
     };
-    let cases: [(&str, Vec<u8>, &str); 5] = [
+    let cases: [(&str, Vec<u8>, &str); 7] = [
         (
             "tokenizer.ggml.merges",
             merges,
@@ -385,6 +385,21 @@ fn metadata_a_llama_cannot_use_is_refused_at_import() {
             "llama.feed_forward_length",
             u32_kv("llama.feed_forward_length", 7),
             "the imported model would not load",
+        ),
+        // Written as is, it failed at the first chat prompt of a later command.
+        (
+            "tokenizer.chat_template",
+            kv_str(
+                "tokenizer.chat_template",
+                "{% for m in messages %}{{ m.content }",
+            ),
+            "`tokenizer.chat_template` does not parse as a Jinja template",
+        ),
+        // It said the file's block-1 tensors had no Hugging Face counterpart.
+        (
+            "llama.block_count",
+            u32_kv("llama.block_count", 1),
+            "is of block 1, but `llama.block_count` is 1 (blocks 0 to 0): the metadata disagrees",
         ),
     ];
     for (i, (key, value, want)) in cases.into_iter().enumerate() {

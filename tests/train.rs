@@ -1475,6 +1475,45 @@ fn the_warm_start_names_the_example_too_long_for_the_model() {
     );
 }
 
+/// A held-out question too long for the model's positions is named by its question and set, not only by
+/// the `eval.*` keys that size the evaluation.
+#[test]
+fn a_held_out_problem_too_long_for_the_model_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("train.jsonl");
+    std::fs::write(
+        &data,
+        format!(
+            "{}\n{}\n",
+            serde_json::json!({"question": "1+2?", "answer": "1+2=3. #### 3"}),
+            serde_json::json!({"question": "2+2?", "answer": "2+2=4. #### 4"})
+        ),
+    )
+    .unwrap();
+    let held_out = tmp.path().join("test.jsonl");
+    let long = format!("{}1?", "1+".repeat(200));
+    std::fs::write(
+        &held_out,
+        format!(
+            "{}\n{}\n",
+            serde_json::json!({"question": "3+3?", "answer": "#### 6"}),
+            serde_json::json!({"question": long, "answer": "#### 201"})
+        ),
+    )
+    .unwrap();
+    let task = format!(
+        "task={{kind=\"gsm8k\", path=\"{}\", eval_path=\"{}\"}}",
+        data.display(),
+        held_out.display()
+    );
+    let err = tiny_train_error(tmp.path(), &task);
+    assert!(
+        err.contains("a held-out problem: the question \"1+1+1+")
+            && err.contains("max_position_embeddings (256)"),
+        "{err}"
+    );
+}
+
 /// The error of `qarl train` on the tiny config (written into `dir`) with the task set to `task`.
 fn tiny_train_error(dir: &std::path::Path, task: &str) -> String {
     let toml = dir.join("tiny.toml");

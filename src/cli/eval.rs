@@ -275,23 +275,13 @@ pub(super) fn check_prompt_sizes(
     ),
     new: usize,
 ) -> anyhow::Result<()> {
-    let (longest, longest_len) = prompts
-        .iter()
-        .map(Vec::len)
-        .enumerate()
-        .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
-        .unwrap_or((0, 0));
-    crate::rollout::check_rollout_size(config, what, rows, longest_len, new).map_err(|e| {
-        match (&e, records.get(longest)) {
-            (crate::rollout::BudgetError::Positions { .. }, Some(r)) => {
-                let shown: String = r.question.chars().take(60).collect();
-                anyhow::anyhow!(
-                    "{}: line {}: the question {shown:?}...: {e}",
-                    path.display(),
-                    r.line
-                )
-            }
-            _ => e.into(),
-        }
+    crate::rollout::check_prompts_size(config, what, rows, prompts, new, |i| match records.get(i) {
+        Some(r) => format!(
+            "{}: line {}: {}",
+            path.display(),
+            r.line,
+            crate::rollout::shown_question(&r.question)
+        ),
+        None => path.display().to_string(),
     })
 }

@@ -232,6 +232,37 @@ pub fn check_rollout_size(
     }
 }
 
+/// [`check_rollout_size`] for `rows` rows of `prompts` and `new` tokens each; where the longest prompt is
+/// too long for the model's positions, the error starts with `describe(its index)` (the record: file,
+/// line, question), which the flags in `what` alone do not name.
+pub fn check_prompts_size(
+    config: &ModelConfig,
+    what: &str,
+    rows: usize,
+    prompts: &[Vec<u32>],
+    new: usize,
+    describe: impl FnOnce(usize) -> String,
+) -> anyhow::Result<()> {
+    let (longest, longest_len) = prompts
+        .iter()
+        .map(Vec::len)
+        .enumerate()
+        .max_by_key(|&(i, n)| (n, std::cmp::Reverse(i)))
+        .unwrap_or((0, 0));
+    check_rollout_size(config, what, rows, longest_len, new).map_err(|e| match e {
+        BudgetError::Positions { .. } if !prompts.is_empty() => {
+            anyhow::anyhow!("{}: {e}", describe(longest))
+        }
+        _ => e.into(),
+    })
+}
+
+/// A question as errors show it: its first 60 characters, quoted.
+pub fn shown_question(question: &str) -> String {
+    let shown: String = question.chars().take(60).collect();
+    format!("the question {shown:?}...")
+}
+
 /// The bytes of memory available, where `need` exceeds them (`None` where it fits, or where the kernel
 /// does not say).
 fn short_of(need: u128) -> Option<u64> {

@@ -168,14 +168,32 @@ fn environment(source: &str) -> Result<minijinja::Environment<'static>, minijinj
             msg,
         ))
     });
+    env.set_fuel(Some(RENDER_FUEL));
     env.add_template_owned("chat", source.to_string())?;
     Ok(env)
 }
 
+/// The most steps (minijinja's instructions) one render may take: real templates take a few thousand per
+/// conversation, and a template that loops without end (or for minutes) is refused in well under a second.
+const RENDER_FUEL: u64 = 20_000_000;
+
+/// Parses `source` as a chat template: `Err` holds the parser's message. For importers, which write a
+/// template that every later prompt will be rendered with.
+pub fn check_template_source(source: &str) -> Result<(), String> {
+    environment(source).map(drop).map_err(|e| e.to_string())
+}
+
 fn error(path: &Path, e: &minijinja::Error) -> TemplateError {
+    let msg = if e.kind() == minijinja::ErrorKind::OutOfFuel {
+        format!(
+            "the chat template does not finish rendering within {RENDER_FUEL} steps (a loop without end?): {e}"
+        )
+    } else {
+        format!("the chat template does not render: {e}")
+    };
     TemplateError::Invalid {
         path: path.to_path_buf(),
-        msg: format!("the chat template does not render: {e}"),
+        msg,
     }
 }
 

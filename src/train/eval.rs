@@ -40,12 +40,18 @@ pub fn evaluate(
         .iter()
         .map(|e| tok.encode_prompt(&e.prompt, e.with_bos))
         .collect::<anyhow::Result<_>>()?;
-    crate::rollout::check_rollout_size(
+    crate::rollout::check_prompts_size(
         &m.config,
         "eval.problems / eval.k / eval.max_new_tokens",
         prompts.len().saturating_mul(cfg.k.max(1)),
-        prompts.iter().map(Vec::len).max().unwrap_or(0),
+        &prompts,
         cfg.max_new_tokens,
+        |i| {
+            format!(
+                "a held-out problem: {}",
+                crate::rollout::shown_question(&examples[i].question)
+            )
+        },
     )?;
     // Per sample: correct or not; and the mean response length. `(temperature, top_p, top_k)`.
     let accuracy = |samples: usize,

@@ -346,12 +346,18 @@ fn sample_round(
         processed_logprobs: rc.logprobs == super::config::RolloutLogprobs::Processed,
     };
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    crate::rollout::check_rollout_size(
+    crate::rollout::check_prompts_size(
         &model.config,
         "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
         prompts.len().saturating_mul(g),
-        longest,
+        &prompts,
         rc.max_new_tokens,
+        |i| {
+            format!(
+                "a training prompt: {}",
+                crate::rollout::shown_question(&examples[i].question)
+            )
+        },
     )?;
     let t_roll = Instant::now();
     let out = generate(&policy, &prompts, g, &params, Some(tok));

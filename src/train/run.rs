@@ -631,14 +631,30 @@ pub(super) fn check_step_sizes(
     tok: Option<&Tokenizer>,
 ) -> anyhow::Result<()> {
     let (r, e) = (&cfg.rollout, &cfg.eval);
-    let longest = |examples: &[Example]| -> anyhow::Result<usize> {
-        let mut longest = 1;
+    // The longest prompt's length and its question (to name it where it is too long for the model).
+    let longest = |examples: &[Example]| -> anyhow::Result<(usize, Option<String>)> {
+        let mut longest = (1, None);
         if let Some(tok) = tok {
             for ex in examples {
-                longest = longest.max(tok.encode_prompt(&ex.prompt, ex.with_bos)?.len());
+                let n = tok.encode_prompt(&ex.prompt, ex.with_bos)?.len();
+                if n > longest.0 {
+                    longest = (n, Some(ex.question.clone()));
+                }
             }
         }
         Ok(longest)
+    };
+    // A prompt too long for the model's positions names its question and its set: the flags alone do not
+    // say which record of the data to shorten or drop.
+    let naming = |set: &'static str, question: Option<String>| {
+        move |e: crate::rollout::BudgetError| -> anyhow::Error {
+            match (&e, question) {
+                (crate::rollout::BudgetError::Positions { .. }, Some(q)) => {
+                    anyhow::anyhow!("{set}: {}: {e}", crate::rollout::shown_question(&q))
+                }
+                _ => e.into(),
+            }
+        }
     };
     let rollout = |prompt: usize| {
         crate::rollout::check_rollout_size(
@@ -668,8 +684,10 @@ pub(super) fn check_step_sizes(
     if tok.is_some() {
         let mut training = task.training_examples().unwrap_or_default();
         training.extend(super::rl::round_prompts(task, cfg, 0, 0));
-        rollout(longest(&training)?)?;
-        eval(longest(&task.eval_set(e.problems))?)?;
+        let (n, question) = longest(&training)?;
+        rollout(n).map_err(naming("a training prompt", question))?;
+        let (n, question) = longest(&task.eval_set(e.problems))?;
+        eval(n).map_err(naming("a held-out problem", question))?;
     }
     Ok(())
 }

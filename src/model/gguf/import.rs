@@ -93,11 +93,17 @@ pub fn import_gguf(
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for t in &f.tensors {
         *source_types.entry(t.ty.name().to_string()).or_insert(0) += 1;
-        let hf = hf_name(&t.name, layers).ok_or_else(|| {
-            f.error(format!(
+        let hf = hf_name(&t.name, layers).ok_or_else(|| match block_of(&t.name) {
+            Some(block) if block >= layers => f.error(format!(
+                "tensor `{}` is of block {block}, but `llama.block_count` is {layers} (blocks 0 to {}): \
+                 the metadata disagrees with the tensors",
+                t.name,
+                layers.saturating_sub(1)
+            )),
+            _ => f.error(format!(
                 "tensor `{}` has no Hugging Face Llama counterpart (unsupported feature of this file)",
                 t.name
-            ))
+            )),
         })?;
         let mut values = dequantize(t.ty, f.data(t))
             .map_err(|m| f.error(format!("tensor `{}`: {m}", t.name)))?;
@@ -265,6 +271,11 @@ fn check_no_rope_scaling(f: &GgufFile) -> anyhow::Result<()> {
 }
 
 /// The Hugging Face name of a llama.cpp tensor name.
+/// The block index of a `blk.N.*` tensor name.
+fn block_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
+}
+
 fn hf_name(name: &str, layers: usize) -> Option<String> {
     match name {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),

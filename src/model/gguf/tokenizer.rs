@@ -219,6 +219,12 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
         }
     }
     if let Some(t) = f.opt_str("tokenizer.chat_template")? {
+        // Written as is, a template that does not parse would fail every later chat prompt, far from here.
+        crate::tasks::chat_template::check_template_source(t).map_err(|e| {
+            f.error(format!(
+                "`tokenizer.chat_template` does not parse as a Jinja template: {e}"
+            ))
+        })?;
         config["chat_template"] = json!(t);
     }
     Ok((tokenizer, config))
