@@ -153,6 +153,16 @@ pub fn write_safetensors(
     path: &Path,
     tensors: &[(String, safetensors::Dtype, Vec<usize>, &[u8])],
 ) -> anyhow::Result<()> {
+    write_safetensors_with_metadata(path, tensors, None)
+}
+
+/// [`write_safetensors`] with the header's `__metadata__` (string pairs), where the file itself must say
+/// what its bytes are (a quantized checkpoint's format).
+pub fn write_safetensors_with_metadata(
+    path: &Path,
+    tensors: &[(String, safetensors::Dtype, Vec<usize>, &[u8])],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> anyhow::Result<()> {
     crate::device_failures::check().with_context(|| format!("{}: not written", path.display()))?;
     refuse_special_file(path)?;
     // The safetensors crate indexes out of bounds on a repeated name instead of refusing it.
@@ -177,7 +187,7 @@ pub fn write_safetensors(
     // directory of ours, so that a kill leaves nothing a later write cannot recognize and remove.
     let space = temp_dir_for(path)?;
     let tmp = space.path().join("tensors");
-    safetensors::serialize_to_file(views, None, &tmp).map_err(|e| match e {
+    safetensors::serialize_to_file(views, metadata, &tmp).map_err(|e| match e {
         safetensors::SafeTensorError::IoError(io) => failed(path, "cannot write")(io),
         other => anyhow::anyhow!("{}: cannot write ({other})", path.display()),
     })?;

@@ -343,6 +343,79 @@ fn quantized_checkpoint_round_trip() {
     assert!(err.contains("gptq") && err.contains("config.json"), "{err}");
 }
 
+/// A quantized checkpoint whose config.json disagrees with its files is refused, naming what: a scheme
+/// relabelled (mxfp4 and int4-g32 codes have one shape and loaded as each other, as garbage), a layer stored
+/// packed that the stored patterns leave in full precision, and the other way round (a shard of the
+/// full-precision model mixed in ran that layer in f32 under the scheme's name).
+#[test]
+fn a_quantized_checkpoint_that_disagrees_with_its_config_is_refused() {
+    let device = Device::flex();
+    let src = fixtures_dir().join("qwen3");
+    let tmp = tempfile::tempdir().unwrap();
+    let edit_config = |dir: &std::path::Path, edit: &dyn Fn(&mut serde_json::Value)| {
+        let path = dir.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        edit(&mut cfg["quantization_config"]);
+        std::fs::write(&path, cfg.to_string()).unwrap();
+    };
+    let load_error = |dir: &std::path::Path| match Decoder::load(dir, &device) {
+        Ok(_) => panic!("{} loaded", dir.display()),
+        Err(e) => e.to_string(),
+    };
+
+    let mx = tmp.path().join("mx");
+    let cfg = QuantConfig::new(QuantScheme::from_str("mxfp4").unwrap());
+    qarl::model::quantize_checkpoint(&src, &mx, &cfg).unwrap();
+    Decoder::load(&mx, &device).unwrap();
+    edit_config(&mx, &|q| q["scheme"] = "int4-g32".into());
+    let err = load_error(&mx);
+    assert!(
+        err.contains("says int4-g32") && err.contains("holds codes written as mxfp4"),
+        "{err}"
+    );
+
+    let int4 = QuantScheme::from_str("int4-g32").unwrap();
+    let partial = tmp.path().join("partial");
+    let mut cfg = QuantConfig::new(int4);
+    cfg.exclude = vec!["model.layers.1.*".into()];
+    qarl::model::quantize_checkpoint(&src, &partial, &cfg).unwrap();
+    Decoder::load(&partial, &device).unwrap();
+    edit_config(&partial, &|q| q["exclude"] = serde_json::json!([]));
+    let err = load_error(&partial);
+    assert!(
+        err.contains("selects `model.layers.1.") && err.contains("stores it in full precision"),
+        "{err}"
+    );
+
+    let whole = tmp.path().join("whole");
+    qarl::model::quantize_checkpoint(&src, &whole, &QuantConfig::new(int4)).unwrap();
+    edit_config(&whole, &|q| {
+        q["exclude"] = serde_json::json!(["model.layers.0.*"])
+    });
+    let err = load_error(&whole);
+    assert!(
+        err.contains("`model.layers.0.") && err.contains("is stored packed, but"),
+        "{err}"
+    );
+}
+
+/// A stored scale that times a code overflows f32 is refused where the tensor is built (it passed the
+/// finite-scale check and made the logits non-finite, blamed on no tensor).
+#[test]
+fn a_scale_that_overflows_its_weights_is_refused() {
+    let int8 = QuantScheme::from_str("int8-pc").unwrap();
+    let codes = vec![1u8, 127, 2, 3];
+    QuantizedTensor::from_parts(int8, 2, 2, codes.clone(), vec![1.0, 1e36]).unwrap();
+    let err = QuantizedTensor::from_parts(int8, 2, 2, codes, vec![1.0, 3e38])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("scales[1] is 3e38") && err.contains("largest code's value (127)"),
+        "{err}"
+    );
+}
+
 #[test]
 fn unknown_scheme_names_the_valid_ones() {
     let err = QuantScheme::from_str("int3-g7").unwrap_err().to_string();

@@ -33,6 +33,10 @@ pub struct Checkpoint {
     pub quant_scheme: Option<QuantScheme>,
 }
 
+/// The key of a quantized checkpoint's safetensors metadata that names its scheme (`qarl quantize` writes
+/// it since 2026-12-07; files without it are read by config.json alone).
+pub const SCHEME_METADATA: &str = "qarl.scheme";
+
 /// Single-file name HF uses.
 pub const SINGLE_FILE: &str = "model.safetensors";
 /// Index of a sharded checkpoint.
@@ -321,6 +325,17 @@ impl Checkpoint {
         }
         self.taken.borrow_mut().insert(name.to_string());
         Ok(bytes.to_vec())
+    }
+
+    /// Each shard file with the value of `key` in its header's `__metadata__` (`None` where it has none).
+    pub fn shard_metadata<'a>(
+        &'a self,
+        key: &'a str,
+    ) -> impl Iterator<Item = (&'a Path, Option<&'a str>)> + 'a {
+        self.shards.iter().map(move |s| {
+            let value = s.meta.metadata().as_ref().and_then(|m| m.get(key));
+            (s.path.as_path(), value.map(String::as_str))
+        })
     }
 
     /// Marks a tensor as deliberately ignored (e.g. a stored `lm_head.weight` of a tied model).

@@ -212,6 +212,23 @@ impl Decoder {
         // A config that says quantized over weights that are not: every layer would load its f32
         // `.weight` and run in full precision while the model claims the scheme.
         if let Some(scheme) = ckpt.quant_scheme {
+            // The scheme its files were written in, where they say (a relabelled config.json would read
+            // one format's codes as another's).
+            let name = scheme.name();
+            let written = super::checkpoint::SCHEME_METADATA;
+            if let Some((file, other)) = ckpt
+                .shard_metadata(written)
+                .find_map(|(f, v)| v.filter(|v| *v != name).map(|v| (f, v)))
+            {
+                return Err(LoadError::InvalidConfig {
+                    path: dir.join("config.json"),
+                    msg: format!(
+                        "`quantization_config` says {name}, but {} holds codes written as {other} (its \
+                         `{written}` metadata): one format's codes read as another's are garbage",
+                        file.display()
+                    ),
+                });
+            }
             let suffix = format!(".{}", super::names::QWEIGHT);
             if !ckpt.names().any(|n| n.ends_with(&suffix)) {
                 return Err(LoadError::InvalidConfig {
@@ -252,9 +269,54 @@ impl Decoder {
     ) -> Result<Self, LoadError> {
         let mut model = Self::lazy(config, device);
         model.check_dense_size(ckpt)?;
+        model.check_packed_layers(ckpt)?;
         model.try_visit_parts_mut(|path, part| part.load(ckpt, path, device))?;
         model.finish_checkpoint(ckpt)?;
         Ok(model)
+    }
+
+    /// In a quantized checkpoint, the linear layers stored packed are exactly those its
+    /// `quantization_config` selects: a layer stored otherwise (a shard of the full-precision model mixed
+    /// in, edited patterns) would run in another precision than the one the model reports.
+    fn check_packed_layers(&self, ckpt: &Checkpoint) -> Result<(), LoadError> {
+        let Some(q) = &self.config.quantization else {
+            return Ok(());
+        };
+        let config_path = ckpt.dir().join("config.json");
+        let sel = q.selector().map_err(|e| LoadError::InvalidConfig {
+            path: config_path.clone(),
+            msg: format!("`quantization_config`: {e}"),
+        })?;
+        let mut wrong = None;
+        self.visit_parts(|path, part| {
+            if wrong.is_some() || !matches!(part, Part::Linear(_)) {
+                return;
+            }
+            let weight = tensor_name(path, super::names::WEIGHT);
+            let packed = ckpt.contains(&tensor_name(path, super::names::QWEIGHT));
+            if sel.selects(&weight) != packed {
+                wrong = Some((weight, packed));
+            }
+        });
+        match wrong {
+            None => Ok(()),
+            Some((weight, packed)) => Err(LoadError::InvalidConfig {
+                path: config_path,
+                msg: if packed {
+                    format!(
+                        "`{weight}` is stored packed, but `quantization_config`'s patterns leave it in \
+                         full precision: the checkpoint and its config disagree"
+                    )
+                } else {
+                    format!(
+                        "`quantization_config` selects `{weight}` for {}, but the checkpoint stores it in \
+                         full precision (no `.{}`): a layer of another checkpoint mixed in?",
+                        q.scheme.name(),
+                        super::names::QWEIGHT
+                    )
+                },
+            }),
+        }
     }
 
     /// A dense feed-forward layer needs the config's `intermediate_size`.

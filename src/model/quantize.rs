@@ -220,7 +220,23 @@ pub fn quantize_checkpoint(
         .iter()
         .map(|(n, d, s, b)| (n.clone(), *d, s.clone(), b.as_slice()))
         .collect();
-    crate::io::write_safetensors(&dst.join(super::checkpoint::SINGLE_FILE), &entries)?;
+    // The format in the file too: config.json alone said how to read the codes, and two formats of one
+    // shape (mxfp4 and int4-g32) read as each other without error, as garbage.
+    let metadata = [
+        ("format", "pt".to_string()),
+        (
+            super::checkpoint::SCHEME_METADATA,
+            cfg.scheme.name().to_string(),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    crate::io::write_safetensors_with_metadata(
+        &dst.join(super::checkpoint::SINGLE_FILE),
+        &entries,
+        Some(metadata),
+    )?;
 
     let cfg_path = src.join("config.json");
     let mut json: Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path)?)?;

@@ -56,6 +56,18 @@ pub enum QuantError {
     #[error("scales[{index}] is {value}; scales must be finite and >= 0")]
     InvalidScale { index: usize, value: f32 },
 
+    /// A stored scale so large that the weights it scales overflow f32 (the quantizer's scales are
+    /// `absmax / qmax` of finite weights: they never do).
+    #[error(
+        "scales[{index}] is {value:e}; times the largest code's value ({largest}) it overflows f32, so \
+         the weights it scales are not finite"
+    )]
+    OverflowingScale {
+        index: usize,
+        value: f32,
+        largest: f32,
+    },
+
     /// A stored mxfp4 scale that is not an E8M0 value (a power of two in [2^-127, 2^127]).
     #[error("scales[{index}] is {value:e}; an mxfp4 scale is a power of two in [2^-127, 2^127]")]
     NotE8m0Scale { index: usize, value: f32 },

@@ -70,7 +70,7 @@ impl QuantizedTensor {
 
     /// Rebuilds a tensor from stored parts, checking lengths, that every code is one the quantizer can
     /// produce (int4 and fp4 padding nibbles 0, int8 not -128, no E4M3 NaN), that scales are finite and
-    /// >= 0, and that mxfp4 scales are powers of two in [2^-127, 2^127] (E8M0).
+    /// >= 0 and scale their codes to finite weights, and that mxfp4 scales are powers of two in [2^-127, 2^127] (E8M0).
     pub fn from_parts(
         scheme: QuantScheme,
         out: usize,
@@ -93,6 +93,14 @@ impl QuantizedTensor {
             return Err(QuantError::InvalidScale {
                 index,
                 value: scales[index],
+            });
+        }
+        let largest = scheme.kind().max_code_magnitude();
+        if let Some(index) = scales.iter().position(|&s| !(s * largest).is_finite()) {
+            return Err(QuantError::OverflowingScale {
+                index,
+                value: scales[index],
+                largest,
             });
         }
         if scheme.kind() == SchemeKind::Mxfp4 {
