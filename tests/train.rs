@@ -1514,6 +1514,42 @@ fn a_held_out_problem_too_long_for_the_model_is_named() {
     );
 }
 
+/// A `model.dir` made by one warm start is not taken by a config that would make it otherwise: a run
+/// with more `sft.steps` and a new `run_dir` trained on the old warm start while its config and report
+/// credited the new steps (a warning called it expected). The same recipe takes it; a config that does not
+/// say how to make a model (no `[sft]`, base or init config) uses it as given.
+#[test]
+fn a_model_made_by_another_warm_start_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(tmp.path(), "aligned", 1);
+    let device = Device::flex().autodiff();
+    let mut log = qarl::train::metrics::MetricsLog::open(&tmp.path().join("sft.jsonl")).unwrap();
+    train::prepare_model(&cfg, &device, &mut log, true).unwrap();
+    let made_by = cfg.model.dir.join(qarl::train::MADE_BY_FILE);
+    assert!(made_by.is_file());
+
+    let mut longer = cfg.clone();
+    longer.run_dir = tmp.path().join("longer");
+    longer.sft.as_mut().unwrap().steps += 1;
+    let err = format!("{:#}", train::run(&longer, false, true).unwrap_err());
+    assert!(
+        err.contains("made by another warm start") && err.contains("sft.steps"),
+        "{err}"
+    );
+    assert!(
+        !longer.run_dir.join("config.json").exists(),
+        "nothing written"
+    );
+
+    let mut again = cfg.clone();
+    again.run_dir = tmp.path().join("again");
+    train::prepare_model(&again, &device, &mut log, true).unwrap();
+    let mut given = longer.clone();
+    given.sft = None;
+    given.model.init_config = None;
+    train::prepare_model(&given, &device, &mut log, true).unwrap();
+}
+
 /// The error of `qarl train` on the tiny config (written into `dir`) with the task set to `task`.
 fn tiny_train_error(dir: &std::path::Path, task: &str) -> String {
     let toml = dir.join("tiny.toml");

@@ -173,21 +173,6 @@ impl ExperimentConfig {
     }
 }
 
-/// What makes a run's model when its `model.dir` does not exist yet: the model table but its path, the
-/// warm start and the task it trains on (the seed aside: seeds share a warm start, made with the first
-/// one's).
-fn warm_start_of(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
-    let mut model = serde_json::to_value(&cfg.model)?;
-    if let Some(m) = model.as_object_mut() {
-        m.remove("dir");
-    }
-    Ok(serde_json::json!({
-        "model": model,
-        "sft": serde_json::to_value(&cfg.sft)?,
-        "task": serde_json::to_value(cfg.task.with_defaults())?,
-    }))
-}
-
 /// Refuses runs that share a `model.dir` but would make it differently: the first to run makes the model,
 /// the others find it there and skip their own warm start, so a variant that differs only in `[sft]`
 /// trained the other variant's model while the report credited its own settings. Each run still to do
@@ -205,7 +190,10 @@ fn check_shared_warm_starts(
             if !crate::io::same_dir(&a.model.dir, &b.model.dir) {
                 continue;
             }
-            let differ = super::config::differing_keys(&warm_start_of(a)?, &warm_start_of(b)?);
+            let differ = super::config::differing_keys(
+                &super::model_dir::warm_start_of(a)?,
+                &super::model_dir::warm_start_of(b)?,
+            );
             if !differ.is_empty() {
                 bail!(
                     "{}: variants {:?} and {:?} share `model.dir` = {:?} but would make it differently (`{}`): \

@@ -24,7 +24,7 @@ pub mod update;
 
 pub use config::overrides::{load_config, load_config_on};
 pub use config::TrainConfig;
-pub use model_dir::prepare_model;
+pub use model_dir::{prepare_model, MADE_BY_FILE};
 pub use resume::{ResumeChanged, RESUME_MAY_CHANGE};
 pub use run::{apply_process_modes, run, run_with, RunOptions, RunSummary, GRAD_NORM_SPIKE_FACTOR};
 pub use update::optimizer;

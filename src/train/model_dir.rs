@@ -41,6 +41,74 @@ pub(super) fn check_free(dir: &Path) -> anyhow::Result<()> {
     )
 }
 
+/// What makes a run's model when its `model.dir` does not exist yet: the model table but its path (the
+/// `base` and `init_config` paths resolved), the warm start and the task it trains on (the seed aside:
+/// seeds share a warm start, made with the first one's).
+pub(super) fn warm_start_of(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
+    let mut model = serde_json::to_value(&cfg.model)?;
+    if let Some(m) = model.as_object_mut() {
+        m.remove("dir");
+        for key in ["base", "init_config"] {
+            if let Some(path) = m.get(key).and_then(|v| v.as_str()).map(PathBuf::from) {
+                let resolved = std::fs::canonicalize(&path).unwrap_or(path);
+                m.insert(key.into(), resolved.display().to_string().into());
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "model": model,
+        "sft": serde_json::to_value(&cfg.sft)?,
+        "task": serde_json::to_value(cfg.task.with_defaults())?,
+    }))
+}
+
+/// The file a model directory made by a run holds: how it was made ([`warm_start_of`] and the seed), so
+/// that a later run that finds the folder and would make it otherwise is refused instead of training on it
+/// while its config and report credit its own settings.
+pub const MADE_BY_FILE: &str = "qarl_made_by.json";
+
+/// Records in `staging` how `cfg` makes its model ([`MADE_BY_FILE`]).
+fn write_made_by(cfg: &TrainConfig, staging: &Path) -> anyhow::Result<()> {
+    let made_by = serde_json::json!({"recipe": warm_start_of(cfg)?, "seed": cfg.seed});
+    crate::io::write_json_atomic(&staging.join(MADE_BY_FILE), &made_by)
+}
+
+/// A `model.dir` that exists, for a config that says how to make it (`[sft]`, `model.base` or
+/// `model.init_config`): refused where the folder records another recipe (another `[sft]`, base, task),
+/// whose weights would be credited to this config's settings. A folder without the record (the user's own
+/// model, or one made before it was kept) is used as it is, with a warning (`warn`) where `[sft]` would
+/// not run.
+fn check_made_as_configured(cfg: &TrainConfig, warn: bool) -> anyhow::Result<()> {
+    let dir = &cfg.model.dir;
+    let makes = cfg.sft.is_some() || cfg.model.base.is_some() || cfg.model.init_config.is_some();
+    let record = dir.join(MADE_BY_FILE);
+    if makes && record.is_file() {
+        let made_by: serde_json::Value = crate::io::read_json(&record)?;
+        let differ = super::config::differing_keys(&made_by["recipe"], &warm_start_of(cfg)?);
+        anyhow::ensure!(
+            differ.is_empty(),
+            "`model.dir` {}: made by another warm start than this config's (`{}` differ, {}): its weights \
+             would be trained on and credited to this config's settings; remove the folder to make it \
+             again, or set `model.dir` to a new folder",
+            dir.display(),
+            differ.join("`, `"),
+            record.display()
+        );
+        return Ok(());
+    }
+    // A changed `[sft]` section would otherwise seem to be taken: said whatever `quiet` says (it silences
+    // progress, not what the run does).
+    if warn && cfg.sft.is_some() {
+        tracing::warn!(
+            "model: {} exists, so the [sft] warm start does not run: its weights are used as they are \
+             (it records no recipe to check this config's against; remove the folder to warm-start again \
+             with this config's [sft])",
+            dir.display()
+        );
+    }
+    Ok(())
+}
+
 /// Marks a staging folder as this program's, so that a leftover one is removed only when it is ours.
 const STAGING_MARK: &str = ".qarl-staging";
 
@@ -176,6 +244,7 @@ pub(super) fn check_sources(cfg: &TrainConfig, model_made: bool) -> anyhow::Resu
         return source_of(cfg).map(|(_, config)| config);
     }
     let config = read_config("model.dir", &cfg.model.dir)?;
+    check_made_as_configured(cfg, false)?;
     if let Some(q) = &config.quantization {
         return Err(crate::model::LoadError::QuantizedCheckpoint {
             dir: cfg.model.dir.clone(),
@@ -249,17 +318,7 @@ pub(super) fn prepare_model_locked(
             std::fs::remove_dir_all(&sft_root)
                 .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
         }
-        // A changed `[sft]` section would otherwise seem to be taken: said whatever `quiet` says (it
-        // silences progress, not what the run does).
-        if cfg.sft.is_some() {
-            tracing::warn!(
-                "model: {} exists, so the [sft] warm start does not run: its weights are used as they are \
-                 (expected where runs share a warm start; remove the folder to warm-start again with this \
-                 config's [sft])",
-                dir.display()
-            );
-        }
-        return Ok(());
+        return check_made_as_configured(cfg, true);
     }
     let (source, _) = source_of(cfg)?;
     // Runs that share a `model.dir` not made yet (runs whose configs differ in `run_dir` alone) would
@@ -267,7 +326,7 @@ pub(super) fn prepare_model_locked(
     let _guard = StagingGuard::acquire(dir)?;
     // Made by another run between the first look and the lock: used as it is.
     if dir.join("config.json").is_file() {
-        return Ok(());
+        return check_made_as_configured(cfg, true);
     }
     let staging = fresh_staging(dir)?;
     // Where the starting weights are read from: the pretrained base, or the staged random checkpoint.
@@ -312,6 +371,7 @@ pub(super) fn prepare_model_locked(
         tracing::info!(loss, "sft finished");
         crate::model::save::save_pretrained(&model, &json, &staging)?;
     }
+    write_made_by(cfg, &staging)?;
     move_into_place(&staging, dir)?;
     if sft_root.exists() {
         std::fs::remove_dir_all(&sft_root)
