@@ -879,6 +879,55 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
     );
 }
 
+/// Seeds of one variant that started from different models are not pooled: a seed added after the base's
+/// `model.init_config` and `model.dir` were swapped (paths a finished run may change, since folders move)
+/// was averaged with the first seed's model as one arm, its RL gain tested across the two.
+#[test]
+fn an_experiments_seeds_of_other_models_are_not_pooled() {
+    let tmp = tempfile::tempdir().unwrap();
+    let write_base = |cfg: &TrainConfig| {
+        std::fs::write(tmp.path().join("base.toml"), toml::to_string(cfg).unwrap()).unwrap()
+    };
+    write_base(&tiny_config(&tmp.path().join("a"), "full", 1));
+    let path = tmp.path().join("exp.toml");
+    let write_exp = |seeds: &str| {
+        let exp = format!(
+            "name = \"pooled\"\nbase = \"base.toml\"\nseeds = {seeds}\nresults_dir = \"{}\"\n\
+             [[variant]]\nname = \"full\"\n",
+            tmp.path().join("results").display()
+        );
+        std::fs::write(&path, exp).unwrap();
+    };
+    write_exp("[1]");
+    let report = train::experiment::run_experiment(&path, true, None).unwrap();
+    let first = std::fs::read_to_string(&report).unwrap();
+    // Another model: one layer fewer, in another folder.
+    let mut other = tiny_config(&tmp.path().join("b"), "full", 1);
+    let init = other.model.init_config.clone().unwrap();
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&init).unwrap()).unwrap();
+    json["num_hidden_layers"] = (json["num_hidden_layers"].as_u64().unwrap() - 1).into();
+    let smaller = tmp.path().join("smaller.json");
+    std::fs::write(&smaller, json.to_string()).unwrap();
+    other.model.init_config = Some(smaller);
+    write_base(&other);
+    write_exp("[1, 2]");
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(
+        err.contains("variant \"full\": seed 1 started from the model with files fingerprint")
+            && err.contains("and seed 2 from"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&report).unwrap(),
+        first,
+        "no report pools them"
+    );
+}
+
 /// An experiment whose variant does not make a valid config is refused before its results directory is
 /// made or claimed: nothing is left that a corrected experiment, or another one, would have to explain.
 #[test]

@@ -50,6 +50,12 @@ pub struct TrainerState {
     /// ([`super::reference::files_fingerprint`]), where the run has one: a resume must find the same.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reference: Option<String>,
+    /// The model the run started from (`model.dir` at its first step), by its files' fingerprint: a resume
+    /// must find the same there (the prompts' tokenizer and end tokens come from it), and an experiment
+    /// pools only seeds of a variant that started from one model. Absent in checkpoints written before it
+    /// was kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_model: Option<String>,
 }
 
 impl TrainerState {
@@ -63,6 +69,7 @@ impl TrainerState {
             grad_norm_ema_bits: None,
             build: Some(BUILD.to_string()),
             reference: None,
+            start_model: None,
         }
     }
 
@@ -76,6 +83,7 @@ impl TrainerState {
             grad_norm_ema_bits: None,
             build: Some(BUILD.to_string()),
             reference: None,
+            start_model: None,
         }
     }
 }

@@ -377,7 +377,77 @@ pub fn check_report(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
         .map_err(|e| tracing::warn!("{e:#}"))
         .ok();
     let finished = check_finished_runs(path, exp, configs.as_ref())?;
-    check_shared_warm_starts(path, &[], &finished)
+    check_shared_warm_starts(path, &[], &finished)?;
+    check_start_models(path, exp)
+}
+
+/// The model each finished run of `v` started from (`start_model` in its marker: the fingerprint of its
+/// `model.dir` at its first step), by seed; runs finished before markers recorded it are left out.
+fn start_models(exp: &ExperimentConfig, v: &Variant) -> anyhow::Result<Vec<(u64, String)>> {
+    let mut models = Vec::new();
+    for &seed in &exp.seeds {
+        let m = marker(&exp.results().join(&v.name).join(format!("seed{seed}")));
+        if !m.is_file() {
+            continue;
+        }
+        let recorded: serde_json::Value = crate::io::read_json(&m)?;
+        if let Some(model) = recorded["start_model"].as_str() {
+            models.push((seed, model.to_string()));
+        }
+    }
+    Ok(models)
+}
+
+/// Refuses to pool seeds of one variant that started from different models (a `model.init_config`,
+/// `model.base` or `model.dir` swapped between seeds, which a finished run may change: its folders may
+/// move): their mean would average two models as one arm.
+fn check_start_models(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
+    for v in &exp.variants {
+        let models = start_models(exp, v)?;
+        if let Some(((s1, m1), (s2, m2))) = models.first().and_then(|first| {
+            models
+                .iter()
+                .find(|(_, m)| *m != first.1)
+                .map(|o| (first, o))
+        }) {
+            bail!(
+                "{}: variant {:?}: seed {s1} started from the model with files fingerprint {m1} and seed \
+                 {s2} from {m2}: one arm's seeds must train one model; remove the runs of the other model, \
+                 or give the changed experiment another `results_dir`",
+                path.display(),
+                v.name
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a run of `v` whose `model.dir` holds another model than the one its finished seeds started
+/// from, before it runs (a folder not made yet is checked once the run has made it, by
+/// [`check_start_models`]).
+fn check_same_start_model(
+    path: &Path,
+    exp: &ExperimentConfig,
+    v: &Variant,
+    cfg: &TrainConfig,
+) -> anyhow::Result<()> {
+    let Some((seed, model)) = start_models(exp, v)?.into_iter().next() else {
+        return Ok(());
+    };
+    if !cfg.model.dir.join("config.json").is_file() {
+        return Ok(());
+    }
+    let now = super::reference::files_fingerprint(&cfg.model.dir)?;
+    anyhow::ensure!(
+        now == model,
+        "{}: variant {:?}: `model.dir` {} holds the model with files fingerprint {now}, but seed {seed} of \
+         this variant started from {model}: one arm's seeds must train one model; restore that model, or \
+         give the changed experiment another `results_dir`",
+        path.display(),
+        v.name,
+        cfg.model.dir.display()
+    );
+    Ok(())
 }
 
 /// Runs every (variant, seed) not finished yet, then writes `report.md`; `backend`, when given, replaces
@@ -413,6 +483,7 @@ pub fn run_experiment(
         }
     }
     check_shared_warm_starts(path, &runs, &finished)?;
+    check_start_models(path, &exp)?;
     // One experiment process per results directory (each run directory is locked by its run as well).
     let _lock = super::lock::RunLock::acquire(&results)?;
     exp.claim_results(path, &results)?;
@@ -420,6 +491,7 @@ pub fn run_experiment(
         if !quiet {
             eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());
         }
+        check_same_start_model(path, &exp, v, &cfg)?;
         // Unfinished: resumed from its newest checkpoint, or (stopped before its first) started over,
         // its partial rows deleted.
         let resume = run_dir.join("checkpoints").is_dir();
@@ -446,9 +518,11 @@ pub fn run_experiment(
                     "diff_se": p.diff_se,
                     "p_value": p.p_value,
                 })),
+                "start_model": s.start_model,
             }),
         )?;
     }
+    check_start_models(path, &exp)?;
     let report = write_report(&exp, &results)?;
     Ok(report)
 }

@@ -133,24 +133,31 @@ fn fill(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
-/// Refuses a `model_dir` other than the reference a resumed run's checkpoint names (`saved`: absent in
-/// checkpoints of runs without the KL term), before the resume changes anything in the run directory.
-/// Returns the fingerprint it took, for [`Reference::load`].
-pub fn check_resumed(saved: Option<&str>, model_dir: &Path) -> anyhow::Result<Option<String>> {
-    let Some(saved) = saved else {
+/// Refuses a `model_dir` other than the model a resumed run started from (`saved.start_model`, or in older
+/// checkpoints the KL reference they name), before the resume changes anything in the run directory: the
+/// prompts' tokenizer and end tokens, and the KL term's reference (`kl`: the run has one), come from it.
+/// Returns the fingerprint it took, where it took one.
+pub fn check_resumed(
+    saved: &super::checkpoint::TrainerState,
+    model_dir: &Path,
+    kl: bool,
+) -> anyhow::Result<Option<String>> {
+    if kl && saved.reference.is_none() {
         tracing::warn!(
             model = %model_dir.display(),
             "the checkpoint names no KL reference (the KL term was off until now): the reference is this \
              folder's model from here on"
         );
+    }
+    let Some(saved) = saved.start_model.as_deref().or(saved.reference.as_deref()) else {
         return Ok(None);
     };
     let now = files_fingerprint(model_dir)?;
     anyhow::ensure!(
         now == saved,
         "{}: not the model this run started from (files fingerprint {now}, its checkpoint names {saved}): \
-         the KL term's reference must stay the run's starting model; point `model.dir` at that folder, or \
-         start over with --overwrite",
+         the prompts' tokenizer and end tokens (and the KL term's reference) come from the run's starting \
+         model; point `model.dir` at that folder, or start over with --overwrite",
         model_dir.display()
     );
     Ok(Some(now))

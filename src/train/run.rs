@@ -29,6 +29,8 @@ pub struct RunSummary {
     /// Greedy accuracy before vs after RL in the rollout precision, problem by problem (`None` when the
     /// run stopped early or the evaluation before RL is not in the metrics log).
     pub paired: Option<paired::PairedComparison>,
+    /// The fingerprint of the model the run started from ([`TrainerState::start_model`]).
+    pub start_model: Option<String>,
 }
 
 /// How to run the RL loop.
@@ -137,9 +139,9 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         _ => None,
     };
     let has_reference = cfg.train.loss.kl_weight() > 0.0;
-    let reference_files = match (&resumed, model_made && has_reference) {
+    let start_files = match (&resumed, model_made) {
         (Some((_, saved)), true) => {
-            super::reference::check_resumed(saved.reference.as_deref(), &cfg.model.dir)?
+            super::reference::check_resumed(saved, &cfg.model.dir, has_reference)?
         }
         _ => None,
     };
@@ -175,8 +177,14 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             (policy, optim, state)
         }
     };
-    // After the warm start: the reference is the model it made (or the one given), on every resume too.
-    let reference = Reference::load(cfg, &device, reference_files)?;
+    // After the warm start: the model it made (or the one given) is the run's start, and the KL term's
+    // reference, on every resume too.
+    let start_model = match start_files {
+        Some(f) => f,
+        None => super::reference::files_fingerprint(&cfg.model.dir)?,
+    };
+    state.start_model = Some(start_model.clone());
+    let reference = Reference::load(cfg, &device, Some(start_model.clone()))?;
     if let Some(r) = &reference {
         state.reference = Some(r.fingerprint().to_string());
     }
@@ -237,6 +245,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 accuracy_before: before.map(|b| b.0),
                 accuracy_after: None,
                 paired: None,
+                start_model: state.start_model.clone(),
             });
         }
     }
@@ -258,6 +267,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         accuracy_before: before.map(|b| b.0),
         accuracy_after: Some(after.0),
         paired,
+        start_model: state.start_model.clone(),
     })
 }
 
