@@ -288,6 +288,43 @@ fn a_template_without_completions_serves_prompts_only() {
     );
 }
 
+/// What transformers gives every template besides the messages: `{% generation %}` tags (assistant-masking
+/// templates) render nothing with their whitespace controls kept, `strftime_now` a date (a fixed one
+/// here, so prompts do not change with the day), and `tools` / `documents` are None; these templates were
+/// refused, or (tools) took their tool-use branch.
+#[test]
+fn generation_tags_dates_and_tools_render_as_transformers_gives_them() {
+    let render = |template: &str| {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(tmp.path().join("chat_template.jinja"), template).unwrap();
+        let t = ModelChatTemplate::of_model(tmp.path()).unwrap().unwrap();
+        let turns = [Turn {
+            role: "user",
+            content: "q",
+        }];
+        t.render(&turns, true, &[]).map_err(|e| e.to_string())
+    };
+    let tagged = "{% for m in messages %}[{{ m.role }}]\n  {%- generation -%}\n  {{ m.content }} \
+                  {% endgeneration %}\n{% endfor %}";
+    let plain = "{% for m in messages %}[{{ m.role }}]\n  {%- if true -%}\n  {{ m.content }} \
+                 {% endif %}\n{% endfor %}";
+    assert_eq!(render(tagged).unwrap(), render(plain).unwrap());
+    assert_eq!(render(tagged).unwrap(), "[user]q ");
+    assert_eq!(
+        render("{{ strftime_now('%d %b %Y, %A %%') }}").unwrap(),
+        "26 Jul 2024, Friday %"
+    );
+    let err = render("{{ strftime_now('%Z') }}").unwrap_err();
+    assert!(err.contains("strftime_now: the directive %Z"), "{err}");
+    assert_eq!(
+        render(
+            "{% if tools is not none %}tools{% endif %}{% if documents is none %}none{% endif %}"
+        )
+        .unwrap(),
+        "none"
+    );
+}
+
 /// Tool-calling templates (gpt-oss, Qwen3-Coder, Hermes) define macros and read `loop.previtem`.
 #[test]
 fn macros_and_adjacent_loop_items_render() {

@@ -135,7 +135,7 @@ fn zero_sizes_are_refused_with_the_key() {
         );
     }
     for key in [
-        "num_experts",
+        "num_local_experts",
         "num_experts_per_tok",
         "moe_intermediate_size",
         "decoder_sparse_step",
@@ -473,4 +473,50 @@ fn model_type_nested_rope_and_mlp_bias_follow_transformers() {
     for name in ["qwen2", "qwen3", "qwen3_moe"] {
         assert!(!accepted(name, "mlp_bias", json!(true)).mlp_bias, "{name}");
     }
+}
+
+/// Configs transformers 5.25 refuses or reads otherwise, which loaded here (review against transformers on
+/// tiny models): a `sliding_attention` entry of `layer_types` ran as full attention (transformers raises at
+/// the forward), a `null` for a key its config class types as a value took a default, and
+/// `num_experts` was read over `num_local_experts` where both are written (transformers reads the latter).
+#[test]
+fn layer_types_nulls_and_expert_counts_follow_transformers() {
+    let err = load_edited("qwen3", |v| {
+        v["layer_types"] = json!(["full_attention", "sliding_attention"]);
+        v["sliding_window"] = json!(8);
+    })
+    .unwrap_err();
+    assert!(
+        err.contains("`layer_types[1]` is \"sliding_attention\": only \"full_attention\""),
+        "{err}"
+    );
+    let err = load_edited("qwen3", |v| v["layer_types"] = json!(["full_attention"])).unwrap_err();
+    assert!(
+        err.contains("`layer_types` lists 1 layers, but `num_hidden_layers` is 2"),
+        "{err}"
+    );
+    load_edited("qwen3", |v| {
+        v["layer_types"] = json!(["full_attention", "full_attention"])
+    })
+    .unwrap();
+    for (name, key) in [
+        ("qwen3", "head_dim"),
+        ("qwen3_moe", "head_dim"),
+        ("qwen3_moe", "num_key_value_heads"),
+        ("llama", "rms_norm_eps"),
+        ("qwen2", "tie_word_embeddings"),
+        ("qwen3", "attention_bias"),
+    ] {
+        let err = load_edited(name, |v| v[key] = Value::Null).unwrap_err();
+        assert!(err.contains(&format!("`{key}` is null")), "{name}: {err}");
+    }
+    // A llama's `head_dim` may be null: transformers reads it as absent too.
+    load_edited("llama", |v| v["head_dim"] = Value::Null).unwrap();
+    let err = load_edited("qwen3_moe", |v| v["num_experts"] = json!(4)).unwrap_err();
+    assert!(
+        err.contains("`num_local_experts` (8) and `num_experts` (4) disagree"),
+        "{err}"
+    );
+    let same = load_edited("qwen3_moe", |v| v["num_experts"] = json!(8)).unwrap();
+    assert_eq!(same.moe.unwrap().num_experts, 8);
 }

@@ -120,6 +120,22 @@ impl<'a> Keys<'a> {
         })
     }
 
+    /// Refuses `name` written as `null` where transformers refuses it too (its config class types the key
+    /// as a value, not an optional): read as absent, it took a default for a model transformers and vLLM
+    /// cannot load.
+    fn refuse_null(&self, name: &str) -> Result<(), LoadError> {
+        match self.root.get(name) {
+            Some(Value::Null) => Err(LoadError::InvalidConfig {
+                path: self.path.to_path_buf(),
+                msg: format!(
+                    "`{name}` is null, which transformers refuses for this model: give its value, or \
+                     remove the key for the default"
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn missing(&self, names: &[&str]) -> LoadError {
         LoadError::MissingKey {
             path: self.path.to_path_buf(),
@@ -484,6 +500,38 @@ pub const SUPPORTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
 
 /// Refuses a `hidden_act` other than SiLU: the MLP is `down(silu(gate) * up)` on every path (the CPU grouped
 /// MoE kernel included), so a `gelu` or `relu` model would run as SiLU and give wrong outputs without an
+/// `layer_types` (transformers' per-layer attention kinds): only full attention is implemented, so a
+/// `sliding_attention` layer (which `use_sliding_window` need not announce) is refused, naming it, as is a
+/// list of another length than the layers.
+fn check_layer_types(k: &Keys, layers: usize) -> Result<(), LoadError> {
+    let Some(types) = k.find(&["layer_types"]) else {
+        return Ok(());
+    };
+    let Some(types) = types.as_array() else {
+        return Err(k.bad("layer_types", "a list of attention kinds", types));
+    };
+    if types.len() != layers {
+        return Err(LoadError::InvalidConfig {
+            path: k.path.to_path_buf(),
+            msg: format!(
+                "`layer_types` lists {} layers, but `num_hidden_layers` is {layers}",
+                types.len()
+            ),
+        });
+    }
+    match types.iter().position(|t| t != "full_attention") {
+        None => Ok(()),
+        Some(i) => Err(LoadError::InvalidConfig {
+            path: k.path.to_path_buf(),
+            msg: format!(
+                "`layer_types[{i}]` is {}: only \"full_attention\" is supported (sliding-window and other \
+                 attention kinds are not)",
+                types[i]
+            ),
+        }),
+    }
+}
+
 /// error. Absent means SiLU (the transformers default of every architecture loaded here).
 fn check_activation(k: &Keys) -> Result<(), LoadError> {
     let supported = SUPPORTED_ACTIVATIONS.join(", ");
@@ -541,6 +589,15 @@ impl ModelConfig {
         })?;
 
         check_model_type(&k, architecture)?;
+        for key in ["rms_norm_eps", "tie_word_embeddings", "attention_bias"] {
+            k.refuse_null(key)?;
+        }
+        if matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe) {
+            k.refuse_null("head_dim")?;
+        }
+        if architecture == Architecture::Qwen3Moe {
+            k.refuse_null("num_key_value_heads")?;
+        }
 
         let hidden_size = k.positive(&["hidden_size"])?;
         let num_attention_heads = k.positive(&["num_attention_heads"])?;
@@ -602,8 +659,20 @@ impl ModelConfig {
         };
 
         let moe = if architecture == Architecture::Qwen3Moe {
-            let keys = ["num_experts", "num_local_experts"];
+            // transformers maps `num_experts` onto `num_local_experts`, which wins where both are written.
+            let keys = ["num_local_experts", "num_experts"];
             let num_experts = k.positive(&keys)?;
+            if let (Some(local), Some(other)) = (k.find(&keys[..1]), k.find(&keys[1..])) {
+                if local != other {
+                    return Err(LoadError::InvalidConfig {
+                        path: path.to_path_buf(),
+                        msg: format!(
+                            "`num_local_experts` ({local}) and `num_experts` ({other}) disagree: one count \
+                             of experts (transformers reads `num_local_experts`)"
+                        ),
+                    });
+                }
+            }
             let num_experts_per_tok = k.positive(&["num_experts_per_tok"])?;
             if num_experts_per_tok > num_experts {
                 return Err(LoadError::InvalidConfig {
@@ -644,6 +713,7 @@ impl ModelConfig {
 
         let vocab_size = k.positive(&["vocab_size"])?;
         let num_hidden_layers = k.positive(&["num_hidden_layers"])?;
+        check_layer_types(&k, num_hidden_layers)?;
         // transformers ignores an index past the last layer; it is a typo or another model's list.
         if let Some(&l) = moe
             .as_ref()

@@ -6,9 +6,10 @@
 //! `chat_template` of `tokenizer_config.json` (a re-saved checkpoint keeps its new template there). The
 //! environment is transformers': blocks trimmed and left-stripped, loop controls, `raise_exception`, the
 //! special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) of `tokenizer_config.json`, and
-//! Python's string methods (`.strip()`, `.split()`, `.startswith()`). `strftime_now` is left undefined: a
-//! template that asks for today's date (Llama 3.1) takes its own fixed fallback, so a prompt does not
-//! change with the day a run is started or resumed.
+//! Python's string methods (`.strip()`, `.split()`, `.startswith()`), `tools` and `documents` as None, and
+//! the `{% generation %}` tags of assistant-masking templates (rendering nothing). `strftime_now` renders a
+//! fixed date, Llama 3.1's own fallback (26 July 2024), so a prompt does not change with the day a run is
+//! started or resumed.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -139,6 +140,11 @@ impl ModelChatTemplate {
             "add_generation_prompt".into(),
             Value::Bool(add_generation_prompt),
         );
+        // transformers passes `tools` and `documents` as None where a prompt has none: a template's
+        // `tools is not none` is false, not true of an undefined value.
+        for name in ["tools", "documents"] {
+            ctx.insert(name.into(), Value::Null);
+        }
         for (name, token) in &self.specials {
             ctx.insert(name.clone(), Value::String(token.clone()));
         }
@@ -168,9 +174,92 @@ fn environment(source: &str) -> Result<minijinja::Environment<'static>, minijinj
             msg,
         ))
     });
+    env.add_function("strftime_now", fixed_date);
     env.set_fuel(Some(RENDER_FUEL));
-    env.add_template_owned("chat", source.to_string())?;
+    env.add_template_owned("chat", without_generation_tags(source))?;
     Ok(env)
+}
+
+/// The date every prompt is rendered with, where a template asks for today's (`strftime_now`): Llama 3.1's
+/// own fallback, Friday 26 July 2024, so that a prompt does not change with the day a run is started,
+/// resumed or evaluated. `(directive, text)` for the directives of Python's `strftime` templates use.
+const FIXED_DATE: [(char, &str); 13] = [
+    ('d', "26"),
+    ('e', "26"),
+    ('m', "07"),
+    ('Y', "2024"),
+    ('y', "24"),
+    ('b', "Jul"),
+    ('B', "July"),
+    ('a', "Fri"),
+    ('A', "Friday"),
+    ('j', "208"),
+    ('H', "00"),
+    ('M', "00"),
+    ('S', "00"),
+];
+
+/// `strftime_now(format)` on [`FIXED_DATE`]; a directive it does not know is an error naming it.
+fn fixed_date(format: String) -> Result<String, minijinja::Error> {
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('%') => out.push('%'),
+            Some(d) => match FIXED_DATE.iter().find(|(k, _)| *k == d) {
+                Some((_, text)) => out.push_str(text),
+                None => {
+                    return Err(minijinja::Error::new(
+                        minijinja::ErrorKind::InvalidOperation,
+                        format!("strftime_now: the directive %{d} is not supported"),
+                    ))
+                }
+            },
+            None => out.push('%'),
+        }
+    }
+    Ok(out)
+}
+
+/// `source` with transformers' `{% generation %}` / `{% endgeneration %}` tags (which mark the assistant's
+/// tokens for an assistant-only loss and render nothing) as `{% if true %}` / `{% endif %}`: the same
+/// text, their whitespace controls (`{%-`, `-%}`) kept.
+fn without_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(at) = rest.find("{%") {
+        out.push_str(&rest[..at]);
+        let tag = &rest[at..];
+        let Some(end) = tag.find("%}") else {
+            break;
+        };
+        let inner = &tag[2..end];
+        let left = inner
+            .strip_prefix(['-', '+'])
+            .map(|_| &inner[..1])
+            .unwrap_or("");
+        let right = inner
+            .strip_suffix(['-', '+'])
+            .map(|_| &inner[inner.len() - 1..])
+            .unwrap_or("");
+        let word = inner[left.len()..inner.len() - right.len()].trim();
+        let replaced = match word {
+            "generation" => Some("if true"),
+            "endgeneration" => Some("endif"),
+            _ => None,
+        };
+        match replaced {
+            Some(w) => out.push_str(&format!("{{%{left} {w} {right}%}}")),
+            None => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The most steps (minijinja's instructions) one render may take: real templates take a few thousand per
