@@ -928,6 +928,97 @@ fn an_experiments_seeds_of_other_models_are_not_pooled() {
     );
 }
 
+/// Held-out problems decide what an experiment pairs and pools: arms whose task tables differ only in the
+/// training file (one `eval_path`) hold out the same problems and are compared (the report said they were
+/// evaluated on other problems); a held-out file edited after a seed finished is refused rather than
+/// pooled with new seeds (each accuracy cell averaged two problem sets, and the arms' table vanished
+/// without a word); and a finished run that a resume takes further is no longer marked finished.
+#[test]
+fn an_experiment_pairs_by_held_out_problems_and_refuses_edited_ones() {
+    let tmp = tempfile::tempdir().unwrap();
+    let jsonl = |path: &Path, items: &[(&str, &str)]| {
+        let lines: Vec<String> = items
+            .iter()
+            .map(|(q, a)| {
+                serde_json::json!({"question": q, "answer": format!("#### {a}")}).to_string()
+            })
+            .collect();
+        std::fs::write(path, lines.join("\n") + "\n").unwrap();
+    };
+    let (train_a, train_c, held_out) = (
+        tmp.path().join("a.jsonl"),
+        tmp.path().join("c.jsonl"),
+        tmp.path().join("test.jsonl"),
+    );
+    jsonl(&train_a, &[("1+2?", "3"), ("2+2?", "4")]);
+    jsonl(&train_c, &[("3+1?", "4"), ("1+1?", "2")]);
+    jsonl(&held_out, &[("2+3?", "5"), ("3+3?", "6"), ("1+3?", "4")]);
+    let mut base = tiny_config(&tmp.path().join("shared"), "full", 1);
+    base.sft = None;
+    base.eval.problems = 3;
+    std::fs::write(
+        tmp.path().join("base.toml"),
+        toml::to_string(&base).unwrap(),
+    )
+    .unwrap();
+    let task = |train: &Path| {
+        format!(
+            "{{ \"task\" = {{ kind = \"gsm8k\", path = \"{}\", eval_path = \"{}\" }}, \
+             \"model.dir\" = \"{}\" }}",
+            train.display(),
+            held_out.display(),
+            train.with_extension("model").display()
+        )
+    };
+    let path = tmp.path().join("exp.toml");
+    let write_exp = |seeds: &str| {
+        let exp = format!(
+            "name = \"held\"\nbase = \"base.toml\"\nseeds = {seeds}\nresults_dir = \"{}\"\n\
+             [[variant]]\nname = \"a\"\nset = {}\n[[variant]]\nname = \"c\"\nset = {}\n",
+            tmp.path().join("results").display(),
+            task(&train_a),
+            task(&train_c)
+        );
+        std::fs::write(&path, exp).unwrap();
+    };
+    write_exp("[1]");
+    let report = train::experiment::run_experiment(&path, true, None).unwrap();
+    let text = std::fs::read_to_string(&report).unwrap();
+    assert!(
+        text.contains("| a | c |") && !text.contains("Not compared"),
+        "{text}"
+    );
+
+    // Resumed further, a finished run is not finished until it ends again.
+    let run_dir = tmp.path().join("results/a/seed1");
+    let marker = train::experiment::marker(&run_dir);
+    assert!(marker.is_file());
+    let mut further: TrainConfig =
+        serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).unwrap())
+            .unwrap();
+    further.train.steps = 3;
+    let stop = train::RunOptions {
+        resume: true,
+        quiet: true,
+        stop_after_step: Some(1),
+        ..Default::default()
+    };
+    train::run_with(&further, &stop).unwrap();
+    assert!(!marker.exists(), "still marked finished at step 2 of 3");
+
+    // The held-out file edited, then a seed added: refused, naming the runs that held out the old problems.
+    jsonl(&held_out, &[("2+3?", "5"), ("3+2?", "5"), ("1+3?", "4")]);
+    write_exp("[1, 2]");
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(
+        err.contains("c/seed1 (held-out problems") && err.contains("its data file changed"),
+        "{err}"
+    );
+}
+
 /// An experiment whose variant does not make a valid config is refused before its results directory is
 /// made or claimed: nothing is left that a corrected experiment, or another one, would have to explain.
 #[test]

@@ -323,6 +323,7 @@ fn check_finished_runs<'e>(
     let mut finished = Vec::new();
     let mut drifted = Vec::new();
     let mut unchecked = Vec::new();
+    let mut held_out = HeldOut::new();
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
@@ -343,6 +344,8 @@ fn check_finished_runs<'e>(
                         super::config::identity_changes(&mut ran, &now, &FINISHED_MAY_CHANGE)?;
                     if !keys.is_empty() {
                         drifted.push(format!("{}/seed{seed} (`{}`)", v.name, keys.join("`, `")));
+                    } else if let Some(change) = held_out_change(&run_dir, &now, &mut held_out)? {
+                        drifted.push(format!("{}/seed{seed} ({change})", v.name));
                     }
                 }
                 Some(Err(e)) => unchecked.push(format!("{}/seed{seed} ({e:#})", v.name)),
@@ -367,6 +370,49 @@ fn check_finished_runs<'e>(
         );
     }
     Ok(finished)
+}
+
+/// The fingerprint of the held-out questions a config's task gives now, by the task table and problem
+/// count (seeds and variants share them; each data set is read once).
+type HeldOut = BTreeMap<String, Option<String>>;
+
+/// How the held-out problems a finished run's evaluations logged differ from those its task gives now
+/// (`now`: the experiment's config of that run), where they do: an edited data file, whose new seeds would
+/// be averaged with the old ones as one set of problems. `None` where they agree, where the run logged no
+/// fingerprint (logs before 2026-12-05) or the task does not load here (a run made elsewhere).
+fn held_out_change(
+    run_dir: &Path,
+    now: &TrainConfig,
+    cache: &mut HeldOut,
+) -> anyhow::Result<Option<String>> {
+    let rows = read_rows(&run_dir.join("metrics.jsonl"), BadLines::TornLastOnly)?;
+    let mut logged: Vec<&str> = rows
+        .iter()
+        .filter(|r| r["phase"] == "eval")
+        .filter_map(|r| r[names::EVAL_QUESTIONS_FINGERPRINT].as_str())
+        .collect();
+    logged.dedup();
+    let Some(&first) = logged.first() else {
+        return Ok(None);
+    };
+    if logged.len() > 1 {
+        return Ok(Some(format!(
+            "its evaluations logged different held-out problems ({})",
+            logged.join(", ")
+        )));
+    }
+    let key = serde_json::json!([now.task.with_defaults(), now.eval.problems]).to_string();
+    let current = cache.entry(key).or_insert_with(|| {
+        crate::tasks::Task::from_config(&now.task.with_defaults())
+            .ok()
+            .map(|t| crate::tasks::questions_fingerprint(&t.eval_questions(now.eval.problems)))
+    });
+    Ok(match current {
+        Some(c) if c != first => Some(format!(
+            "held-out problems {first} when it ran, {c} now: its data file changed"
+        )),
+        _ => None,
+    })
 }
 
 /// The checks of [`run_experiment`] before a report of finished runs alone (`--report-only`): their settings
@@ -635,11 +681,13 @@ impl EvalSet {
     /// where both logged one, and the same verifier rules, stop rule and token limit (as `qarl compare`
     /// refuses outcomes of two verifiers).
     fn same_problems(&self, other: &Self) -> bool {
-        self.config == other.config
-            && self.judged == other.judged
+        // The questions themselves where both logged them (task tables that differ only where the
+        // held-out set does not depend on them, such as `path` beside an `eval_path`, hold out the same
+        // problems); their task and count otherwise.
+        self.judged == other.judged
             && match (&self.fingerprint, &other.fingerprint) {
                 (Some(a), Some(b)) => a == b,
-                _ => true,
+                _ => self.config == other.config,
             }
     }
 

@@ -196,6 +196,13 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         before_rl_outcomes(log.path(), cfg.rollout.precision)
     };
     let steps = cfg.train.steps;
+    // An experiment's finished run that a resume takes further is not finished until it ends again (`qarl
+    // runs` said finished for such a run stopped part-way): its marker goes before the first step.
+    let marker = resume::finished_marker(&cfg.run_dir);
+    if start < steps && marker.is_file() {
+        std::fs::remove_file(&marker)
+            .with_context(|| format!("{}: cannot remove", marker.display()))?;
+    }
     let bar = progress::progress_bar(steps.saturating_sub(start) as u64, "rl", opts.quiet);
     for step in start..steps {
         let inject = opts.inject_nonfinite_steps.contains(&step);
