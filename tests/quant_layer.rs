@@ -388,6 +388,31 @@ fn a_quantized_checkpoint_that_disagrees_with_its_config_is_refused() {
         "{err}"
     );
 
+    // A quantized dir whose config.json lost `quantization_config`: named as such (it said a projection's
+    // `.weight` was missing, and `qarl quantize` that no tensor matched its patterns).
+    let bare = tmp.path().join("bare");
+    qarl::model::quantize_checkpoint(
+        &src,
+        &bare,
+        &QuantConfig::new(QuantScheme::from_str("int8-pc").unwrap()),
+    )
+    .unwrap();
+    let cfg_path = bare.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    json.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(&cfg_path, json.to_string()).unwrap();
+    let err = load_error(&bare);
+    assert!(
+        err.contains("hold packed codes") && err.contains("no `quantization_config`"),
+        "{err}"
+    );
+    let err =
+        qarl::model::quantize_checkpoint(&bare, &tmp.path().join("again"), &QuantConfig::new(int4))
+            .unwrap_err()
+            .to_string();
+    assert!(err.contains("holds packed codes already"), "{err}");
+
     let whole = tmp.path().join("whole");
     qarl::model::quantize_checkpoint(&src, &whole, &QuantConfig::new(int4)).unwrap();
     edit_config(&whole, &|q| {

@@ -211,6 +211,21 @@ impl Decoder {
         ckpt.quant_scheme = config.quantization.as_ref().map(|q| q.scheme);
         // A config that says quantized over weights that are not: every layer would load its f32
         // `.weight` and run in full precision while the model claims the scheme.
+        // Packed codes without a config that says how to read them (`quantization_config` dropped from
+        // config.json): every such layer would be reported missing its `.weight`.
+        let suffix = format!(".{}", super::names::QWEIGHT);
+        if let (None, Some(packed)) = (
+            ckpt.quant_scheme,
+            ckpt.names().find(|n| n.ends_with(&suffix)),
+        ) {
+            return Err(LoadError::InvalidConfig {
+                path: dir.join("config.json"),
+                msg: format!(
+                    "the weights hold packed codes (`{packed}`), but config.json has no \
+                     `quantization_config` to read them with: restore the one `qarl quantize` wrote"
+                ),
+            });
+        }
         if let Some(scheme) = ckpt.quant_scheme {
             // The scheme its files were written in, where they say (a relabelled config.json would read
             // one format's codes as another's).
@@ -229,7 +244,6 @@ impl Decoder {
                     ),
                 });
             }
-            let suffix = format!(".{}", super::names::QWEIGHT);
             if !ckpt.names().any(|n| n.ends_with(&suffix)) {
                 return Err(LoadError::InvalidConfig {
                     path: dir.join("config.json"),

@@ -144,6 +144,14 @@ pub fn quantize_checkpoint(
         },
     );
     let ckpt = Checkpoint::open(src)?;
+    let packed_suffix = format!(".{QWEIGHT}");
+    if let Some(name) = ckpt.names().find(|n| n.ends_with(&packed_suffix)) {
+        bail!(
+            "{}: holds packed codes already (`{name}`) though its config.json has no \
+             `quantization_config`: a quantized checkpoint whose config lost it",
+            src.display()
+        );
+    }
     if let Some(name) = ckpt
         .names()
         .find(|n| sel.selects(n) && !linear_weights.contains(*n))
