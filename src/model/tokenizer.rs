@@ -17,6 +17,41 @@ pub struct Tokenizer {
     unknown: Option<(u32, String)>,
 }
 
+/// Whether transformers 5.25 rebuilds a tokenizer of `class` (tokenizer_config.json) for a model of
+/// `model_type` (config.json; `None` without one) instead of using `tokenizer_json` as written: a
+/// non-byte-level Llama-class tokenizer of a `llama` model (other model types, Phi-3's or Mistral's, map
+/// to the file as written).
+fn transformers_5_rebuilds(class: &str, model_type: Option<&str>, tokenizer_json: &str) -> bool {
+    let llama_class = ["LlamaTokenizer", "CodeLlamaTokenizer"]
+        .contains(&class.strip_suffix("Fast").unwrap_or(class));
+    llama_class
+        && model_type.is_none_or(|t| t == "llama")
+        && !tokenizer_json.contains("\"ByteLevel\"")
+}
+
+/// Warns where transformers 5 would not use `tokenizer.json` as written: it rebuilds a SentencePiece
+/// `LlamaTokenizer` / `CodeLlamaTokenizer` of a `llama` model (no normalizer, its own Metaspace
+/// pre-tokenizer), so text after a special token or starting with a space gets other ids there (Llama-2
+/// chat prompts: `<s>[INST]` is `[` there, `▁[` here). qarl encodes with the file, as transformers 4.x and
+/// vLLM on it do; the warning says which side a comparison with transformers 5 stands on.
+fn warn_if_rebuilt_by_transformers_5(dir: &Path, tokenizer_json: &str) {
+    let read = |name: &str| -> Option<serde_json::Value> {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
+    };
+    let class = read("tokenizer_config.json")
+        .and_then(|c| c["tokenizer_class"].as_str().map(str::to_string))
+        .unwrap_or_default();
+    let model_type = read("config.json").and_then(|c| c["model_type"].as_str().map(str::to_string));
+    if transformers_5_rebuilds(&class, model_type.as_deref(), tokenizer_json) {
+        tracing::warn!(
+            "{}: a SentencePiece {class}, which transformers 5 rebuilds (no normalizer, its own Metaspace \
+             pre-tokenizer) where transformers 4 and qarl use tokenizer.json as written: text after a special \
+             token or starting with a space is encoded to other ids there",
+            dir.display()
+        );
+    }
+}
+
 impl Tokenizer {
     /// `Ok(None)` when the directory has no `tokenizer.json`.
     pub fn load_optional(dir: impl AsRef<Path>) -> Result<Option<Self>, LoadError> {
@@ -33,6 +68,7 @@ impl Tokenizer {
         let text = std::fs::read_to_string(&path)
             .map_err(|e| err(format!("cannot read ({})", crate::io::os_error_text(&e))))?;
         let inner = Self::parse(&text).map_err(err)?;
+        warn_if_rebuilt_by_transformers_5(dir.as_ref(), &text);
         Ok(Some(Self::new(inner, path)))
     }
 
@@ -287,6 +323,40 @@ fn unknown_token(tok: &tokenizers::Tokenizer) -> Option<(u32, String)> {
 
 #[cfg(test)]
 mod tests {
+    /// Which tokenizers transformers 5.25 rebuilds (checked against it on SentencePiece and byte-level
+    /// files, model types llama, phi3 and none).
+    #[test]
+    fn transformers_5_rebuilds_sentencepiece_llama_tokenizers_of_llama_models() {
+        let spm = r#"{"pre_tokenizer": {"type": "Metaspace"}}"#;
+        let byte_level = r#"{"pre_tokenizer": {"type": "ByteLevel"}}"#;
+        assert!(transformers_5_rebuilds(
+            "LlamaTokenizer",
+            Some("llama"),
+            spm
+        ));
+        assert!(transformers_5_rebuilds("LlamaTokenizerFast", None, spm));
+        assert!(transformers_5_rebuilds(
+            "CodeLlamaTokenizer",
+            Some("llama"),
+            spm
+        ));
+        assert!(!transformers_5_rebuilds(
+            "LlamaTokenizer",
+            Some("phi3"),
+            spm
+        ));
+        assert!(!transformers_5_rebuilds(
+            "LlamaTokenizer",
+            Some("llama"),
+            byte_level
+        ));
+        assert!(!transformers_5_rebuilds(
+            "PreTrainedTokenizerFast",
+            Some("llama"),
+            spm
+        ));
+    }
+
     use super::*;
     use crate::tasks::char_tokenizer;
 

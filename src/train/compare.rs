@@ -76,6 +76,9 @@ pub struct Evaluation {
     /// Each problem's gold answer, where the source records them (`qarl eval` files): two evaluations of
     /// one question against other golds are of two data sets.
     pub golds: Option<Vec<String>>,
+    /// How its prompts were rendered ([`prompt_text`]), where the source records it (a run's task;
+    /// `qarl eval` files since 2026-12-07): one arm's seeds must answer the same prompts.
+    pub prompt: Option<String>,
     pub correct: Vec<bool>,
 }
 
@@ -149,6 +152,55 @@ struct EvalSummary {
     stop_strings: Option<Vec<String>>,
     #[serde(default)]
     max_new_tokens: Option<usize>,
+    #[serde(default)]
+    template: Option<String>,
+    #[serde(default)]
+    system: Option<String>,
+    #[serde(default)]
+    enable_thinking: Option<bool>,
+}
+
+/// How prompts were rendered, in words: the template (`chat`: the model's own, `chatml`, `plain`, or a
+/// plain template's prefixes, `arithmetic`'s own), with the system turn and `enable_thinking` where set.
+pub fn prompt_text(template: &str, system: Option<&str>, enable_thinking: Option<bool>) -> String {
+    let mut text = template.to_string();
+    if let Some(s) = system {
+        text.push_str(&format!(", system {s:?}"));
+    }
+    if let Some(t) = enable_thinking {
+        text.push_str(&format!(", enable_thinking {t}"));
+    }
+    text
+}
+
+/// [`prompt_text`] of a run's task: a chat template with `model_dir` is the model's own (`qarl eval
+/// --template chat`), without it ChatML.
+fn task_prompt_text(task: &crate::tasks::TaskConfig) -> String {
+    use crate::tasks::template::{PlainTemplate, TemplateConfig};
+    use crate::tasks::TaskConfig;
+    match task {
+        TaskConfig::Arithmetic(_) => "arithmetic".into(),
+        TaskConfig::Gsm8k(d) | TaskConfig::Math(d) => match &d.template {
+            TemplateConfig::Plain(p) => {
+                let default: PlainTemplate = serde_json::from_value(serde_json::json!({}))
+                    .expect("a plain template's fields all default");
+                if *p == default {
+                    "plain".into()
+                } else {
+                    format!("plain {:?} ... {:?}", p.question_prefix, p.answer_prefix)
+                }
+            }
+            TemplateConfig::Chat(c) => prompt_text(
+                if c.model_dir.is_some() {
+                    "chat"
+                } else {
+                    "chatml"
+                },
+                c.system.as_deref(),
+                c.enable_thinking,
+            ),
+        },
+    }
 }
 
 /// `path` with links and `.`/`..` resolved (as given where it cannot be), for [`Evaluation::identity`].
@@ -167,10 +219,14 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
-    let (recorded, activations, summary_accuracy, verify, stop_strings, max_new_tokens) =
+    let (recorded, activations, summary_accuracy, verify, stop_strings, max_new_tokens, prompt) =
         match out.summary {
             Some(s) => {
                 check_summary_count(path, s.problems.as_ref(), out.problems.len())?;
+                let prompt = s
+                    .template
+                    .as_deref()
+                    .map(|t| prompt_text(t, s.system.as_deref(), s.enable_thinking));
                 (
                     s.precision,
                     s.activations,
@@ -178,9 +234,10 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
                     s.verify,
                     s.stop_strings,
                     s.max_new_tokens,
+                    prompt,
                 )
             }
-            None => (None, None, None, None, None, None),
+            None => (None, None, None, None, None, None, None),
         };
     if let (Some(asked), Some(have)) = (precision, &recorded) {
         if asked != have {
@@ -217,6 +274,7 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         max_new_tokens,
         questions,
         golds,
+        prompt,
         correct,
     })
 }
@@ -332,6 +390,7 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         max_new_tokens: Some(cfg.eval.max_new_tokens),
         questions,
         golds: None,
+        prompt: Some(task_prompt_text(&cfg.task)),
         correct,
     })
 }
@@ -531,6 +590,18 @@ pub fn compare_arms(a: &Arm, b: &Arm, fixed_b: bool) -> anyhow::Result<String> {
             b.seeds.len()
         );
     }
+    for arm in [a, b] {
+        let seeds: Vec<&Evaluation> = arm.seeds.iter().collect();
+        if let Some(((first, x), (e, y))) = first_disagreement(&seeds, |e| e.prompt.as_ref()) {
+            bail!(
+                "{} and {}, seeds of {}, were prompted differently ({x} and {y}): one arm's seeds answer \
+                 the same prompts",
+                first.source,
+                e.source,
+                arm.name
+            );
+        }
+    }
     let (oa, ob) = (a.outcomes(), b.outcomes());
     let c = if fixed_b {
         ArmComparison::against_fixed(&oa, &ob)
@@ -541,6 +612,17 @@ pub fn compare_arms(a: &Arm, b: &Arm, fixed_b: bool) -> anyhow::Result<String> {
     let mut out = String::new();
     writeln!(out, "{}", a.summary())?;
     writeln!(out, "{}", b.summary())?;
+    let prompt = |arm: &Arm| arm.seeds.iter().find_map(|e| e.prompt.clone());
+    if let (Some(x), Some(y)) = (prompt(a), prompt(b)) {
+        if x != y {
+            // A comparison of prompts, or a mistake: either way the reader must see it.
+            writeln!(
+                out,
+                "prompted differently: {} with {x}; {} with {y}",
+                a.name, b.name
+            )?;
+        }
+    }
     write!(
         out,
         "{} − {}: {} over problems",
@@ -851,6 +933,59 @@ mod tests {
             e.contains("e3.json") && e.contains("expected a `qarl eval --output` file"),
             "{e}"
         );
+    }
+
+    /// How the prompts were rendered, where recorded: one arm's seeds prompted differently are refused
+    /// (they were pooled as seeds of one measurement), and two arms prompted differently are compared
+    /// with a line that says so.
+    #[test]
+    fn prompts_are_one_per_arm_and_shown_where_arms_differ() {
+        let tmp = tempfile::tempdir().unwrap();
+        let write = |name: &str, summary: serde_json::Value| {
+            let path = tmp.path().join(name);
+            let problems: Vec<serde_json::Value> = [("1 + 1?", true), ("2 + 2?", false)]
+                .iter()
+                .map(|(q, c)| serde_json::json!({"question": q, "correct": c}))
+                .collect();
+            std::fs::write(
+                &path,
+                serde_json::json!({"summary": summary, "problems": problems}).to_string(),
+            )
+            .unwrap();
+            Evaluation::load(&path.display().to_string(), None).unwrap()
+        };
+        let chat = write("chat.json", serde_json::json!({"template": "chat"}));
+        let system = write(
+            "sys.json",
+            serde_json::json!({"template": "chat", "system": "Be brief."}),
+        );
+        let plain = write("plain.json", serde_json::json!({"template": "plain"}));
+        let old = write("old.json", serde_json::json!({}));
+        assert_eq!(system.prompt.as_deref(), Some("chat, system \"Be brief.\""));
+        let e = compare(
+            ("a", &[chat.clone(), system]),
+            ("b", &[plain.clone()]),
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains(
+                "seeds of a, were prompted differently (chat and chat, system \"Be brief.\")"
+            ),
+            "{e}"
+        );
+        let text = compare(("a", &[chat.clone(), old]), ("b", &[plain]), false).unwrap();
+        assert!(
+            text.contains("prompted differently: a with chat; b with plain"),
+            "{text}"
+        );
+        let same = compare(
+            ("a", std::slice::from_ref(&chat)),
+            ("b", &[chat.clone()]),
+            false,
+        );
+        assert!(!same.unwrap().contains("prompted differently"));
     }
 
     /// What an eval file records beside its outcomes is read: golds that differ between evaluations of one
