@@ -964,7 +964,7 @@ mod tests {
         assert_eq!(system.prompt.as_deref(), Some("chat, system \"Be brief.\""));
         let e = compare(
             ("a", &[chat.clone(), system]),
-            ("b", &[plain.clone()]),
+            ("b", std::slice::from_ref(&plain)),
             false,
         )
         .unwrap_err()
@@ -982,7 +982,7 @@ mod tests {
         );
         let same = compare(
             ("a", std::slice::from_ref(&chat)),
-            ("b", &[chat.clone()]),
+            ("b", std::slice::from_ref(&chat)),
             false,
         );
         assert!(!same.unwrap().contains("prompted differently"));
