@@ -1017,6 +1017,21 @@ fn an_experiment_pairs_by_held_out_problems_and_refuses_edited_ones() {
         err.contains("c/seed1 (held-out problems") && err.contains("its data file changed"),
         "{err}"
     );
+
+    // The training file edited: refused too, for the finished run and for a resume of the unfinished one.
+    jsonl(&held_out, &[("2+3?", "5"), ("3+3?", "6"), ("1+3?", "4")]);
+    jsonl(&train_c, &[("3+1?", "4"), ("2+1?", "3")]);
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(err.contains("c/seed1 (training data"), "{err}");
+    jsonl(&train_a, &[("1+2?", "3"), ("2+2?", "5")]);
+    let err = format!("{:#}", train::run_with(&further, &stop).unwrap_err());
+    assert!(
+        err.contains("the training data changed since the run started"),
+        "{err}"
+    );
 }
 
 /// An experiment whose variant does not make a valid config is refused before its results directory is

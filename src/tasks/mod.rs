@@ -523,6 +523,21 @@ impl Task {
         }
     }
 
+    /// A fingerprint of the training set ([`questions_fingerprint`] over each example's question, gold
+    /// answer and worked solution), where it is a data file's (`None` for arithmetic, generated from the
+    /// seed): a run records it, so that a data file edited under a resumed or pooled run is found.
+    pub fn training_fingerprint(&self) -> Option<String> {
+        let examples = self.training_examples()?;
+        let items: Vec<String> = examples
+            .iter()
+            .map(|e| {
+                let solution = e.solution.as_deref().unwrap_or("");
+                format!("{}\u{1f}{}\u{1f}{solution}", e.question, e.answer)
+            })
+            .collect();
+        Some(questions_fingerprint(&items))
+    }
+
     /// How many examples [`Self::eval_set`]`(n)` holds at most: `n`, or fewer where a data set holds out
     /// fewer (found without building them, for the size checks before a run).
     pub fn eval_size_at_most(&self, n: usize) -> usize {

@@ -56,6 +56,10 @@ pub struct TrainerState {
     /// was kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub start_model: Option<String>,
+    /// The training set's fingerprint ([`crate::tasks::Task::training_fingerprint`]; none for arithmetic):
+    /// a resume over an edited data file is refused unless `--accept-changes`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_data: Option<String>,
 }
 
 impl TrainerState {
@@ -70,6 +74,7 @@ impl TrainerState {
             build: Some(BUILD.to_string()),
             reference: None,
             start_model: None,
+            train_data: None,
         }
     }
 
@@ -84,6 +89,7 @@ impl TrainerState {
             build: Some(BUILD.to_string()),
             reference: None,
             start_model: None,
+            train_data: None,
         }
     }
 }

@@ -372,13 +372,13 @@ fn check_finished_runs<'e>(
     Ok(finished)
 }
 
-/// The fingerprint of the held-out questions a config's task gives now, by the task table and problem
-/// count (seeds and variants share them; each data set is read once).
-type HeldOut = BTreeMap<String, Option<String>>;
+/// The fingerprints of the held-out questions and of the training set a config's task gives now, by the
+/// task table and problem count (seeds and variants share them; each data set is read once).
+type HeldOut = BTreeMap<String, Option<(String, Option<String>)>>;
 
-/// How the held-out problems a finished run's evaluations logged differ from those its task gives now
-/// (`now`: the experiment's config of that run), where they do: an edited data file, whose new seeds would
-/// be averaged with the old ones as one set of problems. `None` where they agree, where the run logged no
+/// How the held-out problems a finished run's evaluations logged (or the training set its marker
+/// records) differ from those its task gives now (`now`: the experiment's config of that run), where they
+/// do: an edited data file, whose new seeds would be averaged with the old ones as one arm. `None` where they agree, where the run logged no
 /// fingerprint (logs before 2026-12-05) or the task does not load here (a run made elsewhere).
 fn held_out_change(
     run_dir: &Path,
@@ -405,11 +405,24 @@ fn held_out_change(
     let current = cache.entry(key).or_insert_with(|| {
         crate::tasks::Task::from_config(&now.task.with_defaults())
             .ok()
-            .map(|t| crate::tasks::questions_fingerprint(&t.eval_questions(now.eval.problems)))
+            .map(|t| {
+                let held_out =
+                    crate::tasks::questions_fingerprint(&t.eval_questions(now.eval.problems));
+                (held_out, t.training_fingerprint())
+            })
     });
-    Ok(match current {
-        Some(c) if c != first => Some(format!(
-            "held-out problems {first} when it ran, {c} now: its data file changed"
+    let Some((held_out, training)) = current else {
+        return Ok(None);
+    };
+    if *held_out != first {
+        return Ok(Some(format!(
+            "held-out problems {first} when it ran, {held_out} now: its data file changed"
+        )));
+    }
+    let recorded: serde_json::Value = crate::io::read_json(&marker(run_dir))?;
+    Ok(match (recorded["train_data"].as_str(), training) {
+        (Some(then), Some(now)) if then != now => Some(format!(
+            "training data {then} when it ran, {now} now: its data file changed"
         )),
         _ => None,
     })
@@ -565,6 +578,7 @@ pub fn run_experiment(
                     "p_value": p.p_value,
                 })),
                 "start_model": s.start_model,
+                "train_data": s.train_data,
             }),
         )?;
     }

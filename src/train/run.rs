@@ -31,6 +31,8 @@ pub struct RunSummary {
     pub paired: Option<paired::PairedComparison>,
     /// The fingerprint of the model the run started from ([`TrainerState::start_model`]).
     pub start_model: Option<String>,
+    /// The training set's fingerprint ([`TrainerState::train_data`]).
+    pub train_data: Option<String>,
 }
 
 /// How to run the RL loop.
@@ -145,6 +147,19 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
         _ => None,
     };
+    let train_data = task.training_fingerprint();
+    if let (Some((p, saved)), false) = (&resumed, opts.accept_changes) {
+        if let (Some(then), Some(now)) = (&saved.train_data, &train_data) {
+            anyhow::ensure!(
+                then == now,
+                "{}: the training data changed since the run started (fingerprint {then} in {}, {now} \
+                 now): the steps from here on would train on other examples; restore the data file, or \
+                 resume with --accept-changes",
+                cfg.run_dir.display(),
+                p.display()
+            );
+        }
+    }
     let keeps_sft_rows = resume::keeps_warm_start_rows(cfg, opts.resume, model_made);
     if let (Some((_, saved)), true) = (&resumed, opts.accept_changes) {
         resume::keep_earlier_config(cfg, saved.step + 1)?;
@@ -184,6 +199,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         None => super::reference::files_fingerprint(&cfg.model.dir)?,
     };
     state.start_model = Some(start_model.clone());
+    state.train_data = train_data;
     let reference = Reference::load(cfg, &device, Some(start_model.clone()))?;
     if let Some(r) = &reference {
         state.reference = Some(r.fingerprint().to_string());
@@ -253,6 +269,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 accuracy_after: None,
                 paired: None,
                 start_model: state.start_model.clone(),
+                train_data: state.train_data.clone(),
             });
         }
     }
@@ -275,6 +292,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         accuracy_after: Some(after.0),
         paired,
         start_model: state.start_model.clone(),
+        train_data: state.train_data.clone(),
     })
 }
 
