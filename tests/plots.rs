@@ -22,6 +22,20 @@ fn metrics_render_to_a_png() {
         png.display(),
         bytes.len()
     );
+    // A report draws a finished run's plots once: not again while its log is older than them (a committed
+    // study's plots changed bytes with every report, between builds), again once the log is newer.
+    std::fs::write(&png, b"drawn before").unwrap();
+    train::plot::plot_run_if_stale(&cfg.run_dir).unwrap();
+    assert_eq!(std::fs::read(&png).unwrap(), b"drawn before");
+    let metrics = cfg.run_dir.join("metrics.jsonl");
+    let log = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&metrics)
+        .unwrap();
+    log.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+        .unwrap();
+    train::plot::plot_run_if_stale(&cfg.run_dir).unwrap();
+    assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
 }
 
 /// A damaged log whose values span more than an f64 (here +-1e308) left the chart library placing ticks on
