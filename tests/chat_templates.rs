@@ -323,6 +323,16 @@ fn generation_tags_dates_and_tools_render_as_transformers_gives_them() {
         .unwrap(),
         "none"
     );
+    // `tojson` as Python's json.dumps(ensure_ascii=False) writes it (no HTML escapes; an escaped
+    // backslash before `u003c` stays escaped).
+    assert_eq!(
+        render(r#"{{ {"a": "x<y & 'z' \\u003c é", "b": [1, 2]} | tojson }}"#).unwrap(),
+        r#"{"a": "x<y & 'z' \\u003c é", "b": [1, 2]}"#
+    );
+    assert_eq!(
+        render(r#"{{ ["<"] | tojson(indent=2) }}"#).unwrap(),
+        "[\n  \"<\"\n]"
+    );
 }
 
 /// Tool-calling templates (gpt-oss, Qwen3-Coder, Hermes) define macros and read `loop.previtem`.

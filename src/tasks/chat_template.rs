@@ -6,7 +6,8 @@
 //! `chat_template` of `tokenizer_config.json` (a re-saved checkpoint keeps its new template there). The
 //! environment is transformers': blocks trimmed and left-stripped, loop controls, `raise_exception`, the
 //! special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) of `tokenizer_config.json`, and
-//! Python's string methods (`.strip()`, `.split()`, `.startswith()`), `tools` and `documents` as None, and
+//! Python's string methods (`.strip()`, `.split()`, `.startswith()`), Python's `tojson` (no HTML escapes),
+//! `tools` and `documents` as None, and
 //! the `{% generation %}` tags of assistant-masking templates (rendering nothing). `strftime_now` renders a
 //! fixed date, Llama 3.1's own fallback (26 July 2024), so a prompt does not change with the day a run is
 //! started or resumed.
@@ -175,6 +176,7 @@ fn environment(source: &str) -> Result<minijinja::Environment<'static>, minijinj
         ))
     });
     env.add_function("strftime_now", fixed_date);
+    env.add_filter("tojson", python_tojson);
     env.set_fuel(Some(RENDER_FUEL));
     env.add_template_owned("chat", without_generation_tags(source))?;
     Ok(env)
@@ -223,6 +225,44 @@ fn fixed_date(format: String) -> Result<String, minijinja::Error> {
         }
     }
     Ok(out)
+}
+
+/// transformers' `tojson` (`json.dumps(value, ensure_ascii=False)`, `", "` and `": "` between items,
+/// `indent` for pretty printing): minijinja's own, which also escapes `<`, `>`, `&` and `'` for HTML
+/// (`\u003c`: a tool schema of `a<b` rendered to other tokens), with those escapes undone.
+fn python_tojson(
+    value: &minijinja::Value,
+    indent: Option<minijinja::Value>,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    let html_safe = minijinja::filters::tojson(value, indent, kwargs)?;
+    let text = html_safe.as_str().unwrap_or_default();
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    // Left to right over escapes, so that an escaped backslash followed by `u003c` stays as it is.
+    while let Some(at) = rest.find('\\') {
+        out.push_str(&rest[..at]);
+        let escape = &rest[at..];
+        let html = [
+            ("\\u003c", '<'),
+            ("\\u003e", '>'),
+            ("\\u0026", '&'),
+            ("\\u0027", '\''),
+        ];
+        match html.iter().find(|(e, _)| escape.starts_with(e)) {
+            Some((e, c)) => {
+                out.push(*c);
+                rest = &escape[e.len()..];
+            }
+            None => {
+                let len = escape.chars().take(2).map(char::len_utf8).sum();
+                out.push_str(&escape[..len]);
+                rest = &escape[len..];
+            }
+        }
+    }
+    out.push_str(rest);
+    Ok(minijinja::Value::from_safe_string(out))
 }
 
 /// `source` with transformers' `{% generation %}` / `{% endgeneration %}` tags (which mark the assistant's
