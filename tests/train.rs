@@ -1705,6 +1705,34 @@ fn a_model_made_by_another_warm_start_is_refused() {
     train::prepare_model(&given, &device, &mut log, true).unwrap();
 }
 
+/// A run whose dynamic sampling keeps no group makes no update at those steps, and says so in its summary
+/// (a random model that answers nothing right: every group's rewards are 0); it printed its accuracies as
+/// if it had trained.
+#[test]
+fn steps_without_a_kept_group_are_counted() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(tmp.path(), "aligned", 2);
+    cfg.sft = None;
+    cfg.train.dynamic_sampling = true;
+    // Three-digit operands: no random guess is right.
+    if let qarl::tasks::TaskConfig::Arithmetic(a) = &mut cfg.task {
+        (a.min_digits, a.max_digits) = (3, 3);
+    }
+    let s = train::run(&cfg, false, true).unwrap();
+    let rows = metrics(&cfg.run_dir.join("metrics.jsonl"));
+    let kept: Vec<f64> = rows
+        .iter()
+        .filter(|r| r["phase"] == "rl")
+        .map(|r| r["train/kept_sequences"].as_f64().unwrap())
+        .collect();
+    assert_eq!(
+        kept,
+        [0.0, 0.0],
+        "a random model earned a reward spread: the test shows nothing"
+    );
+    assert_eq!(s.steps_without_update, (2, 2));
+}
+
 /// The error of `qarl train` on the tiny config (written into `dir`) with the task set to `task`.
 fn tiny_train_error(dir: &std::path::Path, task: &str) -> String {
     let toml = dir.join("tiny.toml");

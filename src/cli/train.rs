@@ -91,6 +91,12 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
         ),
         _ => {}
     }
+    if let (empty @ 1.., steps) = s.steps_without_update {
+        println!(
+            "no update:     {empty} of {steps} RL steps (dynamic sampling kept no group: every group's \
+             rewards were equal; `train/kept_sequences`)"
+        );
+    }
     Ok(())
 }
 

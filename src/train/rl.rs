@@ -58,7 +58,15 @@ pub fn rl_step(
     let mut m = collected.metrics.clone();
     let mut outcome = UpdateOutcome::default();
     let mut worst_response = None;
-    if !collected.rows.is_empty() {
+    if collected.rows.is_empty() {
+        // verl's DAPO trainer stops where its rounds cannot fill a batch; here the run goes on, but says so
+        // at every such step and in its summary (a run of them printed its accuracies as if it trained).
+        tracing::warn!(
+            step,
+            "dynamic sampling kept no group (every group's rewards were equal, in every refill round): \
+             this step made no update"
+        );
+    } else {
         let t_score = Instant::now();
         let mut scored = score(model, &collected, cfg, &mut m)?;
         m.insert("perf/lp_old_s".into(), t_score.elapsed().as_secs_f64());

@@ -33,6 +33,9 @@ pub struct RunSummary {
     pub start_model: Option<String>,
     /// The training set's fingerprint ([`TrainerState::train_data`]).
     pub train_data: Option<String>,
+    /// RL steps of the run (as its log holds them) that made no update because dynamic sampling kept
+    /// no group (`train/kept_sequences` 0), and the RL steps logged.
+    pub steps_without_update: (usize, usize),
 }
 
 /// How to run the RL loop.
@@ -270,6 +273,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
                 paired: None,
                 start_model: state.start_model.clone(),
                 train_data: state.train_data.clone(),
+                steps_without_update: steps_without_update(log.path())?,
             });
         }
     }
@@ -293,6 +297,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         paired,
         start_model: state.start_model.clone(),
         train_data: state.train_data.clone(),
+        steps_without_update: steps_without_update(log.path())?,
     })
 }
 
@@ -532,6 +537,19 @@ fn resumed_state(cfg: &TrainConfig, p: &Path, saved: &TrainerState) -> TrainerSt
         build: Some(checkpoint::BUILD.to_string()),
         ..saved.clone()
     }
+}
+
+/// The RL steps of the log at `metrics` that made no update because dynamic sampling kept no group, and
+/// the RL steps it holds.
+fn steps_without_update(metrics: &Path) -> anyhow::Result<(usize, usize)> {
+    use super::metrics::{read_rows, BadLines};
+    let rows = read_rows(metrics, BadLines::TornLastOnly)?;
+    let rl: Vec<_> = rows.iter().filter(|r| r["phase"] == "rl").collect();
+    let empty = rl
+        .iter()
+        .filter(|r| r["train/kept_sequences"].as_f64() == Some(0.0))
+        .count();
+    Ok((empty, rl.len()))
 }
 
 /// The metrics row of RL step `step`, after `state` took in its outcome: the count of non-finite steps in a
