@@ -179,10 +179,12 @@ enum RefCorrection {
     SeqMis {
         cap: f64,
         weighted: bool,
+        zero_weight: bool,
     },
     GeoRs {
         low: f64,
         high: f64,
+        zero_weight: bool,
     },
 }
 
@@ -225,17 +227,33 @@ fn ref_corrections(batch: &Batch, corrections: &[RefCorrection]) -> (Vec<f64>, V
                             weight[i] *= rho;
                         }
                     }
-                    RefCorrection::SeqMis { cap, weighted } => {
+                    RefCorrection::SeqMis {
+                        cap,
+                        weighted,
+                        zero_weight,
+                    } => {
                         if sum.exp() > cap {
-                            keep[i] = 0.0;
+                            if zero_weight {
+                                weight[i] = 0.0;
+                            } else {
+                                keep[i] = 0.0;
+                            }
                         }
                         if weighted {
                             weight[i] *= sum.exp();
                         }
                     }
-                    RefCorrection::GeoRs { low, high } => {
+                    RefCorrection::GeoRs {
+                        low,
+                        high,
+                        zero_weight,
+                    } => {
                         if !(low..=high).contains(&(sum / n).exp()) {
-                            keep[i] = 0.0;
+                            if zero_weight {
+                                weight[i] = 0.0;
+                            } else {
+                                keep[i] = 0.0;
+                            }
                         }
                     }
                 }
@@ -1039,22 +1057,45 @@ fn corrections_match_hand_values() {
     let (w, k) = apply(&[CorrectionConfig::SeqMis {
         cap: 3.0,
         importance_weight: true,
+        rejected: Rejected::Dropped,
     }]);
     assert_eq!(&k[..7], &[0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
     assert_all_close(&w[4..7], &[2.0, 2.0, 2.0], 1e-5, "seq mis weight");
+    // The same with verl's zero weight: row 1 stays in the mask with weight 0.
+    let (w, k) = apply(&[CorrectionConfig::SeqMis {
+        cap: 3.0,
+        importance_weight: true,
+        rejected: Rejected::ZeroWeight,
+    }]);
+    assert_eq!(k, ones);
+    assert_all_close(
+        &w[..7],
+        &[0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0],
+        1e-5,
+        "seq mis zero weight",
+    );
     // Geo-RS [0.8, 1.3]: geometric means 3.96^(1/4) = 1.411 (dropped), 2^(1/3) = 1.26 (kept).
     let (w, k) = apply(&[CorrectionConfig::GeoRs {
         low: 0.8,
         high: 1.3,
+        rejected: Rejected::Dropped,
     }]);
     assert_eq!(&k[..7], &[0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
     assert_eq!(w, ones);
+    let (w, k) = apply(&[CorrectionConfig::GeoRs {
+        low: 0.8,
+        high: 1.3,
+        rejected: Rejected::ZeroWeight,
+    }]);
+    assert_eq!(k, ones);
+    assert_eq!(&w[..7], &[0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
     // Composition multiplies: token TIS (cap 2) then Geo-RS.
     let (w, k) = apply(&[
         CorrectionConfig::TokenTis { cap: 2.0 },
         CorrectionConfig::GeoRs {
             low: 0.8,
             high: 1.3,
+            rejected: Rejected::Dropped,
         },
     ]);
     assert_all_close(&w[4..7], &[1.25, 1.6, 1.0], 1e-6, "composed weight");
@@ -1065,7 +1106,7 @@ fn corrections_match_hand_values() {
 fn corrections_compose_with_every_objective() {
     let token_batch = token_level_batch(11);
     let seq_batch = sequence_level_batch(12);
-    let corrections: [(Vec<CorrectionConfig>, Vec<RefCorrection>); 6] = [
+    let corrections: [(Vec<CorrectionConfig>, Vec<RefCorrection>); 8] = [
         (
             vec![CorrectionConfig::TokenTis { cap: 2.0 }],
             vec![RefCorrection::TokenTis(2.0)],
@@ -1106,10 +1147,24 @@ fn corrections_compose_with_every_objective() {
             vec![CorrectionConfig::SeqMis {
                 cap: 1.5,
                 importance_weight: false,
+                rejected: Rejected::Dropped,
             }],
             vec![RefCorrection::SeqMis {
                 cap: 1.5,
                 weighted: false,
+                zero_weight: false,
+            }],
+        ),
+        (
+            vec![CorrectionConfig::SeqMis {
+                cap: 1.5,
+                importance_weight: true,
+                rejected: Rejected::ZeroWeight,
+            }],
+            vec![RefCorrection::SeqMis {
+                cap: 1.5,
+                weighted: true,
+                zero_weight: true,
             }],
         ),
         (
@@ -1117,6 +1172,7 @@ fn corrections_compose_with_every_objective() {
                 CorrectionConfig::GeoRs {
                     low: 0.9,
                     high: 1.1,
+                    rejected: Rejected::Dropped,
                 },
                 CorrectionConfig::TokenTis { cap: 1.5 },
             ],
@@ -1124,9 +1180,22 @@ fn corrections_compose_with_every_objective() {
                 RefCorrection::GeoRs {
                     low: 0.9,
                     high: 1.1,
+                    zero_weight: false,
                 },
                 RefCorrection::TokenTis(1.5),
             ],
+        ),
+        (
+            vec![CorrectionConfig::GeoRs {
+                low: 0.9,
+                high: 1.1,
+                rejected: Rejected::ZeroWeight,
+            }],
+            vec![RefCorrection::GeoRs {
+                low: 0.9,
+                high: 1.1,
+                zero_weight: true,
+            }],
         ),
     ];
     for (configs, refs) in &corrections {

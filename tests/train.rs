@@ -102,8 +102,12 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
         ),
         ("eval.top_p=0", "`eval.top_p` = 0: must be in (0, 1]"),
         (
-            "verify.overlong_buffer=40",
-            "`verify.overlong_buffer` = 40: must be < `rollout.max_new_tokens` = 40",
+            "verify.overlong_buffer=41",
+            "`verify.overlong_buffer` = 41: must be <= `rollout.max_new_tokens` = 40",
+        ),
+        (
+            "train.minibatch_size=12",
+            "`train.minibatch_size` = 12: must be a multiple of `rollout.samples_per_prompt` = 8",
         ),
         (
             "verify.overlong_penalty=0.5",

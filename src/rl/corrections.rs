@@ -62,22 +62,28 @@ pub enum CorrectionConfig {
         #[serde(default)]
         rejected: Rejected,
     },
-    /// Sequence MIS: sequences with `prod_t rho_t > cap` are dropped; kept ones are weighted by `prod_t rho_t`
-    /// when `importance_weight` (default).
+    /// Sequence MIS: sequences with `prod_t rho_t > cap` are rejected; kept ones are weighted by
+    /// `prod_t rho_t` when `importance_weight` (default). `rejected` as for token MIS: a sequence dropped
+    /// from the loss and its denominators (default), or given weight 0 while it still counts in them
+    /// (verl's numbers, whose sequence means divide by the mini-batch's size).
     SeqMis {
         #[serde(default = "default_cap")]
         cap: f32,
         #[serde(default = "default_true")]
         importance_weight: bool,
+        #[serde(default)]
+        rejected: Rejected,
     },
     /// Geo-RS: a sequence is kept only if the geometric mean `exp(mean_t log rho_t)` lies in `[low, high]`
     /// (default `[0.999, 1.001]`); no weight. Being length-normalised, it does not reject long responses just for
-    /// being long, which the product of sequence MIS does.
+    /// being long, which the product of sequence MIS does. `rejected` as for sequence MIS.
     GeoRs {
         #[serde(default = "default_geo_low")]
         low: f32,
         #[serde(default = "default_geo_high")]
         high: f32,
+        #[serde(default)]
+        rejected: Rejected,
     },
 }
 
@@ -122,7 +128,7 @@ impl CorrectionConfig {
                     return bad(format!("`cap` must be > 0, got {cap}"));
                 }
             }
-            Self::TokenMis { low, high, .. } | Self::GeoRs { low, high } => {
+            Self::TokenMis { low, high, .. } | Self::GeoRs { low, high, .. } => {
                 if !(low.is_finite() && high.is_finite() && low >= 0.0 && low < high) {
                     return bad(format!("need 0 <= low < high, got low {low}, high {high}"));
                 }
@@ -199,17 +205,29 @@ pub fn mismatch_correction(
             CorrectionConfig::SeqMis {
                 cap,
                 importance_weight,
+                rejected,
             } => {
                 let log_rho_seq = masked_row_sum(log_rho.clone(), mask);
                 let kept = log_rho_seq.clone().lower_equal_elem(cap.ln()).float();
-                keep = keep * over_tokens(kept, t);
+                match rejected {
+                    Rejected::Dropped => keep = keep * over_tokens(kept, t),
+                    Rejected::ZeroWeight => weight = weight * over_tokens(kept, t),
+                }
                 if importance_weight {
                     weight = weight * over_tokens(bounded_exp(log_rho_seq), t);
                 }
             }
-            CorrectionConfig::GeoRs { low, high } => {
+            CorrectionConfig::GeoRs {
+                low,
+                high,
+                rejected,
+            } => {
                 let log_geo_mean = masked_row_mean(log_rho.clone(), mask);
-                keep = keep * over_tokens(inside(log_geo_mean, low, high), t);
+                let kept = over_tokens(inside(log_geo_mean, low, high), t);
+                match rejected {
+                    Rejected::Dropped => keep = keep * kept,
+                    Rejected::ZeroWeight => weight = weight * kept,
+                }
             }
         }
     }

@@ -707,6 +707,19 @@ impl TrainConfig {
             "a finite number > 0",
         )?;
         check(t.epochs >= 1, "train.epochs", t.epochs, ">= 1")?;
+        // Updates are of whole groups from a group up: a size between two multiples made updates of one
+        // and of two groups (128 responses in groups of 8 at 12: 16-row and 8-row updates, whose sequences
+        // weigh 2x apart), larger than asked.
+        let group = self.rollout.samples_per_prompt;
+        check(
+            t.minibatch_size < group || t.minibatch_size.is_multiple_of(group),
+            "train.minibatch_size",
+            t.minibatch_size,
+            &format!(
+                "a multiple of `rollout.samples_per_prompt` = {group} (updates are of whole groups), or \
+                 below it (updates split a group), or 0 (one update)"
+            ),
+        )?;
         check(
             t.steps >= 1,
             "train.steps",
@@ -806,12 +819,12 @@ impl TrainConfig {
         let v = &self.verify;
         if v.overlong_buffer > 0 {
             check(
-                v.overlong_buffer < self.rollout.max_new_tokens,
+                v.overlong_buffer <= self.rollout.max_new_tokens,
                 "verify.overlong_buffer",
                 v.overlong_buffer,
                 &format!(
-                    "< `rollout.max_new_tokens` = {} (the penalty starts at max_new_tokens - overlong_buffer \
-                     tokens)",
+                    "<= `rollout.max_new_tokens` = {} (the penalty starts at max_new_tokens - overlong_buffer \
+                     tokens; verl's DAPO reward manager allows the whole length)",
                     self.rollout.max_new_tokens
                 ),
             )?;
