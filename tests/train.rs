@@ -1737,6 +1737,50 @@ fn steps_without_a_kept_group_are_counted() {
     assert_eq!(s.steps_without_update, (2, 2));
 }
 
+/// A checkpoint carries its model's tokenizer, template and generation config (it kept the tokenizer
+/// alone: `qarl eval` on one prompted in ChatML and stopped at other tokens than its run), and a resume
+/// refuses a `model.dir` whose copy of them changed (an edited template mixed two prompt formats in a run).
+#[test]
+fn checkpoints_carry_the_models_side_files_and_a_resume_checks_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny_config(tmp.path(), "aligned", 2);
+    let device = Device::flex().autodiff();
+    let mut log = qarl::train::metrics::MetricsLog::open(&tmp.path().join("sft.jsonl")).unwrap();
+    train::prepare_model(&cfg, &device, &mut log, true).unwrap();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cfg.model.dir.join("config.json")).unwrap())
+            .unwrap();
+    let generation = cfg.model.dir.join("generation_config.json");
+    let write_generation = |temperature: f64| {
+        let json =
+            serde_json::json!({"eos_token_id": config["eos_token_id"], "temperature": temperature});
+        std::fs::write(&generation, json.to_string()).unwrap();
+    };
+    write_generation(1.0);
+    let stop = train::RunOptions {
+        quiet: true,
+        stop_after_step: Some(0),
+        ..Default::default()
+    };
+    train::run_with(&cfg, &stop).unwrap();
+    let (ckpt, _) = train::checkpoint::latest(&cfg.run_dir).unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(ckpt.join(f).is_file(), "{f} not in {}", ckpt.display());
+    }
+    write_generation(0.5);
+    let err = format!("{:#}", train::run(&cfg, true, true).unwrap_err());
+    assert!(
+        err.contains("not the generation_config.json the run was made with"),
+        "{err}"
+    );
+    write_generation(1.0);
+    train::run(&cfg, true, true).unwrap();
+}
+
 /// The error of `qarl train` on the tiny config (written into `dir`) with the task set to `task`.
 fn tiny_train_error(dir: &std::path::Path, task: &str) -> String {
     let toml = dir.join("tiny.toml");

@@ -70,18 +70,37 @@ fn open_shard(path: &Path) -> Result<ShardFile, LoadError> {
     })
 }
 
+/// The files of a model directory besides its config and weights that a load reads (the tokenizer, its
+/// special tokens, the chat template, the end tokens and sampling defaults of `generation_config.json`):
+/// what goes along wherever qarl writes a model of the same tokens (a quantized copy, a checkpoint).
+pub const SIDE_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+
+/// Copies the [`SIDE_FILES`] of `from` that exist into `to`.
+pub fn copy_side_files(from: &Path, to: &Path) -> anyhow::Result<()> {
+    use anyhow::Context;
+    for f in SIDE_FILES {
+        let p = from.join(f);
+        if p.is_file() {
+            std::fs::copy(&p, to.join(f))
+                .with_context(|| format!("{}: cannot copy", p.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// The files of model directory `dir` that loading a model (and its tokenizer and chat template) reads,
 /// those that exist: what a command must not write its results over (`crate::io::check_output_not_input`).
 pub fn files_read(dir: &Path) -> Vec<PathBuf> {
-    const NAMED: [&str; 6] = [
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "special_tokens_map.json",
-        "chat_template.jinja",
-    ];
-    let mut files: Vec<PathBuf> = NAMED.iter().map(|n| dir.join(n)).collect();
+    let mut files: Vec<PathBuf> = std::iter::once("config.json")
+        .chain(SIDE_FILES)
+        .map(|n| dir.join(n))
+        .collect();
     if let Ok(entries) = std::fs::read_dir(dir) {
         files.extend(entries.flatten().map(|e| e.path()).filter(|p| {
             p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {

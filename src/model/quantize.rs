@@ -95,15 +95,6 @@ impl Decoder {
     }
 }
 
-/// Files of a model directory copied alongside the weights when present.
-const SIDE_FILES: &[&str] = &[
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "generation_config.json",
-    "chat_template.jinja",
-];
-
 /// What [`quantize_checkpoint`] did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuantizeSummary {
@@ -252,12 +243,6 @@ pub fn quantize_checkpoint(
     qc["quant_method"] = Value::from("qarl");
     json["quantization_config"] = qc;
     crate::io::write_json_atomic(&dst.join("config.json"), &json)?;
-    for f in SIDE_FILES {
-        let p = src.join(f);
-        if p.is_file() {
-            std::fs::copy(&p, dst.join(f))
-                .with_context(|| format!("{}: cannot copy", p.display()))?;
-        }
-    }
+    super::checkpoint::copy_side_files(src, dst)?;
     Ok(summary)
 }

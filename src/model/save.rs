@@ -37,8 +37,9 @@ pub fn hf_tensors(model: &Decoder) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 /// Writes `model` to `dir` as config.json (the given JSON, with any `quantization_config` removed and its
 /// `torch_dtype` / `dtype` set to float32: the weights written are the full-precision f32 masters) and
 /// model.safetensors, each through a temporary file. A base's `"torch_dtype": "bfloat16"` kept beside them
-/// would have transformers and vLLM (which load in the config's dtype) round the trained weights back to
-/// bf16, losing every update below its spacing: the model they ran would not be the one qarl evaluated.
+/// would have transformers (which loads in the config's dtype) round the trained weights back to bf16,
+/// losing every update below its spacing: the model it ran would not be the one qarl evaluated. (vLLM's
+/// `--dtype auto` runs even a float32 config in bf16; `--dtype float32` keeps the masters.)
 pub fn save_pretrained(model: &Decoder, config_json: &Value, dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
     let tensors = hf_tensors(model);
@@ -68,8 +69,8 @@ pub fn save_pretrained(model: &Decoder, config_json: &Value, dir: &Path) -> anyh
 mod tests {
     use super::*;
 
-    /// An RL checkpoint of a bf16 base states the f32 its weights are in (transformers and vLLM load in
-    /// the config's dtype), and drops the quantization config of packed weights it does not hold.
+    /// An RL checkpoint of a bf16 base states the f32 its weights are in (transformers loads in the
+    /// config's dtype), and drops the quantization config of packed weights it does not hold.
     #[test]
     fn saved_configs_state_the_f32_weights() {
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/qwen3");

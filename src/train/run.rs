@@ -383,12 +383,14 @@ impl Policy {
 
 /// What a newest checkpoint that cannot be loaded leaves the user: the checkpoint before it, or starting
 /// over.
-/// Refuses a resume whose `model.dir` holds another tokenizer than the run's (the copy in its checkpoint):
-/// the weights come from the checkpoint, but prompts, end tokens and the chat template from `model.dir`, so
-/// a resume may move the model folder (`model.dir` may change) but not swap its tokenizer. Compared as JSON,
-/// so a copy written with other whitespace or key order passes.
+/// Refuses a resume whose `model.dir` holds another tokenizer, chat template or generation config than the
+/// run's (the copies in its checkpoint, [`crate::model::checkpoint::SIDE_FILES`]): the weights come from the
+/// checkpoint, but prompts, end tokens and the chat template from `model.dir`, so a resume may move the
+/// model folder (`model.dir` may change) but not change them (an edited template mixed two prompt formats
+/// in one run). JSON files are compared as JSON, so a copy written with other whitespace or key order
+/// passes; a checkpoint without a copy (written before they were kept) checks nothing of that file.
 fn check_same_tokenizer(model_dir: &Path, checkpoint: &Path) -> anyhow::Result<()> {
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
+    for f in crate::model::checkpoint::SIDE_FILES {
         let (saved, now) = (checkpoint.join(f), model_dir.join(f));
         if !saved.is_file() {
             continue;
@@ -397,12 +399,18 @@ fn check_same_tokenizer(model_dir: &Path, checkpoint: &Path) -> anyhow::Result<(
             if !p.is_file() {
                 return Ok(None);
             }
-            crate::io::read_json(p).map(Some)
+            if f.ends_with(".json") {
+                crate::io::read_json(p).map(Some)
+            } else {
+                let text =
+                    std::fs::read_to_string(p).map_err(crate::io::failed(p, "cannot read"))?;
+                Ok(Some(serde_json::Value::String(text)))
+            }
         };
         if read(&saved)? != read(&now)? {
             anyhow::bail!(
-                "{}: not the {f} the run was made with ({}): its prompts would be tokenized or templated \
-                 differently after the resume; point `model.dir` at the run's model",
+                "{}: not the {f} the run was made with ({}): its prompts would be tokenized, templated or \
+                 ended differently after the resume; point `model.dir` at the run's model",
                 now.display(),
                 saved.display()
             );
