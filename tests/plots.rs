@@ -22,19 +22,19 @@ fn metrics_render_to_a_png() {
         png.display(),
         bytes.len()
     );
-    // A report draws a finished run's plots once: not again while its log is older than them (a committed
-    // study's plots changed bytes with every report, between builds), again once the log is newer.
+    // A report draws a finished run's plots once: not again while they are there (a committed study's
+    // plots changed bytes with every report, between builds); a run that takes more steps removes them.
     std::fs::write(&png, b"drawn before").unwrap();
-    train::plot::plot_run_if_stale(&cfg.run_dir).unwrap();
+    train::plot::plot_run_if_missing(&cfg.run_dir).unwrap();
     assert_eq!(std::fs::read(&png).unwrap(), b"drawn before");
-    let metrics = cfg.run_dir.join("metrics.jsonl");
-    let log = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&metrics)
-        .unwrap();
-    log.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
-        .unwrap();
-    train::plot::plot_run_if_stale(&cfg.run_dir).unwrap();
+    let mut longer = cfg.clone();
+    longer.train.steps = 3;
+    train::run(&longer, true, true).unwrap();
+    assert!(
+        !png.exists(),
+        "plots of fewer steps left beside a longer run"
+    );
+    train::plot::plot_run_if_missing(&cfg.run_dir).unwrap();
     assert!(std::fs::read(&png).unwrap().starts_with(b"\x89PNG"));
 }
 

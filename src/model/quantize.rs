@@ -135,8 +135,13 @@ pub fn quantize_checkpoint(
         },
     );
     let ckpt = Checkpoint::open(src)?;
+    // Packed codes in place of a weight (one beside its weight is named below, as a damaged checkpoint).
     let packed_suffix = format!(".{QWEIGHT}");
-    if let Some(name) = ckpt.names().find(|n| n.ends_with(&packed_suffix)) {
+    let in_place_of_weight = |n: &&str| {
+        n.strip_suffix(&packed_suffix)
+            .is_some_and(|prefix| !ckpt.contains(&tensor_name(prefix, WEIGHT)))
+    };
+    if let Some(name) = ckpt.names().find(in_place_of_weight) {
         bail!(
             "{}: holds packed codes already (`{name}`) though its config.json has no \
              `quantization_config`: a quantized checkpoint whose config lost it",

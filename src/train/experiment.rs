@@ -1120,7 +1120,7 @@ fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyho
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
-            if marker(&run_dir).is_file() && super::plot::plot_run_if_stale(&run_dir).is_ok() {
+            if marker(&run_dir).is_file() && super::plot::plot_run_if_missing(&run_dir).is_ok() {
                 writeln!(
                     md,
                     "- `{}` seed {seed}: ![]({}/seed{seed}/plots.png)",

@@ -82,16 +82,16 @@ pub fn run_plots(run_dir: &Path) -> PathBuf {
     run_dir.join("plots.png")
 }
 
-/// [`plot_run`] where `plots.png` is missing or older than `metrics.jsonl`: a finished run's plots are
-/// drawn once, not again at every report (their bytes differ between builds, so a committed study's plots
-/// would change with nothing in them changed).
-pub fn plot_run_if_stale(run_dir: &Path) -> anyhow::Result<PathBuf> {
+/// [`plot_run`] where `plots.png` is missing: a finished run's plots are drawn once, not again at every
+/// report (their bytes differ between builds, so a committed study's plots changed with nothing in them
+/// changed). A run that takes more steps removes its plots first ([`crate::train::run`]), so one that is
+/// there is of the run as it is; `qarl plot` redraws.
+pub fn plot_run_if_missing(run_dir: &Path) -> anyhow::Result<PathBuf> {
     let out = run_plots(run_dir);
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    match (modified(&out), modified(&run_dir.join("metrics.jsonl"))) {
-        (Some(drawn), Some(logged)) if drawn >= logged => Ok(out),
-        _ => plot_run(run_dir),
+    if out.is_file() {
+        return Ok(out);
     }
+    plot_run(run_dir)
 }
 
 /// Renders `run_dir/metrics.jsonl` to `run_dir/plots.png`; returns the path.

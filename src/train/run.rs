@@ -215,12 +215,18 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         before_rl_outcomes(log.path(), cfg.rollout.precision)
     };
     let steps = cfg.train.steps;
-    // An experiment's finished run that a resume takes further is not finished until it ends again (`qarl
-    // runs` said finished for such a run stopped part-way): its marker goes before the first step.
-    let marker = resume::finished_marker(&cfg.run_dir);
-    if start < steps && marker.is_file() {
-        std::fs::remove_file(&marker)
-            .with_context(|| format!("{}: cannot remove", marker.display()))?;
+    // A run with steps to do is not finished until it ends again (`qarl runs` said finished for an
+    // experiment's run a resume took further and that stopped part-way), and plots drawn before are of
+    // fewer steps: its marker and plots go before the first step (reports draw a finished run's plots
+    // once, where none are there).
+    if start < steps {
+        let stale = [
+            resume::finished_marker(&cfg.run_dir),
+            super::plot::run_plots(&cfg.run_dir),
+        ];
+        for f in stale.iter().filter(|f| f.is_file()) {
+            std::fs::remove_file(f).with_context(|| format!("{}: cannot remove", f.display()))?;
+        }
     }
     let bar = progress::progress_bar(steps.saturating_sub(start) as u64, "rl", opts.quiet);
     for step in start..steps {
