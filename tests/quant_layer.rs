@@ -413,6 +413,22 @@ fn a_quantized_checkpoint_that_disagrees_with_its_config_is_refused() {
             .to_string();
     assert!(err.contains("holds packed codes already"), "{err}");
 
+    // Scales converted to bf16 (rounded): refused by name, not loaded as other weights.
+    let rounded = tmp.path().join("rounded");
+    qarl::model::quantize_checkpoint(&src, &rounded, &QuantConfig::new(int4)).unwrap();
+    let file = rounded.join("model.safetensors");
+    let mut tensors = common::read_tensors(&file);
+    let name = "model.layers.0.self_attn.q_proj.scales";
+    let (_, shape, bytes) = tensors[name].clone();
+    let halves: Vec<u8> = bytes
+        .chunks_exact(4)
+        .flat_map(|b| half::bf16::from_f32(f32::from_le_bytes(b.try_into().unwrap())).to_le_bytes())
+        .collect();
+    tensors.insert(name.into(), (safetensors::Dtype::BF16, shape, halves));
+    common::write_tensors(&file, &tensors);
+    let err = load_error(&rounded);
+    assert!(err.contains(name) && err.contains("BF16"), "{err}");
+
     let whole = tmp.path().join("whole");
     qarl::model::quantize_checkpoint(&src, &whole, &QuantConfig::new(int4)).unwrap();
     edit_config(&whole, &|q| {

@@ -265,6 +265,19 @@ impl Checkpoint {
     /// Reads tensor `name` as f32, checking that its shape is `expected`, and marks it as used.
     pub fn read_f32(&self, name: &str, expected: &[usize]) -> Result<Vec<f32>, LoadError> {
         let (path, dtype, bytes) = self.locate(name, expected)?;
+        // Quantization scales are f32 as `qarl quantize` writes them: a converted file's bf16 or f16 scales
+        // are rounded ones, whose weights differ from the scheme's without a word.
+        if name.ends_with(&format!(".{}", super::names::SCALES)) && dtype != Dtype::F32 {
+            return Err(LoadError::UnsupportedDtype {
+                path,
+                name: name.to_string(),
+                dtype: format!("{dtype:?}"),
+                supported:
+                    "F32 (quantization scales as `qarl quantize` writes them; rounded ones would \
+                            change the weights)"
+                        .into(),
+            });
+        }
         let out: Vec<f32> = match dtype {
             Dtype::F32 => bytes
                 .chunks_exact(4)
