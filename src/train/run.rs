@@ -119,6 +119,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         Some(&task),
         given.as_ref().map(|p| &p.tok),
     )?;
+    let sized_with_tokenizer = given.is_some();
     // Known from the config the warm start will build from: refused before it runs, not after.
     check_routing_replay(cfg, &model_config, &cfg.model.dir)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
@@ -206,6 +207,11 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     let reference = Reference::load(cfg, &device, Some(start_model.clone()))?;
     if let Some(r) = &reference {
         state.reference = Some(r.fingerprint().to_string());
+    }
+    // Without a tokenizer before (a model still to be made, a resume) the prompts were sized at one
+    // token: now by their tokens, before the first evaluation and rollout rather than at them.
+    if !sized_with_tokenizer {
+        check_step_sizes(cfg, &policy.model.config, Some(&task), Some(&policy.tok))?;
     }
     let evaluator = Evaluator::new(cfg, &task, &policy.tok, &policy.end, opts.quiet);
     let start = state.next_step;
