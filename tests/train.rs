@@ -1231,7 +1231,20 @@ fn shared_prompt_forward_equals_one_forward_per_sequence() {
             let (_, off) = batch.logprobs_with(&model, Weights::Packed, 0.8, None, off_opts);
             let moe = off.routing.iter().any(Option::is_some);
             let replays: Vec<Option<Vec<Option<Vec<u32>>>>> = if moe {
-                vec![None, Some(routing_to_host(off.routing.clone()))]
+                // Also a routing whose row 1 took other experts for its prompt's first token than row 0,
+                // which shares its prompt (a refill round's prefill outside deterministic mode): the
+                // shared forward replayed row 0's for both.
+                let recorded = routing_to_host(off.routing.clone());
+                let experts = model.config.moe.as_ref().unwrap().num_experts as u32;
+                let mut other = recorded.clone();
+                for layer in other.iter_mut().flatten() {
+                    let k = layer.len() / (seqs.len() * off.padded_len);
+                    let at = off.padded_len * k;
+                    for e in &mut layer[at..at + k] {
+                        *e = (*e + 1) % experts;
+                    }
+                }
+                vec![None, Some(recorded), Some(other)]
             } else {
                 vec![None]
             };

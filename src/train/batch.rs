@@ -135,7 +135,12 @@ impl SeqBatch {
         replay: Option<&[Option<Vec<u32>>]>,
         opts: ForwardOptions,
     ) -> (Tensor<2>, ResponseForward) {
-        let groups = self.prompt_groups();
+        let k = model
+            .config
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.num_experts_per_tok);
+        let groups = self.prompt_groups_routed(replay, k);
         let shared = opts.sharing == PrefixSharing::Auto && groups.len() < self.seqs.len();
         let reads = crate::host::ReadCount::start();
         let (hidden, rows, routing, padded_len) = if shared {
@@ -240,6 +245,45 @@ impl SeqBatch {
             groups[g].push(r);
         }
         groups
+    }
+
+    /// [`Self::prompt_groups`], split further under routing replay (`replay`, `k` experts per token) by
+    /// each row's recorded routing of its prompt: the shared prompt forward replays its group's first
+    /// row's, so a row whose prompt its rollout routed otherwise (a refill round's prefill of the same
+    /// prompt, which outside deterministic mode can break a near-tie another way) would have its prompt
+    /// positions take experts its rollout did not.
+    pub fn prompt_groups_routed(
+        &self,
+        replay: Option<&[Option<Vec<u32>>]>,
+        k: usize,
+    ) -> Vec<Vec<usize>> {
+        let groups = self.prompt_groups();
+        let Some(replay) = replay else {
+            return groups;
+        };
+        let padded_len = self.seqs.iter().map(Vec::len).max().unwrap_or(0);
+        let prompt_routing = |r: usize| -> Vec<&[u32]> {
+            let at = r * padded_len * k;
+            let end = at + self.prompt_lens[r] * k;
+            replay
+                .iter()
+                .flatten()
+                .map(|full| full.get(at..end).unwrap_or(&[]))
+                .collect()
+        };
+        let mut out = Vec::with_capacity(groups.len());
+        for group in groups {
+            let mut split: Vec<(Vec<&[u32]>, Vec<usize>)> = Vec::new();
+            for r in group {
+                let key = prompt_routing(r);
+                match split.iter_mut().find(|(routed, _)| *routed == key) {
+                    Some((_, rows)) => rows.push(r),
+                    None => split.push((key, vec![r])),
+                }
+            }
+            out.extend(split.into_iter().map(|(_, rows)| rows));
+        }
+        out
     }
 
     /// The hidden states the loss positions need, with each distinct prompt forwarded once: the prompts
