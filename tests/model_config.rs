@@ -506,12 +506,14 @@ fn layer_types_nulls_and_expert_counts_follow_transformers() {
         ("llama", "rms_norm_eps"),
         ("qwen2", "tie_word_embeddings"),
         ("qwen3", "attention_bias"),
+        ("llama", "max_position_embeddings"),
     ] {
         let err = load_edited(name, |v| v[key] = Value::Null).unwrap_err();
         assert!(err.contains(&format!("`{key}` is null")), "{name}: {err}");
     }
-    // A llama's `head_dim` may be null: transformers reads it as absent too.
+    // A llama's `head_dim` and a Qwen2's `attention_bias` may be null: transformers reads them as absent.
     load_edited("llama", |v| v["head_dim"] = Value::Null).unwrap();
+    load_edited("qwen2", |v| v["attention_bias"] = Value::Null).unwrap();
     let err = load_edited("qwen3_moe", |v| v["num_experts"] = json!(4)).unwrap_err();
     assert!(
         err.contains("`num_local_experts` (8) and `num_experts` (4) disagree"),

@@ -916,13 +916,25 @@ fn an_experiments_seeds_of_other_models_are_not_pooled() {
     other.model.init_config = Some(smaller);
     write_base(&other);
     write_exp("[1, 2]");
+    // Its folder not made yet: refused before a warm start would make another model.
     let err = format!(
         "{:#}",
         train::experiment::run_experiment(&path, true, None).unwrap_err()
     );
     assert!(
-        err.contains("variant \"full\": seed 1 started from the model with files fingerprint")
-            && err.contains("and seed 2 from"),
+        err.contains("holds no model yet, but seed 1 of this variant started from a model"),
+        "{err}"
+    );
+    assert!(!other.model.dir.exists());
+    // Made by hand: refused before the run, by its fingerprint.
+    let mut log = qarl::train::metrics::MetricsLog::open(&tmp.path().join("sft.jsonl")).unwrap();
+    train::prepare_model(&other, &Device::flex().autodiff(), &mut log, true).unwrap();
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(
+        err.contains("holds the model with files fingerprint") && err.contains("but seed 1"),
         "{err}"
     );
     assert_eq!(
@@ -1021,6 +1033,18 @@ fn an_experiment_pairs_by_held_out_problems_and_refuses_edited_ones() {
         err.contains("c/seed1 (held-out problems") && err.contains("its data file changed"),
         "{err}"
     );
+
+    // A gold answer edited, the questions as they were: refused as well (the questions' fingerprint alone
+    // did not see it).
+    jsonl(&held_out, &[("2+3?", "5"), ("3+3?", "7"), ("1+3?", "4")]);
+    let err = format!(
+        "{:#}",
+        train::experiment::run_experiment(&path, true, None).unwrap_err()
+    );
+    assert!(err.contains("c/seed1 (held-out problems"), "{err}");
+    // A report of the finished runs alone pools nothing new with them: not refused.
+    let exp_cfg = train::experiment::ExperimentConfig::load(&path).unwrap();
+    train::experiment::check_report(&path, &exp_cfg).unwrap();
 
     // The training file edited: refused too, for the finished run and for a resume of the unfinished one.
     jsonl(&held_out, &[("2+3?", "5"), ("3+3?", "6"), ("1+3?", "4")]);
@@ -1715,6 +1739,13 @@ fn a_model_made_by_another_warm_start_is_refused() {
 
     let mut again = cfg.clone();
     again.run_dir = tmp.path().join("again");
+    train::prepare_model(&again, &device, &mut log, true).unwrap();
+    // The recipe is what the warm start reads, not where: its init config copied elsewhere, or another
+    // logging interval, is the same recipe.
+    let moved = tmp.path().join("moved.json");
+    std::fs::copy(cfg.model.init_config.as_ref().unwrap(), &moved).unwrap();
+    again.model.init_config = Some(moved);
+    again.sft.as_mut().unwrap().log_every += 1;
     train::prepare_model(&again, &device, &mut log, true).unwrap();
     let mut given = longer.clone();
     given.sft = None;

@@ -589,8 +589,16 @@ impl ModelConfig {
         })?;
 
         check_model_type(&k, architecture)?;
-        for key in ["rms_norm_eps", "tie_word_embeddings", "attention_bias"] {
+        for key in [
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "max_position_embeddings",
+        ] {
             k.refuse_null(key)?;
+        }
+        // Qwen2 ignores `attention_bias` (its q/k/v always have one), and transformers takes it as None.
+        if architecture != Architecture::Qwen2 {
+            k.refuse_null("attention_bias")?;
         }
         if matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe) {
             k.refuse_null("head_dim")?;

@@ -41,6 +41,9 @@ pub mod names {
     /// On every held-out evaluation row: [`crate::tasks::questions_fingerprint`] of the problems it was
     /// evaluated on (logs from before 2026-12-05 have none).
     pub const EVAL_QUESTIONS_FINGERPRINT: &str = "eval/questions_fingerprint";
+    /// On every held-out evaluation row: [`crate::tasks::Task::problems_fingerprint`], the questions with
+    /// their gold answers (logs from before 2026-12-07 have none).
+    pub const EVAL_PROBLEMS_FINGERPRINT: &str = "eval/problems_fingerprint";
     /// On every held-out evaluation row: the strings its responses stopped at besides the end tokens
     /// (`rollout.stop`; logs from before 2026-12-06 have none, and stopped at none).
     pub const EVAL_STOP_STRINGS: &str = "eval/stop_strings";

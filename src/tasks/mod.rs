@@ -523,19 +523,32 @@ impl Task {
         }
     }
 
-    /// A fingerprint of the training set ([`questions_fingerprint`] over each example's question, gold
-    /// answer and worked solution), where it is a data file's (`None` for arithmetic, generated from the
-    /// seed): a run records it, so that a data file edited under a resumed or pooled run is found.
+    /// A fingerprint of the training set ([`questions_fingerprint`] over each example's rendered prompt,
+    /// gold answer and worked solution), where it is a data file's (`None` for arithmetic, generated from
+    /// the seed): a run records it, so that a data file edited under a resumed or pooled run is found, and a
+    /// model directory's recipe names its warm start's examples by it.
     pub fn training_fingerprint(&self) -> Option<String> {
         let examples = self.training_examples()?;
         let items: Vec<String> = examples
             .iter()
             .map(|e| {
                 let solution = e.solution.as_deref().unwrap_or("");
-                format!("{}\u{1f}{}\u{1f}{solution}", e.question, e.answer)
+                format!("{}\u{1f}{}\u{1f}{solution}", e.prompt, e.answer)
             })
             .collect();
         Some(questions_fingerprint(&items))
+    }
+
+    /// A fingerprint of the held-out problems [`Self::eval_set`]`(n)` holds: each question with its gold
+    /// answer (the questions alone, `eval/questions_fingerprint`, miss an edited gold), logged on every
+    /// evaluation as `eval/problems_fingerprint`.
+    pub fn problems_fingerprint(&self, n: usize) -> String {
+        let items: Vec<String> = self
+            .eval_set(n)
+            .iter()
+            .map(|e| format!("{}\u{1f}{}", e.question, e.answer))
+            .collect();
+        questions_fingerprint(&items)
     }
 
     /// How many examples [`Self::eval_set`]`(n)` holds at most: `n`, or fewer where a data set holds out

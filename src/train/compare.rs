@@ -379,6 +379,15 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
             );
         }
     }
+    if let Some(logged) = picked[names::EVAL_PROBLEMS_FINGERPRINT].as_str() {
+        let now = task.problems_fingerprint(cfg.eval.problems);
+        if now != logged {
+            bail!(
+                "{at} logged problems {logged} (questions with their gold answers), but its task's are now \
+                 {now}: the gold answers of its data files changed"
+            );
+        }
+    }
     Ok(Evaluation {
         source: format!("{}@{step}", dir.display()),
         identity: format!("{}@{step}", canonical(dir)),

@@ -318,10 +318,12 @@ fn check_finished_runs<'e>(
     path: &Path,
     exp: &'e ExperimentConfig,
     configs: Option<&RunConfigs>,
+    runs_to_do: bool,
 ) -> anyhow::Result<Vec<(&'e Variant, TrainConfig)>> {
     let results = exp.results();
     let mut finished = Vec::new();
     let mut drifted = Vec::new();
+    let mut data_changed = Vec::new();
     let mut unchecked = Vec::new();
     let mut held_out = HeldOut::new();
     for &seed in &exp.seeds {
@@ -344,8 +346,11 @@ fn check_finished_runs<'e>(
                         super::config::identity_changes(&mut ran, &now, &FINISHED_MAY_CHANGE)?;
                     if !keys.is_empty() {
                         drifted.push(format!("{}/seed{seed} (`{}`)", v.name, keys.join("`, `")));
+                    } else if !runs_to_do {
+                        // A report of finished runs alone pools no new seed with them: their data
+                        // as it is now does not matter (their seeds' agreement is checked apart).
                     } else if let Some(change) = held_out_change(&run_dir, &now, &mut held_out)? {
-                        drifted.push(format!("{}/seed{seed} ({change})", v.name));
+                        data_changed.push(format!("{}/seed{seed} ({change})", v.name));
                     }
                 }
                 Some(Err(e)) => unchecked.push(format!("{}/seed{seed} ({e:#})", v.name)),
@@ -362,6 +367,15 @@ fn check_finished_runs<'e>(
             drifted.join(", ")
         );
     }
+    if !data_changed.is_empty() {
+        bail!(
+            "{}: finished runs were made on other data than the experiment's files hold now, and new runs \
+             would be pooled with them: {}; restore the data files, or give the changed experiment another \
+             `results_dir` (`--report-only` still reports the finished runs)",
+            path.display(),
+            data_changed.join(", ")
+        );
+    }
     if !unchecked.is_empty() {
         tracing::warn!(
             "{}: finished runs not checked against the experiment's settings now: {}",
@@ -374,7 +388,7 @@ fn check_finished_runs<'e>(
 
 /// The fingerprints of the held-out questions and of the training set a config's task gives now, by the
 /// task table and problem count (seeds and variants share them; each data set is read once).
-type HeldOut = BTreeMap<String, Option<(String, Option<String>)>>;
+type HeldOut = BTreeMap<String, Option<(String, String, Option<String>)>>;
 
 /// How the held-out problems a finished run's evaluations logged (or the training set its marker
 /// records) differ from those its task gives now (`now`: the experiment's config of that run), where they
@@ -385,35 +399,24 @@ fn held_out_change(
     now: &TrainConfig,
     cache: &mut HeldOut,
 ) -> anyhow::Result<Option<String>> {
-    let rows = read_rows(&run_dir.join("metrics.jsonl"), BadLines::TornLastOnly)?;
-    let mut logged: Vec<&str> = rows
-        .iter()
-        .filter(|r| r["phase"] == "eval")
-        .filter_map(|r| r[names::EVAL_QUESTIONS_FINGERPRINT].as_str())
-        .collect();
-    logged.dedup();
-    let Some(&first) = logged.first() else {
+    let Some((with_golds, first)) = logged_held_out(run_dir)? else {
         return Ok(None);
     };
-    if logged.len() > 1 {
-        return Ok(Some(format!(
-            "its evaluations logged different held-out problems ({})",
-            logged.join(", ")
-        )));
-    }
     let key = serde_json::json!([now.task.with_defaults(), now.eval.problems]).to_string();
     let current = cache.entry(key).or_insert_with(|| {
         crate::tasks::Task::from_config(&now.task.with_defaults())
             .ok()
             .map(|t| {
-                let held_out =
+                let questions =
                     crate::tasks::questions_fingerprint(&t.eval_questions(now.eval.problems));
-                (held_out, t.training_fingerprint())
+                let problems = t.problems_fingerprint(now.eval.problems);
+                (questions, problems, t.training_fingerprint())
             })
     });
-    let Some((held_out, training)) = current else {
+    let Some((questions, problems, training)) = current else {
         return Ok(None);
     };
+    let held_out = if with_golds { problems } else { questions };
     if *held_out != first {
         return Ok(Some(format!(
             "held-out problems {first} when it ran, {held_out} now: its data file changed"
@@ -428,6 +431,38 @@ fn held_out_change(
     })
 }
 
+/// The held-out problems a run's evaluations logged: the fingerprint of the questions with their golds
+/// (`true`) where its log has it, else of the questions alone (logs from 2026-12-05 on); `None` for older
+/// logs.
+fn logged_held_out(run_dir: &Path) -> anyhow::Result<Option<(bool, String)>> {
+    if let Some(f) = logged_fingerprint(run_dir, names::EVAL_PROBLEMS_FINGERPRINT)? {
+        return Ok(Some((true, f)));
+    }
+    Ok(logged_fingerprint(run_dir, names::EVAL_QUESTIONS_FINGERPRINT)?.map(|f| (false, f)))
+}
+
+/// The value of `key` that a run's evaluations logged (`None` where none did); evaluations of one run
+/// that logged different ones are an error (its data changed while it ran).
+fn logged_fingerprint(run_dir: &Path, key: &str) -> anyhow::Result<Option<String>> {
+    let metrics = run_dir.join("metrics.jsonl");
+    let rows = read_rows(&metrics, BadLines::TornLastOnly)?;
+    let mut logged: Vec<&str> = rows
+        .iter()
+        .filter(|r| r["phase"] == "eval")
+        .filter_map(|r| r[key].as_str())
+        .collect();
+    logged.dedup();
+    match logged.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(one.to_string())),
+        _ => bail!(
+            "{}: its evaluations logged different `{key}` ({}): its data files changed while it ran",
+            metrics.display(),
+            logged.join(", ")
+        ),
+    }
+}
+
 /// The checks of [`run_experiment`] before a report of finished runs alone (`--report-only`): their settings
 /// against the experiment file's (`check_finished_runs`; a base that cannot be read leaves them unchecked,
 /// with a warning) and the warm starts they share.
@@ -435,7 +470,7 @@ pub fn check_report(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
     let configs = RunConfigs::load(path, exp, None)
         .map_err(|e| tracing::warn!("{e:#}"))
         .ok();
-    let finished = check_finished_runs(path, exp, configs.as_ref())?;
+    let finished = check_finished_runs(path, exp, configs.as_ref(), false)?;
     check_shared_warm_starts(path, &[], &finished)?;
     check_start_models(path, exp)
 }
@@ -459,31 +494,63 @@ fn start_models(exp: &ExperimentConfig, v: &Variant) -> anyhow::Result<Vec<(u64,
 
 /// Refuses to pool seeds of one variant that started from different models (a `model.init_config`,
 /// `model.base` or `model.dir` swapped between seeds, which a finished run may change: its folders may
-/// move): their mean would average two models as one arm.
+/// move), trained on different data or were evaluated on different held-out problems (a data file edited
+/// between seeds): their mean would average two experiments as one arm.
 fn check_start_models(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
     for v in &exp.variants {
-        let models = start_models(exp, v)?;
-        if let Some(((s1, m1), (s2, m2))) = models.first().and_then(|first| {
-            models
-                .iter()
-                .find(|(_, m)| *m != first.1)
-                .map(|o| (first, o))
-        }) {
-            bail!(
-                "{}: variant {:?}: seed {s1} started from the model with files fingerprint {m1} and seed \
-                 {s2} from {m2}: one arm's seeds must train one model; remove the runs of the other model, \
-                 or give the changed experiment another `results_dir`",
-                path.display(),
-                v.name
-            );
+        let mut seen: BTreeMap<&str, (u64, String)> = BTreeMap::new();
+        for &seed in &exp.seeds {
+            let run_dir = exp.results().join(&v.name).join(format!("seed{seed}"));
+            let m = marker(&run_dir);
+            if !m.is_file() {
+                continue;
+            }
+            let recorded: serde_json::Value = crate::io::read_json(&m)?;
+            // Each compared where both seeds recorded it (older runs lack the later records).
+            let facts = [
+                (
+                    "model (files fingerprint)",
+                    recorded["start_model"].as_str().map(str::to_string),
+                ),
+                (
+                    "training data",
+                    recorded["train_data"].as_str().map(str::to_string),
+                ),
+                (
+                    "held-out questions",
+                    logged_fingerprint(&run_dir, names::EVAL_QUESTIONS_FINGERPRINT)?,
+                ),
+                (
+                    "held-out gold answers",
+                    logged_fingerprint(&run_dir, names::EVAL_PROBLEMS_FINGERPRINT)?,
+                ),
+            ];
+            for (what, value) in facts {
+                let Some(value) = value else { continue };
+                match seen.get(what) {
+                    Some((first, v0)) if *v0 != value => bail!(
+                        "{}: variant {:?}: seed {first} and seed {seed} have different {what} ({} and {}): \
+                         one arm's seeds must train one model on one data set and answer one set of \
+                         problems; remove the runs of the other, or give the changed experiment another \
+                         `results_dir`",
+                        path.display(),
+                        v.name,
+                        v0,
+                        value
+                    ),
+                    Some(_) => {}
+                    None => {
+                        seen.insert(what, (seed, value));
+                    }
+                }
+            }
         }
     }
     Ok(())
 }
 
 /// Refuses a run of `v` whose `model.dir` holds another model than the one its finished seeds started
-/// from, before it runs (a folder not made yet is checked once the run has made it, by
-/// [`check_start_models`]).
+/// from, or none (it would be made again, from this run's seed), before it runs.
 fn check_same_start_model(
     path: &Path,
     exp: &ExperimentConfig,
@@ -493,9 +560,17 @@ fn check_same_start_model(
     let Some((seed, model)) = start_models(exp, v)?.into_iter().next() else {
         return Ok(());
     };
-    if !cfg.model.dir.join("config.json").is_file() {
-        return Ok(());
-    }
+    // A folder made again would be another warm start (made with this run's seed): a seed of another
+    // model, found only once it had trained.
+    anyhow::ensure!(
+        cfg.model.dir.join("config.json").is_file(),
+        "{}: variant {:?}: `model.dir` {} holds no model yet, but seed {seed} of this variant started from \
+         a model (files fingerprint {model}): made here, it would be another warm start (from this run's \
+         seed); point `model.dir` at that model, or give the experiment another `results_dir`",
+        path.display(),
+        v.name,
+        cfg.model.dir.display()
+    );
     let now = super::reference::files_fingerprint(&cfg.model.dir)?;
     anyhow::ensure!(
         now == model,
@@ -522,7 +597,12 @@ pub fn run_experiment(
     // is made or claimed): a mistake in the last variant is reported before hours of the first ones, not
     // after, and leaves nothing behind.
     let configs = RunConfigs::load(path, &exp, backend)?;
-    let finished = check_finished_runs(path, &exp, Some(&configs))?;
+    let runs_to_do = exp.seeds.iter().any(|seed| {
+        exp.variants
+            .iter()
+            .any(|v| !marker(&results.join(&v.name).join(format!("seed{seed}"))).is_file())
+    });
+    let finished = check_finished_runs(path, &exp, Some(&configs), runs_to_do)?;
     let mut runs = Vec::new();
     // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
     // span sessions) already compares all its arms on the same seeds.
@@ -641,6 +721,9 @@ struct RunSummary {
 struct EvalSet {
     config: String,
     fingerprint: Option<String>,
+    /// The questions with their golds ([`names::EVAL_PROBLEMS_FINGERPRINT`]; logs from before 2026-12-07
+    /// have none).
+    problems: Option<String>,
     /// How its answers were judged: the verifier's rules, the stop rule and the token limit of the held-out
     /// evaluations (keys an older config lacks read as their defaults).
     judged: String,
@@ -683,9 +766,17 @@ impl EvalSet {
         if logged.any(|f| Some(f) != fingerprint.as_deref()) {
             return None;
         }
+        let mut with_golds = evals
+            .iter()
+            .filter_map(|r| r[names::EVAL_PROBLEMS_FINGERPRINT].as_str());
+        let problems = with_golds.next().map(str::to_string);
+        if with_golds.any(|f| Some(f) != problems.as_deref()) {
+            return None;
+        }
         Some(Self {
             config,
             fingerprint,
+            problems,
             judged,
         })
     }
@@ -695,13 +786,19 @@ impl EvalSet {
     /// where both logged one, and the same verifier rules, stop rule and token limit (as `qarl compare`
     /// refuses outcomes of two verifiers).
     fn same_problems(&self, other: &Self) -> bool {
-        // The questions themselves where both logged them (task tables that differ only where the
-        // held-out set does not depend on them, such as `path` beside an `eval_path`, hold out the same
-        // problems); their task and count otherwise.
+        // The problems themselves, questions and golds, where both logged them (task tables that differ
+        // only where the held-out set does not depend on them, such as `path` beside an `eval_path`, hold
+        // out the same problems); else their task and count, and the questions where both logged them.
         self.judged == other.judged
-            && match (&self.fingerprint, &other.fingerprint) {
+            && match (&self.problems, &other.problems) {
                 (Some(a), Some(b)) => a == b,
-                _ => self.config == other.config,
+                _ => {
+                    self.config == other.config
+                        && match (&self.fingerprint, &other.fingerprint) {
+                            (Some(a), Some(b)) => a == b,
+                            _ => true,
+                        }
+                }
             }
     }
 
@@ -715,6 +812,7 @@ impl EvalSet {
                 return None;
             }
             common.fingerprint = common.fingerprint.or_else(|| set.fingerprint.clone());
+            common.problems = common.problems.or_else(|| set.problems.clone());
         }
         Some(common)
     }

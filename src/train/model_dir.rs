@@ -41,25 +41,69 @@ pub(super) fn check_free(dir: &Path) -> anyhow::Result<()> {
     )
 }
 
-/// What makes a run's model when its `model.dir` does not exist yet: the model table but its path (the
-/// `base` and `init_config` paths resolved), the warm start and the task it trains on (the seed aside:
-/// seeds share a warm start, made with the first one's).
+/// What makes a run's model when its `model.dir` does not exist yet, by what the warm start reads: the
+/// model table but its path, its sources by their contents (`model.base` by its config and weight files'
+/// names and sizes, `model.init_config` by its JSON; the path where they do not read), `[sft]` but
+/// `log_every`, and, with `[sft]`, the examples it trains on ([`training_side`]). Not the seed: seeds share a
+/// warm start, made with the first one's. Paths and evaluation settings are left out, so a moved folder or a
+/// second test set is the same recipe.
 pub(super) fn warm_start_of(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
     let mut model = serde_json::to_value(&cfg.model)?;
     if let Some(m) = model.as_object_mut() {
         m.remove("dir");
-        for key in ["base", "init_config"] {
-            if let Some(path) = m.get(key).and_then(|v| v.as_str()).map(PathBuf::from) {
-                let resolved = std::fs::canonicalize(&path).unwrap_or(path);
-                m.insert(key.into(), resolved.display().to_string().into());
-            }
+        if let Some(base) = &cfg.model.base {
+            m.insert("base".into(), base_identity(base));
+        }
+        if let Some(init) = &cfg.model.init_config {
+            let content = crate::io::read_json::<serde_json::Value>(init)
+                .unwrap_or_else(|_| init.display().to_string().into());
+            m.insert("init_config".into(), content);
         }
     }
-    Ok(serde_json::json!({
-        "model": model,
-        "sft": serde_json::to_value(&cfg.sft)?,
-        "task": serde_json::to_value(cfg.task.with_defaults())?,
-    }))
+    let mut sft = serde_json::to_value(&cfg.sft)?;
+    if let Some(s) = sft.as_object_mut() {
+        s.remove("log_every");
+    }
+    let task = match &cfg.sft {
+        Some(_) => training_side(cfg)?,
+        None => serde_json::Value::Null,
+    };
+    Ok(serde_json::json!({"model": model, "sft": sft, "task": task}))
+}
+
+/// A pretrained base by its contents, cheaply: its config.json and the names and sizes of its weight
+/// files (the path where they do not read).
+fn base_identity(base: &Path) -> serde_json::Value {
+    let config = crate::io::read_json::<serde_json::Value>(&base.join("config.json")).ok();
+    let mut weights: Vec<(String, u64)> = std::fs::read_dir(base)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let size = e.metadata().ok()?.len();
+            name.ends_with(".safetensors").then_some((name, size))
+        })
+        .collect();
+    weights.sort();
+    match config {
+        Some(config) => serde_json::json!({"config": config, "weights": weights}),
+        None => base.display().to_string().into(),
+    }
+}
+
+/// What of the task a warm start trains on: a data set's training examples by their fingerprint (the
+/// held-out file and fraction only where they change them), or the generator's settings (arithmetic); the
+/// task table where it does not load here.
+fn training_side(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
+    let table = serde_json::to_value(cfg.task.with_defaults())?;
+    Ok(match crate::tasks::Task::from_config(&cfg.task) {
+        Ok(task) => match task.training_fingerprint() {
+            Some(examples) => serde_json::json!({"training_examples": examples}),
+            None => table,
+        },
+        Err(_) => table,
+    })
 }
 
 /// The file a model directory made by a run holds: how it was made ([`warm_start_of`] and the seed), so
@@ -239,12 +283,19 @@ pub(super) fn stage_base_files(base: &Path, staging: &Path) -> anyhow::Result<()
 /// from (`model.base`, or `model.init_config` with the character tokenizer; `model.dir` must then be free
 /// for it). A missing or unreadable source is refused here, naming its key, rather than after an
 /// `--overwrite` has removed the run's earlier results.
-pub(super) fn check_sources(cfg: &TrainConfig, model_made: bool) -> anyhow::Result<ModelConfig> {
+pub(super) fn check_sources(
+    cfg: &TrainConfig,
+    model_made: bool,
+    resume: bool,
+) -> anyhow::Result<ModelConfig> {
     if !model_made {
         return source_of(cfg).map(|(_, config)| config);
     }
     let config = read_config("model.dir", &cfg.model.dir)?;
-    check_made_as_configured(cfg, false)?;
+    // A resume continues from its checkpoint; the model it started from is checked by its fingerprint.
+    if !resume {
+        check_made_as_configured(cfg, false)?;
+    }
     if let Some(q) = &config.quantization {
         return Err(crate::model::LoadError::QuantizedCheckpoint {
             dir: cfg.model.dir.clone(),
@@ -298,17 +349,20 @@ pub fn prepare_model(
     quiet: bool,
 ) -> anyhow::Result<()> {
     let _lock = lock::RunLock::acquire(&cfg.run_dir)?;
-    prepare_model_locked(cfg, device, log, quiet, true)
+    prepare_model_locked(cfg, device, log, quiet, true, false)
 }
 
 /// [`prepare_model`] in a run directory this process has locked; with `resume`, the warm start continues
-/// from its newest checkpoint (otherwise its checkpoints are removed and it starts over).
+/// from its newest checkpoint (otherwise its checkpoints are removed and it starts over). `recipe_checked`:
+/// the caller has checked an existing `model.dir` against the config's recipe already, or resumes a run
+/// (whose starting model its fingerprint checks).
 pub(super) fn prepare_model_locked(
     cfg: &TrainConfig,
     device: &Device,
     log: &mut MetricsLog,
     quiet: bool,
     resume: bool,
+    recipe_checked: bool,
 ) -> anyhow::Result<()> {
     let dir = &cfg.model.dir;
     let sft_root = sft::checkpoints_root(&cfg.run_dir);
@@ -317,6 +371,9 @@ pub(super) fn prepare_model_locked(
         if sft_root.exists() {
             std::fs::remove_dir_all(&sft_root)
                 .with_context(|| format!("{}: cannot remove", sft_root.display()))?;
+        }
+        if recipe_checked {
+            return Ok(());
         }
         return check_made_as_configured(cfg, true);
     }

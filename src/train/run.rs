@@ -99,7 +99,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     }
     // Whether `model.dir` already holds a model (made by an earlier run's warm start, or given).
     let model_made = cfg.model.dir.join("config.json").is_file();
-    let model_config = model_dir::check_sources(cfg, model_made)?;
+    let model_config = model_dir::check_sources(cfg, model_made, opts.resume)?;
     let how = if opts.resume {
         resume::Start::Resume {
             accept_changes: opts.accept_changes,
@@ -177,7 +177,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     )?;
     let mut log = MetricsLog::open(&metrics_path)?;
     let mut worst_responses = MetricsLog::open(&cfg.run_dir.join(WORST_RESPONSES_FILE))?;
-    model_dir::prepare_model_locked(cfg, &device, &mut log, opts.quiet, opts.resume)?;
+    model_dir::prepare_model_locked(cfg, &device, &mut log, opts.quiet, opts.resume, true)?;
 
     let (mut policy, mut optim, mut state) = match loaded {
         Some(loaded) => loaded,
@@ -455,6 +455,8 @@ struct Evaluator<'a> {
     stop_strings: Vec<String>,
     problems: Vec<Example>,
     fingerprint: String,
+    /// The questions with their golds ([`Task::problems_fingerprint`]).
+    problems_fingerprint: String,
     quiet: bool,
 }
 
@@ -484,6 +486,7 @@ impl<'a> Evaluator<'a> {
             fingerprint: crate::tasks::questions_fingerprint(
                 &task.eval_questions(cfg.eval.problems),
             ),
+            problems_fingerprint: task.problems_fingerprint(cfg.eval.problems),
             quiet,
         }
     }
@@ -501,6 +504,7 @@ impl<'a> Evaluator<'a> {
         let plain = model.valid();
         let mut row = serde_json::json!({"phase": "eval", "step": step,
             (crate::rl::metrics::names::EVAL_QUESTIONS_FINGERPRINT): self.fingerprint,
+            (crate::rl::metrics::names::EVAL_PROBLEMS_FINGERPRINT): self.problems_fingerprint,
             (crate::rl::metrics::names::EVAL_STOP_STRINGS): self.stop_strings});
         let mut rollout_acc = (0.0, Vec::new());
         let mut precisions = vec![cfg.rollout.precision];
