@@ -184,16 +184,25 @@ fn check_shared_warm_starts(
     finished: &[(&Variant, TrainConfig)],
 ) -> anyhow::Result<()> {
     let done = finished.iter().map(|(v, c)| (*v, c));
+    // One recipe per distinct model, warm start and task (seeds of a variant share them): a recipe reads
+    // the task's data.
+    let mut recipes: BTreeMap<String, serde_json::Value> = BTreeMap::new();
+    let mut recipe = |cfg: &TrainConfig| -> anyhow::Result<serde_json::Value> {
+        let key = serde_json::to_string(&(&cfg.model, &cfg.sft, &cfg.task))?;
+        if let Some(r) = recipes.get(&key) {
+            return Ok(r.clone());
+        }
+        let r = super::model_dir::warm_start_of(cfg)?;
+        recipes.insert(key, r.clone());
+        Ok(r)
+    };
     for (i, (va, _, _, a)) in runs.iter().enumerate() {
         let later = runs[i + 1..].iter().map(|(v, _, _, c)| (*v, c));
         for (vb, b) in later.chain(done.clone()) {
             if !crate::io::same_dir(&a.model.dir, &b.model.dir) {
                 continue;
             }
-            let differ = super::config::differing_keys(
-                &super::model_dir::warm_start_of(a)?,
-                &super::model_dir::warm_start_of(b)?,
-            );
+            let differ = super::config::differing_keys(&recipe(a)?, &recipe(b)?);
             if !differ.is_empty() {
                 bail!(
                     "{}: variants {:?} and {:?} share `model.dir` = {:?} but would make it differently (`{}`): \
