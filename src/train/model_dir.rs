@@ -106,7 +106,7 @@ fn training_side(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
     })
 }
 
-/// The file a model directory made by a run holds: how it was made ([`warm_start_of`] and the seed), so
+/// The file a model directory made by a run holds: how it was made (`warm_start_of`, the recipe, and the seed), so
 /// that a later run that finds the folder and would make it otherwise is refused instead of training on it
 /// while its config and report credit its own settings.
 pub const MADE_BY_FILE: &str = "qarl_made_by.json";
