@@ -1640,28 +1640,15 @@ fn rl_rewards_take_the_overlong_penalty() {
 #[test]
 fn the_warm_start_names_the_example_too_long_for_the_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("train.jsonl");
     let long = format!("{} #### 3", "1+".repeat(300));
-    std::fs::write(
-        &data,
-        format!(
-            "{}\n{}\n{}\n",
-            serde_json::json!({"question": "1+2?", "answer": "1+2=3. #### 3"}),
-            serde_json::json!({"question": "long one?", "answer": long}),
-            serde_json::json!({"question": "2+2?", "answer": "2+2=4. #### 4"})
-        ),
-    )
-    .unwrap();
-    let held_out = tmp.path().join("test.jsonl");
-    std::fs::write(
-        &held_out,
-        serde_json::json!({"question": "3+3?", "answer": "#### 6"}).to_string() + "\n",
-    )
-    .unwrap();
-    let task = format!(
-        "task={{kind=\"gsm8k\", path=\"{}\", eval_path=\"{}\"}}",
-        data.display(),
-        held_out.display()
+    let task = gsm8k_task(
+        tmp.path(),
+        &[
+            ("1+2?", "1+2=3. #### 3"),
+            ("long one?", &long),
+            ("2+2?", "2+2=4. #### 4"),
+        ],
+        &[("3+3?", "#### 6")],
     );
     let err = tiny_train_error(tmp.path(), &task);
     assert!(
@@ -1676,31 +1663,11 @@ fn the_warm_start_names_the_example_too_long_for_the_model() {
 #[test]
 fn a_held_out_problem_too_long_for_the_model_is_named() {
     let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("train.jsonl");
-    std::fs::write(
-        &data,
-        format!(
-            "{}\n{}\n",
-            serde_json::json!({"question": "1+2?", "answer": "1+2=3. #### 3"}),
-            serde_json::json!({"question": "2+2?", "answer": "2+2=4. #### 4"})
-        ),
-    )
-    .unwrap();
-    let held_out = tmp.path().join("test.jsonl");
     let long = format!("{}1?", "1+".repeat(200));
-    std::fs::write(
-        &held_out,
-        format!(
-            "{}\n{}\n",
-            serde_json::json!({"question": "3+3?", "answer": "#### 6"}),
-            serde_json::json!({"question": long, "answer": "#### 201"})
-        ),
-    )
-    .unwrap();
-    let task = format!(
-        "task={{kind=\"gsm8k\", path=\"{}\", eval_path=\"{}\"}}",
-        data.display(),
-        held_out.display()
+    let task = gsm8k_task(
+        tmp.path(),
+        &[("1+2?", "1+2=3. #### 3"), ("2+2?", "2+2=4. #### 4")],
+        &[("3+3?", "#### 6"), (&long, "#### 201")],
     );
     let err = tiny_train_error(tmp.path(), &task);
     assert!(
@@ -1708,6 +1675,26 @@ fn a_held_out_problem_too_long_for_the_model_is_named() {
             && err.contains("max_position_embeddings (256)"),
         "{err}"
     );
+}
+
+/// `--set task=...` for a GSM8K task over `train` and `held_out` (question, answer) records, written as
+/// JSONL files into `dir`.
+fn gsm8k_task(dir: &Path, train: &[(&str, &str)], held_out: &[(&str, &str)]) -> String {
+    let write = |name: &str, records: &[(&str, &str)]| {
+        let path = dir.join(name);
+        let lines: String = records
+            .iter()
+            .map(|(q, a)| serde_json::json!({"question": q, "answer": a}).to_string() + "\n")
+            .collect();
+        std::fs::write(&path, lines).unwrap();
+        path
+    };
+    let (data, held_out) = (write("train.jsonl", train), write("test.jsonl", held_out));
+    format!(
+        "task={{kind=\"gsm8k\", path=\"{}\", eval_path=\"{}\"}}",
+        data.display(),
+        held_out.display()
+    )
 }
 
 /// A `model.dir` made by one warm start is not taken by a config that would make it otherwise: a run

@@ -455,20 +455,27 @@ fn logged_held_out(run_dir: &Path) -> anyhow::Result<Option<(bool, String)>> {
 fn logged_fingerprint(run_dir: &Path, key: &str) -> anyhow::Result<Option<String>> {
     let metrics = run_dir.join("metrics.jsonl");
     let rows = read_rows(&metrics, BadLines::TornLastOnly)?;
-    let mut logged: Vec<&str> = rows
-        .iter()
-        .filter(|r| r["phase"] == "eval")
-        .filter_map(|r| r[key].as_str())
-        .collect();
-    logged.dedup();
-    match logged.as_slice() {
-        [] => Ok(None),
-        [one] => Ok(Some(one.to_string())),
-        _ => bail!(
+    let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
+    one_logged(&evals, key).map_err(|values| {
+        anyhow::anyhow!(
             "{}: its evaluations logged different `{key}` ({}): its data files changed while it ran",
             metrics.display(),
-            logged.join(", ")
-        ),
+            values.join(", ")
+        )
+    })
+}
+
+/// The one string value of `key` on the rows that have it (`None` where none has it), or the values where
+/// they differ.
+fn one_logged(rows: &[&serde_json::Value], key: &str) -> Result<Option<String>, Vec<String>> {
+    let mut values: Vec<String> = rows
+        .iter()
+        .filter_map(|r| r[key].as_str().map(str::to_string))
+        .collect();
+    values.dedup();
+    match values.len() {
+        0 | 1 => Ok(values.pop()),
+        _ => Err(values),
     }
 }
 
@@ -768,20 +775,8 @@ impl EvalSet {
             cfg.pointer("/eval/max_new_tokens"),
         ])
         .to_string();
-        let mut logged = evals
-            .iter()
-            .filter_map(|r| r[names::EVAL_QUESTIONS_FINGERPRINT].as_str());
-        let fingerprint = logged.next().map(str::to_string);
-        if logged.any(|f| Some(f) != fingerprint.as_deref()) {
-            return None;
-        }
-        let mut with_golds = evals
-            .iter()
-            .filter_map(|r| r[names::EVAL_PROBLEMS_FINGERPRINT].as_str());
-        let problems = with_golds.next().map(str::to_string);
-        if with_golds.any(|f| Some(f) != problems.as_deref()) {
-            return None;
-        }
+        let fingerprint = one_logged(evals, names::EVAL_QUESTIONS_FINGERPRINT).ok()?;
+        let problems = one_logged(evals, names::EVAL_PROBLEMS_FINGERPRINT).ok()?;
         Some(Self {
             config,
             fingerprint,
