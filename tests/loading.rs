@@ -103,7 +103,7 @@ fn config_errors_name_the_file_and_key() {
         ),
         (
             CLASSIC_MOE.replace("\"num_experts\": 8,", ""),
-            "missing key `num_experts` or `num_local_experts`",
+            "missing key `num_local_experts` or `num_experts`",
         ),
         (
             CLASSIC_MOE.replace("\"hidden_size\": 64", "\"hidden_size\": \"64\""),
