@@ -235,15 +235,23 @@ fn from_parts_rejects_a_nonzero_padding_nibble() {
 }
 
 /// Loading refuses mxfp4 scales that are not E8M0 values (powers of two in [2^-127, 2^127]), naming the
-/// scale; the quantizer's own scales, 2^-127 and 2^127 pass.
+/// scale; E8M0 values pass from 2^-127 up to where a code they scale overflows f32 (row 1's largest code
+/// is 6: 6 * 2^125 is finite, 6 * 2^127 is not, and is refused as such).
 #[test]
 fn from_parts_rejects_mxfp4_scales_that_are_not_powers_of_two() {
     let q = QuantizedTensor::quantize(&[1.0, -0.5, 0.0, 3.0], 2, 2, QuantScheme::Mxfp4).unwrap();
     let (s, [o, i], data, _) = q.into_parts();
     let parts = |scales: Vec<f32>| QuantizedTensor::from_parts(s, o, i, data.clone(), scales);
-    for good in [[0.25, 0.5], [2f64.powi(-127) as f32, 2f64.powi(127) as f32]] {
+    for good in [[0.25, 0.5], [2f64.powi(-127) as f32, 2f64.powi(125) as f32]] {
         assert!(parts(good.to_vec()).is_ok(), "{good:?}");
     }
+    let err = parts(vec![0.5, 2f64.powi(127) as f32])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("overflows f32") && err.contains("(6)"),
+        "{err}"
+    );
     for bad in [0.3f32, 0.0, 2f64.powi(-128) as f32, f32::from_bits(3 << 21)] {
         let err = parts(vec![0.5, bad]).unwrap_err().to_string();
         assert!(

@@ -228,11 +228,15 @@ impl WeightFormat {
     }
 
     /// The largest magnitude of a code's value ([`Self::code_value`] over every code the quantizer
-    /// writes: int8's -128 and E4M3's NaN are not): a scale times it must be finite, or the weights it
-    /// scales overflow f32.
+    /// writes: the symmetric grids' -8 and -128 and E4M3's NaN are not): a scale times it must be finite,
+    /// or the weights it scales overflow f32.
     pub fn max_code_magnitude(self) -> f32 {
         (0..1u32 << self.bits())
-            .filter(|&c| !(self == WeightFormat::Int8PerRow && c == 0x80))
+            .filter(|&c| match self {
+                WeightFormat::Int4 { .. } => c != 0x8,
+                WeightFormat::Int8PerRow => c != 0x80,
+                _ => true,
+            })
             .map(|c| self.code_value(c).abs())
             .filter(|v| v.is_finite())
             .fold(0.0, f32::max)

@@ -59,8 +59,8 @@ pub enum QuantError {
     /// A stored scale so large that the weights it scales overflow f32 (the quantizer's scales are
     /// `absmax / qmax` of finite weights: they never do).
     #[error(
-        "scales[{index}] is {value:e}; times the largest code's value ({largest}) it overflows f32, so \
-         the weights it scales are not finite"
+        "scales[{index}] is {value:e}; times a code's value it scales ({largest}) it overflows f32, so \
+         the weights are not finite"
     )]
     OverflowingScale {
         index: usize,

@@ -95,14 +95,7 @@ impl QuantizedTensor {
                 value: scales[index],
             });
         }
-        let largest = scheme.kind().max_code_magnitude();
-        if let Some(index) = scales.iter().position(|&s| !(s * largest).is_finite()) {
-            return Err(QuantError::OverflowingScale {
-                index,
-                value: scales[index],
-                largest,
-            });
-        }
+        check_finite_weights(scheme, out, inn, &data, &scales)?;
         if scheme.kind() == SchemeKind::Mxfp4 {
             if let Some(index) = scales.iter().position(|&s| !is_e8m0_scale(s)) {
                 return Err(QuantError::NotE8m0Scale {
@@ -406,4 +399,39 @@ fn quantize_int8(weights: &[f32], out: usize, inn: usize) -> (Vec<u8>, Vec<f32>)
             }
         });
     (data, scales)
+}
+
+/// Refuses a scale that makes one of the codes it multiplies an infinite weight (the quantizer's scales
+/// are `absmax / qmax` of finite weights: they never do), naming the scale and that code's value. Where
+/// every scale times the format's largest code is finite (always, for the quantizer's output) the codes
+/// are not read.
+fn check_finite_weights(
+    scheme: QuantScheme,
+    out: usize,
+    inn: usize,
+    data: &[u8],
+    scales: &[f32],
+) -> Result<(), QuantError> {
+    let kind = scheme.kind();
+    if scales
+        .iter()
+        .all(|&s| (s * kind.max_code_magnitude()).is_finite())
+    {
+        return Ok(());
+    }
+    let row_bytes = scheme.row_bytes(inn);
+    for (r, row) in data.chunks(row_bytes.max(1)).take(out).enumerate() {
+        for k in 0..inn {
+            let index = kind.scale_index(inn, r, k);
+            let code = kind.code_value(kind.storage_code(row, k));
+            if !(code * scales[index]).is_finite() {
+                return Err(QuantError::OverflowingScale {
+                    index,
+                    value: scales[index],
+                    largest: code.abs(),
+                });
+            }
+        }
+    }
+    Ok(())
 }
