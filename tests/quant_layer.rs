@@ -452,7 +452,7 @@ fn a_scale_that_overflows_its_weights_is_refused() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("scales[1] is 3e38") && err.contains("a code's value it scales (127)"),
+        err.contains("scales[1] is 3e38") && err.contains("a code's value it scales (2)"),
         "{err}"
     );
 }
