@@ -498,8 +498,6 @@ fn check_partial_rotary(k: &Keys) -> Result<(), LoadError> {
 /// The `hidden_act` values the decoder's gated MLP implements (`swish` is transformers' other name of SiLU).
 pub const SUPPORTED_ACTIVATIONS: [&str; 2] = ["silu", "swish"];
 
-/// Refuses a `hidden_act` other than SiLU: the MLP is `down(silu(gate) * up)` on every path (the CPU grouped
-/// MoE kernel included), so a `gelu` or `relu` model would run as SiLU and give wrong outputs without an
 /// `layer_types` (transformers' per-layer attention kinds): only full attention is implemented, so a
 /// `sliding_attention` layer (which `use_sliding_window` need not announce) is refused, naming it, as is a
 /// list of another length than the layers.
@@ -532,6 +530,8 @@ fn check_layer_types(k: &Keys, layers: usize) -> Result<(), LoadError> {
     }
 }
 
+/// Refuses a `hidden_act` other than SiLU: the MLP is `down(silu(gate) * up)` on every path (the CPU grouped
+/// MoE kernel included), so a `gelu` or `relu` model would run as SiLU and give wrong outputs without an
 /// error. Absent means SiLU (the transformers default of every architecture loaded here).
 fn check_activation(k: &Keys) -> Result<(), LoadError> {
     let supported = SUPPORTED_ACTIVATIONS.join(", ");

@@ -209,8 +209,6 @@ impl Decoder {
         let config = ModelConfig::from_file(dir)?;
         let mut ckpt = Checkpoint::open(dir)?;
         ckpt.quant_scheme = config.quantization.as_ref().map(|q| q.scheme);
-        // A config that says quantized over weights that are not: every layer would load its f32
-        // `.weight` and run in full precision while the model claims the scheme.
         // Packed codes without a config that says how to read them (`quantization_config` dropped from
         // config.json): every such layer would be reported missing its `.weight`.
         let suffix = format!(".{}", super::names::QWEIGHT);
@@ -244,6 +242,8 @@ impl Decoder {
                     ),
                 });
             }
+            // A config that says quantized over weights that are not: every layer would load its f32
+            // `.weight` and run in full precision while the model claims the scheme.
             if !ckpt.names().any(|n| n.ends_with(&suffix)) {
                 return Err(LoadError::InvalidConfig {
                     path: dir.join("config.json"),

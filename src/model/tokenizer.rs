@@ -323,6 +323,9 @@ fn unknown_token(tok: &tokenizers::Tokenizer) -> Option<(u32, String)> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use crate::tasks::char_tokenizer;
+
     /// Which tokenizers transformers 5.25 rebuilds (checked against it on SentencePiece and byte-level
     /// files, model types llama, phi3 and none).
     #[test]
@@ -356,9 +359,6 @@ mod tests {
             spm
         ));
     }
-
-    use super::*;
-    use crate::tasks::char_tokenizer;
 
     fn char_tokenizer() -> Tokenizer {
         Tokenizer::from_json_text(&char_tokenizer::tokenizer_json().to_string())

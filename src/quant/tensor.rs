@@ -69,8 +69,9 @@ impl QuantizedTensor {
     }
 
     /// Rebuilds a tensor from stored parts, checking lengths, that every code is one the quantizer can
-    /// produce (int4 and fp4 padding nibbles 0, int8 not -128, no E4M3 NaN), that scales are finite and
-    /// >= 0 and scale their codes to finite weights, and that mxfp4 scales are powers of two in [2^-127, 2^127] (E8M0).
+    /// produce (int4 and fp4 padding nibbles 0, int8 not -128, no E4M3 NaN), that scales are finite,
+    /// non-negative and scale their codes to finite weights, and that mxfp4 scales are powers of two in
+    /// [2^-127, 2^127] (E8M0).
     pub fn from_parts(
         scheme: QuantScheme,
         out: usize,

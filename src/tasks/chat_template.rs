@@ -7,10 +7,9 @@
 //! environment is transformers': blocks trimmed and left-stripped, loop controls, `raise_exception`, the
 //! special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) of `tokenizer_config.json`, and
 //! Python's string methods (`.strip()`, `.split()`, `.startswith()`), Python's `tojson` (no HTML escapes),
-//! `tools` and `documents` as None, and
-//! the `{% generation %}` tags of assistant-masking templates (rendering nothing). `strftime_now` renders a
-//! fixed date, Llama 3.1's own fallback (26 July 2024), so a prompt does not change with the day a run is
-//! started or resumed.
+//! `tools` and `documents` as None, and the `{% generation %}` tags of assistant-masking templates
+//! (rendering nothing). `strftime_now` renders a fixed date, Llama 3.1's own fallback (26 July 2024), so a
+//! prompt does not change with the day a run is started or resumed.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

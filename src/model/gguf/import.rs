@@ -94,7 +94,7 @@ pub fn import_gguf(
     for t in &f.tensors {
         *source_types.entry(t.ty.name().to_string()).or_insert(0) += 1;
         let hf = hf_name(&t.name, layers).ok_or_else(|| match block_of(&t.name) {
-            Some(block) if block >= layers => f.error(format!(
+            Some((block, _)) if block >= layers => f.error(format!(
                 "tensor `{}` is of block {block}, but `llama.block_count` is {layers} (blocks 0 to {}): \
                  the metadata disagrees with the tensors",
                 t.name,
@@ -270,12 +270,13 @@ fn check_no_rope_scaling(f: &GgufFile) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The Hugging Face name of a llama.cpp tensor name.
-/// The block index of a `blk.N.*` tensor name.
-fn block_of(name: &str) -> Option<usize> {
-    name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
+/// The block index and the part of a `blk.N.PART` tensor name.
+fn block_of(name: &str) -> Option<(usize, &str)> {
+    let (block, part) = name.strip_prefix("blk.")?.split_once('.')?;
+    Some((block.parse().ok()?, part))
 }
 
+/// The Hugging Face name of a llama.cpp tensor name.
 fn hf_name(name: &str, layers: usize) -> Option<String> {
     match name {
         "token_embd.weight" => return Some("model.embed_tokens.weight".into()),
@@ -283,9 +284,7 @@ fn hf_name(name: &str, layers: usize) -> Option<String> {
         "output.weight" => return Some("lm_head.weight".into()),
         _ => {}
     }
-    let rest = name.strip_prefix("blk.")?;
-    let (layer, part) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
+    let (layer, part) = block_of(name)?;
     if layer >= layers {
         return None;
     }
