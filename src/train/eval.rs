@@ -16,6 +16,29 @@ pub struct Evaluation {
     pub greedy_correct: Vec<bool>,
 }
 
+/// The keys that size an evaluation, which a too-large one is refused by.
+pub(super) const EVAL_SIZE_KEYS: &str = "eval.problems / eval.k / eval.max_new_tokens";
+/// What a held-out prompt too long for the model is called in the error.
+pub(super) const HELD_OUT: &str = "a held-out problem";
+
+/// [`crate::rollout::check_prompts_size`] for `rows` rows of `examples`' prompts (`prompts`, their
+/// encodings) and `new` tokens each: one too long for the model's positions is named by its question and
+/// `set` (a training prompt, a held-out problem), which the keys in `what` alone do not say.
+pub(super) fn check_example_prompts(
+    config: &crate::model::ModelConfig,
+    (what, rows): (&str, usize),
+    (examples, prompts): (&[Example], &[Vec<u32>]),
+    new: usize,
+    set: &str,
+) -> anyhow::Result<()> {
+    crate::rollout::check_prompts_size(config, what, rows, prompts, new, |i| {
+        format!(
+            "{set}: {}",
+            crate::rollout::shown_question(&examples[i].question)
+        )
+    })
+}
+
 /// Accuracy of `model` (plain device) on `examples` with its weights in `precision`; responses end at
 /// `end`'s tokens and at `stop_strings` (`rollout.stop`'s, so that held-out answers end as the rollouts'
 /// do).
@@ -40,18 +63,12 @@ pub fn evaluate(
         .iter()
         .map(|e| tok.encode_prompt(&e.prompt, e.with_bos))
         .collect::<anyhow::Result<_>>()?;
-    crate::rollout::check_prompts_size(
+    check_example_prompts(
         &m.config,
-        "eval.problems / eval.k / eval.max_new_tokens",
-        prompts.len().saturating_mul(cfg.k.max(1)),
-        &prompts,
+        (EVAL_SIZE_KEYS, prompts.len().saturating_mul(cfg.k.max(1))),
+        (examples, &prompts),
         cfg.max_new_tokens,
-        |i| {
-            format!(
-                "a held-out problem: {}",
-                crate::rollout::shown_question(&examples[i].question)
-            )
-        },
+        HELD_OUT,
     )?;
     // Per sample: correct or not; and the mean response length. `(temperature, top_p, top_k)`.
     let accuracy = |samples: usize,

@@ -41,6 +41,12 @@ pub struct StepOutcome {
 /// KL term is on, and the mismatch metrics), [`update`] (the policy updates). An update whose loss or
 /// gradient is not finite is skipped (the weights and optimizer state stay); `inject_nonfinite` makes
 /// every loss NaN (fault injection for tests).
+/// The keys that size a step's rollout, which a too-large one is refused by.
+pub(super) const ROLLOUT_SIZE_KEYS: &str =
+    "rollout.prompts_per_step / samples_per_prompt / max_new_tokens";
+/// What a training prompt too long for the model is called in the error.
+pub(super) const TRAINING_PROMPT: &str = "a training prompt";
+
 #[allow(clippy::too_many_arguments)]
 pub fn rl_step(
     model: &mut Decoder,
@@ -354,18 +360,12 @@ fn sample_round(
         processed_logprobs: rc.logprobs == super::config::RolloutLogprobs::Processed,
     };
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    crate::rollout::check_prompts_size(
+    super::eval::check_example_prompts(
         &model.config,
-        "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
-        prompts.len().saturating_mul(g),
-        &prompts,
+        (ROLLOUT_SIZE_KEYS, prompts.len().saturating_mul(g)),
+        (&examples, &prompts),
         rc.max_new_tokens,
-        |i| {
-            format!(
-                "a training prompt: {}",
-                crate::rollout::shown_question(&examples[i].question)
-            )
-        },
+        TRAINING_PROMPT,
     )?;
     let t_roll = Instant::now();
     let out = generate(&policy, &prompts, g, &params, Some(tok));

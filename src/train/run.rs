@@ -708,64 +708,54 @@ pub(super) fn check_step_sizes(
     tok: Option<&Tokenizer>,
 ) -> anyhow::Result<()> {
     let (r, e) = (&cfg.rollout, &cfg.eval);
-    // The longest prompt's length and its question (to name it where it is too long for the model).
-    let longest = |examples: &[Example]| -> anyhow::Result<(usize, Option<String>)> {
-        let mut longest = (1, None);
-        if let Some(tok) = tok {
-            for ex in examples {
-                let n = tok.encode_prompt(&ex.prompt, ex.with_bos)?.len();
-                if n > longest.0 {
-                    longest = (n, Some(ex.question.clone()));
-                }
-            }
-        }
-        Ok(longest)
-    };
-    // A prompt too long for the model's positions names its question and its set: the flags alone do not
-    // say which record of the data to shorten or drop.
-    let naming = |set: &'static str, question: Option<String>| {
-        move |e: crate::rollout::BudgetError| -> anyhow::Error {
-            match (&e, question) {
-                (crate::rollout::BudgetError::Positions { .. }, Some(q)) => {
-                    anyhow::anyhow!("{set}: {}: {e}", crate::rollout::shown_question(&q))
-                }
-                _ => e.into(),
-            }
-        }
-    };
-    let rollout = |prompt: usize| {
-        crate::rollout::check_rollout_size(
-            model,
-            "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
-            r.prompts_per_step.saturating_mul(r.samples_per_prompt),
-            prompt,
-            r.max_new_tokens,
-        )
-    };
+    let rollout_rows = r.prompts_per_step.saturating_mul(r.samples_per_prompt);
     // The one-token bound first: it refuses a count far too large before any prompt is made.
-    rollout(1)?;
+    crate::rollout::check_rollout_size(
+        model,
+        rl::ROLLOUT_SIZE_KEYS,
+        rollout_rows,
+        1,
+        r.max_new_tokens,
+    )?;
     let Some(task) = evaluation else {
         return Ok(());
     };
-    let eval = |prompt: usize| {
-        crate::rollout::check_rollout_size(
-            model,
-            "eval.problems / eval.k / eval.max_new_tokens",
-            task.eval_size_at_most(e.problems)
-                .saturating_mul(e.k.max(1)),
-            prompt,
-            e.max_new_tokens,
-        )
+    let eval_rows = task
+        .eval_size_at_most(e.problems)
+        .saturating_mul(e.k.max(1));
+    crate::rollout::check_rollout_size(
+        model,
+        eval::EVAL_SIZE_KEYS,
+        eval_rows,
+        1,
+        e.max_new_tokens,
+    )?;
+    let Some(tok) = tok else {
+        return Ok(());
     };
-    eval(1)?;
-    if tok.is_some() {
-        let mut training = task.training_examples().unwrap_or_default();
-        training.extend(super::rl::round_prompts(task, cfg, 0, 0));
-        let (n, question) = longest(&training)?;
-        rollout(n).map_err(naming("a training prompt", question))?;
-        let (n, question) = longest(&task.eval_set(e.problems))?;
-        eval(n).map_err(naming("a held-out problem", question))?;
-    }
+    let encoded = |examples: &[Example]| -> anyhow::Result<Vec<Vec<u32>>> {
+        examples
+            .iter()
+            .map(|ex| tok.encode_prompt(&ex.prompt, ex.with_bos))
+            .collect()
+    };
+    let mut training = task.training_examples().unwrap_or_default();
+    training.extend(super::rl::round_prompts(task, cfg, 0, 0));
+    eval::check_example_prompts(
+        model,
+        (rl::ROLLOUT_SIZE_KEYS, rollout_rows),
+        (&training, &encoded(&training)?),
+        r.max_new_tokens,
+        rl::TRAINING_PROMPT,
+    )?;
+    let held_out = task.eval_set(e.problems);
+    eval::check_example_prompts(
+        model,
+        (eval::EVAL_SIZE_KEYS, eval_rows),
+        (&held_out, &encoded(&held_out)?),
+        e.max_new_tokens,
+        eval::HELD_OUT,
+    )?;
     Ok(())
 }
 

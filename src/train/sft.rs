@@ -327,10 +327,10 @@ pub fn run_sft_with(
     crate::rollout::check_training_size(&model.config, "sft.batch_size", cfg.batch_size, longest)
         .map_err(|e| match e {
         // Named by its question: which record of the data set is too long.
-        crate::rollout::BudgetError::TrainPositions { .. } => {
-            let shown: String = longest_question.chars().take(60).collect();
-            anyhow::anyhow!("the worked example of the question {shown:?}...: {e}")
-        }
+        crate::rollout::BudgetError::TrainPositions { .. } => anyhow::anyhow!(
+            "the worked example of {}: {e}",
+            crate::rollout::shown_question(longest_question)
+        ),
         e => e.into(),
     })?;
     let bar = progress_bar(cfg.steps as u64, "sft", quiet);
