@@ -401,15 +401,19 @@ type HeldOut = BTreeMap<String, Option<(String, String, Option<String>)>>;
 
 /// How the held-out problems a finished run's evaluations logged (or the training set its marker
 /// records) differ from those its task gives now (`now`: the experiment's config of that run), where they
-/// do: an edited data file, whose new seeds would be averaged with the old ones as one arm. `None` where they agree, where the run logged no
-/// fingerprint (logs before 2026-12-05) or the task does not load here (a run made elsewhere).
+/// do: an edited data file, whose new seeds would be averaged with the old ones as one arm. `None` where
+/// they agree, where the run logged no fingerprint (logs before 2026-12-05) or the task does not load here
+/// (a run made elsewhere).
 fn held_out_change(
     run_dir: &Path,
     now: &TrainConfig,
     cache: &mut HeldOut,
 ) -> anyhow::Result<Option<String>> {
-    let Some((with_golds, first)) = logged_held_out(run_dir)? else {
-        return Ok(None);
+    let records = RunRecords::read(run_dir)?;
+    let (with_golds, first) = match (&records.problems, &records.questions) {
+        (Some(problems), _) => (true, problems),
+        (None, Some(questions)) => (false, questions),
+        (None, None) => return Ok(None),
     };
     let key = serde_json::json!([now.task.with_defaults(), now.eval.problems]).to_string();
     let current = cache.entry(key).or_insert_with(|| {
@@ -426,13 +430,12 @@ fn held_out_change(
         return Ok(None);
     };
     let held_out = if with_golds { problems } else { questions };
-    if *held_out != first {
+    if held_out != first {
         return Ok(Some(format!(
             "held-out problems {first} when it ran, {held_out} now: its data file changed"
         )));
     }
-    let recorded: serde_json::Value = crate::io::read_json(&marker(run_dir))?;
-    Ok(match (recorded["train_data"].as_str(), training) {
+    Ok(match (&records.train_data, training) {
         (Some(then), Some(now)) if then != now => Some(format!(
             "training data {then} when it ran, {now} now: its data file changed"
         )),
@@ -440,29 +443,41 @@ fn held_out_change(
     })
 }
 
-/// The held-out problems a run's evaluations logged: the fingerprint of the questions with their golds
-/// (`true`) where its log has it, else of the questions alone (logs from 2026-12-05 on); `None` for older
-/// logs.
-fn logged_held_out(run_dir: &Path) -> anyhow::Result<Option<(bool, String)>> {
-    if let Some(f) = logged_fingerprint(run_dir, names::EVAL_PROBLEMS_FINGERPRINT)? {
-        return Ok(Some((true, f)));
-    }
-    Ok(logged_fingerprint(run_dir, names::EVAL_QUESTIONS_FINGERPRINT)?.map(|f| (false, f)))
+/// What a finished run recorded of what it trained on and answered: its marker's start model and
+/// training data, and the held-out fingerprints its evaluations logged, the questions and the questions
+/// with their golds (each `None` where the run is older than the record).
+struct RunRecords {
+    start_model: Option<String>,
+    train_data: Option<String>,
+    questions: Option<String>,
+    problems: Option<String>,
 }
 
-/// The value of `key` that a run's evaluations logged (`None` where none did); evaluations of one run
-/// that logged different ones are an error (its data changed while it ran).
-fn logged_fingerprint(run_dir: &Path, key: &str) -> anyhow::Result<Option<String>> {
-    let metrics = run_dir.join("metrics.jsonl");
-    let rows = read_rows(&metrics, BadLines::TornLastOnly)?;
-    let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
-    one_logged(&evals, key).map_err(|values| {
-        anyhow::anyhow!(
-            "{}: its evaluations logged different `{key}` ({}): its data files changed while it ran",
-            metrics.display(),
-            values.join(", ")
-        )
-    })
+impl RunRecords {
+    /// Reads the marker and the metrics log of the finished run in `run_dir`; evaluations of one run that
+    /// logged different fingerprints are an error (its data changed while it ran).
+    fn read(run_dir: &Path) -> anyhow::Result<Self> {
+        let recorded: serde_json::Value = crate::io::read_json(&marker(run_dir))?;
+        let metrics = run_dir.join("metrics.jsonl");
+        let rows = read_rows(&metrics, BadLines::TornLastOnly)?;
+        let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
+        let logged = |key: &str| {
+            one_logged(&evals, key).map_err(|values| {
+                anyhow::anyhow!(
+                    "{}: its evaluations logged different `{key}` ({}): its data files changed while it ran",
+                    metrics.display(),
+                    values.join(", ")
+                )
+            })
+        };
+        let marked = |key: &str| recorded[key].as_str().map(str::to_string);
+        Ok(Self {
+            start_model: marked("start_model"),
+            train_data: marked("train_data"),
+            questions: logged(names::EVAL_QUESTIONS_FINGERPRINT)?,
+            problems: logged(names::EVAL_PROBLEMS_FINGERPRINT)?,
+        })
+    }
 }
 
 /// The one string value of `key` on the rows that have it (`None` where none has it), or the values where
@@ -488,7 +503,7 @@ pub fn check_report(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
         .ok();
     let finished = check_finished_runs(path, exp, configs.as_ref(), false)?;
     check_shared_warm_starts(path, &[], &finished)?;
-    check_start_models(path, exp)
+    check_seeds_alike(path, exp)
 }
 
 /// The model each finished run of `v` started from (`start_model` in its marker: the fingerprint of its
@@ -496,13 +511,12 @@ pub fn check_report(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
 fn start_models(exp: &ExperimentConfig, v: &Variant) -> anyhow::Result<Vec<(u64, String)>> {
     let mut models = Vec::new();
     for &seed in &exp.seeds {
-        let m = marker(&exp.results().join(&v.name).join(format!("seed{seed}")));
-        if !m.is_file() {
+        let run_dir = exp.results().join(&v.name).join(format!("seed{seed}"));
+        if !marker(&run_dir).is_file() {
             continue;
         }
-        let recorded: serde_json::Value = crate::io::read_json(&m)?;
-        if let Some(model) = recorded["start_model"].as_str() {
-            models.push((seed, model.to_string()));
+        if let Some(model) = RunRecords::read(&run_dir)?.start_model {
+            models.push((seed, model));
         }
     }
     Ok(models)
@@ -512,34 +526,21 @@ fn start_models(exp: &ExperimentConfig, v: &Variant) -> anyhow::Result<Vec<(u64,
 /// `model.base` or `model.dir` swapped between seeds, which a finished run may change: its folders may
 /// move), trained on different data or were evaluated on different held-out problems (a data file edited
 /// between seeds): their mean would average two experiments as one arm.
-fn check_start_models(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
+fn check_seeds_alike(path: &Path, exp: &ExperimentConfig) -> anyhow::Result<()> {
     for v in &exp.variants {
         let mut seen: BTreeMap<&str, (u64, String)> = BTreeMap::new();
         for &seed in &exp.seeds {
             let run_dir = exp.results().join(&v.name).join(format!("seed{seed}"));
-            let m = marker(&run_dir);
-            if !m.is_file() {
+            if !marker(&run_dir).is_file() {
                 continue;
             }
-            let recorded: serde_json::Value = crate::io::read_json(&m)?;
+            let records = RunRecords::read(&run_dir)?;
             // Each compared where both seeds recorded it (older runs lack the later records).
             let facts = [
-                (
-                    "model (files fingerprint)",
-                    recorded["start_model"].as_str().map(str::to_string),
-                ),
-                (
-                    "training data",
-                    recorded["train_data"].as_str().map(str::to_string),
-                ),
-                (
-                    "held-out questions",
-                    logged_fingerprint(&run_dir, names::EVAL_QUESTIONS_FINGERPRINT)?,
-                ),
-                (
-                    "held-out gold answers",
-                    logged_fingerprint(&run_dir, names::EVAL_PROBLEMS_FINGERPRINT)?,
-                ),
+                ("model (files fingerprint)", records.start_model),
+                ("training data", records.train_data),
+                ("held-out questions", records.questions),
+                ("held-out gold answers", records.problems),
             ];
             for (what, value) in facts {
                 let Some(value) = value else { continue };
@@ -638,7 +639,7 @@ pub fn run_experiment(
         }
     }
     check_shared_warm_starts(path, &runs, &finished)?;
-    check_start_models(path, &exp)?;
+    check_seeds_alike(path, &exp)?;
     // One experiment process per results directory (each run directory is locked by its run as well).
     let _lock = super::lock::RunLock::acquire(&results)?;
     exp.claim_results(path, &results)?;
@@ -678,7 +679,7 @@ pub fn run_experiment(
             }),
         )?;
     }
-    check_start_models(path, &exp)?;
+    check_seeds_alike(path, &exp)?;
     let report = write_report(&exp, &results)?;
     Ok(report)
 }
