@@ -386,6 +386,17 @@ pub fn questions_fingerprint(questions: &[String]) -> String {
     format!("{:016x}", stable_hash(&text))
 }
 
+/// A fingerprint of problems: each question with its gold answer (the questions alone,
+/// `eval/questions_fingerprint`, miss an edited gold), logged on every evaluation as
+/// `eval/problems_fingerprint`.
+pub fn problems_fingerprint(examples: &[Example]) -> String {
+    let items: Vec<String> = examples
+        .iter()
+        .map(|e| format!("{}\u{1f}{}", e.question, e.answer))
+        .collect();
+    questions_fingerprint(&items)
+}
+
 fn arithmetic_is_eval(prompt: &str) -> bool {
     stable_hash(prompt).is_multiple_of(ARITHMETIC_EVAL_MODULUS)
 }
@@ -539,16 +550,9 @@ impl Task {
         Some(questions_fingerprint(&items))
     }
 
-    /// A fingerprint of the held-out problems [`Self::eval_set`]`(n)` holds: each question with its gold
-    /// answer (the questions alone, `eval/questions_fingerprint`, miss an edited gold), logged on every
-    /// evaluation as `eval/problems_fingerprint`.
+    /// [`problems_fingerprint`] of the held-out problems [`Self::eval_set`]`(n)` holds.
     pub fn problems_fingerprint(&self, n: usize) -> String {
-        let items: Vec<String> = self
-            .eval_set(n)
-            .iter()
-            .map(|e| format!("{}\u{1f}{}", e.question, e.answer))
-            .collect();
-        questions_fingerprint(&items)
+        problems_fingerprint(&self.eval_set(n))
     }
 
     /// How many examples [`Self::eval_set`]`(n)` holds at most: `n`, or fewer where a data set holds out

@@ -477,6 +477,7 @@ impl<'a> Evaluator<'a> {
                 problems.len()
             );
         }
+        let problems_fingerprint = crate::tasks::problems_fingerprint(&problems);
         Self {
             cfg,
             tok,
@@ -486,7 +487,7 @@ impl<'a> Evaluator<'a> {
             fingerprint: crate::tasks::questions_fingerprint(
                 &task.eval_questions(cfg.eval.problems),
             ),
-            problems_fingerprint: task.problems_fingerprint(cfg.eval.problems),
+            problems_fingerprint,
             quiet,
         }
     }
