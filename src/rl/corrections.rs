@@ -102,6 +102,18 @@ pub enum Rejected {
     ZeroWeight,
 }
 
+impl Rejected {
+    /// Takes `kept` (1 where a token stays, 0 where it is rejected) into the loss mask (`Dropped`) or the
+    /// weight (`ZeroWeight`).
+    fn apply(self, kept: Tensor<2>, keep: &mut Tensor<2>, weight: &mut Tensor<2>) {
+        let target = match self {
+            Rejected::Dropped => keep,
+            Rejected::ZeroWeight => weight,
+        };
+        *target = target.clone() * kept;
+    }
+}
+
 impl CorrectionConfig {
     /// The config name of this correction's kind.
     pub fn name(&self) -> &'static str {
@@ -193,11 +205,7 @@ pub fn mismatch_correction(
                 importance_weight,
                 rejected,
             } => {
-                let inside = inside(log_rho.clone(), low, high);
-                match rejected {
-                    Rejected::Dropped => keep = keep * inside,
-                    Rejected::ZeroWeight => weight = weight * inside,
-                }
+                rejected.apply(inside(log_rho.clone(), low, high), &mut keep, &mut weight);
                 if importance_weight {
                     weight = weight * bounded_exp(log_rho.clone());
                 }
@@ -209,10 +217,7 @@ pub fn mismatch_correction(
             } => {
                 let log_rho_seq = masked_row_sum(log_rho.clone(), mask);
                 let kept = log_rho_seq.clone().lower_equal_elem(cap.ln()).float();
-                match rejected {
-                    Rejected::Dropped => keep = keep * over_tokens(kept, t),
-                    Rejected::ZeroWeight => weight = weight * over_tokens(kept, t),
-                }
+                rejected.apply(over_tokens(kept, t), &mut keep, &mut weight);
                 if importance_weight {
                     weight = weight * over_tokens(bounded_exp(log_rho_seq), t);
                 }
@@ -224,10 +229,7 @@ pub fn mismatch_correction(
             } => {
                 let log_geo_mean = masked_row_mean(log_rho.clone(), mask);
                 let kept = over_tokens(inside(log_geo_mean, low, high), t);
-                match rejected {
-                    Rejected::Dropped => keep = keep * kept,
-                    Rejected::ZeroWeight => weight = weight * kept,
-                }
+                rejected.apply(kept, &mut keep, &mut weight);
             }
         }
     }
