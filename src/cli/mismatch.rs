@@ -184,7 +184,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         crate::io::write_json_atomic(out, &meta)?;
         let mut md = format!(
             "Rollout/learner mismatch on {} ({} prompts x {} samples, T = {}, up to {} new tokens, seed {}; \
-             template `{}`{}{}; backend {}). \
+             template `{}`{}; backend {}). \
              Rollout `f32` is the floor: the f32 sampler against the f32 forward. Error-token fractions \
              (docs/metrics.md): `ratio`, the sampler over 20x more confident than the learner; `low prob`, \
              learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n\
@@ -196,8 +196,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
              |---|---|---|---|---|---|---|---|---|---|---|---|\n",
             path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed,
             args.template,
-            args.system.as_deref().map_or(String::new(), |s| format!(", system {s:?}")),
-            args.enable_thinking.map_or(String::new(), |t| format!(", enable_thinking {t}")),
+            crate::train::compare::prompt_switches(args.system.as_deref(), args.enable_thinking),
             args.backend
         );
         for r in &rows {

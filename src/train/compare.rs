@@ -136,7 +136,7 @@ struct EvalProblem {
     gold: Option<String>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct EvalSummary {
     precision: Option<String>,
     #[serde(default)]
@@ -163,7 +163,12 @@ struct EvalSummary {
 /// How prompts were rendered, in words: the template (`chat`: the model's own, `chatml`, `plain`, or a
 /// plain template's prefixes, `arithmetic`'s own), with the system turn and `enable_thinking` where set.
 pub fn prompt_text(template: &str, system: Option<&str>, enable_thinking: Option<bool>) -> String {
-    let mut text = template.to_string();
+    format!("{template}{}", prompt_switches(system, enable_thinking))
+}
+
+/// A chat template's switches in words, where set: `, system "..."` and `, enable_thinking false`.
+pub fn prompt_switches(system: Option<&str>, enable_thinking: Option<bool>) -> String {
+    let mut text = String::new();
     if let Some(s) = system {
         text.push_str(&format!(", system {s:?}"));
     }
@@ -219,26 +224,14 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
-    let (recorded, activations, summary_accuracy, verify, stop_strings, max_new_tokens, prompt) =
-        match out.summary {
-            Some(s) => {
-                check_summary_count(path, s.problems.as_ref(), out.problems.len())?;
-                let prompt = s
-                    .template
-                    .as_deref()
-                    .map(|t| prompt_text(t, s.system.as_deref(), s.enable_thinking));
-                (
-                    s.precision,
-                    s.activations,
-                    s.accuracy,
-                    s.verify,
-                    s.stop_strings,
-                    s.max_new_tokens,
-                    prompt,
-                )
-            }
-            None => (None, None, None, None, None, None, None),
-        };
+    // A file without a summary records nothing beside its outcomes.
+    let s = out.summary.unwrap_or_default();
+    check_summary_count(path, s.problems.as_ref(), out.problems.len())?;
+    let prompt = s
+        .template
+        .as_deref()
+        .map(|t| prompt_text(t, s.system.as_deref(), s.enable_thinking));
+    let recorded = s.precision;
     if let (Some(asked), Some(have)) = (precision, &recorded) {
         if asked != have {
             bail!(
@@ -255,7 +248,10 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         .unzip();
     // The summary's accuracy and the outcomes compared are one measurement: a file edited in one place
     // and not the other is refused, not read either way.
-    if let Some(acc) = summary_accuracy.filter(|&a| !super::paired::accuracy_agrees(a, &correct)) {
+    if let Some(acc) = s
+        .accuracy
+        .filter(|&a| !super::paired::accuracy_agrees(a, &correct))
+    {
         bail!(
             "{}: its summary's accuracy {acc} is not that of its problems' outcomes ({}): the file was \
              changed after `qarl eval` wrote it",
@@ -268,10 +264,10 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         identity: canonical(path),
         content: crate::tasks::stable_hash(&text),
         precision: recorded,
-        activations,
-        verify,
-        stop_strings,
-        max_new_tokens,
+        activations: s.activations,
+        verify: s.verify,
+        stop_strings: s.stop_strings,
+        max_new_tokens: s.max_new_tokens,
         questions,
         golds,
         prompt,
