@@ -226,16 +226,13 @@ pub fn quantize_checkpoint(
         .collect();
     // The format in the file too: config.json alone said how to read the codes, and two formats of one
     // shape (mxfp4 and int4-g32) read as each other without error, as garbage.
-    let metadata = [
-        ("format", "pt".to_string()),
+    let metadata = std::collections::HashMap::from([
+        ("format".to_string(), "pt".to_string()),
         (
-            super::checkpoint::SCHEME_METADATA,
+            super::checkpoint::SCHEME_METADATA.to_string(),
             cfg.scheme.name().to_string(),
         ),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect();
+    ]);
     crate::io::write_safetensors_with_metadata(
         &dst.join(super::checkpoint::SINGLE_FILE),
         &entries,

@@ -226,6 +226,14 @@ fn fixed_date(format: String) -> Result<String, minijinja::Error> {
     Ok(out)
 }
 
+/// The escapes minijinja's `tojson` writes for HTML, with the characters they stand for.
+const HTML_ESCAPES: [(&str, char); 4] = [
+    ("\\u003c", '<'),
+    ("\\u003e", '>'),
+    ("\\u0026", '&'),
+    ("\\u0027", '\''),
+];
+
 /// transformers' `tojson` (`json.dumps(value, ensure_ascii=False)`, `", "` and `": "` between items,
 /// `indent` for pretty printing): minijinja's own, which also escapes `<`, `>`, `&` and `'` for HTML
 /// (`\u003c`: a tool schema of `a<b` rendered to other tokens), with those escapes undone.
@@ -242,13 +250,7 @@ fn python_tojson(
     while let Some(at) = rest.find('\\') {
         out.push_str(&rest[..at]);
         let escape = &rest[at..];
-        let html = [
-            ("\\u003c", '<'),
-            ("\\u003e", '>'),
-            ("\\u0026", '&'),
-            ("\\u0027", '\''),
-        ];
-        match html.iter().find(|(e, _)| escape.starts_with(e)) {
+        match HTML_ESCAPES.iter().find(|(e, _)| escape.starts_with(e)) {
             Some((e, c)) => {
                 out.push(*c);
                 rest = &escape[e.len()..];
