@@ -196,14 +196,18 @@ fn template_errors_name_the_file() {
     );
     // A reasoning model's template (its prompt opens a `<think>` block that past turns leave out): prompts
     // render (evaluation, RL), but no SFT completion can be split from a conversation.
-    let think = tmp.path().join("think");
-    std::fs::create_dir_all(&think).unwrap();
-    std::fs::write(
-        think.join("chat_template.jinja"),
+    // A model folder named `name` holding only `chat_template.jinja` with `source`.
+    let jinja_model = |name: &str, source: &str| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("chat_template.jinja"), source).unwrap();
+        dir
+    };
+    let think = jinja_model(
+        "think",
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
          {% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
-    )
-    .unwrap();
+    );
     let template = Template::chat_for_model(&think, None, None).unwrap();
     assert!(template
         .render_prompt("2 + 3?")
@@ -215,13 +219,7 @@ fn template_errors_name_the_file() {
         .to_string();
     assert!(err.contains("does not start with its prompt"), "{err}");
     // A template that does not parse.
-    let broken = tmp.path().join("broken");
-    std::fs::create_dir_all(&broken).unwrap();
-    std::fs::write(
-        broken.join("chat_template.jinja"),
-        "{% for m in messages %}",
-    )
-    .unwrap();
+    let broken = jinja_model("broken", "{% for m in messages %}");
     let err = Template::chat_for_model(&broken, None, None)
         .unwrap_err()
         .to_string();
@@ -230,14 +228,11 @@ fn template_errors_name_the_file() {
         "{err}"
     );
     // A template that would loop for some 10^12 steps is stopped, not waited for (it hung for minutes).
-    let looping = tmp.path().join("looping");
-    std::fs::create_dir_all(&looping).unwrap();
-    std::fs::write(
-        looping.join("chat_template.jinja"),
+    let looping = jinja_model(
+        "looping",
         "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100) %}\
          {% endfor %}{% endfor %}{% endfor %}",
-    )
-    .unwrap();
+    );
     let err = Template::chat_for_model(&looping, None, None)
         .unwrap_err()
         .to_string();

@@ -520,10 +520,7 @@ fn mismatch_refuses_zero_samples_and_temperature() {
 fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    let init = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("configs/models/qwen3-moe-arith.json");
-    qarl::model::init::write_random_checkpoint(&init, &model, 7, 1.0).unwrap();
-    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    common::arith_model(&model, 7, 1.0);
     let data = tmp.path().join("problems.jsonl");
     std::fs::write(
         &data,
@@ -2048,10 +2045,7 @@ fn a_missing_qarl_font_is_named() {
 fn eval_and_mismatch_name_the_question_too_long_for_the_model() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    let init = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("configs/models/qwen3-moe-arith.json");
-    qarl::model::init::write_random_checkpoint(&init, &model, 7, 0.02).unwrap();
-    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    common::arith_model(&model, 7, 0.02);
     let data = tmp.path().join("problems.jsonl");
     let long = format!("{}?", "1+".repeat(300));
     std::fs::write(

@@ -69,9 +69,7 @@ fn nan_logits_fail_generate_naming_the_token_and_row() {
 /// A random tiny Qwen3-MoE with the arithmetic task's character tokenizer in `dir`, its final norm's weight
 /// all NaN when `nan` is set.
 fn arith_model(dir: &Path, nan: bool) {
-    let init = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
-    qarl::model::init::write_random_checkpoint(&init, dir, 7, 0.02).unwrap();
-    qarl::tasks::char_tokenizer::save(dir).unwrap();
+    common::arith_model(dir, 7, 0.02);
     if nan {
         let file = dir.join("model.safetensors");
         let mut tensors = common::read_tensors(&file);

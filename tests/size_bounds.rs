@@ -79,9 +79,7 @@ fn rollout_sizes_past_the_positions_or_the_memory_are_refused() {
 fn eval_mismatch_and_train_budgets_are_checked_against_the_model() {
     let tmp = tempfile::tempdir().unwrap();
     let model = tmp.path().join("model");
-    let init = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
-    qarl::model::init::write_random_checkpoint(&init, &model, 7, 0.02).unwrap();
-    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    common::arith_model(&model, 7, 0.02);
     let data = tmp.path().join("problems.jsonl");
     std::fs::write(&data, "{\"question\": \"1+2?\", \"answer\": \"#### 3\"}\n").unwrap();
     let (model, data) = (model.to_str().unwrap(), data.to_str().unwrap());

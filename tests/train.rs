@@ -1412,9 +1412,7 @@ fn template_stop_ends_rollouts_at_the_tasks_stop_string() {
     use qarl::train::config::RolloutStop;
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
-    let init = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
-    qarl::model::init::write_random_checkpoint(&init, &dir, 7, 0.02).unwrap();
-    qarl::tasks::char_tokenizer::save(&dir).unwrap();
+    common::arith_model(&dir, 7, 0.02);
     let mut cfg = tiny_config(tmp.path(), "aligned", 1);
     cfg.rollout.max_new_tokens = 40;
     let model = Decoder::load(&dir, &Device::flex()).unwrap();

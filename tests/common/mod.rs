@@ -8,6 +8,14 @@ use serde::Deserialize;
 
 pub mod moe;
 
+/// A random tiny Qwen3-MoE (`configs/models/qwen3-moe-arith.json`, weights drawn with `seed` and
+/// `init_std`) with the arithmetic task's character tokenizer, written into `dir`.
+pub fn arith_model(dir: &Path, seed: u64, init_std: f32) {
+    let init = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen3-moe-arith.json");
+    qarl::model::init::write_random_checkpoint(&init, dir, seed, init_std).unwrap();
+    qarl::tasks::char_tokenizer::save(dir).unwrap();
+}
+
 /// Directory of the committed transformers fixtures.
 pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf")
