@@ -549,6 +549,12 @@ fn check_activation(k: &Keys) -> Result<(), LoadError> {
 }
 
 impl ModelConfig {
+    /// The experts a token is routed to (`num_experts_per_tok`), 0 for a dense model: the width of a
+    /// token's routing record.
+    pub fn experts_per_token(&self) -> usize {
+        self.moe.as_ref().map_or(0, |m| m.num_experts_per_tok)
+    }
+
     /// Reads `config.json` (the file itself, or the model directory that holds it).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, LoadError> {
         let mut path: PathBuf = path.as_ref().to_path_buf();

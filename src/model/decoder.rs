@@ -394,7 +394,7 @@ impl Decoder {
         let x = without_pad_gradient(x, &flat, cfg.pad_token_id);
         let mut x = as_dtype(x, self.activations.dtype());
 
-        let top_k = cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok);
+        let top_k = cfg.experts_per_token();
         let replay_on_device = replay.map(|rp| upload_routing(rp, top_k, &device));
         let mut routing = Vec::with_capacity(self.layers.len());
         for (i, layer) in self.layers.iter().enumerate() {

@@ -135,12 +135,7 @@ impl SeqBatch {
         replay: Option<&[Option<Vec<u32>>]>,
         opts: ForwardOptions,
     ) -> (Tensor<2>, ResponseForward) {
-        let k = model
-            .config
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.num_experts_per_tok);
-        let groups = self.prompt_groups_routed(replay, k);
+        let groups = self.prompt_groups_routed(replay, model.config.experts_per_token());
         let shared = opts.sharing == PrefixSharing::Auto && groups.len() < self.seqs.len();
         let reads = crate::host::ReadCount::start();
         let (hidden, rows, routing, padded_len) = if shared {
@@ -321,11 +316,7 @@ impl SeqBatch {
         // `prompt_len + q` of its row. Positions past a row's tokens get placeholders (never scored).
         let slice_replay = |rows: &[usize], starts: &[usize], counts: &[usize], width: usize| {
             replay.map(|rp| {
-                let k = model
-                    .config
-                    .moe
-                    .as_ref()
-                    .map_or(0, |m| m.num_experts_per_tok);
+                let k = model.config.experts_per_token();
                 (0..layers)
                     .map(|l| {
                         let full = rp.get(l)?.as_ref()?;

@@ -417,11 +417,7 @@ pub fn score<'a>(
     m: &mut BTreeMap<String, f64>,
 ) -> anyhow::Result<Scored<'a>> {
     let (rc, tc, out) = (&cfg.rollout, &cfg.train, &c.rollout);
-    let top_k = model
-        .config
-        .moe
-        .as_ref()
-        .map_or(0, |moe| moe.num_experts_per_tok);
+    let top_k = model.config.experts_per_token();
     let seqs: Vec<Vec<u32>> = c.rows.iter().map(|&r| out.ids[r].clone()).collect();
     let plens: Vec<usize> = c.rows.iter().map(|&r| out.prompt_lens[r]).collect();
     let batch = SeqBatch::new(seqs, plens);
