@@ -192,6 +192,13 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
             "unknown GGML type id 99",
         ),
         (
+            edited(d, "iq4_nl.gguf", |b| {
+                let at = first_tensor_info(b) + 8 + 17 + 4 + 16;
+                b[at..at + 4].copy_from_slice(&20u32.to_le_bytes());
+            }),
+            "GGML type IQ4_NL is not supported (supported:",
+        ),
+        (
             edited(d, "offset.gguf", |b| {
                 let at = first_tensor_info(b) + 8 + 17 + 4 + 16 + 4;
                 b[at..at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
@@ -777,4 +784,51 @@ fn add_bos_and_add_eos_tokens_are_imported() {
         assert_eq!(tc["add_bos_token"], bos);
         assert_eq!(tc["add_eos_token"], eos);
     }
+}
+
+/// Only control tokens (type 3) are imported as special; user-defined ones (type 4: what llama.cpp's
+/// converter writes for an HF model's added tokens that are not special, such as `<think>`) stay added
+/// tokens whose text a response keeps, as transformers and llama.cpp render them (they were dropped from
+/// every text the verifier read).
+#[test]
+fn user_defined_tokens_are_added_but_not_special() {
+    let tmp = tempfile::tempdir().unwrap();
+    let d = tmp.path();
+    let n = fixture_vocab();
+    let types = "tokenizer.ggml.token_type";
+    let mut ty = vec![1i32; n];
+    ty[5] = 4;
+    ty[6] = 3;
+    let file = edited(d, "user.gguf", |b| {
+        rename_key(b, types);
+        with_kvs(
+            b,
+            &[kv_array(
+                types,
+                5,
+                &ty.iter()
+                    .map(|t| t.to_le_bytes().to_vec())
+                    .collect::<Vec<_>>(),
+            )],
+        );
+    });
+    let out = d.join("user");
+    import_gguf(&file, &out, OutputDtype::F32).unwrap();
+    let added = read_json(&out.join("tokenizer.json"))["added_tokens"].clone();
+    let special_of = |id: u64| {
+        added
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["id"] == id)
+            .map(|t| t["special"].as_bool().unwrap())
+    };
+    assert_eq!(special_of(5), Some(false), "{added}");
+    assert_eq!(special_of(6), Some(true), "{added}");
+    let tok = qarl::model::Tokenizer::load_optional(&out)
+        .unwrap()
+        .unwrap();
+    let user_text = tok.decode(&[5]).unwrap();
+    assert!(!user_text.is_empty());
+    assert_eq!(tok.decode_without_special(&[5, 6]).unwrap(), user_text);
 }

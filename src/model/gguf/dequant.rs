@@ -66,6 +66,32 @@ impl GgmlType {
         })
     }
 
+    /// The ggml.h name of a type id this reader has no variant for (the i-quants, the integer and f64
+    /// types, ternary and MX formats), so that a refusal names a real type as one not supported instead of
+    /// reading like a damaged file.
+    pub fn other_name(id: u32) -> Option<&'static str> {
+        Some(match id {
+            16 => "IQ2_XXS",
+            17 => "IQ2_XS",
+            18 => "IQ3_XXS",
+            19 => "IQ1_S",
+            20 => "IQ4_NL",
+            21 => "IQ3_S",
+            22 => "IQ2_S",
+            23 => "IQ4_XS",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            29 => "IQ1_M",
+            34 => "TQ1_0",
+            35 => "TQ2_0",
+            39 => "MXFP4",
+            _ => return None,
+        })
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "F32",

@@ -348,8 +348,13 @@ impl GgufFile {
         let file_len = map.len() as u64;
         let mut tensors = Vec::with_capacity(raw.len());
         for (name, dims, ty, offset) in raw {
-            let ty = GgmlType::from_id(ty)
-                .ok_or_else(|| err(format!("tensor `{name}`: unknown GGML type id {ty}")))?;
+            let ty = GgmlType::from_id(ty).ok_or_else(|| match GgmlType::other_name(ty) {
+                Some(known) => err(format!(
+                    "tensor `{name}`: {}",
+                    super::dequant::DequantError::Unsupported { ty: known }
+                )),
+                None => err(format!("tensor `{name}`: unknown GGML type id {ty}")),
+            })?;
             let elements = dims
                 .iter()
                 .try_fold(1u64, |a, &d| a.checked_mul(d))

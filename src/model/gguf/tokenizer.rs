@@ -94,9 +94,12 @@ pub fn hf_tokenizer(f: &GgufFile) -> Result<(Json, Json), GgufError> {
         .zip(&types)
         .enumerate()
         .filter(|(_, (_, &ty))| ty == CONTROL || ty == USER_DEFINED)
-        .map(|(id, (t, _))| {
+        // Only control tokens are special: llama.cpp's converter writes an HF model's added tokens that
+        // are not special (`<think>`) as user-defined, and renders them in text, as transformers does;
+        // marked special, they vanished from every response the verifier read.
+        .map(|(id, (t, &ty))| {
             json!({"id": id, "content": t, "single_word": false, "lstrip": false, "rstrip": false,
-                   "normalized": false, "special": true})
+                   "normalized": false, "special": ty == CONTROL})
         })
         .collect();
     // A special token's id, when the key is present: an unsigned integer naming a token of the vocabulary.
