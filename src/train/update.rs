@@ -131,7 +131,7 @@ pub fn update(
     let loss_fn: PolicyLoss = tc.loss.clone().resolve()?;
     let minibatches = minibatches(rows, tc.minibatch_size, cfg.rollout.samples_per_prompt);
     let lr = lr_at(tc.lr, tc.lr_schedule, tc.warmup_steps, step, tc.steps);
-    let mut loss_metrics: BTreeMap<String, f64> = BTreeMap::new();
+    let mut loss_metrics = UpdateMeans::default();
     let mut outcome = UpdateOutcome::default();
     let mut updates = 0usize;
     let t_train = Instant::now();
@@ -168,9 +168,7 @@ pub fn update(
                 continue;
             }
             outcome.grad_norms.push(norm);
-            for (k, v) in g.metrics.to_map() {
-                *loss_metrics.entry(k).or_default() += v;
-            }
+            loss_metrics.add(&g.metrics);
             let t_optim = Instant::now();
             let mut grads = g.grads;
             clip_to_global_norm(model, &mut grads, norm, tc.grad_clip);
@@ -188,9 +186,7 @@ pub fn update(
             }
         }
     }
-    for (k, v) in loss_metrics {
-        m.insert(k, v / updates.max(1) as f64);
-    }
+    loss_metrics.record(step, m);
     perf.record(m);
     let t_delta = Instant::now();
     update_lp_delta_metrics(model, s, cfg, m);
@@ -198,6 +194,55 @@ pub fn update(
     m.insert("perf/update_s".into(), t_train.elapsed().as_secs_f64());
     m.insert("actor/lr".into(), lr);
     Ok(outcome)
+}
+
+/// The loss metrics of a step's updates, averaged over them. Most are verl's means over updates (each
+/// update counts once, as verl's `reduce_metrics` counts each micro-batch); the sequence means
+/// ([`SEQUENCE_MEANS`]) are weighted by the sequences each update had in its loss, so an update whose
+/// corrections rejected every sequence adds nothing to them instead of a 0 (a ratio cannot be 0: `geo_rs`
+/// rejecting 2 of 4 minibatches logged `seq_ratio_mean` 0.5 for ratios of about 1).
+#[derive(Default)]
+struct UpdateMeans {
+    /// Name -> (weighted sum, sum of weights).
+    sums: BTreeMap<String, (f64, f64)>,
+}
+
+/// The per-sequence means of [`LossMetrics`], weighted by `loss_sequences` across updates.
+const SEQUENCE_MEANS: [&str; 2] = ["actor/seq_ratio_mean", "actor/mismatch_weight_mean"];
+
+impl UpdateMeans {
+    fn add(&mut self, metrics: &LossMetrics) {
+        for (k, v) in metrics.to_map() {
+            let weight = if SEQUENCE_MEANS.contains(&k.as_str()) {
+                metrics.loss_sequences
+            } else {
+                1.0
+            };
+            let sum = self.sums.entry(k).or_default();
+            sum.0 += v * weight;
+            sum.1 += weight;
+        }
+    }
+
+    /// Writes the means into the step's metrics. A sequence mean no update had a sequence for is left out
+    /// (no value, rather than a 0 that reads as a collapsed ratio), with a warning.
+    fn record(self, step: usize, m: &mut BTreeMap<String, f64>) {
+        let mut unlogged = Vec::new();
+        for (k, (sum, weight)) in self.sums {
+            if weight > 0.0 {
+                m.insert(k, sum / weight);
+            } else if SEQUENCE_MEANS.contains(&k.as_str()) {
+                unlogged.push(k);
+            }
+        }
+        if !unlogged.is_empty() {
+            tracing::warn!(
+                step,
+                "no sequence was left in any update's loss (the corrections rejected them all): {} not logged",
+                unlogged.join(", ")
+            );
+        }
+    }
 }
 
 /// One minibatch's loss, its metrics and the gradient of the loss.
@@ -686,6 +731,44 @@ mod tests {
         // A minibatch smaller than a group splits rows.
         assert_eq!(sizes(16, 3, 8), [3, 3, 3, 3, 2, 2]);
         assert_eq!(sizes(0, 32, 8), Vec::<usize>::new());
+    }
+
+    /// An update whose corrections rejected every sequence adds nothing to the sequence means (it added a
+    /// 0, halving `seq_ratio_mean`), while verl's plain means still count every update once; a step with
+    /// no sequence in any update logs no sequence mean at all.
+    #[test]
+    fn sequence_means_skip_updates_without_sequences() {
+        let metrics =
+            |seq_ratio: f64, clipfrac: f64, sequences: f64| crate::rl::losses::LossMetrics {
+                pg_loss: 0.0,
+                pg_clipfrac: clipfrac,
+                pg_clipfrac_lower: 0.0,
+                ppo_kl: 0.0,
+                seq_ratio_mean: seq_ratio,
+                mismatch_weight_mean: seq_ratio,
+                kept_token_frac: 1.0,
+                kl_loss: None,
+                loss_tokens: sequences * 3.0,
+                loss_sequences: sequences,
+            };
+        let mut means = super::UpdateMeans::default();
+        means.add(&metrics(1.25, 0.5, 4.0));
+        means.add(&metrics(0.0, 0.0, 0.0));
+        means.add(&metrics(1.0, 0.25, 1.0));
+        let mut m = BTreeMap::new();
+        means.record(3, &mut m);
+        assert_eq!(m["actor/seq_ratio_mean"], (1.25 * 4.0 + 1.0) / 5.0);
+        assert_eq!(m["actor/mismatch_weight_mean"], 1.2);
+        assert_eq!(m["actor/pg_clipfrac"], 0.25);
+        assert_eq!(m["actor/loss_sequences"], 5.0 / 3.0);
+
+        let mut empty = super::UpdateMeans::default();
+        empty.add(&metrics(0.0, 0.0, 0.0));
+        let mut m = BTreeMap::new();
+        empty.record(3, &mut m);
+        assert!(!m.contains_key("actor/seq_ratio_mean"), "{m:?}");
+        assert!(!m.contains_key("actor/mismatch_weight_mean"), "{m:?}");
+        assert_eq!(m["actor/pg_loss"], 0.0);
     }
 
     use super::*;
