@@ -1008,6 +1008,42 @@ fn verifier_rewards() {
     .validate()
     .is_err());
     assert!(pm.validate().is_ok());
+    // Equal rewards for right and wrong answers train nothing, unless a format reward or an overlong
+    // penalty makes rewards differ.
+    let flat = VerifyConfig {
+        correct_reward: 0.0,
+        ..Default::default()
+    };
+    let err = flat.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("correct_reward and wrong_reward are both 0") && err.contains("train nothing"),
+        "{err}"
+    );
+    for differs in [
+        VerifyConfig {
+            format_reward: Some(-0.5),
+            ..flat.clone()
+        },
+        VerifyConfig {
+            overlong_buffer: 4,
+            ..flat.clone()
+        },
+    ] {
+        assert!(differs.validate().is_ok(), "{differs:?}");
+    }
+    for still_flat in [
+        VerifyConfig {
+            format_reward: Some(0.0),
+            ..flat.clone()
+        },
+        VerifyConfig {
+            overlong_buffer: 4,
+            overlong_penalty: 0.0,
+            ..flat.clone()
+        },
+    ] {
+        assert!(still_flat.validate().is_err(), "{still_flat:?}");
+    }
 }
 
 /// DAPO's soft overlong punishment, as verl's DAPO reward manager computes it: with a limit of 20 tokens

@@ -206,8 +206,8 @@ pub fn rollout_mismatch_metrics(
     Ok(m)
 }
 
-/// `response_length/{mean,max,min}` and `response_length/clip_ratio`, the fraction of responses that hit
-/// `max_len` (were cut off rather than finished).
+/// `response_length/{mean,max,min}` and `response_length/clip_ratio`, the fraction of responses that reached
+/// `max_len` (verl's `eq(length, max)`: those cut off, and those whose end token was the last one allowed).
 pub fn response_length_metrics(lengths: &[usize], max_len: usize) -> BTreeMap<String, f64> {
     let mut m = BTreeMap::new();
     m.insert(

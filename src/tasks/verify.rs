@@ -139,7 +139,9 @@ impl VerifyConfig {
         (-exceed / self.overlong_buffer as f64 * f64::from(self.overlong_penalty)).min(0.0) as f32
     }
 
-    /// Checks that every reward is finite.
+    /// Checks that every reward is finite and that some reward tells responses apart: with equal rewards
+    /// for right and wrong answers and neither a format reward nor an overlong penalty, every advantage is
+    /// 0 and a run trains nothing, without a word (the update skips nothing: its gradient is 0).
     pub fn validate(&self) -> Result<(), VerifyError> {
         let mut all = vec![
             ("correct_reward", self.correct_reward),
@@ -149,19 +151,31 @@ impl VerifyConfig {
         if let Some(f) = self.format_reward {
             all.push(("format_reward", f));
         }
-        match all.into_iter().find(|(_, v)| !v.is_finite()) {
-            Some((name, value)) => Err(VerifyError::NonFinite { name, value }),
-            None => Ok(()),
+        if let Some((name, value)) = all.into_iter().find(|(_, v)| !v.is_finite()) {
+            return Err(VerifyError::NonFinite { name, value });
         }
+        let format_differs = self.format_reward.is_some_and(|f| f != 0.0);
+        let overlong_differs = self.overlong_buffer > 0 && self.overlong_penalty != 0.0;
+        if self.correct_reward == self.wrong_reward && !format_differs && !overlong_differs {
+            return Err(VerifyError::NoSignal {
+                reward: self.correct_reward,
+            });
+        }
+        Ok(())
     }
 }
 
-/// A reward of [`VerifyConfig`] that is not a number, found by [`VerifyConfig::validate`]; the message
+/// Rewards of a [`VerifyConfig`] that cannot train, found by [`VerifyConfig::validate`]; the message
 /// names the reward.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum VerifyError {
     #[error("verifier: {name} must be a finite number, got {value}")]
     NonFinite { name: &'static str, value: f32 },
+    #[error(
+        "verifier: correct_reward and wrong_reward are both {reward}, and no format_reward or overlong \
+         penalty makes rewards differ: every advantage would be 0 and the run would train nothing"
+    )]
+    NoSignal { reward: f32 },
 }
 
 /// The verifier's judgement of one response.

@@ -553,7 +553,12 @@ impl Arm<'_> {
             .collect();
         let c = ClusteredMean::new(&self.outcomes());
         let clustered = c.map_or_else(String::new, |c| {
-            format!("; {:.3} ± {:.3} over {} problems", c.mean, c.se, c.problems)
+            format!(
+                "; {:.3} ± {} over {} problems",
+                c.mean,
+                super::paired::se_text(c.se),
+                c.problems
+            )
         });
         let mut precisions: Vec<String> = self
             .seeds

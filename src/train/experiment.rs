@@ -965,7 +965,7 @@ fn shared_outcomes(
 /// seeds)` from the per-seed scalars, else `-`.
 fn accuracy_cell(shared: Option<&Vec<Vec<bool>>>, per_seed: &[f64]) -> String {
     if let Some(c) = shared.and_then(|o| super::paired::ClusteredMean::new(o)) {
-        return format!("{:.3} ± {:.3}", c.mean, c.se);
+        return format!("{:.3} ± {}", c.mean, super::paired::se_text(c.se));
     }
     if per_seed.is_empty() {
         return "-".into();

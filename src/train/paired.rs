@@ -27,7 +27,7 @@ pub struct PairedComparison {
     /// Right before, wrong after.
     pub broken: usize,
     /// Standard error of `after - before` (sample standard deviation of the per-problem difference over
-    /// `sqrt(problems)`).
+    /// `sqrt(problems)`); NaN for one problem, where it is undefined ([`se_text`] prints `n/a`).
     pub diff_se: f64,
     /// McNemar's exact two-sided p-value for "RL changed nothing".
     pub p_value: f64,
@@ -57,7 +57,7 @@ impl PairedComparison {
             let ss = (fixed + broken) as f64 - nf * mean * mean;
             (ss.max(0.0) / (nf - 1.0) / nf).sqrt()
         } else {
-            0.0
+            f64::NAN
         };
         Some(Self {
             problems: n,
@@ -79,13 +79,13 @@ impl fmt::Display for PairedComparison {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{:.3} before RL -> {:.3} after RL on {} problems ({:+.3} ± {:.3} paired SE; {} fixed, {} broken; \
+            "{:.3} before RL -> {:.3} after RL on {} problems ({:+.3} ± {} paired SE; {} fixed, {} broken; \
              McNemar p {})",
             self.before,
             self.after,
             self.problems,
             self.diff(),
-            self.diff_se,
+            se_text(self.diff_se),
             self.fixed,
             self.broken,
             match p_text(self.p_value, 2) {
@@ -96,12 +96,13 @@ impl fmt::Display for PairedComparison {
     }
 }
 
-/// Mean and sample standard error (Bessel-corrected standard deviation over `sqrt(n)`; 0 for one value).
+/// Mean and sample standard error (Bessel-corrected standard deviation over `sqrt(n)`; NaN for one value,
+/// where it is undefined: a 0 printed as `± 0.000` read as certainty).
 fn mean_and_se(xs: &[f64]) -> (f64, f64) {
     let n = xs.len() as f64;
     let mean = xs.iter().sum::<f64>() / n;
     if xs.len() < 2 {
-        return (mean, 0.0);
+        return (mean, f64::NAN);
     }
     let ss: f64 = xs.iter().map(|x| (x - mean).powi(2)).sum();
     (mean, (ss / (n - 1.0) / n).sqrt())
@@ -250,9 +251,9 @@ impl ArmComparison {
             PairedTest::PairedT => "t-test ",
         };
         format!(
-            "{} ± {:.3} ({} vs {} problems; {test}p {})",
+            "{} ± {} ({} vs {} problems; {test}p {})",
             signed3(self.diff()),
-            self.diff_se,
+            se_text(self.diff_se),
             self.a_better,
             self.b_better,
             p_text(self.p_value, 1)
@@ -264,8 +265,9 @@ impl ArmComparison {
     pub fn problems_and_seeds_text(&self) -> Option<String> {
         let (both, seeds) = self.problems_and_seeds_se().zip(self.seed_se)?;
         Some(format!(
-            "{} ± {both:.3} ({} vs {} seeds; seeds alone ± {seeds:.3})",
+            "{} ± {} ({} vs {} seeds; seeds alone ± {seeds:.3})",
             signed3(self.diff()),
+            se_text(both),
             self.seeds_a,
             self.seeds_b
         ))
@@ -303,6 +305,15 @@ fn paired_t_p(mean: f64, se: f64, n: usize) -> Option<f64> {
     }
     let t = StudentsT::new(0.0, 1.0, (n - 1) as f64).ok()?;
     Some((2.0 * t.sf((mean / se).abs())).min(1.0))
+}
+
+/// A standard error with 3 decimals, `n/a` where it is undefined (NaN: one problem).
+pub fn se_text(se: f64) -> String {
+    if se.is_nan() {
+        "n/a".into()
+    } else {
+        format!("{se:.3}")
+    }
 }
 
 /// A p-value in scientific notation with `digits` decimals (`2.1e-1`), and `< 1e-300` for those too small
@@ -395,6 +406,38 @@ mod tests {
 
     /// Arms with as many seeds take the sign test; with unequal counts the paired t-test, whose p-value
     /// here is scipy's `ttest_1samp(d, 0).pvalue` for d = [0.5, 1, -0.5, 0, 1]: 0.24198153056802096.
+    /// One problem has no standard error (a sample deviation of one value is undefined): it prints as
+    /// `n/a`, not as `± 0.000`, which read as certainty in end-of-run lines, comparisons and reports.
+    #[test]
+    fn one_problem_has_no_standard_error() {
+        let p = PairedComparison::new(&[false], &[true]).unwrap();
+        assert!(p.diff_se.is_nan());
+        let text = p.to_string();
+        assert!(
+            text.contains("± n/a paired SE") && !text.contains("0.000 paired"),
+            "{text}"
+        );
+        let c = ArmComparison::new(&[vec![true]], &[vec![false]]).unwrap();
+        assert!(
+            c.problems_text()
+                .starts_with("+1.000 ± n/a (1 vs 0 problems"),
+            "{}",
+            c.problems_text()
+        );
+        let two =
+            ArmComparison::new(&[vec![true], vec![true]], &[vec![false], vec![true]]).unwrap();
+        assert!(
+            two.problems_and_seeds_text().unwrap().contains("± n/a ("),
+            "{:?}",
+            two.problems_and_seeds_text()
+        );
+        assert!(ClusteredMean::new(&[vec![true], vec![false]])
+            .unwrap()
+            .se
+            .is_nan());
+        assert_eq!(se_text(0.0), "0.000");
+    }
+
     #[test]
     fn the_test_follows_the_seed_counts() {
         let a = outcomes(&[&[1, 1, 0, 1, 1]]);
