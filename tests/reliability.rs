@@ -959,6 +959,48 @@ fn one_run_at_a_time_makes_a_shared_model() {
     assert!(!guard.exists(), "{} was left", guard.display());
 }
 
+/// The project's prose (README.md, docs/*.md, the committed results' Markdown) holds no control character
+/// but newlines and tabs: a backslash escape written through a string (`\b`, `\f`) turned docs/verl.md's
+/// `\boxed` and `\frac` into a backspace and a form feed, and the MATH rows read `oxed{rac{6}{8}}`.
+#[test]
+fn documents_hold_no_control_characters() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = vec![root.join("README.md")];
+    let markdown_in = |dir: &Path, files: &mut Vec<std::path::PathBuf>| {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            if e.path().extension().is_some_and(|x| x == "md") {
+                files.push(e.path());
+            }
+        }
+    };
+    markdown_in(&root.join("docs"), &mut files);
+    for study in std::fs::read_dir(root.join("experiments/results"))
+        .unwrap()
+        .flatten()
+    {
+        if study.path().is_dir() {
+            markdown_in(&study.path(), &mut files);
+        }
+    }
+    assert!(files.len() > 10, "{files:?}");
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let bad: Vec<u32> = line
+                .chars()
+                .filter(|&c| c.is_control() && c != '\t')
+                .map(u32::from)
+                .collect();
+            assert!(
+                bad.is_empty(),
+                "{}:{}: control characters {bad:?}",
+                file.display(),
+                n + 1
+            );
+        }
+    }
+}
+
 /// Every key a run writes to metrics.jsonl is documented in docs/metrics.md (the names in backticks;
 /// `{p}`, `{k}` stand for one path segment or part of one, and `/max` after `response_length/mean` for
 /// `response_length/max`): a new metric cannot land without its documentation. The tiny run's rows cover

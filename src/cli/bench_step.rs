@@ -325,40 +325,55 @@ fn gflops(gflop: f64, s: f64, peak: f64) -> (String, String) {
 }
 
 fn print_side_by_side(results: &[(String, StepTimings)]) {
+    println!("{}", side_by_side(results));
+    print_mismatch(results);
+}
+
+/// The variants' phase times side by side, with the first variant's time over each other's.
+fn side_by_side(results: &[(String, StepTimings)]) -> String {
+    use std::fmt::Write;
     let base = &results[0];
-    print!("| phase (s/step) |");
+    let mut out = String::from("| phase (s/step) |");
     for (label, _) in results {
-        print!(" {label} |");
+        let _ = write!(out, " {label} |");
     }
     for (label, _) in &results[1..] {
-        print!(" {} / {label} |", base.0);
+        let _ = write!(out, " {} / {label} |", base.0);
     }
-    println!();
-    println!("|---|{}", "---:|".repeat(2 * results.len() - 1));
+    let _ = writeln!(out, "\n|---|{}", "---:|".repeat(2 * results.len() - 1));
     let keys = PHASES.iter().copied().chain([
         ("step", "perf/step_s"),
         ("peak RSS (GB)", "perf/peak_rss_gb"),
     ]);
     for (name, key) in keys {
+        // A phase a variant does not run logs no time: 0 s, as the one-variant table prints it (the
+        // reference forward without `kl_coef`: it printed NaN here), where the peak memory is a
+        // measurement or nothing.
         let value = |t: &StepTimings| {
             if key == "perf/peak_rss_gb" {
                 t.max(key)
             } else {
-                t.median(key)
+                Some(t.median(key).unwrap_or(0.0))
             }
         };
-        print!("| {name} |");
+        let _ = write!(out, "| {name} |");
         for (_, t) in results {
-            print!(" {:.2} |", value(t).unwrap_or(f64::NAN));
+            match value(t) {
+                Some(v) => write!(out, " {v:.2} |"),
+                None => write!(out, " - |"),
+            }
+            .ok();
         }
-        let b = value(&base.1).unwrap_or(f64::NAN);
         for (_, t) in &results[1..] {
-            print!(" {:.2}x |", b / value(t).unwrap_or(f64::NAN));
+            match (value(&base.1), value(t)) {
+                (Some(b), Some(v)) if v > 0.0 => write!(out, " {:.2}x |", b / v),
+                _ => write!(out, " - |"),
+            }
+            .ok();
         }
-        println!();
+        out.push('\n');
     }
-    println!();
-    print_mismatch(results);
+    out
 }
 
 /// The rollout/learner mismatch each variant's timed steps left (medians): what a faster variant's kernels
@@ -391,6 +406,31 @@ fn print_mismatch(results: &[(String, StepTimings)]) {
 #[cfg(test)]
 mod tests {
     use super::parse_variant;
+
+    /// A phase one variant does not run (the reference forward without `kl_coef`) is 0 s, and a ratio
+    /// against nothing is `-`: both printed NaN.
+    #[test]
+    fn side_by_side_reads_a_phase_not_run_as_zero() {
+        use crate::train::bench::StepTimings;
+        let timings = |pairs: &[(&str, f64)]| StepTimings {
+            steps: vec![pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect()],
+            model: String::new(),
+        };
+        let base = timings(&[
+            ("perf/step_s", 2.0),
+            ("perf/lp_ref_s", 0.5),
+            ("perf/peak_rss_gb", 1.0),
+        ]);
+        let other = timings(&[("perf/step_s", 1.0)]);
+        let table = super::side_by_side(&[("a".into(), base), ("b".into(), other)]);
+        assert!(!table.contains("NaN"), "{table}");
+        assert!(table.contains("| step | 2.00 | 1.00 | 2.00x |"), "{table}");
+        assert!(
+            table.contains("| peak RSS (GB) | 1.00 | - | - |"),
+            "{table}"
+        );
+        assert!(table.contains("| lp_ref | 0.50 | 0.00 | - |"), "{table}");
+    }
 
     #[test]
     fn variants_parse_their_label_and_overrides() {

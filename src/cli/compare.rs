@@ -5,8 +5,9 @@ use crate::train::compare::{check_identical, compare_arms, Arm, Evaluation};
 
 #[derive(Debug, clap::Args)]
 pub struct CompareArgs {
-    /// Arm A's evaluations, one per seed: `qarl eval --output` files or run directories (a run's last
-    /// held-out evaluation; `DIR@first` for the one before RL, `DIR@STEP` for the one at a step).
+    /// Arm A's evaluations, one per seed: `qarl eval --output` files or run directories (a run's held-out
+    /// evaluation at its end, step `train.steps`: a run not finished is refused; `DIR@last` for its last
+    /// whatever the step, `DIR@first` for the one before RL, `DIR@STEP` for the one at a step).
     #[arg(long = "a", required = true, num_args = 1..)]
     pub a: Vec<String>,
     /// Arm B's evaluations, as for `--a`.

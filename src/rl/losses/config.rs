@@ -103,6 +103,17 @@ impl LossConfig {
         let spec = self.objective.spec();
         let mut filled = self.clone();
         for field in spec.params {
+            // A field given under an alias is written under its name: a run made with
+            // `seq_clip_ratio_high` and resumed with `seq_eps_high` (one setting) was refused as changed.
+            let aliases: Vec<&str> = self
+                .params
+                .iter()
+                .map(|(key, _)| key)
+                .filter(|key| *key != field.name && field.answers_to(key))
+                .collect();
+            if let [alias] = aliases[..] {
+                filled.params.rename(alias, field.name);
+            }
             if self.params.iter().any(|(key, _)| field.answers_to(key)) {
                 continue;
             }
@@ -214,16 +225,30 @@ mod tests {
         }
     }
 
+    /// A field set under an alias keeps its value and is written under its name, once: the config a run
+    /// records and the one a resume compares it with agree whichever spelling each used.
     #[test]
     fn with_defaults_keeps_what_was_set_even_under_an_alias() {
         let set = config("gspo").with("seq_clip_ratio_high", 5e-3);
         let filled = set.with_defaults();
         assert_eq!(
             filled.params.get("seq_eps_high"),
-            None,
-            "an alias set is not written again"
+            Some(ParamValue::shortest(5e-3)),
+            "{filled:?}"
+        );
+        assert_eq!(filled.params.get("seq_clip_ratio_high"), None);
+        assert_eq!(
+            filled,
+            config("gspo").with("seq_eps_high", 5e-3).with_defaults()
         );
         assert_eq!(filled.resolve().unwrap(), set.resolve().unwrap());
+        // Both spellings given: both stay, and resolving refuses the field set twice.
+        let twice = config("gspo")
+            .with("seq_clip_ratio_high", 5e-3)
+            .with("seq_eps_high", 5e-3)
+            .with_defaults();
+        assert!(twice.params.get("seq_clip_ratio_high").is_some());
+        assert!(twice.resolve().is_err());
         let token_sum = LossConfig {
             loss_agg_mode: Some(LossAggMode::SeqMeanTokenSum),
             ..config("grpo")

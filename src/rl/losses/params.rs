@@ -26,6 +26,16 @@ impl ObjectiveParams {
         self.0.insert(key.into(), value.into());
     }
 
+    /// Moves the value under `from` to `to`, unless `to` is set too (then both stay, for `resolve` to
+    /// refuse the field given twice).
+    pub fn rename(&mut self, from: &str, to: &str) {
+        if !self.0.contains_key(to) {
+            if let Some(v) = self.0.remove(from) {
+                self.0.insert(to.to_string(), v);
+            }
+        }
+    }
+
     pub fn get(&self, key: &str) -> Option<ParamValue> {
         self.0.get(key).copied()
     }

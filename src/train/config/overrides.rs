@@ -140,6 +140,19 @@ pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
     let numeric = digits.starts_with(|c: char| c.is_ascii_digit() || c == '.');
     match (value, raw.parse::<f64>()) {
         (Some(v), _) => Ok((key.to_string(), v)),
+        (None, Ok(_)) if numeric && has_leading_zero(digits) => {
+            let sign = &raw[..raw.len() - digits.len()];
+            let rest = digits.trim_start_matches('0');
+            let zero = if rest.is_empty() || rest.starts_with(['.', 'e', 'E']) {
+                "0"
+            } else {
+                ""
+            };
+            bail!(
+                "--set `{text}`: `{raw}` has a leading zero, which TOML does not read in a number: write \
+                 {sign}{zero}{rest} (or \"{raw}\" for a string)"
+            )
+        }
         (None, Ok(x))
             if numeric && (x.is_infinite() || digits.bytes().all(|b| b.is_ascii_digit())) =>
         {
@@ -150,6 +163,12 @@ pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
         }
         (None, _) => Ok((key.to_string(), toml::Value::String(raw.to_string()))),
     }
+}
+
+/// `007`, `00.5`: digits after a leading zero (TOML's numbers have none; `0`, `0.5`, `0e3` are fine).
+fn has_leading_zero(digits: &str) -> bool {
+    let mut chars = digits.chars();
+    chars.next() == Some('0') && chars.next().is_some_and(|c| c.is_ascii_digit())
 }
 
 #[cfg(test)]
