@@ -328,6 +328,15 @@ fn generation_tags_dates_and_tools_render_as_transformers_gives_them() {
         render(r#"{{ ["<"] | tojson(indent=2) }}"#).unwrap(),
         "[\n  \"<\"\n]"
     );
+    // Maps keep their order, as Python's dicts do: a message is `role` then `content` (json.dumps of
+    // transformers' message dict), and a literal keeps the order it is written in (both were sorted).
+    assert_eq!(
+        render(
+            r#"{{ messages[0] | tojson }}{% for k, v in messages[0].items() %} {{ k }}{% endfor %} {{ {"b": 1, "a": 2} | tojson }}"#
+        )
+        .unwrap(),
+        r#"{"role": "user", "content": "q"} role content {"b": 1, "a": 2}"#
+    );
 }
 
 /// Tool-calling templates (gpt-oss, Qwen3-Coder, Hermes) define macros and read `loop.previtem`.

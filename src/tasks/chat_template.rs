@@ -6,7 +6,7 @@
 //! `chat_template` of `tokenizer_config.json` (a re-saved checkpoint keeps its new template there). The
 //! environment is transformers': blocks trimmed and left-stripped, loop controls, `raise_exception`, the
 //! special tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) of `tokenizer_config.json`, and
-//! Python's string methods (`.strip()`, `.split()`, `.startswith()`), Python's `tojson` (no HTML escapes),
+//! Python's string methods (`.strip()`, `.split()`, `.startswith()`), Python's `tojson` (no HTML escapes) and dict order,
 //! `tools` and `documents` as None, and the `{% generation %}` tags of assistant-masking templates
 //! (rendering nothing). `strftime_now` renders a fixed date, Llama 3.1's own fallback (26 July 2024), so a
 //! prompt does not change with the day a run is started or resumed.
@@ -14,7 +14,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
 /// ChatML's turn markers: the template used where a model declares none, and a turn end that a model's
 /// template may write.
@@ -64,7 +64,7 @@ impl std::fmt::Debug for ModelChatTemplate {
 }
 
 /// One turn of a conversation.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, serde::Serialize)]
 pub struct Turn<'a> {
     pub role: &'a str,
     pub content: &'a str,
@@ -130,28 +130,29 @@ impl ModelChatTemplate {
         add_generation_prompt: bool,
         variables: &[(&str, Value)],
     ) -> Result<String, TemplateError> {
-        let mut ctx = Map::new();
-        let messages: Vec<Value> = turns
-            .iter()
-            .map(|t| json!({"role": t.role, "content": t.content}))
-            .collect();
-        ctx.insert("messages".into(), Value::Array(messages));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Value::Bool(add_generation_prompt),
-        );
+        use minijinja::Value as J;
+        // The messages as transformers passes them, `role` before `content`: maps keep their order
+        // (minijinja's `preserve_order`), so `tojson` of a message and a loop over its items read them as
+        // Python does (serde_json's maps sorted them, `content` first).
+        let mut ctx: Vec<(String, J)> = vec![
+            ("messages".into(), J::from(minijinja::value::Serde(turns))),
+            (
+                "add_generation_prompt".into(),
+                J::from(add_generation_prompt),
+            ),
+        ];
         // transformers passes `tools` and `documents` as None where a prompt has none: a template's
         // `tools is not none` is false, not true of an undefined value.
         for name in ["tools", "documents"] {
-            ctx.insert(name.into(), Value::Null);
+            ctx.push((name.into(), J::from(())));
         }
         for (name, token) in &self.specials {
-            ctx.insert(name.clone(), Value::String(token.clone()));
+            ctx.push((name.clone(), J::from(token.as_str())));
         }
         for (name, value) in variables {
-            ctx.insert((*name).to_string(), value.clone());
+            ctx.push(((*name).to_string(), J::from(minijinja::value::Serde(value))));
         }
-        let ctx = minijinja::value::Serde(Value::Object(ctx));
+        let ctx = J::from_pairs(ctx);
         let render = || self.env.get_template("chat")?.render(ctx);
         render().map_err(|e| error(&self.path, &e))
     }
