@@ -1087,3 +1087,28 @@ fn glob(pattern: &str, text: &str) -> bool {
         }
     }
 }
+
+/// Plots drawn while a run goes (`qarl plot` on it mid-run) show fewer steps than the run has when it ends:
+/// the run removes them as it ends, so an experiment's report draws the whole run instead of linking the
+/// partial plot it found (it draws only missing plots).
+#[test]
+fn plots_drawn_mid_run_are_removed_when_it_ends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tiny(tmp.path(), 40);
+    let run_dir = cfg.run_dir.clone();
+    let running = std::thread::spawn(move || train::run(&cfg, false, true).map(|_| ()));
+    let metrics = run_dir.join("metrics.jsonl");
+    let started = std::time::Instant::now();
+    while !std::fs::read_to_string(&metrics).is_ok_and(|t| t.contains("\"phase\":\"rl\"")) {
+        assert!(started.elapsed().as_secs() < 600, "no RL step logged");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let plots = train::plot::run_plots(&run_dir);
+    std::fs::write(&plots, b"drawn at step 1").unwrap();
+    assert!(
+        !running.is_finished(),
+        "the run ended before the plot was drawn: give it more steps"
+    );
+    running.join().unwrap().unwrap();
+    assert!(!plots.exists(), "a mid-run plot outlived the run");
+}

@@ -77,6 +77,12 @@ fn error_token_series(rows: &[serde_json::Value]) -> Vec<(&'static str, String)>
     ]
 }
 
+/// The k3 panel's title: its values are drawn as log10, an exact 0 (deterministic mode) at -30.
+const K3_TITLE: &str = "rollout_corr/k3_kl (log10; an exact 0 at -30)";
+
+/// The warm start's loss panel, whose steps are SFT steps: it keeps its own step axis.
+const SFT_TITLE: &str = "sft/loss (warm start; SFT steps)";
+
 /// Where [`plot_run`] draws a run's plots.
 pub fn run_plots(run_dir: &Path) -> PathBuf {
     run_dir.join("plots.png")
@@ -128,7 +134,7 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
                 .collect(),
         ),
         (
-            "rollout_corr/k3_kl (log10; an exact 0 at -30)",
+            K3_TITLE,
             vec![(
                 "k3".into(),
                 series(&rows, "rl", "rollout_corr/k3_kl")
@@ -186,14 +192,117 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
     // The warm start's loss, where the run made its model (its steps count SFT steps, not RL steps).
     let sft_loss = series(&rows, "sft", "sft/loss");
     if !sft_loss.is_empty() {
-        panels.push((
-            "sft/loss (warm start; SFT steps)",
-            vec![("loss".into(), sft_loss)],
-        ));
+        panels.push((SFT_TITLE, vec![("loss".into(), sft_loss)]));
     }
     let out = run_plots(run_dir);
-    draw_panels(&out, &panels)?;
+    draw_panels(&out, &panels, None)?;
     Ok(out)
+}
+
+/// A panel title's font size: 20, smaller where a long title (names listed in it) would run past its
+/// panel's 600 pixels (a character is about half the size wide).
+fn caption_size(title: &str) -> f64 {
+    (1100.0 / title.chars().count().max(1) as f64).clamp(11.0, 20.0)
+}
+
+/// Entries per row of a figure's shared legend.
+const LEGEND_COLUMNS: usize = 3;
+
+/// The height in pixels of a shared legend of `names`.
+fn legend_strip_height(names: &[String]) -> u32 {
+    16 + 24 * names.len().div_ceil(LEGEND_COLUMNS).max(1) as u32
+}
+
+/// One legend above every panel, for figures whose panels draw the same lines (the variants of a
+/// comparison, each in the colour of its index): a legend inside each panel covered the curves' ends.
+fn draw_legend_strip<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    names: &[String],
+) -> anyhow::Result<()> {
+    let (width, _) = area.dim_in_pixel();
+    let column = (width as usize / LEGEND_COLUMNS) as i32;
+    for (i, name) in names.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let x = 20 + column * (i % LEGEND_COLUMNS) as i32;
+        let y = 24 + 24 * (i / LEGEND_COLUMNS) as i32;
+        area.draw(&PathElement::new(
+            vec![(x, y), (x + 30, y)],
+            color.stroke_width(3),
+        ))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+        area.draw(&Text::new(
+            name.clone(),
+            (x + 38, y - 8),
+            ("sans-serif", 16),
+        ))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    Ok(())
+}
+
+/// The smallest and largest step of the panels' finite points (`None` without one).
+fn step_range<'a>(panels: impl Iterator<Item = &'a [(String, Series)]>) -> Option<(f64, f64)> {
+    let mut range: Option<(f64, f64)> = None;
+    for lines in panels {
+        for p in lines
+            .iter()
+            .flat_map(|(_, s)| s.iter())
+            .filter(|p| finite(p))
+        {
+            let (a, b) = range.get_or_insert((p.0, p.0));
+            (*a, *b) = (a.min(p.0), b.max(p.0));
+        }
+    }
+    range
+}
+
+/// A series' finite points in pieces that a line may join: it breaks where steps are missing (a gap wider
+/// than the series' usual spacing: a step without an update logs no loss-side metric), so that a line
+/// never draws values between two steps that nothing measured.
+fn unbroken_pieces(s: &Series) -> Vec<Series> {
+    let pts: Series = s.iter().copied().filter(finite).collect();
+    let spacing = pts
+        .windows(2)
+        .map(|w| w[1].0 - w[0].0)
+        .filter(|&d| d > 0.0)
+        .fold(f64::INFINITY, f64::min);
+    let mut pieces: Vec<Series> = Vec::new();
+    for p in pts {
+        match pieces.last_mut() {
+            Some(piece) if p.0 - piece[piece.len() - 1].0 <= spacing * 1.5 => piece.push(p),
+            _ => pieces.push(vec![p]),
+        }
+    }
+    pieces
+}
+
+/// The corner of the plot area with the fewest points near it, for the legend (the default, the middle
+/// of the right side, covered the end of the curves: the last steps, where a study's arms part).
+fn emptiest_corner(
+    pts: &[&(f64, f64)],
+    (x0, x1): (f64, f64),
+    (y0, y1): (f64, f64),
+) -> SeriesLabelPosition {
+    let corners = [
+        (SeriesLabelPosition::UpperLeft, false, true),
+        (SeriesLabelPosition::UpperRight, true, true),
+        (SeriesLabelPosition::LowerLeft, false, false),
+        (SeriesLabelPosition::LowerRight, true, false),
+    ];
+    let near = |right: bool, upper: bool| {
+        pts.iter()
+            .filter(|p| {
+                let fx = (p.0 - x0) / (x1 - x0).max(f64::MIN_POSITIVE);
+                let fy = (p.1 - y0) / (y1 - y0).max(f64::MIN_POSITIVE);
+                (if right { fx >= 0.6 } else { fx <= 0.4 })
+                    && (if upper { fy >= 0.55 } else { fy <= 0.45 })
+            })
+            .count()
+    };
+    corners
+        .into_iter()
+        .min_by_key(|&(_, right, upper)| near(right, upper))
+        .map_or(SeriesLabelPosition::UpperLeft, |c| c.0)
 }
 
 /// Whether a point can be drawn.
@@ -204,7 +313,11 @@ fn finite(p: &(f64, f64)) -> bool {
 /// Draws the panels two per row, 300 pixels high each, to `out` (PNG). A panel with no finite point (a
 /// metric no run logged, such as the error-token criteria of logs older than them) takes no place: it left
 /// a blank in the grid.
-fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
+fn draw_panels(
+    out: &Path,
+    panels: &[Panel],
+    shared_legend: Option<&[String]>,
+) -> anyhow::Result<()> {
     // Named here: the drawing library reports a folder in the way as a nested debug-printed I/O error.
     crate::io::check_output_file(out)?;
     let panels: Vec<&Panel> = panels
@@ -215,9 +328,23 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
     let tmp = crate::io::temp_file_for(out)?;
     {
         let rows = panels.len().div_ceil(2).max(1);
-        let root = BitMapBackend::new(tmp.path(), (1200, 300 * rows as u32)).into_drawing_area();
+        let legend_height = shared_legend.map_or(0, legend_strip_height);
+        let root = BitMapBackend::new(tmp.path(), (1200, 300 * rows as u32 + legend_height))
+            .into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let areas = root.split_evenly((rows, 2));
+        let (strip, grid) = root.split_vertically(legend_height);
+        if let Some(names) = shared_legend {
+            draw_legend_strip(&strip, names)?;
+        }
+        let areas = grid.split_evenly((rows, 2));
+        // One step axis for every panel of RL steps and evaluations, so that panels read side by side
+        // (each took its own: a metric without the last steps' values was drawn on a shorter axis).
+        let steps = step_range(
+            panels
+                .iter()
+                .filter(|p| p.0 != SFT_TITLE)
+                .map(|p| p.1.as_slice()),
+        );
         for (area, &(title, lines)) in areas.iter().zip(&panels) {
             let pts: Vec<&(f64, f64)> = lines
                 .iter()
@@ -227,9 +354,10 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
             if pts.is_empty() {
                 continue;
             }
-            let (x0, x1) = pts
-                .iter()
-                .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+            let (x0, x1) = match steps {
+                Some(range) if *title != SFT_TITLE => range,
+                _ => step_range(std::iter::once(lines.as_slice())).unwrap_or((0.0, 1.0)),
+            };
             let (y0, y1) = pts
                 .iter()
                 .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.1), b.max(p.1)));
@@ -251,7 +379,7 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
                 continue;
             }
             let mut chart = ChartBuilder::on(area)
-                .caption(*title, ("sans-serif", 20))
+                .caption(*title, ("sans-serif", caption_size(title)))
                 .margin(10)
                 .x_label_area_size(30)
                 .y_label_area_size(60)
@@ -274,29 +402,32 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             for (i, (name, s)) in lines.iter().enumerate() {
                 let color = Palette99::pick(i).to_rgba();
-                chart
-                    .draw_series(LineSeries::new(
-                        s.iter().copied().filter(finite),
-                        color.stroke_width(2),
-                    ))
-                    .map_err(|e| anyhow::anyhow!("{e}"))?
-                    .label(name.clone())
-                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 15, y)], color));
-                // A line needs two points: a run of one step shows its one as a dot.
-                if s.iter().filter(|p| finite(p)).count() == 1 {
-                    chart
-                        .draw_series(
-                            s.iter()
-                                .copied()
-                                .filter(finite)
-                                .map(|p| Circle::new(p, 4, color.filled())),
-                        )
+                let pieces = unbroken_pieces(s);
+                for (k, piece) in pieces.iter().enumerate() {
+                    // A line needs two points: a piece of one step (a run of one step, a step between
+                    // two gaps) shows as a dot.
+                    if piece.len() == 1 {
+                        chart
+                            .draw_series(piece.iter().map(|&p| Circle::new(p, 4, color.filled())))
+                            .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    }
+                    let drawn = chart
+                        .draw_series(LineSeries::new(
+                            piece.iter().copied(),
+                            color.stroke_width(2),
+                        ))
                         .map_err(|e| anyhow::anyhow!("{e}"))?;
+                    if k == 0 {
+                        drawn.label(name.clone()).legend(move |(x, y)| {
+                            PathElement::new(vec![(x, y), (x + 15, y)], color)
+                        });
+                    }
                 }
             }
-            if lines.len() > 1 {
+            if lines.len() > 1 && shared_legend.is_none() {
                 chart
                     .configure_series_labels()
+                    .position(emptiest_corner(&pts, (x0, x1), (y0 - pad, y1 + pad)))
                     .background_style(WHITE.mix(0.8))
                     .border_style(BLACK)
                     .draw()
@@ -312,21 +443,22 @@ fn draw_panels(out: &Path, panels: &[Panel]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Mean over runs of `key` at each step all runs logged (seeds of one variant).
+/// Mean over runs (seeds of one variant) of `key` at each step, over the runs that logged it: a step only
+/// some seeds logged (a step without an update under dynamic sampling logs no loss-side metric) is the
+/// mean of those, not dropped (keeping only the steps every seed logged drew one arm from 25 of its 40
+/// steps, ending 6 steps early).
 fn mean_series(runs: &[Vec<serde_json::Value>], phase: &str, key: &str) -> Series {
-    let all: Vec<Series> = runs.iter().map(|r| series(r, phase, key)).collect();
-    let Some(first) = all.first() else {
-        return Vec::new();
-    };
-    first
-        .iter()
-        .filter_map(|&(step, _)| {
-            let vals: Vec<f64> = all
-                .iter()
-                .filter_map(|s| s.iter().find(|p| p.0 == step).map(|p| p.1))
-                .collect();
-            (vals.len() == all.len()).then(|| (step, vals.iter().sum::<f64>() / vals.len() as f64))
-        })
+    let mut at_step: std::collections::BTreeMap<i64, (f64, f64, usize)> = Default::default();
+    for run in runs {
+        for (step, v) in series(run, phase, key) {
+            let e = at_step.entry(step as i64).or_insert((step, 0.0, 0));
+            e.1 += v;
+            e.2 += 1;
+        }
+    }
+    at_step
+        .into_values()
+        .map(|(step, sum, n)| (step, sum / n as f64))
         .collect()
 }
 
@@ -354,87 +486,195 @@ pub fn plot_comparison(
             .or(keys.first())
             .map(|k| k.to_string())
     };
-    let per_variant =
-        |phase: &str, key: &dyn Fn(&[Vec<serde_json::Value>]) -> Option<String>, log10: bool| {
-            variants
-                .iter()
-                .filter(|(_, runs)| !runs.is_empty())
-                .filter_map(|(name, runs)| {
-                    let k = key(runs)?;
-                    let s = mean_series(runs, phase, &k);
-                    let s = if log10 {
-                        s.into_iter()
-                            .map(|(x, v)| (x, v.abs().max(1e-30).log10()))
-                            .collect()
-                    } else {
-                        s
-                    };
-                    Some((name.clone(), s))
-                })
-                .collect::<Vec<_>>()
-        };
+    // Every variant keeps its place in every panel (an empty line where it lacks the metric), so that
+    // its colour is the one the shared legend gives it: a variant left out shifted the colours after it.
+    let per_variant = |phase: &str, key: &dyn Fn(&[Vec<serde_json::Value>]) -> Option<String>| {
+        variants
+            .iter()
+            .map(|(name, runs)| {
+                let s = key(runs).map_or_else(Vec::new, |k| mean_series(runs, phase, &k));
+                (name.clone(), s)
+            })
+            .collect::<Vec<_>>()
+    };
     let fixed = |k: &'static str| move |_: &[Vec<serde_json::Value>]| Some(k.to_string());
+    let (k3_title, k3_lines) = log10_of_nonzero(
+        "rollout_corr/k3_kl",
+        per_variant("rl", &fixed("rollout_corr/k3_kl")),
+    );
     let panels: Vec<Panel> = vec![
         (
             "reward (mean)",
-            per_variant("rl", &fixed("critic/rewards/mean"), false),
+            per_variant("rl", &fixed("critic/rewards/mean")),
         ),
         (
             "held-out greedy accuracy, rollout precision",
-            per_variant("eval", &|r| acc_key(r, false), false),
+            per_variant("eval", &|r| acc_key(r, false)),
         ),
         (
             "held-out greedy accuracy, f32",
-            per_variant("eval", &|r| acc_key(r, true), false),
+            per_variant("eval", &|r| acc_key(r, true)),
         ),
-        (
-            "rollout_corr/k3_kl (log10)",
-            per_variant("rl", &fixed("rollout_corr/k3_kl"), true),
-        ),
-        (
-            "actor/entropy",
-            per_variant("rl", &fixed("actor/entropy"), false),
-        ),
+        (&k3_title, k3_lines),
+        ("actor/entropy", per_variant("rl", &fixed("actor/entropy"))),
         (
             "error_tokens/any_frac",
-            per_variant("rl", &|r| Some(any_error_key(r.first()?)), false),
+            per_variant("rl", &|r| Some(any_error_key(r.first()?))),
         ),
         (
             "error_tokens/ratio_frac",
-            per_variant("rl", &fixed(names::RATIO_FRAC), false),
+            per_variant("rl", &fixed(names::RATIO_FRAC)),
         ),
         (
             "error_tokens/low_prob_frac",
             // Old logs' `low_prob_frac` also counted ratio errors: not drawn under the new meaning.
-            per_variant(
-                "rl",
-                &|r| {
-                    (any_error_key(r.first()?) == names::ANY_ERROR_FRAC)
-                        .then(|| names::LOW_PROB_FRAC.to_string())
-                },
-                false,
-            ),
+            per_variant("rl", &|r| {
+                (any_error_key(r.first()?) == names::ANY_ERROR_FRAC)
+                    .then(|| names::LOW_PROB_FRAC.to_string())
+            }),
         ),
         (
             "error_tokens/repetition_frac",
-            per_variant("rl", &fixed(names::REPETITION_FRAC), false),
+            per_variant("rl", &fixed(names::REPETITION_FRAC)),
         ),
         (
             "response_length/mean",
-            per_variant("rl", &fixed("response_length/mean"), false),
+            per_variant("rl", &fixed("response_length/mean")),
         ),
         (
             "actor/pg_clipfrac",
-            per_variant("rl", &fixed("actor/pg_clipfrac"), false),
+            per_variant("rl", &fixed("actor/pg_clipfrac")),
         ),
         (
             "actor/mismatch_weight_mean (correction weights x TBPO w)",
-            per_variant("rl", &fixed("actor/mismatch_weight_mean"), false),
+            per_variant("rl", &fixed("actor/mismatch_weight_mean")),
         ),
-        (
-            "perf/step_s",
-            per_variant("rl", &fixed("perf/step_s"), false),
-        ),
+        ("perf/step_s", per_variant("rl", &fixed("perf/step_s"))),
     ];
-    draw_panels(out, &panels)
+    let names: Vec<String> = variants
+        .iter()
+        .map(|(n, runs)| legend_name(n, runs.len()))
+        .collect();
+    draw_panels(out, &panels, Some(&names))
+}
+
+/// `lines` as log10 with exact zeros left out, and a title for them that names the lines that were 0 at
+/// every step (deterministic mode's k3): drawn at a floor of -30 they stretched the axis until the other
+/// lines' sixfold changes looked flat.
+fn log10_of_nonzero(metric: &str, lines: Vec<(String, Series)>) -> (String, Vec<(String, Series)>) {
+    let zero: Vec<&str> = lines
+        .iter()
+        .filter(|(_, s)| !s.is_empty() && s.iter().all(|p| p.1 == 0.0))
+        .map(|(name, _)| name.as_str())
+        .collect();
+    let title = if zero.is_empty() {
+        format!("{metric} (log10)")
+    } else {
+        format!("{metric} (log10); exactly 0: {}", zero.join(", "))
+    };
+    let lines = lines
+        .into_iter()
+        .map(|(name, s)| {
+            let s = s
+                .into_iter()
+                .filter(|p| p.1 != 0.0)
+                .map(|(x, v)| (x, v.abs().log10()))
+                .collect();
+            (name, s)
+        })
+        .collect();
+    (title, lines)
+}
+
+/// A variant's name in a comparison's legend, with the seeds its lines average.
+fn legend_name(name: &str, seeds: usize) -> String {
+    match seeds {
+        0 => format!("{name} (no finished run)"),
+        1 => format!("{name} (1 seed)"),
+        n => format!("{name} ({n} seeds)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rows(phase: &str, points: &[(u32, f64)]) -> Vec<serde_json::Value> {
+        points
+            .iter()
+            .map(|&(step, v)| serde_json::json!({"phase": phase, "step": step, "k": v}))
+            .collect()
+    }
+
+    /// A step some seeds did not log is the mean of those that did (it was dropped, and the line joined
+    /// the steps around it).
+    #[test]
+    fn mean_series_averages_the_seeds_that_logged_each_step() {
+        let a = rows("rl", &[(0, 1.0), (1, 2.0), (2, 3.0)]);
+        let b = rows("rl", &[(0, 3.0), (2, 5.0)]);
+        assert_eq!(
+            mean_series(&[a, b], "rl", "k"),
+            vec![(0.0, 2.0), (1.0, 2.0), (2.0, 4.0)]
+        );
+        assert!(mean_series(&[], "rl", "k").is_empty());
+    }
+
+    /// Lines break where steps are missing (at the series' own spacing: every step for RL rows, every
+    /// `eval.every` steps for evaluations); non-finite points are left out.
+    #[test]
+    fn lines_break_at_missing_steps() {
+        let s = vec![
+            (0.0, 1.0),
+            (1.0, 1.0),
+            (3.0, 1.0),
+            (4.0, f64::NAN),
+            (6.0, 1.0),
+            (7.0, 1.0),
+        ];
+        let steps = |pieces: Vec<Series>| -> Vec<Vec<f64>> {
+            pieces
+                .iter()
+                .map(|p| p.iter().map(|q| q.0).collect())
+                .collect()
+        };
+        assert_eq!(
+            steps(unbroken_pieces(&s)),
+            vec![vec![0.0, 1.0], vec![3.0], vec![6.0, 7.0]]
+        );
+        let evals = vec![(0.0, 0.5), (5.0, 0.6), (10.0, 0.7)];
+        assert_eq!(steps(unbroken_pieces(&evals)), vec![vec![0.0, 5.0, 10.0]]);
+        assert_eq!(steps(unbroken_pieces(&vec![(3.0, 1.0)])), vec![vec![3.0]]);
+    }
+
+    /// The legend goes where the curves are not: rising curves leave the upper left and lower right
+    /// free, and of those the first in the order is taken; curves ending high on the right never get it
+    /// there.
+    #[test]
+    fn the_legend_takes_the_emptiest_corner() {
+        let rising: Vec<(f64, f64)> = (0..=10).map(|i| (f64::from(i), f64::from(i))).collect();
+        let pts: Vec<&(f64, f64)> = rising.iter().collect();
+        let corner = emptiest_corner(&pts, (0.0, 10.0), (0.0, 10.0));
+        assert!(
+            matches!(corner, SeriesLabelPosition::UpperLeft),
+            "{corner:?}"
+        );
+        let falling: Vec<(f64, f64)> = (0..=10)
+            .map(|i| (f64::from(i), f64::from(10 - i)))
+            .collect();
+        let pts: Vec<&(f64, f64)> = falling.iter().collect();
+        let corner = emptiest_corner(&pts, (0.0, 10.0), (0.0, 10.0));
+        assert!(
+            matches!(corner, SeriesLabelPosition::UpperRight),
+            "{corner:?}"
+        );
+        // Flat lines at the top and through the middle-right: only the lower left is free.
+        let mut busy: Vec<(f64, f64)> = (0..=10).map(|i| (f64::from(i), 10.0)).collect();
+        busy.extend((6..=10).map(|i| (f64::from(i), 0.0)));
+        let pts: Vec<&(f64, f64)> = busy.iter().collect();
+        let corner = emptiest_corner(&pts, (0.0, 10.0), (0.0, 10.0));
+        assert!(
+            matches!(corner, SeriesLabelPosition::LowerLeft),
+            "{corner:?}"
+        );
+    }
 }
