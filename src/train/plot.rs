@@ -567,6 +567,16 @@ fn log10_of_nonzero(metric: &str, lines: Vec<(String, Series)>) -> (String, Vec<
         .filter(|(_, s)| !s.is_empty() && s.iter().all(|p| p.1 == 0.0))
         .map(|(name, _)| name.as_str())
         .collect();
+    // Every line 0 at every step (all arms aligned): the panel says so with its lines at -30, rather than
+    // vanish as a panel with nothing to draw.
+    if !zero.is_empty() && lines.iter().all(|(_, s)| s.iter().all(|p| p.1 == 0.0)) {
+        let title = format!("{metric} (log10; exactly 0 at every step, drawn at -30)");
+        let floor = lines
+            .into_iter()
+            .map(|(name, s)| (name, s.into_iter().map(|(x, _)| (x, -30.0)).collect()))
+            .collect();
+        return (title, floor);
+    }
     let title = if zero.is_empty() {
         format!("{metric} (log10)")
     } else {
@@ -617,6 +627,26 @@ mod tests {
             vec![(0.0, 2.0), (1.0, 2.0), (2.0, 4.0)]
         );
         assert!(mean_series(&[], "rl", "k").is_empty());
+    }
+
+    /// Exact zeros leave a log panel and name their lines in its title; where every line is 0 the panel
+    /// stays, its lines at -30.
+    #[test]
+    fn log_panels_name_the_lines_that_are_exactly_zero() {
+        let line = |name: &str, vs: &[f64]| {
+            let s: Series = vs.iter().enumerate().map(|(i, &v)| (i as f64, v)).collect();
+            (name.to_string(), s)
+        };
+        let (title, lines) = log10_of_nonzero(
+            "k3",
+            vec![line("a", &[0.0, 0.0]), line("b", &[1e-3, 0.0, 1e-2])],
+        );
+        assert_eq!(title, "k3 (log10); exactly 0: a");
+        assert!(lines[0].1.is_empty());
+        assert_eq!(lines[1].1, vec![(0.0, -3.0), (2.0, -2.0)]);
+        let (title, lines) = log10_of_nonzero("k3", vec![line("a", &[0.0, 0.0])]);
+        assert!(title.contains("exactly 0 at every step"), "{title}");
+        assert_eq!(lines[0].1, vec![(0.0, -30.0), (1.0, -30.0)]);
     }
 
     /// Lines break where steps are missing (at the series' own spacing: every step for RL rows, every
