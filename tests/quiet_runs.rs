@@ -57,3 +57,32 @@ fn a_run_into_a_pipe_prints_plain_progress_lines() {
         }
     }
 }
+
+/// `perf/peak_rss_gb` is each RL step's own peak: memory the process touched before the run (here 600 MB,
+/// as a warm start or an earlier experiment run would) is not in it (the process's all-time peak was
+/// logged at every step).
+#[test]
+fn each_steps_peak_memory_is_its_own() {
+    if qarl::ops::cpu::probe::peak_resident_gb().is_none() {
+        eprintln!("no VmHWM on this system: nothing to check");
+        return;
+    }
+    let big = vec![1u8; 600_000_000];
+    assert!(big.iter().step_by(4096).all(|&b| b == 1));
+    assert!(qarl::ops::cpu::probe::peak_resident_gb().unwrap() > 0.6);
+    drop(big);
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg =
+        qarl::train::TrainConfig::from_toml(&tiny_train_toml(tmp.path(), "aligned", 2), "tiny")
+            .unwrap();
+    qarl::train::run(&cfg, false, true).unwrap();
+    let text = std::fs::read_to_string(cfg.run_dir.join("metrics.jsonl")).unwrap();
+    let peaks: Vec<f64> = text
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|r| r["phase"] == "rl")
+        .map(|r| r["perf/peak_rss_gb"].as_f64().unwrap())
+        .collect();
+    assert_eq!(peaks.len(), 2);
+    assert!(peaks.iter().all(|&p| p > 0.0 && p < 0.4), "{peaks:?}");
+}

@@ -60,6 +60,9 @@ pub fn rl_step(
     inject_nonfinite: bool,
 ) -> anyhow::Result<StepOutcome> {
     let t0 = Instant::now();
+    // `perf/peak_rss_gb` is this step's peak: the process's, never reset, carried the warm start's (or an
+    // earlier experiment run's) into every RL row.
+    crate::ops::cpu::probe::reset_peak_resident();
     let collected = collect(model, task, tok, end, cfg, step)?;
     let mut m = collected.metrics.clone();
     let mut outcome = UpdateOutcome::default();
