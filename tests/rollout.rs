@@ -398,3 +398,48 @@ fn processed_logprobs_are_the_filtered_distributions() {
     };
     assert_eq!(bits(&full), bits(&proc));
 }
+
+/// What a decode step reads, as the rollout counts it for the bandwidth rates: the dense weights once,
+/// of a MoE layer only the experts its token was routed to (every expert was counted), and the K and V
+/// of the cache's padded key axis (left out).
+#[test]
+fn decode_reads_count_routed_experts_and_the_kv_cache() {
+    let model = Decoder::load(fixtures_dir().join("qwen3_moe"), &Device::flex()).unwrap();
+    // The fixture: 3 layers (the middle one dense), 8 experts of 64 x 32 SwiGLU in f32, 2 KV heads of 32.
+    let experts = model.expert_weight_bytes();
+    let expert = 3 * 64 * 32 * 4;
+    assert_eq!(experts, vec![vec![expert; 8], vec![], vec![expert; 8]]);
+    let k = model.config.moe.as_ref().unwrap().num_experts_per_tok;
+    let params = qarl::rollout::SamplingParams {
+        max_new_tokens: 4,
+        ..sampling()
+    };
+    let prompt = prompts()[0].clone();
+    let out = generate(&model, &[prompt.clone()], 1, &params, None);
+    assert_eq!(
+        out.response(0).len(),
+        4,
+        "no stop token in the fixture's sampling"
+    );
+    assert_eq!(out.decode_steps, 3);
+    let mut want = 0;
+    for step in 0..3 {
+        // The token fed at decode step s is the response's token s, at position prompt + s.
+        let at = prompt.len() + step;
+        let mut bytes = model.weight_bytes();
+        for layer in [0, 2] {
+            let rec = out.routing[0][layer].as_ref().unwrap();
+            let routed: std::collections::BTreeSet<u32> =
+                rec[at * k..(at + 1) * k].iter().copied().collect();
+            bytes -= expert * (8 - routed.len());
+        }
+        want += bytes;
+    }
+    assert_eq!(out.decode_weight_bytes, want);
+    assert!(want < 3 * model.weight_bytes());
+    // A prompt under 64 tokens: one key block of 64 slots per step, K and V of 2 heads x 32 in f32 over 3
+    // layers.
+    assert!(prompt.len() + 4 < 64);
+    assert_eq!(out.decode_key_slots, 3 * 64);
+    assert_eq!(out.decode_kv_bytes, 3 * 64 * 3 * 2 * 2 * 32 * 4);
+}

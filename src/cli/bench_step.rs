@@ -273,11 +273,12 @@ fn print_table(t: &StepTimings, peak: f64, dram: f64) {
         let (rate, of_probe) = match name {
             "rollout prefill" => gflops(get("perf/rollout_prefill_gflop"), s, peak),
             "rollout decode" => {
-                let gbs = get("perf/rollout_decode_weight_gb") / s.max(1e-12);
+                let weights = get("perf/rollout_decode_weight_gb") / s.max(1e-12);
+                let kv = get("perf/rollout_decode_kv_gb") / s.max(1e-12);
                 let tps = get("perf/rollout_decode_gflop") / s.max(1e-12);
                 (
-                    format!("{tps:.1} GFLOP/s, weights {gbs:.1} GB/s"),
-                    pct(gbs / dram),
+                    format!("{tps:.1} GFLOP/s, weights {weights:.1} + KV {kv:.1} GB/s"),
+                    pct((weights + kv) / dram),
                 )
             }
             "learner forward" => gflops(get("perf/learner_forward_gflop"), s, peak),

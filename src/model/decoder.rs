@@ -71,6 +71,24 @@ impl KvCache {
         self.lens.len()
     }
 
+    /// The key axis a forward's attention reads for each row: the slots written, rounded up to
+    /// [`KEY_BLOCK`] as the attention runs it.
+    pub fn key_width(&self) -> usize {
+        self.capacity.div_ceil(KEY_BLOCK) * KEY_BLOCK
+    }
+
+    /// Bytes of K and V one key slot of one row holds over all layers (in the cache's dtype).
+    pub fn bytes_per_key_slot(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|kv| {
+                let [_, heads, _, d] = kv.k.dims();
+                2 * heads * d * kv.k.dtype().size()
+            })
+            .sum()
+    }
+
     /// Re-arranges the batch: row `i` of the result is row `rows[i]` of the cache. Drops finished rows
     /// (finished sequences stop costing compute) and fans a prompt out to several samples (repeated indices).
     pub fn select_rows(&mut self, rows: &[usize]) {

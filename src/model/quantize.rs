@@ -44,18 +44,63 @@ impl Decoder {
     /// codes and scales (or its f32 master) and the LM head (the tied embeddings when there is none). The
     /// denominator of a decode step's bandwidth; norms and the embedding rows looked up are left out.
     pub fn weight_bytes(&self) -> usize {
-        let linears: usize = self
-            .linears()
-            .map(|lin| match &lin.quant {
-                Some(q) => q.storage_bytes(),
-                None => lin.d_in() * lin.d_out() * 4,
-            })
-            .sum();
+        let linears: usize = self.linears().map(linear_bytes).sum();
         let tied_head = match self.lm_head {
             Some(_) => 0,
             None => self.config.vocab_size * self.config.hidden_size * 4,
         };
         linears + tied_head
+    }
+
+    /// Bytes of each MoE layer's experts in the current precision, `[layer][expert]` (empty for a dense
+    /// layer): a decode step reads only the experts its tokens were routed to, where [`Self::weight_bytes`]
+    /// counts them all.
+    pub fn expert_weight_bytes(&self) -> Vec<Vec<usize>> {
+        self.layers
+            .iter()
+            .map(|layer| match &layer.mlp {
+                super::mlp::FeedForward::Moe(moe) => moe
+                    .experts
+                    .iter()
+                    .map(|e| {
+                        [&e.gate_proj, &e.up_proj, &e.down_proj]
+                            .map(linear_bytes)
+                            .iter()
+                            .sum()
+                    })
+                    .collect(),
+                super::mlp::FeedForward::Dense(_) => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Bytes of weights a forward reads whose tokens were routed as `routing` (per layer, the expert ids
+    /// of its tokens; `None` for dense layers): [`Self::weight_bytes`] with only the experts routed to.
+    /// `experts` is [`Self::expert_weight_bytes`], computed once by the caller.
+    pub fn routed_weight_bytes(
+        &self,
+        experts: &[Vec<usize>],
+        routing: &[Option<Vec<u32>>],
+    ) -> usize {
+        let mut bytes = self.weight_bytes();
+        for (layer, ids) in experts.iter().zip(routing) {
+            let (Some(ids), false) = (ids, layer.is_empty()) else {
+                continue;
+            };
+            let mut touched = vec![false; layer.len()];
+            for &e in ids {
+                if let Some(t) = touched.get_mut(e as usize) {
+                    *t = true;
+                }
+            }
+            bytes -= layer
+                .iter()
+                .zip(&touched)
+                .filter(|(_, t)| !**t)
+                .map(|(b, _)| b)
+                .sum::<usize>();
+        }
+        bytes
     }
 
     /// Quantizes the layers `cfg` selects (others go back to full precision); returns how many were
@@ -247,4 +292,12 @@ pub fn quantize_checkpoint(
     crate::io::write_json_atomic(&dst.join("config.json"), &json)?;
     super::checkpoint::copy_side_files(src, dst)?;
     Ok(summary)
+}
+
+/// Bytes of one linear layer's weights as a forward reads them: packed codes and scales, or the f32 master.
+fn linear_bytes(lin: &super::layers::Linear) -> usize {
+    match &lin.quant {
+        Some(q) => q.storage_bytes(),
+        None => lin.d_in() * lin.d_out() * 4,
+    }
 }

@@ -55,6 +55,14 @@ pub struct Rollout {
     pub nonfinite: Option<(usize, usize)>,
     /// Tokens through those forwards (the rows still generating, summed over the steps).
     pub decode_tokens: usize,
+    /// Key slots the decode forwards' attention read: the rows still generating times the key axis
+    /// (padded to the attention's block), summed over the steps.
+    pub decode_key_slots: usize,
+    /// Bytes of weights the decode forwards read: each step's dense weights and the experts its tokens
+    /// were routed to.
+    pub decode_weight_bytes: usize,
+    /// Bytes of K and V the decode forwards' attention read.
+    pub decode_kv_bytes: usize,
     /// Device-to-host reads of the decode loop ([`crate::host::device_reads`]; 0 on the CPU backend):
     /// one per step when the step's sampled-from log-probs and its routing come back in one read.
     pub decode_host_reads: u64,
@@ -79,6 +87,9 @@ impl Rollout {
         self.decode_s += other.decode_s;
         self.decode_steps += other.decode_steps;
         self.decode_tokens += other.decode_tokens;
+        self.decode_key_slots += other.decode_key_slots;
+        self.decode_weight_bytes += other.decode_weight_bytes;
+        self.decode_kv_bytes += other.decode_kv_bytes;
         self.decode_host_reads += other.decode_host_reads;
     }
 
@@ -279,6 +290,7 @@ fn generate_in_pool(
         fan_out.iter().map(|&pi| prompt_next.entropy[pi]).collect()
     };
     out.prefill_s = t_prefill.elapsed().as_secs_f64();
+    let experts = model.expert_weight_bytes();
     let t_decode = Instant::now();
     let reads = crate::host::ReadCount::start();
     let mut rngs: Vec<_> = (0..rows).map(|r| sequence_rng(params.seed, r)).collect();
@@ -356,6 +368,9 @@ fn generate_in_pool(
         if record_routing {
             append_routing(&mut out.routing, &active, &step_routing, 1, &|_| 1);
         }
+        out.decode_weight_bytes += model.routed_weight_bytes(&experts, &step_routing);
+        out.decode_key_slots += next.len() * cache.key_width();
+        out.decode_kv_bytes += next.len() * cache.key_width() * cache.bytes_per_key_slot();
         (lp_rows, entropy_rows) = (next_token.logprobs, next_token.entropy);
         if let Some(slot) = first_nonfinite(&lp_rows) {
             out.nonfinite = Some((step + 1, active[slot]));

@@ -271,14 +271,22 @@ impl Round {
             );
         }
         m.insert("perf/rollout_prefill_gflop".into(), self.prefill_gflop);
+        // Projections and head per token, and the attention over the key slots each token read (the
+        // cache's padded width: it was left out, 14% of the default run's decode flops).
         let per_token = model.config.forward_flops(1, 1, 0, 1).total();
+        let per_key_slot = model.config.forward_flops(1, 1, 1, 0).attention;
         m.insert(
             "perf/rollout_decode_gflop".into(),
-            per_token * out.decode_tokens as f64 / 1e9,
+            (per_token * out.decode_tokens as f64 + per_key_slot * out.decode_key_slots as f64)
+                / 1e9,
         );
         m.insert(
             "perf/rollout_decode_weight_gb".into(),
-            (out.decode_steps * model.weight_bytes()) as f64 / 1e9,
+            out.decode_weight_bytes as f64 / 1e9,
+        );
+        m.insert(
+            "perf/rollout_decode_kv_gb".into(),
+            out.decode_kv_bytes as f64 / 1e9,
         );
         let n = out.ids.len() as f64;
         m.insert(

@@ -783,6 +783,44 @@ impl std::fmt::Debug for AlignedBytes {
     }
 }
 
+/// 64-bit words in the memory the kernels' weights live in (a 2 MiB-aligned mapping advised for huge pages
+/// where the buffer is that large): the DRAM probe's buffer, so that the probe and the kernels it is the
+/// yardstick of read pages of one kind (a `Vec`'s small pages read 2-27% slower on a Zen 4 VM, which let
+/// kernels reach "113% of the probe").
+pub struct WeightMemoryWords(AlignedBytes);
+
+impl WeightMemoryWords {
+    /// `len` words, word `i` set to `value(i)` (written, so every page is resident before a timed read).
+    pub fn filled(len: usize, value: impl Fn(usize) -> u64) -> Self {
+        let mut words = Self(AlignedBytes::zeroed(len * 8));
+        for (i, w) in words.iter_mut().enumerate() {
+            *w = value(i);
+        }
+        words
+    }
+
+    /// Whether the words live in a mapping advised for huge pages (false where the mapping failed or the
+    /// buffer is under one huge page).
+    pub fn in_huge_page_mapping(&self) -> bool {
+        matches!(self.0.storage, Storage::Mapped(..))
+    }
+}
+
+impl std::ops::Deref for WeightMemoryWords {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        // SAFETY: the bytes start on a 64-byte boundary, are initialised, and number 8 per word.
+        unsafe { std::slice::from_raw_parts(self.0.as_ptr() as *const u64, self.0.len() / 8) }
+    }
+}
+
+impl std::ops::DerefMut for WeightMemoryWords {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        // SAFETY: as in `deref`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.as_mut_ptr() as *mut u64, self.0.len() / 8) }
+    }
+}
+
 /// Activation rows as the kernels read them: each row zero-padded to `kp` floats and the first starting on a
 /// 64-byte boundary (so every row does, `kp` being a multiple of 32), borrowed when the caller's already are.
 /// A 64-byte load of activations that straddles two cache lines splits in two on Zen 4: with the rows at 16

@@ -130,9 +130,11 @@ pub fn dram_read_gbs(repeats: usize) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// The bandwidth probe's 1 GiB buffer, for callers that interleave single passes with other work.
-pub fn dram_probe_buffer() -> Vec<u64> {
-    (0..PROBE_BYTES / 8).map(|i| i as u64).collect()
+/// The bandwidth probe's 1 GiB buffer, for callers that interleave single passes with other work: in the
+/// kind of memory the kernels' weights are in ([`super::kernel::WeightMemoryWords`]), so that a kernel's
+/// share of the probe compares reads of like pages.
+pub fn dram_probe_buffer() -> super::kernel::WeightMemoryWords {
+    super::kernel::WeightMemoryWords::filled(PROBE_BYTES / 8, |i| i as u64)
 }
 
 /// One parallel streaming read of `buf` on every thread of the pool: GB/s.
@@ -164,6 +166,22 @@ pub fn reset_peak_resident() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bandwidth probe reads the kind of memory the weights are in: buffers of a huge page or more
+    /// in an advised mapping (it read a `Vec` of small pages, which read slower than the weights).
+    #[test]
+    fn the_probe_buffer_is_weight_memory() {
+        use super::super::kernel::WeightMemoryWords;
+        let words = WeightMemoryWords::filled((4 << 20) / 8, |i| i as u64 * 3);
+        assert_eq!(words.len(), (4 << 20) / 8);
+        assert!(words.iter().enumerate().all(|(i, &w)| w == i as u64 * 3));
+        assert_eq!(words.as_ptr() as usize % 64, 0);
+        #[cfg(target_os = "linux")]
+        assert!(words.in_huge_page_mapping());
+        let small = WeightMemoryWords::filled(100, |i| i as u64);
+        assert!(!small.in_huge_page_mapping());
+        assert_eq!(small[99], 99);
+    }
 
     #[test]
     fn the_fma_probe_counts_lanes_of_the_path() {
