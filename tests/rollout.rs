@@ -415,7 +415,7 @@ fn decode_reads_count_routed_experts_and_the_kv_cache() {
         ..sampling()
     };
     let prompt = prompts()[0].clone();
-    let out = generate(&model, &[prompt.clone()], 1, &params, None);
+    let out = generate(&model, std::slice::from_ref(&prompt), 1, &params, None);
     assert_eq!(
         out.response(0).len(),
         4,
