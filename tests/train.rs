@@ -75,6 +75,7 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
             "`007` has a leading zero, which TOML does not read in a number: write 7 (or \"007\"",
         ),
         ("rollout.top_p=-00.5", "write -0.5 (or"),
+        ("rollout.top_p=00.", "write it as TOML does (e.g. 0.5"),
         ("train..lr=1", "dotted path"),
         ("rollout.precision=int3", "int3"),
         ("rollout.stop=\"strings\"", "`rollout.stop` = \"strings\" is not a valid value; expected one of `end_tokens`, `template`"),

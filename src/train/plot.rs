@@ -42,12 +42,15 @@ type Series = Vec<(f64, f64)>;
 /// A panel: its title and its named lines.
 type Panel<'a> = (&'a str, Vec<(String, Series)>);
 
-/// `(step, value)` series of `key` among the rows of `phase`.
+/// `(step, value)` series of `key` among the rows of `phase`; a row without a finite value (a step that
+/// logged no update, a NaN written as null) is a NaN point, where a drawn line breaks.
 fn series(rows: &[serde_json::Value], phase: &str, key: &str) -> Series {
     rows.iter()
         .filter(|r| r["phase"] == phase)
-        .filter_map(|r| Some((r["step"].as_f64()?, r[key].as_f64()?)))
-        .filter(|(_, v)| v.is_finite())
+        .filter_map(|r| {
+            let step = r["step"].as_f64()?;
+            Some((step, r[key].as_f64().unwrap_or(f64::NAN)))
+        })
         .collect()
 }
 
@@ -205,12 +208,16 @@ fn caption_size(title: &str) -> f64 {
     (1100.0 / title.chars().count().max(1) as f64).clamp(11.0, 20.0)
 }
 
-/// Entries per row of a figure's shared legend.
-const LEGEND_COLUMNS: usize = 3;
+/// Entries per row of a figure's shared legend: 3, fewer where the longest name would run into the next
+/// column (a 16-point character is about 9 pixels wide; the entry's line and gap take 60).
+fn legend_columns(names: &[String]) -> usize {
+    let longest = names.iter().map(|n| n.chars().count()).max().unwrap_or(0);
+    (1160 / (60 + 9 * longest)).clamp(1, 3)
+}
 
 /// The height in pixels of a shared legend of `names`.
 fn legend_strip_height(names: &[String]) -> u32 {
-    16 + 24 * names.len().div_ceil(LEGEND_COLUMNS).max(1) as u32
+    16 + 24 * names.len().div_ceil(legend_columns(names)).max(1) as u32
 }
 
 /// One legend above every panel, for figures whose panels draw the same lines (the variants of a
@@ -220,11 +227,12 @@ fn draw_legend_strip<DB: DrawingBackend>(
     names: &[String],
 ) -> anyhow::Result<()> {
     let (width, _) = area.dim_in_pixel();
-    let column = (width as usize / LEGEND_COLUMNS) as i32;
+    let columns = legend_columns(names);
+    let column = (width as usize / columns) as i32;
     for (i, name) in names.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        let x = 20 + column * (i % LEGEND_COLUMNS) as i32;
-        let y = 24 + 24 * (i / LEGEND_COLUMNS) as i32;
+        let x = 20 + column * (i % columns) as i32;
+        let y = 24 + 24 * (i / columns) as i32;
         area.draw(&PathElement::new(
             vec![(x, y), (x + 30, y)],
             color.stroke_width(3),
@@ -256,22 +264,23 @@ fn step_range<'a>(panels: impl Iterator<Item = &'a [(String, Series)]>) -> Optio
     range
 }
 
-/// A series' finite points in pieces that a line may join: it breaks where steps are missing (a gap wider
-/// than the series' usual spacing: a step without an update logs no loss-side metric), so that a line
-/// never draws values between two steps that nothing measured.
+/// A series' finite points in pieces that a line may join: it breaks at a point without a value (a row of
+/// the phase that did not log the metric: a step without an update logs no loss-side metric), so that a
+/// line never draws values between two steps across one that measured nothing. Irregular spacing (the
+/// final evaluation at `train.steps` after every `eval.every`) is no gap.
 fn unbroken_pieces(s: &Series) -> Vec<Series> {
-    let pts: Series = s.iter().copied().filter(finite).collect();
-    let spacing = pts
-        .windows(2)
-        .map(|w| w[1].0 - w[0].0)
-        .filter(|&d| d > 0.0)
-        .fold(f64::INFINITY, f64::min);
     let mut pieces: Vec<Series> = Vec::new();
-    for p in pts {
+    let mut broken = true;
+    for &p in s {
+        if !finite(&p) {
+            broken = true;
+            continue;
+        }
         match pieces.last_mut() {
-            Some(piece) if p.0 - piece[piece.len() - 1].0 <= spacing * 1.5 => piece.push(p),
+            Some(piece) if !broken => piece.push(p),
             _ => pieces.push(vec![p]),
         }
+        broken = false;
     }
     pieces
 }
@@ -452,13 +461,16 @@ fn mean_series(runs: &[Vec<serde_json::Value>], phase: &str, key: &str) -> Serie
     for run in runs {
         for (step, v) in series(run, phase, key) {
             let e = at_step.entry(step as i64).or_insert((step, 0.0, 0));
-            e.1 += v;
-            e.2 += 1;
+            if v.is_finite() {
+                e.1 += v;
+                e.2 += 1;
+            }
         }
     }
+    // A step no seed has a value at stays, as NaN: the line breaks there.
     at_step
         .into_values()
-        .map(|(step, sum, n)| (step, sum / n as f64))
+        .map(|(step, sum, n)| (step, if n > 0 { sum / n as f64 } else { f64::NAN }))
         .collect()
 }
 
@@ -564,31 +576,40 @@ pub fn plot_comparison(
 fn log10_of_nonzero(metric: &str, lines: Vec<(String, Series)>) -> (String, Vec<(String, Series)>) {
     let zero: Vec<&str> = lines
         .iter()
-        .filter(|(_, s)| !s.is_empty() && s.iter().all(|p| p.1 == 0.0))
+        .filter(|(_, s)| s.iter().any(finite) && s.iter().filter(|p| finite(p)).all(|p| p.1 == 0.0))
         .map(|(name, _)| name.as_str())
         .collect();
     // Every line 0 at every step (all arms aligned): the panel says so with its lines at -30, rather than
     // vanish as a panel with nothing to draw.
-    if !zero.is_empty() && lines.iter().all(|(_, s)| s.iter().all(|p| p.1 == 0.0)) {
+    if !zero.is_empty()
+        && lines
+            .iter()
+            .all(|(_, s)| s.iter().filter(|p| finite(p)).all(|p| p.1 == 0.0))
+    {
         let title = format!("{metric} (log10; exactly 0 at every step, drawn at -30)");
         let floor = lines
             .into_iter()
-            .map(|(name, s)| (name, s.into_iter().map(|(x, _)| (x, -30.0)).collect()))
+            .map(|(name, s)| {
+                let floor = s
+                    .into_iter()
+                    .map(|(x, v)| (x, if v.is_finite() { -30.0 } else { v }));
+                (name, floor.collect())
+            })
             .collect();
         return (title, floor);
     }
-    let title = if zero.is_empty() {
-        format!("{metric} (log10)")
-    } else {
-        format!("{metric} (log10); exactly 0: {}", zero.join(", "))
+    let title = match zero.join(", ") {
+        names if names.is_empty() => format!("{metric} (log10)"),
+        // As many names as a panel's title holds at a readable size; beyond, how many.
+        names if names.chars().count() <= 90 => format!("{metric} (log10); exactly 0: {names}"),
+        _ => format!("{metric} (log10); exactly 0: {} variants", zero.len()),
     };
     let lines = lines
         .into_iter()
         .map(|(name, s)| {
             let s = s
                 .into_iter()
-                .filter(|p| p.1 != 0.0)
-                .map(|(x, v)| (x, v.abs().log10()))
+                .map(|(x, v)| (x, if v == 0.0 { f64::NAN } else { v.abs().log10() }))
                 .collect();
             (name, s)
         })
@@ -642,25 +663,24 @@ mod tests {
             vec![line("a", &[0.0, 0.0]), line("b", &[1e-3, 0.0, 1e-2])],
         );
         assert_eq!(title, "k3 (log10); exactly 0: a");
-        assert!(lines[0].1.is_empty());
-        assert_eq!(lines[1].1, vec![(0.0, -3.0), (2.0, -2.0)]);
+        assert!(lines[0].1.iter().all(|p| !finite(p)));
+        let drawn: Series = lines[1].1.iter().copied().filter(finite).collect();
+        assert_eq!(drawn, vec![(0.0, -3.0), (2.0, -2.0)]);
         let (title, lines) = log10_of_nonzero("k3", vec![line("a", &[0.0, 0.0])]);
         assert!(title.contains("exactly 0 at every step"), "{title}");
         assert_eq!(lines[0].1, vec![(0.0, -30.0), (1.0, -30.0)]);
     }
 
-    /// Lines break where steps are missing (at the series' own spacing: every step for RL rows, every
-    /// `eval.every` steps for evaluations); non-finite points are left out.
+    /// Lines break at a row without the metric (a step that logged no update), not at irregular spacing
+    /// (the final evaluation at `train.steps` after every `eval.every`: an even spacing rule broke every
+    /// regular gap into dots).
     #[test]
-    fn lines_break_at_missing_steps() {
-        let s = vec![
-            (0.0, 1.0),
-            (1.0, 1.0),
-            (3.0, 1.0),
-            (4.0, f64::NAN),
-            (6.0, 1.0),
-            (7.0, 1.0),
-        ];
+    fn lines_break_where_a_row_lacks_the_metric() {
+        let mut rl = rows("rl", &[(0, 1.0), (1, 1.0), (3, 1.0), (6, 1.0), (7, 1.0)]);
+        rl.insert(2, serde_json::json!({"phase": "rl", "step": 2}));
+        rl.insert(4, serde_json::json!({"phase": "rl", "step": 4, "k": null}));
+        let s = series(&rl, "rl", "k");
+        assert_eq!(s.len(), 7);
         let steps = |pieces: Vec<Series>| -> Vec<Vec<f64>> {
             pieces
                 .iter()
@@ -671,9 +691,24 @@ mod tests {
             steps(unbroken_pieces(&s)),
             vec![vec![0.0, 1.0], vec![3.0], vec![6.0, 7.0]]
         );
-        let evals = vec![(0.0, 0.5), (5.0, 0.6), (10.0, 0.7)];
-        assert_eq!(steps(unbroken_pieces(&evals)), vec![vec![0.0, 5.0, 10.0]]);
-        assert_eq!(steps(unbroken_pieces(&vec![(3.0, 1.0)])), vec![vec![3.0]]);
+        let evals = series(&rows("eval", &[(0, 0.5), (2, 0.6), (3, 0.7)]), "eval", "k");
+        assert_eq!(steps(unbroken_pieces(&evals)), vec![vec![0.0, 2.0, 3.0]]);
+        // Over seeds: a step where no seed has a value breaks the mean's line too.
+        let mut a = rows("rl", &[(0, 1.0), (2, 3.0)]);
+        a.insert(1, serde_json::json!({"phase": "rl", "step": 1}));
+        let mean = mean_series(&[a], "rl", "k");
+        assert_eq!(steps(unbroken_pieces(&mean)), vec![vec![0.0], vec![2.0]]);
+    }
+
+    /// A shared legend takes fewer columns where names are long (60-character names overprinted each
+    /// other in three).
+    #[test]
+    fn long_variant_names_take_fewer_legend_columns() {
+        let names = |len: usize| vec!["x".repeat(len); 4];
+        assert_eq!(legend_columns(&names(29)), 3);
+        assert_eq!(legend_columns(&names(60)), 1);
+        assert_eq!(legend_strip_height(&names(60)), 16 + 24 * 4);
+        assert_eq!(legend_columns(&[]), 3);
     }
 
     /// The legend goes where the curves are not: rising curves leave the upper left and lower right

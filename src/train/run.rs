@@ -298,14 +298,13 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         policy.save(cfg, &optim, &state, &log)?;
     }
     let after = evaluator.evaluate(&policy.model, steps, &mut log)?;
-    // Plots drawn while the run went (`qarl plot` on it mid-run) show fewer steps than it has now: gone,
-    // so that a report draws the whole run (it draws only missing plots) instead of linking the partial one.
-    if start < steps {
-        let plots = super::plot::run_plots(&cfg.run_dir);
-        if plots.is_file() {
-            std::fs::remove_file(&plots)
-                .with_context(|| format!("{}: cannot remove", plots.display()))?;
-        }
+    // Plots drawn while the run went (`qarl plot` on it mid-run, or before a kill during the final
+    // evaluation that this resume redid) may show less than it has now: gone, so that a report draws the
+    // whole run (it draws only missing plots) instead of linking the partial one.
+    let plots = super::plot::run_plots(&cfg.run_dir);
+    if plots.is_file() {
+        std::fs::remove_file(&plots)
+            .with_context(|| format!("{}: cannot remove", plots.display()))?;
     }
     let paired = before
         .as_ref()

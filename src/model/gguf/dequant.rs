@@ -88,6 +88,8 @@ impl GgmlType {
             34 => "TQ1_0",
             35 => "TQ2_0",
             39 => "MXFP4",
+            40 => "NVFP4",
+            41 => "Q1_0",
             _ => return None,
         })
     }

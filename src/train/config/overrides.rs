@@ -148,9 +148,15 @@ pub fn parse_override(text: &str) -> anyhow::Result<(String, toml::Value)> {
             } else {
                 ""
             };
+            let plain = format!("{sign}{zero}{rest}");
+            // The number without the zeros, where TOML reads it (`00.` has none: `0.` is no TOML number).
+            let write = match toml::from_str::<toml::Table>(&format!("v = {plain}")) {
+                Ok(_) => format!("write {plain}"),
+                Err(_) => "write it as TOML does (e.g. 0.5, 5.0, 7)".to_string(),
+            };
             bail!(
-                "--set `{text}`: `{raw}` has a leading zero, which TOML does not read in a number: write \
-                 {sign}{zero}{rest} (or \"{raw}\" for a string)"
+                "--set `{text}`: `{raw}` has a leading zero, which TOML does not read in a number: {write} \
+                 (or \"{raw}\" for a string)"
             )
         }
         (None, Ok(x))
