@@ -562,7 +562,12 @@ fn mismatch_reports_an_f32_floor_and_separate_error_token_fractions() {
         "{v}"
     );
     let md = std::fs::read_to_string(output.with_extension("md")).unwrap();
-    assert!(md.contains("template `plain`; backend flex"), "{md}");
+    // Responses stop as `qarl eval`'s do (`--stop template`): at the plain template's next question.
+    assert_eq!(v["stop_strings"], serde_json::json!(["\nQuestion:"]), "{v}");
+    assert!(
+        md.contains("template `plain`, stop strings [\"\\nQuestion:\"]; backend flex"),
+        "{md}"
+    );
     let rows = v["rows"].as_array().unwrap();
     let which: Vec<(&str, &str, &str)> = rows
         .iter()

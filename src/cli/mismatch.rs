@@ -57,6 +57,11 @@ pub struct MismatchArgs {
     /// `<think>` block); refused for a template that does not read it.
     #[arg(long)]
     pub enable_thinking: Option<bool>,
+    /// What ends a response besides `--max-new-tokens`, as for `qarl eval`: `template`, the model's end
+    /// tokens and the template's stop string (`\nQuestion:` for `plain`), or `end-tokens`, the end tokens
+    /// alone (a training run's default, `rollout.stop`). Tokens after an answer's end are measured too.
+    #[arg(long, value_enum, default_value_t = crate::train::config::RolloutStop::Template)]
+    pub stop: crate::train::config::RolloutStop,
     /// Write the table as JSON here (and as Markdown next to it, `.md`).
     #[arg(long)]
     pub output: Option<PathBuf>,
@@ -147,14 +152,16 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         (&prompts, &records, &path),
         args.max_new_tokens,
     )?;
-    let stop_ids = crate::model::EndTokens::of(&tok, &full.config)?
-        .stops()
-        .to_vec();
+    let end = crate::model::EndTokens::of(&tok, &full.config)?;
+    // The same rule as `qarl eval`: with only the end tokens, a plain prompt's responses ran on into
+    // questions the model made up after its answer, and their tokens were measured.
+    let stop_strings = args.stop.strings(&end, &tok, || template.stop_strings());
     let params = SamplingParams {
         temperature: args.temperature,
         max_new_tokens: args.max_new_tokens,
         seed: args.seed,
-        stop_token_ids: stop_ids,
+        stop_token_ids: end.stops().to_vec(),
+        stop_strings: stop_strings.clone(),
         ..SamplingParams::default()
     };
     let mut rows = Vec::new();
@@ -180,11 +187,12 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         let meta = serde_json::json!({"model": args.model, "data": path, "prompts": records.len(),
             "samples": args.samples, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "seed": args.seed, "template": args.template, "system": args.system,
-            "enable_thinking": args.enable_thinking, "backend": args.backend.to_string(), "rows": rows});
+            "enable_thinking": args.enable_thinking, "stop_strings": stop_strings,
+            "backend": args.backend.to_string(), "rows": rows});
         crate::io::write_json_atomic(out, &meta)?;
         let mut md = format!(
             "Rollout/learner mismatch on {} ({} prompts x {} samples, T = {}, up to {} new tokens, seed {}; \
-             template `{}`{}; backend {}). \
+             template `{}`{}, stop strings {:?}; backend {}). \
              Rollout `f32` is the floor: the f32 sampler against the f32 forward. Error-token fractions \
              (docs/metrics.md): `ratio`, the sampler over 20x more confident than the learner; `low prob`, \
              learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n\
@@ -197,6 +205,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
             path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed,
             args.template,
             crate::train::compare::prompt_switches(args.system.as_deref(), args.enable_thinking),
+            stop_strings,
             args.backend
         );
         for r in &rows {
