@@ -178,6 +178,25 @@ fn template_errors_name_the_file() {
         err.contains("tokenizer_config.json") && err.contains("never reads it"),
         "{err}"
     );
+    // A system prompt the template never writes (it was recorded and changed nothing); SmolLM2's writes
+    // one, even one equal to its default.
+    let no_system = tmp.path().join("no_system");
+    std::fs::create_dir_all(&no_system).unwrap();
+    std::fs::write(
+        no_system.join("chat_template.jinja"),
+        "{% for m in messages %}{% if m.role != 'system' %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}",
+    )
+    .unwrap();
+    let err = Template::chat_for_model(&no_system, Some("Be brief.".into()), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template.jinja") && err.contains("never writes a system turn"),
+        "{err}"
+    );
+    assert!(Template::chat_for_model(&no_system, None, None).is_ok());
+    let default_system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face";
+    assert!(Template::chat_for_model(&smollm2, Some(default_system.into()), None).is_ok());
     // A template's own exception.
     let llama = model_dir(
         tmp.path(),

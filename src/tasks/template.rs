@@ -194,6 +194,27 @@ impl Template {
             }
             _ => {}
         }
+        // A system turn the template never writes would be recorded as part of the prompt and change
+        // nothing (`enable_thinking` above is refused alike): probed with a text of our own, so that a
+        // system equal to the template's default still passes.
+        if let (Some(m), Some(_)) = (&model, &system) {
+            let probe = |system: Option<&str>| {
+                Template::Chat {
+                    system: system.map(str::to_string),
+                    model: Some(m.clone()),
+                    enable_thinking,
+                }
+                .render_prompt("What is 2 + 3?")
+            };
+            if probe(Some("qarl probe of the system turn"))? == probe(None)? {
+                return Err(TemplateError::Invalid {
+                    path: m.path.clone(),
+                    msg:
+                        "a system prompt is set, but this chat template never writes a system turn"
+                            .into(),
+                });
+            }
+        }
         let template = Template::Chat {
             system,
             model,
