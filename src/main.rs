@@ -5,6 +5,13 @@ use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::Layer;
 
 fn main() {
+    // Output into a pipe that closed (`qarl runs | head -1`) ends the process as it ends `cat` or `ls`,
+    // instead of a panic with a backtrace and exit 101: Rust ignores SIGPIPE, so every print then fails.
+    #[cfg(unix)]
+    // SAFETY: called first, before any thread exists; SIG_DFL is a valid disposition for SIGPIPE.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     // Colour codes only on a terminal: logs redirected to a file or a pipe stay plain text. wgpu's GLES
     // backend logs an error on every machine without a GL driver, also where Vulkan is what runs; RUST_LOG
     // overrides the default filter.

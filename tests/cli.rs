@@ -2078,3 +2078,23 @@ fn eval_and_mismatch_name_the_question_too_long_for_the_model() {
         );
     }
 }
+
+/// Output into a pipe that closed ends the process as Unix tools end (SIGPIPE), not with a panic, a
+/// backtrace and exit 101 (`qarl runs | head -1` did about one time in three).
+#[cfg(unix)]
+#[test]
+fn a_closed_output_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = qarl()
+        .args(["config", "show", "default"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reading end closes before the child prints anything.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.signal(), Some(13), "{:?}: {stderr}", out.status);
+}
