@@ -1519,3 +1519,42 @@ fn answer_only_solutions_verify_and_mix_in_at_the_asked_rate() {
         worked
     );
 }
+
+/// A held-out question listed twice counts once (its first record), as a run's evaluation takes it and
+/// `qarl eval` now does too; a repeat with another gold answer is an error naming both lines.
+#[test]
+fn repeated_questions_count_once_and_conflicting_golds_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("dup.jsonl");
+    std::fs::write(
+        &path,
+        "{\"question\": \"legs of a spider?\", \"answer\": \"#### 8\"}\n\
+         {\"question\": \"2+2?\", \"answer\": \"#### 4\"}\n\
+         {\"question\": \"legs of a spider?\", \"answer\": \"#### 8\"}\n",
+    )
+    .unwrap();
+    let recs = datasets::load_gsm8k(&path, OnBadLine::Error).unwrap();
+    let (unique, repeats) = datasets::unique_questions(recs, &path).unwrap();
+    assert_eq!(repeats, 1);
+    assert_eq!(
+        unique.iter().map(|r| r.line).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    std::fs::write(
+        &path,
+        "{\"question\": \"legs of a spider?\", \"answer\": \"#### 8\"}\n\
+         {\"question\": \"legs of a spider?\", \"answer\": \"#### 6\"}\n",
+    )
+    .unwrap();
+    let recs = datasets::load_gsm8k(&path, OnBadLine::Error).unwrap();
+    let err = datasets::unique_questions(recs, &path)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("{}:2:", path.display()))
+            && err.contains("question of line 1 again")
+            && err.contains("\"6\"")
+            && err.contains("\"8\""),
+        "{err}"
+    );
+}

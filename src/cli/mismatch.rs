@@ -121,7 +121,15 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         crate::io::check_output_not_input(out, &inputs)?;
         crate::io::check_output_not_input(&out.with_extension("md"), &inputs)?;
     }
-    let mut records = load_gsm8k(&path, OnBadLine::Error)?;
+    // Each question once, as a run's held-out evaluation takes them: a repeated problem counted twice.
+    let (mut records, repeats) =
+        crate::tasks::datasets::unique_questions(load_gsm8k(&path, OnBadLine::Error)?, &path)?;
+    if repeats > 0 {
+        eprintln!(
+            "{}: {repeats} repeated question(s) left out (each problem counts once, as in a run's evaluation)",
+            path.display()
+        );
+    }
     records.truncate(args.limit);
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
     let template = super::eval::prompt_template(

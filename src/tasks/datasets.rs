@@ -49,6 +49,50 @@ pub enum DatasetError {
     },
     #[error("{path}: no usable records")]
     Empty { path: PathBuf },
+    /// Which of two gold answers of one question is right would be a guess.
+    #[error(
+        "{path}:{line}: the question of line {first_line} again, with the gold answer {answer:?} where \
+         line {first_line} has {first:?}: which is right is a guess (remove or correct one)"
+    )]
+    ConflictingGolds {
+        path: PathBuf,
+        first_line: usize,
+        first: String,
+        line: usize,
+        answer: String,
+    },
+}
+
+/// `records` with each question once, its first record, and how many repeats were left out: a held-out
+/// problem listed twice weighed twice in an accuracy (`qarl eval` counted 200 problems where a run's
+/// evaluation of the same file counted 193) and paired wrongly between evaluations. A repeat whose gold
+/// answer differs is an error naming both lines (it was dropped without a word).
+pub fn unique_questions(
+    records: Vec<Record>,
+    path: &Path,
+) -> Result<(Vec<Record>, usize), DatasetError> {
+    let mut first: std::collections::HashMap<String, (usize, String)> = Default::default();
+    let mut kept = Vec::with_capacity(records.len());
+    let mut repeats = 0;
+    for r in records {
+        match first.get(&r.question) {
+            Some((first_line, gold)) if *gold != r.answer => {
+                return Err(DatasetError::ConflictingGolds {
+                    path: path.to_path_buf(),
+                    first_line: *first_line,
+                    first: gold.clone(),
+                    line: r.line,
+                    answer: r.answer,
+                })
+            }
+            Some(_) => repeats += 1,
+            None => {
+                first.insert(r.question.clone(), (r.line, r.answer.clone()));
+                kept.push(r);
+            }
+        }
+    }
+    Ok((kept, repeats))
 }
 
 /// What is wrong with one line of a data set file; [`DatasetError::BadLine`] adds the file and line number.

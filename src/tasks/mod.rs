@@ -451,11 +451,8 @@ impl Task {
                 (train, eval)
             }
         };
-        let mut seen = HashSet::new();
-        let eval: Vec<Record> = eval_all
-            .into_iter()
-            .filter(|r| seen.insert(r.question.clone()))
-            .collect();
+        let (eval, _repeats) =
+            datasets::unique_questions(eval_all, d.eval_path.as_deref().unwrap_or(&d.path))?;
         if train.is_empty() {
             return Err(TaskError::NoTrainingRecords {
                 task: name,
