@@ -1558,3 +1558,19 @@ fn repeated_questions_count_once_and_conflicting_golds_are_refused() {
         "{err}"
     );
 }
+
+/// A MATH gold boxed without braces (`\boxed 5`, two records of MATH's training set) is read up to the `$`
+/// as verl reads it, and the last box wins whichever its form (one such record took an earlier braced
+/// box as its gold, the other was refused).
+#[test]
+fn math_golds_boxed_without_braces_are_read() {
+    let line =
+        |solution: &str| serde_json::json!({"problem": "p", "solution": solution}).to_string();
+    let gold = |solution: &str| datasets::parse_math_line(&line(solution)).map(|r| r.answer);
+    assert_eq!(gold("So $x = \\boxed 2$.").unwrap(), "2");
+    assert_eq!(gold("First $\\boxed{3}$, then $\\boxed 5$.").unwrap(), "5");
+    assert_eq!(gold("First $\\boxed 5$, then $\\boxed{3}$.").unwrap(), "3");
+    assert_eq!(gold("$\\boxed{\\frac{1}{2}}$").unwrap(), "\\frac{1}{2}");
+    assert_eq!(gold("The end: \\boxed 7\nmore").unwrap(), "7");
+    assert!(gold("no box at all").is_err());
+}

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::verify::last_boxed;
+use super::verify::last_boxed_gold;
 
 /// What to do with a malformed line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -260,7 +260,7 @@ pub fn parse_math_line(line: &str) -> Result<Record, LineError> {
         Some(serde_json::Value::String(a)) if !a.trim().is_empty() => Some(a.trim()),
         _ => None,
     };
-    let boxed = last_boxed(&solution)
+    let boxed = last_boxed_gold(&solution)
         .map(str::trim)
         .filter(|s| !s.is_empty());
     let answer = match (boxed, field) {

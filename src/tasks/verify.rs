@@ -490,6 +490,43 @@ pub fn last_boxed(text: &str) -> Option<&str> {
     best.and_then(|(s, e)| text.get(s..e))
 }
 
+/// A MATH solution's gold answer: the content of its last box, braced (`\boxed{5}`, [`last_boxed`]) or
+/// not (`\boxed 5`, up to the next `$` or line end, as verl's `last_boxed_only_string` reads it), whichever
+/// comes last. Two records of MATH's training set box their answer without braces: one was refused, one
+/// took an earlier braced box as its gold.
+pub fn last_boxed_gold(solution: &str) -> Option<&str> {
+    let braced =
+        last_boxed(solution).map(|s| (s.as_ptr() as usize - solution.as_ptr() as usize, s));
+    let b = solution.as_bytes();
+    let mut unbraced = None;
+    let mut i = 0;
+    while let Some(at) = solution[i..].find('\\').map(|at| at + i) {
+        i = at + 1;
+        let Some(len) = boxed_command_len(&b[at..]) else {
+            continue;
+        };
+        let mut j = at + len;
+        while j < b.len() && b[j] == b' ' {
+            j += 1;
+        }
+        if j == at + len || j >= b.len() || b[j] == b'{' {
+            continue;
+        }
+        let end = solution[j..]
+            .find(['$', '\n'])
+            .map_or(solution.len(), |e| e + j);
+        let content = solution[j..end].trim();
+        if !content.is_empty() {
+            unbraced = Some((at, content));
+        }
+    }
+    match (braced, unbraced) {
+        (Some((bp, bs)), Some((up, us))) => Some(if up > bp { us } else { bs }),
+        (Some((_, bs)), None) => Some(bs),
+        (None, u) => u.map(|(_, us)| us),
+    }
+}
+
 fn boxed_command_len(b: &[u8]) -> Option<usize> {
     for cmd in [&b"\\boxed"[..], &b"\\fbox"[..]] {
         if b.starts_with(cmd) && b.get(cmd.len()).is_none_or(|c| !c.is_ascii_alphabetic()) {
