@@ -208,12 +208,47 @@ pub fn write_random_checkpoint(
         .with_context(|| format!("{}: cannot write", weights.display()))?;
     // Written from a temporary file (mode 0600): give it an ordinary file's permissions.
     crate::io::set_usual_permissions(&weights);
-    crate::io::write_atomic(&out_dir.join("config.json"), text.as_bytes())
+    crate::io::write_atomic(&out_dir.join("config.json"), f32_config(&text).as_bytes())
+}
+
+/// `text` (a config.json) saying float32 where it names a dtype (`torch_dtype`, `dtype`): the weights
+/// written are f32, and transformers loads a model in the dtype its config names (a `bfloat16` left there
+/// gave log-probs 0.018 from qarl's). Unchanged where it names none or float32 already.
+fn f32_config(text: &str) -> String {
+    let Ok(serde_json::Value::Object(mut obj)) = serde_json::from_str::<serde_json::Value>(text)
+    else {
+        return text.to_string();
+    };
+    let mut changed = false;
+    for key in ["torch_dtype", "dtype"] {
+        if obj.get(key).is_some_and(|v| v != "float32") {
+            obj.insert(key.into(), serde_json::Value::from("float32"));
+            changed = true;
+        }
+    }
+    if changed {
+        serde_json::to_string_pretty(&obj).unwrap_or_else(|_| text.to_string())
+    } else {
+        text.to_string()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_written_config_names_the_f32_weights() {
+        let bf16 = r#"{"dtype": "bfloat16", "torch_dtype": "bfloat16", "hidden_size": 8}"#;
+        let out: serde_json::Value = serde_json::from_str(&f32_config(bf16)).unwrap();
+        assert_eq!(
+            (&out["dtype"], &out["torch_dtype"]),
+            (&"float32".into(), &"float32".into())
+        );
+        assert_eq!(out["hidden_size"], 8);
+        let plain = r#"{"hidden_size": 8}"#;
+        assert_eq!(f32_config(plain), plain);
+    }
 
     #[test]
     fn normal_draws_have_the_asked_moments() {
