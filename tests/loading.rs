@@ -482,3 +482,30 @@ fn a_tied_models_stored_head_must_be_its_embedding() {
         "{err}"
     );
 }
+
+/// Experts stored fused (transformers' `save_pretrained(save_original_format=False)`: one `gate_up_proj`
+/// and one `down_proj` per layer) are named as such, not reported as a missing per-expert tensor (which
+/// read like a damaged file).
+#[test]
+fn fused_experts_are_named_as_a_layout() {
+    let tmp = broken_copy("qwen3_moe", |t| {
+        let prefix = "model.layers.0.mlp.experts.";
+        let experts: Vec<String> = t
+            .keys()
+            .filter(|k| k.starts_with(prefix))
+            .cloned()
+            .collect();
+        let (dtype, shape, bytes) = t[&experts[0]].clone();
+        for k in experts {
+            t.remove(&k);
+        }
+        t.insert(format!("{prefix}gate_up_proj"), (dtype, shape, bytes));
+    });
+    let err = load_err(tmp.path());
+    assert!(
+        err.contains("model.layers.0.mlp.experts.gate_up_proj")
+            && err.contains("experts stored fused")
+            && err.contains("save_original_format=True"),
+        "{err}"
+    );
+}

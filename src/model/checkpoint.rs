@@ -223,10 +223,32 @@ impl Checkpoint {
         self.shards[id].meta.info(name).map(|i| i.shape.clone())
     }
 
+    /// Where per-expert tensor `name` (`model.layers.0.mlp.experts.3.up_proj.weight`) is missing, a tensor
+    /// of the same layer's experts stored fused (`model.layers.0.mlp.experts.gate_up_proj`), if any.
+    fn fused_experts_of(&self, name: &str) -> Option<String> {
+        let at = name.find(".mlp.experts.")? + ".mlp.experts.".len();
+        let prefix = &name[..at];
+        self.index
+            .keys()
+            .filter(|k| k.starts_with(prefix))
+            .find(|k| !k[at..].starts_with(|c: char| c.is_ascii_digit()))
+            .cloned()
+    }
+
     /// Finds tensor `name`, checks that its shape is `expected`, and returns its file, dtype and bytes.
     fn locate(&self, name: &str, expected: &[usize]) -> Result<(PathBuf, Dtype, &[u8]), LoadError> {
         let path = self.path_of(name);
         let Some(&id) = self.index.get(name) else {
+            if let Some(fused) = self.fused_experts_of(name) {
+                return Err(LoadError::BadTensor {
+                    path,
+                    name: fused,
+                    msg: "experts stored fused (transformers' `save_pretrained(save_original_format=False)` \
+                          layout); qarl reads one tensor per expert (`experts.0.gate_proj.weight`, ...): \
+                          save with `save_original_format=True`"
+                        .into(),
+                });
+            }
             return Err(LoadError::MissingTensor {
                 path,
                 name: name.to_string(),
