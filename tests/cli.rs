@@ -2098,3 +2098,34 @@ fn a_closed_output_pipe_ends_quietly() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.signal(), Some(13), "{:?}: {stderr}", out.status);
 }
+
+/// An experiment on a backend this build cannot run is refused before its results directory is claimed
+/// (it wrote `experiment.json` first, then reported no runs).
+#[cfg(not(feature = "wgpu"))]
+#[test]
+fn an_experiment_on_a_backend_not_built_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("base.toml"),
+        common::tiny_train_toml(tmp.path(), "aligned", 1),
+    )
+    .unwrap();
+    let exp = tmp.path().join("exp.toml");
+    let results = tmp.path().join("results");
+    std::fs::write(
+        &exp,
+        format!(
+            "name = \"e\"\nbase = \"base.toml\"\nseeds = [1]\nresults_dir = {:?}\n[[variant]]\nname = \"a\"\n",
+            results.display().to_string()
+        ),
+    )
+    .unwrap();
+    let err = error_of(
+        qarl()
+            .arg("experiment")
+            .arg(&exp)
+            .args(["--quiet", "--backend", "wgpu"]),
+    );
+    assert!(err.contains("exp.toml") && err.contains("wgpu"), "{err}");
+    assert!(!results.exists(), "{} was made", results.display());
+}

@@ -640,6 +640,14 @@ pub fn run_experiment(
     }
     check_shared_warm_starts(path, &runs, &finished)?;
     check_seeds_alike(path, &exp)?;
+    // A backend this build cannot run (`--backend wgpu` without the feature) is refused before the
+    // results directory is claimed: it left an `experiment.json` behind, then a report of no runs.
+    let mut backends: Vec<_> = runs.iter().map(|(.., cfg)| cfg.train.backend).collect();
+    backends.dedup();
+    for b in backends {
+        b.device()
+            .with_context(|| format!("{}: `train.backend` = {b}", path.display()))?;
+    }
     // One experiment process per results directory (each run directory is locked by its run as well).
     let _lock = super::lock::RunLock::acquire(&results)?;
     exp.claim_results(path, &results)?;
