@@ -1879,9 +1879,24 @@ fn generate_stops_at_the_end_tokens_of_training() {
     let prompts = tmp.path().join("prompts.json");
     std::fs::write(&prompts, r#"{"input_ids": [[5, 6, 7]]}"#).unwrap();
     let err = common::error_of(generate(&model).arg("--prompt-ids").arg(&prompts));
-    assert!(err.contains("names no eos_token_id"), "{err}");
-    qarl::tasks::char_tokenizer::save(&model).unwrap();
+    assert!(err.contains("name no eos_token_id"), "{err}");
+    // generation_config.json's end tokens stop rows without a tokenizer too (they were not read).
+    let gen_config = model.join("generation_config.json");
     let eos = qarl::tasks::char_tokenizer::EOS_ID;
+    std::fs::write(&gen_config, format!("{{\"eos_token_id\": [{eos}]}}")).unwrap();
+    let v = run_qarl_json(generate(&model).arg("--prompt-ids").arg(&prompts), &output);
+    let ids: Vec<Vec<u32>> = serde_json::from_value(v["ids"].clone()).unwrap();
+    let reasons: Vec<String> = serde_json::from_value(v["finish_reasons"].clone()).unwrap();
+    for (row, reason) in ids.iter().zip(&reasons) {
+        let ended = row[3..].iter().position(|&t| t == eos);
+        assert_eq!(ended.is_some(), reason == "stop", "{row:?} {reason}");
+        if let Some(at) = ended {
+            assert_eq!(at + 4, row.len(), "{row:?}: ran past its end token");
+        }
+    }
+    assert!(reasons.iter().any(|r| r == "stop"), "{reasons:?}");
+    std::fs::remove_file(&gen_config).unwrap();
+    qarl::tasks::char_tokenizer::save(&model).unwrap();
     let v = run_qarl_json(generate(&model).args(["--prompt", "1+2="]), &output);
     let ids: Vec<Vec<u32>> = serde_json::from_value(v["ids"].clone()).unwrap();
     let reasons: Vec<String> = serde_json::from_value(v["finish_reasons"].clone()).unwrap();

@@ -438,7 +438,9 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     print!("{}", format_table(&results));
     let quant_line: Vec<String> = results
         .iter()
-        .filter(|r| r.deterministic == modes[0])
+        // Once per scheme: the first mode's and the first expert path's row (`--moe-experts
+        // grouped,loop` listed every scheme twice).
+        .filter(|r| r.deterministic == modes[0] && r.grouped_experts == results[0].grouped_experts)
         .map(|r| format!("{} {:.2} s", r.scheme, r.quantize_s))
         .collect();
     println!("quantize time: {}", quant_line.join(", "));

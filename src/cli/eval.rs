@@ -47,6 +47,7 @@ pub struct EvalArgs {
     /// `<think>` block); refused for a template that does not read it.
     #[arg(long)]
     pub enable_thinking: Option<bool>,
+    /// Most tokens a response may have (its end token included); one cut off there is `truncated`.
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
     /// What ends a response besides `--max-new-tokens`: `template`, the model's end tokens and the

@@ -44,7 +44,8 @@ pub struct GenerateArgs {
     pub seed: u64,
     /// Stop a row at the model's end tokens: with a tokenizer, the ones `qarl train` and `qarl eval` stop
     /// at (config.json's, generation_config.json's and tokenizer_config.json's end-of-sequence ids, and
-    /// the first of `<eos>`, `<|im_end|>`, `<|endoftext|>` the tokenizer has); without, config.json's.
+    /// the first of `<eos>`, `<|im_end|>`, `<|endoftext|>` the tokenizer has); without, config.json's and
+    /// generation_config.json's.
     #[arg(long)]
     pub stop_at_eos: bool,
     /// Extra stop token ids (repeatable).
@@ -103,13 +104,15 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 stop_token_ids.extend(crate::model::EndTokens::of(tok, &model.config)?.stops())
             }
             None => {
+                let ids =
+                    crate::model::EndTokens::ids_without_tokenizer(&args.model, &model.config)?;
                 anyhow::ensure!(
-                    !model.config.eos_token_ids.is_empty(),
-                    "--stop-at-eos: {}/config.json names no eos_token_id (and there is no tokenizer.json), \
-                     so nothing would stop a row; pass --stop-id or --stop",
+                    !ids.is_empty(),
+                    "--stop-at-eos: {0}/config.json and {0}/generation_config.json name no eos_token_id \
+                     (and there is no tokenizer.json), so nothing would stop a row; pass --stop-id",
                     args.model.display()
                 );
-                stop_token_ids.extend(&model.config.eos_token_ids);
+                stop_token_ids.extend(ids);
             }
         }
     }

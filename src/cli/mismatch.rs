@@ -39,10 +39,13 @@ pub struct MismatchArgs {
         value_delimiter = ','
     )]
     pub schemes: Vec<QuantScheme>,
+    /// Sampling temperature of the rollout (the log-probs compared are of the distribution scaled by it).
     #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag, allow_negative_numbers = true)]
     pub temperature: f32,
+    /// Most tokens a sampled response may have.
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
+    /// Sampling seed (every scheme samples from the same seeds).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// `chat` (the model's own chat template, ChatML where it has none), `chatml` (ChatML whatever the

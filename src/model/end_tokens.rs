@@ -65,6 +65,27 @@ impl EndTokens {
         Ok(Self { primary, stops })
     }
 
+    /// The end-token ids a model in `dir` without a tokenizer names: config.json's `eos_token_id`s and
+    /// `generation_config.json`'s, each once (what `qarl generate --stop-at-eos` stops at on token ids; the
+    /// second file was not read, and a row ran past an end token transformers stops at).
+    pub fn ids_without_tokenizer(dir: &Path, config: &ModelConfig) -> anyhow::Result<Vec<u32>> {
+        let mut ids: Vec<u32> = Vec::new();
+        let listed = config
+            .eos_token_ids
+            .iter()
+            .copied()
+            .chain(generation_config_eos(
+                &dir.join("generation_config.json"),
+                config.vocab_size,
+            )?);
+        for id in listed {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        Ok(ids)
+    }
+
     /// The token a training example ends with (and the first stop).
     pub fn primary(&self) -> u32 {
         self.primary

@@ -146,11 +146,17 @@ pub enum RolloutLogprobs {
 pub enum RolloutStop {
     /// The model's end tokens only (`model::EndTokens`; verl's rollouts stop at EOS alone too).
     #[default]
-    #[value(alias = "end_tokens")]
+    #[value(
+        alias = "end_tokens",
+        help = "the model's end tokens only (verl's rollouts stop at EOS alone too)"
+    )]
     EndTokens,
     /// Also the task's stop strings ([`crate::tasks::Task::stop_strings`]: `"\n"` after arithmetic's answer
     /// line, `"\nQuestion:"` for the plain template, where a base model goes on with a question of its
     /// own, the turn's end under a chat template), as `qarl eval` stops by default.
+    #[value(
+        help = "also the template's stop string: `\\nQuestion:` after a plain prompt, the turn's end under a chat template"
+    )]
     Template,
 }
 
