@@ -243,3 +243,23 @@ fn an_invalid_int8_code_names_its_tensor() {
         "{err}"
     );
 }
+
+/// A Git LFS pointer where the weights should be (a clone without git-lfs) is named as such, not as an
+/// impossible header length.
+#[test]
+fn a_git_lfs_pointer_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 538090376\n",
+    )
+    .unwrap();
+    let err = match Checkpoint::open(dir.path()) {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("a pointer file was accepted"),
+    };
+    assert!(
+        err.contains("model.safetensors") && err.contains("Git LFS pointer"),
+        "{err}"
+    );
+}

@@ -454,6 +454,11 @@ fn dtype_bits(name: &str) -> Option<usize> {
 /// can be found (the crate's own messages for shapes, types and offsets do not say which tensor).
 fn explain_header(bytes: &[u8], err: &safetensors::SafeTensorError) -> String {
     let fallback = || err.to_string();
+    // A clone without git-lfs leaves a small text file naming the weights where the weights should be.
+    if bytes.starts_with(b"version https://git-lfs") {
+        return "a Git LFS pointer, not the weights: fetch them (`git lfs pull`, or download the file)"
+            .into();
+    }
     let Some(n) = bytes
         .get(..8)
         .and_then(|b| b.try_into().ok())
