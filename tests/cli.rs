@@ -1026,22 +1026,11 @@ fn compare_pairs_eval_outputs_by_problem_and_refuses_other_problems() {
 #[test]
 fn experiment_variants_sharing_a_model_must_make_it_alike() {
     let tmp = tempfile::tempdir().unwrap();
-    std::fs::write(
-        tmp.path().join("base.toml"),
-        common::tiny_train_toml(tmp.path(), "aligned", 1),
-    )
-    .unwrap();
-    let exp = tmp.path().join("exp.toml");
-    let results = tmp.path().join("results");
-    std::fs::write(
-        &exp,
-        format!(
-            "name = \"e\"\nbase = \"base.toml\"\nseeds = [1, 2]\nresults_dir = {:?}\n\
-             [[variant]]\nname = \"a\"\n[[variant]]\nname = \"b\"\nset = {{ \"sft.lr\" = 5e-3 }}\n",
-            results.display().to_string()
-        ),
-    )
-    .unwrap();
+    let (exp, results) = tiny_experiment(
+        tmp.path(),
+        "seeds = [1, 2]\n[[variant]]\nname = \"a\"\n[[variant]]\nname = \"b\"\n\
+         set = { \"sft.lr\" = 5e-3 }\n",
+    );
     let err = error_of(qarl().arg("experiment").arg(&exp).arg("--quiet"));
     assert!(
         err.contains("exp.toml: variants \"a\" and \"b\" share `model.dir`")
@@ -2120,21 +2109,7 @@ fn a_closed_output_pipe_ends_quietly() {
 #[test]
 fn an_experiment_on_a_backend_not_built_leaves_nothing() {
     let tmp = tempfile::tempdir().unwrap();
-    std::fs::write(
-        tmp.path().join("base.toml"),
-        common::tiny_train_toml(tmp.path(), "aligned", 1),
-    )
-    .unwrap();
-    let exp = tmp.path().join("exp.toml");
-    let results = tmp.path().join("results");
-    std::fs::write(
-        &exp,
-        format!(
-            "name = \"e\"\nbase = \"base.toml\"\nseeds = [1]\nresults_dir = {:?}\n[[variant]]\nname = \"a\"\n",
-            results.display().to_string()
-        ),
-    )
-    .unwrap();
+    let (exp, results) = tiny_experiment(tmp.path(), "seeds = [1]\n[[variant]]\nname = \"a\"\n");
     let err = error_of(
         qarl()
             .arg("experiment")
@@ -2143,4 +2118,25 @@ fn an_experiment_on_a_backend_not_built_leaves_nothing() {
     );
     assert!(err.contains("exp.toml") && err.contains("wgpu"), "{err}");
     assert!(!results.exists(), "{} was made", results.display());
+}
+
+/// A tiny experiment in `dir`: `base.toml` (the tiny training config, one RL step) and `exp.toml` naming
+/// it, with `body` (seeds and variants) after its results directory; returns (`exp.toml`, results dir).
+fn tiny_experiment(dir: &std::path::Path, body: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    std::fs::write(
+        dir.join("base.toml"),
+        common::tiny_train_toml(dir, "aligned", 1),
+    )
+    .unwrap();
+    let exp = dir.join("exp.toml");
+    let results = dir.join("results");
+    std::fs::write(
+        &exp,
+        format!(
+            "name = \"e\"\nbase = \"base.toml\"\nresults_dir = {:?}\n{body}",
+            results.display().to_string()
+        ),
+    )
+    .unwrap();
+    (exp, results)
 }
