@@ -118,6 +118,24 @@ pub(crate) fn prompt_template(
 /// The environment variable naming the directory that holds GSM8K's `test.jsonl` and `train.jsonl`.
 pub(crate) const GSM8K_DIR_ENV: &str = "QARL_GSM8K_DIR";
 
+/// The first `limit` problems of a JSONL file, each question once (its first record), as a run's held-out
+/// evaluation takes them: a repeated problem counted twice (`qarl eval` and `qarl mismatch`).
+pub(super) fn load_problems(
+    path: &std::path::Path,
+    limit: usize,
+) -> anyhow::Result<Vec<crate::tasks::datasets::Record>> {
+    let (mut records, repeats) =
+        crate::tasks::datasets::unique_questions(load_gsm8k(path, OnBadLine::Error)?, path)?;
+    if repeats > 0 {
+        eprintln!(
+            "{}: {repeats} repeated question(s) left out (each problem counts once, as in a run's evaluation)",
+            path.display()
+        );
+    }
+    records.truncate(limit);
+    Ok(records)
+}
+
 /// The file `--data NAME` reads: `gsm8k-test` / `gsm8k-train` in $QARL_GSM8K_DIR, anything else a path. GSM8K
 /// is not part of the repository, so the short names need the variable; an error says how to provide it.
 pub(crate) fn data_path(name: &str) -> anyhow::Result<PathBuf> {
@@ -151,16 +169,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     if let Some(out) = &args.output {
         crate::io::check_output_not_input(out, &super::inputs_with_model(&args.model, [&path]))?;
     }
-    // Each question once, as a run's held-out evaluation takes them: a repeated problem counted twice.
-    let (mut records, repeats) =
-        crate::tasks::datasets::unique_questions(load_gsm8k(&path, OnBadLine::Error)?, &path)?;
-    if repeats > 0 {
-        eprintln!(
-            "{}: {repeats} repeated question(s) left out (each problem counts once, as in a run's evaluation)",
-            path.display()
-        );
-    }
-    records.truncate(args.limit);
+    let records = load_problems(&path, args.limit)?;
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
     let template = prompt_template(
         &args.model,

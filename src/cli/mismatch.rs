@@ -14,7 +14,6 @@ use crate::ops::BackendKind;
 use crate::quant::{Precision, QuantScheme};
 use crate::rl::metrics::{error_token_metrics, names, rollout_mismatch_metrics, LoopRule};
 use crate::rollout::{generate, SamplingParams};
-use crate::tasks::datasets::{load_gsm8k, OnBadLine};
 use crate::train::batch::SeqBatch;
 
 #[derive(Debug, clap::Args)]
@@ -124,16 +123,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         crate::io::check_output_not_input(out, &inputs)?;
         crate::io::check_output_not_input(&out.with_extension("md"), &inputs)?;
     }
-    // Each question once, as a run's held-out evaluation takes them: a repeated problem counted twice.
-    let (mut records, repeats) =
-        crate::tasks::datasets::unique_questions(load_gsm8k(&path, OnBadLine::Error)?, &path)?;
-    if repeats > 0 {
-        eprintln!(
-            "{}: {repeats} repeated question(s) left out (each problem counts once, as in a run's evaluation)",
-            path.display()
-        );
-    }
-    records.truncate(args.limit);
+    let records = super::eval::load_problems(&path, args.limit)?;
     anyhow::ensure!(!records.is_empty(), "{}: no problems", path.display());
     let template = super::eval::prompt_template(
         &args.model,

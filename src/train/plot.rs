@@ -142,7 +142,7 @@ pub fn plot_run(run_dir: &Path) -> anyhow::Result<PathBuf> {
                 "k3".into(),
                 series(&rows, "rl", "rollout_corr/k3_kl")
                     .into_iter()
-                    .map(|(s, v)| (s, v.abs().max(1e-30).log10()))
+                    .map(|(s, v)| (s, log10_with_zero_at_minus_30(v)))
                     .collect(),
             )],
         ),
@@ -312,6 +312,16 @@ fn emptiest_corner(
         .into_iter()
         .min_by_key(|&(_, right, upper)| near(right, upper))
         .map_or(SeriesLabelPosition::UpperLeft, |c| c.0)
+}
+
+/// `log10 |v|`, an exact 0 at -30 (a run's k3 panel); a row without the metric stays NaN, a break in the
+/// line (`NaN.max(1e-30)` is 1e-30: it was drawn as a 0).
+fn log10_with_zero_at_minus_30(v: f64) -> f64 {
+    if v.is_nan() {
+        v
+    } else {
+        v.abs().max(1e-30).log10()
+    }
 }
 
 /// Whether a point can be drawn.
@@ -698,6 +708,13 @@ mod tests {
         a.insert(1, serde_json::json!({"phase": "rl", "step": 1}));
         let mean = mean_series(&[a], "rl", "k");
         assert_eq!(steps(unbroken_pieces(&mean)), vec![vec![0.0], vec![2.0]]);
+    }
+
+    #[test]
+    fn a_missing_k3_is_no_zero() {
+        assert!(log10_with_zero_at_minus_30(f64::NAN).is_nan());
+        assert_eq!(log10_with_zero_at_minus_30(0.0), -30.0);
+        assert_eq!(log10_with_zero_at_minus_30(1e-3), -3.0);
     }
 
     /// A shared legend takes fewer columns where names are long (60-character names overprinted each
