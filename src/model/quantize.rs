@@ -75,14 +75,15 @@ impl Decoder {
     }
 
     /// Bytes of weights a forward reads whose tokens were routed as `routing` (per layer, the expert ids
-    /// of its tokens; `None` for dense layers): [`Self::weight_bytes`] with only the experts routed to.
-    /// `experts` is [`Self::expert_weight_bytes`], computed once by the caller.
+    /// of its tokens; `None` for dense layers): `all` ([`Self::weight_bytes`]) with only the experts routed
+    /// to. `all` and `experts` ([`Self::expert_weight_bytes`]) are computed once by the caller: walking
+    /// the model's parts names every expert, too slow for every decode step of a large MoE.
     pub fn routed_weight_bytes(
-        &self,
+        all: usize,
         experts: &[Vec<usize>],
         routing: &[Option<Vec<u32>>],
     ) -> usize {
-        let mut bytes = self.weight_bytes();
+        let mut bytes = all;
         for (layer, ids) in experts.iter().zip(routing) {
             let (Some(ids), false) = (ids, layer.is_empty()) else {
                 continue;

@@ -290,7 +290,7 @@ fn generate_in_pool(
         fan_out.iter().map(|&pi| prompt_next.entropy[pi]).collect()
     };
     out.prefill_s = t_prefill.elapsed().as_secs_f64();
-    let experts = model.expert_weight_bytes();
+    let (all_bytes, experts) = (model.weight_bytes(), model.expert_weight_bytes());
     let t_decode = Instant::now();
     let reads = crate::host::ReadCount::start();
     let mut rngs: Vec<_> = (0..rows).map(|r| sequence_rng(params.seed, r)).collect();
@@ -368,7 +368,7 @@ fn generate_in_pool(
         if record_routing {
             append_routing(&mut out.routing, &active, &step_routing, 1, &|_| 1);
         }
-        out.decode_weight_bytes += model.routed_weight_bytes(&experts, &step_routing);
+        out.decode_weight_bytes += Decoder::routed_weight_bytes(all_bytes, &experts, &step_routing);
         out.decode_key_slots += next.len() * cache.key_width();
         out.decode_kv_bytes += next.len() * cache.key_width() * cache.bytes_per_key_slot();
         (lp_rows, entropy_rows) = (next_token.logprobs, next_token.entropy);
