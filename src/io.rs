@@ -119,6 +119,15 @@ pub fn check_output_not_input(output: &Path, inputs: &[PathBuf]) -> anyhow::Resu
     Ok(())
 }
 
+/// Removes those of `files` that are there (a run's finished marker, its plots), naming a file that
+/// cannot be removed.
+pub fn remove_files_present(files: impl IntoIterator<Item = PathBuf>) -> anyhow::Result<()> {
+    for f in files.into_iter().filter(|f| f.is_file()) {
+        std::fs::remove_file(&f).with_context(|| format!("{}: cannot remove", f.display()))?;
+    }
+    Ok(())
+}
+
 /// Writes `bytes` to `path` the same way (`write_through_temp`).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     write_through_temp(path, |file| file.write_all(bytes))

@@ -51,11 +51,7 @@ impl EndTokens {
         let mut stops = vec![primary];
         let listed = by_name
             .into_iter()
-            .chain(config.eos_token_ids.iter().copied())
-            .chain(generation_config_eos(
-                &dir.join("generation_config.json"),
-                config.vocab_size,
-            )?)
+            .chain(Self::ids_without_tokenizer(dir, config)?)
             .chain(named_eos);
         for id in listed {
             if !stops.contains(&id) {

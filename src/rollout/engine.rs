@@ -369,8 +369,9 @@ fn generate_in_pool(
             append_routing(&mut out.routing, &active, &step_routing, 1, &|_| 1);
         }
         out.decode_weight_bytes += Decoder::routed_weight_bytes(all_bytes, &experts, &step_routing);
-        out.decode_key_slots += next.len() * cache.key_width();
-        out.decode_kv_bytes += next.len() * cache.key_width() * cache.bytes_per_key_slot();
+        let key_slots = next.len() * cache.key_width();
+        out.decode_key_slots += key_slots;
+        out.decode_kv_bytes += key_slots * cache.bytes_per_key_slot();
         (lp_rows, entropy_rows) = (next_token.logprobs, next_token.entropy);
         if let Some(slot) = first_nonfinite(&lp_rows) {
             out.nonfinite = Some((step + 1, active[slot]));

@@ -520,11 +520,11 @@ pub fn last_boxed_gold(solution: &str) -> Option<&str> {
             unbraced = Some((at, content));
         }
     }
-    match (braced, unbraced) {
-        (Some((bp, bs)), Some((up, us))) => Some(if up > bp { us } else { bs }),
-        (Some((_, bs)), None) => Some(bs),
-        (None, u) => u.map(|(_, us)| us),
-    }
+    [braced, unbraced]
+        .into_iter()
+        .flatten()
+        .max_by_key(|&(at, _)| at)
+        .map(|(_, content)| content)
 }
 
 fn boxed_command_len(b: &[u8]) -> Option<usize> {

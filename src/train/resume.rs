@@ -263,12 +263,7 @@ fn remove_earlier_outputs(run_dir: &Path) -> anyhow::Result<()> {
                 .is_some_and(|n| n.starts_with("config.before_step_") && n.ends_with(".json"))
         });
     let files = [finished_marker(run_dir), super::plot::run_plots(run_dir)];
-    for f in files.into_iter().chain(kept_configs) {
-        if f.is_file() {
-            std::fs::remove_file(&f).with_context(|| format!("{}: cannot remove", f.display()))?;
-        }
-    }
-    Ok(())
+    crate::io::remove_files_present(files.into_iter().chain(kept_configs))
 }
 
 /// The file that marks a run of an experiment finished (its final evaluation summarized): written by

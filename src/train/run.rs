@@ -226,13 +226,10 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // fewer steps: its marker and plots go before the first step (reports draw a finished run's plots
     // once, where none are there).
     if start < steps {
-        let stale = [
+        crate::io::remove_files_present([
             resume::finished_marker(&cfg.run_dir),
             super::plot::run_plots(&cfg.run_dir),
-        ];
-        for f in stale.iter().filter(|f| f.is_file()) {
-            std::fs::remove_file(f).with_context(|| format!("{}: cannot remove", f.display()))?;
-        }
+        ])?;
     }
     let bar = progress::progress_bar(steps.saturating_sub(start) as u64, "rl", opts.quiet);
     for step in start..steps {
@@ -301,11 +298,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // Plots drawn while the run went (`qarl plot` on it mid-run, or before a kill during the final
     // evaluation that this resume redid) may show less than it has now: gone, so that a report draws the
     // whole run (it draws only missing plots) instead of linking the partial one.
-    let plots = super::plot::run_plots(&cfg.run_dir);
-    if plots.is_file() {
-        std::fs::remove_file(&plots)
-            .with_context(|| format!("{}: cannot remove", plots.display()))?;
-    }
+    crate::io::remove_files_present([super::plot::run_plots(&cfg.run_dir)])?;
     let paired = before
         .as_ref()
         .and_then(|b| paired::PairedComparison::new(&b.1, &after.1));
