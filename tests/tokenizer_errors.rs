@@ -1,5 +1,7 @@
 //! A `tokenizer.json` the tokenizers library cannot use is reported with the problem by name (its own
-//! message for these is about "untagged enum" variants).
+//! message for these is about "untagged enum" variants), and `tokenizer_config.json`'s
+//! `added_tokens_decoder` is applied as transformers applies it, or refused where transformers would put a
+//! token under another id than the config says.
 
 mod common;
 
@@ -195,4 +197,63 @@ fn an_empty_prompt_is_refused_by_name() {
         tok.encode("").unwrap().is_empty(),
         "plain encoding of nothing is allowed"
     );
+}
+
+/// Each case of `tests/fixtures/tokenizer_config/expected.json` (written by `make_fixtures.py` there with
+/// transformers): the same ids for every text and the same text decoded without special tokens, or, where
+/// transformers gives a token the config names another id than the config's, an error naming both.
+#[test]
+fn added_tokens_decoder_applies_as_in_transformers() {
+    let fixtures =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer_config");
+    let text = std::fs::read_to_string(fixtures.join("expected.json")).unwrap();
+    let expected: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let cases = expected["cases"].as_array().unwrap();
+    assert!(cases.len() >= 10);
+    let mut refused = 0;
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            fixtures.join("tokenizer.json"),
+            dir.path().join("tokenizer.json"),
+        )
+        .unwrap();
+        let config = serde_json::to_string(&case["config"]).unwrap();
+        std::fs::write(dir.path().join("tokenizer_config.json"), config).unwrap();
+        let decoder = case["config"]["added_tokens_decoder"].as_object();
+        // The ids the config gives against the ones transformers gave.
+        let moved = decoder.into_iter().flatten().find(|(id, entry)| {
+            let content = entry["content"].as_str().unwrap();
+            case["ids_given"][content].as_u64().unwrap().to_string() != **id
+        });
+        if let Some((id, entry)) = moved {
+            let content = entry["content"].as_str().unwrap();
+            let err = dir_err(dir.path());
+            let given = case["ids_given"][content].as_u64().unwrap();
+            assert!(err.contains("tokenizer_config.json"), "{name}: {err}");
+            assert!(
+                err.contains(&format!("names id {id} `{content}`")),
+                "{name}: {err}"
+            );
+            if case["name"] == "gap_before_new" {
+                assert!(
+                    err.contains(&format!("give it id {given}")),
+                    "{name}: {err}"
+                );
+            }
+            refused += 1;
+            continue;
+        }
+        let tok = Tokenizer::load_optional(dir.path()).unwrap().unwrap();
+        for row in case["texts"].as_array().unwrap() {
+            let text = row["text"].as_str().unwrap();
+            let want: Vec<u32> = serde_json::from_value(row["ids"].clone()).unwrap();
+            let ids = tok.encode(text).unwrap();
+            assert_eq!(ids, want, "{name}: ids of {text:?}");
+            let without = tok.decode_without_special(&ids).unwrap();
+            assert_eq!(without, row["without_special"], "{name}: {text:?} decoded");
+        }
+    }
+    assert_eq!(refused, 2, "the two cases transformers moves are refused");
 }

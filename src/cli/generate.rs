@@ -62,7 +62,7 @@ pub struct GenerateArgs {
     pub backend: BackendKind,
     /// Quantize the projections on load (int4-g32/64/128, int8-pc, fp8-b128, nvfp4, mxfp4); the forward then
     /// runs the low-bit matmul on the packed weights.
-    #[arg(long)]
+    #[arg(long, visible_alias = "scheme")]
     pub quant: Option<QuantScheme>,
     /// Activations' type (`f32`, or mixed precision: `bf16`, `f16`; weights stay f32 or packed).
     #[arg(long, value_enum, default_value_t = crate::model::Activations::F32)]

@@ -156,3 +156,57 @@ pub fn run() -> anyhow::Result<()> {
         Command::Runs(a) => runs::run(a),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Activations;
+    use crate::quant::QuantScheme;
+
+    fn parse(args: &[&str]) -> Command {
+        Cli::try_parse_from(std::iter::once("qarl").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"))
+            .command
+    }
+
+    /// One meaning, one flag name across commands: each command that spells a meaning its own way also
+    /// takes the other commands' spelling (`--quant`/`--scheme`, `--runtime`/`--backend`,
+    /// `--act-dtype`/`--activations`, `--formats`/`--schemes`).
+    #[test]
+    fn other_commands_flag_names_are_accepted() {
+        for cmd in ["eval", "generate", "score"] {
+            let mut args = vec![cmd, "--model", "m", "--scheme", "int4-g32"];
+            args.extend(match cmd {
+                "eval" => &["--data", "d"][..],
+                "score" => &["--input", "i", "--output", "o"][..],
+                _ => &["--prompt", "p", "--output", "o"][..],
+            });
+            let quant = match parse(&args) {
+                Command::Eval(a) => a.quant,
+                Command::Generate(a) => a.quant,
+                Command::Score(a) => a.quant,
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(quant, Some(QuantScheme::Int4G32), "{cmd}");
+        }
+        let kernels = [
+            "bench",
+            "kernels",
+            "--backend",
+            "cuda",
+            "--schemes",
+            "int8-pc",
+            "--activations",
+            "bf16,f32",
+        ];
+        let Command::Bench(bench::BenchArgs {
+            what: bench::BenchWhat::Kernels(k),
+        }) = parse(&kernels)
+        else {
+            panic!("not bench kernels");
+        };
+        assert_eq!(k.runtime, "cuda");
+        assert_eq!(k.formats, ["int8-pc"]);
+        assert_eq!(k.act_dtype, [Activations::Bf16, Activations::F32]);
+    }
+}

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 use super::error::LoadError;
 use crate::tasks::template::Template;
 
+mod config_tokens;
+
 /// A loaded HF tokenizer.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -67,9 +69,33 @@ impl Tokenizer {
         };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| err(format!("cannot read ({})", crate::io::os_error_text(&e))))?;
-        let inner = Self::parse(&text).map_err(err)?;
+        let inner = Self::parse_with_config(dir.as_ref(), &text, err)?;
         warn_if_rebuilt_by_transformers_5(dir.as_ref(), &text);
         Ok(Some(Self::new(inner, path)))
+    }
+
+    /// [`Self::parse`] after `tokenizer_config.json`'s `added_tokens_decoder` is applied as transformers
+    /// applies it ([`config_tokens`]); `file_err` names `tokenizer.json` in the file's own errors.
+    fn parse_with_config(
+        dir: &Path,
+        text: &str,
+        file_err: impl Fn(String) -> LoadError,
+    ) -> Result<tokenizers::Tokenizer, LoadError> {
+        let config_err = |msg: String| LoadError::Tokenizer {
+            path: dir.join("tokenizer_config.json"),
+            msg,
+        };
+        let config = config_tokens::read(dir).map_err(config_err)?;
+        let patched = match config.is_empty() {
+            true => None,
+            false => config_tokens::patch(text, &config).map_err(config_err)?,
+        };
+        let Some((patched, missing)) = patched else {
+            return Self::parse(text).map_err(file_err);
+        };
+        let mut inner = Self::parse(&patched).map_err(file_err)?;
+        config_tokens::add_missing(&mut inner, &missing).map_err(config_err)?;
+        Ok(inner)
     }
 
     /// The text of a `tokenizer.json` as the tokenizers library reads it, or what is wrong with it: what

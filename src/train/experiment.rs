@@ -57,10 +57,30 @@ fn plain_name(name: &str) -> bool {
             .all(|c| matches!(c, std::path::Component::Normal(_)))
 }
 
+/// A run's config given where an experiment file is expected: say so, not "unknown field `run_dir`" (the
+/// mirror of the check in [`super::config::TrainConfig`]'s parser).
+fn refuse_run_config(text: &str, path: &Path) -> anyhow::Result<()> {
+    let Ok(doc) = text.parse::<toml::Table>() else {
+        return Ok(());
+    };
+    let run_keys = [
+        "run_dir", "model", "task", "rollout", "train", "sft", "eval", "verify",
+    ];
+    if !doc.contains_key("variant") && run_keys.iter().any(|k| doc.contains_key(*k)) {
+        bail!(
+            "{0}: a run's config (no `[[variant]]`), not an experiment file: run it with `qarl train \
+             --config {0}` (or `qarl sft`), or name it as an experiment's `base` (docs/config.md)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
 impl ExperimentConfig {
     /// Reads and checks an experiment file; errors name it.
     pub fn load(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
+        refuse_run_config(&text, path)?;
         let exp: Self =
             toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         if exp.seeds.is_empty() || exp.variants.is_empty() {
@@ -1286,6 +1306,26 @@ mod tests {
             "{cell}"
         );
         assert_eq!(rl_gain_cell(None, Some(&own)), "-");
+    }
+
+    #[test]
+    fn a_run_config_is_named_as_one() {
+        let dir = std::env::temp_dir().join(format!("qarl-exp-run-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let run = dir.join("run.toml");
+        std::fs::write(&run, "run_dir = \"runs/x\"\n[train]\nsteps = 3\n").unwrap();
+        let e = ExperimentConfig::load(&run).unwrap_err().to_string();
+        assert!(e.contains("a run's config (no `[[variant]]`)"), "{e}");
+        assert!(
+            e.contains(&format!("qarl train --config {}", run.display())),
+            "{e}"
+        );
+        // An experiment file with a typo still gets the parser's own message.
+        let exp = dir.join("exp.toml");
+        std::fs::write(&exp, "name = \"x\"\nbase = \"b.toml\"\nseed = [1]\n").unwrap();
+        let e = ExperimentConfig::load(&exp).unwrap_err().to_string();
+        assert!(e.contains("unknown field `seed`"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -16,11 +16,12 @@ use super::kernel_summary::print_summaries;
 #[derive(Debug, clap::Args)]
 pub struct KernelBenchArgs {
     /// CubeCL runtime: `wgpu` (Vulkan/Metal/DX12, lavapipe on a CPU) or `cuda`; each needs its cargo feature.
-    #[arg(long, default_value = "wgpu")]
+    #[arg(long, visible_alias = "backend", default_value = "wgpu")]
     pub runtime: String,
     /// Weight formats.
     #[arg(
         long,
+        visible_alias = "schemes",
         value_delimiter = ',',
         default_value = "int4-g128,int8-pc,fp8-b128"
     )]
@@ -50,7 +51,13 @@ pub struct KernelBenchArgs {
     #[arg(long, default_value_t = 256)]
     pub copy_mib: usize,
     /// Activation types (`f32`, `f16`, `bf16`); a type the device lacks is skipped with a message.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32")]
+    #[arg(
+        long,
+        visible_alias = "activations",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "f32"
+    )]
     pub act_dtype: Vec<crate::model::Activations>,
     /// Check each kernel against the host reference before timing.
     #[arg(long)]

@@ -1,0 +1,154 @@
+//! `tokenizer_config.json`'s `added_tokens_decoder` over `tokenizer.json`'s added tokens, as transformers
+//! 5.25 reads a tokenizer (checked against it: `tests/fixtures/tokenizer_config`).
+//!
+//! transformers re-adds every token the config names: a token `tokenizer.json` already has keeps its id,
+//! takes the config's `lstrip`, `rstrip`, `single_word` and `normalized`, and becomes special where the
+//! config says so (never the other way: a token the file marks special stays special, so decoding without
+//! special tokens still drops it); a token only the config names is added at the next free id. Phi-3's
+//! config, for one, sets `rstrip` on its chat tokens where its `tokenizer.json` does not, so the file alone
+//! encodes `<|user|>\n...` with other ids than transformers. Where the config's id and the one transformers
+//! would give disagree (another token at that id, or a gap before it), the pair is refused: the model's
+//! embedding rows would be read under other ids than the config says.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::Deserialize;
+
+/// One entry of `added_tokens_decoder`, with transformers' `AddedToken` defaults for a missing field.
+#[derive(Debug, Clone, Deserialize)]
+pub(super) struct ConfigToken {
+    content: String,
+    #[serde(default)]
+    lstrip: bool,
+    #[serde(default)]
+    rstrip: bool,
+    #[serde(default)]
+    single_word: bool,
+    /// transformers' default is `not special`.
+    #[serde(default)]
+    normalized: Option<bool>,
+    #[serde(default)]
+    special: bool,
+}
+
+impl ConfigToken {
+    fn normalized(&self) -> bool {
+        self.normalized.unwrap_or(!self.special)
+    }
+
+    fn added_token(&self) -> tokenizers::AddedToken {
+        tokenizers::AddedToken::from(self.content.clone(), self.special)
+            .lstrip(self.lstrip)
+            .rstrip(self.rstrip)
+            .single_word(self.single_word)
+            .normalized(self.normalized())
+    }
+}
+
+/// The config's `added_tokens_decoder` by id, empty where the directory has no config or the config no
+/// such key; an entry that is not a token is an error (the message names the id).
+pub(super) fn read(dir: &Path) -> Result<BTreeMap<u32, ConfigToken>, String> {
+    let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) else {
+        return Ok(BTreeMap::new());
+    };
+    // A config that is not JSON is reported by the readers of its other keys (the chat template's).
+    let Ok(mut config) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Ok(BTreeMap::new());
+    };
+    let Some(decoder) = config
+        .get_mut("added_tokens_decoder")
+        .map(serde_json::Value::take)
+    else {
+        return Ok(BTreeMap::new());
+    };
+    let serde_json::Value::Object(entries) = decoder else {
+        return Err("`added_tokens_decoder` is not an object of ids".into());
+    };
+    entries
+        .into_iter()
+        .map(|(id, entry)| {
+            let parsed = id
+                .parse::<u32>()
+                .map_err(|_| format!("`added_tokens_decoder` key {id:?} is not a token id"))?;
+            let token = serde_json::from_value(entry)
+                .map_err(|e| format!("`added_tokens_decoder` entry {id}: {e}"))?;
+            Ok((parsed, token))
+        })
+        .collect()
+}
+
+/// The config's tokens the file does not have as added tokens (ids ascending), for [`add_missing`].
+pub(super) type Missing = Vec<(u32, ConfigToken)>;
+
+/// `tokenizer.json`'s text with the flags of the added tokens the config names set as transformers sets
+/// them, and the config's tokens the file does not have; `None` where the text is not JSON (the
+/// tokenizer's own parser reports that, naming the file).
+pub(super) fn patch(
+    tokenizer_json: &str,
+    config: &BTreeMap<u32, ConfigToken>,
+) -> Result<Option<(String, Missing)>, String> {
+    let Ok(mut json) = serde_json::from_str::<serde_json::Value>(tokenizer_json) else {
+        return Ok(None);
+    };
+    let mut missing = Vec::new();
+    let added = json
+        .get_mut("added_tokens")
+        .and_then(serde_json::Value::as_array_mut);
+    let mut by_id: BTreeMap<u64, &mut serde_json::Value> = added
+        .into_iter()
+        .flatten()
+        .filter_map(|t| Some((t.get("id")?.as_u64()?, t)))
+        .collect();
+    for (&id, token) in config {
+        let Some(entry) = by_id.get_mut(&u64::from(id)) else {
+            missing.push((id, token.clone()));
+            continue;
+        };
+        let content = entry.get("content").and_then(|c| c.as_str()).unwrap_or("");
+        if content != token.content {
+            return Err(format!(
+                "`added_tokens_decoder` names id {id} `{}`, but tokenizer.json's added token {id} is \
+                 `{content}` (transformers would add `{}` under another id)",
+                token.content, token.content
+            ));
+        }
+        let file_special = entry
+            .get("special")
+            .and_then(|s| s.as_bool())
+            .unwrap_or(false);
+        entry["lstrip"] = token.lstrip.into();
+        entry["rstrip"] = token.rstrip.into();
+        entry["single_word"] = token.single_word.into();
+        entry["normalized"] = token.normalized().into();
+        entry["special"] = (file_special || token.special).into();
+    }
+    Ok(Some((json.to_string(), missing)))
+}
+
+/// Adds the config's tokens that `tokenizer.json` has not as added tokens, in id order, each where
+/// transformers puts it (its id in the vocabulary, else the next free one), refusing one whose config id
+/// is elsewhere.
+pub(super) fn add_missing(
+    tokenizer: &mut tokenizers::Tokenizer,
+    missing: &Missing,
+) -> Result<(), String> {
+    for (id, token) in missing {
+        let added = [token.added_token()];
+        if token.special {
+            tokenizer.add_special_tokens(&added);
+        } else {
+            tokenizer.add_tokens(&added);
+        }
+        let got = tokenizer.token_to_id(&token.content);
+        if got != Some(*id) {
+            let place = got.map_or("no id".to_string(), |g| format!("id {g}"));
+            return Err(format!(
+                "`added_tokens_decoder` names id {id} `{}`, but transformers would give it {place} (its \
+                 id in tokenizer.json's vocabulary, or the next free one)",
+                token.content,
+            ));
+        }
+    }
+    Ok(())
+}
