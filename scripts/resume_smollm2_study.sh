@@ -10,18 +10,36 @@
 #   4. `qarl experiment experiments/smollm2_paper.toml` (finished runs skipped, unfinished ones resumed from their
 #      checkpoints when this machine has them, else restarted), with any extra arguments (e.g. --quiet).
 # QARL_STUDY_EXPERIMENT names another experiment on the same learner and warm start in step 4 (the ablation:
-# experiments/smollm2_paper_ablation.toml).
+# experiments/smollm2_paper_ablation.toml). QARL_STUDY_PATCH names a patch applied to the learner's worktree in
+# step 1 (its own worktree and target directory, named after the patch): the token-TIS arm,
+#   QARL_STUDY_PATCH=experiments/patches/c9234d4_gspo_token_form.patch \
+#   QARL_STUDY_EXPERIMENT=experiments/smollm2_paper_token_tis.toml scripts/resume_smollm2_study.sh --quiet
 # Idempotent: each step is skipped when its result is already here. Commit the finished runs' files as they come.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rev=c9234d474e4636f24ad196d288e59bffb17573f1
 warm_sha=e665c8a869a75ef30df48e766d61fbe458c55b1f1e45500e4c27b08074c69c26
-tree="${QARL_STUDY_WORKTREE:-$HOME/.cache/qarl/study-learner}"
-target="${QARL_STUDY_TARGET:-$HOME/.cache/qarl/study-target}"
+patch="${QARL_STUDY_PATCH:-}"
+suffix=""
+if [ -n "$patch" ]; then
+  [ -f "$patch" ] || { echo "QARL_STUDY_PATCH: $patch is not a file"; exit 1; }
+  patch="$(realpath "$patch")"
+  suffix="-$(basename "$patch" .patch)"
+fi
+tree="${QARL_STUDY_WORKTREE:-$HOME/.cache/qarl/study-learner$suffix}"
+target="${QARL_STUDY_TARGET:-$HOME/.cache/qarl/study-target$suffix}"
 if [ ! -d "$tree" ]; then
   git worktree add --detach "$tree" "$rev"
+  [ -z "$patch" ] || git -C "$tree" apply "$patch"
 fi
 [ "$(git -C "$tree" rev-parse HEAD)" = "$rev" ] || { echo "$tree is not at $rev"; exit 1; }
+if [ -n "$patch" ]; then
+  # The worktree must hold exactly the patch over the pinned commit (no other edits, nothing missing).
+  [ "$(git -C "$tree" diff HEAD | sha256sum)" = "$(sha256sum < "$patch")" ] ||
+    { echo "$tree: its changes over $rev are not exactly $patch"; exit 1; }
+elif ! git -C "$tree" diff --quiet HEAD --; then
+  echo "$tree has changes over $rev; the study's learner is $rev as committed"; exit 1
+fi
 (cd "$tree" && CARGO_TARGET_DIR="$target" cargo build --release --locked --bin qarl)
 qarl="$target/release/qarl"
 QARL_BIN="$qarl" bash scripts/fetch_smollm2.sh
