@@ -31,10 +31,10 @@ pub struct GenerateArgs {
     #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
     pub greedy: bool,
     /// Sampling temperature (0 = greedy).
-    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag)]
     pub temperature: f32,
     /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag)]
     pub top_p: f32,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]

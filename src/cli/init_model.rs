@@ -15,7 +15,7 @@ pub struct InitModelArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Standard deviation of the matrices (normal(0, std)); norm weights are 1, biases 0.
-    #[arg(long, default_value_t = 0.02, value_parser = super::f32_flag, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 0.02, value_parser = super::f32_flag)]
     pub std: f32,
     /// Refuse models whose f32 weights would take more than this many GB (the weights are built in memory).
     #[arg(long, default_value_t = 32.0)]

@@ -39,7 +39,7 @@ pub struct MismatchArgs {
     )]
     pub schemes: Vec<QuantScheme>,
     /// Sampling temperature of the rollout (the log-probs compared are of the distribution scaled by it).
-    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag)]
     pub temperature: f32,
     /// Most tokens a sampled response may have.
     #[arg(long, default_value_t = 128)]

@@ -62,7 +62,7 @@ pub enum Command {
 
 /// A real-number flag read as f32, refused where a value other than 0 would read as 0 (`1e-50` would silently
 /// mean greedy decoding as a temperature). Negative and non-finite numbers reach the command's own range check
-/// (the flags take `allow_negative_numbers`), which names the range, rather than clap calling `-1` an
+/// (every value flag takes one: [`parse_from`]), which names the range, rather than clap calling `-1` an
 /// unexpected argument.
 pub fn f32_flag(text: &str) -> Result<f32, String> {
     let v: f64 = text
@@ -132,9 +132,31 @@ pub(crate) fn refuse_repeats<T: PartialEq>(
     Ok(())
 }
 
+/// Every flag that takes a value accepts one that starts with `-` and a digit (`--max-gb -1`), for every
+/// subcommand: the value's own check then names the flag and its range, where clap would call `-1` an
+/// unexpected argument.
+fn negative_numbers_as_values(cmd: clap::Command) -> clap::Command {
+    cmd.mut_args(|a| {
+        let takes_values = a.get_action().takes_values();
+        a.allow_negative_numbers(takes_values)
+    })
+    .mut_subcommands(negative_numbers_as_values)
+}
+
+/// The command line `args` (the program's name first), as [`run`] reads it.
+pub fn parse_from<I, T>(args: I) -> Result<Cli, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = negative_numbers_as_values(Cli::command()).try_get_matches_from(args)?;
+    Cli::from_arg_matches(&matches)
+}
+
 /// Parses the command line and runs the command.
 pub fn run() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = parse_from(std::env::args_os()).unwrap_or_else(|e| e.exit());
     // A misspelt path would otherwise run (and time, or test) another path than the one asked for.
     crate::ops::cpu::kernel::SimdPath::check_env().map_err(anyhow::Error::msg)?;
     crate::ops::check_poison_env().map_err(anyhow::Error::msg)?;
@@ -164,9 +186,41 @@ mod tests {
     use crate::quant::QuantScheme;
 
     fn parse(args: &[&str]) -> Command {
-        Cli::try_parse_from(std::iter::once("qarl").chain(args.iter().copied()))
+        parse_from(std::iter::once("qarl").chain(args.iter().copied()))
             .unwrap_or_else(|e| panic!("{args:?}: {e}"))
             .command
+    }
+
+    /// A negative number is a flag's value on every subcommand, so the flag's own check names it (clap
+    /// alone calls `-1` an unexpected argument); a flag that takes no value still refuses one.
+    #[test]
+    fn negative_numbers_reach_the_flags_checks() {
+        let args = [
+            "init-model",
+            "--config",
+            "c",
+            "--output",
+            "o",
+            "--max-gb",
+            "-1",
+        ];
+        let Command::InitModel(a) = parse(&args) else {
+            panic!("not init-model");
+        };
+        assert_eq!(a.max_gb, -1.0);
+        let limit = [
+            "qarl", "eval", "--model", "m", "--data", "d", "--limit", "-1",
+        ];
+        let e = parse_from(limit).unwrap_err().to_string();
+        assert!(
+            e.contains("invalid value '-1' for '--limit <LIMIT>'"),
+            "{e}"
+        );
+        let flag = [
+            "qarl", "eval", "--model", "m", "--data", "d", "--quiet", "-1",
+        ];
+        let e = parse_from(flag).unwrap_err().to_string();
+        assert!(e.contains("unexpected argument '-1'"), "{e}");
     }
 
     /// One meaning, one flag name across commands: each command that spells a meaning its own way also
