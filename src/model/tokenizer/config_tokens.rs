@@ -82,8 +82,8 @@ pub(super) fn read(dir: &Path) -> Result<BTreeMap<u32, ConfigToken>, String> {
 pub(super) type Missing = Vec<(u32, ConfigToken)>;
 
 /// `tokenizer.json`'s text with the flags of the added tokens the config names set as transformers sets
-/// them, and the config's tokens the file does not have; `None` where the text is not JSON (the
-/// tokenizer's own parser reports that, naming the file).
+/// them, and the config's tokens the file does not have; `None` where that changes nothing, or where the
+/// text is not JSON (the tokenizer's own parser reports that, naming the file).
 pub(super) fn patch(
     tokenizer_json: &str,
     config: &BTreeMap<u32, ConfigToken>,
@@ -92,6 +92,7 @@ pub(super) fn patch(
         return Ok(None);
     };
     let mut missing = Vec::new();
+    let mut changed = false;
     let added = json
         .get_mut("added_tokens")
         .and_then(serde_json::Value::as_array_mut);
@@ -117,11 +118,23 @@ pub(super) fn patch(
             .get("special")
             .and_then(|s| s.as_bool())
             .unwrap_or(false);
-        entry["lstrip"] = token.lstrip.into();
-        entry["rstrip"] = token.rstrip.into();
-        entry["single_word"] = token.single_word.into();
-        entry["normalized"] = token.normalized().into();
-        entry["special"] = (file_special || token.special).into();
+        let flags = [
+            ("lstrip", token.lstrip),
+            ("rstrip", token.rstrip),
+            ("single_word", token.single_word),
+            ("normalized", token.normalized()),
+            ("special", file_special || token.special),
+        ];
+        for (flag, value) in flags {
+            if entry.get(flag).and_then(|v| v.as_bool()) != Some(value) {
+                entry[flag] = value.into();
+                changed = true;
+            }
+        }
+    }
+    // Most models' config repeats the file's flags (Qwen3's, SmolLM2's): the file is then read as it is.
+    if !changed && missing.is_empty() {
+        return Ok(None);
     }
     Ok(Some((json.to_string(), missing)))
 }
@@ -151,4 +164,38 @@ pub(super) fn add_missing(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"{"added_tokens": [{"id": 5, "content": "<e>", "single_word": false,
+        "lstrip": false, "rstrip": false, "normalized": false, "special": true}], "model": {}}"#;
+
+    fn config(json: &str) -> BTreeMap<u32, ConfigToken> {
+        let entries: BTreeMap<String, ConfigToken> = serde_json::from_str(json).unwrap();
+        entries
+            .into_iter()
+            .map(|(k, v)| (k.parse().unwrap(), v))
+            .collect()
+    }
+
+    /// A config that repeats the file's flags leaves the file to be read as written; one flag that
+    /// differs rewrites it, and a token the file lacks is returned to be added.
+    #[test]
+    fn only_a_config_that_changes_something_rewrites_the_file() {
+        let same = config(r#"{"5": {"content": "<e>", "special": true}}"#);
+        assert!(patch(FILE, &same).unwrap().is_none());
+        let stripped = config(r#"{"5": {"content": "<e>", "special": true, "rstrip": true}}"#);
+        let (text, missing) = patch(FILE, &stripped).unwrap().unwrap();
+        assert!(missing.is_empty());
+        assert!(text.contains(r#""rstrip":true"#), "{text}");
+        let new = config(r#"{"6": {"content": "<f>"}}"#);
+        let (_, missing) = patch(FILE, &new).unwrap().unwrap();
+        assert_eq!(missing.len(), 1);
+        assert_eq!(missing[0].0, 6);
+        // normalized defaults to `not special`, as transformers' AddedToken.
+        assert!(missing[0].1.normalized());
+    }
 }
