@@ -1310,8 +1310,8 @@ mod tests {
 
     #[test]
     fn a_run_config_is_named_as_one() {
-        let dir = std::env::temp_dir().join(format!("qarl-exp-run-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
         let run = dir.join("run.toml");
         std::fs::write(&run, "run_dir = \"runs/x\"\n[train]\nsteps = 3\n").unwrap();
         let e = ExperimentConfig::load(&run).unwrap_err().to_string();
@@ -1325,7 +1325,6 @@ mod tests {
         std::fs::write(&exp, "name = \"x\"\nbase = \"b.toml\"\nseed = [1]\n").unwrap();
         let e = ExperimentConfig::load(&exp).unwrap_err().to_string();
         assert!(e.contains("unknown field `seed`"), "{e}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
