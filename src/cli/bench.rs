@@ -54,6 +54,7 @@ pub struct RolloutBenchArgs {
     /// Comma-separated weight formats: `f32` (no quantization) and quantization scheme names.
     #[arg(
         long,
+        visible_alias = "formats",
         value_delimiter = ',',
         default_value = "f32,int4-g32,int4-g64,int4-g128,int8-pc,fp8-b128,nvfp4,mxfp4"
     )]

@@ -65,7 +65,12 @@ pub struct GenerateArgs {
     #[arg(long, visible_alias = "scheme")]
     pub quant: Option<QuantScheme>,
     /// Activations' type (`f32`, or mixed precision: `bf16`, `f16`; weights stay f32 or packed).
-    #[arg(long, value_enum, default_value_t = crate::model::Activations::F32)]
+    #[arg(
+        long,
+        visible_alias = "act-dtype",
+        value_enum,
+        default_value_t = crate::model::Activations::F32
+    )]
     pub activations: crate::model::Activations,
 }
 

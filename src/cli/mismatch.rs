@@ -34,6 +34,7 @@ pub struct MismatchArgs {
     /// Rollout schemes, comma-separated.
     #[arg(
         long,
+        visible_alias = "formats",
         default_value = "int4-g128,int8-pc,fp8-b128",
         value_delimiter = ','
     )]
@@ -77,7 +78,13 @@ pub struct MismatchArgs {
     pub deterministic: Vec<String>,
     /// Activations' types to measure, comma-separated (`f32`, `bf16`, `f16`): mixed precision rounds every
     /// op's output to the half type in the rollout and the training forward alike.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32")]
+    #[arg(
+        long,
+        visible_alias = "act-dtype",
+        value_enum,
+        value_delimiter = ',',
+        default_value = "f32"
+    )]
     pub activations: Vec<Activations>,
 }
 

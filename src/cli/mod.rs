@@ -229,20 +229,65 @@ mod tests {
     #[test]
     fn other_commands_flag_names_are_accepted() {
         for cmd in ["eval", "generate", "score"] {
-            let mut args = vec![cmd, "--model", "m", "--scheme", "int4-g32"];
+            let mut args = vec![
+                cmd,
+                "--model",
+                "m",
+                "--scheme",
+                "int4-g32",
+                "--act-dtype",
+                "bf16",
+            ];
             args.extend(match cmd {
                 "eval" => &["--data", "d"][..],
                 "score" => &["--input", "i", "--output", "o"][..],
                 _ => &["--prompt", "p", "--output", "o"][..],
             });
-            let quant = match parse(&args) {
-                Command::Eval(a) => a.quant,
-                Command::Generate(a) => a.quant,
-                Command::Score(a) => a.quant,
+            let (quant, activations) = match parse(&args) {
+                Command::Eval(a) => (a.quant, a.activations),
+                Command::Generate(a) => (a.quant, a.activations),
+                Command::Score(a) => (a.quant, a.activations),
                 other => panic!("{other:?}"),
             };
             assert_eq!(quant, Some(QuantScheme::Int4G32), "{cmd}");
+            assert_eq!(activations, Activations::Bf16, "{cmd}");
         }
+        let args = [
+            "quantize", "--model", "m", "--output", "o", "--quant", "int8-pc",
+        ];
+        let Command::Quantize(q) = parse(&args) else {
+            panic!("not quantize");
+        };
+        assert_eq!(q.scheme, QuantScheme::Int8PerChannel);
+        let args = [
+            "mismatch",
+            "--model",
+            "m",
+            "--data",
+            "d",
+            "--formats",
+            "int8-pc",
+        ];
+        let Command::Mismatch(m) = parse(&[&args[..], &["--act-dtype", "f16"]].concat()) else {
+            panic!("not mismatch");
+        };
+        assert_eq!(m.schemes, [QuantScheme::Int8PerChannel]);
+        assert_eq!(m.activations, [Activations::F16]);
+        let args = [
+            "bench",
+            "rollout",
+            "--model",
+            "m",
+            "--formats",
+            "f32,int4-g32",
+        ];
+        let Command::Bench(bench::BenchArgs {
+            what: bench::BenchWhat::Rollout(r),
+        }) = parse(&args)
+        else {
+            panic!("not bench rollout");
+        };
+        assert_eq!(r.schemes, ["f32", "int4-g32"]);
         let kernels = [
             "bench",
             "kernels",

@@ -9,7 +9,7 @@ pub struct QuantizeArgs {
     #[arg(long)]
     pub model: PathBuf,
     /// Quantization scheme: int4-g32, int4-g64, int4-g128, int8-pc, fp8-b128, nvfp4, mxfp4.
-    #[arg(long)]
+    #[arg(long, visible_alias = "quant")]
     pub scheme: QuantScheme,
     /// Output directory (config.json with `quantization_config`, model.safetensors with codes and scales).
     #[arg(long)]
