@@ -2089,15 +2089,16 @@ fn eval_and_mismatch_name_the_question_too_long_for_the_model() {
 #[test]
 fn a_closed_output_pipe_ends_quietly() {
     use std::os::unix::process::ExitStatusExt;
-    let mut child = qarl()
+    // The reading end is closed before the child starts, so its first print meets a closed pipe (closed
+    // after the spawn, a fast child could print everything into the pipe's buffer first and exit 0).
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = qarl()
         .args(["config", "show", "default"])
-        .stdout(std::process::Stdio::piped())
+        .stdout(writer)
         .stderr(std::process::Stdio::piped())
-        .spawn()
+        .output()
         .unwrap();
-    // The reading end closes before the child prints anything.
-    drop(child.stdout.take());
-    let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.signal(), Some(13), "{:?}: {stderr}", out.status);
