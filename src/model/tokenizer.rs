@@ -31,20 +31,27 @@ fn transformers_5_rebuilds(class: &str, model_type: Option<&str>, tokenizer_json
         && !tokenizer_json.contains("\"ByteLevel\"")
 }
 
+/// The JSON file `name` of `dir`, `None` where it is missing or not JSON (its own readers report that).
+fn read_json_in(dir: &Path, name: &str) -> Option<serde_json::Value> {
+    serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
+}
+
 /// Warns where transformers 5 would not use `tokenizer.json` as written: it rebuilds a SentencePiece
 /// `LlamaTokenizer` / `CodeLlamaTokenizer` of a `llama` model (no normalizer, its own Metaspace
 /// pre-tokenizer), so text after a special token or starting with a space gets other ids there (Llama-2
 /// chat prompts: `<s>[INST]` is `[` there, `▁[` here). qarl encodes with the file, as transformers 4.x and
 /// vLLM on it do; the warning says which side a comparison with transformers 5 stands on.
-fn warn_if_rebuilt_by_transformers_5(dir: &Path, tokenizer_json: &str) {
-    let read = |name: &str| -> Option<serde_json::Value> {
-        serde_json::from_str(&std::fs::read_to_string(dir.join(name)).ok()?).ok()
-    };
-    let class = read("tokenizer_config.json")
-        .and_then(|c| c["tokenizer_class"].as_str().map(str::to_string))
+fn warn_if_rebuilt_by_transformers_5(
+    dir: &Path,
+    tokenizer_config: Option<&serde_json::Value>,
+    tokenizer_json: &str,
+) {
+    let class = tokenizer_config
+        .and_then(|c| c["tokenizer_class"].as_str())
         .unwrap_or_default();
-    let model_type = read("config.json").and_then(|c| c["model_type"].as_str().map(str::to_string));
-    if transformers_5_rebuilds(&class, model_type.as_deref(), tokenizer_json) {
+    let model_type =
+        read_json_in(dir, "config.json").and_then(|c| c["model_type"].as_str().map(str::to_string));
+    if transformers_5_rebuilds(class, model_type.as_deref(), tokenizer_json) {
         tracing::warn!(
             "{}: a SentencePiece {class}, which transformers 5 rebuilds (no normalizer, its own Metaspace \
              pre-tokenizer) where transformers 4 and qarl use tokenizer.json as written: text after a special \
@@ -69,15 +76,19 @@ impl Tokenizer {
         };
         let text = std::fs::read_to_string(&path)
             .map_err(|e| err(format!("cannot read ({})", crate::io::os_error_text(&e))))?;
-        let inner = Self::parse_with_config(dir.as_ref(), &text, err)?;
-        warn_if_rebuilt_by_transformers_5(dir.as_ref(), &text);
+        // Read once for both of its readers here.
+        let config = read_json_in(dir.as_ref(), "tokenizer_config.json");
+        let inner = Self::parse_with_config(dir.as_ref(), config.as_ref(), &text, err)?;
+        warn_if_rebuilt_by_transformers_5(dir.as_ref(), config.as_ref(), &text);
         Ok(Some(Self::new(inner, path)))
     }
 
-    /// [`Self::parse`] after `tokenizer_config.json`'s `added_tokens_decoder` is applied as transformers
-    /// applies it ([`config_tokens`]); `file_err` names `tokenizer.json` in the file's own errors.
+    /// [`Self::parse`] after `tokenizer_config.json`'s `added_tokens_decoder` (`config`, the parsed file of
+    /// `dir`) is applied as transformers applies it ([`config_tokens`]); `file_err` names `tokenizer.json` in
+    /// the file's own errors.
     fn parse_with_config(
         dir: &Path,
+        config: Option<&serde_json::Value>,
         text: &str,
         file_err: impl Fn(String) -> LoadError,
     ) -> Result<tokenizers::Tokenizer, LoadError> {
@@ -85,10 +96,11 @@ impl Tokenizer {
             path: dir.join("tokenizer_config.json"),
             msg,
         };
-        let config = config_tokens::read(dir).map_err(config_err)?;
-        let patched = match config.is_empty() {
-            true => None,
-            false => config_tokens::patch(text, &config).map_err(config_err)?,
+        let config = config_tokens::read(config).map_err(config_err)?;
+        let patched = if config.is_empty() {
+            None
+        } else {
+            config_tokens::patch(text, &config).map_err(config_err)?
         };
         let Some((patched, missing)) = patched else {
             return Self::parse(text).map_err(file_err);

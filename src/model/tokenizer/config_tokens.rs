@@ -11,7 +11,6 @@
 //! embedding rows would be read under other ids than the config says.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 use serde::Deserialize;
 
@@ -46,32 +45,25 @@ impl ConfigToken {
     }
 }
 
-/// The config's `added_tokens_decoder` by id, empty where the directory has no config or the config no
-/// such key; an entry that is not a token is an error (the message names the id).
-pub(super) fn read(dir: &Path) -> Result<BTreeMap<u32, ConfigToken>, String> {
-    let Ok(text) = std::fs::read_to_string(dir.join("tokenizer_config.json")) else {
-        return Ok(BTreeMap::new());
-    };
-    // A config that is not JSON is reported by the readers of its other keys (the chat template's).
-    let Ok(mut config) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return Ok(BTreeMap::new());
-    };
-    let Some(decoder) = config
-        .get_mut("added_tokens_decoder")
-        .map(serde_json::Value::take)
-    else {
+/// The `added_tokens_decoder` of the parsed `tokenizer_config.json` by id, empty where there is no config
+/// (or one that is not JSON: the readers of its other keys, the chat template's, report that) or no such
+/// key; an entry that is not a token is an error (the message names the id).
+pub(super) fn read(
+    config: Option<&serde_json::Value>,
+) -> Result<BTreeMap<u32, ConfigToken>, String> {
+    let Some(decoder) = config.and_then(|c| c.get("added_tokens_decoder")) else {
         return Ok(BTreeMap::new());
     };
     let serde_json::Value::Object(entries) = decoder else {
         return Err("`added_tokens_decoder` is not an object of ids".into());
     };
     entries
-        .into_iter()
+        .iter()
         .map(|(id, entry)| {
             let parsed = id
                 .parse::<u32>()
                 .map_err(|_| format!("`added_tokens_decoder` key {id:?} is not a token id"))?;
-            let token = serde_json::from_value(entry)
+            let token = ConfigToken::deserialize(entry)
                 .map_err(|e| format!("`added_tokens_decoder` entry {id}: {e}"))?;
             Ok((parsed, token))
         })
