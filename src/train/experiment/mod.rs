@@ -1,0 +1,399 @@
+//! Comparisons of training variants over seeds, resumable: each (variant, seed) run lives in its own
+//! directory, finished runs are skipped, unfinished ones resume from their newest checkpoint, and the report
+//! is rebuilt from whatever has finished.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+
+use super::config::overrides::set_dotted;
+use super::config::TrainConfig;
+
+mod checks;
+mod report;
+
+pub use checks::check_report;
+use checks::{
+    check_finished_runs, check_same_start_model, check_seeds_alike, check_shared_warm_starts,
+};
+pub use report::{write_report, CLAIMS_FILE};
+
+/// One variant: overrides (dotted keys) applied to the base config.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    pub name: String,
+    /// Short description for the report.
+    #[serde(default)]
+    pub about: String,
+    #[serde(default)]
+    pub set: BTreeMap<String, toml::Value>,
+}
+
+/// An experiment file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExperimentConfig {
+    pub name: String,
+    /// The base training config (relative to the experiment file).
+    pub base: PathBuf,
+    pub seeds: Vec<u64>,
+    /// Where results go (default `experiments/results/<name>`).
+    #[serde(default)]
+    pub results_dir: Option<PathBuf>,
+    #[serde(rename = "variant")]
+    pub variants: Vec<Variant>,
+}
+
+/// What an experiment writes in its results folder beside the variants' folders.
+const RESULT_FILES: [&str; 4] = ["report.md", "comparison.png", CLAIMS_FILE, OWNER_FILE];
+
+/// Names the experiment a results folder belongs to (`{"name": ...}`), written by its first run or report.
+pub const OWNER_FILE: &str = "experiment.json";
+
+/// Whether `name` is one plain directory name: not empty, no separator, not `.` or `..`.
+fn plain_name(name: &str) -> bool {
+    let path = Path::new(name);
+    path.components().count() == 1
+        && path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+}
+
+/// A run's config given where an experiment file is expected: say so, not "unknown field `run_dir`" (the
+/// mirror of the check in [`super::config::TrainConfig`]'s parser).
+fn refuse_run_config(text: &str, path: &Path) -> anyhow::Result<()> {
+    let Ok(doc) = text.parse::<toml::Table>() else {
+        return Ok(());
+    };
+    let run_keys = [
+        "run_dir", "model", "task", "rollout", "train", "sft", "eval", "verify",
+    ];
+    if !doc.contains_key("variant") && run_keys.iter().any(|k| doc.contains_key(*k)) {
+        bail!(
+            "{0}: a run's config (no `[[variant]]`), not an experiment file: run it with `qarl train \
+             --config {0}` (or `qarl sft`), or name it as an experiment's `base` (docs/config.md)",
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+impl ExperimentConfig {
+    /// Reads and checks an experiment file; errors name it.
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
+        refuse_run_config(&text, path)?;
+        let exp: Self =
+            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        if exp.seeds.is_empty() || exp.variants.is_empty() {
+            bail!(
+                "{}: needs at least one seed and one variant",
+                path.display()
+            );
+        }
+        // Each (variant, seed) is one run directory, `results/<variant>/seed<seed>`: a repeated seed or
+        // name would share one, and the report would count a run twice or one never made.
+        let mut seeds = std::collections::BTreeSet::new();
+        if let Some(s) = exp.seeds.iter().find(|&&s| !seeds.insert(s)) {
+            bail!("{}: seed {s} is listed twice in `seeds`", path.display());
+        }
+        // A run's seed goes into its TOML config, whose integers are i64.
+        if let Some(s) = exp.seeds.iter().find(|&&s| i64::try_from(s).is_err()) {
+            bail!(
+                "{}: seed {s} in `seeds` is beyond a TOML integer's range (at most {})",
+                path.display(),
+                i64::MAX
+            );
+        }
+        // The name is the results directory's last part when `results_dir` is not given:
+        // `experiments/results/<name>`; "" or "../x" would put the study's runs and report elsewhere.
+        if exp.results_dir.is_none() && !plain_name(&exp.name) {
+            bail!(
+                "{}: name {:?} must be one plain directory name (the results go to \
+                 experiments/results/<name> unless `results_dir` says otherwise)",
+                path.display(),
+                exp.name
+            );
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for v in &exp.variants {
+            if !plain_name(&v.name) {
+                bail!(
+                    "{}: variant name {:?} must be one plain directory name (it names the variant's run \
+                     directory under the results directory)",
+                    path.display(),
+                    v.name
+                );
+            }
+            if !names.insert(v.name.as_str()) {
+                bail!("{}: two variants are named {:?}", path.display(), v.name);
+            }
+            if RESULT_FILES.contains(&v.name.as_str()) {
+                bail!(
+                    "{}: variant name {:?} is the name of a file the experiment writes beside the \
+                     variants' folders ({}); rename the variant",
+                    path.display(),
+                    v.name,
+                    RESULT_FILES.join(", ")
+                );
+            }
+            // The experiment sets these itself for every run; a variant's value would be overwritten.
+            for (key, why) in [
+                ("seed", "the experiment's `seeds` choose it"),
+                (
+                    "run_dir",
+                    "each run's folder is <results>/<variant>/seed<N>",
+                ),
+            ] {
+                if v.set.contains_key(key) {
+                    bail!(
+                        "{}: variant {:?} sets `{key}`, which an experiment sets for every run ({why})",
+                        path.display(),
+                        v.name
+                    );
+                }
+            }
+        }
+        Ok(exp)
+    }
+
+    /// Marks `results` as this experiment's (its [`OWNER_FILE`]), or refuses where another experiment's
+    /// results are there: its finished runs of a variant with the same name would be counted as this
+    /// experiment's (trained under another base config) and its report overwritten. `file` is this
+    /// experiment's file, for the message.
+    pub fn claim_results(&self, file: &Path, results: &Path) -> anyhow::Result<()> {
+        let owner = results.join(OWNER_FILE);
+        if owner.is_file() {
+            let stamp: serde_json::Value = crate::io::read_json(&owner)?;
+            let name = stamp.get("name").and_then(|n| n.as_str()).ok_or_else(|| {
+                anyhow::anyhow!("{}: no experiment `name` (a string) in it", owner.display())
+            })?;
+            if name != self.name {
+                bail!(
+                    "{}: {} holds the results of experiment {name:?} (its {OWNER_FILE}); experiment {:?} \
+                     would count that experiment's finished runs as its own and overwrite its report: give \
+                     it its own `results_dir`",
+                    file.display(),
+                    results.display(),
+                    self.name
+                );
+            }
+            return Ok(());
+        }
+        std::fs::create_dir_all(results).map_err(crate::io::failed(
+            results,
+            "cannot create the results directory",
+        ))?;
+        crate::io::write_json_atomic(&owner, &serde_json::json!({ "name": self.name }))
+    }
+
+    /// Where the runs and the report go: `results_dir`, by default `experiments/results/<name>`.
+    pub fn results(&self) -> PathBuf {
+        self.results_dir
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("experiments/results").join(&self.name))
+    }
+}
+
+/// The file that marks a run of an experiment finished (its final evaluation summarized); kept where a run
+/// starting over removes it.
+pub use super::resume::finished_marker as marker;
+/// `e` in the context of the experiment's run; a resume refused for changed settings says how to start that
+/// run over (the experiment resumes on the user's behalf and has no `--overwrite`).
+fn resume_refused(
+    e: anyhow::Error,
+    path: &Path,
+    v: &Variant,
+    seed: u64,
+    run_dir: &Path,
+) -> anyhow::Error {
+    let again = if e.downcast_ref::<super::ResumeChanged>().is_some() {
+        format!(
+            "; the experiment resumes an unfinished run from its checkpoints: to run it from the start \
+             with the settings now given, remove {}",
+            run_dir.display()
+        )
+    } else {
+        String::new()
+    };
+    e.context(format!(
+        "{}: variant {:?} seed {seed}{again}",
+        path.display(),
+        v.name
+    ))
+}
+
+/// Builds the config each (variant, seed) runs with: the experiment's base file with the variant's `set`,
+/// the seed, the run directory and (when given) the backend applied.
+struct RunConfigs<'a> {
+    path: &'a Path,
+    base: toml::Value,
+    backend: Option<crate::ops::BackendKind>,
+}
+
+impl<'a> RunConfigs<'a> {
+    /// Reads the base file of the experiment at `path`.
+    fn load(
+        path: &'a Path,
+        exp: &ExperimentConfig,
+        backend: Option<crate::ops::BackendKind>,
+    ) -> anyhow::Result<Self> {
+        let base_path = path.parent().unwrap_or(Path::new(".")).join(&exp.base);
+        let base_text = std::fs::read_to_string(&base_path)
+            .map_err(crate::io::failed(&base_path, "cannot read"))?;
+        let base = toml::from_str(&base_text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", base_path.display()))?;
+        Ok(Self {
+            path,
+            base,
+            backend,
+        })
+    }
+
+    /// The config of `v` at `seed` in `run_dir`.
+    fn config(&self, v: &Variant, seed: u64, run_dir: &Path) -> anyhow::Result<TrainConfig> {
+        let mut doc = self.base.clone();
+        for (k, val) in &v.set {
+            set_dotted(&mut doc, k, val.clone())
+                .with_context(|| format!("{}: variant {:?}", self.path.display(), v.name))?;
+        }
+        set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
+        if let Some(b) = self.backend {
+            set_dotted(
+                &mut doc,
+                "train.backend",
+                toml::Value::String(b.to_string()),
+            )?;
+        }
+        set_dotted(
+            &mut doc,
+            "run_dir",
+            toml::Value::String(run_dir.display().to_string()),
+        )?;
+        let origin = format!(
+            "{} (variant {}, seed {seed}; line numbers are of the variant's config, the base with its \
+             `set` applied)",
+            self.path.display(),
+            v.name
+        );
+        TrainConfig::from_toml(&toml::to_string(&doc)?, &origin)
+    }
+}
+
+/// Runs every (variant, seed) not finished yet, then writes `report.md`; `backend`, when given, replaces
+/// every run's `train.backend`.
+pub fn run_experiment(
+    path: &Path,
+    quiet: bool,
+    backend: Option<crate::ops::BackendKind>,
+) -> anyhow::Result<PathBuf> {
+    let exp = ExperimentConfig::load(path)?;
+    let results = exp.results();
+    // Every run's config, built and checked before the first run starts (and before the results directory
+    // is made or claimed): a mistake in the last variant is reported before hours of the first ones, not
+    // after, and leaves nothing behind.
+    let configs = RunConfigs::load(path, &exp, backend)?;
+    let runs_to_do = exp.seeds.iter().any(|seed| {
+        exp.variants
+            .iter()
+            .any(|v| !marker(&results.join(&v.name).join(format!("seed{seed}"))).is_file())
+    });
+    let finished = check_finished_runs(path, &exp, Some(&configs), runs_to_do)?;
+    let mut runs = Vec::new();
+    // Seed-major: every variant's first seed before any second seed, so a study stopped part-way (they
+    // span sessions) already compares all its arms on the same seeds.
+    for &seed in &exp.seeds {
+        for v in &exp.variants {
+            let run_dir = results.join(&v.name).join(format!("seed{seed}"));
+            if !marker(&run_dir).is_file() {
+                let cfg = configs.config(v, seed, &run_dir)?;
+                // An unfinished run resumes from its checkpoints: settings it cannot resume under are
+                // refused now, not when its turn comes after hours of the runs before it.
+                if run_dir.join("checkpoints").is_dir() {
+                    super::resume::check_resumed_config(&cfg, false)
+                        .map_err(|e| resume_refused(e, path, v, seed, &run_dir))?;
+                }
+                runs.push((v, seed, run_dir, cfg));
+            }
+        }
+    }
+    check_shared_warm_starts(path, &runs, &finished)?;
+    check_seeds_alike(path, &exp)?;
+    // A backend this build cannot run (`--backend wgpu` without the feature) is refused before the
+    // results directory is claimed: it left an `experiment.json` behind, then a report of no runs.
+    let mut backends: Vec<_> = runs.iter().map(|(.., cfg)| cfg.train.backend).collect();
+    backends.dedup();
+    for b in backends {
+        b.device()
+            .with_context(|| format!("{}: `train.backend` = {b}", path.display()))?;
+    }
+    // One experiment process per results directory (each run directory is locked by its run as well).
+    let _lock = super::lock::RunLock::acquire(&results)?;
+    exp.claim_results(path, &results)?;
+    for (v, seed, run_dir, cfg) in runs {
+        if !quiet {
+            eprintln!("== {} seed {seed} -> {}", v.name, run_dir.display());
+        }
+        check_same_start_model(path, &exp, v, &cfg)?;
+        // Unfinished: resumed from its newest checkpoint, or (stopped before its first) started over,
+        // its partial rows deleted.
+        let resume = run_dir.join("checkpoints").is_dir();
+        let s = super::run_with(
+            &cfg,
+            &super::RunOptions {
+                resume,
+                quiet,
+                overwrite: !resume,
+                ..super::RunOptions::default()
+            },
+        )
+        .map_err(|e| resume_refused(e, path, v, seed, &run_dir))?;
+        crate::io::write_json_atomic(
+            &marker(&run_dir),
+            &serde_json::json!({
+                "accuracy_after": s.accuracy_after,
+                "accuracy_before": s.accuracy_before,
+                "paired": s.paired.as_ref().map(|p| serde_json::json!({
+                    "problems": p.problems,
+                    "fixed": p.fixed,
+                    "broken": p.broken,
+                    "diff": p.diff(),
+                    "diff_se": p.diff_se,
+                    "p_value": p.p_value,
+                })),
+                "start_model": s.start_model,
+                "train_data": s.train_data,
+            }),
+        )?;
+    }
+    check_seeds_alike(path, &exp)?;
+    let report = write_report(&exp, &results)?;
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_config_is_named_as_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let run = dir.join("run.toml");
+        std::fs::write(&run, "run_dir = \"runs/x\"\n[train]\nsteps = 3\n").unwrap();
+        let e = ExperimentConfig::load(&run).unwrap_err().to_string();
+        assert!(e.contains("a run's config (no `[[variant]]`)"), "{e}");
+        assert!(
+            e.contains(&format!("qarl train --config {}", run.display())),
+            "{e}"
+        );
+        // An experiment file with a typo still gets the parser's own message.
+        let exp = dir.join("exp.toml");
+        std::fs::write(&exp, "name = \"x\"\nbase = \"b.toml\"\nseed = [1]\n").unwrap();
+        let e = ExperimentConfig::load(&exp).unwrap_err().to_string();
+        assert!(e.contains("unknown field `seed`"), "{e}");
+    }
+}
