@@ -567,7 +567,7 @@ fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyho
 
 #[cfg(test)]
 mod tests {
-    use crate::train::*;
+    use super::*;
 
     #[test]
     fn per_seed_cell_lists_both_precisions() {
