@@ -1574,3 +1574,104 @@ fn math_golds_boxed_without_braces_are_read() {
     assert_eq!(gold("The end: \\boxed 7\nmore").unwrap(), "7");
     assert!(gold("no box at all").is_err());
 }
+
+/// AIME-style rows give the answer as a JSON number; a list or an object there is named.
+#[test]
+fn math_answers_given_as_numbers_are_read() {
+    let parse = |row: serde_json::Value| datasets::parse_math_line(&row.to_string());
+    let row = |solution: &str, answer: serde_json::Value| serde_json::json!({"problem": "p", "solution": solution, "answer": answer});
+    assert_eq!(
+        parse(row("no box", serde_json::json!(42))).unwrap().answer,
+        "42"
+    );
+    assert_eq!(
+        parse(row("so $\\boxed{42}$", serde_json::json!(42)))
+            .unwrap()
+            .answer,
+        "42"
+    );
+    let e = parse(row("so $\\boxed{41}$", serde_json::json!(42)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("field `answer` is `42`"), "{e}");
+    assert_eq!(
+        parse(row("so $\\boxed{3}$", serde_json::Value::Null))
+            .unwrap()
+            .answer,
+        "3"
+    );
+    let e = parse(row("so $\\boxed{3}$", serde_json::json!([3])))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("neither a string nor a number"), "{e}");
+}
+
+/// Powers and scientific notation are values (math-verify 0.x agrees on those rows and on
+/// `\frac{\sqrt3}2`; it reads `The answer is not 12.` as 12 and `so $\boxed 5$ and 6 left` as 6), a
+/// negation or a bound before a number states none, `1/x` is an expression, a stated answer followed by
+/// its reason is read at the answer, and an unbraced `\boxed 5` in a response is its answer.
+#[test]
+fn verifier_reads_powers_bounds_reasons_and_unbraced_boxes() {
+    let cfg = VerifyConfig::default();
+    let marked = VerifyConfig {
+        answer_from: verify::AnswerFrom::Marked,
+        ..VerifyConfig::default()
+    };
+    // (response, gold, correct under `any`, correct under `marked`)
+    let cases: &[(&str, &str, bool, bool)] = &[
+        ("\\boxed{2^{10}}", "1024", true, true),
+        ("\\boxed{2^10}", "1024", true, true),
+        ("\\boxed{1024}", "2^{10}", true, true),
+        ("\\boxed{10^{-3}}", "0.001", true, true),
+        ("\\boxed{-2^2}", "-4", true, true),
+        ("\\boxed{5^2}", "25", true, true),
+        ("\\boxed{2.5\\times10^{3}}", "2500", true, true),
+        ("\\boxed{1 \\cdot 10^3}", "1000", true, true),
+        ("\\boxed{3 \\times 4}", "3", false, false),
+        ("\\boxed{3 \\times 4}", "12", false, false),
+        ("\\boxed{2^{100000}}", "2", false, false),
+        ("\\boxed{0^{-1}}", "0", false, false),
+        ("\\boxed{1/x}", "1", false, false),
+        ("\\boxed{1/2}", "0.5", true, true),
+        ("\\boxed{\\$15/hour}", "15", true, true),
+        ("The answer is not 12.", "12", false, false),
+        ("The answer isn't 7.", "7", false, false),
+        ("\\boxed{\\text{more than } 5}", "5", false, false),
+        ("\\boxed{\\text{at least } 5}", "5", false, false),
+        ("The answer is 17, since 10 + 8 = 18.", "17", true, false),
+        ("The answer is 17, since 10 + 8 = 18.", "18", false, false),
+        ("#### 17 because 9 + 8 = 17", "17", true, true),
+        ("#### 17 since 10 + 8 = 18", "18", false, false),
+        ("#### 17 since 10 + 8 = 18", "17", true, true),
+        ("The answer is x = 5, y = 3", "5", false, false),
+        ("so $\\boxed 5$ and 6 left", "5", true, true),
+        ("the answer is $\\boxed 5$", "5", true, true),
+        (
+            "\\boxed{\\frac{\\sqrt3}2}",
+            "\\frac{\\sqrt{3}}{2}",
+            true,
+            true,
+        ),
+        (
+            "\\boxed{\\frac{\\sqrt3}2}",
+            "\\frac{\\sqrt{2}}{2}",
+            false,
+            false,
+        ),
+    ];
+    for &(response, gold, any, only_marked) in cases {
+        assert_eq!(
+            score(response, gold, &cfg).correct,
+            any,
+            "{response:?} against {gold:?} (any)"
+        );
+        assert_eq!(
+            score(response, gold, &marked).correct,
+            only_marked,
+            "{response:?} against {gold:?} (marked)"
+        );
+    }
+    // Many unbraced boxes with nothing in them stay linear (each scans only its spaces).
+    let many = "\\boxed $".repeat(100_000) + "\\boxed 7";
+    assert!(score(&many, "7", &cfg).correct);
+}

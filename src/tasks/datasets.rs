@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::verify::last_boxed_gold;
+use super::verify::last_box;
 
 /// What to do with a malformed line.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -112,6 +112,8 @@ pub enum LineError {
     MissingField(&'static str),
     #[error("field `{0}` is not a string")]
     NotString(&'static str),
+    #[error("field `answer` is neither a string nor a number")]
+    AnswerNotText,
     /// An empty question would be prompted as an empty user turn (a chat template's markers are never
     /// empty, so the prompt's own check would not see it).
     #[error("field `{0}` is empty")]
@@ -250,19 +252,21 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
 }
 
 /// Parses one MATH-style line (`{"problem": ..., "solution": "... \boxed{42} ..."}`). When the solution has no
-/// `\boxed{}`, a string `answer` field is used if present; where it has both, they must agree (MATH-500's
+/// `\boxed{}`, an `answer` field (a string or a number) is used if present; where it has both, they must agree (MATH-500's
 /// `answer` is its solution's box): which one is the gold would otherwise be a silent choice.
 pub fn parse_math_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
     let question = text_field(&v, "problem")?;
     let solution = string_field(&v, "solution")?;
+    // AIME-style files give integer answers as JSON numbers (`"answer": 42`): read as their text.
     let field = match v.get("answer") {
-        Some(serde_json::Value::String(a)) if !a.trim().is_empty() => Some(a.trim()),
-        _ => None,
+        Some(serde_json::Value::String(a)) => Some(a.trim().to_string()).filter(|a| !a.is_empty()),
+        Some(serde_json::Value::Number(n)) => Some(n.to_string()),
+        Some(serde_json::Value::Null) | None => None,
+        Some(_) => return Err(LineError::AnswerNotText),
     };
-    let boxed = last_boxed_gold(&solution)
-        .map(str::trim)
-        .filter(|s| !s.is_empty());
+    let field = field.as_deref();
+    let boxed = last_box(&solution).map(str::trim).filter(|s| !s.is_empty());
     let answer = match (boxed, field) {
         (Some(b), Some(a)) if !super::verify::answers_equal(b, a) => {
             return Err(LineError::AnswersDisagree {

@@ -2,7 +2,8 @@
 //! as a rational number, and turn the result into a reward.
 //!
 //! **Extraction** (first source that yields a non-empty candidate wins):
-//! 1. the content of the last well-formed, non-empty `\boxed{...}` (or `\fbox{...}`), nested braces handled;
+//! 1. the content of the last well-formed, non-empty `\boxed{...}` (or `\fbox{...}`), nested braces handled,
+//!    or of a later unbraced `\boxed 5` (up to the next `$` or line end, as verl reads it);
 //! 2. the rest of the line after the *first* `####` (GSM8K's terminal marker: what follows the first one, e.g. a
 //!    run-on generation of a new question, is not part of the answer) that is not a Markdown heading
 //!    (`#### Step 1: Add the apples`, `#### 1. Count`, `#### **Step 1**`: after bold/italic markers a word
@@ -31,8 +32,13 @@
 //! the value ends: a sentence end or `(`, and on a `####` line also a space and a word (not the letter `x` as a
 //! times sign between values: `#### 3 x 4 = 12`). Numbers: an optional sign (`-`, `+`,
 //! U+2212), digits with optional thousands separators in groups of three (`1,000`), an optional decimal part
-//! (`0.750` = 3/4), optionally `/ denominator`, or `\frac{a}{b}` / `\frac ab`. More than [`MAX_DIGITS`] digits
-//! in one number, or a zero denominator, is unparseable.
+//! (`0.750` = 3/4), an optional integer power (`2^{10}`, `2^10`, `10^{-3}`; `-2^2` is -4) or scientific
+//! factor (`2.5 \times 10^{3}`, `\cdot`, `×`), optionally `/ denominator`, or `\frac{a}{b}` / `\frac ab`.
+//! More than [`MAX_DIGITS`] digits in one number, a power past about as many, or a zero denominator, is
+//! unparseable; so is a slash before one letter (`1/x`: a variable, where `15/hour` is a unit's). A
+//! negation or a bound just before the number (`not 12`, `isn't 7`, `more than 5`, `at least 5`) states
+//! no value, as `x >= 5` does. On a marker's line a comma or a space before a reason (`17, since 10 + 8 =
+//! 18`) ends the value as a sentence end does.
 //!
 //! **Comparison**: when the gold answer parses as a number the candidate must parse to the same rational
 //! ([`BigRational`], exact); a candidate that does not parse counts as "no answer" (`extracted: None`). When the
@@ -296,21 +302,40 @@ fn numeric_candidate(source: AnswerSource, candidate: &str) -> Option<(BigRation
 }
 
 /// Whether the text after a marker line's leading value is a note whose `=` is not the line's: the first `=`
-/// comes inside a parenthesis or after a sentence end (`18 (16 - 3 - 4 = 9 eggs)`, `20. So 4 x 5 = 20`), not
-/// in the line's own equation (`5 apples + 7 apples = 12 apples`, whose value is its result).
+/// comes inside a parenthesis, after a sentence end or after a reason (`18 (16 - 3 - 4 = 9 eggs)`,
+/// `20. So 4 x 5 = 20`, `17, since 10 + 8 = 18`, `#### 17 because 9 + 8 = 17`), not in the line's own equation (`5 apples + 7 apples = 12 apples`, whose value is its result).
 fn is_note(rest: &str) -> bool {
     let Some(eq) = rest.find('=') else {
         return false;
     };
     let before = &rest[..eq];
     before.contains('(')
-        || before
-            .char_indices()
-            .any(|(i, c)| matches!(c, '.' | '!' | '?' | ';') && before[i + 1..].starts_with(' '))
+        || starts_reason(before)
+        || before.char_indices().any(|(i, c)| {
+            let after = &before[i + c.len_utf8()..];
+            (matches!(c, '.' | '!' | '?' | ';') && after.starts_with(' '))
+                || (c == ',' && starts_reason(after))
+        })
+}
+
+/// Whether `text` (after a comma) goes on with a reason: ` since`, ` because`, ` as`, ` so`, ` which`,
+/// ` given` (`17, since 10 + 8 = 18` states 17 and then an equation of its own).
+fn starts_reason(text: &str) -> bool {
+    let Some(rest) = text.strip_prefix(' ') else {
+        return false;
+    };
+    let word = rest
+        .split(|c: char| !c.is_alphabetic())
+        .next()
+        .unwrap_or("");
+    ["since", "because", "as", "so", "which", "given"]
+        .iter()
+        .any(|w| word.eq_ignore_ascii_case(w))
 }
 
 /// The start of a marker's line up to where its first value ends and other text begins: after the first
-/// digit, the first sentence end (`.`, `!`, `?` or `;` followed by a space or the end of the line) or `(`;
+/// digit, the first sentence end (`.`, `!`, `?` or `;` followed by a space or the end of the line), `(` or
+/// a comma before a reason ([`starts_reason`]);
 /// with `prose` (a `####` line, where GSM8K's answer is the number right after the marker) also a space
 /// followed by a word. A space followed by anything else (a digit, a backslash: `2 \sqrt{2}`) continues
 /// the value, so `2\sqrt{2}` and `1 200` stay unparseable rather than read as 2 and 1.
@@ -326,6 +351,7 @@ fn leading_clause(s: &str, prose: bool) -> Option<&str> {
         let ends = match c {
             '.' | '!' | '?' | ';' => after.chars().next().is_none_or(char::is_whitespace),
             '(' => true,
+            ',' => starts_reason(after),
             _ if run_start => {
                 let next = after.trim_start();
                 prose
@@ -362,7 +388,7 @@ pub fn extract_answer(response: &str) -> Option<&str> {
 
 /// The final-answer candidate of `response` and where it came from (see the module documentation).
 pub fn extract_candidate(response: &str) -> Option<(AnswerSource, &str)> {
-    if let Some(b) = last_boxed(response) {
+    if let Some(b) = last_box(response) {
         let b = b.trim();
         if !b.is_empty() {
             return Some((AnswerSource::Boxed, b));
@@ -490,15 +516,19 @@ pub fn last_boxed(text: &str) -> Option<&str> {
     best.and_then(|(s, e)| text.get(s..e))
 }
 
-/// A MATH solution's gold answer: the content of its last box, braced (`\boxed{5}`, [`last_boxed`]) or
-/// not (`\boxed 5`, up to the next `$` or line end, as verl's `last_boxed_only_string` reads it), whichever
-/// comes last. Two records of MATH's training set box their answer without braces: one was refused, one
-/// took an earlier braced box as its gold.
-pub fn last_boxed_gold(solution: &str) -> Option<&str> {
+/// The content of the last box of `text`, braced (`\boxed{5}`, [`last_boxed`]) or not (`\boxed 5`, up to
+/// the next `$` or line end, as verl's `last_boxed_only_string` reads it), whichever comes last: a MATH
+/// solution's gold answer and a response's boxed answer alike. Two records of MATH's training set box
+/// their answer without braces (one was refused, one took an earlier braced box as its gold), and a
+/// response's `$\boxed 5$` was passed over for a later number.
+pub fn last_box(solution: &str) -> Option<&str> {
     let braced =
         last_boxed(solution).map(|s| (s.as_ptr() as usize - solution.as_ptr() as usize, s));
     let b = solution.as_bytes();
-    let mut unbraced = None;
+    // Where each unbraced box starts and its content begins, then the last with content: read from the
+    // end, an empty one scans only whitespace, so the whole is linear in the text (a response may hold any
+    // number of boxes).
+    let mut starts = Vec::new();
     let mut i = 0;
     while let Some(at) = solution[i..].find('\\').map(|at| at + i) {
         i = at + 1;
@@ -512,14 +542,15 @@ pub fn last_boxed_gold(solution: &str) -> Option<&str> {
         if j == at + len || j >= b.len() || b[j] == b'{' {
             continue;
         }
+        starts.push((at, j));
+    }
+    let unbraced = starts.into_iter().rev().find_map(|(at, j)| {
         let end = solution[j..]
             .find(['$', '\n'])
             .map_or(solution.len(), |e| e + j);
         let content = solution[j..end].trim();
-        if !content.is_empty() {
-            unbraced = Some((at, content));
-        }
-    }
+        (!content.is_empty()).then_some((at, content))
+    });
     [braced, unbraced]
         .into_iter()
         .flatten()
@@ -761,41 +792,48 @@ fn without_assignment(s: &str) -> &str {
     }
 }
 
-/// Braces the unbraced one-character arguments of `\sqrt` (one) and `\frac` (two), as LaTeX reads them.
+/// Braces the unbraced one-character arguments of `\sqrt` (one) and `\frac` (two), as LaTeX reads them,
+/// also after a braced argument and inside one (`\frac{\sqrt3}2` is `\frac{\sqrt{3}}{2}`). One pass: a
+/// stack says, for each open brace, how many arguments of its command follow its group.
 fn brace_short_arguments(s: &str) -> String {
     let cs: Vec<char> = s.chars().collect();
     let mut out = String::with_capacity(s.len() + 8);
+    // Arguments still to read at the current position, and per open brace those left after its group.
+    let mut wanted = 0;
+    let mut groups: Vec<usize> = Vec::new();
     let mut i = 0;
     while i < cs.len() {
-        let args = if starts_with(&cs, i, "\\sqrt")
-            && !cs.get(i + 5).is_some_and(char::is_ascii_alphabetic)
-        {
-            out.push_str("\\sqrt");
-            i += 5;
-            1
-        } else if starts_with(&cs, i, "\\frac")
-            && !cs.get(i + 5).is_some_and(char::is_ascii_alphabetic)
-        {
-            out.push_str("\\frac");
-            i += 5;
-            2
-        } else {
-            out.push(cs[i]);
-            i += 1;
-            continue;
-        };
-        for _ in 0..args {
-            match cs.get(i) {
-                Some(&c) if c.is_ascii_alphanumeric() => {
-                    out.push('{');
-                    out.push(c);
-                    out.push('}');
-                    i += 1;
-                }
-                // A braced (or other) argument is copied as it comes.
-                _ => break,
+        let c = cs[i];
+        if wanted > 0 {
+            wanted -= 1;
+            if c.is_ascii_alphanumeric() {
+                out.extend(['{', c, '}']);
+                i += 1;
+                continue;
+            }
+            if c != '{' {
+                wanted = 0;
             }
         }
+        let command = ["\\sqrt", "\\frac"].into_iter().find(|name| {
+            starts_with(&cs, i, name) && !cs.get(i + 5).is_some_and(char::is_ascii_alphabetic)
+        });
+        if let Some(name) = command {
+            out.push_str(name);
+            i += 5;
+            wanted = if name == "\\sqrt" { 1 } else { 2 };
+            continue;
+        }
+        match c {
+            '{' => {
+                groups.push(wanted);
+                wanted = 0;
+            }
+            '}' => wanted = groups.pop().unwrap_or(0),
+            _ => {}
+        }
+        out.push(c);
+        i += 1;
     }
     out
 }
@@ -853,6 +891,9 @@ fn parse_value(s: &str) -> Option<BigRational> {
     if p >= 2 && cs[p - 1] == '_' && cs[p - 2].is_alphanumeric() {
         return None;
     }
+    if qualifies_the_value(&cs[..p]) {
+        return None;
+    }
     let mut negative = false;
     if p < cs.len() && (is_minus(cs[p]) || cs[p] == '+') {
         negative = is_minus(cs[p]);
@@ -861,15 +902,21 @@ fn parse_value(s: &str) -> Option<BigRational> {
     let (mut value, mut p) = if starts_with(&cs, p, "\\frac") {
         parse_frac(&cs, p + 5)?
     } else {
-        let (num, q) = parse_decimal(&cs, p)?;
+        let (num, q) = parse_power(&cs, p)?;
+        let (num, q) = times_power_of_ten(&cs, q, num)?;
         let r = skip_spaces(&cs, q);
-        // `15/hour`: a unit's slash, not a fraction.
-        let unit = cs
-            .get(skip_spaces(&cs, r + 1))
-            .is_some_and(|c| c.is_alphabetic());
-        if r < cs.len() && cs[r] == '/' && !unit {
+        // `15/hour`: a unit's slash, not a fraction; `1/x` is an expression (one letter: a variable).
+        let word = skip_spaces(&cs, r + 1);
+        let letters = cs[word.min(cs.len())..]
+            .iter()
+            .take_while(|c| c.is_alphabetic())
+            .count();
+        if r < cs.len() && cs[r] == '/' && letters == 1 {
+            return None;
+        }
+        if r < cs.len() && cs[r] == '/' && letters == 0 {
             let r = skip_spaces(&cs, r + 1);
-            let (den, r) = parse_decimal(&cs, r)?;
+            let (den, r) = parse_power(&cs, r)?;
             (divide(num, den)?, r)
         } else {
             (num, q)
@@ -918,6 +965,94 @@ fn skip_trailing(cs: &[char], p: usize) -> Option<usize> {
         }
         _ => None,
     }
+}
+
+/// Whether the words before a number say the answer is not that number: a negation (`not 12`, `isn't 7`)
+/// or a bound (`more than 5`, `at least 5`, `at most 5`), which, like `x >= 5`, state no value.
+fn qualifies_the_value(before: &[char]) -> bool {
+    let words: String = before.iter().collect::<String>().to_lowercase();
+    let last = words
+        .split(|c: char| !(c.is_alphabetic() || c == '\'' || c == '\u{2019}'))
+        .rfind(|w| !w.is_empty());
+    last.is_some_and(|w| {
+        matches!(w, "not" | "than" | "least" | "most")
+            || w.ends_with("n't")
+            || w.ends_with("n\u{2019}t")
+    })
+}
+
+/// Past the bits a power may have: 4000 (a result of more than about [`MAX_DIGITS`] digits is refused,
+/// as a number written out with them is).
+const MAX_POWER_BITS: u64 = 4000;
+
+/// A decimal at `p` raised to an integer power when `^` follows it: `2^{10}`, `2^10` (plain text reads the
+/// digits after `^` as the exponent, as math-verify does), `10^{-3}`, `5^2`. Without `^`, the decimal.
+fn parse_power(cs: &[char], p: usize) -> Option<(BigRational, usize)> {
+    let (base, q) = parse_decimal(cs, p)?;
+    if cs.get(q) != Some(&'^') {
+        return Some((base, q));
+    }
+    let (exponent, q) = parse_exponent(cs, q + 1)?;
+    Some((power(base, exponent)?, q))
+}
+
+/// After `^`: `{[sign]digits}` or `[sign]digits`.
+fn parse_exponent(cs: &[char], p: usize) -> Option<(i32, usize)> {
+    let braced = cs.get(p) == Some(&'{');
+    let mut q = if braced { skip_spaces(cs, p + 1) } else { p };
+    let negative = cs.get(q).is_some_and(|&c| is_minus(c));
+    if cs.get(q).is_some_and(|&c| is_minus(c) || c == '+') {
+        q += 1;
+    }
+    let digits = cs[q.min(cs.len())..]
+        .iter()
+        .take_while(|c| c.is_ascii_digit())
+        .count();
+    if digits == 0 || digits > 6 {
+        return None;
+    }
+    let magnitude: i32 = cs[q..q + digits].iter().collect::<String>().parse().ok()?;
+    q += digits;
+    if braced {
+        q = skip_spaces(cs, q);
+        (cs.get(q) == Some(&'}')).then_some(())?;
+        q += 1;
+    }
+    Some((if negative { -magnitude } else { magnitude }, q))
+}
+
+/// `base^exponent`, `None` for `0^-k` and for results past [`MAX_POWER_BITS`].
+fn power(base: BigRational, exponent: i32) -> Option<BigRational> {
+    let bits = base.numer().bits().max(base.denom().bits());
+    if bits.saturating_mul(u64::from(exponent.unsigned_abs())) > MAX_POWER_BITS {
+        return None;
+    }
+    if exponent < 0 && base == BigRational::default() {
+        return None;
+    }
+    Some(base.pow(exponent))
+}
+
+/// `value \times 10^{k}` (also `\cdot`, `×`, `·`): scientific notation, `value * 10^k`. Anything else
+/// after the value (a product such as `3 \times 4`) is left where it is, unread.
+fn times_power_of_ten(cs: &[char], p: usize, value: BigRational) -> Option<(BigRational, usize)> {
+    let q = skip_spaces(cs, p);
+    let sign = ["\\times", "\\cdot", "×", "·"].into_iter().find(|s| {
+        starts_with(cs, q, s)
+            && !cs
+                .get(q + s.chars().count())
+                .is_some_and(char::is_ascii_alphabetic)
+    });
+    let Some(sign) = sign else {
+        return Some((value, p));
+    };
+    let q = skip_spaces(cs, q + sign.chars().count());
+    if !(starts_with(cs, q, "10^")) {
+        return Some((value, p));
+    }
+    let (exponent, q) = parse_exponent(cs, q + 3)?;
+    let scale = power(BigRational::from_integer(10.into()), exponent)?;
+    Some((value * scale, q))
 }
 
 fn starts_with(cs: &[char], p: usize, pat: &str) -> bool {
