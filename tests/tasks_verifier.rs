@@ -1658,6 +1658,10 @@ fn verifier_reads_powers_bounds_reasons_and_unbraced_boxes() {
             false,
             false,
         ),
+        ("\\boxed{(-3)}", "-3", true, true),
+        ("\\boxed{(1,2)}", "1", false, false),
+        ("\\boxed{(3)(4)}", "3", false, false),
+        ("\\boxed{\\cfrac12}", "0.5", true, true),
     ];
     for &(response, gold, any, only_marked) in cases {
         assert_eq!(

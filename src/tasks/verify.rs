@@ -17,7 +17,7 @@
 //! ([`score_response`]).
 //!
 //! **Normalisation** ([`parse_answer`]): LaTeX wrappers are dropped (`$`, `\(`, `\[`, `\text{..}`/`\mathrm{..}`
-//! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac` -> `\frac`); only what follows
+//! unwrapped, `\left`/`\right`, thin spaces, `\%`/`%`, `^\circ`, `\dfrac`/`\tfrac`/`\cfrac` -> `\frac`, parentheses around a number); only what follows
 //! the last `=` is kept (`x = 5`; a list of assignments, `x=2, x=5` or `x = 2 or x = 5`, and an inequality,
 //! `x >= 5`, `x != 5`, are no value, and a marker's line that states its value before a note whose `=` is in
 //! parentheses or after a sentence end, `#### 18 (16 - 3 - 4 = 9 eggs)`, is read from the value, while its own
@@ -691,7 +691,11 @@ const DROP_SEQUENCES: &[&str] = &[
 /// LaTeX cleanup shared by numeric and symbolic comparison.
 fn normalize_latex(text: &str) -> String {
     let mut s = unwrap_commands(text);
-    for (from, to) in [("\\dfrac", "\\frac"), ("\\tfrac", "\\frac")] {
+    for (from, to) in [
+        ("\\dfrac", "\\frac"),
+        ("\\tfrac", "\\frac"),
+        ("\\cfrac", "\\frac"),
+    ] {
         if s.contains(from) {
             s = s.replace(from, to);
         }
@@ -865,8 +869,11 @@ fn skip_spaces(cs: &[char], mut p: usize) -> usize {
 /// `[words] [sign] magnitude [words]` -> rational.
 fn parse_value(s: &str) -> Option<BigRational> {
     let mut s = s;
-    // `{5}` -> `5`
-    while s.len() >= 2 && s.starts_with('{') && s.ends_with('}') {
+    // `{5}` -> `5`, `(-3)` -> `-3` (not a tuple: `(1,2)` keeps its parentheses and stays unparseable).
+    while s.len() >= 2
+        && ((s.starts_with('{') && s.ends_with('}'))
+            || (s.starts_with('(') && s.ends_with(')') && !s.contains(',')))
+    {
         s = s[1..s.len() - 1].trim();
     }
     let cs: Vec<char> = s.chars().collect();
