@@ -407,8 +407,47 @@ fn absent_keys_and_doubled_rope_bases_read_as_transformers_reads_them() {
     })
     .unwrap();
     assert_eq!(c.num_key_value_heads, 4);
-    let q3 = without("qwen3", "num_key_value_heads");
-    assert_eq!(q3.num_key_value_heads, q3.num_attention_heads);
+    // Qwen3Config and Qwen2Config: 32 where the key is absent (the fixture's 4 query heads then do not
+    // divide: refused), the query heads where it is `null`; Llama the query heads either way.
+    for name in ["qwen3", "qwen2"] {
+        let e = load_edited(name, |v| {
+            v.as_object_mut().unwrap().remove("num_key_value_heads");
+        })
+        .unwrap_err();
+        assert!(
+            e.contains("must be a multiple of `num_key_value_heads` (32)"),
+            "{e}"
+        );
+        let c = load_edited(name, |v| {
+            v.as_object_mut().unwrap().remove("num_key_value_heads");
+            v["num_attention_heads"] = json!(64);
+            v["hidden_size"] = json!(64 * 16);
+            v["head_dim"] = json!(16);
+        })
+        .unwrap();
+        assert_eq!(c.num_key_value_heads, 32);
+        let c = load_edited(name, |v| v["num_key_value_heads"] = Value::Null).unwrap();
+        assert_eq!(c.num_key_value_heads, c.num_attention_heads);
+    }
+    let llama = without("llama", "num_key_value_heads");
+    assert_eq!(llama.num_key_value_heads, llama.num_attention_heads);
+    // LlamaConfig: bos 1 and eos 2 where the keys are absent, none where they are `null`.
+    let c = load_edited("llama", |v| {
+        let o = v.as_object_mut().unwrap();
+        o.remove("bos_token_id");
+        o.remove("eos_token_id");
+    })
+    .unwrap();
+    assert_eq!(
+        (c.bos_token_id, c.eos_token_ids.clone()),
+        (Some(1), vec![2])
+    );
+    let c = load_edited("llama", |v| {
+        v["bos_token_id"] = Value::Null;
+        v["eos_token_id"] = Value::Null;
+    })
+    .unwrap();
+    assert_eq!((c.bos_token_id, c.eos_token_ids.clone()), (None, vec![]));
     // LlamaConfig: 2048 positions; Qwen's 32768.
     assert_eq!(
         without("llama", "max_position_embeddings").max_position_embeddings,
@@ -521,4 +560,46 @@ fn layer_types_nulls_and_expert_counts_follow_transformers() {
     );
     let same = load_edited("qwen3_moe", |v| v["num_experts"] = json!(8)).unwrap();
     assert_eq!(same.moe.unwrap().num_experts, 8);
+}
+
+/// What changes training in transformers but is not implemented here is refused, not read as its
+/// default: attention dropout, Qwen3-MoE's router load-balancing loss; `null` where transformers 5.25's
+/// typed configs refuse it (`hidden_act`, `decoder_sparse_step`) or cannot build the model
+/// (`rope_theta`); a Llama whose hidden size the heads do not divide, even with `head_dim` given.
+#[test]
+fn training_only_keys_nulls_and_llama_shapes_are_refused() {
+    for name in ["qwen3", "qwen3_moe", "llama", "qwen2"] {
+        let e = refused(name, "attention_dropout", json!(0.1));
+        assert!(
+            e.contains("`attention_dropout` = 0.1 is not supported"),
+            "{e}"
+        );
+        accepted(name, "attention_dropout", json!(0.0));
+        accepted(name, "attention_dropout", json!(0));
+        for key in ["hidden_act", "rope_theta"] {
+            let e = load_edited(name, |v| v[key] = Value::Null).unwrap_err();
+            assert!(e.contains(&format!("`{key}` is null")), "{e}");
+        }
+    }
+    let e = refused("qwen3_moe", "output_router_logits", json!(true));
+    assert!(
+        e.contains("`output_router_logits` = true is not supported"),
+        "{e}"
+    );
+    accepted("qwen3_moe", "output_router_logits", json!(false));
+    // Not a Qwen3-MoE key: a dense model has no router.
+    accepted("qwen3", "output_router_logits", json!(true));
+    let e = load_edited("qwen3_moe", |v| v["decoder_sparse_step"] = Value::Null).unwrap_err();
+    assert!(e.contains("`decoder_sparse_step` is null"), "{e}");
+    let e = load_edited("llama", |v| {
+        v["hidden_size"] = json!(100);
+        v["num_attention_heads"] = json!(8);
+        v["num_key_value_heads"] = json!(8);
+        v["head_dim"] = json!(16);
+    })
+    .unwrap_err();
+    assert!(
+        e.contains("`hidden_size` (100) is not a multiple of `num_attention_heads` (8)"),
+        "{e}"
+    );
 }

@@ -320,6 +320,12 @@ fn parse_quantization(k: &Keys) -> Result<Option<QuantConfig>, LoadError> {
 const QWEN3_DEFAULT_HEAD_DIM: usize = 128;
 /// transformers' `Qwen3MoeConfig.num_key_value_heads` where config.json has none.
 const QWEN3_MOE_DEFAULT_KV_HEADS: usize = 4;
+/// transformers' `Qwen3Config` / `Qwen2Config` `num_key_value_heads` where config.json has no such key
+/// (written as `null`, they take the query heads, as Llama does either way).
+const QWEN_DEFAULT_KV_HEADS: usize = 32;
+/// transformers' `LlamaConfig` `bos_token_id` / `eos_token_id` where config.json has no such key.
+const LLAMA_DEFAULT_BOS: u32 = 1;
+const LLAMA_DEFAULT_EOS: u32 = 2;
 
 /// The `model_type` transformers builds each architecture as.
 fn model_type_of(architecture: Architecture) -> &'static str {
@@ -530,6 +536,37 @@ fn check_layer_types(k: &Keys, layers: usize) -> Result<(), LoadError> {
     }
 }
 
+/// Refuses what would change training in transformers but is not implemented here, read as its default
+/// otherwise: `attention_dropout` above 0 (attention weights dropped in a training forward) and, for
+/// Qwen3-MoE, `output_router_logits` = true (the router's load-balancing loss, `router_aux_loss_coef`
+/// times it, added to the training loss).
+fn check_training_only_keys(k: &Keys, architecture: Architecture) -> Result<(), LoadError> {
+    match k.find(&["attention_dropout"]) {
+        None => {}
+        Some(v) if v.as_f64() == Some(0.0) => {}
+        Some(v) if v.is_number() => {
+            return Err(LoadError::InvalidConfig {
+                path: k.path.to_path_buf(),
+                msg: format!(
+                    "`attention_dropout` = {v} is not supported (attention runs without dropout): set it \
+                     to 0.0"
+                ),
+            })
+        }
+        Some(v) => return Err(k.bad("attention_dropout", "a number", v)),
+    }
+    if architecture == Architecture::Qwen3Moe && k.bool_or(&["output_router_logits"], false)? {
+        return Err(LoadError::InvalidConfig {
+            path: k.path.to_path_buf(),
+            msg:
+                "`output_router_logits` = true is not supported (the router's load-balancing loss, \
+                  `router_aux_loss_coef`, is not added to the training loss): set it to false"
+                    .into(),
+        });
+    }
+    Ok(())
+}
+
 /// Refuses a `hidden_act` other than SiLU: the MLP is `down(silu(gate) * up)` on every path (the CPU grouped
 /// MoE kernel included), so a `gelu` or `relu` model would run as SiLU and give wrong outputs without an
 /// error. Absent means SiLU (the transformers default of every architecture loaded here).
@@ -599,6 +636,8 @@ impl ModelConfig {
             "rms_norm_eps",
             "tie_word_embeddings",
             "max_position_embeddings",
+            "hidden_act",
+            "rope_theta",
         ] {
             k.refuse_null(key)?;
         }
@@ -611,18 +650,22 @@ impl ModelConfig {
         }
         if architecture == Architecture::Qwen3Moe {
             k.refuse_null("num_key_value_heads")?;
+            k.refuse_null("decoder_sparse_step")?;
         }
+        check_training_only_keys(&k, architecture)?;
 
         let hidden_size = k.positive(&["hidden_size"])?;
         let num_attention_heads = k.positive(&["num_attention_heads"])?;
-        // Absent: transformers' class default (Qwen3-MoE's is 4 key/value heads, the others' the query heads).
-        let num_key_value_heads = k.usize_opt(&["num_key_value_heads"])?.unwrap_or(
-            if architecture == Architecture::Qwen3Moe {
-                QWEN3_MOE_DEFAULT_KV_HEADS
-            } else {
-                num_attention_heads
-            },
-        );
+        // Absent: transformers' class default (Qwen3-MoE's 4 key/value heads, Qwen3's and Qwen2's 32,
+        // Llama's the query heads); `null`: the query heads.
+        let absent = k.root.get("num_key_value_heads").is_none();
+        let num_key_value_heads =
+            k.usize_opt(&["num_key_value_heads"])?
+                .unwrap_or(match architecture {
+                    Architecture::Qwen3Moe => QWEN3_MOE_DEFAULT_KV_HEADS,
+                    Architecture::Qwen3 | Architecture::Qwen2 if absent => QWEN_DEFAULT_KV_HEADS,
+                    _ => num_attention_heads,
+                });
         if num_key_value_heads == 0 {
             return Err(k.bad("num_key_value_heads", "positive", &Value::from(0)));
         }
@@ -631,6 +674,16 @@ impl ModelConfig {
                 path: path.to_path_buf(),
                 msg: format!(
                     "`num_attention_heads` ({num_attention_heads}) must be a multiple of `num_key_value_heads` ({num_key_value_heads})"
+                ),
+            });
+        }
+        // Llama's config refuses this even where `head_dim` is given (transformers' `validate_architecture`).
+        if architecture == Architecture::Llama && hidden_size % num_attention_heads != 0 {
+            return Err(LoadError::InvalidConfig {
+                path: path.to_path_buf(),
+                msg: format!(
+                    "`hidden_size` ({hidden_size}) is not a multiple of `num_attention_heads` \
+                     ({num_attention_heads}), which transformers refuses for Llama"
                 ),
             });
         }
@@ -778,8 +831,16 @@ impl ModelConfig {
             });
         }
 
-        let eos_token_ids = k.ids_below("eos_token_id", vocab_size)?;
+        let llama_default = |key: &str, id: u32| {
+            (architecture == Architecture::Llama && k.root.get(key).is_none()).then_some(id)
+        };
+        let mut eos_token_ids = k.ids_below("eos_token_id", vocab_size)?;
+        if let Some(id) = llama_default("eos_token_id", LLAMA_DEFAULT_EOS) {
+            k.check_below("eos_token_id", id, vocab_size)?;
+            eos_token_ids = vec![id];
+        }
         let bos_token_id = k.ids("bos_token_id")?.first().copied();
+        let bos_token_id = bos_token_id.or(llama_default("bos_token_id", LLAMA_DEFAULT_BOS));
         if let Some(id) = bos_token_id {
             k.check_below("bos_token_id", id, vocab_size)?;
         }
