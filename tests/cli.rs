@@ -821,6 +821,33 @@ fn every_computing_command_takes_a_backend() {
     assert!(err.contains("vulkan") && err.contains("wgpu"), "{err}");
 }
 
+/// A `top_k` of at least the vocabulary (the tiny model's 100 tokens) keeps every token: refused by name,
+/// for the rollout and the evaluation, before the warm start runs (vLLM reads it as off; as a filter it
+/// counted as truncation).
+#[test]
+fn a_top_k_of_the_whole_vocabulary_is_refused_before_the_warm_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (key, section, extra) in [
+        ("rollout.top_k", "[rollout]\n", "top_k = 100\n"),
+        ("eval.top_k", "[eval]\n", "top_k = 100\nk = 2\n"),
+    ] {
+        let text = common::tiny_train_toml(tmp.path(), "aligned", 1)
+            .replace(section, &format!("{section}{extra}"));
+        let cfg = tmp.path().join("run.toml");
+        std::fs::write(&cfg, text).unwrap();
+        let err = error_of(qarl().args(["train", "--quiet", "--config"]).arg(&cfg));
+        assert!(
+            err.contains(&format!("`{key}` = 100 is at least the vocabulary"))
+                && err.contains("(100 tokens)"),
+            "{key}: {err}"
+        );
+        assert!(
+            !tmp.path().join("model").exists(),
+            "{key}: the warm start ran first"
+        );
+    }
+}
+
 /// `train.routing_replay` on a dense model is refused by `qarl train` and by `qarl bench step` alike
 /// (the bench loaded its model on its own and skipped the replay without a word).
 #[test]

@@ -335,12 +335,11 @@ fn generate_in_pool(
             let stopped = params.stop_token_ids.contains(&tok)
                 || (max_stop_len > 0
                     && tokenizer.is_some_and(|tk| {
-                        let gen = &out.ids[row][out.prompt_lens[row]..];
                         // A stop string spans at most its length in tokens, plus one partial token each side.
-                        let tail = &gen[gen.len().saturating_sub(max_stop_len + 2)..];
-                        tk.decode(tail).is_ok_and(|s| {
-                            params.stop_strings.iter().any(|st| s.contains(st.as_str()))
-                        })
+                        tail_text(tk, &out.ids[row], out.prompt_lens[row], max_stop_len + 2)
+                            .is_some_and(|s| {
+                                params.stop_strings.iter().any(|st| s.contains(st.as_str()))
+                            })
                     }));
             if stopped {
                 out.finish_reasons[row] = FinishReason::Stop;
@@ -381,4 +380,59 @@ fn generate_in_pool(
     out.decode_s = t_decode.elapsed().as_secs_f64();
     out.decode_host_reads = reads.reads();
     out
+}
+
+/// The text of a row's last `window` generated tokens (never the prompt's), decoded after the token before
+/// them and cut from it: SentencePiece decoders (Llama 2, Mistral) drop the leading space of a decode's first
+/// token, so the tokens of ` Question:` decoded alone read `Question:`, and a stop string starting with a
+/// space was missed where it began the window (vLLM decodes with such context too). Where the context's own
+/// text is not a prefix of the whole (a character split between tokens), the window decoded alone.
+fn tail_text(tk: &Tokenizer, ids: &[u32], prompt_len: usize, window: usize) -> Option<String> {
+    let start = ids.len().saturating_sub(window).max(prompt_len);
+    let tail = tk.decode(&ids[start..]).ok()?;
+    let Some(context) = start.checked_sub(1) else {
+        return Some(tail);
+    };
+    let (Ok(whole), Ok(before)) = (tk.decode(&ids[context..]), tk.decode(&ids[context..start]))
+    else {
+        return Some(tail);
+    };
+    Some(
+        whole
+            .strip_prefix(before.as_str())
+            .map_or(tail, str::to_string),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A SentencePiece-style tokenizer (Metaspace decoder: a decode drops its first token's leading space).
+    fn metaspace_tokenizer(dir: &std::path::Path) -> Tokenizer {
+        let metaspace = serde_json::json!({"type": "Metaspace", "replacement": "\u{2581}",
+            "prepend_scheme": "always", "split": true});
+        let vocab = serde_json::json!({"\u{2581}Answer": 0, "\u{2581}42": 1, "\u{2581}Question": 2,
+            ":": 3, "<unk>": 4});
+        let doc = serde_json::json!({"version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [], "normalizer": null, "pre_tokenizer": metaspace, "post_processor": null,
+            "decoder": metaspace, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}});
+        std::fs::write(dir.join("tokenizer.json"), doc.to_string()).unwrap();
+        Tokenizer::load_optional(dir).unwrap().unwrap()
+    }
+
+    #[test]
+    fn a_window_keeps_the_leading_space_its_first_token_has_in_the_response() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tk = metaspace_tokenizer(tmp.path());
+        // Decoded alone, the window loses its leading space: the stop string ` Question:` was missed.
+        assert_eq!(tk.decode(&[2, 3]).unwrap(), "Question:");
+        // Prompt `Answer`, response ` 42 Question:`: the window's text after its context.
+        let ids = [0, 1, 2, 3];
+        assert_eq!(tail_text(&tk, &ids, 1, 2).unwrap(), " Question:");
+        // The window starting the response takes the prompt's last token as context, not its text.
+        assert_eq!(tail_text(&tk, &ids, 1, 8).unwrap(), " 42 Question:");
+        // With no token before the window, it is decoded alone.
+        assert_eq!(tail_text(&tk, &ids, 0, 8).unwrap(), "Answer 42 Question:");
+    }
 }

@@ -10,8 +10,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RolloutError {
     #[error(
-        "temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:e} (vLLM's threshold for \
-         greedy decoding; near 0 the logits divided by it overflow), got {0:e}"
+        "temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:e} (near 0 the logits \
+         divided by it overflow), got {0:e}"
     )]
     Temperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]
@@ -30,9 +30,9 @@ pub enum RolloutError {
     NonFinite { token: usize, row: usize },
 }
 
-/// The smallest sampling temperature above 0 (vLLM's threshold for greedy decoding): the logits are
-/// divided by it, and a temperature such as 1e-45 turns every logit infinite, which then reads as a model
-/// gone non-finite.
+/// The smallest sampling temperature above 0: the logits are divided by it, and a temperature such as
+/// 1e-45 turns every logit infinite, which then reads as a model gone non-finite. Between it and 1e-2
+/// qarl samples at the temperature given, where vLLM raises it to 1e-2 (`_MAX_TEMP`, with a warning).
 pub const MIN_TEMPERATURE: f32 = 1e-5;
 
 /// How to sample continuations. `temperature = 0` is greedy decoding.
@@ -116,8 +116,10 @@ impl SamplingParams {
     }
 }
 
-/// The random stream of sequence `index` under `seed`: independent of batch composition, so a sequence's
-/// sample does not change when other sequences finish earlier or are added.
+/// The random stream of sequence `index` under `seed`: a sequence's sample does not change when other
+/// sequences finish earlier or are added after it, but it is its position in the call (prompt index times
+/// samples per prompt, plus its sample), so prompts inserted before it or reordered change it (vLLM's
+/// per-request seed does not depend on position). RL steps draw their prompts from seeds, so runs repeat.
 pub fn sequence_rng(seed: u64, index: usize) -> ChaCha8Rng {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(index as u64);
@@ -153,7 +155,14 @@ pub fn sample_with_kept_mass(
         return (argmax(logprobs), 0.0);
     }
     let u: f64 = rng.random::<f64>();
-    if params.top_k == 0 && params.top_p >= 1.0 {
+    // A `top_k` of the whole vocabulary keeps every token: off, as vLLM and transformers read it (the same
+    // draws and exactly 0 kept-mass log as without it).
+    let top_k = if params.top_k >= logprobs.len() {
+        0
+    } else {
+        params.top_k
+    };
+    if top_k == 0 && params.top_p >= 1.0 {
         // Inverse CDF over the whole vocabulary in index order: no sort needed.
         // The probabilities once (the f64 `exp` of the whole vocabulary was a few % of a decode step when
         // computed for the total and again for the running sum); the same sums in the same order.
@@ -169,7 +178,7 @@ pub fn sample_with_kept_mass(
         }
         return (argmax(logprobs), 0.0);
     }
-    let order = most_likely_first(logprobs, params.top_k);
+    let order = most_likely_first(logprobs, top_k);
     let probs: Vec<f64> = order
         .iter()
         .map(|&i| (logprobs[i as usize] as f64).exp())
@@ -316,5 +325,34 @@ mod tests {
             );
         }
         assert!(total_order_bits(-f32::NAN) < total_order_bits(f32::NEG_INFINITY));
+    }
+
+    /// A `top_k` of the whole vocabulary is off: the same draws as without it and a kept-mass log of
+    /// exactly 0 (the processed record is then the full one's bits), as vLLM reads it.
+    #[test]
+    fn a_top_k_of_the_whole_vocabulary_is_off() {
+        let logits = [0.3f32, -1.2, 2.0, 0.0, -0.4];
+        let norm = logits.iter().map(|l| l.exp()).sum::<f32>().ln();
+        let logprobs: Vec<f32> = logits.iter().map(|l| l - norm).collect();
+        for k in [5, 6, usize::MAX] {
+            for seed in 0..50 {
+                let off = SamplingParams::default();
+                let all = SamplingParams {
+                    top_k: k,
+                    ..SamplingParams::default()
+                };
+                let a = sample_with_kept_mass(&logprobs, &off, &mut sequence_rng(seed, 3));
+                let b = sample_with_kept_mass(&logprobs, &all, &mut sequence_rng(seed, 3));
+                assert_eq!(a, b, "top_k {k}, seed {seed}");
+                assert_eq!(b.1.to_bits(), 0, "top_k {k}, seed {seed}");
+            }
+        }
+        // One below the vocabulary still filters.
+        let four = SamplingParams {
+            top_k: 4,
+            ..SamplingParams::default()
+        };
+        let (_, kept) = sample_with_kept_mass(&logprobs, &four, &mut sequence_rng(0, 0));
+        assert!(kept < 0.0, "{kept}");
     }
 }

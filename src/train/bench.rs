@@ -69,7 +69,7 @@ pub fn bench_steps(
     // What the config asks of the model, known from the config the warm start builds from: refused
     // before the warm start runs.
     let planned = super::model_dir::check_sources(cfg, model_made, false)?;
-    super::run::check_routing_replay(cfg, &planned, &cfg.model.dir)?;
+    super::run::check_planned_model(cfg, &planned, &cfg.model.dir)?;
     if !model_made {
         // The warm start's own metrics go to a scratch file: the bench leaves the run directory alone.
         let scratch = std::env::temp_dir().join(format!("qarl-bench-{}", std::process::id()));

@@ -121,7 +121,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     )?;
     let sized_with_tokenizer = given.is_some();
     // Known from the config the warm start will build from: refused before it runs, not after.
-    check_routing_replay(cfg, &model_config, &cfg.model.dir)?;
+    check_planned_model(cfg, &model_config, &cfg.model.dir)?;
     let metrics_path = cfg.run_dir.join("metrics.jsonl");
     let resumed = resume::start_point(cfg, how, model_made, &metrics_path)?;
     // The weights come from the checkpoint, but the tokenizer and the end tokens from `model.dir`: a
@@ -677,12 +677,48 @@ pub(super) fn check_model_for_config(
     model_dir: &std::path::Path,
 ) -> anyhow::Result<()> {
     check_chat_tokens(cfg, tok, &cfg.model.dir)?;
+    check_planned_model(cfg, model, model_dir)
+}
+
+/// What the config asks of the model that its config.json alone answers (the model in `model_dir`, or
+/// the one its warm start will make, so a run is refused before the warm start): `top_k` within the
+/// vocabulary, a mixture of experts for `train.routing_replay`.
+pub(super) fn check_planned_model(
+    cfg: &TrainConfig,
+    model: &crate::model::ModelConfig,
+    model_dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    check_top_k(cfg, model, model_dir)?;
     check_routing_replay(cfg, model, model_dir)
+}
+
+/// Refuses a `top_k` of at least the model's vocabulary: it keeps every token, so vLLM and transformers
+/// read it as off, but as a filter here it would count as truncation (no `lp_old` reuse, `lp_old_check`
+/// refused, the truncation warning) and record log-probs a rounding away from the full ones.
+fn check_top_k(
+    cfg: &TrainConfig,
+    model: &crate::model::ModelConfig,
+    model_dir: &std::path::Path,
+) -> anyhow::Result<()> {
+    for (key, k) in [
+        ("rollout.top_k", cfg.rollout.top_k),
+        ("eval.top_k", cfg.eval.top_k),
+    ] {
+        if k >= model.vocab_size {
+            anyhow::bail!(
+                "`{key}` = {k} is at least the vocabulary of {} ({} tokens): it keeps every token; set 0 \
+                 (off)",
+                model_dir.display(),
+                model.vocab_size
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `train.routing_replay` needs a mixture of experts in `model` (the config of the model in `model_dir`, or
 /// of the one its warm start will make).
-pub(super) fn check_routing_replay(
+fn check_routing_replay(
     cfg: &TrainConfig,
     model: &crate::model::ModelConfig,
     model_dir: &std::path::Path,
