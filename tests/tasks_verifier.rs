@@ -1604,6 +1604,11 @@ fn math_answers_given_as_numbers_are_read() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("neither a string nor a number"), "{e}");
+    // An empty solution would teach the warm start to answer nothing, whatever the answer field says.
+    let e = parse(row(" ", serde_json::json!(42)))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("field `solution` is empty"), "{e}");
 }
 
 /// Powers and scientific notation are values (math-verify 0.x agrees on those rows and on

@@ -187,7 +187,8 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
     tok.check_template(&template, &args.model)?;
 
-    let end = crate::model::EndTokens::of(&tok, &model.config)?;
+    let end = crate::model::EndTokens::of(&tok, &model.config)?
+        .with_turn_ends(&tok, &template.turn_ends());
     let stop_strings = args.stop.strings(&end, &tok, || template.stop_strings());
     let stop_ids = end.stops().to_vec();
     let params = SamplingParams {

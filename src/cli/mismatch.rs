@@ -160,7 +160,8 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         (&prompts, &records, &path),
         args.max_new_tokens,
     )?;
-    let end = crate::model::EndTokens::of(&tok, &full.config)?;
+    let end = crate::model::EndTokens::of(&tok, &full.config)?
+        .with_turn_ends(&tok, &template.turn_ends());
     // The same rule as `qarl eval`: with only the end tokens, a plain prompt's responses ran on into
     // questions the model made up after its answer, and their tokens were measured.
     let stop_strings = args.stop.strings(&end, &tok, || template.stop_strings());

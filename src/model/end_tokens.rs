@@ -82,6 +82,29 @@ impl EndTokens {
         Ok(ids)
     }
 
+    /// These end tokens and, as stops, each of `turn_ends` that is one token of `tok`: a chat template's
+    /// turn end (`<|eot_id|>`, `<end_of_turn>`), which a warm start under that template teaches the model
+    /// to end its answer with, while a base model's files may name only its text end (Llama-3 base:
+    /// `<|end_of_text|>`; Gemma-2 base: `<eos>`), so rollouts ran on past the closed turn. Only special
+    /// tokens (left out of the text a verifier reads): a turn closed by plain text, or by several tokens,
+    /// stays a stop string.
+    pub fn with_turn_ends(mut self, tok: &Tokenizer, turn_ends: &[String]) -> Self {
+        let special = |&id: &u32| {
+            tok.decode_without_special(&[id])
+                .is_ok_and(|t| t.is_empty())
+        };
+        for id in turn_ends
+            .iter()
+            .filter_map(|s| tok.token_to_id(s))
+            .filter(special)
+        {
+            if !self.stops.contains(&id) {
+                self.stops.push(id);
+            }
+        }
+        self
+    }
+
     /// The token a training example ends with (and the first stop).
     pub fn primary(&self) -> u32 {
         self.primary
@@ -284,5 +307,20 @@ mod tests {
         );
         std::fs::write(&tokenizer_config, r#"{"eos_token": {"content": "<eos>"}}"#).unwrap();
         assert_eq!(end_tokens(dir.path(), &config).unwrap().stops(), &[1]);
+    }
+
+    /// A chat template's turn end that is one special token becomes a stop; a plain character or a string
+    /// of several tokens does not.
+    #[test]
+    fn a_turn_end_of_one_special_token_is_a_stop() {
+        let (dir, config) = model_dir(&[]);
+        let end = end_tokens(dir.path(), &config).unwrap();
+        assert_eq!(end.stops(), &[1]);
+        let tok = Tokenizer::load_for(dir.path(), &config).unwrap().unwrap();
+        assert!(tok.token_to_id("a").is_some());
+        let turn_ends = ["<pad>", "a", "\nQuestion:", "<eos>"].map(String::from);
+        let end = end.with_turn_ends(&tok, &turn_ends);
+        assert_eq!(end.stops(), &[1, 0]);
+        assert_eq!(end.primary(), 1);
     }
 }

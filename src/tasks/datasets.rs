@@ -257,7 +257,8 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
 pub fn parse_math_line(line: &str) -> Result<Record, LineError> {
     let v = parse_object(line)?;
     let question = text_field(&v, "problem")?;
-    let solution = string_field(&v, "solution")?;
+    // An empty solution would train the warm start to answer nothing.
+    let solution = text_field(&v, "solution")?;
     // AIME-style files give integer answers as JSON numbers (`"answer": 42`): read as their text.
     let field = match v.get("answer") {
         Some(serde_json::Value::String(a)) => Some(a.trim().to_string()).filter(|a| !a.is_empty()),

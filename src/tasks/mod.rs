@@ -593,6 +593,14 @@ impl Task {
         }
     }
 
+    /// The chat template's turn ends ([`Template::turn_ends`]; none for arithmetic and the plain template).
+    pub fn turn_ends(&self) -> Vec<String> {
+        match self {
+            Task::Arithmetic(_) => vec![],
+            Task::Dataset(d) => d.template.turn_ends(),
+        }
+    }
+
     /// Strings that end a generated answer: `"\n"` for arithmetic (its answer line ends the solution), the
     /// template's otherwise.
     pub fn stop_strings(&self) -> Vec<String> {

@@ -234,6 +234,11 @@ impl Template {
     ///
     /// [`Tokenizer::encode_prompt`]: crate::model::Tokenizer::encode_prompt
     pub fn prompt_takes_bos(&self) -> bool {
+        self.is_plain()
+    }
+
+    /// Whether this is the plain `Question: ... Answer:` template (a text, no chat turns).
+    pub fn is_plain(&self) -> bool {
         matches!(self, Template::Plain { .. })
     }
 
@@ -341,6 +346,16 @@ impl Template {
                 ..
             } => vec![("enable_thinking", serde_json::Value::Bool(*on))],
             _ => vec![],
+        }
+    }
+
+    /// What closes the assistant's turn under a chat template (its [`Self::stop_strings`]), none for the
+    /// plain template: the turn ends a chat completion is taught to end with, which rollouts stop at
+    /// ([`crate::model::EndTokens::with_turn_ends`]).
+    pub fn turn_ends(&self) -> Vec<String> {
+        match self {
+            Template::Plain { .. } => vec![],
+            Template::Chat { .. } => self.stop_strings(),
         }
     }
 

@@ -83,10 +83,11 @@ pub fn bench_steps(
     let mut model = Decoder::load_full_precision(&cfg.model.dir, device)?;
     let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
         .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
-    let end = crate::model::EndTokens::of(&tok, &model.config)?;
+    let task = Task::from_config(&cfg.task)?;
+    let end =
+        crate::model::EndTokens::of(&tok, &model.config)?.with_turn_ends(&tok, &task.turn_ends());
     super::run::check_model_for_config(cfg, &model.config, &tok, &cfg.model.dir)?;
     super::run::check_step_sizes(cfg, &model.config, None, None)?;
-    let task = Task::from_config(&cfg.task)?;
     let mut optim = optimizer(&cfg.train);
     model.set_precision(cfg.rollout.precision)?;
     model.set_activations(cfg.train.activations)?;

@@ -88,6 +88,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // `--overwrite` removes them): the task's data, the model's sources, the step's sizes, and a model that
     // is there already, whole.
     let task = Task::from_config(&cfg.task)?;
+    warn_run_on_answers(cfg, &task);
     // An evaluation of no problem would log an accuracy of 0 and pass for a result.
     if cfg.eval.problems > 0 && task.eval_set(1).is_empty() {
         anyhow::bail!(
@@ -110,7 +111,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         }
     };
     let given = match how {
-        resume::Start::Over { .. } if model_made => Some(Policy::load(cfg, None, &device)?),
+        resume::Start::Over { .. } if model_made => Some(Policy::load(cfg, &task, None, &device)?),
         _ => None,
     };
     check_step_sizes(
@@ -138,7 +139,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // run as it was (its config.json, its rows), for a resume from an older checkpoint.
     let loaded = match (&resumed, model_made) {
         (Some((p, saved)), true) => Some((
-            Policy::load(cfg, resumed.as_ref(), &device)?,
+            Policy::load(cfg, &task, resumed.as_ref(), &device)?,
             checkpoint::load_optimizer(optimizer(&cfg.train), p)?,
             resumed_state(cfg, p, saved),
         )),
@@ -184,7 +185,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
         None => {
             let policy = match given {
                 Some(policy) => policy,
-                None => Policy::load(cfg, resumed.as_ref(), &device)?,
+                None => Policy::load(cfg, &task, resumed.as_ref(), &device)?,
             };
             let (optim, state) = match &resumed {
                 Some((p, saved)) => (
@@ -332,6 +333,28 @@ fn warn_truncated_sampling(cfg: &TrainConfig) {
     }
 }
 
+/// Says that responses to a plain prompt run until an end token when no warm start teaches the model to
+/// end its answer: a base model then goes on with a `Question:` of its own and answers it, and the
+/// verifier reads the last `Answer:` of the response, the invented question's.
+fn warn_run_on_answers(cfg: &TrainConfig, task: &Task) {
+    if let Some(warning) = run_on_answers(cfg, task) {
+        tracing::warn!("{warning}");
+    }
+}
+
+/// The warning of [`warn_run_on_answers`], where it applies.
+fn run_on_answers(cfg: &TrainConfig, task: &Task) -> Option<String> {
+    let plain = matches!(task, Task::Dataset(d) if d.template().is_plain());
+    (plain && cfg.sft.is_none() && cfg.rollout.stop == config::RolloutStop::EndTokens).then(|| {
+        format!(
+            "a plain prompt template with `rollout.stop` = \"end_tokens\" and no [sft] warm start: a base \
+             model's response may go on past its answer with a question of its own, whose answer the \
+             verifier would read; `rollout.stop` = \"template\" ends responses at `{}`",
+            task.stop_strings().join("`, `").escape_debug()
+        )
+    })
+}
+
 /// The policy a run trains: the model (from `model.dir`, or the checkpoint it resumes), set to the rollout's
 /// precision and activations, its tokenizer and end tokens, and the `config.json` its checkpoints
 /// carry.
@@ -345,6 +368,7 @@ struct Policy {
 impl Policy {
     fn load(
         cfg: &TrainConfig,
+        task: &Task,
         resumed: Option<&(PathBuf, TrainerState)>,
         device: &Device,
     ) -> anyhow::Result<Self> {
@@ -360,7 +384,7 @@ impl Policy {
         }
         let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
             .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
-        let end = EndTokens::of(&tok, &model.config)?;
+        let end = EndTokens::of(&tok, &model.config)?.with_turn_ends(&tok, &task.turn_ends());
         check_model_for_config(cfg, &model.config, &tok, &model_dir)?;
         model.set_precision(cfg.rollout.precision)?;
         model.set_activations(cfg.train.activations)?;
@@ -821,6 +845,40 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
 
 #[cfg(test)]
 mod tests {
+    /// A plain template without a warm start or a stop string is warned about; a stop string, a warm
+    /// start or a chat template each silence it.
+    #[test]
+    fn run_on_answers_of_plain_prompts_are_warned_about() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let base: toml::Table =
+            toml::from_str(&std::fs::read_to_string(root.join("configs/default.toml")).unwrap())
+                .unwrap();
+        let data = root.join("tests/fixtures/gsm8k_slice.jsonl");
+        let config = |stop: &str, sft: bool| {
+            let mut doc = base.clone();
+            let mut task = toml::Table::new();
+            task.insert("kind".into(), "gsm8k".into());
+            task.insert("path".into(), data.display().to_string().into());
+            doc.insert("task".into(), task.into());
+            let rollout = doc["rollout"].as_table_mut().unwrap();
+            rollout.insert("stop".into(), stop.into());
+            if !sft {
+                doc.remove("sft");
+            }
+            let cfg =
+                super::TrainConfig::from_toml(&toml::to_string(&doc).unwrap(), "t.toml").unwrap();
+            let task = crate::tasks::Task::from_config(&cfg.task).unwrap();
+            super::run_on_answers(&cfg, &task)
+        };
+        let warning = config("end_tokens", false).unwrap();
+        assert!(
+            warning.contains("`rollout.stop` = \"template\" ends responses at `\\nQuestion:`"),
+            "{warning}"
+        );
+        assert_eq!(config("template", false), None);
+        assert_eq!(config("end_tokens", true), None);
+    }
+
     /// A step without reward signal (norm 0) neither starts nor lowers the average: the norms after it are
     /// no spikes; a norm above 10x the average is.
     #[test]

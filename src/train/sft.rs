@@ -347,6 +347,7 @@ pub fn run_sft_with(
             .collect::<anyhow::Result<Vec<_>>>()?
             .into_iter()
             .unzip();
+        check_step_positions(&model.config, step, &examples, &seqs)?;
         let batch = SeqBatch::new(seqs, lens);
         let mask = batch.mask(&device);
         let (lp, _) = batch.logprobs(&model, Weights::Packed, 1.0, None);
@@ -508,5 +509,55 @@ mod tests {
             .unwrap_err();
             assert!(err.to_string().contains("`init_std`"), "{err}");
         }
+    }
+
+    /// A later step's example past the model's positions is refused by its question and step.
+    #[test]
+    fn a_step_example_past_the_positions_is_refused() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("configs/models/qwen3-moe-arith.json");
+        let config = crate::model::ModelConfig::from_file(&path).unwrap();
+        let limit = config.max_position_embeddings;
+        let example = |q: &str| Example {
+            question: q.into(),
+            prompt: q.into(),
+            with_bos: false,
+            answer: "1".into(),
+            solution: None,
+        };
+        let examples = [example("short"), example("long one")];
+        let fits = [vec![0; limit], vec![0; 3]];
+        check_step_positions(&config, 7, &examples, &fits).unwrap();
+        let over = [vec![0; 3], vec![0; limit + 1]];
+        let e = check_step_positions(&config, 7, &examples, &over)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("warm-start step 7") && e.contains("long one"),
+            "{e}"
+        );
+        assert!(e.contains(&format!("is {} tokens", limit + 1)), "{e}");
+    }
+}
+
+/// Refuses a step's example longer than the model's positions: the check before the first step reads every
+/// record of a data set but only the first step's examples of a generated task, whose later draws may be
+/// longer (RoPE would go on past `max_position_embeddings` without a word).
+fn check_step_positions(
+    config: &crate::model::ModelConfig,
+    step: usize,
+    examples: &[crate::tasks::Example],
+    seqs: &[Vec<u32>],
+) -> anyhow::Result<()> {
+    let limit = config.max_position_embeddings;
+    match seqs.iter().position(|s| s.len() > limit) {
+        Some(i) => anyhow::bail!(
+            "warm-start step {step}: the worked example of {} is {} tokens, beyond the model's \
+             max_position_embeddings ({limit}); narrow the task (fewer digits or terms) or use a model with \
+             more positions",
+            crate::rollout::shown_question(&examples[i].question),
+            seqs[i].len()
+        ),
+        None => Ok(()),
     }
 }
