@@ -31,6 +31,12 @@ pub fn fp8_activations(x: &[f32], rows: usize, cols: usize) -> (Vec<f32>, Vec<f3
     for r in 0..rows {
         for b in 0..blocks {
             let range = r * cols + b * FP8_BLOCK..r * cols + ((b + 1) * FP8_BLOCK).min(cols);
+            // A block with a NaN or an infinity is NaN throughout, as the kernel writes it.
+            if x[range.clone()].iter().any(|v| !v.is_finite()) {
+                scales[r * blocks + b] = f32::NAN;
+                values[range].fill(f32::NAN);
+                continue;
+            }
             let m = x[range.clone()].iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let s = m / E4M3_MAX;
             scales[r * blocks + b] = s;

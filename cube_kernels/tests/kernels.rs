@@ -143,6 +143,44 @@ fn fp8_activation_quantization_is_bit_exact() {
     assert_eq!(bits(&k.read_f32(&v).unwrap()), bits(&want_v), "values");
 }
 
+/// A block holding a NaN or an infinity comes out NaN throughout, scale included (a NaN was read as the
+/// block's absmax and an infinity zeroed its neighbours: a forward gone non-finite passed for finite
+/// codes); the other blocks of the row are untouched.
+#[test]
+#[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
+fn fp8_activation_blocks_with_non_finite_values_are_nan() {
+    let Some(k) = kernels() else { return };
+    let mut rng = Rng(11);
+    let (rows, cols) = (3, 256);
+    let mut x: Vec<f32> = rng.values(rows * cols).iter().map(|v| v * 30.0).collect();
+    x[5] = f32::NAN;
+    x[cols + 130] = f32::INFINITY;
+    x[2 * cols + 200] = -f32::NAN;
+    let (want_v, want_s) = reference::fp8_activations(&x, rows, cols);
+    let (v, s) = k.fp8_activations(&k.upload_f32(&x), rows, cols).unwrap();
+    let (v, s) = (k.read_f32(&v).unwrap(), k.read_f32(&s).unwrap());
+    let bad_blocks = [0, 3, 5];
+    for (i, (g, w)) in s.iter().zip(&want_s).enumerate() {
+        assert_eq!(
+            bad_blocks.contains(&i),
+            g.is_nan(),
+            "scale of block {i}: {g}"
+        );
+        assert!(
+            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+            "block {i}"
+        );
+    }
+    for (i, (g, w)) in v.iter().zip(&want_v).enumerate() {
+        let block = (i / cols) * 2 + (i % cols) / 128;
+        assert_eq!(bad_blocks.contains(&block), g.is_nan(), "value {i}: {g}");
+        assert!(
+            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+            "value {i}"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a wgpu adapter (a Vulkan driver, e.g. Mesa lavapipe: mesa-vulkan-drivers); .ci/run installs it and runs --include-ignored"]
 fn e4m3_encoding_matches_the_host_on_a_sweep() {

@@ -117,8 +117,10 @@ pub fn div_rn(a: f32, b: f32) -> f32 {
 
 /// One cube of 128 units per (token, 128-column block), `CUBE_POS` the block's linear index: each unit
 /// reads one input (in its own type `F`, widened to f32), the block's absmax comes from a tree of pairwise
-/// maxima in shared memory (exact in any order; a NaN counts as 0, as the host's `f32::max` fold has it),
-/// then every unit writes its dequantized value to `xq` and unit 0 the block scale to `xs`. A unit per
+/// maxima in shared memory (exact in any order), then every unit writes its dequantized value to `xq` and
+/// unit 0 the block scale to `xs`. A block holding a NaN or an infinity is NaN throughout, scale included
+/// (its division would otherwise saturate: a NaN read as the block's absmax, a forward gone non-finite
+/// hidden in finite codes; the host's quantizer refuses such input and the CPU kernel returns NaN). A unit per
 /// block, as this kernel first was, left a decode step's 16 blocks to 16 threads running 128 sequential
 /// integer divisions each.
 #[cube(launch)]
@@ -148,6 +150,10 @@ pub fn quantize_activations<F: Float>(
     if a > 0.0f32 {
         m = a;
     }
+    // A NaN or an infinity counts as +inf, which the maxima keep: the whole block is then NaN below.
+    if (u32::reinterpret(v) & 0x7FFF_FFFFu32) >= 0x7F80_0000u32 {
+        m = f32::reinterpret(0x7F80_0000u32);
+    }
     amax[u] = m;
     sync_cube();
     #[unroll]
@@ -161,17 +167,26 @@ pub fn quantize_activations<F: Float>(
         }
         sync_cube();
     }
-    let s = div_rn(amax[0], 448.0f32);
+    let nonfinite = u32::reinterpret(amax[0]) == 0x7F80_0000u32;
+    let nan = f32::reinterpret(0x7FC0_0000u32);
+    let mut s = nan;
+    if !nonfinite {
+        s = div_rn(amax[0], 448.0f32);
+    }
     if live {
         if u == 0 {
             xs[id] = s;
         }
         if k < cols {
-            let mut code = 0u32;
-            if s != 0.0f32 {
-                code = e4m3_code(div_rn(v, s));
+            let mut value = nan;
+            if !nonfinite {
+                let mut code = 0u32;
+                if s != 0.0f32 {
+                    code = e4m3_code(div_rn(v, s));
+                }
+                value = lut[code as usize] * s;
             }
-            xq[r * cols + k] = lut[code as usize] * s;
+            xq[r * cols + k] = value;
         }
     }
 }
