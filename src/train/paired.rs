@@ -244,7 +244,7 @@ impl ArmComparison {
     }
 
     /// `+0.020 ± 0.009 (11 vs 5 problems; p 2.1e-1)`: the difference with its SE over problems, the problems
-    /// where each arm is ahead and the test's p-value (`t-test p` where the seed counts differ).
+    /// where each arm is ahead and the test's p-value (`t-test p` where either arm has several seeds).
     pub fn problems_text(&self) -> String {
         let test = match self.test {
             PairedTest::Sign => "",
@@ -404,7 +404,7 @@ mod tests {
             .collect()
     }
 
-    /// Arms with as many seeds take the sign test; with unequal counts the paired t-test, whose p-value
+    /// Arms with several seeds take the paired t-test (one seed each: McNemar's test), whose p-value
     /// here is scipy's `ttest_1samp(d, 0).pvalue` for d = [0.5, 1, -0.5, 0, 1]: 0.24198153056802096.
     /// One problem has no standard error (a sample deviation of one value is undefined): it prints as
     /// `n/a`, not as `± 0.000`, which read as certainty in end-of-run lines, comparisons and reports.

@@ -211,8 +211,14 @@ fn check_eval_row(path: &Path, row: &serde_json::Value) -> anyhow::Result<()> {
 }
 
 /// Mean of `key` over the RL rows that logged it; `None` when none did (a missing metric is not 0).
+/// A step that logged the metric as `null` (a NaN or an infinity: JSON has no such numbers) makes the
+/// average NaN, which the table prints: averaged over the other steps, a diverged step left no trace.
 fn rl_average(rl: &[&serde_json::Value], key: &str) -> Option<f64> {
-    let xs: Vec<f64> = rl.iter().filter_map(|r| r[key].as_f64()).collect();
+    let logged: Vec<&serde_json::Value> = rl.iter().filter_map(|r| r.get(key)).collect();
+    if logged.iter().any(|v| v.is_null()) {
+        return Some(f64::NAN);
+    }
+    let xs: Vec<f64> = logged.iter().filter_map(|v| v.as_f64()).collect();
     (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
 }
 
@@ -411,7 +417,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         )?;
     }
     write_arm_comparisons(&mut md, &variants)?;
-    writeln!(md, "\nMismatch and stability: each run's average over its RL steps (the steps that logged the metric: a step whose groups all had equal rewards trains nothing and logs no loss-side metric), mean ± sample std over seeds. Error tokens (docs/metrics.md): `any` is the fraction of response tokens meeting at least one criterion; `ratio`: the sampler over 20x more confident than the learner; `low prob`: learner probability below 1e-4; `repetition`: inside a repetition loop. Logs written before the criteria were separated have `any` (then named `error_tokens/frac`) and `repetition`, no `ratio`, and a low-probability fraction that also counted ratio errors, left out here. The timing columns (rollout tok/s, step s) are as measured on whatever machine ran each run and with whatever ran beside it: compare them within a run, not across arms.\n")?;
+    writeln!(md, "\nMismatch and stability: each run's average over its RL steps (the steps that logged the metric: a step whose groups all had equal rewards trains nothing and logs no loss-side metric; NaN where a step logged a non-finite value), mean ± sample std over seeds. Error tokens (docs/metrics.md): `any` is the fraction of response tokens meeting at least one criterion; `ratio`: the sampler over 20x more confident than the learner; `low prob`: learner probability below 1e-4; `repetition`: inside a repetition loop. Logs written before the criteria were separated have `any` (then named `error_tokens/frac`) and `repetition`, no `ratio`, and a low-probability fraction that also counted ratio errors, left out here. The timing columns (rollout tok/s, step s) are as measured on whatever machine ran each run and with whatever ran beside it: compare them within a run, not across arms.\n")?;
     let header: Vec<&str> = STABILITY_COLUMNS.iter().map(|c| c.1).collect();
     writeln!(md, "| variant | {} |", header.join(" | "))?;
     writeln!(md, "|---|{}", "---|".repeat(header.len()))?;
@@ -460,6 +466,20 @@ fn overrides_text(set: &BTreeMap<String, toml::Value>) -> String {
 fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow::Result<()> {
     let mut lines = Vec::new();
     let mut apart = Vec::new();
+    let evaluated = |v: &VariantSummary| v.after_roll.is_some() || v.after_f32.is_some();
+    let unpaired: Vec<&str> = variants
+        .iter()
+        .filter(|v| !v.runs.is_empty() && !evaluated(v))
+        .map(|v| v.variant.name.as_str())
+        .collect();
+    if !unpaired.is_empty() {
+        writeln!(
+            md,
+            "\nNot paired with any arm (its seeds were evaluated on different problems, or their final \
+             outcomes cannot be read): {}.",
+            unpaired.join(", ")
+        )?;
+    }
     for (i, a) in variants.iter().enumerate() {
         for b in &variants[i + 1..] {
             // Each comparison once per precision, only where both arms saw the same problems.
@@ -474,7 +494,6 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
             };
             let roll = compare(&a.after_roll, &b.after_roll);
             let f32 = compare(&a.after_f32, &b.after_f32);
-            let evaluated = |v: &VariantSummary| v.after_roll.is_some() || v.after_f32.is_some();
             if roll.is_none() && f32.is_none() && evaluated(a) && evaluated(b) {
                 apart.push(format!("{} / {}", a.variant.name, b.variant.name));
             }
@@ -608,6 +627,23 @@ mod tests {
             "{cell}"
         );
         assert_eq!(rl_gain_cell(None, Some(&own)), "-");
+    }
+
+    /// A step that logged a metric as `null` (non-finite) makes the run's average NaN; steps without the
+    /// key are left out, as before.
+    #[test]
+    fn a_non_finite_step_makes_the_average_nan() {
+        let rows = [
+            serde_json::json!({"k3": 1e-3}),
+            serde_json::json!({"other": 1.0}),
+            serde_json::json!({"k3": 3e-3}),
+        ];
+        let refs: Vec<&serde_json::Value> = rows.iter().collect();
+        assert_eq!(rl_average(&refs, "k3"), Some(2e-3));
+        assert_eq!(rl_average(&refs, "missing"), None);
+        let with_null = [rows[0].clone(), serde_json::json!({"k3": null})];
+        let refs: Vec<&serde_json::Value> = with_null.iter().collect();
+        assert!(rl_average(&refs, "k3").unwrap().is_nan());
     }
 
     #[test]
