@@ -105,6 +105,52 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         "{err}"
     );
 
+    // A state whose step is not its folder's: resumed, it redid steps on the newest weights.
+    let err = resume_error(&cfg, "edited_step", |d| {
+        let p = d.join("trainer_state.json");
+        let mut state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        state["step"] = 0.into();
+        std::fs::write(&p, state.to_string()).unwrap();
+    });
+    assert!(err.contains("says step 0, not its folder's"), "{err}");
+    // Parameter ids or an optimizer state that are not the checkpoint's own: the moments were restarted
+    // or put on other parameters without a word (or a panic at the first step).
+    let ids_of = |d: &Path| -> Vec<u64> {
+        serde_json::from_str(&std::fs::read_to_string(d.join(checkpoint::PARAM_IDS_FILE)).unwrap())
+            .unwrap()
+    };
+    let write_ids = |d: &Path, ids: &[u64]| {
+        std::fs::write(
+            d.join(checkpoint::PARAM_IDS_FILE),
+            serde_json::to_string(ids).unwrap(),
+        )
+        .unwrap()
+    };
+    let err = resume_error(&cfg, "reversed_ids", |d| {
+        let mut ids = ids_of(d);
+        ids.reverse();
+        write_ids(d, &ids);
+    });
+    assert!(
+        err.contains("param_ids.json is not the file this checkpoint was written with"),
+        "{err}"
+    );
+    let err = resume_error(&cfg, "doubled_id", |d| {
+        let mut ids = ids_of(d);
+        ids[1] = ids[0];
+        write_ids(d, &ids);
+    });
+    assert!(err.contains("twice"), "{err}");
+    let err = resume_error(&cfg, "foreign_optimizer", |d| {
+        let step0 = d.with_file_name("step_000000");
+        std::fs::copy(step0.join("optimizer.bpk"), d.join("optimizer.bpk")).unwrap();
+    });
+    assert!(
+        err.contains("optimizer.bpk is not the file this checkpoint was written with"),
+        "{err}"
+    );
+
     // A fresh run there is refused naming the damage; --overwrite starts over without reading it.
     let mut damaged = cfg.clone();
     damaged.run_dir = cfg.run_dir.with_file_name("garbage_state");

@@ -121,6 +121,10 @@ pub fn restore_param_ids(model: Decoder, ids: &[u64]) -> anyhow::Result<Decoder>
             ids.len()
         );
     }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(id) = ids.iter().find(|&&id| !seen.insert(id)) {
+        anyhow::bail!("the checkpoint lists parameter id {id} twice");
+    }
     struct Ids<'a>(std::slice::Iter<'a, u64>);
     impl ModuleMapper for Ids<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -233,6 +237,7 @@ pub fn save_in(
         crate::io::write_json_atomic(&tmp.path().join(name), value)?;
     }
     crate::io::write_json_atomic(&tmp.path().join(PARAM_IDS_FILE), &param_ids(parts.model))?;
+    write_manifest(tmp.path())?;
     crate::io::write_json_atomic(&tmp.path().join(STATE_FILE), state)?;
     // Every file on disk before the directory becomes visible under its final name.
     for e in std::fs::read_dir(tmp.path())?.flatten() {
@@ -279,6 +284,14 @@ pub fn remove_leftovers(root: &Path) {
     };
     for e in entries.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
+        // A checkpoint set aside to be replaced, whose replacement never arrived (a kill between the two
+        // renames): it is the only one of its step, so it goes back under its name.
+        if let Some(step) = name.strip_prefix(".old-step_") {
+            let back = root.join(format!("{STEP_PREFIX}{step}"));
+            if !back.exists() && std::fs::rename(e.path(), &back).is_ok() {
+                continue;
+            }
+        }
         if name.starts_with(".tmp-ckpt")
             || name.starts_with(".old-step_")
             || name.starts_with(PRUNED_PREFIX)
@@ -286,6 +299,11 @@ pub fn remove_leftovers(root: &Path) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
+}
+
+/// The step in the name of checkpoint directory `dir`.
+fn newest_step(dir: &Path) -> Option<usize> {
+    step_of_name(&dir.file_name()?.to_string_lossy())
 }
 
 /// The step in a checkpoint directory's name (`step_000012` -> 12).
@@ -377,7 +395,12 @@ pub fn latest_checked_in(root: &Path) -> anyhow::Result<Option<(PathBuf, Trainer
         "is missing".to_string()
     } else {
         match crate::io::read_json::<TrainerState>(&state_path) {
-            Ok(state) => return Ok(Some((newest, state))),
+            Ok(state) if Some(state.step) == newest_step(&newest) => {
+                return Ok(Some((newest, state)))
+            }
+            // Edited or damaged: resumed, it redid steps on the newest weights and replaced good
+            // checkpoints.
+            Ok(state) => format!("says step {}, not its folder's", state.step),
             Err(e) => format!("cannot be read ({})", e.root_cause()),
         }
     };
@@ -395,8 +418,59 @@ pub fn latest_checked_in(root: &Path) -> anyhow::Result<Option<(PathBuf, Trainer
     )
 }
 
+/// The fingerprints of a checkpoint's weights, optimizer state and parameter ids, written with them: the
+/// optimizer's moments are keyed by the ids, and burn matches them by count alone, so an optimizer file or
+/// an ids file from another run (or edited) restarted or misplaced the moments without a word, or
+/// panicked at the first step.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// The files [`MANIFEST_FILE`] vouches for.
+fn manifest_files() -> Vec<String> {
+    ["model.safetensors", OPTIMIZER_FILE, PARAM_IDS_FILE]
+        .map(String::from)
+        .to_vec()
+}
+
+fn manifest_of(dir: &Path) -> anyhow::Result<serde_json::Value> {
+    let mut m = serde_json::Map::new();
+    for name in manifest_files() {
+        let fp = super::reference::fingerprint_of(dir, std::slice::from_ref(&name))?;
+        m.insert(name, fp.into());
+    }
+    Ok(m.into())
+}
+
+fn write_manifest(dir: &Path) -> anyhow::Result<()> {
+    crate::io::write_json_atomic(&dir.join(MANIFEST_FILE), &manifest_of(dir)?)
+}
+
+/// Refuses a checkpoint whose weights, optimizer state or parameter ids are not those it was written with
+/// ([`MANIFEST_FILE`]; checkpoints written before it are not checked).
+pub fn check_manifest(dir: &Path) -> anyhow::Result<()> {
+    let path = dir.join(MANIFEST_FILE);
+    if !path.is_file() {
+        return Ok(());
+    }
+    let written: serde_json::Value = crate::io::read_json(&path)?;
+    let now = manifest_of(dir)?;
+    for name in manifest_files() {
+        if written.get(&name) != now.get(&name) {
+            anyhow::bail!(
+                "{}: {name} is not the file this checkpoint was written with (fingerprint {} in {MANIFEST_FILE}, \
+                 {} now): the optimizer's moments would be restarted or put on other parameters; restore it, \
+                 or move {} away to resume from an older checkpoint",
+                dir.display(),
+                written.get(&name).unwrap_or(&serde_json::Value::Null),
+                now[&name],
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Loads the optimizer state of checkpoint `dir` into `optim`; a missing or damaged file is named with what
-/// is wrong with it.
+/// is wrong with it, and so is one that is not the checkpoint's own ([`check_manifest`]).
 pub fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> anyhow::Result<ModuleOptimizer> {
     let path = dir.join(OPTIMIZER_FILE);
     let len = match std::fs::metadata(&path) {
@@ -408,7 +482,7 @@ pub fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> anyhow::Result<Modu
             dir.display()
         ),
     };
-    optim.load(&path).map_err(|e| {
+    let optim = optim.load(&path).map_err(|e| {
         let mut detail = e.to_string();
         for prefix in ["Record I/O error: ", "Validation error: ", "I/O error: "] {
             if let Some(rest) = detail.strip_prefix(prefix) {
@@ -427,5 +501,37 @@ pub fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> anyhow::Result<Modu
             path.display(),
             dir.display()
         )
-    })
+    })?;
+    check_manifest(dir)?;
+    Ok(optim)
+}
+
+#[cfg(test)]
+mod tests {
+    /// A checkpoint set aside for its replacement that never arrived goes back under its name; one whose
+    /// replacement is there, and temporary directories, are removed.
+    #[test]
+    fn a_set_aside_checkpoint_without_its_replacement_is_restored() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        for d in [
+            ".old-step_000003",
+            ".old-step_000004",
+            "step_000004",
+            ".tmp-ckpt1",
+        ] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+            std::fs::write(root.join(d).join("mark"), d).unwrap();
+        }
+        super::remove_leftovers(root);
+        let mut names: Vec<String> = std::fs::read_dir(root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["step_000003", "step_000004"]);
+        let mark = |d: &str| std::fs::read_to_string(root.join(d).join("mark")).unwrap();
+        assert_eq!(mark("step_000003"), ".old-step_000003");
+        assert_eq!(mark("step_000004"), "step_000004");
+    }
 }

@@ -80,13 +80,18 @@ impl Reference {
 /// over `config.json` and every `*.safetensors` file in name order, each name, length and content (as
 /// little-endian 64-bit words), as 16 hex digits. Stable across builds and machines, unlike std's hasher.
 pub fn files_fingerprint(dir: &Path) -> anyhow::Result<String> {
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .with_context(|| format!("{}: cannot list", dir.display()))?
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| n == "config.json" || n.ends_with(".safetensors"))
         .collect();
     names.sort();
+    fingerprint_of(dir, &names)
+}
+
+/// The fingerprint of [`files_fingerprint`] over the files `names` of `dir`, in the order given.
+pub fn fingerprint_of(dir: &Path, names: &[String]) -> anyhow::Result<String> {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     // FNV-1a on whole words, with a shift after each product: a product only carries bits upwards, so
     // without it the hash's low bits would never see a word's high bits.
@@ -96,7 +101,7 @@ pub fn files_fingerprint(dir: &Path) -> anyhow::Result<String> {
         h ^= h >> 32;
     };
     let mut buf = vec![0u8; 1 << 20];
-    for name in &names {
+    for name in names {
         name.bytes().for_each(|b| mix(u64::from(b)));
         let path = dir.join(name);
         let mut file =
