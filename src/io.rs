@@ -152,7 +152,17 @@ fn write_through_temp(
     set_usual_permissions(tmp.path());
     tmp.persist(path)
         .map_err(|e| failed(path, "cannot move the result into place")(e.error))?;
+    sync_dir(dir);
     Ok(())
+}
+
+/// Fsyncs directory `dir`, so that a rename into it survives a power loss (the file's own fsync does not
+/// make its new name durable on every file system). Best effort: a file system that cannot fsync a
+/// directory still has the renamed file, as ext4's ordered journal usually keeps it.
+pub fn sync_dir(dir: &Path) {
+    if let Ok(f) = std::fs::File::open(dir) {
+        let _ = f.sync_all();
+    }
 }
 
 /// Writes safetensors `(name, dtype, shape, bytes)` to `path` through a temporary file in the same
@@ -205,6 +215,7 @@ pub fn write_safetensors_with_metadata(
         .map_err(failed(path, "cannot write"))?;
     set_usual_permissions(&tmp);
     std::fs::rename(&tmp, path).map_err(failed(path, "cannot move into place"))?;
+    sync_dir(folder_of(path));
     Ok(())
 }
 
@@ -336,6 +347,7 @@ pub fn write_dir_atomic<T>(
     let kept = tmp.keep();
     std::fs::rename(&kept, dst)
         .with_context(|| format!("{}: cannot move the result into place", dst.display()))?;
+    sync_dir(parent);
     Ok(out)
 }
 
@@ -354,7 +366,7 @@ fn name_of(path: &Path) -> String {
 }
 
 /// The folder `path` is written in (`.` for a bare file name).
-fn folder_of(path: &Path) -> &Path {
+pub fn folder_of(path: &Path) -> &Path {
     path.parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."))

@@ -207,6 +207,7 @@ pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> an
     crate::io::set_usual_permissions(tmp.path());
     tmp.persist(path)
         .with_context(|| format!("{}: cannot move into place", path.display()))?;
+    crate::io::sync_dir(crate::io::folder_of(path));
     Ok(())
 }
 

@@ -237,6 +237,7 @@ fn check_fits_char_tokenizer(init: &Path, config: &ModelConfig) -> anyhow::Resul
 pub(super) fn move_into_place(staging: &Path, dir: &Path) -> anyhow::Result<()> {
     std::fs::rename(staging, dir)
         .with_context(|| format!("{}: cannot move the model into place", dir.display()))?;
+    crate::io::sync_dir(crate::io::folder_of(dir));
     let mark = dir.join(STAGING_MARK);
     std::fs::remove_file(&mark).with_context(|| format!("{}: cannot remove", mark.display()))
 }

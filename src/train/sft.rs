@@ -416,6 +416,28 @@ pub fn run_sft_with(
     Ok((model, last))
 }
 
+/// Refuses a step's example longer than the model's positions: the check before the first step reads every
+/// record of a data set but only the first step's examples of a generated task, whose later draws may be
+/// longer (RoPE would go on past `max_position_embeddings` without a word).
+fn check_step_positions(
+    config: &crate::model::ModelConfig,
+    step: usize,
+    examples: &[crate::tasks::Example],
+    seqs: &[Vec<u32>],
+) -> anyhow::Result<()> {
+    let limit = config.max_position_embeddings;
+    match seqs.iter().position(|s| s.len() > limit) {
+        Some(i) => anyhow::bail!(
+            "warm-start step {step}: the worked example of {} is {} tokens, beyond the model's \
+             max_position_embeddings ({limit}); narrow the task (fewer digits or terms) or use a model with \
+             more positions",
+            crate::rollout::shown_question(&examples[i].question),
+            seqs[i].len()
+        ),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -537,27 +559,5 @@ mod tests {
             "{e}"
         );
         assert!(e.contains(&format!("is {} tokens", limit + 1)), "{e}");
-    }
-}
-
-/// Refuses a step's example longer than the model's positions: the check before the first step reads every
-/// record of a data set but only the first step's examples of a generated task, whose later draws may be
-/// longer (RoPE would go on past `max_position_embeddings` without a word).
-fn check_step_positions(
-    config: &crate::model::ModelConfig,
-    step: usize,
-    examples: &[crate::tasks::Example],
-    seqs: &[Vec<u32>],
-) -> anyhow::Result<()> {
-    let limit = config.max_position_embeddings;
-    match seqs.iter().position(|s| s.len() > limit) {
-        Some(i) => anyhow::bail!(
-            "warm-start step {step}: the worked example of {} is {} tokens, beyond the model's \
-             max_position_embeddings ({limit}); narrow the task (fewer digits or terms) or use a model with \
-             more positions",
-            crate::rollout::shown_question(&examples[i].question),
-            seqs[i].len()
-        ),
-        None => Ok(()),
     }
 }
