@@ -111,8 +111,20 @@ fn training_side(cfg: &TrainConfig) -> anyhow::Result<serde_json::Value> {
 /// while its config and report credit its own settings.
 pub const MADE_BY_FILE: &str = "qarl_made_by.json";
 
+/// Whether `cfg.model.dir` records that this config's warm start made it ([`MADE_BY_FILE`]: the same
+/// recipe and seed).
+pub(super) fn made_by_this_config(cfg: &TrainConfig) -> bool {
+    let Ok(made_by) = crate::io::read_json::<serde_json::Value>(&cfg.model.dir.join(MADE_BY_FILE))
+    else {
+        return false;
+    };
+    made_by["seed"] == serde_json::json!(cfg.seed)
+        && warm_start_of(cfg)
+            .is_ok_and(|r| super::config::differing_keys(&made_by["recipe"], &r).is_empty())
+}
+
 /// Records in `staging` how `cfg` makes its model ([`MADE_BY_FILE`]).
-fn write_made_by(cfg: &TrainConfig, staging: &Path) -> anyhow::Result<()> {
+pub(super) fn write_made_by(cfg: &TrainConfig, staging: &Path) -> anyhow::Result<()> {
     let made_by = serde_json::json!({"recipe": warm_start_of(cfg)?, "seed": cfg.seed});
     crate::io::write_json_atomic(&staging.join(MADE_BY_FILE), &made_by)
 }

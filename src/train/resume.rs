@@ -142,10 +142,12 @@ fn earlier_model_dir(cfg: &TrainConfig) -> Option<PathBuf> {
 /// the rows of the model this run uses only where the earlier config named the same `model.dir`
 /// (compared as directories: `m`, `./m` and its absolute path are one). With `--resume` they stay
 /// unless the earlier config names another; without, a made model keeps them only where it names
-/// this one (a missing or unreadable config says nothing of them, so they go).
+/// this one (a missing or unreadable config says nothing of them, so they go). A run moved with its model
+/// (the earlier folder gone, the one named now made by this config's warm start) keeps them too.
 pub(super) fn keeps_warm_start_rows(cfg: &TrainConfig, resume: bool, model_made: bool) -> bool {
     let earlier = earlier_model_dir(cfg);
-    let same = |d: &PathBuf| crate::io::same_dir(d, &cfg.model.dir);
+    let moved_here = |d: &PathBuf| !d.exists() && super::model_dir::made_by_this_config(cfg);
+    let same = |d: &PathBuf| crate::io::same_dir(d, &cfg.model.dir) || moved_here(d);
     if resume {
         earlier.as_ref().is_none_or(same)
     } else {
@@ -372,4 +374,43 @@ pub(super) fn reset_metrics(
         None => {}
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// A run moved with its model before its first RL checkpoint keeps its warm start's rows on
+    /// `--resume`: the earlier `model.dir` is gone and the one named now records this config's recipe.
+    #[test]
+    fn a_run_moved_with_its_model_keeps_its_warm_start_rows() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(root.join("configs/default.toml"))
+            .unwrap()
+            .replace(
+                "configs/models/qwen3-moe-arith.json",
+                &root
+                    .join("configs/models/qwen3-moe-arith.json")
+                    .display()
+                    .to_string(),
+            );
+        let mut cfg = super::TrainConfig::from_toml(&text, "default.toml").unwrap();
+        cfg.run_dir = tmp.path().join("moved/run");
+        cfg.model.dir = tmp.path().join("moved/model");
+        std::fs::create_dir_all(&cfg.run_dir).unwrap();
+        std::fs::create_dir_all(&cfg.model.dir).unwrap();
+        let mut earlier = serde_json::to_value(&cfg).unwrap();
+        earlier["model"]["dir"] = tmp.path().join("was/model").display().to_string().into();
+        crate::io::write_json_atomic(&cfg.run_dir.join("config.json"), &earlier).unwrap();
+        // Without the record, a model the run did not make: the rows go.
+        assert!(!super::keeps_warm_start_rows(&cfg, true, true));
+        super::super::model_dir::write_made_by(&cfg, &cfg.model.dir).unwrap();
+        assert!(super::keeps_warm_start_rows(&cfg, true, true));
+        // Another seed's warm start is another model.
+        let mut other = cfg.clone();
+        other.seed += 1;
+        assert!(!super::keeps_warm_start_rows(&other, true, true));
+        // The earlier folder still there: another model, whatever this one records.
+        std::fs::create_dir_all(tmp.path().join("was/model")).unwrap();
+        assert!(!super::keeps_warm_start_rows(&cfg, true, true));
+    }
 }
