@@ -1602,6 +1602,32 @@ fn evaluations_follow_rollout_stop_and_log_their_stop_strings() {
     let run = cfg.run_dir.display().to_string();
     let e = Evaluation::load(&run, None).unwrap();
     assert_eq!(e.stop_strings, Some(vec!["\n".to_string()]));
+    // The verifier's version is logged; a copy of the run whose log lacks it (written by the first
+    // verifier) is not paired with it.
+    let version = qarl::tasks::verify::VERIFIER_VERSION;
+    for r in &evals {
+        assert_eq!(
+            r["eval/verifier_version"],
+            serde_json::json!(version),
+            "{r}"
+        );
+    }
+    let old_run = tmp.path().join("old_verifier");
+    std::fs::create_dir_all(&old_run).unwrap();
+    std::fs::copy(cfg.run_dir.join("config.json"), old_run.join("config.json")).unwrap();
+    let text = std::fs::read_to_string(cfg.run_dir.join("metrics.jsonl")).unwrap();
+    let without = text.replace(&format!(",\"eval/verifier_version\":{version}"), "");
+    assert_ne!(without, text);
+    std::fs::write(old_run.join("metrics.jsonl"), without).unwrap();
+    let old = Evaluation::load(&old_run.display().to_string(), None).unwrap();
+    assert_eq!(old.verify.as_ref().unwrap()["verifier"], 1);
+    let err = qarl::train::compare::check_same_problems(&[&e, &old])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("judged answers under different rules"),
+        "{err}"
+    );
     // The same log without the key (written before runs logged it): not known under `"template"`, none
     // under `"end_tokens"` (every run before `rollout.stop`).
     let log = cfg.run_dir.join("metrics.jsonl");

@@ -47,6 +47,9 @@ pub mod names {
     /// On every held-out evaluation row: the strings its responses stopped at besides the end tokens
     /// (`rollout.stop`; logs from before 2026-12-06 have none, and stopped at none).
     pub const EVAL_STOP_STRINGS: &str = "eval/stop_strings";
+    /// On every held-out evaluation row: [`crate::tasks::verify::VERIFIER_VERSION`], the verifier code that
+    /// judged it (logs from before 2026-12-07 have none: version 1).
+    pub const EVAL_VERIFIER_VERSION: &str = "eval/verifier_version";
 }
 
 /// verl's bound on log-ratios before `exp`.

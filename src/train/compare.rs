@@ -265,7 +265,14 @@ fn eval_output(spec: &str, path: &Path, precision: Option<&str>) -> anyhow::Resu
         content: crate::tasks::stable_hash(&text),
         precision: recorded,
         activations: s.activations,
-        verify: s.verify,
+        // Files written before the version was recorded were judged by the first verifier.
+        verify: s.verify.map(|mut v| {
+            if let Some(o) = v.as_object_mut() {
+                o.entry("verifier")
+                    .or_insert(crate::tasks::verify::UNRECORDED_VERIFIER_VERSION.into());
+            }
+            v
+        }),
         stop_strings: s.stop_strings,
         max_new_tokens: s.max_new_tokens,
         questions,
@@ -390,7 +397,10 @@ fn run_evaluation(dir: &Path, row: EvalRow, precision: Option<&str>) -> anyhow::
         content: crate::tasks::stable_hash(&picked.to_string()),
         precision: Some(precision),
         activations: Some(cfg.train.activations.to_string()),
-        verify: Some(cfg.verify.judging_rules()),
+        verify: Some(
+            cfg.verify
+                .judging_rules_of(super::metrics::verifier_version_of(picked)),
+        ),
         stop_strings: logged_stop_strings(picked, &at, cfg.rollout.stop)?,
         max_new_tokens: Some(cfg.eval.max_new_tokens),
         questions,

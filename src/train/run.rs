@@ -531,7 +531,8 @@ impl<'a> Evaluator<'a> {
         let mut row = serde_json::json!({"phase": "eval", "step": step,
             (crate::rl::metrics::names::EVAL_QUESTIONS_FINGERPRINT): self.fingerprint,
             (crate::rl::metrics::names::EVAL_PROBLEMS_FINGERPRINT): self.problems_fingerprint,
-            (crate::rl::metrics::names::EVAL_STOP_STRINGS): self.stop_strings});
+            (crate::rl::metrics::names::EVAL_STOP_STRINGS): self.stop_strings,
+            (crate::rl::metrics::names::EVAL_VERIFIER_VERSION): crate::tasks::verify::VERIFIER_VERSION});
         let mut rollout_acc = (0.0, Vec::new());
         let mut precisions = vec![cfg.rollout.precision];
         if cfg.rollout.precision != config::Precision::F32 {

@@ -61,6 +61,15 @@ pub use number::parse_answer;
 /// Numbers with more digits than this (integer + fractional part, or either side of a fraction) do not parse.
 pub const MAX_DIGITS: usize = 1000;
 
+/// The verifier's code, as evaluations record it: raised whenever a change judges some response otherwise
+/// (outcomes of two versions are not one measurement, so `qarl compare` and experiment reports do not pair
+/// them). 1: up to 2026-12-07 (logs without a version); 2: powers and scientific factors, bounds and
+/// negations, `1/x`, reasons after a stated answer, unbraced boxes in responses, parentheses, `\cfrac`.
+pub const VERIFIER_VERSION: u32 = 2;
+
+/// The version of evaluations that recorded none.
+pub const UNRECORDED_VERIFIER_VERSION: u32 = 1;
+
 /// At most this many characters of the extracted answer are kept in [`Verdict::extracted`].
 pub const MAX_EXTRACTED_CHARS: usize = 256;
 
@@ -136,7 +145,13 @@ impl VerifyConfig {
     /// How answers are judged (`answer_from`, `truncated`; the rewards aside), as evaluations record it:
     /// outcomes judged under other rules are not one measurement (`qarl compare` refuses to pair them).
     pub fn judging_rules(&self) -> serde_json::Value {
-        serde_json::json!({"answer_from": self.answer_from, "truncated": self.truncated})
+        self.judging_rules_of(VERIFIER_VERSION)
+    }
+
+    /// [`Self::judging_rules`] of an evaluation judged by verifier `version` ([`VERIFIER_VERSION`] then).
+    pub fn judging_rules_of(&self, version: u32) -> serde_json::Value {
+        serde_json::json!({"answer_from": self.answer_from, "truncated": self.truncated,
+            "verifier": version})
     }
 
     /// DAPO's overlong reward of a response of `tokens` tokens (its end token included, as verl counts its

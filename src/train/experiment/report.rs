@@ -96,8 +96,19 @@ impl EvalSet {
             serde_json::from_value(section("/verify")).ok()?;
         let stop: crate::train::config::RolloutStop =
             serde_json::from_value(section("/rollout/stop")).unwrap_or_default();
+        // One verifier version for all its evaluations (a run resumed across a verifier change judged
+        // them under two: not one set).
+        let mut versions = evals
+            .iter()
+            .map(|r| crate::train::metrics::verifier_version_of(r));
+        let version = versions
+            .next()
+            .unwrap_or(crate::tasks::verify::VERIFIER_VERSION);
+        if versions.any(|v| v != version) {
+            return None;
+        }
         let judged = serde_json::json!([
-            verify.judging_rules(),
+            verify.judging_rules_of(version),
             stop,
             cfg.pointer("/eval/max_new_tokens"),
         ])
