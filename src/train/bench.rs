@@ -103,7 +103,7 @@ pub fn bench_steps(
         ))
     );
     let reference = super::reference::Reference::load(cfg, device, None)?;
-    let mut timed = Vec::with_capacity(steps);
+    let mut timed = Vec::new();
     for step in 0..warmup + steps {
         let out = rl::rl_step(
             &mut model,

@@ -452,6 +452,13 @@ pub fn check_manifest(dir: &Path) -> anyhow::Result<()> {
         return Ok(());
     }
     let written: serde_json::Value = crate::io::read_json(&path)?;
+    if !written.is_object() {
+        anyhow::bail!(
+            "{}: not a JSON object of file fingerprints; move {} away to resume from an older checkpoint",
+            path.display(),
+            dir.display()
+        );
+    }
     let now = manifest_of(dir)?;
     for name in manifest_files() {
         if written.get(&name) != now.get(&name) {

@@ -121,12 +121,18 @@ fn in_use(dir: &Path, path: &Path) -> anyhow::Error {
     let holder = pid.map_or("another qarl process".to_string(), |p| {
         format!("another qarl process (pid {p})")
     });
-    anyhow::anyhow!(
+    anyhow::Error::new(InUse).context(format!(
         "{}: in use by {holder}, lock file {}; wait for it to finish or stop it",
         dir.display(),
         path.display()
-    )
+    ))
 }
+
+/// The cause of an error of [`RunLock::acquire`] where another process holds the lock (not a lock file
+/// that cannot be made or opened): `err.root_cause().is::<InUse>()`.
+#[derive(Debug, thiserror::Error)]
+#[error("held by another process")]
+pub struct InUse;
 
 /// Whether `path` still names the file `file` has open (the same inode).
 fn still_named(file: &File, path: &Path) -> bool {
@@ -186,4 +192,24 @@ fn is_qarl(pid: u32) -> bool {
     is_alive(pid)
         && std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("comm"))
             .is_ok_and(|name| name.trim_end().starts_with("qarl"))
+}
+
+#[cfg(test)]
+mod tests {
+    /// A lock another holder has is told apart from one that cannot be taken at all (callers name the
+    /// cause: another warm start, or a folder that cannot be written).
+    #[test]
+    fn a_held_lock_is_in_use_and_a_lock_that_cannot_be_made_is_not() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("run");
+        let held = super::RunLock::acquire(&dir).unwrap();
+        let e = super::RunLock::acquire(&dir).unwrap_err();
+        assert!(e.root_cause().is::<super::InUse>(), "{e:#}");
+        assert!(e.to_string().contains("in use by"), "{e}");
+        drop(held);
+        // A "directory" under a regular file cannot hold a lock file.
+        std::fs::write(tmp.path().join("file"), "x").unwrap();
+        let e = super::RunLock::acquire(&tmp.path().join("file/run")).unwrap_err();
+        assert!(!e.root_cause().is::<super::InUse>(), "{e:#}");
+    }
 }

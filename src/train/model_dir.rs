@@ -209,11 +209,18 @@ impl StagingGuard {
         let mut name = dir.file_name().unwrap_or(dir.as_os_str()).to_os_string();
         name.push(".qarl-init.lock");
         let folder = dir.with_file_name(name);
-        let lock = lock::RunLock::acquire(&folder).with_context(|| {
-            format!(
-                "{}: another run is making this model (its warm start); wait for it, then start this one",
-                dir.display()
-            )
+        let lock = lock::RunLock::acquire(&folder).map_err(|e| {
+            // Only a lock another process holds means another warm start; a folder that cannot be
+            // written is said as it is.
+            if e.root_cause().is::<lock::InUse>() {
+                e.context(format!(
+                    "{}: another run is making this model (its warm start); wait for it, then start this \
+                     one",
+                    dir.display()
+                ))
+            } else {
+                e.context(format!("{}: cannot lock its staging folder", dir.display()))
+            }
         })?;
         Ok(Self {
             lock: Some(lock),

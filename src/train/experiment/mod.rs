@@ -108,6 +108,17 @@ impl ExperimentConfig {
                 i64::MAX
             );
         }
+        // An empty `results_dir` put the report, the plots and every run in the current directory.
+        if exp
+            .results_dir
+            .as_ref()
+            .is_some_and(|d| d.as_os_str().is_empty())
+        {
+            bail!(
+                "{}: `results_dir` is empty: name a folder for the runs and the report",
+                path.display()
+            );
+        }
         // The name is the results directory's last part when `results_dir` is not given:
         // `experiments/results/<name>`; "" or "../x" would put the study's runs and report elsewhere.
         if exp.results_dir.is_none() && !plain_name(&exp.name) {
@@ -395,5 +406,13 @@ mod tests {
         std::fs::write(&exp, "name = \"x\"\nbase = \"b.toml\"\nseed = [1]\n").unwrap();
         let e = ExperimentConfig::load(&exp).unwrap_err().to_string();
         assert!(e.contains("unknown field `seed`"), "{e}");
+        // An empty results folder would be the current directory.
+        std::fs::write(
+            &exp,
+            "name = \"x\"\nbase = \"b.toml\"\nseeds = [1]\nresults_dir = \"\"\n[[variant]]\nname = \"a\"\n",
+        )
+        .unwrap();
+        let e = ExperimentConfig::load(&exp).unwrap_err().to_string();
+        assert!(e.contains("`results_dir` is empty"), "{e}");
     }
 }
