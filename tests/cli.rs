@@ -1784,6 +1784,31 @@ fn init_model_refuses_a_quantized_checkpoints_config() {
         "{err}"
     );
     assert!(!out.join("model.safetensors").exists());
+    // Weights past the memory (a vocabulary of 2^31 - 1 rows of 128: about 1.1 TB of f32) are refused by
+    // size, not met as an aborting allocation that left a partial folder.
+    let mut big: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("configs/models/qwen3-moe-arith.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    big["vocab_size"] = serde_json::json!(2147483647u64);
+    let big_path = tmp.path().join("big.json");
+    std::fs::write(&big_path, big.to_string()).unwrap();
+    let err = error_of(
+        qarl()
+            .args(["init-model", "--max-gb", "1e6", "--config"])
+            .arg(&big_path)
+            .arg("--output")
+            .arg(&out),
+    );
+    assert!(
+        err.contains("are built in memory before they are written"),
+        "{err}"
+    );
+    assert!(!out.exists() || std::fs::read_dir(&out).unwrap().next().is_none());
 }
 
 /// Logits that overflow f16's range (a model whose activations grow past 65504) are reported with that

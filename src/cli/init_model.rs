@@ -46,6 +46,17 @@ pub fn run(args: InitModelArgs) -> anyhow::Result<()> {
             args.max_gb
         );
     }
+    // The weights are built in memory before they are written: past the memory, the allocation aborted
+    // the process (leaving a partial folder behind) instead of an error.
+    let need = param_count(&cfg) as u128 * 4;
+    if let Some(have) = crate::rollout::budget::short_of(need) {
+        anyhow::bail!(
+            "{}: this model's f32 weights ({gb:.1} GB) are built in memory before they are written, and \
+             {:.1} GB is available",
+            args.config.display(),
+            have as f64 / 1e9
+        );
+    }
     let start = std::time::Instant::now();
     // Written in a temporary sibling and moved into place whole: a kill leaves no half-written model (and
     // the next write of this output removes what the killed one left).

@@ -265,7 +265,7 @@ pub fn shown_question(question: &str) -> String {
 
 /// The bytes of memory available, where `need` exceeds them (`None` where it fits, or where the kernel
 /// does not say).
-fn short_of(need: u128) -> Option<u64> {
+pub fn short_of(need: u128) -> Option<u64> {
     available_memory_bytes().filter(|&have| need > have as u128)
 }
 
