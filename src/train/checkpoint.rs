@@ -434,7 +434,7 @@ fn manifest_files() -> Vec<String> {
 fn manifest_of(dir: &Path) -> anyhow::Result<serde_json::Value> {
     let mut m = serde_json::Map::new();
     for name in manifest_files() {
-        let fp = super::reference::fingerprint_of(dir, std::slice::from_ref(&name))?;
+        let fp = crate::io::fingerprint_of(dir, std::slice::from_ref(&name))?;
         m.insert(name, fp.into());
     }
     Ok(m.into())

@@ -1,7 +1,5 @@
 //! LaTeX cleanup shared by numeric and symbolic comparison, and the normal form of a symbolic answer.
 
-use super::number::starts_with;
-
 const UNWRAP_COMMANDS: &[&str] = &[
     "text", "textbf", "textit", "textrm", "mathrm", "mathbf", "mathit", "mbox", "boxed", "fbox",
 ];
@@ -182,4 +180,10 @@ fn brace_short_arguments(s: &str) -> String {
         i += 1;
     }
     out
+}
+
+/// Whether `cs` holds `pat` from position `p`.
+pub(super) fn starts_with(cs: &[char], p: usize, pat: &str) -> bool {
+    let pat: Vec<char> = pat.chars().collect();
+    cs.get(p..p.saturating_add(pat.len())) == Some(&pat[..])
 }

@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use num_rational::BigRational;
 
-use super::normalize::normalize_latex;
+use super::normalize::{normalize_latex, starts_with};
 use super::MAX_DIGITS;
 
 /// Parses a final answer into an exact rational after normalisation (see the module documentation); `None` when
@@ -256,11 +256,6 @@ fn times_power_of_ten(cs: &[char], p: usize, value: BigRational) -> Option<(BigR
     let (exponent, q) = parse_exponent(cs, q + 3)?;
     let scale = power(BigRational::from_integer(10.into()), exponent)?;
     Some((value * scale, q))
-}
-
-pub(super) fn starts_with(cs: &[char], p: usize, pat: &str) -> bool {
-    let pat: Vec<char> = pat.chars().collect();
-    cs.get(p..p.saturating_add(pat.len())) == Some(&pat[..])
 }
 
 fn divide(num: BigRational, den: BigRational) -> Option<BigRational> {
