@@ -471,6 +471,57 @@ pub fn os_error_text(e: &std::io::Error) -> String {
     }
 }
 
+/// A fingerprint of the files `names` of `dir`, in the order given: FNV-1a (64-bit, each product folded by
+/// a shift) over each name, length and content (as little-endian 64-bit words), as 16 hex digits. Stable
+/// across builds and machines, unlike std's hasher (a model folder's identity, a checkpoint's manifest).
+pub fn fingerprint_of(dir: &Path, names: &[String]) -> anyhow::Result<String> {
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    // FNV-1a on whole words, with a shift after each product: a product only carries bits upwards, so
+    // without it the hash's low bits would never see a word's high bits.
+    let mut mix = |word: u64| {
+        h ^= word;
+        h = h.wrapping_mul(PRIME);
+        h ^= h >> 32;
+    };
+    let mut buf = vec![0u8; 1 << 20];
+    for name in names {
+        name.bytes().for_each(|b| mix(u64::from(b)));
+        let path = dir.join(name);
+        let mut file =
+            std::fs::File::open(&path).map_err(crate::io::failed(&path, "cannot open"))?;
+        let mut len = 0u64;
+        loop {
+            let n = fill(&mut file, &mut buf).map_err(crate::io::failed(&path, "cannot read"))?;
+            if n == 0 {
+                break;
+            }
+            len += n as u64;
+            // Whole buffers until the last, so words start at the same offsets however the reads split the
+            // file; the last one's short tail is padded with zeros (the length keeps files apart).
+            for word in buf[..n].chunks(8) {
+                let mut w = [0u8; 8];
+                w[..word.len()].copy_from_slice(word);
+                mix(u64::from_le_bytes(w));
+            }
+        }
+        mix(len);
+    }
+    Ok(format!("{h:016x}"))
+}
+
+/// Reads into `buf` until it is full or the file ends; how many bytes it holds.
+fn fill(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -621,55 +672,4 @@ mod tests {
             .to_string();
         assert!(err.contains("no file can be created in /proc"), "{err}");
     }
-}
-
-/// A fingerprint of the files `names` of `dir`, in the order given: FNV-1a (64-bit, each product folded by
-/// a shift) over each name, length and content (as little-endian 64-bit words), as 16 hex digits. Stable
-/// across builds and machines, unlike std's hasher (a model folder's identity, a checkpoint's manifest).
-pub fn fingerprint_of(dir: &Path, names: &[String]) -> anyhow::Result<String> {
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    // FNV-1a on whole words, with a shift after each product: a product only carries bits upwards, so
-    // without it the hash's low bits would never see a word's high bits.
-    let mut mix = |word: u64| {
-        h ^= word;
-        h = h.wrapping_mul(PRIME);
-        h ^= h >> 32;
-    };
-    let mut buf = vec![0u8; 1 << 20];
-    for name in names {
-        name.bytes().for_each(|b| mix(u64::from(b)));
-        let path = dir.join(name);
-        let mut file =
-            std::fs::File::open(&path).map_err(crate::io::failed(&path, "cannot open"))?;
-        let mut len = 0u64;
-        loop {
-            let n = fill(&mut file, &mut buf).map_err(crate::io::failed(&path, "cannot read"))?;
-            if n == 0 {
-                break;
-            }
-            len += n as u64;
-            // Whole buffers until the last, so words start at the same offsets however the reads split the
-            // file; the last one's short tail is padded with zeros (the length keeps files apart).
-            for word in buf[..n].chunks(8) {
-                let mut w = [0u8; 8];
-                w[..word.len()].copy_from_slice(word);
-                mix(u64::from_le_bytes(w));
-            }
-        }
-        mix(len);
-    }
-    Ok(format!("{h:016x}"))
-}
-
-/// Reads into `buf` until it is full or the file ends; how many bytes it holds.
-fn fill(file: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match file.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
 }
