@@ -819,6 +819,13 @@ fn every_computing_command_takes_a_backend() {
     assert!(!tmp.path().join("run").exists() && !tmp.path().join("model").exists());
     let err = usage_error_of(qarl().args(["train", "--config", cfg, "--backend", "vulkan"]));
     assert!(err.contains("vulkan") && err.contains("wgpu"), "{err}");
+    // A scheme name that is none: a usage error naming the valid ones, before anything is read.
+    let err =
+        usage_error_of(qarl().args(["compare", "--a", "x", "--b", "y", "--precision", "int3"]));
+    assert!(
+        err.contains("unknown scheme `int3`") && err.contains("int4-g32"),
+        "{err}"
+    );
 }
 
 /// A `top_k` of at least the vocabulary (the tiny model's 100 tokens) keeps every token: refused by name,

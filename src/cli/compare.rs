@@ -21,7 +21,7 @@ pub struct CompareArgs {
     pub name_b: String,
     /// The precision of a run's evaluation to read (`int4-g32`, `f32`, ...; default: each run's rollout
     /// precision). `qarl eval` files hold one precision each: one that records another is refused.
-    #[arg(long)]
+    #[arg(long, value_parser = precision_name)]
     pub precision: Option<String>,
     /// Fail unless every evaluation has the same outcome on every problem: checks that an evaluation
     /// reproduces another (one protocol), before comparing evaluations made by different commands.
@@ -31,6 +31,14 @@ pub struct CompareArgs {
     /// A's seeds add to the seed part of the error.
     #[arg(long)]
     pub fixed_b: bool,
+}
+
+/// A `--precision` that names a scheme (`f32`, `int4-g32`, ...): a typo read no evaluation and was reported
+/// as each run lacking that precision.
+fn precision_name(text: &str) -> Result<String, String> {
+    text.parse::<crate::quant::Precision>()
+        .map(|p| p.to_string())
+        .map_err(|e| e.to_string())
 }
 
 pub fn run(args: CompareArgs) -> anyhow::Result<()> {
