@@ -1136,11 +1136,6 @@ fn verifier_strictness_options() {
 /// no single value.
 #[test]
 fn verifier_reads_headings_notes_and_expressions_as_a_reader_would() {
-    let cfg = VerifyConfig::default();
-    let marked = VerifyConfig {
-        answer_from: verify::AnswerFrom::Marked,
-        ..VerifyConfig::default()
-    };
     // (response, gold, correct under `any`, correct under `marked`)
     let cases: &[(&str, &str, bool, bool)] = &[
         (
@@ -1188,18 +1183,7 @@ fn verifier_reads_headings_notes_and_expressions_as_a_reader_would() {
         ("\\boxed{a_5}", "5", false, false),
         ("\\boxed{_5_}", "5", true, true),
     ];
-    for &(response, gold, any, only_marked) in cases {
-        assert_eq!(
-            score(response, gold, &cfg).correct,
-            any,
-            "{response:?} against {gold:?} (any)"
-        );
-        assert_eq!(
-            score(response, gold, &marked).correct,
-            only_marked,
-            "{response:?} against {gold:?} (marked)"
-        );
-    }
+    check_any_and_marked(cases);
 }
 
 #[test]
@@ -1617,11 +1601,6 @@ fn math_answers_given_as_numbers_are_read() {
 /// its reason is read at the answer, and an unbraced `\boxed 5` in a response is its answer.
 #[test]
 fn verifier_reads_powers_bounds_reasons_and_unbraced_boxes() {
-    let cfg = VerifyConfig::default();
-    let marked = VerifyConfig {
-        answer_from: verify::AnswerFrom::Marked,
-        ..VerifyConfig::default()
-    };
     // (response, gold, correct under `any`, correct under `marked`)
     let cases: &[(&str, &str, bool, bool)] = &[
         ("\\boxed{2^{10}}", "1024", true, true),
@@ -1668,6 +1647,20 @@ fn verifier_reads_powers_bounds_reasons_and_unbraced_boxes() {
         ("\\boxed{(3)(4)}", "3", false, false),
         ("\\boxed{\\cfrac12}", "0.5", true, true),
     ];
+    check_any_and_marked(cases);
+    // Many unbraced boxes with nothing in them stay linear (each scans only its spaces).
+    let many = "\\boxed $".repeat(100_000) + "\\boxed 7";
+    assert!(score(&many, "7", &VerifyConfig::default()).correct);
+}
+
+/// Each `(response, gold, correct under `answer_from = "any"`, correct under `"marked"`)` case, scored under
+/// both rules.
+fn check_any_and_marked(cases: &[(&str, &str, bool, bool)]) {
+    let cfg = VerifyConfig::default();
+    let marked = VerifyConfig {
+        answer_from: verify::AnswerFrom::Marked,
+        ..VerifyConfig::default()
+    };
     for &(response, gold, any, only_marked) in cases {
         assert_eq!(
             score(response, gold, &cfg).correct,
@@ -1680,7 +1673,4 @@ fn verifier_reads_powers_bounds_reasons_and_unbraced_boxes() {
             "{response:?} against {gold:?} (marked)"
         );
     }
-    // Many unbraced boxes with nothing in them stay linear (each scans only its spaces).
-    let many = "\\boxed $".repeat(100_000) + "\\boxed 7";
-    assert!(score(&many, "7", &cfg).correct);
 }

@@ -374,11 +374,7 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         .variants
         .iter()
         .map(|v| {
-            let runs = exp
-                .seeds
-                .iter()
-                .map(|seed| results.join(&v.name).join(format!("seed{seed}")))
-                .filter(|d| marker(d).is_file())
+            let runs = finished_runs(exp, v, results)
                 .map(|d| summarize_run(&d))
                 .collect::<anyhow::Result<Vec<RunSummary>>>()?;
             Ok(VariantSummary {
@@ -549,17 +545,25 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     Ok(())
 }
 
+/// The directories of `v`'s finished runs under `results`, in the experiment's seed order.
+fn finished_runs<'a>(
+    exp: &'a ExperimentConfig,
+    v: &'a Variant,
+    results: &'a Path,
+) -> impl Iterator<Item = PathBuf> + 'a {
+    exp.seeds
+        .iter()
+        .map(move |seed| results.join(&v.name).join(format!("seed{seed}")))
+        .filter(|d| marker(d).is_file())
+}
+
 /// The comparison plot over variants and each finished run's own plots.
 fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyhow::Result<()> {
     let finished: Vec<(String, Vec<Vec<serde_json::Value>>)> = exp
         .variants
         .iter()
         .map(|v| {
-            let runs = exp
-                .seeds
-                .iter()
-                .map(|seed| results.join(&v.name).join(format!("seed{seed}")))
-                .filter(|d| marker(d).is_file())
+            let runs = finished_runs(exp, v, results)
                 .map(|d| read_rows(&d.join("metrics.jsonl"), BadLines::TornLastOnly))
                 .collect::<anyhow::Result<_>>()?;
             Ok((v.name.clone(), runs))
