@@ -488,11 +488,10 @@ pub fn fingerprint_of(dir: &Path, names: &[String]) -> anyhow::Result<String> {
     for name in names {
         name.bytes().for_each(|b| mix(u64::from(b)));
         let path = dir.join(name);
-        let mut file =
-            std::fs::File::open(&path).map_err(crate::io::failed(&path, "cannot open"))?;
+        let mut file = std::fs::File::open(&path).map_err(failed(&path, "cannot open"))?;
         let mut len = 0u64;
         loop {
-            let n = fill(&mut file, &mut buf).map_err(crate::io::failed(&path, "cannot read"))?;
+            let n = fill(&mut file, &mut buf).map_err(failed(&path, "cannot read"))?;
             if n == 0 {
                 break;
             }

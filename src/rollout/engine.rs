@@ -389,19 +389,16 @@ fn generate_in_pool(
 /// text is not a prefix of the whole (a character split between tokens), the window decoded alone.
 fn tail_text(tk: &Tokenizer, ids: &[u32], prompt_len: usize, window: usize) -> Option<String> {
     let start = ids.len().saturating_sub(window).max(prompt_len);
-    let tail = tk.decode(&ids[start..]).ok()?;
-    let Some(context) = start.checked_sub(1) else {
-        return Some(tail);
-    };
-    let (Ok(whole), Ok(before)) = (tk.decode(&ids[context..]), tk.decode(&ids[context..start]))
-    else {
-        return Some(tail);
-    };
-    Some(
-        whole
-            .strip_prefix(before.as_str())
-            .map_or(tail, str::to_string),
-    )
+    if let Some(context) = start.checked_sub(1) {
+        if let (Ok(whole), Ok(before)) =
+            (tk.decode(&ids[context..]), tk.decode(&ids[context..start]))
+        {
+            if let Some(rest) = whole.strip_prefix(before.as_str()) {
+                return Some(rest.to_string());
+            }
+        }
+    }
+    tk.decode(&ids[start..]).ok()
 }
 
 #[cfg(test)]

@@ -110,7 +110,6 @@ fn parse_lines(text: &str) -> impl Iterator<Item = (usize, &str, Option<serde_js
         })
 }
 
-/// The rows of the metrics log at `path`, in order; lines that are not rows as `bad` says. The one home
 /// The verifier version an evaluation row records ([`crate::rl::metrics::names::EVAL_VERIFIER_VERSION`]),
 /// [`crate::tasks::verify::UNRECORDED_VERIFIER_VERSION`] for a row written before it was recorded.
 pub fn verifier_version_of(row: &serde_json::Value) -> u32 {
@@ -120,6 +119,7 @@ pub fn verifier_version_of(row: &serde_json::Value) -> u32 {
         .unwrap_or(crate::tasks::verify::UNRECORDED_VERIFIER_VERSION)
 }
 
+/// The rows of the metrics log at `path`, in order; lines that are not rows as `bad` says. The one home
 /// for reading a log back (the report, `qarl compare`, the plots and `qarl runs`).
 pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::Value>> {
     let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;

@@ -119,8 +119,15 @@ pub(super) fn made_by_this_config(cfg: &TrainConfig) -> bool {
         return false;
     };
     made_by["seed"] == serde_json::json!(cfg.seed)
-        && warm_start_of(cfg)
-            .is_ok_and(|r| super::config::differing_keys(&made_by["recipe"], &r).is_empty())
+        && recipe_changes(&made_by, cfg).is_ok_and(|differ| differ.is_empty())
+}
+
+/// The keys where the recipe a [`MADE_BY_FILE`] record (`made_by`) holds differs from `cfg`'s warm start.
+fn recipe_changes(made_by: &serde_json::Value, cfg: &TrainConfig) -> anyhow::Result<Vec<String>> {
+    Ok(super::config::differing_keys(
+        &made_by["recipe"],
+        &warm_start_of(cfg)?,
+    ))
 }
 
 /// Records in `staging` how `cfg` makes its model ([`MADE_BY_FILE`]).
@@ -140,7 +147,7 @@ fn check_made_as_configured(cfg: &TrainConfig, warn: bool) -> anyhow::Result<()>
     let record = dir.join(MADE_BY_FILE);
     if makes && record.is_file() {
         let made_by: serde_json::Value = crate::io::read_json(&record)?;
-        let differ = super::config::differing_keys(&made_by["recipe"], &warm_start_of(cfg)?);
+        let differ = recipe_changes(&made_by, cfg)?;
         anyhow::ensure!(
             differ.is_empty(),
             "`model.dir` {}: made by another warm start than this config's (`{}` differ, {}): its weights \
