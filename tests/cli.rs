@@ -2140,6 +2140,24 @@ fn eval_and_mismatch_name_the_question_too_long_for_the_model() {
             "{cmd}: {err}"
         );
     }
+    // generate names the prompt (its file and index), which the flags in the message did not say.
+    let ids = tmp.path().join("prompts.json");
+    let prompts = serde_json::json!({"input_ids": [[1, 2], vec![1; 300]]});
+    std::fs::write(&ids, prompts.to_string()).unwrap();
+    let err = error_of(
+        qarl()
+            .arg("generate")
+            .arg("--model")
+            .arg(&model)
+            .arg("--prompt-ids")
+            .arg(&ids)
+            .args(["--max-new-tokens", "4", "--output"])
+            .arg(tmp.path().join("out.json")),
+    );
+    assert!(
+        err.contains("prompts.json: prompt 1: ") && err.contains("max_position_embeddings (256)"),
+        "generate: {err}"
+    );
 }
 
 /// Output into a pipe that closed ends the process as Unix tools end (SIGPIPE), not with a panic, a

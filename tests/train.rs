@@ -514,7 +514,14 @@ fn errors_inside_task_tables_name_the_key_and_its_line() {
     let dataset = "[task]\nkind = \"gsm8k\"\npath = \"x.jsonl\"\neval_fraction = \"a\"\n";
     let template = "[task]\nkind = \"math\"\npath = \"x.jsonl\"\n\n[task.template]\nkind = \"plain\"\nquestion_prefix = 3\n";
     let unknown = "[task]\nkind = \"gsm8k\"\npath = \"x.jsonl\"\n\n[task.template]\nkind = \"chat\"\nsytem = \"Be brief.\"\n";
+    let untagged = "[task]\nkind = \"gsm8k\"\npath = \"x.jsonl\"\ntemplate = \"plain\"\n";
     let cases = [
+        (
+            untagged,
+            4,
+            "`task.template` is string \"plain\", where a table with a `kind` is expected, one of \
+             `plain`, `chat`, e.g. `{ kind = \"plain\" }`",
+        ),
         (
             arithmetic,
             4,
@@ -549,6 +556,7 @@ fn errors_inside_task_tables_name_the_key_and_its_line() {
         dataset.replace("\"a\"", "0.2"),
         template.replace("3", "\"Q: \""),
         unknown.replace("sytem", "system"),
+        untagged.replace("\"plain\"", "{ kind = \"plain\" }"),
     ];
     for task in good {
         TrainConfig::from_toml(&format!("{base}{task}"), "my.toml").unwrap();

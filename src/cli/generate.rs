@@ -171,13 +171,17 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         }
         (None, None) => anyhow::bail!("pass --prompt-ids FILE or --prompt TEXT"),
     };
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    crate::rollout::check_rollout_size(
+    // A prompt too long for the model's positions is named (the flags alone do not say it is the prompt).
+    crate::rollout::check_prompts_size(
         &model.config,
         "--samples / --max-new-tokens",
         prompts.len().saturating_mul(args.samples),
-        longest,
+        &prompts,
         args.max_new_tokens,
+        |i| match &args.prompt_ids {
+            Some(path) => format!("{}: prompt {i}", path.display()),
+            None => "--prompt".to_string(),
+        },
     )?;
     let rollout = generate(&model, &prompts, args.samples, &params, tokenizer.as_ref());
     rollout.ensure_finite().map_err(|e| {

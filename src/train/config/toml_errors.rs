@@ -90,6 +90,13 @@ pub(super) fn explain_toml_error(
             Some(best) => out.push_str(&format!("; did you mean \"{best}\"?")),
             None => out.push_str(&format!("; expected one of {}", list(&expected))),
         }
+    } else if let Some((given, kinds)) = tagged_table_expected(msg) {
+        out.push_str(&format!(
+            ": `{}` is {given}, where a table with a `kind` is expected, one of {}, e.g. `{{ kind = \"{}\" }}`",
+            dotted(&path),
+            list(&kinds),
+            kinds[0]
+        ));
     } else if let Some(field) = msg
         .strip_prefix("missing field `")
         .and_then(|r| r.split('`').next())
@@ -170,6 +177,29 @@ fn list(names: &[String]) -> String {
         .map(|n| format!("`{n}`"))
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `(what was given, the valid kinds)` from serde's "invalid type: string \"plain\", expected internally
+/// tagged enum TemplateConfig": a config's tagged table (`task`, `task.template`, a correction) written as
+/// a plain value, which serde's message names by the Rust type alone.
+fn tagged_table_expected(msg: &str) -> Option<(String, Vec<String>)> {
+    let (given, type_name) = msg
+        .strip_prefix("invalid type: ")?
+        .split_once(", expected internally tagged enum ")?;
+    let kinds = match type_name.trim() {
+        "TaskConfig" => kinds_of::<TaskConfig>(),
+        "TemplateConfig" => kinds_of::<crate::tasks::TemplateConfig>(),
+        "CorrectionConfig" => kinds_of::<crate::rl::corrections::CorrectionConfig>(),
+        _ => None,
+    }?;
+    (!kinds.is_empty()).then(|| (given.to_string(), kinds))
+}
+
+/// The `kind`s a tagged config table `T` accepts, read from serde's own refusal of an empty kind (so the
+/// list cannot fall out of step with the enum).
+fn kinds_of<T: serde::de::DeserializeOwned>() -> Option<Vec<String>> {
+    let e = toml::from_str::<T>("kind = \"\"").err()?;
+    Some(unknown_name(e.message(), "unknown variant")?.1)
 }
 
 /// `(name, expected names)` from serde's "unknown field `x`, expected one of `a`, `b`" (or variant).
@@ -271,6 +301,27 @@ mod tests {
         );
         assert_eq!(closest("Precision", &keys), Some("precision"));
         assert_eq!(closest("temperature", &keys), None);
+    }
+
+    #[test]
+    fn a_tagged_table_given_as_a_value_names_its_kinds() {
+        let msg = "invalid type: string \"plain\", expected internally tagged enum TemplateConfig";
+        let (given, kinds) = tagged_table_expected(msg).unwrap();
+        assert_eq!(given, "string \"plain\"");
+        assert_eq!(kinds, ["plain", "chat"]);
+        let tasks = tagged_table_expected(
+            "invalid type: integer `3`, expected internally tagged enum TaskConfig",
+        );
+        assert_eq!(tasks.unwrap().1, ["arithmetic", "gsm8k", "math"]);
+        let corrections = kinds_of::<crate::rl::corrections::CorrectionConfig>().unwrap();
+        assert!(
+            corrections.contains(&"token_tis".to_string()),
+            "{corrections:?}"
+        );
+        assert!(tagged_table_expected(
+            "invalid type: string \"x\", expected internally tagged enum Other"
+        )
+        .is_none());
     }
 
     #[test]
