@@ -1520,8 +1520,14 @@ fn padding_values_never_reach_the_loss_or_the_gradient() {
         dirty.lp_ref.as_mut().unwrap()[i] = f64::NAN;
     }
     for objective in ["ppo_clip", "grpo", "gspo", "cispo", "tbpo"] {
+        // An importance weight and a rejection band (TBPO weights by its own w_i, so the band alone).
+        let weight = if objective == "tbpo" {
+            ""
+        } else {
+            r#"{"kind": "seq_tis"}, "#
+        };
         let json = format!(
-            r#"{{"objective": "{objective}", "kl_coef": 0.1, "corrections": [{{"kind": "seq_tis"}}, {{"kind": "icepop"}}]}}"#
+            r#"{{"objective": "{objective}", "kl_coef": 0.1, "corrections": [{weight}{{"kind": "icepop", "importance_weight": false}}]}}"#
         );
         let loss = serde_json::from_str::<LossConfig>(&json)
             .unwrap()
@@ -1595,7 +1601,7 @@ fn config_resolves_defaults_and_rejects_unknown_names() {
             eps_high: 5e-4
         })
     );
-    let with_corr = parse(r#"{"objective": "grpo", "corrections": [{"kind": "icepop"}, {"kind": "seq_tis", "cap": 3}]}"#)
+    let with_corr = parse(r#"{"objective": "grpo", "corrections": [{"kind": "icepop", "importance_weight": false}, {"kind": "seq_tis", "cap": 3}]}"#)
         .unwrap()
         .resolve()
         .unwrap();
@@ -1605,12 +1611,53 @@ fn config_resolves_defaults_and_rejects_unknown_names() {
             CorrectionConfig::TokenMis {
                 low: 0.5,
                 high: 5.0,
-                importance_weight: true,
+                importance_weight: false,
                 rejected: Rejected::Dropped
             },
             CorrectionConfig::SeqTis { cap: 3.0 }
         ]
     );
+    // Two importance weights over the mismatch ratio would multiply (min(rho, 3) * rho): refused, as is
+    // one beside TBPO's own w_i; a band without its weight, or Geo-RS, composes with either.
+    let twice = [
+        (
+            "grpo",
+            r#"[{"kind": "icepop"}, {"kind": "seq_tis", "cap": 3}]"#,
+            "`token_mis` and `seq_tis` both weight by the mismatch ratio",
+        ),
+        (
+            "ppo_clip",
+            r#"[{"kind": "token_tis"}, {"kind": "seq_mis"}]"#,
+            "`token_tis` and `seq_mis` both weight",
+        ),
+        (
+            "tbpo",
+            r#"[{"kind": "token_tis"}]"#,
+            "which the objective `tbpo` already weights by",
+        ),
+    ];
+    for (objective, corrections, want) in twice {
+        let json = format!(r#"{{"objective": "{objective}", "corrections": {corrections}}}"#);
+        let err = parse(&json).unwrap().resolve().unwrap_err().to_string();
+        assert!(
+            err.contains(want) && err.contains("importance_weight = false"),
+            "{json}: {err}"
+        );
+    }
+    for corrections in [
+        r#"[{"kind": "seq_mis", "importance_weight": false}, {"kind": "geo_rs"}]"#,
+        r#"[{"kind": "token_tis"}, {"kind": "geo_rs"}, {"kind": "token_mis", "importance_weight": false}]"#,
+    ] {
+        for objective in ["tbpo", "grpo"] {
+            let json = format!(r#"{{"objective": "{objective}", "corrections": {corrections}}}"#);
+            let ok = parse(&json).unwrap().resolve();
+            assert_eq!(
+                ok.is_ok(),
+                objective == "grpo" || !corrections.contains("token_tis"),
+                "{json}: {ok:?}"
+            );
+        }
+    }
 
     let err = parse(r#"{"objective": "tbpo2"}"#).unwrap_err().to_string();
     assert!(
@@ -1809,7 +1856,7 @@ seq_clip_ratio_high = 5e-4
 seq_tis_imp_ratio_cap = 3
 seq_mismatch_two_sided = true
 kl_coef = 0.0
-corrections = [{ kind = "token_tis", cap = 2.0 }]
+corrections = [{ kind = "token_mis", importance_weight = false }]
 "#;
     let config: LossConfig = toml::from_str(text).unwrap();
     let loss = config.resolve().unwrap();
@@ -1824,7 +1871,12 @@ corrections = [{ kind = "token_tis", cap = 2.0 }]
     );
     assert_eq!(
         loss.corrections,
-        vec![CorrectionConfig::TokenTis { cap: 2.0 }]
+        vec![CorrectionConfig::TokenMis {
+            low: 0.5,
+            high: 5.0,
+            importance_weight: false,
+            rejected: Rejected::Dropped
+        }]
     );
     let written = toml::to_string(&config).unwrap();
     let back: LossConfig = toml::from_str(&written).unwrap();

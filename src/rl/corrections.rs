@@ -126,6 +126,21 @@ impl CorrectionConfig {
         }
     }
 
+    /// Whether it weights kept tokens by the mismatch ratio (`rho_t`, or the sequence's product of them):
+    /// the two TIS kinds always, the MIS kinds with `importance_weight`; Geo-RS never.
+    pub fn weights_by_ratio(&self) -> bool {
+        match *self {
+            Self::TokenTis { .. } | Self::SeqTis { .. } => true,
+            Self::TokenMis {
+                importance_weight, ..
+            }
+            | Self::SeqMis {
+                importance_weight, ..
+            } => importance_weight,
+            Self::GeoRs { .. } => false,
+        }
+    }
+
     /// Checks that caps are positive and bands are non-empty.
     pub fn validate(&self) -> Result<(), RlError> {
         let bad = |what: String| {

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use super::params::ObjectiveParams;
 use super::registry::ObjectiveName;
-use super::spec::{KlType, LossAggMode, Objective, ParamKind, ParamValue, Params};
+use super::spec::{KlType, LossAggMode, Objective, ObjectiveSpec, ParamKind, ParamValue, Params};
 use crate::rl::corrections::CorrectionConfig;
 use crate::rl::RlError;
 
@@ -180,6 +180,7 @@ impl LossConfig {
         for correction in &self.corrections {
             correction.validate()?;
         }
+        check_one_importance_weight(spec, &self.corrections)?;
         Ok(PolicyLoss {
             objective,
             agg,
@@ -188,6 +189,36 @@ impl LossConfig {
             kl_type,
             corrections: self.corrections.clone(),
         })
+    }
+}
+
+/// Refuses a loss that weights by the training/rollout mismatch ratio twice (two corrections that weight,
+/// or one beside an objective with its own mismatch weight, TBPO's `w_i`): their weights multiply, so
+/// `token_tis` with the default `icepop` weighs a kept token by `min(rho, 2) * rho`, which no method
+/// intends and verl cannot express (it takes one `rollout_is`). A rejection band beside an importance
+/// weight is what such a list usually means: the band's `importance_weight = false`.
+fn check_one_importance_weight(
+    spec: &ObjectiveSpec,
+    corrections: &[CorrectionConfig],
+) -> Result<(), RlError> {
+    let weighting: Vec<&str> = corrections
+        .iter()
+        .filter(|c| c.weights_by_ratio())
+        .map(CorrectionConfig::name)
+        .collect();
+    let fix = "keep one importance weight and make the other corrections pure rejections \
+               (`importance_weight = false` on `token_mis` / `icepop` / `seq_mis`, or `geo_rs`)";
+    match weighting[..] {
+        [first, second, ..] => Err(RlError::Config(format!(
+            "`corrections`: `{first}` and `{second}` both weight by the mismatch ratio, and their weights \
+             would multiply (`token_tis` and `icepop`: min(rho, 2) * rho); {fix}"
+        ))),
+        [only] if spec.weights_mismatch => Err(RlError::Config(format!(
+            "`corrections`: `{only}` weights by the mismatch ratio, which the objective `{}` already \
+             weights by (its `w_i`), so the two would multiply; {fix}, or leave the weight to the objective",
+            spec.name
+        ))),
+        _ => Ok(()),
     }
 }
 

@@ -106,6 +106,9 @@ pub struct ObjectiveSpec {
     pub default_agg: LossAggMode,
     /// Reads the fields (defaults filled, ranges checked) into the objective.
     pub build: fn(&Params) -> Result<Objective, RlError>,
+    /// Whether its terms carry an importance weight over the training/rollout mismatch ratio of their own
+    /// (TBPO's `w_i`): a correction that weights by that ratio again would count it twice.
+    pub weights_mismatch: bool,
 }
 
 /// The range a number must lie in; checked on the user's value and on the default alike.

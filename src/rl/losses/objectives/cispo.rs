@@ -16,6 +16,7 @@ pub const CISPO: ObjectiveSpec = ObjectiveSpec {
     params: &[EPS_LOW, EPS_HIGH],
     default_agg: LossAggMode::TokenMean,
     build,
+    weights_mismatch: false,
 };
 
 fn build(p: &Params) -> Result<Objective, RlError> {

@@ -21,6 +21,7 @@ pub const GSPO: ObjectiveSpec = ObjectiveSpec {
     params: &[SEQ_EPS_LOW, SEQ_EPS_HIGH],
     default_agg: LossAggMode::SeqMeanTokenMean,
     build,
+    weights_mismatch: false,
 };
 
 /// GSPO's sequence-level clip (TBPO and positive-only clip their positive sequences from above alone).

@@ -31,6 +31,7 @@ pub const POSITIVE_ONLY: ObjectiveSpec = ObjectiveSpec {
     params: &[SEQ_EPS_HIGH],
     default_agg: LossAggMode::SeqMeanTokenMean,
     build,
+    weights_mismatch: false,
 };
 
 fn build(p: &Params) -> Result<Objective, RlError> {

@@ -23,6 +23,7 @@ pub const PPO_CLIP: ObjectiveSpec = ObjectiveSpec {
     params: &[EPS_LOW, EPS_HIGH, DUAL_CLIP_C],
     default_agg: LossAggMode::TokenMean,
     build,
+    weights_mismatch: false,
 };
 
 pub const GRPO: ObjectiveSpec = ObjectiveSpec {

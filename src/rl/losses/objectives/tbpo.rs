@@ -48,6 +48,7 @@ pub const TBPO: ObjectiveSpec = ObjectiveSpec {
     ],
     default_agg: LossAggMode::SeqMeanTokenMean,
     build,
+    weights_mismatch: true,
 };
 
 /// TBPO's parameters (docs/objectives.md, "TBPO").
