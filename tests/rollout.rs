@@ -244,7 +244,7 @@ fn samples_follow_the_filtered_distribution() {
     let logits = [2.0f64, 1.0, 0.5, 0.0, -1.0, -3.0];
     // (temperature, top_k, top_p): p = 0.8 keeps three tokens (cumulative .561, .767, .892 at T = 1).
     let cases = [
-        (1.0f32, 0usize, 1.0f32),
+        (1.0f32, 0usize, 1.0f64),
         (0.7, 0, 1.0),
         (1.0, 3, 1.0),
         (1.0, 0, 0.8),
@@ -267,7 +267,7 @@ fn samples_follow_the_filtered_distribution() {
             let mut acc = 0.0;
             for (n, q) in probs[..keep].iter().enumerate() {
                 acc += q / mass;
-                if acc >= f64::from(p) {
+                if acc >= p {
                     keep = n + 1;
                     break;
                 }
@@ -371,7 +371,7 @@ fn processed_logprobs_are_the_filtered_distributions() {
     // off), and above it where the filter cut; without one the records are the same bits.
     let device = Device::flex();
     let model = Decoder::load(fixtures_dir().join("qwen3"), &device).unwrap();
-    let run = |top_p: f32, processed: bool| {
+    let run = |top_p: f64, processed: bool| {
         let params = SamplingParams {
             top_p,
             max_new_tokens: 6,

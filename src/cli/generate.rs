@@ -35,7 +35,7 @@ pub struct GenerateArgs {
     pub temperature: f32,
     /// Nucleus sampling threshold (1 = off).
     #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag)]
-    pub top_p: f32,
+    pub top_p: f64,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,

@@ -15,12 +15,12 @@ pub enum RolloutError {
     )]
     Temperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]
-    TopP(f32),
+    TopP(f64),
     #[error(
         "temperature 0 is greedy decoding, which takes no top_p (got {top_p}) or top_k (got {top_k}): they \
          would be ignored"
     )]
-    GreedyWithSampling { top_p: f32, top_k: usize },
+    GreedyWithSampling { top_p: f64, top_k: usize },
     #[error("stop strings must not be empty")]
     EmptyStopString,
     #[error(
@@ -42,7 +42,9 @@ pub struct SamplingParams {
     /// Softmax temperature; 0 means argmax (greedy).
     pub temperature: f32,
     /// Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = off).
-    pub top_p: f32,
+    /// An f64, as the config's TOML writes it: held as f32, 0.8 became 0.800000012, and a set of tied tokens
+    /// whose mass is exactly 0.8 kept one token more than HF's and vLLM's cut (5 of 5 equal tokens, not 4).
+    pub top_p: f64,
     /// Keep only the `top_k` most likely tokens (0 = off).
     pub top_k: usize,
     /// Tokens to generate at most per sequence.
@@ -137,6 +139,10 @@ pub fn argmax(row: &[f32]) -> u32 {
     best as u32
 }
 
+/// How far below `top_p` a kept set's summed probability may fall and still reach it: the rounding of a
+/// sum of up to a vocabulary's f64 terms, far below any probability an f32 log-prob resolves.
+const TOP_P_SLACK: f64 = 1e-9;
+
 /// Samples a token from `logprobs` (the log-softmax of the temperature-scaled logits) after top-k / top-p
 /// filtering and renormalisation.
 pub fn sample(logprobs: &[f32], params: &SamplingParams, rng: &mut ChaCha8Rng) -> u32 {
@@ -187,9 +193,12 @@ pub fn sample_with_kept_mass(
     if params.top_p < 1.0 {
         let total: f64 = probs.iter().sum();
         let mut acc = 0.0;
+        // A mass within `TOP_P_SLACK` of `top_p` reaches it: tied tokens whose mass is exactly `p` (four of
+        // five equal tokens at 0.8) sum to 0.7999999999999999 in f64 and would keep one token more.
+        let reach = params.top_p - TOP_P_SLACK;
         for (n, p) in probs.iter().enumerate() {
             acc += p / total;
-            if acc >= params.top_p as f64 {
+            if acc >= reach {
                 keep = n + 1;
                 break;
             }
@@ -299,6 +308,28 @@ mod tests {
                     "len {len} top_k {top_k}"
                 );
             }
+        }
+    }
+
+    /// Tied tokens whose mass reaches `top_p` exactly are cut where HF's and vLLM's top-p cut them (the
+    /// smallest set whose mass reaches `p`), for `p` as the config writes it: 4 of 5 equal tokens at 0.8
+    /// (held as f32, 0.8 read 0.800000012 and kept all 5), 3 of 10 at 0.3, 3 of 5 at 0.6.
+    #[test]
+    fn top_p_cuts_tied_tokens_at_the_written_mass() {
+        for (vocab, top_p, kept) in [
+            (5usize, 0.8, 4usize),
+            (10, 0.3, 3),
+            (5, 0.6, 3),
+            (4, 0.5, 2),
+        ] {
+            let logprobs = vec![-(vocab as f32).ln(); vocab];
+            let params = SamplingParams {
+                top_p,
+                ..SamplingParams::default()
+            };
+            let (_, log_mass) = sample_with_kept_mass(&logprobs, &params, &mut sequence_rng(1, 0));
+            let counted = (log_mass.exp() * vocab as f64).round() as usize;
+            assert_eq!(counted, kept, "{vocab} tied tokens, top_p {top_p}");
         }
     }
 

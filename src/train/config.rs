@@ -100,8 +100,8 @@ pub struct RolloutConfig {
     pub samples_per_prompt: usize,
     #[serde(default = "one")]
     pub temperature: f32,
-    #[serde(default = "one")]
-    pub top_p: f32,
+    #[serde(default = "one_f64")]
+    pub top_p: f64,
     #[serde(default)]
     pub top_k: usize,
     pub max_new_tokens: usize,
@@ -178,6 +178,11 @@ impl RolloutStop {
 }
 
 fn one() -> f32 {
+    1.0
+}
+
+/// 1.0 for the `top_p` settings, which are f64 (see [`crate::rollout::SamplingParams::top_p`]).
+fn one_f64() -> f64 {
     1.0
 }
 
@@ -346,8 +351,8 @@ pub struct EvalConfig {
     #[serde(default = "one")]
     pub temperature: f32,
     /// Nucleus filter of the mean@k samples (1 = off; verl's `val_kwargs.top_p`).
-    #[serde(default = "one")]
-    pub top_p: f32,
+    #[serde(default = "one_f64")]
+    pub top_p: f64,
     /// Top-k filter of the mean@k samples (0 = off; verl's `val_kwargs.top_k`, -1 there).
     #[serde(default)]
     pub top_k: usize,
@@ -875,7 +880,7 @@ impl TrainConfig {
         // was set for nothing.
         for (key, set) in [
             ("eval.temperature", e.temperature != one()),
-            ("eval.top_p", e.top_p != one()),
+            ("eval.top_p", e.top_p != one_f64()),
             ("eval.top_k", e.top_k != 0),
         ] {
             if e.k == 0 && set {

@@ -72,7 +72,7 @@ pub fn evaluate(
     )?;
     // Per sample: correct or not; and the mean response length. `(temperature, top_p, top_k)`.
     let accuracy = |samples: usize,
-                    (temperature, top_p, top_k): (f32, f32, usize)|
+                    (temperature, top_p, top_k): (f32, f64, usize)|
      -> anyhow::Result<(Vec<bool>, f64)> {
         let p = SamplingParams {
             temperature,
