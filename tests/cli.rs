@@ -2155,7 +2155,8 @@ fn eval_and_mismatch_name_the_question_too_long_for_the_model() {
             .arg(tmp.path().join("out.json")),
     );
     assert!(
-        err.contains("prompts.json: prompt 1: ") && err.contains("max_position_embeddings (256)"),
+        err.contains("prompts.json: input_ids[1]: ")
+            && err.contains("max_position_embeddings (256)"),
         "generate: {err}"
     );
 }

@@ -1519,15 +1519,20 @@ fn padding_values_never_reach_the_loss_or_the_gradient() {
         dirty.lp_roll[i] = f64::INFINITY;
         dirty.lp_ref.as_mut().unwrap()[i] = f64::NAN;
     }
-    for objective in ["ppo_clip", "grpo", "gspo", "cispo", "tbpo"] {
-        // An importance weight and a rejection band (TBPO weights by its own w_i, so the band alone).
-        let weight = if objective == "tbpo" {
-            ""
-        } else {
-            r#"{"kind": "seq_tis"}, "#
-        };
+    // Each objective with an importance weight and a rejection band, and with IcePop's own weight (TBPO,
+    // which weights by its own w_i, with the band alone).
+    let lists = [
+        r#"[{"kind": "seq_tis"}, {"kind": "icepop", "importance_weight": false}]"#,
+        r#"[{"kind": "icepop"}]"#,
+        r#"[{"kind": "icepop", "importance_weight": false}]"#,
+    ];
+    let cases = ["ppo_clip", "grpo", "gspo", "cispo", "tbpo"]
+        .into_iter()
+        .flat_map(|objective| lists.map(|list| (objective, list)))
+        .filter(|(objective, list)| *objective != "tbpo" || *list == lists[2]);
+    for (objective, corrections) in cases {
         let json = format!(
-            r#"{{"objective": "{objective}", "kl_coef": 0.1, "corrections": [{weight}{{"kind": "icepop", "importance_weight": false}}]}}"#
+            r#"{{"objective": "{objective}", "kl_coef": 0.1, "corrections": {corrections}}}"#
         );
         let loss = serde_json::from_str::<LossConfig>(&json)
             .unwrap()

@@ -34,7 +34,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag)]
     pub temperature: f32,
     /// Nucleus sampling threshold (1 = off).
-    #[arg(long, default_value_t = 1.0, value_parser = super::f32_flag)]
+    #[arg(long, default_value_t = 1.0, value_parser = super::f64_flag)]
     pub top_p: f64,
     /// Keep only the k most likely tokens (0 = off).
     #[arg(long, default_value_t = 0)]
@@ -179,7 +179,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         &prompts,
         args.max_new_tokens,
         |i| match &args.prompt_ids {
-            Some(path) => format!("{}: prompt {i}", path.display()),
+            Some(path) => format!("{}: input_ids[{i}]", path.display()),
             None => "--prompt".to_string(),
         },
     )?;

@@ -78,6 +78,14 @@ pub fn f32_flag(text: &str) -> Result<f32, String> {
     Ok(x)
 }
 
+/// A number flag held as f64 (`--top-p`, compared in f64 as the config's `top_p` is: as f32, 0.8 would read
+/// 0.800000012).
+pub fn f64_flag(text: &str) -> Result<f64, String> {
+    text.trim()
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number"))
+}
+
 /// Loads a model directory and, with `quant`, quantizes its projections (default layer selection); its
 /// forwards run with `activations`.
 pub fn load_model(

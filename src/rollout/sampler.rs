@@ -43,7 +43,8 @@ pub struct SamplingParams {
     pub temperature: f32,
     /// Nucleus sampling: keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = off).
     /// An f64, as the config's TOML writes it: held as f32, 0.8 became 0.800000012, and a set of tied tokens
-    /// whose mass is exactly 0.8 kept one token more than HF's and vLLM's cut (5 of 5 equal tokens, not 4).
+    /// whose mass is exactly 0.8 kept one token more than the exact cut (5 of 5 equal tokens, not 4; HF's on
+    /// CPU is the exact one, vLLM's f32 comparison keeps the fifth: docs/verl.md).
     pub top_p: f64,
     /// Keep only the `top_k` most likely tokens (0 = off).
     pub top_k: usize,
@@ -311,9 +312,9 @@ mod tests {
         }
     }
 
-    /// Tied tokens whose mass reaches `top_p` exactly are cut where HF's and vLLM's top-p cut them (the
-    /// smallest set whose mass reaches `p`), for `p` as the config writes it: 4 of 5 equal tokens at 0.8
-    /// (held as f32, 0.8 read 0.800000012 and kept all 5), 3 of 10 at 0.3, 3 of 5 at 0.6.
+    /// Tied tokens whose mass reaches `top_p` exactly are cut at the smallest set whose mass reaches `p`, for
+    /// `p` as the config writes it: 4 of 5 equal tokens at 0.8 (held as f32, 0.8 read 0.800000012 and kept
+    /// all 5), 3 of 10 at 0.3, 3 of 5 at 0.6 (each fails without the f64 or without the slack).
     #[test]
     fn top_p_cuts_tied_tokens_at_the_written_mass() {
         for (vocab, top_p, kept) in [
