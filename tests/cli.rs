@@ -324,6 +324,11 @@ fn runs_lists_run_directories_with_their_status() {
         ("huge", "{\"phase\":\"rl\",\"step\":18446744073709551615}\n"),
         // A checkpoint whose trainer state names another step than its folder: not offered for resuming.
         ("edited", "{\"phase\":\"rl\",\"step\":0}\n"),
+        // Every row of a finished run and no checkpoint at all (not kept, as committed results are).
+        (
+            "pruned",
+            "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
+        ),
         // A warm start stopped part-way (its checkpoint under checkpoints/sft), no RL checkpoint yet.
         ("warm", "{\"phase\":\"sft\",\"step\":9}\n"),
         // Not UTF-8: nothing in it can be read, whatever `finished.json` says.
@@ -358,6 +363,10 @@ fn runs_lists_run_directories_with_their_status() {
             "done" => 1,
             _ => 0,
         };
+        if name == "pruned" {
+            std::fs::remove_dir_all(dir.join("checkpoints")).unwrap();
+            continue;
+        }
         if name == "warm" {
             std::fs::remove_dir_all(dir.join("checkpoints/step_000000")).unwrap();
             qarl::io::write_json_atomic(
@@ -431,6 +440,12 @@ fn runs_lists_run_directories_with_their_status() {
     );
     assert!(
         line("edited").contains("incomplete (no checkpoint)"),
+        "{text}"
+    );
+    assert!(
+        line("pruned").contains("2/2")
+            && line("pruned").contains("complete log, no checkpoint here")
+            && !line("pruned").contains("finished"),
         "{text}"
     );
     error_of(qarl().args(["runs", "/no/such/dir"]));

@@ -184,7 +184,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     )?;
     let model = super::load_model(&args.model, &device, args.quant, args.activations)?;
     let tok = Tokenizer::load_for(&args.model, &model.config)?
-        .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
+        .with_context(|| crate::model::Tokenizer::missing_in(&args.model))?;
     tok.check_template(&template, &args.model)?;
 
     let end = crate::model::EndTokens::of(&tok, &model.config)?

@@ -11,12 +11,13 @@ use crate::quant::QuantScheme;
 use crate::rollout::{generate, FinishReason, SamplingParams};
 
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("prompts").required(true).args(["prompt_ids", "prompt"])))]
 pub struct GenerateArgs {
     /// Hugging Face model directory.
     #[arg(long)]
     pub model: PathBuf,
     /// JSON file `{"input_ids": [[id, ...], ...]}` (or `prompt_ids`); rows may differ in length.
-    #[arg(long, conflicts_with = "prompt", required_unless_present = "prompt")]
+    #[arg(long, conflicts_with = "prompt")]
     pub prompt_ids: Option<PathBuf>,
     /// A text prompt (needs the model's tokenizer.json).
     #[arg(long)]

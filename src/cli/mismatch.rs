@@ -140,7 +140,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     )?;
     let full = Decoder::load_full_precision(&args.model, &device)?;
     let tok = Tokenizer::load_for(&args.model, &full.config)?
-        .with_context(|| format!("{}: no tokenizer.json", args.model.display()))?;
+        .with_context(|| crate::model::Tokenizer::missing_in(&args.model))?;
     tok.check_template(&template, &args.model)?;
     let prompts: Vec<Vec<u32>> = records
         .iter()

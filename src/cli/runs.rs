@@ -105,7 +105,7 @@ pub fn inspect(dir: &Path) -> RunInfo {
     // is not finished: its accuracy is of weights nobody can load).
     let last_saved = ckpt.as_ref().map(|(_, st)| st.step.saturating_add(1));
     let finished = dir.join("finished.json").is_file()
-        || matches!((accuracy, steps, last_step, last_saved), (Some((_, s)), Some(n), Some(l), Some(c)) if s as usize == n && l.saturating_add(1) == n as u64 && c == n);
+        || (complete_log(accuracy, steps, last_step) && last_saved == steps);
     let status = if let Some(e) = unreadable {
         format!("metrics unreadable ({e})")
     } else if finished {
@@ -120,6 +120,10 @@ pub fn inspect(dir: &Path) -> RunInfo {
             "resumable: the warm start from its step {}",
             st.step.saturating_add(1)
         )
+    } else if complete_log(accuracy, steps, last_step) {
+        // Every row of a finished run, and no checkpoint at all: they were not kept (a committed result,
+        // a copied run). A run killed before its last save would still hold its earlier checkpoints.
+        "complete log, no checkpoint here (its weights were not kept): not resumable".to_string()
     } else {
         "incomplete (no checkpoint)".to_string()
     };
@@ -210,4 +214,14 @@ pub fn run(args: RunsArgs) -> anyhow::Result<()> {
 /// The default roots may be absent.
 fn args_default(p: &Path) -> bool {
     p == Path::new("runs") || p == Path::new("experiments/results")
+}
+
+/// Whether a run's rows are those of a finished run: its last RL step is `train.steps - 1` and its last
+/// evaluation is at `train.steps` (the final one).
+fn complete_log(
+    accuracy: Option<(f64, u64)>,
+    steps: Option<usize>,
+    last_step: Option<u64>,
+) -> bool {
+    matches!((accuracy, steps, last_step), (Some((_, s)), Some(n), Some(l)) if s as usize == n && l.saturating_add(1) == n as u64)
 }

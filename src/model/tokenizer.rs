@@ -155,6 +155,17 @@ impl Tokenizer {
         Self::new(Self::parse(text).unwrap(), PathBuf::from("tokenizer.json"))
     }
 
+    /// The error for a model folder without a tokenizer where a command needs one: what to do about it,
+    /// since `qarl init-model` writes weights and config only.
+    pub fn missing_in(dir: &Path) -> String {
+        format!(
+            "{}: no tokenizer.json (`qarl init-model` writes none: copy the tokenizer files of the model the \
+             weights belong to, or let `qarl train` make `model.dir` from `model.init_config`, which writes \
+             the character tokenizer)",
+            dir.display()
+        )
+    }
+
     /// [`Self::load_optional`] for the model `config` of the same directory, refusing a tokenizer with ids
     /// that the model has no embedding row for: any text holding such a token would index past the
     /// embedding in the middle of a run (a vocabulary smaller than the tokenizer's is a mismatched pair,

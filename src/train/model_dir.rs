@@ -360,9 +360,10 @@ fn source_of(cfg: &TrainConfig) -> anyhow::Result<(Source<'_>, ModelConfig)> {
     }
 }
 
-/// The model config at `path` (a folder or a config.json), an error naming the config key `key`.
+/// The model config at `path` (a folder or a config.json), an error naming the config key `key` (the
+/// reader's own error names the file).
 fn read_config(key: &str, path: &Path) -> anyhow::Result<ModelConfig> {
-    ModelConfig::from_file(path).with_context(|| format!("`{key}` {}", path.display()))
+    ModelConfig::from_file(path).with_context(|| format!("`{key}`"))
 }
 
 /// Makes sure `cfg.model.dir` holds a model: created from `init_config` with random weights and the task's

@@ -383,7 +383,7 @@ impl Policy {
             check_same_tokenizer(&cfg.model.dir, p)?;
         }
         let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
-            .with_context(|| format!("{}: no tokenizer.json", cfg.model.dir.display()))?;
+            .with_context(|| Tokenizer::missing_in(&cfg.model.dir))?;
         let end = EndTokens::of(&tok, &model.config)?.with_turn_ends(&tok, &task.turn_ends());
         check_model_for_config(cfg, &model.config, &tok, &model_dir)?;
         model.set_precision(cfg.rollout.precision)?;
