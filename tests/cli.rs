@@ -171,8 +171,16 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
             long.as_str(),
             "longer than the model's max_position_embeddings",
         ),
-        ("typo.json", r#"{"input_idz": [[1, 2]]}"#, "invalid content"),
-        ("broken.json", r#"{"input_ids": [[1, 2"#, "invalid content"),
+        (
+            "typo.json",
+            r#"{"input_idz": [[1, 2]]}"#,
+            "expected an object {\"input_ids\"",
+        ),
+        (
+            "broken.json",
+            r#"{"input_ids": [[1, 2"#,
+            "EOF while parsing",
+        ),
     ];
     for (name, text, want) in cases {
         let input = tmp.path().join(name);
@@ -217,7 +225,9 @@ fn bad_inputs_fail_cleanly_and_name_the_file() {
             .arg(&output),
     );
     assert!(
-        err.contains("absent.json") && err.matches("not found").count() == 1,
+        err.contains("absent.json")
+            && err.matches("not found").count() == 1
+            && !err.contains("expected an object"),
         "{err}"
     );
     assert!(

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cli::load_model;
 use crate::host::rows;
-use crate::io::{read_json, write_json_atomic};
+use crate::io::write_json_atomic;
 use crate::model::scoring::next_token_logprobs;
 use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
@@ -55,7 +55,10 @@ struct ScoreOutput {
 }
 
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
-    let input: ScoreInput = read_json(&args.input).with_context(|| {
+    // A file that cannot be read says so alone; the expected shape is for one that reads but does not parse.
+    let text = std::fs::read_to_string(&args.input)
+        .map_err(crate::io::failed(&args.input, "cannot read"))?;
+    let input: ScoreInput = serde_json::from_str(&text).with_context(|| {
         format!(
             "{}: expected an object {{\"input_ids\": [[id, ...], ...]}} (rows of token ids of equal length)",
             args.input.display()
