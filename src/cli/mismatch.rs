@@ -204,19 +204,16 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
              template `{}`{}, stop strings {:?}; backend {}). \
              Rollout `f32` is the floor: the f32 sampler against the f32 forward. Error-token fractions \
              (docs/metrics.md): `ratio`, the sampler over 20x more confident than the learner; `low prob`, \
-             learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n\
-             Deterministic `off`: the backend's own kernels, whose sums round differently in the rollout's \
-             decode steps and the training forward's full sequences. Activations `bf16` / `f16`: mixed \
-             precision (every op's output rounded to the half type, in the rollout and the training forward \
-             alike).\n\n\
-             | activations | deterministic | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
-             |---|---|---|---|---|---|---|---|---|---|---|---|\n",
+             learner probability below 1e-4; `repetition`, inside a repetition loop; `any`, at least one.\n\n",
             path.display(), records.len(), args.samples, args.temperature, args.max_new_tokens, args.seed,
             args.template,
             crate::train::compare::prompt_switches(args.system.as_deref(), args.enable_thinking),
             stop_strings,
             args.backend
         );
+        md += &modes_measured(&rows);
+        md += "| activations | deterministic | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
+               |---|---|---|---|---|---|---|---|---|---|---|---|\n";
         for r in &rows {
             let v = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
             md += &format!(
@@ -377,4 +374,55 @@ fn measure(
         rows.push(row);
     }
     Ok(rows)
+}
+
+/// What the table's less obvious modes mean, for those of them its rows measured (a paragraph, or nothing).
+fn modes_measured(rows: &[serde_json::Value]) -> String {
+    let any =
+        |key: &str, pick: fn(&str) -> bool| rows.iter().any(|r| r[key].as_str().is_some_and(pick));
+    let mut text = Vec::new();
+    if any("deterministic", |d| d == "off") {
+        text.push(
+            "Deterministic `off`: the backend's own kernels, whose sums round differently in the rollout's \
+             decode steps and the training forward's full sequences.",
+        );
+    }
+    if any("activations", |a| a != "f32") {
+        text.push(
+            "Activations `bf16` / `f16`: mixed precision (every op's output rounded to the half type, in the \
+             rollout and the training forward alike).",
+        );
+    }
+    if text.is_empty() {
+        String::new()
+    } else {
+        format!("{}\n\n", text.join(" "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::modes_measured;
+
+    #[test]
+    fn the_modes_paragraph_explains_only_the_modes_measured() {
+        let row =
+            |det: &str, act: &str| serde_json::json!({"deterministic": det, "activations": act});
+        assert_eq!(modes_measured(&[row("on", "f32"), row("on", "f32")]), "");
+        let off = modes_measured(&[row("on", "f32"), row("off", "f32")]);
+        assert!(
+            off.contains("Deterministic `off`") && !off.contains("Activations"),
+            "{off}"
+        );
+        let half = modes_measured(&[row("on", "bf16")]);
+        assert!(
+            half.contains("Activations `bf16`") && !half.contains("Deterministic"),
+            "{half}"
+        );
+        let both = modes_measured(&[row("off", "f16")]);
+        assert!(
+            both.contains("Deterministic `off`") && both.contains("Activations"),
+            "{both}"
+        );
+    }
 }

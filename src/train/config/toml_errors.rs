@@ -116,9 +116,27 @@ pub(super) fn explain_toml_error(
         out.push_str(&format!(": {msg}"));
     }
     if lines {
-        anyhow::anyhow!("{out}\n{e}")
+        anyhow::anyhow!("{out}\n{}", snippet_of(e))
     } else {
         anyhow::anyhow!("{out}")
+    }
+}
+
+/// The lines of toml's error that show the text with a caret under the fault (`  |`, `3 | key = ...`,
+/// `  |    ^^^`), without its header and its message, which the line above them already says.
+fn snippet_of(e: &toml::de::Error) -> String {
+    let text = e.to_string();
+    let snippet: Vec<&str> = text
+        .lines()
+        .filter(|l| {
+            let head = l.split('|').next().unwrap_or("");
+            l.contains('|') && head.trim().chars().all(|c| c.is_ascii_digit())
+        })
+        .collect();
+    if snippet.is_empty() {
+        text
+    } else {
+        snippet.join("\n")
     }
 }
 
@@ -322,6 +340,25 @@ mod tests {
             "invalid type: string \"x\", expected internally tagged enum Other"
         )
         .is_none());
+    }
+
+    #[test]
+    fn the_message_is_said_once_above_the_text_it_points_at() {
+        #[derive(Debug, serde::Deserialize)]
+        #[allow(dead_code)]
+        struct T {
+            temperature: f32,
+        }
+        let text = "temperature = \"x\"\n";
+        let e = toml::from_str::<T>(text).unwrap_err();
+        let out = explain_toml_error(&e, text, "my.toml", true).to_string();
+        assert_eq!(out.matches("invalid type").count(), 1, "{out}");
+        assert!(out.starts_with("my.toml, line 1: "), "{out}");
+        assert!(
+            out.contains("1 | temperature = \"x\"") && out.contains("^^^"),
+            "{out}"
+        );
+        assert!(!out.contains("TOML parse error"), "{out}");
     }
 
     #[test]
