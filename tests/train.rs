@@ -1861,3 +1861,51 @@ fn tiny_train_error(dir: &std::path::Path, task: &str) -> String {
             .args(["--set", task]),
     )
 }
+
+/// `train.update_diagnostics = false` skips the forward after the updates and its metrics, and nothing
+/// else: every other value of every row is the default run's (only timings differ).
+#[test]
+fn update_diagnostics_off_skips_their_forward_and_changes_nothing_else() {
+    let runs: Vec<Vec<serde_json::Value>> = [true, false]
+        .iter()
+        .map(|&on| {
+            let tmp = tempfile::tempdir().unwrap();
+            let mut cfg = tiny_config(tmp.path(), "aligned", 3);
+            cfg.train.update_diagnostics = on;
+            train::run(&cfg, false, true).unwrap();
+            metrics(&cfg.run_dir.join("metrics.jsonl"))
+        })
+        .collect();
+    let diagnostic = |k: &str| k.starts_with("actor/update_lp_delta") || k == "perf/lp_delta_s";
+    let updated = |rows: &[serde_json::Value]| {
+        rows.iter()
+            .filter(|r| r.get("perf/update_s").is_some())
+            .count()
+    };
+    assert!(
+        updated(&runs[0]) > 0,
+        "no step made an update: the test checks nothing"
+    );
+    for r in runs[0].iter().filter(|r| r.get("perf/update_s").is_some()) {
+        assert!(r.get("perf/lp_delta_s").is_some(), "{r}");
+    }
+    assert_eq!(updated(&runs[1]), updated(&runs[0]));
+    let strip = |rows: &[serde_json::Value], drop_diagnostics: bool| -> Vec<serde_json::Value> {
+        rows.iter()
+            .map(|r| {
+                let mut r = r.clone();
+                if let Some(o) = r.as_object_mut() {
+                    let timing = |k: &str| {
+                        k.starts_with("perf/") || k.starts_with("timing") || k.ends_with("_s")
+                    };
+                    o.retain(|k, _| !(timing(k) || (drop_diagnostics && diagnostic(k))));
+                }
+                r
+            })
+            .collect()
+    };
+    assert!(runs[1]
+        .iter()
+        .all(|r| r.as_object().unwrap().keys().all(|k| !diagnostic(k))));
+    assert_eq!(strip(&runs[1], false), strip(&runs[0], true));
+}

@@ -188,9 +188,11 @@ pub fn update(
     }
     loss_metrics.record(step, m);
     perf.record(m);
-    let t_delta = Instant::now();
-    update_lp_delta_metrics(model, s, cfg, m);
-    m.insert("perf/lp_delta_s".into(), t_delta.elapsed().as_secs_f64());
+    if cfg.train.update_diagnostics {
+        let t_delta = Instant::now();
+        update_lp_delta_metrics(model, s, cfg, m);
+        m.insert("perf/lp_delta_s".into(), t_delta.elapsed().as_secs_f64());
+    }
     m.insert("perf/update_s".into(), t_train.elapsed().as_secs_f64());
     m.insert("actor/lr".into(), lr);
     Ok(outcome)
