@@ -15,9 +15,27 @@ pub fn read_json<T: DeserializeOwned>(path: &Path) -> anyhow::Result<T> {
 
 /// [`read_json`], with the text it was read from (for a fingerprint of the file, without reading it twice).
 pub fn read_json_and_text<T: DeserializeOwned>(path: &Path) -> anyhow::Result<(T, String)> {
+    parse_json_file(path, None)
+}
+
+/// [`read_json_and_text`] whose error for a file that reads but does not parse says what it should hold
+/// (`expected`); a file that cannot be read says only that.
+pub fn read_json_expecting<T: DeserializeOwned>(
+    path: &Path,
+    expected: &str,
+) -> anyhow::Result<(T, String)> {
+    parse_json_file(path, Some(expected))
+}
+
+fn parse_json_file<T: DeserializeOwned>(
+    path: &Path,
+    expected: Option<&str>,
+) -> anyhow::Result<(T, String)> {
     let text = std::fs::read_to_string(path).map_err(failed(path, "cannot read"))?;
-    let value = serde_json::from_str(&text)
-        .with_context(|| format!("{}: invalid content", path.display()))?;
+    let value = serde_json::from_str(&text).with_context(|| {
+        let expected = expected.map_or(String::new(), |e| format!(" (expected {e})"));
+        format!("{}: invalid content{expected}", path.display())
+    })?;
     Ok((value, text))
 }
 

@@ -5,8 +5,6 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Context;
-
 use crate::model::Tokenizer;
 use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
@@ -183,8 +181,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
         args.enable_thinking,
     )?;
     let model = super::load_model(&args.model, &device, args.quant, args.activations)?;
-    let tok = Tokenizer::load_for(&args.model, &model.config)?
-        .with_context(|| crate::model::Tokenizer::missing_in(&args.model))?;
+    let tok = Tokenizer::load_required(&args.model, &model.config)?;
     tok.check_template(&template, &args.model)?;
 
     let end = crate::model::EndTokens::of(&tok, &model.config)?

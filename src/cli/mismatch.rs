@@ -7,8 +7,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
-
 use crate::model::{Activations, Decoder, Tokenizer, Weights};
 use crate::ops::BackendKind;
 use crate::quant::{Precision, QuantScheme};
@@ -139,8 +137,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         args.enable_thinking,
     )?;
     let full = Decoder::load_full_precision(&args.model, &device)?;
-    let tok = Tokenizer::load_for(&args.model, &full.config)?
-        .with_context(|| crate::model::Tokenizer::missing_in(&args.model))?;
+    let tok = Tokenizer::load_required(&args.model, &full.config)?;
     tok.check_template(&template, &args.model)?;
     let prompts: Vec<Vec<u32>> = records
         .iter()

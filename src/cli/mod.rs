@@ -65,10 +65,7 @@ pub enum Command {
 /// (every value flag takes one: [`parse_from`]), which names the range, rather than clap calling `-1` an
 /// unexpected argument.
 pub fn f32_flag(text: &str) -> Result<f32, String> {
-    let v: f64 = text
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{text}` is not a number"))?;
+    let v = f64_flag(text)?;
     let x = v as f32;
     if v != 0.0 && x == 0.0 {
         return Err(format!(

@@ -104,8 +104,8 @@ pub fn inspect(dir: &Path) -> RunInfo {
     // killed between its final evaluation and its last checkpoint, as runs before 2026-12-07 could be,
     // is not finished: its accuracy is of weights nobody can load).
     let last_saved = ckpt.as_ref().map(|(_, st)| st.step.saturating_add(1));
-    let finished = dir.join("finished.json").is_file()
-        || (complete_log(accuracy, steps, last_step) && last_saved == steps);
+    let complete = complete_log(accuracy, steps, last_step);
+    let finished = dir.join("finished.json").is_file() || (complete && last_saved == steps);
     let status = if let Some(e) = unreadable {
         format!("metrics unreadable ({e})")
     } else if finished {
@@ -120,7 +120,7 @@ pub fn inspect(dir: &Path) -> RunInfo {
             "resumable: the warm start from its step {}",
             st.step.saturating_add(1)
         )
-    } else if complete_log(accuracy, steps, last_step) {
+    } else if complete {
         // Every row of a finished run, and no checkpoint at all: they were not kept (a committed result,
         // a copied run). A run killed before its last save would still hold its earlier checkpoints.
         "complete log, no checkpoint here (its weights were not kept): not resumable".to_string()

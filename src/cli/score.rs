@@ -55,15 +55,10 @@ struct ScoreOutput {
 }
 
 pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
-    // A file that cannot be read says so alone; the expected shape is for one that reads but does not parse.
-    let text = std::fs::read_to_string(&args.input)
-        .map_err(crate::io::failed(&args.input, "cannot read"))?;
-    let input: ScoreInput = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{}: expected an object {{\"input_ids\": [[id, ...], ...]}} (rows of token ids of equal length)",
-            args.input.display()
-        )
-    })?;
+    let (input, _): (ScoreInput, _) = crate::io::read_json_expecting(
+        &args.input,
+        "an object {\"input_ids\": [[id, ...], ...]}, rows of token ids of equal length",
+    )?;
     crate::io::check_output_file(&args.output)?;
     let inputs = super::inputs_with_model(&args.model, [&args.input]);
     crate::io::check_output_not_input(&args.output, &inputs)?;

@@ -155,15 +155,17 @@ impl Tokenizer {
         Self::new(Self::parse(text).unwrap(), PathBuf::from("tokenizer.json"))
     }
 
-    /// The error for a model folder without a tokenizer where a command needs one: what to do about it,
-    /// since `qarl init-model` writes weights and config only.
-    pub fn missing_in(dir: &Path) -> String {
-        format!(
-            "{}: no tokenizer.json (`qarl init-model` writes none: copy the tokenizer files of the model the \
-             weights belong to, or let `qarl train` make `model.dir` from `model.init_config`, which writes \
-             the character tokenizer)",
-            dir.display()
-        )
+    /// [`Self::load_for`] where a command needs the tokenizer: a folder without one is an error that says
+    /// what to do about it, since `qarl init-model` writes weights and config only.
+    pub fn load_required(dir: &Path, config: &super::ModelConfig) -> anyhow::Result<Self> {
+        Self::load_for(dir, config)?.ok_or_else(|| {
+            anyhow::anyhow!(
+                "{}: no tokenizer.json (`qarl init-model` writes none: copy the tokenizer files of the model \
+                 the weights belong to, or let `qarl train` make `model.dir` from `model.init_config`, which \
+                 writes the character tokenizer)",
+                dir.display()
+            )
+        })
     }
 
     /// [`Self::load_optional`] for the model `config` of the same directory, refusing a tokenizer with ids

@@ -81,8 +81,7 @@ pub fn bench_steps(
         made?;
     }
     let mut model = Decoder::load_full_precision(&cfg.model.dir, device)?;
-    let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
-        .with_context(|| crate::model::Tokenizer::missing_in(&cfg.model.dir))?;
+    let tok = Tokenizer::load_required(&cfg.model.dir, &model.config)?;
     let task = Task::from_config(&cfg.task)?;
     let end =
         crate::model::EndTokens::of(&tok, &model.config)?.with_turn_ends(&tok, &task.turn_ends());

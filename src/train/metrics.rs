@@ -208,16 +208,8 @@ pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> an
             ),
         }
     }
-    let mut tmp = crate::io::temp_file_for(path)?;
-    for l in kept {
-        writeln!(tmp, "{l}").with_context(|| format!("{}: cannot write", path.display()))?;
-    }
-    tmp.as_file().sync_all()?;
-    crate::io::set_usual_permissions(tmp.path());
-    tmp.persist(path)
-        .with_context(|| format!("{}: cannot move into place", path.display()))?;
-    crate::io::sync_dir(crate::io::folder_of(path));
-    Ok(())
+    let text: String = kept.iter().map(|l| format!("{l}\n")).collect();
+    crate::io::write_atomic(path, text.as_bytes())
 }
 
 #[cfg(test)]

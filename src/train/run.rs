@@ -382,8 +382,7 @@ impl Policy {
         if let Some((p, _)) = resumed {
             check_same_tokenizer(&cfg.model.dir, p)?;
         }
-        let tok = Tokenizer::load_for(&cfg.model.dir, &model.config)?
-            .with_context(|| Tokenizer::missing_in(&cfg.model.dir))?;
+        let tok = Tokenizer::load_required(&cfg.model.dir, &model.config)?;
         let end = EndTokens::of(&tok, &model.config)?.with_turn_ends(&tok, &task.turn_ends());
         check_model_for_config(cfg, &model.config, &tok, &model_dir)?;
         model.set_precision(cfg.rollout.precision)?;

@@ -59,9 +59,10 @@ pub(super) fn eval_output(
     path: &Path,
     precision: Option<&str>,
 ) -> anyhow::Result<Evaluation> {
-    let (out, text): (EvalOutput, String) = crate::io::read_json_and_text(path).map_err(|e| {
-        anyhow::anyhow!("{e:#} (expected a `qarl eval --output` file: `problems` with `question` and `correct`)")
-    })?;
+    let (out, text): (EvalOutput, String) = crate::io::read_json_expecting(
+        path,
+        "a `qarl eval --output` file: `problems` with `question` and `correct`",
+    )?;
     if out.problems.is_empty() {
         bail!("{}: no problems", path.display());
     }
