@@ -95,18 +95,26 @@ pub fn moe_summary(rows: &[Value]) -> Vec<String> {
         };
         let Some(best) = best else { continue };
         let kernel = text(best, "kernel");
+        // The same yardstick at the fastest and the slowest batch's time, where the row has them.
+        let batches = batch_range(best).map(|(fast, slow)| (fast / num(best, "micros"), slow / num(best, "micros")));
         lines.push(if decode {
             let share = num(best, "bandwidth_fraction");
             let verdict = if share >= 0.5 { "at least" } else { "under" };
+            let range = batches.map_or(String::new(), |(fast, slow)| {
+                format!("; batches {:.1}-{:.1}%", 100.0 * share / slow, 100.0 * share / fast)
+            });
             format!(
-                "{format} {act} {tokens:>5} tokens, {order:>11}: {kernel} at {:.1}% of copy ({verdict} 50%)",
+                "{format} {act} {tokens:>5} tokens, {order:>11}: {kernel} at {:.1}% of copy ({verdict} 50%{range})",
                 100.0 * share
             )
         } else {
             let ratio = num(best, "micros") / num(best, "bf16_micros");
             let verdict = if ratio <= 1.3 { "within" } else { "beyond" };
+            let range = batches.map_or(String::new(), |(fast, slow)| {
+                format!("; batches {:.2}-{:.2}x", ratio * fast, ratio * slow)
+            });
             format!(
-                "{format} {act} {tokens:>5} tokens, {order:>11}: {kernel} {ratio:.2}x the baseline's time ({verdict} 1.3x)"
+                "{format} {act} {tokens:>5} tokens, {order:>11}: {kernel} {ratio:.2}x the baseline's time ({verdict} 1.3x{range})"
             )
         });
     }
@@ -159,6 +167,23 @@ fn routing_lines(rows: &[Value], keys: &[(String, String, u64)]) -> Vec<String> 
         ));
     }
     lines
+}
+
+/// The per-call microseconds of a row's fastest and slowest batch, where it was timed in several
+/// (`micros_fastest_batch`, `micros_slowest_batch`; tables before 2026-12-07 have neither).
+fn batch_range(row: &Value) -> Option<(f64, f64)> {
+    let fast = row["micros_fastest_batch"].as_f64()?;
+    let slow = row["micros_slowest_batch"].as_f64()?;
+    Some((fast, slow))
+}
+
+/// Whether two rows' batch times overlap: a difference between them is then within what one call's
+/// noise moves; `false` where either row has no batches (nothing says so).
+fn batches_overlap(a: &Value, b: &Value) -> bool {
+    match (batch_range(a), batch_range(b)) {
+        (Some((fast_a, slow_a)), Some((fast_b, slow_b))) => fast_a <= slow_b && fast_b <= slow_a,
+        _ => false,
+    }
 }
 
 /// Prints [`moe_summary`]'s lines under their heading (`base`: the baseline matmul's type).
@@ -232,19 +257,31 @@ fn ranked_against_default(rows: &[Value], family: Family) -> Vec<String> {
             continue;
         }
         let base = micros(default);
-        let mut others: Vec<(String, f64)> = rows
+        let mut others: Vec<(String, f64, bool)> = rows
             .iter()
             .filter(|r| key(r) == key(default) && member(&text(r, "kernel")))
-            .map(|r| (text(r, "kernel"), micros(r) / base))
+            .map(|r| {
+                let kernel = text(r, "kernel");
+                let overlaps = kernel != name && batches_overlap(r, default);
+                (kernel, micros(r) / base, overlaps)
+            })
             .collect();
         others.sort_by(|a, b| a.1.total_cmp(&b.1));
         let (format, act, tokens) = key(default);
         let ratios: Vec<String> = others
             .iter()
-            .map(|(kernel, ratio)| format!("{} {ratio:.2}x", kernel.trim_start_matches("moe/")))
+            .map(|(kernel, ratio, overlaps)| {
+                let mark = if *overlaps { "~" } else { "" };
+                format!("{} {ratio:.2}x{mark}", kernel.trim_start_matches("moe/"))
+            })
             .collect();
+        let note = if others.iter().any(|o| o.2) {
+            " (~: its batches' times overlap the default's, not told apart)"
+        } else {
+            ""
+        };
         lines.push(format!(
-            "{format} {act} {:>5} tokens ({base:.1} us): {}",
+            "{format} {act} {:>5} tokens ({base:.1} us): {}{note}",
             tokens.unwrap_or(0),
             ratios.join(", ")
         ));
@@ -345,6 +382,44 @@ mod tests {
             ]
         );
         assert!(fragment_summary(&rows[4..7]).is_empty());
+    }
+
+    /// Rows timed in batches: a ranked row whose batches overlap the default's is marked (a difference
+    /// within one call's noise), and the yardsticks give the range of the best row's batches.
+    #[test]
+    fn batch_spreads_mark_rows_not_told_apart() {
+        let batched = |kernel: &str, tokens: u64, micros: f64, fast: f64, slow: f64| {
+            let mut r = row(kernel, tokens, micros);
+            r["micros_fastest_batch"] = fast.into();
+            r["micros_slowest_batch"] = slow.into();
+            r["bf16_micros"] = 100.0.into();
+            r["bandwidth_fraction"] = 0.2.into();
+            r
+        };
+        let rows = [
+            batched("moe/mma-frag", 4096, 1000.0, 950.0, 1050.0),
+            batched("moe/mma-frag-m4", 4096, 980.0, 960.0, 1000.0),
+            batched("moe/mma-frag-db", 4096, 800.0, 790.0, 810.0),
+            row("moe/mma", 4096, 990.0),
+            batched("moe/decode-mma-frag", 16, 50.0, 40.0, 100.0),
+        ];
+        assert_eq!(
+            fragment_summary(&rows),
+            [
+                "int4-g128 bf16  4096 tokens (1000.0 us): mma-frag-db 0.80x, mma-frag-m4 0.98x~, \
+                 mma 0.99x, mma-frag 1.00x (~: its batches' times overlap the default's, not told apart)",
+                "int4-g128 bf16    16 tokens (50.0 us): decode-mma-frag 1.00x",
+            ]
+        );
+        assert_eq!(
+            moe_summary(&rows),
+            [
+                "int4-g128 bf16  4096 tokens, tensor-core: moe/mma-frag-db 8.00x the baseline's time \
+                 (beyond 1.3x; batches 7.90-8.10x)",
+                "int4-g128 bf16    16 tokens, tensor-core: moe/decode-mma-frag at 20.0% of copy \
+                 (under 50%; batches 10.0-25.0%)",
+            ]
+        );
     }
 
     /// The canonical decode's variants against the two launches, at 64 tokens or fewer only, each

@@ -8,7 +8,8 @@ use cube_kernels::{ActDType, Kernels, MatmulPath, WeightFormat};
 
 use super::checks::fragment_variants;
 use super::format_run::FormatRun;
-use super::table::{time, Table};
+use super::table::Table;
+use super::timing::time;
 use super::{KernelBenchArgs, TablePart};
 use crate::cli::kernel_summary::print_summaries;
 use crate::io::write_json_atomic;
@@ -71,14 +72,14 @@ pub fn run(args: KernelBenchArgs) -> anyhow::Result<()> {
     // Rooflines: copy bandwidth (read + write) and burn's bf16 matmul rate, measured here.
     let n_copy = args.copy_mib << 18; // f32 values
     let src = k.upload_f32(&vec![1.0f32; n_copy]);
-    let t_copy = time(args.iters, || drop(k.copy(&src)), &sync_k);
+    let t_copy = time(args.iters, || drop(k.copy(&src)), &sync_k).mean;
     let copy_gbs = 2.0 * 4.0 * n_copy as f64 / t_copy / 1e9;
     // burn's bf16 matmul is the baseline; runtimes without bf16 (lavapipe) fall back to f32, and say so.
     let base = baseline_dtype(&k, &device);
     let m = args.matmul_size;
     let a = Tensor::<2>::random([m, m], Distribution::Default, &device).cast(base);
     let b = Tensor::<2>::random([m, m], Distribution::Default, &device).cast(base);
-    let t_mm = time(args.iters, || drop(a.clone().matmul(b.clone())), &sync_b);
+    let t_mm = time(args.iters, || drop(a.clone().matmul(b.clone())), &sync_b).mean;
     let bf16_tflops = 2.0 * (m as f64).powi(3) / t_mm / 1e12;
     println!(
         "copy bandwidth {copy_gbs:.0} GB/s; burn {base:?} matmul {m}^3 {bf16_tflops:.1} TFLOP/s"

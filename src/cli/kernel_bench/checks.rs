@@ -7,7 +7,7 @@ use cube_kernels::{
     MoeRouting, PackedWeights,
 };
 
-use super::table::time;
+use super::timing::{time, Timing};
 use super::KernelBenchArgs;
 
 /// An MoE block's packed weights (gate, up, down) on the host and on the device.
@@ -329,7 +329,7 @@ pub(super) fn other_staging(
     }
 }
 
-/// Seconds of `run` on `other`, the kernels with the other staging (the `-x1` and `-staged` rows);
+/// The timing of `run` on `other`, the kernels with the other staging (the `-x1` and `-staged` rows);
 /// with `--check`, a failure if its bits differ from `run` on `k`, the default staging.
 pub(super) fn time_other_staging(
     args: &KernelBenchArgs,
@@ -338,7 +338,7 @@ pub(super) fn time_other_staging(
     sync: &dyn Fn(),
     what: &str,
     failures: &mut Vec<String>,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<Timing> {
     if args.check {
         let (default, other_bits) = (k.read_f32(&run(k))?, k.read_f32(&run(other))?);
         // f32 rounds nothing: the count of values whose bits differ.

@@ -10,7 +10,8 @@ use super::checks::{
     time_other_staging,
 };
 use super::format_run::FormatRun;
-use super::table::{row, time, Table};
+use super::table::{row, Table};
+use super::timing::time;
 
 /// The dense rows of one format and activation type ([`FormatRun`]): one expert's gate projection
 /// `[inter, hidden]`, the unit a decode step streams per expert, checked (with `--check`) and timed
@@ -88,7 +89,7 @@ pub(super) fn bench(
             }
         }
         let xb = Tensor::<2>::random([n, hidden], Distribution::Default, device).cast(base);
-        let tb = time(args.iters, || drop(xb.clone().matmul(wb.clone())), &sync_b);
+        let tb = time(args.iters, || drop(xb.clone().matmul(wb.clone())), &sync_b).mean;
         let bytes = (w.bytes() + size * n * (hidden + inter)) as f64;
         let flops = 2.0 * (n * hidden * inter) as f64;
         let mut paths = vec![

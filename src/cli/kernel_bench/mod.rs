@@ -288,3 +288,6 @@ mod moe;
 mod route;
 #[cfg(any(feature = "wgpu", feature = "cuda"))]
 mod table;
+// Built without a runtime too (only the runtimes' rows use it), so that its tests run in every build.
+#[cfg_attr(not(any(feature = "wgpu", feature = "cuda")), allow(dead_code))]
+mod timing;

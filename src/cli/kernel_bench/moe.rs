@@ -13,7 +13,8 @@ use super::checks::{
 };
 use super::format_run::FormatRun;
 use super::route::{route_variants, time_route};
-use super::table::{row, time, Table};
+use super::table::{row, Table};
+use super::timing::{time, Timing};
 use super::KernelBenchArgs;
 
 /// The MoE block as a decode step runs it (`moe/decode-fused`, `moe/decode-split`): expert ids
@@ -24,7 +25,7 @@ use super::KernelBenchArgs;
 /// MoE layer besides the router. With `graph` (`moe/decode-graph`) those launches are recorded once
 /// ([`Kernels::record`]) and each call is one replay: what the launch path costs at decode sizes.
 /// With `--check`, its bits must be those of host routing on the same order (`moe/tiled`: register
-/// tiles, the combine apart; or the path itself). Returns the mean seconds per call, or `None` for
+/// tiles, the combine apart; or the path itself). Returns the calls' timing, or `None` for
 /// a graph the runtime does not record or replay (said on stderr).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn time_decode_block(
@@ -35,7 +36,7 @@ pub(super) fn time_decode_block(
     [dx, drw]: [&DeviceBuffer; 2],
     (graph, path): (bool, MatmulPath),
     failures: &mut Vec<String>,
-) -> anyhow::Result<Option<f64>> {
+) -> anyhow::Result<Option<Timing>> {
     let experts = block.weights[0].experts();
     let [dg, du, dd] = block.device;
     let decode = |k: &Kernels, inputs: &[DeviceBuffer]| {
@@ -351,7 +352,8 @@ pub(super) fn bench(
                 drop(ha.clone().matmul(wd.clone()));
             },
             &sync_b,
-        );
+        )
+        .mean;
         // The routing table a layer builds on the device before these products (the rows
         // below take the host's, uploaded).
         for (label, kr) in route_variants(k, ids.len()) {

@@ -36,7 +36,7 @@ pub(super) fn time_route(
     (ids, n): (&[u32], usize),
     what: &str,
     failures: &mut Vec<String>,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<(super::timing::Timing, f64)> {
     let (top_k, experts) = (args.top_k, args.experts);
     let device_ids = k.upload_u32(ids);
     let route = || k.route(&device_ids, n, top_k, experts);
@@ -49,7 +49,7 @@ pub(super) fn time_route(
     }
     let bytes = 4.0 * (ids.len() + table.layout().len(experts)) as f64;
     let sync = || k.sync().expect("device sync");
-    let t = super::table::time(
+    let t = super::timing::time(
         args.iters,
         || drop(route().expect("routing on the device")),
         &sync,

@@ -1,13 +1,13 @@
 //! The table `qarl bench kernels` prints and writes: its rows (time, bandwidth and FLOP rate against
-//! the rooflines measured in the same run), and the timer.
+//! the rooflines measured in the same run).
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use burn::tensor::DType;
 use cube_kernels::ActDType;
 use serde::Serialize;
 
+use super::timing::Timing;
 use crate::io::write_json_atomic;
 
 #[derive(Debug, Serialize)]
@@ -17,6 +17,13 @@ pub(super) struct Row {
     act_dtype: String,
     tokens: usize,
     micros: f64,
+    /// The per-call time of the fastest and the slowest batch ([`Timing`]); absent where the calls
+    /// were timed in one batch (rows too short for a sync per batch, and tables of older runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    micros_fastest_batch: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    micros_slowest_batch: Option<f64>,
+    batches: usize,
     gb_per_s: f64,
     bandwidth_fraction: f64,
     tflops: f64,
@@ -32,18 +39,14 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-/// Mean seconds of `f` over `iters` runs after two warm-ups, `sync` closing each measurement.
-pub(super) fn time(iters: usize, mut f: impl FnMut(), sync: &dyn Fn()) -> f64 {
-    for _ in 0..2 {
-        f();
+impl Row {
+    /// The batches' spread as a share of the mean, for the table ("-" with one batch).
+    fn spread(&self) -> String {
+        match (self.micros_fastest_batch, self.micros_slowest_batch) {
+            (Some(fast), Some(slow)) => format!("{:.1}%", 100.0 * (slow - fast) / self.micros),
+            _ => "-".into(),
+        }
     }
-    sync();
-    let start = Instant::now();
-    for _ in 0..iters {
-        f();
-    }
-    sync();
-    start.elapsed().as_secs_f64() / iters.max(1) as f64
 }
 
 /// The timing table, printed a row at a time as the rows are measured (so a run stopped part-way,
@@ -78,12 +81,13 @@ impl Table {
         r.device_failures = crate::device_failures::acknowledge();
         if self.rows.is_empty() {
             println!(
-                "{:<25} {:<10} {:<5} {:>6} {:>11} {:>9} {:>8} {:>9} {:>11} {:>8}",
+                "{:<25} {:<10} {:<5} {:>6} {:>11} {:>7} {:>9} {:>8} {:>9} {:>11} {:>8}",
                 "kernel",
                 "format",
                 "act",
                 "tokens",
                 "time (us)",
+                "spread",
                 "GB/s",
                 "% copy",
                 "TFLOP/s",
@@ -92,12 +96,13 @@ impl Table {
             );
         }
         println!(
-            "{:<25} {:<10} {:<5} {:>6} {:>11.1} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
+            "{:<25} {:<10} {:<5} {:>6} {:>11.1} {:>7} {:>9.1} {:>7.1}% {:>9.3} {:>11.1} {:>7.2}x",
             r.kernel,
             r.format,
             r.act_dtype,
             r.tokens,
             r.micros,
+            r.spread(),
             r.gb_per_s,
             100.0 * r.bandwidth_fraction,
             r.tflops,
@@ -123,9 +128,10 @@ impl Table {
         }
     }
 
-    /// The table's footnote.
+    /// The table's footnotes.
     pub(super) fn finish(&self) {
         let base = self.base;
+        println!("spread: the slowest batch's time per call less the fastest's, over the mean (\"-\": one batch)");
         println!("moe {base:?} baseline: the same FLOPs as dense matmuls over all assignments (a lower bound on a {base:?} MoE)");
     }
 }
@@ -136,24 +142,56 @@ pub(super) fn row(
     format: &str,
     act_dtype: ActDType,
     tokens: usize,
-    t: f64,
+    timing: Timing,
     bytes: f64,
     flops: f64,
     tb: f64,
     copy_gbs: f64,
 ) -> Row {
+    let t = timing.mean;
     let gbs = bytes / t / 1e9;
+    let spread = timing.batches > 1;
     Row {
         kernel: kernel.into(),
         format: format.into(),
         act_dtype: act_dtype.name().into(),
         tokens,
         micros: t * 1e6,
+        micros_fastest_batch: spread.then_some(timing.fastest * 1e6),
+        micros_slowest_batch: spread.then_some(timing.slowest * 1e6),
+        batches: timing.batches,
         gb_per_s: gbs,
         bandwidth_fraction: gbs / copy_gbs,
         tflops: flops / t / 1e12,
         bf16_micros: tb * 1e6,
         speedup_over_bf16: tb / t,
         device_failures: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row keeps its batches' times where there were several, and shows their spread; one batch
+    /// writes neither time and prints "-".
+    #[test]
+    fn rows_carry_the_batch_spread() {
+        let timing = Timing {
+            mean: 100e-6,
+            fastest: 95e-6,
+            slowest: 110e-6,
+            batches: 5,
+        };
+        let r = row("moe/mma", "int4-g128", ActDType::BF16, 256, timing, 1e6, 1e9, 200e-6, 3000.0);
+        assert_eq!(r.spread(), "15.0%");
+        let json = serde_json::to_value(&r).unwrap();
+        assert!((json["micros_fastest_batch"].as_f64().unwrap() - 95.0).abs() < 1e-9);
+        assert!((json["micros_slowest_batch"].as_f64().unwrap() - 110.0).abs() < 1e-9);
+        let one = Timing { batches: 1, ..timing };
+        let r = row("moe/mma", "int4-g128", ActDType::BF16, 256, one, 1e6, 1e9, 200e-6, 3000.0);
+        assert_eq!(r.spread(), "-");
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(json.get("micros_fastest_batch").is_none() && json["batches"] == 1);
     }
 }
