@@ -135,9 +135,16 @@ impl Tokenizer {
                 ));
             }
         }
-        crate::host::catch_quietly(|| text.parse::<tokenizers::Tokenizer>())
+        let mut tok = crate::host::catch_quietly(|| text.parse::<tokenizers::Tokenizer>())
             .map_err(|_| "the tokenizers library could not read this file".to_string())?
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        // transformers encodes with neither (a call without `truncation=` / `padding=` turns the file's
+        // off), nor does vLLM: kept, a file's `truncation` would cut prompts short and its `padding`
+        // put pad ids the model reads before them, without a word (and a `stride` not below
+        // `max_length` panics the library's encoder).
+        tok.with_truncation(None).map_err(|e| e.to_string())?;
+        tok.with_padding(None);
+        Ok(tok)
     }
 
     fn new(inner: tokenizers::Tokenizer, path: PathBuf) -> Self {
@@ -424,6 +431,53 @@ mod tests {
         assert!(err.contains("<unk>"), "{err}");
         let err = tok.encode_prompt("café", false).unwrap_err().to_string();
         assert!(err.contains("U+00E9"), "{err}");
+    }
+
+    /// A `tokenizer.json` with `truncation` or `padding` set encodes as transformers encodes by
+    /// default, with neither: the whole prompt, no pad ids before it (a `stride` not below
+    /// `max_length` panicked the library's encoder).
+    #[test]
+    fn the_files_truncation_and_padding_are_not_applied() {
+        let plain = char_tokenizer().encode("Question: 12+34+56+7=").unwrap();
+        assert_eq!(plain.len(), 21);
+        for (key, value) in [
+            ("truncation", serde_json::json!({"direction": "Left", "max_length": 3,
+                "strategy": "LongestFirst", "stride": 0})),
+            ("truncation", serde_json::json!({"direction": "Right", "max_length": 3,
+                "strategy": "LongestFirst", "stride": 5})),
+            ("padding", serde_json::json!({"strategy": {"Fixed": 40}, "direction": "Left",
+                "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>", "pad_to_multiple_of": null})),
+        ] {
+            let mut json = char_tokenizer::tokenizer_json();
+            json[key] = value;
+            let tok = Tokenizer::from_json_text(&json.to_string());
+            assert_eq!(tok.encode("Question: 12+34+56+7=").unwrap(), plain, "{key}");
+        }
+    }
+
+    /// An added token the library cannot number (the vocabulary's largest id is u32::MAX) is an error
+    /// naming `tokenizer_config.json`, not an overflow panic.
+    #[test]
+    fn an_added_token_beyond_the_last_id_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [{"id": 4294967295u32, "content": "<x>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "a": 1, "<x>": 4294967295u32},
+                "unk_token": "<unk>"},
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"added_tokens_decoder": {"5": {"content": "<y>", "special": true}}}"#,
+        )
+        .unwrap();
+        let Err(err) = Tokenizer::load_optional(dir.path()) else {
+            panic!("a token numbered past u32::MAX was added");
+        };
+        let err = err.to_string();
+        assert!(err.contains("tokenizer_config.json") && err.contains("<y>"), "{err}");
     }
 
     #[test]

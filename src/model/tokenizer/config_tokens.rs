@@ -140,11 +140,22 @@ pub(super) fn add_missing(
 ) -> Result<(), String> {
     for (id, token) in missing {
         let added = [token.added_token()];
-        if token.special {
-            tokenizer.add_special_tokens(&added);
-        } else {
-            tokenizer.add_tokens(&added);
-        }
+        // The library panics where it cannot number the token (a vocabulary whose largest id is
+        // u32::MAX overflows its next free id): an error here, not a crash.
+        crate::host::catch_quietly(std::panic::AssertUnwindSafe(|| {
+            if token.special {
+                tokenizer.add_special_tokens(&added);
+            } else {
+                tokenizer.add_tokens(&added);
+            }
+        }))
+        .map_err(|_| {
+            format!(
+                "`added_tokens_decoder` names id {id} `{}`, which the tokenizers library could not \
+                 add to tokenizer.json's vocabulary (no free id after its largest)",
+                token.content
+            )
+        })?;
         let got = tokenizer.token_to_id(&token.content);
         if got != Some(*id) {
             let place = got.map_or("no id".to_string(), |g| format!("id {g}"));
