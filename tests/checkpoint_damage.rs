@@ -150,6 +150,33 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         err.contains("optimizer.bpk is not the file this checkpoint was written with"),
         "{err}"
     );
+    // An edited model config: the resumed model took it and passed it on to every later checkpoint.
+    let err = resume_error(&cfg, "edited_config", |d| {
+        let p = d.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        config["rope_theta"] = 500.0.into();
+        std::fs::write(&p, config.to_string()).unwrap();
+    });
+    assert!(
+        err.contains("config.json is not the file this checkpoint was written with")
+            && err.contains("another config"),
+        "{err}"
+    );
+    // A manifest written before it vouched for config.json still vouches for the rest.
+    let err = resume_error(&cfg, "older_manifest", |d| {
+        let p = d.join(checkpoint::MANIFEST_FILE);
+        let mut manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        manifest.as_object_mut().unwrap().remove("config.json");
+        std::fs::write(&p, manifest.to_string()).unwrap();
+        let step0 = d.with_file_name("step_000000");
+        std::fs::copy(step0.join("optimizer.bpk"), d.join("optimizer.bpk")).unwrap();
+    });
+    assert!(
+        err.contains("optimizer.bpk is not the file this checkpoint was written with"),
+        "{err}"
+    );
 
     // A fresh run there is refused naming the damage; --overwrite starts over without reading it.
     let mut damaged = cfg.clone();

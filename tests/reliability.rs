@@ -325,6 +325,11 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     for f in earlier {
         std::fs::write(cfg.run_dir.join(f), "{}").unwrap();
     }
+    // A user's own file among the checkpoints is no checkpoint: it stays (the folder was deleted whole).
+    let notes = checkpoint::checkpoints_dir(&cfg.run_dir).join("notes.txt");
+    std::fs::write(&notes, "mine").unwrap();
+    let old_checkpoint = checkpoint::latest(&cfg.run_dir).unwrap().0;
+    std::fs::write(old_checkpoint.join("of_the_earlier_run"), "").unwrap();
     train::run_with(
         &cfg,
         &RunOptions {
@@ -337,6 +342,12 @@ fn a_fresh_run_refuses_to_overwrite_checkpoints() {
     for f in earlier {
         assert!(!cfg.run_dir.join(f).exists(), "--overwrite kept {f}");
     }
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "mine");
+    assert!(
+        !old_checkpoint.join("of_the_earlier_run").exists(),
+        "--overwrite kept the earlier run's checkpoint"
+    );
+    assert_eq!(checkpoint::list(&cfg.run_dir).len(), 1);
     assert_eq!(rows(&cfg.run_dir, &["rl"]).len(), 1);
     // The model is kept and used again, and with it the rows of its warm start.
     assert_eq!(rows(&cfg.run_dir, &["sft"]).len(), sft_rows);
@@ -615,7 +626,8 @@ fn bad_configs_are_named_with_their_key_path() {
         assert!(good.contains(from), "{from}");
         good.replacen(from, to, 1)
     };
-    let cases: Vec<(&str, String, &[&str])> = vec![
+    let cases: Vec<(&str, String, &[&str])> =
+        vec![
         (
             "misspelt key",
             edit("samples_per_prompt = 8", "sample_per_prompt = 8"),
@@ -703,6 +715,32 @@ fn bad_configs_are_named_with_their_key_path() {
                 "dir = \"runs/default/checkpoints/step_000001\"",
             ),
             &["`model.dir`", "inside the run's checkpoints"],
+        ),
+        (
+            "run files over the warm start's base (its config.json was replaced)",
+            edit(
+                "init_config = \"configs/models/qwen3-moe-arith.json\"",
+                "base = \"runs/base\"",
+            )
+            .replace("run_dir = \"runs/default\"", "run_dir = \"runs/./base\""),
+            &["`model.base` = \"runs/base\" is `run_dir`", "overwrite its files"],
+        ),
+        (
+            "a model config where the run writes its own config.json",
+            edit(
+                "init_config = \"configs/models/qwen3-moe-arith.json\"",
+                "init_config = \"runs/default/config.json\"",
+            ),
+            &["`model.init_config`", "a file the run writes in `run_dir`"],
+        ),
+        (
+            "a data set inside the run's checkpoints (--overwrite deleted it)",
+            edit(
+                "kind = \"arithmetic\"\nmin_digits = 1\nmax_digits = 1\nops = [\"add\", \"sub\"]\n\
+                 min_terms = 3\nmax_terms = 4",
+                "kind = \"gsm8k\"\npath = \"runs/default/checkpoints/data.jsonl\"",
+            ),
+            &["`task.path`", "inside the run's checkpoints"],
         ),
         (
             "a warm start from model.dir into itself (it never ran)",

@@ -328,6 +328,12 @@ fn repetition_loops_match_hand_cases() {
         min_span: 0,
     };
     assert!(repetition_loop_mask(&five, wide).iter().all(|&m| m));
+    // a repeat count no sequence can hold marks nothing (its product with the pattern length overflowed)
+    let never = LoopRule {
+        min_repeats: usize::MAX / 2,
+        ..wide
+    };
+    assert!(repetition_loop_mask(&five, never).iter().all(|&m| !m));
     // a span floor for character tokenizers: "####" is text, 12 characters of "ab" are a loop
     let chars = LoopRule {
         min_span: 12,

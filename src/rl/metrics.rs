@@ -268,7 +268,8 @@ pub fn repetition_loop_mask(tokens: &[u32], rule: LoopRule) -> Vec<bool> {
     }
     let mut marked = vec![false; len];
     for n in 1..=rule.max_pattern {
-        let need = (n * rule.min_repeats).max(rule.min_span);
+        // Saturating: a `min_repeats` near usize::MAX (no loop can be that long) overflowed here.
+        let need = n.saturating_mul(rule.min_repeats).max(rule.min_span);
         let mut start = 0;
         while start + n < len {
             if tokens[start] != tokens[start + n] {

@@ -301,6 +301,42 @@ pub fn remove_leftovers(root: &Path) {
     }
 }
 
+/// Whether `name`, an entry of a checkpoints folder, is a checkpoint or what a killed writer left
+/// ([`remove_leftovers`]): the entries qarl writes there.
+fn written_by_a_run(name: &str) -> bool {
+    step_of_name(name).is_some()
+        || name.starts_with(".tmp-ckpt")
+        || name.starts_with(".old-step_")
+        || name.starts_with(PRUNED_PREFIX)
+}
+
+/// Removes every checkpoint of a run under its checkpoints folder `root` (with what killed writers
+/// left), then `root` once empty. Returns the entries left, which no run wrote (a user's files kept
+/// there): a fresh run (`--overwrite`) deleted the whole folder, and those with it.
+pub fn remove_all(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(crate::io::failed(root, "cannot list")(e)),
+    };
+    let mut left = Vec::new();
+    for e in entries {
+        let e = e.map_err(crate::io::failed(root, "cannot list"))?;
+        let name = e.file_name().to_string_lossy().to_string();
+        let is_dir = e.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && written_by_a_run(&name) {
+            std::fs::remove_dir_all(e.path())
+                .map_err(crate::io::failed(&e.path(), "cannot remove"))?;
+        } else {
+            left.push(e.path());
+        }
+    }
+    if left.is_empty() {
+        std::fs::remove_dir(root).map_err(crate::io::failed(root, "cannot remove"))?;
+    }
+    Ok(left)
+}
+
 /// The step in the name of checkpoint directory `dir`.
 fn newest_step(dir: &Path) -> Option<usize> {
     step_of_name(&dir.file_name()?.to_string_lossy())
@@ -424,12 +460,23 @@ pub fn latest_checked_in(root: &Path) -> anyhow::Result<Option<(PathBuf, Trainer
 /// panicked at the first step.
 pub const MANIFEST_FILE: &str = "manifest.json";
 
-/// The files [`MANIFEST_FILE`] vouches for.
+/// The files [`MANIFEST_FILE`] vouches for: the weights, the optimizer state, the parameter ids and the
+/// model config (which a resume builds the model from: an edited `rope_theta` went on into every later
+/// checkpoint without a word).
 fn manifest_files() -> Vec<String> {
-    ["model.safetensors", OPTIMIZER_FILE, PARAM_IDS_FILE]
-        .map(String::from)
-        .to_vec()
+    [
+        "model.safetensors",
+        OPTIMIZER_FILE,
+        PARAM_IDS_FILE,
+        "config.json",
+    ]
+    .map(String::from)
+    .to_vec()
 }
+
+/// The files of [`manifest_files`] that manifests written before they were added lack: such a manifest
+/// vouches for the others alone.
+const LATER_MANIFEST_FILES: [&str; 1] = ["config.json"];
 
 fn manifest_of(dir: &Path) -> anyhow::Result<serde_json::Value> {
     let mut m = serde_json::Map::new();
@@ -461,11 +508,18 @@ pub fn check_manifest(dir: &Path) -> anyhow::Result<()> {
     }
     let now = manifest_of(dir)?;
     for name in manifest_files() {
+        if written.get(&name).is_none() && LATER_MANIFEST_FILES.contains(&name.as_str()) {
+            continue;
+        }
         if written.get(&name) != now.get(&name) {
+            let harm = if name == "config.json" {
+                "the model would be rebuilt from another config than the one it was trained under"
+            } else {
+                "the optimizer's moments would be restarted or put on other parameters"
+            };
             anyhow::bail!(
                 "{}: {name} is not the file this checkpoint was written with (fingerprint {} in {MANIFEST_FILE}, \
-                 {} now): the optimizer's moments would be restarted or put on other parameters; restore it, \
-                 or move {} away to resume from an older checkpoint",
+                 {} now): {harm}; restore it, or move {} away to resume from an older checkpoint",
                 dir.display(),
                 written.get(&name).unwrap_or(&serde_json::Value::Null),
                 now[&name],

@@ -365,6 +365,18 @@ pub struct EvalConfig {
     pub max_new_tokens: usize,
 }
 
+/// The files a run writes directly in `run_dir` (beside `checkpoints/` and the configs kept by accepted
+/// changes, `config.before_step_*.json`): its config, its logs, its plots and an experiment's mark that
+/// it finished. No input of the run may be one of them.
+pub const RUN_FILES: [&str; 6] = [
+    "config.json",
+    "metrics.jsonl",
+    "sft_metrics.jsonl",
+    "worst_responses.jsonl",
+    "plots.png",
+    "finished.json",
+];
+
 /// Everything `qarl train` needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -432,6 +444,74 @@ impl TrainConfig {
             unset.push("verify.format_reward".into());
         }
         unset
+    }
+
+    /// Every path a run of this config reads, by its key, and whether it names a folder.
+    fn input_paths(&self) -> Vec<(&'static str, &Path, bool)> {
+        let mut inputs = vec![("model.dir", self.model.dir.as_path(), true)];
+        inputs.extend(self.model.base.as_deref().map(|p| ("model.base", p, true)));
+        let init = self.model.init_config.as_deref();
+        inputs.extend(init.map(|p| ("model.init_config", p, false)));
+        if let TaskConfig::Gsm8k(d) | TaskConfig::Math(d) = &self.task {
+            inputs.push(("task.path", d.path.as_path(), false));
+            inputs.extend(d.eval_path.as_deref().map(|p| ("task.eval_path", p, false)));
+        }
+        let template_dir = self
+            .task
+            .chat_template()
+            .and_then(|t| t.model_dir.as_deref());
+        inputs.extend(template_dir.map(|p| ("task.template.model_dir", p, true)));
+        inputs
+    }
+
+    /// Refuses an input ([`Self::input_paths`]) that the run's own writes would replace or delete: a
+    /// folder that is `run_dir` (whose `config.json` the run's config replaces: a model's, or the base's),
+    /// a file among [`RUN_FILES`], and anything inside the run's checkpoints, which a fresh run
+    /// (`--overwrite`) deletes and pruning removes.
+    fn check_inputs_outside_outputs(&self) -> anyhow::Result<()> {
+        let run_dir = &self.run_dir;
+        let checkpoints = run_dir.join("checkpoints");
+        for (key, path, is_dir) in self.input_paths() {
+            let shown = path.display().to_string();
+            if is_dir && crate::io::same_dir(path, run_dir) {
+                bail!(
+                    "`{key}` = {shown:?} is `run_dir`: the run's config.json and metrics would overwrite \
+                     its files; choose another `run_dir`"
+                );
+            }
+            if crate::io::within(path, &checkpoints) {
+                bail!(
+                    "`{key}` = {shown:?} is inside the run's checkpoints ({}), which a fresh run \
+                     (`--overwrite`) deletes and checkpoint pruning removes: copy it elsewhere, or \
+                     continue that run with `--resume`",
+                    checkpoints.display()
+                );
+            }
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            let written = RUN_FILES.contains(&name)
+                || (name.starts_with("config.before_step_") && name.ends_with(".json"));
+            let in_run_dir = path.parent().is_some_and(|p| {
+                crate::io::same_dir(
+                    if p.as_os_str().is_empty() {
+                        Path::new(".")
+                    } else {
+                        p
+                    },
+                    run_dir,
+                )
+            });
+            if !is_dir && written && in_run_dir {
+                bail!(
+                    "`{key}` = {shown:?} is a file the run writes in `run_dir` (its {}): keep the input \
+                     elsewhere, or choose another `run_dir`",
+                    RUN_FILES.join(", ")
+                );
+            }
+        }
+        Ok(())
     }
 
     /// The files a run of this config reads or keeps (the model's and the base model's files, the model
@@ -575,7 +655,10 @@ impl TrainConfig {
     /// ([`Self::lp_old_reuse_blocker`] with a step's full batch). Elsewhere `lp_old` is always recomputed
     /// and the setting would pass without checking anything.
     fn check_lp_old_check(&self) -> anyhow::Result<()> {
-        let rows = self.rollout.prompts_per_step * self.rollout.samples_per_prompt;
+        let rows = self
+            .rollout
+            .prompts_per_step
+            .saturating_mul(self.rollout.samples_per_prompt);
         let Some(why) = self.lp_old_reuse_blocker(rows) else {
             return Ok(());
         };
@@ -613,22 +696,7 @@ impl TrainConfig {
                 self.run_dir.display().to_string()
             );
         }
-        // `--overwrite` deletes the run's checkpoints before the model is read (or created again).
-        let checkpoints = self.run_dir.join("checkpoints");
-        for (key, dir) in [
-            ("model.dir", Some(&self.model.dir)),
-            ("model.base", self.model.base.as_ref()),
-        ] {
-            if let Some(dir) = dir.filter(|d| crate::io::within(d, &checkpoints)) {
-                bail!(
-                    "`{key}` = {:?} is inside the run's checkpoints ({}), which a fresh run \
-                     (`--overwrite`) deletes and checkpoint pruning removes: copy the model elsewhere, or \
-                     continue that run with `--resume`",
-                    dir.display().to_string(),
-                    checkpoints.display()
-                );
-            }
-        }
+        self.check_inputs_outside_outputs()?;
         let loops = &self.train.error_tokens;
         check(
             (1..=64).contains(&loops.max_pattern),

@@ -250,9 +250,14 @@ fn check_log_reaches(metrics_path: &Path, checkpoint: &Path, step: usize) -> any
 /// finished).
 fn remove_earlier_outputs(run_dir: &Path) -> anyhow::Result<()> {
     let dir = checkpoint::checkpoints_dir(run_dir);
-    if dir.exists() {
-        std::fs::remove_dir_all(&dir)
-            .with_context(|| format!("{}: cannot remove", dir.display()))?;
+    let left = checkpoint::remove_all(&dir)?;
+    if !left.is_empty() {
+        let names: Vec<String> = left.iter().map(|p| p.display().to_string()).collect();
+        tracing::warn!(
+            "{}: the earlier run's checkpoints are removed; left in place, not written by a run: {}",
+            dir.display(),
+            names.join(", ")
+        );
     }
     let kept_configs = std::fs::read_dir(run_dir)
         .into_iter()
@@ -378,6 +383,21 @@ pub(super) fn reset_metrics(
 
 #[cfg(test)]
 mod tests {
+    /// The files a run writes in `run_dir` are those no input may be ([`config::RUN_FILES`]).
+    #[test]
+    fn the_run_files_list_names_every_file_a_run_writes() {
+        let dir = std::path::Path::new("r");
+        let written = [
+            super::finished_marker(dir),
+            crate::train::plot::run_plots(dir),
+            dir.join(crate::train::metrics::WORST_RESPONSES_FILE),
+        ];
+        for file in written {
+            let name = file.file_name().unwrap().to_str().unwrap();
+            assert!(super::config::RUN_FILES.contains(&name), "{name}");
+        }
+    }
+
     /// A run moved with its model before its first RL checkpoint keeps its warm start's rows on
     /// `--resume`: the earlier `model.dir` is gone and the one named now records this config's recipe.
     #[test]

@@ -159,9 +159,12 @@ impl ExperimentConfig {
                     "each run's folder is <results>/<variant>/seed<N>",
                 ),
             ] {
-                if v.set.contains_key(key) {
+                // `seed.x` too: it makes `seed` a table, which the experiment's value then replaces.
+                let nested = format!("{key}.");
+                if let Some(set) = v.set.keys().find(|k| *k == key || k.starts_with(&nested)) {
                     bail!(
-                        "{}: variant {:?} sets `{key}`, which an experiment sets for every run ({why})",
+                        "{}: variant {:?} sets `{set}`, which an experiment sets for every run as \
+                         `{key}` ({why})",
                         path.display(),
                         v.name
                     );
