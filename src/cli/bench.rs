@@ -490,7 +490,24 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Said before a benchmark times anything in a binary built without `--release` (debug assertions
+/// on: `cargo build` / `cargo run`, whose profile builds qarl's own CPU kernels at opt-level 1): its
+/// times are several times a release build's, with nothing else to tell them apart.
+fn warn_if_dev_build() {
+    if cfg!(debug_assertions) {
+        eprintln!(
+            "warning: this qarl is a dev build (built without --release): its CPU kernels run at \
+             opt-level 1, so these timings are several times a release build's; for numbers to \
+             compare, `cargo build --release` (or `cargo run --release -- bench ...`)"
+        );
+    }
+}
+
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let summarizes = matches!(&args.what, BenchWhat::Kernels(a) if a.summarize.is_some());
+    if !summarizes {
+        warn_if_dev_build();
+    }
     match args.what {
         BenchWhat::Rollout(a) => run_rollout(a),
         BenchWhat::Kernels(a) => super::kernel_bench::run(a),

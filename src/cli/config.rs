@@ -64,7 +64,7 @@ fn show(a: ShowArgs) -> anyhow::Result<()> {
     }
     let unset = cfg.unset_options();
     if !unset.is_empty() {
-        println!("# unset, so off: {}", unset.join(", "));
+        println!("# off, so not printed: {}", unset.join(", "));
     }
     print!("{}", toml::to_string_pretty(&cfg.with_defaults())?);
     Ok(())

@@ -205,12 +205,7 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     let prompts: Vec<Vec<u32>> = records
         .iter()
-        .map(|r| {
-            tok.encode_prompt(
-                &template.render_prompt(&r.question)?,
-                template.prompt_takes_bos(),
-            )
-        })
+        .map(|r| super::eval::encode_record(&tok, &template, r, &path))
         .collect::<anyhow::Result<_>>()?;
     let batch = args.batch;
     check_prompt_sizes(
@@ -286,6 +281,19 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
 /// [`crate::rollout::check_rollout_size`] for `rows` rows of these prompts (`records`' questions, read
 /// from `path`) and `new` tokens each, naming the file, line and question of the longest where it is too
 /// long for the model's positions (the flags in `what` alone do not say which record).
+/// The prompt of data-set record `r` of `path` under `template`, as token ids; an error (a character the
+/// tokenizer has no token for) names the file and the line.
+pub(super) fn encode_record(
+    tok: &Tokenizer,
+    template: &Template,
+    r: &crate::tasks::datasets::Record,
+    path: &std::path::Path,
+) -> anyhow::Result<Vec<u32>> {
+    let prompt = template.render_prompt(&r.question)?;
+    tok.encode_prompt(&prompt, template.prompt_takes_bos())
+        .map_err(|e| e.context(format!("{}: line {}", path.display(), r.line)))
+}
+
 pub(super) fn check_prompt_sizes(
     config: &crate::model::ModelConfig,
     (what, rows): (&str, usize),

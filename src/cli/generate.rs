@@ -164,7 +164,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                     args.model.display()
                 )
             })?;
-            let ids = tok.encode_prompt(text, true)?;
+            let ids = tok.encode_prompt(text, true).context("--prompt")?;
             model
                 .check_prompts(std::slice::from_ref(&ids))
                 .context("--prompt")?;

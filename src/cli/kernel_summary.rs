@@ -96,7 +96,8 @@ pub fn moe_summary(rows: &[Value]) -> Vec<String> {
         let Some(best) = best else { continue };
         let kernel = text(best, "kernel");
         // The same yardstick at the fastest and the slowest batch's time, where the row has them.
-        let batches = batch_range(best).map(|(fast, slow)| (fast / num(best, "micros"), slow / num(best, "micros")));
+        let batches = batch_range(best)
+            .map(|(fast, slow)| (fast / num(best, "micros"), slow / num(best, "micros")));
         lines.push(if decode {
             let share = num(best, "bandwidth_fraction");
             let verdict = if share >= 0.5 { "at least" } else { "under" };

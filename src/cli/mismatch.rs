@@ -92,7 +92,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.temperature.is_finite() && args.temperature >= crate::rollout::sampler::MIN_TEMPERATURE,
         "--temperature must be a finite number >= {:e} (log-probs of sampled tokens are compared; below, \
-         the distribution is greedy's and every KL reads 0, or the logits divided by it overflow), got {:e}",
+         the distribution is greedy's and every KL reads 0, or the logits divided by it overflow), got {:?}",
         crate::rollout::sampler::MIN_TEMPERATURE,
         args.temperature
     );
@@ -141,12 +141,7 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     tok.check_template(&template, &args.model)?;
     let prompts: Vec<Vec<u32>> = records
         .iter()
-        .map(|r| {
-            tok.encode_prompt(
-                &template.render_prompt(&r.question)?,
-                template.prompt_takes_bos(),
-            )
-        })
+        .map(|r| super::eval::encode_record(&tok, &template, r, &path))
         .collect::<anyhow::Result<_>>()?;
     super::eval::check_prompt_sizes(
         &full.config,
@@ -302,6 +297,9 @@ fn measure(
     tok: &Tokenizer,
     samples: usize,
 ) -> anyhow::Result<Vec<serde_json::Value>> {
+    // What runs, with its elapsed time (a rollout of a real model's prompts takes minutes on a CPU).
+    let spinner = crate::train::progress::spinner(&format!("rollout {rollout}:"), false);
+    spinner.set_message(format!("sampling {} prompts x {samples}", prompts.len()));
     let t = std::time::Instant::now();
     let out = generate(sampler, prompts, samples, params, Some(tok));
     out.ensure_finite()
@@ -317,6 +315,7 @@ fn measure(
         .collect();
     let mut rows = Vec::new();
     for &(forward, weights) in forwards {
+        spinner.set_message(format!("scoring its tokens with the {forward} forward"));
         let lp =
             crate::host::to_f32_vec(batch.logprobs(sampler, weights, params.temperature, None).0);
         // A non-finite learner log-prob would print a NaN KL and exit 0: name where it first appeared.
@@ -357,19 +356,22 @@ fn measure(
             }
         }
         let v = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
-        println!(
-            "{rollout:>10} {forward:>8}: k3 KL {:.3e}  |dp| max {:.3e}  mean {:.3e}  error tokens: ratio {:.4}  \
-             low prob {:.4}  repetition {:.4}  any {:.4}",
-            v(KEYS[0]),
-            v(KEYS[1]),
-            v(KEYS[2]),
-            v(KEYS[3]),
-            v(KEYS[4]),
-            v(KEYS[5]),
-            v(KEYS[6]),
-        );
+        spinner.suspend(|| {
+            println!(
+                "{rollout:>10} {forward:>8}: k3 KL {:.3e}  |dp| max {:.3e}  mean {:.3e}  error tokens: ratio {:.4}  \
+                 low prob {:.4}  repetition {:.4}  any {:.4}",
+                v(KEYS[0]),
+                v(KEYS[1]),
+                v(KEYS[2]),
+                v(KEYS[3]),
+                v(KEYS[4]),
+                v(KEYS[5]),
+                v(KEYS[6]),
+            )
+        });
         rows.push(row);
     }
+    spinner.finish_and_clear();
     Ok(rows)
 }
 

@@ -598,9 +598,21 @@ impl ModelConfig {
         if path.is_dir() || path.extension().is_none_or(|e| e != "json") {
             path = path.join("config.json");
         }
-        let text = std::fs::read_to_string(&path).map_err(|io| LoadError::Io {
-            path: path.clone(),
-            io,
+        let text = std::fs::read_to_string(&path).map_err(|io| {
+            // A model directory that does not exist is named as such, not as its missing config.json.
+            match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                Some(dir) if io.kind() == std::io::ErrorKind::NotFound && !dir.exists() => {
+                    LoadError::InvalidConfig {
+                        path: dir.to_path_buf(),
+                        msg: "no such folder (the model's directory, holding its config.json)"
+                            .into(),
+                    }
+                }
+                _ => LoadError::Io {
+                    path: path.clone(),
+                    io,
+                },
+            }
         })?;
         Self::from_json_str(&text, &path)
     }

@@ -280,8 +280,8 @@ impl Tokenizer {
         ids.extend(body);
         if ids.is_empty() {
             anyhow::bail!(
-                "{}: the prompt {text:?} encodes to no tokens (an empty question under a template with \
-                 empty prefixes?)",
+                "{}: the prompt {text:?} encodes to no tokens (an empty text, or an empty question under a \
+                 template with empty prefixes)",
                 self.path.display()
             );
         }
@@ -441,12 +441,21 @@ mod tests {
         let plain = char_tokenizer().encode("Question: 12+34+56+7=").unwrap();
         assert_eq!(plain.len(), 21);
         for (key, value) in [
-            ("truncation", serde_json::json!({"direction": "Left", "max_length": 3,
-                "strategy": "LongestFirst", "stride": 0})),
-            ("truncation", serde_json::json!({"direction": "Right", "max_length": 3,
-                "strategy": "LongestFirst", "stride": 5})),
-            ("padding", serde_json::json!({"strategy": {"Fixed": 40}, "direction": "Left",
-                "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>", "pad_to_multiple_of": null})),
+            (
+                "truncation",
+                serde_json::json!({"direction": "Left", "max_length": 3,
+                "strategy": "LongestFirst", "stride": 0}),
+            ),
+            (
+                "truncation",
+                serde_json::json!({"direction": "Right", "max_length": 3,
+                "strategy": "LongestFirst", "stride": 5}),
+            ),
+            (
+                "padding",
+                serde_json::json!({"strategy": {"Fixed": 40}, "direction": "Left",
+                "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>", "pad_to_multiple_of": null}),
+            ),
         ] {
             let mut json = char_tokenizer::tokenizer_json();
             json[key] = value;
@@ -477,7 +486,10 @@ mod tests {
             panic!("a token numbered past u32::MAX was added");
         };
         let err = err.to_string();
-        assert!(err.contains("tokenizer_config.json") && err.contains("<y>"), "{err}");
+        assert!(
+            err.contains("tokenizer_config.json") && err.contains("<y>"),
+            "{err}"
+        );
     }
 
     #[test]

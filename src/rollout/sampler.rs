@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 pub enum RolloutError {
     #[error(
         "temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:e} (near 0 the logits \
-         divided by it overflow), got {0:e}"
+         divided by it overflow), got {0:?}"
     )]
     Temperature(f32),
     #[error("top_p must be in (0, 1], got {0}")]

@@ -457,7 +457,8 @@ fn draw_panels(
         root.present()
             .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
     }
-    write_png(tmp.as_file(), &pixels, size).map_err(crate::io::failed(tmp.path(), "cannot write"))?;
+    write_png(tmp.as_file(), &pixels, size)
+        .map_err(crate::io::failed(tmp.path(), "cannot write"))?;
     crate::io::set_usual_permissions(tmp.path());
     tmp.persist(out)
         .map_err(|e| crate::io::failed(out, "cannot move into place")(e.error))?;
@@ -683,7 +684,12 @@ mod tests {
         let fast = dir.path().join("fast.png");
         image::save_buffer(&fast, &pixels, size.0, size.1, image::ColorType::Rgb8).unwrap();
         let len = |p: &Path| std::fs::metadata(p).unwrap().len();
-        assert!(len(&path) < len(&fast), "{} vs {} bytes", len(&path), len(&fast));
+        assert!(
+            len(&path) < len(&fast),
+            "{} vs {} bytes",
+            len(&path),
+            len(&fast)
+        );
     }
 
     #[test]

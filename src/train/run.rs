@@ -232,7 +232,19 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             super::plot::run_plots(&cfg.run_dir),
         ])?;
     }
-    let bar = progress::progress_bar(steps.saturating_sub(start) as u64, "rl", opts.quiet);
+    // The bar counts the run's steps, a resumed one from where it resumed (it read 0/1 for step 7 of 7).
+    let bar = progress::progress_bar(steps as u64, "rl", opts.quiet);
+    bar.set_position(start as u64);
+    // The rate and the ETA count the steps of this process only.
+    bar.reset_eta();
+    if let Some((p, saved)) = resumed.as_ref().filter(|_| model_made && start < steps) {
+        bar.println(format!(
+            "resuming after step {} from {}: steps {start} to {} to go",
+            saved.step,
+            p.display(),
+            steps - 1
+        ));
+    }
     for step in start..steps {
         let inject = opts.inject_nonfinite_steps.contains(&step);
         let out = rl::rl_step(
@@ -795,10 +807,18 @@ pub(super) fn check_step_sizes(
     let Some(tok) = tok else {
         return Ok(());
     };
+    // A question the tokenizer cannot encode is named (the tokenizer's error names its own file only).
     let encoded = |examples: &[Example]| -> anyhow::Result<Vec<Vec<u32>>> {
         examples
             .iter()
-            .map(|ex| tok.encode_prompt(&ex.prompt, ex.with_bos))
+            .map(|ex| {
+                tok.encode_prompt(&ex.prompt, ex.with_bos).map_err(|e| {
+                    e.context(format!(
+                        "the task's {}",
+                        crate::rollout::shown_question(&ex.question)
+                    ))
+                })
+            })
             .collect()
     };
     let mut training = task.training_examples().unwrap_or_default();

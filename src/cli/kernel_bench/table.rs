@@ -183,13 +183,36 @@ mod tests {
             slowest: 110e-6,
             batches: 5,
         };
-        let r = row("moe/mma", "int4-g128", ActDType::BF16, 256, timing, 1e6, 1e9, 200e-6, 3000.0);
+        let r = row(
+            "moe/mma",
+            "int4-g128",
+            ActDType::BF16,
+            256,
+            timing,
+            1e6,
+            1e9,
+            200e-6,
+            3000.0,
+        );
         assert_eq!(r.spread(), "15.0%");
         let json = serde_json::to_value(&r).unwrap();
         assert!((json["micros_fastest_batch"].as_f64().unwrap() - 95.0).abs() < 1e-9);
         assert!((json["micros_slowest_batch"].as_f64().unwrap() - 110.0).abs() < 1e-9);
-        let one = Timing { batches: 1, ..timing };
-        let r = row("moe/mma", "int4-g128", ActDType::BF16, 256, one, 1e6, 1e9, 200e-6, 3000.0);
+        let one = Timing {
+            batches: 1,
+            ..timing
+        };
+        let r = row(
+            "moe/mma",
+            "int4-g128",
+            ActDType::BF16,
+            256,
+            one,
+            1e6,
+            1e9,
+            200e-6,
+            3000.0,
+        );
         assert_eq!(r.spread(), "-");
         let json = serde_json::to_value(&r).unwrap();
         assert!(json.get("micros_fastest_batch").is_none() && json["batches"] == 1);

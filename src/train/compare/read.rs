@@ -185,7 +185,19 @@ pub(super) fn run_evaluation(
             found
         }
     }
-    .with_context(|| format!("{}: no held-out evaluation ({row})", metrics.display()))?;
+    .with_context(|| {
+        let steps: Vec<String> = evals
+            .iter()
+            .filter_map(|v| v["step"].as_u64())
+            .map(|s| s.to_string())
+            .collect();
+        let held = if steps.is_empty() {
+            "none at any step".to_string()
+        } else {
+            format!("it has them at steps {}", steps.join(", "))
+        };
+        format!("{}: no held-out evaluation ({row}); {held}", metrics.display())
+    })?;
     let key = format!("eval/{precision}/greedy_correct");
     let step = picked["step"]
         .as_u64()

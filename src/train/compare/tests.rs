@@ -100,7 +100,11 @@ fn a_runs_evaluations_are_read_by_row_and_precision_with_its_tasks_questions() {
     let f32 = Evaluation::load(&format!("{spec}@0"), Some("f32")).unwrap();
     assert_eq!(f32.correct, [true; 4]);
     let err = |s: String, p: Option<&str>| format!("{:#}", Evaluation::load(&s, p).unwrap_err());
-    assert!(err(format!("{spec}@7"), None).contains("no held-out evaluation (at step 7)"));
+    let at_7 = err(format!("{spec}@7"), None);
+    assert!(
+        at_7.contains("no held-out evaluation (at step 7); it has them at steps "),
+        "{at_7}"
+    );
     assert!(
         err(format!("{spec}@later"), None).contains("expected `@first`, `@last` or a step number")
     );

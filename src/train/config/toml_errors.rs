@@ -283,9 +283,18 @@ pub fn edit_distance(a: &str, b: &str) -> usize {
     prev[b.len()]
 }
 
-/// The candidate closest to `name`, when it is close enough to be a likely typo.
+/// The candidate closest to `name`, when it is close enough to be a likely typo; or the one candidate
+/// that `name` begins, up to a `_` (`ppo` for `ppo_clip`, which by edit distance is further than `grpo`).
 pub fn closest<'a>(name: &str, candidates: &'a [String]) -> Option<&'a str> {
     let lower = name.to_lowercase();
+    let mut extended = candidates.iter().filter(|c| {
+        c.to_lowercase()
+            .strip_prefix(&lower)
+            .is_some_and(|rest| rest.starts_with('_'))
+    });
+    if let (Some(only), None) = (extended.next(), extended.next()) {
+        return Some(only.as_str());
+    }
     candidates
         .iter()
         .map(|c| (edit_distance(&lower, &c.to_lowercase()), c))
@@ -319,6 +328,9 @@ mod tests {
         );
         assert_eq!(closest("Precision", &keys), Some("precision"));
         assert_eq!(closest("temperature", &keys), None);
+        let objectives: Vec<String> = ["grpo", "ppo_clip", "gspo"].map(String::from).to_vec();
+        assert_eq!(closest("ppo", &objectives), Some("ppo_clip"));
+        assert_eq!(closest("gpo", &objectives), Some("grpo"));
     }
 
     #[test]

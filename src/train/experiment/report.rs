@@ -474,18 +474,25 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
     let mut lines = Vec::new();
     let mut apart = Vec::new();
     let evaluated = |v: &VariantSummary| v.after_roll.is_some() || v.after_f32.is_some();
-    let unpaired: Vec<&str> = variants
+    // Why a variant has no outcomes to pair: a run without them, or seeds that saw other problems.
+    let why_unpaired = |v: &VariantSummary| {
+        if v.runs
+            .iter()
+            .any(|r| r.after_roll.is_none() && r.after_f32.is_none())
+        {
+            "a run's log holds no per-problem outcomes at its end (`eval/<precision>/greedy_correct`: \
+             logs written before they were kept, or a run evaluated once)"
+        } else {
+            "its seeds were evaluated on different problems"
+        }
+    };
+    let unpaired: Vec<String> = variants
         .iter()
         .filter(|v| !v.runs.is_empty() && !evaluated(v))
-        .map(|v| v.variant.name.as_str())
+        .map(|v| format!("{} ({})", v.variant.name, why_unpaired(v)))
         .collect();
     if !unpaired.is_empty() {
-        writeln!(
-            md,
-            "\nNot paired with any arm (its seeds were evaluated on different problems, or their final \
-             outcomes cannot be read): {}.",
-            unpaired.join(", ")
-        )?;
+        writeln!(md, "\nNot paired with any arm: {}.", unpaired.join("; "))?;
     }
     for (i, a) in variants.iter().enumerate() {
         for b in &variants[i + 1..] {
@@ -602,6 +609,46 @@ fn write_plots(md: &mut String, exp: &ExperimentConfig, results: &Path) -> anyho
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A variant without outcomes to pair is named with the reason: a log without per-problem outcomes
+    /// (the paper_mini report said "different problems, or cannot be read" of logs that predate them),
+    /// or seeds that saw other problems.
+    #[test]
+    fn unpaired_variants_are_named_with_the_reason() {
+        let variant = |name: &str| Variant {
+            name: name.into(),
+            about: String::new(),
+            set: BTreeMap::new(),
+        };
+        let (old, apart) = (variant("old-log"), variant("apart"));
+        let with_outcomes = RunSummary {
+            after_roll: Some(vec![true, false]),
+            ..RunSummary::default()
+        };
+        let summaries = [
+            VariantSummary {
+                variant: &old,
+                runs: vec![RunSummary::default()],
+                before: None,
+                after_roll: None,
+                after_f32: None,
+            },
+            VariantSummary {
+                variant: &apart,
+                runs: vec![with_outcomes],
+                before: None,
+                after_roll: None,
+                after_f32: None,
+            },
+        ];
+        let mut md = String::new();
+        write_arm_comparisons(&mut md, &summaries).unwrap();
+        assert!(
+            md.contains("old-log (a run's log holds no per-problem outcomes at its end")
+                && md.contains("apart (its seeds were evaluated on different problems)"),
+            "{md}"
+        );
+    }
 
     #[test]
     fn per_seed_cell_lists_both_precisions() {
