@@ -759,6 +759,45 @@ fn save_pretrained_round_trips() {
     assert_eq!(a, b);
 }
 
+/// `--set` overrides every run's config after its variant's `set`, needs a results folder of its own, and
+/// the report says which values the command line gave; the experiment's own keys stay refused.
+#[test]
+fn experiment_overrides_go_to_every_run_and_their_own_folder() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = toml::to_string(&tiny_config(&tmp.path().join("shared"), "full", 2)).unwrap();
+    std::fs::write(tmp.path().join("base.toml"), base).unwrap();
+    let exp = "name = \"mini\"\nbase = \"base.toml\"\nseeds = [5]\n[[variant]]\nname = \"two\"\n\
+               set = { \"train.steps\" = 2 }\n";
+    let path = tmp.path().join("exp.toml");
+    std::fs::write(&path, exp).unwrap();
+    let load = || train::experiment::ExperimentConfig::load(&path).unwrap();
+    let sets = ["train.steps=1".to_string()];
+    let err = load().with_overrides(&sets, None).unwrap_err().to_string();
+    assert!(err.contains("--results-dir"), "{err}");
+    let err = load()
+        .with_overrides(&["seed=3".to_string()], Some(tmp.path().join("r")))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("an experiment sets `seed`"), "{err}");
+    let results = tmp.path().join("short");
+    let exp = load().with_overrides(&sets, Some(results.clone())).unwrap();
+    let report = train::experiment::run_loaded_experiment(&path, exp, true, None).unwrap();
+    assert!(report.starts_with(&results));
+    let ran: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(results.join("two/seed5/config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        ran["train"]["steps"], 1,
+        "the command line's value is final"
+    );
+    let text = std::fs::read_to_string(&report).unwrap();
+    assert!(
+        text.contains("with the command line's `train.steps = 1`"),
+        "{text}"
+    );
+}
+
 /// An experiment runs each (variant, seed) once, skips finished runs when run again, and reports them.
 #[test]
 fn experiment_runs_variants_and_reports() {

@@ -61,6 +61,10 @@ fn load(
     let default = std::path::Path::new(config::DEFAULT_MODEL_CONFIG_PATH);
     if path.is_none() && cfg.model.init_config.as_deref() == Some(default) && !default.is_file() {
         crate::io::write_atomic(default, config::DEFAULT_MODEL_CONFIG.as_bytes())?;
+        eprintln!(
+            "wrote {} (the default config's model, embedded in qarl) in the working directory",
+            default.display()
+        );
     }
     Ok(cfg)
 }
@@ -132,14 +136,24 @@ pub struct ExperimentArgs {
     /// the variants. (`--report-only` runs nothing: refused beside it.)
     #[arg(long, value_enum, conflicts_with = "report_only")]
     pub backend: Option<BackendKind>,
+    /// A config value for every run, over the base's and the variants' (`--set train.steps=2` for a
+    /// short trial of a study); repeatable. Needs `--results-dir`: such runs never go among the
+    /// experiment's own.
+    #[arg(long = "set", value_name = "KEY=VALUE", requires = "results_dir")]
+    pub set: Vec<String>,
+    /// Where the runs and the report go, instead of the file's `results_dir` (by default
+    /// experiments/results/<name>).
+    #[arg(long, value_name = "DIR")]
+    pub results_dir: Option<PathBuf>,
     /// No progress bars.
     #[arg(long)]
     pub quiet: bool,
 }
 
 pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
+    let exp = train::experiment::ExperimentConfig::load(&args.file)?
+        .with_overrides(&args.set, args.results_dir.clone())?;
     let report = if args.report_only {
-        let exp = train::experiment::ExperimentConfig::load(&args.file)?;
         let results = exp.results();
         if !results.is_dir() {
             anyhow::bail!(
@@ -152,7 +166,7 @@ pub fn run_experiment(args: ExperimentArgs) -> anyhow::Result<()> {
         exp.claim_results(&args.file, &results)?;
         train::experiment::write_report(&exp, &results)?
     } else {
-        train::experiment::run_experiment(&args.file, args.quiet, args.backend)?
+        train::experiment::run_loaded_experiment(&args.file, exp, args.quiet, args.backend)?
     };
     println!("report: {}", report.display());
     Ok(())

@@ -45,6 +45,28 @@ pub struct ExperimentConfig {
     pub results_dir: Option<PathBuf>,
     #[serde(rename = "variant")]
     pub variants: Vec<Variant>,
+    /// `--set` overrides from the command line ([`Self::with_overrides`]), applied to every run's
+    /// config after its variant's `set`.
+    #[serde(skip)]
+    pub overrides: Vec<(String, toml::Value)>,
+}
+
+/// The keys an experiment sets for every run itself, with why a variant's or a `--set` value of them
+/// would be overwritten.
+const SET_BY_THE_EXPERIMENT: [(&str, &str); 2] = [
+    ("seed", "the experiment's `seeds` choose it"),
+    (
+        "run_dir",
+        "each run's folder is <results>/<variant>/seed<N>",
+    ),
+];
+
+/// The key of [`SET_BY_THE_EXPERIMENT`] that `key` sets (itself, or inside it: `seed.x` makes `seed` a
+/// table, which the experiment's value then replaces), with why it may not.
+fn set_by_the_experiment(key: &str) -> Option<(&'static str, &'static str)> {
+    SET_BY_THE_EXPERIMENT
+        .into_iter()
+        .find(|(own, _)| key == *own || key.starts_with(&format!("{own}.")))
 }
 
 /// What an experiment writes in its results folder beside the variants' folders.
@@ -152,16 +174,8 @@ impl ExperimentConfig {
                 );
             }
             // The experiment sets these itself for every run; a variant's value would be overwritten.
-            for (key, why) in [
-                ("seed", "the experiment's `seeds` choose it"),
-                (
-                    "run_dir",
-                    "each run's folder is <results>/<variant>/seed<N>",
-                ),
-            ] {
-                // `seed.x` too: it makes `seed` a table, which the experiment's value then replaces.
-                let nested = format!("{key}.");
-                if let Some(set) = v.set.keys().find(|k| *k == key || k.starts_with(&nested)) {
+            for set in v.set.keys() {
+                if let Some((key, why)) = set_by_the_experiment(set) {
                     bail!(
                         "{}: variant {:?} sets `{set}`, which an experiment sets for every run as \
                          `{key}` ({why})",
@@ -202,6 +216,36 @@ impl ExperimentConfig {
             "cannot create the results directory",
         ))?;
         crate::io::write_json_atomic(&owner, &serde_json::json!({ "name": self.name }))
+    }
+
+    /// The experiment with `--set KEY=VALUE` overrides (`sets`, each applied to every run's config after
+    /// its variant's `set`) and its results in `results_dir`, which the overrides require: runs under
+    /// other settings never go among the experiment's own results (a committed study's).
+    pub fn with_overrides(
+        mut self,
+        sets: &[String],
+        results_dir: Option<PathBuf>,
+    ) -> anyhow::Result<Self> {
+        for text in sets {
+            let (key, value) = crate::train::config::overrides::parse_override(text)?;
+            if let Some((own, why)) = set_by_the_experiment(&key) {
+                bail!("--set {text}: an experiment sets `{own}` for every run ({why})");
+            }
+            self.overrides.push((key, value));
+        }
+        match results_dir {
+            Some(dir) if dir.as_os_str().is_empty() => {
+                bail!("--results-dir is empty: name a folder for the runs and the report")
+            }
+            Some(dir) => self.results_dir = Some(dir),
+            None if !sets.is_empty() => bail!(
+                "--set changes the experiment's runs: give them their own folder with --results-dir \
+                 (beside {}, its runs under the file's settings)",
+                self.results().display()
+            ),
+            None => {}
+        }
+        Ok(self)
     }
 
     /// Where the runs and the report go: `results_dir`, by default `experiments/results/<name>`.
@@ -246,6 +290,8 @@ struct RunConfigs<'a> {
     path: &'a Path,
     base: toml::Value,
     backend: Option<crate::ops::BackendKind>,
+    /// The command line's `--set` ([`ExperimentConfig::overrides`]), after each variant's.
+    overrides: Vec<(String, toml::Value)>,
 }
 
 impl<'a> RunConfigs<'a> {
@@ -264,6 +310,7 @@ impl<'a> RunConfigs<'a> {
             path,
             base,
             backend,
+            overrides: exp.overrides.clone(),
         })
     }
 
@@ -273,6 +320,9 @@ impl<'a> RunConfigs<'a> {
         for (k, val) in &v.set {
             set_dotted(&mut doc, k, val.clone())
                 .with_context(|| format!("{}: variant {:?}", self.path.display(), v.name))?;
+        }
+        for (k, val) in &self.overrides {
+            set_dotted(&mut doc, k, val.clone()).with_context(|| format!("--set {k}"))?;
         }
         set_dotted(&mut doc, "seed", toml::Value::Integer(seed as i64))?;
         if let Some(b) = self.backend {
@@ -289,7 +339,7 @@ impl<'a> RunConfigs<'a> {
         )?;
         let origin = format!(
             "{} (variant {}, seed {seed}; line numbers are of the variant's config, the base with its \
-             `set` applied)",
+             `set` and the command line's applied)",
             self.path.display(),
             v.name
         );
@@ -304,7 +354,17 @@ pub fn run_experiment(
     quiet: bool,
     backend: Option<crate::ops::BackendKind>,
 ) -> anyhow::Result<PathBuf> {
-    let exp = ExperimentConfig::load(path)?;
+    run_loaded_experiment(path, ExperimentConfig::load(path)?, quiet, backend)
+}
+
+/// [`run_experiment`] of the experiment `exp` read from `path` (with its command-line overrides:
+/// [`ExperimentConfig::with_overrides`]).
+pub fn run_loaded_experiment(
+    path: &Path,
+    exp: ExperimentConfig,
+    quiet: bool,
+    backend: Option<crate::ops::BackendKind>,
+) -> anyhow::Result<PathBuf> {
     let results = exp.results();
     // Every run's config, built and checked before the first run starts (and before the results directory
     // is made or claimed): a mistake in the last variant is reported before hours of the first ones, not

@@ -388,6 +388,19 @@ pub fn write_report(exp: &ExperimentConfig, results: &Path) -> anyhow::Result<Pa
         .collect::<anyhow::Result<_>>()?;
     let mut md = String::new();
     writeln!(md, "# {}\n", exp.name)?;
+    if !exp.overrides.is_empty() {
+        // Runs under `qarl experiment --set`: not the file's settings, and the report says so.
+        let sets: Vec<String> = exp
+            .overrides
+            .iter()
+            .map(|(k, v)| format!("`{k} = {v}`"))
+            .collect();
+        writeln!(
+            md,
+            "Every run with the command line's {} over the experiment file's settings.\n",
+            sets.join(", ")
+        )?;
+    }
     if results.join(CLAIMS_FILE).is_file() {
         // The verdicts are written by people from this report's numbers; the report only points at them.
         writeln!(md, "The paper's claims, one by one, against these numbers: [{CLAIMS_FILE}]({CLAIMS_FILE}).\n")?;
