@@ -819,6 +819,35 @@ fn eval_and_mismatch_name_the_problems_file_they_need() {
     let (code, err) = run(&["mismatch", "--model", "/nonexistent"], None);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("--data"), "{err}");
+    // A question with a character the tokenizer has no token for: the data file and its line are named
+    // (the tokenizer's error named its own file only).
+    let model = tmp.path().join("model");
+    common::arith_model(&model, 7, 0.02);
+    std::fs::write(
+        tmp.path().join("accents.jsonl"),
+        "{\"question\": \"1+2\", \"answer\": \"#### 3\"}\n{\"question\": \"caf\u{e9} 1+2\", \"answer\": \"#### 3\"}\n",
+    )
+    .unwrap();
+    for cmd in ["eval", "mismatch"] {
+        let model = model.to_str().unwrap();
+        let (code, err) = run(
+            &[
+                cmd,
+                "--model",
+                model,
+                "--data",
+                "accents.jsonl",
+                "--template",
+                "plain",
+            ],
+            None,
+        );
+        assert_eq!(code, Some(1), "{cmd}: {err}");
+        assert!(
+            err.contains("accents.jsonl: line 2") && err.contains("U+00E9"),
+            "{cmd}: {err}"
+        );
+    }
 }
 
 /// Every command that computes takes `--backend`; one this build lacks is refused before any work, naming

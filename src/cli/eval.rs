@@ -278,9 +278,6 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// [`crate::rollout::check_rollout_size`] for `rows` rows of these prompts (`records`' questions, read
-/// from `path`) and `new` tokens each, naming the file, line and question of the longest where it is too
-/// long for the model's positions (the flags in `what` alone do not say which record).
 /// The prompt of data-set record `r` of `path` under `template`, as token ids; an error (a character the
 /// tokenizer has no token for) names the file and the line.
 pub(super) fn encode_record(
@@ -294,6 +291,9 @@ pub(super) fn encode_record(
         .map_err(|e| e.context(format!("{}: line {}", path.display(), r.line)))
 }
 
+/// [`crate::rollout::check_rollout_size`] for `rows` rows of these prompts (`records`' questions, read
+/// from `path`) and `new` tokens each, naming the file, line and question of the longest where it is too
+/// long for the model's positions (the flags in `what` alone do not say which record).
 pub(super) fn check_prompt_sizes(
     config: &crate::model::ModelConfig,
     (what, rows): (&str, usize),
