@@ -499,13 +499,24 @@ fn write_arm_comparisons(md: &mut String, variants: &[VariantSummary]) -> anyhow
             "its seeds were evaluated on different problems"
         }
     };
-    let unpaired: Vec<String> = variants
+    // The variants by reason, each reason once.
+    let mut unpaired: Vec<(&str, Vec<&str>)> = Vec::new();
+    for v in variants
         .iter()
         .filter(|v| !v.runs.is_empty() && !evaluated(v))
-        .map(|v| format!("{} ({})", v.variant.name, why_unpaired(v)))
-        .collect();
-    if !unpaired.is_empty() {
-        writeln!(md, "\nNot paired with any arm: {}.", unpaired.join("; "))?;
+    {
+        let why = why_unpaired(v);
+        match unpaired.iter_mut().find(|(w, _)| *w == why) {
+            Some((_, names)) => names.push(&v.variant.name),
+            None => unpaired.push((why, vec![&v.variant.name])),
+        }
+    }
+    for (why, names) in unpaired {
+        writeln!(
+            md,
+            "\nNot paired with any arm: {} ({why}).",
+            names.join(", ")
+        )?;
     }
     for (i, a) in variants.iter().enumerate() {
         for b in &variants[i + 1..] {
@@ -657,8 +668,11 @@ mod tests {
         let mut md = String::new();
         write_arm_comparisons(&mut md, &summaries).unwrap();
         assert!(
-            md.contains("old-log (a run's log holds no per-problem outcomes at its end")
-                && md.contains("apart (its seeds were evaluated on different problems)"),
+            md.contains(
+                "Not paired with any arm: old-log (a run's log holds no per-problem outcomes"
+            ) && md.contains(
+                "Not paired with any arm: apart (its seeds were evaluated on different problems)"
+            ),
             "{md}"
         );
     }
