@@ -292,10 +292,7 @@ pub fn remove_leftovers(root: &Path) {
                 continue;
             }
         }
-        if name.starts_with(".tmp-ckpt")
-            || name.starts_with(".old-step_")
-            || name.starts_with(PRUNED_PREFIX)
-        {
+        if is_leftover(&name) {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
@@ -304,8 +301,12 @@ pub fn remove_leftovers(root: &Path) {
 /// Whether `name`, an entry of a checkpoints folder, is a checkpoint or what a killed writer left
 /// ([`remove_leftovers`]): the entries qarl writes there.
 fn written_by_a_run(name: &str) -> bool {
-    step_of_name(name).is_some()
-        || name.starts_with(".tmp-ckpt")
+    step_of_name(name).is_some() || is_leftover(name)
+}
+
+/// Whether `name` is a temporary, set-aside or half-pruned directory a killed writer left.
+fn is_leftover(name: &str) -> bool {
+    name.starts_with(".tmp-ckpt")
         || name.starts_with(".old-step_")
         || name.starts_with(PRUNED_PREFIX)
 }
