@@ -285,33 +285,124 @@ fn unbroken_pieces(s: &Series) -> Vec<Series> {
     pieces
 }
 
-/// The corner of the plot area with the fewest points near it, for the legend (the default, the middle
-/// of the right side, covered the end of the curves: the last steps, where a study's arms part).
-fn emptiest_corner(
-    pts: &[&(f64, f64)],
+/// Where a panel's legend goes, and how high its value axis must reach for the legend to cover no line.
+#[derive(Debug, Clone, Copy)]
+struct LegendPlace {
+    corner: Corner,
+    /// The top of the value axis: the data's own top, or above it where every corner held a line.
+    y_top: f64,
+}
+
+/// A corner of a panel's plot area (plotters' own position type is neither `Copy` nor comparable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Corner {
+    UpperLeft,
+    UpperRight,
+    LowerLeft,
+    LowerRight,
+}
+
+impl Corner {
+    fn position(self) -> SeriesLabelPosition {
+        match self {
+            Corner::UpperLeft => SeriesLabelPosition::UpperLeft,
+            Corner::UpperRight => SeriesLabelPosition::UpperRight,
+            Corner::LowerLeft => SeriesLabelPosition::LowerLeft,
+            Corner::LowerRight => SeriesLabelPosition::LowerRight,
+        }
+    }
+}
+
+/// The share of a panel's plot area (width, height) that its legend of `names` takes: about 7 pixels
+/// a character of the 12-point label and 40 for the line sample and border, 16 a row, on a plot area of
+/// about 520 x 220 pixels (a 600 x 300 panel less its caption, tick labels and margins).
+fn legend_box_share(names: &[&str]) -> (f64, f64) {
+    let longest = names.iter().map(|n| n.chars().count()).max().unwrap_or(0);
+    let width = (40.0 + 7.0 * longest as f64) / 520.0;
+    let height = (12.0 + 16.0 * names.len() as f64) / 220.0;
+    (width.min(1.0), height.min(1.0))
+}
+
+/// Points along every drawn segment of `lines`, as shares of the plot area (0 to 1 each way): a line
+/// between two sparse points (the evaluations every 20 steps) crosses a corner that holds none of its
+/// points, and the legend was put over it.
+fn traced_shares(
+    lines: &[(String, Series)],
     (x0, x1): (f64, f64),
     (y0, y1): (f64, f64),
-) -> SeriesLabelPosition {
+) -> Vec<(f64, f64)> {
+    const STEPS_PER_SEGMENT: usize = 32;
+    let share = |p: (f64, f64)| {
+        (
+            (p.0 - x0) / (x1 - x0).max(f64::MIN_POSITIVE),
+            (p.1 - y0) / (y1 - y0).max(f64::MIN_POSITIVE),
+        )
+    };
+    let mut out = Vec::new();
+    for piece in lines.iter().flat_map(|(_, s)| unbroken_pieces(s)) {
+        out.extend(piece.first().map(|&p| share(p)));
+        for w in piece.windows(2) {
+            let (a, b) = (share(w[0]), share(w[1]));
+            out.extend((1..=STEPS_PER_SEGMENT).map(|k| {
+                let t = k as f64 / STEPS_PER_SEGMENT as f64;
+                (a.0 + t * (b.0 - a.0), a.1 + t * (b.1 - a.1))
+            }));
+        }
+    }
+    out
+}
+
+/// The legend's place: the first corner (upper left, upper right, lower left, lower right) whose
+/// legend-sized box no line crosses; where every corner is crossed, the value axis is raised until the
+/// lines stay below the legend's height and the legend takes the upper left (a legend in the least
+/// crowded corner still hid a curve). A legend taller than half the plot is not given that much room: it
+/// takes the least crowded corner.
+fn legend_place(
+    lines: &[(String, Series)],
+    x: (f64, f64),
+    (y0, y1): (f64, f64),
+    (width, height): (f64, f64),
+) -> LegendPlace {
+    // A little room between the box and a line that passes just outside it.
+    const GAP: f64 = 0.03;
     let corners = [
-        (SeriesLabelPosition::UpperLeft, false, true),
-        (SeriesLabelPosition::UpperRight, true, true),
-        (SeriesLabelPosition::LowerLeft, false, false),
-        (SeriesLabelPosition::LowerRight, true, false),
+        (Corner::UpperLeft, false, true),
+        (Corner::UpperRight, true, true),
+        (Corner::LowerLeft, false, false),
+        (Corner::LowerRight, true, false),
     ];
-    let near = |right: bool, upper: bool| {
-        pts.iter()
+    let shares = traced_shares(lines, x, (y0, y1));
+    let crossings = |right: bool, upper: bool| {
+        shares
+            .iter()
             .filter(|p| {
-                let fx = (p.0 - x0) / (x1 - x0).max(f64::MIN_POSITIVE);
-                let fy = (p.1 - y0) / (y1 - y0).max(f64::MIN_POSITIVE);
-                (if right { fx >= 0.6 } else { fx <= 0.4 })
-                    && (if upper { fy >= 0.55 } else { fy <= 0.45 })
+                (if right {
+                    p.0 >= 1.0 - width - GAP
+                } else {
+                    p.0 <= width + GAP
+                }) && (if upper {
+                    p.1 >= 1.0 - height - GAP
+                } else {
+                    p.1 <= height + GAP
+                })
             })
             .count()
     };
-    corners
+    let counted = corners.map(|(corner, right, upper)| (corner, crossings(right, upper)));
+    let place = |corner| LegendPlace { corner, y_top: y1 };
+    if let Some(&(corner, _)) = counted.iter().find(|c| c.1 == 0) {
+        return place(corner);
+    }
+    if height + 2.0 * GAP <= 0.5 {
+        return LegendPlace {
+            corner: Corner::UpperLeft,
+            y_top: y0 + (y1 - y0) / (1.0 - height - 2.0 * GAP),
+        };
+    }
+    counted
         .into_iter()
-        .min_by_key(|&(_, right, upper)| near(right, upper))
-        .map_or(SeriesLabelPosition::UpperLeft, |c| c.0)
+        .min_by_key(|c| c.1)
+        .map_or(place(Corner::UpperLeft), |c| place(c.0))
 }
 
 /// `log10 |v|`, an exact 0 at -30 (a run's k3 panel); a row without the metric stays NaN, a break in the
@@ -398,12 +489,22 @@ fn draw_panels(
                 );
                 continue;
             }
+            let names: Vec<&str> = lines.iter().map(|(n, _)| n.as_str()).collect();
+            let legend = (lines.len() > 1 && shared_legend.is_none()).then(|| {
+                legend_place(
+                    lines,
+                    (x0, x1.max(x0 + 1.0)),
+                    (y0 - pad, y1 + pad),
+                    legend_box_share(&names),
+                )
+            });
+            let y_top = legend.map_or(y1 + pad, |l| l.y_top);
             let mut chart = ChartBuilder::on(area)
                 .caption(*title, ("sans-serif", caption_size(title)))
                 .margin(10)
                 .x_label_area_size(30)
                 .y_label_area_size(60)
-                .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..(y1 + pad))
+                .build_cartesian_2d(x0..x1.max(x0 + 1.0), (y0 - pad)..y_top)
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
             chart
                 .configure_mesh()
@@ -444,10 +545,10 @@ fn draw_panels(
                     }
                 }
             }
-            if lines.len() > 1 && shared_legend.is_none() {
+            if let Some(legend) = legend {
                 chart
                     .configure_series_labels()
-                    .position(emptiest_corner(&pts, (x0, x1), (y0 - pad, y1 + pad)))
+                    .position(legend.corner.position())
                     .background_style(WHITE.mix(0.8))
                     .border_style(BLACK)
                     .draw()
@@ -771,35 +872,71 @@ mod tests {
         assert_eq!(legend_columns(&[]), 3);
     }
 
+    /// A line as a named series of `(step, value)` points.
+    fn line(points: &[(i32, f64)]) -> (String, Series) {
+        let s = points.iter().map(|&(x, y)| (f64::from(x), y)).collect();
+        ("line".to_string(), s)
+    }
+
     /// The legend goes where the curves are not: rising curves leave the upper left and lower right
     /// free, and of those the first in the order is taken; curves ending high on the right never get it
-    /// there.
+    /// there. The axis keeps the data's top.
     #[test]
-    fn the_legend_takes_the_emptiest_corner() {
-        let rising: Vec<(f64, f64)> = (0..=10).map(|i| (f64::from(i), f64::from(i))).collect();
-        let pts: Vec<&(f64, f64)> = rising.iter().collect();
-        let corner = emptiest_corner(&pts, (0.0, 10.0), (0.0, 10.0));
-        assert!(
-            matches!(corner, SeriesLabelPosition::UpperLeft),
-            "{corner:?}"
-        );
-        let falling: Vec<(f64, f64)> = (0..=10)
-            .map(|i| (f64::from(i), f64::from(10 - i)))
-            .collect();
-        let pts: Vec<&(f64, f64)> = falling.iter().collect();
-        let corner = emptiest_corner(&pts, (0.0, 10.0), (0.0, 10.0));
-        assert!(
-            matches!(corner, SeriesLabelPosition::UpperRight),
-            "{corner:?}"
-        );
+    fn the_legend_takes_a_corner_no_line_crosses() {
+        let small = (0.3, 0.3);
+        let rising = line(&(0..=10).map(|i| (i, f64::from(i))).collect::<Vec<_>>());
+        let place = legend_place(&[rising], (0.0, 10.0), (0.0, 10.0), small);
+        assert_eq!(place.corner, Corner::UpperLeft);
+        assert_eq!(place.y_top, 10.0);
+        let falling = line(&(0..=10).map(|i| (i, f64::from(10 - i))).collect::<Vec<_>>());
+        let place = legend_place(&[falling], (0.0, 10.0), (0.0, 10.0), small);
+        assert_eq!(place.corner, Corner::UpperRight);
         // Flat lines at the top and through the middle-right: only the lower left is free.
-        let mut busy: Vec<(f64, f64)> = (0..=10).map(|i| (f64::from(i), 10.0)).collect();
-        busy.extend((6..=10).map(|i| (f64::from(i), 0.0)));
-        let pts: Vec<&(f64, f64)> = busy.iter().collect();
-        let corner = emptiest_corner(&pts, (0.0, 10.0), (0.0, 10.0));
+        let top = line(&(0..=10).map(|i| (i, 10.0)).collect::<Vec<_>>());
+        let right = line(&(6..=10).map(|i| (i, 0.0)).collect::<Vec<_>>());
+        let place = legend_place(&[top, right], (0.0, 10.0), (0.0, 10.0), small);
+        assert_eq!(place.corner, Corner::LowerLeft);
+    }
+
+    /// Two points far apart make a line through corners that hold neither of them: evaluations at steps
+    /// 0 and 60, crossing the whole panel from the lower left to the upper right, leave only the upper
+    /// left and the lower right free (counting points alone, every corner but those two looked free).
+    #[test]
+    fn a_segment_between_sparse_points_counts_where_it_passes() {
+        let diagonal = line(&[(0, 0.0), (60, 1.0)]);
+        let upper = line(&[(0, 0.9), (30, 1.0)]);
+        let place = legend_place(&[diagonal, upper], (0.0, 60.0), (0.0, 1.0), (0.3, 0.3));
+        assert_eq!(place.corner, Corner::LowerRight);
+    }
+
+    /// Where lines cross every corner, the axis is raised so that they stay below a legend of the height
+    /// asked: the highest traced point lies under the box and its gap, and the legend takes the upper left.
+    #[test]
+    fn a_crowded_panel_gets_headroom_for_its_legend() {
+        let lines = [line(&[(0, 0.0), (10, 0.0)]), line(&[(0, 1.0), (10, 1.0)])];
+        let height = 0.3;
+        let place = legend_place(&lines, (0.0, 10.0), (0.0, 1.0), (0.3, height));
+        assert_eq!(place.corner, Corner::UpperLeft);
+        let highest = traced_shares(&lines, (0.0, 10.0), (0.0, place.y_top))
+            .iter()
+            .map(|p| p.1)
+            .fold(f64::MIN, f64::max);
         assert!(
-            matches!(corner, SeriesLabelPosition::LowerLeft),
-            "{corner:?}"
+            highest < 1.0 - height,
+            "highest line at {highest} of the raised axis"
         );
+        // A legend taller than half the panel is not given room: it takes the least crowded corner.
+        let place = legend_place(&lines, (0.0, 10.0), (0.0, 1.0), (0.3, 0.6));
+        assert_eq!(place.y_top, 1.0);
+    }
+
+    /// The box grows with the longest name and the number of entries, and never beyond the plot.
+    #[test]
+    fn the_legend_box_follows_its_names() {
+        let (w2, h2) = legend_box_share(&["f32/mean@4", "int4/mean@4"]);
+        let (w4, h4) = legend_box_share(&["f32/mean@4", "f32/pass@1_greedy", "a", "b"]);
+        assert!(w4 > w2 && h4 > h2, "{w2} {h2} {w4} {h4}");
+        let long = "x".repeat(200);
+        assert_eq!(legend_box_share(&[long.as_str(); 40]), (1.0, 1.0));
     }
 }
