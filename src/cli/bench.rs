@@ -505,7 +505,9 @@ fn warn_if_dev_build() {
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let summarizes = matches!(&args.what, BenchWhat::Kernels(a) if a.summarize.is_some());
-    if !summarizes {
+    // A variant's own process: its parent has said it once already.
+    let variant_child = matches!(&args.what, BenchWhat::Step(a) if a.variant_child.is_some());
+    if !summarizes && !variant_child {
         warn_if_dev_build();
     }
     match args.what {

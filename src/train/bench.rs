@@ -104,6 +104,12 @@ pub fn bench_steps(
     let reference = super::reference::Reference::load(cfg, device, None)?;
     let mut timed = Vec::new();
     for step in 0..warmup + steps {
+        let phase = if step < warmup { "warm-up" } else { "timed" };
+        // A step of a real model takes minutes on a CPU: the spinner shows the bench is at work.
+        let spinner = super::progress::spinner(
+            &format!("step {}/{} ({phase})", step + 1, warmup + steps),
+            quiet,
+        );
         let out = rl::rl_step(
             &mut model,
             &mut optim,
@@ -114,8 +120,9 @@ pub fn bench_steps(
             cfg,
             step,
             false,
-        )?;
-        let phase = if step < warmup { "warm-up" } else { "timed" };
+        );
+        spinner.finish_and_clear();
+        let out = out?;
         if !quiet {
             eprintln!(
                 "step {}/{} ({phase}): {:.1} s",
