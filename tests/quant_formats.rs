@@ -611,6 +611,38 @@ fn scheme_names_parse_display_and_serialize_exactly() {
     }
 }
 
+/// Weights at the edge of f32: every scheme either quantizes them to finite weights or refuses them
+/// naming the weight and the scheme (int8-pc's `absmax / 127` of f32::MAX rounds up, and 127 times it
+/// overflowed to an infinite weight that only a later load refused). Just below the edge, int8-pc takes
+/// them.
+#[test]
+fn weights_at_f32_max_quantize_finite_or_are_refused() {
+    let (out, inn) = (2, 256);
+    for top in [f32::MAX, -f32::MAX, f32::MAX / 2.0] {
+        let mut w: Vec<f32> = (0..out * inn).map(|i| (i % 7) as f32 - 3.0).collect();
+        w[inn + 5] = top;
+        for scheme in QuantScheme::ALL {
+            match QuantizedTensor::quantize(&w, out, inn, scheme) {
+                Ok(q) => {
+                    let d = q.dequantize();
+                    assert!(d.iter().all(|v| v.is_finite()), "{scheme} at {top:e}");
+                }
+                Err(e) => {
+                    assert!(
+                        matches!(e, QuantError::QuantizedOverflow { row: 1, col: 5, .. }),
+                        "{scheme} at {top:e}: {e}"
+                    );
+                    let message = e.to_string();
+                    assert!(message.contains("weights[1, 5]"), "{message}");
+                    assert!(message.contains(scheme.name()), "{message}");
+                }
+            }
+        }
+        let int8 = QuantizedTensor::quantize(&w, out, inn, QuantScheme::Int8PerChannel);
+        assert_eq!(int8.is_err(), top.abs() == f32::MAX, "int8-pc at {top:e}");
+    }
+}
+
 #[test]
 fn bad_shapes_and_values_are_errors_not_panics() {
     let s = QuantScheme::Int4G32;

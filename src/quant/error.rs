@@ -56,8 +56,20 @@ pub enum QuantError {
     #[error("scales[{index}] is {value}; scales must be finite and >= 0")]
     InvalidScale { index: usize, value: f32 },
 
-    /// A stored scale so large that the weights it scales overflow f32 (the quantizer's scales are
-    /// `absmax / qmax` of finite weights: they never do).
+    /// A weight so close to f32's largest value that its quantized form (scale times code) overflows f32.
+    #[error(
+        "weights[{row}, {col}] is {value:e}: quantized as {scheme} it dequantizes to infinity (its scale \
+         times its code overflows f32); weights this close to f32's largest value cannot take the format"
+    )]
+    QuantizedOverflow {
+        row: usize,
+        col: usize,
+        value: f32,
+        scheme: String,
+    },
+
+    /// A stored scale so large that the weights it scales overflow f32 (the quantizer refuses weights
+    /// whose own scales would: [`QuantError::QuantizedOverflow`]).
     #[error(
         "scales[{index}] is {value:e}; times a code's value it scales ({largest}) it overflows f32, so \
          the weights are not finite"

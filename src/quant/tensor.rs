@@ -59,6 +59,7 @@ impl QuantizedTensor {
             SchemeKind::Fp8Block => quantize_blocks(weights, out, inn, FP8_BLOCK),
             kind @ (SchemeKind::Nvfp4 | SchemeKind::Mxfp4) => quantize_fp4(weights, out, inn, kind),
         };
+        check_quantized_finite(weights, scheme, out, inn, &data, &scales)?;
         Ok(QuantizedTensor {
             scheme,
             out,
@@ -402,10 +403,9 @@ fn quantize_int8(weights: &[f32], out: usize, inn: usize) -> (Vec<u8>, Vec<f32>)
     (data, scales)
 }
 
-/// Refuses a scale that makes one of the codes it multiplies an infinite weight (the quantizer's scales
-/// are `absmax / qmax` of finite weights: they never do), naming the scale and that code's value. Where
-/// every scale times the format's largest code is finite (always, for the quantizer's output) the codes
-/// are not read.
+/// Refuses a stored scale that makes one of the codes it multiplies an infinite weight (the quantizer
+/// refuses weights whose own scales would), naming the scale and that code's value. Where every scale
+/// times the format's largest code is finite the codes are not read.
 fn check_finite_weights(
     scheme: QuantScheme,
     out: usize,
@@ -413,26 +413,77 @@ fn check_finite_weights(
     data: &[u8],
     scales: &[f32],
 ) -> Result<(), QuantError> {
-    let kind = scheme.kind();
-    if scales
-        .iter()
-        .all(|&s| (s * kind.max_code_magnitude()).is_finite())
-    {
+    let largest = scheme.kind().max_code_magnitude();
+    if scales.iter().all(|&s| (s * largest).is_finite()) {
         return Ok(());
     }
+    match first_infinite_weight(scheme, out, inn, data, scales) {
+        None => Ok(()),
+        Some(w) => Err(QuantError::OverflowingScale {
+            index: w.scale_index,
+            value: scales[w.scale_index],
+            largest: w.code.abs(),
+        }),
+    }
+}
+
+/// A weight whose dequantized value (scale times code) is not finite.
+struct InfiniteWeight {
+    row: usize,
+    col: usize,
+    scale_index: usize,
+    code: f32,
+}
+
+/// The first weight, row by row, whose code times its scale overflows f32.
+fn first_infinite_weight(
+    scheme: QuantScheme,
+    out: usize,
+    inn: usize,
+    data: &[u8],
+    scales: &[f32],
+) -> Option<InfiniteWeight> {
+    let kind = scheme.kind();
     let row_bytes = scheme.row_bytes(inn);
-    for (r, row) in data.chunks(row_bytes.max(1)).take(out).enumerate() {
-        for k in 0..inn {
-            let index = kind.scale_index(inn, r, k);
-            let code = kind.code_value(kind.storage_code(row, k));
-            if !(code * scales[index]).is_finite() {
-                return Err(QuantError::OverflowingScale {
-                    index,
-                    value: scales[index],
-                    largest: code.abs(),
+    for (row, bytes) in data.chunks(row_bytes.max(1)).take(out).enumerate() {
+        for col in 0..inn {
+            let scale_index = kind.scale_index(inn, row, col);
+            let code = kind.code_value(kind.storage_code(bytes, col));
+            if !(code * scales[scale_index]).is_finite() {
+                return Some(InfiniteWeight {
+                    row,
+                    col,
+                    scale_index,
+                    code,
                 });
             }
         }
     }
-    Ok(())
+    None
+}
+
+/// Refuses weights whose quantized form dequantizes to infinity: a weight within a rounding of f32's
+/// largest value gets an int8-pc scale `absmax / 127` that rounds up, and 127 times it overflows (int4's
+/// `/ 7` happens not to). Checked on the scales alone where none can overflow, which is always but there.
+fn check_quantized_finite(
+    weights: &[f32],
+    scheme: QuantScheme,
+    out: usize,
+    inn: usize,
+    data: &[u8],
+    scales: &[f32],
+) -> Result<(), QuantError> {
+    let largest = scheme.kind().max_code_magnitude();
+    if scales.iter().all(|&s| (s * largest).is_finite()) {
+        return Ok(());
+    }
+    match first_infinite_weight(scheme, out, inn, data, scales) {
+        None => Ok(()),
+        Some(w) => Err(QuantError::QuantizedOverflow {
+            row: w.row,
+            col: w.col,
+            value: weights[w.row * inn + w.col],
+            scheme: scheme.to_string(),
+        }),
+    }
 }
