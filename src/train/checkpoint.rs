@@ -43,6 +43,10 @@ pub struct TrainerState {
     /// Exponential moving average of the gradient norm (f64 bits, exact through JSON), for spike detection.
     #[serde(default)]
     pub grad_norm_ema_bits: Option<u64>,
+    /// Non-zero gradient norms the average has taken in: a spike is flagged only once it has
+    /// [`super::run::GRAD_NORM_SPIKE_WARMUP`] (checkpoints written before the count was kept were past it).
+    #[serde(default = "super::run::grad_norm_warmed_up")]
+    pub grad_norms_seen: usize,
     /// The build that wrote the checkpoint ([`BUILD`]; absent in checkpoints written before it was kept).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub build: Option<String>,
@@ -71,6 +75,7 @@ impl TrainerState {
             next_step: 0,
             consecutive_nonfinite: 0,
             grad_norm_ema_bits: None,
+            grad_norms_seen: 0,
             build: Some(BUILD.to_string()),
             reference: None,
             start_model: None,
@@ -86,6 +91,7 @@ impl TrainerState {
             next_step: step + 1,
             consecutive_nonfinite: 0,
             grad_norm_ema_bits: None,
+            grad_norms_seen: 0,
             build: Some(BUILD.to_string()),
             reference: None,
             start_model: None,

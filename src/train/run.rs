@@ -64,6 +64,17 @@ pub struct RunOptions {
 /// A step whose gradient norm exceeds this multiple of the moving average is logged as a spike.
 pub const GRAD_NORM_SPIKE_FACTOR: f64 = 10.0;
 
+/// Non-zero gradient norms the moving average takes in before a spike can be flagged: an average of one
+/// or two early norms (a first step where one group of 32 had a reward signal) flagged the next ordinary
+/// step as a spike.
+pub const GRAD_NORM_SPIKE_WARMUP: usize = 5;
+
+/// The count of norms seen that a checkpoint written before the count was kept resumes with: past the
+/// warm-up, as its run was judging spikes then.
+pub fn grad_norm_warmed_up() -> usize {
+    GRAD_NORM_SPIKE_WARMUP
+}
+
 /// Runs (or, with `resume`, continues) the RL run of `cfg`.
 pub fn run(cfg: &TrainConfig, resume: bool, quiet: bool) -> anyhow::Result<RunSummary> {
     run_with(
@@ -631,7 +642,7 @@ fn step_row(state: &mut TrainerState, step: usize, out: &StepOutcome) -> serde_j
     row["train/consecutive_nonfinite"] = serde_json::json!(state.consecutive_nonfinite);
     if let Some(g) = out.grad_norm {
         let ema = state.grad_norm_ema_bits.map(f64::from_bits);
-        let spike = grad_norm_spike(&mut state.grad_norm_ema_bits, g);
+        let spike = grad_norm_spike(&mut state.grad_norm_ema_bits, &mut state.grad_norms_seen, g);
         if spike {
             tracing::warn!(
                 step,
@@ -646,14 +657,17 @@ fn step_row(state: &mut TrainerState, step: usize, out: &StepOutcome) -> serde_j
 }
 
 /// Whether the norm `g` is a spike against the moving average (kept as f64 bits in the checkpointed state),
-/// which it then updates. A norm of exactly 0 (every advantage 0: no group had a reward signal) says nothing
-/// about the gradients' scale and leaves the average alone: started or pulled down by it, the average would
-/// flag the next real norm.
-fn grad_norm_spike(ema_bits: &mut Option<u64>, g: f64) -> bool {
+/// which it then updates; before the average has taken in [`GRAD_NORM_SPIKE_WARMUP`] norms (`seen`)
+/// nothing is a spike. A norm of exactly 0 (every advantage 0: no group had a reward signal) says nothing
+/// about the gradients' scale and leaves the average and the count alone: started or pulled down by it,
+/// the average would flag the next real norm.
+fn grad_norm_spike(ema_bits: &mut Option<u64>, seen: &mut usize, g: f64) -> bool {
     let ema = ema_bits.map(f64::from_bits);
-    let spike = ema.is_some_and(|e| g > GRAD_NORM_SPIKE_FACTOR * e);
+    let warm = *seen >= GRAD_NORM_SPIKE_WARMUP;
+    let spike = warm && ema.is_some_and(|e| g > GRAD_NORM_SPIKE_FACTOR * e);
     if g > 0.0 {
         *ema_bits = Some(ema.map_or(g, |e| 0.9 * e + 0.1 * g).to_bits());
+        *seen = seen.saturating_add(1);
     }
     spike
 }
@@ -865,6 +879,8 @@ pub fn apply_process_modes(cfg: &TrainConfig) {
 
 #[cfg(test)]
 mod tests {
+    use super::TrainerState;
+
     /// A plain template without a warm start or a stop string is warned about; a stop string, a warm
     /// start or a chat template each silence it.
     #[test]
@@ -900,18 +916,45 @@ mod tests {
     }
 
     /// A step without reward signal (norm 0) neither starts nor lowers the average: the norms after it are
-    /// no spikes; a norm above 10x the average is.
+    /// no spikes; a norm above 10x the average is, once the average has taken in the warm-up's norms.
     #[test]
     fn zero_gradient_norms_leave_the_spike_average_alone() {
         let mut ema = None;
+        let mut seen = super::GRAD_NORM_SPIKE_WARMUP;
         let spikes: Vec<bool> = [0.0, 0.5, 0.0, 0.6, 7.0]
             .iter()
-            .map(|&g| super::grad_norm_spike(&mut ema, g))
+            .map(|&g| super::grad_norm_spike(&mut ema, &mut seen, g))
             .collect();
         assert_eq!(spikes, [false, false, false, false, true]);
+        assert_eq!(seen, super::GRAD_NORM_SPIKE_WARMUP + 3);
         assert_eq!(
             ema.map(f64::from_bits),
             Some(0.9 * (0.9 * 0.5 + 0.06) + 0.7)
         );
+    }
+
+    /// A fresh run flags nothing before the average has taken in the warm-up's norms, however far a norm
+    /// jumps (a first step with one group's signal, then a full one), and flags the same jump after it.
+    #[test]
+    fn no_spike_is_flagged_during_the_warm_up() {
+        let (mut ema, mut seen) = (None, 0);
+        let warmup = super::GRAD_NORM_SPIKE_WARMUP;
+        let mut norms = vec![0.01, 1.0];
+        norms.resize(warmup, 1.0);
+        for &g in &norms {
+            assert!(!super::grad_norm_spike(&mut ema, &mut seen, g), "{g}");
+        }
+        assert_eq!(seen, warmup);
+        assert!(super::grad_norm_spike(&mut ema, &mut seen, 100.0));
+    }
+
+    /// A checkpoint written before the count was kept resumes past the warm-up, as its run judged spikes.
+    #[test]
+    fn an_older_checkpoint_resumes_past_the_warm_up() {
+        let mut state = serde_json::to_value(TrainerState::fresh(7)).unwrap();
+        assert_eq!(state["grad_norms_seen"], 0);
+        state.as_object_mut().unwrap().remove("grad_norms_seen");
+        let old: TrainerState = serde_json::from_value(state).unwrap();
+        assert_eq!(old.grad_norms_seen, super::GRAD_NORM_SPIKE_WARMUP);
     }
 }
