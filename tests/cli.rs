@@ -2043,8 +2043,8 @@ fn a_task_that_holds_out_no_problem_is_refused() {
     assert!(!tmp.path().join("model").exists(), "the warm start ran");
 }
 
-/// Real-number flags: a value that reads as 0 in f32 is refused (`--temperature 1e-50` decoded greedily), and
-/// a negative one reaches the range check instead of clap's "unexpected argument '-1'".
+/// Real-number flags: a value that reads as 0 or infinity in f32 is refused (`--temperature 1e-50` decoded
+/// greedily), and a negative one reaches the range check instead of clap's "unexpected argument '-1'".
 #[test]
 fn real_number_flags_refuse_underflow_and_name_the_range_of_negatives() {
     let model = common::fixtures_dir().join("qwen3");
@@ -2062,6 +2062,12 @@ fn real_number_flags_refuse_underflow_and_name_the_range_of_negatives() {
     };
     let err = generate("--temperature", "1e-50");
     assert!(err.contains("would read as 0"), "{err}");
+    // Past f32's range: the text is named, not the `inf` it would read as.
+    let err = generate("--temperature", "1e39");
+    assert!(
+        err.contains("`1e39` is too large for an f32") && !err.contains("got inf"),
+        "{err}"
+    );
     let err = generate("--temperature", "-1");
     assert!(
         err.contains("temperature must be 0") && !err.contains("unexpected argument"),

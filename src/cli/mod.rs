@@ -72,6 +72,12 @@ pub fn f32_flag(text: &str) -> Result<f32, String> {
             "`{text}` is too small for an f32: it would read as 0"
         ));
     }
+    // Past f32's range the value would read as infinity, and the range check name `inf`, not the text.
+    if v.is_finite() && !x.is_finite() {
+        return Err(format!(
+            "`{text}` is too large for an f32 (at most about 3.4e38)"
+        ));
+    }
     Ok(x)
 }
 
