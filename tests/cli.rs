@@ -2023,6 +2023,38 @@ fn generate_stops_at_the_end_tokens_of_training() {
     assert!(stopped > 0, "no row reached <eos> in 16 x 100 tokens");
 }
 
+/// A `model.dir` that records no warm start (the user's own model) is used as it is, and the recipe keys
+/// that then do not run are named in a warning: the run's config.json records them as if they had run.
+#[test]
+fn an_unrecorded_model_dir_names_the_recipe_it_skips() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("run.toml");
+    std::fs::write(&cfg, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
+    let made = qarl()
+        .args(["train", "--quiet", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{made:?}");
+    std::fs::remove_file(tmp.path().join("model").join(qarl::train::MADE_BY_FILE)).unwrap();
+    let again = qarl()
+        .args(["train", "--quiet", "--config"])
+        .arg(&cfg)
+        .args([
+            "--set",
+            &format!("run_dir=\"{}\"", tmp.path().join("again").display()),
+        ])
+        .output()
+        .unwrap();
+    assert!(again.status.success(), "{again:?}");
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        stderr.contains("records no warm start")
+            && stderr.contains("`model.init_config`, `model.init_std`, `[sft]` do not run"),
+        "{stderr}"
+    );
+}
+
 /// A task too small to hold any problem out is refused before anything runs: its evaluations would log an
 /// accuracy of 0 over no problem (exit 0, listed as a finished run).
 #[test]

@@ -139,8 +139,8 @@ pub(super) fn write_made_by(cfg: &TrainConfig, staging: &Path) -> anyhow::Result
 /// A `model.dir` that exists, for a config that says how to make it (`[sft]`, `model.base` or
 /// `model.init_config`): refused where the folder records another recipe (another `[sft]`, base, task),
 /// whose weights would be credited to this config's settings. A folder without the record (the user's own
-/// model, or one made before it was kept) is used as it is, with a warning (`warn`) where `[sft]` would
-/// not run.
+/// model, or one made before it was kept) is used as it is, with a warning (`warn`) naming the keys that
+/// then do not run.
 fn check_made_as_configured(cfg: &TrainConfig, warn: bool) -> anyhow::Result<()> {
     let dir = &cfg.model.dir;
     let makes = cfg.sft.is_some() || cfg.model.base.is_some() || cfg.model.init_config.is_some();
@@ -159,17 +159,33 @@ fn check_made_as_configured(cfg: &TrainConfig, warn: bool) -> anyhow::Result<()>
         );
         return Ok(());
     }
-    // A changed `[sft]` section would otherwise seem to be taken: said whatever `quiet` says (it silences
-    // progress, not what the run does).
-    if warn && cfg.sft.is_some() {
+    // A changed `[sft]` section or init would otherwise seem to be taken (the run's config.json records
+    // them): said whatever `quiet` says (it silences progress, not what the run does).
+    let unused = unused_recipe_keys(cfg);
+    if warn && !unused.is_empty() {
         tracing::warn!(
-            "model: {} exists, so the [sft] warm start does not run: its weights are used as they are \
-             (it records no recipe to check this config's against; remove the folder to warm-start again \
-             with this config's [sft])",
-            dir.display()
+            "model: {} exists and records no warm start ({MADE_BY_FILE}), so {} do not run: its weights \
+             are used as they are (remove the folder to make the model with this config's recipe, or \
+             remove those keys)",
+            dir.display(),
+            unused.join(", ")
         );
     }
     Ok(())
+}
+
+/// The keys of `cfg` that say how to make `model.dir`, which an existing folder makes moot.
+fn unused_recipe_keys(cfg: &TrainConfig) -> Vec<&'static str> {
+    let init = cfg.model.init_config.is_some();
+    [
+        (init, "`model.init_config`"),
+        (init, "`model.init_std`"),
+        (cfg.model.base.is_some(), "`model.base`"),
+        (cfg.sft.is_some(), "`[sft]`"),
+    ]
+    .into_iter()
+    .filter_map(|(set, key)| set.then_some(key))
+    .collect()
 }
 
 /// Marks a staging folder as this program's, so that a leftover one is removed only when it is ours.
@@ -321,7 +337,7 @@ pub(super) fn check_sources(
     let config = read_config("model.dir", &cfg.model.dir)?;
     // A resume continues from its checkpoint; the model it started from is checked by its fingerprint.
     if !resume {
-        check_made_as_configured(cfg, false)?;
+        check_made_as_configured(cfg, true)?;
     }
     if let Some(q) = &config.quantization {
         return Err(crate::model::LoadError::QuantizedCheckpoint {
