@@ -8,12 +8,14 @@ use crate::model::ModelConfig;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum BudgetError {
     #[error(
-        "{what}: a prompt of {prompt} tokens plus {new} new tokens reaches position {reach}, past the \
-         model's max_position_embeddings ({limit})"
+        "{what}: {} plus {new} new tokens reaches position {reach}, past the model's \
+         max_position_embeddings ({limit})",
+        prompt_phrase(*prompt)
     )]
     Positions {
         what: String,
-        prompt: usize,
+        /// The longest prompt's tokens; `None` before the prompts are made (counted as one token).
+        prompt: Option<usize>,
         new: usize,
         reach: usize,
         limit: usize,
@@ -200,6 +202,16 @@ pub fn kv_cache_bytes(config: &ModelConfig, rows: usize, tokens: usize) -> u128 
     rows as u128 * tokens as u128 * per_token as u128
 }
 
+/// How a positions error names the prompt: its length, or the one-token bound before prompts are made
+/// (a config's first check said "a prompt of 1 tokens" of 15-token prompts).
+fn prompt_phrase(prompt: Option<usize>) -> String {
+    match prompt {
+        Some(1) => "a prompt of 1 token".to_string(),
+        Some(n) => format!("a prompt of {n} tokens"),
+        None => "a prompt of at least one token".to_string(),
+    }
+}
+
 /// Checks a rollout of `rows` rows whose longest prompt has `prompt` tokens and which generates up to
 /// `new` tokens per row; `what` names the input in the error (a flag or a config key).
 pub fn check_rollout_size(
@@ -209,7 +221,30 @@ pub fn check_rollout_size(
     prompt: usize,
     new: usize,
 ) -> Result<(), BudgetError> {
-    let reach = prompt.saturating_add(new);
+    check_rows(config, what, rows, Some(prompt), new)
+}
+
+/// [`check_rollout_size`] before the prompts are made: with the bound of a one-token prompt, which
+/// refuses a count or a length far too large before any prompt is drawn (each rollout checks its real
+/// prompts again).
+pub fn check_rollout_size_before_prompts(
+    config: &ModelConfig,
+    what: &str,
+    rows: usize,
+    new: usize,
+) -> Result<(), BudgetError> {
+    check_rows(config, what, rows, None, new)
+}
+
+/// [`check_rollout_size`] with the prompt's length known (`Some`) or bounded below by one token.
+fn check_rows(
+    config: &ModelConfig,
+    what: &str,
+    rows: usize,
+    prompt: Option<usize>,
+    new: usize,
+) -> Result<(), BudgetError> {
+    let reach = prompt.unwrap_or(1).saturating_add(new);
     if reach > config.max_position_embeddings {
         return Err(BudgetError::Positions {
             what: what.to_string(),
@@ -309,6 +344,24 @@ mod tests {
         assert!(check_training_size(&c, "sft.batch_size", 8, limit).is_ok());
         assert!(matches!(e, BudgetError::Memory { .. }), "{e}");
         assert!(e.to_string().starts_with("--samples: "), "{e}");
+    }
+
+    /// The check before prompts are made says its prompt length is a bound, not the prompts' length.
+    #[test]
+    fn a_positions_error_names_the_prompt_length_it_knows() {
+        let c = config();
+        let limit = c.max_position_embeddings;
+        assert!(check_rollout_size_before_prompts(&c, "max_new_tokens", 1, limit - 1).is_ok());
+        let e = check_rollout_size_before_prompts(&c, "max_new_tokens", 1, limit).unwrap_err();
+        let before = e.to_string();
+        assert!(
+            before.starts_with("max_new_tokens: a prompt of at least one token plus "),
+            "{before}"
+        );
+        let e = check_rollout_size(&c, "max_new_tokens", 1, 15, limit).unwrap_err();
+        assert!(e.to_string().contains("a prompt of 15 tokens plus "), "{e}");
+        let e = check_rollout_size(&c, "max_new_tokens", 1, 1, limit).unwrap_err();
+        assert!(e.to_string().contains("a prompt of 1 token plus "), "{e}");
     }
 
     /// The training check counts the activations the backward keeps, not only the keys and values: a

@@ -798,11 +798,10 @@ pub(super) fn check_step_sizes(
     let (r, e) = (&cfg.rollout, &cfg.eval);
     let rollout_rows = r.prompts_per_step.saturating_mul(r.samples_per_prompt);
     // The one-token bound first: it refuses a count far too large before any prompt is made.
-    crate::rollout::check_rollout_size(
+    crate::rollout::check_rollout_size_before_prompts(
         model,
         rl::ROLLOUT_SIZE_KEYS,
         rollout_rows,
-        1,
         r.max_new_tokens,
     )?;
     let Some(task) = evaluation else {
@@ -811,11 +810,10 @@ pub(super) fn check_step_sizes(
     let eval_rows = task
         .eval_size_at_most(e.problems)
         .saturating_mul(e.k.max(1));
-    crate::rollout::check_rollout_size(
+    crate::rollout::check_rollout_size_before_prompts(
         model,
         eval::EVAL_SIZE_KEYS,
         eval_rows,
-        1,
         e.max_new_tokens,
     )?;
     let Some(tok) = tok else {
