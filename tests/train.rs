@@ -924,6 +924,9 @@ set = {{ "train.forward" = "aligned", "train.loss.objective" = "tbpo" }}
         train::experiment::check_report(&path, &exp_cfg).unwrap_err()
     );
     assert!(err.contains("aligned-tbpo/seed5 (`train.lr`)"), "{err}");
+    // The way back to the settings it ran with is named: its learning rate, half the base's now.
+    let ran_with = format!("(`--set train.lr={}`)", changed.train.lr / 2.0);
+    assert!(err.contains(&ran_with), "{err} lacks {ran_with}");
     std::fs::remove_file(tmp.path().join("results/aligned-tbpo/seed5/finished.json")).unwrap();
     let err = format!(
         "{:#}",

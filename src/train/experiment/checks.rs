@@ -83,7 +83,7 @@ pub(super) fn check_finished_runs<'e>(
 ) -> anyhow::Result<Vec<(&'e Variant, TrainConfig)>> {
     let results = exp.results();
     let mut finished = Vec::new();
-    let mut drifted = Vec::new();
+    let mut drifted: Vec<(String, Settings)> = Vec::new();
     let mut data_changed = Vec::new();
     let mut unchecked = Vec::new();
     let mut held_out = HeldOut::new();
@@ -109,7 +109,11 @@ pub(super) fn check_finished_runs<'e>(
                         &FINISHED_MAY_CHANGE,
                     )?;
                     if !keys.is_empty() {
-                        drifted.push(format!("{}/seed{seed} (`{}`)", v.name, keys.join("`, `")));
+                        let settings = keys
+                            .iter()
+                            .map(|k| (k.clone(), scalar_at(&ran, k)))
+                            .collect();
+                        drifted.push((format!("{}/seed{seed}", v.name), settings));
                     } else if !runs_to_do {
                         // A report of finished runs alone pools no new seed with them: their data
                         // as it is now does not matter (their seeds' agreement is checked apart).
@@ -126,9 +130,16 @@ pub(super) fn check_finished_runs<'e>(
     if !drifted.is_empty() {
         bail!(
             "{}: finished runs were made with other settings than the experiment's now: {}; restore the \
-             experiment and base files, or give the edited experiment another `results_dir`",
+             experiment and base files{}, or give the edited experiment another `results_dir`",
             path.display(),
-            drifted.join(", ")
+            drifted
+                .iter()
+                .map(|(run, settings)| format!("{run} (`{}`)", keys_of(settings).join("`, `")))
+                .collect::<Vec<_>>()
+                .join(", "),
+            same_overrides(&drifted)
+                .map(|sets| format!(", pass the overrides the runs were made with ({sets})"))
+                .unwrap_or_default()
         );
     }
     if !data_changed.is_empty() {
@@ -148,6 +159,39 @@ pub(super) fn check_finished_runs<'e>(
         );
     }
     Ok(finished)
+}
+
+/// The settings where a finished run differs from the experiment now: dotted key, and the value it ran
+/// with where that is one number, string or boolean (`None` for a table or list).
+type Settings = Vec<(String, Option<String>)>;
+
+/// The value at dotted `key` of a config as JSON, written as `--set` takes it, where it is a scalar.
+fn scalar_at(config: &serde_json::Value, key: &str) -> Option<String> {
+    match config.pointer(&format!("/{}", key.replace('.', "/")))? {
+        v @ (serde_json::Value::String(_)
+        | serde_json::Value::Number(_)
+        | serde_json::Value::Bool(_)) => Some(v.to_string()),
+        _ => None,
+    }
+}
+
+fn keys_of(settings: &Settings) -> Vec<&str> {
+    settings.iter().map(|(k, _)| k.as_str()).collect()
+}
+
+/// `--set KEY=VALUE ...` that gives back what every drifted run was made with, where they were all made
+/// with the same scalar values (a trial made with `--set train.steps=1` and reported without it: the
+/// runs are the experiment's, and its report needs the same overrides).
+fn same_overrides(drifted: &[(String, Settings)]) -> Option<String> {
+    let (_, first) = drifted.first()?;
+    if drifted.iter().any(|(_, s)| s != first) {
+        return None;
+    }
+    let sets: Option<Vec<String>> = first
+        .iter()
+        .map(|(k, v)| v.as_ref().map(|v| format!("`--set {k}={v}`")))
+        .collect();
+    sets.map(|s| s.join(" "))
 }
 
 /// The fingerprints of the held-out questions and of the training set a config's task gives now, by the
