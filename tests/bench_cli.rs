@@ -279,3 +279,26 @@ fn a_four_bit_layer_of_two_inputs_round_trips() {
             .unwrap_or_else(|e| panic!("{scheme}: its own checkpoint does not load: {e}"));
     }
 }
+
+/// Two `bench step` variants of one label are refused before anything runs, naming the label and both
+/// variants (the table and the JSON key rows by label).
+#[test]
+fn bench_step_refuses_a_label_given_twice() {
+    let out = qarl()
+        .args(["bench", "step", "--variant", "a:train.steps=1"])
+        .args([
+            "--variant",
+            "b:train.lr=1e-4",
+            "--variant",
+            "a:train.steps=2",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("--variant: the label `a` is given twice (variants 1 and 3)"),
+        "{err}"
+    );
+    assert!(!err.contains("probing the machine"), "{err}");
+}

@@ -120,8 +120,20 @@ pub fn run(a: StepBenchArgs) -> anyhow::Result<()> {
             .map(|v| parse_variant(v))
             .collect::<anyhow::Result<_>>()?
     };
+    // Rows and the JSON are keyed by label: two variants of one label would read as one.
     let labels: Vec<&String> = variants.iter().map(|(label, _)| label).collect();
-    super::refuse_repeats("--variant", &labels, |label| format!("the label `{label}`"))?;
+    if let Some((i, label)) = labels
+        .iter()
+        .enumerate()
+        .find(|(i, label)| labels[..*i].contains(label))
+    {
+        anyhow::bail!(
+            "--variant: the label `{label}` is given twice (variants {} and {}): each variant needs its \
+             own label",
+            labels.iter().position(|l| l == label).map_or(0, |p| p + 1),
+            i + 1
+        );
+    }
     // Every config is read and validated before anything runs.
     let configs = variants
         .iter()

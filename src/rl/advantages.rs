@@ -25,6 +25,17 @@ pub enum AdvantageEstimator {
     Rloo,
 }
 
+impl AdvantageEstimator {
+    /// The name a config spells it with.
+    pub fn name(self) -> &'static str {
+        match self {
+            AdvantageEstimator::Grpo => "grpo",
+            AdvantageEstimator::DrGrpo => "dr_grpo",
+            AdvantageEstimator::Rloo => "rloo",
+        }
+    }
+}
+
 /// Which standard deviation GRPO divides by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -91,8 +102,8 @@ impl AdvantageConfig {
             for (name, set) in [("std", self.std.is_some()), ("eps", self.eps.is_some())] {
                 if set {
                     return Err(RlError::Config(format!(
-                        "advantage field `{name}` only applies to estimator `grpo`, not `{:?}`",
-                        self.estimator
+                        "advantage field `{name}` only applies to estimator `grpo`, not `{}`",
+                        self.estimator.name()
                     )));
                 }
             }
@@ -194,6 +205,23 @@ pub fn responses_of_groups(groups: &[usize], group_size: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Errors name an estimator as a config spells it (they printed the Rust name, `Rloo`).
+    #[test]
+    fn estimator_names_are_the_config_spellings() {
+        use AdvantageEstimator::*;
+        for e in [Grpo, DrGrpo, Rloo] {
+            assert_eq!(
+                serde_json::to_string(&e).unwrap(),
+                format!("\"{}\"", e.name())
+            );
+        }
+        let mut rloo = AdvantageConfig::grpo();
+        rloo.estimator = Rloo;
+        rloo.std = Some(StdKind::Sample);
+        let err = rloo.validate().unwrap_err().to_string();
+        assert!(err.contains("not `rloo`"), "{err}");
+    }
 
     #[test]
     fn with_defaults_writes_grpo_defaults_only_for_grpo() {

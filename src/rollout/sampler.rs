@@ -7,6 +7,19 @@ use serde::{Deserialize, Serialize};
 
 /// Sampling parameters out of range, found by [`SamplingParams::validate`] (the sampler itself takes them as
 /// given); each message names the parameter, the caller the place it was set (config key or flag).
+/// The sampling options a greedy decode was given beside their defaults (`top_p` 1, `top_k` 0): the
+/// defaults are not the user's, and were named as if they were.
+fn sampling_given(top_p: f64, top_k: usize) -> String {
+    let mut given = Vec::new();
+    if top_p != 1.0 {
+        given.push(format!("top_p (got {top_p})"));
+    }
+    if top_k != 0 {
+        given.push(format!("top_k (got {top_k})"));
+    }
+    given.join(" or ")
+}
+
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum RolloutError {
     #[error(
@@ -17,8 +30,8 @@ pub enum RolloutError {
     #[error("top_p must be in (0, 1], got {0}")]
     TopP(f64),
     #[error(
-        "temperature 0 is greedy decoding, which takes no top_p (got {top_p}) or top_k (got {top_k}): they \
-         would be ignored"
+        "temperature 0 is greedy decoding, which takes no {}: it would be ignored",
+        sampling_given(*top_p, *top_k)
     )]
     GreedyWithSampling { top_p: f64, top_k: usize },
     #[error("stop strings must not be empty")]
