@@ -1743,6 +1743,46 @@ fn generate_refuses_options_it_would_ignore() {
     assert!(!out_json.exists());
 }
 
+/// A `--prompt-ids` file with the field under both its names, or under neither, is named as such (serde's
+/// alias reported a "duplicate field `input_ids`" for a file that held it once).
+#[test]
+fn generate_names_a_prompt_file_with_both_or_no_ids_field() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            r#"{"input_ids": [[1, 2]], "prompt_ids": [[1, 2]]}"#,
+            "has both `input_ids` and `prompt_ids`",
+        ),
+        (r#"{}"#, "no `input_ids` field (or `prompt_ids`)"),
+    ];
+    for (text, want) in cases {
+        let prompts = tmp.path().join("prompts.json");
+        std::fs::write(&prompts, text).unwrap();
+        let err = error_of(
+            qarl()
+                .args(["generate", "--model"])
+                .arg(fixtures_dir().join("qwen3"))
+                .arg("--prompt-ids")
+                .arg(&prompts)
+                .arg("--output")
+                .arg(tmp.path().join("out.json")),
+        );
+        assert!(err.contains("prompts.json") && err.contains(want), "{err}");
+    }
+    // Either name alone is read.
+    std::fs::write(tmp.path().join("p.json"), r#"{"prompt_ids": [[1, 2]]}"#).unwrap();
+    let ok = qarl()
+        .args(["generate", "--greedy", "--max-new-tokens", "1", "--model"])
+        .arg(fixtures_dir().join("qwen3"))
+        .arg("--prompt-ids")
+        .arg(tmp.path().join("p.json"))
+        .arg("--output")
+        .arg(tmp.path().join("out.json"))
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{ok:?}");
+}
+
 /// An output naming a file the command reads (its data, its ids, a file of its model directory) is refused
 /// before any work, and the file stays as it was: results are written atomically over what is there.
 #[test]

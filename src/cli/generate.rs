@@ -75,11 +75,30 @@ pub struct GenerateArgs {
     pub activations: crate::model::Activations,
 }
 
+/// A `--prompt-ids` file: its rows under `input_ids`, or `prompt_ids` (the same field by another name;
+/// given both, serde's alias reported a "duplicate field `input_ids`" the file did not repeat).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PromptFile {
-    #[serde(alias = "prompt_ids")]
-    input_ids: Vec<Vec<u32>>,
+    input_ids: Option<Vec<Vec<u32>>>,
+    prompt_ids: Option<Vec<Vec<u32>>>,
+}
+
+impl PromptFile {
+    /// The rows of the file at `path`.
+    fn rows(self, path: &std::path::Path) -> anyhow::Result<Vec<Vec<u32>>> {
+        match (self.input_ids, self.prompt_ids) {
+            (Some(rows), None) | (None, Some(rows)) => Ok(rows),
+            (Some(_), Some(_)) => anyhow::bail!(
+                "{}: has both `input_ids` and `prompt_ids`, two names of the one field: keep one",
+                path.display()
+            ),
+            (None, None) => anyhow::bail!(
+                "{}: no `input_ids` field (or `prompt_ids`): expected {{\"input_ids\": [[id, ...], ...]}}",
+                path.display()
+            ),
+        }
+    }
 }
 
 #[derive(Serialize)]
@@ -151,11 +170,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let prompts = match (&args.prompt_ids, &args.prompt) {
         (Some(path), _) => {
-            let f: PromptFile = read_json(path)?;
+            let rows = read_json::<PromptFile>(path)?.rows(path)?;
             model
-                .check_prompts(&f.input_ids)
+                .check_prompts(&rows)
                 .with_context(|| path.display().to_string())?;
-            f.input_ids
+            rows
         }
         (None, Some(text)) => {
             let tok = tokenizer.as_ref().ok_or_else(|| {
