@@ -483,6 +483,31 @@ fn gsm8k_slice_loads() {
     );
 }
 
+/// The loader of `qarl eval` and `qarl mismatch` tells the two formats apart by the first record: each
+/// slice reads as its own loader reads it, and a file of neither gets GSM8K's error naming its fields
+/// (`qarl eval` on a MATH file said "missing field `question`").
+#[test]
+fn eval_data_is_read_as_gsm8k_or_math() {
+    let both = |name: &str| datasets::load_gsm8k_or_math(fixture(name), OnBadLine::Error).unwrap();
+    let answers = |recs: Vec<datasets::Record>| -> Vec<String> {
+        recs.into_iter().map(|r| r.answer).collect()
+    };
+    let math = datasets::load_math(fixture("math_slice.jsonl"), OnBadLine::Error).unwrap();
+    assert_eq!(answers(both("math_slice.jsonl")), answers(math));
+    let gsm8k = datasets::load_gsm8k(fixture("gsm8k_slice.jsonl"), OnBadLine::Error).unwrap();
+    assert_eq!(answers(both("gsm8k_slice.jsonl")), answers(gsm8k));
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("other.jsonl");
+    std::fs::write(&other, "{\"prompt\": \"1+1\", \"completion\": \"2\"}\n").unwrap();
+    let err = datasets::load_gsm8k_or_math(&other, OnBadLine::Error)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("other.jsonl") && err.contains("question"),
+        "{err}"
+    );
+}
+
 #[test]
 fn math_slice_loads() {
     let recs = datasets::load_math(fixture("math_slice.jsonl"), OnBadLine::Error).unwrap();

@@ -1,6 +1,6 @@
-//! `qarl eval`: greedy accuracy of a model on a GSM8K-format JSONL file (questions through the chat or plain
-//! template, answers checked by the exact verifier), in full precision or a quantized scheme, with the mean
-//! response length and decode throughput.
+//! `qarl eval`: greedy accuracy of a model on a GSM8K- or MATH-format JSONL file (questions through the
+//! chat or plain template, answers checked by the exact verifier), in full precision or a quantized scheme,
+//! with the mean response length and decode throughput.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -9,7 +9,7 @@ use crate::model::Tokenizer;
 use crate::ops::BackendKind;
 use crate::quant::QuantScheme;
 use crate::rollout::{generate, FinishReason, SamplingParams};
-use crate::tasks::datasets::{load_gsm8k, OnBadLine};
+use crate::tasks::datasets::{load_gsm8k_or_math, OnBadLine};
 use crate::tasks::template::Template;
 use crate::tasks::verify::{score_response, AnswerFrom, Truncated, VerifyConfig};
 use crate::train::config::RolloutStop;
@@ -19,9 +19,10 @@ pub struct EvalArgs {
     /// Model directory (config.json, safetensors, tokenizer.json).
     #[arg(long)]
     pub model: PathBuf,
-    /// GSM8K-format JSONL file (`question`, `answer` ending in `#### N`), e.g.
-    /// experiments/data/word_problems_test.jsonl; `gsm8k-test` / `gsm8k-train` name test.jsonl / train.jsonl
-    /// in $QARL_GSM8K_DIR (a copy of GSM8K's grade_school_math/data).
+    /// JSONL file in GSM8K format (`question`, `answer` ending in `#### N`; e.g.
+    /// experiments/data/word_problems_test.jsonl) or MATH format (`problem`, `solution` with a `\boxed{}`
+    /// answer or an `answer` field), told apart by the first record; `gsm8k-test` / `gsm8k-train` name
+    /// test.jsonl / train.jsonl in $QARL_GSM8K_DIR (a copy of GSM8K's grade_school_math/data).
     #[arg(long)]
     pub data: String,
     /// Evaluate the first N problems.
@@ -127,8 +128,10 @@ pub(super) fn load_problems(
     path: &std::path::Path,
     limit: usize,
 ) -> anyhow::Result<Vec<crate::tasks::datasets::Record>> {
-    let (mut records, repeats) =
-        crate::tasks::datasets::unique_questions(load_gsm8k(path, OnBadLine::Error)?, path)?;
+    let (mut records, repeats) = crate::tasks::datasets::unique_questions(
+        load_gsm8k_or_math(path, OnBadLine::Error)?,
+        path,
+    )?;
     if repeats > 0 {
         eprintln!(
             "{}: {repeats} repeated question(s) left out (each problem counts once, as in a run's evaluation)",

@@ -297,6 +297,31 @@ pub fn load_math(path: impl AsRef<Path>, on_bad: OnBadLine) -> Result<Vec<Record
     load_jsonl(path.as_ref(), on_bad, parse_math_line)
 }
 
+/// Loads a GSM8K- or MATH-style JSONL file, told apart by the first record: one with a `problem` field
+/// and no `question` is MATH's (`problem`, `solution`, the answer boxed or in `answer`); anything else is
+/// read as GSM8K's, whose errors then name its fields. For the commands that take any data file
+/// (`qarl eval`, `qarl mismatch`), as `task.kind` tells a run which it has.
+pub fn load_gsm8k_or_math(
+    path: impl AsRef<Path>,
+    on_bad: OnBadLine,
+) -> Result<Vec<Record>, DatasetError> {
+    let path = path.as_ref();
+    let bytes = std::fs::read(path).map_err(|io| DatasetError::Io {
+        path: path.to_path_buf(),
+        io,
+    })?;
+    let first = bytes
+        .split(|&b| b == b'\n')
+        .filter_map(|l| serde_json::from_slice::<serde_json::Value>(l).ok())
+        .next();
+    let is_math = first.is_some_and(|v| v.get("problem").is_some() && v.get("question").is_none());
+    if is_math {
+        load_math(path, on_bad)
+    } else {
+        load_gsm8k(path, on_bad)
+    }
+}
+
 fn load_jsonl(
     path: &Path,
     on_bad: OnBadLine,
