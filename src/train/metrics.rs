@@ -143,7 +143,11 @@ pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::V
                 rows.push(row)
             }
             Some(row) => rows.push(row),
-            None if bad == BadLines::Skip || Some(n) == last => {}
+            // A torn last line (a killed writer's) is a row's beginning: `{`. Text that is not (a lone
+            // `garbage` line) is damage, reported as it would be anywhere else; a log of only such a line
+            // read as "no steps logged yet".
+            None if bad == BadLines::Skip
+                || (Some(n) == last && line.trim_start().starts_with('{')) => {}
             None => anyhow::bail!(
                 "{}: line {n} is not a metrics row (a JSON object): {}",
                 path.display(),
@@ -266,6 +270,15 @@ mod tests {
                 ]
             );
         }
+        // A last line that is no row's beginning is damage, not a torn write: named, also when it is the
+        // log's only line (which read as a log of no steps).
+        for text in ["garbage", "{\"phase\":\"rl\",\"step\":0}\n[1]"] {
+            std::fs::write(&path, text).unwrap();
+            let err = read_rows(&path, BadLines::TornLastOnly)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("is not a metrics row"), "{text}: {err}");
+        }
         // A damaged line (and a line that is JSON but not an object) in the middle.
         std::fs::write(
             &path,
@@ -297,8 +310,6 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("line 4 is not a metrics row"), "{err}");
-        std::fs::write(&path, "{\"phase\":\"rl\",\"step\":0}\n[1]\n").unwrap();
-        assert_eq!(read_rows(&path, BadLines::TornLastOnly).unwrap().len(), 1);
         let missing = read_rows(&dir.path().join("none.jsonl"), BadLines::Skip).unwrap_err();
         assert!(missing.to_string().contains("none.jsonl"), "{missing}");
     }
