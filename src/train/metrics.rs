@@ -119,6 +119,12 @@ pub fn verifier_version_of(row: &serde_json::Value) -> u32 {
         .unwrap_or(crate::tasks::verify::UNRECORDED_VERIFIER_VERSION)
 }
 
+/// Whether a line that is not a row can be one a killed writer cut short: a row's beginning, `{`. Text
+/// that is not (a `garbage` line, a JSON list) is damage wherever it stands.
+fn cut_short(line: &str) -> bool {
+    line.trim_start().starts_with('{')
+}
+
 /// The rows of the metrics log at `path`, in order; lines that are not rows as `bad` says. The one home
 /// for reading a log back (the report, `qarl compare`, the plots and `qarl runs`).
 pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::Value>> {
@@ -143,11 +149,8 @@ pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::V
                 rows.push(row)
             }
             Some(row) => rows.push(row),
-            // A torn last line (a killed writer's) is a row's beginning: `{`. Text that is not (a lone
-            // `garbage` line) is damage, reported as it would be anywhere else; a log of only such a line
-            // read as "no steps logged yet".
-            None if bad == BadLines::Skip
-                || (Some(n) == last && line.trim_start().starts_with('{')) => {}
+            // A log of only a `garbage` line read as "no steps logged yet".
+            None if bad == BadLines::Skip || (Some(n) == last && cut_short(line)) => {}
             None => anyhow::bail!(
                 "{}: line {n} is not a metrics row (a JSON object): {}",
                 path.display(),
@@ -182,8 +185,8 @@ pub fn truncate_after(path: &Path, phase: &str, last_step: usize) -> anyhow::Res
 }
 
 /// Keeps only the lines of a metrics file whose row `keep` accepts, written back atomically (nothing to do
-/// when the file does not exist). A last line that is not a JSON object (the half-written row of a killed
-/// run) is dropped with a warning naming it, so that the rows appended after it stay readable; such a line
+/// when the file does not exist). A last line that is a row's beginning but no JSON object (the
+/// half-written row of a killed run) is dropped with a warning naming it, so that the rows appended after it stay readable; such a line
 /// anywhere else is damage, an error naming the file and the line ([`BadLines::TornLastOnly`]), since
 /// dropping it would leave a gap that every later reader takes for a whole log.
 pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {
@@ -200,13 +203,13 @@ pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> an
                     kept.push(l);
                 }
             }
-            None if Some(n) == last => tracing::warn!(
+            None if Some(n) == last && cut_short(l) => tracing::warn!(
                 "{}:{n}: dropped a last line that is not a metrics row (a row cut short by a kill?)",
                 path.display()
             ),
             None => anyhow::bail!(
-                "{}: line {n} is not a metrics row (a JSON object), and it is not the last line (a row cut \
-                 short by a kill): the log is damaged; repair or remove the line to go on: {}",
+                "{}: line {n} is not a metrics row (a JSON object), nor a row's beginning on the last line \
+                 (a row cut short by a kill): the log is damaged; repair or remove the line to go on: {}",
                 path.display(),
                 l.chars().take(80).collect::<String>()
             ),
@@ -278,6 +281,9 @@ mod tests {
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("is not a metrics row"), "{text}: {err}");
+            let err = truncate_after(&path, "rl", 5).unwrap_err().to_string();
+            assert!(err.contains("is not a metrics row"), "{text}: {err}");
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
         }
         // A damaged line (and a line that is JSON but not an object) in the middle.
         std::fs::write(
