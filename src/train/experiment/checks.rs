@@ -87,6 +87,7 @@ pub(super) fn check_finished_runs<'e>(
     let mut data_changed = Vec::new();
     let mut unchecked = Vec::new();
     let mut held_out = HeldOut::new();
+    warn_of_broken_links(exp, &results);
     for &seed in &exp.seeds {
         for v in &exp.variants {
             let run_dir = results.join(&v.name).join(format!("seed{seed}"));
@@ -159,6 +160,39 @@ pub(super) fn check_finished_runs<'e>(
         );
     }
     Ok(finished)
+}
+
+/// Warns of a variant's folder (or a seed's) that is a link to nothing: its runs read as not made yet,
+/// and a copy of a study whose arms link to another's results (`cp -r` keeps relative links) reported
+/// them as 0 of 3 done without a word.
+fn warn_of_broken_links(exp: &ExperimentConfig, results: &Path) {
+    for (dir, target) in broken_links(exp, results) {
+        tracing::warn!(
+            "{}: a link to {}, which does not exist: the runs there read as not made",
+            dir.display(),
+            target.display()
+        );
+    }
+}
+
+/// The variants' and seeds' folders under `results` that are links to nothing, with their targets (the
+/// first of each variant: a variant's broken link hides its seeds).
+fn broken_links(exp: &ExperimentConfig, results: &Path) -> Vec<(PathBuf, PathBuf)> {
+    let mut out = Vec::new();
+    for v in &exp.variants {
+        let variant = results.join(&v.name);
+        let seeds = exp.seeds.iter().map(|s| variant.join(format!("seed{s}")));
+        let broken = std::iter::once(variant.clone()).chain(seeds).find(|dir| {
+            dir.symlink_metadata()
+                .is_ok_and(|m| m.file_type().is_symlink())
+                && !dir.exists()
+        });
+        if let Some(dir) = broken {
+            let target = std::fs::read_link(&dir).unwrap_or_default();
+            out.push((dir, target));
+        }
+    }
+    out
 }
 
 /// The settings where a finished run differs from the experiment now: dotted key, and the value it ran
@@ -401,4 +435,34 @@ pub(super) fn check_same_start_model(
         cfg.model.dir.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    /// A variant folder that links to nothing is found (it read as a variant with no run made); a link
+    /// to a folder that exists is none of its business.
+    #[cfg(unix)]
+    #[test]
+    fn links_to_nothing_are_found() {
+        let tmp = tempfile::tempdir().unwrap();
+        let exp: super::ExperimentConfig = toml::from_str(
+            "name = \"x\"\nbase = \"b.toml\"\nseeds = [1, 2]\n[[variant]]\nname = \"a\"\n\
+             [[variant]]\nname = \"b\"\n[[variant]]\nname = \"c\"\n",
+        )
+        .unwrap();
+        let results = tmp.path();
+        std::os::unix::fs::symlink("../elsewhere/a", results.join("a")).unwrap();
+        std::fs::create_dir_all(results.join("real")).unwrap();
+        std::os::unix::fs::symlink("real", results.join("b")).unwrap();
+        std::fs::create_dir_all(results.join("c")).unwrap();
+        std::os::unix::fs::symlink("gone", results.join("c/seed2")).unwrap();
+        let found = super::broken_links(&exp, results);
+        assert_eq!(
+            found,
+            [
+                (results.join("a"), "../elsewhere/a".into()),
+                (results.join("c/seed2"), "gone".into())
+            ]
+        );
+    }
 }
