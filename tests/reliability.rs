@@ -440,7 +440,8 @@ fn a_resume_with_another_experiment_is_refused() {
     cosine.train.steps = 2;
     let err = format!("{:#}", train::run(&cosine, true, true).unwrap_err());
     assert!(
-        err.contains("`train.steps (under the cosine schedule)` settings"),
+        err.contains("`train.steps (under the cosine schedule)` settings")
+            && err.contains("`train.steps` (but not under the cosine schedule)"),
         "{err}"
     );
     // A run whose config.json is gone (a copied or edited run directory): nothing to check the resume

@@ -66,7 +66,11 @@ pub(super) fn check_resumed_config(cfg: &TrainConfig, accept: bool) -> anyhow::R
         allowed: RESUME_MAY_CHANGE
             .iter()
             .chain(&config::RESULT_NEUTRAL_KEYS)
-            .map(|p| format!("`{}`", p.trim_start_matches('/').replace('/', ".")))
+            .map(|p| match *p {
+                // The one exception, said where the list is (it read as a contradiction beside it).
+                "/train/steps" => "`train.steps` (but not under the cosine schedule)".to_string(),
+                p => format!("`{}`", p.trim_start_matches('/').replace('/', ".")),
+            })
             .collect::<Vec<_>>()
             .join(", "),
     }
