@@ -45,8 +45,8 @@ pub(super) fn key_named_in(message: &str) -> Option<&str> {
 }
 
 /// Turns a TOML/serde error into one that names the file, the line, the full key path and the reason, and
-/// suggests the closest valid key or value for a misspelt one.
-pub(super) fn explain_toml_error(
+/// suggests the closest valid key or value for a misspelt one (a run's config, an experiment file).
+pub(crate) fn explain_toml_error(
     e: &toml::de::Error,
     text: &str,
     origin: &str,
@@ -236,6 +236,9 @@ fn unknown_name(msg: &str, what: &str) -> Option<(String, Vec<String>)> {
 /// The key path of the TOML line around byte `pos`: a `[header]` line's table, or the nearest header
 /// above followed by the key before `=`.
 fn key_path_at(text: &str, pos: usize) -> Vec<String> {
+    if let Some(path) = key_path_by_spans(text, pos) {
+        return path;
+    }
     let line_start = text[..pos].rfind('\n').map_or(0, |i| i + 1);
     let line_end = text[pos..].find('\n').map_or(text.len(), |i| pos + i);
     let split = |s: &str| -> Vec<String> {
@@ -265,6 +268,63 @@ fn key_path_at(text: &str, pos: usize) -> Vec<String> {
         path.extend(split(k));
     }
     path
+}
+
+/// The key path at byte `pos` of TOML `text` from the parsed document's spans: the innermost key or
+/// value whose span holds it, an element of an array named by its index (`corrections[0]`: an unknown key
+/// in the first `[[train.loss.corrections]]` was named `train.loss.corrections.extra`, without saying
+/// which correction). `None` where the text does not parse or no span holds `pos`.
+fn key_path_by_spans(text: &str, pos: usize) -> Option<Vec<String>> {
+    let doc = toml::de::DeTable::parse(text).ok()?;
+    let mut found = SpanSearch {
+        pos,
+        best: None,
+        path: Vec::new(),
+    };
+    found.table(doc.get_ref());
+    found.best.map(|(_, path)| path)
+}
+
+/// The walk of [`key_path_by_spans`]: the path so far, and the smallest span holding `pos` with its path.
+struct SpanSearch {
+    pos: usize,
+    best: Option<(usize, Vec<String>)>,
+    path: Vec<String>,
+}
+
+impl SpanSearch {
+    fn consider(&mut self, span: std::ops::Range<usize>) {
+        let holds = span.contains(&self.pos) || (span.is_empty() && span.start == self.pos);
+        if holds && self.best.as_ref().is_none_or(|(len, _)| span.len() <= *len) {
+            self.best = Some((span.len(), self.path.clone()));
+        }
+    }
+
+    fn table(&mut self, table: &toml::de::DeTable<'_>) {
+        for (key, value) in table.iter() {
+            self.path.push(key.get_ref().to_string());
+            self.consider(key.span());
+            self.value(value);
+            self.path.pop();
+        }
+    }
+
+    fn value(&mut self, value: &toml::Spanned<toml::de::DeValue<'_>>) {
+        self.consider(value.span());
+        match value.get_ref() {
+            toml::de::DeValue::Table(t) => self.table(t),
+            toml::de::DeValue::Array(items) => {
+                let name = self.path.pop().unwrap_or_default();
+                for (i, item) in items.iter().enumerate() {
+                    self.path.push(format!("{name}[{i}]"));
+                    self.value(item);
+                    self.path.pop();
+                }
+                self.path.push(name);
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Edit distance between two strings (Levenshtein, by characters).
@@ -314,6 +374,28 @@ mod tests {
         assert_eq!(at("seed"), ["seed"]);
         assert_eq!(at("objective"), ["train", "loss", "objective"]);
         assert_eq!(at("[eval]"), ["eval"]);
+    }
+
+    /// An element of an array of tables, or of an inline array, is named by its index: an unknown key in
+    /// the second correction was `train.loss.corrections.extra`, the same as one in the first.
+    #[test]
+    fn key_path_names_the_element_of_an_array() {
+        let text =
+            "[[train.loss.corrections]]\nkind = \"a\"\n[[train.loss.corrections]]\nkind = \"b\"\n\
+                    extra = 1\n[rollout]\nstop = [\"x\", {bad = 2}]\n";
+        let at = |needle: &str| key_path_at(text, text.find(needle).unwrap());
+        assert_eq!(at("extra"), ["train", "loss", "corrections[1]", "extra"]);
+        assert_eq!(
+            at("kind = \"a\""),
+            ["train", "loss", "corrections[0]", "kind"]
+        );
+        assert_eq!(at("bad"), ["rollout", "stop[1]", "bad"]);
+        // Text that does not parse falls back to the lines' headers.
+        let broken = "[train]\nlr = = 1\n";
+        assert_eq!(
+            key_path_at(broken, broken.find("lr").unwrap()),
+            ["train", "lr"]
+        );
     }
 
     #[test]
