@@ -266,12 +266,14 @@ fn config_show_prints_the_resolved_config_and_names_bad_keys() {
         default.train.loss.resolve().unwrap()
     );
     assert!(
-        text.contains("# off, so not printed: train.loss.corrections, verify.format_reward\n"),
+        text.contains(
+            "# off, so not printed: model.base, train.loss.corrections, verify.format_reward\n"
+        ),
         "{text}"
     );
     let ppo = stdout_of(qarl().args(["config", "show", "--set", "train.loss.objective=ppo_clip"]));
     assert!(
-        ppo.contains("# off, so not printed: train.loss.dual_clip_c, train.loss.corrections, verify.format_reward\n"),
+        ppo.contains("# off, so not printed: model.base, train.loss.dual_clip_c, train.loss.corrections, verify.format_reward\n"),
         "{ppo}"
     );
     let err = error_of(qarl().args(["config", "show", "--set", "rollout.sample_per_prompt=4"]));
@@ -1150,6 +1152,34 @@ fn experiment_variants_sharing_a_model_must_make_it_alike() {
         "{err}"
     );
     assert!(!results.join("b").exists(), "b did not run");
+}
+
+/// A bad key that a variant's `set` (or a `--set`) put into a run's config is traced to where it was set:
+/// the error's own line is of the composed config, which no file holds ("line 29").
+#[test]
+fn an_experiment_error_names_the_set_that_made_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (exp, _) = tiny_experiment(
+        tmp.path(),
+        "seeds = [1]\n[[variant]]\nname = \"a\"\nabout = \"x\"\nset = { \"train.lrr\" = 3 }\n",
+    );
+    let err = error_of(qarl().arg("experiment").arg(&exp).arg("--quiet"));
+    assert!(
+        err.contains("`train.lrr`: set by variant \"a\"'s `set` (`train.lrr`) in")
+            && err.contains("exp.toml, line 8"),
+        "{err}"
+    );
+    let err = error_of(
+        qarl()
+            .arg("experiment")
+            .arg(&exp)
+            .args(["--quiet", "--set", "rollout.top_pp=0.5", "--results-dir"])
+            .arg(tmp.path().join("trial")),
+    );
+    assert!(
+        err.contains("`rollout.top_pp`: given by `--set rollout.top_pp=...`"),
+        "{err}"
+    );
 }
 
 /// An experiment sets each run's `seed` and `run_dir` itself, and writes `report.md`, `comparison.png` and

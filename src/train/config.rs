@@ -14,9 +14,8 @@ use crate::tasks::TaskConfig;
 
 pub mod overrides;
 mod toml_errors;
-use toml_errors::{
-    check_float_range, explain_toml_error, key_named_in, line_of_key, locate_in_task,
-};
+pub(crate) use toml_errors::explain_toml_error;
+use toml_errors::{check_float_range, key_named_in, line_of_key, locate_in_task};
 pub use toml_errors::{closest, edit_distance};
 
 /// Which weights the learner's forward uses.
@@ -429,13 +428,40 @@ impl TrainConfig {
     /// The keys (dotted paths) of options that are off unless given and are not set here: what
     /// [`Self::with_defaults`] cannot write, since TOML has no "unset".
     pub fn unset_options(&self) -> Vec<String> {
-        let mut unset: Vec<String> = self
-            .train
-            .loss
-            .unset_options()
-            .into_iter()
-            .map(|name| format!("train.loss.{name}"))
-            .collect();
+        let mut unset: Vec<String> = [
+            ("model.init_config", self.model.init_config.is_none()),
+            ("model.base", self.model.base.is_none()),
+            ("sft", self.sft.is_none()),
+        ]
+        .into_iter()
+        .filter_map(|(key, off)| off.then(|| key.to_string()))
+        .collect();
+        if let TaskConfig::Gsm8k(d) | TaskConfig::Math(d) = &self.task {
+            if d.eval_path.is_none() {
+                unset.push("task.eval_path".into());
+            }
+        }
+        if let Some(chat) = self.task.chat_template() {
+            let keys = [
+                ("task.template.model_dir", chat.model_dir.is_none()),
+                ("task.template.system", chat.system.is_none()),
+                (
+                    "task.template.enable_thinking",
+                    chat.enable_thinking.is_none(),
+                ),
+            ];
+            unset.extend(
+                keys.into_iter()
+                    .filter_map(|(k, off)| off.then(|| k.to_string())),
+            );
+        }
+        unset.extend(
+            self.train
+                .loss
+                .unset_options()
+                .into_iter()
+                .map(|name| format!("train.loss.{name}")),
+        );
         if self.train.loss.corrections.is_empty() {
             // An empty array of tables has no TOML form, so the printed config cannot show it.
             unset.push("train.loss.corrections".into());
