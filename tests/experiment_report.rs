@@ -306,6 +306,17 @@ fn an_experiment_refuses_shared_run_directories() {
             "one plain directory name",
         ),
         ("seeds = [1]", variant(""), "one plain directory name"),
+        // A misspelt key is named with its line and the closest key, as in a run's config.
+        (
+            "seed = [1]",
+            variant("a"),
+            "exp.toml, line 3: unknown key `seed`; did you mean `seeds`?",
+        ),
+        (
+            "seeds = [1]",
+            variant("a") + "sett = {}\n",
+            "unknown key `variant[0].sett`; did you mean `variant[0].set`?",
+        ),
     ];
     for (seeds, variants, want) in cases {
         std::fs::write(

@@ -108,8 +108,10 @@ impl ExperimentConfig {
     pub fn load(path: &Path) -> anyhow::Result<Self> {
         let text = std::fs::read_to_string(path).map_err(crate::io::failed(path, "cannot read"))?;
         refuse_run_config(&text, path)?;
-        let exp: Self =
-            toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        // Named like a run config's errors: line, key path, the closest key (`seed` for `seeds`).
+        let exp: Self = toml::from_str(&text).map_err(|e| {
+            crate::train::config::explain_toml_error(&e, &text, &path.display().to_string(), true)
+        })?;
         if exp.seeds.is_empty() || exp.variants.is_empty() {
             bail!(
                 "{}: needs at least one seed and one variant",
@@ -343,8 +345,49 @@ impl<'a> RunConfigs<'a> {
             self.path.display(),
             v.name
         );
-        TrainConfig::from_toml(&toml::to_string(&doc)?, &origin)
+        TrainConfig::from_toml(&toml::to_string(&doc)?, &origin).map_err(|e| {
+            let message = format!("{e:#}");
+            match self.setter_of(v, message.strip_prefix(&origin).unwrap_or(&message)) {
+                Some(note) => e.context(note),
+                None => e,
+            }
+        })
     }
+
+    /// Where the key an error of `v`'s config names (its `message` after the origin) was set, where that
+    /// was the variant's `set` or a `--set`: the error's line is of the config they were applied to, a text no file holds (an unknown
+    /// key in a variant's `set` was reported at "line 29").
+    fn setter_of(&self, v: &Variant, message: &str) -> Option<String> {
+        let named = message.split('`').skip(1).step_by(2).next()?;
+        let covers = |k: &str| {
+            named == k || named.starts_with(&format!("{k}.")) || k.starts_with(&format!("{named}."))
+        };
+        if let Some((k, _)) = self.overrides.iter().rev().find(|(k, _)| covers(k)) {
+            return Some(format!("`{named}`: given by `--set {k}=...`"));
+        }
+        let k = v.set.keys().find(|k| covers(k))?;
+        let line = variant_set_line(self.path, &v.name)
+            .map(|l| format!(", line {l}"))
+            .unwrap_or_default();
+        Some(format!(
+            "`{named}`: set by variant {:?}'s `set` (`{k}`) in {}{line}",
+            v.name,
+            self.path.display()
+        ))
+    }
+}
+
+/// The line (from 1) of the `set` of the variant named `name` in the experiment file at `path`.
+fn variant_set_line(path: &Path, name: &str) -> Option<usize> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let doc = toml::de::DeTable::parse(&text).ok()?;
+    let variants = doc.get_ref().get("variant")?.get_ref().as_array()?;
+    let variant = variants
+        .iter()
+        .find(|v| v.get_ref().get("name").and_then(|n| n.get_ref().as_str()) == Some(name))?;
+    let set = variant.get_ref().get("set")?;
+    let at = set.span().start.min(text.len());
+    Some(text[..at].matches('\n').count() + 1)
 }
 
 /// Runs every (variant, seed) not finished yet, then writes `report.md`; `backend`, when given, replaces
