@@ -507,11 +507,14 @@ mod tests {
             e.contains(&format!("qarl train --config {}", run.display())),
             "{e}"
         );
-        // An experiment file with a typo still gets the parser's own message.
+        // An experiment file with a typo gets the parser's error explained: line, key, closest key.
         let exp = dir.join("exp.toml");
         std::fs::write(&exp, "name = \"x\"\nbase = \"b.toml\"\nseed = [1]\n").unwrap();
         let e = ExperimentConfig::load(&exp).unwrap_err().to_string();
-        assert!(e.contains("unknown field `seed`"), "{e}");
+        assert!(
+            e.contains("line 3: unknown key `seed`; did you mean `seeds`?"),
+            "{e}"
+        );
         // An empty results folder would be the current directory.
         std::fs::write(
             &exp,
