@@ -124,6 +124,10 @@ fn set_overrides_change_the_config_and_bad_ones_are_named() {
             "`model.init_std` = 0.1 beside `model.base` = \"b\"",
         ),
         (
+            "model={dir=\"m\", init_std=0.1}",
+            "`model.init_std` = 0.1 without `model.init_config`",
+        ),
+        (
             "task={kind=\"gsm8k\", path=\"x.jsonl\", eval_fraction=1.5}",
             "`task.eval_fraction` must be in (0, 1)",
         ),

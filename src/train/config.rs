@@ -742,6 +742,17 @@ impl TrainConfig {
             self.model.init_std,
             "a finite number > 0",
         )?;
+        // Without an init config no weight is drawn: a value other than the default is set for nothing.
+        if self.model.init_config.is_none()
+            && self.model.base.is_none()
+            && self.model.init_std != default_init_std()
+        {
+            bail!(
+                "`model.init_std` = {} without `model.init_config`: only random weights made from an init \
+                 config are drawn with it (`model.dir` is used as it is); remove the key",
+                self.model.init_std
+            );
+        }
         if let Some(base) = &self.model.base {
             // Pretrained weights are not drawn: a value other than the default was set for nothing.
             if self.model.init_std != default_init_std() {
