@@ -434,7 +434,8 @@ impl TrainConfig {
             ("sft", self.sft.is_none()),
         ]
         .into_iter()
-        .filter_map(|(key, off)| off.then(|| key.to_string()))
+        .filter(|&(_, off)| off)
+        .map(|(key, _)| key.to_string())
         .collect();
         if let TaskConfig::Gsm8k(d) | TaskConfig::Math(d) = &self.task {
             if d.eval_path.is_none() {
@@ -452,7 +453,8 @@ impl TrainConfig {
             ];
             unset.extend(
                 keys.into_iter()
-                    .filter_map(|(k, off)| off.then(|| k.to_string())),
+                    .filter(|&(_, off)| off)
+                    .map(|(k, _)| k.to_string()),
             );
         }
         unset.extend(
