@@ -44,7 +44,7 @@ pub struct TrainerState {
     #[serde(default)]
     pub grad_norm_ema_bits: Option<u64>,
     /// Non-zero gradient norms the average has taken in: a spike is flagged only once it has
-    /// [`super::run::GRAD_NORM_SPIKE_WARMUP`] (checkpoints written before the count was kept were past it).
+    /// `GRAD_NORM_SPIKE_WARMUP` (5) (checkpoints written before the count was kept were past it).
     #[serde(default = "super::run::grad_norm_warmed_up")]
     pub grad_norms_seen: usize,
     /// The build that wrote the checkpoint ([`BUILD`]; absent in checkpoints written before it was kept).
