@@ -118,6 +118,22 @@ fn a_lock_left_by_a_dead_process_is_taken_over() {
     refuses_only_a_running_qarl(tmp.path());
 }
 
+/// Spawns a program this test has just copied: while the copy was open for writing, a child that
+/// another test thread forked may have inherited the descriptor, and until that child execs, running the
+/// copy fails with "Text file busy" (ETXTBSY; CI met it once). Retried for up to 5 s.
+#[cfg(target_os = "linux")]
+fn spawn_copied(cmd: &mut Command) -> std::process::Child {
+    for _ in 0..100 {
+        match cmd.spawn() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            other => return other.unwrap(),
+        }
+    }
+    cmd.spawn().unwrap()
+}
+
 /// A lock file naming a running qarl that holds no file lock (one from before file locks) is refused, not
 /// taken over, and left as it was; another program under that pid (reused after a crash) is no holder.
 /// Linux only: the program's name comes from `/proc`.
@@ -127,7 +143,7 @@ fn refuses_only_a_running_qarl(dir: &Path) {
     let old_qarl = bin.path().join("qarl-old");
     std::fs::copy(which_sleep(), &old_qarl).unwrap();
     for (program, refused) in [(old_qarl, true), (which_sleep(), false)] {
-        let mut holder = Command::new(&program).arg("30").spawn().unwrap();
+        let mut holder = spawn_copied(Command::new(&program).arg("30"));
         // Until the child runs its program (a holder in earnest has run for a while).
         let name = program.file_name().unwrap().to_str().unwrap();
         let comm = format!("/proc/{}/comm", holder.id());
@@ -166,7 +182,7 @@ fn refuses_only_a_running_qarl(dir: &Path) {
     // since (another run) holds nothing here, and the lock is taken over.
     let qarl = bin.path().join("qarl-other-run");
     std::fs::copy(which_sleep(), &qarl).unwrap();
-    let mut other = Command::new(&qarl).arg("30").spawn().unwrap();
+    let mut other = spawn_copied(Command::new(&qarl).arg("30"));
     let comm = format!("/proc/{}/comm", other.id());
     for _ in 0..100 {
         if std::fs::read_to_string(&comm).is_ok_and(|c| c.trim_end() == "qarl-other-run") {

@@ -19,8 +19,9 @@ pub struct MismatchArgs {
     /// Model directory (full precision).
     #[arg(long)]
     pub model: PathBuf,
-    /// GSM8K- or MATH-format JSONL file (see `qarl eval`), e.g. experiments/data/word_problems_test.jsonl, or `gsm8k-test` /
-    /// `gsm8k-train` (files in $QARL_GSM8K_DIR, see `qarl eval`).
+    /// GSM8K- or MATH-format JSONL file (see `qarl eval`), e.g.
+    /// experiments/data/word_problems_test.jsonl, or `gsm8k-test` / `gsm8k-train` (files in
+    /// $QARL_GSM8K_DIR, see `qarl eval`).
     #[arg(long)]
     pub data: String,
     /// Prompts (the first N questions).

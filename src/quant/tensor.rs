@@ -404,8 +404,7 @@ fn quantize_int8(weights: &[f32], out: usize, inn: usize) -> (Vec<u8>, Vec<f32>)
 }
 
 /// Refuses a stored scale that makes one of the codes it multiplies an infinite weight (the quantizer
-/// refuses weights whose own scales would), naming the scale and that code's value. Where every scale
-/// times the format's largest code is finite the codes are not read.
+/// refuses weights whose own scales would), naming the scale and that code's value.
 fn check_finite_weights(
     scheme: QuantScheme,
     out: usize,
@@ -413,10 +412,6 @@ fn check_finite_weights(
     data: &[u8],
     scales: &[f32],
 ) -> Result<(), QuantError> {
-    let largest = scheme.kind().max_code_magnitude();
-    if scales.iter().all(|&s| (s * largest).is_finite()) {
-        return Ok(());
-    }
     match first_infinite_weight(scheme, out, inn, data, scales) {
         None => Ok(()),
         Some(w) => Err(QuantError::OverflowingScale {
@@ -435,7 +430,8 @@ struct InfiniteWeight {
     code: f32,
 }
 
-/// The first weight, row by row, whose code times its scale overflows f32.
+/// The first weight, row by row, whose code times its scale overflows f32. Where every scale times the
+/// format's largest code is finite (always but at the edge of f32) the codes are not read.
 fn first_infinite_weight(
     scheme: QuantScheme,
     out: usize,
@@ -444,6 +440,10 @@ fn first_infinite_weight(
     scales: &[f32],
 ) -> Option<InfiniteWeight> {
     let kind = scheme.kind();
+    let largest = kind.max_code_magnitude();
+    if scales.iter().all(|&s| (s * largest).is_finite()) {
+        return None;
+    }
     let row_bytes = scheme.row_bytes(inn);
     for (row, bytes) in data.chunks(row_bytes.max(1)).take(out).enumerate() {
         for col in 0..inn {
@@ -464,7 +464,7 @@ fn first_infinite_weight(
 
 /// Refuses weights whose quantized form dequantizes to infinity: a weight within a rounding of f32's
 /// largest value gets an int8-pc scale `absmax / 127` that rounds up, and 127 times it overflows (int4's
-/// `/ 7` happens not to). Checked on the scales alone where none can overflow, which is always but there.
+/// `/ 7` happens not to).
 fn check_quantized_finite(
     weights: &[f32],
     scheme: QuantScheme,
@@ -473,10 +473,6 @@ fn check_quantized_finite(
     data: &[u8],
     scales: &[f32],
 ) -> Result<(), QuantError> {
-    let largest = scheme.kind().max_code_magnitude();
-    if scales.iter().all(|&s| (s * largest).is_finite()) {
-        return Ok(());
-    }
     match first_infinite_weight(scheme, out, inn, data, scales) {
         None => Ok(()),
         Some(w) => Err(QuantError::QuantizedOverflow {

@@ -310,6 +310,7 @@ pub fn load_gsm8k_or_math(
         path: path.to_path_buf(),
         io,
     })?;
+    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
     let first = bytes
         .split(|&b| b == b'\n')
         .filter_map(|l| serde_json::from_slice::<serde_json::Value>(l).ok())

@@ -209,6 +209,7 @@ fn scalar_at(config: &serde_json::Value, key: &str) -> Option<String> {
     }
 }
 
+/// The keys of `settings`, as the refusal lists them.
 fn keys_of(settings: &Settings) -> Vec<&str> {
     settings.iter().map(|(k, _)| k.as_str()).collect()
 }

@@ -355,8 +355,8 @@ impl<'a> RunConfigs<'a> {
     }
 
     /// Where the key an error of `v`'s config names (its `message` after the origin) was set, where that
-    /// was the variant's `set` or a `--set`: the error's line is of the config they were applied to, a text no file holds (an unknown
-    /// key in a variant's `set` was reported at "line 29").
+    /// was the variant's `set` or a `--set`: the error's line is of the config they were applied to, a
+    /// text no file holds (an unknown key in a variant's `set` was reported at "line 29").
     fn setter_of(&self, v: &Variant, message: &str) -> Option<String> {
         let named = message.split('`').skip(1).step_by(2).next()?;
         let covers = |k: &str| {
