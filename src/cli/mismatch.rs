@@ -208,20 +208,14 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
         md += "| activations | deterministic | rollout | training forward | k3 KL | abs dp max | abs dp mean | error tokens: ratio | low prob | repetition | any | tokens |\n\
                |---|---|---|---|---|---|---|---|---|---|---|---|\n";
         for r in &rows {
-            let v = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+            let [k3, dp_max, dp_mean, ratio, low, repetition, any] = measured(r);
             md += &format!(
-                "| {} | {} | {} | {} | {:.3e} | {:.3e} | {:.3e} | {:.4} | {:.4} | {:.4} | {:.4} | {} |\n",
+                "| {} | {} | {} | {} | {k3:.3e} | {dp_max:.3e} | {dp_mean:.3e} | {ratio:.4} | {low:.4} | \
+                 {repetition:.4} | {any:.4} | {} |\n",
                 r["activations"].as_str().unwrap_or(""),
                 r["deterministic"].as_str().unwrap_or(""),
                 r["scheme"].as_str().unwrap_or(""),
                 r["forward"].as_str().unwrap_or(""),
-                v(KEYS[0]),
-                v(KEYS[1]),
-                v(KEYS[2]),
-                v(KEYS[3]),
-                v(KEYS[4]),
-                v(KEYS[5]),
-                v(KEYS[6]),
                 r["response_tokens"],
             );
         }
@@ -285,6 +279,12 @@ const KEYS: [&str; 7] = [
     names::REPETITION_FRAC,
     names::ANY_ERROR_FRAC,
 ];
+
+/// A row's values of [`KEYS`], in their order (NaN where one is missing), for the printed line and the
+/// markdown table alike.
+fn measured(row: &serde_json::Value) -> [f64; 7] {
+    KEYS.map(|k| row[k].as_f64().unwrap_or(f64::NAN))
+}
 
 /// Samples with `sampler` (recording its log-probs), scores the same tokens with each of `forwards` (the
 /// sampler's own weights, master or packed), and returns one row per forward: the mismatch metrics of that
@@ -356,18 +356,11 @@ fn measure(
                 ),
             }
         }
-        let v = |k: &str| row[k].as_f64().unwrap_or(f64::NAN);
+        let [k3, dp_max, dp_mean, ratio, low, repetition, any] = measured(&row);
         spinner.suspend(|| {
             println!(
-                "{rollout:>10} {forward:>8}: k3 KL {:.3e}  |dp| max {:.3e}  mean {:.3e}  error tokens: ratio {:.4}  \
-                 low prob {:.4}  repetition {:.4}  any {:.4}",
-                v(KEYS[0]),
-                v(KEYS[1]),
-                v(KEYS[2]),
-                v(KEYS[3]),
-                v(KEYS[4]),
-                v(KEYS[5]),
-                v(KEYS[6]),
+                "{rollout:>10} {forward:>8}: k3 KL {k3:.3e}  |dp| max {dp_max:.3e}  mean {dp_mean:.3e}  error \
+                 tokens: ratio {ratio:.4}  low prob {low:.4}  repetition {repetition:.4}  any {any:.4}",
             )
         });
         rows.push(row);

@@ -306,21 +306,18 @@ pub fn load_gsm8k_or_math(
     on_bad: OnBadLine,
 ) -> Result<Vec<Record>, DatasetError> {
     let path = path.as_ref();
-    let bytes = std::fs::read(path).map_err(|io| DatasetError::Io {
-        path: path.to_path_buf(),
-        io,
-    })?;
-    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
+    let bytes = read_jsonl(path)?;
     let first = bytes
         .split(|&b| b == b'\n')
         .filter_map(|l| serde_json::from_slice::<serde_json::Value>(l).ok())
         .next();
     let is_math = first.is_some_and(|v| v.get("problem").is_some() && v.get("question").is_none());
-    if is_math {
-        load_math(path, on_bad)
+    let parse: fn(&str) -> Result<Record, LineError> = if is_math {
+        parse_math_line
     } else {
-        load_gsm8k(path, on_bad)
-    }
+        parse_gsm8k_line
+    };
+    parse_jsonl(path, &bytes, on_bad, parse)
 }
 
 fn load_jsonl(
@@ -328,13 +325,29 @@ fn load_jsonl(
     on_bad: OnBadLine,
     parse: fn(&str) -> Result<Record, LineError>,
 ) -> Result<Vec<Record>, DatasetError> {
-    let bytes = std::fs::read(path).map_err(|io| DatasetError::Io {
+    parse_jsonl(path, &read_jsonl(path)?, on_bad, parse)
+}
+
+/// The bytes of the JSONL file at `path`, without a leading byte-order mark (as some Windows editors
+/// write at the start of UTF-8 text: it is not part of the first record).
+fn read_jsonl(path: &Path) -> Result<Vec<u8>, DatasetError> {
+    let mut bytes = std::fs::read(path).map_err(|io| DatasetError::Io {
         path: path.to_path_buf(),
         io,
     })?;
-    // A byte-order mark, as some Windows editors write at the start of UTF-8 text, is not part of the
-    // first record.
-    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(&bytes);
+    if bytes.starts_with(b"\xEF\xBB\xBF") {
+        bytes.drain(..3);
+    }
+    Ok(bytes)
+}
+
+/// The records of JSONL `bytes` (read from `path`), each line by `parse`; bad lines as `on_bad` says.
+fn parse_jsonl(
+    path: &Path,
+    bytes: &[u8],
+    on_bad: OnBadLine,
+    parse: fn(&str) -> Result<Record, LineError>,
+) -> Result<Vec<Record>, DatasetError> {
     let mut out = Vec::new();
     for (i, raw) in bytes.split(|&b| b == b'\n').enumerate() {
         let line_no = i + 1;

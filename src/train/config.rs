@@ -14,9 +14,9 @@ use crate::tasks::TaskConfig;
 
 pub mod overrides;
 mod toml_errors;
-pub(crate) use toml_errors::explain_toml_error;
-use toml_errors::{check_float_range, key_named_in, line_of_key, locate_in_task};
+use toml_errors::{check_float_range, line_of_key, locate_in_task};
 pub use toml_errors::{closest, edit_distance};
+pub(crate) use toml_errors::{explain_toml_error, key_named_in};
 
 /// Which weights the learner's forward uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

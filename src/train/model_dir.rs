@@ -143,9 +143,9 @@ pub(super) fn write_made_by(cfg: &TrainConfig, staging: &Path) -> anyhow::Result
 /// then do not run.
 fn check_made_as_configured(cfg: &TrainConfig, warn: bool) -> anyhow::Result<()> {
     let dir = &cfg.model.dir;
-    let makes = cfg.sft.is_some() || cfg.model.base.is_some() || cfg.model.init_config.is_some();
+    let recipe = recipe_keys(cfg);
     let record = dir.join(MADE_BY_FILE);
-    if makes && record.is_file() {
+    if !recipe.is_empty() && record.is_file() {
         let made_by: serde_json::Value = crate::io::read_json(&record)?;
         let differ = recipe_changes(&made_by, cfg)?;
         anyhow::ensure!(
@@ -161,21 +161,20 @@ fn check_made_as_configured(cfg: &TrainConfig, warn: bool) -> anyhow::Result<()>
     }
     // A changed `[sft]` section or init would otherwise seem to be taken (the run's config.json records
     // them): said whatever `quiet` says (it silences progress, not what the run does).
-    let unused = unused_recipe_keys(cfg);
-    if warn && !unused.is_empty() {
+    if warn && !recipe.is_empty() {
         tracing::warn!(
             "model: {} exists and records no warm start ({MADE_BY_FILE}), so {} do not run: its weights \
              are used as they are (remove the folder to make the model with this config's recipe, or \
              remove those keys)",
             dir.display(),
-            unused.join(", ")
+            recipe.join(", ")
         );
     }
     Ok(())
 }
 
-/// The keys of `cfg` that say how to make `model.dir`, which an existing folder makes moot.
-fn unused_recipe_keys(cfg: &TrainConfig) -> Vec<&'static str> {
+/// The keys of `cfg` that say how to make `model.dir` (none: the config takes the folder as given).
+fn recipe_keys(cfg: &TrainConfig) -> Vec<&'static str> {
     let init = cfg.model.init_config.is_some();
     [
         (init, "`model.init_config`"),

@@ -489,8 +489,8 @@ fn draw_panels(
                 );
                 continue;
             }
-            let names: Vec<&str> = lines.iter().map(|(n, _)| n.as_str()).collect();
             let legend = (lines.len() > 1 && shared_legend.is_none()).then(|| {
+                let names: Vec<&str> = lines.iter().map(|(n, _)| n.as_str()).collect();
                 legend_place(
                     lines,
                     (x0, x1.max(x0 + 1.0)),

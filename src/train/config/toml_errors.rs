@@ -35,7 +35,7 @@ pub(super) fn line_of_key(text: &str, key: &str) -> Option<usize> {
 }
 
 /// The first backtick-quoted dotted key of a range check's message (`rollout.top_p`), if it names one.
-pub(super) fn key_named_in(message: &str) -> Option<&str> {
+pub(crate) fn key_named_in(message: &str) -> Option<&str> {
     let key = message.split('`').nth(1)?;
     let is_key = !key.is_empty()
         && key

@@ -358,7 +358,7 @@ impl<'a> RunConfigs<'a> {
     /// was the variant's `set` or a `--set`: the error's line is of the config they were applied to, a
     /// text no file holds (an unknown key in a variant's `set` was reported at "line 29").
     fn setter_of(&self, v: &Variant, message: &str) -> Option<String> {
-        let named = message.split('`').skip(1).step_by(2).next()?;
+        let named = crate::train::config::key_named_in(message)?;
         let covers = |k: &str| {
             named == k || named.starts_with(&format!("{k}.")) || k.starts_with(&format!("{named}."))
         };
