@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -44,6 +45,31 @@ fn resume_error(base: &TrainConfig, name: &str, damage: impl Fn(&Path)) -> Strin
         assert!(read(f) == was, "{name}: the refused resume changed {f}");
     }
     err
+}
+
+/// Rewrites checkpoint `d`'s optimizer state through `edit` (its tensors and scalars) and removes its
+/// manifest, as in a checkpoint written before manifests: only the fit check is left to catch the edit.
+fn edit_pre_manifest_optimizer(
+    d: &Path,
+    edit: impl Fn(&mut Vec<burn_pack::Tensor>, &mut BTreeMap<String, burn_pack::Scalar>),
+) {
+    std::fs::remove_file(d.join(checkpoint::MANIFEST_FILE)).unwrap();
+    let p = d.join("optimizer.bpk");
+    let pack = burn_pack::Reader::from_file_exact(&p).unwrap();
+    let mut scalars = pack.scalars().clone();
+    let metadata = pack.metadata().clone();
+    let mut tensors = pack.into_tensors().unwrap();
+    edit(&mut tensors, &mut scalars);
+    let mut writer = burn_pack::Writer::new(tensors);
+    for (k, v) in &scalars {
+        writer = writer.with_scalar(k, *v);
+    }
+    for (k, v) in &metadata {
+        writer = writer.with_metadata(k, v);
+    }
+    let edited = d.join("optimizer.edited");
+    writer.write_to_file(&edited).unwrap();
+    std::fs::rename(&edited, &p).unwrap();
 }
 
 #[test]
@@ -177,6 +203,66 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         err.contains("optimizer.bpk is not the file this checkpoint was written with"),
         "{err}"
     );
+
+    // Checkpoints written before the manifest: an optimizer state that does not fit the model panicked
+    // burn (at the load or the first update) or restarted moments without a word.
+    let err = resume_error(&cfg, "moment_shape", |d| {
+        edit_pre_manifest_optimizer(d, |tensors, _| {
+            let t = tensors
+                .iter_mut()
+                .find(|t| t.shape.num_dims() == 2 && t.shape[0] != t.shape[1])
+                .unwrap();
+            t.shape.as_mut_slice().reverse();
+        })
+    });
+    assert!(
+        err.contains("step_000001/optimizer.bpk: tensor `") && err.contains("has shape"),
+        "{err}"
+    );
+    let err = resume_error(&cfg, "moment_rank", |d| {
+        edit_pre_manifest_optimizer(d, |_, scalars| {
+            let key = scalars
+                .keys()
+                .find(|k| k.ends_with(".__rank"))
+                .unwrap()
+                .clone();
+            scalars.insert(key, burn_pack::Scalar::UInt(3));
+        })
+    });
+    assert!(err.contains("gives rank UInt(3)"), "{err}");
+    let err = resume_error(&cfg, "foreign_id", |d| {
+        edit_pre_manifest_optimizer(d, |tensors, scalars| {
+            let id = tensors[0].param_id.unwrap();
+            let rename = |name: &str| name.replacen(&format!("{id}."), "7.", 1);
+            for t in tensors.iter_mut().filter(|t| t.param_id == Some(id)) {
+                t.param_id = Some(7);
+                t.name = rename(&t.name);
+            }
+            let moved: Vec<String> = scalars
+                .keys()
+                .filter(|k| k.starts_with(&format!("{id}.")))
+                .cloned()
+                .collect();
+            for k in moved {
+                let v = scalars.remove(&k).unwrap();
+                scalars.insert(rename(&k), v);
+            }
+        })
+    });
+    assert!(
+        err.contains("belongs to parameter id 7, which the model does not have"),
+        "{err}"
+    );
+    let err = resume_error(&cfg, "missing_moment", |d| {
+        edit_pre_manifest_optimizer(d, |tensors, _| {
+            tensors.remove(0);
+        })
+    });
+    assert!(err.contains("has state"), "{err}");
+    let err = resume_error(&cfg, "anonymous_moment", |d| {
+        edit_pre_manifest_optimizer(d, |tensors, _| tensors[0].param_id = None)
+    });
+    assert!(err.contains("carries no parameter id"), "{err}");
 
     // A fresh run there is refused naming the damage; --overwrite starts over without reading it.
     let mut damaged = cfg.clone();

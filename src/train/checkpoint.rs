@@ -7,6 +7,7 @@
 //! (see `rl::rl_step`), so the data cursor is the step itself, and everything else the loop carries from
 //! one step to the next is in [`TrainerState`].
 
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -538,8 +539,13 @@ pub fn check_manifest(dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Loads the optimizer state of checkpoint `dir` into `optim`; a missing or damaged file is named with what
-/// is wrong with it, and so is one that is not the checkpoint's own ([`check_manifest`]).
-pub fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> anyhow::Result<ModuleOptimizer> {
+/// is wrong with it, and so is one that is not the checkpoint's own ([`check_manifest`]) or that does not fit
+/// `model`'s parameters ([`check_optimizer_fits`]).
+pub fn load_optimizer(
+    optim: ModuleOptimizer,
+    dir: &Path,
+    model: &Decoder,
+) -> anyhow::Result<ModuleOptimizer> {
     let path = dir.join(OPTIMIZER_FILE);
     let len = match std::fs::metadata(&path) {
         Ok(m) => m.len(),
@@ -550,28 +556,119 @@ pub fn load_optimizer(optim: ModuleOptimizer, dir: &Path) -> anyhow::Result<Modu
             dir.display()
         ),
     };
-    let optim = optim.load(&path).map_err(|e| {
-        let mut detail = e.to_string();
-        for prefix in ["Record I/O error: ", "Validation error: ", "I/O error: "] {
-            if let Some(rest) = detail.strip_prefix(prefix) {
-                detail = rest.to_string();
-            }
-        }
-        let what = if detail.contains("fill whole buffer") || detail.contains("unexpected end") {
-            format!("truncated ({len} bytes)")
-        } else if let Some(rest) = detail.strip_prefix("File truncated: ") {
-            format!("truncated ({rest})")
-        } else {
-            format!("not a valid optimizer state ({detail})")
-        };
+    let unreadable = |detail: String| unreadable_optimizer(&path, dir, len, detail);
+    // The header and the tensors' descriptions only: the moments are read once, by the load below.
+    let pack = burn_pack::Reader::from_file_exact(&path).map_err(|e| unreadable(e.to_string()))?;
+    check_manifest(dir)?;
+    check_optimizer_fits(pack, &param_shapes(model)).map_err(|what| {
         anyhow::anyhow!(
-            "{}: {what}; move {} away to resume from an older checkpoint",
+            "{}: {what}, so the first update would fail or restart moments without a word; move {} away \
+             to resume from an older checkpoint",
             path.display(),
             dir.display()
         )
     })?;
-    check_manifest(dir)?;
-    Ok(optim)
+    optim.load(&path).map_err(|e| unreadable(e.to_string()))
+}
+
+/// The error for an optimizer file that cannot be read: truncated, or not an optimizer state, in words
+/// rather than the record library's variants.
+fn unreadable_optimizer(path: &Path, dir: &Path, len: u64, detail: String) -> anyhow::Error {
+    let mut detail = detail;
+    for prefix in ["Record I/O error: ", "Validation error: ", "I/O error: "] {
+        if let Some(rest) = detail.strip_prefix(prefix) {
+            detail = rest.to_string();
+        }
+    }
+    let what = if detail.contains("fill whole buffer") || detail.contains("unexpected end") {
+        format!("truncated ({len} bytes)")
+    } else if let Some(rest) = detail.strip_prefix("File truncated: ") {
+        format!("truncated ({rest})")
+    } else {
+        format!("not a valid optimizer state ({detail})")
+    };
+    anyhow::anyhow!(
+        "{}: {what}; move {} away to resume from an older checkpoint",
+        path.display(),
+        dir.display()
+    )
+}
+
+/// The shape of each of `model`'s float parameters, by parameter id.
+pub fn param_shapes(model: &Decoder) -> HashMap<u64, Vec<usize>> {
+    struct Shapes(HashMap<u64, Vec<usize>>);
+    impl ModuleVisitor for Shapes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.insert(param.id.val(), param.val().dims().to_vec());
+        }
+    }
+    let mut v = Shapes(HashMap::new());
+    model.visit(&mut v);
+    v.0
+}
+
+/// The suffix of the scalar in which burn's optimizer record keeps each parameter's rank
+/// (`"{param_id}.__rank"`).
+const RANK_SUFFIX: &str = ".__rank";
+
+/// What makes optimizer state `pack` unfit for a model whose parameters have `shapes` (by id), if anything.
+/// burn matches the state to the parameters by id alone: a state tensor without an id panics the load, one of
+/// another shape or rank panics the first update, and a state for an id the model lacks, or with a moment
+/// missing, is dropped and its moments restart silently. Checkpoints with a manifest are already the files
+/// they were written with; this also covers those written before it, and any other damage that parses.
+pub fn check_optimizer_fits(
+    pack: burn_pack::Reader,
+    shapes: &HashMap<u64, Vec<usize>>,
+) -> Result<(), String> {
+    let shape_of = |id: u64, item: &str| {
+        shapes.get(&id).ok_or_else(|| {
+            format!("{item} belongs to parameter id {id}, which the model does not have")
+        })
+    };
+    for (key, value) in pack.scalars() {
+        let Some(id) = key.strip_suffix(RANK_SUFFIX) else {
+            continue;
+        };
+        let id: u64 = id
+            .parse()
+            .map_err(|_| format!("scalar `{key}` names no parameter id"))?;
+        let shape = shape_of(id, &format!("scalar `{key}`"))?;
+        if u64::try_from(*value).ok() != Some(shape.len() as u64) {
+            return Err(format!(
+                "scalar `{key}` gives rank {value:?} to a parameter of shape {shape:?}"
+            ));
+        }
+    }
+    let tensors = pack.into_tensors().map_err(|e| e.to_string())?;
+    let mut fields: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+    for t in &tensors {
+        let item = format!("tensor `{}`", t.name);
+        let id = t
+            .param_id
+            .ok_or_else(|| format!("{item} carries no parameter id"))?;
+        let shape = shape_of(id, &item)?;
+        if t.shape.as_slice() != shape.as_slice() {
+            return Err(format!(
+                "{item} has shape {:?}, its parameter (id {id}) {shape:?}",
+                t.shape.as_slice()
+            ));
+        }
+        if t.dtype != burn_pack::DType::F32 {
+            return Err(format!("{item} holds {:?}, not f32", t.dtype));
+        }
+        let field = t.name.strip_prefix(&format!("{id}.")).unwrap_or(&t.name);
+        fields.entry(id).or_default().push(field.to_string());
+    }
+    // Every parameter with a state has the same fields (Adam's two moments).
+    let mut states = fields.iter();
+    if let Some((first_id, first)) = states.next() {
+        if let Some((id, f)) = states.find(|(_, f)| f != &first) {
+            return Err(format!(
+                "parameter id {id} has state {f:?} where parameter id {first_id} has {first:?}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -149,11 +149,11 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     // A resume loads its checkpoint before the run directory changes: one that does not load leaves the
     // run as it was (its config.json, its rows), for a resume from an older checkpoint.
     let loaded = match (&resumed, model_made) {
-        (Some((p, saved)), true) => Some((
-            Policy::load(cfg, &task, resumed.as_ref(), &device)?,
-            checkpoint::load_optimizer(optimizer(&cfg.train), p)?,
-            resumed_state(cfg, p, saved),
-        )),
+        (Some((p, saved)), true) => {
+            let policy = Policy::load(cfg, &task, resumed.as_ref(), &device)?;
+            let optim = checkpoint::load_optimizer(optimizer(&cfg.train), p, &policy.model)?;
+            Some((policy, optim, resumed_state(cfg, p, saved)))
+        }
         _ => None,
     };
     let has_reference = cfg.train.loss.kl_weight() > 0.0;
@@ -200,7 +200,7 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
             };
             let (optim, state) = match &resumed {
                 Some((p, saved)) => (
-                    checkpoint::load_optimizer(optimizer(&cfg.train), p)?,
+                    checkpoint::load_optimizer(optimizer(&cfg.train), p, &policy.model)?,
                     resumed_state(cfg, p, saved),
                 ),
                 None => (optimizer(&cfg.train), TrainerState::fresh(cfg.seed)),

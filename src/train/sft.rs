@@ -295,7 +295,7 @@ pub fn run_sft_with(
     };
     if let Some((p, state, loss)) = &resumed {
         model = super::checkpoint::load_model(p, &device)?;
-        optim = super::checkpoint::load_optimizer(optim, p)?;
+        optim = super::checkpoint::load_optimizer(optim, p, &model)?;
         start = state.next_step;
         nonfinite = state.consecutive_nonfinite;
         last = *loss;
