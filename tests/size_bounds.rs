@@ -96,7 +96,8 @@ fn eval_mismatch_and_train_budgets_are_checked_against_the_model() {
     ]);
     assert!(!ok);
     assert!(
-        err.contains("--batch / --max-new-tokens")
+        err.contains(": --max-new-tokens: ")
+            && !err.contains("--batch")
             && err.contains("100000 new tokens")
             && err.contains("max_position_embeddings (256)"),
         "{err}"
@@ -122,14 +123,8 @@ fn eval_mismatch_and_train_budgets_are_checked_against_the_model() {
     let toml = tmp.path().join("run.toml");
     std::fs::write(&toml, common::tiny_train_toml(tmp.path(), "aligned", 1)).unwrap();
     for (set, want) in [
-        (
-            "eval.max_new_tokens=100000",
-            "eval.problems / eval.k / eval.max_new_tokens",
-        ),
-        (
-            "rollout.max_new_tokens=100000",
-            "rollout.prompts_per_step / samples_per_prompt / max_new_tokens",
-        ),
+        ("eval.max_new_tokens=100000", "eval.max_new_tokens: "),
+        ("rollout.max_new_tokens=100000", "rollout.max_new_tokens: "),
     ] {
         let (ok, err) = qarl(&[
             "train",

@@ -357,7 +357,10 @@ fn run_rollout(args: RolloutBenchArgs) -> anyhow::Result<()> {
     let mut model = Decoder::load_full_precision(&args.model, &device)?;
     crate::rollout::check_rollout_size(
         &model.config,
-        "--batch / --prompt-len / --new-tokens",
+        crate::rollout::RolloutInputs {
+            rows: "--batch",
+            reach: "--prompt-len / --new-tokens",
+        },
         args.batch,
         args.prompt_len,
         args.new_tokens,

@@ -213,7 +213,13 @@ pub fn run(args: EvalArgs) -> anyhow::Result<()> {
     let batch = args.batch;
     check_prompt_sizes(
         &model.config,
-        ("--batch / --max-new-tokens", batch.min(prompts.len())),
+        (
+            crate::rollout::RolloutInputs {
+                rows: "--batch",
+                reach: "--max-new-tokens",
+            },
+            batch.min(prompts.len()),
+        ),
         (&prompts, &records, &path),
         args.max_new_tokens,
     )?;
@@ -299,7 +305,7 @@ pub(super) fn encode_record(
 /// long for the model's positions (the flags in `what` alone do not say which record).
 pub(super) fn check_prompt_sizes(
     config: &crate::model::ModelConfig,
-    (what, rows): (&str, usize),
+    (what, rows): (crate::rollout::RolloutInputs, usize),
     (prompts, records, path): (
         &[Vec<u32>],
         &[crate::tasks::datasets::Record],

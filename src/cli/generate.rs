@@ -194,7 +194,10 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     // A prompt too long for the model's positions is named (the flags alone do not say it is the prompt).
     crate::rollout::check_prompts_size(
         &model.config,
-        "--samples / --max-new-tokens",
+        crate::rollout::RolloutInputs {
+            rows: "--samples",
+            reach: "--max-new-tokens",
+        },
         prompts.len().saturating_mul(args.samples),
         &prompts,
         args.max_new_tokens,

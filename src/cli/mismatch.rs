@@ -147,7 +147,10 @@ pub fn run(args: MismatchArgs) -> anyhow::Result<()> {
     super::eval::check_prompt_sizes(
         &full.config,
         (
-            "--limit / --samples / --max-new-tokens",
+            crate::rollout::RolloutInputs {
+                rows: "--limit / --samples",
+                reach: "--max-new-tokens",
+            },
             prompts.len().saturating_mul(args.samples),
         ),
         (&prompts, &records, &path),

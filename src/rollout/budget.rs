@@ -4,6 +4,21 @@
 
 use crate::model::ModelConfig;
 
+/// The inputs that size a rollout, as its errors name them (flags or config keys, several joined by " / "):
+/// those that set its row count, and those that set how far a row reaches (the new tokens, and the prompt's
+/// length where it is an input). A positions error names the reach's inputs alone, the memory error all.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RolloutInputs<'a> {
+    pub rows: &'a str,
+    pub reach: &'a str,
+}
+
+impl RolloutInputs<'_> {
+    fn all(&self) -> String {
+        format!("{} / {}", self.rows, self.reach)
+    }
+}
+
 /// Why a rollout of that size cannot run.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum BudgetError {
@@ -213,10 +228,10 @@ fn prompt_phrase(prompt: Option<usize>) -> String {
 }
 
 /// Checks a rollout of `rows` rows whose longest prompt has `prompt` tokens and which generates up to
-/// `new` tokens per row; `what` names the input in the error (a flag or a config key).
+/// `new` tokens per row; `what` names the inputs in the error.
 pub fn check_rollout_size(
     config: &ModelConfig,
-    what: &str,
+    what: RolloutInputs,
     rows: usize,
     prompt: usize,
     new: usize,
@@ -229,7 +244,7 @@ pub fn check_rollout_size(
 /// prompts again).
 pub fn check_rollout_size_before_prompts(
     config: &ModelConfig,
-    what: &str,
+    what: RolloutInputs,
     rows: usize,
     new: usize,
 ) -> Result<(), BudgetError> {
@@ -239,7 +254,7 @@ pub fn check_rollout_size_before_prompts(
 /// [`check_rollout_size`] with the prompt's length known (`Some`) or bounded below by one token.
 fn check_rows(
     config: &ModelConfig,
-    what: &str,
+    what: RolloutInputs,
     rows: usize,
     prompt: Option<usize>,
     new: usize,
@@ -247,7 +262,7 @@ fn check_rows(
     let reach = prompt.unwrap_or(1).saturating_add(new);
     if reach > config.max_position_embeddings {
         return Err(BudgetError::Positions {
-            what: what.to_string(),
+            what: what.reach.to_string(),
             prompt,
             new,
             reach,
@@ -257,7 +272,7 @@ fn check_rows(
     let need = kv_cache_bytes(config, rows, reach);
     match short_of(need) {
         Some(have) => Err(BudgetError::Memory {
-            what: what.to_string(),
+            what: what.all(),
             rows,
             tokens: reach,
             need_gb: need as f64 / 1e9,
@@ -272,7 +287,7 @@ fn check_rows(
 /// line, question), which the flags in `what` alone do not name.
 pub fn check_prompts_size(
     config: &ModelConfig,
-    what: &str,
+    what: RolloutInputs,
     rows: usize,
     prompts: &[Vec<u32>],
     new: usize,
@@ -316,6 +331,15 @@ fn available_memory_bytes() -> Option<u64> {
 mod tests {
     use super::*;
 
+    const NEW_TOKENS: RolloutInputs = RolloutInputs {
+        rows: "--samples",
+        reach: "--new-tokens",
+    };
+    const KEYS: RolloutInputs = RolloutInputs {
+        rows: "prompts_per_step",
+        reach: "max_new_tokens",
+    };
+
     fn config() -> ModelConfig {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama");
         ModelConfig::from_file(&path).unwrap()
@@ -325,14 +349,15 @@ mod tests {
     fn positions_past_the_limit_and_caches_past_the_memory_are_refused() {
         let c = config();
         let limit = c.max_position_embeddings;
-        assert!(check_rollout_size(&c, "--new-tokens", 4, limit - 8, 8).is_ok());
-        let e = check_rollout_size(&c, "--new-tokens", 4, limit - 8, 9).unwrap_err();
+        assert!(check_rollout_size(&c, NEW_TOKENS, 4, limit - 8, 8).is_ok());
+        let e = check_rollout_size(&c, NEW_TOKENS, 4, limit - 8, 9).unwrap_err();
         assert!(
-            e.to_string()
-                .contains(&format!("max_position_embeddings ({limit})")),
+            e.to_string().starts_with("--new-tokens: ")
+                && e.to_string()
+                    .contains(&format!("max_position_embeddings ({limit})")),
             "{e}"
         );
-        let e = check_rollout_size(&c, "--samples", usize::MAX / 2, 4, 4).unwrap_err();
+        let e = check_rollout_size(&c, NEW_TOKENS, usize::MAX / 2, 4, 4).unwrap_err();
         assert!(matches!(
             check_training_size(&c, "sft.batch_size", usize::MAX / 2, 4),
             Err(BudgetError::TrainMemory { .. })
@@ -343,7 +368,10 @@ mod tests {
         ));
         assert!(check_training_size(&c, "sft.batch_size", 8, limit).is_ok());
         assert!(matches!(e, BudgetError::Memory { .. }), "{e}");
-        assert!(e.to_string().starts_with("--samples: "), "{e}");
+        assert!(
+            e.to_string().starts_with("--samples / --new-tokens: "),
+            "{e}"
+        );
     }
 
     /// The check before prompts are made says its prompt length is a bound, not the prompts' length.
@@ -351,16 +379,16 @@ mod tests {
     fn a_positions_error_names_the_prompt_length_it_knows() {
         let c = config();
         let limit = c.max_position_embeddings;
-        assert!(check_rollout_size_before_prompts(&c, "max_new_tokens", 1, limit - 1).is_ok());
-        let e = check_rollout_size_before_prompts(&c, "max_new_tokens", 1, limit).unwrap_err();
+        assert!(check_rollout_size_before_prompts(&c, KEYS, 1, limit - 1).is_ok());
+        let e = check_rollout_size_before_prompts(&c, KEYS, 1, limit).unwrap_err();
         let before = e.to_string();
         assert!(
             before.starts_with("max_new_tokens: a prompt of at least one token plus "),
             "{before}"
         );
-        let e = check_rollout_size(&c, "max_new_tokens", 1, 15, limit).unwrap_err();
+        let e = check_rollout_size(&c, KEYS, 1, 15, limit).unwrap_err();
         assert!(e.to_string().contains("a prompt of 15 tokens plus "), "{e}");
-        let e = check_rollout_size(&c, "max_new_tokens", 1, 1, limit).unwrap_err();
+        let e = check_rollout_size(&c, KEYS, 1, 1, limit).unwrap_err();
         assert!(e.to_string().contains("a prompt of 1 token plus "), "{e}");
     }
 

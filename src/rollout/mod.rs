@@ -7,7 +7,7 @@ pub mod sampler;
 
 pub use budget::{
     check_learner_size, check_prompts_size, check_rollout_size, check_rollout_size_before_prompts,
-    check_training_size, shown_question, BudgetError,
+    check_training_size, shown_question, BudgetError, RolloutInputs,
 };
 pub use engine::{generate, FinishReason, Rollout};
 pub use sampler::{RolloutError, SamplingParams};

@@ -17,7 +17,10 @@ pub struct Evaluation {
 }
 
 /// The keys that size an evaluation, which a too-large one is refused by.
-pub(super) const EVAL_SIZE_KEYS: &str = "eval.problems / eval.k / eval.max_new_tokens";
+pub(super) const EVAL_SIZE_KEYS: crate::rollout::RolloutInputs = crate::rollout::RolloutInputs {
+    rows: "eval.problems / eval.k",
+    reach: "eval.max_new_tokens",
+};
 /// What a held-out prompt too long for the model is called in the error.
 pub(super) const HELD_OUT: &str = "a held-out problem";
 
@@ -26,7 +29,7 @@ pub(super) const HELD_OUT: &str = "a held-out problem";
 /// `set` (a training prompt, a held-out problem), which the keys in `what` alone do not say.
 pub(super) fn check_example_prompts(
     config: &crate::model::ModelConfig,
-    (what, rows): (&str, usize),
+    (what, rows): (crate::rollout::RolloutInputs, usize),
     (examples, prompts): (&[Example], &[Vec<u32>]),
     new: usize,
     set: &str,

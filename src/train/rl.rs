@@ -42,8 +42,10 @@ pub struct StepOutcome {
 /// gradient is not finite is skipped (the weights and optimizer state stay); `inject_nonfinite` makes
 /// every loss NaN (fault injection for tests).
 /// The keys that size a step's rollout, which a too-large one is refused by.
-pub(super) const ROLLOUT_SIZE_KEYS: &str =
-    "rollout.prompts_per_step / samples_per_prompt / max_new_tokens";
+pub(super) const ROLLOUT_SIZE_KEYS: crate::rollout::RolloutInputs = crate::rollout::RolloutInputs {
+    rows: "rollout.prompts_per_step / samples_per_prompt",
+    reach: "rollout.max_new_tokens",
+};
 /// What a training prompt too long for the model is called in the error.
 pub(super) const TRAINING_PROMPT: &str = "a training prompt";
 
