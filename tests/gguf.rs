@@ -220,7 +220,28 @@ fn hostile_gguf_files_are_errors_naming_the_file() {
                 let at = second + 8 + name_len + 4 + 8 * rank + 4;
                 b[at..at + 8].copy_from_slice(&0u64.to_le_bytes());
             }),
-            "overlap",
+            "overlapping or misplaced data",
+        ),
+        (
+            // One tensor fewer in the header than it lists: the data section would start inside the last
+            // tensor's info and every tensor be read from the wrong place.
+            edited(d, "count_lie.gguf", |b| {
+                let n = u64::from_le_bytes(b[8..16].try_into().unwrap());
+                b[8..16].copy_from_slice(&(n - 1).to_le_bytes());
+            }),
+            "are not zero padding: the header's tensor or metadata count, or its alignment (32), does not",
+        ),
+        (
+            // One metadata entry more than the header holds: a tensor info's bytes are read as a length.
+            edited(d, "kv_count_lie.gguf", |b| {
+                let n = u64::from_le_bytes(b[16..24].try_into().unwrap());
+                b[16..24].copy_from_slice(&(n + 1).to_le_bytes());
+            }),
+            "more than the whole file: the header is damaged, or one of its counts says more or fewer",
+        ),
+        (
+            edited(d, "trailing.gguf", |b| b.extend([0u8; 64])),
+            "64 bytes after the end of the tensor data (tensor `output.weight`, the last listed)",
         ),
         (
             // Two tensor infos under one name (the safetensors writer would index out of bounds on it).

@@ -198,6 +198,14 @@ impl<'a> Cursor<'a> {
 
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8], GgufError> {
         let left = (self.bytes.len() - self.pos) as u64;
+        if n > self.bytes.len() as u64 {
+            // No file is that short: the length read is not one (a count in the header said more or
+            // fewer entries than it holds, and the bytes of another field were read as a length).
+            return Err(self.err(format!(
+                "{what}: a length of {n} bytes, more than the whole file: the header is damaged, or one \
+                 of its counts says more or fewer entries than it holds"
+            )));
+        }
         if n > left {
             return Err(self.err(format!(
                 "truncated: {what} needs {n} bytes, {left} left in the file"
@@ -346,7 +354,19 @@ impl GgufFile {
         };
         let data_start = (c.pos as u64).div_ceil(align) * align;
         let file_len = map.len() as u64;
+        // A header whose counts say less than it holds still parses, and its data section then starts
+        // inside the rest of the header: every tensor would be read from the wrong place. The padding is
+        // zeros, the tensors follow each other, and the last one ends the file, or it is not this header's.
+        let padding = map.get(c.pos..data_start as usize).unwrap_or_default();
+        if padding.iter().any(|&b| b != 0) {
+            return Err(err(format!(
+                "bytes {}..{data_start} between the header and the tensor data are not zero padding: \
+                 the header's tensor or metadata count, or its alignment ({align}), does not describe the file",
+                c.pos
+            )));
+        }
         let mut tensors = Vec::with_capacity(raw.len());
+        let mut next = 0u64;
         for (name, dims, ty, offset) in raw {
             let ty = GgmlType::from_id(ty).ok_or_else(|| match GgmlType::other_name(ty) {
                 Some(known) => err(format!(
@@ -370,6 +390,15 @@ impl GgufFile {
                         "tensor `{name}`: data at offset {offset} + {len} bytes runs past the end of the file ({file_len} bytes)"
                     ))
                 })?;
+            // llama.cpp's layout, which its reader requires: each tensor right after the one listed
+            // before it, at the next multiple of the alignment.
+            if offset != next {
+                return Err(err(format!(
+                    "tensor `{name}`: data at offset {offset}, where the tensors listed before it end at \
+                     {next} (aligned to {align} bytes): overlapping or misplaced data"
+                )));
+            }
+            next = (offset + len).div_ceil(align) * align;
             tensors.push(TensorInfo {
                 name,
                 dims,
@@ -378,19 +407,19 @@ impl GgufFile {
                 len: len as usize,
             });
         }
-        // Overlapping tensors mean a corrupt index.
-        let mut spans: Vec<(usize, usize, &str)> = tensors
-            .iter()
-            .map(|t| (t.start, t.start + t.len, t.name.as_str()))
-            .collect();
-        spans.sort();
-        for w in spans.windows(2) {
-            if w[1].0 < w[0].1 {
-                return Err(err(format!(
-                    "tensors `{}` and `{}` overlap in the file",
-                    w[0].2, w[1].2
-                )));
-            }
+        let data_end = tensors
+            .last()
+            .map_or(data_start, |t| (t.start + t.len) as u64);
+        if file_len.saturating_sub(data_end) >= align {
+            return Err(err(format!(
+                "{} bytes after the end of the tensor data{}: the header's tensor count or sizes do not \
+                 describe the file",
+                file_len.saturating_sub(data_end),
+                tensors
+                    .last()
+                    .map(|t| format!(" (tensor `{}`, the last listed)", t.name))
+                    .unwrap_or_default()
+            )));
         }
         Ok(Self {
             path: path.to_path_buf(),
