@@ -567,6 +567,15 @@ fn bad_lines_name_file_and_line() {
             r#####"{"question": "q", "answer": "#### 2\\sqrt{2}"}"#####,
             "not a number",
         ),
+        // The verifier would read 1.5: every response of 1500000 scored wrong.
+        (
+            r#####"{"question": "q", "answer": "#### 1.5 million"}"#####,
+            "the gold answer `1.5 million` has the word `million`, which changes the number's value",
+        ),
+        (
+            r#####"{"question": "q", "answer": "#### 3 and a half"}"#####,
+            "has the word `half`",
+        ),
         // The gold would be 2 (after the last marker), a response's copy of it read as 1 (after its first).
         (
             r#####"{"question": "q", "answer": "x #### 1 ##### 2"}"#####,
@@ -1539,12 +1548,14 @@ fn repeated_questions_count_once_and_conflicting_golds_are_refused() {
         &path,
         "{\"question\": \"legs of a spider?\", \"answer\": \"#### 8\"}\n\
          {\"question\": \"2+2?\", \"answer\": \"#### 4\"}\n\
-         {\"question\": \"legs of a spider?\", \"answer\": \"#### 8\"}\n",
+         {\"question\": \"legs of a spider?\", \"answer\": \"#### 8\"}\n\
+         {\"question\": \" legs of  a spider? \", \"answer\": \"#### 8.0\"}\n",
     )
     .unwrap();
     let recs = datasets::load_gsm8k(&path, OnBadLine::Error).unwrap();
     let (unique, repeats) = datasets::unique_questions(recs, &path).unwrap();
-    assert_eq!(repeats, 1);
+    // The same question spaced otherwise, with a gold the verifier reads as equal, is a repeat too.
+    assert_eq!(repeats, 2);
     assert_eq!(
         unique.iter().map(|r| r.line).collect::<Vec<_>>(),
         vec![1, 2]
@@ -1552,7 +1563,7 @@ fn repeated_questions_count_once_and_conflicting_golds_are_refused() {
     std::fs::write(
         &path,
         "{\"question\": \"legs of a spider?\", \"answer\": \"#### 8\"}\n\
-         {\"question\": \"legs of a spider?\", \"answer\": \"#### 6\"}\n",
+         {\"question\": \"legs of a spider? \", \"answer\": \"#### 6\"}\n",
     )
     .unwrap();
     let recs = datasets::load_gsm8k(&path, OnBadLine::Error).unwrap();

@@ -66,7 +66,9 @@ pub enum DatasetError {
 /// `records` with each question once, its first record, and how many repeats were left out: a held-out
 /// problem listed twice weighed twice in an accuracy (`qarl eval` counted 200 problems where a run's
 /// evaluation of the same file counted 193) and paired wrongly between evaluations. A repeat whose gold
-/// answer differs is an error naming both lines (it was dropped without a word).
+/// answer differs is an error naming both lines (it was dropped without a word). Questions are the same
+/// whatever their spacing (a trailing space made a repeat with another gold a second problem), and golds
+/// the same where the verifier reads them as equal (`1,200` and `1200`).
 pub fn unique_questions(
     records: Vec<Record>,
     path: &Path,
@@ -75,8 +77,9 @@ pub fn unique_questions(
     let mut kept = Vec::with_capacity(records.len());
     let mut repeats = 0;
     for r in records {
-        match first.get(&r.question) {
-            Some((first_line, gold)) if *gold != r.answer => {
+        let key = r.question.split_whitespace().collect::<Vec<_>>().join(" ");
+        match first.get(&key) {
+            Some((first_line, gold)) if !super::verify::answers_equal(gold, &r.answer) => {
                 return Err(DatasetError::ConflictingGolds {
                     path: path.to_path_buf(),
                     first_line: *first_line,
@@ -87,7 +90,7 @@ pub fn unique_questions(
             }
             Some(_) => repeats += 1,
             None => {
-                first.insert(r.question.clone(), (r.line, r.answer.clone()));
+                first.insert(key, (r.line, r.answer.clone()));
                 kept.push(r);
             }
         }
@@ -128,6 +131,10 @@ pub enum LineError {
     /// response wrong without a word.
     #[error("the final answer after `####` is `{0}`, not a number (GSM8K answers are numbers like `18`, `-3`, `1,200` or `2.5`)")]
     NotANumber(String),
+    /// The verifier reads past words after a number as units (`1.5 million` is 1.5): every right answer to
+    /// such a problem would be scored wrong without a word.
+    #[error("the gold answer `{answer}` has the word `{word}`, which changes the number's value, but the verifier reads the number before it alone: write the number itself")]
+    ValueWord { answer: String, word: String },
     #[error("field `solution` has no well-formed `\\boxed{{...}}` (and no `answer` field)")]
     NoBoxed,
     #[error("field `answer` is `{field}` but the solution's last `\\boxed{{}}` is `{boxed}`: which is the gold is ambiguous")]
@@ -243,6 +250,7 @@ pub fn parse_gsm8k_line(line: &str) -> Result<Record, LineError> {
         let shown: String = answer.chars().take(40).collect();
         return Err(LineError::NotANumber(shown));
     }
+    refuse_value_words(&answer)?;
     Ok(Record {
         question,
         solution,
@@ -285,6 +293,20 @@ pub fn parse_math_line(line: &str) -> Result<Record, LineError> {
         answer,
         line: 0,
     })
+}
+
+/// A GSM8K gold answer must not carry a word that changes its value
+/// ([`super::verify::value_changing_word`]): GSM8K's golds are plain numbers, so one is a slip in the data.
+/// MATH's boxes are left as they are: they write answers as text (`\text{ million}`) that a response in the
+/// same form matches.
+fn refuse_value_words(answer: &str) -> Result<(), LineError> {
+    match super::verify::value_changing_word(answer) {
+        Some(word) => Err(LineError::ValueWord {
+            answer: answer.chars().take(40).collect(),
+            word,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Loads a GSM8K-format JSONL file.

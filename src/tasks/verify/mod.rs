@@ -56,7 +56,7 @@ mod number;
 
 pub use extract::{extract_answer, extract_candidate, last_box, last_boxed};
 use normalize::normalize_symbolic;
-pub use number::parse_answer;
+pub use number::{parse_answer, value_changing_word};
 
 /// Numbers with more digits than this (integer + fractional part, or either side of a fraction) do not parse.
 pub const MAX_DIGITS: usize = 1000;

@@ -24,6 +24,56 @@ pub fn parse_answer(text: &str) -> Option<BigRational> {
     parse_value(t.trim())
 }
 
+/// Words that change the value of the number before them, which [`parse_answer`] reads past as it reads
+/// past units and words (`1.5 million` is 3/2): a response that writes one is read as the number alone, and a
+/// gold answer with one would mark the right answer wrong. Plurals are matched by their singular.
+const VALUE_WORDS: [&str; 10] = [
+    "hundred", "thousand", "million", "billion", "trillion", "dozen", "half", "halves", "quarter",
+    "third",
+];
+
+/// The first word of `text` (lowercased) that changes the value of the number it follows ([`VALUE_WORDS`]:
+/// `1.5 million`, `2 dozen`, `3 and a half`), if any: a gold answer is refused with it.
+pub fn value_changing_word(text: &str) -> Option<String> {
+    text.split(|c: char| !c.is_alphabetic())
+        .map(str::to_lowercase)
+        .find(|w| {
+            VALUE_WORDS.contains(&w.as_str())
+                || w.strip_suffix('s')
+                    .is_some_and(|s| VALUE_WORDS.contains(&s))
+        })
+}
+
+#[cfg(test)]
+mod value_word_tests {
+    use super::*;
+
+    /// The words that change a value are found (any case, plural), units and other words are not.
+    #[test]
+    fn value_changing_words_are_found_and_units_are_not() {
+        for (text, word) in [
+            ("1.5 million", Some("million")),
+            ("2 Dozen", Some("dozen")),
+            ("3 and a half", Some("half")),
+            ("two thirds", Some("thirds")),
+            ("4 halves", Some("halves")),
+            ("5 hundreds", Some("hundreds")),
+            ("18 dollars", None),
+            ("$1,200", None),
+            ("7 cm^2", None),
+            ("12", None),
+        ] {
+            assert_eq!(value_changing_word(text).as_deref(), word, "{text}");
+        }
+        // The number alone is what the verifier reads: why such a gold answer is refused.
+        assert_eq!(
+            parse_answer("1.5 million"),
+            parse_answer("1.5"),
+            "the verifier now applies the word: the gold check is no longer needed"
+        );
+    }
+}
+
 /// Whether `text` states several assignments (`x=2, x=5`, `x = 2 or x = 5`) rather than one chain
 /// (`5 + 13 = 18`, `x = 2 + 3 = 5`): a `,`, `;` or a word `or` / `and` between its last two `=`. Such a
 /// list is no single value: reading the last one would accept any list that ends with the gold answer.
