@@ -259,6 +259,47 @@ fn template_errors_name_the_file() {
         err.contains("chat_template.jinja") && err.contains("does not finish rendering within"),
         "{err}"
     );
+    // An empty template (in either place): every prompt rendered to nothing, blamed on the data's line.
+    let empty = jinja_model("empty", " \n");
+    let err = Template::chat_for_model(&empty, None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("chat_template.jinja") && err.contains("the chat template is empty"),
+        "{err}"
+    );
+    let config_template = |name: &str, template: Value| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = serde_json::json!({ "chat_template": template });
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        Template::chat_for_model(&dir, None, None).map_err(|e| e.to_string())
+    };
+    let err = config_template("empty_in_config", "".into()).unwrap_err();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("the chat template is empty"),
+        "{err}"
+    );
+    // Named templates: the `default` one; without one transformers refuses the list, and so does this.
+    let named = |name: &str, t: &str| serde_json::json!({"name": name, "template": t});
+    let chosen = config_template(
+        "named_default",
+        serde_json::json!([
+            named("tool_use", "{{ 1 }}"),
+            named("default", "<{{ messages[0].content }}>")
+        ]),
+    )
+    .unwrap();
+    assert_eq!(chosen.render_prompt("q").unwrap(), "<q>");
+    let err = config_template(
+        "named_no_default",
+        serde_json::json!([named("tool_use", "<{{ messages[0].content }}>")]),
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("without one named `default`"),
+        "{err}"
+    );
     // No template at all: ChatML, which has no switch.
     let bare = tmp.path().join("bare");
     std::fs::create_dir_all(&bare).unwrap();

@@ -90,6 +90,16 @@ impl ModelChatTemplate {
                 Some(Ok(None)) | None => return Ok(None),
             }
         };
+        // An empty template is refused where it is: every prompt would render to nothing, and the error
+        // would come at the first prompt, naming the data file's line.
+        if source.trim().is_empty() {
+            return Err(TemplateError::Invalid {
+                path,
+                msg: "the chat template is empty: every prompt would render to nothing; remove it to \
+                      prompt with ChatML, or use the plain template"
+                    .into(),
+            });
+        }
         // A template that does not parse is reported where the model is named, not at the first prompt.
         let env = Arc::new(environment(&source).map_err(|e| error(&path, &e))?);
         Ok(Some(Self {
@@ -351,27 +361,36 @@ fn read_json(path: &Path) -> Result<Value, TemplateError> {
 }
 
 /// The `chat_template` of a `tokenizer_config.json`: a string, or a list of named templates (the one named
-/// `default`, else the first).
+/// `default`; a list without one is refused, as transformers refuses it: "multiple chat templates with no
+/// default specified").
 fn template_in_config(path: &Path, config: &Value) -> Result<Option<String>, TemplateError> {
     let invalid = |msg: &str| TemplateError::Invalid {
         path: path.to_path_buf(),
         msg: msg.into(),
     };
-    match config.get("chat_template") {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s.clone())),
+    let template = match config.get("chat_template") {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::String(s)) => s.clone(),
         Some(Value::Array(list)) => list
             .iter()
             .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-            .or_else(|| list.first())
-            .and_then(|t| t.get("template"))
+            .ok_or_else(|| {
+                invalid(
+                    "`chat_template` is a list of named templates without one named `default` (transformers \
+                     refuses it too: which one prompts the model would be a guess)",
+                )
+            })?
+            .get("template")
             .and_then(Value::as_str)
-            .map(|s| Some(s.to_string()))
-            .ok_or_else(|| invalid("`chat_template` is a list without a `template` string")),
-        Some(_) => Err(invalid(
-            "`chat_template` is neither a string nor a list of named templates",
-        )),
-    }
+            .map(str::to_string)
+            .ok_or_else(|| invalid("`chat_template`'s `default` entry has no `template` string"))?,
+        Some(_) => {
+            return Err(invalid(
+                "`chat_template` is neither a string nor a list of named templates",
+            ))
+        }
+    };
+    Ok(Some(template))
 }
 
 /// The special tokens of a `tokenizer_config.json`: each a string or an added-token object with `content`.
