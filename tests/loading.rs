@@ -331,6 +331,42 @@ fn sharded_index_naming_an_absent_tensor() {
     );
 }
 
+/// A tensor in two shards has two values (transformers keeps the shard it loads last, the index may name
+/// the other): refused naming both shards, listed in the index or not (the first was taken silently).
+#[test]
+fn a_tensor_in_two_shards_is_refused() {
+    let src = fixture("llama");
+    for listed in [true, false] {
+        let tmp = tempfile::tempdir().unwrap();
+        copy_model(&src, tmp.path());
+        let path = tmp.path().join("model.safetensors.index.json");
+        let mut index: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let home = index["weight_map"][Q].as_str().unwrap().to_string();
+        let map = index["weight_map"].as_object().unwrap();
+        let other = map
+            .values()
+            .map(|f| f.as_str().unwrap().to_string())
+            .find(|f| *f != home)
+            .expect("the llama fixture has two shards");
+        let copied = read_tensors(&tmp.path().join(&home))[Q].clone();
+        let mut tensors = read_tensors(&tmp.path().join(&other));
+        tensors.insert(Q.to_string(), copied);
+        write_tensors(&tmp.path().join(&other), &tensors);
+        if !listed {
+            index["weight_map"].as_object_mut().unwrap().remove(Q);
+            std::fs::write(&path, index.to_string()).unwrap();
+        }
+        let err = load_err(tmp.path());
+        assert!(
+            err.contains(&format!("tensor `{Q}` is in two shards"))
+                && err.contains(&home)
+                && err.contains(&other),
+            "listed {listed}: {err}"
+        );
+    }
+}
+
 #[test]
 fn load_error_is_a_typed_value() {
     let tmp = broken_copy("qwen3_moe", |t| {

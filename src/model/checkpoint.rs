@@ -175,9 +175,20 @@ impl Checkpoint {
                 }
                 index.insert(name.clone(), id);
             }
-            // Tensors present in a shard but not in the index are extras as well.
+            // Tensors present in a shard but not in the index are extras as well. A tensor in two shards
+            // has two values, of which transformers keeps the shard it loads last and the index may name
+            // the other: which one the model means is a guess.
+            let mut seen: HashMap<String, usize> = HashMap::new();
             for (id, shard) in shards.iter().enumerate() {
                 for name in shard.meta.tensors().keys() {
+                    if let Some(&other) = seen.get(name.as_str()) {
+                        return Err(LoadError::InTwoShards {
+                            name: name.clone(),
+                            first: shards[other].path.clone(),
+                            second: shard.path.clone(),
+                        });
+                    }
+                    seen.insert(name.clone(), id);
                     index.entry(name.clone()).or_insert(id);
                 }
             }

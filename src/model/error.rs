@@ -25,6 +25,12 @@ pub enum LoadError {
         name: String,
         index: PathBuf,
     },
+    #[error("tensor `{name}` is in two shards, {first} and {second}: which value the model has is ambiguous")]
+    InTwoShards {
+        name: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
     #[error("{path}: tensor `{name}`: {msg}")]
     BadTensor {
         path: PathBuf,
