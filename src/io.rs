@@ -39,6 +39,39 @@ fn parse_json_file<T: DeserializeOwned>(
     Ok((value, text))
 }
 
+/// The first top-level key of the JSON object in `json` that appears twice, if any: serde_json's map keeps
+/// one value per key (the last), so a repeated key is an ambiguity its readers would never see.
+pub fn first_repeated_key(json: &[u8]) -> Result<Option<String>, serde_json::Error> {
+    struct KeysOnce(Option<String>);
+    impl<'de> serde::Deserialize<'de> for KeysOnce {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Visit;
+            impl<'de> serde::de::Visitor<'de> for Visit {
+                type Value = KeysOnce;
+                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(
+                    self,
+                    mut map: A,
+                ) -> Result<KeysOnce, A::Error> {
+                    let mut seen = std::collections::HashSet::new();
+                    let mut repeated = None;
+                    while let Some(key) = map.next_key::<String>()? {
+                        map.next_value::<serde::de::IgnoredAny>()?;
+                        if !seen.insert(key.clone()) && repeated.is_none() {
+                            repeated = Some(key);
+                        }
+                    }
+                    Ok(KeysOnce(repeated))
+                }
+            }
+            d.deserialize_map(Visit)
+        }
+    }
+    serde_json::from_slice::<KeysOnce>(json).map(|k| k.0)
+}
+
 /// Gives a file or directory written under a temporary name the permissions of an ordinary new one (0644,
 /// directories 0755: temporary files are created 0600 and temporary directories 0700, which would make every
 /// result private to its writer). Best effort: a file system without Unix permissions keeps what it has.

@@ -122,6 +122,18 @@ fn header_mistakes_name_the_tensor() {
         err.contains("`b.weight`") && err.contains("do not start"),
         "{err}"
     );
+    // One name twice (a JSON reader keeps one of the two entries): named as such, not as a gap.
+    let err = open_err(
+        &header(&[
+            t("a.weight", "F32", vec![2], 0, 8),
+            t("a.weight", "F32", vec![2], 8, 16),
+        ]),
+        16,
+    );
+    assert!(
+        err.contains("tensor `a.weight` is listed twice in the header"),
+        "{err}"
+    );
     // An unknown dtype.
     let err = open_err(&header(&[t("a.weight", "F99", vec![2], 0, 8)]), 8);
     assert!(

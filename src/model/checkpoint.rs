@@ -489,6 +489,9 @@ fn explain_header(bytes: &[u8], err: &safetensors::SafeTensorError) -> String {
     let Ok(serde_json::Value::Object(entries)) = serde_json::from_slice(header) else {
         return fallback();
     };
+    if let Ok(Some(name)) = crate::io::first_repeated_key(header) {
+        return format!("tensor `{name}` is listed twice in the header");
+    }
     let mut tensors: Vec<(u64, u64, &String, &serde_json::Value)> = Vec::new();
     for (name, t) in entries.iter().filter(|(k, _)| *k != "__metadata__") {
         let offsets = t["data_offsets"].as_array();

@@ -196,40 +196,9 @@ fn parse_object(line: &str) -> Result<serde_json::Value, LineError> {
         return Err(LineError::NotObject);
     }
     // The object again, as its keys were written (serde_json's map keeps one value per key).
-    let keys: KeysOnce = serde_json::from_str(line).map_err(LineError::NotJson)?;
-    match keys.0 {
+    match crate::io::first_repeated_key(line.as_bytes()).map_err(LineError::NotJson)? {
         Some(key) => Err(LineError::RepeatedField(key)),
         None => Ok(v),
-    }
-}
-
-/// The first top-level key of a JSON object that appears twice, if any.
-struct KeysOnce(Option<String>);
-
-impl<'de> Deserialize<'de> for KeysOnce {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = KeysOnce;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<KeysOnce, A::Error> {
-                let mut seen = std::collections::HashSet::new();
-                let mut repeated = None;
-                while let Some(key) = map.next_key::<String>()? {
-                    map.next_value::<serde::de::IgnoredAny>()?;
-                    if !seen.insert(key.clone()) && repeated.is_none() {
-                        repeated = Some(key);
-                    }
-                }
-                Ok(KeysOnce(repeated))
-            }
-        }
-        d.deserialize_map(Visit)
     }
 }
 
