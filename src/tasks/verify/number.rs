@@ -32,8 +32,9 @@ const VALUE_WORDS: [&str; 10] = [
     "third",
 ];
 
-/// The first word of `text` (lowercased) that changes the value of the number it follows ([`VALUE_WORDS`]:
-/// `1.5 million`, `2 dozen`, `3 and a half`), if any: a gold answer is refused with it.
+/// The first word of `text` (lowercased) that changes the value of the number it follows (hundred,
+/// thousand, million, billion, trillion, dozen, half, quarter, third and their plurals: `1.5 million`, `2
+/// dozen`, `3 and a half`), if any: a GSM8K gold answer is refused with it.
 pub fn value_changing_word(text: &str) -> Option<String> {
     text.split(|c: char| !c.is_alphabetic())
         .map(str::to_lowercase)
@@ -42,36 +43,6 @@ pub fn value_changing_word(text: &str) -> Option<String> {
                 || w.strip_suffix('s')
                     .is_some_and(|s| VALUE_WORDS.contains(&s))
         })
-}
-
-#[cfg(test)]
-mod value_word_tests {
-    use super::*;
-
-    /// The words that change a value are found (any case, plural), units and other words are not.
-    #[test]
-    fn value_changing_words_are_found_and_units_are_not() {
-        for (text, word) in [
-            ("1.5 million", Some("million")),
-            ("2 Dozen", Some("dozen")),
-            ("3 and a half", Some("half")),
-            ("two thirds", Some("thirds")),
-            ("4 halves", Some("halves")),
-            ("5 hundreds", Some("hundreds")),
-            ("18 dollars", None),
-            ("$1,200", None),
-            ("7 cm^2", None),
-            ("12", None),
-        ] {
-            assert_eq!(value_changing_word(text).as_deref(), word, "{text}");
-        }
-        // The number alone is what the verifier reads: why such a gold answer is refused.
-        assert_eq!(
-            parse_answer("1.5 million"),
-            parse_answer("1.5"),
-            "the verifier now applies the word: the gold check is no longer needed"
-        );
-    }
 }
 
 /// Whether `text` states several assignments (`x=2, x=5`, `x = 2 or x = 5`) rather than one chain
@@ -391,4 +362,34 @@ fn parse_decimal(cs: &[char], p: usize) -> Option<(BigRational, usize)> {
     let denom = format!("1{}", "0".repeat(frac.len()));
     let v = BigRational::from_str(&format!("{numer}/{denom}")).ok()?;
     Some((v, q))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The words that change a value are found (any case, plural), units and other words are not.
+    #[test]
+    fn value_changing_words_are_found_and_units_are_not() {
+        for (text, word) in [
+            ("1.5 million", Some("million")),
+            ("2 Dozen", Some("dozen")),
+            ("3 and a half", Some("half")),
+            ("two thirds", Some("thirds")),
+            ("4 halves", Some("halves")),
+            ("5 hundreds", Some("hundreds")),
+            ("18 dollars", None),
+            ("$1,200", None),
+            ("7 cm^2", None),
+            ("12", None),
+        ] {
+            assert_eq!(value_changing_word(text).as_deref(), word, "{text}");
+        }
+        // The number alone is what the verifier reads: why such a gold answer is refused.
+        assert_eq!(
+            parse_answer("1.5 million"),
+            parse_answer("1.5"),
+            "the verifier now applies the word: the gold check is no longer needed"
+        );
+    }
 }
