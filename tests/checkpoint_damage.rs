@@ -204,6 +204,30 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         "{err}"
     );
 
+    // Checkpoints gone where the log shows they were written (moved away, or behind a link to a disk
+    // that is not mounted): a resume started RL over and dropped the finished run's rows.
+    let err = resume_error(&cfg, "checkpoints_moved", |d| {
+        std::fs::remove_dir_all(d.parent().unwrap()).unwrap()
+    });
+    assert!(
+        err.contains(
+            "metrics.jsonl: the log reaches RL step 1, past the checkpoint written after step 0"
+        ) && err.contains("holds no checkpoint: they were moved or deleted"),
+        "{err}"
+    );
+    #[cfg(unix)]
+    {
+        let err = resume_error(&cfg, "checkpoints_unmounted", |d| {
+            let root = d.parent().unwrap();
+            std::fs::remove_dir_all(root).unwrap();
+            std::os::unix::fs::symlink("/nonexistent/qarl-disk/checkpoints", root).unwrap();
+        });
+        assert!(
+            err.contains("checkpoints: cannot be listed") && err.contains("disk"),
+            "{err}"
+        );
+    }
+
     // Checkpoints written before the manifest: an optimizer state that does not fit the model panicked
     // burn (at the load or the first update) or restarted moments without a word.
     let err = resume_error(&cfg, "moment_shape", |d| {

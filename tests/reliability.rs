@@ -595,7 +595,7 @@ fn an_overwrite_with_bad_model_input_changes_nothing() {
         (&no_init, "`model.init_config`"),
         (&from_quantized, "quantized"),
         (&long_eval, "eval.max_new_tokens"),
-        (&long_rollout, "rollout.prompts_per_step"),
+        (&long_rollout, "rollout.max_new_tokens: a prompt of"),
     ] {
         let err = format!("{:#}", train::run_with(bad, &overwrite).unwrap_err());
         assert!(err.contains(expect), "{err}");

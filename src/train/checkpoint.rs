@@ -383,6 +383,21 @@ pub fn list_in(root: &Path) -> Vec<(PathBuf, TrainerState)> {
     all
 }
 
+/// Refuses a checkpoints folder that is there but cannot be listed (a link to an unmounted disk, a link
+/// loop, no permission): read as holding no checkpoints, a resume started RL over and dropped the run's
+/// rows. A folder that is not there at all holds none.
+fn check_listable(root: &Path) -> anyhow::Result<()> {
+    match std::fs::read_dir(root) {
+        Err(e) if root.symlink_metadata().is_ok() => anyhow::bail!(
+            "{}: cannot be listed ({}), so its checkpoints cannot be found; make it readable (or the disk \
+             it links to present) to resume, or move it away to start over",
+            root.display(),
+            crate::io::os_error_text(&e)
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// The `step_*` directories under `root` with the step of their name, oldest first.
 fn step_dirs(root: &Path) -> Vec<(usize, PathBuf)> {
     let Ok(entries) = std::fs::read_dir(root) else {
@@ -431,6 +446,7 @@ pub fn latest_checked(run_dir: &Path) -> anyhow::Result<Option<(PathBuf, Trainer
 
 /// [`latest_checked`] for the checkpoints under `root`.
 pub fn latest_checked_in(root: &Path) -> anyhow::Result<Option<(PathBuf, TrainerState)>> {
+    check_listable(root)?;
     let Some((_, newest)) = step_dirs(root).pop() else {
         return Ok(None);
     };

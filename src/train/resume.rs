@@ -193,6 +193,7 @@ pub(super) fn start_point(
     // another save, which would remove it).
     checkpoint::remove_leftovers(&checkpoint::checkpoints_dir(&cfg.run_dir));
     let Some((p, state)) = checkpoint::latest_checked(&cfg.run_dir)? else {
+        refuse_lost_checkpoints(cfg, metrics_path)?;
         tracing::warn!(run_dir = %cfg.run_dir.display(), "--resume: no RL checkpoint yet, so RL starts at step 0 (after the warm start, where it has one to finish)");
         // RL starts over (its settings may change), but an unfinished warm start continues, and must be
         // this config's; checked before the run's config.json is rewritten.
@@ -221,6 +222,44 @@ pub(super) fn start_point(
     check_resumed_config(cfg, accept_changes)?;
     check_log_reaches(metrics_path, &p, state.step)?;
     Ok(Some((p, state)))
+}
+
+/// Refuses a resume that finds no checkpoint where the log shows one was written (an RL row past a step
+/// that ends with a checkpoint, every `checkpoint_every`-th, or the final evaluation, logged after the last
+/// step's checkpoint): the checkpoints were moved or deleted, and starting RL over would drop the run's
+/// rows for a run nobody asked to redo. A run stopped before its first checkpoint starts RL over.
+fn refuse_lost_checkpoints(cfg: &TrainConfig, metrics_path: &Path) -> anyhow::Result<()> {
+    if !metrics_path.is_file() {
+        return Ok(());
+    }
+    let rows = metrics::read_rows(metrics_path, metrics::BadLines::Skip)?;
+    let steps_of = |phase: &'static str| {
+        rows.iter()
+            .filter(move |r| r["phase"].as_str() == Some(phase))
+            .filter_map(|r| r["step"].as_u64())
+    };
+    let last_rl = steps_of("rl").max();
+    let every = cfg.checkpoint_every as u64;
+    let past_periodic = last_rl.filter(|&t| every > 0 && t >= every);
+    let final_eval = cfg.train.steps > 0 && steps_of("eval").any(|s| s == cfg.train.steps as u64);
+    let evidence = match (past_periodic, final_eval) {
+        (Some(t), _) => format!(
+            "reaches RL step {t}, past the checkpoint written after step {}",
+            every - 1
+        ),
+        (None, true) => format!(
+            "holds the final evaluation (step {}), logged after the last step's checkpoint",
+            cfg.train.steps
+        ),
+        (None, false) => return Ok(()),
+    };
+    anyhow::bail!(
+        "{}: the log {evidence}, but {} holds no checkpoint: they were moved or deleted, and a resume \
+         from none would start RL over and drop the run's rows; restore them to resume, or pass \
+         --overwrite to start over",
+        metrics_path.display(),
+        checkpoint::checkpoints_dir(&cfg.run_dir).display()
+    )
 }
 
 /// Refuses a resume whose metrics log lacks an RL row up to the checkpoint's step (a log deleted or cut
