@@ -204,6 +204,32 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         "{err}"
     );
 
+    // Counters no run writes: the non-finite count overflowed at the next non-finite step (a panic), a NaN
+    // gradient-norm average turned spike detection off for good.
+    let edit_state = |d: &Path, key: &str, value: serde_json::Value| {
+        let p = d.join("trainer_state.json");
+        let mut state: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+        state[key] = value;
+        std::fs::write(&p, state.to_string()).unwrap();
+    };
+    let err = resume_error(&cfg, "nonfinite_count", |d| {
+        edit_state(d, "consecutive_nonfinite", u64::MAX.into())
+    });
+    assert!(
+        err.contains(
+            "trainer_state.json: says 18446744073709551615 non-finite steps in a row after 2 steps"
+        ),
+        "{err}"
+    );
+    let err = resume_error(&cfg, "nan_average", |d| {
+        edit_state(d, "grad_norm_ema_bits", f64::NAN.to_bits().into())
+    });
+    assert!(
+        err.contains("has a gradient-norm average of NaN (grad_norm_ema_bits)"),
+        "{err}"
+    );
+
     // Checkpoints gone where the log shows they were written (moved away, or behind a link to a disk
     // that is not mounted): a resume started RL over and dropped the finished run's rows.
     let err = resume_error(&cfg, "checkpoints_moved", |d| {

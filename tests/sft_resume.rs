@@ -114,6 +114,14 @@ fn a_kill_during_sft_resumes_sft_bitwise_identically() {
     );
     assert!(!cfg.model.dir.exists(), "no model was written");
 
+    // The step to go on from is the checkpoint's step + 1, not the state's `next_step`: an edited one ran
+    // too few steps (or none) and wrote the model as a finished warm start.
+    let newest = checkpoint::latest_checked_in(&root).unwrap().unwrap().0;
+    let state_path = newest.join("trainer_state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state_path).unwrap()).unwrap();
+    state["next_step"] = serde_json::json!(100000);
+    std::fs::write(&state_path, state.to_string()).unwrap();
     let out = qarl(
         &killed_dir,
         &["train", "--quiet", "--resume", "--config", "run.toml"],

@@ -68,6 +68,27 @@ pub struct TrainerState {
 }
 
 impl TrainerState {
+    /// What no run writes in a state after `step` (an edited or damaged file), if anything: more non-finite
+    /// steps in a row than steps (a resume went on counting from it, and a count near the integer limit
+    /// overflowed at the next non-finite step), or a gradient-norm average that is not a finite,
+    /// non-negative number (NaN turned spike detection off for good, -inf flagged every step).
+    pub fn impossible(&self) -> Option<String> {
+        let steps_done = self.step.saturating_add(1);
+        if self.consecutive_nonfinite > steps_done {
+            return Some(format!(
+                "says {} non-finite steps in a row after {steps_done} steps",
+                self.consecutive_nonfinite
+            ));
+        }
+        let ema = self.grad_norm_ema_bits.map(f64::from_bits);
+        if let Some(e) = ema.filter(|e| !e.is_finite() || *e < 0.0) {
+            return Some(format!(
+                "has a gradient-norm average of {e} (grad_norm_ema_bits), not a finite norm"
+            ));
+        }
+        None
+    }
+
     /// The state of a run with `seed` that has done no RL step yet.
     pub fn fresh(seed: u64) -> Self {
         Self {
@@ -455,12 +476,15 @@ pub fn latest_checked_in(root: &Path) -> anyhow::Result<Option<(PathBuf, Trainer
         "is missing".to_string()
     } else {
         match crate::io::read_json::<TrainerState>(&state_path) {
-            Ok(state) if Some(state.step) == newest_step(&newest) => {
-                return Ok(Some((newest, state)))
-            }
             // Edited or damaged: resumed, it redid steps on the newest weights and replaced good
             // checkpoints.
-            Ok(state) => format!("says step {}, not its folder's", state.step),
+            Ok(state) if Some(state.step) != newest_step(&newest) => {
+                format!("says step {}, not its folder's", state.step)
+            }
+            Ok(state) => match state.impossible() {
+                Some(problem) => problem,
+                None => return Ok(Some((newest, state))),
+            },
             Err(e) => format!("cannot be read ({})", e.root_cause()),
         }
     };

@@ -631,7 +631,7 @@ fn step_row(state: &mut TrainerState, step: usize, out: &StepOutcome) -> serde_j
     state.step = step;
     state.next_step = step + 1;
     if out.nonfinite_updates > 0 {
-        state.consecutive_nonfinite += 1;
+        state.consecutive_nonfinite = state.consecutive_nonfinite.saturating_add(1);
     } else {
         state.consecutive_nonfinite = 0;
     }

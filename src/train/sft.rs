@@ -296,7 +296,9 @@ pub fn run_sft_with(
     if let Some((p, state, loss)) = &resumed {
         model = super::checkpoint::load_model(p, &device)?;
         optim = super::checkpoint::load_optimizer(optim, p, &model)?;
-        start = state.next_step;
+        // The step after the checkpoint's (what `next_step` holds, unread: an edited one ran too few
+        // steps, or none, and wrote the model as finished).
+        start = state.step + 1;
         nonfinite = state.consecutive_nonfinite;
         last = *loss;
         tracing::info!(checkpoint = %p.display(), next_step = start, "resuming the warm start");
@@ -358,7 +360,7 @@ pub fn run_sft_with(
         let norm = super::update::grad_norm(&model, &grads);
         if !last.is_finite() || !norm.is_finite() {
             // Skip the update (the weights stay) and stop after too many in a row.
-            nonfinite += 1;
+            nonfinite = nonfinite.saturating_add(1);
             tracing::warn!(
                 step,
                 loss = last,
