@@ -6,15 +6,18 @@ use std::path::Path;
 
 use qarl::train::experiment::{write_report, ExperimentConfig};
 
-/// Writes a finished run: its config (task and number of eval problems, or none), two evaluations (before
-/// and after RL, the same outcomes in int4 and f32) and one RL row.
+/// Writes a finished run: its config (one RL step; task and number of eval problems, or none), two
+/// evaluations (before and after RL, the same outcomes in int4 and f32) and one RL row.
 fn write_run(dir: &Path, task: Option<&str>, before: &str, after: &str, rl: serde_json::Value) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::write(dir.join("finished.json"), "{}").unwrap();
+    // One RL step: the final evaluation is at step 1.
+    let mut cfg = serde_json::json!({"train": {"steps": 1}});
     if let Some(kind) = task {
-        let cfg = serde_json::json!({"task": {"kind": kind}, "eval": {"problems": after.len()}});
-        std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+        cfg["task"] = serde_json::json!({"kind": kind});
+        cfg["eval"] = serde_json::json!({"problems": after.len()});
     }
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let acc = |s: &str| s.chars().filter(|&c| c == '1').count() as f64 / s.len() as f64;
     let eval = |step: usize, o: &str| {
         serde_json::json!({
@@ -385,6 +388,48 @@ fn damaged_evaluations_are_named_not_averaged() {
     }
 }
 
+/// The evaluations before RL and at the run's end are found by their steps: a finished run without the
+/// final one is refused (its pre-RL accuracy was reported as final), and a log whose evaluations go back in
+/// steps (the first read as the last) is refused where it is read.
+#[test]
+fn a_finished_run_reports_the_evaluation_at_its_end() {
+    let exp: ExperimentConfig = toml::from_str(
+        "name = \"ends\"\nbase = \"unused.toml\"\nseeds = [1]\n[[variant]]\nname = \"A\"\n",
+    )
+    .unwrap();
+    for (edit, want) in [
+        (
+            "drop the final evaluation",
+            "no evaluation at the run's end (step 1, its `train.steps`), though",
+        ),
+        (
+            "swap the evaluations",
+            "line 3 is a `eval` row for step 0 after the one for step 1 (line 1)",
+        ),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let run = tmp.path().join("A/seed1");
+        write_run(&run, Some("t"), "0100", "1100", rl_row(&[]));
+        let log = run.join("metrics.jsonl");
+        let mut lines: Vec<String> = std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        if edit == "drop the final evaluation" {
+            lines.pop();
+        } else {
+            lines.swap(0, 2);
+        }
+        std::fs::write(&log, lines.join("\n") + "\n").unwrap();
+        let err = format!("{:#}", write_report(&exp, tmp.path()).unwrap_err());
+        assert!(
+            err.contains(&log.display().to_string()) && err.contains(want),
+            "{edit}: {err}"
+        );
+    }
+}
+
 /// Two experiments given one results directory: the second would count the first's finished runs of a
 /// variant with the same name as its own (trained under another base) and overwrite its report. The
 /// first to run or report marks the directory; the other is refused, naming both experiments.
@@ -455,7 +500,7 @@ fn configs_recorded_before_and_after_eval_fraction_changed_still_pair() {
         if seed == 1 {
             task["eval_fraction"] = serde_json::json!(0.1);
         }
-        let cfg = serde_json::json!({"task": task, "eval": {"problems": 4}});
+        let cfg = serde_json::json!({"task": task, "eval": {"problems": 4}, "train": {"steps": 1}});
         std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     }
     let report = std::fs::read_to_string(write_report(&exp, results).unwrap()).unwrap();

@@ -134,6 +134,8 @@ pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::V
     let mut rows = Vec::with_capacity(lines.len());
     // (phase, step) -> line: a log holds one row per phase and step (a resume drops the rows it redoes).
     let mut seen = std::collections::HashMap::new();
+    // phase -> (its newest step so far, the line).
+    let mut newest = std::collections::HashMap::new();
     for (n, line, row) in lines {
         match row {
             Some(row) if bad == BadLines::TornLastOnly => {
@@ -145,6 +147,18 @@ pub fn read_rows(path: &Path, bad: BadLines) -> anyhow::Result<Vec<serde_json::V
                          log holds one row per phase and step, and which one counts would be a guess",
                         path.display()
                     );
+                }
+                // A run writes each phase's rows in step order (a resume drops the rows it redoes before
+                // it writes them again): rows out of order were moved or merged, and every reader that
+                // takes "the first" or "the last" evaluation would take the wrong one.
+                match newest.insert(phase.to_string(), (step, n)) {
+                    Some((before, line)) if before > step => anyhow::bail!(
+                        "{}: line {n} is a `{phase}` row for step {step} after the one for step {before} \
+                         (line {line}): a log's rows go forward in steps, and read in this order the first \
+                         and last of them would be the wrong ones",
+                        path.display()
+                    ),
+                    _ => {}
                 }
                 rows.push(row)
             }
@@ -336,6 +350,11 @@ mod tests {
             ("{\"phase\":\"rl\",\"step\":0.5}\n", "line 1: `step` is 0.5"),
             ("{\"phase\":7,\"step\":1}\n", "line 1: `phase` is 7, not a phase name"),
             ("{\"step\":1}\n", "line 1: `phase` is null"),
+            // Rows out of order (moved or merged): "the first" and "the last" would be the wrong ones.
+            (
+                "{\"phase\":\"eval\",\"step\":2}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"eval\",\"step\":0}\n",
+                "line 3 is a `eval` row for step 0 after the one for step 2 (line 1)",
+            ),
         ] {
             std::fs::write(&path, text).unwrap();
             let err = read_rows(&path, BadLines::TornLastOnly)

@@ -233,6 +233,15 @@ fn rl_average(rl: &[&serde_json::Value], key: &str) -> Option<f64> {
     (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
 }
 
+/// The `train.steps` of the run in `run_dir` (its `config.json`): the step of its final evaluation.
+fn run_steps(run_dir: &Path) -> anyhow::Result<u64> {
+    let path = run_dir.join("config.json");
+    let cfg: serde_json::Value = crate::io::read_json(&path)?;
+    cfg.pointer("/train/steps")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| anyhow::anyhow!("{}: no `train.steps` (a step count)", path.display()))
+}
+
 /// Reads a finished run's metrics and config.
 fn summarize_run(run_dir: &Path) -> anyhow::Result<RunSummary> {
     let metrics_file = run_dir.join("metrics.jsonl");
@@ -245,34 +254,53 @@ fn summarize_run(run_dir: &Path) -> anyhow::Result<RunSummary> {
     for e in &evals {
         check_eval_row(&metrics_file, e)?;
     }
-    if let (Some(first), Some(last)) = (evals.first(), evals.last()) {
-        for (col, e, suffix, f32_view) in [
-            ("acc0_roll", first, "/pass@1_greedy", false),
-            ("acc_roll", last, "/pass@1_greedy", false),
-            ("acc_f32", last, "/pass@1_greedy", true),
-        ] {
-            if let Some(v) = eval_entry(e, suffix, f32_view).and_then(|v| v.as_f64()) {
-                s.cols.insert(col, v);
-            }
+    // The evaluations before RL (step 0) and at the run's end (step `train.steps`), by their steps: a
+    // finished run without the one at its end would report an earlier one as its final accuracy.
+    let end = run_steps(run_dir)?;
+    let at = |step: u64| evals.iter().find(|e| e["step"].as_u64() == Some(step));
+    let Some(last) = at(end) else {
+        let steps: Vec<String> = evals
+            .iter()
+            .filter_map(|e| e["step"].as_u64().map(|s| s.to_string()))
+            .collect();
+        anyhow::bail!(
+            "{}: no evaluation at the run's end (step {end}, its `train.steps`), though {} marks the run \
+             finished; its evaluations are at steps [{}]",
+            metrics_file.display(),
+            marker(run_dir).display(),
+            steps.join(", ")
+        );
+    };
+    let first = at(0);
+    for (col, e, f32_view) in [
+        ("acc0_roll", first, false),
+        ("acc_roll", Some(last), false),
+        ("acc_f32", Some(last), true),
+    ] {
+        if let Some(v) = e
+            .and_then(|e| eval_entry(e, "/pass@1_greedy", f32_view))
+            .and_then(|v| v.as_f64())
+        {
+            s.cols.insert(col, v);
         }
-        for (col, e) in [("meank0_roll", first), ("meank_roll", last)] {
-            if let Some(v) = e
-                .as_object()
-                .and_then(|o| {
-                    o.iter()
-                        .filter(|(k, _)| k.contains("/mean@"))
-                        .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
-                })
-                .and_then(|(_, v)| v.as_f64())
-            {
-                s.cols.insert(col, v);
-            }
+    }
+    for (col, e) in [("meank0_roll", first), ("meank_roll", Some(last))] {
+        if let Some(v) = e
+            .and_then(|e| e.as_object())
+            .and_then(|o| {
+                o.iter()
+                    .filter(|(k, _)| k.contains("/mean@"))
+                    .min_by_key(|(k, _)| k.starts_with("eval/f32/"))
+            })
+            .and_then(|(_, v)| v.as_f64())
+        {
+            s.cols.insert(col, v);
         }
-        if evals.len() > 1 {
-            s.before = greedy_outcomes(first, false);
-            s.after_roll = greedy_outcomes(last, false);
-            s.after_f32 = greedy_outcomes(last, true);
-        }
+    }
+    if let Some(first) = first.filter(|_| end > 0) {
+        s.before = greedy_outcomes(first, false);
+        s.after_roll = greedy_outcomes(last, false);
+        s.after_f32 = greedy_outcomes(last, true);
     }
     let rl: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "rl").collect();
     let any_key = crate::train::plot::any_error_key(&rows);
