@@ -235,6 +235,25 @@ pub struct Parts<'a> {
     pub extra: &'a [(&'a str, serde_json::Value)],
 }
 
+/// Checks that checkpoints can be written under `root` (made where missing), by writing and removing an
+/// empty temporary directory there: a run whose checkpoints folder is read-only or full did its step, logged
+/// it, then failed at the save, and the step was lost.
+pub fn check_writable(root: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(root).with_context(|| format!("{}: cannot create", root.display()))?;
+    tempfile::Builder::new()
+        .prefix(".tmp-ckpt")
+        .tempdir_in(root)
+        .map(drop)
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "{}: cannot write a checkpoint there ({}); make it writable before the run's steps are \
+                 done for nothing",
+                root.display(),
+                crate::io::os_error_text(&e)
+            )
+        })
+}
+
 /// Writes the checkpoint of `state.step` under `root` (replacing one of the same step), then keeps only the
 /// newest `keep` checkpoints there (0: all).
 pub fn save_in(
@@ -713,6 +732,21 @@ pub fn check_optimizer_fits(
 
 #[cfg(test)]
 mod tests {
+    /// The write check leaves nothing behind where it can write, and names the folder where it cannot.
+    #[test]
+    fn checkpoints_are_checked_writable_before_the_steps() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("run/checkpoints");
+        super::check_writable(&root).unwrap();
+        assert_eq!(std::fs::read_dir(&root).unwrap().count(), 0);
+        let blocked = tmp.path().join("file");
+        std::fs::write(&blocked, "").unwrap();
+        let err = super::check_writable(&blocked.join("checkpoints"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("file/checkpoints: cannot create"), "{err}");
+    }
+
     /// A checkpoint set aside for its replacement that never arrived goes back under its name; one whose
     /// replacement is there, and temporary directories, are removed.
     #[test]

@@ -204,8 +204,12 @@ pub fn truncate_after(path: &Path, phase: &str, last_step: usize) -> anyhow::Res
 /// anywhere else is damage, an error naming the file and the line ([`BadLines::TornLastOnly`]), since
 /// dropping it would leave a gap that every later reader takes for a whole log.
 pub fn retain_rows(path: &Path, keep: impl Fn(&serde_json::Value) -> bool) -> anyhow::Result<()> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(());
+    // Only a log that is not there is nothing to do: one that cannot be read (a folder in its place, no
+    // permission) was taken for an empty log, and a resume then said the log had lost its rows.
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(crate::io::failed(path, "cannot read")(e)),
     };
     let lines: Vec<_> = parse_lines(&text).collect();
     let last = lines.last().map(|(n, _, _)| *n);
@@ -264,6 +268,13 @@ mod tests {
             "{err}"
         );
         assert_eq!(std::fs::read_to_string(&path).unwrap(), damaged);
+        // A log not there is nothing to truncate; one that cannot be read (a folder) is named, not taken
+        // for an empty log.
+        truncate_after(&dir.path().join("absent.jsonl"), "rl", 0).unwrap();
+        let folder = dir.path().join("folder.jsonl");
+        std::fs::create_dir(&folder).unwrap();
+        let err = truncate_after(&folder, "rl", 0).unwrap_err().to_string();
+        assert!(err.contains("folder.jsonl: cannot read"), "{err}");
     }
 
     /// Reading back: a torn last line is left out under either policy; one in the middle is an error

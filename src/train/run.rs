@@ -225,8 +225,11 @@ pub fn run_with(cfg: &TrainConfig, opts: &RunOptions) -> anyhow::Result<RunSumma
     if !sized_with_tokenizer {
         check_step_sizes(cfg, &policy.model.config, Some(&task), Some(&policy.tok))?;
     }
-    let evaluator = Evaluator::new(cfg, &task, &policy.tok, &policy.end, opts.quiet);
     let start = state.next_step;
+    if start < cfg.train.steps {
+        checkpoint::check_writable(&checkpoint::checkpoints_dir(&cfg.run_dir))?;
+    }
+    let evaluator = Evaluator::new(cfg, &task, &policy.tok, &policy.end, opts.quiet);
     let before = if start == 0 {
         Some(evaluator.evaluate(&policy.model, 0, &mut log)?)
     } else {
