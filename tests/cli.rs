@@ -1206,6 +1206,20 @@ fn experiment_variants_cannot_set_what_the_experiment_sets() {
             "name = \"report.md\"",
             "variant name \"report.md\" is the name of a file",
         ),
+        // Failed only when its runs began, after the variants before it had trained.
+        (
+            &format!("name = \"{}\"", "v".repeat(256)),
+            "is longer than a file name may be (255 bytes)",
+        ),
+        // A report row split in two, or given an extra column.
+        (
+            "name = \"a|b\"",
+            "variant name \"a|b\" holds a `|` or a control character",
+        ),
+        (
+            "name = \"a\\nb\"",
+            "holds a `|` or a control character, which would break the report's tables",
+        ),
     ] {
         let text = format!(
             "name = \"e\"\nbase = \"base.toml\"\nseeds = [1]\nresults_dir = {:?}\n[[variant]]\n{variant}\n",

@@ -75,13 +75,25 @@ const RESULT_FILES: [&str; 4] = ["report.md", "comparison.png", CLAIMS_FILE, OWN
 /// Names the experiment a results folder belongs to (`{"name": ...}`), written by its first run or report.
 pub const OWNER_FILE: &str = "experiment.json";
 
-/// Whether `name` is one plain directory name: not empty, no separator, not `.` or `..`.
-fn plain_name(name: &str) -> bool {
+/// What keeps `name` from naming a results folder and a report row, if anything: it must be one plain
+/// directory name (not empty, no separator, not `.` or `..`) that file systems take (at most 255 bytes: a
+/// longer one failed only when its runs began, after earlier variants had trained), and it must not break
+/// the report's Markdown tables (a `|` or a line break).
+fn name_problem(name: &str) -> Option<&'static str> {
     let path = Path::new(name);
-    path.components().count() == 1
+    let plain = path.components().count() == 1
         && path
             .components()
-            .all(|c| matches!(c, std::path::Component::Normal(_)))
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !plain {
+        Some("must be one plain directory name")
+    } else if name.len() > 255 {
+        Some("is longer than a file name may be (255 bytes)")
+    } else if name.contains('|') || name.chars().any(char::is_control) {
+        Some("holds a `|` or a control character, which would break the report's tables")
+    } else {
+        None
+    }
 }
 
 /// A run's config given where an experiment file is expected: say so, not "unknown field `run_dir`" (the
@@ -145,20 +157,20 @@ impl ExperimentConfig {
         }
         // The name is the results directory's last part when `results_dir` is not given:
         // `experiments/results/<name>`; "" or "../x" would put the study's runs and report elsewhere.
-        if exp.results_dir.is_none() && !plain_name(&exp.name) {
+        if let Some(problem) = name_problem(&exp.name).filter(|_| exp.results_dir.is_none()) {
             bail!(
-                "{}: name {:?} must be one plain directory name (the results go to \
-                 experiments/results/<name> unless `results_dir` says otherwise)",
+                "{}: name {:?} {problem} (the results go to experiments/results/<name> unless \
+                 `results_dir` says otherwise)",
                 path.display(),
                 exp.name
             );
         }
         let mut names = std::collections::BTreeSet::new();
         for v in &exp.variants {
-            if !plain_name(&v.name) {
+            if let Some(problem) = name_problem(&v.name) {
                 bail!(
-                    "{}: variant name {:?} must be one plain directory name (it names the variant's run \
-                     directory under the results directory)",
+                    "{}: variant name {:?} {problem} (it names the variant's run directory under the \
+                     results directory, and its rows in the report)",
                     path.display(),
                     v.name
                 );
