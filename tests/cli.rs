@@ -333,6 +333,11 @@ fn runs_lists_run_directories_with_their_status() {
             "{\"phase\":\"eval\",\"step\":0,\"eval/int4-g32/pass@1_greedy\":0.25}\n{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"rl\",\"step\":1}\n{\"phase\":\"eval\",\"step\":2,\"eval/int4-g32/pass@1_greedy\":0.5}\n",
         ),
         ("half", "{\"phase\":\"rl\",\"step\":0}\nnot json\n"),
+        // An accuracy no evaluation gives (edited, damaged): not shown as the run's, named as damage.
+        (
+            "badacc",
+            "{\"phase\":\"rl\",\"step\":0}\n{\"phase\":\"eval\",\"step\":1,\"eval/int4-g32/pass@1_greedy\":2.5}\n",
+        ),
         // Its config.json damaged: said beside the status.
         ("badcfg", "{\"phase\":\"rl\",\"step\":0}\n"),
         // A step at the top of u64 (a damaged log): shown, not an overflow.
@@ -443,6 +448,11 @@ fn runs_lists_run_directories_with_their_status() {
         twice.lines().filter(|l| l.contains("done")).count(),
         1,
         "{twice}"
+    );
+    assert!(
+        !line("badacc").contains("2.500")
+            && line("badacc").contains("is 2.5, not an accuracy in [0, 1]"),
+        "{text}"
     );
     assert!(
         line("damaged").contains("finished; its log does not read back")

@@ -73,6 +73,19 @@ pub fn inspect(dir: &Path) -> RunInfo {
     };
     let unreadable = read.as_ref().err().map(|e| format!("{e:#}"));
     let rows = read.unwrap_or_default();
+    // An evaluation a report refuses (an accuracy outside [0, 1], outcomes that disagree with it) is
+    // listed as damage, and its accuracy is not shown as the run's.
+    let bad_eval = rows
+        .iter()
+        .filter(|v| v["phase"] == "eval")
+        .find_map(|v| crate::train::experiment::check_eval_row(&log, v).err());
+    let damaged = damaged.or_else(|| bad_eval.as_ref().map(|e| format!("{e:#}")));
+    let rows: Vec<_> = rows
+        .into_iter()
+        .filter(|v| {
+            v["phase"] != "eval" || crate::train::experiment::check_eval_row(&log, v).is_ok()
+        })
+        .collect();
     let (mut last_step, mut accuracy) = (None, None);
     let want = cfg
         .as_ref()

@@ -18,7 +18,7 @@ pub use checks::check_report;
 use checks::{
     check_finished_runs, check_same_start_model, check_seeds_alike, check_shared_warm_starts,
 };
-pub use report::{write_report, CLAIMS_FILE};
+pub use report::{check_eval_row, write_report, CLAIMS_FILE};
 
 /// One variant: overrides (dotted keys) applied to the base config.
 #[derive(Debug, Clone, Deserialize)]

@@ -183,7 +183,7 @@ fn greedy_outcomes(row: &serde_json::Value, f32_view: bool) -> Option<Vec<bool>>
 /// [0, 1], every outcome string (`greedy_correct`) made of `0` and `1`, and the greedy accuracy the mean
 /// of its outcomes, as `qarl train` writes them. A damaged or edited metrics file is named instead of being
 /// averaged into the report (an accuracy of 1.7 was, and an unreadable outcome string was dropped).
-fn check_eval_row(path: &Path, row: &serde_json::Value) -> anyhow::Result<()> {
+pub fn check_eval_row(path: &Path, row: &serde_json::Value) -> anyhow::Result<()> {
     let Some(entries) = row.as_object() else {
         return Ok(());
     };
