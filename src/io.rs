@@ -39,37 +39,68 @@ fn parse_json_file<T: DeserializeOwned>(
     Ok((value, text))
 }
 
-/// The first top-level key of the JSON object in `json` that appears twice, if any: serde_json's map keeps
-/// one value per key (the last), so a repeated key is an ambiguity its readers would never see.
+/// The first key of the JSON document `json` that appears twice in one object, at any depth, as its dotted
+/// path (`seed`, `train.lr`), if any: serde_json's map keeps one value per key (the last), so a repeated key
+/// is an ambiguity its readers would never see.
 pub fn first_repeated_key(json: &[u8]) -> Result<Option<String>, serde_json::Error> {
-    struct KeysOnce(Option<String>);
-    impl<'de> serde::Deserialize<'de> for KeysOnce {
+    /// A JSON value read for its repeated keys alone: the first one's path.
+    struct Repeated(Option<String>);
+    impl<'de> serde::Deserialize<'de> for Repeated {
         fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct Visit;
-            impl<'de> serde::de::Visitor<'de> for Visit {
-                type Value = KeysOnce;
-                fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                    f.write_str("a JSON object")
-                }
-                fn visit_map<A: serde::de::MapAccess<'de>>(
-                    self,
-                    mut map: A,
-                ) -> Result<KeysOnce, A::Error> {
-                    let mut seen = std::collections::HashSet::new();
-                    let mut repeated = None;
-                    while let Some(key) = map.next_key::<String>()? {
-                        map.next_value::<serde::de::IgnoredAny>()?;
-                        if !seen.insert(key.clone()) && repeated.is_none() {
-                            repeated = Some(key);
-                        }
-                    }
-                    Ok(KeysOnce(repeated))
-                }
-            }
-            d.deserialize_map(Visit)
+            d.deserialize_any(Visit)
         }
     }
-    serde_json::from_slice::<KeysOnce>(json).map(|k| k.0)
+    struct Visit;
+    impl<'de> serde::de::Visitor<'de> for Visit {
+        type Value = Repeated;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON value")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Repeated, A::Error> {
+            let mut seen = std::collections::HashSet::new();
+            let mut repeated = None;
+            while let Some(key) = map.next_key::<String>()? {
+                let inner = map.next_value::<Repeated>()?.0;
+                if repeated.is_none() {
+                    repeated = inner.map(|k| format!("{key}.{k}"));
+                }
+                if !seen.insert(key.clone()) && repeated.is_none() {
+                    repeated = Some(key);
+                }
+            }
+            Ok(Repeated(repeated))
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Repeated, A::Error> {
+            let mut repeated = None;
+            let mut i = 0usize;
+            while let Some(inner) = seq.next_element::<Repeated>()? {
+                if repeated.is_none() {
+                    repeated = inner.0.map(|k| format!("[{i}].{k}"));
+                }
+                i += 1;
+            }
+            Ok(Repeated(repeated))
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Repeated, E> {
+            Ok(Repeated(None))
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Repeated, E> {
+            Ok(Repeated(None))
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Repeated, E> {
+            Ok(Repeated(None))
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Repeated, E> {
+            Ok(Repeated(None))
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Repeated, E> {
+            Ok(Repeated(None))
+        }
+        fn visit_unit<E>(self) -> Result<Repeated, E> {
+            Ok(Repeated(None))
+        }
+    }
+    serde_json::from_slice::<Repeated>(json).map(|k| k.0)
 }
 
 /// Gives a file or directory written under a temporary name the permissions of an ordinary new one (0644,
@@ -649,6 +680,28 @@ mod tests {
         .unwrap();
         assert!(out.join("config.json").is_file());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    /// Repeated keys are found at any depth and named by their path; a document without one, and
+    /// different objects sharing a key, have none.
+    #[test]
+    fn repeated_keys_are_found_at_any_depth() {
+        for (json, want) in [
+            (r#"{"seed": 3, "seed": 4}"#, Some("seed")),
+            (
+                r#"{"train": {"lr": 1, "steps": 2, "lr": 3}}"#,
+                Some("train.lr"),
+            ),
+            (r#"{"a": [{"x": 1}, {"y": 1, "y": 2}]}"#, Some("a.[1].y")),
+            (
+                r#"{"a": {"x": 1}, "b": {"x": 1}, "c": [1, "s", null, true]}"#,
+                None,
+            ),
+        ] {
+            let got = super::first_repeated_key(json.as_bytes()).unwrap();
+            assert_eq!(got.as_deref(), want, "{json}");
+        }
+        assert!(super::first_repeated_key(b"{not json").is_err());
     }
 
     /// A name given twice is refused before anything is written (the safetensors crate indexed out of

@@ -230,6 +230,15 @@ fn damaged_newest_checkpoints_are_named_not_skipped() {
         "{err}"
     );
 
+    // The run's config with a key given twice: read as its last value, it was named as a changed setting.
+    let err = resume_error(&cfg, "repeated_key", |d| {
+        let p = d.parent().unwrap().parent().unwrap().join("config.json");
+        let text = std::fs::read_to_string(&p).unwrap();
+        let seed = format!("\"seed\":{},", cfg.seed);
+        std::fs::write(&p, text.replacen('{', &format!("{{{seed}"), 1)).unwrap();
+    });
+    assert!(err.contains("config.json: `seed` is given twice"), "{err}");
+
     // Checkpoints gone where the log shows they were written (moved away, or behind a link to a disk
     // that is not mounted): a resume started RL over and dropped the finished run's rows.
     let err = resume_error(&cfg, "checkpoints_moved", |d| {

@@ -490,7 +490,10 @@ fn explain_header(bytes: &[u8], err: &safetensors::SafeTensorError) -> String {
         return fallback();
     };
     if let Ok(Some(name)) = crate::io::first_repeated_key(header) {
-        return format!("tensor `{name}` is listed twice in the header");
+        return match entries.contains_key(&name) {
+            true => format!("tensor `{name}` is listed twice in the header"),
+            false => format!("`{name}` is given twice in the header"),
+        };
     }
     let mut tensors: Vec<(u64, u64, &String, &serde_json::Value)> = Vec::new();
     for (name, t) in entries.iter().filter(|(k, _)| *k != "__metadata__") {

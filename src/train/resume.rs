@@ -87,6 +87,16 @@ fn resume_changes(cfg: &TrainConfig, path: &Path, accept: bool) -> anyhow::Resul
     // With the implicit defaults written out on both sides: a config saved from `qarl config show` (every
     // default written) continues a run made from the file it came from.
     let raw: serde_json::Value = crate::io::read_json(path)?;
+    // A key given twice reads as its last value, and the difference from this config would be named as
+    // a changed setting rather than as the damage it is.
+    let bytes = std::fs::read(path).map_err(crate::io::failed(path, "cannot read"))?;
+    if let (Ok(Some(key)), false) = (crate::io::first_repeated_key(&bytes), accept) {
+        anyhow::bail!(
+            "{}: `{key}` is given twice, so which value the run was made with is ambiguous; restore the \
+             file, or go on under this config with --resume --accept-changes",
+            path.display()
+        );
+    }
     let mut old = match serde_json::from_value::<TrainConfig>(raw.clone()) {
         Ok(c) => serde_json::to_value(c.with_defaults())?,
         // Compared key by key, a config this version no longer reads would list keys that did not
