@@ -36,7 +36,8 @@ pub enum BudgetError {
         limit: usize,
     },
     #[error(
-        "{what}: {rows} rows of up to {tokens} tokens need a {need_gb:.1} GB KV cache, more than the \
+        "{what}: {rows} rows of up to {tokens} tokens need a {need_gb:.1} GB KV cache (its key axis in \
+         whole blocks of 64 slots), more than the \
          {have_gb:.1} GB of memory available; use fewer rows or tokens"
     )]
     Memory {
@@ -269,7 +270,11 @@ fn check_rows(
             limit: config.max_position_embeddings,
         });
     }
-    let need = kv_cache_bytes(config, rows, reach);
+    // A decode step's cache is as wide as the attention's key axis, a whole number of key blocks: a
+    // rollout of short rows holds up to 64 slots each (counted by their tokens, 400k rows of 26 tokens
+    // passed the check at 11 GB and were killed at 24 GB).
+    let slots = reach.div_ceil(crate::model::decoder::KEY_BLOCK) * crate::model::decoder::KEY_BLOCK;
+    let need = kv_cache_bytes(config, rows, slots);
     match short_of(need) {
         Some(have) => Err(BudgetError::Memory {
             what: what.all(),
@@ -371,6 +376,25 @@ mod tests {
         assert!(
             e.to_string().starts_with("--samples / --new-tokens: "),
             "{e}"
+        );
+    }
+
+    /// The cache is counted as the decode allocates it, in whole key blocks: rows of two tokens that fit
+    /// the memory by their tokens but not by their 64-slot blocks are refused.
+    #[test]
+    fn the_cache_is_counted_in_whole_key_blocks() {
+        let c = config();
+        let Some(have) = available_memory_bytes() else {
+            return;
+        };
+        let per_slot = kv_cache_bytes(&c, 1, 1);
+        let rows = (have as u128 / (per_slot * 32)) as usize;
+        assert!(kv_cache_bytes(&c, rows, 2) < have as u128);
+        let e = check_rollout_size(&c, NEW_TOKENS, rows, 1, 1).unwrap_err();
+        assert!(matches!(e, BudgetError::Memory { tokens: 2, .. }), "{e}");
+        assert!(
+            check_rollout_size(&c, NEW_TOKENS, rows / 16, 1, 1).is_ok(),
+            "an eighth of the memory fits"
         );
     }
 
