@@ -75,17 +75,20 @@ pub fn inspect(dir: &Path) -> RunInfo {
     let rows = read.unwrap_or_default();
     // An evaluation a report refuses (an accuracy outside [0, 1], outcomes that disagree with it) is
     // listed as damage, and its accuracy is not shown as the run's.
-    let bad_eval = rows
-        .iter()
-        .filter(|v| v["phase"] == "eval")
-        .find_map(|v| crate::train::experiment::check_eval_row(&log, v).err());
-    let damaged = damaged.or_else(|| bad_eval.as_ref().map(|e| format!("{e:#}")));
+    let mut bad_eval = None;
     let rows: Vec<_> = rows
         .into_iter()
         .filter(|v| {
-            v["phase"] != "eval" || crate::train::experiment::check_eval_row(&log, v).is_ok()
+            let refused = (v["phase"] == "eval")
+                .then(|| crate::train::experiment::check_eval_row(&log, v).err())
+                .flatten();
+            if let Some(e) = &refused {
+                bad_eval.get_or_insert_with(|| format!("{e:#}"));
+            }
+            refused.is_none()
         })
         .collect();
+    let damaged = damaged.or(bad_eval);
     let (mut last_step, mut accuracy) = (None, None);
     let want = cfg
         .as_ref()
