@@ -173,6 +173,18 @@ pub(super) fn run_evaluation(
             let end = cfg.train.steps as u64;
             let found = evals.iter().find(|v| v["step"].as_u64() == Some(end));
             let last = evals.last().and_then(|v| v["step"].as_u64());
+            // Evaluations past the end the config gives: the config is not the log's (edited), and the
+            // one at "the end" would be an earlier model's.
+            if let Some(later) = last.filter(|&l| l > end) {
+                bail!(
+                    "{}: its evaluations go on to step {later}, past the run's end in {} (`train.steps` = \
+                     {end}): the config does not describe this log; name the evaluation to compare \
+                     ({}@{later}, or @last)",
+                    metrics.display(),
+                    config.display(),
+                    dir.display()
+                );
+            }
             if let (None, Some(last)) = (found, last) {
                 bail!(
                     "{}: no evaluation at the run's end (step {end}, its `train.steps`): its last is at \

@@ -122,6 +122,15 @@ fn a_runs_evaluations_are_read_by_row_and_precision_with_its_tasks_questions() {
     let config = run.join("config.json");
     let saved = std::fs::read_to_string(&config).unwrap();
     let mut cfg: serde_json::Value = serde_json::from_str(&saved).unwrap();
+    // A config whose end is before the log's last evaluation (edited): not the log's config.
+    cfg["train"]["steps"] = 0.into();
+    std::fs::write(&config, cfg.to_string()).unwrap();
+    let refused = err(spec.clone(), None);
+    assert!(
+        refused.contains("its evaluations go on to step 40, past the run's end")
+            && refused.contains("`train.steps` = 0"),
+        "{refused}"
+    );
     cfg["train"]["steps"] = 60.into();
     std::fs::write(&config, cfg.to_string()).unwrap();
     let refused = err(spec.clone(), None);
