@@ -403,7 +403,9 @@ pub fn list(run_dir: &Path) -> Vec<(PathBuf, TrainerState)> {
 /// Every complete checkpoint under `root`, oldest first (directories whose state cannot be read are left
 /// out: [`latest_checked_in`] reports them when they are the newest).
 pub fn list_in(root: &Path) -> Vec<(PathBuf, TrainerState)> {
+    // A listing only: a folder that cannot be listed holds none here (a resume reports it).
     let mut all: Vec<(PathBuf, TrainerState)> = step_dirs(root)
+        .unwrap_or_default()
         .into_iter()
         .filter_map(|(named, p)| {
             let state = crate::io::read_json::<TrainerState>(&p.join(STATE_FILE)).ok()?;
@@ -423,32 +425,27 @@ pub fn list_in(root: &Path) -> Vec<(PathBuf, TrainerState)> {
     all
 }
 
-/// Refuses a checkpoints folder that is there but cannot be listed (a link to an unmounted disk, a link
-/// loop, no permission): read as holding no checkpoints, a resume started RL over and dropped the run's
-/// rows. A folder that is not there at all holds none.
-fn check_listable(root: &Path) -> anyhow::Result<()> {
-    match std::fs::read_dir(root) {
+/// The `step_*` directories under `root` with the step of their name, oldest first; none where nothing is
+/// there. A folder that is there but cannot be listed (a link to an unmounted disk, a link loop, no
+/// permission) is an error: read as holding no checkpoints, a resume started RL over and dropped the run's
+/// rows.
+fn step_dirs(root: &Path) -> anyhow::Result<Vec<(usize, PathBuf)>> {
+    let entries = match std::fs::read_dir(root) {
+        Ok(entries) => entries,
         Err(e) if root.symlink_metadata().is_ok() => anyhow::bail!(
             "{}: cannot be listed ({}), so its checkpoints cannot be found; make it readable (or the disk \
              it links to present) to resume, or move it away to start over",
             root.display(),
             crate::io::os_error_text(&e)
         ),
-        _ => Ok(()),
-    }
-}
-
-/// The `step_*` directories under `root` with the step of their name, oldest first.
-fn step_dirs(root: &Path) -> Vec<(usize, PathBuf)> {
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return vec![];
+        Err(_) => return Ok(vec![]),
     };
     let mut all: Vec<(usize, PathBuf)> = entries
         .flatten()
         .filter_map(|e| Some((step_of_name(&e.file_name().to_string_lossy())?, e.path())))
         .collect();
     all.sort();
-    all
+    Ok(all)
 }
 
 /// Keeps the newest `keep` checkpoints of a run.
@@ -486,8 +483,7 @@ pub fn latest_checked(run_dir: &Path) -> anyhow::Result<Option<(PathBuf, Trainer
 
 /// [`latest_checked`] for the checkpoints under `root`.
 pub fn latest_checked_in(root: &Path) -> anyhow::Result<Option<(PathBuf, TrainerState)>> {
-    check_listable(root)?;
-    let Some((_, newest)) = step_dirs(root).pop() else {
+    let Some((_, newest)) = step_dirs(root)?.pop() else {
         return Ok(None);
     };
     let state_path = newest.join(STATE_FILE);

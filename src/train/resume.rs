@@ -86,11 +86,10 @@ fn resume_changes(cfg: &TrainConfig, path: &Path, accept: bool) -> anyhow::Resul
     }
     // With the implicit defaults written out on both sides: a config saved from `qarl config show` (every
     // default written) continues a run made from the file it came from.
-    let raw: serde_json::Value = crate::io::read_json(path)?;
+    let (raw, text): (serde_json::Value, String) = crate::io::read_json_and_text(path)?;
     // A key given twice reads as its last value, and the difference from this config would be named as
     // a changed setting rather than as the damage it is.
-    let bytes = std::fs::read(path).map_err(crate::io::failed(path, "cannot read"))?;
-    if let (Ok(Some(key)), false) = (crate::io::first_repeated_key(&bytes), accept) {
+    if let (Ok(Some(key)), false) = (crate::io::first_repeated_key(text.as_bytes()), accept) {
         anyhow::bail!(
             "{}: `{key}` is given twice, so which value the run was made with is ambiguous; restore the \
              file, or go on under this config with --resume --accept-changes",

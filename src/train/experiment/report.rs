@@ -73,12 +73,10 @@ struct EvalSet {
 }
 
 impl EvalSet {
-    /// A run's set from its config and eval rows; `None` when the config is unreadable or the rows logged
-    /// different fingerprints (a run resumed over changed data: its evaluations are not of one set).
-    fn of_run(run_dir: &Path, evals: &[&serde_json::Value]) -> Option<Self> {
-        let cfg: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(run_dir.join("config.json")).ok()?)
-                .ok()?;
+    /// A run's set from its config (`config.json`, read) and eval rows; `None` when the config lacks its
+    /// task or evaluation settings or the rows logged different fingerprints (a run resumed over changed
+    /// data: its evaluations are not of one set).
+    fn of_run(cfg: &serde_json::Value, evals: &[&serde_json::Value]) -> Option<Self> {
         let problems = cfg.get("eval")?.get("problems")?;
         // Normalised as a resume compares it (`TaskConfig::with_defaults`): runs made before
         // `eval_fraction` was refused beside `eval_path` recorded the default there, later ones nothing.
@@ -233,30 +231,28 @@ fn rl_average(rl: &[&serde_json::Value], key: &str) -> Option<f64> {
     (!xs.is_empty()).then(|| xs.iter().sum::<f64>() / xs.len() as f64)
 }
 
-/// The `train.steps` of the run in `run_dir` (its `config.json`): the step of its final evaluation.
-fn run_steps(run_dir: &Path) -> anyhow::Result<u64> {
-    let path = run_dir.join("config.json");
-    let cfg: serde_json::Value = crate::io::read_json(&path)?;
-    cfg.pointer("/train/steps")
-        .and_then(serde_json::Value::as_u64)
-        .ok_or_else(|| anyhow::anyhow!("{}: no `train.steps` (a step count)", path.display()))
-}
-
 /// Reads a finished run's metrics and config.
 fn summarize_run(run_dir: &Path) -> anyhow::Result<RunSummary> {
     let metrics_file = run_dir.join("metrics.jsonl");
     let rows = read_rows(&metrics_file, BadLines::TornLastOnly)?;
     let evals: Vec<&serde_json::Value> = rows.iter().filter(|r| r["phase"] == "eval").collect();
-    let mut s = RunSummary {
-        eval_set: EvalSet::of_run(run_dir, &evals),
-        ..RunSummary::default()
-    };
     for e in &evals {
         check_eval_row(&metrics_file, e)?;
     }
+    let config_path = run_dir.join("config.json");
+    let cfg: serde_json::Value = crate::io::read_json(&config_path)?;
+    let mut s = RunSummary {
+        eval_set: EvalSet::of_run(&cfg, &evals),
+        ..RunSummary::default()
+    };
     // The evaluations before RL (step 0) and at the run's end (step `train.steps`), by their steps: a
     // finished run without the one at its end would report an earlier one as its final accuracy.
-    let end = run_steps(run_dir)?;
+    let end = cfg
+        .pointer("/train/steps")
+        .and_then(serde_json::Value::as_u64)
+        .ok_or_else(|| {
+            anyhow::anyhow!("{}: no `train.steps` (a step count)", config_path.display())
+        })?;
     let at = |step: u64| evals.iter().find(|e| e["step"].as_u64() == Some(step));
     let Some(last) = at(end) else {
         let steps: Vec<String> = evals
